@@ -1,0 +1,5 @@
+import sys
+
+from loomrl.cli import main
+
+sys.exit(main())

@@ -1,0 +1,110 @@
+"""White-box multi-turn agent loop.
+
+The trajectory is one token sequence: the rendered prompt, then for every turn the tokens the engine
+sampled (kept exactly, with their logprobs and policy versions) and the tokens of the observation
+appended after them. Model output is decoded only to let the env parse it; it is never re-encoded.
+
+Limits: `max_turns` and `max_context_tokens` end the episode as `truncated`; a deadline per trajectory
+ends it as `timeout`. A crashing or hanging tool ends only this trajectory (`env_error`, `timeout`),
+with the error recorded on the turn and the trajectory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from dataclasses import replace
+
+from loomrl.engine.base import Engine, GenerationRequest, SamplingParams
+from loomrl.env.base import Env, EnvCrash, ToolTimeout
+from loomrl.model.chat import ChatRenderer
+from loomrl.types import RolloutStatus, Task, TokenSpan, Trajectory, Turn, new_id
+
+_THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
+
+
+def _split_think(text: str) -> tuple[str, str]:
+    thoughts = _THINK.findall(text)
+    return "\n".join(t.strip() for t in thoughts), _THINK.sub("", text).strip()
+
+
+class AgentLoop:
+    def __init__(self, engine: Engine, renderer: ChatRenderer, *, sampling: SamplingParams,
+                 max_turns: int, max_context_tokens: int, trajectory_timeout_s: float = 300.0):
+        self.engine = engine
+        self.renderer = renderer
+        self.sampling = sampling
+        self.max_turns = max_turns
+        self.max_context_tokens = max_context_tokens
+        self.trajectory_timeout_s = trajectory_timeout_s
+
+    async def run(self, env: Env, task: Task, *, group_id: str = "", position: int = -1) -> Trajectory:
+        start = time.perf_counter()
+        deadline = start + self.trajectory_timeout_s
+        traj = Trajectory(task_id=task.task_id, trajectory_id=new_id("traj"), group_id=group_id or new_id("group"),
+                          position=position, temperature=self.sampling.temperature)
+        traj.metadata.env_version = getattr(env, "version", "")
+        try:
+            await self._run_turns(env, task, traj, deadline)
+        except (EnvCrash, ToolTimeout, TimeoutError, Exception) as err:  # noqa: BLE001 - errors are data
+            traj.status = RolloutStatus.TIMEOUT if isinstance(err, (ToolTimeout, TimeoutError)) else RolloutStatus.ENV_ERROR
+            traj.error = f"{type(err).__name__}: {err}"
+            traj.metadata.env_errors += 1
+            if traj.turns:
+                traj.turns[-1].error = traj.error
+        finally:
+            self.engine.release(traj.trajectory_id)
+        md = traj.metadata
+        md.total_steps = len(traj.turns)
+        md.total_tokens = len(traj.token_ids)
+        md.wall_time = time.perf_counter() - start
+        md.truncated = traj.status == RolloutStatus.TRUNCATED
+        versions = [v for t in traj.turns for v in t.versions]
+        md.policy_version_min = min(versions) if versions else -1
+        md.policy_version_max = max(versions) if versions else -1
+        return traj
+
+    async def _run_turns(self, env: Env, task: Task, traj: Trajectory, deadline: float) -> None:
+        obs = await asyncio.wait_for(env.reset(task), max(deadline - time.perf_counter(), 0.001))
+        messages = list(obs.messages)
+        ids = self.renderer.prompt_ids(messages, obs.tools)
+        traj.prompt_ids = list(ids)
+        traj.token_ids = list(ids)
+        traj.status = RolloutStatus.TRUNCATED  # until a turn says done
+        for _ in range(self.max_turns):
+            budget = self.max_context_tokens - len(traj.token_ids)
+            if budget <= 0:
+                return
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"trajectory ran past {self.trajectory_timeout_s}s")
+            params = replace(self.sampling, max_tokens=min(self.sampling.max_tokens, budget))
+            result = await self.engine.generate(
+                GenerationRequest(prompt_ids=list(traj.token_ids), sampling=params, program_id=traj.trajectory_id)
+            )
+            begin = len(traj.token_ids)
+            traj.token_ids.extend(result.token_ids)
+            text = self.renderer.decode(result.token_ids)
+            think, act = _split_think(text)
+            turn = Turn(think=think, act=act, act_span=TokenSpan(start=begin, end=len(traj.token_ids)),
+                        logprobs=list(result.logprobs), versions=list(result.versions),
+                        finish_reason=result.finish_reason)
+            traj.turns.append(turn)
+            messages.append({"role": "assistant", "content": text})
+            step = await asyncio.wait_for(env.step(text), max(deadline - time.perf_counter(), 0.001))
+            turn.reward_step = step.reward
+            turn.done = step.done
+            turn.tool_calls = step.info.get("tool_calls", [])
+            if step.done:
+                traj.final_answer = step.info.get("final_answer")
+                traj.status = RolloutStatus.COMPLETED
+                return
+            new_ids = self.renderer.continuation_ids(messages, step.observation, closed=result.finish_reason == "stop",
+                                                     tools=obs.tools)
+            if len(traj.token_ids) + len(new_ids) >= self.max_context_tokens:
+                return  # the observation does not fit: truncated
+            obs_start = len(traj.token_ids)
+            traj.token_ids.extend(new_ids)
+            turn.obs_span = TokenSpan(start=obs_start, end=len(traj.token_ids))
+            turn.obs = "\n".join(str(m.get("content", "")) for m in step.observation)
+            messages.extend(step.observation)

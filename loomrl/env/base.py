@@ -1,0 +1,46 @@
+"""The Env protocol: gymnasium's reset/step, in OpenAI message space, async.
+
+`reset(task)` gives the opening messages and tool schemas; `step(action_text)` gives the messages to
+append (tool results), a step reward, whether the episode is over, and info (final answer, tool calls).
+An Env signals a broken environment by raising EnvCrash or ToolTimeout: the agent loop turns these
+into a trajectory status (`env_error`, `timeout`) and never lets them reach sibling rollouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from loomrl.types import Task
+
+
+class EnvCrash(RuntimeError):
+    """The environment or a tool process crashed (not the agent's fault)."""
+
+
+class ToolTimeout(RuntimeError):
+    """A tool call ran past its deadline and was killed."""
+
+
+@dataclass(slots=True, kw_only=True)
+class Observation:
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None  # OpenAI tool schemas, for templates that render them
+
+
+@dataclass(slots=True, kw_only=True)
+class StepResult:
+    observation: list[dict[str, Any]]  # messages to append (empty when done)
+    reward: float = 0.0
+    done: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Env(Protocol):
+    version: str
+
+    async def reset(self, task: Task) -> Observation: ...
+
+    async def step(self, action: str) -> StepResult: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,263 @@
+"""Calculator task family: arithmetic word problems solved over several turns with a calculator tool.
+
+Tasks are generated from a seed into fixed, disjoint train and held-out splits. The agent calls the
+tool as `calc(EXPRESSION)`; the tool runs in a sandboxed subprocess with a timeout; the env answers
+`Result: VALUE` and the agent ends with `The answer is NUMBER.`
+
+Families (one or two arithmetic steps, word problems or bare expressions):
+  add, sub, mul, div         one-step word problems
+  add_sub, add_add, mul_add  two-step word problems
+  distract_add/_sub/_mul     one step, with a distracting quantity of another item
+  expr                       a bare two-number expression ("What is 37 + 48?")
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Callable
+
+from loomrl.env.base import EnvCrash, Observation, StepResult, ToolTimeout
+from loomrl.env.sandbox import Sandbox
+from loomrl.model.tools import parse_tool_calls
+from loomrl.types import Task
+
+ENV_VERSION = "calculator-v1"
+
+SYSTEM_PROMPT = (
+    "You are a helpful assistant with a calculator. To use it, reply with only calc(EXPRESSION). "
+    "After you get the result, reply with: The answer is NUMBER."
+)
+# Worked examples shown as earlier chat turns (a 135M model needs them to use the tool at all).
+# "word" starts with a one-step word problem, "bare" shows bare expressions only.
+FEW_SHOT = {
+    "none": [],
+    "bare": [("What is 14 + 9?", "14 + 9", "23"), ("What is 6 * 7?", "6 * 7", "42")],
+    "word": [("Ben has 14 pens and gets 9 more. How many pens does Ben have now?", "14 + 9", "23"),
+             ("What is 6 * 7?", "6 * 7", "42")],
+}
+TOOLS = {"calc": "expression"}
+TOOL_SCHEMAS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calc",
+            "description": "Evaluate an arithmetic expression (+ - * / // % ** and parentheses).",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
+_ANSWER = re.compile(r"answer is\s*:?\s*\$?\s*(-?[\d,]*\.?\d+)", re.IGNORECASE)
+
+# The tool program: a safe AST evaluator run with the sandbox's python. `--crash` makes it abort
+# (fault injection for testing that crashes are recorded, never fatal).
+TOOL_SOURCE = r"""
+import ast, operator, os, sys
+if "--crash" in sys.argv:
+    os.abort()
+OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+       ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+def ev(node):
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+        return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in OPS:
+        left, right = ev(node.left), ev(node.right)
+        if isinstance(node.op, ast.Pow) and abs(right) > 64:
+            raise ValueError("exponent too large")
+        return OPS[type(node.op)](left, right)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        v = ev(node.operand)
+        return -v if isinstance(node.op, ast.USub) else v
+    raise ValueError("only numbers and + - * / // % ** ( ) are allowed")
+try:
+    value = ev(ast.parse(sys.argv[1].replace("x", "*").replace("^", "**"), mode="eval").body)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    print(round(value, 6) if isinstance(value, float) else value)
+except Exception as err:
+    print(f"Error: {err}")
+"""
+
+_NAMES = ["Tom", "Ana", "Sam", "Lia", "Max", "Eva", "Ben", "Mia", "Leo", "Zoe"]
+_ITEMS = ["apples", "pens", "books", "coins", "cards", "stamps", "shells", "marbles", "stickers", "cookies"]
+
+
+def _one_step(kind: str) -> Callable[[random.Random], tuple[str, int, str]]:
+    def make(rng: random.Random) -> tuple[str, int, str]:
+        n, it = rng.choice(_NAMES), rng.choice(_ITEMS)
+        if kind == "add":
+            a, b = rng.randint(10, 99), rng.randint(10, 99)
+            q = rng.choice([
+                f"{n} has {a} {it} and gets {b} more. How many {it} does {n} have now?",
+                f"{n} had {a} {it}. A friend gave {n} {b} more {it}. How many {it} does {n} have?",
+            ])
+            return q, a + b, f"{a} + {b}"
+        if kind == "sub":
+            a, b = rng.randint(40, 99), rng.randint(10, 39)
+            q = rng.choice([
+                f"{n} has {a} {it} and gives away {b}. How many {it} are left?",
+                f"There are {a} {it} in a box. {n} takes {b} of them. How many {it} are in the box now?",
+            ])
+            return q, a - b, f"{a} - {b}"
+        if kind == "mul":
+            a, b = rng.randint(3, 19), rng.randint(3, 19)
+            q = rng.choice([
+                f"{n} buys {a} bags with {b} {it} in each bag. How many {it} does {n} have?",
+                f"A shelf has {a} rows with {b} {it} in each row. How many {it} are on the shelf?",
+            ])
+            return q, a * b, f"{a} * {b}"
+        if kind == "div":
+            a, b = rng.randint(3, 12), rng.randint(3, 19)
+            q = f"{n} shares {a * b} {it} equally among {a} friends. How many {it} does each friend get?"
+            return q, b, f"{a * b} / {a}"
+        if kind == "expr":
+            a, b = rng.randint(10, 99), rng.randint(10, 99)
+            op = rng.choice(["+", "-", "*"])
+            return f"What is {a} {op} {b}?", eval(f"{a} {op} {b}"), f"{a} {op} {b}"
+        if kind == "add_sub":
+            a, b, c = rng.randint(20, 99), rng.randint(10, 60), rng.randint(5, 19)
+            q = f"{n} has {a} {it}, gets {b} more, then gives away {c}. How many {it} does {n} have now?"
+            return q, a + b - c, f"{a} + {b} - {c}"
+        if kind == "add_add":
+            a, b, c = rng.randint(10, 99), rng.randint(10, 60), rng.randint(5, 40)
+            q = f"{n} has {a} {it}. {n} gets {b} more, then {c} more. How many {it} does {n} have now?"
+            return q, a + b + c, f"{a} + {b} + {c}"
+        if kind == "mul_add":
+            a, b, c = rng.randint(3, 9), rng.randint(3, 12), rng.randint(5, 40)
+            q = f"{n} has {c} {it} and buys {a} bags with {b} {it} in each bag. How many {it} does {n} have now?"
+            return q, c + a * b, f"{c} + {a} * {b}"
+        if kind.startswith("distract_"):
+            # Two quantities of different items; the question asks about one of them.
+            i1, i2 = rng.sample(_ITEMS, 2)
+            a, b, c = rng.randint(20, 99), rng.randint(10, 60), rng.randint(5, 19)
+            if kind == "distract_add":
+                q = f"{n} has {a} {i1} and {b} {i2}. {n} gets {c} more {i1}. How many {i1} does {n} have now?"
+                return q, a + c, f"{a} + {c}"
+            if kind == "distract_sub":
+                q = f"{n} has {a} {i1} and {b} {i2}. {n} gives away {c} {i1}. How many {i1} are left?"
+                return q, a - c, f"{a} - {c}"
+            if kind == "distract_mul":
+                a, c = rng.randint(3, 12), rng.randint(3, 12)
+                q = f"{n} has {b} {i2}. {n} buys {a} bags with {c} {i1} in each bag. How many {i1} does {n} have?"
+                return q, a * c, f"{a} * {c}"
+        raise ValueError(kind)
+
+    return make
+
+
+FAMILIES: dict[str, Callable[[random.Random], tuple[str, int, str]]] = {
+    k: _one_step(k)
+    for k in ["add", "sub", "mul", "div", "expr", "add_sub", "add_add", "mul_add", "distract_add", "distract_sub", "distract_mul"]
+}
+
+
+def generate_tasks(families: list[str], n: int, seed: int, split: str, exclude: set[str] | None = None) -> list[Task]:
+    """`n` tasks cycling through `families`, reproducible from (seed, split); none in `exclude`."""
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        raise ValueError(f"env.families: unknown family {unknown}; choose from {sorted(FAMILIES)}")
+    rng = random.Random(f"{seed}:{split}")
+    exclude = exclude or set()
+    seen: set[str] = set()
+    tasks: list[Task] = []
+    attempts = 0
+    while len(tasks) < n:
+        attempts += 1
+        if attempts > n * 50:
+            raise ValueError(f"could not generate {n} distinct {split} tasks for {families}")
+        family = families[len(tasks) % len(families)]
+        question, answer, expr = FAMILIES[family](rng)
+        if question in seen or question in exclude:
+            continue
+        seen.add(question)
+        tasks.append(
+            Task(
+                task_id=f"calc-{split}-{len(tasks):05d}",
+                prompt=question,
+                answer=str(answer),
+                split=split,
+                family=family,
+                data={"expression": expr},
+            )
+        )
+    return tasks
+
+
+def make_splits(families: list[str], heldout_families: list[str], n_train: int, n_heldout: int, seed: int) -> tuple[list[Task], list[Task]]:
+    """Fixed train and held-out splits with no question in both."""
+    heldout = generate_tasks(heldout_families, n_heldout, seed, "heldout")
+    train = generate_tasks(families, n_train, seed, "train", exclude={t.prompt for t in heldout})
+    return train, heldout
+
+
+def parse_final_answer(text: str) -> str | None:
+    match = _ANSWER.search(text)
+    if not match:
+        return None
+    raw = match.group(1).replace(",", "")
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    return str(int(value)) if value.is_integer() else str(value)
+
+
+class CalculatorEnv:
+    """One episode at a time; tool calls run in `sandbox` (owned by the caller)."""
+
+    version = ENV_VERSION
+    tools = TOOLS
+
+    def __init__(self, sandbox: Sandbox, *, tool_timeout_s: float = 5.0, crash_rate: float = 0.0,
+                 few_shot: str = "word", rng: random.Random | None = None):
+        self.sandbox = sandbox
+        self.tool_timeout_s = tool_timeout_s
+        self.crash_rate = crash_rate
+        self.few_shot = few_shot
+        self.rng = rng or random.Random()
+        self.task: Task | None = None
+
+    async def reset(self, task: Task) -> Observation:
+        self.task = task
+        messages: list[dict] = [{"role": "system", "content": SYSTEM_PROMPT}]
+        for question, expr, result in FEW_SHOT[self.few_shot]:
+            messages += [
+                {"role": "user", "content": question},
+                {"role": "assistant", "content": f"calc({expr})"},
+                {"role": "user", "content": f"Result: {result}"},
+                {"role": "assistant", "content": f"The answer is {result}."},
+            ]
+        messages.append({"role": "user", "content": task.prompt})
+        return Observation(messages=messages, tools=None)
+
+    async def run_tool(self, expression: str) -> str:
+        argv = [self.sandbox.python, "-I", "-c", TOOL_SOURCE, expression]
+        if self.crash_rate > 0 and self.rng.random() < self.crash_rate:
+            argv.append("--crash")
+        result = await self.sandbox.exec(argv, timeout=self.tool_timeout_s)
+        if result.timed_out:
+            raise ToolTimeout(f"calc({expression}) ran past {self.tool_timeout_s}s and was killed")
+        if result.returncode != 0:
+            raise EnvCrash(f"calc tool exited with status {result.returncode}: {result.stderr.strip()[-300:]}")
+        return result.stdout.strip()
+
+    async def step(self, action: str) -> StepResult:
+        answer = parse_final_answer(action)
+        calls = parse_tool_calls(action, self.tools)
+        if calls and (answer is None or action.find("calc(") < action.lower().find("answer is")):
+            call = calls[0]
+            info = {"tool_calls": [{"name": call.name, "arguments": call.arguments, "error": call.error}]}
+            if call.error:
+                return StepResult(observation=[{"role": "user", "content": f"Error: {call.error}"}], info=info)
+            output = await self.run_tool(call.arguments.get("expression", ""))
+            info["tool_output"] = output
+            return StepResult(observation=[{"role": "user", "content": f"Result: {output}"}], info=info)
+        # A final answer, or neither a call nor an answer: the episode ends either way.
+        return StepResult(observation=[], done=True, info={"final_answer": answer})
+
+    async def close(self) -> None:
+        self.sandbox.close()

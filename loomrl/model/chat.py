@@ -1,0 +1,79 @@
+"""Chat rendering straight to token ids, with token fidelity across turns.
+
+A multi-turn trajectory is one growing token sequence. The prompt is rendered with the model's chat
+template once; after that, only *new* messages (observations, tool results) are rendered and their
+tokens appended after the exact tokens the engine sampled. Model output is never decoded and
+re-encoded (decode→encode is not a bijection; see TRL #5224, verl #3960).
+
+How a continuation is rendered: the template is applied to the conversation with and without the new
+messages; the text difference is the new part. The sampled turn ends with the end-of-turn token (or
+was cut by max_tokens, in which case the end-of-turn token is appended); whatever the template puts
+after that token (the "glue", "\n" for ChatML) is prepended to the new part.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+Message = dict[str, Any]
+
+
+class ChatRenderer:
+    """Renders OpenAI-style messages to token ids for one tokenizer's chat template."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        self.tokenizer = tokenizer
+        self.eos_token_id: int = tokenizer.eos_token_id
+        self.eos_text: str = tokenizer.eos_token
+        self._glue = self._find_glue()
+
+    def _template(self, messages: list[Message], tools: list[dict] | None, add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def _find_glue(self) -> str:
+        probe = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "MARKER"}]
+        text = self._template([{"role": "system", "content": "s"}, *probe], None, False)
+        tail = text[text.rindex("MARKER") + len("MARKER") :]
+        if not tail.startswith(self.eos_text):
+            raise ValueError(
+                f"chat template does not end an assistant turn with the eos token {self.eos_text!r}; "
+                "set the tokenizer's eos_token to the end-of-turn token"
+            )
+        return tail[len(self.eos_text) :]
+
+    def encode_text(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def prompt_ids(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a conversation, ending with the assistant generation prompt."""
+        return self.encode_text(self._template(messages, tools, add_generation_prompt=True))
+
+    def continuation_ids(
+        self,
+        history: list[Message],
+        new_messages: list[Message],
+        *,
+        closed: bool,
+        tools: list[dict] | None = None,
+    ) -> list[int]:
+        """Tokens to append after a sampled assistant turn so the context shows `new_messages`.
+
+        `history` ends with the assistant message whose tokens were sampled; `closed` says whether
+        the sampled tokens already end with the end-of-turn token.
+        """
+        before = self._template(history, tools, add_generation_prompt=False)
+        after = self._template(history + new_messages, tools, add_generation_prompt=True)
+        if not after.startswith(before):
+            raise ValueError("chat template is not prefix-stable for this conversation; cannot append tokens")
+        text = self._glue + after[len(before) :]
+        ids = self.encode_text(text)
+        return ids if closed else [self.eos_token_id, *ids]
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of sampled ids for display and parsing only (never re-encoded for training)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)

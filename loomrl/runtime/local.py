@@ -1,0 +1,328 @@
+"""Local runtime: one machine, one command.
+
+sync  (hybrid, the seed's time-sharing): generate a step's groups with the current weights, then train
+      on them, in one process; the engine and the trainer share one model object.
+async (disaggregated): the trainer runs in its own process; the rollout process keeps launching groups
+      while it trains, within bounded staleness (AReaL's admission rule: the group at data position p
+      is consumed at step p // groups_per_step, so it is launched only while that step minus the
+      current policy version is at most buffer.max_policy_lag). New weights reach the engine between
+      batches; every token records the version that sampled it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import multiprocessing as mp
+import os
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loomrl.config import ModelConfig, RunConfig, save_resolved
+from loomrl.engine.torch_engine import TorchEngine
+from loomrl.env.tasks.calculator import make_splits
+from loomrl.metrics import MetricsLogger
+from loomrl.model.chat import ChatRenderer
+from loomrl.model.loader import load_model
+from loomrl.runtime.rollout import EvalResult, RolloutWorker, group_summary
+from loomrl.runtime.trainer_service import PositionSet, TrainerService
+from loomrl.store import TrajectoryStore
+from loomrl.trainer.checkpoint import latest_checkpoint, load_state
+
+log = logging.getLogger("loomrl")
+
+
+class RunError(RuntimeError):
+    """A run cannot start or continue; the message says why and what to do."""
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, dynamic_ncols=True, leave=True)
+
+
+def prepare_run_dir(cfg: RunConfig, resume: bool) -> Path | None:
+    """Create the run folder (or find the checkpoint to resume); returns the checkpoint or None."""
+    run_dir = cfg.run_dir
+    ckpt = latest_checkpoint(run_dir)
+    if resume:
+        if ckpt is None:
+            raise RunError(f"run error: --resume given but '{run_dir}' has no checkpoint; start without --resume")
+    elif ckpt is not None or (run_dir / "ledger.jsonl").exists():
+        raise RunError(f"run error: '{run_dir}' already holds a run; pass --resume to continue it, or set name=... "
+                       "for a new run")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_resolved(cfg, run_dir / "config.yaml")
+    return ckpt
+
+
+def build_model(cfg: RunConfig, ckpt: Path | None):
+    if ckpt is not None:
+        return load_model(ModelConfig(kind="hf", path=str(ckpt / "model")))
+    return load_model(cfg.model)
+
+
+def positions_after(received: PositionSet) -> Iterator[int]:
+    p = 0
+    while True:
+        if p not in received:
+            yield p
+        p += 1
+
+
+def _eval_record(res: EvalResult) -> dict[str, Any]:
+    return {"success": res.success, "n": res.n, "stderr": res.stderr, "statuses": res.statuses}
+
+
+class LocalRun:
+    def __init__(self, cfg: RunConfig, resume: bool = False, wall_start: float | None = None):
+        self.cfg = cfg
+        self.wall_start = wall_start or time.time()
+        self.ckpt = prepare_run_dir(cfg, resume)
+        self.train_tasks, self.heldout = make_splits(
+            cfg.env.families, cfg.env.heldout_families or cfg.env.families, cfg.env.n_train, cfg.env.n_heldout,
+            cfg.env.seed,
+        )
+        self.logger = MetricsLogger(cfg.run_dir)
+        self.store = TrajectoryStore(cfg.run_dir / "trajectories")
+        torch.manual_seed(cfg.seed)
+
+    # -- shared pieces ----------------------------------------------------------------------------
+    def _engine(self, model, tokenizer, version: int) -> TorchEngine:
+        return TorchEngine(model, eos_token_id=tokenizer.eos_token_id, max_batch_size=self.cfg.engine.max_batch_size,
+                           batch_wait_ms=self.cfg.engine.batch_wait_ms, seed=self.cfg.seed, version=version)
+
+    async def _evaluate(self, worker: RolloutWorker, label: str, step: int) -> dict[str, Any]:
+        tasks = self.heldout[: self.cfg.eval.n_tasks]
+        bar = _progress(len(tasks), f"eval {label}", self.cfg.progress)
+        res = await worker.evaluate(tasks, progress=bar)
+        bar.close()
+        record = _eval_record(res)
+        self.logger.log(step, {f"eval/{k}": v for k, v in record.items() if k != "statuses"}, kind=f"eval_{label}")
+        log.info("held-out success %s: %.3f ± %.3f (n=%d)", label, res.success, res.stderr, res.n)
+        return record
+
+    def _log_step(self, step: int, metrics: dict[str, Any], groups) -> None:
+        values = {**metrics, **group_summary(groups)}
+        self.logger.log(step, values)
+
+    # -- sync -------------------------------------------------------------------------------------
+    async def _run_sync(self) -> dict[str, Any]:
+        cfg = self.cfg
+        if cfg.trainer.threads:
+            torch.set_num_threads(cfg.trainer.threads)
+        model, tokenizer = build_model(cfg, self.ckpt)
+        service = TrainerService(cfg, model, tokenizer, resume_from=self.ckpt)
+        engine = self._engine(model, tokenizer, service.version)
+        worker = RolloutWorker(cfg, engine, ChatRenderer(tokenizer), self.train_tasks)
+        try:
+            before = service.extra.get("eval_before")
+            if before is None and cfg.eval.before and cfg.eval.n_tasks:
+                before = service.extra["eval_before"] = await self._evaluate(worker, "before", service.version)
+            pos = positions_after(service.received)
+            bar = _progress(cfg.trainer.total_steps, "train", cfg.progress)
+            bar.update(service.version)
+            while not service.done:
+                need = cfg.trainer.groups_per_step - len(service.buffer)
+                positions = [next(pos) for _ in range(max(need, 0))]
+                groups = await asyncio.gather(*[worker.run_group(p) for p in positions])
+                for p, g in zip(positions, groups):
+                    self.store.append(g)
+                    service.receive(p, g)
+                self.store.flush()
+                metrics = service.train_step()
+                engine.update_weights(None, service.version)  # weights changed in place (shared model)
+                self._log_step(service.version, metrics, groups)
+                bar.update(1)
+                bar.set_postfix(reward=f"{group_summary(groups).get('rollout/reward_mean', 0):.3f}")
+            bar.close()
+            after = await self._evaluate(worker, "after", service.version) if cfg.eval.after and cfg.eval.n_tasks else None
+            return {"before": before, "after": after, "steps": service.version}
+        finally:
+            worker.close()
+            engine.close()
+
+    # -- async ------------------------------------------------------------------------------------
+    async def _run_async(self) -> dict[str, Any]:
+        cfg = self.cfg
+        if cfg.engine.threads:
+            torch.set_num_threads(cfg.engine.threads)
+        model, tokenizer = build_model(cfg, self.ckpt)
+        extra = load_state(self.ckpt).get("extra", {}) if self.ckpt else {}
+        engine = self._engine(model, tokenizer, 0)
+        worker = RolloutWorker(cfg, engine, ChatRenderer(tokenizer), self.train_tasks)
+        before = extra.get("eval_before")
+        try:
+            if before is None and cfg.eval.before and cfg.eval.n_tasks:
+                before = extra["eval_before"] = await self._evaluate(worker, "before", 0)
+            steps = await self._async_loop(engine, worker, extra)
+            after = await self._evaluate(worker, "after", steps) if cfg.eval.after and cfg.eval.n_tasks else None
+            return {"before": before, "after": after, "steps": steps}
+        finally:
+            worker.close()
+            engine.close()
+
+    async def _async_loop(self, engine: TorchEngine, worker: RolloutWorker, extra: dict[str, Any]) -> int:
+        cfg = self.cfg
+        ctx = mp.get_context("spawn")
+        inbox, outbox = ctx.Queue(), ctx.Queue()
+        proc = ctx.Process(target=_trainer_main, name="loomrl-trainer", daemon=True,
+                           args=(cfg.model_dump_json(), str(self.ckpt) if self.ckpt else None, extra, inbox, outbox))
+        proc.start()
+        loop = asyncio.get_running_loop()
+        messages: asyncio.Queue = asyncio.Queue()
+
+        def pump() -> None:  # trainer process -> asyncio, on a thread so the loop never blocks
+            while True:
+                try:
+                    msg = outbox.get(timeout=0.5)
+                except queue.Empty:
+                    if not proc.is_alive():
+                        loop.call_soon_threadsafe(messages.put_nowait, ("error", f"trainer exited ({proc.exitcode})"))
+                        return
+                    continue
+                except Exception:  # noqa: BLE001 - e.g. a message that cannot be unpickled
+                    loop.call_soon_threadsafe(messages.put_nowait, ("error", traceback.format_exc()))
+                    return
+                loop.call_soon_threadsafe(messages.put_nowait, msg)
+                if msg[0] in ("done", "error"):
+                    return
+
+        threading.Thread(target=pump, daemon=True, name="loomrl-trainer-pump").start()
+        kind, version, received_state = await messages.get()
+        if kind == "error":
+            raise RunError(f"trainer process failed to start: {version}")
+        engine.update_weights(None, version)
+        received = PositionSet(received_state["watermark"], set(received_state["above"]))
+        pos = positions_after(received)
+        next_pos = next(pos)
+        B, lag = cfg.trainer.groups_per_step, cfg.buffer.max_policy_lag
+        inflight: dict[asyncio.Task, int] = {}
+        bar = _progress(cfg.trainer.total_steps, "train (async)", cfg.progress)
+        bar.update(version)
+        recent: list = []
+        getter: asyncio.Task | None = None
+        try:
+            while True:
+                while next_pos // B - version <= lag:  # admission: bounded staleness at consumption
+                    inflight[asyncio.ensure_future(worker.run_group(next_pos))] = next_pos
+                    next_pos = next(pos)
+                if getter is None:
+                    getter = asyncio.ensure_future(messages.get())
+                done, _ = await asyncio.wait([*inflight, getter], return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task is getter:
+                        continue
+                    position = inflight.pop(task)
+                    group = task.result()
+                    self.store.append(group)
+                    recent.append(group)
+                    inbox.put(("group", position, group))
+                if getter in done:
+                    msg, getter = getter.result(), None
+                    if msg[0] == "error":
+                        raise RunError(f"trainer process failed:\n{msg[1]}")
+                    if msg[0] == "done":
+                        version = msg[1]
+                        break
+                    _, version, weights, metrics = msg
+                    engine.update_weights(weights, version)
+                    self._log_step(version, metrics, recent)
+                    recent = []
+                    bar.update(1)
+        finally:
+            bar.close()
+            for task in inflight:
+                task.cancel()
+            await asyncio.gather(*inflight, return_exceptions=True)
+            if getter is not None:
+                getter.cancel()
+            inbox.put(("stop",))
+            self.store.flush()
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+        return version
+
+    # -- entry ------------------------------------------------------------------------------------
+    def train(self) -> dict[str, Any]:
+        runner = self._run_sync if self.cfg.runtime.mode == "sync" else self._run_async
+        try:
+            result = asyncio.run(runner())
+        finally:
+            self.store.flush()
+            self.logger.close()
+        summary = {
+            "success_before": result["before"]["success"] if result["before"] else None,
+            "success_after": result["after"]["success"] if result["after"] else None,
+            "n_heldout": (result["after"] or result["before"] or {}).get("n", 0),
+            "stderr_before": result["before"]["stderr"] if result["before"] else None,
+            "stderr_after": result["after"]["stderr"] if result["after"] else None,
+            "steps": result["steps"],
+            "run_dir": str(self.cfg.run_dir),
+            "wall_s": round(time.time() - self.wall_start, 1),
+        }
+        (self.cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+
+def _trainer_main(cfg_json: str, ckpt: str | None, extra: dict, inbox, outbox) -> None:
+    """Entry of the trainer process (async mode)."""
+    try:
+        cfg = RunConfig.model_validate_json(cfg_json)
+        if cfg.trainer.threads:
+            torch.set_num_threads(cfg.trainer.threads)
+        ckpt_path = Path(ckpt) if ckpt else None
+        model, tokenizer = build_model(cfg, ckpt_path)
+        service = TrainerService(cfg, model, tokenizer, resume_from=ckpt_path)
+        service.extra.update(extra)
+        outbox.put(("ready", service.version, service.received.state()))
+        while not service.done:
+            msg = inbox.get()
+            if msg[0] == "stop":
+                break
+            _, position, group = msg
+            service.receive(position, group)
+            while service.ready():
+                metrics = service.train_step()
+                outbox.put(("weights", service.version, service.trainable_weights(), metrics))
+        outbox.put(("done", service.version))
+        # Stay alive until the rollout side has read everything: shared-memory tensors in our
+        # messages are handed over through this process and vanish with it.
+        while inbox.get()[0] != "stop":
+            pass
+    except BaseException:  # noqa: BLE001 - reported to the rollout process, which stops the run
+        outbox.put(("error", traceback.format_exc()))
+
+
+def evaluate_checkpoint(cfg: RunConfig, checkpoint: Path) -> dict[str, Any]:
+    """Held-out success of a checkpoint folder (or a run folder: its latest checkpoint)."""
+    ckpt = checkpoint if (checkpoint / "model").is_dir() else latest_checkpoint(checkpoint)
+    if ckpt is None:
+        raise RunError(f"eval error: '{checkpoint}' is neither a checkpoint folder nor a run folder with one")
+    _, heldout = make_splits(cfg.env.families, cfg.env.heldout_families or cfg.env.families, cfg.env.n_train,
+                             cfg.env.n_heldout, cfg.env.seed)
+    model, tokenizer = build_model(cfg, ckpt)
+    engine = TorchEngine(model, eos_token_id=tokenizer.eos_token_id, max_batch_size=cfg.engine.max_batch_size,
+                         batch_wait_ms=cfg.engine.batch_wait_ms, seed=cfg.seed)
+    worker = RolloutWorker(cfg, engine, ChatRenderer(tokenizer), heldout)
+    try:
+        bar = _progress(min(cfg.eval.n_tasks, len(heldout)), "eval", cfg.progress)
+        res = asyncio.run(worker.evaluate(heldout[: cfg.eval.n_tasks], progress=bar))
+        bar.close()
+    finally:
+        worker.close()
+        engine.close()
+    return {"checkpoint": str(ckpt), **_eval_record(res)}
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,134 @@
+"""RolloutWorker: turns positions in the task stream into scored GRPO groups.
+
+Position p of the run's data order maps to a training task through a per-epoch permutation seeded by
+the run seed, so the stream is reproducible and a resumed run can skip exactly the positions whose
+groups were already received by the trainer. Each trajectory gets a fresh env with its own sandbox,
+always closed afterwards; the reward pool scores it off the agent loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass
+
+from loomrl.agent.loop import AgentLoop
+from loomrl.config import RunConfig
+from loomrl.engine.base import Engine, SamplingParams
+from loomrl.env.sandbox import make_sandbox
+from loomrl.env.tasks.calculator import CalculatorEnv
+from loomrl.model.chat import ChatRenderer
+from loomrl.reward import RewardPool, calculator_reward
+from loomrl.types import RolloutStatus, Task, Trajectory
+
+
+class DataOrder:
+    """Reproducible order of training tasks: a fresh permutation per epoch."""
+
+    def __init__(self, n_tasks: int, seed: int):
+        self.n = n_tasks
+        self.seed = seed
+        self._perms: dict[int, list[int]] = {}
+
+    def index(self, position: int) -> int:
+        epoch, offset = divmod(position, self.n)
+        if epoch not in self._perms:
+            perm = list(range(self.n))
+            random.Random(f"{self.seed}:epoch{epoch}").shuffle(perm)
+            self._perms = {epoch: perm}
+        return self._perms[epoch][offset]
+
+
+@dataclass(slots=True)
+class EvalResult:
+    success: float
+    n: int
+    stderr: float
+    statuses: dict[str, int]
+    trajectories: list[Trajectory]
+
+
+class RolloutWorker:
+    def __init__(self, cfg: RunConfig, engine: Engine, renderer: ChatRenderer, train_tasks: list[Task]):
+        self.cfg = cfg
+        self.engine = engine
+        self.renderer = renderer
+        self.train_tasks = train_tasks
+        self.order = DataOrder(len(train_tasks), cfg.seed)
+        self.reward_pool = RewardPool(
+            lambda t, task: calculator_reward(t, task, correct=cfg.reward.correct, format_weight=cfg.reward.format_weight),
+            workers=cfg.reward.workers,
+        )
+        self._env_rng = random.Random(f"{cfg.seed}:env")
+        s = cfg.sampling
+        self.train_loop = self._loop(SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                                    max_tokens=s.max_tokens))
+        self.eval_loop = self._loop(SamplingParams(temperature=cfg.eval.temperature, max_tokens=s.max_tokens))
+
+    def _loop(self, sampling: SamplingParams) -> AgentLoop:
+        return AgentLoop(self.engine, self.renderer, sampling=sampling, max_turns=self.cfg.agent.max_turns,
+                         max_context_tokens=self.cfg.agent.max_context_tokens,
+                         trajectory_timeout_s=self.cfg.agent.trajectory_timeout_s)
+
+    def task_at(self, position: int) -> Task:
+        return self.train_tasks[self.order.index(position)]
+
+    def _make_env(self) -> CalculatorEnv:
+        e = self.cfg.env
+        return CalculatorEnv(make_sandbox(e.sandbox), tool_timeout_s=e.tool_timeout_s, crash_rate=e.crash_rate,
+                             few_shot=e.few_shot, rng=random.Random(self._env_rng.random()))
+
+    async def run_one(self, loop: AgentLoop, task: Task, group_id: str, position: int) -> Trajectory:
+        env = self._make_env()
+        try:
+            traj = await loop.run(env, task, group_id=group_id, position=position)
+        finally:
+            await env.close()  # sandboxes are always torn down
+        return await self.reward_pool.score(traj, task)
+
+    async def run_group(self, position: int) -> list[Trajectory]:
+        task = self.task_at(position)
+        group_id = f"group-{position:07d}"
+        return list(await asyncio.gather(*[
+            self.run_one(self.train_loop, task, group_id, position) for _ in range(self.cfg.trainer.group_size)
+        ]))
+
+    async def evaluate(self, tasks: list[Task], progress=None) -> EvalResult:
+        """Success rate on `tasks`, one episode each at the eval temperature (0 = greedy)."""
+
+        async def one(i: int, task: Task) -> Trajectory:
+            traj = await self.run_one(self.eval_loop, task, f"eval-{i:05d}", -1)
+            if progress is not None:
+                progress.update(1)
+            return traj
+
+        trajs = list(await asyncio.gather(*[one(i, t) for i, t in enumerate(tasks)]))
+        by_id = {t.task_id: t for t in tasks}
+        wins = [1.0 if tr.final_answer == by_id[tr.task_id].answer else 0.0 for tr in trajs]
+        n = len(wins)
+        p = sum(wins) / n if n else 0.0
+        statuses: dict[str, int] = {}
+        for tr in trajs:
+            statuses[str(tr.status)] = statuses.get(str(tr.status), 0) + 1
+        return EvalResult(success=p, n=n, stderr=(p * (1 - p) / n) ** 0.5 if n else 0.0, statuses=statuses,
+                          trajectories=trajs)
+
+    def close(self) -> None:
+        self.reward_pool.close()
+
+
+def group_summary(groups: list[list[Trajectory]]) -> dict[str, float]:
+    trajs = [t for g in groups for t in g]
+    if not trajs:
+        return {}
+    n = len(trajs)
+    out = {
+        "rollout/reward_mean": sum(t.total_reward for t in trajs) / n,
+        "rollout/correct_rate": sum(1 for t in trajs if t.reward_components.get("correct", 0) > 0) / n,
+        "rollout/turns_mean": sum(len(t.turns) for t in trajs) / n,
+        "rollout/tokens_mean": sum(len(t.token_ids) for t in trajs) / n,
+        "rollout/trajectories": n,
+    }
+    for status in RolloutStatus:
+        out[f"rollout/status_{status.value}"] = sum(1 for t in trajs if t.status == status)
+    return out

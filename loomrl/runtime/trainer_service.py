@@ -1,0 +1,136 @@
+"""TrainerService: the training pool. Owns the Buffer, the Trainer, the trained-trajectory ledger and
+checkpoints. It runs in the rollout's process (sync mode) or in its own process (async mode); either
+way it is fed groups with their data positions and answers with new weights and metrics.
+
+Ledger (RUN/ledger.jsonl): one line per training step naming every trajectory it consumed, by fate
+(trained, skipped with reason, dropped as stale). On resume the lines after the checkpoint's step are
+cut, so the ledger always equals what the saved model has seen.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loomrl.buffer import Buffer, usable_group
+from loomrl.config import RunConfig
+from loomrl.trainer.checkpoint import load_optimizer, load_state, save_checkpoint, set_rng_state
+from loomrl.trainer.grpo import samples_from_group
+from loomrl.trainer.trainer import Trainer
+from loomrl.types import Trajectory
+
+
+class PositionSet:
+    """Positions received so far, kept compact as a watermark plus the few above it."""
+
+    def __init__(self, watermark: int = 0, above: set[int] | None = None):
+        self.watermark = watermark  # every position < watermark is in the set
+        self.above = set(above or ())
+
+    def add(self, p: int) -> None:
+        self.above.add(p)
+        while self.watermark in self.above:
+            self.above.discard(self.watermark)
+            self.watermark += 1
+
+    def __contains__(self, p: int) -> bool:
+        return p < self.watermark or p in self.above
+
+    def state(self) -> dict[str, Any]:
+        return {"watermark": self.watermark, "above": sorted(self.above)}
+
+
+def read_ledger(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "ledger.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class TrainerService:
+    def __init__(self, cfg: RunConfig, model: torch.nn.Module, tokenizer: Any, resume_from: Path | None = None):
+        self.cfg = cfg
+        self.run_dir = cfg.run_dir
+        self.model = model
+        self.tokenizer = tokenizer
+        self.trainer = Trainer(model, cfg.trainer)
+        self.buffer = Buffer(cfg.buffer.max_policy_lag)
+        self.received = PositionSet()
+        self.extra: dict[str, Any] = {}  # runtime facts to carry across resume (e.g. eval before)
+        self.ledger_path = self.run_dir / "ledger.jsonl"
+        if resume_from is not None:
+            state = load_state(resume_from)
+            load_optimizer(resume_from, self.trainer.optimizer, self.trainer.scheduler)
+            self.trainer.step = state["step"]
+            self.buffer.load_state_dict(state["buffer"])
+            self.received = PositionSet(state["received"]["watermark"], set(state["received"]["above"]))
+            self.extra = state.get("extra", {})
+            set_rng_state(state["rng"])
+            kept = [e for e in read_ledger(self.run_dir) if e["step"] <= state["step"]]
+            self.ledger_path.write_text("".join(json.dumps(e) + "\n" for e in kept))
+
+    @property
+    def version(self) -> int:
+        return self.trainer.step
+
+    @property
+    def done(self) -> bool:
+        return self.trainer.step >= self.cfg.trainer.total_steps
+
+    def receive(self, position: int, group: list[Trajectory]) -> None:
+        if position in self.received:
+            raise RuntimeError(f"group at position {position} received twice")
+        self.received.add(position)
+        self.buffer.put(group)
+
+    def ready(self) -> bool:
+        return not self.done and len(self.buffer) >= self.cfg.trainer.groups_per_step
+
+    def train_step(self) -> dict[str, Any]:
+        """Consume one step's groups, update the policy (when any group has signal), log the ledger."""
+        version = self.version
+        groups, stale = self.buffer.take(self.cfg.trainer.groups_per_step, version)
+        samples, trained, skipped = [], [], {}
+        for group in groups:
+            usable, reason = usable_group(group)
+            if reason:
+                skipped.setdefault(reason, []).extend(t.trajectory_id for t in group)
+                continue
+            samples.extend(samples_from_group(usable))
+            trained.extend(t.trajectory_id for t in usable)
+            left_out = [t.trajectory_id for t in group if t not in usable]
+            if left_out:
+                skipped.setdefault("incomplete", []).extend(left_out)
+        metrics: dict[str, Any] = {"groups": len(groups), "groups_stale": len(stale),
+                                   "groups_skipped": sum(1 for g in groups if usable_group(g)[1])}
+        if samples:
+            stats = self.trainer.train_step(samples)
+            metrics.update({f"train/{k}": v for k, v in asdict(stats).items()})
+        else:
+            self.trainer.step += 1  # a step with no signal still consumes its groups
+            self.trainer.scheduler.step()
+        staleness = [version - min(t.metadata.policy_version_min for t in g) for g in groups]
+        metrics["staleness_max"] = max(staleness) if staleness else 0
+        entry = {"step": self.version, "trained": trained, "skipped": skipped,
+                 "stale": [t.trajectory_id for g in stale for t in g]}
+        with self.ledger_path.open("a") as f:
+            f.write(json.dumps(entry) + "\n")
+        every = self.cfg.checkpoint_every
+        if (every and self.version % every == 0) or self.done:
+            self.checkpoint()
+        return metrics
+
+    def checkpoint(self) -> Path:
+        return save_checkpoint(
+            self.run_dir, self.version, model=self.model, tokenizer=self.tokenizer,
+            optimizer=self.trainer.optimizer, scheduler=self.trainer.scheduler,
+            state={"buffer": self.buffer.state_dict(), "received": self.received.state(), "extra": self.extra},
+        )
+
+    def trainable_weights(self) -> dict[str, torch.Tensor]:
+        """Copies of the parameters that training changes (frozen ones never need resending)."""
+        return {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}

@@ -1,0 +1,113 @@
+"""TrajectoryStore: every finished trajectory, one parquet row each, append-only.
+
+Rows are buffered and written as numbered part files (`part-000001.parquet`, ...), never rewritten,
+so a crash loses at most the unflushed rows and readers (`pyarrow.dataset`, `pandas.read_parquet` on
+the folder) always see complete files. Turns are stored as a JSON string column (their fields vary by
+environment); token ids, the loss mask and logprobs as list columns, for replay and export.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from loomrl.types import Trajectory
+
+SCHEMA = pa.schema([
+    ("trajectory_id", pa.string()),
+    ("task_id", pa.string()),
+    ("group_id", pa.string()),
+    ("position", pa.int64()),
+    ("status", pa.string()),
+    ("error", pa.string()),
+    ("total_reward", pa.float64()),
+    ("reward_components", pa.string()),
+    ("final_answer", pa.string()),
+    ("temperature", pa.float64()),
+    ("n_turns", pa.int32()),
+    ("turns", pa.string()),
+    ("prompt_len", pa.int32()),
+    ("token_ids", pa.list_(pa.int32())),
+    ("loss_mask", pa.list_(pa.int8())),
+    ("logprobs", pa.list_(pa.float32())),
+    ("versions", pa.list_(pa.int32())),
+    ("env_version", pa.string()),
+    ("total_steps", pa.int32()),
+    ("total_tokens", pa.int32()),
+    ("wall_time", pa.float64()),
+    ("truncated", pa.bool_()),
+    ("env_errors", pa.int32()),
+    ("policy_version_min", pa.int32()),
+    ("policy_version_max", pa.int32()),
+])  # fmt: skip
+
+
+def _row(t: Trajectory) -> dict:
+    md = t.metadata
+    return {
+        "trajectory_id": t.trajectory_id,
+        "task_id": t.task_id,
+        "group_id": t.group_id,
+        "position": t.position,
+        "status": str(t.status),
+        "error": t.error,
+        "total_reward": t.total_reward,
+        "reward_components": json.dumps(t.reward_components),
+        "final_answer": t.final_answer,
+        "temperature": t.temperature,
+        "n_turns": len(t.turns),
+        "turns": json.dumps([asdict(turn) for turn in t.turns]),
+        "prompt_len": len(t.prompt_ids),
+        "token_ids": t.token_ids,
+        "loss_mask": t.sampled_mask(),
+        "logprobs": t.token_logprobs(),
+        "versions": t.token_versions(),
+        "env_version": md.env_version,
+        "total_steps": md.total_steps,
+        "total_tokens": md.total_tokens,
+        "wall_time": md.wall_time,
+        "truncated": md.truncated,
+        "env_errors": md.env_errors,
+        "policy_version_min": md.policy_version_min,
+        "policy_version_max": md.policy_version_max,
+    }
+
+
+class TrajectoryStore:
+    def __init__(self, root: Path, flush_every: int = 64):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.flush_every = flush_every
+        self._rows: list[dict] = []
+        existing = sorted(self.root.glob("part-*.parquet"))
+        self._next_part = int(existing[-1].stem.split("-")[1]) + 1 if existing else 1
+        self.written = 0
+
+    def append(self, trajectories: list[Trajectory]) -> None:
+        self._rows.extend(_row(t) for t in trajectories)
+        if len(self._rows) >= self.flush_every:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._rows:
+            return
+        table = pa.Table.from_pylist(self._rows, schema=SCHEMA)
+        path = self.root / f"part-{self._next_part:06d}.parquet"
+        tmp = path.with_suffix(".tmp")
+        pq.write_table(table, tmp)
+        tmp.rename(path)  # readers never see a half-written part
+        self._next_part += 1
+        self.written += len(self._rows)
+        self._rows = []
+
+
+def read_trajectories(root: Path) -> pa.Table:
+    """All stored rows as one pyarrow Table (empty table with the schema if none)."""
+    parts = sorted(Path(root).glob("part-*.parquet"))
+    if not parts:
+        return SCHEMA.empty_table()
+    return pa.concat_tables([pq.read_table(p) for p in parts])

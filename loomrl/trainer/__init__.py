@@ -1,0 +1,1 @@
+"""Policy optimisation: advantages, losses, the optimiser step, checkpoints."""

@@ -1,0 +1,65 @@
+"""Checkpoints: model (HF folder), optimizer, scheduler, step, RNG states, and the runtime's state
+(data position, buffer contents, trained-trajectory ledger) so `--resume` trains nothing twice.
+
+Layout: RUN/checkpoints/step_000010/{model/, optimizer.pt, state.pt}; RUN/checkpoints/latest names the
+newest complete one. Each checkpoint is written to a temporary folder and renamed into place, so a
+crash mid-save leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def rng_state() -> dict[str, Any]:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def save_checkpoint(run_dir: Path, step: int, *, model: torch.nn.Module, tokenizer: Any,
+                    optimizer: torch.optim.Optimizer, scheduler: Any, state: dict[str, Any], keep: int = 2) -> Path:
+    root = Path(run_dir) / "checkpoints"
+    final = root / f"step_{step:06d}"
+    tmp = root / f".tmp_step_{step:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp / "model")
+    tokenizer.save_pretrained(tmp / "model")
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
+    torch.save({"step": step, "rng": rng_state(), **state}, tmp / "state.pt")
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    (root / "latest.tmp").write_text(final.name)
+    (root / "latest.tmp").rename(root / "latest")
+    for old in sorted(root.glob("step_*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    pointer = Path(run_dir) / "checkpoints" / "latest"
+    if not pointer.is_file():
+        return None
+    path = pointer.parent / pointer.read_text().strip()
+    return path if path.is_dir() else None
+
+
+def load_state(ckpt: Path) -> dict[str, Any]:
+    return torch.load(ckpt / "state.pt", weights_only=False)
+
+
+def load_optimizer(ckpt: Path, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+    blob = torch.load(ckpt / "optimizer.pt", weights_only=False)
+    optimizer.load_state_dict(blob["optimizer"])
+    scheduler.load_state_dict(blob["scheduler"])

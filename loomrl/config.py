@@ -77,6 +77,9 @@ class AgentConfig(_Section):
 
 
 class RewardConfig(_Section):
+    # "module:function" of a custom reward (trajectory, task) -> {component: value}; default: the
+    # calculator's exact-answer + format reward.
+    function: str | None = None
     correct: float = 1.0
     format_weight: float = Field(0.1, ge=0.0)
     workers: int = Field(2, gt=0)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import inspect
 import queue
 import threading
 import time
@@ -89,6 +90,9 @@ class TorchEngine:
         version: int = 0,
     ):
         self.model = model
+        # transformers renamed `past_key_values` to `cache` (5.x); use whichever this version takes.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.eos_token_id = eos_token_id
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_ms / 1000.0
@@ -196,7 +200,7 @@ class TorchEngine:
             model(
                 input_ids=torch.tensor([prompts[0][:shared]]),
                 position_ids=torch.arange(shared).unsqueeze(0),
-                past_key_values=cache,
+                **{self._cache_kw: cache},
                 use_cache=True,
                 logits_to_keep=1,
             )
@@ -215,7 +219,7 @@ class TorchEngine:
             input_ids=ids,
             attention_mask=attn,
             position_ids=positions,
-            past_key_values=cache,
+            **{self._cache_kw: cache},
             use_cache=True,
             logits_to_keep=1,
         )
@@ -266,7 +270,7 @@ class TorchEngine:
                 input_ids=chosen.unsqueeze(1),
                 attention_mask=attn,
                 position_ids=next_pos,
-                past_key_values=cache,
+                **{self._cache_kw: cache},
                 use_cache=True,
             )
             logits = out.logits[:, -1, :].float()

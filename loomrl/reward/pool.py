@@ -8,12 +8,28 @@ crashing the run (errors are data).
 from __future__ import annotations
 
 import asyncio
+import importlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from loomrl.config import ConfigError
 from loomrl.types import Task, Trajectory
 
 RewardFn = Callable[[Trajectory, Task], dict[str, float]]
+
+
+def import_reward(spec: str) -> RewardFn:
+    """Load a reward function from "package.module:function"."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"config error: reward.function: expected 'module:function', got {spec!r}")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"config error: reward.function: cannot import {spec!r}: {err}") from err
+    if not callable(fn):
+        raise ConfigError(f"config error: reward.function: {spec!r} is not callable")
+    return fn
 
 
 class RewardPool:

@@ -18,7 +18,7 @@ from loomrl.engine.base import Engine, SamplingParams
 from loomrl.env.sandbox import make_sandbox
 from loomrl.env.tasks.calculator import CalculatorEnv
 from loomrl.model.chat import ChatRenderer
-from loomrl.reward import RewardPool, calculator_reward
+from loomrl.reward import RewardPool, calculator_reward, import_reward
 from loomrl.types import RolloutStatus, Task, Trajectory
 
 
@@ -55,10 +55,12 @@ class RolloutWorker:
         self.renderer = renderer
         self.train_tasks = train_tasks
         self.order = DataOrder(len(train_tasks), cfg.seed)
-        self.reward_pool = RewardPool(
-            lambda t, task: calculator_reward(t, task, correct=cfg.reward.correct, format_weight=cfg.reward.format_weight),
-            workers=cfg.reward.workers,
-        )
+        if cfg.reward.function:
+            reward_fn = import_reward(cfg.reward.function)
+        else:
+            def reward_fn(t: Trajectory, task: Task) -> dict[str, float]:
+                return calculator_reward(t, task, correct=cfg.reward.correct, format_weight=cfg.reward.format_weight)
+        self.reward_pool = RewardPool(reward_fn, workers=cfg.reward.workers)
         self._env_rng = random.Random(f"{cfg.seed}:env")
         s = cfg.sampling
         self.train_loop = self._loop(SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,

@@ -116,7 +116,7 @@ class Trainer:
             if losses:
                 chunk_loss = torch.stack(losses).sum() / total_loss_tokens
                 chunk_loss.backward()
-                loss_sum += float(chunk_loss)
+                loss_sum += float(chunk_loss.detach())
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
         if math.isfinite(grad_norm):
             self.optimizer.step()

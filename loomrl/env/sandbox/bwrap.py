@@ -14,14 +14,13 @@ per-file size limit, seccomp filtering of syscalls. The environment pool issue d
 from __future__ import annotations
 
 import functools
-import shutil
-import subprocess
-
-from loomrl.env.sandbox.base import _SubprocessSandbox
-
 import itertools
 import os
+import shutil
+import subprocess
 import threading
+
+from loomrl.env.sandbox.base import _SubprocessSandbox
 
 # Each sandbox runs as its own uid: RLIMIT_NPROC counts processes per uid, so a shared uid would make
 # sandboxes share (and exhaust) one process budget; distinct uids also keep sandboxes from reading or

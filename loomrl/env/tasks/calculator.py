@@ -17,6 +17,7 @@ import random
 import re
 from collections.abc import Callable
 
+from loomrl.config import ConfigError
 from loomrl.env.base import EnvCrash, Observation, StepResult, ToolTimeout
 from loomrl.env.sandbox import Sandbox
 from loomrl.model.tools import parse_tool_calls
@@ -159,7 +160,7 @@ def generate_tasks(families: list[str], n: int, seed: int, split: str, exclude: 
     """`n` tasks cycling through `families`, reproducible from (seed, split); none in `exclude`."""
     unknown = [f for f in families if f not in FAMILIES]
     if unknown:
-        raise ValueError(f"env.families: unknown family {unknown}; choose from {sorted(FAMILIES)}")
+        raise ConfigError(f"config error: env.families: unknown family {unknown}; choose from {sorted(FAMILIES)}")
     rng = random.Random(f"{seed}:{split}")
     exclude = exclude or set()
     seen: set[str] = set()

@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+import pytest
+
+from loomrl.config import ConfigError, load_config, parse_overrides, save_resolved
+
+
+def test_defaults_and_dotted_overrides(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("trainer:\n  lr: 1.0e-5\n  group_size: 4\n")
+    cfg = load_config(recipe, ["trainer.lr=2e-6", "runtime.mode=async", "env.families=[add, sub]"])
+    assert cfg.trainer.lr == 2e-6
+    assert cfg.trainer.group_size == 4
+    assert cfg.runtime.mode == "async"
+    assert cfg.env.families == ["add", "sub"]
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(None, ["name=x", "trainer.lr=3e-6"])
+    save_resolved(cfg, tmp_path / "config.yaml")
+    again = load_config(tmp_path / "config.yaml")
+    assert again == cfg
+
+
+def test_misspelt_field_names_it_and_suggests_the_fix():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["trainer.lrr=1e-6"])
+    msg = str(err.value)
+    assert "trainer.lrr" in msg and "did you mean 'lr'" in msg
+    assert len(msg.splitlines()) == 1
+
+
+def test_bad_value_names_field_and_value():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["trainer.lr=fast"])
+    assert "'trainer.lr'" in str(err.value) and "'fast'" in str(err.value)
+    with pytest.raises(ConfigError, match="runtime.mode"):
+        load_config(None, ["runtime.mode=parallel"])
+    with pytest.raises(ConfigError, match="trainer.group_size"):
+        load_config(None, ["trainer.group_size=1"])
+
+
+def test_missing_recipe_and_bad_override_syntax(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        parse_overrides(["trainer.lr"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(bad)

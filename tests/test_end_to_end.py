@@ -1,0 +1,164 @@
+"""End to end on a tiny model: async steps, the store, checkpoints, resume with no trajectory trained
+twice, sync mode, and crashing tools recorded without stopping the run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from loomrl.config import load_config
+from loomrl.metrics.logger import read_metrics
+from loomrl.runtime.local import LocalRun
+from loomrl.runtime.trainer_service import read_ledger
+from loomrl.store import read_trajectories
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "examples" / "calculator_tiny.yaml"
+
+
+def _cfg(tmp_path, *overrides):
+    return load_config(RECIPE, [f"output_dir={tmp_path}", "progress=false", "reward.function=rewards_for_tests:parity_reward",
+                                *overrides])
+
+
+def _trained_ids(run_dir):
+    return [tid for entry in read_ledger(run_dir) for tid in entry["trained"]]
+
+
+def test_async_run_checkpoint_and_resume_trains_nothing_twice(tmp_path):
+    cfg = _cfg(tmp_path, "name=e2e", "runtime.mode=async", "trainer.total_steps=3", "checkpoint_every=2")
+    summary = LocalRun(cfg).train()
+    run_dir = cfg.run_dir
+    assert summary["steps"] == 3
+    assert [e["step"] for e in read_ledger(run_dir)] == [1, 2, 3]
+    first_ids = _trained_ids(run_dir)
+    assert first_ids, "the parity reward gives groups variance, so something must have been trained"
+
+    # Simulate a crash after step 3 but before its checkpoint: only step 2's checkpoint survives.
+    ckpts = run_dir / "checkpoints"
+    shutil.rmtree(ckpts / "step_000003")
+    (ckpts / "latest").write_text("step_000002")
+
+    resumed = LocalRun(_cfg(tmp_path, "name=e2e", "runtime.mode=async", "trainer.total_steps=5", "checkpoint_every=2"),
+                       resume=True)
+    summary = resumed.train()
+    assert summary["steps"] == 5
+    ledger = read_ledger(run_dir)
+    assert [e["step"] for e in ledger] == [1, 2, 3, 4, 5]  # step 3 of the crashed segment was cut
+    all_ids = _trained_ids(run_dir)
+    assert len(all_ids) == len(set(all_ids)), "a trajectory was trained twice"
+    consumed = [tid for e in ledger for tid in e["trained"] + [t for ids in e["skipped"].values() for t in ids] + e["stale"]]
+    assert len(consumed) == len(set(consumed))
+    # Everything the ledger consumed is in the store; each group of 4 has one data position.
+    rows = read_trajectories(run_dir / "trajectories").to_pylist()
+    stored = {r["trajectory_id"]: r for r in rows}
+    assert set(consumed) <= set(stored)
+    positions = {}
+    for tid in consumed:
+        positions.setdefault(stored[tid]["position"], []).append(tid)
+    assert all(len(v) == 4 for v in positions.values())
+    # The resumed segment sampled with weights of version >= 2 (the checkpoint it resumed from).
+    resumed_versions = [stored[t]["policy_version_min"] for e in ledger if e["step"] >= 4 for t in e["trained"]]
+    assert resumed_versions and min(resumed_versions) >= 2
+    # Staleness stayed within max_policy_lag for everything trained.
+    for e in ledger:
+        for tid in e["trained"]:
+            assert e["step"] - 1 - stored[tid]["policy_version_min"] <= cfg.buffer.max_policy_lag
+    assert (ckpts / "step_000004" / "model" / "config.json").is_file()
+    assert (run_dir / "config.yaml").is_file() and list((run_dir / "tensorboard").iterdir())
+    assert any(m["kind"] == "train" and "train/loss" in m for m in read_metrics(run_dir))
+    # The store is plain parquet: a pyarrow dataset over the folder reads every row.
+    import pyarrow.dataset as ds
+
+    assert ds.dataset(run_dir / "trajectories", format="parquet").count_rows() == len(rows)
+    # `loomrl eval` on the run folder evaluates its latest checkpoint.
+    from loomrl.runtime.local import evaluate_checkpoint
+
+    result = evaluate_checkpoint(cfg, run_dir)
+    assert result["checkpoint"].endswith("step_000005") and result["n"] == cfg.eval.n_tasks
+
+
+def test_sync_run(tmp_path):
+    cfg = _cfg(tmp_path, "name=sync", "runtime.mode=sync", "trainer.total_steps=2", "eval.n_tasks=4")
+    summary = LocalRun(cfg).train()
+    assert summary["steps"] == 2 and summary["n_heldout"] == 4
+    assert summary["success_before"] is not None and summary["success_after"] is not None
+    rows = read_trajectories(cfg.run_dir / "trajectories").to_pylist()
+    assert len(rows) == 2 * 2 * 4  # steps x groups x group size (eval episodes are not stored)
+    assert {r["policy_version_min"] for r in rows} == {0, 1}  # sync: step k samples with version k
+    assert json.loads((cfg.run_dir / "summary.json").read_text())["steps"] == 2
+
+
+class ScriptedEngine:
+    """Replays fixed assistant turns. Used only where the random tiny model cannot act as needed
+    (it never writes a tool call); everything around it (env, sandbox, loop, rewards) is real."""
+
+    def __init__(self, tokenizer, turns: list[str]):
+        self.turns = [tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id] for t in turns]
+        self.calls: dict[str, int] = {}
+        self.version = 0
+
+    async def generate(self, request):
+        from loomrl.engine.base import GenerationResult
+
+        i = self.calls.get(request.program_id, 0)
+        self.calls[request.program_id] = i + 1
+        ids = self.turns[min(i, len(self.turns) - 1)]
+        return GenerationResult(token_ids=ids, logprobs=[-1.0] * len(ids), versions=[0] * len(ids), finish_reason="stop")
+
+    def update_weights(self, weights, version):
+        self.version = version
+
+    def release(self, program_id):
+        pass
+
+
+def test_crashing_tool_is_recorded_on_its_trajectory_and_siblings_finish(tmp_path, tokenizer):
+    import asyncio
+
+    from loomrl.env.tasks.calculator import make_splits
+    from loomrl.model.chat import ChatRenderer
+    from loomrl.runtime.rollout import RolloutWorker
+
+    cfg = _cfg(tmp_path, "env.crash_rate=0.5", "trainer.group_size=8", "reward.function=null")
+    train, _ = make_splits(cfg.env.families, cfg.env.families, 10, 2, cfg.env.seed)
+    task = train[0]
+    engine = ScriptedEngine(tokenizer, [f"calc({task.data['expression']})", f"The answer is {task.answer}."])
+    worker = RolloutWorker(cfg, engine, ChatRenderer(tokenizer), train)
+    order_task = worker.task_at(0)
+    engine.turns[0] = tokenizer.encode(f"calc({order_task.data['expression']})") + [tokenizer.eos_token_id]
+    engine.turns[1] = tokenizer.encode(f"The answer is {order_task.answer}.") + [tokenizer.eos_token_id]
+    group = asyncio.run(worker.run_group(0))
+    worker.close()
+    crashed = [t for t in group if t.status == "env_error"]
+    solved = [t for t in group if t.status == "completed"]
+    assert crashed and solved and len(crashed) + len(solved) == 8  # crash_rate 0.5 over 8 sandboxes
+    for t in crashed:
+        assert "calc tool exited with status" in t.error and t.metadata.env_errors == 1
+        assert t.turns[-1].error == t.error and t.total_reward == 0.0
+    for t in solved:
+        assert t.final_answer == order_task.answer and t.reward_components["correct"] == 1.0
+
+
+def test_cli_reports_bad_config_and_missing_model(tmp_path):
+    bad = subprocess.run([sys.executable, "-m", "loomrl", "train", str(RECIPE), "trainer.lrr=1"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown field 'trainer.lrr'; did you mean 'lr'?" in bad.stderr
+    missing = subprocess.run([sys.executable, "-m", "loomrl", "train", str(RECIPE), "model.kind=gguf",
+                              f"model.path={tmp_path}/nope.gguf", f"output_dir={tmp_path}"],
+                             capture_output=True, text=True)
+    assert missing.returncode == 2 and "nope.gguf' not found" in missing.stderr
+    assert "Traceback" not in bad.stderr + missing.stderr
+
+
+def test_cli_refuses_to_overwrite_a_run_and_resume_needs_a_checkpoint(tmp_path):
+    cmd = [sys.executable, "-m", "loomrl", "train", str(RECIPE), f"output_dir={tmp_path}", "name=r"]
+    nothing = subprocess.run([*cmd, "--resume"], capture_output=True, text=True)
+    assert nothing.returncode == 2 and "has no checkpoint" in nothing.stderr
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "ledger.jsonl").write_text(json.dumps({"step": 1, "trained": [], "skipped": {}, "stale": []}) + "\n")
+    again = subprocess.run(cmd, capture_output=True, text=True)
+    assert again.returncode == 2 and "already holds a run" in again.stderr

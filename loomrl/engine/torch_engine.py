@@ -100,6 +100,7 @@ class TorchEngine:
         self._version = version
         self._pending_weights: tuple[dict | None, int] | None = None
         self._lock = threading.Lock()
+        self._busy = False  # a batch is running (guarded by _lock)
         self._queue: queue.Queue = queue.Queue()
         self._generator = torch.Generator().manual_seed(seed)
         self._closed = False
@@ -124,8 +125,8 @@ class TorchEngine:
     def update_weights(self, weights: dict | None, version: int) -> None:
         with self._lock:
             self._pending_weights = (weights, version)
-        if self._queue.empty():  # apply now when idle so `version` is current for callers
-            self._apply_pending()
+            if not self._busy:  # idle: apply now so `version` is current for callers
+                self._apply_pending_locked()
 
     def release(self, program_id: str) -> None:
         """No per-program state is kept by this engine; nothing to drop."""
@@ -136,16 +137,16 @@ class TorchEngine:
         self._thread.join(timeout=10)
 
     # -- worker -----------------------------------------------------------------------------------
-    def _apply_pending(self) -> None:
-        with self._lock:
-            pending, self._pending_weights = self._pending_weights, None
-            if pending is None:
-                return
-            weights, version = pending
-            if weights is not None:
-                with torch.no_grad():
-                    self.model.load_state_dict(weights, strict=False)
-            self._version = version
+    def _apply_pending_locked(self) -> None:
+        """Load pending weights; the caller holds the lock and no batch is running."""
+        pending, self._pending_weights = self._pending_weights, None
+        if pending is None:
+            return
+        weights, version = pending
+        if weights is not None:
+            with torch.no_grad():
+                self.model.load_state_dict(weights, strict=False)
+        self._version = version
 
     def _worker(self) -> None:
         while not self._closed:
@@ -164,7 +165,9 @@ class TorchEngine:
                     self._closed = True
                     break
                 batch.append(nxt)
-            self._apply_pending()
+            with self._lock:  # weights change only here, between batches, never mid-batch
+                self._apply_pending_locked()
+                self._busy = True
             requests = [r for r, _ in batch]
             try:
                 t0 = time.perf_counter()
@@ -174,6 +177,9 @@ class TorchEngine:
                 for _, fut in batch:
                     _deliver(fut, exception=err)
                 continue
+            finally:
+                with self._lock:
+                    self._busy = False
             for (_, fut), res in zip(batch, results):
                 _deliver(fut, result=res)
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from loomrl.buffer import Buffer, usable_group
+from loomrl.buffer.buffer import group_min_version
 from loomrl.config import RunConfig
 from loomrl.trainer.checkpoint import load_optimizer, load_state, save_checkpoint, set_rng_state
 from loomrl.trainer.grpo import samples_from_group
@@ -102,7 +103,8 @@ class TrainerService:
                 continue
             samples.extend(samples_from_group(usable))
             trained.extend(t.trajectory_id for t in usable)
-            left_out = [t.trajectory_id for t in group if t not in usable]
+            usable_ids = {t.trajectory_id for t in usable}
+            left_out = [t.trajectory_id for t in group if t.trajectory_id not in usable_ids]
             if left_out:
                 skipped.setdefault("incomplete", []).extend(left_out)
         metrics: dict[str, Any] = {"groups": len(groups), "groups_stale": len(stale),
@@ -113,7 +115,7 @@ class TrainerService:
         else:
             self.trainer.step += 1  # a step with no signal still consumes its groups
             self.trainer.scheduler.step()
-        staleness = [version - min(t.metadata.policy_version_min for t in g) for g in groups]
+        staleness = [version - group_min_version(g) for g in groups if group_min_version(g) >= 0]
         metrics["staleness_max"] = max(staleness) if staleness else 0
         entry = {"step": self.version, "trained": trained, "skipped": skipped,
                  "stale": [t.trajectory_id for g in stale for t in g]}

@@ -17,6 +17,8 @@ class SamplingParams:
     top_k: int = 0  # 0 = no top-k filter
     max_tokens: int = 64
     stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # stop strings (engines with a tokenizer)
+    seed: int | None = None  # per-request sampling seed
 
 
 @dataclass(slots=True, kw_only=True)

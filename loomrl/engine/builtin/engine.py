@@ -1,0 +1,368 @@
+"""BuiltinEngine: continuous batching with a prefix cache, in-place weight updates and interrupts.
+
+Every engine step (one forward pass) mixes the decode tokens of all running sequences with prefill
+chunks of newly admitted ones; a request joins at the step after it arrives and leaves at the step
+it finishes. A KV budget (tokens) bounds what running sequences and the prefix cache hold together:
+admission waits for room, the prefix cache gives up least-recently-used entries first, and when
+running sequences outgrow the budget the most recently admitted one is preempted (its KV dropped;
+it requeues with its sampled tokens and is recomputed later, its result unchanged).
+
+Prefix cache: prompts are matched against a radix tree of cached K/V (GRPO siblings share their
+prompt; a program's next turn extends its previous one). A finished request's K/V stays cached under
+its program id until `release(program_id)` or eviction.
+
+Weights: `update_weights` is applied between steps, never within one; every token records the
+version of the weights that produced it. The prefix cache is cleared then (its K/V came from the old
+weights); running sequences keep their K/V, as vLLM's in-flight updates do. `interrupt()` ends every
+in-flight request at the next step boundary with finish_reason "interrupted" and its partial output;
+resubmitting prompt + partial tokens resumes it (re-prefilled under the current weights).
+
+Logprobs are of the distribution sampled from: softmax(logits / T) after top-k/top-p; for greedy
+requests (T = 0), of softmax(logits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from loomrl.engine.base import GenerationRequest, GenerationResult
+from loomrl.engine.builtin.prefix_cache import PrefixCache
+from loomrl.engine.builtin.runner import Chunk, ModelRunner, SequenceKV
+
+
+@dataclass(slots=True)
+class EngineMetrics:
+    steps: int = 0
+    requests: int = 0
+    finished: int = 0
+    prompt_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens actually computed
+    reused_tokens: int = 0  # prompt tokens served from the prefix cache
+    generated_tokens: int = 0
+    preemptions: int = 0
+    interrupts: int = 0
+    busy_s: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass(eq=False)
+class _Seq:
+    request: GenerationRequest
+    future: concurrent.futures.Future
+    prompt: list[int]  # what must be in the KV before sampling (grows on preemption)
+    generator: torch.Generator | None
+    kv: SequenceKV | None = None
+    out_tokens: list[int] = field(default_factory=list)
+    out_logprobs: list[float] = field(default_factory=list)
+    out_versions: list[int] = field(default_factory=list)
+    admitted_at: int = 0
+
+    def kv_tokens(self) -> list[int]:
+        """Token ids in KV order: the (possibly re-prefilled) prompt, then tokens sampled since."""
+        return self.prompt + self.out_tokens[len(self.prompt) - len(self.request.prompt_ids) :]
+
+    def pending_prompt(self) -> list[int]:
+        return self.prompt[self.kv.length :] if self.kv is not None else self.prompt
+
+
+def _deliver(fut: concurrent.futures.Future, result: GenerationResult | None = None,
+             exception: BaseException | None = None) -> None:
+    try:
+        if exception is not None:
+            fut.set_exception(exception)
+        else:
+            fut.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass  # the caller went away
+
+
+def _common_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class BuiltinEngine:
+    """Engine protocol implementation; thread-safe, awaited from asyncio."""
+
+    def __init__(self, model: torch.nn.Module, *, eos_token_id: int, kv_budget_tokens: int = 65536,
+                 max_running: int = 64, max_prefill_tokens: int = 4096, prefix_cache: bool = True,
+                 seed: int = 0, version: int = 0, tokenizer=None):
+        self.runner = ModelRunner(model)
+        self.model = model
+        self.eos_token_id = eos_token_id
+        self.kv_budget = kv_budget_tokens
+        self.max_running = max_running
+        self.max_prefill_tokens = max_prefill_tokens
+        self.cache = PrefixCache() if prefix_cache else None
+        self.tokenizer = tokenizer  # only needed for stop strings
+        self.metrics = EngineMetrics()
+        self._version = version
+        self._generator = torch.Generator().manual_seed(seed)
+        self._waiting: deque[_Seq] = deque()
+        self._running: list[_Seq] = []
+        self._pending_weights: tuple[dict | None, int] | None = None
+        self._interrupt = False
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="loomrl-builtin-engine", daemon=True)
+        self._thread.start()
+
+    # -- protocol ---------------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        return await asyncio.wrap_future(self.submit(request))
+
+    def submit(self, request: GenerationRequest) -> concurrent.futures.Future:
+        if not request.prompt_ids:
+            raise ValueError("generate: prompt_ids is empty")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        seed = request.sampling.seed
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        seq = _Seq(request=request, future=fut, prompt=list(request.prompt_ids), generator=gen)
+        with self._cond:
+            self._waiting.append(seq)
+            self.metrics.requests += 1
+            self._cond.notify()
+        return fut
+
+    def update_weights(self, weights: dict | None, version: int) -> None:
+        with self._cond:
+            self._pending_weights = (weights, version)
+            self._cond.notify()
+        self._wait_applied(version)
+
+    def _wait_applied(self, version: int) -> None:
+        deadline = time.monotonic() + 60
+        while self._version != version and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.001)
+
+    def interrupt(self) -> None:
+        """End all in-flight requests at the next step boundary with their partial outputs."""
+        with self._cond:
+            self._interrupt = True
+            self._cond.notify()
+
+    def release(self, program_id: str) -> None:
+        if self.cache is not None and program_id:
+            with self._cond:
+                self.cache.release(program_id)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=10)
+
+    # -- the step loop ----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._closed or self._waiting or self._running or self._pending_weights or self._interrupt):
+                    self._cond.wait()
+                if self._closed:
+                    break
+                self._apply_weights_locked()
+                if self._interrupt:
+                    self._interrupt_locked()
+                    continue
+            try:
+                t0 = time.perf_counter()
+                self._step()
+                self.metrics.busy_s += time.perf_counter() - t0
+            except BaseException as err:  # noqa: BLE001 - fail the requests in flight, keep serving
+                with self._cond:
+                    for seq in [*self._running, *self._waiting]:
+                        _deliver(seq.future, exception=err)
+                    self._running.clear()
+                    self._waiting.clear()
+        for seq in [*self._running, *self._waiting]:
+            _deliver(seq.future, exception=RuntimeError("engine closed"))
+
+    def _apply_weights_locked(self) -> None:
+        pending, self._pending_weights = self._pending_weights, None
+        if pending is None:
+            return
+        weights, version = pending
+        if weights is not None:
+            with torch.no_grad():
+                self.model.load_state_dict(weights, strict=False)
+        if self.cache is not None:
+            self.cache.clear()  # cached K/V was computed by the old weights
+        self._version = version
+
+    def _interrupt_locked(self) -> None:
+        self._interrupt = False
+        for seq in [*self._running, *self._waiting]:
+            self.metrics.interrupts += 1
+            self._finish(seq, "interrupted")
+        self._running.clear()
+        self._waiting.clear()
+
+    # -- memory -----------------------------------------------------------------------------------
+    def _held_tokens(self) -> int:
+        held: dict[int, SequenceKV] = {id(s.kv): s.kv for s in self._running if s.kv is not None}
+        if self.cache is not None:
+            held.update(self.cache.held())
+        return sum(kv.length for kv in held.values())
+
+    def _make_room(self, need: int) -> bool:
+        """Evict cached entries until `need` more tokens fit in the budget."""
+        while self._held_tokens() + need > self.kv_budget:
+            if self.cache is None or not self.cache.evict_lru():
+                return False
+        return True
+
+    def _admit(self) -> list[_Seq]:
+        """Move waiting requests into the running batch while the budget allows.
+
+        A request whose prompt shares a long prefix with one admitted in this same round waits one
+        step: by then that prefix is in the cache and it is copied instead of computed again (GRPO
+        siblings, requests sharing a system prompt)."""
+        admitted: list[_Seq] = []
+        deferred: list[_Seq] = []
+        while self._waiting and len(self._running) < self.max_running:
+            seq = self._waiting.popleft()
+            hit, donor = (0, None)
+            if self.cache is not None:
+                hit, donor = self.cache.match(seq.prompt[:-1], count=False)  # the last token must be computed
+                shared = max((_common_len(seq.prompt, a.prompt) for a in admitted), default=0)
+                if shared > hit and shared >= 8 and shared >= len(seq.prompt) // 4:
+                    deferred.append(seq)
+                    continue
+                self.cache.match(seq.prompt[:-1])  # count the lookup once, when it is used
+            if not self._make_room(len(seq.prompt)) and self._running:
+                self._waiting.appendleft(seq)
+                break  # wait for running sequences to finish
+            seq.kv = self.runner.new_kv(len(seq.prompt) + seq.request.sampling.max_tokens)
+            if hit and donor is not None:
+                seq.kv.copy_prefix(donor, hit)
+            self.metrics.prompt_tokens += len(seq.prompt)
+            self.metrics.reused_tokens += hit
+            self.metrics.prefill_tokens += len(seq.prompt) - hit
+            seq.admitted_at = self.metrics.steps
+            self._running.append(seq)
+            admitted.append(seq)
+        self._waiting.extendleft(reversed(deferred))
+        return admitted
+
+    def _preempt_if_needed(self) -> None:
+        while self._held_tokens() > self.kv_budget and len(self._running) > 1:
+            if self.cache is not None and self.cache.evict_lru():
+                continue
+            victim = max(self._running, key=lambda s: s.admitted_at)
+            self._running.remove(victim)
+            # Recompute later: the sampled tokens become part of the prompt to re-prefill.
+            victim.prompt = list(victim.request.prompt_ids) + victim.out_tokens
+            victim.kv = None
+            self._waiting.appendleft(victim)
+            self.metrics.preemptions += 1
+
+    # -- one step ---------------------------------------------------------------------------------
+    def _step(self) -> None:
+        with self._cond:
+            self._admit()
+            self._preempt_if_needed()
+            running = list(self._running)
+            version = self._version
+        chunks, sample_rows, budget = [], [], self.max_prefill_tokens
+        for seq in running:
+            pending = seq.pending_prompt()
+            if pending:  # still prefilling: a chunk of its prompt
+                if budget <= 0:
+                    continue
+                part = pending[:budget]
+                budget -= len(part)
+                chunks.append(Chunk(seq.kv, part))
+                if len(part) == len(pending):
+                    sample_rows.append((len(chunks) - 1, seq))
+            else:  # decoding: feed the last sampled token
+                chunks.append(Chunk(seq.kv, [seq.out_tokens[-1]]))
+                sample_rows.append((len(chunks) - 1, seq))
+        if not chunks:
+            return
+        logits = self.runner.forward(chunks)
+        self.metrics.steps += 1
+        if self.cache is not None:
+            for seq in running:  # newly prefilled prompts serve their siblings from the next step on
+                if seq.kv is not None and seq.kv.length == len(seq.prompt) and not seq.out_tokens:
+                    self.cache.insert(seq.prompt, seq.kv, seq.request.program_id)
+        if not sample_rows:
+            return
+        rows = torch.tensor([i for i, _ in sample_rows])
+        seqs = [s for _, s in sample_rows]
+        tokens, logps = self._sample(logits[rows], seqs)
+        done = []
+        for seq, tok, lp in zip(seqs, tokens, logps):
+            seq.out_tokens.append(tok)
+            seq.out_logprobs.append(lp)
+            seq.out_versions.append(version)
+            self.metrics.generated_tokens += 1
+            reason = self._stop_reason(seq, tok)
+            if reason:
+                done.append((seq, reason))
+        if done:
+            with self._cond:
+                for seq, reason in done:
+                    if seq in self._running:
+                        self._running.remove(seq)
+                    self._finish(seq, reason)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[_Seq]) -> tuple[list[int], list[float]]:
+        params = [s.request.sampling for s in seqs]
+        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        greedy = temps <= 0
+        scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        if bool(((top_k > 0) | (top_p < 1.0)).any()):
+            from loomrl.engine.torch_engine import _filter_logits
+
+            scaled = _filter_logits(scaled, top_k, top_p)
+        logprobs = torch.log_softmax(scaled, dim=-1)
+        probs = logprobs.exp()
+        out_tokens, out_lps = [], []
+        for i, seq in enumerate(seqs):
+            if greedy[i]:
+                tok = int(scaled[i].argmax())
+            else:
+                tok = int(torch.multinomial(probs[i], 1, generator=seq.generator or self._generator))
+            out_tokens.append(tok)
+            out_lps.append(float(logprobs[i, tok]))
+        return out_tokens, out_lps
+
+    def _stop_reason(self, seq: _Seq, tok: int) -> str | None:
+        sp = seq.request.sampling
+        if tok == self.eos_token_id or tok in sp.stop_token_ids:
+            return "stop"
+        if sp.stop and self.tokenizer is not None:
+            tail = self.tokenizer.decode(seq.out_tokens[-32:], skip_special_tokens=True)
+            if any(s in tail for s in sp.stop):
+                return "stop"
+        if len(seq.out_tokens) >= sp.max_tokens:
+            return "length"
+        return None
+
+    def _finish(self, seq: _Seq, reason: str) -> None:
+        self.metrics.finished += 1
+        if self.cache is not None and seq.kv is not None and reason != "interrupted":
+            # Keep the turn's K/V for the program's next turn (its tokens minus the last sampled one,
+            # whose K/V was never computed).
+            self.cache.insert(seq.kv_tokens(), seq.kv, seq.request.program_id)
+        _deliver(seq.future, GenerationResult(token_ids=list(seq.out_tokens), logprobs=list(seq.out_logprobs),
+                                              versions=list(seq.out_versions), finish_reason=reason))

@@ -52,8 +52,13 @@ class SamplingConfig(_Section):
 
 
 class EngineConfig(_Section):
-    max_batch_size: int = Field(64, gt=0)
-    batch_wait_ms: float = Field(5.0, ge=0.0)  # how long to gather concurrent requests into a batch
+    # builtin: continuous batching + prefix cache (engine/builtin); torch: the first, static-batch engine
+    kind: Literal["builtin", "torch"] = "builtin"
+    max_batch_size: int = Field(64, gt=0)  # running sequences at once
+    batch_wait_ms: float = Field(5.0, ge=0.0)  # torch engine: how long to gather requests into a batch
+    kv_budget_tokens: int = Field(65536, gt=0)  # builtin: K/V tokens held by running sequences + cache
+    max_prefill_tokens: int = Field(4096, gt=0)  # builtin: prompt tokens computed per step
+    prefix_cache: bool = True  # builtin
     threads: int = Field(0, ge=0)  # torch threads for the engine; 0 = torch's default
 
 

@@ -19,6 +19,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)  # stop strings (engines with a tokenizer)
     seed: int | None = None  # per-request sampling seed
+    ignore_eos: bool = False  # keep generating past the eos token (benchmarks)
 
 
 @dataclass(slots=True, kw_only=True)

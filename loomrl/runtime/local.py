@@ -71,6 +71,19 @@ def build_model(cfg: RunConfig, ckpt: Path | None):
     return load_model(cfg.model)
 
 
+def make_engine(cfg: RunConfig, model, tokenizer, version: int):
+    """The engine the config asks for, over `model` (shared with the trainer in sync mode)."""
+    e = cfg.engine
+    if e.kind == "torch":
+        return TorchEngine(model, eos_token_id=tokenizer.eos_token_id, max_batch_size=e.max_batch_size,
+                           batch_wait_ms=e.batch_wait_ms, seed=cfg.seed, version=version)
+    from loomrl.engine.builtin.engine import BuiltinEngine
+
+    return BuiltinEngine(model, eos_token_id=tokenizer.eos_token_id, kv_budget_tokens=e.kv_budget_tokens,
+                         max_running=e.max_batch_size, max_prefill_tokens=e.max_prefill_tokens,
+                         prefix_cache=e.prefix_cache, seed=cfg.seed, version=version, tokenizer=tokenizer)
+
+
 def positions_after(received: PositionSet) -> Iterator[int]:
     p = 0
     while True:
@@ -97,9 +110,8 @@ class LocalRun:
         torch.manual_seed(cfg.seed)
 
     # -- shared pieces ----------------------------------------------------------------------------
-    def _engine(self, model, tokenizer, version: int) -> TorchEngine:
-        return TorchEngine(model, eos_token_id=tokenizer.eos_token_id, max_batch_size=self.cfg.engine.max_batch_size,
-                           batch_wait_ms=self.cfg.engine.batch_wait_ms, seed=self.cfg.seed, version=version)
+    def _engine(self, model, tokenizer, version: int):
+        return make_engine(self.cfg, model, tokenizer, version)
 
     async def _evaluate(self, worker: RolloutWorker, label: str, step: int) -> dict[str, Any]:
         tasks = self.heldout[: self.cfg.eval.n_tasks]
@@ -171,7 +183,7 @@ class LocalRun:
             worker.close()
             engine.close()
 
-    async def _async_loop(self, engine: TorchEngine, worker: RolloutWorker, extra: dict[str, Any]) -> int:
+    async def _async_loop(self, engine, worker: RolloutWorker, extra: dict[str, Any]) -> int:
         cfg = self.cfg
         ctx = mp.get_context("spawn")
         inbox, outbox = ctx.Queue(), ctx.Queue()
@@ -312,8 +324,7 @@ def evaluate_checkpoint(cfg: RunConfig, checkpoint: Path) -> dict[str, Any]:
     _, heldout = make_splits(cfg.env.families, cfg.env.heldout_families or cfg.env.families, cfg.env.n_train,
                              cfg.env.n_heldout, cfg.env.seed)
     model, tokenizer = build_model(cfg, ckpt)
-    engine = TorchEngine(model, eos_token_id=tokenizer.eos_token_id, max_batch_size=cfg.engine.max_batch_size,
-                         batch_wait_ms=cfg.engine.batch_wait_ms, seed=cfg.seed)
+    engine = make_engine(cfg, model, tokenizer, 0)
     worker = RolloutWorker(cfg, engine, ChatRenderer(tokenizer), heldout)
     try:
         bar = _progress(min(cfg.eval.n_tasks, len(heldout)), "eval", cfg.progress)

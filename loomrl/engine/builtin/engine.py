@@ -348,7 +348,7 @@ class BuiltinEngine:
 
     def _stop_reason(self, seq: _Seq, tok: int) -> str | None:
         sp = seq.request.sampling
-        if tok == self.eos_token_id or tok in sp.stop_token_ids:
+        if (tok == self.eos_token_id and not sp.ignore_eos) or tok in sp.stop_token_ids:
             return "stop"
         if sp.stop and self.tokenizer is not None:
             tail = self.tokenizer.decode(seq.out_tokens[-32:], skip_special_tokens=True)

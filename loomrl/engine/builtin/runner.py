@@ -115,27 +115,28 @@ class ModelRunner:
             for s, n in zip(starts, lengths)
         ]
         N = ids.shape[0]
+        # Per-sequence (start, end, past, whole-model kv tensor, mask), computed once for all layers.
+        plan = [(offsets[i], offsets[i + 1], starts[i], c.kv.data, masks[i]) for i, c in enumerate(chunks)]
+        gqa = self.n_kv_heads != self.n_heads
         for li, layer in enumerate(self.base.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             q = attn.q_proj(x).view(N, self.n_heads, self.head_dim)
             k = attn.k_proj(x).view(N, self.n_kv_heads, self.head_dim)
             v = attn.v_proj(x).view(N, self.n_kv_heads, self.head_dim)
-            q = q * cos + _rotate_half(q) * sin
+            q = (q * cos + _rotate_half(q) * sin).transpose(0, 1)  # [H, N, D]
             k = k * cos + _rotate_half(k) * sin
-            out = torch.empty_like(q)
-            for i, c in enumerate(chunks):
-                a, b, s = offsets[i], offsets[i + 1], starts[i]
-                store = c.kv.data[li]  # [2, kv_heads, cap, D]
-                store[0, :, s : s + b - a] = k[a:b].transpose(0, 1)
-                store[1, :, s : s + b - a] = v[a:b].transpose(0, 1)
-                keys, values = store[0, :, : s + b - a], store[1, :, : s + b - a]
-                o = F.scaled_dot_product_attention(
-                    q[a:b].transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                    attn_mask=masks[i], scale=self.scaling, enable_gqa=self.n_kv_heads != self.n_heads,
-                )  # [1, H, n, D]
-                out[a:b] = o[0].transpose(0, 1)
-            h = h + attn.o_proj(out.reshape(N, self.n_heads * self.head_dim))
+            new_kv = torch.stack((k, v)).transpose(1, 2)  # [2, kv_heads, N, D]
+            out = torch.empty_like(q)  # [H, N, D]
+            for a, b, s, data, mask in plan:
+                store = data[li]  # [2, kv_heads, cap, D]
+                end = s + b - a
+                store[:, :, s:end] = new_kv[:, :, a:b]
+                out[:, a:b] = F.scaled_dot_product_attention(
+                    q[:, a:b], store[0, :, :end], store[1, :, :end], attn_mask=mask, scale=self.scaling,
+                    enable_gqa=gqa,
+                )
+            h = h + attn.o_proj(out.transpose(0, 1).reshape(N, self.n_heads * self.head_dim))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         for c, n in zip(chunks, lengths):
             c.kv.length += n

@@ -1,0 +1,1 @@
+"""HTTP serving: an OpenAI-compatible API over any loomrl Engine (`loomrl serve`)."""

@@ -1,0 +1,264 @@
+"""OpenAI-compatible HTTP API over an Engine: /v1/completions, /v1/chat/completions (tools
+included), /v1/models, /health and Prometheus /metrics.
+
+Token ids and logprobs come back the way vLLM returns them: with `return_token_ids: true` a choice
+carries `token_ids` (sampled) and `prompt_token_ids`; loomrl adds `policy_versions` (the version of
+the weights that produced each token). Logprobs are those of the sampled tokens under the
+distribution actually sampled from; `top_logprobs` lists only the sampled token (the engine does not
+compute alternatives). Streaming is not served yet (400).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import replace
+from typing import Any
+
+from loomrl.engine.base import GenerationRequest, GenerationResult, SamplingParams
+from loomrl.model.chat import ChatRenderer
+from loomrl.model.tools import parse_tool_calls
+from loomrl.server.protocol import ChatCompletionRequest, CompletionRequest
+
+
+def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param,
+                                                               "code": status}})
+
+
+def _tool_arg_names(tools: list[dict[str, Any]] | None) -> dict[str, str]:
+    """name -> its single required parameter, for `name(args)` style calls."""
+    out = {}
+    for tool in tools or []:
+        fn = tool.get("function", {})
+        params = fn.get("parameters", {}) or {}
+        required = params.get("required") or list((params.get("properties") or {}).keys())
+        if fn.get("name") and len(required) == 1:
+            out[fn["name"]] = required[0]
+    return out
+
+
+class OpenAIServer:
+    def __init__(self, engine, tokenizer, model_name: str):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.renderer = ChatRenderer(tokenizer)
+        self.model_name = model_name
+        self.started = int(time.time())
+        self.requests = 0
+        self.errors = 0
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _sampling(self, req, max_tokens: int) -> SamplingParams:
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
+                              max_tokens=max_tokens, stop_token_ids=list(req.stop_token_ids or []), stop=stop,
+                              seed=req.seed, ignore_eos=req.ignore_eos)
+
+    async def _generate_n(self, prompt_ids: list[int], sampling: SamplingParams, n: int) -> list[GenerationResult]:
+        """n samples of one prompt (seeds seed, seed+1, ... when seeded); the prefix cache shares the prompt."""
+        reqs = [
+            self.engine.generate(GenerationRequest(
+                prompt_ids=prompt_ids, program_id=f"http-{uuid.uuid4().hex[:8]}",
+                sampling=replace(sampling, seed=None if sampling.seed is None else sampling.seed + i)))
+            for i in range(n)
+        ]
+        return list(await asyncio.gather(*reqs))
+
+    def _text(self, result: GenerationResult, stops: list[str]) -> tuple[str, str]:
+        text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        reason = result.finish_reason
+        for s in stops:
+            idx = text.find(s)
+            if idx >= 0:
+                text, reason = text[:idx], "stop"
+        return text, ("stop" if reason == "interrupted" else reason)
+
+    def _check_context(self, prompt_ids: list[int], max_tokens: int):
+        limit = getattr(self.engine, "kv_budget", None)
+        if limit is not None and len(prompt_ids) + max_tokens > limit:
+            return _error(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the engine's "
+                               f"KV budget of {limit} tokens", "max_tokens")
+        return None
+
+    # -- endpoints --------------------------------------------------------------------------------
+    async def completions(self, req: CompletionRequest):
+        if req.stream:
+            return _error(400, "stream=true is not supported by loomrl serve yet", "stream")
+        if req.echo:
+            return _error(400, "echo=true is not supported", "echo")
+        p = req.prompt
+        if isinstance(p, str):
+            prompts = [self.renderer.encode_text(p)]
+        elif p and all(isinstance(x, int) for x in p):
+            prompts = [list(p)]
+        elif p and all(isinstance(x, str) for x in p):
+            prompts = [self.renderer.encode_text(x) for x in p]
+        elif p and all(isinstance(x, list) for x in p):
+            prompts = [list(x) for x in p]
+        else:
+            return _error(400, "prompt must be a non-empty string, list of token ids, or list of either", "prompt")
+        vocab = len(self.tokenizer)
+        if any(not x or any(t < 0 or t >= vocab for t in x) for x in prompts):
+            return _error(400, f"prompt token ids must be non-empty and in [0, {vocab})", "prompt")
+        for ids in prompts:
+            bad = self._check_context(ids, req.max_tokens)
+            if bad is not None:
+                return bad
+        sampling = self._sampling(req, req.max_tokens)
+        results = await asyncio.gather(*[self._generate_n(ids, sampling, req.n) for ids in prompts])
+        choices, completion_tokens = [], 0
+        for ids, outs in zip(prompts, results):
+            for r in outs:
+                text, reason = self._text(r, sampling.stop)
+                completion_tokens += len(r.token_ids)
+                choice: dict[str, Any] = {"index": len(choices), "text": text, "finish_reason": reason,
+                                          "stop_reason": None, "logprobs": None, "policy_versions": r.versions}
+                if req.logprobs is not None:
+                    toks = [self.tokenizer.decode([t]) for t in r.token_ids]
+                    offsets, pos = [], 0
+                    for t in toks:
+                        offsets.append(pos)
+                        pos += len(t)
+                    choice["logprobs"] = {"tokens": toks, "token_logprobs": r.logprobs,
+                                          "top_logprobs": [{t: lp} for t, lp in zip(toks, r.logprobs)],
+                                          "text_offset": offsets}
+                if req.return_token_ids:
+                    choice["token_ids"] = r.token_ids
+                    choice["prompt_token_ids"] = ids
+                choices.append(choice)
+        prompt_tokens = sum(len(x) for x in prompts) * req.n
+        self.requests += 1
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name, "choices": choices,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens}}
+
+    async def chat(self, req: ChatCompletionRequest):
+        if req.stream:
+            return _error(400, "stream=true is not supported by loomrl serve yet", "stream")
+        for i, m in enumerate(req.messages):
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
+                return _error(400, f"messages[{i}].role must be system, user, assistant or tool", f"messages[{i}].role")
+        try:
+            prompt_ids = self.renderer.prompt_ids(req.messages, req.tools)
+        except Exception as err:  # noqa: BLE001 - a template that cannot render this conversation
+            return _error(400, f"cannot render messages with the chat template: {err}", "messages")
+        max_tokens = req.max_completion_tokens or req.max_tokens or 256
+        bad = self._check_context(prompt_ids, max_tokens)
+        if bad is not None:
+            return bad
+        sampling = self._sampling(req, max_tokens)
+        outs = await self._generate_n(prompt_ids, sampling, req.n)
+        names = _tool_arg_names(req.tools)
+        choices, completion_tokens = [], 0
+        for r in outs:
+            text, reason = self._text(r, sampling.stop)
+            completion_tokens += len(r.token_ids)
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if req.tools:
+                calls = [c for c in parse_tool_calls(text, names) if not c.error]
+                if calls:
+                    message["tool_calls"] = [
+                        {"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
+                         "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+                        for c in calls
+                    ]
+                    message["content"] = None if text.strip().startswith(("<tool_call>",) + tuple(names)) else text
+                    reason = "tool_calls"
+            choice: dict[str, Any] = {"index": len(choices), "message": message, "finish_reason": reason,
+                                      "logprobs": None, "policy_versions": r.versions}
+            if req.logprobs:
+                content = []
+                for t, lp in zip(r.token_ids, r.logprobs):
+                    tok = self.tokenizer.decode([t])
+                    entry = {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
+                    entry["top_logprobs"] = [dict(entry)] if req.top_logprobs else []
+                    content.append(entry)
+                choice["logprobs"] = {"content": content}
+            if req.return_token_ids:
+                choice["token_ids"] = r.token_ids
+            choices.append(choice)
+        body: dict[str, Any] = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+                                "created": int(time.time()), "model": self.model_name, "choices": choices,
+                                "usage": {"prompt_tokens": len(prompt_ids) * req.n, "completion_tokens": completion_tokens,
+                                          "total_tokens": len(prompt_ids) * req.n + completion_tokens}}
+        if req.return_token_ids:
+            body["prompt_token_ids"] = prompt_ids
+        self.requests += 1
+        return body
+
+    def metrics_text(self) -> bytes:
+        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        server = self
+
+        class _Collector:
+            def collect(self):
+                m = getattr(server.engine, "metrics", None)
+                yield GaugeMetricFamily("loomrl_policy_version", "Policy version of the engine's weights",
+                                        value=server.engine.version)
+                yield CounterMetricFamily("loomrl_http_requests", "Requests served", value=server.requests)
+                yield CounterMetricFamily("loomrl_http_errors", "Requests refused with an error", value=server.errors)
+                if m is None:
+                    return
+                for name, help_ in [("requests", "Generation requests"), ("generated_tokens", "Tokens sampled"),
+                                    ("prompt_tokens", "Prompt tokens received"),
+                                    ("prefill_tokens", "Prompt tokens computed"),
+                                    ("reused_tokens", "Prompt tokens served from the prefix cache"),
+                                    ("preemptions", "Sequences preempted for recompute"),
+                                    ("steps", "Engine steps")]:
+                    if hasattr(m, name):
+                        yield CounterMetricFamily(f"loomrl_engine_{name}", help_, value=getattr(m, name))
+                if hasattr(m, "hit_rate"):
+                    yield GaugeMetricFamily("loomrl_engine_prefix_hit_rate", "Share of prompt tokens reused",
+                                            value=m.hit_rate)
+
+        registry = CollectorRegistry()
+        registry.register(_Collector())
+        return generate_latest(registry)
+
+
+def create_app(engine, tokenizer, model_name: str = "loomrl"):
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import Response
+
+    server = OpenAIServer(engine, tokenizer, model_name)
+    app = FastAPI(title="loomrl", docs_url=None, redoc_url=None)
+    app.state.server = server
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        server.errors += 1
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return _error(400, f"{loc or 'body'}: {first.get('msg', 'invalid request')}", loc or None)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "policy_version": engine.version}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": server.started,
+                                            "owned_by": "loomrl"}]}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        return await server.completions(req)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest):
+        return await server.chat(req)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics_text(), media_type="text/plain; version=0.0.4")
+
+    return app

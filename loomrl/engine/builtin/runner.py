@@ -132,10 +132,11 @@ class ModelRunner:
                 store = data[li]  # [2, kv_heads, cap, D]
                 end = s + b - a
                 store[:, :, s:end] = new_kv[:, :, a:b]
+                # 4-D inputs: with 3-D ones torch falls back to its slow "math" attention on CPU.
                 out[:, a:b] = F.scaled_dot_product_attention(
-                    q[:, a:b], store[0, :, :end], store[1, :, :end], attn_mask=mask, scale=self.scaling,
-                    enable_gqa=gqa,
-                )
+                    q[None, :, a:b], store[None, 0, :, :end], store[None, 1, :, :end], attn_mask=mask,
+                    scale=self.scaling, enable_gqa=gqa,
+                )[0]
             h = h + attn.o_proj(out.transpose(0, 1).reshape(N, self.n_heads * self.head_dim))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         for c, n in zip(chunks, lengths):

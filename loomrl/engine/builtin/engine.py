@@ -299,9 +299,10 @@ class BuiltinEngine:
         logits = self.runner.forward(chunks)
         self.metrics.steps += 1
         if self.cache is not None:
-            for seq in running:  # newly prefilled prompts serve their siblings from the next step on
-                if seq.kv is not None and seq.kv.length == len(seq.prompt) and not seq.out_tokens:
-                    self.cache.insert(seq.prompt, seq.kv, seq.request.program_id)
+            with self._cond:  # release() may touch the tree from another thread
+                for seq in running:  # newly prefilled prompts serve their siblings from the next step on
+                    if seq.kv is not None and seq.kv.length == len(seq.prompt) and not seq.out_tokens:
+                        self.cache.insert(seq.prompt, seq.kv, seq.request.program_id)
         if not sample_rows:
             return
         rows = torch.tensor([i for i, _ in sample_rows])

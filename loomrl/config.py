@@ -59,7 +59,7 @@ class EngineConfig(_Section):
     kv_budget_tokens: int = Field(65536, gt=0)  # builtin: K/V tokens held by running sequences + cache
     max_prefill_tokens: int = Field(4096, gt=0)  # builtin: prompt tokens computed per step
     prefix_cache: bool = True  # builtin
-    threads: int = Field(0, ge=0)  # torch threads for the engine; 0 = torch's default
+    threads: int = Field(0, ge=0)  # torch threads of the rollout side; 0 = all cores (sync), half (async)
 
 
 class EnvConfig(_Section):
@@ -106,7 +106,7 @@ class TrainerConfig(_Section):
     micro_batch_size: int = Field(8, gt=0)
     total_steps: int = Field(10, gt=0)
     freeze_layers: int = Field(0, ge=0)  # keep the bottom N transformer blocks fixed (cheaper steps)
-    threads: int = Field(0, ge=0)
+    threads: int = Field(0, ge=0)  # torch threads of the trainer; 0 = all cores (sync), the rest (async)
 
 
 class RuntimeConfig(_Section):

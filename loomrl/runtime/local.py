@@ -71,6 +71,15 @@ def build_model(cfg: RunConfig, ckpt: Path | None):
     return load_model(cfg.model)
 
 
+def async_threads(cfg: RunConfig) -> tuple[int, int]:
+    """Torch threads of the rollout and trainer processes in async mode: the configured numbers, or
+    the machine's cores split between the two (both at torch's default would oversubscribe)."""
+    cores = os.cpu_count() or 2
+    engine = cfg.engine.threads or max(1, cores // 2)
+    trainer = cfg.trainer.threads or max(1, cores - engine)
+    return engine, trainer
+
+
 def make_engine(cfg: RunConfig, model, tokenizer, version: int):
     """The engine the config asks for, over `model` (shared with the trainer in sync mode)."""
     e = cfg.engine
@@ -166,8 +175,7 @@ class LocalRun:
     # -- async ------------------------------------------------------------------------------------
     async def _run_async(self) -> dict[str, Any]:
         cfg = self.cfg
-        if cfg.engine.threads:
-            torch.set_num_threads(cfg.engine.threads)
+        torch.set_num_threads(async_threads(cfg)[0])
         model, tokenizer = build_model(cfg, self.ckpt)
         extra = load_state(self.ckpt).get("extra", {}) if self.ckpt else {}
         engine = self._engine(model, tokenizer, 0)
@@ -268,9 +276,11 @@ class LocalRun:
     # -- entry ------------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
         runner = self._run_sync if self.cfg.runtime.mode == "sync" else self._run_async
+        threads = torch.get_num_threads()
         try:
             result = asyncio.run(runner())
         finally:
+            torch.set_num_threads(threads)  # a library call leaves the caller's setting as it was
             self.store.flush()
             self.logger.close()
         summary = {
@@ -291,8 +301,7 @@ def _trainer_main(cfg_json: str, ckpt: str | None, extra: dict, inbox, outbox) -
     """Entry of the trainer process (async mode)."""
     try:
         cfg = RunConfig.model_validate_json(cfg_json)
-        if cfg.trainer.threads:
-            torch.set_num_threads(cfg.trainer.threads)
+        torch.set_num_threads(async_threads(cfg)[1])
         ckpt_path = Path(ckpt) if ckpt else None
         model, tokenizer = build_model(cfg, ckpt_path)
         service = TrainerService(cfg, model, tokenizer, resume_from=ckpt_path)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -125,9 +125,6 @@ class Trajectory:
             if turn.act_span is not None:
                 out[turn.act_span.start : turn.act_span.end] = turn.versions
         return out
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass(slots=True, kw_only=True)

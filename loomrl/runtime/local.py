@@ -160,7 +160,10 @@ class LocalRun:
                     self.store.append(g)
                     service.receive(p, g)
                 self.store.flush()
-                metrics = service.train_step()
+                if hasattr(engine, "call"):  # train on the engine's thread: one OpenMP team per process
+                    metrics = await asyncio.wrap_future(engine.call(service.train_step))
+                else:
+                    metrics = service.train_step()
                 engine.update_weights(None, service.version)  # weights changed in place (shared model)
                 self._log_step(service.version, metrics, groups)
                 bar.update(1)

@@ -68,9 +68,9 @@ def test_greedy_matches_transformers_and_logprobs_match_forward(engine, tiny_mod
             logits = tiny_model(torch.tensor([p + r.token_ids])).logits[0, len(p) - 1 : -1] / 0.8
         full = torch.log_softmax(logits, -1)
         # top-p renormalises over the kept tokens, so compare against the filtered distribution
-        from loomrl.engine.torch_engine import _filter_logits
+        from loomrl.engine.common import filter_logits
 
-        filt = torch.log_softmax(_filter_logits(logits, torch.zeros(len(logits), dtype=torch.long),
+        filt = torch.log_softmax(filter_logits(logits, torch.zeros(len(logits), dtype=torch.long),
                                                 torch.full((len(logits),), 0.9)), -1)
         ids = torch.tensor(r.token_ids).unsqueeze(1)
         assert torch.allclose(filt.gather(1, ids).squeeze(1), torch.tensor(r.logprobs), atol=1e-4)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loomrl.engine.base import GenerationRequest, GenerationResult, SamplingParams
+from loomrl.engine.common import deliver, filter_logits
 
 
 @dataclass(slots=True)
@@ -48,32 +49,6 @@ def _common_prefix_len(seqs: list[list[int]]) -> int:
             i += 1
         n = i
     return n
-
-
-def _filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Per-row top-k (0 = off) and top-p (1 = off) filtering; logits [B, V]."""
-    sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    ranks = torch.arange(vocab).unsqueeze(0)
-    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).unsqueeze(1)
-    remove = ranks >= k
-    probs = torch.softmax(sorted_logits, dim=-1)
-    before = torch.cumsum(probs, dim=-1) - probs  # mass strictly above each token
-    remove |= before > top_p.unsqueeze(1)
-    remove[:, 0] = False  # always keep the most likely token
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
-
-
-def _deliver(fut: concurrent.futures.Future, result=None, exception: BaseException | None = None) -> None:
-    """Resolve a caller's future unless the caller has gone (cancelled) meanwhile."""
-    try:
-        if exception is not None:
-            fut.set_exception(exception)
-        else:
-            fut.set_result(result)
-    except concurrent.futures.InvalidStateError:
-        pass
 
 
 class TorchEngine:
@@ -170,13 +145,13 @@ class TorchEngine:
                 self.stats.busy_s += time.perf_counter() - t0
             except BaseException as err:  # noqa: BLE001 - delivered to every waiting caller
                 for _, fut in batch:
-                    _deliver(fut, exception=err)
+                    deliver(fut, exception=err)
                 continue
             finally:
                 with self._lock:
                     self._busy = False
             for (_, fut), res in zip(batch, results):
-                _deliver(fut, result=res)
+                deliver(fut, result=res)
 
     @torch.no_grad()
     def _run_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
@@ -242,7 +217,7 @@ class TorchEngine:
             greedy = temps <= 0
             scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
             if bool(((top_k > 0) | (top_p < 1.0)).any()):
-                scaled = _filter_logits(scaled, top_k, top_p)
+                scaled = filter_logits(scaled, top_k, top_p)
             logprobs = torch.log_softmax(scaled, dim=-1)
             sampled = torch.multinomial(logprobs.exp(), 1, generator=self._generator).squeeze(1)
             chosen = torch.where(greedy, scaled.argmax(-1), sampled)

@@ -37,6 +37,7 @@ import torch
 from loomrl.engine.base import GenerationRequest, GenerationResult
 from loomrl.engine.builtin.prefix_cache import PrefixCache
 from loomrl.engine.builtin.runner import Chunk, ModelRunner, SequenceKV
+from loomrl.engine.common import deliver, filter_logits
 
 
 @dataclass(slots=True)
@@ -75,17 +76,6 @@ class _Seq:
 
     def pending_prompt(self) -> list[int]:
         return self.prompt[self.kv.length :] if self.kv is not None else self.prompt
-
-
-def _deliver(fut: concurrent.futures.Future, result: Any = None,
-             exception: BaseException | None = None) -> None:
-    try:
-        if exception is not None:
-            fut.set_exception(exception)
-        else:
-            fut.set_result(result)
-    except concurrent.futures.InvalidStateError:
-        pass  # the caller went away
 
 
 def _common_len(a: list[int], b: list[int]) -> int:
@@ -200,9 +190,9 @@ class BuiltinEngine:
                 calls, self._calls = list(self._calls), deque()
             for fn, fut in calls:
                 try:
-                    _deliver(fut, fn())
+                    deliver(fut, fn())
                 except BaseException as err:  # noqa: BLE001 - the caller gets it
-                    _deliver(fut, exception=err)
+                    deliver(fut, exception=err)
             if not (self._waiting or self._running):
                 continue
             try:
@@ -212,13 +202,13 @@ class BuiltinEngine:
             except BaseException as err:  # noqa: BLE001 - fail the requests in flight, keep serving
                 with self._cond:
                     for seq in [*self._running, *self._waiting]:
-                        _deliver(seq.future, exception=err)
+                        deliver(seq.future, exception=err)
                     self._running.clear()
                     self._waiting.clear()
         for seq in [*self._running, *self._waiting]:
-            _deliver(seq.future, exception=RuntimeError("engine closed"))
+            deliver(seq.future, exception=RuntimeError("engine closed"))
         for _, fut in self._calls:
-            _deliver(fut, exception=RuntimeError("engine closed"))
+            deliver(fut, exception=RuntimeError("engine closed"))
 
     def _apply_weights_locked(self) -> None:
         pending, self._pending_weights = self._pending_weights, None
@@ -358,9 +348,7 @@ class BuiltinEngine:
         top_k = torch.tensor([p.top_k for p in params], dtype=torch.long)
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
         if bool(((top_k > 0) | (top_p < 1.0)).any()):
-            from loomrl.engine.torch_engine import _filter_logits
-
-            scaled = _filter_logits(scaled, top_k, top_p)
+            scaled = filter_logits(scaled, top_k, top_p)
         logprobs = torch.log_softmax(scaled, dim=-1)
         probs = logprobs.exp()
         out_tokens, out_lps = [], []
@@ -391,5 +379,5 @@ class BuiltinEngine:
             # Keep the turn's K/V for the program's next turn (its tokens minus the last sampled one,
             # whose K/V was never computed).
             self.cache.insert(seq.kv_tokens(), seq.kv, seq.request.program_id)
-        _deliver(seq.future, GenerationResult(token_ids=list(seq.out_tokens), logprobs=list(seq.out_logprobs),
+        deliver(seq.future, GenerationResult(token_ids=list(seq.out_tokens), logprobs=list(seq.out_logprobs),
                                               versions=list(seq.out_versions), finish_reason=reason))

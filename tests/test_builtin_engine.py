@@ -8,12 +8,14 @@ import time
 
 import pytest
 import torch
+from engine_checks import forward_logits, greedy_reference, token_logprobs
 
 from loomrl.config import ModelConfig
 from loomrl.engine.base import GenerationRequest, SamplingParams
 from loomrl.engine.builtin.engine import BuiltinEngine
 from loomrl.engine.builtin.prefix_cache import PrefixCache
 from loomrl.engine.builtin.runner import Chunk, ModelRunner
+from loomrl.engine.common import filter_logits
 from loomrl.model.loader import build_tiny_model
 
 
@@ -59,22 +61,16 @@ def test_greedy_matches_transformers_and_logprobs_match_forward(engine, tiny_mod
     prompts = _prompts(tokenizer)
     results = _run(engine, prompts, temperature=0.0, max_tokens=12)
     for p, r in zip(prompts, results):
-        ref = tiny_model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False,
-                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
-        assert r.token_ids == ref[0, len(p):].tolist()[: len(r.token_ids)]
+        assert r.token_ids == greedy_reference(tiny_model, tokenizer, p, 12)[: len(r.token_ids)]
     sampled = _run(engine, prompts, temperature=0.8, top_p=0.9, max_tokens=10, seed=1)
     for p, r in zip(prompts, sampled):
-        with torch.no_grad():
-            logits = tiny_model(torch.tensor([p + r.token_ids])).logits[0, len(p) - 1 : -1] / 0.8
-        full = torch.log_softmax(logits, -1)
+        logits = forward_logits(tiny_model, p, r.token_ids, 0.8)
         # top-p renormalises over the kept tokens, so compare against the filtered distribution
-        from loomrl.engine.common import filter_logits
-
-        filt = torch.log_softmax(filter_logits(logits, torch.zeros(len(logits), dtype=torch.long),
-                                                torch.full((len(logits),), 0.9)), -1)
-        ids = torch.tensor(r.token_ids).unsqueeze(1)
-        assert torch.allclose(filt.gather(1, ids).squeeze(1), torch.tensor(r.logprobs), atol=1e-4)
-        assert (full.gather(1, ids).squeeze(1) <= filt.gather(1, ids).squeeze(1) + 1e-6).all()
+        rows = len(logits)
+        filtered = filter_logits(logits, torch.zeros(rows, dtype=torch.long), torch.full((rows,), 0.9))
+        kept = token_logprobs(filtered, r.token_ids)
+        assert torch.allclose(kept, torch.tensor(r.logprobs), atol=1e-4)
+        assert (token_logprobs(logits, r.token_ids) <= kept + 1e-6).all()
 
 
 def test_prefix_cache_on_and_off_give_identical_outputs(tiny_model, tokenizer):

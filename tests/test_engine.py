@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 import torch
+from engine_checks import forward_logits, greedy_reference, token_logprobs
 
 from loomrl.engine.base import GenerationRequest, SamplingParams
 from loomrl.engine.torch_engine import TorchEngine
@@ -37,9 +38,7 @@ def test_greedy_matches_transformers_generate(engine, tiny_model, tokenizer):
     prompts = _prompts(tokenizer)
     results = _run(engine, prompts, temperature=0.0, max_tokens=12)
     for p, r in zip(prompts, results):
-        ref = tiny_model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False,
-                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
-        assert r.token_ids == ref[0, len(p):].tolist()[: len(r.token_ids)]
+        assert r.token_ids == greedy_reference(tiny_model, tokenizer, p, 12)[: len(r.token_ids)]
         assert r.finish_reason in ("stop", "length")
 
 
@@ -48,11 +47,7 @@ def test_logprobs_match_a_full_forward_pass(engine, tiny_model, tokenizer):
     for temperature in (0.0, 0.7):
         results = _run(engine, prompts, temperature=temperature, max_tokens=10)
         for p, r in zip(prompts, results):
-            with torch.no_grad():
-                logits = tiny_model(torch.tensor([p + r.token_ids])).logits[0, len(p) - 1 : -1]
-            if temperature > 0:
-                logits = logits / temperature
-            ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(r.token_ids).unsqueeze(1)).squeeze(1)
+            ref = token_logprobs(forward_logits(tiny_model, p, r.token_ids, temperature), r.token_ids)
             assert torch.allclose(ref, torch.tensor(r.logprobs), atol=1e-4)
 
 

@@ -59,11 +59,9 @@ def test_builtin_engine_greedy_equals_transformers_on_smollm2():
         results = asyncio.run(go())
     finally:
         engine.close()
+    from engine_checks import forward_logits, greedy_reference, token_logprobs
+
     for p, r in zip(prompts, results):
-        ref = model.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
-        assert r.token_ids == ref[0, len(p):].tolist()
-        with torch.no_grad():
-            logits = model(torch.tensor([p + r.token_ids])).logits[0, len(p) - 1 : -1]
-        lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(r.token_ids).unsqueeze(1)).squeeze(1)
+        assert r.token_ids == greedy_reference(model, tokenizer, p, 24)
+        lp = token_logprobs(forward_logits(model, p, r.token_ids), r.token_ids)
         assert torch.allclose(lp, torch.tensor(r.logprobs), atol=1e-4)

@@ -1,0 +1,24 @@
+"""References the engine tests compare against: transformers' own greedy `generate` and a full forward pass."""
+
+from __future__ import annotations
+
+import torch
+
+
+def greedy_reference(model, tokenizer, prompt: list[int], max_tokens: int) -> list[int]:
+    """Token ids transformers' greedy `generate` produces after `prompt`."""
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+    return out[0, len(prompt):].tolist()
+
+
+def forward_logits(model, prompt: list[int], sampled: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """Logits (divided by the temperature when > 0) that predicted each sampled token: [len(sampled), V]."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + sampled])).logits[0, len(prompt) - 1 : -1]
+    return logits / temperature if temperature > 0 else logits
+
+
+def token_logprobs(logits: torch.Tensor, sampled: list[int]) -> torch.Tensor:
+    """log softmax(logits) at each sampled token."""
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(sampled).unsqueeze(1)).squeeze(1)

@@ -195,3 +195,23 @@ def test_call_runs_on_the_engine_thread_between_steps(engine):
 
     with pytest.raises(ValueError, match="bad"):
         engine.call(boom).result(timeout=10)
+
+
+def test_sampling_follows_the_filtered_distribution():
+    from loomrl.engine.common import sample_tokens
+
+    n = 20000
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf"), 0.5]]).repeat(n, 1)
+    params = [SamplingParams(temperature=0.7, top_k=4)] * n
+    tokens, logprobs = sample_tokens(logits, params, torch.rand(n, generator=torch.Generator().manual_seed(0)))
+    expected = torch.softmax(filter_logits(logits[:1] / 0.7, torch.tensor([4]), torch.tensor([1.0])), dim=-1)[0]
+    freq = torch.bincount(tokens, minlength=6).float() / n
+    assert freq[3] == 0 and freq[4] == 0  # outside the top 4, and -inf
+    assert torch.allclose(freq, expected, atol=0.015)
+    assert torch.allclose(logprobs, expected.log()[tokens])
+    # The ends of [0, 1) never select a zero-probability token.
+    edge = torch.tensor([[float("-inf"), 0.0, float("-inf"), 1.0, float("-inf")]]).repeat(2, 1)
+    tokens, _ = sample_tokens(edge, [SamplingParams(temperature=1.0)] * 2, torch.tensor([0.0, 1.0 - 2**-24]))
+    assert tokens.tolist() == [1, 3]
+    greedy, lp = sample_tokens(edge[:1], [SamplingParams(temperature=0.0)], torch.tensor([0.5]))
+    assert greedy.item() == 3 and abs(lp.item() - torch.log_softmax(edge[0], -1)[3].item()) < 1e-6

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loomrl.engine.base import GenerationRequest, GenerationResult, SamplingParams
-from loomrl.engine.common import deliver, filter_logits
+from loomrl.engine.common import deliver, sample_tokens
 
 
 @dataclass(slots=True)
@@ -203,9 +203,6 @@ class TorchEngine:
         next_pos = positions[:, -1:] + 1
 
         params: list[SamplingParams] = [r.sampling for r in requests]
-        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
         stops = [set(p.stop_token_ids) | {self.eos_token_id} for p in params]
         max_new = [p.max_tokens for p in params]
         tokens: list[list[int]] = [[] for _ in range(n)]
@@ -214,14 +211,8 @@ class TorchEngine:
         rows = list(range(n))  # request index of each live batch row
 
         while True:
-            greedy = temps <= 0
-            scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
-            if bool(((top_k > 0) | (top_p < 1.0)).any()):
-                scaled = filter_logits(scaled, top_k, top_p)
-            logprobs = torch.log_softmax(scaled, dim=-1)
-            sampled = torch.multinomial(logprobs.exp(), 1, generator=self._generator).squeeze(1)
-            chosen = torch.where(greedy, scaled.argmax(-1), sampled)
-            chosen_lp = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
+            chosen, chosen_lp = sample_tokens(logits, [params[r] for r in rows],
+                                              torch.rand(len(rows), generator=self._generator))
             keep = []
             for b, req_idx in enumerate(rows):
                 tok = int(chosen[b])
@@ -239,7 +230,6 @@ class TorchEngine:
                 idx = torch.tensor(keep)
                 cache.batch_select_indices(idx)
                 attn, next_pos, chosen = attn[idx], next_pos[idx], chosen[idx]
-                temps, top_k, top_p = temps[idx], top_k[idx], top_p[idx]
                 rows = [rows[b] for b in keep]
             attn = torch.cat([attn, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
             out = model(

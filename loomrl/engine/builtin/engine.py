@@ -37,7 +37,7 @@ import torch
 from loomrl.engine.base import GenerationRequest, GenerationResult
 from loomrl.engine.builtin.prefix_cache import PrefixCache
 from loomrl.engine.builtin.runner import Chunk, ModelRunner, SequenceKV
-from loomrl.engine.common import deliver, filter_logits
+from loomrl.engine.common import deliver, sample_tokens
 
 
 @dataclass(slots=True)
@@ -202,6 +202,7 @@ class BuiltinEngine:
             except BaseException as err:  # noqa: BLE001 - fail the requests in flight, keep serving
                 with self._cond:
                     for seq in [*self._running, *self._waiting]:
+                        self._retire_kv(seq)
                         deliver(seq.future, exception=err)
                     self._running.clear()
                     self._waiting.clear()
@@ -218,6 +219,7 @@ class BuiltinEngine:
         if weights is not None:
             with torch.no_grad():
                 self.model.load_state_dict(weights, strict=False)
+        self.runner.refresh()  # re-pack: with weights=None the model was changed in place
         if self.cache is not None:
             self.cache.clear()  # cached K/V was computed by the old weights
         self._version = version
@@ -285,7 +287,7 @@ class BuiltinEngine:
             self._running.remove(victim)
             # Recompute later: the sampled tokens become part of the prompt to re-prefill.
             victim.prompt = list(victim.request.prompt_ids) + victim.out_tokens
-            victim.kv = None
+            self._retire_kv(victim)
             self._waiting.appendleft(victim)
             self.metrics.preemptions += 1
 
@@ -341,25 +343,9 @@ class BuiltinEngine:
                     self._finish(seq, reason)
 
     def _sample(self, logits: torch.Tensor, seqs: list[_Seq]) -> tuple[list[int], list[float]]:
-        params = [s.request.sampling for s in seqs]
-        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-        greedy = temps <= 0
-        scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
-        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-        if bool(((top_k > 0) | (top_p < 1.0)).any()):
-            scaled = filter_logits(scaled, top_k, top_p)
-        logprobs = torch.log_softmax(scaled, dim=-1)
-        probs = logprobs.exp()
-        out_tokens, out_lps = [], []
-        for i, seq in enumerate(seqs):
-            if greedy[i]:
-                tok = int(scaled[i].argmax())
-            else:
-                tok = int(torch.multinomial(probs[i], 1, generator=seq.generator or self._generator))
-            out_tokens.append(tok)
-            out_lps.append(float(logprobs[i, tok]))
-        return out_tokens, out_lps
+        uniforms = torch.cat([torch.rand(1, generator=seq.generator or self._generator) for seq in seqs])
+        tokens, logprobs = sample_tokens(logits, [s.request.sampling for s in seqs], uniforms)
+        return tokens.tolist(), logprobs.tolist()
 
     def _stop_reason(self, seq: _Seq, tok: int) -> str | None:
         sp = seq.request.sampling
@@ -373,11 +359,22 @@ class BuiltinEngine:
             return "length"
         return None
 
+    def _retire_kv(self, seq: _Seq) -> None:
+        """A sequence leaves the batch: its pool slot is freed; K/V the prefix cache may hold (its
+        prompt is inserted once prefilled) is first copied out of the pool."""
+        if seq.kv is not None:
+            if self.cache is not None:
+                seq.kv.detach()
+            else:
+                seq.kv.free()
+        seq.kv = None
+
     def _finish(self, seq: _Seq, reason: str) -> None:
         self.metrics.finished += 1
         if self.cache is not None and seq.kv is not None and reason != "interrupted":
             # Keep the turn's K/V for the program's next turn (its tokens minus the last sampled one,
             # whose K/V was never computed).
             self.cache.insert(seq.kv_tokens(), seq.kv, seq.request.program_id)
+        self._retire_kv(seq)
         deliver(seq.future, GenerationResult(token_ids=list(seq.out_tokens), logprobs=list(seq.out_logprobs),
                                               versions=list(seq.out_versions), finish_reason=reason))

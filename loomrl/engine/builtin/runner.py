@@ -245,6 +245,15 @@ class ModelRunner:
         self.layers: list[_LayerWeights] = []
         self.head: _Linear | None = None
         self.refresh()
+        # Work done, for rooflines: tokens through the layers, rows through the output head.
+        self.tokens_computed = 0
+        self.rows_projected = 0
+
+    def matmul_flops(self, tokens: int, head_rows: int) -> int:
+        """FLOPs of the projections for `tokens` through all layers and `head_rows` through the head."""
+        per_token = sum(lin.weight.numel() for w in self.layers for lin in (w.qkv, w.o, w.gate_up, w.down))
+        assert self.head is not None
+        return 2 * (tokens * per_token + head_rows * self.head.weight.numel())
 
     def refresh(self) -> None:
         """Re-read (and re-pack) the model's weights; call after they change."""
@@ -338,6 +347,8 @@ class ModelRunner:
             h = h + w.down(self.base.layers[li].mlp.act_fn(gate) * up)
         for c, n in zip(chunks, lengths):
             c.kv.length += n
+        self.tokens_computed += N
+        self.rows_projected += len(chunks)
         last = torch.tensor([o - 1 for o in offsets[1:]])
         hl = F.rms_norm(h[last], (h.shape[-1],), self.base.norm.weight.detach(), self.base.norm.variance_epsilon)
         return self.head(hl).float()

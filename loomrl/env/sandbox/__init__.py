@@ -1,4 +1,4 @@
-"""Sandboxes that run tool code: bubblewrap (default on Linux) or a plain process (development only)."""
+"""Sandboxes that run tool code: bubblewrap (default on Linux), Docker, or a plain process (development only)."""
 
 from loomrl.env.sandbox.base import ExecResult, Sandbox, SandboxError, make_sandbox
 

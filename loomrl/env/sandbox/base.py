@@ -1,8 +1,21 @@
 """The Sandbox interface and the factory that picks a backend.
 
 A sandbox owns one private working directory and runs commands in it with a wall-clock timeout that
-kills the whole process group. Backends: `bwrap` (isolating: see bwrap.py) and `process` (isolates
-nothing; for development on machines without bubblewrap, and it says so loudly).
+kills the whole process group. Interface (what environments and the pool use):
+
+    exec(argv, timeout=, stdin=)   run one command in the workdir; ExecResult (never raises for the
+                                   command's own failures; `killed` says why it was stopped, if it was)
+    write_file(path, data)         put a file into the workdir (host side, between commands)
+    read_file(path)                read a file of the workdir (host side; refuses paths that leave it)
+    snapshot()                     remember the workdir as the state `reset()` restores
+    reset()                        restore that state (empty unless snapshot() was called)
+    health()                       can the sandbox still run a trivial command quickly?
+    close()                        remove the workdir and its snapshot
+
+Backends: `bwrap` (isolating: see bwrap.py), `process` (isolates nothing; for development on machines
+without bubblewrap, and it says so loudly) and `docker` (for machines with a Docker engine).
+Disk: while a command runs, the workdir's size is polled and the command killed past the quota
+(`limits["disk_mb"]`), so a disk filler stops within one poll interval of the limit.
 """
 
 from __future__ import annotations
@@ -17,9 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+DISK_POLL_S = 0.05
+
 
 class SandboxError(RuntimeError):
-    """The sandbox itself failed (could not start, backend missing)."""
+    """The sandbox itself failed (could not start, backend missing, a path outside the workdir)."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -29,6 +44,7 @@ class ExecResult:
     stderr: str
     timed_out: bool
     duration_s: float
+    killed: str | None = None  # "timeout" or "disk_quota" when the sandbox stopped the command
 
     @property
     def crashed(self) -> bool:
@@ -37,27 +53,74 @@ class ExecResult:
 
 
 class Sandbox(Protocol):
+    backend: str
     workdir: Path
     python: str  # a Python interpreter usable inside the sandbox
 
     async def exec(self, argv: list[str], *, timeout: float, stdin: str | None = None) -> ExecResult: ...
 
+    def write_file(self, path: str, data: str | bytes) -> None: ...
+
+    def read_file(self, path: str) -> str: ...
+
+    def snapshot(self) -> None: ...
+
+    def reset(self) -> None: ...
+
+    async def health(self, timeout: float = 5.0) -> bool: ...
+
     def close(self) -> None: ...
 
 
+def dir_size(path: Path) -> int:
+    """Bytes used by the files under `path` (symlinks not followed)."""
+    total = 0
+    stack = [str(path)]
+    while stack:
+        try:
+            with os.scandir(stack.pop()) as entries:
+                for entry in entries:
+                    try:
+                        if entry.is_dir(follow_symlinks=False):
+                            stack.append(entry.path)
+                        else:
+                            total += entry.stat(follow_symlinks=False).st_blocks * 512
+                    except OSError:
+                        continue
+        except OSError:
+            continue
+    return total
+
+
 class _SubprocessSandbox:
-    """Shared machinery: a private workdir and process-group-killing exec."""
+    """Shared machinery: a private workdir, process-group-killing exec, host-side files and snapshots."""
 
     backend = "base"
+    python = "python3"
+    default_limits: dict[str, int] = {"disk_mb": 256}
 
-    def __init__(self, root: str | None = None):
-        self.workdir = Path(tempfile.mkdtemp(prefix=f"loomrl-{self.backend}-", dir=root))
-        os.chmod(self.workdir, 0o777)  # the sandboxed program runs as an unprivileged uid
+    def __init__(self, root: str | None = None, limits: dict[str, int] | None = None):
+        self.limits = {**self.default_limits, **(limits or {})}
+        self._home = Path(tempfile.mkdtemp(prefix=f"loomrl-{self.backend}-", dir=root))
+        os.chmod(self._home, 0o711)  # the sandbox's uid may traverse into its workdir, not list siblings
+        self.workdir = self._home / "work"
+        self.workdir.mkdir()
+        self._snapshot = self._home / "snapshot"  # outside the workdir: never visible inside
         self._closed = False
+        self._prepare_workdir()
 
+    # -- hooks for backends -------------------------------------------------------------------------
     def wrap(self, argv: list[str]) -> list[str]:
         raise NotImplementedError  # each backend says how it wraps a command
 
+    def _prepare_workdir(self) -> None:
+        """Ownership and mode of a fresh or restored workdir."""
+        os.chmod(self.workdir, 0o777)
+
+    def _after_exec(self) -> None:
+        """Called after every command (backends kill leftovers here)."""
+
+    # -- commands ---------------------------------------------------------------------------------
     async def exec(self, argv: list[str], *, timeout: float, stdin: str | None = None) -> ExecResult:
         if self._closed:
             raise SandboxError("sandbox is closed")
@@ -69,41 +132,124 @@ class _SubprocessSandbox:
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,  # own process group, so a timeout kills every descendant
         )
-        timed_out = False
+        killed: str | None = None
+        talk = asyncio.ensure_future(proc.communicate(stdin.encode() if stdin is not None else None))
+        quota = self.limits.get("disk_mb", 0) * 1024 * 1024
         try:
-            out, err = await asyncio.wait_for(proc.communicate(stdin.encode() if stdin is not None else None), timeout)
-        except TimeoutError:
-            timed_out = True
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            out, err = await proc.communicate()
+            while True:
+                done, _ = await asyncio.wait({talk}, timeout=DISK_POLL_S)
+                if done:
+                    break
+                if time.perf_counter() - start > timeout:
+                    killed = "timeout"
+                elif quota and dir_size(self.workdir) > quota:
+                    killed = "disk_quota"
+                if killed:
+                    self._kill(proc.pid)
+                    break
+            out, err = await talk
+        except BaseException:
+            self._kill(proc.pid)  # cancelled (trajectory deadline): leave nothing running
+            raise
+        finally:
+            self._after_exec()
+        if killed == "disk_quota":
+            err += f"\n[loomrl] killed: the workdir passed its disk quota of {self.limits['disk_mb']} MB".encode()
         return ExecResult(
             returncode=proc.returncode if proc.returncode is not None else -9,
             stdout=out.decode(errors="replace"),
             stderr=err.decode(errors="replace"),
-            timed_out=timed_out,
+            timed_out=killed == "timeout",
             duration_s=time.perf_counter() - start,
+            killed=killed,
         )
+
+    @staticmethod
+    def _kill(pgid: int) -> None:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    async def health(self, timeout: float = 5.0) -> bool:
+        """A trivial command runs, exits 0 and prints what it was told, within `timeout`."""
+        if self._closed:
+            return False
+        try:
+            res = await self.exec(["/usr/bin/echo", "loomrl-ok"], timeout=timeout)
+        except (OSError, SandboxError):
+            return False
+        return res.returncode == 0 and res.stdout.strip() == "loomrl-ok" and self.workdir.is_dir()
+
+    # -- files --------------------------------------------------------------------------------------
+    def _inside(self, path: str) -> Path:
+        """The host path of `path` (relative to the workdir, or absolute under /work), refusing any
+        path that resolves outside the workdir: the sandboxed program may have planted symlinks."""
+        rel = path[len("/work/"):] if path.startswith("/work/") else path
+        target = (self.workdir / rel).resolve()
+        root = self.workdir.resolve()
+        if target != root and root not in target.parents:
+            raise SandboxError(f"sandbox error: {path!r} resolves outside the sandbox's workdir")
+        return target
+
+    def write_file(self, path: str, data: str | bytes) -> None:
+        target = self._inside(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.is_symlink():
+            target.unlink()
+        target.write_bytes(data.encode() if isinstance(data, str) else data)
+        self._own(target)
+
+    def read_file(self, path: str) -> str:
+        target = self._inside(path)
+        if not target.is_file():
+            raise SandboxError(f"sandbox error: {path!r} is not a file in the workdir")
+        return target.read_text(errors="replace")
+
+    def _own(self, path: Path) -> None:
+        """Make a host-written file usable by the sandboxed program (backends override)."""
+
+    # -- state --------------------------------------------------------------------------------------
+    def snapshot(self) -> None:
+        shutil.rmtree(self._snapshot, ignore_errors=True)
+        shutil.copytree(self.workdir, self._snapshot, symlinks=True)
+
+    def reset(self) -> None:
+        """Restore the workdir to the snapshot (or to empty): every file the program made is gone."""
+        if self._closed:
+            raise SandboxError("sandbox is closed")
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        if self._snapshot.exists():
+            shutil.copytree(self._snapshot, self.workdir, symlinks=True)
+        else:
+            self.workdir.mkdir()
+        self._prepare_workdir()
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            shutil.rmtree(self.workdir, ignore_errors=True)
+            shutil.rmtree(self._home, ignore_errors=True)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
 
-def make_sandbox(backend: str = "auto") -> Sandbox:
+def make_sandbox(backend: str = "auto", limits: dict[str, int] | None = None) -> Sandbox:
     """`auto` picks bwrap when it is installed and works, else the (loud) process backend."""
     from loomrl.env.sandbox.bwrap import BwrapSandbox, bwrap_available
+    from loomrl.env.sandbox.docker import DockerSandbox
     from loomrl.env.sandbox.process import ProcessSandbox
 
     if backend == "bwrap":
         if not bwrap_available():
-            raise SandboxError("sandbox error: bubblewrap is not usable here; install it (apt-get install -y bubblewrap) or set env.sandbox=process")
-        return BwrapSandbox()
+            raise SandboxError("sandbox error: bubblewrap is not usable here; install it (apt-get install -y "
+                               "bubblewrap) or set env.sandbox=process")
+        return BwrapSandbox(limits=limits)
     if backend == "process":
-        return ProcessSandbox()
+        return ProcessSandbox(limits=limits)
+    if backend == "docker":
+        return DockerSandbox(limits=limits)
     if backend == "auto":
-        return BwrapSandbox() if bwrap_available() else ProcessSandbox()
-    raise SandboxError(f"sandbox error: unknown backend {backend!r}; use bwrap, process or auto")
+        return BwrapSandbox(limits=limits) if bwrap_available() else ProcessSandbox(limits=limits)
+    raise SandboxError(f"sandbox error: unknown backend {backend!r}; use bwrap, process, docker or auto")

@@ -1,14 +1,18 @@
 """bubblewrap sandbox: what is covered and what is not.
 
-Covered: no network (own empty network namespace), own pid/ipc/uts namespaces, read-only /usr (and
-the /bin, /lib links into it), a private tmpfs /tmp, the sandbox's own workdir as the only writable
-place (/work), no other host files, the environment cleared. The program runs as an unprivileged uid of its own
-(one per sandbox), so RLIMIT_NPROC holds per sandbox (the kernel never applies it to root), with rlimits on CPU seconds, address
-space, processes and file size; bwrap dies with its parent and the wall-clock timeout kills the
-whole process group.
+Covered: no network (own empty network namespace), own pid/ipc/uts namespaces (processes outside are
+invisible, so they cannot be signalled), read-only /usr (and the /bin, /lib links into it), a private
+size-limited tmpfs /tmp, the sandbox's own workdir as the only writable place (/work), no other host
+files, the environment cleared. The program runs as an unprivileged uid of its own (one per sandbox),
+so RLIMIT_NPROC holds per sandbox (the kernel never applies it to root) and sandboxes cannot read or
+signal each other; rlimits on CPU seconds, address space, processes and file size; a disk quota on the
+workdir enforced by polling (base.py). bwrap dies with its parent; the wall-clock timeout kills the
+whole process group; when a command ends, its pid namespace ends with it (bwrap's pid 1 goes, the
+kernel kills what is left) and any process still owned by the sandbox's uid is killed as well, so no
+daemon survives a step.
 
-Not covered: a pids/memory cgroup (rlimits are per process), disk quota of the workdir beyond the
-per-file size limit, seccomp filtering of syscalls. The environment pool issue deepens this.
+Not covered: a memory cgroup (the address-space rlimit is per process; nproc x address space bounds the
+total), seccomp filtering of syscalls.
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ import functools
 import itertools
 import os
 import shutil
+import signal
 import subprocess
 import threading
+from pathlib import Path
 
 from loomrl.env.sandbox.base import _SubprocessSandbox
 
@@ -35,30 +41,65 @@ def _next_uid() -> int:
         return _UID_BASE + (os.getpid() * 997 + next(_uid_counter)) % _UID_SPAN
 
 
+DEFAULT_LIMITS = {"cpu_s": 10, "address_space_mb": 1024, "nproc": 64, "file_size_mb": 16, "disk_mb": 256,
+                  "tmp_mb": 64}
+
+
 @functools.cache
 def bwrap_available() -> bool:
     if shutil.which("bwrap") is None or shutil.which("setpriv") is None or shutil.which("prlimit") is None:
         return False
-    probe = BwrapSandbox.command_for("/tmp", ["/usr/bin/true"], limits=_DEFAULT_LIMITS, uid=_next_uid())
+    if os.geteuid() != 0:
+        return False  # one uid per sandbox needs root to switch to it
+    probe = BwrapSandbox.command_for("/tmp", ["/usr/bin/true"], limits=DEFAULT_LIMITS, uid=_next_uid())
     try:
         return subprocess.run(probe, capture_output=True, timeout=10).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
 
 
-_DEFAULT_LIMITS = {"cpu_s": 10, "address_space_mb": 1024, "nproc": 64, "file_size_mb": 16}
+def kill_uid(uid: int) -> int:
+    """SIGKILL every process owned by `uid` (a sandbox's own uid); returns how many were found."""
+    found = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            if entry.stat().st_uid == uid:
+                found += 1
+                os.kill(int(entry.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            continue
+    return found
 
 
 class BwrapSandbox(_SubprocessSandbox):
     backend = "bwrap"
     python = "/usr/bin/python3"  # Debian's; root's pyenv python is unreadable to other uids
+    default_limits = DEFAULT_LIMITS
 
     def __init__(self, root: str | None = None, limits: dict[str, int] | None = None):
-        super().__init__(root)
-        self.limits = {**_DEFAULT_LIMITS, **(limits or {})}
         self.uid = _next_uid()
+        self.leftovers_killed = 0  # processes found still running after a command ended
+        super().__init__(root, limits)
+
+    def _prepare_workdir(self) -> None:
+        # Only this sandbox's uid (and root) can enter its workdir; files restored from a snapshot
+        # (copied by root) are handed back to it.
+        for dirpath, dirnames, filenames in os.walk(self.workdir):
+            for name in [*dirnames, *filenames]:
+                os.lchown(os.path.join(dirpath, name), self.uid, self.uid)
         os.chown(self.workdir, self.uid, self.uid)
-        os.chmod(self.workdir, 0o700)  # only this sandbox's uid (and root) can enter it
+        os.chmod(self.workdir, 0o700)
+
+    def _own(self, path: Path) -> None:
+        node = path
+        while node != self.workdir and self.workdir in node.parents:
+            os.lchown(node, self.uid, self.uid)
+            node = node.parent
+
+    def _after_exec(self) -> None:
+        self.leftovers_killed += kill_uid(self.uid)
 
     @staticmethod
     def command_for(workdir: str, argv: list[str], *, limits: dict[str, int], uid: int) -> list[str]:
@@ -75,7 +116,8 @@ class BwrapSandbox(_SubprocessSandbox):
             "--symlink", "usr/lib", "/lib",
             "--symlink", "usr/lib64", "/lib64",
             "--symlink", "usr/bin", "/bin",
-            "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
+            "--proc", "/proc", "--dev", "/dev",
+            "--size", str(limits["tmp_mb"] * 1024 * 1024), "--tmpfs", "/tmp",
             "--bind", workdir, "/work", "--chdir", "/work",
             "--clearenv", "--setenv", "PATH", "/usr/bin", "--setenv", "HOME", "/work",
             "--",

@@ -18,9 +18,9 @@ class ProcessSandbox(_SubprocessSandbox):
     backend = "process"
     python = sys.executable
 
-    def __init__(self, root: str | None = None):
+    def __init__(self, root: str | None = None, limits: dict[str, int] | None = None):
         global _warned
-        super().__init__(root)
+        super().__init__(root, limits)
         if not _warned:
             _warned = True
             log.warning(

@@ -135,19 +135,28 @@ class _SubprocessSandbox:
         killed: str | None = None
         talk = asyncio.ensure_future(proc.communicate(stdin.encode() if stdin is not None else None))
         quota = self.limits.get("disk_mb", 0) * 1024 * 1024
+        exited_at: float | None = None
         try:
             while True:
                 done, _ = await asyncio.wait({talk}, timeout=DISK_POLL_S)
                 if done:
                     break
-                if time.perf_counter() - start > timeout:
+                now = time.perf_counter()
+                if proc.returncode is not None:
+                    # The command exited but something it started still holds its output pipes
+                    # (a daemon outside its process group): give it a moment, then kill the group.
+                    exited_at = exited_at or now
+                    if now - exited_at > 0.5:
+                        self._kill(proc.pid)
+                        break
+                if now - start > timeout:
                     killed = "timeout"
                 elif quota and dir_size(self.workdir) > quota:
                     killed = "disk_quota"
                 if killed:
                     self._kill(proc.pid)
                     break
-            out, err = await talk
+            out, err = await self._collect(talk, proc)
         except BaseException:
             self._kill(proc.pid)  # cancelled (trajectory deadline): leave nothing running
             raise
@@ -163,6 +172,20 @@ class _SubprocessSandbox:
             duration_s=time.perf_counter() - start,
             killed=killed,
         )
+
+    @staticmethod
+    async def _collect(talk: asyncio.Future, proc: asyncio.subprocess.Process) -> tuple[bytes, bytes]:
+        """The command's output; if a process outside its group keeps the pipes open after the kill,
+        stop waiting for them (what was read so far is lost; the process backend only: bwrap's pid
+        namespace leaves no such process)."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(talk), 2.0)
+        except TimeoutError:
+            talk.cancel()
+            transport = getattr(proc, "_transport", None)
+            if transport is not None:
+                transport.close()
+            return b"", b"[loomrl] output lost: a process that escaped the command's group kept its pipes open"
 
     @staticmethod
     def _kill(pgid: int) -> None:

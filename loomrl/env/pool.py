@@ -1,0 +1,296 @@
+"""EnvPool: pre-warmed sandboxes, handed out healthy and taken back clean.
+
+- Pre-warm: `start()` creates `prewarm` instances concurrently before the first rollout needs one.
+- Acquire: an idle instance if there is one, else a new one while the pool is under `size`, else wait.
+  Every instance gets a health check before it is handed out; a failing one is destroyed and replaced.
+- Release: the instance is reset to its initial state (workdir snapshot restored, leftovers killed) in
+  the background and only then becomes idle again, so the next acquire does not pay for the reset.
+  An instance released as broken (a step or trajectory timeout, a crash) is destroyed, never reused,
+  and a replacement is prepared in the background.
+- `lease()`: acquire + release as an async context manager; an exception or cancellation inside it
+  (the trajectory's deadline, say) releases the instance as broken, and cleanup hooks run either way.
+- Nothing is left behind: `close()` destroys every instance, and an atexit hook does it for pools
+  still open when the interpreter exits.
+Metrics: acquire wait, reset latency, health failures, creation failures, kills (broken releases).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import math
+import time
+import weakref
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from loomrl.env.sandbox.base import Sandbox, SandboxError
+
+log = logging.getLogger(__name__)
+
+_open_pools: weakref.WeakSet[EnvPool] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_pools() -> None:
+    for pool in list(_open_pools):
+        pool.destroy_all_now()
+
+
+@dataclass(slots=True)
+class PoolMetrics:
+    created: int = 0
+    destroyed: int = 0
+    acquired: int = 0
+    released: int = 0
+    resets: int = 0
+    reset_s_total: float = 0.0
+    reset_s_max: float = 0.0
+    acquire_wait_s_total: float = 0.0
+    acquire_wait_s_max: float = 0.0
+    health_failures: int = 0
+    create_failures: int = 0
+    reset_failures: int = 0
+    kills: int = 0  # instances destroyed after a broken release (timeout, crash)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def pool_size_for(concurrency: int, spare: float = 0.25) -> int:
+    """Instances for `concurrency` simultaneous rollouts, plus spares being reset or replaced meanwhile."""
+    if concurrency < 1:
+        raise ValueError(f"pool size: concurrency must be >= 1, got {concurrency}")
+    return concurrency + max(1, math.ceil(concurrency * spare))
+
+
+class EnvPool:
+    def __init__(self, factory: Callable[[], Sandbox], *, size: int, prewarm: int | None = None,
+                 health_timeout_s: float = 5.0, max_create_attempts: int = 3,
+                 prepare: Callable[[Sandbox], Awaitable[None]] | None = None):
+        """`factory` makes one sandbox (it runs in a worker thread); `prepare`, if given, lays out an
+        instance's initial state once, before its snapshot is taken (reset restores that state)."""
+        if size < 1:
+            raise ValueError(f"EnvPool: size must be >= 1, got {size}")
+        self.factory = factory
+        self.prepare = prepare
+        self.size = size
+        self.prewarm = size if prewarm is None else min(prewarm, size)
+        self.health_timeout_s = health_timeout_s
+        self.max_create_attempts = max_create_attempts
+        self.metrics = PoolMetrics()
+        self._idle: deque[Sandbox] = deque()
+        self._leased: set[int] = set()
+        self._all: dict[int, Sandbox] = {}  # every live instance: idle, leased or being reset
+        self._creating = 0
+        self._cond: asyncio.Condition | None = None  # made on first use, inside the running loop
+        self._tasks: set[asyncio.Task] = set()
+        self._closed = False
+        _open_pools.add(self)
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    async def start(self) -> EnvPool:
+        """Pre-warm: create `prewarm` instances concurrently."""
+        results = await asyncio.gather(*[self._create() for _ in range(self.prewarm)], return_exceptions=True)
+        async with self._changed:
+            for r in results:
+                if isinstance(r, BaseException):
+                    continue
+                self._idle.append(r)
+            self._changed.notify_all()
+        if self.prewarm and not self._idle:
+            raise SandboxError(f"env pool: could not create any of {self.prewarm} instances: {results[0]}")
+        return self
+
+    async def close(self) -> None:
+        self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.destroy_all_now()
+
+    def destroy_all_now(self) -> None:
+        """Synchronous teardown of every instance (idle or leased); used by close() and at exit."""
+        self._closed = True
+        for sb in list(self._all.values()):
+            self._destroy_sync(sb)
+        self._idle.clear()
+        _open_pools.discard(self)
+
+    @property
+    def _changed(self) -> asyncio.Condition:
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        return self._cond
+
+    @property
+    def live(self) -> int:
+        return len(self._all) + self._creating
+
+    @property
+    def idle(self) -> int:
+        return len(self._idle)
+
+    # -- acquire / release --------------------------------------------------------------------------
+    async def acquire(self) -> Sandbox:
+        if self._closed:
+            raise SandboxError("env pool is closed")
+        t0 = time.perf_counter()
+        while True:
+            sb = None
+            async with self._changed:
+                while not self._idle and self.live >= self.size:
+                    await self._changed.wait()
+                    if self._closed:
+                        raise SandboxError("env pool is closed")
+                if self._idle:
+                    sb = self._idle.popleft()
+                else:
+                    self._creating += 1  # reserve the slot while it is created outside the lock
+            if sb is None:
+                try:
+                    sb = await self._create(reserved=True)
+                except SandboxError:
+                    await asyncio.sleep(0.05)
+                    continue
+            if await self._healthy(sb):
+                break
+            self.metrics.health_failures += 1
+            log.warning("env pool: instance failed its health check; replacing it")
+            await asyncio.to_thread(self._destroy_sync, sb)
+            self._spawn_replacement()
+        wait = time.perf_counter() - t0
+        self.metrics.acquired += 1
+        self.metrics.acquire_wait_s_total += wait
+        self.metrics.acquire_wait_s_max = max(self.metrics.acquire_wait_s_max, wait)
+        self._leased.add(id(sb))
+        return sb
+
+    async def release(self, sb: Sandbox, *, broken: bool = False) -> None:
+        """Give an instance back: reset in the background, or destroyed and replaced if `broken`."""
+        self._leased.discard(id(sb))
+        self.metrics.released += 1
+        if id(sb) not in self._all:
+            return
+        if self._closed:
+            self._destroy_sync(sb)
+            return
+        if broken:
+            self.metrics.kills += 1
+            await asyncio.to_thread(self._destroy_sync, sb)
+            self._spawn_replacement()
+        else:
+            self._spawn(self._reset(sb))
+
+    @asynccontextmanager
+    async def lease(self, cleanup: list[Callable[[Sandbox], Any]] | None = None) -> AsyncIterator[Sandbox]:
+        """`async with pool.lease() as sb:` an exception or cancellation inside marks the instance
+        broken; `cleanup` hooks run before the release in every case (their errors are logged)."""
+        sb = await self.acquire()
+        broken = False
+        try:
+            yield sb
+        except BaseException:
+            broken = True
+            raise
+        finally:
+            for hook in cleanup or []:
+                try:
+                    result = hook(sb)
+                    if asyncio.iscoroutine(result):
+                        await result
+                except Exception as err:  # noqa: BLE001 - a failing hook must not leak the instance
+                    log.warning("env pool: cleanup hook failed: %s", err)
+                    broken = True
+            await asyncio.shield(self.release(sb, broken=broken))
+
+    # -- internals ----------------------------------------------------------------------------------
+    async def _create(self, reserved: bool = False) -> Sandbox:
+        """A new instance (prepared and snapshotted); retried, and counted in metrics."""
+        if not reserved:
+            self._creating += 1
+        try:
+            last: BaseException | None = None
+            for _ in range(self.max_create_attempts):
+                try:
+                    sb = await asyncio.to_thread(self.factory)
+                except (OSError, SandboxError) as err:
+                    self.metrics.create_failures += 1
+                    last = err
+                    continue
+                try:
+                    if self.prepare is not None:
+                        await self.prepare(sb)
+                    await asyncio.to_thread(sb.snapshot)
+                except Exception as err:  # noqa: BLE001 - a bad instance is dropped, not handed out
+                    self.metrics.create_failures += 1
+                    await asyncio.to_thread(sb.close)
+                    last = err
+                    continue
+                self._all[id(sb)] = sb
+                self.metrics.created += 1
+                return sb
+            raise SandboxError(f"env pool: creating an instance failed {self.max_create_attempts} times: {last}")
+        finally:
+            self._creating -= 1
+            async with self._changed:
+                self._changed.notify_all()
+
+    def _spawn_replacement(self) -> None:
+        self._creating += 1  # counted now, so an acquire in between does not create one too
+        self._spawn(self._replace())
+
+    async def _replace(self) -> None:
+        try:
+            sb = await self._create(reserved=True)
+        except SandboxError as err:
+            log.warning("%s", err)
+            return
+        await self._make_idle(sb)
+
+    async def _reset(self, sb: Sandbox) -> None:
+        t0 = time.perf_counter()
+        try:
+            await asyncio.to_thread(sb.reset)
+        except Exception as err:  # noqa: BLE001 - an instance that cannot be reset is replaced
+            self.metrics.reset_failures += 1
+            log.warning("env pool: reset failed (%s); replacing the instance", err)
+            await asyncio.to_thread(self._destroy_sync, sb)
+            self._spawn_replacement()
+            return
+        dt = time.perf_counter() - t0
+        self.metrics.resets += 1
+        self.metrics.reset_s_total += dt
+        self.metrics.reset_s_max = max(self.metrics.reset_s_max, dt)
+        await self._make_idle(sb)
+
+    async def _make_idle(self, sb: Sandbox) -> None:
+        async with self._changed:
+            if self._closed or id(sb) not in self._all:
+                self._destroy_sync(sb)
+            else:
+                self._idle.append(sb)
+            self._changed.notify_all()
+
+    async def _healthy(self, sb: Sandbox) -> bool:
+        try:
+            return await sb.health(timeout=self.health_timeout_s)
+        except Exception:  # noqa: BLE001 - any failure is unhealthy
+            return False
+
+    def _destroy_sync(self, sb: Sandbox) -> None:
+        if self._all.pop(id(sb), None) is not None:
+            self.metrics.destroyed += 1
+        try:
+            sb.close()
+        except Exception as err:  # noqa: BLE001
+            log.warning("env pool: closing an instance failed: %s", err)
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

@@ -69,9 +69,15 @@ class EnvConfig(_Section):
     n_train: int = Field(2000, gt=0)
     n_heldout: int = Field(200, gt=0)
     seed: int = 1234
-    sandbox: Literal["auto", "bwrap", "process"] = "auto"
+    sandbox: Literal["auto", "bwrap", "process", "docker"] = "auto"
+    # rlimits and quotas of each sandbox (bwrap: cpu_s, address_space_mb, nproc, file_size_mb, disk_mb,
+    # tmp_mb; docker: memory_mb, nproc, cpus, disk_mb, tmp_mb); unset keys keep the backend's defaults
+    sandbox_limits: dict[str, int] = Field(default_factory=dict)
+    pool_size: int = Field(0, ge=0)  # sandboxes in the env pool; 0 = sized from the rollout concurrency
+    prewarm: int | None = Field(None, ge=0)  # created before the first rollout; default: the whole pool
     tool_timeout_s: float = Field(5.0, gt=0.0)
     crash_rate: float = Field(0.0, ge=0.0, le=1.0)  # fault injection: a tool call crashes its process
+    hang_rate: float = Field(0.0, ge=0.0, le=1.0)  # fault injection: a tool call hangs until its timeout
     few_shot: Literal["none", "bare", "word"] = "word"  # worked examples shown before the task
 
 

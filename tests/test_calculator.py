@@ -7,6 +7,7 @@ import pytest
 
 from loomrl.config import ConfigError
 from loomrl.env.base import EnvCrash, ToolTimeout
+from loomrl.env.pool import EnvPool
 from loomrl.env.sandbox import make_sandbox
 from loomrl.env.tasks.calculator import CalculatorEnv, generate_tasks, make_splits, parse_final_answer
 
@@ -34,12 +35,17 @@ def test_final_answer_parsing():
     assert parse_final_answer("I think 5") is None
 
 
+def _pool(backend="auto", size=2):
+    return EnvPool(lambda: make_sandbox(backend), size=size)
+
+
 @pytest.mark.parametrize("backend", ["auto", "process"])
 def test_tool_call_runs_in_sandbox_and_answers(backend):
     task = generate_tasks(["add"], 1, 0, "train")[0]
 
     async def go():
-        env = CalculatorEnv(make_sandbox(backend))
+        pool = await _pool(backend).start()
+        env = CalculatorEnv(pool)
         obs = await env.reset(task)
         assert obs.messages[-1]["content"] == task.prompt
         step = await env.step(f"calc({task.data['expression']})")
@@ -49,35 +55,32 @@ def test_tool_call_runs_in_sandbox_and_answers(backend):
         final = await env.step(f"The answer is {task.answer}.")
         assert final.done and final.info["final_answer"] == task.answer
         await env.close()
-        assert not env.sandbox.workdir.exists()
+        assert pool.metrics.acquired == 2 and pool.metrics.kills == 0  # one lease per tool call
+        dirs = [sb.workdir for sb in pool._all.values()]
+        await pool.close()
+        assert dirs and not any(d.exists() for d in dirs)
 
     asyncio.run(go())
 
 
-def test_crashing_tool_raises_env_crash():
+@pytest.mark.parametrize("fault", ["crash", "hang"])
+def test_crashing_or_hanging_tool_fails_the_step_and_its_sandbox_is_replaced(fault):
     task = generate_tasks(["add"], 1, 0, "train")[0]
 
     async def go():
-        env = CalculatorEnv(make_sandbox("auto"), crash_rate=1.0, rng=random.Random(0))
+        pool = await _pool(size=1).start()
+        rates = {"crash_rate": 1.0} if fault == "crash" else {"hang_rate": 1.0}
+        env = CalculatorEnv(pool, tool_timeout_s=0.5, rng=random.Random(0), **rates)
         await env.reset(task)
-        with pytest.raises(EnvCrash, match="exited with status"):
+        first = next(iter(pool._all.values()))
+        with pytest.raises(EnvCrash if fault == "crash" else ToolTimeout,
+                           match="exited with status" if fault == "crash" else "ran past 0.5s"):
             await env.step("calc(1 + 1)")
         await env.close()
-
-    asyncio.run(go())
-
-
-def test_hanging_tool_is_killed_at_its_timeout(monkeypatch):
-    import loomrl.env.tasks.calculator as calc
-
-    monkeypatch.setattr(calc, "TOOL_SOURCE", "import time; time.sleep(30)")
-    task = generate_tasks(["add"], 1, 0, "train")[0]
-
-    async def go():
-        env = CalculatorEnv(make_sandbox("auto"), tool_timeout_s=0.5)
-        await env.reset(task)
-        with pytest.raises(ToolTimeout):
-            await env.step("calc(1 + 1)")
-        await env.close()
+        ok = CalculatorEnv(pool)
+        await ok.reset(task)
+        assert (await ok.step("calc(1 + 1)")).observation[0]["content"] == "Result: 2"
+        assert pool.metrics.kills == 1 and first.closed and first not in pool._all.values()
+        await pool.close()
 
     asyncio.run(go())

@@ -115,6 +115,9 @@ class ScriptedEngine:
     def release(self, program_id):
         pass
 
+    def close(self):
+        pass
+
 
 def test_crashing_tool_is_recorded_on_its_trajectory_and_siblings_finish(tmp_path, tokenizer):
     import asyncio
@@ -131,11 +134,17 @@ def test_crashing_tool_is_recorded_on_its_trajectory_and_siblings_finish(tmp_pat
     order_task = worker.task_at(0)
     engine.turns[0] = tokenizer.encode(f"calc({order_task.data['expression']})") + [tokenizer.eos_token_id]
     engine.turns[1] = tokenizer.encode(f"The answer is {order_task.answer}.") + [tokenizer.eos_token_id]
-    group = asyncio.run(worker.run_group(0))
-    worker.close()
+
+    async def one_group():
+        try:
+            return await worker.run_group(0)
+        finally:
+            await worker.aclose()
+
+    group = asyncio.run(one_group())
     crashed = [t for t in group if t.status == "env_error"]
     solved = [t for t in group if t.status == "completed"]
-    assert crashed and solved and len(crashed) + len(solved) == 8  # crash_rate 0.5 over 8 sandboxes
+    assert crashed and solved and len(crashed) + len(solved) == 8  # crash_rate 0.5 over 8 tool calls
     for t in crashed:
         assert "calc tool exited with status" in t.error and t.metadata.env_errors == 1
         assert t.turns[-1].error == t.error and t.total_reward == 0.0
@@ -162,3 +171,26 @@ def test_cli_refuses_to_overwrite_a_run_and_resume_needs_a_checkpoint(tmp_path):
     (tmp_path / "r" / "ledger.jsonl").write_text(json.dumps({"step": 1, "trained": [], "skipped": {}, "stale": []}) + "\n")
     again = subprocess.run(cmd, capture_output=True, text=True)
     assert again.returncode == 2 and "already holds a run" in again.stderr
+
+
+def test_flaky_environment_run_completes_and_the_counts_add_up(tmp_path, tokenizer, monkeypatch):
+    """Tools crash or hang at configured rates during a real (sync) run with real sandboxes; the scripted
+    engine makes every trajectory call the tool, since the random tiny model never would."""
+    cfg = _cfg(tmp_path, "name=flaky", "runtime.mode=sync", "trainer.total_steps=2", "eval.n_tasks=8",
+               "env.crash_rate=0.3", "env.hang_rate=0.3", "env.tool_timeout_s=0.5", "reward.function=null")
+    monkeypatch.setattr(LocalRun, "_engine", lambda self, model, tok, version: ScriptedEngine(
+        tokenizer, ["calc(2 + 3)", "The answer is 5."]))
+    summary = LocalRun(cfg).train()
+    counts = summary["rollouts"]
+    ended = {k: v for k, v in counts.items() if k != "launched"}
+    assert counts["launched"] == 2 * 2 * 4 + 2 * 8  # train trajectories + eval episodes before and after
+    assert sum(ended.values()) == counts["launched"]  # every trajectory ended with a status
+    assert ended.get("env_error", 0) > 0 and ended.get("timeout", 0) > 0 and ended.get("completed", 0) > 0
+    pool = summary["env_pool"]
+    assert pool["kills"] == ended["env_error"] + ended["timeout"]  # each broken sandbox was destroyed ...
+    assert pool["created"] == pool["destroyed"]  # ... and replaced, and all were cleaned up at the end
+    rows = read_trajectories(cfg.run_dir / "trajectories").to_pylist()
+    assert len(rows) == 2 * 2 * 4 and all(r["status"] for r in rows)
+    for r in rows:
+        if r["status"] == "timeout":
+            assert "ran past 0.5s" in r["error"]

@@ -170,10 +170,12 @@ class LocalRun:
                 bar.set_postfix(reward=f"{group_summary(groups).get('rollout/reward_mean', 0):.3f}")
             bar.close()
             after = await self._evaluate(worker, "after", service.version) if cfg.eval.after and cfg.eval.n_tasks else None
-            return {"before": before, "after": after, "steps": service.version}
+            result = {"before": before, "after": after, "steps": service.version}
         finally:
-            worker.close()
+            await worker.aclose()
             engine.close()
+        # After the pool closed: its metrics then count every instance's teardown.
+        return {**result, "rollouts": worker.rollout_counts(), "env_pool": worker.pool_metrics()}
 
     # -- async ------------------------------------------------------------------------------------
     async def _run_async(self) -> dict[str, Any]:
@@ -189,10 +191,12 @@ class LocalRun:
                 before = extra["eval_before"] = await self._evaluate(worker, "before", 0)
             steps = await self._async_loop(engine, worker, extra)
             after = await self._evaluate(worker, "after", steps) if cfg.eval.after and cfg.eval.n_tasks else None
-            return {"before": before, "after": after, "steps": steps}
+            result = {"before": before, "after": after, "steps": steps}
         finally:
-            worker.close()
+            await worker.aclose()
             engine.close()
+        # After the pool closed: its metrics then count every instance's teardown.
+        return {**result, "rollouts": worker.rollout_counts(), "env_pool": worker.pool_metrics()}
 
     async def _async_loop(self, engine, worker: RolloutWorker, extra: dict[str, Any]) -> int:
         cfg = self.cfg
@@ -295,6 +299,9 @@ class LocalRun:
             "steps": result["steps"],
             "run_dir": str(self.cfg.run_dir),
             "wall_s": round(time.time() - self.wall_start, 1),
+            # launched = the sum of the ending statuses (completed, truncated, timeout, env_error, ...)
+            "rollouts": result["rollouts"],
+            "env_pool": {k: round(v, 4) if isinstance(v, float) else v for k, v in result["env_pool"].items()},
         }
         (self.cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
@@ -346,10 +353,16 @@ def evaluate_checkpoint(cfg: RunConfig, checkpoint: Path) -> dict[str, Any]:
     worker = RolloutWorker(cfg, engine, ChatRenderer(tokenizer), heldout)
     try:
         bar = _progress(min(cfg.eval.n_tasks, len(heldout)), "eval", cfg.progress)
-        res = asyncio.run(worker.evaluate(heldout[: cfg.eval.n_tasks], progress=bar))
+
+        async def run_eval() -> EvalResult:
+            try:
+                return await worker.evaluate(heldout[: cfg.eval.n_tasks], progress=bar)
+            finally:
+                await worker.aclose()
+
+        res = asyncio.run(run_eval())
         bar.close()
     finally:
-        worker.close()
         engine.close()
     return {"checkpoint": str(ckpt), **_eval_record(res)}
 

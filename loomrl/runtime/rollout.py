@@ -2,19 +2,23 @@
 
 Position p of the run's data order maps to a training task through a per-epoch permutation seeded by
 the run seed, so the stream is reproducible and a resumed run can skip exactly the positions whose
-groups were already received by the trainer. Each trajectory gets a fresh env with its own sandbox,
-always closed afterwards; the reward pool scores it off the agent loop.
+groups were already received by the trainer. Each trajectory gets a fresh env whose tool calls lease
+sandboxes from one EnvPool (pre-warmed, reset between uses, broken ones replaced); the reward pool
+scores it off the agent loop; `counts` says how many were launched and how each ended.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+from collections import Counter
 from dataclasses import dataclass
 
 from loomrl.agent.loop import AgentLoop
 from loomrl.config import RunConfig
 from loomrl.engine.base import Engine, SamplingParams
+from loomrl.env.pool import EnvPool, pool_size_for
 from loomrl.env.sandbox import make_sandbox
 from loomrl.env.tasks.calculator import CalculatorEnv
 from loomrl.model.chat import ChatRenderer
@@ -62,6 +66,8 @@ class RolloutWorker:
                 return calculator_reward(t, task, correct=cfg.reward.correct, format_weight=cfg.reward.format_weight)
         self.reward_pool = RewardPool(reward_fn, workers=cfg.reward.workers)
         self._env_rng = random.Random(f"{cfg.seed}:env")
+        self._pool: EnvPool | None = None
+        self.counts: Counter[str] = Counter()
         s = cfg.sampling
         self.train_loop = self._loop(SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                                     max_tokens=s.max_tokens))
@@ -75,18 +81,40 @@ class RolloutWorker:
     def task_at(self, position: int) -> Task:
         return self.train_tasks[self.order.index(position)]
 
-    def _make_env(self) -> CalculatorEnv:
+    def concurrency(self) -> int:
+        """Trajectories in flight at once: the groups of a step (sync) or the admission window (async)."""
+        t = self.cfg.trainer
+        return max(t.groups_per_step * (1 + self.cfg.buffer.max_policy_lag if self.cfg.runtime.mode == "async" else 1)
+                   * t.group_size,
+                   self.cfg.eval.n_tasks)
+
+    async def env_pool(self) -> EnvPool:
+        """The sandbox pool, made and pre-warmed on first use (inside the run's event loop)."""
+        if self._pool is None:
+            e = self.cfg.env
+            # A calculator call holds a sandbox only while it runs: a few per core are plenty.
+            size = e.pool_size or pool_size_for(min(self.concurrency(), 4 * (os.cpu_count() or 1)))
+            self._pool = EnvPool(lambda: make_sandbox(e.sandbox, limits=e.sandbox_limits), size=size,
+                                 prewarm=e.prewarm)
+            await self._pool.start()
+        return self._pool
+
+    async def _make_env(self) -> CalculatorEnv:
         e = self.cfg.env
-        return CalculatorEnv(make_sandbox(e.sandbox), tool_timeout_s=e.tool_timeout_s, crash_rate=e.crash_rate,
+        return CalculatorEnv(await self.env_pool(), tool_timeout_s=e.tool_timeout_s, crash_rate=e.crash_rate,
+                             hang_rate=e.hang_rate,
                              few_shot=e.few_shot, rng=random.Random(self._env_rng.random()))
 
     async def run_one(self, loop: AgentLoop, task: Task, group_id: str, position: int) -> Trajectory:
-        env = self._make_env()
+        self.counts["launched"] += 1
+        env = await self._make_env()
         try:
             traj = await loop.run(env, task, group_id=group_id, position=position)
         finally:
-            await env.close()  # sandboxes are always torn down
-        return await self.reward_pool.score(traj, task)
+            await env.close()  # sandboxes always go back to the pool
+        traj = await self.reward_pool.score(traj, task)
+        self.counts[str(traj.status)] += 1
+        return traj
 
     async def run_group(self, position: int) -> list[Trajectory]:
         task = self.task_at(position)
@@ -115,8 +143,17 @@ class RolloutWorker:
         return EvalResult(success=p, n=n, stderr=(p * (1 - p) / n) ** 0.5 if n else 0.0, statuses=statuses,
                           trajectories=trajs)
 
-    def close(self) -> None:
+    def rollout_counts(self) -> dict[str, int]:
+        """launched, and how each trajectory ended (status -> count); they add up once none is in flight."""
+        return dict(self.counts)
+
+    def pool_metrics(self) -> dict[str, float]:
+        return self._pool.metrics.as_dict() if self._pool is not None else {}
+
+    async def aclose(self) -> None:
         self.reward_pool.close()
+        if self._pool is not None:
+            await self._pool.close()  # kept: its metrics stay readable
 
 
 def group_summary(groups: list[list[Trajectory]]) -> dict[str, float]:

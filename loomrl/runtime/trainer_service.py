@@ -10,6 +10,7 @@ cut, so the ledger always equals what the saved model has seen.
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -114,7 +115,9 @@ class TrainerService:
             metrics.update({f"train/{k}": v for k, v in asdict(stats).items()})
         else:
             self.trainer.step += 1  # a step with no signal still consumes its groups
-            self.trainer.scheduler.step()
+            with warnings.catch_warnings():  # and advances the schedule on purpose, without an optimizer step
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+                self.trainer.scheduler.step()
         staleness = [version - group_min_version(g) for g in groups if group_min_version(g) >= 0]
         metrics["staleness_max"] = max(staleness) if staleness else 0
         entry = {"step": self.version, "trained": trained, "skipped": skipped,

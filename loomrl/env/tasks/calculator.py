@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from loomrl.config import ConfigError
 from loomrl.env.base import EnvCrash, Observation, StepResult, ToolTimeout
-from loomrl.env.sandbox import Sandbox
+from loomrl.env.pool import EnvPool
 from loomrl.model.tools import parse_tool_calls
 from loomrl.types import Task
 
@@ -54,12 +54,14 @@ TOOL_SCHEMAS = [
 ]
 _ANSWER = re.compile(r"answer is\s*:?\s*\$?\s*(-?[\d,]*\.?\d+)", re.IGNORECASE)
 
-# The tool program: a safe AST evaluator run with the sandbox's python. `--crash` makes it abort
-# (fault injection for testing that crashes are recorded, never fatal).
+# The tool program: a safe AST evaluator run with the sandbox's python. `--crash` makes it abort and
+# `--hang` makes it sleep forever (fault injection: crashes and hangs are recorded, never fatal).
 TOOL_SOURCE = r"""
-import ast, operator, os, sys
+import ast, operator, os, sys, time
 if "--crash" in sys.argv:
     os.abort()
+if "--hang" in sys.argv:
+    time.sleep(10**6)
 OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
 def ev(node):
@@ -208,16 +210,19 @@ def parse_final_answer(text: str) -> str | None:
 
 
 class CalculatorEnv:
-    """One episode at a time; tool calls run in `sandbox` (owned by the caller)."""
+    """One episode at a time. The tool is stateless, so each call leases a sandbox from the pool only
+    for its own duration (a program thinking or waiting on the engine holds none); a call that
+    crashes or times out returns its sandbox as broken, to be destroyed and replaced."""
 
     version = ENV_VERSION
     tools = TOOLS
 
-    def __init__(self, sandbox: Sandbox, *, tool_timeout_s: float = 5.0, crash_rate: float = 0.0,
-                 few_shot: str = "word", rng: random.Random | None = None):
-        self.sandbox = sandbox
+    def __init__(self, pool: EnvPool, *, tool_timeout_s: float = 5.0, crash_rate: float = 0.0,
+                 hang_rate: float = 0.0, few_shot: str = "word", rng: random.Random | None = None):
+        self.pool = pool
         self.tool_timeout_s = tool_timeout_s
         self.crash_rate = crash_rate
+        self.hang_rate = hang_rate
         self.few_shot = few_shot
         self.rng = rng or random.Random()
         self.task: Task | None = None
@@ -236,15 +241,19 @@ class CalculatorEnv:
         return Observation(messages=messages, tools=None)
 
     async def run_tool(self, expression: str) -> str:
-        argv = [self.sandbox.python, "-I", "-c", TOOL_SOURCE, expression]
+        fault = []
         if self.crash_rate > 0 and self.rng.random() < self.crash_rate:
-            argv.append("--crash")
-        result = await self.sandbox.exec(argv, timeout=self.tool_timeout_s)
-        if result.timed_out:
-            raise ToolTimeout(f"calc({expression}) ran past {self.tool_timeout_s}s and was killed")
-        if result.returncode != 0:
-            raise EnvCrash(f"calc tool exited with status {result.returncode}: {result.stderr.strip()[-300:]}")
-        return result.stdout.strip()
+            fault = ["--crash"]
+        elif self.hang_rate > 0 and self.rng.random() < self.hang_rate:
+            fault = ["--hang"]
+        async with self.pool.lease() as sandbox:  # an exception below releases it as broken
+            result = await sandbox.exec([sandbox.python, "-I", "-c", TOOL_SOURCE, expression, *fault],
+                                        timeout=self.tool_timeout_s)
+            if result.timed_out:
+                raise ToolTimeout(f"calc({expression}) ran past {self.tool_timeout_s}s and was killed")
+            if result.returncode != 0:
+                raise EnvCrash(f"calc tool exited with status {result.returncode}: {result.stderr.strip()[-300:]}")
+            return result.stdout.strip()
 
     async def step(self, action: str) -> StepResult:
         answer = parse_final_answer(action)
@@ -261,4 +270,4 @@ class CalculatorEnv:
         return StepResult(observation=[], done=True, info={"final_answer": answer})
 
     async def close(self) -> None:
-        self.sandbox.close()
+        self.task = None  # the pool owns the sandboxes; leases were returned after each call

@@ -33,7 +33,51 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--model-name", default=None, help="the model id clients send (default: the recipe's name)")
+    sb = sub.add_parser("sandbox", help="check the sandbox set-up", description="Sandbox tools.")
+    sbsub = sb.add_subparsers(dest="sandbox_command", required=True)
+    r = sbsub.add_parser("run", help="run one command in a fresh sandbox and print its output and exit code",
+                         description="Run one command in a fresh sandbox (workdir /work), print its stdout, its "
+                         "stderr (to stderr) and a last line with the exit code; exits with the command's code "
+                         "(124 when the sandbox killed it). Example: loomrl sandbox run -- python3 -c 'print(1)'")
+    r.add_argument("--backend", default="auto", choices=["auto", "bwrap", "process", "docker"])
+    r.add_argument("--timeout", type=float, default=30.0, help="wall-clock seconds before the command is killed")
+    r.add_argument("--limit", action="append", default=[], metavar="KEY=VALUE",
+                   help="a sandbox limit, e.g. cpu_s=5 or disk_mb=64 (repeatable)")
+    r.add_argument("--file", action="append", default=[], metavar="PATH",
+                   help="copy a host file into the workdir first (repeatable)")
+    r.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command and its arguments")
     return p
+
+
+def _sandbox_run(args) -> int:
+    import asyncio
+
+    from loomrl.env.sandbox import SandboxError, make_sandbox
+
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        raise SandboxError("sandbox run: no command given; usage: loomrl sandbox run [--backend bwrap] -- CMD ...")
+    limits = {}
+    for item in args.limit:
+        key, sep, value = item.partition("=")
+        if not sep or not value.strip().isdigit():
+            raise SandboxError(f"sandbox run: --limit {item!r} is not KEY=INTEGER (e.g. cpu_s=5)")
+        limits[key.strip()] = int(value)
+    box = make_sandbox(args.backend, limits=limits)
+    try:
+        for path in args.file:
+            host = Path(path)
+            if not host.is_file():
+                raise SandboxError(f"sandbox run: --file {path!r} is not a file")
+            box.write_file(host.name, host.read_bytes())
+        res = asyncio.run(box.exec(cmd, timeout=args.timeout))
+    finally:
+        box.close()
+    sys.stdout.write(res.stdout)
+    sys.stderr.write(res.stderr)
+    why = f", killed: {res.killed}" if res.killed else ""
+    print(f"[loomrl sandbox: backend {box.backend}, exit code {res.returncode}{why}, {res.duration_s:.2f}s]", flush=True)
+    return 124 if res.killed else (res.returncode if res.returncode >= 0 else 128 - res.returncode)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     from loomrl.model.loader import ModelLoadError
 
     try:
+        if args.command == "sandbox":
+            return _sandbox_run(args)
         cfg = load_config(args.config, args.overrides)
         if args.command == "train":
             from loomrl.runtime.local import LocalRun

@@ -169,3 +169,18 @@ def test_host_side_file_access_refuses_planted_symlinks():
             sb.close()
 
     asyncio.run(go())
+
+
+def test_cli_sandbox_run(capsys, tmp_path):
+    from loomrl.cli import main
+
+    script = tmp_path / "hello.py"
+    script.write_text("import os; print('hello from', os.getcwd())")
+    assert main(["sandbox", "run", "--backend", "bwrap", "--file", str(script), "--", "python3", "hello.py"]) == 0
+    out = capsys.readouterr().out
+    assert "hello from /work" in out and "backend bwrap, exit code 0" in out
+    assert main(["sandbox", "run", "--timeout", "0.5", "--", "sleep", "5"]) == 124
+    assert "killed: timeout" in capsys.readouterr().out
+    assert main(["sandbox", "run", "--", "python3", "-c", "raise SystemExit(3)"]) == 3
+    assert main(["sandbox", "run", "--limit", "bogus=1", "--", "true"]) == 2
+    assert "unknown limit(s) ['bogus']" in capsys.readouterr().err

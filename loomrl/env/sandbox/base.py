@@ -102,8 +102,8 @@ class _SubprocessSandbox:
     def __init__(self, root: str | None = None, limits: dict[str, int] | None = None):
         unknown = sorted(set(limits or {}) - set(self.default_limits))
         if unknown:
-            raise SandboxError(f"sandbox error: env.sandbox_limits: unknown key(s) {unknown} for the {self.backend} "
-                               f"backend; known: {sorted(self.default_limits)}")
+            raise SandboxError(f"sandbox error: unknown limit(s) {unknown} for the {self.backend} backend "
+                               f"(env.sandbox_limits, or --limit); known: {sorted(self.default_limits)}")
         self.limits = {**self.default_limits, **(limits or {})}
         self._home = Path(tempfile.mkdtemp(prefix=f"loomrl-{self.backend}-", dir=root))
         os.chmod(self._home, 0o711)  # the sandbox's uid may traverse into its workdir, not list siblings

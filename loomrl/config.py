@@ -63,9 +63,11 @@ class EngineConfig(_Section):
 
 
 class EnvConfig(_Section):
-    name: Literal["calculator"] = "calculator"
-    families: list[str] = Field(default_factory=lambda: ["add", "sub", "mul"])
-    heldout_families: list[str] | None = None  # default: same as `families`
+    name: Literal["calculator", "codefix", "gym"] = "calculator"
+    # task families: calculator (default add, sub, mul), codefix bug families, or gym games
+    # (FrozenLake, Taxi, CliffWalking, Blackjack); None = the environment's default (codefix, gym: all)
+    families: list[str] | None = None
+    heldout_families: list[str] | None = None  # calculator only; default: same as `families`
     n_train: int = Field(2000, gt=0)
     n_heldout: int = Field(200, gt=0)
     seed: int = 1234

@@ -28,7 +28,7 @@ import torch
 
 from loomrl.config import ModelConfig, RunConfig, save_resolved
 from loomrl.engine.torch_engine import TorchEngine
-from loomrl.env.tasks.calculator import make_splits
+from loomrl.env.registry import env_family
 from loomrl.metrics import MetricsLogger
 from loomrl.model.chat import ChatRenderer
 from loomrl.model.loader import load_model
@@ -110,10 +110,7 @@ class LocalRun:
         self.cfg = cfg
         self.wall_start = wall_start or time.time()
         self.ckpt = prepare_run_dir(cfg, resume)
-        self.train_tasks, self.heldout = make_splits(
-            cfg.env.families, cfg.env.heldout_families or cfg.env.families, cfg.env.n_train, cfg.env.n_heldout,
-            cfg.env.seed,
-        )
+        self.train_tasks, self.heldout = env_family(cfg.env.name).splits(cfg)
         self.logger = MetricsLogger(cfg.run_dir)
         self.store = TrajectoryStore(cfg.run_dir / "trajectories")
         torch.manual_seed(cfg.seed)
@@ -346,8 +343,7 @@ def resolve_checkpoint(path: Path) -> Path:
 def evaluate_checkpoint(cfg: RunConfig, checkpoint: Path) -> dict[str, Any]:
     """Held-out success of a checkpoint folder (or a run folder: its latest checkpoint)."""
     ckpt = resolve_checkpoint(checkpoint)
-    _, heldout = make_splits(cfg.env.families, cfg.env.heldout_families or cfg.env.families, cfg.env.n_train,
-                             cfg.env.n_heldout, cfg.env.seed)
+    _, heldout = env_family(cfg.env.name).splits(cfg)
     model, tokenizer = build_model(cfg, ckpt)
     engine = make_engine(cfg, model, tokenizer, 0)
     worker = RolloutWorker(cfg, engine, ChatRenderer(tokenizer), heldout)

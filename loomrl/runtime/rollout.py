@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from loomrl.agent.loop import AgentLoop
 from loomrl.config import RunConfig
 from loomrl.engine.base import Engine, SamplingParams
+from loomrl.env.base import Env
 from loomrl.env.pool import EnvPool, pool_size_for
+from loomrl.env.registry import env_family
 from loomrl.env.sandbox import make_sandbox
-from loomrl.env.tasks.calculator import CalculatorEnv
 from loomrl.model.chat import ChatRenderer
-from loomrl.reward import RewardPool, calculator_reward, import_reward
+from loomrl.reward import RewardPool, import_reward
 from loomrl.types import RolloutStatus, Task, Trajectory
 
 
@@ -59,11 +60,8 @@ class RolloutWorker:
         self.renderer = renderer
         self.train_tasks = train_tasks
         self.order = DataOrder(len(train_tasks), cfg.seed)
-        if cfg.reward.function:
-            reward_fn = import_reward(cfg.reward.function)
-        else:
-            def reward_fn(t: Trajectory, task: Task) -> dict[str, float]:
-                return calculator_reward(t, task, correct=cfg.reward.correct, format_weight=cfg.reward.format_weight)
+        self.family = env_family(cfg.env.name)
+        reward_fn = import_reward(cfg.reward.function) if cfg.reward.function else self.family.reward(cfg)
         self.reward_pool = RewardPool(reward_fn, workers=cfg.reward.workers)
         self._env_rng = random.Random(f"{cfg.seed}:env")
         self._pool: EnvPool | None = None
@@ -88,28 +86,33 @@ class RolloutWorker:
                    * t.group_size,
                    self.cfg.eval.n_tasks)
 
-    async def env_pool(self) -> EnvPool:
-        """The sandbox pool, made and pre-warmed on first use (inside the run's event loop)."""
+    async def env_pool(self) -> EnvPool | None:
+        """The sandbox pool, made and pre-warmed on first use (inside the run's event loop); None for
+        environments that need no sandbox."""
+        if self.family.sandbox_use is None:
+            return None
         if self._pool is None:
             e = self.cfg.env
-            # A calculator call holds a sandbox only while it runs: a few per core are plenty.
-            size = e.pool_size or pool_size_for(min(self.concurrency(), 4 * (os.cpu_count() or 1)))
+            if self.family.sandbox_use == "call":  # held only while a tool runs: a few per core are plenty
+                size = e.pool_size or pool_size_for(min(self.concurrency(), 4 * (os.cpu_count() or 1)))
+            else:  # held for a whole episode
+                size = e.pool_size or pool_size_for(self.concurrency())
             self._pool = EnvPool(lambda: make_sandbox(e.sandbox, limits=e.sandbox_limits), size=size,
                                  prewarm=e.prewarm)
             await self._pool.start()
         return self._pool
 
-    async def _make_env(self) -> CalculatorEnv:
-        e = self.cfg.env
-        return CalculatorEnv(await self.env_pool(), tool_timeout_s=e.tool_timeout_s, crash_rate=e.crash_rate,
-                             hang_rate=e.hang_rate,
-                             few_shot=e.few_shot, rng=random.Random(self._env_rng.random()))
+    async def _make_env(self) -> Env:
+        return self.family.make_env(self.cfg, await self.env_pool(), random.Random(self._env_rng.random()))
 
     async def run_one(self, loop: AgentLoop, task: Task, group_id: str, position: int) -> Trajectory:
         self.counts["launched"] += 1
         env = await self._make_env()
         try:
             traj = await loop.run(env, task, group_id=group_id, position=position)
+            finalize = getattr(env, "finalize", None)
+            if finalize is not None and traj.status == RolloutStatus.TRUNCATED:
+                traj.final_answer = await finalize()  # e.g. codefix: run the tests on what the agent left
         finally:
             await env.close()  # sandboxes always go back to the pool
         traj = await self.reward_pool.score(traj, task)

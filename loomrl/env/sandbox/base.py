@@ -3,8 +3,10 @@
 A sandbox owns one private working directory and runs commands in it with a wall-clock timeout that
 kills the whole process group. Interface (what environments and the pool use):
 
-    exec(argv, timeout=, stdin=)   run one command in the workdir; ExecResult (never raises for the
-                                   command's own failures; `killed` says why it was stopped, if it was)
+    exec(argv, timeout=, stdin=, env=)
+                                   run one command in the workdir, with extra environment variables;
+                                   ExecResult (never raises for the command's own failures; `killed`
+                                   says why it was stopped, if it was)
     write_file(path, data)         put a file into the workdir (host side, between commands)
     read_file(path)                read a file of the workdir (host side; refuses paths that leave it)
     snapshot()                     remember the workdir as the state `reset()` restores
@@ -57,7 +59,8 @@ class Sandbox(Protocol):
     workdir: Path
     python: str  # a Python interpreter usable inside the sandbox
 
-    async def exec(self, argv: list[str], *, timeout: float, stdin: str | None = None) -> ExecResult: ...
+    async def exec(self, argv: list[str], *, timeout: float, stdin: str | None = None,
+                   env: dict[str, str] | None = None) -> ExecResult: ...
 
     def write_file(self, path: str, data: str | bytes) -> None: ...
 
@@ -114,8 +117,12 @@ class _SubprocessSandbox:
         self._prepare_workdir()
 
     # -- hooks for backends -------------------------------------------------------------------------
-    def wrap(self, argv: list[str]) -> list[str]:
-        raise NotImplementedError  # each backend says how it wraps a command
+    def wrap(self, argv: list[str], env: dict[str, str]) -> list[str]:
+        raise NotImplementedError  # each backend says how it wraps a command and passes `env`
+
+    def process_env(self, env: dict[str, str]) -> dict[str, str] | None:
+        """The environment of the wrapper process itself (None: inherit)."""
+        return None
 
     def _prepare_workdir(self) -> None:
         """Ownership and mode of a fresh or restored workdir."""
@@ -125,12 +132,14 @@ class _SubprocessSandbox:
         """Called after every command (backends kill leftovers here)."""
 
     # -- commands ---------------------------------------------------------------------------------
-    async def exec(self, argv: list[str], *, timeout: float, stdin: str | None = None) -> ExecResult:
+    async def exec(self, argv: list[str], *, timeout: float, stdin: str | None = None,
+                   env: dict[str, str] | None = None) -> ExecResult:
         if self._closed:
             raise SandboxError("sandbox is closed")
         start = time.perf_counter()
         proc = await asyncio.create_subprocess_exec(
-            *self.wrap(argv),
+            *self.wrap(argv, env or {}),
+            env=self.process_env(env or {}),
             stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,

@@ -102,7 +102,9 @@ class BwrapSandbox(_SubprocessSandbox):
         self.leftovers_killed += kill_uid(self.uid)
 
     @staticmethod
-    def command_for(workdir: str, argv: list[str], *, limits: dict[str, int], uid: int) -> list[str]:
+    def command_for(workdir: str, argv: list[str], *, limits: dict[str, int], uid: int,
+                    env: dict[str, str] | None = None) -> list[str]:
+        setenv = [part for name, value in (env or {}).items() for part in ("--setenv", name, value)]
         return [
             "setpriv", "--reuid", str(uid), "--regid", str(uid), "--clear-groups",
             "prlimit",
@@ -119,10 +121,10 @@ class BwrapSandbox(_SubprocessSandbox):
             "--proc", "/proc", "--dev", "/dev",
             "--size", str(limits["tmp_mb"] * 1024 * 1024), "--tmpfs", "/tmp",
             "--bind", workdir, "/work", "--chdir", "/work",
-            "--clearenv", "--setenv", "PATH", "/usr/bin", "--setenv", "HOME", "/work",
+            "--clearenv", "--setenv", "PATH", "/usr/bin", "--setenv", "HOME", "/work", *setenv,
             "--",
             *argv,
         ]  # fmt: skip
 
-    def wrap(self, argv: list[str]) -> list[str]:
-        return self.command_for(str(self.workdir), argv, limits=self.limits, uid=self.uid)
+    def wrap(self, argv: list[str], env: dict[str, str]) -> list[str]:
+        return self.command_for(str(self.workdir), argv, limits=self.limits, uid=self.uid, env=env)

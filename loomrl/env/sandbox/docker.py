@@ -64,8 +64,9 @@ class DockerSandbox(_SubprocessSandbox):
             self.image, "sleep", "infinity",
         ]  # fmt: skip
 
-    def wrap(self, argv: list[str]) -> list[str]:
-        return ["docker", "exec", "-i", "-w", "/work", self.container, *argv]
+    def wrap(self, argv: list[str], env: dict[str, str]) -> list[str]:
+        setenv = [part for name, value in env.items() for part in ("-e", f"{name}={value}")]
+        return ["docker", "exec", "-i", "-w", "/work", *setenv, self.container, *argv]
 
     def _kill(self, pgid: int) -> None:
         super()._kill(pgid)  # the docker client

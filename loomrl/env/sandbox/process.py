@@ -6,6 +6,7 @@ machine without bubblewrap; every instance logs a warning saying so.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from loomrl.env.sandbox.base import _SubprocessSandbox
@@ -28,5 +29,8 @@ class ProcessSandbox(_SubprocessSandbox):
                 "network. Install bubblewrap (apt-get install -y bubblewrap) for real sandboxes."
             )
 
-    def wrap(self, argv: list[str]) -> list[str]:
+    def wrap(self, argv: list[str], env: dict[str, str]) -> list[str]:
         return argv
+
+    def process_env(self, env: dict[str, str]) -> dict[str, str] | None:
+        return {**os.environ, **env} if env else None

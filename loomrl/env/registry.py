@@ -1,0 +1,165 @@
+"""Environment families a run can use (`env.name`): how to make their task splits, an env instance,
+and their default reward, and whether (and how) they use the sandbox pool.
+
+- calculator: arithmetic word problems; each tool call leases a sandbox only while it runs.
+- codefix: SWE-style bug fixing; an episode holds one sandbox throughout. Tasks are validated
+  (golden patch passes, untouched repository fails) before a run; invalid ones are left out.
+- gym: gymnasium toy-text games as multi-turn text; in-process, no sandbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loomrl.config import RunConfig
+from loomrl.env.base import Env
+from loomrl.env.pool import EnvPool
+from loomrl.types import Task, Trajectory
+
+log = logging.getLogger(__name__)
+
+RewardFn = Callable[[Trajectory, Task], dict[str, float]]
+
+
+@dataclass(frozen=True, slots=True)
+class EnvFamily:
+    name: str
+    splits: Callable[[RunConfig], tuple[list[Task], list[Task]]]
+    make_env: Callable[[RunConfig, EnvPool | None, random.Random], Env]
+    reward: Callable[[RunConfig], RewardFn]
+    # "call": a sandbox per tool call; "episode": one per episode; None: no sandbox.
+    sandbox_use: str | None
+
+
+# -- calculator ----------------------------------------------------------------------------------------
+_CALC_FAMILIES = ["add", "sub", "mul"]
+
+
+def _calc_splits(cfg: RunConfig) -> tuple[list[Task], list[Task]]:
+    from loomrl.env.tasks.calculator import make_splits
+
+    e = cfg.env
+    families = e.families or _CALC_FAMILIES
+    return make_splits(families, e.heldout_families or families, e.n_train, e.n_heldout, e.seed)
+
+
+def _calc_env(cfg: RunConfig, pool: EnvPool | None, rng: random.Random) -> Env:
+    from loomrl.env.tasks.calculator import CalculatorEnv
+
+    e = cfg.env
+    assert pool is not None
+    return CalculatorEnv(pool, tool_timeout_s=e.tool_timeout_s, crash_rate=e.crash_rate, hang_rate=e.hang_rate,
+                         few_shot=e.few_shot, rng=rng)
+
+
+def _calc_reward(cfg: RunConfig) -> RewardFn:
+    from loomrl.reward import calculator_reward
+
+    def reward(t: Trajectory, task: Task) -> dict[str, float]:
+        return calculator_reward(t, task, correct=cfg.reward.correct, format_weight=cfg.reward.format_weight)
+
+    return reward
+
+
+# -- codefix ---------------------------------------------------------------------------------------------
+_validated: dict[tuple, set[str]] = {}
+
+
+def _codefix_specs(cfg: RunConfig):
+    from loomrl.env.tasks.codefix import codefix_specs
+
+    specs = codefix_specs(cfg.env.families)
+    key = (cfg.env.sandbox, tuple(sorted(specs)))
+    if key not in _validated:
+        report = asyncio.run(validate_codefix(list(specs.values()), cfg.env.sandbox, cfg.env.sandbox_limits))
+        _validated[key] = {r["task_id"] for r in report if r["valid"]}
+        bad = [r for r in report if not r["valid"]]
+        if bad:
+            log.warning("codefix: %d invalid task(s) left out: %s", len(bad),
+                        "; ".join(f"{r['task_id']}: {r['detail']}" for r in bad))
+    return {k: v for k, v in specs.items() if k in _validated[key]}
+
+
+def _codefix_splits(cfg: RunConfig) -> tuple[list[Task], list[Task]]:
+    from loomrl.env.tasks.codefix import codefix_splits
+
+    return codefix_splits(_codefix_specs(cfg), cfg.env.n_heldout, cfg.env.seed)
+
+
+def _codefix_env(cfg: RunConfig, pool: EnvPool | None, rng: random.Random) -> Env:
+    from loomrl.env.tasks.codefix import CodefixEnv
+
+    assert pool is not None
+    return CodefixEnv(pool, _codefix_specs(cfg), command_timeout_s=cfg.env.tool_timeout_s)
+
+
+def _codefix_reward(cfg: RunConfig) -> RewardFn:
+    from loomrl.env.tasks.codefix import codefix_reward
+
+    return codefix_reward
+
+
+async def validate_codefix(specs: list, backend: str = "auto", limits: dict[str, int] | None = None,
+                           progress=None) -> list[dict[str, Any]]:
+    """Validate codefix tasks in real sandboxes: one record per task (task_id, valid, golden_passes,
+    noop_fails, detail)."""
+    from loomrl.env.pool import pool_size_for
+    from loomrl.env.sandbox import make_sandbox
+    from loomrl.env.tasks.codefix import validate_tasks
+
+    pool = EnvPool(lambda: make_sandbox(backend, limits=limits), size=pool_size_for(4), prewarm=4)
+    await pool.start()
+    try:
+        results = await validate_tasks(specs, pool, progress=progress)
+    finally:
+        await pool.close()
+    return [{"task_id": r.task_id, "valid": r.valid, "golden_passes": r.golden_passes, "noop_fails": r.noop_fails,
+             "detail": r.detail} for r in results]
+
+
+def write_validation_report(report: list[dict[str, Any]], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    valid = sum(r["valid"] for r in report)
+    path.write_text(json.dumps({"valid": valid, "invalid": len(report) - valid, "tasks": report}, indent=2))
+
+
+# -- gym -----------------------------------------------------------------------------------------------------
+def _gym_splits(cfg: RunConfig) -> tuple[list[Task], list[Task]]:
+    from loomrl.env.tasks import gym_text
+
+    e = cfg.env
+    return gym_text.make_gym_splits(e.families or list(gym_text.GYM_GAMES), e.n_train, e.n_heldout, e.seed)
+
+
+def _gym_env(cfg: RunConfig, pool: EnvPool | None, rng: random.Random) -> Env:
+    from loomrl.env.tasks.gym_text import GymTextEnv
+
+    return GymTextEnv()
+
+
+def _gym_reward(cfg: RunConfig) -> RewardFn:
+    from loomrl.env.tasks.gym_text import gym_reward
+
+    return gym_reward
+
+
+FAMILIES: dict[str, EnvFamily] = {
+    "calculator": EnvFamily("calculator", _calc_splits, _calc_env, _calc_reward, "call"),
+    "codefix": EnvFamily("codefix", _codefix_splits, _codefix_env, _codefix_reward, "episode"),
+    "gym": EnvFamily("gym", _gym_splits, _gym_env, _gym_reward, None),
+}
+
+
+def env_family(name: str) -> EnvFamily:
+    if name not in FAMILIES:
+        from loomrl.config import ConfigError
+
+        raise ConfigError(f"config error: env.name: unknown environment {name!r}; choose from {sorted(FAMILIES)}")
+    return FAMILIES[name]

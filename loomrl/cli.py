@@ -33,6 +33,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--model-name", default=None, help="the model id clients send (default: the recipe's name)")
+    v = sub.add_parser("validate-tasks", help="check codefix tasks: golden patch passes, untouched repo fails",
+                       description="Validate the codefix tasks in real sandboxes: ground truth (the golden patch "
+                       "passes every hidden test) and no-op (the untouched repository fails). Invalid tasks are "
+                       "listed, written to the report, and left out of runs. Exit code 1 if any is invalid.")
+    v.add_argument("--families", nargs="*", default=None, help="only these bug families (default: all)")
+    v.add_argument("--backend", default="auto", choices=["auto", "bwrap", "process", "docker"])
+    v.add_argument("--report", default="task_validation.json", help="where to write the JSON report")
     sb = sub.add_parser("sandbox", help="check the sandbox set-up", description="Sandbox tools.")
     sbsub = sb.add_subparsers(dest="sandbox_command", required=True)
     r = sbsub.add_parser("run", help="run one command in a fresh sandbox and print its output and exit code",
@@ -80,6 +87,26 @@ def _sandbox_run(args) -> int:
     return 124 if res.killed else (res.returncode if res.returncode >= 0 else 128 - res.returncode)
 
 
+def _validate_tasks(args) -> int:
+    import asyncio
+
+    from tqdm import tqdm
+
+    from loomrl.env.registry import validate_codefix, write_validation_report
+    from loomrl.env.tasks.codefix import codefix_specs
+
+    specs = list(codefix_specs(args.families).values())
+    with tqdm(total=len(specs), desc="validate", file=sys.stderr) as bar:
+        report = asyncio.run(validate_codefix(specs, args.backend, progress=bar))
+    write_validation_report(report, Path(args.report))
+    bad = [r for r in report if not r["valid"]]
+    for r in bad:
+        print(f"INVALID {r['task_id']}: {r['detail']}")
+    print(f"{len(report)} tasks: {len(report) - len(bad)} valid, {len(bad)} invalid (left out of runs); "
+          f"report: {args.report}")
+    return 1 if bad else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
@@ -92,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "sandbox":
             return _sandbox_run(args)
+        if args.command == "validate-tasks":
+            return _validate_tasks(args)
         cfg = load_config(args.config, args.overrides)
         if args.command == "train":
             from loomrl.runtime.local import LocalRun

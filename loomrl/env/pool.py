@@ -108,8 +108,9 @@ class EnvPool:
 
     async def close(self) -> None:
         self._closed = True
-        for task in list(self._tasks):
-            task.cancel()
+        # Let in-flight resets and creations finish rather than cancel them: their work runs in
+        # threads that a cancellation would not stop, and a reset finishing after the teardown would
+        # bring a workdir back.
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.destroy_all_now()
 

@@ -27,6 +27,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,6 +115,7 @@ class _SubprocessSandbox:
         self.workdir.mkdir()
         self._snapshot = self._home / "snapshot"  # outside the workdir: never visible inside
         self._closed = False
+        self._state_lock = threading.Lock()  # reset and close may come from different threads
         self._prepare_workdir()
 
     # -- hooks for backends -------------------------------------------------------------------------
@@ -252,19 +254,21 @@ class _SubprocessSandbox:
 
     def reset(self) -> None:
         """Restore the workdir to the snapshot (or to empty): every file the program made is gone."""
-        if self._closed:
-            raise SandboxError("sandbox is closed")
-        shutil.rmtree(self.workdir, ignore_errors=True)
-        if self._snapshot.exists():
-            shutil.copytree(self._snapshot, self.workdir, symlinks=True)
-        else:
-            self.workdir.mkdir()
-        self._prepare_workdir()
+        with self._state_lock:
+            if self._closed:
+                raise SandboxError("sandbox is closed")
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            if self._snapshot.exists():
+                shutil.copytree(self._snapshot, self.workdir, symlinks=True)
+            else:
+                self.workdir.mkdir()
+            self._prepare_workdir()
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            shutil.rmtree(self._home, ignore_errors=True)
+        with self._state_lock:
+            if not self._closed:
+                self._closed = True
+                shutil.rmtree(self._home, ignore_errors=True)
 
     @property
     def closed(self) -> bool:

@@ -1,0 +1,361 @@
+"""Gymnasium toy-text games as multi-turn text environments.
+
+Games (keys of GYM_GAMES): frozenlake (the fixed 4x4 map, not slippery), frozenlake_random (a random
+solvable 4x4 map per episode seed), taxi, cliffwalking, blackjack. The games run in-process: toy-text
+envs are pure Python and execute no model-written code, so they need no sandbox.
+
+Observations: the system prompt holds the rules and the answer format; every user message holds the
+state as text and the legal actions. Grid games use gymnasium's "ansi" render with the colour codes
+stripped; the cell the game highlights in colour (the agent, the taxi) becomes "@" so the position
+survives stripping, and one sentence gives it in words (rows and columns count from 1 at the top left).
+Taxi also names the passenger and the destination in words, since the ansi render only colours them.
+Blackjack has no ansi render and is described from its observation tuple.
+
+Action parsing (one action per turn; case-insensitive): `<think>...</think>` is dropped, then the FIRST
+action in the reply is played: the first tool call if the reply has any (Hermes `<tool_call>{"name":
+"move", "arguments": {"action": "left"}}</tool_call>` or `move(left)`), else the first line that is
+only an action word. If that first action is not in the game's vocabulary the reply is invalid; later
+actions are not tried, so what is played is always what the model put first. An invalid reply does not
+step the game and is answered with an error listing the legal actions; `max_invalid` (3) invalid replies
+in a row end the episode (info["invalid_limit"]).
+
+Rewards: each step's reward is the game's own (FrozenLake 1 at the goal; Taxi -1 a step, +20 delivered,
+-10 bad pickup/dropoff; CliffWalking -1 a step, -100 into the cliff; Blackjack +1/0/-1), 0 for an
+invalid reply. Success: FrozenLake and CliffWalking reached the goal, Taxi delivered the passenger,
+Blackjack won. An episode ends when the game terminates or its step budget (GymGame.max_steps, enforced
+by gymnasium's TimeLimit) runs out; its last info carries final_answer "success" or "failure", which
+the agent loop copies to Trajectory.final_answer for gym_reward.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import gymnasium as gym
+from gymnasium.envs.toy_text.frozen_lake import generate_random_map
+
+from loomrl.config import ConfigError
+from loomrl.env.base import Observation, StepResult
+from loomrl.model.tools import ToolCall, parse_tool_calls
+from loomrl.types import RolloutStatus, Task, Trajectory
+
+ENV_VERSION = "gym-text-v1"
+SUCCESS, FAILURE = "success", "failure"  # Task.answer / final_answer values
+MOVE_TOOL = {"move": "action"}  # tool name -> its single argument, for parse_tool_calls
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_HIGHLIGHT = re.compile(r"\x1b\[4[0-7](?:;1)?m(.)\x1b\[0m")  # a background-coloured cell: the agent
+_LAST_ACTION = re.compile(r"^\s*\(\w+\)\s*$")  # the "  (Left)" line ansi renders add after a step
+_THINK = re.compile(r"<think>.*?(?:</think>|$)", re.DOTALL)  # an unclosed <think> runs to the end
+_TAXI_STOPS = ["R", "G", "Y", "B"]
+
+
+def _registered(*ids: str) -> str:
+    """The first of `ids` this gymnasium registers (Taxi-v3 became v4 and CliffWalking-v0 v1 in 1.x)."""
+    return next((i for i in ids if i in gym.registry), ids[-1])
+
+
+def _grid_lines(env: gym.Env) -> str:
+    """The ansi render with the highlighted cell as "@", colours stripped, the last-action line dropped."""
+    text = _ANSI.sub("", _HIGHLIGHT.sub("@", env.render()))
+    return "\n".join(line for line in text.splitlines() if line.strip() and not _LAST_ACTION.match(line))
+
+
+def _render_frozenlake(env: gym.Env, obs: int) -> str:
+    row, col = divmod(obs, env.unwrapped.ncol)
+    return f"{_grid_lines(env)}\nYou (@) are at row {row + 1}, column {col + 1}."
+
+
+def _render_taxi(env: gym.Env, obs: int) -> str:
+    row, col, passenger, destination = env.unwrapped.decode(obs)
+    where = "is in the taxi" if passenger == 4 else f"is waiting at {_TAXI_STOPS[passenger]}"
+    return (f"{_grid_lines(env)}\nThe taxi (@) is at row {row + 1}, column {col + 1}. "
+            f"The passenger {where}. The destination is {_TAXI_STOPS[destination]}.")
+
+
+def _render_cliffwalking(env: gym.Env, obs: int) -> str:
+    # This render marks the agent with "x" and no colour, so "@" is swapped in for the same legend.
+    row, col = divmod(obs, env.unwrapped.shape[1])
+    grid = _grid_lines(env).replace("x", "@")
+    return f"{grid}\nYou (@) are at row {row + 1}, column {col + 1}."
+
+
+def _render_blackjack(env: gym.Env, obs: tuple[int, int, int]) -> str:
+    player, dealer, usable_ace = obs
+    shows = "an ace" if dealer == 1 else str(dealer)
+    ace = "a usable ace" if usable_ace else "no usable ace"
+    return f"Your sum is {player}, the dealer shows {shows}, you have {ace}."
+
+
+def _won(reward: float) -> bool:
+    return reward > 0
+
+
+def _reached(reward: float) -> bool:
+    return True  # CliffWalking terminates only at the goal (the cliff sends you back to the start)
+
+
+@dataclass(frozen=True, slots=True)
+class GymGame:
+    gym_id: str
+    make_kwargs: Callable[[int], dict[str, Any]]  # episode seed -> gym.make kwargs
+    rules: str
+    actions: Mapping[str, int]  # action word -> gymnasium action
+    max_steps: int  # game steps per episode (invalid replies do not count)
+    render: Callable[[gym.Env, Any], str]  # (env, observation) -> state text
+    success: Callable[[float], bool]  # given the last reward of a terminated episode
+    ansi: bool = True  # made with render_mode="ansi"
+
+
+_FROZENLAKE_RULES = (
+    "You walk on a frozen lake from the start S to the goal G. F is safe ice; H is a hole, and stepping "
+    "into it ends the game. @ marks where you are. Walking into the edge leaves you in place. The ice is "
+    "not slippery: you always move where you choose. Reaching G gives reward 1; every other step gives 0."
+)
+_FROZENLAKE_ACTIONS = {"left": 0, "down": 1, "right": 2, "up": 3}
+
+GYM_GAMES: dict[str, GymGame] = {
+    "frozenlake": GymGame(
+        gym_id="FrozenLake-v1",
+        make_kwargs=lambda seed: {"map_name": "4x4", "is_slippery": False},
+        rules=_FROZENLAKE_RULES,
+        actions=_FROZENLAKE_ACTIONS,
+        max_steps=20,
+        render=_render_frozenlake,
+        success=_won,
+    ),
+    # The fixed map and start make every frozenlake episode the same; this variant varies the map.
+    "frozenlake_random": GymGame(
+        gym_id="FrozenLake-v1",
+        make_kwargs=lambda seed: {"desc": generate_random_map(size=4, seed=seed), "is_slippery": False},
+        rules=_FROZENLAKE_RULES,
+        actions=_FROZENLAKE_ACTIONS,
+        max_steps=20,
+        render=_render_frozenlake,
+        success=_won,
+    ),
+    "taxi": GymGame(
+        gym_id=_registered("Taxi-v4", "Taxi-v3"),
+        make_kwargs=lambda seed: {},
+        rules=(
+            "You drive a taxi (@) on a 5x5 grid. R, G, Y and B are the four stops; north is up. A '|' is a "
+            "wall that blocks moving east or west; ':' does not. Drive to the passenger, pickup, drive to "
+            "the destination and dropoff. Each step costs -1, delivering the passenger gives +20 and ends "
+            "the game, and a pickup or dropoff at the wrong place costs -10."
+        ),
+        actions={"south": 0, "north": 1, "east": 2, "west": 3, "pickup": 4, "dropoff": 5},
+        max_steps=40,
+        render=_render_taxi,
+        success=_won,
+    ),
+    "cliffwalking": GymGame(
+        gym_id=_registered("CliffWalking-v1", "CliffWalking-v0"),
+        make_kwargs=lambda seed: {},
+        rules=(
+            "You walk on a 4x12 grid from the start at the bottom left to the goal T at the bottom right. "
+            "o is safe ground and @ marks where you are. C is the cliff: stepping into it costs -100 and "
+            "sends you back to the start. Walking into the edge leaves you in place. Each step costs -1; "
+            "the game ends when you reach T."
+        ),
+        actions={"up": 0, "right": 1, "down": 2, "left": 3},
+        max_steps=30,
+        render=_render_cliffwalking,
+        success=_reached,
+    ),
+    "blackjack": GymGame(
+        gym_id="Blackjack-v1",
+        make_kwargs=lambda seed: {},
+        rules=(
+            "You play one hand of blackjack against the dealer. Number cards count their value, face cards "
+            "10, and an ace 1 or 11 (a usable ace is one counted as 11 without going over 21). hit takes "
+            "another card; going over 21 loses at once. stick ends your turn: the dealer then draws until "
+            "reaching 17 or more, and whoever is closer to 21 wins. Win +1, draw 0, loss -1."
+        ),
+        actions={"stick": 0, "hit": 1},
+        max_steps=10,
+        render=_render_blackjack,
+        success=_won,
+        ansi=False,  # Blackjack renders only to pixels
+    ),
+}
+
+
+def _game(name: str) -> GymGame:
+    if name not in GYM_GAMES:
+        raise ConfigError(f"config error: env.games: unknown game {name!r}; choose from {sorted(GYM_GAMES)}")
+    return GYM_GAMES[name]
+
+
+def _start(game: GymGame, episode_seed: int) -> tuple[gym.Env, Any]:
+    """A fresh gymnasium env reset with the episode seed, and its first observation."""
+    env = gym.make(game.gym_id, render_mode="ansi" if game.ansi else None,
+                   max_episode_steps=game.max_steps, **game.make_kwargs(episode_seed))
+    obs, _ = env.reset(seed=episode_seed)
+    return env, obs
+
+
+def _legal(game: GymGame) -> str:
+    return ", ".join(game.actions)
+
+
+def system_prompt(game: GymGame) -> str:
+    example = next(iter(game.actions))
+    return (
+        f"{game.rules}\n\n"
+        f"Each turn, reply with exactly one action, in one of these forms:\n"
+        f"move({example})\n"
+        f'<tool_call>{{"name": "move", "arguments": {{"action": "{example}"}}}}</tool_call>\n'
+        f"or the bare action word on a line by itself. Only the first action in your reply is played.\n"
+        f"Legal actions: {_legal(game)}."
+    )
+
+
+def _state_message(game: GymGame, env: gym.Env, obs: Any) -> str:
+    return f"{game.render(env, obs)}\nLegal actions: {_legal(game)}."
+
+
+def _normalize(word: str) -> str:
+    # Tolerate the wrappers models put around a word: quotes, backticks, bold, a full stop, `action=`.
+    return word.strip().lower().removeprefix("action=").strip().strip("'\"`*.!").strip()
+
+
+def _call_action(call: ToolCall) -> tuple[str | None, str | None]:
+    if call.error:
+        return None, call.error
+    if call.name != "move":
+        return None, f"unknown tool {call.name!r}; the only tool is move"
+    if "action" not in call.arguments:
+        return None, "move needs an 'action' argument"
+    return _normalize(str(call.arguments["action"])), None
+
+
+def parse_action(text: str, actions: Mapping[str, int]) -> tuple[str | None, str | None]:
+    """(action word, None) for the first action in `text`, or (None, why not); see the module docstring."""
+    text = _THINK.sub("", text)
+    calls = parse_tool_calls(text, MOVE_TOOL)
+    if calls:
+        word, error = _call_action(calls[0])
+        if error:
+            return None, error
+    else:
+        word = next((w for w in map(_normalize, text.splitlines()) if w in actions), None)
+        if word is None:
+            return None, "no action found"
+    if word not in actions:
+        return None, f"{word!r} is not an action of this game"
+    return word, None
+
+
+def generate_gym_tasks(games: list[str], n: int, seed: int, split: str, exclude: set[int] | None = None) -> list[Task]:
+    """`n` tasks cycling through `games`, reproducible from (seed, split); no episode seed in `exclude`."""
+    for name in games:
+        _game(name)
+    rng = random.Random(f"{seed}:gym:{split}")
+    used = set(exclude or ())
+    tasks: list[Task] = []
+    while len(tasks) < n:
+        episode_seed = rng.randrange(2**31)
+        if episode_seed in used:
+            continue
+        used.add(episode_seed)
+        name = games[len(tasks) % len(games)]
+        game = GYM_GAMES[name]
+        env, obs = _start(game, episode_seed)
+        prompt = _state_message(game, env, obs)
+        env.close()
+        tasks.append(Task(task_id=f"gym-{split}-{len(tasks):05d}", prompt=prompt, answer=SUCCESS, split=split,
+                          family=name, data={"game": name, "episode_seed": episode_seed}))
+    return tasks
+
+
+def make_gym_splits(games: list[str], n_train: int, n_heldout: int, seed: int) -> tuple[list[Task], list[Task]]:
+    """Fixed train and held-out splits with no episode seed in both.
+
+    Disjoint seeds are not disjoint starts: frozenlake and cliffwalking always start the same way, and
+    taxi (300 starts) and blackjack (a few hundred visible hands) repeat starts across many seeds.
+    """
+    heldout = generate_gym_tasks(games, n_heldout, seed, "heldout")
+    train = generate_gym_tasks(games, n_train, seed, "train", exclude={t.data["episode_seed"] for t in heldout})
+    return train, heldout
+
+
+def _user(text: str) -> dict[str, str]:
+    return {"role": "user", "content": text}
+
+
+class GymTextEnv:
+    """One episode at a time; the gymnasium env lives from reset() to the next reset() or close()."""
+
+    version = ENV_VERSION
+
+    def __init__(self, *, max_invalid: int = 3):
+        self.max_invalid = max_invalid
+        self._env: gym.Env | None = None
+        self._game: GymGame | None = None
+        self._return = 0.0
+        self._invalid = 0  # consecutive invalid replies
+
+    async def reset(self, task: Task) -> Observation:
+        await self.close()
+        self._game = _game(task.data["game"])
+        self._env, obs = _start(self._game, int(task.data["episode_seed"]))
+        self._return, self._invalid = 0.0, 0
+        return Observation(messages=[{"role": "system", "content": system_prompt(self._game)},
+                                     _user(_state_message(self._game, self._env, obs))])
+
+    async def step(self, action: str) -> StepResult:
+        if self._env is None or self._game is None:
+            raise RuntimeError("step() before reset()")
+        name, error = parse_action(action, self._game.actions)
+        if name is None:
+            return self._invalid_step(error or "")
+        self._invalid = 0
+        obs, reward, terminated, truncated, _ = self._env.step(self._game.actions[name])
+        reward = float(reward)
+        self._return += reward
+        success = bool(terminated) and self._game.success(reward)
+        info = self._info(name, invalid=False, success=success, truncated=bool(truncated))
+        if terminated or truncated:
+            info["final_answer"] = SUCCESS if success else FAILURE
+            return StepResult(observation=[], reward=reward, done=True, info=info)
+        text = f"You played {name}; reward {reward:g}.\n{_state_message(self._game, self._env, obs)}"
+        return StepResult(observation=[_user(text)], reward=reward, info=info)
+
+    def _invalid_step(self, error: str) -> StepResult:
+        self._invalid += 1
+        left = self.max_invalid - self._invalid
+        info = self._info(None, invalid=True, success=False, truncated=False)
+        if left <= 0:
+            info.update(invalid_limit=True, final_answer=FAILURE)
+            return StepResult(observation=[], done=True, info=info)
+        text = (f"Invalid reply: {error}. Reply with exactly one action, e.g. move({next(iter(self._game.actions))}). "
+                f"Legal actions: {_legal(self._game)}. ({left} more invalid {'reply' if left == 1 else 'replies'} "
+                f"in a row will end the game.)")
+        return StepResult(observation=[_user(text)], info=info)
+
+    def _info(self, name: str | None, *, invalid: bool, success: bool, truncated: bool) -> dict[str, Any]:
+        return {"action": name, "invalid": invalid, "return": self._return, "success": success,
+                "truncated": truncated, "invalid_limit": False}
+
+    async def close(self) -> None:
+        if self._env is not None:
+            self._env.close()
+        self._env = None
+
+
+def gym_reward(traj: Trajectory, task: Task) -> dict[str, float]:
+    """Reward components; the total is their sum.
+
+    return: the sum of the turns' step rewards, on the game's own scale (Taxi and CliffWalking returns
+    are mostly negative and can be large; weigh them in a custom reward if that matters).
+    success: 1.0 when the episode ended won, read from Trajectory.final_answer (the agent loop copies
+    it from the last step's info); a trajectory cut off before the game ended has none and scores 0.
+    """
+    if traj.status in (RolloutStatus.ENV_ERROR, RolloutStatus.TIMEOUT):
+        return {"return": 0.0, "success": 0.0}  # the env failed; nothing to credit (and not trained on)
+    return {"return": float(sum(t.reward_step for t in traj.turns)),
+            "success": 1.0 if traj.final_answer == task.answer else 0.0}

@@ -199,8 +199,8 @@ def test_gym_reward_reads_return_and_success():
     traj = Trajectory(task_id="t", trajectory_id="x", group_id="g",
                       turns=[Turn(reward_step=s.reward, done=s.done) for s in steps],
                       final_answer=steps[-1].info["final_answer"])
-    assert gym_reward(traj, _task("cliffwalking")) == {"return": -13.0, "success": 1.0}
+    assert gym_reward(traj, _task("cliffwalking")) == {"correct": 1.0, "return": pytest.approx(-0.13)}
     traj.final_answer = None  # cut off by the agent loop before the game ended
-    assert gym_reward(traj, _task("cliffwalking"))["success"] == 0.0
+    assert gym_reward(traj, _task("cliffwalking"))["correct"] == 0.0
     traj.status = RolloutStatus.ENV_ERROR
-    assert gym_reward(traj, _task("cliffwalking")) == {"return": 0.0, "success": 0.0}
+    assert gym_reward(traj, _task("cliffwalking")) == {"correct": 0.0, "return": 0.0}

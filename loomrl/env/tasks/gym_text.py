@@ -347,15 +347,18 @@ class GymTextEnv:
         self._env = None
 
 
+RETURN_WEIGHT = 0.01  # the game's return only breaks ties between equally (un)successful episodes
+
+
 def gym_reward(traj: Trajectory, task: Task) -> dict[str, float]:
     """Reward components; the total is their sum.
 
-    return: the sum of the turns' step rewards, on the game's own scale (Taxi and CliffWalking returns
-    are mostly negative and can be large; weigh them in a custom reward if that matters).
-    success: 1.0 when the episode ended won, read from Trajectory.final_answer (the agent loop copies
+    correct: 1.0 when the episode ended won, read from Trajectory.final_answer (the agent loop copies
     it from the last step's info); a trajectory cut off before the game ended has none and scores 0.
+    return: the sum of the turns' step rewards times RETURN_WEIGHT. Taxi and CliffWalking returns are
+    mostly negative and can reach -100s; unweighted they would swamp the success term.
     """
     if traj.status in (RolloutStatus.ENV_ERROR, RolloutStatus.TIMEOUT):
-        return {"return": 0.0, "success": 0.0}  # the env failed; nothing to credit (and not trained on)
-    return {"return": float(sum(t.reward_step for t in traj.turns)),
-            "success": 1.0 if traj.final_answer == task.answer else 0.0}
+        return {"correct": 0.0, "return": 0.0}  # the env failed; nothing to credit (and not trained on)
+    return {"correct": 1.0 if traj.final_answer == task.answer else 0.0,
+            "return": RETURN_WEIGHT * float(sum(t.reward_step for t in traj.turns))}

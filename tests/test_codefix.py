@@ -164,3 +164,15 @@ def test_task_validation(case):
         assert not result.golden_passes and "golden patch fails" in result.detail
     if case == "noop_passes":
         assert not result.noop_fails and "already passes" in result.detail
+
+
+def test_cli_validate_tasks_writes_a_report(tmp_path, capsys):
+    from loomrl.cli import main
+
+    report = tmp_path / "report.json"
+    assert main(["validate-tasks", "--families", "clamp", "chunk", "--report", str(report)]) == 0
+    data = json.loads(report.read_text())
+    assert data["valid"] == 6 and data["invalid"] == 0 and all(t["golden_passes"] for t in data["tasks"])
+    assert "6 tasks: 6 valid, 0 invalid" in capsys.readouterr().out
+    assert main(["validate-tasks", "--families", "nonesuch"]) == 2  # a clear config error
+    assert "unknown codefix family ['nonesuch']" in capsys.readouterr().err

@@ -124,3 +124,16 @@ def test_pool_size_for_concurrency():
     assert pool_size_for(8) == 10 and pool_size_for(1) == 2
     with pytest.raises(ValueError, match="concurrency"):
         pool_size_for(0)
+
+
+def test_process_backend_runs_in_its_workdir():
+    async def go():
+        sb = make_sandbox("process")
+        try:
+            res = await sb.exec(["pwd"], timeout=10)
+            return res.stdout.strip(), str(sb.workdir)
+        finally:
+            sb.close()
+
+    cwd, workdir = asyncio.run(go())
+    assert cwd == workdir

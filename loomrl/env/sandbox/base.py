@@ -142,6 +142,7 @@ class _SubprocessSandbox:
         proc = await asyncio.create_subprocess_exec(
             *self.wrap(argv, env or {}),
             env=self.process_env(env or {}),
+            cwd=self.workdir,  # the process backend runs the command itself: it must start in its workdir
             stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,

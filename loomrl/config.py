@@ -84,9 +84,14 @@ class EnvConfig(_Section):
 
 
 class AgentConfig(_Section):
-    max_turns: int = Field(4, gt=0)
+    # whitebox: loomrl's own agent loop drives the env; blackbox: an unmodified program speaking the
+    # OpenAI API runs in a sandbox per rollout against loomrl's gateway (see docs/agents.md)
+    kind: Literal["whitebox", "blackbox"] = "whitebox"
+    command: list[str] = Field(default_factory=list)  # blackbox: the program, e.g. [python3, agent.py]
+    files: list[str] = Field(default_factory=list)  # blackbox: files copied into its workdir (recipe-relative)
+    max_turns: int = Field(4, gt=0)  # blackbox: the call budget
     max_context_tokens: int = Field(1024, gt=0)
-    trajectory_timeout_s: float = Field(300.0, gt=0.0)
+    trajectory_timeout_s: float = Field(300.0, gt=0.0)  # blackbox: the program's wall-clock budget
 
 
 class RewardConfig(_Section):
@@ -237,7 +242,22 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"config error: '{path}' must hold a mapping of sections (model:, trainer:, ...)")
         data = loaded or {}
     data = _merge(data, parse_overrides(overrides or []))
-    return build_config(data)
+    config = build_config(data)
+    if path is not None and config.agent.files:
+        # agent files are named relative to the recipe's folder; keep them absolute from here on
+        base = Path(path).resolve().parent
+        config.agent.files = [str(f if Path(f).is_absolute() else base / f) for f in config.agent.files]
+    for f in config.agent.files:
+        if not Path(f).is_file():
+            raise ConfigError(f"config error: agent.files: {f!r} is not a file (paths are relative to the recipe)")
+    if config.agent.kind == "blackbox":
+        if not config.agent.command:
+            raise ConfigError("config error: agent.command: a black-box agent needs the program to run, "
+                              "e.g. [python3, agent.py]")
+        if config.env.name != "calculator":
+            raise ConfigError("config error: agent.kind=blackbox works with env.name=calculator so far (its verifier "
+                              "reads the program's final answer)")
+    return config
 
 
 def save_resolved(config: RunConfig, path: Path) -> None:

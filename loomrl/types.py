@@ -71,6 +71,47 @@ class Turn:
     context_events: list[dict[str, Any]] = field(default_factory=list)
 
 
+class _TokenContext:
+    """Per-token views of one context (token_ids with turns whose act_spans index into it)."""
+
+    __slots__ = ()
+    token_ids: list[int]
+    turns: list[Turn]
+
+    def sampled_mask(self) -> list[int]:
+        """1 where the token was sampled by the policy, 0 for prompt and observation tokens."""
+        return _spans_fill(len(self.token_ids), self.turns, 0, lambda t: [1] * (t.act_span.end - t.act_span.start))
+
+    def token_logprobs(self) -> list[float]:
+        return _spans_fill(len(self.token_ids), self.turns, 0.0, lambda t: t.logprobs)
+
+    def token_versions(self) -> list[int]:
+        """Policy version per token; -1 for tokens the policy did not sample."""
+        return _spans_fill(len(self.token_ids), self.turns, -1, lambda t: t.versions)
+
+
+@dataclass(slots=True, kw_only=True)
+class ContextSegment(_TokenContext):
+    """An earlier, closed context of a trajectory. The model's context was started anew (a context
+    strategy discarded or rewrote history, or a black-box agent sent a history that does not extend
+    what it was given), so these tokens are what the model saw until then. Each segment is trained
+    as its own sample; its turns' spans index into its own token_ids."""
+
+    reason: str
+    prompt_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+
+
+def _spans_fill(n: int, turns: list[Turn], fill, values) -> list:
+    """A per-token list of length n: `fill`, overwritten on each turn's act_span by values(turn)."""
+    out = [fill] * n
+    for turn in turns:
+        if turn.act_span is not None:
+            out[turn.act_span.start : turn.act_span.end] = values(turn)
+    return out
+
+
 @dataclass(slots=True, kw_only=True)
 class TrajectoryMetadata:
     env_version: str = ""
@@ -84,7 +125,7 @@ class TrajectoryMetadata:
 
 
 @dataclass(slots=True, kw_only=True)
-class Trajectory:
+class Trajectory(_TokenContext):
     """A full multi-turn rollout with its exact token sequence (the seed's schema, extended)."""
 
     task_id: str
@@ -101,30 +142,17 @@ class Trajectory:
     error: str | None = None
     final_answer: str | None = None
     metadata: TrajectoryMetadata = field(default_factory=TrajectoryMetadata)
+    # Earlier contexts, oldest first; prompt_ids/token_ids/turns above are the last (current) one.
+    segments: list[ContextSegment] = field(default_factory=list)
 
-    def sampled_mask(self) -> list[int]:
-        """1 where the token was sampled by the policy, 0 for prompt and observation tokens."""
-        mask = [0] * len(self.token_ids)
-        for turn in self.turns:
-            if turn.act_span is not None:
-                for i in range(turn.act_span.start, turn.act_span.end):
-                    mask[i] = 1
-        return mask
+    def all_turns(self) -> list[Turn]:
+        """Every turn of the episode, across its context segments."""
+        return [t for seg in self.segments for t in seg.turns] + self.turns
 
-    def token_logprobs(self) -> list[float]:
-        out = [0.0] * len(self.token_ids)
-        for turn in self.turns:
-            if turn.act_span is not None:
-                out[turn.act_span.start : turn.act_span.end] = turn.logprobs
-        return out
-
-    def token_versions(self) -> list[int]:
-        """Policy version per token; -1 for tokens the policy did not sample."""
-        out = [-1] * len(self.token_ids)
-        for turn in self.turns:
-            if turn.act_span is not None:
-                out[turn.act_span.start : turn.act_span.end] = turn.versions
-        return out
+    def contexts(self) -> list[ContextSegment | Trajectory]:
+        """Every context of the episode, each with token_ids, sampled_mask(), token_logprobs() and
+        token_versions(): the closed segments, then the current one (the trajectory itself)."""
+        return [*self.segments, self]
 
 
 @dataclass(slots=True, kw_only=True)

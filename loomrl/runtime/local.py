@@ -32,7 +32,7 @@ from loomrl.env.registry import env_family
 from loomrl.metrics import MetricsLogger
 from loomrl.model.chat import ChatRenderer
 from loomrl.model.loader import load_model
-from loomrl.runtime.rollout import EvalResult, RolloutWorker, group_summary
+from loomrl.runtime.rollout import EvalResult, RolloutWorker, gather_all, group_summary
 from loomrl.runtime.trainer_service import PositionSet, TrainerService
 from loomrl.store import TrajectoryStore
 from loomrl.trainer.checkpoint import latest_checkpoint, load_state
@@ -152,7 +152,7 @@ class LocalRun:
             while not service.done:
                 need = cfg.trainer.groups_per_step - len(service.buffer)
                 positions = [next(pos) for _ in range(max(need, 0))]
-                groups = await asyncio.gather(*[worker.run_group(p) for p in positions])
+                groups = await gather_all([worker.run_group(p) for p in positions])
                 for p, g in zip(positions, groups):
                     self.store.append(g)
                     service.receive(p, g)

@@ -12,9 +12,13 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import shutil
+import tempfile
 from collections import Counter
 from dataclasses import dataclass
 
+from loomrl.agent.blackbox import BlackBoxRunner, read_agent_files
+from loomrl.agent.gateway import Budget, Gateway, ServerThread
 from loomrl.agent.loop import AgentLoop
 from loomrl.config import RunConfig
 from loomrl.engine.base import Engine, SamplingParams
@@ -25,6 +29,20 @@ from loomrl.env.sandbox import make_sandbox
 from loomrl.model.chat import ChatRenderer
 from loomrl.reward import RewardPool, import_reward
 from loomrl.types import RolloutStatus, Task, Trajectory
+
+
+async def gather_all(coros: list) -> list:
+    """asyncio.gather, except that when it fails or is cancelled it returns only after every awaitable
+    has finished: plain gather gives up at the first cancelled child while its siblings are still
+    unwinding (releasing sandboxes, closing gateway sessions, counting how they ended)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 class DataOrder:
@@ -65,6 +83,11 @@ class RolloutWorker:
         self.reward_pool = RewardPool(reward_fn, workers=cfg.reward.workers)
         self._env_rng = random.Random(f"{cfg.seed}:env")
         self._pool: EnvPool | None = None
+        self._blackbox: BlackBoxRunner | None = None
+        self._gateway: Gateway | None = None
+        self._gateway_dir = ""
+        self._servers: list[ServerThread] = []
+        self._init_lock = asyncio.Lock()
         self.counts: Counter[str] = Counter()
         s = cfg.sampling
         self.train_loop = self._loop(SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
@@ -86,35 +109,85 @@ class RolloutWorker:
                    * t.group_size,
                    self.cfg.eval.n_tasks)
 
-    async def env_pool(self) -> EnvPool | None:
+    async def env_pool(self, binds: dict[str, str] | None = None) -> EnvPool | None:
         """The sandbox pool, made and pre-warmed on first use (inside the run's event loop); None for
         environments that need no sandbox."""
-        if self.family.sandbox_use is None:
+        use = "episode" if self.cfg.agent.kind == "blackbox" else self.family.sandbox_use
+        if use is None:
             return None
         if self._pool is None:
             e = self.cfg.env
-            if self.family.sandbox_use == "call":  # held only while a tool runs: a few per core are plenty
+            if use == "call":  # held only while a tool runs: a few per core are plenty
                 size = e.pool_size or pool_size_for(min(self.concurrency(), 4 * (os.cpu_count() or 1)))
             else:  # held for a whole episode
                 size = e.pool_size or pool_size_for(self.concurrency())
-            self._pool = EnvPool(lambda: make_sandbox(e.sandbox, limits=e.sandbox_limits), size=size,
+            self._pool = EnvPool(lambda: make_sandbox(e.sandbox, limits=e.sandbox_limits, binds=binds), size=size,
                                  prewarm=e.prewarm)
             await self._pool.start()
         return self._pool
+
+    async def blackbox_runner(self) -> BlackBoxRunner:
+        """The gateway (served on a unix socket for sandboxes and on loopback TCP for the process
+        backend) and the runner, made on first use."""
+        async with self._init_lock:  # concurrent first rollouts must not each start a gateway
+            if self._blackbox is None:
+                await self._start_blackbox()
+        assert self._blackbox is not None
+        return self._blackbox
+
+    async def _start_blackbox(self) -> None:
+        a = self.cfg.agent
+        self._gateway = Gateway(self.engine, self.renderer.tokenizer, self.cfg.name)
+        self._gateway_dir = tempfile.mkdtemp(prefix="loomrl-gateway-")
+        os.chmod(self._gateway_dir, 0o755)  # sandboxed programs run as their own uids
+        socket_path = os.path.join(self._gateway_dir, "gateway.sock")
+        self._servers = [ServerThread(self._gateway.app(), uds=socket_path), ServerThread(self._gateway.app())]
+        pool = await self.env_pool(binds=BlackBoxRunner.sandbox_binds(socket_path))
+        assert pool is not None
+        self._blackbox = BlackBoxRunner(
+            self._gateway, pool, a.command, gateway_url=self._servers[1].url, files=read_agent_files(a.files),
+            timeout_s=a.trajectory_timeout_s,
+            budget=Budget(max_calls=a.max_turns, max_context_tokens=a.max_context_tokens,
+                          max_wall_s=a.trajectory_timeout_s))
+
+    async def _run_blackbox(self, loop: AgentLoop, task: Task, group_id: str, position: int) -> Trajectory:
+        from loomrl.env.tasks.calculator import parse_final_answer
+
+        runner = await self.blackbox_runner()
+        run = await runner.run(task, group_id=group_id, position=position, sampling=loop.sampling)
+        traj = run.trajectory
+        if traj.status in (RolloutStatus.COMPLETED, RolloutStatus.TRUNCATED):
+            # The verifier: the program's printed answer, else its last assistant message.
+            last = traj.all_turns()[-1].act if traj.all_turns() else ""
+            traj.final_answer = parse_final_answer(run.stdout) or parse_final_answer(last)
+        return traj
 
     async def _make_env(self) -> Env:
         return self.family.make_env(self.cfg, await self.env_pool(), random.Random(self._env_rng.random()))
 
     async def run_one(self, loop: AgentLoop, task: Task, group_id: str, position: int) -> Trajectory:
         self.counts["launched"] += 1
-        env = await self._make_env()
         try:
-            traj = await loop.run(env, task, group_id=group_id, position=position)
-            finalize = getattr(env, "finalize", None)
-            if finalize is not None and traj.status == RolloutStatus.TRUNCATED:
-                traj.final_answer = await finalize()  # e.g. codefix: run the tests on what the agent left
-        finally:
-            await env.close()  # sandboxes always go back to the pool
+            return await self._run_one(loop, task, group_id, position)
+        except asyncio.CancelledError:
+            self.counts["cancelled"] += 1  # still in flight when the run ended (async mode), or stopped
+            raise
+        except BaseException as err:  # a failure outside the agent loop's own error handling
+            self.counts[f"failed:{type(err).__name__}"] += 1
+            raise
+
+    async def _run_one(self, loop: AgentLoop, task: Task, group_id: str, position: int) -> Trajectory:
+        if self.cfg.agent.kind == "blackbox":
+            traj = await self._run_blackbox(loop, task, group_id, position)
+        else:
+            env = await self._make_env()
+            try:
+                traj = await loop.run(env, task, group_id=group_id, position=position)
+                finalize = getattr(env, "finalize", None)
+                if finalize is not None and traj.status == RolloutStatus.TRUNCATED:
+                    traj.final_answer = await finalize()  # e.g. codefix: run the tests on what the agent left
+            finally:
+                await env.close()  # sandboxes always go back to the pool
         traj = await self.reward_pool.score(traj, task)
         self.counts[str(traj.status)] += 1
         return traj
@@ -122,9 +195,8 @@ class RolloutWorker:
     async def run_group(self, position: int) -> list[Trajectory]:
         task = self.task_at(position)
         group_id = f"group-{position:07d}"
-        return list(await asyncio.gather(*[
-            self.run_one(self.train_loop, task, group_id, position) for _ in range(self.cfg.trainer.group_size)
-        ]))
+        return await gather_all([self.run_one(self.train_loop, task, group_id, position)
+                                 for _ in range(self.cfg.trainer.group_size)])
 
     async def evaluate(self, tasks: list[Task], progress=None) -> EvalResult:
         """Success rate on `tasks`, one episode each at the eval temperature (0 = greedy)."""
@@ -135,7 +207,7 @@ class RolloutWorker:
                 progress.update(1)
             return traj
 
-        trajs = list(await asyncio.gather(*[one(i, t) for i, t in enumerate(tasks)]))
+        trajs = await gather_all([one(i, t) for i, t in enumerate(tasks)])
         by_id = {t.task_id: t for t in tasks}
         wins = [1.0 if tr.final_answer == by_id[tr.task_id].answer else 0.0 for tr in trajs]
         n = len(wins)
@@ -147,7 +219,8 @@ class RolloutWorker:
                           trajectories=trajs)
 
     def rollout_counts(self) -> dict[str, int]:
-        """launched, and how each trajectory ended (status -> count); they add up once none is in flight."""
+        """launched, and how each rollout ended: a trajectory status, or "cancelled" (in flight when an
+        async run finished); they add up once none is in flight."""
         return dict(self.counts)
 
     def pool_metrics(self) -> dict[str, float]:
@@ -155,6 +228,10 @@ class RolloutWorker:
 
     async def aclose(self) -> None:
         self.reward_pool.close()
+        for server in self._servers:
+            server.stop()
+        if self._gateway_dir:
+            shutil.rmtree(self._gateway_dir, ignore_errors=True)
         if self._pool is not None:
             await self._pool.close()  # kept: its metrics stay readable
 

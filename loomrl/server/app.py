@@ -23,11 +23,13 @@ from loomrl.model.tools import parse_tool_calls
 from loomrl.server.protocol import ChatCompletionRequest, CompletionRequest
 
 
-def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+           code: str | int | None = None):
+    """An OpenAI-style error response."""
     from fastapi.responses import JSONResponse
 
     return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param,
-                                                               "code": status}})
+                                                               "code": code if code is not None else status}})
 
 
 def _tool_arg_names(tools: list[dict[str, Any]] | None) -> dict[str, str]:
@@ -40,6 +42,24 @@ def _tool_arg_names(tools: list[dict[str, Any]] | None) -> dict[str, str]:
         if fn.get("name") and len(required) == 1:
             out[fn["name"]] = required[0]
     return out
+
+
+def assistant_message(text: str, reason: str, tools: list[dict[str, Any]] | None) -> tuple[dict[str, Any], str]:
+    """The OpenAI assistant message for sampled `text` (tool calls parsed when tools were offered),
+    and the finish reason ("tool_calls" when it called any)."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    names = _tool_arg_names(tools)
+    if tools:
+        calls = [c for c in parse_tool_calls(text, names) if not c.error]
+        if calls:
+            message["tool_calls"] = [
+                {"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
+                 "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+                for c in calls
+            ]
+            message["content"] = None if text.strip().startswith(("<tool_call>",) + tuple(names)) else text
+            reason = "tool_calls"
+    return message, reason
 
 
 class OpenAIServer:
@@ -154,22 +174,11 @@ class OpenAIServer:
             return bad
         sampling = self._sampling(req, max_tokens)
         outs = await self._generate_n(prompt_ids, sampling, req.n)
-        names = _tool_arg_names(req.tools)
         choices, completion_tokens = [], 0
         for r in outs:
             text, reason = self._text(r, sampling.stop)
             completion_tokens += len(r.token_ids)
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if req.tools:
-                calls = [c for c in parse_tool_calls(text, names) if not c.error]
-                if calls:
-                    message["tool_calls"] = [
-                        {"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
-                         "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
-                        for c in calls
-                    ]
-                    message["content"] = None if text.strip().startswith(("<tool_call>",) + tuple(names)) else text
-                    reason = "tool_calls"
+            message, reason = assistant_message(text, reason, req.tools)
             choice: dict[str, Any] = {"index": len(choices), "message": message, "finish_reason": reason,
                                       "logprobs": None, "policy_versions": r.versions}
             if req.logprobs:

@@ -3,7 +3,8 @@
 Rows are buffered and written as numbered part files (`part-000001.parquet`, ...), never rewritten,
 so a crash loses at most the unflushed rows and readers (`pyarrow.dataset`, `pandas.read_parquet` on
 the folder) always see complete files. Turns are stored as a JSON string column (their fields vary by
-environment); token ids, the loss mask and logprobs as list columns, for replay and export.
+environment); token ids, the loss mask and logprobs as list columns, for replay and export. A
+trajectory whose context was started anew keeps its earlier contexts in the `segments` column (JSON).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ SCHEMA = pa.schema([
     ("env_errors", pa.int32()),
     ("policy_version_min", pa.int32()),
     ("policy_version_max", pa.int32()),
+    ("segments", pa.string()),  # earlier contexts (JSON: reason, token_ids, loss_mask, logprobs, versions, turns)
 ])  # fmt: skip
 
 
@@ -59,7 +61,7 @@ def _row(t: Trajectory) -> dict:
         "reward_components": json.dumps(t.reward_components),
         "final_answer": t.final_answer,
         "temperature": t.temperature,
-        "n_turns": len(t.turns),
+        "n_turns": len(t.all_turns()),
         "turns": json.dumps([asdict(turn) for turn in t.turns]),
         "prompt_len": len(t.prompt_ids),
         "token_ids": t.token_ids,
@@ -74,6 +76,12 @@ def _row(t: Trajectory) -> dict:
         "env_errors": md.env_errors,
         "policy_version_min": md.policy_version_min,
         "policy_version_max": md.policy_version_max,
+        "segments": json.dumps([
+            {"reason": seg.reason, "prompt_len": len(seg.prompt_ids), "token_ids": seg.token_ids,
+             "loss_mask": seg.sampled_mask(), "logprobs": seg.token_logprobs(), "versions": seg.token_versions(),
+             "turns": [asdict(turn) for turn in seg.turns]}
+            for seg in t.segments
+        ]),
     }
 
 

@@ -24,24 +24,26 @@ def group_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
 
 
 def samples_from_group(group: list[Trajectory]) -> list[TrainingSample]:
-    """One TrainingSample per trajectory, with the group's advantages on its sampled tokens."""
+    """One TrainingSample per context of each trajectory (usually one; more when its context was
+    started anew), all with the trajectory's group advantage on their sampled tokens."""
     advantages = group_advantages([t.total_reward for t in group])
     samples = []
     for traj, adv in zip(group, advantages):
-        mask = traj.sampled_mask()
-        samples.append(
-            TrainingSample(
-                trajectory_id=traj.trajectory_id,
-                group_id=traj.group_id,
-                token_ids=list(traj.token_ids),
-                loss_mask=mask,
-                behaviour_logprobs=traj.token_logprobs(),
-                versions=traj.token_versions(),
-                advantages=[adv * m for m in mask],
-                temperature=traj.temperature,
-                reward=traj.total_reward,
+        for ctx in traj.contexts():
+            mask = ctx.sampled_mask()
+            samples.append(
+                TrainingSample(
+                    trajectory_id=traj.trajectory_id,
+                    group_id=traj.group_id,
+                    token_ids=list(ctx.token_ids),
+                    loss_mask=mask,
+                    behaviour_logprobs=ctx.token_logprobs(),
+                    versions=ctx.token_versions(),
+                    advantages=[adv * m for m in mask],
+                    temperature=traj.temperature,
+                    reward=traj.total_reward,
+                )
             )
-        )
     return samples
 
 

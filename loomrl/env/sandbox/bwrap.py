@@ -78,7 +78,11 @@ class BwrapSandbox(_SubprocessSandbox):
     python = "/usr/bin/python3"  # Debian's; root's pyenv python is unreadable to other uids
     default_limits = DEFAULT_LIMITS
 
-    def __init__(self, root: str | None = None, limits: dict[str, int] | None = None):
+    def __init__(self, root: str | None = None, limits: dict[str, int] | None = None,
+                 binds: dict[str, str] | None = None):
+        """`binds`: host path -> path inside, mounted read-only (e.g. a gateway's unix socket, a folder
+        of Python packages an agent program needs)."""
+        self.binds = dict(binds or {})
         self.uid = _next_uid()
         self.leftovers_killed = 0  # processes found still running after a command ended
         super().__init__(root, limits)
@@ -103,8 +107,9 @@ class BwrapSandbox(_SubprocessSandbox):
 
     @staticmethod
     def command_for(workdir: str, argv: list[str], *, limits: dict[str, int], uid: int,
-                    env: dict[str, str] | None = None) -> list[str]:
+                    env: dict[str, str] | None = None, binds: dict[str, str] | None = None) -> list[str]:
         setenv = [part for name, value in (env or {}).items() for part in ("--setenv", name, value)]
+        mounts = [part for host, inside in (binds or {}).items() for part in ("--ro-bind", host, inside)]
         return [
             "setpriv", "--reuid", str(uid), "--regid", str(uid), "--clear-groups",
             "prlimit",
@@ -120,11 +125,11 @@ class BwrapSandbox(_SubprocessSandbox):
             "--symlink", "usr/bin", "/bin",
             "--proc", "/proc", "--dev", "/dev",
             "--size", str(limits["tmp_mb"] * 1024 * 1024), "--tmpfs", "/tmp",
-            "--bind", workdir, "/work", "--chdir", "/work",
+            "--bind", workdir, "/work", *mounts, "--chdir", "/work",
             "--clearenv", "--setenv", "PATH", "/usr/bin", "--setenv", "HOME", "/work", *setenv,
             "--",
             *argv,
         ]  # fmt: skip
 
     def wrap(self, argv: list[str], env: dict[str, str]) -> list[str]:
-        return self.command_for(str(self.workdir), argv, limits=self.limits, uid=self.uid, env=env)
+        return self.command_for(str(self.workdir), argv, limits=self.limits, uid=self.uid, env=env, binds=self.binds)

@@ -1,0 +1,430 @@
+"""Gateway: an OpenAI-compatible endpoint in front of the engine for black-box agents, one session
+per rollout.
+
+A rollout opens a Session (`open_session`): it gets a key, and every call the agent makes with that
+key (`Authorization: Bearer <key>`, as the `openai` client sends it) is served by the engine and
+recorded: the prompt token ids the engine was given, the sampled token ids, their logprobs and
+policy versions, taken from the engine at sampling time. Nothing sampled is ever re-tokenized.
+
+Assembly into a trajectory (the same form as a white-box one): when a call's messages extend the
+previous call's messages plus the assistant reply the gateway gave (the usual agent loop: it appends
+our reply and the tool results), the prompt is the previous context's exact tokens followed by the
+rendered new messages, and the call continues the same context (one training sample). When they do
+not (the agent edited, dropped or reordered history), the call starts a new context: the previous
+one is closed as a ContextSegment with the reason, and is trained as its own sample.
+
+Budgets per session (calls, sampled tokens, context tokens, wall time) are enforced here: a call past
+one gets an OpenAI-style 400 error with code `budget_exceeded` (the `openai` client raises, and does
+not retry) and the trajectory is marked truncated. An unknown key, or the key of a closed session,
+gets 401. A key only ever reaches its own session: there is no way to name another.
+
+Programs (ThunderAgent's abstraction): each session is a Program with an id, the tokens in its context,
+its tools, the engine it is bound to, its phase ("reasoning" while the engine generates for it,
+"acting" while the agent works between calls) and status; `GET /programs` lists them (admin key).
+`engine.release(program_id)` is called when a session closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from fastapi import Request  # at module level: FastAPI resolves endpoint annotations from the module
+
+from loomrl.engine.base import GenerationRequest, SamplingParams
+from loomrl.model.chat import ChatRenderer
+from loomrl.server.app import _error, assistant_message
+from loomrl.server.protocol import ChatCompletionRequest
+from loomrl.types import ContextSegment, RolloutStatus, TokenSpan, Trajectory, Turn, new_id
+
+
+@dataclass(slots=True, kw_only=True)
+class Budget:
+    max_calls: int | None = None
+    max_sampled_tokens: int | None = None
+    max_context_tokens: int | None = None  # prompt + max_tokens of a call
+    max_wall_s: float | None = None
+
+
+class BudgetExceeded(Exception):
+    pass
+
+
+@dataclass(slots=True, kw_only=True)
+class Program:
+    program_id: str
+    engine: str
+    tools: list[str] = field(default_factory=list)
+    phase: str = "acting"  # "reasoning" while the engine generates for it, "acting" between calls
+    status: str = "running"  # running, finished, truncated, failed
+    tokens_in_context: int = 0
+    calls: int = 0
+    started_at: float = field(default_factory=time.time)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _normalize(message: dict[str, Any]) -> tuple:
+    """What must be equal for a message to count as unchanged: role, content (None == ""), tool calls
+    by name and parsed arguments, and the tool_call_id of tool results."""
+    calls = []
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function", {}) if isinstance(call, dict) else {}
+        args = fn.get("arguments", "")
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            pass
+        calls.append((fn.get("name"), json.dumps(args, sort_keys=True)))
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: keep their text
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return (message.get("role"), content or "", tuple(calls), message.get("tool_call_id"))
+
+
+class Session:
+    """One rollout's calls and the trajectory they assemble into."""
+
+    def __init__(self, gateway: Gateway, *, task_id: str, group_id: str, budget: Budget,
+                 sampling: SamplingParams | None, position: int = -1):
+        self.gateway = gateway
+        self.session_id = new_id("sess")
+        self.key = "sk-loomrl-" + secrets.token_urlsafe(24)
+        self.budget = budget
+        self.sampling = sampling  # when set, the run's sampling overrides what the agent asks for
+        self.created = time.monotonic()
+        self.program = Program(program_id=self.session_id, engine=gateway.engine_name)
+        self.trajectory = Trajectory(task_id=task_id, trajectory_id=self.session_id, group_id=group_id or new_id("group"),
+                                     position=position, temperature=sampling.temperature if sampling else 1.0)
+        self.trajectory.status = RolloutStatus.COMPLETED
+        self.closed = False
+        self.truncated_reason: str | None = None
+        self.sampled_tokens = 0
+        self.calls = 0
+        self.reward: dict[str, float] | None = None  # reported by the agent, where the task allows it
+        self._known: list[tuple] | None = None  # normalized messages the current context holds
+        self._last_closed = True
+        self._lock = asyncio.Lock()  # one context is sequential: calls of a session are served in order
+
+    # -- budgets ----------------------------------------------------------------------------------
+    def _check_budget(self, prompt_len: int, max_tokens: int) -> None:
+        b = self.budget
+        why = None
+        if b.max_wall_s is not None and time.monotonic() - self.created > b.max_wall_s:
+            why = f"wall-time budget of {b.max_wall_s}s is spent"
+        elif b.max_calls is not None and self.calls >= b.max_calls:
+            why = f"call budget of {b.max_calls} calls is spent"
+        elif b.max_sampled_tokens is not None and self.sampled_tokens >= b.max_sampled_tokens:
+            why = f"token budget of {b.max_sampled_tokens} sampled tokens is spent"
+        elif b.max_context_tokens is not None and prompt_len >= b.max_context_tokens:
+            why = f"context budget of {b.max_context_tokens} tokens is spent (prompt has {prompt_len})"
+        if why:
+            self.truncated_reason = why
+            self.trajectory.status = RolloutStatus.TRUNCATED
+            self.program.status = "truncated"
+            raise BudgetExceeded(why)
+
+    def _max_tokens(self, prompt_len: int, asked: int) -> int:
+        b, n = self.budget, asked
+        if b.max_sampled_tokens is not None:
+            n = min(n, b.max_sampled_tokens - self.sampled_tokens)
+        if b.max_context_tokens is not None:
+            n = min(n, b.max_context_tokens - prompt_len)
+        return max(n, 1)
+
+    # -- assembly ---------------------------------------------------------------------------------
+    def plan(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> tuple[list[int], str | None]:
+        """Prompt ids for this call, and why a new context starts (None: it continues the current one)."""
+        renderer = self.gateway.renderer
+        norm = [_normalize(m) for m in messages]
+        known = self._known
+        if known is not None and len(norm) > len(known) and norm[: len(known)] == known:
+            new = messages[len(known):]
+            ids = list(self.trajectory.token_ids) + renderer.continuation_ids(
+                messages[: len(known)], new, closed=self._last_closed, tools=tools)
+            return ids, None
+        if known is None:
+            return renderer.prompt_ids(messages, tools), "start"
+        first = next((i for i, (a, b) in enumerate(zip(norm, known)) if a != b), min(len(norm), len(known)))
+        reason = (f"history edited at message {first}" if first < min(len(norm), len(known))
+                  else f"history shortened to {len(norm)} messages" if len(norm) <= len(known)
+                  else "history changed")
+        return renderer.prompt_ids(messages, tools), reason
+
+    def record(self, messages: list[dict[str, Any]], prompt_ids: list[int], new_context: str | None,
+               result, text: str, reply: dict[str, Any], finish_reason: str) -> None:
+        traj = self.trajectory
+        if new_context is not None:
+            if traj.turns:  # close the current context
+                traj.segments.append(ContextSegment(reason=new_context, prompt_ids=traj.prompt_ids,
+                                                    token_ids=traj.token_ids, turns=traj.turns))
+            traj.prompt_ids, traj.token_ids, traj.turns = list(prompt_ids), list(prompt_ids), []
+        else:
+            start = len(traj.token_ids)
+            traj.token_ids.extend(prompt_ids[start:])
+            last = traj.turns[-1]
+            last.obs_span = TokenSpan(start=start, end=len(traj.token_ids))
+            last.obs = "\n".join(str(m.get("content") or "") for m in messages[len(self._known or []):])
+        begin = len(traj.token_ids)
+        traj.token_ids.extend(result.token_ids)
+        traj.turns.append(Turn(act=text, act_span=TokenSpan(start=begin, end=len(traj.token_ids)),
+                               logprobs=list(result.logprobs), versions=list(result.versions),
+                               finish_reason=finish_reason, tool_calls=list(reply.get("tool_calls") or [])))
+        self._known = [_normalize(m) for m in messages] + [_normalize(reply)]
+        self._last_closed = result.finish_reason == "stop"
+        self.calls += 1
+        self.sampled_tokens += len(result.token_ids)
+        self.program.calls = self.calls
+        self.program.tokens_in_context = len(traj.token_ids)
+
+    def summary(self) -> dict[str, Any]:
+        traj = self.trajectory
+        return {"session_id": self.session_id, "calls": self.calls, "sampled_tokens": self.sampled_tokens,
+                "contexts": len(traj.contexts()), "status": str(traj.status), "truncated_reason": self.truncated_reason,
+                "program": self.program.as_dict()}
+
+
+class Gateway:
+    """Sessions over one engine; `app()` is the FastAPI application to serve."""
+
+    def __init__(self, engine, tokenizer, model_name: str = "loomrl", *, default_budget: Budget | None = None,
+                 allow_agent_reward: bool = False):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.renderer = ChatRenderer(tokenizer)
+        self.model_name = model_name
+        self.engine_name = type(engine).__name__
+        self.default_budget = default_budget or Budget()
+        self.allow_agent_reward = allow_agent_reward
+        self.admin_key = "sk-loomrl-admin-" + secrets.token_urlsafe(24)
+        self._by_key: dict[str, Session] = {}
+        self._sessions: dict[str, Session] = {}
+
+    # -- sessions ---------------------------------------------------------------------------------
+    def open_session(self, *, task_id: str = "", group_id: str = "", position: int = -1, budget: Budget | None = None,
+                     sampling: SamplingParams | None = None) -> Session:
+        session = Session(self, task_id=task_id, group_id=group_id, budget=budget or self.default_budget,
+                          sampling=sampling, position=position)
+        self._by_key[session.key] = session
+        self._sessions[session.session_id] = session
+        return session
+
+    def close_session(self, session: Session, *, failed: str | None = None) -> Trajectory:
+        """End the session: its key stops working, the engine forgets the program, the trajectory is final."""
+        session.closed = True
+        self._by_key.pop(session.key, None)
+        self._sessions.pop(session.session_id, None)
+        self.engine.release(session.program.program_id)
+        traj = session.trajectory
+        if failed:
+            traj.status, traj.error = RolloutStatus.ENV_ERROR, failed
+            session.program.status = "failed"
+        elif session.program.status == "running":
+            session.program.status = "finished"
+        session.program.phase = "done"
+        if session.truncated_reason:
+            traj.error = traj.error or f"budget: {session.truncated_reason}"
+        md = traj.metadata
+        turns = traj.all_turns()
+        md.total_steps = len(turns)
+        md.total_tokens = sum(len(c.token_ids) for c in traj.contexts())
+        md.wall_time = time.monotonic() - session.created
+        md.truncated = traj.status == RolloutStatus.TRUNCATED
+        versions = [v for t in turns for v in t.versions]
+        md.policy_version_min = min(versions) if versions else -1
+        md.policy_version_max = max(versions) if versions else -1
+        return traj
+
+    def programs(self) -> list[dict[str, Any]]:
+        return [s.program.as_dict() for s in self._sessions.values()]
+
+    def _session_for(self, authorization: str | None) -> Session | None:
+        if not authorization or not authorization.startswith("Bearer "):
+            return None
+        session = self._by_key.get(authorization[len("Bearer "):].strip())
+        return session if session is not None and not session.closed else None
+
+    # -- the chat endpoint ------------------------------------------------------------------------
+    async def chat(self, session: Session, req: ChatCompletionRequest):
+        for i, m in enumerate(req.messages):
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
+                return _error(400, f"messages[{i}].role must be system, user, assistant or tool", f"messages[{i}].role")
+        if req.n != 1:
+            return _error(400, "n must be 1 through the gateway (one rollout, one context)", "n")
+        async with session._lock:
+            try:
+                prompt_ids, new_context = session.plan(req.messages, req.tools)
+            except Exception as err:  # noqa: BLE001 - a conversation the template cannot render
+                return _error(400, f"cannot render messages with the chat template: {err}", "messages")
+            asked = req.max_completion_tokens or req.max_tokens or 256
+            if session.sampling is not None:
+                asked = min(asked, session.sampling.max_tokens)  # the run's per-turn cap
+            try:
+                session._check_budget(len(prompt_ids), asked)
+            except BudgetExceeded as err:
+                return _error(400, f"budget exceeded: {err}; the rollout is over", None, code="budget_exceeded")
+            stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+            base = session.sampling or SamplingParams(temperature=req.temperature, top_p=req.top_p,
+                                                      top_k=max(req.top_k, 0), seed=req.seed)
+            sampling = SamplingParams(temperature=base.temperature, top_p=base.top_p, top_k=base.top_k,
+                                      seed=base.seed if session.sampling else req.seed,
+                                      max_tokens=session._max_tokens(len(prompt_ids), asked), stop=stop,
+                                      stop_token_ids=list(req.stop_token_ids or []))
+            session.program.phase = "reasoning"
+            session.program.tools = [t.get("function", {}).get("name", "") for t in req.tools or []]
+            try:
+                result = await self.engine.generate(GenerationRequest(
+                    prompt_ids=prompt_ids, sampling=sampling, program_id=session.program.program_id))
+            finally:
+                session.program.phase = "acting"
+            text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+            reason = result.finish_reason
+            for s in stop:
+                if s in text:
+                    text, reason = text[: text.find(s)], "stop"
+            reason = "stop" if reason == "interrupted" else reason
+            reply, reason = assistant_message(text, reason, req.tools)
+            session.record(req.messages, prompt_ids, new_context, result, text, reply, reason)
+        body = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": self.model_name,
+                "choices": [{"index": 0, "message": reply, "finish_reason": reason, "logprobs": None}],
+                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(result.token_ids),
+                          "total_tokens": len(prompt_ids) + len(result.token_ids)}}
+        if req.return_token_ids:  # vLLM's extension: the exact ids (what the trajectory trains on)
+            body["choices"][0]["token_ids"] = list(result.token_ids)
+            body["prompt_token_ids"] = prompt_ids
+        if req.logprobs:
+            body["choices"][0]["logprobs"] = {"content": [
+                {"token": self.tokenizer.decode([t]), "logprob": lp, "bytes": list(self.tokenizer.decode([t]).encode()),
+                 "top_logprobs": []} for t, lp in zip(result.token_ids, result.logprobs)]}
+        return body
+
+    # -- the application --------------------------------------------------------------------------
+    def app(self):
+        from fastapi import FastAPI
+        from fastapi.exceptions import RequestValidationError
+        from fastapi.responses import JSONResponse, StreamingResponse
+
+        app = FastAPI(title="loomrl gateway", docs_url=None, redoc_url=None)
+        gateway = self
+
+        def unauthorized():
+            return _error(401, "invalid or expired API key (each rollout has its own key; it ends with the rollout)",
+                          None, kind="authentication_error", code="invalid_api_key")
+
+        @app.exception_handler(RequestValidationError)
+        async def _invalid(request: Request, exc: RequestValidationError):
+            first = exc.errors()[0] if exc.errors() else {}
+            loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+            return _error(400, f"{loc or 'body'}: {first.get('msg', 'invalid request')}", loc or None)
+
+        @app.get("/v1/models")
+        async def models(request: Request):
+            if gateway._session_for(request.headers.get("authorization")) is None:
+                return unauthorized()
+            return {"object": "list", "data": [{"id": gateway.model_name, "object": "model", "created": 0,
+                                                "owned_by": "loomrl"}]}
+
+        @app.post("/v1/chat/completions")
+        async def chat(req: ChatCompletionRequest, request: Request):
+            session = gateway._session_for(request.headers.get("authorization"))
+            if session is None:
+                return unauthorized()
+            body = await gateway.chat(session, req)
+            if not req.stream or isinstance(body, JSONResponse):
+                return body
+            return StreamingResponse(_sse(body), media_type="text/event-stream")
+
+        @app.get("/v1/session")
+        async def own_session(request: Request):
+            session = gateway._session_for(request.headers.get("authorization"))
+            return unauthorized() if session is None else session.summary()
+
+        @app.post("/v1/reward")
+        async def reward(request: Request):
+            session = gateway._session_for(request.headers.get("authorization"))
+            if session is None:
+                return unauthorized()
+            if not gateway.allow_agent_reward:
+                return _error(403, "this task does not accept rewards from the agent", None, kind="permission_error")
+            try:
+                data = await request.json()
+                values = {str(k): float(v) for k, v in dict(data.get("reward", {})).items()}
+            except (ValueError, TypeError, AttributeError):
+                return _error(400, 'body must be {"reward": {"name": number, ...}}', "reward")
+            session.reward = values
+            return {"ok": True}
+
+        @app.get("/programs")
+        async def programs(request: Request):
+            if request.headers.get("authorization") != f"Bearer {gateway.admin_key}":
+                return _error(403, "the program list needs the gateway's admin key", None, kind="permission_error")
+            return {"programs": gateway.programs()}
+
+        return app
+
+
+def _sse(body: dict[str, Any]):
+    """The finished completion as OpenAI stream chunks: role, content or tool calls, then finish and [DONE].
+    (The engine returns a request's tokens together; the stream carries them in one content chunk.)"""
+    choice = body["choices"][0]
+    message = choice["message"]
+    base = {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"], "model": body["model"]}
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+        return "data: " + json.dumps({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}) + "\n\n"
+
+    yield chunk({"role": "assistant", "content": ""})
+    if message.get("content"):
+        yield chunk({"content": message["content"]})
+    for i, call in enumerate(message.get("tool_calls") or []):
+        yield chunk({"tool_calls": [{"index": i, **call}]})
+    yield chunk({}, choice["finish_reason"])
+    yield "data: [DONE]\n\n"
+
+
+class ServerThread:
+    """Serve an ASGI app with uvicorn on a background thread, on a TCP port of 127.0.0.1 (`url`) or
+    on a unix socket (`uds`, for sandboxes that have no network but can be handed a socket file)."""
+
+    def __init__(self, app, *, uds: str | None = None):
+        import os
+        import socket
+        import threading
+
+        import uvicorn
+
+        self.uds = uds
+        if uds is None:
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+            sock.close()
+            config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        else:
+            self.port = 0
+            config = uvicorn.Config(app, uds=uds, log_level="warning")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="loomrl-gateway", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("gateway: the HTTP server did not start")
+            time.sleep(0.02)
+        if uds is not None:
+            os.chmod(uds, 0o666)  # sandboxed agents run as their own uids
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)

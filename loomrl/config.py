@@ -83,6 +83,14 @@ class EnvConfig(_Section):
     few_shot: Literal["none", "bare", "word"] = "word"  # worked examples shown before the task
 
 
+class ContextConfig(_Section):
+    # context management as an action (see loomrl/agent/context.py)
+    strategy: Literal["none", "discard_all", "keep_last", "clear_thinking", "summarize"] = "none"
+    threshold: float = Field(0.8, gt=0.0, le=1.0)  # share of agent.max_context_tokens that triggers it
+    keep_last: int = Field(2, gt=0)  # keep_last: turns kept
+    summary_max_tokens: int = Field(64, gt=0)  # summarize: the summary turn's token budget
+
+
 class AgentConfig(_Section):
     # whitebox: loomrl's own agent loop drives the env; blackbox: an unmodified program speaking the
     # OpenAI API runs in a sandbox per rollout against loomrl's gateway (see docs/agents.md)
@@ -92,6 +100,7 @@ class AgentConfig(_Section):
     max_turns: int = Field(4, gt=0)  # blackbox: the call budget
     max_context_tokens: int = Field(1024, gt=0)
     trajectory_timeout_s: float = Field(300.0, gt=0.0)  # blackbox: the program's wall-clock budget
+    context: ContextConfig = Field(default_factory=ContextConfig)  # whitebox only
 
 
 class RewardConfig(_Section):

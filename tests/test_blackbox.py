@@ -131,17 +131,18 @@ def test_blackbox_example_trains_asynchronously(tmp_path):
     from loomrl.store import read_trajectories
 
     cfg = load_config(ROOT / "examples" / "blackbox_agent" / "train.yaml", [
-        f"output_dir={tmp_path}", "progress=false", "model.kind=tiny", "trainer.total_steps=3",
-        "trainer.groups_per_step=1", "trainer.group_size=2", "eval.n_tasks=0", "sampling.max_tokens=8",
+        f"output_dir={tmp_path}", "progress=false", "model.kind=tiny", "trainer.total_steps=2",
+        "trainer.groups_per_step=2", "trainer.group_size=4", "eval.n_tasks=0", "sampling.max_tokens=8",
         "reward.function=rewards_for_tests:parity_reward", "checkpoint_every=0"])
     summary = LocalRun(cfg).train()
-    assert summary["steps"] == 3
+    assert summary["steps"] == 2
     counts = summary["rollouts"]
-    assert sum(v for k, v in counts.items() if k != "launched") == counts["launched"] >= 6, counts
+    assert sum(v for k, v in counts.items() if k != "launched") == counts["launched"] >= 16, counts
     rows = read_trajectories(cfg.run_dir / "trajectories").to_pylist()
     white_box_columns = set(rows[0])  # the same store schema as white-box runs
     assert {"token_ids", "loss_mask", "logprobs", "versions", "turns"} <= white_box_columns
     trained = {tid for entry in read_ledger(cfg.run_dir) for tid in entry["trained"]}
+    # parity rewards vary within a group of 4 except with probability 1/8; 4 groups all flat: 1 in 4096
     assert trained and trained <= {r["trajectory_id"] for r in rows}
     for r in rows:
         assert r["status"] in ("completed", "truncated"), r["error"]

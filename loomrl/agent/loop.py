@@ -4,7 +4,8 @@ The trajectory is one token sequence: the rendered prompt, then for every turn t
 sampled (kept exactly, with their logprobs and policy versions) and the tokens of the observation
 appended after them. Model output is decoded only to let the env parse it; it is never re-encoded.
 
-Limits: `max_turns` and `max_context_tokens` end the episode as `truncated`; a deadline per trajectory
+Limits: `max_turns` and `max_context_tokens` end the episode as `truncated` (unless a context strategy
+makes room: see agent/context.py; each rewrite starts a new context segment); a deadline per trajectory
 ends it as `timeout`. A crashing or hanging tool ends only this trajectory (`env_error`, `timeout`),
 with the error recorded on the turn and the trajectory.
 """
@@ -16,10 +17,11 @@ import re
 import time
 from dataclasses import replace
 
+from loomrl.agent.context import SUMMARY_REQUEST, ContextStrategy
 from loomrl.engine.base import Engine, GenerationRequest, SamplingParams
 from loomrl.env.base import Env, EnvCrash, ToolTimeout
 from loomrl.model.chat import ChatRenderer
-from loomrl.types import RolloutStatus, Task, TokenSpan, Trajectory, Turn, new_id
+from loomrl.types import ContextSegment, RolloutStatus, Task, TokenSpan, Trajectory, Turn, new_id
 
 _THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
 
@@ -31,13 +33,15 @@ def _split_think(text: str) -> tuple[str, str]:
 
 class AgentLoop:
     def __init__(self, engine: Engine, renderer: ChatRenderer, *, sampling: SamplingParams,
-                 max_turns: int, max_context_tokens: int, trajectory_timeout_s: float = 300.0):
+                 max_turns: int, max_context_tokens: int, trajectory_timeout_s: float = 300.0,
+                 context: ContextStrategy | None = None):
         self.engine = engine
         self.renderer = renderer
         self.sampling = sampling
         self.max_turns = max_turns
         self.max_context_tokens = max_context_tokens
         self.trajectory_timeout_s = trajectory_timeout_s
+        self.context = context or ContextStrategy(window=max_context_tokens)
 
     async def run(self, env: Env, task: Task, *, group_id: str = "", position: int = -1) -> Trajectory:
         start = time.perf_counter()
@@ -56,23 +60,28 @@ class AgentLoop:
         finally:
             self.engine.release(traj.trajectory_id)
         md = traj.metadata
-        md.total_steps = len(traj.turns)
-        md.total_tokens = len(traj.token_ids)
+        md.total_steps = len(traj.all_turns())
+        md.total_tokens = sum(len(c.token_ids) for c in traj.contexts())
         md.wall_time = time.perf_counter() - start
         md.truncated = traj.status == RolloutStatus.TRUNCATED
-        versions = [v for t in traj.turns for v in t.versions]
+        versions = [v for t in traj.all_turns() for v in t.versions]
         md.policy_version_min = min(versions) if versions else -1
         md.policy_version_max = max(versions) if versions else -1
         return traj
 
     async def _run_turns(self, env: Env, task: Task, traj: Trajectory, deadline: float) -> None:
         obs = await asyncio.wait_for(env.reset(task), max(deadline - time.perf_counter(), 0.001))
-        messages = list(obs.messages)
+        opening = list(obs.messages)
+        messages = list(opening)
         ids = self.renderer.prompt_ids(messages, obs.tools)
         traj.prompt_ids = list(ids)
         traj.token_ids = list(ids)
         traj.status = RolloutStatus.TRUNCATED  # until a turn says done
+        new_message, closed = False, True
         for _ in range(self.max_turns):
+            if self.context.fires(len(traj.token_ids), messages, new_message):
+                messages = await self._new_context(traj, messages, opening, obs.tools, closed)
+            new_message = False
             budget = self.max_context_tokens - len(traj.token_ids)
             if budget <= 0:
                 return
@@ -91,6 +100,7 @@ class AgentLoop:
                         finish_reason=result.finish_reason)
             traj.turns.append(turn)
             messages.append({"role": "assistant", "content": text})
+            closed = result.finish_reason == "stop"
             step = await asyncio.wait_for(env.step(text), max(deadline - time.perf_counter(), 0.001))
             turn.reward_step = step.reward
             turn.done = step.done
@@ -99,12 +109,59 @@ class AgentLoop:
                 traj.final_answer = step.info.get("final_answer")
                 traj.status = RolloutStatus.COMPLETED
                 return
-            new_ids = self.renderer.continuation_ids(messages, step.observation, closed=result.finish_reason == "stop",
-                                                     tools=obs.tools)
+            new_ids = self.renderer.continuation_ids(messages, step.observation, closed=closed, tools=obs.tools)
+            turn.obs = "\n".join(str(m.get("content", "")) for m in step.observation)
             if len(traj.token_ids) + len(new_ids) >= self.max_context_tokens:
-                return  # the observation does not fit: truncated
+                if not self.context.makes_room:
+                    return  # the observation does not fit: truncated
+                messages = await self._new_context(traj, messages, opening, obs.tools, closed,
+                                                   pending=step.observation)
+                continue  # the strategy made room; the observation goes into the new context
             obs_start = len(traj.token_ids)
             traj.token_ids.extend(new_ids)
             turn.obs_span = TokenSpan(start=obs_start, end=len(traj.token_ids))
-            turn.obs = "\n".join(str(m.get("content", "")) for m in step.observation)
             messages.extend(step.observation)
+            new_message = True
+
+    async def _new_context(self, traj: Trajectory, messages: list[dict], opening: list[dict], tools, closed: bool,
+                           pending: list[dict] | None = None) -> list[dict]:
+        """Apply the context strategy: close the current context as a segment, start the rewritten one.
+        `pending`: an observation that did not fit in the old context, carried into the new one
+        (except by discard_all, which keeps the opening messages only)."""
+        name = self.context.name
+        before = len(traj.token_ids)
+        summary = None
+        if name == "summarize":
+            summary = await self._write_summary(traj, messages, tools, closed)
+        rewritten = self.context.rewrite(opening, messages, summary)
+        if pending and name != "discard_all":
+            rewritten = [*rewritten, *pending]
+        ids = self.renderer.prompt_ids(rewritten, tools)
+        event = {"action": name, "tokens_before": before, "tokens_after": len(ids),
+                 "messages_before": len(messages), "messages_after": len(rewritten)}
+        if traj.turns:
+            traj.turns[-1].context_events.append(event)
+        traj.segments.append(ContextSegment(reason=name, prompt_ids=traj.prompt_ids, token_ids=traj.token_ids,
+                                            turns=traj.turns))
+        traj.prompt_ids, traj.token_ids, traj.turns = list(ids), list(ids), []
+        self.engine.release(traj.trajectory_id)  # the old context's cached K/V will not be reused
+        return rewritten
+
+    async def _write_summary(self, traj: Trajectory, messages: list[dict], tools, closed: bool) -> str:
+        """The policy writes the summary in the current context: a sampled turn, trained with it."""
+        ask = self.renderer.continuation_ids(messages, [{"role": "user", "content": SUMMARY_REQUEST}], closed=closed,
+                                             tools=tools)
+        room = self.max_context_tokens - len(traj.token_ids) - len(ask)
+        if room <= 0:
+            return ""  # no room left to ask: the new context starts from the opening messages
+        traj.token_ids.extend(ask)
+        params = replace(self.sampling, max_tokens=min(self.context.summary_max_tokens, room))
+        result = await self.engine.generate(GenerationRequest(prompt_ids=list(traj.token_ids), sampling=params,
+                                                              program_id=traj.trajectory_id))
+        begin = len(traj.token_ids)
+        traj.token_ids.extend(result.token_ids)
+        text = self.renderer.decode(result.token_ids)
+        traj.turns.append(Turn(act=text, act_span=TokenSpan(start=begin, end=len(traj.token_ids)),
+                               logprobs=list(result.logprobs), versions=list(result.versions),
+                               finish_reason=result.finish_reason, context_events=[{"action": "summary_written"}]))
+        return _split_think(text)[1]

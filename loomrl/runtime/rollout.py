@@ -18,6 +18,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from loomrl.agent.blackbox import BlackBoxRunner, read_agent_files
+from loomrl.agent.context import ContextStrategy
 from loomrl.agent.gateway import Budget, Gateway, ServerThread
 from loomrl.agent.loop import AgentLoop
 from loomrl.config import RunConfig
@@ -95,9 +96,12 @@ class RolloutWorker:
         self.eval_loop = self._loop(SamplingParams(temperature=cfg.eval.temperature, max_tokens=s.max_tokens))
 
     def _loop(self, sampling: SamplingParams) -> AgentLoop:
-        return AgentLoop(self.engine, self.renderer, sampling=sampling, max_turns=self.cfg.agent.max_turns,
-                         max_context_tokens=self.cfg.agent.max_context_tokens,
-                         trajectory_timeout_s=self.cfg.agent.trajectory_timeout_s)
+        a = self.cfg.agent
+        context = ContextStrategy(a.context.strategy, window=a.max_context_tokens, threshold=a.context.threshold,
+                                  keep_last=a.context.keep_last, summary_max_tokens=a.context.summary_max_tokens)
+        return AgentLoop(self.engine, self.renderer, sampling=sampling, max_turns=a.max_turns,
+                         max_context_tokens=a.max_context_tokens, trajectory_timeout_s=a.trajectory_timeout_s,
+                         context=context)
 
     def task_at(self, position: int) -> Task:
         return self.train_tasks[self.order.index(position)]

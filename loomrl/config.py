@@ -101,6 +101,9 @@ class AgentConfig(_Section):
     max_context_tokens: int = Field(1024, gt=0)
     trajectory_timeout_s: float = Field(300.0, gt=0.0)  # blackbox: the program's wall-clock budget
     context: ContextConfig = Field(default_factory=ContextConfig)  # whitebox only
+    # blackbox: the program may report its own reward (POST /v1/reward); it is used instead of the
+    # task's verifier. Only for tasks whose programs can be trusted to judge themselves.
+    reward_from_agent: bool = False
 
 
 class RewardConfig(_Section):

@@ -62,10 +62,20 @@ print(json.dumps(out))
 '''
 
 
-def run_agent(tiny_model, tokenizer, script: str, args: list[str] | None = None, budget: Budget | None = None):
+SELF_REWARDING_AGENT = """
+import json, os, urllib.request
+req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/reward", data=json.dumps({"reward": {"self": 0.7}}).encode(),
+                             headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"],
+                                      "Content-Type": "application/json"})
+print(urllib.request.urlopen(req).read().decode())
+"""
+
+
+def run_agent(tiny_model, tokenizer, script: str, args: list[str] | None = None, budget: Budget | None = None,
+              agent_reward: bool = False):
     async def go():
         engine = BuiltinEngine(tiny_model, eos_token_id=tokenizer.eos_token_id, tokenizer=tokenizer)
-        gateway = Gateway(engine, tokenizer, "tiny")
+        gateway = Gateway(engine, tokenizer, "tiny", allow_agent_reward=agent_reward)
         import tempfile
 
         folder = tempfile.mkdtemp(prefix="loomrl-gw-test-")
@@ -147,3 +157,11 @@ def test_blackbox_example_trains_asynchronously(tmp_path):
     for r in rows:
         assert r["status"] in ("completed", "truncated"), r["error"]
         assert len(r["loss_mask"]) == len(r["token_ids"]) == len(r["logprobs"]) and sum(r["loss_mask"]) > 0
+
+
+def test_agent_reports_its_reward_where_the_task_allows_it(tiny_model, tokenizer):
+    run = run_agent(tiny_model, tokenizer, SELF_REWARDING_AGENT, agent_reward=True)
+    assert run.returncode == 0 and json.loads(run.stdout) == {"ok": True}
+    assert run.trajectory.reward_components == {"self": 0.7}
+    refused = run_agent(tiny_model, tokenizer, SELF_REWARDING_AGENT, agent_reward=False)
+    assert refused.returncode != 0 and "403" in refused.stderr and refused.trajectory.reward_components == {}

@@ -129,8 +129,11 @@ class LocalRun:
         log.info("held-out success %s: %.3f ± %.3f (n=%d)", label, res.success, res.stderr, res.n)
         return record
 
-    def _log_step(self, step: int, metrics: dict[str, Any], groups) -> None:
+    def _log_step(self, step: int, metrics: dict[str, Any], groups, worker: RolloutWorker | None = None) -> None:
         values = {**metrics, **group_summary(groups)}
+        if worker is not None:
+            values.update(worker.program_metrics())
+            values.update({f"env_pool/{k}": v for k, v in worker.pool_metrics().items()})
         self.logger.log(step, values)
 
     # -- sync -------------------------------------------------------------------------------------
@@ -162,7 +165,7 @@ class LocalRun:
                 else:
                     metrics = service.train_step()
                 engine.update_weights(None, service.version)  # weights changed in place (shared model)
-                self._log_step(service.version, metrics, groups)
+                self._log_step(service.version, metrics, groups, worker)
                 bar.update(1)
                 bar.set_postfix(reward=f"{group_summary(groups).get('rollout/reward_mean', 0):.3f}")
             bar.close()
@@ -260,7 +263,7 @@ class LocalRun:
                         break
                     _, version, weights, metrics = msg
                     engine.update_weights(weights, version)
-                    self._log_step(version, metrics, recent)
+                    self._log_step(version, metrics, recent, worker)
                     recent = []
                     bar.update(1)
         finally:

@@ -81,6 +81,11 @@ class RolloutWorker:
         self.order = DataOrder(len(train_tasks), cfg.seed)
         self.family = env_family(cfg.env.name)
         reward_fn = import_reward(cfg.reward.function) if cfg.reward.function else self.family.reward(cfg)
+        if cfg.agent.kind == "blackbox" and cfg.agent.reward_from_agent:
+            verifier = reward_fn
+
+            def reward_fn(t: Trajectory, task: Task) -> dict[str, float]:  # what the program reported, if it did
+                return dict(t.reward_components) if t.reward_components else verifier(t, task)
         self.reward_pool = RewardPool(reward_fn, workers=cfg.reward.workers)
         self._env_rng = random.Random(f"{cfg.seed}:env")
         self._pool: EnvPool | None = None
@@ -141,7 +146,8 @@ class RolloutWorker:
 
     async def _start_blackbox(self) -> None:
         a = self.cfg.agent
-        self._gateway = Gateway(self.engine, self.renderer.tokenizer, self.cfg.name)
+        self._gateway = Gateway(self.engine, self.renderer.tokenizer, self.cfg.name,
+                                allow_agent_reward=a.reward_from_agent)
         self._gateway_dir = tempfile.mkdtemp(prefix="loomrl-gateway-")
         os.chmod(self._gateway_dir, 0o755)  # sandboxed programs run as their own uids
         socket_path = os.path.join(self._gateway_dir, "gateway.sock")
@@ -226,6 +232,16 @@ class RolloutWorker:
         """launched, and how each rollout ended: a trajectory status, or "cancelled" (in flight when an
         async run finished); they add up once none is in flight."""
         return dict(self.counts)
+
+    def program_metrics(self) -> dict[str, float]:
+        """Black-box programs by phase and status (ThunderAgent's view), for the metrics log."""
+        if self._gateway is None:
+            return {}
+        out: Counter[str] = Counter()
+        for p in self._gateway.programs():
+            out[f"programs/{p['phase']}"] += 1
+            out[f"programs/{p['status']}"] += 1
+        return {k: float(v) for k, v in out.items()}
 
     def pool_metrics(self) -> dict[str, float]:
         return self._pool.metrics.as_dict() if self._pool is not None else {}

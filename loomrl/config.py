@@ -116,7 +116,9 @@ class RewardConfig(_Section):
 
 
 class BufferConfig(_Section):
-    max_policy_lag: int = Field(1, ge=0)
+    max_policy_lag: int = Field(1, ge=0)  # groups staler than this are dropped (counted) at consumption
+    # stale-but-admitted samples weigh exp(-lag_decay * lag) (lag = trainer version - oldest token version)
+    lag_decay: float = Field(0.0, ge=0.0)
 
 
 class TrainerConfig(_Section):

@@ -10,7 +10,9 @@ cut, so the ledger always equals what the saved model has seen.
 from __future__ import annotations
 
 import json
+import math
 import warnings
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -95,6 +97,7 @@ class TrainerService:
     def train_step(self) -> dict[str, Any]:
         """Consume one step's groups, update the policy (when any group has signal), log the ledger."""
         version = self.version
+        depth = len(self.buffer)
         groups, stale = self.buffer.take(self.cfg.trainer.groups_per_step, version)
         samples, trained, skipped = [], [], {}
         for group in groups:
@@ -109,7 +112,23 @@ class TrainerService:
             if left_out:
                 skipped.setdefault("incomplete", []).extend(left_out)
         metrics: dict[str, Any] = {"groups": len(groups), "groups_stale": len(stale),
-                                   "groups_skipped": sum(1 for g in groups if usable_group(g)[1])}
+                                   "groups_skipped": sum(1 for g in groups if usable_group(g)[1]),
+                                   "buffer/depth": depth}  # backpressure: groups waiting when the step began
+        waits = self.buffer.last_waits
+        if waits:
+            metrics["buffer/wait_s_mean"] = sum(waits) / len(waits)
+            metrics["buffer/wait_s_max"] = max(waits)
+        for lag, count in sorted(Counter(version - group_min_version(g) for g in groups
+                                         if group_min_version(g) >= 0).items()):
+            metrics[f"staleness/lag_{lag}"] = count  # histogram of the consumed groups' lag
+        decay = self.cfg.buffer.lag_decay
+        if decay > 0:  # down-weight what was sampled by older policies
+            for sample in samples:
+                lag = max(version - sample.min_version, 0) if sample.min_version >= 0 else 0
+                if lag:
+                    w = math.exp(-decay * lag)
+                    sample.advantages = [a * w for a in sample.advantages]
+                    metrics["samples_downweighted"] = metrics.get("samples_downweighted", 0) + 1
         if samples:
             stats = self.trainer.train_step(samples)
             metrics.update({f"train/{k}": v for k, v in asdict(stats).items()})

@@ -1,0 +1,50 @@
+"""Flow control at consumption: backpressure metrics (buffer depth, waiting time), the staleness
+histogram, drops beyond the lag counted by reason, and exp(-lambda * lag) down-weighting."""
+
+from __future__ import annotations
+
+import math
+
+from loomrl.config import load_config
+from loomrl.runtime.trainer_service import TrainerService
+from loomrl.types import TokenSpan, Trajectory, Turn
+
+
+def group(tag: str, version: int, rewards=(0.0, 1.0)) -> list[Trajectory]:
+    out = []
+    for i, r in enumerate(rewards):
+        t = Trajectory(task_id=tag, trajectory_id=f"{tag}-{i}", group_id=tag, token_ids=[1, 2, 3, 4, 5],
+                       prompt_ids=[1, 2], total_reward=r,
+                       turns=[Turn(act_span=TokenSpan(start=2, end=5), logprobs=[-1.0] * 3, versions=[version] * 3)])
+        t.metadata.policy_version_min = t.metadata.policy_version_max = version
+        out.append(t)
+    return out
+
+
+def test_consumption_metrics_drops_and_lag_decay(tmp_path, tiny_model, tokenizer):
+    cfg = load_config(None, [f"output_dir={tmp_path}", "name=flow", "model.kind=tiny", "trainer.groups_per_step=3",
+                             "buffer.max_policy_lag=2", "buffer.lag_decay=0.5", "trainer.total_steps=10"])
+    cfg.run_dir.mkdir(parents=True)
+    service = TrainerService(cfg, tiny_model, tokenizer)
+    service.trainer.step = 4  # the trainer is at version 4
+    seen = []
+    service.trainer.train_step = lambda samples: seen.extend(samples) or _stats()
+    for pos, (tag, v) in enumerate([("old", 1), ("lag2", 2), ("lag1", 3), ("fresh", 4)]):
+        service.receive(pos, group(tag, v))
+    metrics = service.train_step()
+    assert metrics["buffer/depth"] == 4 and metrics["groups_stale"] == 1  # "old" (lag 3) dropped, counted
+    assert service.buffer.dropped["stale"] == 1 and metrics["buffer/wait_s_max"] >= 0
+    assert {k: v for k, v in metrics.items() if k.startswith("staleness/")} == {
+        "staleness/lag_2": 1, "staleness/lag_1": 1, "staleness/lag_0": 1}
+    by_group = {s.group_id: s for s in seen}
+    fresh = max(by_group["fresh"].advantages, key=abs)
+    assert math.isclose(max(by_group["lag1"].advantages, key=abs), fresh * math.exp(-0.5))
+    assert math.isclose(max(by_group["lag2"].advantages, key=abs), fresh * math.exp(-1.0))
+    assert metrics["samples_downweighted"] == 4  # two samples in each of the two lagging groups
+
+
+def _stats():
+    from loomrl.trainer.trainer import StepStats
+
+    return StepStats(loss=0.0, grad_norm=0.0, clip_frac=0.0, ratio_mean=1.0, approx_kl=0.0, tokens=0, loss_tokens=0,
+                     seconds=0.0, lr=0.0)

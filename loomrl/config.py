@@ -119,6 +119,13 @@ class BufferConfig(_Section):
     max_policy_lag: int = Field(1, ge=0)  # groups staler than this are dropped (counted) at consumption
     # stale-but-admitted samples weigh exp(-lag_decay * lag) (lag = trainer version - oldest token version)
     lag_decay: float = Field(0.0, ge=0.0)
+    # filters before a batch (loomrl/buffer/filters.py): complete, repetitive, near_duplicate
+    filters: list[Literal["complete", "repetitive", "near_duplicate"]] = Field(default_factory=lambda: ["complete"])
+    drop_truncated: bool = False  # complete: also leave out trajectories cut by the turn/context budget
+    ngram: int = Field(4, gt=0)  # repetitive, near_duplicate: n-gram size over sampled tokens
+    max_repeats: int = Field(8, gt=0)  # repetitive: most repeats of one n-gram allowed
+    duplicate_threshold: float = Field(0.9, gt=0.0, le=1.0)  # near_duplicate: Jaccard of n-gram sets
+    balance_max_ratio: float | None = Field(None, ge=1.0)  # subsample the majority advantage sign to this ratio
 
 
 class TrainerConfig(_Section):

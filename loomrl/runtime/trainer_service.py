@@ -21,6 +21,7 @@ import torch
 
 from loomrl.buffer import Buffer, usable_group
 from loomrl.buffer.buffer import group_min_version
+from loomrl.buffer.filters import FilterConfig, balance_samples
 from loomrl.config import RunConfig
 from loomrl.trainer.checkpoint import load_optimizer, load_state, save_checkpoint, set_rng_state
 from loomrl.trainer.grpo import samples_from_group
@@ -63,6 +64,9 @@ class TrainerService:
         self.tokenizer = tokenizer
         self.trainer = Trainer(model, cfg.trainer)
         self.buffer = Buffer(cfg.buffer.max_policy_lag)
+        b = cfg.buffer
+        self.filters = FilterConfig(filters=tuple(b.filters), drop_truncated=b.drop_truncated, ngram=b.ngram,
+                                    max_repeats=b.max_repeats, duplicate_threshold=b.duplicate_threshold)
         self.received = PositionSet()
         self.extra: dict[str, Any] = {}  # runtime facts to carry across resume (e.g. eval before)
         self.ledger_path = self.run_dir / "ledger.jsonl"
@@ -100,19 +104,32 @@ class TrainerService:
         depth = len(self.buffer)
         groups, stale = self.buffer.take(self.cfg.trainer.groups_per_step, version)
         samples, trained, skipped = [], [], {}
+        groups_skipped = 0
         for group in groups:
-            usable, reason = usable_group(group)
+            usable, left_out, reason = usable_group(group, self.filters)
+            for why, ids in left_out.items():
+                skipped.setdefault(why, []).extend(ids)
             if reason:
-                skipped.setdefault(reason, []).extend(t.trajectory_id for t in group)
+                groups_skipped += 1
+                out = {i for ids in left_out.values() for i in ids}
+                skipped.setdefault(reason, []).extend(t.trajectory_id for t in group if t.trajectory_id not in out)
                 continue
             samples.extend(samples_from_group(usable))
             trained.extend(t.trajectory_id for t in usable)
             usable_ids = {t.trajectory_id for t in usable}
-            left_out = [t.trajectory_id for t in group if t.trajectory_id not in usable_ids]
-            if left_out:
-                skipped.setdefault("incomplete", []).extend(left_out)
+            unaccounted = [t.trajectory_id for t in group if t.trajectory_id not in usable_ids
+                           and not any(t.trajectory_id in ids for ids in left_out.values())]
+            if unaccounted:  # no turn at all
+                skipped.setdefault("incomplete", []).extend(unaccounted)
+        if self.cfg.buffer.balance_max_ratio is not None and samples:
+            before = {s.trajectory_id for s in samples}
+            samples, _ = balance_samples(samples, self.cfg.buffer.balance_max_ratio, seed=version)
+            after = {s.trajectory_id for s in samples}
+            if before - after:
+                skipped.setdefault("balance", []).extend(sorted(before - after))
+                trained = [t for t in trained if t in after]
         metrics: dict[str, Any] = {"groups": len(groups), "groups_stale": len(stale),
-                                   "groups_skipped": sum(1 for g in groups if usable_group(g)[1]),
+                                   "groups_skipped": groups_skipped,
                                    "buffer/depth": depth}  # backpressure: groups waiting when the step began
         waits = self.buffer.last_waits
         if waits:

@@ -134,7 +134,18 @@ class TrainerConfig(_Section):
     betas: tuple[float, float] = (0.9, 0.99)
     warmup_steps: int = Field(0, ge=0)
     grad_clip: float = Field(1.0, gt=0.0)
-    clip_eps: float = Field(0.2, gt=0.0)
+    clip_eps: float = Field(0.2, gt=0.0)  # ppo_clip / decoupled_ppo: lower clip (and upper unless clip_high)
+    clip_high: float | None = Field(None, gt=0.0)  # DAPO's clip-higher; gspo/cispo use their papers' defaults
+    # loomrl/trainer/losses.py: advantage estimator, policy loss, off-policy correction, KL, aggregation
+    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    loss: Literal["ppo_clip", "gspo", "decoupled_ppo", "cispo"] = "ppo_clip"
+    is_level: Literal["none", "token", "sequence", "chunk"] = "none"  # chunk = one turn (between env calls)
+    is_variant: Literal["none", "truncated", "masked"] = "truncated"
+    is_cap: float = Field(2.0, gt=0.0)
+    kl: Literal["k1", "k2", "k3"] | None = None  # KL to the initial policy (keeps a frozen copy of it)
+    kl_coef: float = Field(0.0, ge=0.0)
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm"] = "token_mean"
+    norm_constant: float | None = Field(None, gt=0.0)  # token_sum_norm: default max sampled tokens x sequences
     groups_per_step: int = Field(4, gt=0)
     group_size: int = Field(8, gt=1)
     micro_batch_size: int = Field(8, gt=0)

@@ -114,7 +114,7 @@ class TrainerService:
                 out = {i for ids in left_out.values() for i in ids}
                 skipped.setdefault(reason, []).extend(t.trajectory_id for t in group if t.trajectory_id not in out)
                 continue
-            samples.extend(samples_from_group(usable))
+            samples.extend(samples_from_group(usable, self.cfg.trainer.advantage))
             trained.extend(t.trajectory_id for t in usable)
             usable_ids = {t.trajectory_id for t in usable}
             unaccounted = [t.trajectory_id for t in group if t.trajectory_id not in usable_ids

@@ -1,4 +1,6 @@
-"""The optimiser step: per-token logprobs of a batch of samples, the GRPO loss, AdamW, grad clipping.
+"""The optimiser step: per-token logprobs of a batch of samples, the configured policy loss
+(losses.py: PPO clip by default, GSPO, decoupled PPO, CISPO; IS corrections, KL, aggregation), AdamW,
+grad clipping.
 
 Cost notes (CPU): logits are computed only at positions whose next token is trained (the 49k-wide
 LM head is a large share of a small model's FLOPs), and `freeze_layers` keeps the embeddings and the
@@ -7,6 +9,7 @@ bottom N blocks fixed so that backward stops above them.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass
@@ -14,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from loomrl.config import TrainerConfig
-from loomrl.trainer.grpo import clipped_policy_loss
+from loomrl.trainer.losses import policy_loss
 from loomrl.types import TrainingSample
 
 
@@ -29,6 +32,7 @@ class StepStats:
     loss_tokens: int
     seconds: float
     lr: float
+    ess: float = 1.0  # effective sample size of the importance weights (1 without a correction)
 
 
 def _decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -85,38 +89,72 @@ class Trainer:
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
         )
         self.step = 0
+        # KL to the initial policy needs its logprobs: a frozen copy, kept only when the KL term is on.
+        self.ref_model = copy.deepcopy(model).eval() if cfg.kl is not None and cfg.kl_coef > 0 else None
+        if self.ref_model is not None:
+            self.ref_model.requires_grad_(False)
 
     def train_step(self, samples: list[TrainingSample]) -> StepStats:
-        """One optimiser step over `samples`, in micro-batches; loss = mean over all sampled tokens."""
+        """One optimiser step over `samples`, in micro-batches, with the configured loss
+        (loomrl/trainer/losses.py); aggregation denominators are those of the whole step."""
         start = time.perf_counter()
-        self.model.train()
+        cfg = self.cfg
         total_loss_tokens = sum(sum(s.loss_mask) for s in samples)
         if total_loss_tokens == 0:
             raise ValueError("train_step: no sampled tokens in the batch")
         # Micro-batches of similar length waste less padding.
         ordered = sorted(samples, key=lambda s: len(s.token_ids))
-        mb = self.cfg.micro_batch_size
+        mb = cfg.micro_batch_size
+        batches = [ordered[i : i + mb] for i in range(0, len(ordered), mb)]
+        # Decoupled PPO's proximal policy: the weights before this step; KL's reference: the initial weights.
+        self.model.eval()
+        prox = [token_logprobs(self.model, b, with_grad=False) for b in batches] if cfg.loss == "decoupled_ppo" else None
+        ref = [token_logprobs(self.ref_model, b, with_grad=False) for b in batches] if self.ref_model is not None else None
+        self.model.train()
+        if cfg.aggregation == "token_mean":
+            aggregation, norm = "token_sum_norm", float(total_loss_tokens)  # sum / the step's sampled tokens
+        else:
+            aggregation = cfg.aggregation
+            norm = cfg.norm_constant or float(max(sum(s.loss_mask) for s in samples) * len(samples))
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = clip = ratio = kl = 0.0
-        for i in range(0, len(ordered), mb):
-            chunk = ordered[i : i + mb]
+        loss_sum = 0.0
+        stats_sum: dict[str, float] = {}
+        seq_offset = chunk_offset = 0
+        for b, chunk in enumerate(batches):
             logps = token_logprobs(self.model, chunk, with_grad=True)
-            losses = []
-            for s, logp in zip(chunk, logps):
-                if logp.numel() == 0:
-                    continue
-                idx = [t for t in range(1, len(s.token_ids)) if s.loss_mask[t]]
-                behaviour = torch.tensor([s.behaviour_logprobs[t] for t in idx])
-                adv = torch.tensor([s.advantages[t] for t in idx])
-                loss, stats = clipped_policy_loss(logp, behaviour, adv, self.cfg.clip_eps)
-                losses.append(loss.sum())
-                clip += float(stats["clip_frac"])
-                ratio += float(stats["ratio"])
-                kl += float(stats["approx_kl"])
-            if losses:
-                chunk_loss = torch.stack(losses).sum() / total_loss_tokens
-                chunk_loss.backward()
-                loss_sum += float(chunk_loss.detach())
+            parts = [(i, s, logp) for i, (s, logp) in enumerate(zip(chunk, logps)) if logp.numel()]
+            if not parts:
+                continue
+            idx = [[t for t in range(1, len(s.token_ids)) if s.loss_mask[t]] for _, s, _ in parts]
+            behaviour = torch.tensor([s.behaviour_logprobs[t] for (_, s, _), ts in zip(parts, idx) for t in ts])
+            adv = torch.tensor([s.advantages[t] for (_, s, _), ts in zip(parts, idx) for t in ts])
+            seq_ids = torch.tensor([seq_offset + k for k, ts in enumerate(idx) for _ in ts])
+            # A chunk is one turn: a run of sampled tokens between two environment interactions.
+            chunk_ids, c = [], chunk_offset
+            for ts in idx:
+                for j, t in enumerate(ts):
+                    if j and t != ts[j - 1] + 1:
+                        c += 1
+                    chunk_ids.append(c)
+                c += 1
+            seq_offset += len(parts)
+            chunk_offset = c
+            loss, stats = policy_loss(
+                cfg.loss, torch.cat([logp for _, _, logp in parts]), behaviour, adv, seq_ids,
+                chunk_ids=torch.tensor(chunk_ids),
+                prox_logp=torch.cat([prox[b][i] for i, _, _ in parts]) if prox is not None else None,
+                clip_low=cfg.clip_eps if cfg.loss in ("ppo_clip", "decoupled_ppo") else None, clip_high=cfg.clip_high,
+                is_level=cfg.is_level, is_variant=cfg.is_variant, is_cap=cfg.is_cap,
+                kl=cfg.kl if ref is not None else None,
+                ref_logp=torch.cat([ref[b][i] for i, _, _ in parts]) if ref is not None else None,
+                kl_coef=cfg.kl_coef if ref is not None else 0.0, aggregation=aggregation, norm_constant=norm,
+                num_seqs=len(samples))
+            loss.backward()
+            loss_sum += float(loss.detach())
+            n = stats.get("num_tokens", float(len(behaviour)))
+            for key in ("clip_frac", "ratio_mean", "approx_kl", "ess"):
+                if key in stats:
+                    stats_sum[key] = stats_sum.get(key, 0.0) + stats[key] * n
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
         if math.isfinite(grad_norm):
             self.optimizer.step()
@@ -126,11 +164,12 @@ class Trainer:
         return StepStats(
             loss=loss_sum,
             grad_norm=grad_norm,
-            clip_frac=clip / total_loss_tokens,
-            ratio_mean=ratio / total_loss_tokens,
-            approx_kl=kl / total_loss_tokens,
+            clip_frac=stats_sum.get("clip_frac", 0.0) / total_loss_tokens,
+            ratio_mean=stats_sum.get("ratio_mean", 0.0) / total_loss_tokens,
+            approx_kl=stats_sum.get("approx_kl", 0.0) / total_loss_tokens,
             tokens=sum(len(s.token_ids) for s in samples),
             loss_tokens=total_loss_tokens,
             seconds=time.perf_counter() - start,
             lr=self.scheduler.get_last_lr()[0],
+            ess=stats_sum["ess"] / total_loss_tokens if "ess" in stats_sum else 1.0,
         )

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class ConfigError(ValueError):
@@ -119,6 +119,16 @@ class BufferConfig(_Section):
     max_policy_lag: int = Field(1, ge=0)  # groups staler than this are dropped (counted) at consumption
     # stale-but-admitted samples weigh exp(-lag_decay * lag) (lag = trainer version - oldest token version)
     lag_decay: float = Field(0.0, ge=0.0)
+    # which finished groups a step takes: fifo (completion order), oldest_first, freshest_first, or
+    # window (Forge: any finished group within `window` positions of the oldest untaken one)
+    sampler: Literal["fifo", "oldest_first", "freshest_first", "window"] = "fifo"
+    window: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _window_given(self) -> BufferConfig:
+        if self.sampler == "window" and self.window is None:
+            raise ValueError("buffer.window: the window sampler needs a width, e.g. buffer.window=4")
+        return self
     # filters before a batch (loomrl/buffer/filters.py): complete, repetitive, near_duplicate
     filters: list[Literal["complete", "repetitive", "near_duplicate"]] = Field(default_factory=lambda: ["complete"])
     drop_truncated: bool = False  # complete: also leave out trajectories cut by the turn/context budget

@@ -48,3 +48,22 @@ def _stats():
 
     return StepStats(loss=0.0, grad_norm=0.0, clip_frac=0.0, ratio_mean=1.0, approx_kl=0.0, tokens=0, loss_tokens=0,
                      seconds=0.0, lr=0.0)
+
+
+def test_window_sampler_holds_later_groups_until_the_oldest_is_in(tmp_path, tiny_model, tokenizer):
+    cfg = load_config(None, [f"output_dir={tmp_path}", "name=win", "model.kind=tiny", "trainer.groups_per_step=2",
+                             "buffer.sampler=window", "buffer.window=2", "buffer.max_policy_lag=9"])
+    cfg.run_dir.mkdir(parents=True)
+    service = TrainerService(cfg, tiny_model, tokenizer)
+    seen = []
+    service.trainer.train_step = lambda samples: seen.append({s.group_id for s in samples}) or _stats()
+    service.receive(1, group("p1", 0))
+    service.receive(2, group("p2", 0))
+    assert not service.ready()  # position 0 is still running: the window [0, 2) holds p1, and p2 is outside
+    service.receive(0, group("p0", 0))
+    assert service.ready()
+    service.train_step()
+    assert seen == [{"p0", "p1"}]  # the window's oldest first, then what finished inside it
+    service.receive(3, group("p3", 0))
+    service.train_step()
+    assert seen[-1] == {"p2", "p3"}

@@ -63,7 +63,7 @@ class TrainerService:
         self.model = model
         self.tokenizer = tokenizer
         self.trainer = Trainer(model, cfg.trainer)
-        self.buffer = Buffer(cfg.buffer.max_policy_lag)
+        self.buffer = Buffer(cfg.buffer.max_policy_lag, cfg.buffer.sampler, cfg.buffer.window)
         b = cfg.buffer
         self.filters = FilterConfig(filters=tuple(b.filters), drop_truncated=b.drop_truncated, ngram=b.ngram,
                                     max_repeats=b.max_repeats, duplicate_threshold=b.duplicate_threshold)
@@ -74,8 +74,9 @@ class TrainerService:
             state = load_state(resume_from)
             load_optimizer(resume_from, self.trainer.optimizer, self.trainer.scheduler)
             self.trainer.step = state["step"]
-            self.buffer.load_state_dict(state["buffer"])
             self.received = PositionSet(state["received"]["watermark"], set(state["received"]["above"]))
+            waiting = {t.position for g in state["buffer"]["groups"] for t in g}
+            self.buffer.load_state_dict(state["buffer"], skip=lambda p: p in self.received and p not in waiting)
             self.extra = state.get("extra", {})
             set_rng_state(state["rng"])
             kept = [e for e in read_ledger(self.run_dir) if e["step"] <= state["step"]]
@@ -92,11 +93,11 @@ class TrainerService:
     def receive(self, position: int, group: list[Trajectory]) -> None:
         if position in self.received:
             raise RuntimeError(f"group at position {position} received twice")
+        self.buffer.put(group, position, skip=lambda p: p in self.received)  # received before: consumed already
         self.received.add(position)
-        self.buffer.put(group)
 
     def ready(self) -> bool:
-        return not self.done and len(self.buffer) >= self.cfg.trainer.groups_per_step
+        return not self.done and self.buffer.ready() >= self.cfg.trainer.groups_per_step
 
     def train_step(self) -> dict[str, Any]:
         """Consume one step's groups, update the policy (when any group has signal), log the ledger."""

@@ -80,6 +80,10 @@ class EnvConfig(_Section):
     tool_timeout_s: float = Field(5.0, gt=0.0)
     crash_rate: float = Field(0.0, ge=0.0, le=1.0)  # fault injection: a tool call crashes its process
     hang_rate: float = Field(0.0, ge=0.0, le=1.0)  # fault injection: a tool call hangs until its timeout
+    # simulated environment latency (benchmarks): every env step first waits a lognormal time with this
+    # mean and sigma (of the underlying normal); 0 = none. Declared wherever a result uses it.
+    step_latency_s: float = Field(0.0, ge=0.0)
+    step_latency_sigma: float = Field(0.5, ge=0.0)
     few_shot: Literal["none", "bare", "word"] = "word"  # worked examples shown before the task
 
 

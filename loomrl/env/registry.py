@@ -56,7 +56,8 @@ def _calc_env(cfg: RunConfig, pool: EnvPool | None, rng: random.Random) -> Env:
     e = cfg.env
     assert pool is not None
     return CalculatorEnv(pool, tool_timeout_s=e.tool_timeout_s, crash_rate=e.crash_rate, hang_rate=e.hang_rate,
-                         few_shot=e.few_shot, rng=rng)
+                         few_shot=e.few_shot, rng=rng, step_latency_s=e.step_latency_s,
+                         step_latency_sigma=e.step_latency_sigma)
 
 
 def _calc_reward(cfg: RunConfig) -> RewardFn:

@@ -13,6 +13,8 @@ Families (one or two arithmetic steps, word problems or bare expressions):
 
 from __future__ import annotations
 
+import asyncio
+import math
 import random
 import re
 from collections.abc import Callable
@@ -218,8 +220,11 @@ class CalculatorEnv:
     tools = TOOLS
 
     def __init__(self, pool: EnvPool, *, tool_timeout_s: float = 5.0, crash_rate: float = 0.0,
-                 hang_rate: float = 0.0, few_shot: str = "word", rng: random.Random | None = None):
+                 hang_rate: float = 0.0, few_shot: str = "word", rng: random.Random | None = None,
+                 step_latency_s: float = 0.0, step_latency_sigma: float = 0.5):
         self.pool = pool
+        self.step_latency_s = step_latency_s  # simulated env latency per step (mean of a lognormal)
+        self.step_latency_sigma = step_latency_sigma
         self.tool_timeout_s = tool_timeout_s
         self.crash_rate = crash_rate
         self.hang_rate = hang_rate
@@ -256,6 +261,9 @@ class CalculatorEnv:
             return result.stdout.strip()
 
     async def step(self, action: str) -> StepResult:
+        if self.step_latency_s > 0:  # simulated: a lognormal wait with the configured mean
+            sigma = self.step_latency_sigma
+            await asyncio.sleep(self.rng.lognormvariate(math.log(self.step_latency_s) - sigma**2 / 2, sigma))
         answer = parse_final_answer(action)
         calls = parse_tool_calls(action, self.tools)
         if calls and (answer is None or action.find("calc(") < action.lower().find("answer is")):

@@ -170,6 +170,9 @@ class TrainerConfig(_Section):
 
 class RuntimeConfig(_Section):
     mode: Literal["sync", "async"] = "sync"
+    # async: when new weights arrive, interrupt in-flight generations; they resume from their partial
+    # output under the new weights (AReaL), instead of finishing their turn with the old ones
+    interrupt_on_update: bool = False
 
 
 class EvalConfig(_Section):

@@ -215,3 +215,29 @@ def test_sampling_follows_the_filtered_distribution():
     assert tokens.tolist() == [1, 3]
     greedy, lp = sample_tokens(edge[:1], [SamplingParams(temperature=0.0)], torch.tensor([0.5]))
     assert greedy.item() == 3 and abs(lp.item() - torch.log_softmax(edge[0], -1)[3].item()) < 1e-6
+
+
+def test_generation_interrupted_by_a_weight_update_resumes_under_the_new_weights(tiny_model, tokenizer):
+    """AReaL's interruptible rollout, as the agent loop and the gateway use it: the turn completes,
+    its first tokens carry the old version and the rest the new one, in order."""
+    from loomrl.engine.base import generate_resuming
+
+    eng = BuiltinEngine(tiny_model, eos_token_id=tokenizer.eos_token_id)
+    try:
+        params = SamplingParams(temperature=1.0, max_tokens=60, ignore_eos=True, seed=5)
+
+        async def go():
+            task = asyncio.ensure_future(generate_resuming(eng, tokenizer.encode("one two three"), params, "p"))
+            while eng.metrics.generated_tokens < 10:
+                await asyncio.sleep(0.005)
+            eng.interrupt()
+            eng.update_weights({k: v * 1.0 for k, v in tiny_model.state_dict().items()}, 1)
+            return await task
+
+        result, resumed = asyncio.run(go())
+        assert resumed == 1 and len(result.token_ids) == 60 and result.finish_reason == "length"
+        assert len(result.logprobs) == len(result.versions) == 60
+        first_new = result.versions.index(1)
+        assert 10 <= first_new < 60 and set(result.versions[:first_new]) == {0} and set(result.versions[first_new:]) == {1}
+    finally:
+        eng.close()

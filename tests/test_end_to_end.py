@@ -211,3 +211,14 @@ def test_gym_and_codefix_environments_run_end_to_end(tmp_path):
         assert len(rows) == 4 and {r["task_id"].split("-")[0] for r in rows} == {name}
         if name == "codefix":
             assert summary["env_pool"]["acquired"] == counts["launched"]  # one sandbox per episode
+
+
+def test_async_run_with_interruptible_rollouts(tmp_path):
+    cfg = _cfg(tmp_path, "name=interrupt", "runtime.interrupt_on_update=true", "trainer.total_steps=2",
+               "eval.n_tasks=0", "checkpoint_every=0")
+    summary = LocalRun(cfg).train()
+    assert summary["steps"] == 2
+    rows = read_trajectories(cfg.run_dir / "trajectories").to_pylist()
+    for r in rows:  # every stored turn is complete and versioned token by token
+        assert len(r["versions"]) == len(r["token_ids"]) == len(r["loss_mask"])
+        assert all(v >= 0 for v, m in zip(r["versions"], r["loss_mask"]) if m)

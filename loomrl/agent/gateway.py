@@ -36,7 +36,7 @@ from typing import Any
 
 from fastapi import Request  # at module level: FastAPI resolves endpoint annotations from the module
 
-from loomrl.engine.base import GenerationRequest, SamplingParams
+from loomrl.engine.base import SamplingParams, generate_resuming
 from loomrl.model.chat import ChatRenderer
 from loomrl.server.app import _error, assistant_message
 from loomrl.server.protocol import ChatCompletionRequest
@@ -279,8 +279,7 @@ class Gateway:
             session.program.phase = "reasoning"
             session.program.tools = [t.get("function", {}).get("name", "") for t in req.tools or []]
             try:
-                result = await self.engine.generate(GenerationRequest(
-                    prompt_ids=prompt_ids, sampling=sampling, program_id=session.program.program_id))
+                result, _ = await generate_resuming(self.engine, prompt_ids, sampling, session.program.program_id)
             finally:
                 session.program.phase = "acting"
             text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)

@@ -18,7 +18,7 @@ import time
 from dataclasses import replace
 
 from loomrl.agent.context import SUMMARY_REQUEST, ContextStrategy
-from loomrl.engine.base import Engine, GenerationRequest, SamplingParams
+from loomrl.engine.base import Engine, GenerationResult, SamplingParams, generate_resuming
 from loomrl.env.base import Env, EnvCrash, ToolTimeout
 from loomrl.model.chat import ChatRenderer
 from loomrl.types import ContextSegment, RolloutStatus, Task, TokenSpan, Trajectory, Turn, new_id
@@ -42,6 +42,7 @@ class AgentLoop:
         self.max_context_tokens = max_context_tokens
         self.trajectory_timeout_s = trajectory_timeout_s
         self.context = context or ContextStrategy(window=max_context_tokens)
+        self.resumed = 0  # generations resumed after an interrupt (weight update mid-turn)
 
     async def run(self, env: Env, task: Task, *, group_id: str = "", position: int = -1) -> Trajectory:
         start = time.perf_counter()
@@ -88,9 +89,7 @@ class AgentLoop:
             if time.perf_counter() > deadline:
                 raise TimeoutError(f"trajectory ran past {self.trajectory_timeout_s}s")
             params = replace(self.sampling, max_tokens=min(self.sampling.max_tokens, budget))
-            result = await self.engine.generate(
-                GenerationRequest(prompt_ids=list(traj.token_ids), sampling=params, program_id=traj.trajectory_id)
-            )
+            result = await self._generate(list(traj.token_ids), params, traj.trajectory_id)
             begin = len(traj.token_ids)
             traj.token_ids.extend(result.token_ids)
             text = self.renderer.decode(result.token_ids)
@@ -122,6 +121,11 @@ class AgentLoop:
             turn.obs_span = TokenSpan(start=obs_start, end=len(traj.token_ids))
             messages.extend(step.observation)
             new_message = True
+
+    async def _generate(self, prompt_ids: list[int], params: SamplingParams, program_id: str) -> GenerationResult:
+        result, resumed = await generate_resuming(self.engine, prompt_ids, params, program_id)
+        self.resumed += resumed
+        return result
 
     async def _new_context(self, traj: Trajectory, messages: list[dict], opening: list[dict], tools, closed: bool,
                            pending: list[dict] | None = None) -> list[dict]:
@@ -156,8 +160,7 @@ class AgentLoop:
             return ""  # no room left to ask: the new context starts from the opening messages
         traj.token_ids.extend(ask)
         params = replace(self.sampling, max_tokens=min(self.context.summary_max_tokens, room))
-        result = await self.engine.generate(GenerationRequest(prompt_ids=list(traj.token_ids), sampling=params,
-                                                              program_id=traj.trajectory_id))
+        result = await self._generate(list(traj.token_ids), params, traj.trajectory_id)
         begin = len(traj.token_ids)
         traj.token_ids.extend(result.token_ids)
         text = self.renderer.decode(result.token_ids)

@@ -6,7 +6,7 @@ stop_token_ids) so that a vLLM/SGLang engine can sit behind the same protocol la
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 
@@ -50,3 +50,29 @@ class Engine(Protocol):
 
     def release(self, program_id: str) -> None:
         """The program has ended; the engine may drop anything it kept for it."""
+
+
+async def generate_resuming(engine: Engine, prompt_ids: list[int], params: SamplingParams,
+                            program_id: str = "") -> tuple[GenerationResult, int]:
+    """Generate; a request interrupted by a weight update (AReaL's interruptible rollout) resumes
+    from its partial output, re-prefilled under the new weights. The tokens keep the versions that
+    sampled them, so staleness stays exact per token. Returns the whole result and how many times
+    it resumed."""
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    versions: list[int] = []
+    resumed = 0
+    while True:
+        result = await engine.generate(GenerationRequest(
+            prompt_ids=prompt_ids + tokens, program_id=program_id,
+            sampling=replace(params, max_tokens=params.max_tokens - len(tokens))))
+        tokens += result.token_ids
+        logprobs += result.logprobs
+        versions += result.versions
+        if result.finish_reason != "interrupted":
+            return GenerationResult(token_ids=tokens, logprobs=logprobs, versions=versions,
+                                    finish_reason=result.finish_reason), resumed
+        resumed += 1
+        if len(tokens) >= params.max_tokens:
+            return GenerationResult(token_ids=tokens, logprobs=logprobs, versions=versions,
+                                    finish_reason="length"), resumed

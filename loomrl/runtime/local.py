@@ -262,6 +262,8 @@ class LocalRun:
                         version = msg[1]
                         break
                     _, version, weights, metrics = msg
+                    if cfg.runtime.interrupt_on_update and hasattr(engine, "interrupt"):
+                        engine.interrupt()  # in-flight turns resume under the new weights (AgentLoop._generate)
                     engine.update_weights(weights, version)
                     self._log_step(version, metrics, recent, worker)
                     recent = []

@@ -45,13 +45,13 @@ def workload(tokenizer, programs: int, obs_tokens: int):
 
 def gemm_peak_flops(runner) -> float:
     """Measured FLOP/s of the runner's own projection kernels at a large batch (the best they do here)."""
-    x = torch.randn(512, runner.layers[0].gate_up.weight.shape[1])
+    x = torch.randn(512, runner.layers[0].gate_up.shape[1])
     lin = runner.layers[0].gate_up
     lin(x)
     t0 = time.perf_counter()
     for _ in range(10):
         lin(x)
-    return 10 * 2 * x.shape[0] * lin.weight.numel() / (time.perf_counter() - t0)
+    return 10 * 2 * x.shape[0] * lin.numel / (time.perf_counter() - t0)
 
 
 def run_builtin(engine, prompts, observations, turns, new_tokens):

@@ -175,14 +175,20 @@ _PACK_BATCH_HINT = 32  # oneDNN picks its blocking for this many rows; measured 
 class _Linear:
     """y = x @ weight.T + bias with the weight pre-packed for oneDNN when possible."""
 
-    __slots__ = ("weight", "bias", "packed")
+    __slots__ = ("weight", "bias", "packed", "shape")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        self.weight = weight.detach()
+        self.shape = tuple(weight.shape)  # (out_features, in_features)
         self.bias = None if bias is None else bias.detach()
         self.packed = None
-        if _PACKER is not None and self.weight.dtype == torch.float32:
-            self.packed = _PACKER[0](self.weight.contiguous(), _PACK_BATCH_HINT)
+        self.weight: torch.Tensor | None = weight.detach()
+        if _PACKER is not None and weight.dtype == torch.float32:
+            self.packed = _PACKER[0](weight.detach().contiguous(), _PACK_BATCH_HINT)
+            self.weight = None  # the packed copy serves; keeping the (fused) plain one too would double memory
+
+    @property
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -251,9 +257,9 @@ class ModelRunner:
 
     def matmul_flops(self, tokens: int, head_rows: int) -> int:
         """FLOPs of the projections for `tokens` through all layers and `head_rows` through the head."""
-        per_token = sum(lin.weight.numel() for w in self.layers for lin in (w.qkv, w.o, w.gate_up, w.down))
+        per_token = sum(lin.numel for w in self.layers for lin in (w.qkv, w.o, w.gate_up, w.down))
         assert self.head is not None
-        return 2 * (tokens * per_token + head_rows * self.head.weight.numel())
+        return 2 * (tokens * per_token + head_rows * self.head.numel)
 
     def refresh(self) -> None:
         """Re-read (and re-pack) the model's weights; call after they change."""
@@ -293,11 +299,10 @@ class ModelRunner:
         offsets = [0]
         for n in lengths:
             offsets.append(offsets[-1] + n)
-        # Where each new token's K/V goes in the pool (every chunk's kv is a pool slot).
-        slot_of = torch.cat([torch.full((n,), c.kv.slot) for c, n in zip(chunks, lengths)])
-        standalone = [c for c in chunks if c.kv.pool is None]
-        if standalone:
+        if any(c.kv.pool is None for c in chunks):
             raise ValueError("ModelRunner.forward: every chunk's kv must come from new_kv() (a pool slot)")
+        # Where each new token's K/V goes in the pool.
+        slot_of = torch.cat([torch.full((n,), c.kv.slot) for c, n in zip(chunks, lengths)])
 
         decode = [i for i, n in enumerate(lengths) if n == 1]
         prefill = [i for i, n in enumerate(lengths) if n > 1]

@@ -160,6 +160,9 @@ class TrainerConfig(_Section):
     kl_coef: float = Field(0.0, ge=0.0)
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm"] = "token_mean"
     norm_constant: float | None = Field(None, gt=0.0)  # token_sum_norm: default max sampled tokens x sequences
+    # zero-variance groups are not trained (no gradient) but count in the loss denominators, so that a
+    # step with few informative groups takes a proportionally smaller step; False: mean over trained only
+    count_idle_groups: bool = True
     groups_per_step: int = Field(4, gt=0)
     group_size: int = Field(8, gt=1)
     micro_batch_size: int = Field(8, gt=0)

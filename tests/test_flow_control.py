@@ -28,7 +28,7 @@ def test_consumption_metrics_drops_and_lag_decay(tmp_path, tiny_model, tokenizer
     service = TrainerService(cfg, tiny_model, tokenizer)
     service.trainer.step = 4  # the trainer is at version 4
     seen = []
-    service.trainer.train_step = lambda samples: seen.extend(samples) or _stats()
+    service.trainer.train_step = lambda samples, **_: seen.extend(samples) or _stats()
     for pos, (tag, v) in enumerate([("old", 1), ("lag2", 2), ("lag1", 3), ("fresh", 4)]):
         service.receive(pos, group(tag, v))
     metrics = service.train_step()
@@ -56,7 +56,7 @@ def test_window_sampler_holds_later_groups_until_the_oldest_is_in(tmp_path, tiny
     cfg.run_dir.mkdir(parents=True)
     service = TrainerService(cfg, tiny_model, tokenizer)
     seen = []
-    service.trainer.train_step = lambda samples: seen.append({s.group_id for s in samples}) or _stats()
+    service.trainer.train_step = lambda samples, **_: seen.append({s.group_id for s in samples}) or _stats()
     service.receive(1, group("p1", 0))
     service.receive(2, group("p2", 0))
     assert not service.ready()  # position 0 is still running: the window [0, 2) holds p1, and p2 is outside

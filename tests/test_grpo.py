@@ -82,3 +82,35 @@ def test_freeze_layers_keeps_bottom_fixed(tokenizer):
     assert not torch.equal(state["model.layers.1.mlp.down_proj.weight"],
                            build_tiny_model(ModelConfig(kind="tiny"), len(tokenizer), tokenizer.eos_token_id)
                            .state_dict()["model.layers.1.mlp.down_proj.weight"])
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "token_sum_norm"])
+def test_idle_counts_make_skipping_a_zero_advantage_group_exact(tokenizer, aggregation):
+    """Leaving a zero-variance group out of the backward pass but counting its tokens and sequences
+    (idle_tokens/idle_seqs) gives the gradient of training on it with zero advantage; leaving it out
+    of the denominator too gives a larger one."""
+    from loomrl.config import ModelConfig
+    from loomrl.model.loader import build_tiny_model
+
+    informative = [_sample(tokenizer, "calc(3 + 4) then the answer", 2, 1.0),
+                   _sample(tokenizer, "random words about nothing", 2, -1.0)]
+    idle = [_sample(tokenizer, "all of this group got the same reward", 3, 0.0),
+            _sample(tokenizer, "so its advantage is zero", 1, 0.0)]
+    norm = 40.0 if aggregation == "token_sum_norm" else None
+
+    def grads(samples, **kw):
+        torch.manual_seed(0)
+        model = build_tiny_model(ModelConfig(kind="tiny"), len(tokenizer), tokenizer.eos_token_id)
+        trainer = Trainer(model, TrainerConfig(lr=1e-3, micro_batch_size=2, grad_clip=1e9,
+                                               aggregation=aggregation, norm_constant=norm))
+        trainer.train_step(samples, **kw)  # .grad keeps the step's gradient after the update
+        return torch.cat([p.grad.flatten() for p in trainer.params if p.grad is not None])
+
+    full = grads(informative + idle)
+    skipped = grads(informative, idle_tokens=sum(sum(s.loss_mask) for s in idle), idle_seqs=len(idle))
+    renormalised = grads(informative)
+    assert torch.allclose(full, skipped, atol=1e-7, rtol=1e-5)
+    if aggregation != "token_sum_norm":  # a fixed constant does not depend on the batch
+        assert renormalised.norm() > full.norm() * 1.2
+    with pytest.raises(ValueError, match="idle_tokens"):
+        grads(informative, idle_tokens=-1)

@@ -106,6 +106,7 @@ class TrainerService:
         groups, stale = self.buffer.take(self.cfg.trainer.groups_per_step, version)
         samples, trained, skipped = [], [], {}
         groups_skipped = 0
+        idle_tokens = idle_seqs = 0  # of zero-variance groups: no gradient, but part of the step's mean
         for group in groups:
             usable, left_out, reason = usable_group(group, self.filters)
             for why, ids in left_out.items():
@@ -113,6 +114,11 @@ class TrainerService:
             if reason:
                 groups_skipped += 1
                 out = {i for ids in left_out.values() for i in ids}
+                if reason == "zero_variance" and self.cfg.trainer.count_idle_groups:
+                    kept = [t for t in group if t.trajectory_id not in out and any(t.all_turns())]
+                    idle = samples_from_group(kept, self.cfg.trainer.advantage)
+                    idle_tokens += sum(sum(s.loss_mask) for s in idle)
+                    idle_seqs += len(idle)
                 skipped.setdefault(reason, []).extend(t.trajectory_id for t in group if t.trajectory_id not in out)
                 continue
             samples.extend(samples_from_group(usable, self.cfg.trainer.advantage))
@@ -148,7 +154,8 @@ class TrainerService:
                     sample.advantages = [a * w for a in sample.advantages]
                     metrics["samples_downweighted"] = metrics.get("samples_downweighted", 0) + 1
         if samples:
-            stats = self.trainer.train_step(samples)
+            stats = self.trainer.train_step(samples, idle_tokens=idle_tokens, idle_seqs=idle_seqs)
+            metrics["train/idle_tokens"] = idle_tokens
             metrics.update({f"train/{k}": v for k, v in asdict(stats).items()})
         else:
             self.trainer.step += 1  # a step with no signal still consumes its groups

@@ -94,11 +94,19 @@ class Trainer:
         if self.ref_model is not None:
             self.ref_model.requires_grad_(False)
 
-    def train_step(self, samples: list[TrainingSample]) -> StepStats:
+    def train_step(self, samples: list[TrainingSample], *, idle_tokens: int = 0, idle_seqs: int = 0) -> StepStats:
         """One optimiser step over `samples`, in micro-batches, with the configured loss
-        (loomrl/trainer/losses.py); aggregation denominators are those of the whole step."""
+        (loomrl/trainer/losses.py); aggregation denominators are those of the whole step.
+
+        `idle_tokens`/`idle_seqs`: sampled tokens and sequences of the step that were left out only
+        because they carry no signal (groups whose rewards are all equal: zero advantage). They count
+        in the denominators, so leaving them out saves compute without changing the gradient; were
+        they dropped from the denominator too, a step with one informative group would move the
+        weights as far as a step with six, on a sixth of the evidence."""
         start = time.perf_counter()
         cfg = self.cfg
+        if idle_tokens < 0 or idle_seqs < 0:
+            raise ValueError(f"train_step: idle_tokens and idle_seqs must be >= 0, got {idle_tokens}, {idle_seqs}")
         total_loss_tokens = sum(sum(s.loss_mask) for s in samples)
         if total_loss_tokens == 0:
             raise ValueError("train_step: no sampled tokens in the batch")
@@ -112,10 +120,10 @@ class Trainer:
         ref = [token_logprobs(self.ref_model, b, with_grad=False) for b in batches] if self.ref_model is not None else None
         self.model.train()
         if cfg.aggregation == "token_mean":
-            aggregation, norm = "token_sum_norm", float(total_loss_tokens)  # sum / the step's sampled tokens
+            aggregation, norm = "token_sum_norm", float(total_loss_tokens + idle_tokens)  # sum / the step's sampled tokens
         else:
             aggregation = cfg.aggregation
-            norm = cfg.norm_constant or float(max(sum(s.loss_mask) for s in samples) * len(samples))
+            norm = cfg.norm_constant or float(max(sum(s.loss_mask) for s in samples) * (len(samples) + idle_seqs))
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         stats_sum: dict[str, float] = {}
@@ -148,7 +156,7 @@ class Trainer:
                 kl=cfg.kl if ref is not None else None,
                 ref_logp=torch.cat([ref[b][i] for i, _, _ in parts]) if ref is not None else None,
                 kl_coef=cfg.kl_coef if ref is not None else 0.0, aggregation=aggregation, norm_constant=norm,
-                num_seqs=len(samples))
+                num_seqs=len(samples) + idle_seqs)
             loss.backward()
             loss_sum += float(loss.detach())
             n = stats.get("num_tokens", float(len(behaviour)))

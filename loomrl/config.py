@@ -176,6 +176,12 @@ class RuntimeConfig(_Section):
     # async: when new weights arrive, interrupt in-flight generations; they resume from their partial
     # output under the new weights (AReaL), instead of finishing their turn with the old ones
     interrupt_on_update: bool = False
+    # order of engine calls when more wait than the engine runs at once: "fifo" (arrival), or "seer"
+    # (runtime/scheduling.py ProgramPriorities: a probe per group first, then longest-estimated first)
+    schedule: Literal["fifo", "seer"] = "fifo"
+    # most training trajectories in flight at once (sandboxes, K/V); 0 = no cap beyond the admission
+    # rule (sync: a step's groups; async: the groups within buffer.max_policy_lag). Whole groups count.
+    max_inflight_trajectories: int = Field(0, ge=0)
 
 
 class EvalConfig(_Section):

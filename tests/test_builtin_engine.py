@@ -241,3 +241,28 @@ def test_generation_interrupted_by_a_weight_update_resumes_under_the_new_weights
         assert 10 <= first_new < 60 and set(result.versions[:first_new]) == {0} and set(result.versions[first_new:]) == {1}
     finally:
         eng.close()
+
+
+def test_waiting_requests_are_admitted_by_priority_then_arrival(tiny_model, tokenizer):
+    """With one running slot, requests queued behind a long one start lowest priority first and, among
+    equal priorities, in arrival order (vLLM's convention)."""
+    eng = BuiltinEngine(tiny_model, eos_token_id=tokenizer.eos_token_id, max_running=1)
+    order: list[str] = []
+
+    async def go():
+        async def one(name, priority, max_tokens):
+            await eng.generate(GenerationRequest(prompt_ids=tokenizer.encode(f"request {name}"), program_id=name,
+                                                 priority=priority,
+                                                 sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+            order.append(name)
+
+        first = asyncio.ensure_future(one("first", 0, 40))  # holds the slot while the others queue
+        await asyncio.sleep(0.05)
+        rest = [one("late-low", 5, 2), one("a-high", -3, 2), one("b-mid", 0, 2), one("c-mid", 0, 2), one("d-high", -3, 2)]
+        await asyncio.gather(first, *rest)
+
+    try:
+        asyncio.run(go())
+    finally:
+        eng.close()
+    assert order == ["first", "a-high", "d-high", "b-mid", "c-mid", "late-low"]

@@ -70,6 +70,14 @@ def test_async_run_checkpoint_and_resume_trains_nothing_twice(tmp_path):
     assert (ckpts / "step_000004" / "model" / "config.json").is_file()
     assert (run_dir / "config.yaml").is_file() and list((run_dir / "tensorboard").iterdir())
     assert any(m["kind"] == "train" and "train/loss" in m for m in read_metrics(run_dir))
+    # Admission made visible: what was launched and in flight per step, never past the lag rule.
+    train_rows = [m for m in read_metrics(run_dir) if m["kind"] == "train"]
+    B, lag = cfg.trainer.groups_per_step, cfg.buffer.max_policy_lag
+    for m in train_rows:
+        assert 0 <= m["admission/open_positions"] <= (lag + 1) * B
+        assert m["admission/inflight_groups_max"] <= (lag + 1) * B
+        assert m["time/step_s"] >= m["time/rollout_idle_s"] >= 0 and m["engine/busy_s"] > 0
+    assert sum(m["admission/launched_groups"] for m in train_rows) >= 5 * B
     # The store is plain parquet: a pyarrow dataset over the folder reads every row.
     import pyarrow.dataset as ds
 

@@ -21,6 +21,7 @@ from loomrl.agent.context import SUMMARY_REQUEST, ContextStrategy
 from loomrl.engine.base import Engine, GenerationResult, SamplingParams, generate_resuming
 from loomrl.env.base import Env, EnvCrash, ToolTimeout
 from loomrl.model.chat import ChatRenderer
+from loomrl.runtime.scheduling import ProgramPriorities
 from loomrl.types import ContextSegment, RolloutStatus, Task, TokenSpan, Trajectory, Turn, new_id
 
 _THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
@@ -34,7 +35,7 @@ def _split_think(text: str) -> tuple[str, str]:
 class AgentLoop:
     def __init__(self, engine: Engine, renderer: ChatRenderer, *, sampling: SamplingParams,
                  max_turns: int, max_context_tokens: int, trajectory_timeout_s: float = 300.0,
-                 context: ContextStrategy | None = None):
+                 context: ContextStrategy | None = None, priorities: ProgramPriorities | None = None):
         self.engine = engine
         self.renderer = renderer
         self.sampling = sampling
@@ -43,6 +44,7 @@ class AgentLoop:
         self.trajectory_timeout_s = trajectory_timeout_s
         self.context = context or ContextStrategy(window=max_context_tokens)
         self.resumed = 0  # generations resumed after an interrupt (weight update mid-turn)
+        self.priorities = priorities  # Seer's order of engine calls across programs (runtime.schedule)
 
     async def run(self, env: Env, task: Task, *, group_id: str = "", position: int = -1) -> Trajectory:
         start = time.perf_counter()
@@ -60,6 +62,8 @@ class AgentLoop:
                 traj.turns[-1].error = traj.error
         finally:
             self.engine.release(traj.trajectory_id)
+            if self.priorities is not None:
+                self.priorities.finished(traj.group_id, traj.trajectory_id)
         md = traj.metadata
         md.total_steps = len(traj.all_turns())
         md.total_tokens = sum(len(c.token_ids) for c in traj.contexts())
@@ -89,7 +93,7 @@ class AgentLoop:
             if time.perf_counter() > deadline:
                 raise TimeoutError(f"trajectory ran past {self.trajectory_timeout_s}s")
             params = replace(self.sampling, max_tokens=min(self.sampling.max_tokens, budget))
-            result = await self._generate(list(traj.token_ids), params, traj.trajectory_id)
+            result = await self._generate(list(traj.token_ids), params, traj.trajectory_id, traj.group_id)
             begin = len(traj.token_ids)
             traj.token_ids.extend(result.token_ids)
             text = self.renderer.decode(result.token_ids)
@@ -122,9 +126,14 @@ class AgentLoop:
             messages.extend(step.observation)
             new_message = True
 
-    async def _generate(self, prompt_ids: list[int], params: SamplingParams, program_id: str) -> GenerationResult:
-        result, resumed = await generate_resuming(self.engine, prompt_ids, params, program_id)
+    async def _generate(self, prompt_ids: list[int], params: SamplingParams, program_id: str,
+                        group_id: str = "") -> GenerationResult:
+        p = self.priorities
+        priority = p.priority(group_id, program_id) if p is not None else 0
+        result, resumed = await generate_resuming(self.engine, prompt_ids, params, program_id, priority)
         self.resumed += resumed
+        if p is not None:
+            p.generated(group_id, program_id, len(result.token_ids))
         return result
 
     async def _new_context(self, traj: Trajectory, messages: list[dict], opening: list[dict], tools, closed: bool,
@@ -160,7 +169,7 @@ class AgentLoop:
             return ""  # no room left to ask: the new context starts from the opening messages
         traj.token_ids.extend(ask)
         params = replace(self.sampling, max_tokens=min(self.context.summary_max_tokens, room))
-        result = await self._generate(list(traj.token_ids), params, traj.trajectory_id)
+        result = await self._generate(list(traj.token_ids), params, traj.trajectory_id, traj.group_id)
         begin = len(traj.token_ids)
         traj.token_ids.extend(result.token_ids)
         text = self.renderer.decode(result.token_ids)

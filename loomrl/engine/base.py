@@ -27,6 +27,9 @@ class GenerationRequest:
     prompt_ids: list[int]
     sampling: SamplingParams
     program_id: str = ""  # the agent program (trajectory) this call belongs to
+    # Waiting requests are admitted lowest first, equal ones in arrival order (vLLM's priority
+    # scheduling uses the same convention). Engines without a queue of their own ignore it.
+    priority: int = 0
 
 
 @dataclass(slots=True, kw_only=True)
@@ -53,7 +56,7 @@ class Engine(Protocol):
 
 
 async def generate_resuming(engine: Engine, prompt_ids: list[int], params: SamplingParams,
-                            program_id: str = "") -> tuple[GenerationResult, int]:
+                            program_id: str = "", priority: int = 0) -> tuple[GenerationResult, int]:
     """Generate; a request interrupted by a weight update (AReaL's interruptible rollout) resumes
     from its partial output, re-prefilled under the new weights. The tokens keep the versions that
     sampled them, so staleness stays exact per token. Returns the whole result and how many times
@@ -64,7 +67,7 @@ async def generate_resuming(engine: Engine, prompt_ids: list[int], params: Sampl
     resumed = 0
     while True:
         result = await engine.generate(GenerationRequest(
-            prompt_ids=prompt_ids + tokens, program_id=program_id,
+            prompt_ids=prompt_ids + tokens, program_id=program_id, priority=priority,
             sampling=replace(params, max_tokens=params.max_tokens - len(tokens))))
         tokens += result.token_ids
         logprobs += result.logprobs

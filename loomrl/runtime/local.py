@@ -93,6 +93,32 @@ def make_engine(cfg: RunConfig, model, tokenizer, version: int):
                          prefix_cache=e.prefix_cache, seed=cfg.seed, version=version, tokenizer=tokenizer)
 
 
+class EngineDelta:
+    """The engine's counters since the last call, for the step's metrics line (busy time: how much of
+    the step the engine computed; the rest it waited for tools, the trainer or admission)."""
+
+    def __init__(self, engine):
+        self.metrics = getattr(engine, "metrics", None)
+        self.last = self._read()
+
+    def _read(self) -> dict[str, float]:
+        m = self.metrics
+        if m is None:
+            return {}
+        return {"busy_s": m.busy_s, "generated_tokens": m.generated_tokens, "prompt_tokens": m.prompt_tokens,
+                "reused_tokens": m.reused_tokens, "preemptions": m.preemptions}
+
+    def take(self) -> dict[str, float]:
+        now = self._read()
+        d = {k: now[k] - self.last.get(k, 0) for k in now}
+        self.last = now
+        if not d:
+            return {}
+        out = {f"engine/{k}": v for k, v in d.items() if k != "reused_tokens"}
+        out["engine/prefix_hit_rate"] = d["reused_tokens"] / d["prompt_tokens"] if d["prompt_tokens"] else 0.0
+        return out
+
+
 def positions_after(received: PositionSet) -> Iterator[int]:
     p = 0
     while True:
@@ -134,6 +160,8 @@ class LocalRun:
         if worker is not None:
             values.update(worker.program_metrics())
             values.update({f"env_pool/{k}": v for k, v in worker.pool_metrics().items()})
+            if self.cfg.runtime.max_inflight_trajectories:
+                values["rollout/cap_wait_s_total"] = worker.cap_wait_s
         self.logger.log(step, values)
 
     # -- sync -------------------------------------------------------------------------------------
@@ -152,7 +180,9 @@ class LocalRun:
             pos = positions_after(service.received)
             bar = _progress(cfg.trainer.total_steps, "train", cfg.progress)
             bar.update(service.version)
+            engine_delta = EngineDelta(engine)
             while not service.done:
+                t0 = time.perf_counter()
                 need = cfg.trainer.groups_per_step - len(service.buffer)
                 positions = [next(pos) for _ in range(max(need, 0))]
                 groups = await gather_all([worker.run_group(p) for p in positions])
@@ -160,11 +190,15 @@ class LocalRun:
                     self.store.append(g)
                     service.receive(p, g)
                 self.store.flush()
+                t1 = time.perf_counter()
                 if hasattr(engine, "call"):  # train on the engine's thread: one OpenMP team per process
                     metrics = await asyncio.wrap_future(engine.call(service.train_step))
                 else:
                     metrics = service.train_step()
                 engine.update_weights(None, service.version)  # weights changed in place (shared model)
+                # The hybrid split: generation and training take turns on the same cores.
+                metrics.update({"time/rollout_s": t1 - t0, "time/train_s": time.perf_counter() - t1,
+                                **engine_delta.take()})
                 self._log_step(service.version, metrics, groups, worker)
                 bar.update(1)
                 bar.set_postfix(reward=f"{group_summary(groups).get('rollout/reward_mean', 0):.3f}")
@@ -238,11 +272,21 @@ class LocalRun:
         bar.update(version)
         recent: list = []
         getter: asyncio.Task | None = None
+        engine_delta = EngineDelta(engine)
+        # Backpressure, per step: seconds the rollout side had no group in flight (admission closed:
+        # it waited for the trainer), groups launched, and the most in flight at once.
+        idle_s, idle_since, launched, peak = 0.0, None, 0, 0
+        step_started = time.perf_counter()
         try:
             while True:
                 while next_pos // B - version <= lag:  # admission: bounded staleness at consumption
                     inflight[asyncio.ensure_future(worker.run_group(next_pos))] = next_pos
                     next_pos = next(pos)
+                    launched += 1
+                    if idle_since is not None:
+                        idle_s += time.perf_counter() - idle_since
+                        idle_since = None
+                peak = max(peak, len(inflight))
                 if getter is None:
                     getter = asyncio.ensure_future(messages.get())
                 done, _ = await asyncio.wait([*inflight, getter], return_when=asyncio.FIRST_COMPLETED)
@@ -254,6 +298,8 @@ class LocalRun:
                     self.store.append(group)
                     recent.append(group)
                     inbox.put(("group", position, group))
+                if not inflight and idle_since is None:
+                    idle_since = time.perf_counter()
                 if getter in done:
                     msg, getter = getter.result(), None
                     if msg[0] == "error":
@@ -265,6 +311,16 @@ class LocalRun:
                     if cfg.runtime.interrupt_on_update and hasattr(engine, "interrupt"):
                         engine.interrupt()  # in-flight turns resume under the new weights (AgentLoop._generate)
                     engine.update_weights(weights, version)
+                    now = time.perf_counter()
+                    if idle_since is not None:
+                        idle_s, idle_since = idle_s + now - idle_since, now
+                    metrics.update({"admission/launched_groups": launched, "admission/inflight_groups_max": peak,
+                                    "admission/inflight_groups": len(inflight),
+                                    # positions the rule still admits before the next weight update
+                                    "admission/open_positions": (version + lag + 1) * B - next_pos,
+                                    "time/step_s": now - step_started, "time/rollout_idle_s": idle_s,
+                                    **engine_delta.take()})
+                    idle_s, launched, peak, step_started = 0.0, 0, len(inflight), now
                     self._log_step(version, metrics, recent, worker)
                     recent = []
                     bar.update(1)

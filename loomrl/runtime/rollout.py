@@ -14,6 +14,7 @@ import os
 import random
 import shutil
 import tempfile
+import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ from loomrl.env.registry import env_family
 from loomrl.env.sandbox import make_sandbox
 from loomrl.model.chat import ChatRenderer
 from loomrl.reward import RewardPool, import_reward
+from loomrl.runtime.scheduling import ProgramPriorities
 from loomrl.types import RolloutStatus, Task, Trajectory
 
 
@@ -94,29 +96,52 @@ class RolloutWorker:
         self._gateway_dir = ""
         self._servers: list[ServerThread] = []
         self._init_lock = asyncio.Lock()
+        self._caps: tuple[asyncio.Semaphore, asyncio.Semaphore] | None = None
+        self.cap_wait_s = 0.0  # summed time groups waited for a slot under max_inflight_trajectories
         self.counts: Counter[str] = Counter()
         s = cfg.sampling
+        # Seer orders the training rollouts' engine calls; evaluation episodes are single programs.
+        self.priorities = (ProgramPriorities(cfg.agent.max_turns * s.max_tokens)
+                           if cfg.runtime.schedule == "seer" else None)
         self.train_loop = self._loop(SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                                    max_tokens=s.max_tokens))
+                                                    max_tokens=s.max_tokens), self.priorities)
         self.eval_loop = self._loop(SamplingParams(temperature=cfg.eval.temperature, max_tokens=s.max_tokens))
 
-    def _loop(self, sampling: SamplingParams) -> AgentLoop:
+    def _loop(self, sampling: SamplingParams, priorities: ProgramPriorities | None = None) -> AgentLoop:
         a = self.cfg.agent
         context = ContextStrategy(a.context.strategy, window=a.max_context_tokens, threshold=a.context.threshold,
                                   keep_last=a.context.keep_last, summary_max_tokens=a.context.summary_max_tokens)
         return AgentLoop(self.engine, self.renderer, sampling=sampling, max_turns=a.max_turns,
                          max_context_tokens=a.max_context_tokens, trajectory_timeout_s=a.trajectory_timeout_s,
-                         context=context)
+                         context=context, priorities=priorities)
 
     def task_at(self, position: int) -> Task:
         return self.train_tasks[self.order.index(position)]
 
     def concurrency(self) -> int:
-        """Trajectories in flight at once: the groups of a step (sync) or the admission window (async)."""
+        """Trajectories in flight at once: the groups of a step (sync) or the admission window (async),
+        or evaluation's episodes, within runtime.max_inflight_trajectories."""
         t = self.cfg.trainer
-        return max(t.groups_per_step * (1 + self.cfg.buffer.max_policy_lag if self.cfg.runtime.mode == "async" else 1)
-                   * t.group_size,
-                   self.cfg.eval.n_tasks)
+        train = t.groups_per_step * (1 + self.cfg.buffer.max_policy_lag if self.cfg.runtime.mode == "async" else 1)
+        train *= t.group_size
+        cap = self.cfg.runtime.max_inflight_trajectories
+        if cap:
+            return max(min(train, self._group_slots * t.group_size), min(self.cfg.eval.n_tasks, cap))
+        return max(train, self.cfg.eval.n_tasks)
+
+    @property
+    def _group_slots(self) -> int:
+        """Groups in flight at once under the cap (at least one: a group is never split)."""
+        return max(1, self.cfg.runtime.max_inflight_trajectories // self.cfg.trainer.group_size)
+
+    def _limits(self) -> tuple[asyncio.Semaphore, asyncio.Semaphore] | None:
+        """The cap's semaphores (groups, eval episodes), made inside the run's event loop."""
+        cap = self.cfg.runtime.max_inflight_trajectories
+        if not cap:
+            return None
+        if self._caps is None:
+            self._caps = (asyncio.Semaphore(self._group_slots), asyncio.Semaphore(cap))
+        return self._caps
 
     async def env_pool(self, binds: dict[str, str] | None = None) -> EnvPool | None:
         """The sandbox pool, made and pre-warmed on first use (inside the run's event loop); None for
@@ -205,14 +230,33 @@ class RolloutWorker:
     async def run_group(self, position: int) -> list[Trajectory]:
         task = self.task_at(position)
         group_id = f"group-{position:07d}"
-        return await gather_all([self.run_one(self.train_loop, task, group_id, position)
-                                 for _ in range(self.cfg.trainer.group_size)])
+        limits = self._limits()
+        if limits is None:
+            return await self._run_group(task, group_id, position)
+        t0 = time.perf_counter()
+        async with limits[0]:
+            self.cap_wait_s += time.perf_counter() - t0
+            return await self._run_group(task, group_id, position)
+
+    async def _run_group(self, task: Task, group_id: str, position: int) -> list[Trajectory]:
+        try:
+            return await gather_all([self.run_one(self.train_loop, task, group_id, position)
+                                     for _ in range(self.cfg.trainer.group_size)])
+        finally:
+            if self.priorities is not None:
+                self.priorities.forget(group_id)
 
     async def evaluate(self, tasks: list[Task], progress=None) -> EvalResult:
         """Success rate on `tasks`, one episode each at the eval temperature (0 = greedy)."""
 
+        limits = self._limits()
+
         async def one(i: int, task: Task) -> Trajectory:
-            traj = await self.run_one(self.eval_loop, task, f"eval-{i:05d}", -1)
+            if limits is None:
+                traj = await self.run_one(self.eval_loop, task, f"eval-{i:05d}", -1)
+            else:
+                async with limits[1]:
+                    traj = await self.run_one(self.eval_loop, task, f"eval-{i:05d}", -1)
             if progress is not None:
                 progress.update(1)
             return traj

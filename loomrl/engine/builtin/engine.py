@@ -129,7 +129,11 @@ class BuiltinEngine:
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         seq = _Seq(request=request, future=fut, prompt=list(request.prompt_ids), generator=gen)
         with self._cond:
-            self._waiting.append(seq)
+            # After every waiting request of the same or a lower priority (FIFO among equals).
+            at = len(self._waiting)
+            while at and self._waiting[at - 1].request.priority > request.priority:
+                at -= 1
+            self._waiting.insert(at, seq)
             self.metrics.requests += 1
             self._cond.notify()
         return fut

@@ -3,9 +3,19 @@ PPO (ratio against the behaviour policy) against decoupled PPO (AReaL: ratio aga
 policy, the trainer's weights before the step, with the behaviour/proximal importance weight).
 
 Runs: async training of the tiny model for the same number of steps at buffer.max_policy_lag in
-{0, 1, 2, 4, 8}, each with both losses, same seed. The task is learnable by a random tiny model within
-a few steps: the reward is 1 when the first sampled token id is even (it starts near 0.5). Environment
-steps wait a simulated lognormal latency (declared below) so that rollouts take time worth overlapping.
+{0, 1, 2, 4, 8}, each with both losses, same seed. Environment steps wait a simulated lognormal latency
+(declared below) so that rollouts take time worth overlapping.
+
+The task must be learnable by a random tiny model in a few steps. "The first token id is even" is not
+(tried: the reward stayed ~0.5 at every lag with both losses), nor is any set of half the vocabulary:
+at the default weight std (0.02) the tiny model's next-token distribution is uniform to 3 decimals
+(entropy 10.79 of a possible 10.80 nats) and 20 GRPO steps moved such a set's probability by 0.05. So
+the runs use a peaked tiny model (model.tiny.init_std = 0.3: entropy ~7.9 nats), and the rewarded set
+is tied to it: the tokens the *initial* model ranks 2nd to k-th at the first response position
+(mean over the run's prompts, from a one-step probe run), k chosen so that the set starts with
+probability ~0.4; the favourite is left out. RL can move mass among a few hundred tokens the model
+already samples in a few steps. The probe run also checks that the model rebuilt here is the runs'
+initial model (its logprobs must equal the ones the engine recorded).
 
 Throughput: training steps per second between the first and the last step (metrics.jsonl times).
 Bound: at lag 0 the next step's rollouts cannot start before the weights they need, so a step costs
@@ -15,12 +25,15 @@ From the lag-0 run's own numbers (T = the trainer's measured seconds per step, R
     bound(L) = (R + T) / max(R / (L + 1), T);  ratio = steps/s at the largest lag / steps/s at lag 0.
 (The engine's own compute is inside R and does not parallelise; with the tiny model it is small, which
 is what makes R / (L + 1) reachable here.)
-Learning: mean rollout reward over the last half of the steps, per lag and loss.
+Learning, at equal steps: mean rollout reward over the last half of the steps, and the step at which the
+reward (mean of 3 steps) first reaches --reach, per lag and loss.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shutil
 import sys
 import tempfile
@@ -32,11 +45,68 @@ from _common import machine, median, report  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def even_first_token(traj, task) -> dict[str, float]:
-    """The learnable reward: 1 when the first sampled token id is even."""
+_TARGET: dict[str, frozenset[int]] = {}
+
+
+def preferred_first_token(traj, task) -> dict[str, float]:
+    """The learnable reward: 1 when the first sampled token is in the target set (file named by
+    LOOMRL_B3_TARGET: the initial model's 2nd..k-th ranked first tokens)."""
+    path = os.environ["LOOMRL_B3_TARGET"]
+    if path not in _TARGET:
+        _TARGET[path] = frozenset(json.loads(Path(path).read_text()))
     turn = traj.turns[0] if traj.turns else None
-    return {"even": float(turn is not None and turn.act_span is not None and turn.act_span.end > turn.act_span.start
-                          and traj.token_ids[turn.act_span.start] % 2 == 0)}
+    hit = (turn is not None and turn.act_span is not None and turn.act_span.end > turn.act_span.start
+           and traj.token_ids[turn.act_span.start] in _TARGET[path])
+    return {"preferred": float(hit)}
+
+
+def no_reward(traj, task) -> dict[str, float]:
+    """The probe run only collects prompts and first-token logprobs."""
+    return {"none": 0.0}
+
+
+def _overrides(out: Path, name: str, args) -> list[str]:
+    return [f"output_dir={out}", f"name={name}", "progress=false", "seed=0", f"trainer.total_steps={args.steps}",
+            f"trainer.groups_per_step={args.groups}", f"trainer.group_size={args.group_size}", f"trainer.lr={args.lr}", f"model.tiny.init_std={args.init_std}",
+            "sampling.max_tokens=6", "agent.max_turns=1", f"env.n_train={args.prompts}", f"env.step_latency_s={args.latency}",
+            f"env.step_latency_sigma={args.sigma}", "eval.n_tasks=0", "checkpoint_every=0"]
+
+
+def make_target(out: Path, args) -> tuple[Path, float]:
+    """Write the target set; returns its path and the initial model's probability of it (mean over prompts)."""
+    import torch
+
+    from loomrl.config import load_config
+    from loomrl.runtime.local import LocalRun, build_model
+    from loomrl.store import read_trajectories
+
+    cfg = load_config(ROOT / "examples" / "calculator_tiny.yaml", [
+        *_overrides(out, "probe", args), "runtime.mode=sync", "trainer.total_steps=1",
+        "reward.function=staleness:no_reward"])
+    LocalRun(cfg).train()
+    rows = read_trajectories(cfg.run_dir / "trajectories").to_pylist()
+    model, _ = build_model(cfg, None)
+    prompts = {tuple(r["token_ids"][: r["prompt_len"]]) for r in rows}
+    with torch.no_grad():
+        last = torch.stack([model(torch.tensor([list(p)])).logits[0, -1] for p in prompts])  # [P, V]
+        # The rebuilt model is the runs' initial one: its logprob of each first sampled token equals
+        # what the engine recorded at version 0.
+        for r in rows:
+            t = r["prompt_len"]
+            logp = torch.log_softmax(model(torch.tensor([r["token_ids"][:t]])).logits[0, -1] / cfg.sampling.temperature, -1)
+            if abs(float(logp[r["token_ids"][t]]) - r["logprobs"][t]) > 1e-3:
+                raise RuntimeError("the rebuilt tiny model is not the one the runs start from")
+    probs = torch.softmax(last / cfg.sampling.temperature, -1)  # [P, V]
+    order = probs.mean(0).argsort(descending=True)
+    mass = probs.mean(0)[order]
+    # Ranks 2..k, k the first at which their mass reaches args.target_mass (the favourite is left out,
+    # so that the reward is not simply "keep doing what you do").
+    k = int((mass[1:].cumsum(0) < args.target_mass).sum()) + 2
+    target = order[1:k].tolist()
+    p0 = float(probs[:, target].sum(-1).mean())
+    path = out / "target.json"
+    path.write_text(json.dumps(target))
+    return path, p0
 
 
 def run(out: Path, lag: int, loss: str, args) -> dict:
@@ -46,12 +116,8 @@ def run(out: Path, lag: int, loss: str, args) -> dict:
 
     name = f"lag{lag}-{loss}"
     cfg = load_config(ROOT / "examples" / "calculator_tiny.yaml", [
-        f"output_dir={out}", f"name={name}", "progress=false", "seed=0", "runtime.mode=async",
-        f"buffer.max_policy_lag={lag}", f"trainer.loss={loss}", f"trainer.total_steps={args.steps}",
-        f"trainer.groups_per_step={args.groups}", f"trainer.group_size={args.group_size}", "trainer.lr=1e-3",
-        "sampling.max_tokens=6", "agent.max_turns=1", f"env.step_latency_s={args.latency}",
-        f"env.step_latency_sigma={args.sigma}", "reward.function=staleness:even_first_token", "eval.n_tasks=0",
-        "checkpoint_every=0"])
+        *_overrides(out, name, args), "runtime.mode=async", f"buffer.max_policy_lag={lag}", f"trainer.loss={loss}",
+        "reward.function=staleness:preferred_first_token"])
     LocalRun(cfg).train()
     steps = [m for m in read_metrics(cfg.run_dir) if m.get("kind") == "train" and m.get("step", 0) > 0]
     period = (steps[-1]["time"] - steps[0]["time"]) / max(len(steps) - 1, 1)
@@ -59,15 +125,29 @@ def run(out: Path, lag: int, loss: str, args) -> dict:
     rewards = [m["rollout/reward_mean"] for m in steps if "rollout/reward_mean" in m]
     late = rewards[len(rewards) // 2:] or rewards
     return {"lag": lag, "loss": loss, "steps_per_s": 1.0 / period, "step_s": period, "train_s": train_s,
-            "reward_late": sum(late) / len(late), "reward_first": rewards[0] if rewards else None}
+            "reward_late": sum(late) / len(late), "reward_first": rewards[0] if rewards else None,
+            "rewards": [round(r, 3) for r in rewards], "steps_to": _steps_to(rewards, args.reach)}
+
+
+def _steps_to(rewards: list[float], level: float, span: int = 3) -> int | None:
+    """The first step at which the mean reward of the last `span` steps reaches `level` (None: never)."""
+    for i in range(span, len(rewards) + 1):
+        if sum(rewards[i - span:i]) / span >= level:
+            return i
+    return None
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lags", default="0,1,2,4,8")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--groups", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--reach", type=float, default=0.8, help="learning speed: steps until the reward reaches this")
+    ap.add_argument("--prompts", type=int, default=1, help="distinct training prompts (1: the set fits exactly)")
+    ap.add_argument("--init-std", type=float, default=0.3, help="tiny model's weight std (peaked, learnable)")
+    ap.add_argument("--target-mass", type=float, default=0.4, help="initial probability of the rewarded set")
     ap.add_argument("--latency", type=float, default=0.3, help="mean simulated env step latency (s)")
     ap.add_argument("--sigma", type=float, default=0.5, help="lognormal sigma of the env latency")
     ap.add_argument("--json", action="store_true")
@@ -76,6 +156,8 @@ def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="loomrl-staleness-"))
     rows = []
     try:
+        target, p0 = make_target(out, args)
+        os.environ["LOOMRL_B3_TARGET"] = str(target)
         for lag in lags:
             for loss in ("ppo_clip", "decoupled_ppo"):
                 rows.append(run(out, lag, loss, args))
@@ -88,10 +170,13 @@ def main() -> None:
     bound = (R + T) / max(R / (lags[-1] + 1), T)
     ratio = top["steps_per_s"] / base["steps_per_s"]
     details = [f"lag {r['lag']} {r['loss']}: {r['steps_per_s']:.3f} steps/s ({r['steps_per_s'] / base['steps_per_s']:.2f}x "
-               f"lag {lags[0]}), reward first step {r['reward_first']:.3f}, last half {r['reward_late']:.3f}"
+               f"lag {lags[0]}), reward first step {r['reward_first']:.3f}, last half {r['reward_late']:.3f}, "
+               f"steps to {args.reach} (3-step mean): {r['steps_to'] if r['steps_to'] is not None else 'not reached'}"
                for r in rows]
     details.append(f"bound from the lag-{lags[0]} run: R = {R:.2f}s rollout, T = {T:.2f}s training per step; "
                    f"(R + T) / max(R / {lags[-1] + 1}, T) = {bound:.2f}")
+    details.append(f"task: reward 1 when the first sampled token is one the initial model ranks 2nd to k-th "
+                   f"(initial probability of the set {p0:.3f}); learning = mean rollout reward over the last half")
     details.append(f"simulated: every env step waits a lognormal time, mean {args.latency}s, sigma {args.sigma}; "
                    "model, engine, sandboxes and training are real (tiny random model, 2 cores)")
     report({

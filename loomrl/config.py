@@ -32,6 +32,10 @@ class TinyModelConfig(_Section):
     num_attention_heads: int = Field(4, gt=0)
     num_key_value_heads: int = Field(2, gt=0)
     seed: int = 0
+    # std of the random weights (transformers' initializer_range). At 0.02 the next-token distribution
+    # is almost uniform over the 49k vocabulary; a larger one gives a peaked model whose preferences RL
+    # can move within a few steps (benchmarks/staleness.py)
+    init_std: float = Field(0.02, gt=0.0)
 
 
 class ModelConfig(_Section):

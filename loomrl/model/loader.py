@@ -124,6 +124,7 @@ def build_tiny_model(cfg: ModelConfig, vocab_size: int, eos_token_id: int) -> Pr
         num_attention_heads=t.num_attention_heads,
         num_key_value_heads=t.num_key_value_heads,
         max_position_embeddings=4096,
+        initializer_range=t.init_std,
         tie_word_embeddings=True,
         eos_token_id=eos_token_id,
         pad_token_id=eos_token_id,

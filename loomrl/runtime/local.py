@@ -44,6 +44,16 @@ class RunError(RuntimeError):
     """A run cannot start or continue; the message says why and what to do."""
 
 
+def _exit_reason(code: int | None) -> str:
+    if code is not None and code < 0:
+        import signal
+
+        name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
+        why = " (killed: out of memory, or by an operator)" if name == "SIGKILL" else ""
+        return f"trainer process died from signal {name}{why}"
+    return f"trainer process exited with code {code}"
+
+
 def _progress(total: int, desc: str, enabled: bool):
     from tqdm import tqdm
 
@@ -248,7 +258,7 @@ class LocalRun:
                     msg = outbox.get(timeout=0.5)
                 except queue.Empty:
                     if not proc.is_alive():
-                        loop.call_soon_threadsafe(messages.put_nowait, ("error", f"trainer exited ({proc.exitcode})"))
+                        loop.call_soon_threadsafe(messages.put_nowait, ("error", _exit_reason(proc.exitcode)))
                         return
                     continue
                 except Exception:  # noqa: BLE001 - e.g. a message that cannot be unpickled
@@ -303,7 +313,11 @@ class LocalRun:
                 if getter in done:
                     msg, getter = getter.result(), None
                     if msg[0] == "error":
-                        raise RunError(f"trainer process failed:\n{msg[1]}")
+                        ckpt = latest_checkpoint(cfg.run_dir)
+                        where = f"its latest checkpoint is {ckpt.name}" if ckpt else "it has no checkpoint yet"
+                        raise RunError(f"run error: the trainer process failed:\n{msg[1]}\nThe run folder "
+                                       f"'{cfg.run_dir}' keeps everything up to the last checkpoint ({where}); "
+                                       "continue with the same command and --resume")
                     if msg[0] == "done":
                         version = msg[1]
                         break

@@ -1,0 +1,88 @@
+"""A real crash: SIGKILL the trainer process of an async run mid-run, then `loomrl train --resume`.
+The ledgers of the two segments together account for every step once, train no trajectory twice,
+and everything they consumed is in the trajectory store."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from loomrl.runtime.trainer_service import read_ledger
+from loomrl.store import read_trajectories
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "examples" / "calculator_tiny.yaml"
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def _trainer_pid(pid: int) -> int | None:
+    """The spawned trainer process: a child whose command line runs multiprocessing's spawn_main."""
+    for child in _children(pid):
+        try:
+            cmd = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "spawn_main" in cmd:
+            return child
+    return None
+
+
+def test_sigkill_of_the_trainer_then_resume_accounts_for_every_trajectory_once(tmp_path):
+    args = [sys.executable, "-m", "loomrl.cli", "train", str(RECIPE), f"output_dir={tmp_path}", "name=killed",
+            "progress=false", "reward.function=rewards_for_tests:parity_reward", "trainer.total_steps=8",
+            "checkpoint_every=2", "eval.n_tasks=0", "runtime.mode=async"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    run_dir = tmp_path / "killed"
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and len(read_ledger(run_dir)) < 3:  # past the first checkpoint
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.2)
+        assert len(read_ledger(run_dir)) >= 3, "the run did not reach step 3 in time"
+        trainer = _trainer_pid(proc.pid)
+        assert trainer is not None
+        os.kill(trainer, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert "trainer" in out and "--resume" in out, out[-2000:]  # says what died and what to do
+    steps_before = [e["step"] for e in read_ledger(run_dir)]
+    assert steps_before and steps_before[-1] < 8
+
+    resumed = subprocess.run([*args, "--resume"], env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert json.loads(resumed.stdout.strip().splitlines()[-1])["steps"] == 8
+    ledger = read_ledger(run_dir)
+    assert [e["step"] for e in ledger] == list(range(1, 9))  # steps after the checkpoint were cut, then redone
+    trained = [t for e in ledger for t in e["trained"]]
+    consumed = trained + [t for e in ledger for ids in e["skipped"].values() for t in ids] + \
+        [t for e in ledger for t in e["stale"]]
+    assert len(trained) == len(set(trained)), "a trajectory was trained twice"
+    assert len(consumed) == len(set(consumed)), "a trajectory was consumed twice"
+    stored = {r["trajectory_id"]: r for r in read_trajectories(run_dir / "trajectories").to_pylist()}
+    assert set(consumed) <= set(stored), "the ledger names trajectories the store lost"
+    by_position: dict[int, set[str]] = {}
+    for t in consumed:
+        by_position.setdefault(stored[t]["position"], set()).add(stored[t]["group_id"])
+    assert all(len(groups) == 1 for groups in by_position.values()), "a data position was consumed twice"
+    assert len(by_position) == len(consumed) // 4  # whole groups of 4

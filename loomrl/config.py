@@ -112,6 +112,12 @@ class AgentConfig(_Section):
     # blackbox: the program may report its own reward (POST /v1/reward); it is used instead of the
     # task's verifier. Only for tasks whose programs can be trusted to judge themselves.
     reward_from_agent: bool = False
+    # Supervision: a trajectory that ends with one of these statuses (the environment's fault: a dead
+    # sandbox, a crashed or hung tool) is run again, up to max_retries more times, after
+    # retry_backoff_s x 2^k (with jitter); the kept attempt records the earlier ones' errors.
+    retry_on: list[Literal["env_error", "timeout"]] = Field(default_factory=list)
+    max_retries: int = Field(0, ge=0)
+    retry_backoff_s: float = Field(0.5, ge=0.0)
 
 
 class RewardConfig(_Section):

@@ -122,6 +122,8 @@ class TrajectoryMetadata:
     env_errors: int = 0
     policy_version_min: int = -1
     policy_version_max: int = -1
+    attempts: int = 1  # > 1: earlier attempts failed for the environment's sake and were retried
+    retry_errors: list[str] = field(default_factory=list)  # why each earlier attempt failed
 
 
 @dataclass(slots=True, kw_only=True)

@@ -204,6 +204,30 @@ def test_flaky_environment_run_completes_and_the_counts_add_up(tmp_path, tokeniz
             assert "ran past 0.5s" in r["error"]
 
 
+def test_flaky_environment_with_retries_reruns_failed_episodes_and_records_why(tmp_path, tokenizer, monkeypatch):
+    """agent.retry_on: episodes that end env_error or timeout are run again (bounded, with backoff);
+    the kept attempt names the earlier failures; the counts still add up."""
+    cfg = _cfg(tmp_path, "name=retry", "runtime.mode=sync", "trainer.total_steps=2", "eval.n_tasks=8",
+               "env.crash_rate=0.3", "env.hang_rate=0.3", "env.tool_timeout_s=0.5", "reward.function=null",
+               "agent.retry_on=[env_error, timeout]", "agent.max_retries=3", "agent.retry_backoff_s=0.01")
+    monkeypatch.setattr(LocalRun, "_engine", lambda self, model, tok, version: ScriptedEngine(
+        tokenizer, ["calc(2 + 3)", "The answer is 5."]))
+    summary = LocalRun(cfg).train()
+    counts = summary["rollouts"]
+    ended = {k: v for k, v in counts.items() if k != "launched" and not k.startswith("retried:")}
+    retried = sum(v for k, v in counts.items() if k.startswith("retried:"))
+    assert sum(ended.values()) == counts["launched"] == 2 * 2 * 4 + 2 * 8
+    # ~half the attempts fail: with three retries most episodes end completed, and many were retried
+    assert retried > 0 and ended.get("completed", 0) > ended.get("env_error", 0) + ended.get("timeout", 0)
+    assert summary["env_pool"]["kills"] == retried + ended.get("env_error", 0) + ended.get("timeout", 0)
+    rows = read_trajectories(cfg.run_dir / "trajectories").to_pylist()
+    assert len(rows) == 2 * 2 * 4  # one row per trajectory: the kept attempt
+    again = [r for r in rows if r["attempts"] > 1]
+    assert again and all(len(json.loads(r["retry_errors"])) == r["attempts"] - 1 for r in rows)
+    assert all(e.split(":")[0] in ("env_error", "timeout") for r in again for e in json.loads(r["retry_errors"]))
+    assert all(r["attempts"] <= 4 for r in rows)
+
+
 def test_gym_and_codefix_environments_run_end_to_end(tmp_path):
     """The random tiny model plays badly; what is checked is that each environment family is wired
     through a real run: tasks, env instances, rewards, statuses, the store."""

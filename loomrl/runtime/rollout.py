@@ -90,6 +90,7 @@ class RolloutWorker:
                 return dict(t.reward_components) if t.reward_components else verifier(t, task)
         self.reward_pool = RewardPool(reward_fn, workers=cfg.reward.workers)
         self._env_rng = random.Random(f"{cfg.seed}:env")
+        self._retry_rng = random.Random(f"{cfg.seed}:retry")
         self._pool: EnvPool | None = None
         self._blackbox: BlackBoxRunner | None = None
         self._gateway: Gateway | None = None
@@ -203,7 +204,21 @@ class RolloutWorker:
     async def run_one(self, loop: AgentLoop, task: Task, group_id: str, position: int) -> Trajectory:
         self.counts["launched"] += 1
         try:
-            return await self._run_one(loop, task, group_id, position)
+            a = self.cfg.agent
+            errors: list[str] = []
+            while True:
+                traj = await self._run_one(loop, task, group_id, position)
+                if str(traj.status) not in a.retry_on or len(errors) >= a.max_retries:
+                    traj.metadata.attempts = len(errors) + 1
+                    traj.metadata.retry_errors = errors
+                    traj = await self.reward_pool.score(traj, task)
+                    self.counts[str(traj.status)] += 1
+                    return traj
+                # The environment failed, not the policy: run the episode again after a backoff.
+                errors.append(f"{traj.status}: {traj.error}")
+                self.counts[f"retried:{traj.status}"] += 1
+                delay = a.retry_backoff_s * 2 ** (len(errors) - 1)
+                await asyncio.sleep(delay * (0.5 + self._retry_rng.random()))
         except asyncio.CancelledError:
             self.counts["cancelled"] += 1  # still in flight when the run ended (async mode), or stopped
             raise
@@ -223,8 +238,6 @@ class RolloutWorker:
                     traj.final_answer = await finalize()  # e.g. codefix: run the tests on what the agent left
             finally:
                 await env.close()  # sandboxes always go back to the pool
-        traj = await self.reward_pool.score(traj, task)
-        self.counts[str(traj.status)] += 1
         return traj
 
     async def run_group(self, position: int) -> list[Trajectory]:
@@ -274,7 +287,8 @@ class RolloutWorker:
 
     def rollout_counts(self) -> dict[str, int]:
         """launched, and how each rollout ended: a trajectory status, or "cancelled" (in flight when an
-        async run finished); they add up once none is in flight."""
+        async run finished); they add up once none is in flight. "retried:<status>" counts attempts
+        that failed and were run again (agent.retry_on), outside that sum."""
         return dict(self.counts)
 
     def program_metrics(self) -> dict[str, float]:

@@ -44,6 +44,8 @@ SCHEMA = pa.schema([
     ("env_errors", pa.int32()),
     ("policy_version_min", pa.int32()),
     ("policy_version_max", pa.int32()),
+    ("attempts", pa.int32()),
+    ("retry_errors", pa.string()),  # JSON list: why each earlier (retried) attempt failed
     ("segments", pa.string()),  # earlier contexts (JSON: reason, token_ids, loss_mask, logprobs, versions, turns)
 ])  # fmt: skip
 
@@ -76,6 +78,8 @@ def _row(t: Trajectory) -> dict:
         "env_errors": md.env_errors,
         "policy_version_min": md.policy_version_min,
         "policy_version_max": md.policy_version_max,
+        "attempts": md.attempts,
+        "retry_errors": json.dumps(md.retry_errors),
         "segments": json.dumps([
             {"reason": seg.reason, "prompt_len": len(seg.prompt_ids), "token_ids": seg.token_ids,
              "loss_mask": seg.sampled_mask(), "logprobs": seg.token_logprobs(), "versions": seg.token_versions(),
@@ -118,4 +122,5 @@ def read_trajectories(root: Path) -> pa.Table:
     parts = sorted(Path(root).glob("part-*.parquet"))
     if not parts:
         return SCHEMA.empty_table()
-    return pa.concat_tables([pq.read_table(p) for p in parts])
+    # Parts written by an older version may lack newer columns: they read as nulls.
+    return pa.concat_tables([pq.read_table(p) for p in parts], promote_options="default")

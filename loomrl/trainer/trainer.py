@@ -163,6 +163,9 @@ class Trainer:
             for key in ("clip_frac", "ratio_mean", "approx_kl", "ess"):
                 if key in stats:
                     stats_sum[key] = stats_sum.get(key, 0.0) + stats[key] * n
+        grad_hook = getattr(self, "grad_hook", None)  # trainer/distributed.py: sums the ranks' gradients
+        if grad_hook is not None:
+            grad_hook()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
         if math.isfinite(grad_norm):
             self.optimizer.step()

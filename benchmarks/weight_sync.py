@@ -1,0 +1,215 @@
+"""Weight sync transports (loomrl/runtime/weight_sync.py): how long new weights take to go from the
+trainer to an engine in another process, per transport and model size.
+
+Sizes: the tests' tiny Llama (~3.2M parameters), a ~31M one, and SmolLM2-135M's shapes (~134M). The
+tensors are random float32 tensors of those models' parameter shapes (a transport never looks at
+the values), not trained weights.
+
+Per transfer: the trainer publishes and sends the handle; the reader (a spawned process; for "ray" a
+Ray actor, called with the handle) loads it into its own preallocated copy of the weights, as an
+engine would (load_weights(handle, into=...)), and answers.
+- publish_s: time inside publish() (the snapshot);
+- load_s: time inside load_weights() in the reader;
+- total_s: from the start of publish to the reader's answer: handoff included (for "queue" that is
+  where torch pickles every storage into shared memory).
+Bound: a plain clone of the same tensors in this process (one memory copy), measured in the same run;
+efficiency = bound / total. A clone also pays for fresh pages (the kernel zeroes each one first), so
+the copy into preallocated tensors is printed too, with the efficiency against it: every transport
+copies at least twice (the snapshot and the reader's copy into its weights), so against that tighter
+bound 0.5 is about the best it can reach; "file" adds the safetensors write, an fsync to the
+folder's disk and a read. Medians over --repeats transfers after three warm-up ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine, report  # noqa: E402
+
+from loomrl.runtime.weight_sync import Transport, available_transports, load_weights, make_publisher  # noqa: E402
+
+# Transfers left out of the medians: the shm publisher's segments (2 kept + 1 spare) are all made by
+# then, and later versions rewrite them, as in a run.
+WARMUP = 3
+# (vocab, hidden, intermediate, layers, heads, kv heads); embeddings tied to the head, as in SmolLM2
+SIZES = {
+    "tiny": (49152, 64, 128, 2, 4, 2),
+    "31m": (49152, 384, 1024, 8, 6, 2),
+    "smollm2-135m": (49152, 576, 1536, 30, 9, 3),
+}
+
+
+def llama_shapes(vocab: int, hidden: int, inter: int, layers: int, heads: int, kv_heads: int) -> dict[str, tuple]:
+    kv = kv_heads * (hidden // heads)
+    shapes: dict[str, tuple] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "self_attn.q_proj.weight": (hidden, hidden), p + "self_attn.k_proj.weight": (kv, hidden),
+                   p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.o_proj.weight": (hidden, hidden),
+                   p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+                   p + "mlp.down_proj.weight": (hidden, inter), p + "input_layernorm.weight": (hidden,),
+                   p + "post_attention_layernorm.weight": (hidden,)}
+    shapes["model.norm.weight"] = (hidden,)
+    return shapes
+
+
+def _reader(shapes: dict[str, tuple], threads: int, handles, answers) -> None:
+    torch.set_num_threads(threads)
+    into = {n: torch.empty(s) for n, s in shapes.items()}  # the engine's weights
+    answers.put("ready")
+    while (handle := handles.get()) is not None:
+        answers.put(load_weights(handle, into=into).load_s)
+
+
+def _ray_reader_class():
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Reader:
+        def __init__(self, shapes, threads):
+            torch.set_num_threads(threads)
+            self.into = {n: torch.empty(s) for n, s in shapes.items()}
+
+        def load(self, handle):
+            return load_weights(handle, into=self.into).load_s
+
+    return Reader
+
+
+def measure(transport: Transport, weights: dict[str, torch.Tensor], repeats: int, folder: str | None) -> dict:
+    shapes = {n: tuple(t.shape) for n, t in weights.items()}
+    pub = make_publisher(transport, keep=2, folder=folder)
+    publish, load, total = [], [], []
+    if transport is Transport.RAY:
+        import ray
+
+        reader = _ray_reader_class().remote(shapes, torch.get_num_threads())
+        ray.get(reader.__ray_ready__.remote())
+
+        def send(handle):
+            return ray.get(reader.load.remote(handle))
+    else:
+        ctx = mp.get_context("spawn")
+        handles, answers = ctx.Queue(), ctx.Queue()
+        child = ctx.Process(target=_reader, args=(shapes, torch.get_num_threads(), handles, answers), daemon=True)
+        child.start()
+        assert answers.get(timeout=120) == "ready"
+
+        def send(handle):
+            handles.put(handle)
+            return answers.get(timeout=300)
+    try:
+        for version in range(WARMUP + repeats):
+            start = time.perf_counter()
+            handle = pub.publish(weights, version)
+            load_s = send(handle)
+            if version >= WARMUP:
+                total.append(time.perf_counter() - start)
+                publish.append(handle.publish_s)
+                load.append(load_s)
+    finally:
+        if transport is not Transport.RAY:
+            handles.put(None)
+            child.join(timeout=30)
+        pub.close()
+    return {"publish_s": statistics.median(publish), "load_s": statistics.median(load),
+            "total_s": statistics.median(total)}
+
+
+def copy_bounds(weights: dict[str, torch.Tensor], repeats: int) -> tuple[float, float]:
+    """(clone, copy into preallocated tensors): one memory copy, with and without fresh pages."""
+    clones, copies = [], []
+    into = {n: torch.empty_like(t) for n, t in weights.items()}
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        fresh = {n: t.clone() for n, t in weights.items()}
+        clones.append(time.perf_counter() - start)
+        del fresh
+        start = time.perf_counter()
+        for n, t in weights.items():
+            into[n].copy_(t)
+        copies.append(time.perf_counter() - start)
+    return statistics.median(clones[1:]), statistics.median(copies[1:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
+    ap.add_argument("--transports", nargs="+", choices=[t.value for t in Transport], default=None)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--folder", default=None, help="folder of the file transport (default: a new temp folder)")
+    ap.add_argument("--quick", action="store_true", help="tiny and 31m only, 3 repeats")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads of the trainer and the reader (0: torch's default). On a shared, busy "
+                         "machine 1 is steadier: a descheduled OpenMP thread leaves the others spinning")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sizes = ["tiny", "31m"] if args.quick else args.sizes
+    repeats = 3 if args.quick else args.repeats
+    usable = available_transports()
+    transports = [t for t in usable if args.transports is None or t.value in args.transports]
+    skipped = [t.value for t in Transport if t not in usable]
+    if Transport.RAY in transports:
+        import ray
+
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    arms: dict[str, dict] = {}
+    details = []
+    try:
+        for size in sizes:
+            g = torch.Generator().manual_seed(0)
+            weights = {n: torch.randn(s, generator=g) for n, s in llama_shapes(*SIZES[size]).items()}
+            nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+            params = sum(t.numel() for t in weights.values())
+            bound, warm = copy_bounds(weights, repeats)
+            arms[size] = {"params": params, "bytes": nbytes, "bound_s": bound, "bound_gb_s": nbytes / bound / 1e9,
+                          "warm_copy_s": warm}
+            details.append(f"{size}: {params / 1e6:.1f}M params, {nbytes / 1e6:.0f} MB float32; copy bound (clone) "
+                           f"{bound * 1e3:.1f} ms ({nbytes / bound / 1e9:.2f} GB/s); copy into preallocated "
+                           f"tensors {warm * 1e3:.1f} ms ({nbytes / warm / 1e9:.2f} GB/s)")
+            for transport in transports:
+                r = measure(transport, weights, repeats, args.folder)
+                r |= {"gb_s": nbytes / r["total_s"] / 1e9, "efficiency": bound / r["total_s"],
+                      "efficiency_warm": warm / r["total_s"]}
+                arms[size][transport.value] = r
+                details.append(f"  {transport.value:5s}  publish {r['publish_s'] * 1e3:8.1f} ms  load "
+                                f"{r['load_s'] * 1e3:8.1f} ms  total {r['total_s'] * 1e3:8.1f} ms  "
+                                f"{r['gb_s']:6.2f} GB/s  efficiency {r['efficiency']:.2f} "
+                                f"(vs the preallocated copy {r['efficiency_warm']:.2f})")
+            del weights
+    finally:
+        if Transport.RAY in transports:
+            import ray
+
+            ray.shutdown()
+    largest = arms[sizes[-1]]
+    best = max(transports, key=lambda t: largest[t.value]["efficiency"])
+    report({
+        "name": "weight_sync",
+        "machine": machine(),
+        "weights": "random float32 tensors with the models' parameter shapes (not trained weights)",
+        "transports": [t.value for t in transports],
+        "skipped": skipped or "none",
+        "repeats": repeats,
+        "best": f"{best.value} at {sizes[-1]}",
+        "efficiency": round(largest[best.value]["efficiency"], 3),
+        "gb_s": round(largest[best.value]["gb_s"], 3),
+        "summary_of": f"the most efficient transport at the largest size ({sizes[-1]})",
+        "arms": {s: {k: ({m: round(x, 5) for m, x in v.items()} if isinstance(v, dict) else
+                         round(v, 5) if isinstance(v, float) else v) for k, v in a.items()} for s, a in arms.items()},
+        "details": details,
+    }, args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,510 @@
+"""Weight sync: versioned transfer of the trained weights from the trainer to the inference engines.
+
+A publisher snapshots a dict of tensors under a version and returns a `WeightHandle`: a small
+picklable record that travels to the engines by whatever channel the runtime already has (a queue,
+a Ray actor call); `load_weights(handle)` turns it back into tensors there. Transports:
+
+- "queue": the tensors ride inside the handle (cloned at publish). Sending the handle through a
+  multiprocessing queue is today's async path: torch's pickler moves each storage into shared
+  memory on the way. The baseline; the handle is as large as the model.
+- "shm":  POSIX shared-memory segments holding a header (tensor names, dtypes, shapes, offsets and
+  the version) then the tensors' bytes, 64-byte aligned. The handle names the segment. Segments of
+  versions out of the window are rewritten for later ones (a new segment costs several times the
+  copy: the kernel allocates and zeroes every page), under flock so that no reader is mid-copy (see
+  the section's comment).
+- "file": one safetensors file per version in a folder, written under a temporary name, fsynced,
+  then renamed into place (os.replace is atomic). Works across machines on a shared filesystem and
+  lets a restarted engine find the newest version by listing the folder (`latest_file_handle`).
+- "ray":  ray.put into the object store; the handle holds the ObjectRef. Only when ray is installed.
+
+Atomicity (a reader never sees a mix of two versions): every transport writes a version completely
+before its handle exists and never writes over a version while it can be read: files and Ray
+objects are never rewritten; a shm segment is rewritten only under an exclusive flock that readers
+hold shared while they copy, and a reader checks the segment's header names its handle's version.
+Cleanup: the publisher keeps the last `keep` versions loadable (default 2: the current one and the
+one engines may still be loading); older ones are unlinked (file, shm beyond one spare segment) or
+left to Ray's reference counting. On POSIX, unlinking only removes the name: a reader that has a
+file or segment open finishes normally; one that comes later (or finds its segment rewritten) gets
+`StaleWeights` and should load the newer handle, which is already on its way (handles are published
+in version order). Segments are also unlinked when the publisher closes, and by Python's resource
+tracker if the publisher's process dies.
+
+What this module is not: a channel (handles are sent by the caller) or a policy for when engines
+apply weights (engine.update_weights does that). One publisher per process and per folder; publish
+is not meant to be called from two threads at once.
+"""
+
+from __future__ import annotations
+
+import enum
+import fcntl
+import json
+import mmap
+import os
+import tempfile
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+Tensor = torch.Tensor
+
+_ALIGN = 64  # every tensor starts on a cache line
+_MAGIC = "loomrl-weights-1"
+
+
+class Transport(enum.StrEnum):
+    QUEUE = "queue"
+    SHM = "shm"
+    FILE = "file"
+    RAY = "ray"
+
+
+class StaleWeights(RuntimeError):
+    """The handle's version was freed (or its segment reused) because newer ones were published: load
+    the newer handle."""
+
+
+@dataclass(slots=True, kw_only=True)
+class WeightHandle:
+    """What travels to the engines. `location`: segment name (shm) or file path (file); `payload`:
+    the tensors themselves (queue) or an ObjectRef (ray)."""
+
+    transport: Transport
+    version: int
+    nbytes: int
+    location: str = ""
+    payload: Any = None
+    publish_s: float = 0.0  # time the publisher spent snapshotting this version
+
+
+class LoadedWeights(NamedTuple):
+    weights: dict[str, Tensor]  # owned by the caller: nothing else writes or frees them
+    version: int
+    load_s: float
+
+
+class WeightPublisher(Protocol):
+    transport: Transport
+
+    def publish(self, weights: dict[str, Tensor], version: int) -> WeightHandle:
+        """Snapshot `weights` as `version` (the caller may keep training them in place right after)."""
+        ...
+
+    def close(self) -> None:
+        """Free every version still held."""
+        ...
+
+
+def available_transports() -> list[Transport]:
+    """The transports usable in this environment (ray only when it is installed)."""
+    out = [Transport.QUEUE, Transport.SHM, Transport.FILE]
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return out
+    return [*out, Transport.RAY]
+
+
+def make_publisher(transport: str, *, keep: int = 2, folder: str | Path | None = None) -> WeightPublisher:
+    """A publisher for `transport`; `keep`: how many recent versions stay loadable; `folder`: file only."""
+    kind = Transport(transport)
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    if kind is Transport.QUEUE:
+        return QueuePublisher()
+    if kind is Transport.SHM:
+        return ShmPublisher(keep=keep)
+    if kind is Transport.FILE:
+        return FilePublisher(folder, keep=keep)
+    return RayPublisher(keep=keep)
+
+
+def load_weights(handle: WeightHandle, into: dict[str, Tensor] | None = None) -> LoadedWeights:
+    """The handle's tensors and version. With `into` (e.g. an engine's parameters, by name), the tensors
+    are copied into those and `into` is returned: one copy fewer for shm. Raises StaleWeights if the
+    version was freed already."""
+    start = time.perf_counter()
+    if handle.transport is Transport.SHM:
+        weights = _load_shm(handle, into)
+    else:
+        if handle.transport is Transport.QUEUE:
+            weights = handle.payload
+        elif handle.transport is Transport.FILE:
+            weights = _load_file(Path(handle.location), handle.version)
+        else:
+            import ray
+
+            weights = ray.get(handle.payload)
+        if into is not None:
+            _copy_into(into, weights)
+            weights = into
+    return LoadedWeights(weights, handle.version, time.perf_counter() - start)
+
+
+def _copy_into(into: dict[str, Tensor], weights: dict[str, Tensor]) -> None:
+    missing = sorted(set(weights) - set(into))
+    if missing:
+        raise KeyError(f"weight sync: no destination for {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+    with torch.no_grad():
+        for name, src in weights.items():
+            dst = into[name]
+            if dst.shape != src.shape:  # copy_ would broadcast silently
+                raise ValueError(f"weight sync: {name} has shape {tuple(src.shape)}, the destination {tuple(dst.shape)}")
+            dst.copy_(src)
+
+
+def sync_metrics(handle: WeightHandle, loaded: LoadedWeights) -> dict[str, float]:
+    """Metrics of one transfer, for the step's log line."""
+    return {"weight_sync/publish_s": handle.publish_s, "weight_sync/load_s": loaded.load_s,
+            "weight_sync/bytes": float(handle.nbytes)}
+
+
+def _nbytes(weights: dict[str, Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in weights.values())
+
+
+class _Versions:
+    """Strictly increasing versions and the window of the last `keep` still held."""
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self.last: int | None = None
+        self.held: deque[tuple[int, Any]] = deque()
+
+    def check(self, version: int) -> None:
+        if self.last is not None and version <= self.last:
+            raise ValueError(f"publish: version {version} is not above the last published one ({self.last})")
+
+    def add(self, version: int, resource: Any) -> list[Any]:
+        """Record `resource` for `version`; returns the ones that fell out of the window."""
+        self.last = version
+        self.held.append((version, resource))
+        out = []
+        while len(self.held) > self.keep:
+            out.append(self.held.popleft()[1])
+        return out
+
+
+# ---------------------------------------------------------------- queue (baseline)
+
+
+class QueuePublisher:
+    transport = Transport.QUEUE
+
+    def __init__(self) -> None:
+        self._versions = _Versions(keep=1)
+
+    def publish(self, weights: dict[str, Tensor], version: int) -> WeightHandle:
+        self._versions.check(version)
+        start = time.perf_counter()
+        # A clone per version: torch pickles a storage when the queue's feeder thread gets to it,
+        # later than put(), so sending live parameters could mix two versions.
+        payload = {name: t.detach().clone() for name, t in weights.items()}
+        self._versions.add(version, None)
+        return WeightHandle(transport=self.transport, version=version, nbytes=_nbytes(payload), payload=payload,
+                            publish_s=time.perf_counter() - start)
+
+    def close(self) -> None:
+        """Nothing held: each handle owns its tensors."""
+
+
+# ---------------------------------------------------------------- shared memory
+#
+# Segment layout: [8-byte little-endian header length][JSON header][tensors, each 64-byte aligned].
+# A new segment costs more than the copy into it (tmpfs allocates and zeroes every page: 8x to 50x
+# the copy on the development machine, benchmarks/weight_sync.py), so segments that fall out of the window are kept as spares and rewritten for a later
+# version. A spare may still be read (a slow reader, or one holding an old handle), so access goes
+# through flock on the segment: readers hold a shared lock while they check the header's version and
+# copy; the publisher rewrites a spare only under an exclusive lock taken without waiting, else it
+# makes a new segment and unlinks the busy spare (its reader keeps its mapping). A reader never sees
+# a mix: either the header still names its version and no one writes until it is done, or the
+# header names a newer one and it gets StaleWeights.
+
+
+@dataclass(slots=True)
+class _Segment:
+    name: str  # without the leading "/"
+    fd: int
+    mem: mmap.mmap
+    size: int
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"weight sync: unknown dtype {name!r} in a segment header")
+    return dtype
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _views(buf: Any, data_start: int, entries: list[list[Any]]) -> dict[str, Tensor]:
+    """Tensors viewing `buf` as laid out by `entries` ([name, dtype, shape, offset] each)."""
+    out = {}
+    for name, dtype_name, shape, offset in entries:
+        dtype = _dtype(dtype_name)
+        numel = 1
+        for d in shape:
+            numel *= d
+        if numel == 0:
+            out[name] = torch.empty(shape, dtype=dtype)
+            continue
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=data_start + offset)
+        out[name] = raw.view(dtype).view(shape)
+    return out
+
+
+def _create_segment(name: str, size: int) -> _Segment:
+    import _posixshmem
+    from multiprocessing import resource_tracker
+
+    fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+    try:
+        os.ftruncate(fd, size)
+        mem = mmap.mmap(fd, size)
+    except BaseException:
+        os.close(fd)
+        _posixshmem.shm_unlink("/" + name)
+        raise
+    resource_tracker.register("/" + name, "shared_memory")  # unlinked for us if this process dies
+    return _Segment(name, fd, mem, size)
+
+
+def _free(seg: _Segment) -> None:
+    import _posixshmem
+    from multiprocessing import resource_tracker
+
+    seg.mem.close()
+    os.close(seg.fd)
+    try:
+        _posixshmem.shm_unlink("/" + seg.name)
+    except FileNotFoundError:
+        pass
+    resource_tracker.unregister("/" + seg.name, "shared_memory")
+
+
+class ShmPublisher:
+    transport = Transport.SHM
+
+    def __init__(self, *, keep: int = 2, spares: int = 1):
+        self._versions = _Versions(keep)
+        self._spares: list[_Segment] = []  # out of the window, to be rewritten
+        self._max_spares = spares
+        self._prefix = f"loomrl-w-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # no clash with a crashed run's leftovers
+        self._count = 0
+
+    def publish(self, weights: dict[str, Tensor], version: int) -> WeightHandle:
+        self._versions.check(version)
+        start = time.perf_counter()
+        entries, offset = [], 0
+        for name, t in weights.items():
+            entries.append([name, str(t.dtype), list(t.shape), offset])
+            offset = _align(offset + t.numel() * t.element_size())
+        header = json.dumps({"magic": _MAGIC, "version": version, "tensors": entries}).encode()
+        data_start = _align(8 + len(header))
+        size = max(data_start + offset, 1)
+        seg = self._take_spare(size)
+        if seg is None:
+            self._count += 1
+            seg = _create_segment(f"{self._prefix}-{self._count}", size)
+        try:
+            self._write(seg, header, data_start, entries, weights)
+        except BaseException:
+            _free(seg)
+            raise
+        fcntl.flock(seg.fd, fcntl.LOCK_UN)  # a rewritten spare: readers may look now
+        self._spares += self._versions.add(version, seg)
+        while len(self._spares) > self._max_spares:
+            _free(self._spares.pop(0))
+        return WeightHandle(transport=self.transport, version=version, nbytes=_nbytes(weights), location=seg.name,
+                            publish_s=time.perf_counter() - start)
+
+    def _take_spare(self, size: int) -> _Segment | None:
+        """A spare that fits and that no reader holds, locked exclusively; busy ones are unlinked."""
+        for seg in list(self._spares):
+            if seg.size < size:
+                continue
+            try:
+                fcntl.flock(seg.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self._spares.remove(seg)
+                _free(seg)  # its reader keeps its mapping and finishes
+                continue
+            self._spares.remove(seg)
+            return seg
+        return None
+
+    @staticmethod
+    def _write(seg: _Segment, header: bytes, data_start: int, entries: list, weights: dict[str, Tensor]) -> None:
+        views = _views(seg.mem, data_start, entries)
+        try:
+            with torch.no_grad():
+                for name, t in weights.items():
+                    views[name].copy_(t.detach())
+        finally:
+            views.clear()  # no exported buffers may remain when the segment is closed
+        seg.mem[8 : 8 + len(header)] = header
+        seg.mem[:8] = len(header).to_bytes(8, "little")
+
+    def close(self) -> None:
+        while self._versions.held:
+            _free(self._versions.held.popleft()[1])
+        while self._spares:
+            _free(self._spares.pop())
+
+
+def _load_shm(handle: WeightHandle, into: dict[str, Tensor] | None) -> dict[str, Tensor]:
+    import _posixshmem
+
+    try:
+        fd = _posixshmem.shm_open("/" + handle.location, os.O_RDONLY, mode=0o600)
+    except FileNotFoundError:
+        raise StaleWeights(f"weight sync: version {handle.version} (segment {handle.location}) was freed; "
+                           "load a newer handle") from None
+    mem = None
+    views: dict[str, Tensor] = {}
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # waits while the publisher rewrites this segment
+        # Private (copy-on-write) so that torch gets a writable buffer; we only read it.
+        mem = mmap.mmap(fd, os.fstat(fd).st_size, access=mmap.ACCESS_COPY)
+        size = int.from_bytes(mem[:8], "little")
+        header = json.loads(mem[8 : 8 + size])
+        if header.get("magic") != _MAGIC:
+            raise RuntimeError(f"weight sync: segment {handle.location} is not a weights segment")
+        if header.get("version") != handle.version:
+            raise StaleWeights(f"weight sync: segment {handle.location} was reused for version "
+                               f"{header.get('version')}; load a newer handle than {handle.version}")
+        views = _views(mem, _align(8 + size), header["tensors"])
+        if into is not None:
+            _copy_into(into, views)
+            return into
+        return {name: v.clone() for name, v in views.items()}  # owned: the segment is rewritten later
+    finally:
+        views.clear()  # no exported buffers may remain when the mapping is closed
+        if mem is not None:
+            try:
+                mem.close()
+            except BufferError:  # a view still held by an exception's traceback: closed when it is collected
+                pass
+        os.close(fd)  # releases the lock
+
+
+# ---------------------------------------------------------------- safetensors files
+
+
+def _file_name(version: int) -> str:
+    return f"weights-v{version:010d}.safetensors"
+
+
+class FilePublisher:
+    transport = Transport.FILE
+
+    def __init__(self, folder: str | Path | None = None, *, keep: int = 2, fsync: bool = True):
+        self._own_folder = folder is None
+        self.folder = Path(tempfile.mkdtemp(prefix="loomrl-weights-")) if folder is None else Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.fsync = fsync
+        self._versions = _Versions(keep)
+
+    def publish(self, weights: dict[str, Tensor], version: int) -> WeightHandle:
+        from safetensors.torch import save_file
+
+        self._versions.check(version)
+        start = time.perf_counter()
+        final = self.folder / _file_name(version)
+        tmp = self.folder / f".{final.name}.{uuid.uuid4().hex[:8]}.tmp"  # readers never list dot files
+        try:
+            save_file({n: t.detach().contiguous() for n, t in weights.items()}, str(tmp),
+                      metadata={"version": str(version)})
+            if self.fsync:  # the bytes are on disk before the name points at them
+                _fsync(tmp)
+            os.replace(tmp, final)
+            if self.fsync:
+                _fsync(self.folder)
+        finally:
+            tmp.unlink(missing_ok=True)
+        for old in self._versions.add(version, final):
+            old.unlink(missing_ok=True)
+        return WeightHandle(transport=self.transport, version=version, nbytes=_nbytes(weights), location=str(final),
+                            publish_s=time.perf_counter() - start)
+
+    def close(self) -> None:
+        while self._versions.held:
+            self._versions.held.popleft()[1].unlink(missing_ok=True)
+        if self._own_folder:
+            for leftover in self.folder.iterdir():
+                leftover.unlink(missing_ok=True)
+            self.folder.rmdir()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _load_file(path: Path, version: int) -> dict[str, Tensor]:
+    from safetensors import safe_open
+
+    try:
+        f = safe_open(str(path), framework="pt")
+    except FileNotFoundError:
+        raise StaleWeights(f"weight sync: version {version} ({path}) was freed; load a newer handle") from None
+    # Once open, the file's contents stay readable even if the publisher unlinks it meanwhile.
+    found = int((f.metadata() or {}).get("version", -1))
+    if found != version:
+        raise RuntimeError(f"weight sync: {path} holds version {found}, the handle says {version}")
+    return {name: f.get_tensor(name) for name in f.keys()}
+
+
+def latest_file_handle(folder: str | Path) -> WeightHandle | None:
+    """The newest complete version in a file publisher's folder (for an engine that (re)starts)."""
+    files = sorted(Path(folder).glob("weights-v*.safetensors"))
+    if not files:
+        return None
+    path = files[-1]
+    version = int(path.name.removeprefix("weights-v").removesuffix(".safetensors"))
+    try:
+        nbytes = path.stat().st_size
+    except FileNotFoundError:  # freed between listing and stat: a newer one exists, ask again
+        return latest_file_handle(folder)
+    return WeightHandle(transport=Transport.FILE, version=version, nbytes=nbytes, location=str(path))
+
+
+# ---------------------------------------------------------------- ray object store
+
+
+class RayPublisher:
+    transport = Transport.RAY
+
+    def __init__(self, *, keep: int = 2):
+        import ray
+
+        if not ray.is_initialized():
+            raise RuntimeError("weight sync: transport 'ray' needs ray.init() first")
+        self._versions = _Versions(keep)
+
+    def publish(self, weights: dict[str, Tensor], version: int) -> WeightHandle:
+        import ray
+
+        self._versions.check(version)
+        start = time.perf_counter()
+        # put copies into the object store now (an immutable object); it is freed by Ray's reference
+        # counting once it is out of our window and no handle refers to it.
+        ref = ray.put({n: t.detach().cpu() for n, t in weights.items()})
+        self._versions.add(version, ref)
+        return WeightHandle(transport=self.transport, version=version, nbytes=_nbytes(weights), payload=ref,
+                            publish_s=time.perf_counter() - start)
+
+    def close(self) -> None:
+        self._versions.held.clear()

@@ -1,0 +1,235 @@
+"""Data-parallel training on torch.distributed (gloo on CPU): N ranks, one model replica each, the same
+optimizer step as one process training on the whole batch.
+
+Each rank trains on its shard of the step's samples. Two things make the step equal the single-process
+one (up to float summation order):
+- denominators: the loss is aggregated with step-level denominators (losses.aggregate), so every rank
+  must use the global ones. The ranks all-reduce their counts first and each passes the other ranks'
+  sampled tokens and sequences to Trainer.train_step as idle_tokens / idle_seqs: tokens that count in
+  the denominator but are not trained here. token_sum_norm without a norm_constant also needs the
+  global longest sample; the step runs with that constant set (see `_global_norm`).
+- gradients: after this rank's last backward pass and before clipping, gradients are summed over the
+  ranks (all_reduce SUM, one flat buffer per dtype) through Trainer's grad hook. Every rank then clips
+  the same gradient and takes the same AdamW and scheduler step, so the replicas stay identical.
+
+Why not torch DDP: DDP all-reduces inside each backward pass, so every rank must run the same number
+of backward passes, and shards here are uneven (3 samples are fewer micro-batches than 5); it
+prepares its reducer in the wrapper's forward, while the trainer calls the decoder and the head
+directly; and it averages gradients, while per-rank losses over global denominators must be summed.
+One all-reduce after the last backward moves the same bytes and only gives up DDP's overlap of
+communication with the backward pass (worth it on GPUs, little on CPU).
+
+What is not here: sharded models or optimizer state (FSDP, ZeRO), gradient buckets for models whose
+gradients do not fit twice in memory, elastic membership. A rank that fails makes the others fail:
+`launch_local` stops them all and raises; in other launchers the process group's timeout does.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from loomrl.trainer.trainer import StepStats, Trainer
+from loomrl.types import TrainingSample
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (another process could take it before rank 0 binds it: rare)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_process_group(rank: int, world_size: int, *, master_port: int, master_addr: str = "127.0.0.1",
+                       backend: str = "gloo", timeout_s: float = 60.0) -> None:
+    """Join the default process group; `timeout_s` bounds every collective, so a dead peer is an error."""
+    os.environ["MASTER_ADDR"] = master_addr
+    os.environ["MASTER_PORT"] = str(master_port)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+
+
+def shard_samples(samples: list[TrainingSample], world_size: int) -> list[list[TrainingSample]]:
+    """Split a step's samples over ranks, balancing tokens (longest first to the least loaded rank)."""
+    if len(samples) < world_size:
+        raise ValueError(f"shard_samples: {len(samples)} samples cannot give each of {world_size} ranks one")
+    shards: list[list[TrainingSample]] = [[] for _ in range(world_size)]
+    load = [0] * world_size
+    for s in sorted(samples, key=lambda s: len(s.token_ids), reverse=True):
+        r = min(range(world_size), key=lambda i: (load[i], len(shards[i]), i))
+        shards[r].append(s)
+        load[r] += len(s.token_ids)
+    return shards
+
+
+class DataParallelTrainer:
+    """A Trainer whose steps are data-parallel over the default process group."""
+
+    def __init__(self, trainer: Trainer):
+        if not dist.is_initialized():
+            raise RuntimeError("DataParallelTrainer: call init_process_group first")
+        self.trainer = trainer
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+
+    def train_step(self, samples: list[TrainingSample], *, idle_tokens: int = 0, idle_seqs: int = 0) -> StepStats:
+        """One optimiser step over this rank's shard; `idle_*` are this rank's share of the step's idle
+        counts (Trainer.train_step). Stats are the whole step's, the same on every rank."""
+        t = self.trainer
+        tokens = sum(sum(s.loss_mask) for s in samples)
+        longest = max((sum(s.loss_mask) for s in samples), default=0)
+        counts = torch.tensor([tokens, len(samples), idle_tokens, idle_seqs, int(tokens == 0)], dtype=torch.int64)
+        dist.all_reduce(counts)
+        g_tokens, g_seqs, g_idle_tokens, g_idle_seqs, empty = counts.tolist()
+        if empty:  # every rank raises, none is left waiting in a collective
+            raise ValueError(f"data-parallel step: {empty} rank(s) got no sampled tokens; give each rank some "
+                             "(shard_samples)")
+        cfg = t.cfg
+        if cfg.aggregation == "token_sum_norm" and cfg.norm_constant is None:
+            t.cfg = cfg.model_copy(update={"norm_constant": self._global_norm(longest, g_seqs + g_idle_seqs)})
+        t.grad_hook = self._sum_gradients
+        try:
+            stats = t.train_step(samples, idle_tokens=g_tokens + g_idle_tokens - tokens,
+                                 idle_seqs=g_seqs + g_idle_seqs - len(samples))
+        finally:
+            t.cfg = cfg
+            t.grad_hook = None
+        return self._global_stats(stats)
+
+    def _global_norm(self, longest: int, seqs: int) -> float:
+        """Trainer's token_sum_norm default, max sampled tokens x sequences, over the whole step."""
+        m = torch.tensor([longest], dtype=torch.int64)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX)
+        return float(int(m) * seqs)
+
+    def _sum_gradients(self) -> None:
+        params = self.trainer.params
+        # A parameter no sample of this rank reached has no gradient here but may have one elsewhere.
+        has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+        dist.all_reduce(has)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p, h in zip(params, has.tolist()):
+            if not h:
+                continue  # no rank has one: stays None, as in one process (AdamW skips it)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():  # one collective per dtype: latency paid once, not per tensor
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def _global_stats(self, s: StepStats) -> StepStats:
+        lt = float(s.loss_tokens)
+        forwarded = s.tokens / s.tree_ratio if s.tree_ratio else float(s.tokens)
+        v = torch.tensor([s.loss, s.clip_frac * lt, s.ratio_mean * lt, s.approx_kl * lt, s.ess * lt, lt,
+                          float(s.tokens), forwarded], dtype=torch.float64)
+        dist.all_reduce(v)
+        loss, clip, ratio, kl, ess, g_lt, tokens, g_forwarded = v.tolist()
+        return StepStats(loss=loss, grad_norm=s.grad_norm, clip_frac=clip / g_lt, ratio_mean=ratio / g_lt,
+                         approx_kl=kl / g_lt, tokens=int(tokens), loss_tokens=int(g_lt), seconds=s.seconds,
+                         lr=s.lr, ess=ess / g_lt, tree_ratio=tokens / max(g_forwarded, 1.0))
+
+    def in_sync(self) -> bool:
+        """Whether every rank holds bit-identical trainable parameters (a cheap checksum, for checks)."""
+        sums = torch.stack([torch.cat([p.detach().reshape(-1).double() for p in self.trainer.params]).sum(),
+                            torch.cat([p.detach().reshape(-1).double().square() for p in self.trainer.params]).sum()])
+        hi, lo = sums.clone(), -sums
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        dist.all_reduce(lo, op=dist.ReduceOp.MAX)
+        return bool(torch.equal(hi, -lo))
+
+
+# ---------------------------------------------------------------- local launcher
+
+
+class RankFailed(RuntimeError):
+    """A rank of a local launch raised; the message holds the first failure's traceback."""
+
+
+def _rank_main(rank: int, fn: Callable[..., Any], world_size: int, port: int, backend: str, timeout_s: float,
+               threads: int, results: Any, args: tuple) -> None:
+    try:
+        torch.set_num_threads(threads)
+        init_process_group(rank, world_size, master_port=port, backend=backend, timeout_s=timeout_s)
+        out = fn(rank, world_size, *args)
+    except BaseException:
+        # Sent before our connections close: the first failure is the cause, the other ranks' lost
+        # connections its effect, and the parent names the earliest.
+        results.put((rank, "error", (time.time(), traceback.format_exc())))
+        results.close()
+        results.join_thread()
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    # Plain pickle: torch's queue pickler would hand tensors over as shared memory that vanishes
+    # when this process exits, before the parent has read them.
+    results.put((rank, "result", pickle.dumps(out)))
+
+
+def launch_local(fn: Callable[..., Any], world_size: int, args: tuple = (), *, timeout_s: float = 120.0,
+                 backend: str = "gloo", threads: int | None = None) -> list[Any]:
+    """Run fn(rank, world_size, *args) on `world_size` spawned local ranks in one process group; returns
+    their results by rank. An exception in any rank stops the others and is raised here as RankFailed
+    (naming the rank that failed first); a run past `timeout_s` raises TimeoutError. `fn` must be
+    importable (a module-level function)."""
+    import torch.multiprocessing as tmp
+    from torch.multiprocessing.spawn import ProcessException
+
+    threads = threads or max(1, (os.cpu_count() or 1) // world_size)
+    ctx = tmp.get_context("spawn")
+    results = ctx.Queue()
+    procs = tmp.start_processes(_rank_main, args=(fn, world_size, free_port(), backend, timeout_s, threads, results,
+                                                  args), nprocs=world_size, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    out: dict[int, Any] = {}
+    errors: dict[int, tuple[float, str]] = {}
+    try:
+        while True:
+            _drain(results, out, errors)  # a rank cannot exit until the parent has read what it put
+            try:
+                if procs.join(timeout=0.2):
+                    break
+            except ProcessException as err:  # a rank died; join has stopped the others
+                _drain(results, out, errors)
+                if not errors:
+                    raise RankFailed(f"launch_local: {err}") from err
+                rank, (_, tb) = min(errors.items(), key=lambda e: e[1][0])
+                raise RankFailed(f"launch_local: rank {rank} of {world_size} failed first:\n{tb}") from err
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"launch_local: {world_size} ranks still running after {timeout_s:.0f}s")
+        _drain(results, out, errors)
+    finally:
+        for p in procs.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    missing = [r for r in range(world_size) if r not in out]
+    if missing:
+        raise RankFailed(f"launch_local: ranks {missing} exited without a result")
+    return [out[r] for r in range(world_size)]
+
+
+def _drain(results: Any, out: dict[int, Any], errors: dict[int, tuple[float, str]]) -> None:
+    while True:
+        try:
+            rank, kind, payload = results.get(timeout=0.05)
+        except queue.Empty:
+            return
+        if kind == "error":
+            errors[rank] = payload
+        else:
+            out[rank] = pickle.loads(payload)

@@ -1,0 +1,167 @@
+"""Data-parallel training (loomrl/trainer/distributed.py) on real local ranks (spawned processes, gloo):
+two ranks with an uneven split of samples take the same step as one process on the whole batch, and a
+failing or silent rank ends the run with an error instead of a hang."""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from loomrl.config import ModelConfig, TrainerConfig
+from loomrl.model.loader import build_tiny_model
+from loomrl.trainer.distributed import DataParallelTrainer, launch_local, shard_samples
+from loomrl.trainer.trainer import Trainer, token_logprobs
+from loomrl.types import TrainingSample
+
+# (trainer options, idle tokens and sequences of the step) per case; micro-batches of 2 give the ranks
+# different numbers of backward passes (2 and 3), the case DDP cannot take.
+CASES = [
+    ({}, (0, 0)),
+    ({"aggregation": "seq_mean_token_mean"}, (10, 2)),
+    ({"aggregation": "token_sum_norm", "loss": "decoupled_ppo"}, (0, 0)),
+]
+SPLIT = 3  # rank 0 trains on the first 3 samples, rank 1 on the other 5
+STEPS = 2
+
+
+def _cfg(options: dict) -> TrainerConfig:
+    # Adam divides by sqrt(v): a gradient component near 0 turns float32 rounding (~1e-7 of the
+    # gradient) into a large relative change of its update; at lr=1e-4 that stays below 1e-7 of the
+    # parameters, and the gradients are compared directly too.
+    return TrainerConfig(lr=1e-4, micro_batch_size=2, **options)
+
+
+def _model(vocab: int, eos: int) -> torch.nn.Module:
+    return build_tiny_model(ModelConfig(kind="tiny"), vocab, eos)
+
+
+def _samples(model: torch.nn.Module, vocab: int) -> list[TrainingSample]:
+    """8 samples of different lengths; behaviour logprobs near the model's, so some ratios clip."""
+    rng = random.Random(0)
+    out = []
+    for i, length in enumerate([9, 17, 6, 23, 12, 30, 8, 15]):
+        ids = [rng.randrange(vocab) for _ in range(length)]
+        n_prompt = 3 + i % 3
+        mask = [0] * n_prompt + [1] * (length - n_prompt)
+        adv = 1.0 if i % 2 else -1.0
+        out.append(TrainingSample(trajectory_id=f"s{i}", group_id="g", token_ids=ids, loss_mask=mask,
+                                  behaviour_logprobs=[0.0] * length, versions=[0] * length,
+                                  advantages=[adv * m for m in mask]))
+    for s, lp in zip(out, token_logprobs(model, out, with_grad=False)):
+        pos = [t for t in range(1, len(s.token_ids)) if s.loss_mask[t]]
+        for t, v in zip(pos, lp.tolist()):
+            s.behaviour_logprobs[t] = v + rng.uniform(-0.3, 0.3)
+    return out
+
+
+def _trained(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The last step's gradient (summed over ranks, clipped): kept until the next step zeroes it."""
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _idle_share(idle: tuple[int, int], rank: int) -> tuple[int, int]:
+    """The step's idle counts split unevenly between two ranks (they are summed back)."""
+    tokens, seqs = idle
+    return (tokens // 3, seqs // 2) if rank == 0 else (tokens - tokens // 3, seqs - seqs // 2)
+
+
+def _rank_train(rank: int, world: int, vocab: int, eos: int, samples: list[TrainingSample]) -> dict:
+    shard = samples[:SPLIT] if rank == 0 else samples[SPLIT:]
+    out: dict = {"params": [], "grads": [], "in_sync": [], "losses": []}
+    for options, idle in CASES:
+        dp = DataParallelTrainer(Trainer(_model(vocab, eos), _cfg(options)))
+        idle_tokens, idle_seqs = _idle_share(idle, rank)
+        for _ in range(STEPS):
+            stats = dp.train_step(copy.deepcopy(shard), idle_tokens=idle_tokens, idle_seqs=idle_seqs)
+            out["losses"].append(stats.loss)
+        out["params"].append(_trained(dp.trainer.model))
+        out["grads"].append(_grads(dp.trainer.model))
+        out["in_sync"].append(dp.in_sync())
+    dp = DataParallelTrainer(Trainer(_model(vocab, eos), _cfg({})))
+    try:
+        dp.train_step(shard if rank == 0 else [])
+        out["empty_raised"] = False
+    except ValueError:
+        out["empty_raised"] = True
+    return out
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def test_two_ranks_equal_one_process_on_an_uneven_split(tokenizer):
+    vocab, eos = len(tokenizer), tokenizer.eos_token_id
+    torch.manual_seed(0)
+    samples = _samples(_model(vocab, eos), vocab)
+    ranks = launch_local(_rank_train, 2, (vocab, eos, samples), timeout_s=120, threads=1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks: another thread count sums in another order (~1e-6 apart)
+    try:
+        refs = []
+        for options, idle in CASES:
+            trainer = Trainer(_model(vocab, eos), _cfg(options))
+            losses = [trainer.train_step(copy.deepcopy(samples), idle_tokens=idle[0], idle_seqs=idle[1]).loss
+                      for _ in range(STEPS)]
+            refs.append((losses, _trained(trainer.model), _grads(trainer.model)))
+    finally:
+        torch.set_num_threads(threads)
+    for c, (options, _) in enumerate(CASES):
+        losses, ref, ref_grads = refs[c]
+        for r in ranks:
+            assert r["in_sync"][c]
+            for name, want in ref.items():
+                assert _rel(r["params"][c][name], want) < 1e-6, (options, name)
+                assert _rel(r["grads"][c][name], ref_grads[name]) < 1e-6, (options, name)
+        # identical replicas, bit for bit
+        assert all(torch.equal(ranks[0]["params"][c][n], ranks[1]["params"][c][n]) for n in ref)
+        got = ranks[0]["losses"][c * STEPS : (c + 1) * STEPS]
+        assert got == pytest.approx(losses, rel=1e-5, abs=1e-7)
+    assert ranks[0]["empty_raised"] and ranks[1]["empty_raised"]
+
+
+def _rank_fails(rank: int, world: int) -> None:
+    if rank == 1:
+        raise RuntimeError("rank 1 fails on purpose")
+    dist.all_reduce(torch.ones(1))  # rank 0 would wait here for ever without the launcher
+
+
+def test_a_failing_rank_is_an_error_not_a_hang():
+    start = time.monotonic()
+    with pytest.raises(Exception, match="rank 1 fails on purpose"):
+        launch_local(_rank_fails, 2, timeout_s=60, threads=1)
+    assert time.monotonic() - start < 30
+
+
+def _rank_silent(rank: int, world: int) -> None:
+    if rank == 1:
+        time.sleep(60)  # alive but never joins the collective
+    dist.all_reduce(torch.ones(1))
+
+
+def test_a_silent_rank_times_out():
+    start = time.monotonic()
+    with pytest.raises(Exception):  # noqa: B017 - gloo's timeout error (rank 0) or the launcher's TimeoutError
+        launch_local(_rank_silent, 2, timeout_s=4, threads=1)
+    assert time.monotonic() - start < 30
+
+
+def test_shard_samples_balances_tokens():
+    samples = [TrainingSample(trajectory_id=str(n), group_id="g", token_ids=[1] * n, loss_mask=[1] * n,
+                              behaviour_logprobs=[0.0] * n, versions=[0] * n, advantages=[0.0] * n)
+               for n in (30, 23, 17, 15, 12, 9, 8, 6)]
+    shards = shard_samples(samples, 3)
+    assert sorted(s.trajectory_id for sh in shards for s in sh) == sorted(s.trajectory_id for s in samples)
+    loads = [sum(len(s.token_ids) for s in sh) for sh in shards]
+    assert max(loads) - min(loads) <= 8
+    with pytest.raises(ValueError, match="cannot give each"):
+        shard_samples(samples[:2], 3)

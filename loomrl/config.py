@@ -179,6 +179,14 @@ class TrainerConfig(_Section):
     total_steps: int = Field(10, gt=0)
     freeze_layers: int = Field(0, ge=0)  # keep the bottom N transformer blocks fixed (cheaper steps)
     threads: int = Field(0, ge=0)  # torch threads of the trainer; 0 = all cores (sync), the rest (async)
+    # loomrl/trainer/tree.py: forward a micro-batch as one prefix tree, so tokens its samples share (a
+    # group's prompt, a conversation's history) are computed once; same logprobs and gradients.
+    # "auto": merge a micro-batch when its total/unique token ratio is at least tree_merge_min_ratio.
+    tree_merge: Literal["off", "on", "auto"] = "off"
+    tree_merge_min_ratio: float = Field(1.5, ge=1.0)
+    # with tree merge: micro-batches hold as many adjacent samples as fit in this many unique tokens
+    # (instead of micro_batch_size samples); None keeps micro_batch_size
+    tree_token_budget: int | None = Field(None, gt=0)
 
 
 class RuntimeConfig(_Section):

@@ -4,7 +4,9 @@ grad clipping.
 
 Cost notes (CPU): logits are computed only at positions whose next token is trained (the 49k-wide
 LM head is a large share of a small model's FLOPs), and `freeze_layers` keeps the embeddings and the
-bottom N blocks fixed so that backward stops above them.
+bottom N blocks fixed so that backward stops above them. With `tree_merge`, micro-batches are cut
+from the samples in lexicographic order (a group's samples stay together) and forwarded as one prefix
+tree each (tree.py), so a shared prompt or history is computed once.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from loomrl.config import TrainerConfig
 from loomrl.trainer.losses import policy_loss
+from loomrl.trainer.tree import plan_tries, tree_token_logprobs, unique_tokens
 from loomrl.types import TrainingSample
 
 
@@ -33,6 +36,7 @@ class StepStats:
     seconds: float
     lr: float
     ess: float = 1.0  # effective sample size of the importance weights (1 without a correction)
+    tree_ratio: float = 1.0  # tokens of the step / tokens forwarded (tree merge computes shared ones once)
 
 
 def _decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -110,14 +114,13 @@ class Trainer:
         total_loss_tokens = sum(sum(s.loss_mask) for s in samples)
         if total_loss_tokens == 0:
             raise ValueError("train_step: no sampled tokens in the batch")
-        # Micro-batches of similar length waste less padding.
-        ordered = sorted(samples, key=lambda s: len(s.token_ids))
-        mb = cfg.micro_batch_size
-        batches = [ordered[i : i + mb] for i in range(0, len(ordered), mb)]
+        batches, merged, tree_ratio = self._micro_batches(samples)
         # Decoupled PPO's proximal policy: the weights before this step; KL's reference: the initial weights.
         self.model.eval()
-        prox = [token_logprobs(self.model, b, with_grad=False) for b in batches] if cfg.loss == "decoupled_ppo" else None
-        ref = [token_logprobs(self.ref_model, b, with_grad=False) for b in batches] if self.ref_model is not None else None
+        prox = ([self._logprobs(self.model, b, m, with_grad=False) for b, m in zip(batches, merged)]
+                if cfg.loss == "decoupled_ppo" else None)
+        ref = ([self._logprobs(self.ref_model, b, m, with_grad=False) for b, m in zip(batches, merged)]
+               if self.ref_model is not None else None)
         self.model.train()
         if cfg.aggregation == "token_mean":
             aggregation, norm = "token_sum_norm", float(total_loss_tokens + idle_tokens)  # sum / the step's sampled tokens
@@ -129,7 +132,7 @@ class Trainer:
         stats_sum: dict[str, float] = {}
         seq_offset = chunk_offset = 0
         for b, chunk in enumerate(batches):
-            logps = token_logprobs(self.model, chunk, with_grad=True)
+            logps = self._logprobs(self.model, chunk, merged[b], with_grad=True)
             parts = [(i, s, logp) for i, (s, logp) in enumerate(zip(chunk, logps)) if logp.numel()]
             if not parts:
                 continue
@@ -183,4 +186,36 @@ class Trainer:
             seconds=time.perf_counter() - start,
             lr=self.scheduler.get_last_lr()[0],
             ess=stats_sum["ess"] / total_loss_tokens if "ess" in stats_sum else 1.0,
+            tree_ratio=tree_ratio,
         )
+
+    def _micro_batches(self, samples: list[TrainingSample]) -> tuple[list[list[TrainingSample]], list[bool], float]:
+        """(micro-batches, whether each is forwarded as a prefix tree, the step's tree_ratio: its tokens /
+        the tokens its forwards compute)."""
+        cfg = self.cfg
+        mb = cfg.micro_batch_size
+        if cfg.tree_merge == "off":
+            # Micro-batches of similar length waste less padding.
+            ordered = sorted(samples, key=lambda s: len(s.token_ids))
+            batches = [ordered[i : i + mb] for i in range(0, len(ordered), mb)]
+            return batches, [False] * len(batches), 1.0
+        # Lexicographic order puts samples that share a prefix next to each other, in one micro-batch.
+        ordered = sorted(samples, key=lambda s: s.token_ids)
+        if cfg.tree_token_budget is not None:
+            groups = plan_tries([s.token_ids for s in ordered], cfg.tree_token_budget)
+            batches = [[ordered[i] for i in g] for g in groups]
+        else:
+            batches = [ordered[i : i + mb] for i in range(0, len(ordered), mb)]
+        merged, tokens, forwarded = [], 0, 0
+        for b in batches:
+            total, unique = sum(len(s.token_ids) for s in b), unique_tokens([s.token_ids for s in b])
+            merged.append(cfg.tree_merge == "on" or total >= cfg.tree_merge_min_ratio * unique)
+            tokens += total
+            forwarded += unique if merged[-1] else total
+        return batches, merged, tokens / max(forwarded, 1)
+
+    @staticmethod
+    def _logprobs(model: torch.nn.Module, batch: list[TrainingSample], merged: bool, *, with_grad: bool) -> list[torch.Tensor]:
+        if merged:
+            return tree_token_logprobs(model, batch, with_grad=with_grad)
+        return token_logprobs(model, batch, with_grad=with_grad)

@@ -1,0 +1,353 @@
+"""Prefix-tree merged training: the samples of a micro-batch become one trie, each shared token is
+computed once, and every sample's per-token logprobs (and so its gradients) equal the dense
+computation's up to float rounding.
+
+What it is. `pack_tree` inserts the samples' token ids into a trie and lays its nodes out in
+depth-first order: each unique (prefix, token) appears once, with its depth as position id, and a
+packed token may attend exactly to its ancestors (itself included). `tree_token_logprobs` runs the
+model once over that packed sequence and returns what `trainer.token_logprobs` returns. The logprob
+of a sample's token t is read from the packed node of token t-1; the LM head runs once per distinct
+(node, temperature), so duplicate samples and the shared history of multi-turn samples cost one
+logit row, and samples of different temperatures that share a node each get their own division.
+
+Attention, two exact ways (`attention=`):
+- "segments" (default): a custom transformers attention function (registered in transformers'
+  `AttentionInterface` and switched on for the duration of the forward with the documented
+  `model.set_attn_implementation`). The packed sequence is cut into segments, runs in which every
+  token's parent is the token before it; a segment's queries see a few contiguous key spans (its
+  ancestors) plus itself causally, so each is one SDPA call over only the keys it needs: the cost is
+  the tree's (query, key) pairs, not N^2 (plus the upper triangle of a segment's own block, which
+  the CPU kernel computes under the mask when the segment has ancestors).
+- "mask": the model's own attention with a 4-D mask, which transformers 5.24 passes through as it
+  is (masking_utils: "If the mask is already 4D, simply return as-is"): boolean (True = attend) for
+  sdpa, additive (0 / dtype min) for eager; a boolean mask given to eager would be added as 0/1,
+  silently wrong, so the kind follows `config._attn_implementation`. This costs N^2 per head and
+  layer (CPU SDPA does not skip masked blocks) and serves as the plain, reference path.
+flex_attention block masks are not used: in torch 2.13 FlexAttention has no backward on CPU
+(NotImplementedError), and training needs one.
+
+Memory: `token_budget` splits the lexicographically sorted samples into consecutive sub-tries of
+at most that many unique tokens (one sample longer than the budget is a sub-trie of its own). A
+prefix shared across two sub-tries is computed once per sub-trie, so the realised compression is
+lower than the whole batch's. This is not AReaL's depth-first tree attention (which keeps the
+prefix's K/V and accumulates its gradient across sub-tries); with grad, every sub-trie's graph stays
+alive until the caller's backward, so the trainer splits its micro-batches with `plan_tries` instead.
+
+Not covered: sliding-window or soft-capped attention (ValueError), models whose decoder does not
+take `position_ids`, batches with padding inside a sample (loomrl samples have none). The "segments"
+switch of the attention implementation is not thread-safe against a concurrent forward of the same
+model object (loomrl's trainer owns its model during a step: sync mode alternates with the engine,
+async mode trains in its own process).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from loomrl.types import TrainingSample
+
+TREE_ATTENTION = "loomrl_tree"  # the name the segment attention is registered under in transformers
+
+Attention = Literal["segments", "mask"]
+
+
+@dataclass(slots=True, kw_only=True)
+class Segment:
+    """Packed tokens [start, end), each the child of the one before it; its queries see `spans`
+    (half-open packed ranges: the ancestors, then the segment itself, which it sees causally)."""
+
+    start: int
+    end: int
+    spans: list[tuple[int, int]]
+
+
+@dataclass(slots=True, kw_only=True)
+class PackedTree:
+    """The trie of a batch's token sequences, laid out depth-first (children in token order)."""
+
+    token_ids: list[int]  # [N] one per unique (prefix, token)
+    positions: list[int]  # [N] depth: the token's position in every sample passing through it
+    parents: list[int]  # [N] packed index of the previous token; -1 at a root
+    node_samples: list[list[int]]  # [N] indices (into the input list) of the samples through the node
+    sample_nodes: list[list[int]]  # per sample, the packed index of each of its tokens
+    segments: list[Segment] = field(default_factory=list)
+
+    @property
+    def unique_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(len(nodes) for nodes in self.sample_nodes)
+
+    @property
+    def compression_ratio(self) -> float:
+        """Total tokens / unique tokens: the most a merged forward can save on per-token work."""
+        return self.total_tokens / max(self.unique_tokens, 1)
+
+    @property
+    def dense_attention_pairs(self) -> int:
+        """(query, key) pairs of causal attention over every sample separately."""
+        return sum(n * (n + 1) // 2 for n in map(len, self.sample_nodes))
+
+    @property
+    def tree_attention_pairs(self) -> int:
+        """(query, key) pairs of tree attention: each node with its ancestors and itself."""
+        return sum(p + 1 for p in self.positions)
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """[N, N] bool: row i is True at i and at each of its ancestors."""
+        mask = torch.zeros(len(self.token_ids), len(self.token_ids), dtype=torch.bool)
+        for seg in self.segments:
+            for a, b in seg.spans:
+                mask[seg.start : seg.end, a:b] = True
+            mask[seg.start : seg.end, seg.start : seg.end].tril_()  # causal inside the segment
+        return mask
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _sorted_with_prefix(seqs: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    """(input index, length of the prefix shared with the previous one) in lexicographic order.
+    In that order a sequence's longest common prefix with any earlier one is the one with its
+    predecessor, so the trie grows by len - shared per sequence."""
+    order = sorted(range(len(seqs)), key=lambda i: list(seqs[i]))
+    out, prev = [], ()
+    for i in order:
+        out.append((i, _common_prefix(prev, seqs[i])))
+        prev = seqs[i]
+    return out
+
+
+def pack_tree(seqs: Sequence[Sequence[int]]) -> PackedTree:
+    """Build the trie of `seqs` and lay it out depth-first; see PackedTree."""
+    tree = PackedTree(token_ids=[], positions=[], parents=[], node_samples=[], sample_nodes=[[] for _ in seqs])
+    prev_path: list[int] = []
+    for i, shared in _sorted_with_prefix(seqs):
+        path = prev_path[:shared]
+        for node in path:
+            tree.node_samples[node].append(i)
+        for depth in range(shared, len(seqs[i])):
+            path.append(len(tree.token_ids))
+            tree.token_ids.append(seqs[i][depth])
+            tree.positions.append(depth)
+            tree.parents.append(path[-2] if depth else -1)
+            tree.node_samples.append([i])
+        tree.sample_nodes[i] = path
+        prev_path = path
+    tree.segments = _segments(tree.parents)
+    return tree
+
+
+def _segments(parents: list[int]) -> list[Segment]:
+    """Cut the depth-first layout where a token's parent is not the token before it."""
+    starts = [j for j, p in enumerate(parents) if j == 0 or p != j - 1]
+    segments: list[Segment] = []
+    owner = [0] * len(parents)  # segment index of each packed token
+    for k, start in enumerate(starts):
+        end = starts[k + 1] if k + 1 < len(starts) else len(parents)
+        owner[start:end] = [k] * (end - start)
+        parent = parents[start]
+        if parent < 0:
+            spans = [(start, end)]
+        else:  # the parent's segment's spans, cut just after the parent, then this segment
+            above = segments[owner[parent]].spans
+            spans = [*above[:-1], (above[-1][0], parent + 1), (start, end)]
+        segments.append(Segment(start=start, end=end, spans=spans))
+    return segments
+
+
+def plan_tries(seqs: Sequence[Sequence[int]], token_budget: int) -> list[list[int]]:
+    """Split `seqs` (lexicographically sorted) into consecutive groups whose tries hold at most
+    `token_budget` unique tokens each; a sequence longer than the budget is a group of its own.
+    Returns input indices per group. Prefixes shared across groups are computed once per group."""
+    if token_budget <= 0:
+        raise ValueError(f"plan_tries: token_budget must be > 0, got {token_budget}")
+    groups: list[list[int]] = []
+    used = token_budget + 1  # forces a first group
+    for i, shared in _sorted_with_prefix(seqs):
+        new = len(seqs[i]) - shared
+        if used + new > token_budget:
+            groups.append([])
+            used, new = 0, len(seqs[i])  # a new sub-trie recomputes the shared prefix
+        groups[-1].append(i)
+        used += new
+    return groups
+
+
+def unique_tokens(seqs: Sequence[Sequence[int]]) -> int:
+    """Nodes of the trie of `seqs` (the tokens a merged forward computes), without building it."""
+    return sum(len(seqs[i]) - shared for i, shared in _sorted_with_prefix(seqs))
+
+
+def compression_ratio(seqs: Sequence[Sequence[int]]) -> float:
+    """Total tokens / unique tokens of the trie of `seqs`."""
+    return sum(map(len, seqs)) / max(unique_tokens(seqs), 1)
+
+
+# --- the forward -------------------------------------------------------------------------------
+
+
+@dataclass(slots=True, kw_only=True)
+class _SegmentPlan:
+    """The packed sequence's segments as tensors, built once per forward and shared by all layers.
+
+    Queries are split by segment (`q_sizes`, in packed order). Keys/values are gathered once into
+    one tensor, each segment's spans one after another (`kv_index`; None when there is a single
+    segment: the keys are the sequence itself), then split by `kv_sizes`. One gather and one split
+    keep the backward to one index_add and one cat; slicing per segment would allocate a zero
+    tensor of the whole sequence for every slice's gradient. `masks`: [L, K] bool per segment, None
+    for a root segment (plain causal)."""
+
+    q_sizes: list[int]
+    kv_sizes: list[int]
+    kv_index: torch.Tensor | None
+    masks: list[torch.Tensor | None]
+
+
+def _plan(tree: PackedTree) -> _SegmentPlan:
+    q_sizes, kv_sizes, index, masks = [], [], [], []
+    for seg in tree.segments:
+        length = seg.end - seg.start
+        keys = sum(b - a for a, b in seg.spans)
+        q_sizes.append(length)
+        kv_sizes.append(keys)
+        index.extend(j for a, b in seg.spans for j in range(a, b))
+        masks.append(None if len(seg.spans) == 1 else torch.ones(length, keys, dtype=torch.bool).tril_(keys - length))
+    kv_index = torch.tensor(index) if len(tree.segments) > 1 else None
+    return _SegmentPlan(q_sizes=q_sizes, kv_sizes=kv_sizes, kv_index=kv_index, masks=masks)
+
+
+def _segment_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers attention function: query [1, H, N, D], key/value [1, Hkv, N, D] of the packed
+    sequence; each segment attends to its key spans only. Returns ([1, N, H, D], None)."""
+    plan: _SegmentPlan | None = kwargs.get("tree_plan")
+    if plan is None:
+        raise RuntimeError(f"attention '{TREE_ATTENTION}' needs tree_plan=...: it only runs inside tree_hidden")
+    if plan.kv_index is not None:
+        key, value = key.index_select(2, plan.kv_index), value.index_select(2, plan.kv_index)  # [1, Hkv, sum K, D]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    gqa = query.shape[1] != key.shape[1]
+    outs = [sdpa(q, k, v, attn_mask=m, is_causal=m is None, dropout_p=dropout, scale=scaling, enable_gqa=gqa)
+            for q, k, v, m in zip(query.split(plan.q_sizes, dim=2), key.split(plan.kv_sizes, dim=2),
+                                  value.split(plan.kv_sizes, dim=2), plan.masks)]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, H, N, D]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _check_supported(model: torch.nn.Module) -> None:
+    config = model.config
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        raise ValueError("tree merge: sliding-window attention is not supported (the tree mask would replace it)")
+    if getattr(config, "attn_logit_softcapping", None):
+        raise ValueError("tree merge: soft-capped attention is not supported")
+
+
+@contextmanager
+def _attention_implementation(model: torch.nn.Module, name: str) -> Iterator[None]:
+    from transformers import AttentionInterface
+
+    if name not in AttentionInterface._global_mapping:
+        AttentionInterface.register(name, _segment_attention)
+    before = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
+
+
+def _decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    base = getattr(model, "model", None) or model.get_decoder()
+    return base, model.get_output_embeddings()
+
+
+def tree_hidden(model: torch.nn.Module, tree: PackedTree, attention: Attention = "segments") -> torch.Tensor:
+    """Last hidden state of every packed token, [N, H]: one forward of the decoder over the trie."""
+    _check_supported(model)
+    base, _ = _decoder_and_head(model)
+    ids = torch.tensor([tree.token_ids])  # [1, N]
+    pos = torch.tensor([tree.positions])  # [1, N]
+    if attention == "segments":
+        with _attention_implementation(model, TREE_ATTENTION):
+            return base(input_ids=ids, position_ids=pos, tree_plan=_plan(tree)).last_hidden_state[0]
+    impl = model.config._attn_implementation
+    allowed = tree.ancestor_mask()[None, None]  # [1, 1, N, N]
+    if impl == "sdpa":
+        mask = allowed
+    elif impl == "eager":
+        dtype = base.get_input_embeddings().weight.dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+    else:
+        raise ValueError(f"tree merge: attention='mask' supports sdpa and eager, not '{impl}'; use 'segments'")
+    return base(input_ids=ids, position_ids=pos, attention_mask=mask).last_hidden_state[0]
+
+
+def _targets(sample: TrainingSample) -> list[int]:
+    return [t for t in range(1, len(sample.token_ids)) if sample.loss_mask[t]]
+
+
+def tree_token_logprobs(model: torch.nn.Module, samples: list[TrainingSample], *, with_grad: bool,
+                        attention: Attention = "segments", token_budget: int | None = None) -> list[torch.Tensor]:
+    """Same result as trainer.token_logprobs (per sample, the logprobs of its loss-masked tokens at
+    its temperature), computed over the samples' prefix tree. With `token_budget`, sub-tries of at
+    most that many unique tokens are forwarded one after another (see the module docstring)."""
+    if token_budget is not None:
+        out: list[torch.Tensor | None] = [None] * len(samples)
+        for group in plan_tries([s.token_ids for s in samples], token_budget):
+            for i, logp in zip(group, tree_token_logprobs(model, [samples[i] for i in group], with_grad=with_grad,
+                                                           attention=attention)):
+                out[i] = logp
+        return out  # type: ignore[return-value]
+    tree = pack_tree([s.token_ids for s in samples])
+    # One logit row per distinct (node of token t-1, temperature divisor); each target picks one entry.
+    rows: dict[tuple[int, float], int] = {}
+    row_of, tokens, counts = [], [], []
+    for i, s in enumerate(samples):
+        divisor = s.temperature if s.temperature > 0 else 1.0
+        targets = _targets(s)
+        for t in targets:
+            row_of.append(rows.setdefault((tree.sample_nodes[i][t - 1], divisor), len(rows)))
+            tokens.append(s.token_ids[t])
+        counts.append(len(targets))
+    with torch.set_grad_enabled(with_grad):
+        hidden = tree_hidden(model, tree, attention)  # [N, H]
+        if not rows:
+            return [hidden.new_zeros(0) for _ in samples]
+        logp = _head_logprobs(model, hidden, list(rows), torch.tensor(row_of), torch.tensor(tokens))
+        return list(torch.split(logp, counts))
+
+
+_HEAD_ROWS = 128  # logit rows per chunk: [128, 49k] stays cache-friendly; one [U, 49k] block ran ~2x slower
+
+
+def _head_logprobs(model: torch.nn.Module, hidden: torch.Tensor, rows: list[tuple[int, float]],
+                   row_of: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log_softmax(head(hidden[node]) / divisor)[token] for each target, in target order, computed
+    row-chunk by row-chunk. rows: (node, divisor) per logit row; row_of, tokens: [T] per target."""
+    _, head = _decoder_and_head(model)
+    order = torch.argsort(row_of, stable=True)  # targets grouped by row, so chunks take contiguous runs
+    by_row = row_of[order]
+    picked = []
+    for lo in range(0, len(rows), _HEAD_ROWS):
+        chunk = rows[lo : lo + _HEAD_ROWS]
+        a, b = torch.searchsorted(by_row, torch.tensor([lo, lo + len(chunk)])).tolist()
+        logits = head(hidden[torch.tensor([node for node, _ in chunk])]).float()  # [c, V]
+        divisors = [d for _, d in chunk]
+        if any(d != 1.0 for d in divisors):  # x / 1.0 == x exactly: skip the pass over [c, V]
+            logits = logits / torch.tensor(divisors, dtype=logits.dtype).unsqueeze(1)
+        logp = torch.log_softmax(logits, dim=-1)
+        picked.append(logp[by_row[a:b] - lo, tokens[order[a:b]]])
+    flat = torch.cat(picked)  # [T] in row order
+    return flat[torch.argsort(order)]

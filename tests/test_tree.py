@@ -1,0 +1,264 @@
+"""Prefix-tree merged training (loomrl/trainer/tree.py): the trie by hand, and per-token logprobs and
+parameter gradients of the tree forward against the dense one on a tiny float32 Llama built from a
+config (random token ids: only the sharing pattern matters)."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from loomrl.config import ModelConfig, TrainerConfig
+from loomrl.model.loader import build_tiny_model
+from loomrl.trainer.trainer import Trainer, token_logprobs
+from loomrl.trainer.tree import compression_ratio, pack_tree, plan_tries, tree_token_logprobs, unique_tokens
+from loomrl.types import TrainingSample
+
+RTOL = 1e-5
+
+
+def test_trie_by_hand():
+    seqs = [[5, 6, 7], [5, 6, 8], [5, 9], [5, 6, 7]]
+    tree = pack_tree(seqs)
+    # Depth-first, children in token order: 5, 6, 7, 8 (under 6), 9 (under 5); the duplicate adds nothing.
+    assert tree.token_ids == [5, 6, 7, 8, 9]
+    assert tree.positions == [0, 1, 2, 2, 1]
+    assert tree.parents == [-1, 0, 1, 1, 0]
+    assert tree.sample_nodes == [[0, 1, 2], [0, 1, 3], [0, 4], [0, 1, 2]]
+    assert sorted(tree.node_samples[0]) == [0, 1, 2, 3] and sorted(tree.node_samples[1]) == [0, 1, 3]
+    assert sorted(tree.node_samples[2]) == [0, 3] and tree.node_samples[3] == [1] and tree.node_samples[4] == [2]
+    assert tree.unique_tokens == 5 and tree.total_tokens == 11 and tree.compression_ratio == 11 / 5
+    assert [(s.start, s.end, s.spans) for s in tree.segments] == [
+        (0, 3, [(0, 3)]), (3, 4, [(0, 2), (3, 4)]), (4, 5, [(0, 1), (4, 5)])]
+    expected = torch.tensor([
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0],
+        [1, 1, 0, 1, 0],
+        [1, 0, 0, 0, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(tree.ancestor_mask(), expected)
+    assert tree.dense_attention_pairs == 6 + 6 + 3 + 6 and tree.tree_attention_pairs == int(expected.sum()) == 11
+    assert unique_tokens(seqs) == 5 and compression_ratio(seqs) == 11 / 5
+    # Budget 4, lexicographic order [5,6,7] x2, [5,6,8], [5,9]: 3 + 0 + 1 tokens, then [5,9] recomputes 5.
+    assert plan_tries(seqs, 4) == [[0, 3, 1], [2]]
+    assert plan_tries(seqs, 1) == [[0], [3], [1], [2]]  # each longer than the budget: one per sub-trie
+
+
+def test_mask_matches_ancestors_on_a_random_trie():
+    rng = random.Random(1)
+    seqs = [[rng.randrange(3) for _ in range(rng.randrange(1, 7))] for _ in range(12)]
+    tree = pack_tree(seqs)
+    mask = tree.ancestor_mask()
+    for j in range(tree.unique_tokens):
+        ancestors, k = {j}, tree.parents[j]
+        while k >= 0:
+            ancestors.add(k)
+            k = tree.parents[k]
+        assert set(torch.nonzero(mask[j]).flatten().tolist()) == ancestors
+        assert tree.positions[j] == len(ancestors) - 1
+    for i, s in enumerate(seqs):
+        assert [tree.token_ids[n] for n in tree.sample_nodes[i]] == s
+        assert all(i in tree.node_samples[n] for n in tree.sample_nodes[i])
+    assert sum(map(len, tree.node_samples)) == tree.total_tokens
+
+
+# --- tree vs dense on a tiny model ---------------------------------------------------------------
+
+
+def _tiny(tokenizer):
+    """The tiny config's model with its matrices redrawn at std 0.2. At the default 0.02 its
+    next-token distribution is nearly uniform, so wrong positions or a wrong mask move logprobs by
+    only ~1e-4 relative; at 0.2 they move them by >10% (test_wrong_tree_is_caught), and a 1e-5
+    agreement says something."""
+    model = build_tiny_model(ModelConfig(kind="tiny"), len(tokenizer), tokenizer.eos_token_id)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    return model
+
+
+@pytest.fixture()
+def model(tokenizer):
+    return _tiny(tokenizer)
+
+
+def _sample(ids: list[int], n_prompt: int, temperature: float = 1.0) -> TrainingSample:
+    mask = [0] * n_prompt + [1] * (len(ids) - n_prompt)
+    return TrainingSample(trajectory_id="t", group_id="g", token_ids=ids, loss_mask=mask,
+                          behaviour_logprobs=[0.0] * len(ids), versions=[0] * len(ids),
+                          advantages=[float(m) for m in mask], temperature=temperature)
+
+
+def _grpo(rng: random.Random, vocab: int, group: int, prompt: int) -> list[TrainingSample]:
+    p = [rng.randrange(vocab) for _ in range(prompt)]
+    return [_sample(p + [rng.randrange(vocab) for _ in range(rng.randrange(3, 9))], prompt) for _ in range(group)]
+
+
+def _multiturn(rng: random.Random, vocab: int) -> list[TrainingSample]:
+    """A conversation's turn-samples (each a prefix of the next) plus two branches off its history;
+    loss masks cover every sampled turn, so targets of different samples share logit rows."""
+    ids, mask, out = [rng.randrange(vocab) for _ in range(6)], [0] * 6, []
+    for _ in range(3):
+        act = [rng.randrange(vocab) for _ in range(4)]
+        ids, mask = ids + act, mask + [1] * 4
+        s = _sample(list(ids), 0)
+        s.loss_mask = list(mask)
+        out.append(s)
+        ids, mask = ids + [rng.randrange(vocab) for _ in range(3)], mask + [0] * 3
+    for cut in (8, 13):
+        s = _sample(out[-1].token_ids[:cut] + [rng.randrange(vocab) for _ in range(5)], cut)
+        out.append(s)
+    return out
+
+
+def _cases(vocab: int) -> dict[str, list[TrainingSample]]:
+    rng = random.Random(0)
+    grpo = _grpo(rng, vocab, 6, 10)
+    multiturn = _multiturn(rng, vocab)
+    mix = _grpo(rng, vocab, 4, 7) + _multiturn(rng, vocab) + _grpo(rng, vocab, 3, 5)
+    no_sharing = [_sample([rng.randrange(vocab) for _ in range(n)], 2) for n in (5, 9, 7)]
+    one = [_sample([rng.randrange(vocab) for _ in range(12)], 3)]
+    duplicates = [copy.deepcopy(grpo[0]) for _ in range(3)] + [grpo[1]]
+    temps = _grpo(rng, vocab, 4, 8)
+    for s, t in zip(temps, (1.0, 0.7, 0.0, 1.3)):
+        s.temperature = t
+    same_node_temps = [copy.deepcopy(grpo[2]) for _ in range(3)]  # one node, three divisors
+    for s, t in zip(same_node_temps, (1.0, 0.5, 2.0)):
+        s.temperature = t
+    prompt_only = [_sample(grpo[0].token_ids[:10], 10)] + grpo[:2]  # a sample with no loss tokens
+    return {"grpo": grpo, "multiturn": multiturn, "mix": mix, "no_sharing": no_sharing, "one_sequence": one,
+            "duplicates": duplicates, "temperatures": temps, "same_node_temperatures": same_node_temps,
+            "no_loss_tokens": prompt_only}
+
+
+CASES = ["grpo", "multiturn", "mix", "no_sharing", "one_sequence", "duplicates", "temperatures",
+         "same_node_temperatures", "no_loss_tokens"]
+
+
+def _logprobs_and_grads(model, samples, fn):
+    model.zero_grad(set_to_none=True)
+    logps = fn(model, samples)
+    weights = torch.Generator().manual_seed(3)
+    loss = sum((lp * torch.randn(lp.shape, generator=weights)).sum() for lp in logps if lp.numel())
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return [lp.detach() for lp in logps], grads
+
+
+def _assert_same(dense, tree):
+    (d_lp, d_g), (t_lp, t_g) = dense, tree
+    assert [x.shape for x in t_lp] == [x.shape for x in d_lp]
+    for a, b in zip(t_lp, d_lp):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=1e-6)
+    assert t_g.keys() == d_g.keys()
+    for name in d_g:
+        err = float((t_g[name] - d_g[name]).norm())
+        assert err <= RTOL * float(d_g[name].norm()) + 1e-8, (name, err, float(d_g[name].norm()))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_tree_matches_dense(model, case):
+    samples = _cases(model.config.vocab_size)[case]
+    dense = _logprobs_and_grads(model, samples, lambda m, s: token_logprobs(m, s, with_grad=True))
+    tree = _logprobs_and_grads(model, samples, lambda m, s: tree_token_logprobs(m, s, with_grad=True))
+    _assert_same(dense, tree)
+
+
+@pytest.mark.parametrize("attention,impl", [("mask", "sdpa"), ("mask", "eager"), ("segments", "eager")])
+def test_other_attention_paths_match_dense(model, attention, impl):
+    """The 4-D mask through the model's own attention (bool for sdpa, additive for eager), and the
+    segment attention on a model configured for eager; the configured implementation is restored."""
+    model.set_attn_implementation(impl)
+    samples = _cases(model.config.vocab_size)["mix"]
+    dense = _logprobs_and_grads(model, samples, lambda m, s: token_logprobs(m, s, with_grad=True))
+    tree = _logprobs_and_grads(model, samples,
+                               lambda m, s: tree_token_logprobs(m, s, with_grad=True, attention=attention))
+    _assert_same(dense, tree)
+    assert model.config._attn_implementation == impl
+
+
+@pytest.mark.parametrize("corrupt", ["packed_positions", "causal_over_packed"])
+def test_wrong_tree_is_caught(model, monkeypatch, corrupt):
+    """The comparison can fail: position ids by packed index instead of depth, or plain causal
+    attention over the packed sequence (siblings see each other), are far outside the tolerance."""
+    from loomrl.trainer import tree as tree_module
+
+    pack = tree_module.pack_tree
+
+    def wrong(seqs):
+        tree = pack(seqs)
+        if corrupt == "packed_positions":
+            tree.positions = list(range(tree.unique_tokens))
+        else:
+            tree.segments = [tree_module.Segment(start=0, end=tree.unique_tokens, spans=[(0, tree.unique_tokens)])]
+        return tree
+
+    samples = _cases(model.config.vocab_size)["mix"]
+    with torch.no_grad():
+        dense = token_logprobs(model, samples, with_grad=False)
+        monkeypatch.setattr(tree_module, "pack_tree", wrong)
+        bad = tree_token_logprobs(model, samples, with_grad=False)
+    worst = max(float(((b - d).abs() / d.abs()).max()) for b, d in zip(bad, dense) if d.numel())
+    assert worst > 1e3 * RTOL
+
+
+def test_token_budget_splits_into_sub_tries(model):
+    samples = _cases(model.config.vocab_size)["mix"]
+    assert len(plan_tries([s.token_ids for s in samples], 30)) > 2
+    dense = _logprobs_and_grads(model, samples, lambda m, s: token_logprobs(m, s, with_grad=True))
+    tree = _logprobs_and_grads(model, samples,
+                               lambda m, s: tree_token_logprobs(m, s, with_grad=True, token_budget=30))
+    _assert_same(dense, tree)
+
+
+def _trained(tokenizer, samples, **options):
+    model = _tiny(tokenizer)
+    trainer = Trainer(model, TrainerConfig(lr=1e-3, micro_batch_size=4, **options))
+    stats = trainer.train_step(samples)
+    return dict(model.named_parameters()), stats
+
+
+@pytest.mark.parametrize("options", [{}, {"loss": "decoupled_ppo", "kl": "k3", "kl_coef": 0.1},
+                                     {"aggregation": "seq_mean_token_mean"}],
+                         ids=["default", "decoupled_ppo+kl", "seq_mean"])
+def test_train_step_with_tree_merge_equals_dense(tokenizer, options):
+    rng = random.Random(5)
+    vocab = len(tokenizer)
+    samples = _grpo(rng, vocab, 4, 12) + _multiturn(rng, vocab) + _grpo(rng, vocab, 4, 9)
+    for s in samples:  # behaviour logprobs near the policy's, advantages of both signs
+        s.behaviour_logprobs = [-10.8 * m for m in s.loss_mask]
+        s.advantages = [a * rng.choice([-1.0, 1.0]) for a in s.advantages]
+    off, off_stats = _trained(tokenizer, samples, **options)
+    on, on_stats = _trained(tokenizer, samples, tree_merge="on", **options)
+    budget, budget_stats = _trained(tokenizer, samples, tree_merge="on", tree_token_budget=40, **options)
+    for name, p in off.items():
+        for other in (on, budget):
+            grad = other[name].grad
+            assert float((grad - p.grad).norm()) <= RTOL * float(p.grad.norm()) + 1e-8, name
+            # AdamW's first step is lr * g / (|g| + 1e-8): where |g| is within a few eps of float noise
+            # (~1e-9 next to a norm of 0.3) the step is a noise-dependent fraction of lr (seen: 2e-5);
+            # everywhere else the updated parameters agree to float rounding.
+            delta = (other[name] - p).detach().abs()
+            steady = p.grad.abs() > 1e-6
+            assert not bool((delta[steady] > 1e-6).any()), name
+            assert float(delta.max()) <= 2 * 1e-3, name
+    assert off_stats.tree_ratio == 1.0 and on_stats.tree_ratio > 1.5 and budget_stats.tree_ratio > 1.0
+    assert abs(on_stats.loss - off_stats.loss) <= 1e-5 * max(1.0, abs(off_stats.loss))
+
+
+def test_auto_merges_only_micro_batches_that_share(tokenizer):
+    rng = random.Random(6)
+    vocab = len(tokenizer)
+    shared = _grpo(rng, vocab, 4, 30)  # ratio about 4: merged
+    _, stats = _trained(tokenizer, shared, tree_merge="auto")
+    assert stats.tree_ratio == pytest.approx(compression_ratio([s.token_ids for s in shared]))
+    apart = [_sample([rng.randrange(vocab) for _ in range(10)], 2) for _ in range(4)]  # ratio 1: dense
+    _, stats = _trained(tokenizer, apart, tree_merge="auto")
+    assert stats.tree_ratio == 1.0
+    _, stats = _trained(tokenizer, shared, tree_merge="auto", tree_merge_min_ratio=100.0)
+    assert stats.tree_ratio == 1.0

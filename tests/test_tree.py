@@ -248,6 +248,7 @@ def test_train_step_with_tree_merge_equals_dense(tokenizer, options):
             assert not bool((delta[steady] > 1e-6).any()), name
             assert float(delta.max()) <= 2 * 1e-3, name
     assert off_stats.tree_ratio == 1.0 and on_stats.tree_ratio > 1.5 and budget_stats.tree_ratio > 1.0
+    assert off_stats.attn_pairs == off_stats.attn_pairs_dense == on_stats.attn_pairs_dense > on_stats.attn_pairs > 0
     assert abs(on_stats.loss - off_stats.loss) <= 1e-5 * max(1.0, abs(off_stats.loss))
 
 
@@ -262,3 +263,17 @@ def test_auto_merges_only_micro_batches_that_share(tokenizer):
     assert stats.tree_ratio == 1.0
     _, stats = _trained(tokenizer, shared, tree_merge="auto", tree_merge_min_ratio=100.0)
     assert stats.tree_ratio == 1.0
+
+
+def test_attention_pair_counts_match_the_packed_trie():
+    import random
+
+    from loomrl.trainer.tree import dense_attention_pairs, pack_tree, tree_attention_pairs
+
+    rng = random.Random(0)
+    for _ in range(200):
+        seqs = [[rng.randint(0, 3) for _ in range(rng.randint(1, 7))] for _ in range(rng.randint(1, 6))]
+        tree = pack_tree(seqs)
+        assert tree_attention_pairs(seqs) == tree.tree_attention_pairs
+        assert dense_attention_pairs(seqs) == tree.dense_attention_pairs
+    assert tree_attention_pairs([[1, 2, 3], [1, 2, 4]]) == 1 + 2 + 3 + 3  # the shared [1, 2] counted once

@@ -20,7 +20,13 @@ import torch
 
 from loomrl.config import TrainerConfig
 from loomrl.trainer.losses import policy_loss
-from loomrl.trainer.tree import plan_tries, tree_token_logprobs, unique_tokens
+from loomrl.trainer.tree import (
+    dense_attention_pairs,
+    plan_tries,
+    tree_attention_pairs,
+    tree_token_logprobs,
+    unique_tokens,
+)
 from loomrl.types import TrainingSample
 
 
@@ -37,6 +43,8 @@ class StepStats:
     lr: float
     ess: float = 1.0  # effective sample size of the importance weights (1 without a correction)
     tree_ratio: float = 1.0  # tokens of the step / tokens forwarded (tree merge computes shared ones once)
+    attn_pairs_dense: int = 0  # attention (query, key) pairs of the step's samples, each on its own
+    attn_pairs: int = 0  # ... of the forwards actually run (fewer with tree merge)
 
 
 def _decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -115,6 +123,9 @@ class Trainer:
         if total_loss_tokens == 0:
             raise ValueError("train_step: no sampled tokens in the batch")
         batches, merged, tree_ratio = self._micro_batches(samples)
+        pairs_dense = [dense_attention_pairs([s.token_ids for s in b]) for b in batches]
+        pairs = [tree_attention_pairs([s.token_ids for s in b]) if m else d
+                 for b, m, d in zip(batches, merged, pairs_dense)]
         # Decoupled PPO's proximal policy: the weights before this step; KL's reference: the initial weights.
         self.model.eval()
         prox = ([self._logprobs(self.model, b, m, with_grad=False) for b, m in zip(batches, merged)]
@@ -187,6 +198,8 @@ class Trainer:
             lr=self.scheduler.get_last_lr()[0],
             ess=stats_sum["ess"] / total_loss_tokens if "ess" in stats_sum else 1.0,
             tree_ratio=tree_ratio,
+            attn_pairs_dense=sum(pairs_dense),
+            attn_pairs=sum(pairs),
         )
 
     def _micro_batches(self, samples: list[TrainingSample]) -> tuple[list[list[TrainingSample]], list[bool], float]:

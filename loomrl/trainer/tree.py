@@ -191,6 +191,21 @@ def unique_tokens(seqs: Sequence[Sequence[int]]) -> int:
     return sum(len(seqs[i]) - shared for i, shared in _sorted_with_prefix(seqs))
 
 
+def tree_attention_pairs(seqs: Sequence[Sequence[int]]) -> int:
+    """(query, key) pairs of tree attention over the trie of `seqs` (a node at depth d sees d + 1
+    keys), without building it; PackedTree.tree_attention_pairs of the packed trie."""
+    total = 0
+    for i, shared in _sorted_with_prefix(seqs):
+        n = len(seqs[i])
+        total += (n * (n + 1) - shared * (shared + 1)) // 2  # depths shared..n-1, each seeing depth + 1 keys
+    return total
+
+
+def dense_attention_pairs(seqs: Sequence[Sequence[int]]) -> int:
+    """(query, key) pairs of causal attention over each sequence separately."""
+    return sum(n * (n + 1) // 2 for n in map(len, seqs))
+
+
 def compression_ratio(seqs: Sequence[Sequence[int]]) -> float:
     """Total tokens / unique tokens of the trie of `seqs`."""
     return sum(map(len, seqs)) / max(unique_tokens(seqs), 1)

@@ -20,12 +20,18 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# Ray: the Ray runtime and its two-node cluster tests (tests/test_ray_runtime.py) run in `make test`;
+# the demo does not need it.
+$(VENV)/.ray: $(VENV)/.installed
+	$(PIP) install -q -e '.[ray]'
+	touch $@
+
 # bubblewrap gives real sandboxes; without it loomrl falls back to an unisolated backend and says so.
 sandbox:
 	@command -v bwrap >/dev/null 2>&1 || { (apt-get update -qq && apt-get install -y -qq bubblewrap) >/dev/null 2>&1 \
 	  || echo "warning: could not install bubblewrap; tool code will run unisolated"; }
 
-test: install sandbox
+test: install $(VENV)/.ray sandbox
 	$(VENV)/bin/ruff check loomrl tests
 	$(PY) -m pytest -q
 

@@ -123,10 +123,12 @@ def main(argv: list[str] | None = None) -> int:
             return _validate_tasks(args)
         cfg = load_config(args.config, args.overrides)
         if args.command == "train":
-            from loomrl.runtime.local import LocalRun
-
             start = float(os.environ.get("LOOMRL_WALL_START", time.time()))
-            summary = LocalRun(cfg, resume=args.resume, wall_start=start).train()
+            if cfg.runtime.backend == "ray":
+                from loomrl.runtime.ray_runtime import RayRun as Run
+            else:
+                from loomrl.runtime.local import LocalRun as Run
+            summary = Run(cfg, resume=args.resume, wall_start=start).train()
             print(json.dumps(summary), flush=True)
         elif args.command == "eval":
             from loomrl.runtime.local import evaluate_checkpoint

@@ -187,10 +187,17 @@ class TrainerConfig(_Section):
     # with tree merge: micro-batches hold as many adjacent samples as fit in this many unique tokens
     # (instead of micro_batch_size samples); None keeps micro_batch_size
     tree_token_budget: int | None = Field(None, gt=0)
+    # with tree_token_budget: "subtries" forwards each micro-batch's trie on its own (a prefix shared
+    # by two micro-batches is computed in each); "depth_first" computes each node of the step once,
+    # keeping a shared prefix's activations only while the micro-batches that use it run
+    tree_merge_memory: Literal["subtries", "depth_first"] = "subtries"
 
 
 class RuntimeConfig(_Section):
     mode: Literal["sync", "async"] = "sync"
+    # local: one machine (runtime/local.py); ray: rollout workers and the trainer as Ray actors placed
+    # by the `ray:` section's resources, supervised by the driver (runtime/ray_runtime.py; async only)
+    backend: Literal["local", "ray"] = "local"
     # async: when new weights arrive, interrupt in-flight generations; they resume from their partial
     # output under the new weights (AReaL), instead of finishing their turn with the old ones
     interrupt_on_update: bool = False
@@ -200,6 +207,25 @@ class RuntimeConfig(_Section):
     # most training trajectories in flight at once (sandboxes, K/V); 0 = no cap beyond the admission
     # rule (sync: a step's groups; async: the groups within buffer.max_policy_lag). Whole groups count.
     max_inflight_trajectories: int = Field(0, ge=0)
+
+
+class RayConfig(_Section):
+    """runtime.backend=ray: where the actors go and how hard the driver tries before giving up."""
+
+    address: str | None = None  # "host:port" of a running cluster (`ray start --head`); None = start one here
+    num_rollout_workers: int = Field(2, gt=0)  # rollout actors (engine + env pool + reward pool each)
+    rollout_num_cpus: float = Field(1.0, ge=0.0)
+    trainer_num_cpus: float = Field(1.0, ge=0.0)
+    # custom resources per actor, e.g. {rollout: 1} and {trainer: 1} to pin them to nodes started with
+    # `ray start --resources='{"rollout": 2}'`; on GPUs an engine would ask for {GPU: 1} here
+    rollout_resources: dict[str, float] = Field(default_factory=dict)
+    trainer_resources: dict[str, float] = Field(default_factory=dict)
+    # a group whose rollout actor died is dispatched again up to this many times in all, after
+    # retry_backoff_s x 2^k; past that it is recorded as failed with the reason
+    max_group_attempts: int = Field(3, gt=0)
+    retry_backoff_s: float = Field(0.5, ge=0.0)
+    max_trainer_restarts: int = Field(5, ge=0)  # trainer actor deaths survived (resume from checkpoint)
+    max_rollout_restarts: int = Field(100, ge=0)  # rollout actor deaths survived (then the run stops)
 
 
 class EvalConfig(_Section):
@@ -224,6 +250,7 @@ class RunConfig(_Section):
     buffer: BufferConfig = Field(default_factory=BufferConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
 
     @property

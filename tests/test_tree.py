@@ -13,7 +13,15 @@ import torch
 from loomrl.config import ModelConfig, TrainerConfig
 from loomrl.model.loader import build_tiny_model
 from loomrl.trainer.trainer import Trainer, token_logprobs
-from loomrl.trainer.tree import compression_ratio, pack_tree, plan_tries, tree_token_logprobs, unique_tokens
+from loomrl.trainer.tree import (
+    compression_ratio,
+    depth_first_backward,
+    pack_tree,
+    plan_tries,
+    tree_attention_pairs,
+    tree_token_logprobs,
+    unique_tokens,
+)
 from loomrl.types import TrainingSample
 
 RTOL = 1e-5
@@ -216,6 +224,65 @@ def test_token_budget_splits_into_sub_tries(model):
     _assert_same(dense, tree)
 
 
+@pytest.mark.parametrize("case,budget", [("grpo", 20), ("multiturn", 12), ("mix", 20), ("duplicates", 12),
+                                         ("no_loss_tokens", 12)])
+def test_depth_first_matches_dense(model, case, budget):
+    """The depth-first pass: sub-tries that share a trunk, each node forwarded once, logprobs and
+    gradients equal dense; no forward holds more tokens than the sub-trie being trained."""
+    samples = sorted(_cases(model.config.vocab_size)[case], key=lambda s: s.token_ids)
+    seqs = [s.token_ids for s in samples]
+    batches = [[samples[i] for i in g] for g in plan_tries(seqs, budget)]
+    sizes = [unique_tokens([s.token_ids for s in b]) for b in batches]
+    assert len(batches) >= 2 and sum(sizes) > unique_tokens(seqs)  # sub-tries share a trunk
+    dense = _logprobs_and_grads(model, [s for b in batches for s in b],
+                                lambda m, s: token_logprobs(m, s, with_grad=True))
+
+    forwards: list[int] = []
+    hook = model.get_decoder().register_forward_pre_hook(
+        lambda _, args, kwargs: forwards.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        result, grads = _depth_first(model, batches)
+    finally:
+        hook.remove()
+    _assert_same(dense, ([lp for b in result.logprobs for lp in b], grads))
+    assert forwards == result.forward_tokens
+    assert sum(forwards) == unique_tokens(seqs)  # each node of the whole trie once
+    # Alive per forward: its own tokens plus the trunk pieces it may attend to, all inside the sub-trie
+    # being trained, so never more than the largest sub-trie (the budget, unless one sample is longer).
+    assert max(result.alive_tokens) <= max(sizes)
+    assert max(sizes) <= max(budget, max(map(len, seqs)))
+
+
+def test_depth_first_is_caught_without_the_trunk_backward(model, monkeypatch):
+    """The trunk's gradient arrives only through its K/V and hidden leaves: skip the trunks' backward
+    (the one call with grad_tensors=; loss.backward() passes its gradient positionally) and the
+    embeddings' gradient is far off."""
+    samples = sorted(_cases(model.config.vocab_size)["grpo"], key=lambda s: s.token_ids)
+    batches = [[samples[i] for i in g] for g in plan_tries([s.token_ids for s in samples], 20)]
+    dense = _logprobs_and_grads(model, [s for b in batches for s in b],
+                                lambda m, s: token_logprobs(m, s, with_grad=True))
+    real = torch.autograd.backward
+    monkeypatch.setattr(torch.autograd, "backward",
+                        lambda tensors, *a, **k: None if "grad_tensors" in k else real(tensors, *a, **k))
+    _, grads = _depth_first(model, batches)
+    name = "model.embed_tokens.weight"
+    err = float((grads[name] - dense[1][name]).norm())
+    assert err > 1e3 * RTOL * float(dense[1][name].norm())
+
+
+def _depth_first(model, batches):
+    """depth_first_backward with the loss of _logprobs_and_grads (the same weights in the same order)."""
+    model.zero_grad(set_to_none=True)
+    weights = torch.Generator().manual_seed(3)
+
+    def loss_fn(k, logps):
+        terms = [(lp * torch.randn(lp.shape, generator=weights)).sum() for lp in logps if lp.numel()]
+        return sum(terms) if terms else None
+
+    result = depth_first_backward(model, batches, loss_fn)
+    return result, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
 def _trained(tokenizer, samples, **options):
     model = _tiny(tokenizer)
     trainer = Trainer(model, TrainerConfig(lr=1e-3, micro_batch_size=4, **options))
@@ -236,8 +303,10 @@ def test_train_step_with_tree_merge_equals_dense(tokenizer, options):
     off, off_stats = _trained(tokenizer, samples, **options)
     on, on_stats = _trained(tokenizer, samples, tree_merge="on", **options)
     budget, budget_stats = _trained(tokenizer, samples, tree_merge="on", tree_token_budget=40, **options)
+    depth, depth_stats = _trained(tokenizer, samples, tree_merge="on", tree_token_budget=20,
+                                  tree_merge_memory="depth_first", **options)
     for name, p in off.items():
-        for other in (on, budget):
+        for other in (on, budget, depth):
             grad = other[name].grad
             assert float((grad - p.grad).norm()) <= RTOL * float(p.grad.norm()) + 1e-8, name
             # AdamW's first step is lr * g / (|g| + 1e-8): where |g| is within a few eps of float noise
@@ -250,6 +319,14 @@ def test_train_step_with_tree_merge_equals_dense(tokenizer, options):
     assert off_stats.tree_ratio == 1.0 and on_stats.tree_ratio > 1.5 and budget_stats.tree_ratio > 1.0
     assert off_stats.attn_pairs == off_stats.attn_pairs_dense == on_stats.attn_pairs_dense > on_stats.attn_pairs > 0
     assert abs(on_stats.loss - off_stats.loss) <= 1e-5 * max(1.0, abs(off_stats.loss))
+    seqs = [s.token_ids for s in samples]
+    assert depth_stats.tree_ratio == pytest.approx(compression_ratio(seqs))
+    groups = plan_tries(sorted(seqs), 20)  # at 20, groups and histories straddle micro-batches: trunks
+    assert sum(unique_tokens([sorted(seqs)[i] for i in g]) for g in groups) > unique_tokens(seqs)
+    assert depth_stats.attn_pairs == tree_attention_pairs(seqs)
+    assert abs(depth_stats.loss - off_stats.loss) <= 1e-5 * max(1.0, abs(off_stats.loss))
+    for key in ("clip_frac", "ratio_mean", "approx_kl"):  # per token; ess is per micro-batch, so differs
+        assert getattr(depth_stats, key) == pytest.approx(getattr(off_stats, key), rel=1e-5, abs=1e-6)
 
 
 def test_auto_merges_only_micro_batches_that_share(tokenizer):

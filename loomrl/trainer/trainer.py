@@ -6,7 +6,8 @@ Cost notes (CPU): logits are computed only at positions whose next token is trai
 LM head is a large share of a small model's FLOPs), and `freeze_layers` keeps the embeddings and the
 bottom N blocks fixed so that backward stops above them. With `tree_merge`, micro-batches are cut
 from the samples in lexicographic order (a group's samples stay together) and forwarded as one prefix
-tree each (tree.py), so a shared prompt or history is computed once.
+tree each (tree.py), so a shared prompt or history is computed once (once per step, across
+micro-batches, with `tree_merge_memory=depth_first`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from loomrl.config import TrainerConfig
 from loomrl.trainer.losses import policy_loss
 from loomrl.trainer.tree import (
     dense_attention_pairs,
+    depth_first_backward,
     plan_tries,
     tree_attention_pairs,
     tree_token_logprobs,
@@ -126,6 +128,8 @@ class Trainer:
         pairs_dense = [dense_attention_pairs([s.token_ids for s in b]) for b in batches]
         pairs = [tree_attention_pairs([s.token_ids for s in b]) if m else d
                  for b, m, d in zip(batches, merged, pairs_dense)]
+        if self._depth_first():  # one pass over the step's trie: each node attends to its ancestors once
+            pairs = [tree_attention_pairs([s.token_ids for s in samples])]
         # Decoupled PPO's proximal policy: the weights before this step; KL's reference: the initial weights.
         self.model.eval()
         prox = ([self._logprobs(self.model, b, m, with_grad=False) for b, m in zip(batches, merged)]
@@ -142,11 +146,14 @@ class Trainer:
         loss_sum = 0.0
         stats_sum: dict[str, float] = {}
         seq_offset = chunk_offset = 0
-        for b, chunk in enumerate(batches):
-            logps = self._logprobs(self.model, chunk, merged[b], with_grad=True)
+
+        def micro_batch_loss(b: int, logps: list[torch.Tensor]) -> torch.Tensor | None:
+            """The loss of micro-batch b given its samples' logprobs (None: no sampled tokens)."""
+            nonlocal seq_offset, chunk_offset
+            chunk = batches[b]
             parts = [(i, s, logp) for i, (s, logp) in enumerate(zip(chunk, logps)) if logp.numel()]
             if not parts:
-                continue
+                return None
             idx = [[t for t in range(1, len(s.token_ids)) if s.loss_mask[t]] for _, s, _ in parts]
             behaviour = torch.tensor([s.behaviour_logprobs[t] for (_, s, _), ts in zip(parts, idx) for t in ts])
             adv = torch.tensor([s.advantages[t] for (_, s, _), ts in zip(parts, idx) for t in ts])
@@ -171,12 +178,20 @@ class Trainer:
                 ref_logp=torch.cat([ref[b][i] for i, _, _ in parts]) if ref is not None else None,
                 kl_coef=cfg.kl_coef if ref is not None else 0.0, aggregation=aggregation, norm_constant=norm,
                 num_seqs=len(samples) + idle_seqs)
-            loss.backward()
-            loss_sum += float(loss.detach())
             n = stats.get("num_tokens", float(len(behaviour)))
             for key in ("clip_frac", "ratio_mean", "approx_kl", "ess"):
                 if key in stats:
                     stats_sum[key] = stats_sum.get(key, 0.0) + stats[key] * n
+            return loss
+
+        if self._depth_first():  # tree.py: shared prefixes computed once, one micro-batch's graph alive
+            loss_sum = depth_first_backward(self.model, batches, micro_batch_loss).loss
+        else:
+            for b, chunk in enumerate(batches):
+                loss = micro_batch_loss(b, self._logprobs(self.model, chunk, merged[b], with_grad=True))
+                if loss is not None:
+                    loss.backward()
+                    loss_sum += float(loss.detach())
         grad_hook = getattr(self, "grad_hook", None)  # trainer/distributed.py: sums the ranks' gradients
         if grad_hook is not None:
             grad_hook()
@@ -217,6 +232,9 @@ class Trainer:
         if cfg.tree_token_budget is not None:
             groups = plan_tries([s.token_ids for s in ordered], cfg.tree_token_budget)
             batches = [[ordered[i] for i in g] for g in groups]
+            if self._depth_first():  # every micro-batch merged; each node of the step forwarded once
+                seqs = [s.token_ids for s in ordered]
+                return batches, [True] * len(batches), sum(map(len, seqs)) / max(unique_tokens(seqs), 1)
         else:
             batches = [ordered[i : i + mb] for i in range(0, len(ordered), mb)]
         merged, tokens, forwarded = [], 0, 0
@@ -226,6 +244,10 @@ class Trainer:
             tokens += total
             forwarded += unique if merged[-1] else total
         return batches, merged, tokens / max(forwarded, 1)
+
+    def _depth_first(self) -> bool:
+        cfg = self.cfg
+        return cfg.tree_merge != "off" and cfg.tree_token_budget is not None and cfg.tree_merge_memory == "depth_first"
 
     @staticmethod
     def _logprobs(model: torch.nn.Module, batch: list[TrainingSample], merged: bool, *, with_grad: bool) -> list[torch.Tensor]:

@@ -26,15 +26,36 @@ Attention, two exact ways (`attention=`):
 flex_attention block masks are not used: in torch 2.13 FlexAttention has no backward on CPU
 (NotImplementedError), and training needs one.
 
-Memory: `token_budget` splits the lexicographically sorted samples into consecutive sub-tries of
-at most that many unique tokens (one sample longer than the budget is a sub-trie of its own). A
-prefix shared across two sub-tries is computed once per sub-trie, so the realised compression is
-lower than the whole batch's. This is not AReaL's depth-first tree attention (which keeps the
-prefix's K/V and accumulates its gradient across sub-tries); with grad, every sub-trie's graph stays
-alive until the caller's backward, so the trainer splits its micro-batches with `plan_tries` instead.
+Memory, two ways. Sub-tries: `token_budget` splits the lexicographically sorted samples into
+consecutive sub-tries of at most that many unique tokens (one sample longer than the budget is a
+sub-trie of its own). A prefix shared across two sub-tries is computed once per sub-trie, so the
+realised compression is lower than the whole batch's; with grad, every sub-trie's graph stays alive
+until the caller's backward, so the trainer splits its micro-batches with `plan_tries` instead.
+
+Depth-first (AReaL-DTA style), `depth_first_backward`: every node of the whole trie is computed
+once, and the caller's loss is applied and backwarded per sub-trie inside the pass. A node used by
+sub-tries lo..hi (lo < hi) is trunk; trunk nodes with the same (lo, hi) form one chain (siblings
+have disjoint, ordered sample ranges), forwarded once just before sub-trie lo. Its output hidden
+state and each layer's K and V are then detached into leaves that require grad; later forwards
+attend to the leaves and the LM head reads the hidden leaf, so each sub-trie's backward stops at
+them and accumulates their .grad. After sub-trie hi, the chain's own graph is backwarded with those
+gradients (torch.autograd.backward(outputs, grad_tensors=leaf grads)), latest chain first, since a
+chain may attend to an earlier one's leaves but never the reverse. The gradient is the chain rule
+split at the leaves, so exact: equal to dense up to float summation order. Alive during a forward:
+its own nodes plus the trunk chains whose range covers the current sub-trie, all of them nodes of
+that sub-trie, so never more than the sub-trie's unique tokens (`DepthFirstResult.alive_tokens`).
+Cost over sub-tries: shared prefixes are not recomputed; a trunk node's logit row needed by two
+sub-tries (a split group's last prompt token) goes through the LM head once per sub-trie, and each
+forward concatenates the alive trunk K/V per layer (one copy). The past K/V reach the attention
+through the segment plan, a side channel, not transformers' `cache=`: the attention function gets
+exactly the post-RoPE, pre-GQA K/V a cache would hold (captured the same way in the trunk forward),
+indexed by `module.layer_idx`, and no cache object (with its in-place growth and its own masks and
+cache positions) is involved; positions are the nodes' depths as everywhere else.
 
 Not covered: sliding-window or soft-capped attention (ValueError), models whose decoder does not
-take `position_ids`, batches with padding inside a sample (loomrl samples have none). The "segments"
+take `position_ids`, batches with padding inside a sample (loomrl samples have none); for the
+depth-first pass, attention modules without a `layer_idx` and a no-grad use (the trainer's no-grad
+passes use `tree_token_logprobs` per sub-trie). The "segments"
 switch of the attention implementation is not thread-safe against a concurrent forward of the same
 model object (loomrl's trainer owns its model during a step: sync mode alternates with the engine,
 async mode trains in its own process).
@@ -42,7 +63,7 @@ async mode trains in its own process).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
@@ -150,9 +171,10 @@ def pack_tree(seqs: Sequence[Sequence[int]]) -> PackedTree:
     return tree
 
 
-def _segments(parents: list[int]) -> list[Segment]:
-    """Cut the depth-first layout where a token's parent is not the token before it."""
-    starts = [j for j, p in enumerate(parents) if j == 0 or p != j - 1]
+def _segments(parents: list[int], cut: int = 0) -> list[Segment]:
+    """Cut the depth-first layout where a token's parent is not the token before it (and at `cut`).
+    Any order in which parents come before their children works."""
+    starts = [j for j, p in enumerate(parents) if j == 0 or p != j - 1 or j == cut]
     segments: list[Segment] = []
     owner = [0] * len(parents)  # segment index of each packed token
     for k, start in enumerate(starts):
@@ -223,24 +245,33 @@ class _SegmentPlan:
     segment: the keys are the sequence itself), then split by `kv_sizes`. One gather and one split
     keep the backward to one index_add and one cat; slicing per segment would allocate a zero
     tensor of the whole sequence for every slice's gradient. `masks`: [L, K] bool per segment, None
-    for a root segment (plain causal)."""
+    for a root segment (plain causal).
+
+    Depth-first pass only: `past` holds, per layer, the K/V [1, Hkv, P, D] of the P packed tokens
+    before the queries (keys index past + new); `capture`, when set, receives each layer's new K/V."""
 
     q_sizes: list[int]
     kv_sizes: list[int]
     kv_index: torch.Tensor | None
     masks: list[torch.Tensor | None]
+    past: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    capture: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
-def _plan(tree: PackedTree) -> _SegmentPlan:
+def _plan(segments: list[Segment], first: int = 0) -> _SegmentPlan:
+    """The plan for queries from packed index `first` on; keys index the whole layout (with
+    `first` > 0, the tokens before it are a past whose K/V the caller supplies in plan.past)."""
     q_sizes, kv_sizes, index, masks = [], [], [], []
-    for seg in tree.segments:
+    for seg in segments:
+        if seg.start < first:
+            continue
         length = seg.end - seg.start
         keys = sum(b - a for a, b in seg.spans)
         q_sizes.append(length)
         kv_sizes.append(keys)
         index.extend(j for a, b in seg.spans for j in range(a, b))
         masks.append(None if len(seg.spans) == 1 else torch.ones(length, keys, dtype=torch.bool).tril_(keys - length))
-    kv_index = torch.tensor(index) if len(tree.segments) > 1 else None
+    kv_index = torch.tensor(index) if len(segments) > 1 else None
     return _SegmentPlan(q_sizes=q_sizes, kv_sizes=kv_sizes, kv_index=kv_index, masks=masks)
 
 
@@ -250,6 +281,13 @@ def _segment_attention(module, query, key, value, attention_mask, dropout=0.0, s
     plan: _SegmentPlan | None = kwargs.get("tree_plan")
     if plan is None:
         raise RuntimeError(f"attention '{TREE_ATTENTION}' needs tree_plan=...: it only runs inside tree_hidden")
+    if plan.capture is not None or plan.past is not None:
+        layer = module.layer_idx  # the decoder layer this attention belongs to (Llama-style modules)
+        if plan.capture is not None:
+            plan.capture[layer] = (key, value)  # post-RoPE, before GQA repetition: what a KV cache holds
+        if plan.past is not None:
+            past_k, past_v = plan.past[layer]
+            key, value = torch.cat([past_k, key], dim=2), torch.cat([past_v, value], dim=2)  # [1, Hkv, P + N, D]
     if plan.kv_index is not None:
         key, value = key.index_select(2, plan.kv_index), value.index_select(2, plan.kv_index)  # [1, Hkv, sum K, D]
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -296,7 +334,7 @@ def tree_hidden(model: torch.nn.Module, tree: PackedTree, attention: Attention =
     pos = torch.tensor([tree.positions])  # [1, N]
     if attention == "segments":
         with _attention_implementation(model, TREE_ATTENTION):
-            return base(input_ids=ids, position_ids=pos, tree_plan=_plan(tree)).last_hidden_state[0]
+            return base(input_ids=ids, position_ids=pos, tree_plan=_plan(tree.segments)).last_hidden_state[0]
     impl = model.config._attn_implementation
     allowed = tree.ancestor_mask()[None, None]  # [1, 1, N, N]
     if impl == "sdpa":
@@ -326,22 +364,28 @@ def tree_token_logprobs(model: torch.nn.Module, samples: list[TrainingSample], *
                 out[i] = logp
         return out  # type: ignore[return-value]
     tree = pack_tree([s.token_ids for s in samples])
-    # One logit row per distinct (node of token t-1, temperature divisor); each target picks one entry.
+    with torch.set_grad_enabled(with_grad):
+        return _sample_logprobs(model, tree_hidden(model, tree, attention), samples, tree.sample_nodes)
+
+
+def _sample_logprobs(model: torch.nn.Module, hidden: torch.Tensor, samples: Sequence[TrainingSample],
+                     rows_of: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """Per sample, the logprobs of its loss-masked tokens, read from `hidden` [R, H], whose row
+    rows_of[i][t] holds sample i's token t."""
+    # One logit row per distinct (row of token t-1, temperature divisor); each target picks one entry.
     rows: dict[tuple[int, float], int] = {}
     row_of, tokens, counts = [], [], []
     for i, s in enumerate(samples):
         divisor = s.temperature if s.temperature > 0 else 1.0
         targets = _targets(s)
         for t in targets:
-            row_of.append(rows.setdefault((tree.sample_nodes[i][t - 1], divisor), len(rows)))
+            row_of.append(rows.setdefault((rows_of[i][t - 1], divisor), len(rows)))
             tokens.append(s.token_ids[t])
         counts.append(len(targets))
-    with torch.set_grad_enabled(with_grad):
-        hidden = tree_hidden(model, tree, attention)  # [N, H]
-        if not rows:
-            return [hidden.new_zeros(0) for _ in samples]
-        logp = _head_logprobs(model, hidden, list(rows), torch.tensor(row_of), torch.tensor(tokens))
-        return list(torch.split(logp, counts))
+    if not rows:
+        return [hidden.new_zeros(0) for _ in samples]
+    logp = _head_logprobs(model, hidden, list(rows), torch.tensor(row_of), torch.tensor(tokens))
+    return list(torch.split(logp, counts))
 
 
 _HEAD_ROWS = 128  # logit rows per chunk: [128, 49k] stays cache-friendly; one [U, 49k] block ran ~2x slower
@@ -366,3 +410,113 @@ def _head_logprobs(model: torch.nn.Module, hidden: torch.Tensor, rows: list[tupl
         picked.append(logp[by_row[a:b] - lo, tokens[order[a:b]]])
     flat = torch.cat(picked)  # [T] in row order
     return flat[torch.argsort(order)]
+
+
+# --- the depth-first pass (memory) -------------------------------------------------------------
+
+
+@dataclass(slots=True, kw_only=True)
+class DepthFirstResult:
+    """What `depth_first_backward` computed: per batch, per sample, the detached logprobs of its
+    loss-masked tokens; the summed loss; per forward, the tokens it computed and the tokens whose
+    activations were alive during it (its own plus the trunk pieces it could attend to)."""
+
+    logprobs: list[list[torch.Tensor]]
+    loss: float
+    forward_tokens: list[int]
+    alive_tokens: list[int]
+
+
+@dataclass(slots=True, kw_only=True)
+class _Trunk:
+    """Nodes shared by batches lo..hi (lo < hi), forwarded once before batch lo; its graph is
+    backwarded after batch hi with the gradients accumulated in its leaves."""
+
+    nodes: list[int]
+    hi: int
+    outputs: list[torch.Tensor]  # the hidden state [n, H], then per layer K and V [1, Hkv, n, D], with graph
+    leaves: list[torch.Tensor]  # the same, detached: what later forwards and the LM head read
+
+
+def _part_hidden(model: torch.nn.Module, tree: PackedTree, alive: list[_Trunk], nodes: list[int],
+                 capture: dict[int, tuple[torch.Tensor, torch.Tensor]] | None) -> torch.Tensor:
+    """Hidden states [n, H] of packed `nodes` (parents first), each attending to its ancestors
+    among the alive trunks' nodes (through their K/V leaves) and among `nodes`."""
+    base, _ = _decoder_and_head(model)
+    past_nodes = [n for t in alive for n in t.nodes]  # creation order: parents before children
+    order = [*past_nodes, *nodes]
+    local = {n: j for j, n in enumerate(order)}
+    parents = [local[tree.parents[n]] if tree.parents[n] >= 0 else -1 for n in order]  # KeyError: a missing ancestor
+    plan = _plan(_segments(parents, cut=len(past_nodes)), first=len(past_nodes))
+    plan.capture = capture
+    if alive:
+        layers = len(alive[0].leaves) // 2
+        plan.past = [(torch.cat([t.leaves[1 + 2 * layer] for t in alive], dim=2),
+                      torch.cat([t.leaves[2 + 2 * layer] for t in alive], dim=2)) for layer in range(layers)]
+    ids = torch.tensor([[tree.token_ids[n] for n in nodes]])  # [1, n]
+    pos = torch.tensor([[tree.positions[n] for n in nodes]])  # [1, n] depth, as in every sample
+    with _attention_implementation(model, TREE_ATTENTION):
+        return base(input_ids=ids, position_ids=pos, tree_plan=plan).last_hidden_state[0]
+
+
+def depth_first_backward(model: torch.nn.Module, batches: Sequence[Sequence[TrainingSample]],
+                         loss_fn: Callable[[int, list[torch.Tensor]], torch.Tensor | None]) -> DepthFirstResult:
+    """Forward and backward `batches` (sub-tries: consecutive runs of the lexicographically sorted
+    samples, as `plan_tries` cuts them) over their common prefix tree, each node computed once.
+    loss_fn(k, logprobs of batch k's samples) -> the batch's loss (None: nothing to train); its
+    gradient is accumulated into the parameters' .grad. See the module docstring."""
+    _check_supported(model)
+    samples = [s for b in batches for s in b]
+    batch_of = [k for k, b in enumerate(batches) for _ in b]
+    tree = pack_tree([s.token_ids for s in samples])
+    own: list[list[int]] = [[] for _ in batches]  # nodes only batch k uses, in packed order
+    shared: dict[tuple[int, int], list[int]] = {}  # (first, last batch using it) -> nodes, packed order
+    for n, through in enumerate(tree.node_samples):
+        lo, hi = min(batch_of[i] for i in through), max(batch_of[i] for i in through)
+        if lo == hi:
+            own[lo].append(n)
+        else:
+            shared.setdefault((lo, hi), []).append(n)
+    # Trunks starting at batch k are forwarded before it, widest first: an ancestor is used by at least
+    # the batches of its descendants, so it has a smaller-or-equal lo and a greater-or-equal hi.
+    starting: dict[int, list[tuple[int, list[int]]]] = {}
+    for (lo, hi), nodes in sorted(shared.items(), key=lambda kv: (kv[0][0], -kv[0][1])):
+        starting.setdefault(lo, []).append((hi, nodes))
+    width, dtype = model.config.hidden_size, _decoder_and_head(model)[0].get_input_embeddings().weight.dtype
+    result = DepthFirstResult(logprobs=[], loss=0.0, forward_tokens=[], alive_tokens=[])
+    alive: list[_Trunk] = []
+    for k, batch in enumerate(batches):
+        for hi, nodes in starting.get(k, []):
+            capture: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            result.alive_tokens.append(sum(len(t.nodes) for t in alive) + len(nodes))
+            result.forward_tokens.append(len(nodes))
+            hidden = _part_hidden(model, tree, alive, nodes, capture)
+            outputs = [hidden, *(x for layer in sorted(capture) for x in capture[layer])]
+            alive.append(_Trunk(nodes=nodes, hi=hi, outputs=outputs,
+                                leaves=[x.detach().requires_grad_(x.requires_grad) for x in outputs]))
+        if own[k]:
+            result.alive_tokens.append(sum(len(t.nodes) for t in alive) + len(own[k]))
+            result.forward_tokens.append(len(own[k]))
+            hidden = _part_hidden(model, tree, alive, own[k], None)  # [n, H]
+        else:  # every node of the batch is shared with a neighbour
+            hidden = torch.zeros(0, width, dtype=dtype)
+        # Rows: the alive trunks' hidden leaves, then the batch's own nodes; every node of the batch is one.
+        row = {n: j for j, n in enumerate([*(n for t in alive for n in t.nodes), *own[k]])}
+        table = torch.cat([*(t.leaves[0] for t in alive), hidden])  # [R, H]
+        first = sum(len(b) for b in batches[:k])
+        logps = _sample_logprobs(model, table, batch, [[row[n] for n in tree.sample_nodes[first + i]]
+                                                       for i in range(len(batch))])
+        loss = loss_fn(k, logps)
+        if loss is not None:
+            if loss.requires_grad:
+                loss.backward()  # frees the batch's own graph; gradients reach the trunk leaves
+            result.loss += float(loss.detach())
+        result.logprobs.append([lp.detach() for lp in logps])
+        # Trunks no later batch uses: backward their graphs, latest first (a later trunk may have
+        # attended to an earlier one's leaves, never the reverse).
+        for trunk in reversed([t for t in alive if t.hi == k]):
+            pairs = [(out, leaf.grad) for out, leaf in zip(trunk.outputs, trunk.leaves) if leaf.grad is not None]
+            if pairs:
+                torch.autograd.backward([out for out, _ in pairs], grad_tensors=[g for _, g in pairs])
+        alive = [t for t in alive if t.hi != k]
+    return result

@@ -1,0 +1,126 @@
+"""The Ray actors of runtime.backend=ray: a rollout actor (model copy + engine + env pool + reward
+pool, i.e. a RolloutWorker) and the trainer actor (a TrainerService). Plain classes here; the driver
+(runtime/ray_runtime.py) wraps them with `ray.remote` so that importing this module needs no ray.
+
+What they are not: supervisors. An actor that dies stays dead (max_restarts=0); the driver notices
+the failed calls, makes a fresh one and decides what happens to the work that died with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import torch
+
+from loomrl.config import RunConfig
+from loomrl.env.registry import env_family
+from loomrl.model.chat import ChatRenderer
+from loomrl.runtime.rollout import RolloutWorker
+from loomrl.runtime.trainer_service import TrainerService
+from loomrl.runtime.weight_sync import WeightHandle
+from loomrl.types import Trajectory
+
+
+class RolloutActor:
+    """One rollout worker on some node. Async actor: many groups run at once over one engine."""
+
+    def __init__(self, cfg_json: str):
+        from loomrl.runtime.local import build_model, make_engine
+
+        cfg = RunConfig.model_validate_json(cfg_json)
+        torch.set_num_threads(cfg.engine.threads or 1)  # several actors share a node's cores
+        torch.manual_seed(cfg.seed)
+        self.cfg = cfg
+        # Architecture, tokenizer and frozen weights; the trainable ones arrive with update_weights
+        # before the first group (the driver sends the trainer's current version to every new actor).
+        model, tokenizer = build_model(cfg, None)
+        self.engine = make_engine(cfg, model, tokenizer, 0)
+        train_tasks, self.heldout = env_family(cfg.env.name).splits(cfg)
+        self.worker = RolloutWorker(cfg, self.engine, ChatRenderer(tokenizer), train_tasks)
+        self._weights_lock: asyncio.Lock | None = None
+
+    def _lock(self) -> asyncio.Lock:
+        if self._weights_lock is None:  # made on the actor's event loop
+            self._weights_lock = asyncio.Lock()
+        return self._weights_lock
+
+    async def update_weights(self, handle: WeightHandle) -> int:
+        """Load a published version into the engine; groups sent after this call wait for it."""
+        async with self._lock():
+            weights = await handle.payload  # transport "ray": an ObjectRef owned by the driver
+            await asyncio.to_thread(self.engine.update_weights, weights, handle.version)
+        return handle.version
+
+    async def run_group(self, position: int) -> list[Trajectory]:
+        # An update sent before this group (e.g. the rollback after a trainer restart) lands first:
+        # the lock is FIFO and update_weights takes it before its first await.
+        async with self._lock():
+            pass
+        return await self.worker.run_group(position)
+
+    async def evaluate(self) -> dict[str, Any]:
+        res = await self.worker.evaluate(self.heldout[: self.cfg.eval.n_tasks])
+        return {"success": res.success, "n": res.n, "stderr": res.stderr, "statuses": res.statuses}
+
+    async def close(self) -> dict[str, Any]:
+        """Tear down sandboxes and the engine; returns the env pool's metrics."""
+        await self.worker.aclose()
+        self.engine.close()
+        return self.worker.pool_metrics()
+
+    def where(self) -> tuple[str, int]:
+        """(Ray node id, process id): where the scheduler placed this actor."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), os.getpid()
+
+
+class TrainerActor:
+    """The TrainerService on the trainer's node. Made from the run folder's latest checkpoint when
+    there is one: a fresh run has none, a resumed run or a restart after a crash continues from it."""
+
+    def __init__(self, cfg_json: str, extra: dict[str, Any]):
+        from loomrl.runtime.local import build_model
+        from loomrl.trainer.checkpoint import latest_checkpoint
+
+        cfg = RunConfig.model_validate_json(cfg_json)
+        torch.set_num_threads(cfg.trainer.threads or 1)
+        ckpt = latest_checkpoint(cfg.run_dir)
+        ledger = cfg.run_dir / "ledger.jsonl"
+        text = ledger.read_text() if ledger.exists() else ""
+        if text and not text.endswith("\n"):
+            # The dead trainer was killed mid-append. Its step was logged before its checkpoint was
+            # written, so the checkpoint we resume from is older and that step is undone anyway.
+            ledger.write_text(text[: text.rfind("\n") + 1])
+        if ckpt is None and ledger.exists():
+            # A restart before the first checkpoint: the model starts over, so the steps logged by the
+            # dead trainer are undone (TrainerService cuts the lines after a checkpoint's step likewise).
+            ledger.unlink()
+        model, tokenizer = build_model(cfg, ckpt)
+        self.service = TrainerService(cfg, model, tokenizer, resume_from=ckpt)
+        for k, v in extra.items():
+            self.service.extra.setdefault(k, v)
+
+    def state(self) -> tuple[int, dict[str, Any]]:
+        """The policy version and the positions received (as of the checkpoint it started from)."""
+        return self.service.version, self.service.received.state()
+
+    def receive(self, position: int, group: list[Trajectory]) -> None:
+        self.service.receive(position, group)
+
+    def step(self) -> dict[str, Any] | None:
+        """One training step when a step's groups are buffered (and the run is not done), else None."""
+        return self.service.train_step() if self.service.ready() else None
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The trainable weights of the current version. Returned (not ray.put here) so that the
+        object is owned by the caller and outlives this actor."""
+        return self.service.trainable_weights()
+
+    def where(self) -> tuple[str, int]:
+        """(Ray node id, process id): where the scheduler placed this actor."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), os.getpid()

@@ -1,0 +1,227 @@
+"""runtime.backend=ray on a real two-node Ray cluster on loopback: two `ray start` processes, each its
+own node with its own resources (the trainer's node: {trainer: 1}; the rollout node: {rollout: 2}).
+The run is a real `loomrl train` process (the driver); the chaos test SIGKILLs actor processes while
+it runs. Without ray installed these tests are skipped; the message the CLI gives then is checked."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from loomrl.runtime.trainer_service import read_ledger
+from loomrl.store import read_trajectories
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "examples" / "calculator_tiny.yaml"
+RAY = shutil.which("ray", path=str(Path(sys.executable).parent)) or "ray"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tagged(tag: str, tmp: str | None = None) -> list[int]:
+    """Processes started by this test's cluster: they inherit LOOMRL_RAY_TEST=<tag> from `ray start`,
+    or (Ray's agents, whose retitling blanks their environment) hold a log file open under its temp
+    dir. (Never `ray stop`: it stops every Ray process of the user on the machine.)"""
+    needle = f"LOOMRL_RAY_TEST={tag}".encode()
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if needle in (entry / "environ").read_bytes().split(b"\0") or (
+                        tmp and any(os.readlink(fd).startswith(tmp) for fd in (entry / "fd").iterdir())):
+                    out.append(int(entry.name))
+            except OSError:
+                continue
+    return out
+
+
+def _title(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head node (trainer) and a second node (rollouts) on loopback; torn down by pid in any case."""
+    pytest.importorskip("ray")
+    tag = secrets.token_hex(6)
+    tmp = tempfile.mkdtemp(prefix="lrray-")  # short: Ray's unix socket paths must stay under 108 bytes
+    port = _free_port()
+    # A token of our own: Ray enables token auth when ~/.ray/auth_token exists; all three processes
+    # (head, node, driver) must then agree, so each gets the same one through the environment.
+    env = {**os.environ, "LOOMRL_RAY_TEST": tag, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "RAY_USAGE_STATS_ENABLED": "0"}
+    common = ["--num-cpus=1", f"--temp-dir={tmp}", "--disable-usage-stats", "--node-ip-address=127.0.0.1"]
+    try:
+        t0 = time.time()
+        subprocess.run([RAY, "start", "--head", f"--port={port}", "--include-dashboard=false",
+                        '--resources={"trainer": 1}', *common], env=env, check=True, capture_output=True, timeout=120)
+        subprocess.run([RAY, "start", f"--address=127.0.0.1:{port}", '--resources={"rollout": 2}', *common],
+                       env=env, check=True, capture_output=True, timeout=120)
+        print(f"two-node cluster up in {time.time() - t0:.1f}s")
+        yield {"address": f"127.0.0.1:{port}", "env": env, "tag": tag, "tmp": tmp}
+    finally:
+        for _ in range(3):  # a second sweep catches what was being started during the first
+            for pid in _tagged(tag, tmp):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            time.sleep(0.5)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _train(cluster, tmp_path, name: str, *overrides: str) -> subprocess.Popen:
+    args = [sys.executable, "-m", "loomrl.cli", "train", str(RECIPE), f"output_dir={tmp_path}", f"name={name}",
+            "progress=false", "reward.function=rewards_for_tests:parity_reward", "eval.n_tasks=0",
+            "runtime.backend=ray", f"ray.address={cluster['address']}", "ray.num_rollout_workers=2",
+            "ray.rollout_num_cpus=0", "ray.trainer_num_cpus=0",
+            "ray.rollout_resources={rollout: 1}", "ray.trainer_resources={trainer: 1}", *overrides]
+    return subprocess.Popen(args, env=cluster["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _check_ledger_and_store(run_dir: Path, summary: dict, steps: int) -> dict:
+    """What every Ray run must satisfy: each step once, no trajectory consumed twice, everything the
+    ledger names is stored, and launched = the sum of the fates."""
+    ledger = read_ledger(run_dir)
+    assert [e["step"] for e in ledger] == list(range(1, steps + 1))
+    trained = [t for e in ledger for t in e["trained"]]
+    consumed = trained + [t for e in ledger for ids in e["skipped"].values() for t in ids] + \
+        [t for e in ledger for t in e["stale"]]
+    assert trained, "the parity reward gives groups variance, so something must have been trained"
+    assert len(trained) == len(set(trained)), "a trajectory was trained twice"
+    assert len(consumed) == len(set(consumed)), "a trajectory was consumed twice"
+    stored = {r["trajectory_id"]: r for r in read_trajectories(run_dir / "trajectories").to_pylist()}
+    assert set(consumed) <= set(stored), "the ledger names trajectories the store lost"
+    by_position: dict[int, set[str]] = {}
+    for t in consumed:
+        by_position.setdefault(stored[t]["position"], set()).add(stored[t]["group_id"])
+    assert all(len(g) == 1 for g in by_position.values()), "a data position was consumed twice"
+    acc = summary["accounting"]
+    assert acc["violations"] == []
+    assert acc["trained"] == len(trained)
+    assert acc["trained"] + sum(acc["skipped"].values()) + acc["stale"] == len(consumed)
+    fates = (acc["trained"] + sum(acc["skipped"].values()) + acc["stale"] + sum(acc["discarded"].values())
+             + acc["unconsumed"])
+    assert fates == len(stored), "a stored trajectory has no fate (missing) or two"
+    assert acc["launched"] == len(stored) + sum(acc["failed"].values()) + acc["cancelled"]
+    return stored
+
+
+@pytest.mark.ray
+def test_two_node_run_places_trainer_and_rollouts_on_their_nodes(cluster, tmp_path):
+    t0 = time.time()
+    proc = _train(cluster, tmp_path, "two", "trainer.total_steps=3", "checkpoint_every=2")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["steps"] == 3 and "ledger: launched" in out
+    placement = summary["ray"]["placement"]
+    assert placement["trainer"] and len(set(placement["rollout"])) == 1
+    assert placement["trainer"] not in placement["rollout"], "trainer and rollouts must sit on different nodes"
+    run_dir = tmp_path / "two"
+    _check_ledger_and_store(run_dir, summary, 3)
+    assert (run_dir / "checkpoints" / "step_000003" / "model" / "config.json").is_file()
+    print(f"two-node run: {time.time() - t0:.1f}s")
+
+
+@pytest.mark.ray
+def test_chaos_kills_actors_and_the_run_accounts_for_every_trajectory_once(cluster, tmp_path):
+    """A thread SIGKILLs a random rollout actor every few seconds, and the trainer actor twice (after
+    the first checkpoint); the run completes and its ledger adds up."""
+    steps = 8
+    proc = _train(cluster, tmp_path, "chaos", f"trainer.total_steps={steps}", "checkpoint_every=2",
+                  "ray.retry_backoff_s=0.2", "ray.max_group_attempts=3")
+    run_dir = tmp_path / "chaos"
+    killed: list[str] = []
+    stop = threading.Event()
+
+    def chaos() -> None:
+        rng = random.Random(0)
+        trainer_kills = 0
+        while not stop.wait(3.0) and proc.poll() is None:
+            actors = {pid: _title(pid) for pid in _tagged(cluster["tag"], cluster["tmp"])}
+            rollouts = [p for p, t in actors.items() if t.startswith("ray::RolloutActor")]
+            trainers = [p for p, t in actors.items() if t.startswith("ray::TrainerActor")]
+            past_checkpoint = len(read_ledger(run_dir)) >= 3
+            if trainers and past_checkpoint and trainer_kills < 2 and killed.count("rollout") >= 3 * trainer_kills:
+                victim, what = trainers[0], "trainer"
+                trainer_kills += 1
+            elif rollouts and killed.count("rollout") < 8:  # enough to see it; more only slows the run
+                victim, what = rng.choice(rollouts), "rollout"
+            else:
+                continue
+            try:
+                os.kill(victim, signal.SIGKILL)
+                killed.append(what)
+            except OSError:
+                pass
+
+    killer = threading.Thread(target=chaos, daemon=True)
+    t0 = time.time()
+    killer.start()
+    try:
+        out, _ = proc.communicate(timeout=420)
+    finally:
+        stop.set()
+        if proc.poll() is None:
+            proc.kill()
+        killer.join(timeout=10)
+    assert proc.returncode == 0, out[-4000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    print(f"chaos run: {time.time() - t0:.1f}s, killed {killed}, ray {summary['ray']}, "
+          f"accounting {summary['accounting']}")
+    assert summary["steps"] == steps
+    assert "trainer" in killed and killed.count("rollout") >= 2, killed
+    assert summary["ray"]["trainer_restarts"] >= 1 and summary["ray"]["rollout_restarts"] >= 1
+    assert "ledger: launched" in out
+    _check_ledger_and_store(run_dir, summary, steps)
+    assert summary["accounting"]["failed"].get("actor_died", 0) > 0
+
+
+def test_ray_backend_without_ray_says_how_to_install_it(tmp_path):
+    """With ray not importable, `runtime.backend=ray` stops with the install command, no traceback."""
+    code = ("import sys; sys.modules['ray'] = None; from loomrl.cli import main; "
+            f"sys.exit(main(['train', {str(RECIPE)!r}, 'runtime.backend=ray', 'output_dir={tmp_path}']))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "pip install -e '.[ray]'" in res.stderr, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+
+
+def test_accounting_flags_a_trajectory_with_two_fates_and_one_with_none():
+    from loomrl.runtime.accounting import Accounting, ledger_line
+
+    acc = Accounting(launched=12, returned={"a", "b", "c", "d"}, cancelled=4)
+    acc.failed["actor_died"] += 4
+    acc.discard(["d"], "trainer_restart")
+    ledger = [{"step": 1, "trained": ["a"], "skipped": {"zero_variance": ["b"]}, "stale": []},
+              {"step": 2, "trained": ["zz"], "skipped": {}, "stale": []}]  # zz: an earlier segment's
+    out = acc.settle(ledger)
+    assert out["violations"] == [] and out["unconsumed"] == 1  # c: sent, still buffered at the end
+    assert "launched 12 = trained 1 + skipped 1 (zero_variance 1)" in ledger_line(out)
+    ledger.append({"step": 3, "trained": ["a"], "skipped": {}, "stale": ["d"]})
+    out = acc.settle(ledger)
+    assert any(v.startswith("a: trained + trained") for v in out["violations"])
+    assert any(v.startswith("d: stale + discarded") for v in out["violations"])
+    acc.launched = 13  # one launched trajectory has no fate at all
+    assert any("launched 13 != sum of fates" in v for v in acc.settle(ledger[:2])["violations"])

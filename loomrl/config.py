@@ -207,6 +207,9 @@ class RuntimeConfig(_Section):
     # most training trajectories in flight at once (sandboxes, K/V); 0 = no cap beyond the admission
     # rule (sync: a step's groups; async: the groups within buffer.max_policy_lag). Whole groups count.
     max_inflight_trajectories: int = Field(0, ge=0)
+    # async (local): how new weights go from the trainer process to the engine (runtime/weight_sync.py;
+    # benchmarks/weight_sync.py: shm ~6x faster than pickling through the queue for SmolLM2-135M)
+    weight_transport: Literal["shm", "file", "queue"] = "shm"
 
 
 class RayConfig(_Section):

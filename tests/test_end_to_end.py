@@ -77,6 +77,8 @@ def test_async_run_checkpoint_and_resume_trains_nothing_twice(tmp_path):
         assert 0 <= m["admission/open_positions"] <= (lag + 1) * B
         assert m["admission/inflight_groups_max"] <= (lag + 1) * B
         assert m["time/step_s"] >= m["time/rollout_idle_s"] >= 0 and m["engine/busy_s"] > 0
+        # new weights came through shared memory (runtime.weight_transport), timed
+        assert m["weight_sync/bytes"] > 0 and m["weight_sync/load_s"] >= 0 and m["weight_sync/apply_s"] >= 0
     assert sum(m["admission/launched_groups"] for m in train_rows) >= 5 * B
     # The store is plain parquet: a pyarrow dataset over the folder reads every row.
     import pyarrow.dataset as ds
@@ -247,7 +249,7 @@ def test_gym_and_codefix_environments_run_end_to_end(tmp_path):
 
 def test_async_run_with_interruptible_rollouts(tmp_path):
     cfg = _cfg(tmp_path, "name=interrupt", "runtime.interrupt_on_update=true", "trainer.total_steps=2",
-               "eval.n_tasks=0", "checkpoint_every=0")
+               "eval.n_tasks=0", "checkpoint_every=0", "runtime.weight_transport=file")
     summary = LocalRun(cfg).train()
     assert summary["steps"] == 2
     rows = read_trajectories(cfg.run_dir / "trajectories").to_pylist()

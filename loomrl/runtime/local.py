@@ -34,6 +34,7 @@ from loomrl.model.chat import ChatRenderer
 from loomrl.model.loader import load_model
 from loomrl.runtime.rollout import EvalResult, RolloutWorker, gather_all, group_summary
 from loomrl.runtime.trainer_service import PositionSet, TrainerService
+from loomrl.runtime.weight_sync import StaleWeights, load_weights, make_publisher, sync_metrics
 from loomrl.store import TrajectoryStore
 from loomrl.trainer.checkpoint import latest_checkpoint, load_state
 
@@ -321,10 +322,19 @@ class LocalRun:
                     if msg[0] == "done":
                         version = msg[1]
                         break
-                    _, version, weights, metrics = msg
-                    if cfg.runtime.interrupt_on_update and hasattr(engine, "interrupt"):
-                        engine.interrupt()  # in-flight turns resume under the new weights (AgentLoop._generate)
-                    engine.update_weights(weights, version)
+                    _, version, handle, metrics = msg
+                    try:
+                        loaded = load_weights(handle)
+                    except StaleWeights:  # newer versions were published meanwhile: the next message
+                        loaded = None     # brings one; the groups sampled until then may be dropped as stale
+                        log.warning("weights of version %d were freed before they were read", version)
+                    if loaded is not None:
+                        if cfg.runtime.interrupt_on_update and hasattr(engine, "interrupt"):
+                            engine.interrupt()  # in-flight turns resume under the new weights (AgentLoop._generate)
+                        t_apply = time.perf_counter()
+                        engine.update_weights(loaded.weights, version)
+                        metrics.update(sync_metrics(handle, loaded))
+                        metrics["weight_sync/apply_s"] = time.perf_counter() - t_apply  # into the engine
                     now = time.perf_counter()
                     if idle_since is not None:
                         idle_s, idle_since = idle_s + now - idle_since, now
@@ -381,6 +391,7 @@ class LocalRun:
 
 def _trainer_main(cfg_json: str, ckpt: str | None, extra: dict, inbox, outbox) -> None:
     """Entry of the trainer process (async mode)."""
+    publisher = None
     try:
         cfg = RunConfig.model_validate_json(cfg_json)
         torch.set_num_threads(async_threads(cfg)[1])
@@ -388,6 +399,9 @@ def _trainer_main(cfg_json: str, ckpt: str | None, extra: dict, inbox, outbox) -
         model, tokenizer = build_model(cfg, ckpt_path)
         service = TrainerService(cfg, model, tokenizer, resume_from=ckpt_path)
         service.extra.update(extra)
+        # New weights reach the rollout process through runtime.weight_transport (weight_sync.py): a
+        # small handle travels on the queue; the last few versions stay readable.
+        publisher = make_publisher(cfg.runtime.weight_transport, keep=3)
         outbox.put(("ready", service.version, service.received.state()))
         while not service.done:
             msg = inbox.get()
@@ -397,14 +411,18 @@ def _trainer_main(cfg_json: str, ckpt: str | None, extra: dict, inbox, outbox) -
             service.receive(position, group)
             while service.ready():
                 metrics = service.train_step()
-                outbox.put(("weights", service.version, service.trainable_weights(), metrics))
+                live = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+                outbox.put(("weights", service.version, publisher.publish(live, service.version), metrics))
         outbox.put(("done", service.version))
-        # Stay alive until the rollout side has read everything: shared-memory tensors in our
-        # messages are handed over through this process and vanish with it.
+        # Stay alive until the rollout side has read everything: the published versions (and
+        # shared-memory tensors in our messages) are handed over through this process and vanish with it.
         while inbox.get()[0] != "stop":
             pass
     except BaseException:  # noqa: BLE001 - reported to the rollout process, which stops the run
         outbox.put(("error", traceback.format_exc()))
+    finally:
+        if publisher is not None:
+            publisher.close()
 
 
 def resolve_checkpoint(path: Path) -> Path:

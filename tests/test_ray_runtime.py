@@ -142,6 +142,11 @@ def test_two_node_run_places_trainer_and_rollouts_on_their_nodes(cluster, tmp_pa
     run_dir = tmp_path / "two"
     _check_ledger_and_store(run_dir, summary, 3)
     assert (run_dir / "checkpoints" / "step_000003" / "model" / "config.json").is_file()
+    # weight transfers to the rollout actors are timed (reported by the step after they finish)
+    from loomrl.metrics.logger import read_metrics
+
+    syncs = [m for m in read_metrics(run_dir) if m.get("kind") == "train" and "weight_sync/load_s" in m]
+    assert syncs and all(m["weight_sync/load_s"] >= 0 and m["weight_sync/apply_s"] > 0 for m in syncs)
     print(f"two-node run: {time.time() - t0:.1f}s")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from typing import Any
 
 import torch
@@ -46,12 +47,15 @@ class RolloutActor:
             self._weights_lock = asyncio.Lock()
         return self._weights_lock
 
-    async def update_weights(self, handle: WeightHandle) -> int:
-        """Load a published version into the engine; groups sent after this call wait for it."""
+    async def update_weights(self, handle: WeightHandle) -> dict[str, float]:
+        """Load a published version into the engine; groups sent after this call wait for it.
+        Returns the version and how long fetching (from the object store) and applying took."""
         async with self._lock():
+            t0 = time.perf_counter()
             weights = await handle.payload  # transport "ray": an ObjectRef owned by the driver
+            t1 = time.perf_counter()
             await asyncio.to_thread(self.engine.update_weights, weights, handle.version)
-        return handle.version
+        return {"version": handle.version, "load_s": t1 - t0, "apply_s": time.perf_counter() - t1}
 
     async def run_group(self, position: int) -> list[Trajectory]:
         # An update sent before this group (e.g. the rollback after a trainer restart) lands first:

@@ -94,6 +94,7 @@ class RayRun:
         self.trainer: Any = None
         self.version = 0
         self.weights: WeightHandle | None = None
+        self._syncs: list = []  # update_weights calls not yet read for the metrics
         self.inflight: dict[asyncio.Future, tuple[Dispatch, Any]] = {}
         self.live: dict[int, int] = {}  # position -> serial of its live attempt
         self.attempts: dict[int, int] = {}
@@ -132,7 +133,7 @@ class RayRun:
                                                      max_restarts=0, max_concurrency=1000)
         actor = cls.remote(self.cfg.model_dump_json())
         if self.weights is not None:
-            actor.update_weights.remote(self.weights)
+            self._syncs.append(actor.update_weights.remote(self.weights))
         return actor
 
     def _replace_worker(self, i: int, why: str) -> None:
@@ -182,7 +183,25 @@ class RayRun:
     def _publish(self, ref, version: int) -> None:
         self.weights = WeightHandle(transport=Transport.RAY, version=version, nbytes=0, payload=ref)
         for slot in self.workers:
-            slot.handle.update_weights.remote(self.weights)
+            self._syncs.append(slot.handle.update_weights.remote(self.weights))
+
+    def _sync_metrics(self) -> dict[str, float]:
+        """The slowest finished weight transfer to a rollout actor since the last step (fetch from the
+        object store, apply in the engine); transfers still running are reported later."""
+        if not self._syncs:
+            return {}
+        done, self._syncs = self.ray.wait(self._syncs, num_returns=len(self._syncs), timeout=0)
+        timings = []
+        for ref in done:
+            try:
+                timings.append(self.ray.get(ref))
+            except self.ray.exceptions.RayError:  # that actor died: supervision replaces it
+                continue
+        if not timings:
+            return {}
+        return {"weight_sync/load_s": max(t["load_s"] for t in timings),
+                "weight_sync/apply_s": max(t["apply_s"] for t in timings),
+                "weight_sync/transfers": float(len(timings))}
 
     # -- dispatch ---------------------------------------------------------------------------------
     def _dispatch(self, pos: int) -> None:
@@ -284,7 +303,8 @@ class RayRun:
                     now = time.perf_counter()
                     metrics.update({"time/step_s": now - step_started, "ray/rollout_restarts": self.rollout_restarts,
                                     "ray/trainer_restarts": self.trainer_restarts,
-                                    "admission/inflight_groups": len(self.inflight), **group_summary(recent)})
+                                    "admission/inflight_groups": len(self.inflight), **group_summary(recent),
+                                    **self._sync_metrics()})
                     self.logger.log(self.version, metrics)
                     step_started, recent = now, []
                     bar.update(1)

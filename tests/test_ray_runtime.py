@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 import pytest
+from ledger_checks import check_each_trajectory_once
 
 from loomrl.runtime.trainer_service import read_ledger
-from loomrl.store import read_trajectories
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "calculator_tiny.yaml"
@@ -103,20 +103,8 @@ def _train(cluster, tmp_path, name: str, *overrides: str) -> subprocess.Popen:
 def _check_ledger_and_store(run_dir: Path, summary: dict, steps: int) -> dict:
     """What every Ray run must satisfy: each step once, no trajectory consumed twice, everything the
     ledger names is stored, and launched = the sum of the fates."""
-    ledger = read_ledger(run_dir)
-    assert [e["step"] for e in ledger] == list(range(1, steps + 1))
-    trained = [t for e in ledger for t in e["trained"]]
-    consumed = trained + [t for e in ledger for ids in e["skipped"].values() for t in ids] + \
-        [t for e in ledger for t in e["stale"]]
+    trained, consumed, stored = check_each_trajectory_once(run_dir, steps)
     assert trained, "the parity reward gives groups variance, so something must have been trained"
-    assert len(trained) == len(set(trained)), "a trajectory was trained twice"
-    assert len(consumed) == len(set(consumed)), "a trajectory was consumed twice"
-    stored = {r["trajectory_id"]: r for r in read_trajectories(run_dir / "trajectories").to_pylist()}
-    assert set(consumed) <= set(stored), "the ledger names trajectories the store lost"
-    by_position: dict[int, set[str]] = {}
-    for t in consumed:
-        by_position.setdefault(stored[t]["position"], set()).add(stored[t]["group_id"])
-    assert all(len(g) == 1 for g in by_position.values()), "a data position was consumed twice"
     acc = summary["accounting"]
     assert acc["violations"] == []
     assert acc["trained"] == len(trained)

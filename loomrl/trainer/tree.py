@@ -70,6 +70,7 @@ from typing import Literal
 
 import torch
 
+from loomrl.tokens import common_prefix_len
 from loomrl.types import TrainingSample
 
 TREE_ATTENTION = "loomrl_tree"  # the name the segment attention is registered under in transformers
@@ -131,14 +132,6 @@ class PackedTree:
         return mask
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 def _sorted_with_prefix(seqs: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
     """(input index, length of the prefix shared with the previous one) in lexicographic order.
     In that order a sequence's longest common prefix with any earlier one is the one with its
@@ -146,7 +139,7 @@ def _sorted_with_prefix(seqs: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
     order = sorted(range(len(seqs)), key=lambda i: list(seqs[i]))
     out, prev = [], ()
     for i in order:
-        out.append((i, _common_prefix(prev, seqs[i])))
+        out.append((i, common_prefix_len(prev, seqs[i])))
         prev = seqs[i]
     return out
 

@@ -38,6 +38,7 @@ from loomrl.engine.base import GenerationRequest, GenerationResult
 from loomrl.engine.builtin.prefix_cache import PrefixCache
 from loomrl.engine.builtin.runner import Chunk, ModelRunner, SequenceKV
 from loomrl.engine.common import deliver, sample_tokens
+from loomrl.tokens import common_prefix_len
 
 
 @dataclass(slots=True)
@@ -76,14 +77,6 @@ class _Seq:
 
     def pending_prompt(self) -> list[int]:
         return self.prompt[self.kv.length :] if self.kv is not None else self.prompt
-
-
-def _common_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class BuiltinEngine:
@@ -263,7 +256,7 @@ class BuiltinEngine:
             hit, donor = (0, None)
             if self.cache is not None:
                 hit, donor = self.cache.match(seq.prompt[:-1], count=False)  # the last token must be computed
-                shared = max((_common_len(seq.prompt, a.prompt) for a in admitted), default=0)
+                shared = max((common_prefix_len(seq.prompt, a.prompt) for a in admitted), default=0)
                 if shared > hit and shared >= 8 and shared >= len(seq.prompt) // 4:
                     deferred.append(seq)
                     continue

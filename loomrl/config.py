@@ -112,9 +112,10 @@ class AgentConfig(_Section):
     # blackbox: the program may report its own reward (POST /v1/reward); it is used instead of the
     # task's verifier. Only for tasks whose programs can be trusted to judge themselves.
     reward_from_agent: bool = False
-    # Supervision: a trajectory that ends with one of these statuses (the environment's fault: a dead
-    # sandbox, a crashed or hung tool) is run again, up to max_retries more times, after
-    # retry_backoff_s x 2^k (with jitter); the kept attempt records the earlier ones' errors.
+    # Supervision: a trajectory that ends with one of these statuses is run again, up to max_retries
+    # more times, after retry_backoff_s x 2^k (with jitter); the kept attempt records the earlier
+    # ones' errors. env_error: a dead sandbox, a crashed tool, any exception in the loop; timeout: a
+    # hung tool or the episode deadline (trajectory_timeout_s), which a slow policy can hit too.
     retry_on: list[Literal["env_error", "timeout"]] = Field(default_factory=list)
     max_retries: int = Field(0, ge=0)
     retry_backoff_s: float = Field(0.5, ge=0.0)
@@ -206,6 +207,7 @@ class RuntimeConfig(_Section):
     schedule: Literal["fifo", "seer"] = "fifo"
     # most training trajectories in flight at once (sandboxes, K/V); 0 = no cap beyond the admission
     # rule (sync: a step's groups; async: the groups within buffer.max_policy_lag). Whole groups count.
+    # backend=ray: per rollout actor.
     max_inflight_trajectories: int = Field(0, ge=0)
     # async (local): how new weights go from the trainer process to the engine (runtime/weight_sync.py;
     # benchmarks/weight_sync.py: shm ~6x faster than pickling through the queue for SmolLM2-135M)

@@ -84,8 +84,9 @@ def test_freeze_layers_keeps_bottom_fixed(tokenizer):
                            .state_dict()["model.layers.1.mlp.down_proj.weight"])
 
 
-@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "token_sum_norm"])
-def test_idle_counts_make_skipping_a_zero_advantage_group_exact(tokenizer, aggregation):
+@pytest.mark.parametrize("aggregation,norm_constant", [("token_mean", None), ("seq_mean_token_mean", None),
+                                                       ("token_sum_norm", 40.0), ("token_sum_norm", None)])
+def test_idle_counts_make_skipping_a_zero_advantage_group_exact(tokenizer, aggregation, norm_constant):
     """Leaving a zero-variance group out of the backward pass but counting its tokens and sequences
     (idle_tokens/idle_seqs) gives the gradient of training on it with zero advantage; leaving it out
     of the denominator too gives a larger one."""
@@ -94,9 +95,10 @@ def test_idle_counts_make_skipping_a_zero_advantage_group_exact(tokenizer, aggre
 
     informative = [_sample(tokenizer, "calc(3 + 4) then the answer", 2, 1.0),
                    _sample(tokenizer, "random words about nothing", 2, -1.0)]
-    idle = [_sample(tokenizer, "all of this group got the same reward", 3, 0.0),
+    # the longest sequence is idle: token_sum_norm's default constant must see it (idle_longest)
+    idle = [_sample(tokenizer, "all of this group got the same reward, and it is the longest of them", 1, 0.0),
             _sample(tokenizer, "so its advantage is zero", 1, 0.0)]
-    norm = 40.0 if aggregation == "token_sum_norm" else None
+    norm = norm_constant
 
     def grads(samples, **kw):
         torch.manual_seed(0)
@@ -107,10 +109,11 @@ def test_idle_counts_make_skipping_a_zero_advantage_group_exact(tokenizer, aggre
         return torch.cat([p.grad.flatten() for p in trainer.params if p.grad is not None])
 
     full = grads(informative + idle)
-    skipped = grads(informative, idle_tokens=sum(sum(s.loss_mask) for s in idle), idle_seqs=len(idle))
+    skipped = grads(informative, idle_tokens=sum(sum(s.loss_mask) for s in idle), idle_seqs=len(idle),
+                    idle_longest=max(sum(s.loss_mask) for s in idle))
     renormalised = grads(informative)
     assert torch.allclose(full, skipped, atol=1e-7, rtol=1e-5)
-    if aggregation != "token_sum_norm":  # a fixed constant does not depend on the batch
+    if norm_constant is None:  # a fixed constant does not depend on the batch
         assert renormalised.norm() > full.norm() * 1.2
     with pytest.raises(ValueError, match="idle_tokens"):
         grads(informative, idle_tokens=-1)

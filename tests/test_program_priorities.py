@@ -27,6 +27,11 @@ def test_probe_goes_first_then_longest_estimate_first():
     assert p.estimate("A") == 60 and p.priority("A", "a2") == -60
     p.forget("A")
     assert p.estimate("A") == 96  # a group seen anew starts unprobed
+    # A probe that fails is no evidence: the group stays unprobed and the next program probes it.
+    assert p.priority("C", "c0") < p.priority("C", "c1") == -96
+    p.generated("C", "c0", 3)
+    p.abandoned("C", "c0")
+    assert p.estimate("C") == 96 and p.priority("C", "c1") < -96  # c1 is now the probe
     with pytest.raises(ValueError, match="budget_tokens"):
         ProgramPriorities(0)
 
@@ -64,5 +69,6 @@ def test_seer_and_capped_runs_train_and_keep_within_the_cap(tmp_path):
     assert summary["steps"] == 2
     assert live["peak"] == 4
     rows = [r for r in read_metrics(cfg.run_dir) if r.get("kind") == "train"]
-    assert rows and all(r["rollout/cap_wait_s_total"] > 0 for r in rows[1:])
+    waits = [r["rollout/cap_wait_s_total"] for r in rows]  # cumulative: the second group waits each step
+    assert waits[0] > 0 and all(b > a for a, b in zip(waits, waits[1:]))
     assert all(r["time/rollout_s"] > 0 and r["time/train_s"] > 0 and r["engine/busy_s"] > 0 for r in rows)

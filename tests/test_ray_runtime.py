@@ -140,8 +140,8 @@ def test_two_node_run_places_trainer_and_rollouts_on_their_nodes(cluster, tmp_pa
 
 @pytest.mark.ray
 def test_chaos_kills_actors_and_the_run_accounts_for_every_trajectory_once(cluster, tmp_path):
-    """A thread SIGKILLs a random rollout actor every few seconds, and the trainer actor twice (after
-    the first checkpoint); the run completes and its ledger adds up."""
+    """A thread SIGKILLs a random rollout actor (six times) and the trainer actor (twice, after the
+    first checkpoint) as the run advances; the run completes and its ledger adds up."""
     steps = 8
     proc = _train(cluster, tmp_path, "chaos", f"trainer.total_steps={steps}", "checkpoint_every=2",
                   "ray.retry_backoff_s=0.2", "ray.max_group_attempts=3")
@@ -150,25 +150,32 @@ def test_chaos_kills_actors_and_the_run_accounts_for_every_trajectory_once(clust
     stop = threading.Event()
 
     def chaos() -> None:
+        # Kills follow the run's progress, not the clock (a fast run must not finish before the kills):
+        # each time the ledger gains a step, the next kill of the plan; the trainer only once a
+        # checkpoint exists (checkpoint_every=2), so that it has something to resume from.
         rng = random.Random(0)
-        trainer_kills = 0
-        while not stop.wait(3.0) and proc.poll() is None:
+        plan = ["rollout", "rollout", "trainer", "rollout", "rollout", "trainer", "rollout", "rollout"]
+        seen = 0
+        while not stop.wait(0.25) and proc.poll() is None and plan:
+            try:
+                n = len(read_ledger(run_dir))
+            except ValueError:  # a line being written
+                continue
+            if n <= seen:
+                seen = min(seen, n)  # a restarted trainer cut the ledger back to its checkpoint
+                continue
+            seen = n
+            what = plan[0] if plan[0] == "rollout" or n >= 2 else "rollout"
             actors = {pid: _title(pid) for pid in _tagged(cluster["tag"], cluster["tmp"])}
-            rollouts = [p for p, t in actors.items() if t.startswith("ray::RolloutActor")]
-            trainers = [p for p, t in actors.items() if t.startswith("ray::TrainerActor")]
-            past_checkpoint = len(read_ledger(run_dir)) >= 3
-            if trainers and past_checkpoint and trainer_kills < 2 and killed.count("rollout") >= 3 * trainer_kills:
-                victim, what = trainers[0], "trainer"
-                trainer_kills += 1
-            elif rollouts and killed.count("rollout") < 8:  # enough to see it; more only slows the run
-                victim, what = rng.choice(rollouts), "rollout"
-            else:
+            victims = [p for p, t in actors.items() if t.startswith(f"ray::{what.capitalize()}Actor")]
+            if not victims:
                 continue
             try:
-                os.kill(victim, signal.SIGKILL)
-                killed.append(what)
+                os.kill(rng.choice(victims), signal.SIGKILL)
             except OSError:
-                pass
+                continue
+            killed.append(what)
+            plan.remove(what)
 
     killer = threading.Thread(target=chaos, daemon=True)
     t0 = time.time()

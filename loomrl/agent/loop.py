@@ -63,7 +63,10 @@ class AgentLoop:
         finally:
             self.engine.release(traj.trajectory_id)
             if self.priorities is not None:
-                self.priorities.finished(traj.group_id, traj.trajectory_id)
+                if traj.status in (RolloutStatus.COMPLETED, RolloutStatus.TRUNCATED):
+                    self.priorities.finished(traj.group_id, traj.trajectory_id)
+                else:  # a failed episode says nothing about the group's length (and may be retried)
+                    self.priorities.abandoned(traj.group_id, traj.trajectory_id)
         md = traj.metadata
         md.total_steps = len(traj.all_turns())
         md.total_tokens = sum(len(c.token_ids) for c in traj.contexts())

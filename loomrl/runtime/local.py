@@ -274,6 +274,7 @@ class LocalRun:
         if kind == "error":
             raise RunError(f"trainer process failed to start: {version}")
         engine.update_weights(None, version)
+        engine_version = version  # the weights the engine holds: admission counts the lag from these
         received = PositionSet(received_state["watermark"], set(received_state["above"]))
         pos = positions_after(received)
         next_pos = next(pos)
@@ -290,7 +291,7 @@ class LocalRun:
         step_started = time.perf_counter()
         try:
             while True:
-                while next_pos // B - version <= lag:  # admission: bounded staleness at consumption
+                while next_pos // B - engine_version <= lag:  # admission: bounded staleness at consumption
                     inflight[asyncio.ensure_future(worker.run_group(next_pos))] = next_pos
                     next_pos = next(pos)
                     launched += 1
@@ -326,13 +327,14 @@ class LocalRun:
                     try:
                         loaded = load_weights(handle)
                     except StaleWeights:  # newer versions were published meanwhile: the next message
-                        loaded = None     # brings one; the groups sampled until then may be dropped as stale
+                        loaded = None     # brings one; admission waits for it (engine_version)
                         log.warning("weights of version %d were freed before they were read", version)
                     if loaded is not None:
                         if cfg.runtime.interrupt_on_update and hasattr(engine, "interrupt"):
                             engine.interrupt()  # in-flight turns resume under the new weights (AgentLoop._generate)
                         t_apply = time.perf_counter()
                         engine.update_weights(loaded.weights, version)
+                        engine_version = version
                         metrics.update(sync_metrics(handle, loaded))
                         metrics["weight_sync/apply_s"] = time.perf_counter() - t_apply  # into the engine
                     now = time.perf_counter()
@@ -358,6 +360,9 @@ class LocalRun:
             inbox.put(("stop",))
             self.store.flush()
             proc.join(timeout=60)
+            if proc.is_alive():
+                proc.terminate()  # SIGTERM first: its finally frees the published weights
+                proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
         return version
@@ -391,6 +396,11 @@ class LocalRun:
 
 def _trainer_main(cfg_json: str, ckpt: str | None, extra: dict, inbox, outbox) -> None:
     """Entry of the trainer process (async mode)."""
+    import signal
+    import sys
+
+    # SIGTERM (the rollout side giving up on us) unwinds through `finally`, which frees the weights.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     publisher = None
     try:
         cfg = RunConfig.model_validate_json(cfg_json)
@@ -401,12 +411,13 @@ def _trainer_main(cfg_json: str, ckpt: str | None, extra: dict, inbox, outbox) -
         service.extra.update(extra)
         # New weights reach the rollout process through runtime.weight_transport (weight_sync.py): a
         # small handle travels on the queue; the last few versions stay readable.
-        publisher = make_publisher(cfg.runtime.weight_transport, keep=3)
+        folder = cfg.run_dir / "weights" if cfg.runtime.weight_transport == "file" else None
+        publisher = make_publisher(cfg.runtime.weight_transport, keep=3, folder=folder)
         outbox.put(("ready", service.version, service.received.state()))
         while not service.done:
             msg = inbox.get()
-            if msg[0] == "stop":
-                break
+            if msg[0] == "stop":  # the rollout side ended the run (e.g. it failed): nothing more to read
+                return
             _, position, group = msg
             service.receive(position, group)
             while service.ready():

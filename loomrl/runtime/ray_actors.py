@@ -54,6 +54,8 @@ class RolloutActor:
             t0 = time.perf_counter()
             weights = await handle.payload  # transport "ray": an ObjectRef owned by the driver
             t1 = time.perf_counter()
+            if self.cfg.runtime.interrupt_on_update and hasattr(self.engine, "interrupt"):
+                self.engine.interrupt()  # in-flight turns resume under the new weights (AgentLoop._generate)
             await asyncio.to_thread(self.engine.update_weights, weights, handle.version)
         return {"version": handle.version, "load_s": t1 - t0, "apply_s": time.perf_counter() - t1}
 
@@ -65,6 +67,8 @@ class RolloutActor:
         return await self.worker.run_group(position)
 
     async def evaluate(self) -> dict[str, Any]:
+        async with self._lock():  # the latest published weights first, as for run_group
+            pass
         res = await self.worker.evaluate(self.heldout[: self.cfg.eval.n_tasks])
         return {"success": res.success, "n": res.n, "stderr": res.stderr, "statuses": res.statuses}
 

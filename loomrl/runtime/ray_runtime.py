@@ -124,7 +124,9 @@ class RayRun:
                 for k, v in res.items():
                     need[k] = need.get(k, 0) + v * n
             kwargs.update(include_dashboard=False, resources=need or None)
-        self.ray.init(address=r.address, **kwargs)
+        # "local": always a new one-machine cluster; plain None would join a cluster found running
+        # (RAY_ADDRESS, or the last one started on this machine)
+        self.ray.init(address=r.address or "local", **kwargs)
         return True
 
     def _new_rollout_actor(self):

@@ -376,7 +376,7 @@ class ProgramPriorities:
 
     def priority(self, group_id: str, program_id: str) -> int:
         g = self._group(group_id, program_id)
-        probe = next(iter(g.programs)) == program_id
+        probe = next(iter(g.programs)) == program_id  # the oldest program still counted
         if probe and not g.finished:
             return _PROBE + g.arrival
         return -self.estimate(group_id)
@@ -386,6 +386,14 @@ class ProgramPriorities:
 
     def finished(self, group_id: str, program_id: str) -> None:
         self._group(group_id, program_id).finished.add(program_id)
+
+    def abandoned(self, group_id: str, program_id: str) -> None:
+        """The program failed (env error, timeout): its tokens are no length evidence; if it was the
+        probe, the next program the group starts becomes the probe."""
+        g = self._groups.get(group_id)
+        if g is not None:
+            g.programs.pop(program_id, None)
+            g.finished.discard(program_id)
 
     def forget(self, group_id: str) -> None:
         """The group is done (all its programs returned)."""

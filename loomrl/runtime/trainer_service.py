@@ -106,7 +106,7 @@ class TrainerService:
         groups, stale = self.buffer.take(self.cfg.trainer.groups_per_step, version)
         samples, trained, skipped = [], [], {}
         groups_skipped = 0
-        idle_tokens = idle_seqs = 0  # of zero-variance groups: no gradient, but part of the step's mean
+        idle_tokens = idle_seqs = idle_longest = 0  # of zero-variance groups: no gradient, but part of the mean
         for group in groups:
             usable, left_out, reason = usable_group(group, self.filters)
             for why, ids in left_out.items():
@@ -119,6 +119,7 @@ class TrainerService:
                     idle = samples_from_group(kept, self.cfg.trainer.advantage)
                     idle_tokens += sum(sum(s.loss_mask) for s in idle)
                     idle_seqs += len(idle)
+                    idle_longest = max([idle_longest, *(sum(s.loss_mask) for s in idle)])
                 skipped.setdefault(reason, []).extend(t.trajectory_id for t in group if t.trajectory_id not in out)
                 continue
             samples.extend(samples_from_group(usable, self.cfg.trainer.advantage))
@@ -154,7 +155,8 @@ class TrainerService:
                     sample.advantages = [a * w for a in sample.advantages]
                     metrics["samples_downweighted"] = metrics.get("samples_downweighted", 0) + 1
         if samples:
-            stats = self.trainer.train_step(samples, idle_tokens=idle_tokens, idle_seqs=idle_seqs)
+            stats = self.trainer.train_step(samples, idle_tokens=idle_tokens, idle_seqs=idle_seqs,
+                                            idle_longest=idle_longest)
             metrics["train/idle_tokens"] = idle_tokens
             metrics.update({f"train/{k}": v for k, v in asdict(stats).items()})
         else:

@@ -81,12 +81,13 @@ class DataParallelTrainer:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
 
-    def train_step(self, samples: list[TrainingSample], *, idle_tokens: int = 0, idle_seqs: int = 0) -> StepStats:
+    def train_step(self, samples: list[TrainingSample], *, idle_tokens: int = 0, idle_seqs: int = 0,
+                   idle_longest: int = 0) -> StepStats:
         """One optimiser step over this rank's shard; `idle_*` are this rank's share of the step's idle
         counts (Trainer.train_step). Stats are the whole step's, the same on every rank."""
         t = self.trainer
         tokens = sum(sum(s.loss_mask) for s in samples)
-        longest = max((sum(s.loss_mask) for s in samples), default=0)
+        longest = max([idle_longest, *(sum(s.loss_mask) for s in samples)])
         counts = torch.tensor([tokens, len(samples), idle_tokens, idle_seqs, int(tokens == 0)], dtype=torch.int64)
         dist.all_reduce(counts)
         g_tokens, g_seqs, g_idle_tokens, g_idle_seqs, empty = counts.tolist()
@@ -135,12 +136,14 @@ class DataParallelTrainer:
         lt = float(s.loss_tokens)
         forwarded = s.tokens / s.tree_ratio if s.tree_ratio else float(s.tokens)
         v = torch.tensor([s.loss, s.clip_frac * lt, s.ratio_mean * lt, s.approx_kl * lt, s.ess * lt, lt,
-                          float(s.tokens), forwarded], dtype=torch.float64)
+                          float(s.tokens), forwarded, float(s.attn_pairs_dense), float(s.attn_pairs)],
+                         dtype=torch.float64)
         dist.all_reduce(v)
-        loss, clip, ratio, kl, ess, g_lt, tokens, g_forwarded = v.tolist()
+        loss, clip, ratio, kl, ess, g_lt, tokens, g_forwarded, pairs_dense, pairs = v.tolist()
         return StepStats(loss=loss, grad_norm=s.grad_norm, clip_frac=clip / g_lt, ratio_mean=ratio / g_lt,
                          approx_kl=kl / g_lt, tokens=int(tokens), loss_tokens=int(g_lt), seconds=s.seconds,
-                         lr=s.lr, ess=ess / g_lt, tree_ratio=tokens / max(g_forwarded, 1.0))
+                         lr=s.lr, ess=ess / g_lt, tree_ratio=tokens / max(g_forwarded, 1.0),
+                         attn_pairs_dense=int(pairs_dense), attn_pairs=int(pairs))
 
     def in_sync(self) -> bool:
         """Whether every rank holds bit-identical trainable parameters (a cheap checksum, for checks)."""

@@ -108,7 +108,8 @@ class Trainer:
         if self.ref_model is not None:
             self.ref_model.requires_grad_(False)
 
-    def train_step(self, samples: list[TrainingSample], *, idle_tokens: int = 0, idle_seqs: int = 0) -> StepStats:
+    def train_step(self, samples: list[TrainingSample], *, idle_tokens: int = 0, idle_seqs: int = 0,
+                   idle_longest: int = 0) -> StepStats:
         """One optimiser step over `samples`, in micro-batches, with the configured loss
         (loomrl/trainer/losses.py); aggregation denominators are those of the whole step.
 
@@ -116,7 +117,10 @@ class Trainer:
         because they carry no signal (groups whose rewards are all equal: zero advantage). They count
         in the denominators, so leaving them out saves compute without changing the gradient; were
         they dropped from the denominator too, a step with one informative group would move the
-        weights as far as a step with six, on a sixth of the evidence."""
+        weights as far as a step with six, on a sixth of the evidence. `idle_longest`: the most sampled
+        tokens of one idle sequence (token_sum_norm's default constant is the longest x sequences).
+        Exception: with a KL penalty the idle tokens' KL term would have had a gradient; it is not
+        trained (their tokens still count in the denominator)."""
         start = time.perf_counter()
         cfg = self.cfg
         if idle_tokens < 0 or idle_seqs < 0:
@@ -141,7 +145,8 @@ class Trainer:
             aggregation, norm = "token_sum_norm", float(total_loss_tokens + idle_tokens)  # sum / the step's sampled tokens
         else:
             aggregation = cfg.aggregation
-            norm = cfg.norm_constant or float(max(sum(s.loss_mask) for s in samples) * (len(samples) + idle_seqs))
+            longest = max(max(sum(s.loss_mask) for s in samples), idle_longest)
+            norm = cfg.norm_constant or float(longest * (len(samples) + idle_seqs))
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         stats_sum: dict[str, float] = {}

@@ -214,7 +214,7 @@ class RolloutWorker:
                     traj = await self.reward_pool.score(traj, task)
                     self.counts[str(traj.status)] += 1
                     return traj
-                # The environment failed, not the policy: run the episode again after a backoff.
+                # A failure the recipe retries (agent.retry_on): run the episode again after a backoff.
                 errors.append(f"{traj.status}: {traj.error}")
                 self.counts[f"retried:{traj.status}"] += 1
                 delay = a.retry_backoff_s * 2 ** (len(errors) - 1)

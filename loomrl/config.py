@@ -212,6 +212,9 @@ class RuntimeConfig(_Section):
     # async (local): how new weights go from the trainer process to the engine (runtime/weight_sync.py;
     # benchmarks/weight_sync.py: shm ~6x faster than pickling through the queue for SmolLM2-135M)
     weight_transport: Literal["shm", "file", "queue"] = "shm"
+    # async (local): a trainer process that dies is restarted from the latest checkpoint this many
+    # times (0: the run stops and says to continue with --resume)
+    max_trainer_restarts: int = Field(2, ge=0)
 
 
 class RayConfig(_Section):

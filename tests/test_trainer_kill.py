@@ -46,9 +46,10 @@ def _trainer_pid(pid: int) -> int | None:
 
 
 def test_sigkill_of_the_trainer_then_resume_accounts_for_every_trajectory_once(tmp_path):
+    """With in-run restarts off: the run stops, says so, and `--resume` continues it."""
     args = [sys.executable, "-m", "loomrl.cli", "train", str(RECIPE), f"output_dir={tmp_path}", "name=killed",
             "progress=false", "reward.function=rewards_for_tests:parity_reward", "trainer.total_steps=8",
-            "checkpoint_every=2", "eval.n_tasks=0", "runtime.mode=async"]
+            "checkpoint_every=2", "eval.n_tasks=0", "runtime.mode=async", "runtime.max_trainer_restarts=0"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
     run_dir = tmp_path / "killed"
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -76,3 +77,35 @@ def test_sigkill_of_the_trainer_then_resume_accounts_for_every_trajectory_once(t
     # steps after the checkpoint were cut, then redone: each step once, each trajectory once
     _, consumed, stored = check_each_trajectory_once(run_dir, 8)
     assert len({stored[t]["position"] for t in consumed}) == len(consumed) // 4  # whole groups of 4
+
+
+def test_sigkill_of_the_trainer_is_survived_by_an_in_run_restart(tmp_path):
+    """Default supervision: the run restarts the killed trainer from its latest checkpoint, abandons
+    what was sampled after it, and completes by itself; every step once, every trajectory once."""
+    args = [sys.executable, "-m", "loomrl.cli", "train", str(RECIPE), f"output_dir={tmp_path}", "name=restarted",
+            "progress=false", "reward.function=rewards_for_tests:parity_reward", "trainer.total_steps=8",
+            "checkpoint_every=2", "eval.n_tasks=4", "runtime.mode=async"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    run_dir = tmp_path / "restarted"
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and len(read_ledger(run_dir)) < 3:  # past the first checkpoint
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.2)
+        trainer = _trainer_pid(proc.pid)
+        assert trainer is not None
+        os.kill(trainer, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    lines = [line for line in out.splitlines() if line.startswith("{")]  # stderr is interleaved
+    assert lines, out[-3000:]
+    summary = json.loads(lines[-1])
+    assert summary["steps"] == 8 and summary["trainer_restarts"] == 1
+    assert summary["success_after"] is not None  # evaluated with the final weights after the restart
+    assert "restarting it (1 of 2)" in out
+    _, consumed, stored = check_each_trajectory_once(run_dir, 8)
+    assert len({stored[t]["position"] for t in consumed}) == len(consumed) // 4

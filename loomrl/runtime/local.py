@@ -33,7 +33,7 @@ from loomrl.metrics import MetricsLogger
 from loomrl.model.chat import ChatRenderer
 from loomrl.model.loader import load_model
 from loomrl.runtime.rollout import EvalResult, RolloutWorker, gather_all, group_summary
-from loomrl.runtime.trainer_service import PositionSet, TrainerService
+from loomrl.runtime.trainer_service import PositionSet, TrainerService, repair_ledger_for_restart
 from loomrl.runtime.weight_sync import StaleWeights, load_weights, make_publisher, sync_metrics
 from loomrl.store import TrajectoryStore
 from loomrl.trainer.checkpoint import latest_checkpoint, load_state
@@ -43,6 +43,10 @@ log = logging.getLogger("loomrl")
 
 class RunError(RuntimeError):
     """A run cannot start or continue; the message says why and what to do."""
+
+
+class TrainerDied(RuntimeError):
+    """The async trainer process failed; the run restarts it or stops (runtime.max_trainer_restarts)."""
 
 
 def _exit_reason(code: int | None) -> str:
@@ -150,6 +154,7 @@ class LocalRun:
         self.train_tasks, self.heldout = env_family(cfg.env.name).splits(cfg)
         self.logger = MetricsLogger(cfg.run_dir)
         self.store = TrajectoryStore(cfg.run_dir / "trajectories")
+        self.trainer_restarts = 0  # async: trainer processes restarted from a checkpoint in this run
         torch.manual_seed(cfg.seed)
 
     # -- shared pieces ----------------------------------------------------------------------------
@@ -244,11 +249,36 @@ class LocalRun:
         return {**result, "rollouts": worker.rollout_counts(), "env_pool": worker.pool_metrics()}
 
     async def _async_loop(self, engine, worker: RolloutWorker, extra: dict[str, Any]) -> int:
+        """Run the async segments: a trainer process that dies is restarted from the latest checkpoint
+        (at most runtime.max_trainer_restarts times). Groups in flight or sent after that checkpoint
+        may hold tokens of versions the restored model never had: they are abandoned (they stay in the
+        trajectory store, and in no ledger line) and their data positions run again."""
         cfg = self.cfg
+        ckpt, restarts = self.ckpt, 0
+        while True:
+            try:
+                return await self._async_segment(engine, worker, extra, ckpt, restore=restarts > 0)
+            except TrainerDied as err:
+                ckpt = latest_checkpoint(cfg.run_dir)
+                where = f"its latest checkpoint is {ckpt.name}" if ckpt else "it has no checkpoint yet"
+                restarts += 1
+                if restarts > cfg.runtime.max_trainer_restarts:
+                    raise RunError(f"run error: the trainer process failed:\n{err}\nThe run folder "
+                                   f"'{cfg.run_dir}' keeps everything up to the last checkpoint ({where}); "
+                                   "continue with the same command and --resume") from None
+                log.warning("the trainer process failed (%s); restarting it (%d of %d), %s", str(err).splitlines()[-1],
+                            restarts, cfg.runtime.max_trainer_restarts, where)
+                self.trainer_restarts = restarts
+
+    async def _async_segment(self, engine, worker: RolloutWorker, extra: dict[str, Any], ckpt: Path | None,
+                             restore: bool) -> int:
+        cfg = self.cfg
+        if restore:
+            repair_ledger_for_restart(cfg.run_dir, ckpt)
         ctx = mp.get_context("spawn")
         inbox, outbox = ctx.Queue(), ctx.Queue()
         proc = ctx.Process(target=_trainer_main, name="loomrl-trainer", daemon=True,
-                           args=(cfg.model_dump_json(), str(self.ckpt) if self.ckpt else None, extra, inbox, outbox))
+                           args=(cfg.model_dump_json(), str(ckpt) if ckpt else None, extra, inbox, outbox, restore))
         proc.start()
         loop = asyncio.get_running_loop()
         messages: asyncio.Queue = asyncio.Queue()
@@ -270,10 +300,14 @@ class LocalRun:
                     return
 
         threading.Thread(target=pump, daemon=True, name="loomrl-trainer-pump").start()
-        kind, version, received_state = await messages.get()
+        kind, version, received_state, *restored = await messages.get()
         if kind == "error":
+            proc.join(timeout=10)
+            if restore:  # a restart that cannot even start counts against the restarts
+                raise TrainerDied(f"trainer process failed to start: {version}")
             raise RunError(f"trainer process failed to start: {version}")
-        engine.update_weights(None, version)
+        # A restart rolls the engine back to the checkpoint's weights; a first start shares them already.
+        engine.update_weights(load_weights(restored[0]).weights if restored else None, version)
         engine_version = version  # the weights the engine holds: admission counts the lag from these
         received = PositionSet(received_state["watermark"], set(received_state["above"]))
         pos = positions_after(received)
@@ -315,11 +349,7 @@ class LocalRun:
                 if getter in done:
                     msg, getter = getter.result(), None
                     if msg[0] == "error":
-                        ckpt = latest_checkpoint(cfg.run_dir)
-                        where = f"its latest checkpoint is {ckpt.name}" if ckpt else "it has no checkpoint yet"
-                        raise RunError(f"run error: the trainer process failed:\n{msg[1]}\nThe run folder "
-                                       f"'{cfg.run_dir}' keeps everything up to the last checkpoint ({where}); "
-                                       "continue with the same command and --resume")
+                        raise TrainerDied(msg[1])
                     if msg[0] == "done":
                         version = msg[1]
                         break
@@ -388,13 +418,14 @@ class LocalRun:
             "wall_s": round(time.time() - self.wall_start, 1),
             # launched = the sum of the ending statuses (completed, truncated, timeout, env_error, ...)
             "rollouts": result["rollouts"],
+            "trainer_restarts": self.trainer_restarts,
             "env_pool": {k: round(v, 4) if isinstance(v, float) else v for k, v in result["env_pool"].items()},
         }
         (self.cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
 
-def _trainer_main(cfg_json: str, ckpt: str | None, extra: dict, inbox, outbox) -> None:
+def _trainer_main(cfg_json: str, ckpt: str | None, extra: dict, inbox, outbox, restore: bool = False) -> None:
     """Entry of the trainer process (async mode)."""
     import signal
     import sys
@@ -413,7 +444,11 @@ def _trainer_main(cfg_json: str, ckpt: str | None, extra: dict, inbox, outbox) -
         # small handle travels on the queue; the last few versions stay readable.
         folder = cfg.run_dir / "weights" if cfg.runtime.weight_transport == "file" else None
         publisher = make_publisher(cfg.runtime.weight_transport, keep=3, folder=folder)
-        outbox.put(("ready", service.version, service.received.state()))
+        if restore:  # the rollout side holds newer weights than the checkpoint: send these with "ready"
+            live = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+            outbox.put(("ready", service.version, service.received.state(), publisher.publish(live, service.version)))
+        else:
+            outbox.put(("ready", service.version, service.received.state()))
         while not service.done:
             msg = inbox.get()
             if msg[0] == "stop":  # the rollout side ended the run (e.g. it failed): nothing more to read

@@ -19,7 +19,7 @@ from loomrl.config import RunConfig
 from loomrl.env.registry import env_family
 from loomrl.model.chat import ChatRenderer
 from loomrl.runtime.rollout import RolloutWorker
-from loomrl.runtime.trainer_service import TrainerService
+from loomrl.runtime.trainer_service import TrainerService, repair_ledger_for_restart
 from loomrl.runtime.weight_sync import WeightHandle
 from loomrl.types import Trajectory
 
@@ -96,16 +96,7 @@ class TrainerActor:
         cfg = RunConfig.model_validate_json(cfg_json)
         torch.set_num_threads(cfg.trainer.threads or 1)
         ckpt = latest_checkpoint(cfg.run_dir)
-        ledger = cfg.run_dir / "ledger.jsonl"
-        text = ledger.read_text() if ledger.exists() else ""
-        if text and not text.endswith("\n"):
-            # The dead trainer was killed mid-append. Its step was logged before its checkpoint was
-            # written, so the checkpoint we resume from is older and that step is undone anyway.
-            ledger.write_text(text[: text.rfind("\n") + 1])
-        if ckpt is None and ledger.exists():
-            # A restart before the first checkpoint: the model starts over, so the steps logged by the
-            # dead trainer are undone (TrainerService cuts the lines after a checkpoint's step likewise).
-            ledger.unlink()
+        repair_ledger_for_restart(cfg.run_dir, ckpt)
         model, tokenizer = build_model(cfg, ckpt)
         self.service = TrainerService(cfg, model, tokenizer, resume_from=ckpt)
         for k, v in extra.items():

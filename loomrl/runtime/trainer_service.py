@@ -56,6 +56,19 @@ def read_ledger(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def repair_ledger_for_restart(run_dir: Path, checkpoint: Path | None) -> None:
+    """Before a trainer restarts after a crash: drop a last line torn by the kill (that step was logged
+    before its checkpoint was written, so the checkpoint resumed from is older and the step is undone
+    anyway), and with no checkpoint at all drop the ledger (the model starts over). Resuming from a
+    checkpoint cuts the later lines itself (TrainerService)."""
+    ledger = Path(run_dir) / "ledger.jsonl"
+    text = ledger.read_text() if ledger.exists() else ""
+    if text and not text.endswith("\n"):
+        ledger.write_text(text[: text.rfind("\n") + 1])
+    if checkpoint is None and ledger.exists():
+        ledger.unlink()
+
+
 class TrainerService:
     def __init__(self, cfg: RunConfig, model: torch.nn.Module, tokenizer: Any, resume_from: Path | None = None):
         self.cfg = cfg

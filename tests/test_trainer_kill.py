@@ -45,28 +45,40 @@ def _trainer_pid(pid: int) -> int | None:
     return None
 
 
-def test_sigkill_of_the_trainer_then_resume_accounts_for_every_trajectory_once(tmp_path):
-    """With in-run restarts off: the run stops, says so, and `--resume` continues it."""
-    args = [sys.executable, "-m", "loomrl.cli", "train", str(RECIPE), f"output_dir={tmp_path}", "name=killed",
+def _train_args(tmp_path, name: str, *overrides: str) -> tuple[list[str], dict[str, str]]:
+    args = [sys.executable, "-m", "loomrl.cli", "train", str(RECIPE), f"output_dir={tmp_path}", f"name={name}",
             "progress=false", "reward.function=rewards_for_tests:parity_reward", "trainer.total_steps=8",
-            "checkpoint_every=2", "eval.n_tasks=0", "runtime.mode=async", "runtime.max_trainer_restarts=0"]
+            "checkpoint_every=2", "runtime.mode=async", *overrides]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
-    run_dir = tmp_path / "killed"
+    return args, env
+
+
+def _run_killing_the_trainer(args: list[str], env: dict[str, str], run_dir: Path) -> tuple[int, str]:
+    """Start the run, SIGKILL its trainer process once the ledger is past the first checkpoint (step 3),
+    let the run end; (exit code, stdout and stderr)."""
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 240
-        while time.time() < deadline and len(read_ledger(run_dir)) < 3:  # past the first checkpoint
+        while time.time() < deadline and len(read_ledger(run_dir)) < 3:
             assert proc.poll() is None, proc.stdout.read()
             time.sleep(0.2)
         assert len(read_ledger(run_dir)) >= 3, "the run did not reach step 3 in time"
         trainer = _trainer_pid(proc.pid)
         assert trainer is not None
         os.kill(trainer, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=120)
+        out, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode != 0
+    return proc.returncode, out
+
+
+def test_sigkill_of_the_trainer_then_resume_accounts_for_every_trajectory_once(tmp_path):
+    """With in-run restarts off: the run stops, says so, and `--resume` continues it."""
+    args, env = _train_args(tmp_path, "killed", "eval.n_tasks=0", "runtime.max_trainer_restarts=0")
+    run_dir = tmp_path / "killed"
+    code, out = _run_killing_the_trainer(args, env, run_dir)
+    assert code != 0
     assert "trainer" in out and "--resume" in out, out[-2000:]  # says what died and what to do
     steps_before = [e["step"] for e in read_ledger(run_dir)]
     assert steps_before and steps_before[-1] < 8
@@ -82,25 +94,10 @@ def test_sigkill_of_the_trainer_then_resume_accounts_for_every_trajectory_once(t
 def test_sigkill_of_the_trainer_is_survived_by_an_in_run_restart(tmp_path):
     """Default supervision: the run restarts the killed trainer from its latest checkpoint, abandons
     what was sampled after it, and completes by itself; every step once, every trajectory once."""
-    args = [sys.executable, "-m", "loomrl.cli", "train", str(RECIPE), f"output_dir={tmp_path}", "name=restarted",
-            "progress=false", "reward.function=rewards_for_tests:parity_reward", "trainer.total_steps=8",
-            "checkpoint_every=2", "eval.n_tasks=4", "runtime.mode=async"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    args, env = _train_args(tmp_path, "restarted", "eval.n_tasks=4")
     run_dir = tmp_path / "restarted"
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.time() + 240
-        while time.time() < deadline and len(read_ledger(run_dir)) < 3:  # past the first checkpoint
-            assert proc.poll() is None, proc.stdout.read()
-            time.sleep(0.2)
-        trainer = _trainer_pid(proc.pid)
-        assert trainer is not None
-        os.kill(trainer, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out[-3000:]
+    code, out = _run_killing_the_trainer(args, env, run_dir)
+    assert code == 0, out[-3000:]
     lines = [line for line in out.splitlines() if line.startswith("{")]  # stderr is interleaved
     assert lines, out[-3000:]
     summary = json.loads(lines[-1])

@@ -180,6 +180,9 @@ class TrainerConfig(_Section):
     total_steps: int = Field(10, gt=0)
     freeze_layers: int = Field(0, ge=0)  # keep the bottom N transformer blocks fixed (cheaper steps)
     threads: int = Field(0, ge=0)  # torch threads of the trainer; 0 = all cores (sync), the rest (async)
+    # data-parallel trainer ranks (runtime/trainer_ranks.py): each holds a model and optimizer replica
+    # and trains on a share of every step's samples; gradients are summed over gloo (CPU)
+    world_size: int = Field(1, ge=1)
     # loomrl/trainer/tree.py: forward a micro-batch as one prefix tree, so tokens its samples share (a
     # group's prompt, a conversation's history) are computed once; same logprobs and gradients.
     # "auto": merge a micro-batch when its total/unique token ratio is at least tree_merge_min_ratio.

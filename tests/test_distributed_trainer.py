@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import random
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ CASES = [
 ]
 SPLIT = 3  # rank 0 trains on the first 3 samples, rank 1 on the other 5
 STEPS = 2
+LOPSIDED = {"aggregation": "seq_mean_token_mean"}
 
 
 def _cfg(options: dict) -> TrainerConfig:
@@ -86,9 +88,13 @@ def _rank_train(rank: int, world: int, vocab: int, eos: int, samples: list[Train
         out["params"].append(_trained(dp.trainer.model))
         out["grads"].append(_grads(dp.trainer.model))
         out["in_sync"].append(dp.in_sync())
-    dp = DataParallelTrainer(Trainer(_model(vocab, eos), _cfg({})))
+    # Fewer samples than ranks: rank 1 gets none and still takes the step (seq_mean_token_mean: the
+    # step's sequence count must come from rank 0 alone).
+    dp = DataParallelTrainer(Trainer(_model(vocab, eos), _cfg(LOPSIDED)))
+    dp.train_step(copy.deepcopy(samples) if rank == 0 else [])
+    out["lopsided"] = _trained(dp.trainer.model)
     try:
-        dp.train_step(shard if rank == 0 else [])
+        dp.train_step([])
         out["empty_raised"] = False
     except ValueError:
         out["empty_raised"] = True
@@ -113,6 +119,8 @@ def test_two_ranks_equal_one_process_on_an_uneven_split(tokenizer):
             losses = [trainer.train_step(copy.deepcopy(samples), idle_tokens=idle[0], idle_seqs=idle[1]).loss
                       for _ in range(STEPS)]
             refs.append((losses, _trained(trainer.model), _grads(trainer.model)))
+        lopsided = Trainer(_model(vocab, eos), _cfg(LOPSIDED))
+        lopsided.train_step(copy.deepcopy(samples))
     finally:
         torch.set_num_threads(threads)
     for c, (options, _) in enumerate(CASES):
@@ -126,6 +134,9 @@ def test_two_ranks_equal_one_process_on_an_uneven_split(tokenizer):
         assert all(torch.equal(ranks[0]["params"][c][n], ranks[1]["params"][c][n]) for n in ref)
         got = ranks[0]["losses"][c * STEPS : (c + 1) * STEPS]
         assert got == pytest.approx(losses, rel=1e-5, abs=1e-7)
+    for r in ranks:
+        for name, want in _trained(lopsided.model).items():
+            assert _rel(r["lopsided"][name], want) < 1e-6, name
     assert ranks[0]["empty_raised"] and ranks[1]["empty_raised"]
 
 
@@ -163,5 +174,46 @@ def test_shard_samples_balances_tokens():
     assert sorted(s.trajectory_id for sh in shards for s in sh) == sorted(s.trajectory_id for s in samples)
     loads = [sum(len(s.token_ids) for s in sh) for sh in shards]
     assert max(loads) - min(loads) <= 8
-    with pytest.raises(ValueError, match="cannot give each"):
-        shard_samples(samples[:2], 3)
+    assert [len(sh) for sh in shard_samples(samples[:2], 3)] == [1, 1, 0]  # a rank without samples
+
+
+def test_shard_samples_keeps_groups_together_when_it_can():
+    def sample(i: int, group: str, n: int) -> TrainingSample:
+        return TrainingSample(trajectory_id=f"{group}{i}", group_id=group, token_ids=[1] * n, loss_mask=[1] * n,
+                              behaviour_logprobs=[0.0] * n, versions=[0] * n, advantages=[0.0] * n)
+
+    samples = [sample(i, g, n) for g, n in (("a", 10), ("b", 12), ("c", 9)) for i in range(4)]
+    shards = shard_samples(samples, 2, keep_groups=True)
+    assert all(len({s.group_id for s in sh}) >= 1 for sh in shards)
+    for g in "abc":
+        assert sum(any(s.group_id == g for s in sh) for sh in shards) == 1, g  # each group on one rank
+    one_group = samples[:4]  # fewer groups than ranks: split per sample, so every rank trains
+    assert [len(sh) for sh in shard_samples(one_group, 2, keep_groups=True)] == [2, 2]
+
+
+def test_a_sync_run_with_two_ranks_takes_the_steps_of_one(tmp_path):
+    """The runtime with trainer.world_size=2 (rank 0 in this process, rank 1 spawned): same rollouts
+    (same seed, sync), so the same gradient each step within float rounding, and the same weights at
+    the end. Every step also checks inside the run that rank 1's parameters equal rank 0's, bit for bit."""
+    from safetensors.torch import load_file
+
+    from loomrl.config import load_config
+    from loomrl.metrics.logger import read_metrics
+    from loomrl.runtime.local import LocalRun
+    from loomrl.trainer.checkpoint import latest_checkpoint
+
+    root = Path(__file__).resolve().parents[1]
+    runs = {}
+    for world in (1, 2):
+        cfg = load_config(root / "examples" / "calculator_tiny.yaml",
+                          [f"output_dir={tmp_path}", f"name=w{world}", "progress=false", "runtime.mode=sync",
+                           "reward.function=rewards_for_tests:parity_reward", "trainer.total_steps=3",
+                           "eval.n_tasks=0", f"trainer.world_size={world}"])
+        assert LocalRun(cfg).train()["steps"] == 3
+        norms = [m["train/grad_norm"] for m in read_metrics(cfg.run_dir) if "train/grad_norm" in m]
+        weights = load_file(str(next((latest_checkpoint(cfg.run_dir) / "model").glob("*.safetensors"))))
+        runs[world] = norms, weights
+    (norms1, w1), (norms2, w2) = runs[1], runs[2]
+    assert norms1 and norms2 == pytest.approx(norms1, rel=1e-4)
+    for name, want in w1.items():
+        assert _rel(w2[name].float(), want.float()) < 1e-5, name

@@ -33,15 +33,14 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _trainer_pid(pid: int) -> int | None:
-    """The spawned trainer process: a child whose command line runs multiprocessing's spawn_main."""
+def _pid_named(pid: int, name: str) -> int | None:
+    """The child of `pid` that named itself `name` (trainer_ranks.name_process: loomrl-trainer, loomrl-rankN)."""
     for child in _children(pid):
         try:
-            cmd = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            if Path(f"/proc/{child}/comm").read_text().strip() == name:
+                return child
         except OSError:
             continue
-        if "spawn_main" in cmd:
-            return child
     return None
 
 
@@ -53,9 +52,10 @@ def _train_args(tmp_path, name: str, *overrides: str) -> tuple[list[str], dict[s
     return args, env
 
 
-def _run_killing_the_trainer(args: list[str], env: dict[str, str], run_dir: Path) -> tuple[int, str]:
-    """Start the run, SIGKILL its trainer process once the ledger is past the first checkpoint (step 3),
-    let the run end; (exit code, stdout and stderr)."""
+def _run_killing_the_trainer(args: list[str], env: dict[str, str], run_dir: Path,
+                             victim: str = "loomrl-trainer") -> tuple[int, str]:
+    """Start the run, SIGKILL its trainer process (or the process named `victim`) once the ledger is
+    past the first checkpoint (step 3), let the run end; (exit code, stdout and stderr)."""
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 240
@@ -63,9 +63,9 @@ def _run_killing_the_trainer(args: list[str], env: dict[str, str], run_dir: Path
             assert proc.poll() is None, proc.stdout.read()
             time.sleep(0.2)
         assert len(read_ledger(run_dir)) >= 3, "the run did not reach step 3 in time"
-        trainer = _trainer_pid(proc.pid)
-        assert trainer is not None
-        os.kill(trainer, signal.SIGKILL)
+        target = _pid_named(proc.pid, victim)
+        assert target is not None, f"no process named {victim}"
+        os.kill(target, signal.SIGKILL)
         out, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
@@ -106,3 +106,16 @@ def test_sigkill_of_the_trainer_is_survived_by_an_in_run_restart(tmp_path):
     assert "restarting it (1 of 2)" in out
     _, consumed, stored = check_each_trajectory_once(run_dir, 8)
     assert len({stored[t]["position"] for t in consumed}) == len(consumed) // 4
+
+
+def test_sigkill_of_a_follower_rank_restarts_the_whole_trainer(tmp_path):
+    """trainer.world_size=2: the second data-parallel rank is killed; the run stops rank 0 too, restarts
+    both from the latest checkpoint and completes; every step once, every trajectory once."""
+    args, env = _train_args(tmp_path, "ranks", "eval.n_tasks=0", "trainer.world_size=2")
+    run_dir = tmp_path / "ranks"
+    code, out = _run_killing_the_trainer(args, env, run_dir, victim="loomrl-rank1")
+    assert code == 0, out[-3000:]
+    summary = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+    assert summary["steps"] == 8 and summary["trainer_restarts"] == 1
+    assert "trainer rank 1 died from signal SIGKILL" in out, out[-3000:]  # says which rank died and how
+    check_each_trajectory_once(run_dir, 8)

@@ -33,6 +33,7 @@ from loomrl.metrics import MetricsLogger
 from loomrl.model.chat import ChatRenderer
 from loomrl.model.loader import load_model
 from loomrl.runtime.rollout import EvalResult, RolloutWorker, gather_all, group_summary
+from loomrl.runtime.trainer_ranks import LocalRankGroup, exit_reason, name_process, spawn_local_followers
 from loomrl.runtime.trainer_service import PositionSet, TrainerService, repair_ledger_for_restart
 from loomrl.runtime.weight_sync import StaleWeights, load_weights, make_publisher, sync_metrics
 from loomrl.store import TrajectoryStore
@@ -47,16 +48,6 @@ class RunError(RuntimeError):
 
 class TrainerDied(RuntimeError):
     """The async trainer process failed; the run restarts it or stops (runtime.max_trainer_restarts)."""
-
-
-def _exit_reason(code: int | None) -> str:
-    if code is not None and code < 0:
-        import signal
-
-        name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
-        why = " (killed: out of memory, or by an operator)" if name == "SIGKILL" else ""
-        return f"trainer process died from signal {name}{why}"
-    return f"trainer process exited with code {code}"
 
 
 def _progress(total: int, desc: str, enabled: bool):
@@ -187,6 +178,13 @@ class LocalRun:
             torch.set_num_threads(cfg.trainer.threads)
         model, tokenizer = build_model(cfg, self.ckpt)
         service = TrainerService(cfg, model, tokenizer, resume_from=self.ckpt)
+        followers = None
+        if cfg.trainer.world_size > 1:  # this process is rank 0; a dead follower stops the run (--resume)
+            threads = cfg.trainer.threads or max(1, (os.cpu_count() or 1) // cfg.trainer.world_size)
+            followers = spawn_local_followers(cfg, self.ckpt, threads)
+            service.ranks = LocalRankGroup(service.trainer, cfg.trainer.world_size, *followers.channels(),
+                                           dead=followers.dead)
+            service.ranks.join("127.0.0.1", followers.port)
         engine = self._engine(model, tokenizer, service.version)
         worker = RolloutWorker(cfg, engine, ChatRenderer(tokenizer), self.train_tasks)
         try:
@@ -224,6 +222,9 @@ class LocalRun:
         finally:
             await worker.aclose()
             engine.close()
+            if followers is not None:
+                followers.stop()
+                service.ranks.close()
         # After the pool closed: its metrics then count every instance's teardown.
         return {**result, "rollouts": worker.rollout_counts(), "env_pool": worker.pool_metrics()}
 
@@ -277,8 +278,14 @@ class LocalRun:
             repair_ledger_for_restart(cfg.run_dir, ckpt)
         ctx = mp.get_context("spawn")
         inbox, outbox = ctx.Queue(), ctx.Queue()
+        # trainer.world_size > 1: the follower ranks are the trainer's siblings, so that this process
+        # sees them die (and stops the whole trainer, which then restarts) and cleans them up.
+        followers = (spawn_local_followers(cfg, ckpt, async_threads(cfg)[1]) if cfg.trainer.world_size > 1
+                     else None)
+        ranks = (followers.channels(), followers.port) if followers else None
         proc = ctx.Process(target=_trainer_main, name="loomrl-trainer", daemon=True,
-                           args=(cfg.model_dump_json(), str(ckpt) if ckpt else None, extra, inbox, outbox, restore))
+                           args=(cfg.model_dump_json(), str(ckpt) if ckpt else None, extra, inbox, outbox, restore,
+                                 ranks))
         proc.start()
         loop = asyncio.get_running_loop()
         messages: asyncio.Queue = asyncio.Queue()
@@ -289,12 +296,21 @@ class LocalRun:
                     msg = outbox.get(timeout=0.5)
                 except queue.Empty:
                     if not proc.is_alive():
-                        loop.call_soon_threadsafe(messages.put_nowait, ("error", _exit_reason(proc.exitcode)))
+                        loop.call_soon_threadsafe(messages.put_nowait, ("error", exit_reason(proc.exitcode, "trainer process")))
+                        return
+                    why = followers.dead() if followers else None
+                    if why:  # rank 0 may be waiting on it in a collective: the whole trainer restarts
+                        proc.kill()
+                        loop.call_soon_threadsafe(messages.put_nowait, ("error", why))
                         return
                     continue
                 except Exception:  # noqa: BLE001 - e.g. a message that cannot be unpickled
                     loop.call_soon_threadsafe(messages.put_nowait, ("error", traceback.format_exc()))
                     return
+                if msg[0] == "error" and followers is not None:
+                    time.sleep(0.5)  # a dead follower reaches rank 0 as a failed collective: name it
+                    why = followers.dead()
+                    msg = ("error", f"{msg[1]}\n{why}") if why else msg
                 loop.call_soon_threadsafe(messages.put_nowait, msg)
                 if msg[0] in ("done", "error"):
                     return
@@ -395,6 +411,8 @@ class LocalRun:
                 proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
+            if followers is not None:
+                followers.stop()
         return version
 
     # -- entry ------------------------------------------------------------------------------------
@@ -425,13 +443,15 @@ class LocalRun:
         return summary
 
 
-def _trainer_main(cfg_json: str, ckpt: str | None, extra: dict, inbox, outbox, restore: bool = False) -> None:
-    """Entry of the trainer process (async mode)."""
+def _trainer_main(cfg_json: str, ckpt: str | None, extra: dict, inbox, outbox, restore: bool = False,
+                  ranks: tuple | None = None) -> None:
+    """Entry of the trainer process (async mode); `ranks`: the follower ranks' queues and port."""
     import signal
     import sys
 
     # SIGTERM (the rollout side giving up on us) unwinds through `finally`, which frees the weights.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    name_process("loomrl-trainer")
     publisher = None
     try:
         cfg = RunConfig.model_validate_json(cfg_json)
@@ -440,6 +460,10 @@ def _trainer_main(cfg_json: str, ckpt: str | None, extra: dict, inbox, outbox, r
         model, tokenizer = build_model(cfg, ckpt_path)
         service = TrainerService(cfg, model, tokenizer, resume_from=ckpt_path)
         service.extra.update(extra)
+        if ranks is not None:
+            (inboxes, outboxes), port = ranks
+            service.ranks = LocalRankGroup(service.trainer, cfg.trainer.world_size, inboxes, outboxes)
+            service.ranks.join("127.0.0.1", port)
         # New weights reach the rollout process through runtime.weight_transport (weight_sync.py): a
         # small handle travels on the queue; the last few versions stay readable.
         folder = cfg.run_dir / "weights" if cfg.runtime.weight_transport == "file" else None

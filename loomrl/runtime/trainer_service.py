@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import warnings
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
@@ -23,6 +22,7 @@ from loomrl.buffer import Buffer, usable_group
 from loomrl.buffer.buffer import group_min_version
 from loomrl.buffer.filters import FilterConfig, balance_samples
 from loomrl.config import RunConfig
+from loomrl.runtime.trainer_ranks import RankGroup
 from loomrl.trainer.checkpoint import load_optimizer, load_state, save_checkpoint, set_rng_state
 from loomrl.trainer.grpo import samples_from_group
 from loomrl.trainer.trainer import Trainer
@@ -83,6 +83,8 @@ class TrainerService:
         self.received = PositionSet()
         self.extra: dict[str, Any] = {}  # runtime facts to carry across resume (e.g. eval before)
         self.ledger_path = self.run_dir / "ledger.jsonl"
+        # trainer.world_size > 1: the other data-parallel ranks (runtime/trainer_ranks.py), set by the runtime
+        self.ranks: RankGroup | None = None
         if resume_from is not None:
             state = load_state(resume_from)
             load_optimizer(resume_from, self.trainer.optimizer, self.trainer.scheduler)
@@ -168,15 +170,12 @@ class TrainerService:
                     sample.advantages = [a * w for a in sample.advantages]
                     metrics["samples_downweighted"] = metrics.get("samples_downweighted", 0) + 1
         if samples:
-            stats = self.trainer.train_step(samples, idle_tokens=idle_tokens, idle_seqs=idle_seqs,
-                                            idle_longest=idle_longest)
+            step = self.ranks.train_step if self.ranks else self.trainer.train_step
+            stats = step(samples, idle_tokens=idle_tokens, idle_seqs=idle_seqs, idle_longest=idle_longest)
             metrics["train/idle_tokens"] = idle_tokens
             metrics.update({f"train/{k}": v for k, v in asdict(stats).items()})
-        else:
-            self.trainer.step += 1  # a step with no signal still consumes its groups
-            with warnings.catch_warnings():  # and advances the schedule on purpose, without an optimizer step
-                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
-                self.trainer.scheduler.step()
+        else:  # a step with no signal still consumes its groups and advances the schedule
+            (self.ranks or self.trainer).skip_step()
         staleness = [version - group_min_version(g) for g in groups if group_min_version(g) >= 0]
         metrics["staleness_max"] = max(staleness) if staleness else 0
         entry = {"step": self.version, "trained": trained, "skipped": skipped,

@@ -58,17 +58,43 @@ def init_process_group(rank: int, world_size: int, *, master_port: int, master_a
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
 
 
-def shard_samples(samples: list[TrainingSample], world_size: int) -> list[list[TrainingSample]]:
-    """Split a step's samples over ranks, balancing tokens (longest first to the least loaded rank)."""
-    if len(samples) < world_size:
-        raise ValueError(f"shard_samples: {len(samples)} samples cannot give each of {world_size} ranks one")
+def shard_samples(samples: list[TrainingSample], world_size: int, *,
+                  keep_groups: bool = False) -> list[list[TrainingSample]]:
+    """Split a step's samples over ranks, balancing tokens (largest first to the least loaded rank).
+    `keep_groups`: a group's samples stay on one rank (tree merge then still computes their shared
+    prompt once), as long as there are at least as many groups as ranks. With fewer samples than
+    ranks some shards are empty; those ranks still take the step (DataParallelTrainer)."""
+    units: list[list[TrainingSample]]
+    if keep_groups:
+        by_group: dict[str, list[TrainingSample]] = {}
+        for s in samples:
+            by_group.setdefault(s.group_id, []).append(s)
+        units = list(by_group.values()) if len(by_group) >= world_size else [[s] for s in samples]
+    else:
+        units = [[s] for s in samples]
     shards: list[list[TrainingSample]] = [[] for _ in range(world_size)]
     load = [0] * world_size
-    for s in sorted(samples, key=lambda s: len(s.token_ids), reverse=True):
+    for unit in sorted(units, key=lambda u: sum(len(s.token_ids) for s in u), reverse=True):
         r = min(range(world_size), key=lambda i: (load[i], len(shards[i]), i))
-        shards[r].append(s)
-        load[r] += len(s.token_ids)
+        shards[r].extend(unit)
+        load[r] += sum(len(s.token_ids) for s in unit)
     return shards
+
+
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def param_checksum(params: list[torch.Tensor]) -> tuple[int, int]:
+    """(sum, sum of squares) of the parameters' bit patterns read as integers, in int64 arithmetic
+    (which wraps: still exact and order-free). Equal on bit-identical replicas whatever the thread
+    count (a float sum is not: its rounding depends on the reduction order), and almost surely
+    different on replicas that differ in any bit."""
+    total = squares = torch.zeros((), dtype=torch.int64)
+    for p in params:
+        bits = p.detach().contiguous().view(_INT_OF_SIZE[p.element_size()]).to(torch.int64)
+        total = total + bits.sum()
+        squares = squares + (bits * bits).sum()
+    return int(total), int(squares)
 
 
 class DataParallelTrainer:
@@ -88,12 +114,11 @@ class DataParallelTrainer:
         t = self.trainer
         tokens = sum(sum(s.loss_mask) for s in samples)
         longest = max([idle_longest, *(sum(s.loss_mask) for s in samples)])
-        counts = torch.tensor([tokens, len(samples), idle_tokens, idle_seqs, int(tokens == 0)], dtype=torch.int64)
+        counts = torch.tensor([tokens, len(samples), idle_tokens, idle_seqs], dtype=torch.int64)
         dist.all_reduce(counts)
-        g_tokens, g_seqs, g_idle_tokens, g_idle_seqs, empty = counts.tolist()
-        if empty:  # every rank raises, none is left waiting in a collective
-            raise ValueError(f"data-parallel step: {empty} rank(s) got no sampled tokens; give each rank some "
-                             "(shard_samples)")
+        g_tokens, g_seqs, g_idle_tokens, g_idle_seqs = counts.tolist()
+        if g_tokens == 0:  # every rank raises, none is left waiting in a collective
+            raise ValueError("data-parallel step: no rank got a sampled token")
         cfg = t.cfg
         if cfg.aggregation == "token_sum_norm" and cfg.norm_constant is None:
             t.cfg = cfg.model_copy(update={"norm_constant": self._global_norm(longest, g_seqs + g_idle_seqs)})
@@ -147,8 +172,7 @@ class DataParallelTrainer:
 
     def in_sync(self) -> bool:
         """Whether every rank holds bit-identical trainable parameters (a cheap checksum, for checks)."""
-        sums = torch.stack([torch.cat([p.detach().reshape(-1).double() for p in self.trainer.params]).sum(),
-                            torch.cat([p.detach().reshape(-1).double().square() for p in self.trainer.params]).sum()])
+        sums = torch.tensor(param_checksum(self.trainer.params), dtype=torch.int64)
         hi, lo = sums.clone(), -sums
         dist.all_reduce(hi, op=dist.ReduceOp.MAX)
         dist.all_reduce(lo, op=dist.ReduceOp.MAX)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -126,13 +127,16 @@ class Trainer:
         if idle_tokens < 0 or idle_seqs < 0:
             raise ValueError(f"train_step: idle_tokens and idle_seqs must be >= 0, got {idle_tokens}, {idle_seqs}")
         total_loss_tokens = sum(sum(s.loss_mask) for s in samples)
-        if total_loss_tokens == 0:
+        grad_hook = getattr(self, "grad_hook", None)  # trainer/distributed.py: sums the ranks' gradients
+        # A data-parallel rank may get no samples (fewer than ranks): it still takes the step, with
+        # the gradient the other ranks send, so that every replica stays the same.
+        if total_loss_tokens == 0 and grad_hook is None:
             raise ValueError("train_step: no sampled tokens in the batch")
         batches, merged, tree_ratio = self._micro_batches(samples)
         pairs_dense = [dense_attention_pairs([s.token_ids for s in b]) for b in batches]
         pairs = [tree_attention_pairs([s.token_ids for s in b]) if m else d
                  for b, m, d in zip(batches, merged, pairs_dense)]
-        if self._depth_first():  # one pass over the step's trie: each node attends to its ancestors once
+        if self._depth_first() and samples:  # one pass over the step's trie: each node attends to its ancestors once
             pairs = [tree_attention_pairs([s.token_ids for s in samples])]
         # Decoupled PPO's proximal policy: the weights before this step; KL's reference: the initial weights.
         self.model.eval()
@@ -145,7 +149,7 @@ class Trainer:
             aggregation, norm = "token_sum_norm", float(total_loss_tokens + idle_tokens)  # sum / the step's sampled tokens
         else:
             aggregation = cfg.aggregation
-            longest = max(max(sum(s.loss_mask) for s in samples), idle_longest)
+            longest = max([idle_longest, *(sum(s.loss_mask) for s in samples)])
             norm = cfg.norm_constant or float(longest * (len(samples) + idle_seqs))
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
@@ -189,7 +193,7 @@ class Trainer:
                     stats_sum[key] = stats_sum.get(key, 0.0) + stats[key] * n
             return loss
 
-        if self._depth_first():  # tree.py: shared prefixes computed once, one micro-batch's graph alive
+        if self._depth_first() and batches:  # tree.py: shared prefixes computed once, one micro-batch's graph alive
             loss_sum = depth_first_backward(self.model, batches, micro_batch_loss).loss
         else:
             for b, chunk in enumerate(batches):
@@ -197,7 +201,6 @@ class Trainer:
                 if loss is not None:
                     loss.backward()
                     loss_sum += float(loss.detach())
-        grad_hook = getattr(self, "grad_hook", None)  # trainer/distributed.py: sums the ranks' gradients
         if grad_hook is not None:
             grad_hook()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
@@ -206,21 +209,30 @@ class Trainer:
         self.scheduler.step()
         self.step += 1
         self.model.eval()
+        per_token = max(total_loss_tokens, 1)
         return StepStats(
             loss=loss_sum,
             grad_norm=grad_norm,
-            clip_frac=stats_sum.get("clip_frac", 0.0) / total_loss_tokens,
-            ratio_mean=stats_sum.get("ratio_mean", 0.0) / total_loss_tokens,
-            approx_kl=stats_sum.get("approx_kl", 0.0) / total_loss_tokens,
+            clip_frac=stats_sum.get("clip_frac", 0.0) / per_token,
+            ratio_mean=stats_sum.get("ratio_mean", 0.0) / per_token,
+            approx_kl=stats_sum.get("approx_kl", 0.0) / per_token,
             tokens=sum(len(s.token_ids) for s in samples),
             loss_tokens=total_loss_tokens,
             seconds=time.perf_counter() - start,
             lr=self.scheduler.get_last_lr()[0],
-            ess=stats_sum["ess"] / total_loss_tokens if "ess" in stats_sum else 1.0,
+            ess=stats_sum["ess"] / per_token if "ess" in stats_sum else 1.0,
             tree_ratio=tree_ratio,
             attn_pairs_dense=sum(pairs_dense),
             attn_pairs=sum(pairs),
         )
+
+    def skip_step(self) -> None:
+        """A step whose groups carried no signal: it consumes them and advances the learning-rate
+        schedule (as a trained step would) without an optimizer step."""
+        self.step += 1
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+            self.scheduler.step()
 
     def _micro_batches(self, samples: list[TrainingSample]) -> tuple[list[list[TrainingSample]], list[bool], float]:
         """(micro-batches, whether each is forwarded as a prefix tree, the step's tree_ratio: its tokens /

@@ -1,0 +1,279 @@
+"""Trainer ranks (trainer.world_size > 1): data-parallel training inside the training pool.
+
+Rank 0 is the TrainerService (buffer, filters, ledger, checkpoints, weights for the engines). Ranks
+1..N-1 are followers: each holds a replica of the model and optimizer, made from the same checkpoint
+(or the same initial model). Every step rank 0 cuts its samples into shards (distributed.shard_samples;
+a group's samples stay on one rank under tree merge), sends each follower its shard, trains on its own,
+and the ranks meet in the process group only inside the step (trainer/distributed.py sums gradients
+and counts there). Work travels outside the process group (queues locally, actor calls on Ray), so a
+follower can wait any time for the next step without a collective timing out.
+
+After each step every follower answers with its step counter and a checksum of its parameters; rank 0
+compares them with its own, so replicas that drifted apart stop the run instead of training on
+silently. A follower that dies, or a collective that fails, raises RankLost: the runtime restarts the
+whole trainer (all ranks) from the latest checkpoint, as it does when rank 0 dies.
+
+Launchers: local (`spawn_local_followers`: processes of this machine, gloo over loopback) and Ray
+(ray_actors.TrainerRankActor, gloo between nodes).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from loomrl.config import RunConfig
+from loomrl.trainer.distributed import DataParallelTrainer, init_process_group, param_checksum, shard_samples
+from loomrl.trainer.trainer import StepStats, Trainer
+from loomrl.types import TrainingSample
+
+# Bounds each collective of a step: the ranks' skew within one step, not the wait between steps.
+COLLECTIVE_TIMEOUT_S = 300.0
+
+
+def exit_reason(code: int | None, what: str) -> str:
+    """Why a process ended, from its exit code (negative: the signal that killed it)."""
+    if code is not None and code < 0:
+        import signal
+
+        name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
+        why = " (killed: out of memory, or by an operator)" if name == "SIGKILL" else ""
+        return f"{what} died from signal {name}{why}"
+    return f"{what} exited with code {code}"
+
+
+class RankLost(RuntimeError):
+    """A trainer rank died, failed, or drifted from rank 0; the trainer restarts from a checkpoint."""
+
+
+@dataclass(slots=True)
+class RankWork:
+    """One step's work for one follower."""
+
+    samples: list[TrainingSample] = field(default_factory=list)
+    idle_tokens: int = 0  # this rank's share of the step's idle counts (Trainer.train_step)
+    idle_seqs: int = 0
+    idle_longest: int = 0
+    skip: bool = False  # a step without signal: advance the schedule only (Trainer.skip_step)
+
+
+@dataclass(slots=True)
+class RankReport:
+    step: int
+    checksum: tuple[int, int]
+
+
+class Follower:
+    """Rank r > 0: a model and optimizer replica that trains on the shards rank 0 sends."""
+
+    def __init__(self, cfg: RunConfig, ckpt: Path | None):
+        from loomrl.runtime.local import build_model
+        from loomrl.trainer.checkpoint import load_optimizer, load_state
+
+        model, _ = build_model(cfg, ckpt)
+        self.trainer = Trainer(model, cfg.trainer)
+        if ckpt is not None:
+            load_optimizer(ckpt, self.trainer.optimizer, self.trainer.scheduler)
+            self.trainer.step = load_state(ckpt)["step"]
+        self.dp: DataParallelTrainer | None = None
+
+    def join(self, rank: int, world_size: int, addr: str, port: int) -> None:
+        init_process_group(rank, world_size, master_addr=addr, master_port=port, timeout_s=COLLECTIVE_TIMEOUT_S)
+        self.dp = DataParallelTrainer(self.trainer)
+
+    def work(self, w: RankWork) -> RankReport:
+        assert self.dp is not None, "Follower.join first"
+        if w.skip:
+            self.trainer.skip_step()
+        else:
+            self.dp.train_step(w.samples, idle_tokens=w.idle_tokens, idle_seqs=w.idle_seqs,
+                               idle_longest=w.idle_longest)
+        return RankReport(step=self.trainer.step, checksum=param_checksum(self.trainer.params))
+
+
+class RankGroup:
+    """Rank 0's side: shards a step over the ranks and checks the followers stayed in step."""
+
+    def __init__(self, trainer: Trainer, world_size: int):
+        self.trainer = trainer
+        self.world_size = world_size
+        self.keep_groups = trainer.cfg.tree_merge != "off"
+        self.dp: DataParallelTrainer | None = None
+
+    def join(self, addr: str, port: int) -> None:
+        """Rank 0 joins the process group (the followers join theirs concurrently)."""
+        init_process_group(0, self.world_size, master_addr=addr, master_port=port, timeout_s=COLLECTIVE_TIMEOUT_S)
+        self.dp = DataParallelTrainer(self.trainer)
+
+    def train_step(self, samples: list[TrainingSample], *, idle_tokens: int, idle_seqs: int,
+                   idle_longest: int) -> StepStats:
+        assert self.dp is not None, "RankGroup.join first"
+        shards = shard_samples(samples, self.world_size, keep_groups=self.keep_groups)
+        self._send([RankWork(samples=s) for s in shards[1:]])
+        try:  # rank 0 carries the step's idle counts; the ranks sum them
+            stats = self.dp.train_step(shards[0], idle_tokens=idle_tokens, idle_seqs=idle_seqs,
+                                       idle_longest=idle_longest)
+        except RuntimeError as err:  # a collective failed: a peer died or timed out (the runtime
+            # stops every rank: a follower may still wait in a collective, so no report is awaited)
+            raise RankLost(f"a collective of the data-parallel step failed: {err}") from err
+        self._check(self._collect())
+        return stats
+
+    def skip_step(self) -> None:
+        self._send([RankWork(skip=True) for _ in range(self.world_size - 1)])
+        self.trainer.skip_step()
+        self._check(self._collect())
+
+    def _check(self, reports: list[RankReport]) -> None:
+        mine = RankReport(step=self.trainer.step, checksum=param_checksum(self.trainer.params))
+        for rank, r in enumerate(reports, start=1):
+            if r.step != mine.step or r.checksum != mine.checksum:
+                raise RankLost(f"trainer rank {rank} drifted from rank 0 (step {r.step} vs {mine.step}, parameter "
+                               f"checksum {r.checksum} vs {mine.checksum}); restarting the ranks from a checkpoint")
+
+    # -- transport (subclasses) -------------------------------------------------------------------
+    def _send(self, works: list[RankWork]) -> None:
+        raise NotImplementedError
+
+    def _collect(self) -> list[RankReport]:
+        """The followers' reports, in rank order; RankLost when one failed or died."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- local processes
+
+
+@dataclass(slots=True)
+class LocalFollowers:
+    """Followers spawned on this machine: their processes and the queues to reach them."""
+
+    world_size: int
+    port: int
+    procs: list[Any]
+    inboxes: list[Any]  # rank 0 -> follower r (index r - 1)
+    outboxes: list[Any]  # follower -> rank 0
+
+    def channels(self) -> tuple[list[Any], list[Any]]:
+        """What rank 0 needs (picklable: mp queues can be passed to a process it spawns)."""
+        return self.inboxes, self.outboxes
+
+    def dead(self) -> str | None:
+        """Why a follower is gone, or None while all live (reaps the dead: call from their parent)."""
+        for rank, p in enumerate(self.procs, start=1):
+            if not p.is_alive():
+                return exit_reason(p.exitcode, f"trainer rank {rank}")
+        return None
+
+    def stop(self) -> None:
+        for q in self.inboxes:
+            try:
+                q.put(None)
+            except (ValueError, OSError):  # closed already
+                pass
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+
+def spawn_local_followers(cfg: RunConfig, ckpt: Path | None, threads: int) -> LocalFollowers:
+    """Start ranks 1..trainer.world_size-1 as processes of this machine (rank 0 then joins on `port`)."""
+    from loomrl.trainer.distributed import free_port
+
+    world = cfg.trainer.world_size
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    inboxes = [ctx.Queue() for _ in range(world - 1)]
+    outboxes = [ctx.Queue() for _ in range(world - 1)]
+    procs = []
+    for rank in range(1, world):
+        p = ctx.Process(target=_follower_main, name=f"loomrl-trainer-rank{rank}", daemon=True,
+                        args=(cfg.model_dump_json(), str(ckpt) if ckpt else None, rank, world, port, threads,
+                              inboxes[rank - 1], outboxes[rank - 1]))
+        p.start()
+        procs.append(p)
+    return LocalFollowers(world_size=world, port=port, procs=procs, inboxes=inboxes, outboxes=outboxes)
+
+
+class LocalRankGroup(RankGroup):
+    """Rank 0 over queues to local follower processes. `dead`: how rank 0 learns that a follower is
+    gone while it waits for its report (the followers' parent can tell; in async mode rank 0 is their
+    sibling, and the parent stops the whole trainer instead)."""
+
+    def __init__(self, trainer: Trainer, world_size: int, inboxes: list[Any], outboxes: list[Any],
+                 dead: Callable[[], str | None] | None = None):
+        super().__init__(trainer, world_size)
+        self.inboxes, self.outboxes, self.dead = inboxes, outboxes, dead
+
+    def _send(self, works: list[RankWork]) -> None:
+        for q, w in zip(self.inboxes, works):
+            q.put(w)
+
+    def _collect(self) -> list[RankReport]:
+        reports = []
+        for rank, q in enumerate(self.outboxes, start=1):
+            while True:
+                try:
+                    kind, payload = q.get(timeout=0.5)
+                    break
+                except queue.Empty:
+                    why = self.dead() if self.dead else None
+                    if why:
+                        raise RankLost(why) from None
+            if kind == "error":
+                raise RankLost(f"trainer rank {rank} failed:\n{payload}")
+            reports.append(payload)
+        return reports
+
+
+def name_process(name: str) -> None:
+    """Name this process as `ps`, `top` and /proc/PID/comm show it (Linux; 15 characters at most),
+    so an operator can tell the spawned trainer ranks apart. Elsewhere a no-op."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
+def _follower_main(cfg_json: str, ckpt: str | None, rank: int, world: int, port: int, threads: int,
+                   inbox: Any, outbox: Any) -> None:
+    name_process(f"loomrl-rank{rank}")
+    parent = os.getppid()
+
+    def orphaned() -> None:  # the run's process was killed: nothing will stop us otherwise
+        while True:
+            threading.Event().wait(1.0)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=orphaned, daemon=True).start()
+    try:
+        torch.set_num_threads(threads)
+        cfg = RunConfig.model_validate_json(cfg_json)
+        follower = Follower(cfg, Path(ckpt) if ckpt else None)
+        follower.join(rank, world, "127.0.0.1", port)
+        while (work := inbox.get()) is not None:
+            outbox.put(("report", follower.work(work)))
+    except BaseException:  # noqa: BLE001 - rank 0 reads it and stops the step
+        outbox.put(("error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -140,11 +140,14 @@ def test_two_node_run_places_trainer_and_rollouts_on_their_nodes(cluster, tmp_pa
 
 @pytest.mark.ray
 def test_chaos_kills_actors_and_the_run_accounts_for_every_trajectory_once(cluster, tmp_path):
-    """A thread SIGKILLs a random rollout actor (six times) and the trainer actor (twice, after the
-    first checkpoint) as the run advances; the run completes and its ledger adds up."""
+    """Two data-parallel trainer ranks. A thread SIGKILLs a random rollout actor (five times), the
+    trainer actor (rank 0, twice) and the other trainer rank (once), the trainer ranks only after the
+    first checkpoint, as the run advances; the run completes and its ledger adds up."""
     steps = 8
+    # both trainer ranks on the trainer node (it offers {trainer: 1})
     proc = _train(cluster, tmp_path, "chaos", f"trainer.total_steps={steps}", "checkpoint_every=2",
-                  "ray.retry_backoff_s=0.2", "ray.max_group_attempts=3")
+                  "ray.retry_backoff_s=0.2", "ray.max_group_attempts=3", "trainer.world_size=2",
+                  "ray.trainer_resources={trainer: 0.5}")
     run_dir = tmp_path / "chaos"
     killed: list[str] = []
     stop = threading.Event()
@@ -154,7 +157,8 @@ def test_chaos_kills_actors_and_the_run_accounts_for_every_trajectory_once(clust
         # each time the ledger gains a step, the next kill of the plan; the trainer only once a
         # checkpoint exists (checkpoint_every=2), so that it has something to resume from.
         rng = random.Random(0)
-        plan = ["rollout", "rollout", "trainer", "rollout", "rollout", "trainer", "rollout", "rollout"]
+        plan = ["rollout", "rollout", "trainer", "rollout", "trainerrank", "rollout", "trainer", "rollout"]
+        title = {"rollout": "ray::RolloutActor", "trainer": "ray::TrainerActor", "trainerrank": "ray::TrainerRankActor"}
         seen = 0
         while not stop.wait(0.25) and proc.poll() is None and plan:
             try:
@@ -167,7 +171,7 @@ def test_chaos_kills_actors_and_the_run_accounts_for_every_trajectory_once(clust
             seen = n
             what = plan[0] if plan[0] == "rollout" or n >= 2 else "rollout"
             actors = {pid: _title(pid) for pid in _tagged(cluster["tag"], cluster["tmp"])}
-            victims = [p for p, t in actors.items() if t.startswith(f"ray::{what.capitalize()}Actor")]
+            victims = [p for p, t in actors.items() if t.startswith(title[what])]
             if not victims:
                 continue
             try:
@@ -192,8 +196,10 @@ def test_chaos_kills_actors_and_the_run_accounts_for_every_trajectory_once(clust
     print(f"chaos run: {time.time() - t0:.1f}s, killed {killed}, ray {summary['ray']}, "
           f"accounting {summary['accounting']}")
     assert summary["steps"] == steps
-    assert "trainer" in killed and killed.count("rollout") >= 2, killed
-    assert summary["ray"]["trainer_restarts"] >= 1 and summary["ray"]["rollout_restarts"] >= 1
+    assert "trainer" in killed and "trainerrank" in killed and killed.count("rollout") >= 2, killed
+    assert summary["ray"]["trainer_restarts"] >= 2 and summary["ray"]["rollout_restarts"] >= 1
+    placement = summary["ray"]["placement"]
+    assert placement["trainer_ranks"] == [placement["trainer"]]  # the second rank on the trainer node
     assert "ledger: launched" in out
     _check_ledger_and_store(run_dir, summary, steps)
     assert summary["accounting"]["failed"].get("actor_died", 0) > 0

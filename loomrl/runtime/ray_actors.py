@@ -1,6 +1,8 @@
 """The Ray actors of runtime.backend=ray: a rollout actor (model copy + engine + env pool + reward
-pool, i.e. a RolloutWorker) and the trainer actor (a TrainerService). Plain classes here; the driver
-(runtime/ray_runtime.py) wraps them with `ray.remote` so that importing this module needs no ray.
+pool, i.e. a RolloutWorker), the trainer actor (a TrainerService; rank 0) and, with
+trainer.world_size > 1, the other data-parallel trainer ranks (runtime/trainer_ranks.py). Plain
+classes here; the driver (runtime/ray_runtime.py) wraps them with `ray.remote` so that importing this
+module needs no ray.
 
 What they are not: supervisors. An actor that dies stays dead (max_restarts=0); the driver notices
 the failed calls, makes a fresh one and decides what happens to the work that died with it.
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +22,7 @@ from loomrl.config import RunConfig
 from loomrl.env.registry import env_family
 from loomrl.model.chat import ChatRenderer
 from loomrl.runtime.rollout import RolloutWorker
+from loomrl.runtime.trainer_ranks import Follower, RankGroup, RankLost, RankReport, RankWork
 from loomrl.runtime.trainer_service import TrainerService, repair_ledger_for_restart
 from loomrl.runtime.weight_sync import WeightHandle
 from loomrl.types import Trajectory
@@ -86,8 +90,9 @@ class RolloutActor:
 
 
 class TrainerActor:
-    """The TrainerService on the trainer's node. Made from the run folder's latest checkpoint when
-    there is one: a fresh run has none, a resumed run or a restart after a crash continues from it."""
+    """The TrainerService on the trainer's node (rank 0 when trainer.world_size > 1). Made from the run
+    folder's latest checkpoint when there is one: a fresh run has none, a resumed run or a restart
+    after a crash continues from it."""
 
     def __init__(self, cfg_json: str, extra: dict[str, Any]):
         from loomrl.runtime.local import build_model
@@ -95,12 +100,27 @@ class TrainerActor:
 
         cfg = RunConfig.model_validate_json(cfg_json)
         torch.set_num_threads(cfg.trainer.threads or 1)
-        ckpt = latest_checkpoint(cfg.run_dir)
-        repair_ledger_for_restart(cfg.run_dir, ckpt)
-        model, tokenizer = build_model(cfg, ckpt)
-        self.service = TrainerService(cfg, model, tokenizer, resume_from=ckpt)
+        self.ckpt = latest_checkpoint(cfg.run_dir)
+        repair_ledger_for_restart(cfg.run_dir, self.ckpt)
+        model, tokenizer = build_model(cfg, self.ckpt)
+        self.service = TrainerService(cfg, model, tokenizer, resume_from=self.ckpt)
         for k, v in extra.items():
             self.service.extra.setdefault(k, v)
+
+    def rendezvous(self) -> tuple[str, int, str | None]:
+        """Where the other ranks meet this one (this node's address, a free port) and the checkpoint
+        they must start from (this rank's)."""
+        import ray
+
+        from loomrl.trainer.distributed import free_port
+
+        return ray.util.get_node_ip_address(), free_port(""), str(self.ckpt) if self.ckpt else None
+
+    def join_ranks(self, followers: list[Any], addr: str, port: int) -> None:
+        """Rank 0 joins the process group of the follower actors (which join theirs concurrently)."""
+        ranks = RayRankGroup(self.service.trainer, len(followers) + 1, followers)
+        ranks.join(addr, port)
+        self.service.ranks = ranks
 
     def state(self) -> tuple[int, dict[str, Any]]:
         """The policy version and the positions received (as of the checkpoint it started from)."""
@@ -123,3 +143,48 @@ class TrainerActor:
         import ray
 
         return ray.get_runtime_context().get_node_id(), os.getpid()
+
+
+class TrainerRankActor:
+    """A data-parallel trainer rank r > 0 (runtime/trainer_ranks.Follower) on some node."""
+
+    def __init__(self, cfg_json: str, ckpt: str | None):
+        cfg = RunConfig.model_validate_json(cfg_json)
+        torch.set_num_threads(cfg.trainer.threads or 1)
+        self.follower = Follower(cfg, Path(ckpt) if ckpt else None)
+
+    def join(self, rank: int, world_size: int, addr: str, port: int) -> None:
+        self.follower.join(rank, world_size, addr, port)
+
+    def work(self, work: RankWork) -> RankReport:
+        return self.follower.work(work)
+
+    def where(self) -> tuple[str, int]:
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), os.getpid()
+
+
+class RayRankGroup(RankGroup):
+    """Rank 0 over Ray actor calls to the follower actors."""
+
+    def __init__(self, trainer: Any, world_size: int, followers: list[Any]):
+        super().__init__(trainer, world_size)
+        self.followers = followers
+        self.refs: list[Any] = []
+
+    def _send(self, works: list[RankWork]) -> None:
+        self.refs = [f.work.remote(w) for f, w in zip(self.followers, works)]
+
+    def _collect(self) -> list[RankReport]:
+        import ray
+
+        reports = []
+        for rank, ref in enumerate(self.refs, start=1):
+            try:
+                reports.append(ray.get(ref))
+            except ray.exceptions.RayActorError as err:
+                raise RankLost(f"trainer rank {rank} died: {str(err).splitlines()[0]}") from None
+            except ray.exceptions.RayTaskError as err:
+                raise RankLost(f"trainer rank {rank} failed: {err}") from None
+        return reports

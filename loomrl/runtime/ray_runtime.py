@@ -13,14 +13,15 @@ Supervision (nothing lost, nothing trained twice; see runtime/accounting.py for 
   with the current weights; its groups in flight are dispatched again after ray.retry_backoff_s x 2^k,
   at most ray.max_group_attempts times in all, then recorded as failed (the trajectories that died in
   it count as failed: actor_died either way).
-- the trainer actor dies: a fresh one resumes from the run folder's latest checkpoint (the run folder
-  must be on a filesystem every node sees), cutting the ledger back to it. Groups it received after
+- the trainer actor dies (or, with trainer.world_size > 1, any trainer rank: rank 0's step then
+  fails): fresh ones resume from the run folder's latest checkpoint (the run folder must be on a
+  filesystem every node sees), cutting the ledger back to it. Groups it received after
   that checkpoint, and groups still in flight, may hold tokens of versions the restored model never
   had: they are discarded (reason trainer_restart) and their positions run again with the restored
   weights. Rollout actors get the restored version before any new group.
 
-What is not here: GPU engines (vLLM / SGLang actors), several trainer ranks, or restarting the driver
-itself (a dead driver is a crashed run: `--resume` continues from the latest checkpoint).
+What is not here: GPU engines (vLLM / SGLang actors), or restarting the driver itself (a dead driver
+is a crashed run: `--resume` continues from the latest checkpoint).
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ from loomrl.config import RunConfig
 from loomrl.metrics import MetricsLogger
 from loomrl.runtime.accounting import Accounting, ledger_line
 from loomrl.runtime.local import RunError, _progress, positions_after, prepare_run_dir
-from loomrl.runtime.ray_actors import RolloutActor, TrainerActor
+from loomrl.runtime.ray_actors import RolloutActor, TrainerActor, TrainerRankActor
 from loomrl.runtime.rollout import group_summary
+from loomrl.runtime.trainer_ranks import RankLost
 from loomrl.runtime.trainer_service import PositionSet, read_ledger
 from loomrl.runtime.weight_sync import Transport, WeightHandle
 from loomrl.store import TrajectoryStore
@@ -91,7 +93,8 @@ class RayRun:
         self.G = cfg.trainer.group_size
         self.lag = 0 if cfg.runtime.mode == "sync" else cfg.buffer.max_policy_lag
         self.workers: list[WorkerSlot] = []
-        self.trainer: Any = None
+        self.trainer: Any = None  # rank 0
+        self.trainer_ranks: list[Any] = []  # ranks 1.. (trainer.world_size > 1)
         self.version = 0
         self.weights: WeightHandle | None = None
         self._syncs: list = []  # update_weights calls not yet read for the metrics
@@ -120,7 +123,8 @@ class RayRun:
                                   "configure_logging": False}
         if r.address is None:  # a one-machine cluster offering the resources the config asks for
             need: dict[str, float] = {}
-            for res, n in [(r.rollout_resources, r.num_rollout_workers), (r.trainer_resources, 1)]:
+            ranks = self.cfg.trainer.world_size
+            for res, n in [(r.rollout_resources, r.num_rollout_workers), (r.trainer_resources, ranks)]:
                 for k, v in res.items():
                     need[k] = need.get(k, 0) + v * n
             kwargs.update(include_dashboard=False, resources=need or None)
@@ -156,6 +160,29 @@ class RayRun:
             return await getattr(self.trainer, method).remote(*args)
         except self.ray.exceptions.RayActorError as err:
             raise TrainerDied(str(err).splitlines()[0]) from None
+        except RankLost as err:  # another trainer rank died or failed: all ranks restart
+            raise TrainerDied(str(err).splitlines()[-1]) from None
+
+    def _kill_trainer(self) -> None:
+        for actor in [self.trainer, *self.trainer_ranks]:
+            try:
+                self.ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self.trainer_ranks = []
+
+    async def _start_ranks(self) -> None:
+        """trainer.world_size > 1: follower rank actors from rank 0's checkpoint, all in one process group."""
+        r, world = self.cfg.ray, self.cfg.trainer.world_size
+        addr, port, ckpt = await self._call_trainer("rendezvous")
+        cls = self.ray.remote(TrainerRankActor).options(num_cpus=r.trainer_num_cpus, resources=r.trainer_resources,
+                                                         max_restarts=0)
+        self.trainer_ranks = [cls.remote(self.cfg.model_dump_json(), ckpt) for _ in range(world - 1)]
+        joins = [f.join.remote(rank, world, addr, port) for rank, f in enumerate(self.trainer_ranks, start=1)]
+        try:
+            await asyncio.gather(self._call_trainer("join_ranks", self.trainer_ranks, addr, port), *joins)
+        except self.ray.exceptions.RayError as err:  # a follower died or failed while joining
+            raise TrainerDied(f"a trainer rank failed to start: {str(err).splitlines()[0]}") from None
 
     async def _start_trainer(self, extra: dict[str, Any]) -> None:
         """A trainer actor from the latest checkpoint (if any); rollback of everything after it."""
@@ -163,6 +190,8 @@ class RayRun:
         cls = self.ray.remote(TrainerActor).options(num_cpus=r.trainer_num_cpus, resources=r.trainer_resources,
                                                      max_restarts=0)
         self.trainer = cls.remote(self.cfg.model_dump_json(), extra)
+        if self.cfg.trainer.world_size > 1:
+            await self._start_ranks()
         version, state = await self._call_trainer("state")
         received = PositionSet(state["watermark"], set(state["above"]))
         for pos in [p for p in self.sent if p not in received]:
@@ -266,6 +295,7 @@ class RayRun:
         cfg = self.cfg
         await self._start_trainer(extra)
         self.placement = {"trainer": await self._node_of(self.trainer),
+                          "trainer_ranks": [await self._node_of(f) for f in self.trainer_ranks],
                           "rollout": [await self._node_of(slot.handle) for slot in self.workers]}
         bar = _progress(cfg.trainer.total_steps, "train (ray)", cfg.progress)
         bar.update(self.version)
@@ -316,14 +346,12 @@ class RayRun:
                     raise RunError(f"run error: the trainer actor died {self.trainer_restarts} times (last: {err}); "
                                    "continue with --resume") from None
                 log.warning("trainer actor died (%s); restarting it from the latest checkpoint", err)
-                try:
-                    self.ray.kill(self.trainer, no_restart=True)
-                except Exception:  # noqa: BLE001 - already gone
-                    pass
+                self._kill_trainer()
                 try:
                     await self._start_trainer(extra)
-                except TrainerDied:
-                    continue  # died again while starting: the next pass restarts it
+                except TrainerDied:  # died again while starting: the next pass restarts it (kill the
+                    self._kill_trainer()  # ranks still up: rank 0 may wait for a dead one to join)
+                    continue
                 bar.n = self.version
                 bar.refresh()
         bar.close()
@@ -376,7 +404,7 @@ class RayRun:
                     pass
                 self.ray.kill(slot.handle, no_restart=True)
             if self.trainer is not None:
-                self.ray.kill(self.trainer, no_restart=True)
+                self._kill_trainer()
         return {"before": before, "after": after, "steps": steps, "env_pool": pool}
 
     def train(self) -> dict[str, Any]:

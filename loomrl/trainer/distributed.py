@@ -43,10 +43,11 @@ from loomrl.trainer.trainer import StepStats, Trainer
 from loomrl.types import TrainingSample
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (another process could take it before rank 0 binds it: rare)."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now ("" = every interface; another process could take it before rank
+    0 binds it: rare)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

@@ -237,6 +237,14 @@ class RayConfig(_Section):
     retry_backoff_s: float = Field(0.5, ge=0.0)
     max_trainer_restarts: int = Field(5, ge=0)  # trainer actor deaths survived (resume from checkpoint)
     max_rollout_restarts: int = Field(100, ge=0)  # rollout actor deaths survived (then the run stops)
+    # reward actors shared by all rollout actors (0: each rollout actor scores on reward.workers threads
+    # of its own); Ray restarts a dead one up to max_reward_restarts times and runs each scoring call
+    # up to max_reward_attempts times in all, then the trajectory is marked reward_failed (not trained)
+    num_reward_workers: int = Field(0, ge=0)
+    reward_num_cpus: float = Field(1.0, ge=0.0)
+    reward_resources: dict[str, float] = Field(default_factory=dict)
+    max_reward_restarts: int = Field(100, ge=0)
+    max_reward_attempts: int = Field(3, gt=0)
 
 
 class EvalConfig(_Section):

@@ -63,3 +63,28 @@ def test_balance_subsamples_the_majority_sign():
 def test_unknown_filter_is_refused():
     with pytest.raises(ValueError, match="unknown filter"):
         FilterConfig(filters=("complete", "vibes"))
+
+
+def test_a_trajectory_whose_reward_failed_is_left_out_not_trained_as_zero():
+    """A reward function that raises: the trajectory is marked (component and error) by the real
+    RewardPool, and the group trains on the others; its zero is not a score."""
+    import asyncio
+
+    from loomrl.reward import RewardPool
+    from loomrl.types import Task
+
+    def reward(t: Trajectory, task: Task) -> dict[str, float]:
+        if t.trajectory_id == "c":
+            raise KeyError("no answer key for this task")
+        return {"correct": float(t.trajectory_id == "a")}
+
+    pool = RewardPool(reward, workers=1)
+    task = Task(task_id="t", prompt="p", answer="1")
+    try:
+        group = [asyncio.run(pool.score(traj(tid, [5, i, 7], 0.0), task)) for i, tid in enumerate("abc")]
+    finally:
+        pool.close()
+    c = group[2]
+    assert c.reward_components == {"reward_failed": 0.0} and "KeyError" in c.error and pool.failed == 1
+    kept, out, reason = usable_group(group)
+    assert reason is None and [t.trajectory_id for t in kept] == ["a", "b"] and out == {"reward_failed": ["c"]}

@@ -23,6 +23,7 @@ import pytest
 from ledger_checks import check_each_trajectory_once
 
 from loomrl.runtime.trainer_service import read_ledger
+from loomrl.store import read_trajectories
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "calculator_tiny.yaml"
@@ -75,7 +76,7 @@ def cluster():
     try:
         t0 = time.time()
         subprocess.run([RAY, "start", "--head", f"--port={port}", "--include-dashboard=false",
-                        '--resources={"trainer": 1}', *common], env=env, check=True, capture_output=True, timeout=120)
+                        '--resources={"trainer": 1, "reward": 2}', *common], env=env, check=True, capture_output=True, timeout=120)
         subprocess.run([RAY, "start", f"--address=127.0.0.1:{port}", '--resources={"rollout": 2}', *common],
                        env=env, check=True, capture_output=True, timeout=120)
         print(f"two-node cluster up in {time.time() - t0:.1f}s")
@@ -140,14 +141,16 @@ def test_two_node_run_places_trainer_and_rollouts_on_their_nodes(cluster, tmp_pa
 
 @pytest.mark.ray
 def test_chaos_kills_actors_and_the_run_accounts_for_every_trajectory_once(cluster, tmp_path):
-    """Two data-parallel trainer ranks. A thread SIGKILLs a random rollout actor (five times), the
-    trainer actor (rank 0, twice) and the other trainer rank (once), the trainer ranks only after the
-    first checkpoint, as the run advances; the run completes and its ledger adds up."""
+    """Two data-parallel trainer ranks and two reward actors. A thread SIGKILLs a random rollout actor
+    (four times), the trainer actor (rank 0, twice), the other trainer rank (once) and a reward actor
+    (twice), the trainer ranks only after the first checkpoint, as the run advances; the run completes
+    and its ledger adds up."""
     steps = 8
-    # both trainer ranks on the trainer node (it offers {trainer: 1})
+    # both trainer ranks on the trainer node (it offers {trainer: 1}), the reward actors too ({reward: 2})
     proc = _train(cluster, tmp_path, "chaos", f"trainer.total_steps={steps}", "checkpoint_every=2",
                   "ray.retry_backoff_s=0.2", "ray.max_group_attempts=3", "trainer.world_size=2",
-                  "ray.trainer_resources={trainer: 0.5}")
+                  "ray.trainer_resources={trainer: 0.5}", "ray.num_reward_workers=2", "ray.reward_num_cpus=0",
+                  "ray.reward_resources={reward: 1}")
     run_dir = tmp_path / "chaos"
     killed: list[str] = []
     stop = threading.Event()
@@ -157,8 +160,9 @@ def test_chaos_kills_actors_and_the_run_accounts_for_every_trajectory_once(clust
         # each time the ledger gains a step, the next kill of the plan; the trainer only once a
         # checkpoint exists (checkpoint_every=2), so that it has something to resume from.
         rng = random.Random(0)
-        plan = ["rollout", "rollout", "trainer", "rollout", "trainerrank", "rollout", "trainer", "rollout"]
-        title = {"rollout": "ray::RolloutActor", "trainer": "ray::TrainerActor", "trainerrank": "ray::TrainerRankActor"}
+        plan = ["rollout", "reward", "trainer", "rollout", "trainerrank", "reward", "rollout", "trainer", "rollout"]
+        title = {"rollout": "ray::RolloutActor", "trainer": "ray::TrainerActor", "trainerrank": "ray::TrainerRankActor",
+                 "reward": "ray::RewardActor"}
         seen = 0
         while not stop.wait(0.25) and proc.poll() is None and plan:
             try:
@@ -169,7 +173,7 @@ def test_chaos_kills_actors_and_the_run_accounts_for_every_trajectory_once(clust
                 seen = min(seen, n)  # a restarted trainer cut the ledger back to its checkpoint
                 continue
             seen = n
-            what = plan[0] if plan[0] == "rollout" or n >= 2 else "rollout"
+            what = plan[0] if not plan[0].startswith("trainer") or n >= 2 else "rollout"
             actors = {pid: _title(pid) for pid in _tagged(cluster["tag"], cluster["tmp"])}
             victims = [p for p, t in actors.items() if t.startswith(title[what])]
             if not victims:
@@ -200,9 +204,37 @@ def test_chaos_kills_actors_and_the_run_accounts_for_every_trajectory_once(clust
     assert summary["ray"]["trainer_restarts"] >= 2 and summary["ray"]["rollout_restarts"] >= 1
     placement = summary["ray"]["placement"]
     assert placement["trainer_ranks"] == [placement["trainer"]]  # the second rank on the trainer node
+    assert placement["reward"] == [placement["trainer"]] * 2
+    assert killed.count("reward") == 2 and summary["ray"]["reward_restarts"] >= 1  # Ray restarted them
     assert "ledger: launched" in out
     _check_ledger_and_store(run_dir, summary, steps)
     assert summary["accounting"]["failed"].get("actor_died", 0) > 0
+
+
+@pytest.mark.ray
+def test_a_reward_actor_that_stays_dead_marks_trajectories_reward_failed_and_the_run_goes_on(cluster, tmp_path):
+    """One reward actor whose reward function ends its process on the 6th call, with Ray's restarts
+    off: the scoring calls fail, their trajectories are stored as reward_failed with the reason and
+    left out of training (skipped: reward_failed), and the run completes."""
+    proc = _train(cluster, tmp_path, "noreward", "trainer.total_steps=3", "checkpoint_every=0",
+                  "reward.function=rewards_for_tests:reward_that_kills_its_process", "ray.num_reward_workers=1",
+                  "ray.reward_num_cpus=0", "ray.reward_resources={reward: 1}", "ray.max_reward_restarts=0")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["steps"] == 3 and summary["rollouts"]["reward_failed"] > 0
+    run_dir = tmp_path / "noreward"
+    check_each_trajectory_once(run_dir, 3)
+    assert summary["accounting"]["violations"] == []
+    ledger = read_ledger(run_dir)
+    skipped = [t for e in ledger for t in e["skipped"].get("reward_failed", [])]
+    assert skipped, ledger
+    rows = {r["trajectory_id"]: r for r in read_trajectories(run_dir / "trajectories").to_pylist()}
+    for tid in skipped:
+        assert rows[tid]["error"].startswith("reward failed: reward actor 0: "), rows[tid]["error"]
+        assert json.loads(rows[tid]["reward_components"]) == {"reward_failed": 0.0}
+    trained = {t for e in ledger for t in e["trained"]}
+    assert not trained & set(skipped)
 
 
 def test_ray_backend_without_ray_says_how_to_install_it(tmp_path):

@@ -8,6 +8,8 @@ trajectory left out is counted by reason in the ledger, and stays in the traject
   degenerate loop; training on it mostly teaches the loop's tokens.
 - near_duplicate: within a group, a trajectory whose actions share at least `threshold` of their n-grams
   (Jaccard) with an earlier kept one adds no new comparison to the group: one copy is kept.
+- reward failed (always): a trajectory whose reward function raised (or whose reward worker kept
+  dying) has no reward; it is left out rather than trained as if it had scored zero.
 - zero variance (always): a group whose rewards are all equal has zero advantage everywhere; training
   on it costs a forward/backward for no gradient, so it is skipped.
 - balance (batch level, `balance_samples`): when positive-advantage samples outnumber negative ones (or
@@ -20,6 +22,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 
+from loomrl.reward.pool import reward_failed
 from loomrl.types import RolloutStatus, TrainingSample, Trajectory
 
 _NOT_POLICY_FAULT = (RolloutStatus.ENV_ERROR, RolloutStatus.TIMEOUT, RolloutStatus.ABORTED)
@@ -63,6 +66,8 @@ def usable_group(group: list[Trajectory], cfg: FilterConfig | None = None) -> tu
     cfg = cfg or FilterConfig()
     out: dict[str, list[str]] = {}
     kept = [t for t in group if any(t.all_turns())]
+    out["reward_failed"] = [t.trajectory_id for t in kept if reward_failed(t)]
+    kept = [t for t in kept if not reward_failed(t)]
     if "complete" in cfg.filters:
         bad = (*_NOT_POLICY_FAULT, RolloutStatus.TRUNCATED) if cfg.drop_truncated else _NOT_POLICY_FAULT
         out["incomplete"] = [t.trajectory_id for t in kept if t.status in bad]

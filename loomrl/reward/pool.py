@@ -1,8 +1,9 @@
 """RewardPool: scores finished trajectories on worker threads, off the rollout path.
 
 Rollouts hand a trajectory over and go on; the agent loop never waits on a verifier. A reward
-function that raises gives the trajectory a zero reward and an `error` component instead of
-crashing the run (errors are data).
+function that raises (or, on Ray, a reward actor that keeps dying) does not crash the run: the
+trajectory is marked with the `reward_failed` component and the reason in its `error` (errors are
+data), and training leaves it out (buffer/filters.py): a missing reward is not a zero reward.
 """
 
 from __future__ import annotations
@@ -16,6 +17,18 @@ from loomrl.config import ConfigError
 from loomrl.types import Task, Trajectory
 
 RewardFn = Callable[[Trajectory, Task], dict[str, float]]
+REWARD_FAILED = "reward_failed"  # the component of a trajectory whose reward could not be computed
+
+
+def mark_reward_failed(traj: Trajectory, why: str) -> Trajectory:
+    traj.reward_components = {REWARD_FAILED: 0.0}
+    traj.total_reward = 0.0
+    traj.error = traj.error or f"reward failed: {why}"
+    return traj
+
+
+def reward_failed(traj: Trajectory) -> bool:
+    return REWARD_FAILED in traj.reward_components
 
 
 def import_reward(spec: str) -> RewardFn:
@@ -44,8 +57,8 @@ class RewardPool:
             components = self.fn(traj, task)
         except Exception as err:  # noqa: BLE001
             self.failed += 1
-            components = {"error": 0.0}
-            traj.error = traj.error or f"reward failed: {type(err).__name__}: {err}"
+            self.scored += 1
+            return mark_reward_failed(traj, f"{type(err).__name__}: {err}")
         traj.reward_components = components
         traj.total_reward = float(sum(components.values()))
         self.scored += 1

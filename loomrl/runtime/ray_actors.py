@@ -1,16 +1,18 @@
-"""The Ray actors of runtime.backend=ray: a rollout actor (model copy + engine + env pool + reward
-pool, i.e. a RolloutWorker), the trainer actor (a TrainerService; rank 0) and, with
-trainer.world_size > 1, the other data-parallel trainer ranks (runtime/trainer_ranks.py). Plain
-classes here; the driver (runtime/ray_runtime.py) wraps them with `ray.remote` so that importing this
-module needs no ray.
+"""The Ray actors of runtime.backend=ray: rollout actors (model copy + engine + env pool, i.e. a
+RolloutWorker, scoring on its own threads or on the reward actors), reward actors, the trainer actor
+(a TrainerService; rank 0) and, with trainer.world_size > 1, the other data-parallel trainer ranks
+(runtime/trainer_ranks.py). Plain classes here; the driver (runtime/ray_runtime.py) wraps them with
+`ray.remote` so that importing this module needs no ray.
 
-What they are not: supervisors. An actor that dies stays dead (max_restarts=0); the driver notices
-the failed calls, makes a fresh one and decides what happens to the work that died with it.
+What they are not: supervisors. A rollout or trainer actor that dies stays dead (max_restarts=0);
+the driver notices the failed calls, makes a fresh one and decides what happens to the work that
+died with it. Reward actors hold no state, so Ray restarts them and retries their calls.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import time
 from pathlib import Path
@@ -21,17 +23,67 @@ import torch
 from loomrl.config import RunConfig
 from loomrl.env.registry import env_family
 from loomrl.model.chat import ChatRenderer
+from loomrl.reward.pool import RewardPool, mark_reward_failed
 from loomrl.runtime.rollout import RolloutWorker
 from loomrl.runtime.trainer_ranks import Follower, RankGroup, RankLost, RankReport, RankWork
 from loomrl.runtime.trainer_service import TrainerService, repair_ledger_for_restart
 from loomrl.runtime.weight_sync import WeightHandle
-from loomrl.types import Trajectory
+from loomrl.types import Task, Trajectory
+
+
+class RewardActor:
+    """A reward worker (ray.num_reward_workers > 0): the run's reward function on its own threads, on
+    whatever node ray.reward_resources picks, shared by every rollout actor. Stateless, so Ray itself
+    restarts it when it dies (max_restarts) and retries the calls it was running on the fresh one
+    (max_task_retries); calls that still fail reach RemoteRewardPool as errors."""
+
+    def __init__(self, cfg_json: str):
+        from loomrl.runtime.rollout import reward_fn_for
+
+        cfg = RunConfig.model_validate_json(cfg_json)
+        self.pool = RewardPool(reward_fn_for(cfg), workers=cfg.reward.workers)
+
+    async def score(self, traj: Trajectory, task: Task) -> Trajectory:
+        return await self.pool.score(traj, task)
+
+    def where(self) -> tuple[str, int]:
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), os.getpid()
+
+
+class RemoteRewardPool:
+    """RewardPool's interface over the reward actors (round robin). A call that fails even after Ray's
+    retries on restarted actors marks the trajectory reward_failed with the reason: it is stored and
+    left out of training, and the rollout goes on."""
+
+    def __init__(self, actors: list[Any]):
+        self.actors = actors
+        self._next = itertools.cycle(range(len(actors)))
+        self.scored = 0
+        self.failed = 0
+
+    async def score(self, traj: Trajectory, task: Task) -> Trajectory:
+        import ray
+
+        i = next(self._next)
+        try:
+            out = await self.actors[i].score.remote(traj, task)
+        except ray.exceptions.RayError as err:
+            self.failed += 1
+            out = mark_reward_failed(traj, f"reward actor {i}: {type(err).__name__}: {str(err).splitlines()[0]}")
+        self.scored += 1
+        return out
+
+    def close(self) -> None:
+        pass  # the driver owns the reward actors
 
 
 class RolloutActor:
-    """One rollout worker on some node. Async actor: many groups run at once over one engine."""
+    """One rollout worker on some node. Async actor: many groups run at once over one engine.
+    `reward_actors`: score on these (RemoteRewardPool) instead of this actor's own threads."""
 
-    def __init__(self, cfg_json: str):
+    def __init__(self, cfg_json: str, reward_actors: list[Any] | None = None):
         from loomrl.runtime.local import build_model, make_engine
 
         cfg = RunConfig.model_validate_json(cfg_json)
@@ -43,7 +95,8 @@ class RolloutActor:
         model, tokenizer = build_model(cfg, None)
         self.engine = make_engine(cfg, model, tokenizer, 0)
         train_tasks, self.heldout = env_family(cfg.env.name).splits(cfg)
-        self.worker = RolloutWorker(cfg, self.engine, ChatRenderer(tokenizer), train_tasks)
+        rewards = RemoteRewardPool(reward_actors) if reward_actors else None
+        self.worker = RolloutWorker(cfg, self.engine, ChatRenderer(tokenizer), train_tasks, reward_pool=rewards)
         self._weights_lock: asyncio.Lock | None = None
 
     def _lock(self) -> asyncio.Lock:

@@ -37,9 +37,10 @@ from typing import Any
 
 from loomrl.config import RunConfig
 from loomrl.metrics import MetricsLogger
+from loomrl.reward.pool import reward_failed
 from loomrl.runtime.accounting import Accounting, ledger_line
 from loomrl.runtime.local import RunError, _progress, positions_after, prepare_run_dir
-from loomrl.runtime.ray_actors import RolloutActor, TrainerActor, TrainerRankActor
+from loomrl.runtime.ray_actors import RewardActor, RolloutActor, TrainerActor, TrainerRankActor
 from loomrl.runtime.rollout import group_summary
 from loomrl.runtime.trainer_ranks import RankLost
 from loomrl.runtime.trainer_service import PositionSet, read_ledger
@@ -95,6 +96,7 @@ class RayRun:
         self.workers: list[WorkerSlot] = []
         self.trainer: Any = None  # rank 0
         self.trainer_ranks: list[Any] = []  # ranks 1.. (trainer.world_size > 1)
+        self.reward_actors: list[Any] = []  # ray.num_reward_workers, shared by the rollout actors
         self.version = 0
         self.weights: WeightHandle | None = None
         self._syncs: list = []  # update_weights calls not yet read for the metrics
@@ -106,6 +108,7 @@ class RayRun:
         self.sent: dict[int, list[str]] = {}  # position -> ids, sent to the trainer since it started
         self.serials = itertools.count()
         self.rollout_restarts = 0
+        self.reward_restarts = 0  # reward actors found with a new process at the end (Ray restarted them)
         self.trainer_restarts = 0
         self.statuses: dict[str, int] = {}
         self.placement: dict[str, Any] = {}  # where the first actors ran: {"trainer": node, "rollout": [nodes]}
@@ -124,7 +127,8 @@ class RayRun:
         if r.address is None:  # a one-machine cluster offering the resources the config asks for
             need: dict[str, float] = {}
             ranks = self.cfg.trainer.world_size
-            for res, n in [(r.rollout_resources, r.num_rollout_workers), (r.trainer_resources, ranks)]:
+            for res, n in [(r.rollout_resources, r.num_rollout_workers), (r.trainer_resources, ranks),
+                           (r.reward_resources, r.num_reward_workers)]:
                 for k, v in res.items():
                     need[k] = need.get(k, 0) + v * n
             kwargs.update(include_dashboard=False, resources=need or None)
@@ -137,10 +141,26 @@ class RayRun:
         r = self.cfg.ray
         cls = self.ray.remote(RolloutActor).options(num_cpus=r.rollout_num_cpus, resources=r.rollout_resources,
                                                      max_restarts=0, max_concurrency=1000)
-        actor = cls.remote(self.cfg.model_dump_json())
+        actor = cls.remote(self.cfg.model_dump_json(), self.reward_actors)
         if self.weights is not None:
             self._syncs.append(actor.update_weights.remote(self.weights))
         return actor
+
+    def _new_reward_actors(self) -> list[Any]:
+        r = self.cfg.ray
+        cls = self.ray.remote(RewardActor).options(
+            num_cpus=r.reward_num_cpus, resources=r.reward_resources, max_concurrency=1000,
+            max_restarts=r.max_reward_restarts, max_task_retries=r.max_reward_attempts - 1)
+        return [cls.remote(self.cfg.model_dump_json()) for _ in range(r.num_reward_workers)]
+
+    async def _reward_pids(self) -> list[int | None]:
+        out = []
+        for actor in self.reward_actors:
+            try:
+                out.append((await asyncio.wait_for(actor.where.remote(), timeout=30))[1])
+            except Exception:  # noqa: BLE001 - dead for good (past its restarts) or stuck
+                out.append(None)
+        return out
 
     def _replace_worker(self, i: int, why: str) -> None:
         slot = self.workers[i]
@@ -276,6 +296,8 @@ class RayRun:
         self.acc.returned.update(ids)
         for t in group:
             self.statuses[str(t.status)] = self.statuses.get(str(t.status), 0) + 1
+            if reward_failed(t):
+                self.statuses["reward_failed"] = self.statuses.get("reward_failed", 0) + 1
         self.store.append(group)
         if self.live.get(d.position) != d.serial:
             self.acc.discard(ids, "trainer_restart")
@@ -294,7 +316,7 @@ class RayRun:
     async def _loop(self, extra: dict[str, Any]) -> int:
         cfg = self.cfg
         await self._start_trainer(extra)
-        self.placement = {"trainer": await self._node_of(self.trainer),
+        self.placement = {**self.placement, "trainer": await self._node_of(self.trainer),
                           "trainer_ranks": [await self._node_of(f) for f in self.trainer_ranks],
                           "rollout": [await self._node_of(slot.handle) for slot in self.workers]}
         bar = _progress(cfg.trainer.total_steps, "train (ray)", cfg.progress)
@@ -376,6 +398,9 @@ class RayRun:
 
     async def _run(self) -> dict[str, Any]:
         extra = load_state(self.ckpt).get("extra", {}) if self.ckpt else {}
+        self.reward_actors = self._new_reward_actors()
+        reward_pids = await self._reward_pids()
+        self.placement["reward"] = [(await self._node_of(a)) for a in self.reward_actors]
         self.workers = [WorkerSlot(handle=self._new_rollout_actor()) for _ in range(self.cfg.ray.num_rollout_workers)]
         pool: dict[str, Any] = {}
         try:
@@ -405,6 +430,10 @@ class RayRun:
                 self.ray.kill(slot.handle, no_restart=True)
             if self.trainer is not None:
                 self._kill_trainer()
+            # Ray restarts reward actors itself: a new process id means at least one restart
+            self.reward_restarts = sum(a != b for a, b in zip(reward_pids, await self._reward_pids()))
+            for actor in self.reward_actors:
+                self.ray.kill(actor, no_restart=True)
         return {"before": before, "after": after, "steps": steps, "env_pool": pool}
 
     def train(self) -> dict[str, Any]:
@@ -435,6 +464,7 @@ class RayRun:
             "env_pool": {k: round(v, 4) if isinstance(v, float) else v for k, v in result["env_pool"].items()},
             "accounting": acc,
             "ray": {"rollout_restarts": self.rollout_restarts, "trainer_restarts": self.trainer_restarts,
+                    "reward_restarts": self.reward_restarts,
                     "positions_failed": {str(k): v for k, v in self.gave_up.items()},
                     "placement": self.placement},
         }

@@ -30,6 +30,7 @@ from loomrl.env.registry import env_family
 from loomrl.env.sandbox import make_sandbox
 from loomrl.model.chat import ChatRenderer
 from loomrl.reward import RewardPool, import_reward
+from loomrl.reward.pool import RewardFn
 from loomrl.runtime.scheduling import ProgramPriorities
 from loomrl.types import RolloutStatus, Task, Trajectory
 
@@ -74,21 +75,30 @@ class EvalResult:
     trajectories: list[Trajectory]
 
 
+def reward_fn_for(cfg: RunConfig) -> RewardFn:
+    """The run's reward function: reward.function, else the environment family's verifier (for a
+    black-box agent with agent.reward_from_agent, what the program reported when it did)."""
+    reward_fn = import_reward(cfg.reward.function) if cfg.reward.function else env_family(cfg.env.name).reward(cfg)
+    if cfg.agent.kind == "blackbox" and cfg.agent.reward_from_agent:
+        verifier = reward_fn
+
+        def reward_fn(t: Trajectory, task: Task) -> dict[str, float]:
+            return dict(t.reward_components) if t.reward_components else verifier(t, task)
+    return reward_fn
+
+
 class RolloutWorker:
-    def __init__(self, cfg: RunConfig, engine: Engine, renderer: ChatRenderer, train_tasks: list[Task]):
+    def __init__(self, cfg: RunConfig, engine: Engine, renderer: ChatRenderer, train_tasks: list[Task],
+                 reward_pool: RewardPool | None = None):
+        """`reward_pool`: where trajectories are scored (default: threads of this process; on Ray
+        it may be the reward actors, ray_actors.RemoteRewardPool)."""
         self.cfg = cfg
         self.engine = engine
         self.renderer = renderer
         self.train_tasks = train_tasks
         self.order = DataOrder(len(train_tasks), cfg.seed)
         self.family = env_family(cfg.env.name)
-        reward_fn = import_reward(cfg.reward.function) if cfg.reward.function else self.family.reward(cfg)
-        if cfg.agent.kind == "blackbox" and cfg.agent.reward_from_agent:
-            verifier = reward_fn
-
-            def reward_fn(t: Trajectory, task: Task) -> dict[str, float]:  # what the program reported, if it did
-                return dict(t.reward_components) if t.reward_components else verifier(t, task)
-        self.reward_pool = RewardPool(reward_fn, workers=cfg.reward.workers)
+        self.reward_pool = reward_pool or RewardPool(reward_fn_for(cfg), workers=cfg.reward.workers)
         self._env_rng = random.Random(f"{cfg.seed}:env")
         self._retry_rng = random.Random(f"{cfg.seed}:retry")
         self._pool: EnvPool | None = None

@@ -114,9 +114,10 @@ class AgentConfig(_Section):
     reward_from_agent: bool = False
     # Supervision: a trajectory that ends with one of these statuses is run again, up to max_retries
     # more times, after retry_backoff_s x 2^k (with jitter); the kept attempt records the earlier
-    # ones' errors. env_error: a dead sandbox, a crashed tool, any exception in the loop; timeout: a
-    # hung tool or the episode deadline (trajectory_timeout_s), which a slow policy can hit too.
-    retry_on: list[Literal["env_error", "timeout"]] = Field(default_factory=list)
+    # ones' errors. env_error: a dead sandbox, a crashed tool, any exception in the loop; engine_error:
+    # the engine failed a generation (a step raised, or its weights failed to load); timeout: a hung
+    # tool or the episode deadline (trajectory_timeout_s), which a slow policy can hit too.
+    retry_on: list[Literal["env_error", "engine_error", "timeout"]] = Field(default_factory=list)
     max_retries: int = Field(0, ge=0)
     retry_backoff_s: float = Field(0.5, ge=0.0)
 

@@ -19,6 +19,7 @@ class RolloutStatus(enum.StrEnum):
     COMPLETED = "completed"  # the agent gave a final answer (right or wrong)
     TRUNCATED = "truncated"  # max turns or max context reached before a final answer
     ENV_ERROR = "env_error"  # the environment or one of its tools crashed
+    ENGINE_ERROR = "engine_error"  # the inference engine failed while generating for it
     TIMEOUT = "timeout"  # a tool call or the whole trajectory ran past its deadline
     ABORTED = "aborted"  # cancelled by the runtime (shutdown, interrupt)
 

@@ -266,3 +266,54 @@ def test_waiting_requests_are_admitted_by_priority_then_arrival(tiny_model, toke
     finally:
         eng.close()
     assert order == ["first", "a-high", "d-high", "b-mid", "c-mid", "late-low"]
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(engine, tokenizer, monkeypatch):
+    """Supervision inside the engine: a forward that raises (here: injected once, standing in for an
+    OOM or a kernel error) fails the requests of that step with EngineFault naming the cause; the
+    engine resets and the next requests get the same outputs as before the fault."""
+    from loomrl.engine.base import EngineFault
+
+    prompts = _prompts(tokenizer)[:2]
+    before = [r.token_ids for r in _run(engine, prompts, temperature=0.0, max_tokens=6)]
+    real = engine.runner.forward
+    calls = {"n": 0}
+
+    def flaky(chunks):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise MemoryError("injected")
+        return real(chunks)
+
+    monkeypatch.setattr(engine.runner, "forward", flaky)
+    with pytest.raises(EngineFault, match="MemoryError: injected"):
+        _run(engine, prompts, program_ids={0: "x0", 1: "x1"}, temperature=0.0, max_tokens=6)
+    assert engine.metrics.faults == 1 and engine._thread.is_alive()
+    after = [r.token_ids for r in _run(engine, prompts, program_ids={0: "y0", 1: "y1"}, temperature=0.0, max_tokens=6)]
+    assert after == before
+
+
+def test_a_failed_weight_load_raises_and_the_engine_refuses_requests_until_a_good_one(tokenizer):
+    """A weight load that raises leaves the model partly loaded: update_weights raises, requests are
+    refused (not served by half-loaded weights) until a later load succeeds."""
+    from loomrl.engine.base import EngineFault
+
+    model = build_tiny_model(ModelConfig(kind="tiny"), len(tokenizer), tokenizer.eos_token_id)
+    eng = BuiltinEngine(model, eos_token_id=tokenizer.eos_token_id)
+    try:
+        good = {k: v.clone() for k, v in model.state_dict().items()}
+        prompt = _prompts(tokenizer)[:1]
+        before = _run(eng, prompt, temperature=0.0, max_tokens=6)[0].token_ids
+        bad = {k: torch.zeros(3, 3) for k in list(good)[:2]}  # wrong shapes: load_state_dict raises
+        with pytest.raises(EngineFault, match="loading version 1 failed"):
+            eng.update_weights(bad, 1)
+        with pytest.raises(EngineFault, match="no valid weights"):
+            _run(eng, prompt, temperature=0.0, max_tokens=6)
+        assert eng.version == 0
+        eng.update_weights(good, 2)
+        res = _run(eng, prompt, program_ids={0: "again"}, temperature=0.0, max_tokens=6)[0]
+        assert res.token_ids == before and set(res.versions) == {2}
+    finally:
+        eng.close()
+    with pytest.raises(EngineFault, match="closed"):
+        _run(eng, prompt, temperature=0.0, max_tokens=6)

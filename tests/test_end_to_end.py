@@ -230,6 +230,37 @@ def test_flaky_environment_with_retries_reruns_failed_episodes_and_records_why(t
     assert all(r["attempts"] <= 4 for r in rows)
 
 
+def test_engine_faults_end_episodes_as_engine_error_and_are_retried(tmp_path, monkeypatch):
+    """The real built-in engine fails two of its forwards during a real (async) run (injected: an OOM
+    or kernel error cannot be produced on purpose here). Those steps' generations fail with
+    EngineFault, their episodes end engine_error and run again (agent.retry_on); the engine resets,
+    serves on, and the run completes."""
+    from loomrl.engine.builtin.runner import ModelRunner
+
+    real = ModelRunner.forward
+    calls = {"n": 0}
+
+    def flaky(self, chunks):
+        calls["n"] += 1
+        if calls["n"] in (20, 45):
+            raise MemoryError("injected engine fault")
+        return real(self, chunks)
+
+    monkeypatch.setattr(ModelRunner, "forward", flaky)
+    cfg = _cfg(tmp_path, "name=enginefault", "runtime.mode=async", "trainer.total_steps=3", "eval.n_tasks=0",
+               "agent.retry_on=[engine_error]", "agent.max_retries=2", "agent.retry_backoff_s=0.01")
+    summary = LocalRun(cfg).train()
+    assert calls["n"] > 45 and summary["steps"] == 3
+    counts = summary["rollouts"]
+    assert counts.get("retried:engine_error", 0) >= 2 and "engine_error" not in counts, counts
+    rows = read_trajectories(cfg.run_dir / "trajectories").to_pylist()
+    again = [r for r in rows if r["attempts"] > 1]
+    assert again and all(e.startswith("engine_error: EngineFault: engine step failed: MemoryError: injected")
+                         for r in again for e in json.loads(r["retry_errors"]))
+    faults = [m.get("engine/faults", 0) for m in read_metrics(cfg.run_dir) if m.get("kind") == "train"]
+    assert sum(faults) == 2
+
+
 def test_gym_and_codefix_environments_run_end_to_end(tmp_path):
     """The random tiny model plays badly; what is checked is that each environment family is wired
     through a real run: tasks, env instances, rewards, statuses, the store."""

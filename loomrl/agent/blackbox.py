@@ -149,6 +149,8 @@ class BlackBoxRunner:
         traj = self.gateway.close_session(session, failed=None)
         if failed:
             traj.status, traj.error = RolloutStatus.TIMEOUT, failed
+        elif session.engine_fault:  # whatever the program did next, the engine failed it first
+            traj.status, traj.error = RolloutStatus.ENGINE_ERROR, session.engine_fault
         elif res is not None and res.returncode != 0 and traj.status == RolloutStatus.COMPLETED:
             traj.status = RolloutStatus.ENV_ERROR
             traj.error = f"agent program exited with status {res.returncode}: {res.stderr.strip()[-300:]}"

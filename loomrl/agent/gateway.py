@@ -36,7 +36,7 @@ from typing import Any
 
 from fastapi import Request  # at module level: FastAPI resolves endpoint annotations from the module
 
-from loomrl.engine.base import SamplingParams, generate_resuming
+from loomrl.engine.base import EngineFault, SamplingParams, generate_resuming
 from loomrl.model.chat import ChatRenderer
 from loomrl.server.app import _error, assistant_message
 from loomrl.server.protocol import ChatCompletionRequest
@@ -108,6 +108,7 @@ class Session:
         self.sampled_tokens = 0
         self.calls = 0
         self.reward: dict[str, float] | None = None  # reported by the agent, where the task allows it
+        self.engine_fault: str | None = None  # the engine failed during one of its calls
         self._known: list[tuple] | None = None  # normalized messages the current context holds
         self._last_closed = True
         self._lock = asyncio.Lock()  # one context is sequential: calls of a session are served in order
@@ -280,6 +281,9 @@ class Gateway:
             session.program.tools = [t.get("function", {}).get("name", "") for t in req.tools or []]
             try:
                 result, _ = await generate_resuming(self.engine, prompt_ids, sampling, session.program.program_id)
+            except EngineFault as err:  # the program sees a failed call; its trajectory says why
+                session.engine_fault = str(err)
+                raise
             finally:
                 session.program.phase = "acting"
             text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)

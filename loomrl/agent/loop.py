@@ -18,7 +18,7 @@ import time
 from dataclasses import replace
 
 from loomrl.agent.context import SUMMARY_REQUEST, ContextStrategy
-from loomrl.engine.base import Engine, GenerationResult, SamplingParams, generate_resuming
+from loomrl.engine.base import Engine, EngineFault, GenerationResult, SamplingParams, generate_resuming
 from loomrl.env.base import Env, EnvCrash, ToolTimeout
 from loomrl.model.chat import ChatRenderer
 from loomrl.runtime.scheduling import ProgramPriorities
@@ -55,7 +55,8 @@ class AgentLoop:
         try:
             await self._run_turns(env, task, traj, deadline)
         except (EnvCrash, ToolTimeout, TimeoutError, Exception) as err:  # noqa: BLE001 - errors are data
-            traj.status = RolloutStatus.TIMEOUT if isinstance(err, (ToolTimeout, TimeoutError)) else RolloutStatus.ENV_ERROR
+            traj.status = (RolloutStatus.TIMEOUT if isinstance(err, (ToolTimeout, TimeoutError))
+                           else RolloutStatus.ENGINE_ERROR if isinstance(err, EngineFault) else RolloutStatus.ENV_ERROR)
             traj.error = f"{type(err).__name__}: {err}"
             traj.metadata.env_errors += 1
             if traj.turns:

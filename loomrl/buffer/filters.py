@@ -1,7 +1,7 @@
 """Filters applied to a group before it becomes training samples (`buffer.filters` picks them; every
 trajectory left out is counted by reason in the ledger, and stays in the trajectory store).
 
-- complete: trajectories that ended in `env_error` or `timeout` are not the policy's doing; they are
+- complete: trajectories that ended in `env_error`, `engine_error` or `timeout` are not the policy's doing; they are
   left out of the advantage computation. With `buffer.drop_truncated`, trajectories cut by the turn or
   context budget are left out too.
 - repetitive: a trajectory whose sampled tokens repeat one n-gram more than `max_repeats` times is a
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from loomrl.reward.pool import reward_failed
 from loomrl.types import RolloutStatus, TrainingSample, Trajectory
 
-_NOT_POLICY_FAULT = (RolloutStatus.ENV_ERROR, RolloutStatus.TIMEOUT, RolloutStatus.ABORTED)
+_NOT_POLICY_FAULT = (RolloutStatus.ENV_ERROR, RolloutStatus.ENGINE_ERROR, RolloutStatus.TIMEOUT, RolloutStatus.ABORTED)
 FILTERS = ("complete", "repetitive", "near_duplicate")
 
 

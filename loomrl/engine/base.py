@@ -10,6 +10,11 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 
+class EngineFault(RuntimeError):
+    """The engine failed (not the request): a step or a weight load raised, or its worker is gone.
+    The agent loop records the trajectory as engine_error (agent.retry_on may run it again)."""
+
+
 @dataclass(slots=True, kw_only=True)
 class SamplingParams:
     temperature: float = 1.0  # 0 = greedy

@@ -112,7 +112,7 @@ class EngineDelta:
         if m is None:
             return {}
         return {"busy_s": m.busy_s, "generated_tokens": m.generated_tokens, "prompt_tokens": m.prompt_tokens,
-                "reused_tokens": m.reused_tokens, "preemptions": m.preemptions}
+                "reused_tokens": m.reused_tokens, "preemptions": m.preemptions, "faults": m.faults}
 
     def take(self) -> dict[str, float]:
         now = self._read()

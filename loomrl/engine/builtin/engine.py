@@ -17,6 +17,12 @@ weights); running sequences keep their K/V, as vLLM's in-flight updates do. `int
 in-flight request at the next step boundary with finish_reason "interrupted" and its partial output;
 resubmitting prompt + partial tokens resumes it (re-prefilled under the current weights).
 
+Supervision: the engine's worker thread never dies of an error. A step that raises fails the
+requests in flight (EngineFault, with the cause) and the engine serves the next ones with its state
+reset (KV freed, prefix cache cleared). A weight load that raises leaves the model partly loaded, so
+`update_weights` raises and the engine refuses requests until a later load succeeds. A request made
+after the engine closed, or while its thread is gone, fails at once instead of waiting for ever.
+
 Logprobs are of the distribution sampled from: softmax(logits / T) after top-k/top-p; for greedy
 requests (T = 0), of softmax(logits).
 """
@@ -34,7 +40,7 @@ from typing import Any
 
 import torch
 
-from loomrl.engine.base import GenerationRequest, GenerationResult
+from loomrl.engine.base import EngineFault, GenerationRequest, GenerationResult
 from loomrl.engine.builtin.prefix_cache import PrefixCache
 from loomrl.engine.builtin.runner import Chunk, ModelRunner, SequenceKV
 from loomrl.engine.common import deliver, sample_tokens
@@ -52,6 +58,7 @@ class EngineMetrics:
     generated_tokens: int = 0
     preemptions: int = 0
     interrupts: int = 0
+    faults: int = 0  # steps that raised: their requests failed, the engine reset and served on
     busy_s: float = 0.0
 
     @property
@@ -98,7 +105,8 @@ class BuiltinEngine:
         self._generator = torch.Generator().manual_seed(seed)
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []
-        self._pending_weights: tuple[dict | None, int] | None = None
+        self._pending_weights: tuple[dict | None, int, concurrent.futures.Future] | None = None
+        self._broken: str | None = None  # why the last weight load failed (no request is served until one works)
         self._interrupt = False
         self._calls: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
         self._cond = threading.Condition()
@@ -117,6 +125,11 @@ class BuiltinEngine:
     def submit(self, request: GenerationRequest) -> concurrent.futures.Future:
         if not request.prompt_ids:
             raise ValueError("generate: prompt_ids is empty")
+        if self._closed or not self._thread.is_alive():
+            raise EngineFault("the engine is closed" if self._closed else "the engine's thread is not running")
+        if self._broken is not None:
+            raise EngineFault(f"the engine has no valid weights (the last weight update failed: {self._broken}); "
+                              "it serves again after a successful update_weights")
         fut: concurrent.futures.Future = concurrent.futures.Future()
         seed = request.sampling.seed
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
@@ -131,16 +144,22 @@ class BuiltinEngine:
             self._cond.notify()
         return fut
 
-    def update_weights(self, weights: dict | None, version: int) -> None:
+    def update_weights(self, weights: dict | None, version: int, timeout_s: float = 600.0) -> None:
+        """Load `weights` between two steps; returns once they serve. Raises EngineFault when the load
+        failed (the engine then refuses requests until a later load succeeds) or did not happen within
+        `timeout_s`. An update superseded by a newer one before it was applied returns as well."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
-            self._pending_weights = (weights, version)
+            if self._closed or not self._thread.is_alive():
+                raise EngineFault("update_weights: the engine is not running")
+            if self._pending_weights is not None:
+                deliver(self._pending_weights[2])  # superseded: only the newest version is loaded
+            self._pending_weights = (weights, version, fut)
             self._cond.notify()
-        self._wait_applied(version)
-
-    def _wait_applied(self, version: int) -> None:
-        deadline = time.monotonic() + 60
-        while self._version != version and time.monotonic() < deadline and self._thread.is_alive():
-            time.sleep(0.001)
+        try:
+            fut.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise EngineFault(f"update_weights: version {version} not applied after {timeout_s:.0f}s") from None
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run `fn` on the engine's thread between two steps (the hybrid trainer borrows it).
@@ -174,12 +193,44 @@ class BuiltinEngine:
     # -- the step loop ----------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
+            try:
+                if not self._serve():
+                    break
+            except BaseException as err:  # noqa: BLE001 - a fault outside a step: reset, keep serving
+                self._recover(err)
+        for seq in [*self._running, *self._waiting]:
+            deliver(seq.future, exception=EngineFault("engine closed"))
+        for _, fut in self._calls:
+            deliver(fut, exception=EngineFault("engine closed"))
+        if self._pending_weights is not None:
+            deliver(self._pending_weights[2], exception=EngineFault("engine closed"))
+
+    def _recover(self, err: BaseException) -> None:
+        """Fail everything in flight with the cause and reset the per-request state."""
+        fault = err if isinstance(err, EngineFault) else EngineFault(f"engine step failed: {type(err).__name__}: {err}")
+        fault.__cause__ = None if fault is err else err
+        with self._cond:
+            for seq in [*self._running, *self._waiting]:
+                try:
+                    self._retire_kv(seq)
+                except Exception:  # noqa: BLE001 - the state that failed may fail again; drop it
+                    seq.kv = None
+                deliver(seq.future, exception=fault)
+            self._running.clear()
+            self._waiting.clear()
+            if self.cache is not None:
+                self.cache.clear()
+            self.metrics.faults += 1
+
+    def _serve(self) -> bool:
+        """One pass of the loop: weights, interrupts, borrowed calls, then a step. False once closed."""
+        while True:
             with self._cond:
                 while not (self._closed or self._waiting or self._running or self._pending_weights
                            or self._interrupt or self._calls):
                     self._cond.wait()
                 if self._closed:
-                    break
+                    return False
                 self._apply_weights_locked()
                 if self._interrupt:
                     self._interrupt_locked()
@@ -192,34 +243,36 @@ class BuiltinEngine:
                     deliver(fut, exception=err)
             if not (self._waiting or self._running):
                 continue
-            try:
-                t0 = time.perf_counter()
-                self._step()
-                self.metrics.busy_s += time.perf_counter() - t0
-            except BaseException as err:  # noqa: BLE001 - fail the requests in flight, keep serving
-                with self._cond:
-                    for seq in [*self._running, *self._waiting]:
-                        self._retire_kv(seq)
-                        deliver(seq.future, exception=err)
-                    self._running.clear()
-                    self._waiting.clear()
-        for seq in [*self._running, *self._waiting]:
-            deliver(seq.future, exception=RuntimeError("engine closed"))
-        for _, fut in self._calls:
-            deliver(fut, exception=RuntimeError("engine closed"))
+            t0 = time.perf_counter()
+            self._step()  # a fault: _loop fails the requests in flight and serves on
+            self.metrics.busy_s += time.perf_counter() - t0
 
     def _apply_weights_locked(self) -> None:
         pending, self._pending_weights = self._pending_weights, None
         if pending is None:
             return
-        weights, version = pending
-        if weights is not None:
-            with torch.no_grad():
-                self.model.load_state_dict(weights, strict=False)
-        self.runner.refresh()  # re-pack: with weights=None the model was changed in place
+        weights, version, fut = pending
+        try:
+            if weights is not None:
+                with torch.no_grad():
+                    self.model.load_state_dict(weights, strict=False)
+            self.runner.refresh()  # re-pack: with weights=None the model was changed in place
+        except BaseException as err:  # noqa: BLE001 - the caller gets it; no request runs on these weights
+            self._broken = f"{type(err).__name__}: {err}"
+            deliver(fut, exception=EngineFault(f"update_weights: loading version {version} failed: {self._broken}"))
+            if self.cache is not None:
+                self.cache.clear()
+            for seq in [*self._running, *self._waiting]:  # their K/V and tokens came from other weights
+                self._retire_kv(seq)
+                deliver(seq.future, exception=EngineFault(f"engine weights failed to load: {self._broken}"))
+            self._running.clear()
+            self._waiting.clear()
+            return
+        self._broken = None
         if self.cache is not None:
             self.cache.clear()  # cached K/V was computed by the old weights
         self._version = version
+        deliver(fut)
 
     def _interrupt_locked(self) -> None:
         self._interrupt = False

@@ -246,6 +246,13 @@ class RayConfig(_Section):
     reward_resources: dict[str, float] = Field(default_factory=dict)
     max_reward_restarts: int = Field(100, ge=0)
     max_reward_attempts: int = Field(3, gt=0)
+    # env actors holding the sandboxes of white-box environments, shared by all rollout actors (0: each
+    # rollout actor runs sandboxes on its own node); e.g. env_resources {sandbox: 1} for CPU nodes
+    # started with that resource. Ray restarts a dead one up to max_env_restarts times.
+    num_env_workers: int = Field(0, ge=0)
+    env_num_cpus: float = Field(1.0, ge=0.0)
+    env_resources: dict[str, float] = Field(default_factory=dict)
+    max_env_restarts: int = Field(100, ge=0)
 
 
 class EvalConfig(_Section):
@@ -380,6 +387,10 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if config.env.name != "calculator":
             raise ConfigError("config error: agent.kind=blackbox works with env.name=calculator so far (its verifier "
                               "reads the program's final answer)")
+        if config.runtime.backend == "ray" and config.ray.num_env_workers:
+            raise ConfigError("config error: ray.num_env_workers: a black-box agent reaches the gateway through a "
+                              "socket mounted into its sandbox, so its sandboxes must run on the rollout actor's "
+                              "node; set ray.num_env_workers=0")
     return config
 
 

@@ -76,7 +76,7 @@ def cluster():
     try:
         t0 = time.time()
         subprocess.run([RAY, "start", "--head", f"--port={port}", "--include-dashboard=false",
-                        '--resources={"trainer": 1, "reward": 2}', *common], env=env, check=True, capture_output=True, timeout=120)
+                        '--resources={"trainer": 1, "reward": 2, "sandbox": 1}', *common], env=env, check=True, capture_output=True, timeout=120)
         subprocess.run([RAY, "start", f"--address=127.0.0.1:{port}", '--resources={"rollout": 2}', *common],
                        env=env, check=True, capture_output=True, timeout=120)
         print(f"two-node cluster up in {time.time() - t0:.1f}s")
@@ -235,6 +235,72 @@ def test_a_reward_actor_that_stays_dead_marks_trajectories_reward_failed_and_the
         assert json.loads(rows[tid]["reward_components"]) == {"reward_failed": 0.0}
     trained = {t for e in ledger for t in e["trained"]}
     assert not trained & set(skipped)
+
+
+@pytest.mark.ray
+def test_env_actors_run_the_sandboxes_on_their_node_and_survive_a_kill(cluster, tmp_path):
+    """env.name=codefix (every episode leases a sandbox, writes a repository into it and runs the
+    hidden tests there, whatever the tiny model says) with the sandboxes in an env actor on the head
+    node and the engines on the other node. The env actor is SIGKILLed once mid-run: Ray restarts it,
+    the episodes whose sandboxes died end env_error and run again (agent.retry_on), and the run
+    completes with every trajectory accounted for."""
+    steps = 4
+    proc = _train(cluster, tmp_path, "envs", f"trainer.total_steps={steps}", "checkpoint_every=0", "env.name=codefix",
+                  "env.families=[clamp, chunk]", "env.n_train=8", "env.n_heldout=4", "reward.function=null",
+                  "agent.max_turns=2", "trainer.group_size=2", "ray.num_env_workers=1", "ray.env_num_cpus=0",
+                  "ray.env_resources={sandbox: 1}", "agent.retry_on=[env_error]", "agent.max_retries=2",
+                  "agent.retry_backoff_s=0.05")
+    run_dir = tmp_path / "envs"
+    killed = []
+
+    def kill_env_actor_after_the_first_step() -> None:
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None:
+            if len(read_ledger(run_dir)) >= 1:
+                pids = [p for p in _tagged(cluster["tag"], cluster["tmp"]) if _title(p).startswith("ray::EnvActor")]
+                if pids:
+                    os.kill(pids[0], signal.SIGKILL)
+                    killed.append(pids[0])
+                    return
+            time.sleep(0.1)
+
+    killer = threading.Thread(target=kill_env_actor_after_the_first_step, daemon=True)
+    killer.start()
+    try:
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        killer.join(timeout=10)
+    assert proc.returncode == 0, out[-4000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    placement = summary["ray"]["placement"]
+    assert placement["env"] and placement["env"][0] not in placement["rollout"], placement  # another node
+    assert killed and summary["ray"]["env_restarts"] == 1, (killed, summary["ray"])
+    pool = summary["env_pool"]  # the env actor's own pool (the one that ran after the restart)
+    assert pool["acquired"] > 0 and pool["created"] == pool["destroyed"], pool
+    check_each_trajectory_once(run_dir, steps)
+    assert summary["accounting"]["violations"] == []
+    rows = read_trajectories(run_dir / "trajectories").to_pylist()
+    retried = [e for r in rows for e in json.loads(r["retry_errors"])]
+    assert rows and all(r["status"] in ("completed", "truncated", "env_error") for r in rows)
+    # ran in the sandbox: a repository was written and its hidden tests ran (the verdict is the answer)
+    assert all(r["final_answer"] in ("tests_passed", "tests_failed") for r in rows if r["status"] != "env_error"), \
+        {r["final_answer"] for r in rows}
+    print(f"env actor run: killed {killed}, retried {len(retried)}: {retried[:2]}")
+
+
+@pytest.mark.ray
+def test_a_rollout_actor_that_cannot_start_stops_the_run_with_the_cause(cluster, tmp_path):
+    """A constructor that raises (here: a reward function that does not exist) would raise in every
+    fresh actor: the run stops at once and says why, instead of replacing actors until its budget ends."""
+    t0 = time.time()
+    proc = _train(cluster, tmp_path, "nostart", "trainer.total_steps=2",
+                  "reward.function=rewards_for_tests:no_such_reward")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert "failed to start" in out and "no_such_reward" in out, out[-3000:]
+    assert time.time() - t0 < 120
 
 
 def test_ray_backend_without_ray_says_how_to_install_it(tmp_path):

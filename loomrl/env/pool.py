@@ -68,7 +68,40 @@ def pool_size_for(concurrency: int, spare: float = 0.25) -> int:
     return concurrency + max(1, math.ceil(concurrency * spare))
 
 
-class EnvPool:
+class Leases:
+    """`lease()` over a pool's acquire/release (EnvPool here; ray_actors.RemoteEnvPool for sandboxes
+    on other nodes)."""
+
+    async def acquire(self) -> Sandbox:
+        raise NotImplementedError
+
+    async def release(self, sb: Sandbox, *, broken: bool = False) -> None:
+        raise NotImplementedError
+
+    @asynccontextmanager
+    async def lease(self, cleanup: list[Callable[[Sandbox], Any]] | None = None) -> AsyncIterator[Sandbox]:
+        """`async with pool.lease() as sb:` an exception or cancellation inside marks the instance
+        broken; `cleanup` hooks run before the release in every case (their errors are logged)."""
+        sb = await self.acquire()
+        broken = False
+        try:
+            yield sb
+        except BaseException:
+            broken = True
+            raise
+        finally:
+            for hook in cleanup or []:
+                try:
+                    result = hook(sb)
+                    if asyncio.iscoroutine(result):
+                        await result
+                except Exception as err:  # noqa: BLE001 - a failing hook must not leak the instance
+                    log.warning("env pool: cleanup hook failed: %s", err)
+                    broken = True
+            await asyncio.shield(self.release(sb, broken=broken))
+
+
+class EnvPool(Leases):
     def __init__(self, factory: Callable[[], Sandbox], *, size: int, prewarm: int | None = None,
                  health_timeout_s: float = 5.0, max_create_attempts: int = 3,
                  prepare: Callable[[Sandbox], Awaitable[None]] | None = None):
@@ -186,28 +219,6 @@ class EnvPool:
             self._spawn_replacement()
         else:
             self._spawn(self._reset(sb))
-
-    @asynccontextmanager
-    async def lease(self, cleanup: list[Callable[[Sandbox], Any]] | None = None) -> AsyncIterator[Sandbox]:
-        """`async with pool.lease() as sb:` an exception or cancellation inside marks the instance
-        broken; `cleanup` hooks run before the release in every case (their errors are logged)."""
-        sb = await self.acquire()
-        broken = False
-        try:
-            yield sb
-        except BaseException:
-            broken = True
-            raise
-        finally:
-            for hook in cleanup or []:
-                try:
-                    result = hook(sb)
-                    if asyncio.iscoroutine(result):
-                        await result
-                except Exception as err:  # noqa: BLE001 - a failing hook must not leak the instance
-                    log.warning("env pool: cleanup hook failed: %s", err)
-                    broken = True
-            await asyncio.shield(self.release(sb, broken=broken))
 
     # -- internals ----------------------------------------------------------------------------------
     async def _create(self, reserved: bool = False) -> Sandbox:

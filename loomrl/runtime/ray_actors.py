@@ -12,16 +12,21 @@ died with it. Reward actors hold no state, so Ray restarts them and retries thei
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import os
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from loomrl.config import RunConfig
+from loomrl.env.pool import EnvPool, Leases, PoolMetrics
 from loomrl.env.registry import env_family
+from loomrl.env.sandbox import make_sandbox
+from loomrl.env.sandbox.base import ExecResult, Sandbox, SandboxError
 from loomrl.model.chat import ChatRenderer
 from loomrl.reward.pool import RewardPool, mark_reward_failed
 from loomrl.runtime.rollout import RolloutWorker
@@ -79,11 +84,203 @@ class RemoteRewardPool:
         pass  # the driver owns the reward actors
 
 
+class EnvActor:
+    """Sandboxes on whatever node ray.env_resources picks (ray.num_env_workers > 0): an EnvPool whose
+    instances rollout actors lease by id and drive by calls (RemoteEnvPool, RemoteSandbox), so that
+    sandboxes can live on CPU nodes while engines sit on GPU nodes. Every lease names its owner (a
+    rollout actor incarnation): when that actor dies the driver calls release_owner, and its sandboxes
+    are destroyed and replaced instead of leaking. Ray restarts a dead env actor (max_restarts) with a
+    fresh pool; calls on the leases of the old one fail with SandboxError (the episode ends env_error,
+    and agent.retry_on may run it again). Calls are not retried by Ray: a command may not be idempotent."""
+
+    def __init__(self, cfg_json: str, size: int):
+        cfg = RunConfig.model_validate_json(cfg_json)
+        self.cfg = cfg
+        self.size = size
+        self.pool: EnvPool | None = None
+        self.leases: dict[str, tuple[str, Sandbox]] = {}  # lease id -> (owner, sandbox)
+        self._start_lock: asyncio.Lock | None = None
+
+    async def _pool(self) -> EnvPool:
+        if self._start_lock is None:  # made on the actor's event loop
+            self._start_lock = asyncio.Lock()
+        async with self._start_lock:
+            if self.pool is None:
+                e = self.cfg.env
+                pool = EnvPool(lambda: make_sandbox(e.sandbox, limits=e.sandbox_limits), size=self.size,
+                               prewarm=e.prewarm)
+                await pool.start()
+                self.pool = pool
+        return self.pool
+
+    def _sandbox(self, lease: str) -> Sandbox:
+        try:
+            return self.leases[lease][1]
+        except KeyError:
+            raise SandboxError(f"env worker: no sandbox under lease {lease} (the worker restarted, or the lease "
+                               "was released)") from None
+
+    async def start(self) -> int:
+        """Pre-warm now (instead of at the first lease); returns the pool size."""
+        await self._pool()
+        return self.size
+
+    async def acquire(self, owner: str) -> dict[str, str]:
+        pool = await self._pool()
+        sb = await pool.acquire()
+        lease = uuid.uuid4().hex
+        self.leases[lease] = (owner, sb)
+        return {"lease": lease, "backend": sb.backend, "workdir": str(sb.workdir), "python": sb.python}
+
+    async def release(self, lease: str, broken: bool = False) -> None:
+        entry = self.leases.pop(lease, None)
+        if entry is not None and self.pool is not None:
+            await self.pool.release(entry[1], broken=broken)
+
+    async def release_owner(self, owner: str) -> int:
+        """Destroy (and replace) every sandbox leased by `owner`, a rollout actor that died; returns how many."""
+        mine = [lease for lease, (o, _) in self.leases.items() if o == owner]
+        for lease in mine:
+            await self.release(lease, broken=True)
+        return len(mine)
+
+    async def exec(self, lease: str, argv: list[str], timeout: float, stdin: str | None,
+                   env: dict[str, str] | None) -> ExecResult:
+        return await self._sandbox(lease).exec(argv, timeout=timeout, stdin=stdin, env=env)
+
+    async def write_file(self, lease: str, path: str, data: str | bytes) -> None:
+        await asyncio.to_thread(self._sandbox(lease).write_file, path, data)
+
+    async def read_file(self, lease: str, path: str) -> str:
+        return await asyncio.to_thread(self._sandbox(lease).read_file, path)
+
+    def metrics(self) -> dict[str, Any]:
+        return self.pool.metrics.as_dict() if self.pool is not None else {}
+
+    async def close(self) -> dict[str, Any]:
+        """Tear the sandboxes down; returns the pool's metrics (teardown included)."""
+        if self.pool is not None:
+            await self.pool.close()
+        return self.metrics()
+
+    def where(self) -> tuple[str, int]:
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), os.getpid()
+
+
+class RemoteSandbox:
+    """The Sandbox protocol over an EnvActor lease. exec is awaited; write_file / read_file block on
+    the call, so callers run them off the event loop (codefix does, with asyncio.to_thread)."""
+
+    def __init__(self, actor: Any, info: dict[str, str]):
+        self.actor = actor
+        self.lease = info["lease"]
+        self.backend = info["backend"]
+        self.workdir = Path(info["workdir"])  # on the env actor's node
+        self.python = info["python"]
+
+    async def exec(self, argv: list[str], *, timeout: float, stdin: str | None = None,
+                   env: dict[str, str] | None = None) -> ExecResult:
+        return await _remote(self.actor.exec.remote(self.lease, argv, timeout, stdin, env))
+
+    def write_file(self, path: str, data: str | bytes) -> None:
+        import ray
+
+        _raise_as_sandbox_error(lambda: ray.get(self.actor.write_file.remote(self.lease, path, data)))
+
+    def read_file(self, path: str) -> str:
+        import ray
+
+        return _raise_as_sandbox_error(lambda: ray.get(self.actor.read_file.remote(self.lease, path)))
+
+    async def health(self, timeout: float = 5.0) -> bool:
+        return True  # the env actor's pool checks its instances before it leases them
+
+    def snapshot(self) -> None:
+        raise NotImplementedError("a remote sandbox is snapshotted and reset by its env actor's pool")
+
+    reset = snapshot
+
+    def close(self) -> None:
+        pass  # released through RemoteEnvPool
+
+
+def _raise_as_sandbox_error(call: Any) -> Any:
+    """A dead env actor is a dead sandbox to the environment code: SandboxError, with the reason."""
+    import ray
+
+    try:
+        return call()
+    except SandboxError:
+        raise
+    except ray.exceptions.RayError as err:
+        raise SandboxError(f"env worker failed: {type(err).__name__}: {str(err).splitlines()[0]}") from None
+
+
+async def _remote(ref: Any) -> Any:
+    import ray
+
+    try:
+        return await ref
+    except SandboxError:
+        raise
+    except ray.exceptions.RayError as err:
+        raise SandboxError(f"env worker failed: {type(err).__name__}: {str(err).splitlines()[0]}") from None
+
+
+class RemoteEnvPool(Leases):
+    """The env pool interface (acquire / release / lease) over the env actors, round robin; a lease
+    that fails on one actor (dead, restarting) is tried on the next. `owner` names this rollout actor
+    incarnation in the env actors' lease tables."""
+
+    def __init__(self, actors: list[Any], owner: str):
+        self.actors = actors
+        self.owner = owner
+        self._next = itertools.cycle(range(len(actors)))
+        self.metrics = PoolMetrics()  # this side's view: leases, waits, broken releases
+
+    async def start(self) -> RemoteEnvPool:
+        return self
+
+    async def acquire(self) -> Sandbox:
+        t0 = time.perf_counter()
+        errors = []
+        for _ in range(2 * len(self.actors)):
+            actor = self.actors[next(self._next)]
+            try:
+                info = await _remote(actor.acquire.remote(self.owner))
+            except SandboxError as err:
+                errors.append(str(err))
+                await asyncio.sleep(0.1)
+                continue
+            wait = time.perf_counter() - t0
+            self.metrics.acquired += 1
+            self.metrics.acquire_wait_s_total += wait
+            self.metrics.acquire_wait_s_max = max(self.metrics.acquire_wait_s_max, wait)
+            return RemoteSandbox(actor, info)
+        raise SandboxError(f"no env worker could lease a sandbox: {errors[-1]}")
+
+    async def release(self, sb: Sandbox, *, broken: bool = False) -> None:
+        assert isinstance(sb, RemoteSandbox)
+        self.metrics.released += 1
+        self.metrics.kills += int(broken)
+        try:
+            await _remote(sb.actor.release.remote(sb.lease, broken))
+        except SandboxError:
+            pass  # the env actor died: the sandbox died with it
+
+    async def close(self) -> None:
+        pass  # the driver owns (and closes) the env actors
+
+
 class RolloutActor:
     """One rollout worker on some node. Async actor: many groups run at once over one engine.
-    `reward_actors`: score on these (RemoteRewardPool) instead of this actor's own threads."""
+    `reward_actors`: score on these (RemoteRewardPool) instead of this actor's own threads.
+    `env_actors`: lease sandboxes from these (RemoteEnvPool, as `owner`) instead of this node's."""
 
-    def __init__(self, cfg_json: str, reward_actors: list[Any] | None = None):
+    def __init__(self, cfg_json: str, reward_actors: list[Any] | None = None, env_actors: list[Any] | None = None,
+                 owner: str = ""):
         from loomrl.runtime.local import build_model, make_engine
 
         cfg = RunConfig.model_validate_json(cfg_json)
@@ -94,9 +291,14 @@ class RolloutActor:
         # before the first group (the driver sends the trainer's current version to every new actor).
         model, tokenizer = build_model(cfg, None)
         self.engine = make_engine(cfg, model, tokenizer, 0)
-        train_tasks, self.heldout = env_family(cfg.env.name).splits(cfg)
+        # On a thread: this constructor runs inside the actor's event loop, and a family may run one of
+        # its own to build its tasks (codefix validates its corpus in local sandboxes, once per process).
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            train_tasks, self.heldout = pool.submit(env_family(cfg.env.name).splits, cfg).result()
         rewards = RemoteRewardPool(reward_actors) if reward_actors else None
-        self.worker = RolloutWorker(cfg, self.engine, ChatRenderer(tokenizer), train_tasks, reward_pool=rewards)
+        envs = RemoteEnvPool(env_actors, owner) if env_actors else None
+        self.worker = RolloutWorker(cfg, self.engine, ChatRenderer(tokenizer), train_tasks, reward_pool=rewards,
+                                    env_pool=envs)
         self._weights_lock: asyncio.Lock | None = None
 
     def _lock(self) -> asyncio.Lock:

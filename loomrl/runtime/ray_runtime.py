@@ -30,6 +30,7 @@ import asyncio
 import itertools
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -40,8 +41,8 @@ from loomrl.metrics import MetricsLogger
 from loomrl.reward.pool import reward_failed
 from loomrl.runtime.accounting import Accounting, ledger_line
 from loomrl.runtime.local import RunError, _progress, positions_after, prepare_run_dir
-from loomrl.runtime.ray_actors import RewardActor, RolloutActor, TrainerActor, TrainerRankActor
-from loomrl.runtime.rollout import group_summary
+from loomrl.runtime.ray_actors import EnvActor, RewardActor, RolloutActor, TrainerActor, TrainerRankActor
+from loomrl.runtime.rollout import group_summary, rollout_concurrency, sandbox_pool_size
 from loomrl.runtime.trainer_ranks import RankLost
 from loomrl.runtime.trainer_service import PositionSet, read_ledger
 from loomrl.runtime.weight_sync import Transport, WeightHandle
@@ -73,6 +74,7 @@ class Dispatch:
 @dataclass(slots=True, kw_only=True)
 class WorkerSlot:
     handle: Any
+    owner: str = ""  # its name in the env actors' lease tables
     incarnation: int = 0
     load: int = 0  # groups in flight on it
 
@@ -97,6 +99,8 @@ class RayRun:
         self.trainer: Any = None  # rank 0
         self.trainer_ranks: list[Any] = []  # ranks 1.. (trainer.world_size > 1)
         self.reward_actors: list[Any] = []  # ray.num_reward_workers, shared by the rollout actors
+        self.env_actors: list[Any] = []  # ray.num_env_workers, shared by the rollout actors
+        self.owners = 0  # rollout actors made so far
         self.version = 0
         self.weights: WeightHandle | None = None
         self._syncs: list = []  # update_weights calls not yet read for the metrics
@@ -109,6 +113,7 @@ class RayRun:
         self.serials = itertools.count()
         self.rollout_restarts = 0
         self.reward_restarts = 0  # reward actors found with a new process at the end (Ray restarted them)
+        self.env_restarts = 0  # env actors likewise
         self.trainer_restarts = 0
         self.statuses: dict[str, int] = {}
         self.placement: dict[str, Any] = {}  # where the first actors ran: {"trainer": node, "rollout": [nodes]}
@@ -128,7 +133,7 @@ class RayRun:
             need: dict[str, float] = {}
             ranks = self.cfg.trainer.world_size
             for res, n in [(r.rollout_resources, r.num_rollout_workers), (r.trainer_resources, ranks),
-                           (r.reward_resources, r.num_reward_workers)]:
+                           (r.reward_resources, r.num_reward_workers), (r.env_resources, r.num_env_workers)]:
                 for k, v in res.items():
                     need[k] = need.get(k, 0) + v * n
             kwargs.update(include_dashboard=False, resources=need or None)
@@ -137,14 +142,17 @@ class RayRun:
         self.ray.init(address=r.address or "local", **kwargs)
         return True
 
-    def _new_rollout_actor(self):
+    def _new_rollout_actor(self) -> tuple[Any, str]:
+        """A rollout actor and its owner name (how env actors know its leases)."""
         r = self.cfg.ray
         cls = self.ray.remote(RolloutActor).options(num_cpus=r.rollout_num_cpus, resources=r.rollout_resources,
                                                      max_restarts=0, max_concurrency=1000)
-        actor = cls.remote(self.cfg.model_dump_json(), self.reward_actors)
+        self.owners += 1  # names this incarnation in the env actors' lease tables
+        owner = f"rollout-{self.owners}"
+        actor = cls.remote(self.cfg.model_dump_json(), self.reward_actors, self.env_actors, owner)
         if self.weights is not None:
             self._syncs.append(actor.update_weights.remote(self.weights))
-        return actor
+        return actor, owner
 
     def _new_reward_actors(self) -> list[Any]:
         r = self.cfg.ray
@@ -153,9 +161,20 @@ class RayRun:
             max_restarts=r.max_reward_restarts, max_task_retries=r.max_reward_attempts - 1)
         return [cls.remote(self.cfg.model_dump_json()) for _ in range(r.num_reward_workers)]
 
-    async def _reward_pids(self) -> list[int | None]:
+    def _new_env_actors(self) -> list[Any]:
+        """Env actors sized for every rollout actor's concurrency, split between them."""
+        r = self.cfg.ray
+        if not r.num_env_workers:
+            return []
+        total = rollout_concurrency(self.cfg) * r.num_rollout_workers
+        size = sandbox_pool_size(self.cfg, math.ceil(total / r.num_env_workers))
+        cls = self.ray.remote(EnvActor).options(num_cpus=r.env_num_cpus, resources=r.env_resources,
+                                                 max_concurrency=1000, max_restarts=r.max_env_restarts)
+        return [cls.remote(self.cfg.model_dump_json(), size) for _ in range(r.num_env_workers)]
+
+    async def _pids(self, actors: list[Any]) -> list[int | None]:
         out = []
-        for actor in self.reward_actors:
+        for actor in actors:
             try:
                 out.append((await asyncio.wait_for(actor.where.remote(), timeout=30))[1])
             except Exception:  # noqa: BLE001 - dead for good (past its restarts) or stuck
@@ -173,7 +192,9 @@ class RayRun:
             raise RunError(f"run error: rollout actors died {self.rollout_restarts} times (last: {why}); see the "
                            "Ray logs of the rollout nodes, then continue with --resume")
         log.warning("rollout actor %d died (%s); starting a fresh one", i, why)
-        slot.handle, slot.incarnation, slot.load = self._new_rollout_actor(), slot.incarnation + 1, 0
+        for env in self.env_actors:  # its sandboxes are destroyed and replaced, not leaked
+            env.release_owner.remote(slot.owner)
+        (slot.handle, slot.owner), slot.incarnation, slot.load = self._new_rollout_actor(), slot.incarnation + 1, 0
 
     async def _call_trainer(self, method: str, *args):
         try:
@@ -276,6 +297,9 @@ class RayRun:
             self.next_pos = next(self.positions)
 
     def _rollout_failed(self, d: Dispatch, err: BaseException) -> None:
+        if "creation task" in str(err):  # its constructor raised: every fresh actor would too
+            detail = "\n".join(str(err).splitlines()[-3:])
+            raise RunError(f"run error: a rollout actor failed to start (its constructor raised):\n{detail}")
         why = f"actor_died: {type(err).__name__}"
         self.acc.failed["actor_died"] += self.G  # the group's trajectories died with the actor
         if self.workers[d.worker].incarnation == d.incarnation:
@@ -399,10 +423,16 @@ class RayRun:
     async def _run(self) -> dict[str, Any]:
         extra = load_state(self.ckpt).get("extra", {}) if self.ckpt else {}
         self.reward_actors = self._new_reward_actors()
-        reward_pids = await self._reward_pids()
+        self.env_actors = self._new_env_actors()
+        for env in self.env_actors:  # pre-warm the sandboxes before the first rollout
+            await env.start.remote()
+        reward_pids, env_pids = await self._pids(self.reward_actors), await self._pids(self.env_actors)
         self.placement["reward"] = [(await self._node_of(a)) for a in self.reward_actors]
-        self.workers = [WorkerSlot(handle=self._new_rollout_actor()) for _ in range(self.cfg.ray.num_rollout_workers)]
+        self.placement["env"] = [(await self._node_of(a)) for a in self.env_actors]
+        self.workers = [WorkerSlot(handle=h, owner=o) for h, o in
+                        (self._new_rollout_actor() for _ in range(self.cfg.ray.num_rollout_workers))]
         pool: dict[str, Any] = {}
+        env_pool: dict[str, Any] = {}  # the env actors' own pool metrics (ray.num_env_workers > 0)
         try:
             before = extra.get("eval_before")
             if before is None:
@@ -430,11 +460,19 @@ class RayRun:
                 self.ray.kill(slot.handle, no_restart=True)
             if self.trainer is not None:
                 self._kill_trainer()
-            # Ray restarts reward actors itself: a new process id means at least one restart
-            self.reward_restarts = sum(a != b for a, b in zip(reward_pids, await self._reward_pids()))
-            for actor in self.reward_actors:
+            # Ray restarts reward and env actors itself: a new process id means at least one restart
+            self.reward_restarts = sum(a != b for a, b in zip(reward_pids, await self._pids(self.reward_actors)))
+            self.env_restarts = sum(a != b for a, b in zip(env_pids, await self._pids(self.env_actors)))
+            for env in self.env_actors:  # sandboxes torn down; what this side saw stays in `pool` above
+                try:
+                    metrics = await asyncio.wait_for(env.close.remote(), timeout=60)
+                    for k, v in metrics.items():
+                        env_pool[k] = env_pool.get(k, 0) + v
+                except Exception:  # noqa: BLE001 - a dead env actor took its sandboxes with it
+                    pass
+            for actor in [*self.reward_actors, *self.env_actors]:
                 self.ray.kill(actor, no_restart=True)
-        return {"before": before, "after": after, "steps": steps, "env_pool": pool}
+        return {"before": before, "after": after, "steps": steps, "env_pool": env_pool if self.env_actors else pool}
 
     def train(self) -> dict[str, Any]:
         owns = self._init_ray()
@@ -464,7 +502,7 @@ class RayRun:
             "env_pool": {k: round(v, 4) if isinstance(v, float) else v for k, v in result["env_pool"].items()},
             "accounting": acc,
             "ray": {"rollout_restarts": self.rollout_restarts, "trainer_restarts": self.trainer_restarts,
-                    "reward_restarts": self.reward_restarts,
+                    "reward_restarts": self.reward_restarts, "env_restarts": self.env_restarts,
                     "positions_failed": {str(k): v for k, v in self.gave_up.items()},
                     "placement": self.placement},
         }

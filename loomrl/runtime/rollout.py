@@ -25,7 +25,7 @@ from loomrl.agent.loop import AgentLoop
 from loomrl.config import RunConfig
 from loomrl.engine.base import Engine, SamplingParams
 from loomrl.env.base import Env
-from loomrl.env.pool import EnvPool, pool_size_for
+from loomrl.env.pool import EnvPool, Leases, pool_size_for
 from loomrl.env.registry import env_family
 from loomrl.env.sandbox import make_sandbox
 from loomrl.model.chat import ChatRenderer
@@ -87,11 +87,40 @@ def reward_fn_for(cfg: RunConfig) -> RewardFn:
     return reward_fn
 
 
+def group_slots(cfg: RunConfig) -> int:
+    """Groups in flight at once under runtime.max_inflight_trajectories (at least one: a group is never split)."""
+    return max(1, cfg.runtime.max_inflight_trajectories // cfg.trainer.group_size)
+
+
+def rollout_concurrency(cfg: RunConfig) -> int:
+    """Trajectories in flight at once on one rollout worker: the groups of a step (sync) or the
+    admission window (async), or evaluation's episodes, within runtime.max_inflight_trajectories."""
+    t = cfg.trainer
+    train = t.groups_per_step * (1 + cfg.buffer.max_policy_lag if cfg.runtime.mode == "async" else 1)
+    train *= t.group_size
+    cap = cfg.runtime.max_inflight_trajectories
+    if cap:
+        return max(min(train, group_slots(cfg) * t.group_size), min(cfg.eval.n_tasks, cap))
+    return max(train, cfg.eval.n_tasks)
+
+
+def sandbox_pool_size(cfg: RunConfig, concurrency: int) -> int:
+    """Sandboxes for `concurrency` rollouts: env.pool_size, else enough for them plus spares."""
+    if cfg.env.pool_size:
+        return cfg.env.pool_size
+    use = "episode" if cfg.agent.kind == "blackbox" else env_family(cfg.env.name).sandbox_use
+    if use == "call":  # held only while a tool runs: a few per core are plenty
+        return pool_size_for(min(concurrency, 4 * (os.cpu_count() or 1)))
+    return pool_size_for(concurrency)  # held for a whole episode
+
+
 class RolloutWorker:
     def __init__(self, cfg: RunConfig, engine: Engine, renderer: ChatRenderer, train_tasks: list[Task],
-                 reward_pool: RewardPool | None = None):
+                 reward_pool: RewardPool | None = None, env_pool: Leases | None = None):
         """`reward_pool`: where trajectories are scored (default: threads of this process; on Ray
-        it may be the reward actors, ray_actors.RemoteRewardPool)."""
+        it may be the reward actors, ray_actors.RemoteRewardPool). `env_pool`: where white-box
+        environments lease sandboxes (default: an EnvPool of this process, made on first use; on
+        Ray it may be the env actors, ray_actors.RemoteEnvPool)."""
         self.cfg = cfg
         self.engine = engine
         self.renderer = renderer
@@ -101,7 +130,7 @@ class RolloutWorker:
         self.reward_pool = reward_pool or RewardPool(reward_fn_for(cfg), workers=cfg.reward.workers)
         self._env_rng = random.Random(f"{cfg.seed}:env")
         self._retry_rng = random.Random(f"{cfg.seed}:retry")
-        self._pool: EnvPool | None = None
+        self._pool: Leases | None = env_pool
         self._blackbox: BlackBoxRunner | None = None
         self._gateway: Gateway | None = None
         self._gateway_dir = ""
@@ -130,20 +159,11 @@ class RolloutWorker:
         return self.train_tasks[self.order.index(position)]
 
     def concurrency(self) -> int:
-        """Trajectories in flight at once: the groups of a step (sync) or the admission window (async),
-        or evaluation's episodes, within runtime.max_inflight_trajectories."""
-        t = self.cfg.trainer
-        train = t.groups_per_step * (1 + self.cfg.buffer.max_policy_lag if self.cfg.runtime.mode == "async" else 1)
-        train *= t.group_size
-        cap = self.cfg.runtime.max_inflight_trajectories
-        if cap:
-            return max(min(train, self._group_slots * t.group_size), min(self.cfg.eval.n_tasks, cap))
-        return max(train, self.cfg.eval.n_tasks)
+        return rollout_concurrency(self.cfg)
 
     @property
     def _group_slots(self) -> int:
-        """Groups in flight at once under the cap (at least one: a group is never split)."""
-        return max(1, self.cfg.runtime.max_inflight_trajectories // self.cfg.trainer.group_size)
+        return group_slots(self.cfg)
 
     def _limits(self) -> tuple[asyncio.Semaphore, asyncio.Semaphore] | None:
         """The cap's semaphores (groups, eval episodes), made inside the run's event loop."""
@@ -154,7 +174,7 @@ class RolloutWorker:
             self._caps = (asyncio.Semaphore(self._group_slots), asyncio.Semaphore(cap))
         return self._caps
 
-    async def env_pool(self, binds: dict[str, str] | None = None) -> EnvPool | None:
+    async def env_pool(self, binds: dict[str, str] | None = None) -> Leases | None:
         """The sandbox pool, made and pre-warmed on first use (inside the run's event loop); None for
         environments that need no sandbox."""
         use = "episode" if self.cfg.agent.kind == "blackbox" else self.family.sandbox_use
@@ -162,12 +182,8 @@ class RolloutWorker:
             return None
         if self._pool is None:
             e = self.cfg.env
-            if use == "call":  # held only while a tool runs: a few per core are plenty
-                size = e.pool_size or pool_size_for(min(self.concurrency(), 4 * (os.cpu_count() or 1)))
-            else:  # held for a whole episode
-                size = e.pool_size or pool_size_for(self.concurrency())
-            self._pool = EnvPool(lambda: make_sandbox(e.sandbox, limits=e.sandbox_limits, binds=binds), size=size,
-                                 prewarm=e.prewarm)
+            self._pool = EnvPool(lambda: make_sandbox(e.sandbox, limits=e.sandbox_limits, binds=binds),
+                                 size=sandbox_pool_size(self.cfg, self.concurrency()), prewarm=e.prewarm)
             await self._pool.start()
         return self._pool
 

@@ -124,9 +124,10 @@ class CodefixEnv:
         p = spec.perturbations
         self.root = "src/" if p.get("layout") == "src" else ""
         self.env_vars = {str(k): str(v) for k, v in p.get("env", {}).items()}
-        lay_out(self.sandbox, spec.files, self.root)
+        files = {self.root + path: content for path, content in spec.files.items()}
         if p.get("broken_dependency"):
-            self.sandbox.write_file(f"{self.root}{p['broken_dependency']}.py", _broken_module(p["broken_dependency"]))
+            files[f"{self.root}{p['broken_dependency']}.py"] = _broken_module(p["broken_dependency"])
+        await lay_out(self.sandbox, files)
         disabled = set(p.get("disable_tools", []))
         self.tools = [t for t in TOOLS if t["function"]["name"] not in disabled]
         listing = "\n".join(sorted(f"  {path}" for path in spec.files))
@@ -173,18 +174,19 @@ class CodefixEnv:
                     return f"Error: the command was killed ({res.killed}, limit {self.command_timeout_s}s)"
                 return self._clip(f"exit code {res.returncode}\n{res.stdout}{res.stderr}")
             path = self.root + str(args.get("path", "")).lstrip("/")
+            # File operations run off the event loop: on a remote sandbox (Ray env actors) each is a call.
             if name == "read_file":
-                return self._clip(self.sandbox.read_file(path))
+                return self._clip(await asyncio.to_thread(self.sandbox.read_file, path))
             if name == "write_file":
-                self.sandbox.write_file(path, str(args.get("content", "")))
+                await asyncio.to_thread(self.sandbox.write_file, path, str(args.get("content", "")))
                 return f"wrote {args.get('path')}"
             if name == "str_replace":
-                text = self.sandbox.read_file(path)
+                text = await asyncio.to_thread(self.sandbox.read_file, path)
                 old, new = str(args.get("old_str", "")), str(args.get("new_str", ""))
                 count = text.count(old) if old else 0
                 if count != 1:
                     return f"Error: old_str occurs {count} times in {args.get('path')}; it must occur exactly once"
-                self.sandbox.write_file(path, text.replace(old, new))
+                await asyncio.to_thread(self.sandbox.write_file, path, text.replace(old, new))
                 return f"edited {args.get('path')}"
         except SandboxError as err:
             return f"Error: {err}"
@@ -219,15 +221,20 @@ class CodefixEnv:
             await asyncio.shield(self.pool.release(sandbox, broken=self.broken))
 
 
-def lay_out(sandbox: Sandbox, files: dict[str, str], root: str = "") -> None:
-    for path, content in files.items():
-        sandbox.write_file(root + path, content)
+async def lay_out(sandbox: Sandbox, files: dict[str, str], root: str = "") -> None:
+    """Write `files` under `root`, off the event loop (file writes block; remote ones are calls)."""
+
+    def write_all() -> None:
+        for path, content in files.items():
+            sandbox.write_file(root + path, content)
+
+    await asyncio.to_thread(write_all)
 
 
 async def run_hidden_tests(sandbox: Sandbox, spec: CodefixTask, root: str = "", *, timeout: float = 60.0,
                            env: dict[str, str] | None = None) -> TestVerdict:
     """Put the hidden tests in (only now) and run them from the repository root."""
-    lay_out(sandbox, spec.hidden_tests, root)
+    await lay_out(sandbox, spec.hidden_tests, root)
     argv = ["/bin/sh", "-c", f"cd {root} && exec \"$@\"", "sh", *TEST_COMMAND] if root else TEST_COMMAND
     res = await sandbox.exec(argv, timeout=timeout, env=env)
     tail = (res.stdout + res.stderr)[-1500:]
@@ -254,7 +261,7 @@ async def validate_task(pool: EnvPool, spec: CodefixTask, timeout: float = 60.0)
     for patched in (True, False):
         async with pool.lease() as sandbox:
             files = {**spec.files, **spec.golden_patch} if patched else spec.files
-            lay_out(sandbox, files)
+            await lay_out(sandbox, files)
             results.append(await run_hidden_tests(sandbox, spec, timeout=timeout))
     golden, noop = results
     detail = []

@@ -1,5 +1,7 @@
-"""Ray runtime (runtime.backend=ray): rollout actors and a trainer actor placed by resources across a
-Ray cluster, driven and supervised from the `loomrl train` process.
+"""Ray runtime (runtime.backend=ray): rollout actors (engine + agent loops), trainer actors (rank 0 and,
+with trainer.world_size > 1, the other data-parallel ranks), and optionally reward actors and env
+actors (sandboxes), each placed by its own resources across a Ray cluster, driven and supervised from
+the `loomrl train` process.
 
 The driver runs the async admission loop of runtime/local.py (the group at data position p is
 launched only while p // groups_per_step - version <= buffer.max_policy_lag; mode=sync uses lag 0, so
@@ -9,10 +11,15 @@ every rollout actor (transport "ray": the trainer returns its weights, so the ob
 driver and outlives a trainer that dies).
 
 Supervision (nothing lost, nothing trained twice; see runtime/accounting.py for the tally):
-- a rollout actor dies (engine, env pool and reward pool die with it): a fresh actor takes its place
-  with the current weights; its groups in flight are dispatched again after ray.retry_backoff_s x 2^k,
-  at most ray.max_group_attempts times in all, then recorded as failed (the trajectories that died in
-  it count as failed: actor_died either way).
+- a rollout actor dies (its engine dies with it, and its own env pool and reward pool when it has
+  them): a fresh actor takes its place with the current weights; its groups in flight are dispatched
+  again after ray.retry_backoff_s x 2^k, at most ray.max_group_attempts times in all, then recorded as
+  failed (the trajectories that died in it count as failed: actor_died either way). Sandboxes it had
+  leased from env actors are destroyed and replaced. One whose constructor raises stops the run.
+- a reward actor dies: Ray restarts it (stateless) and retries its calls; a trajectory that still
+  cannot be scored is stored as reward_failed and not trained.
+- an env actor dies: Ray restarts it with fresh sandboxes; the episodes whose sandboxes it held end
+  env_error (agent.retry_on runs them again).
 - the trainer actor dies (or, with trainer.world_size > 1, any trainer rank: rank 0's step then
   fails): fresh ones resume from the run folder's latest checkpoint (the run folder must be on a
   filesystem every node sees), cutting the ledger back to it. Groups it received after

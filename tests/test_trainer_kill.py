@@ -89,6 +89,9 @@ def test_sigkill_of_the_trainer_then_resume_accounts_for_every_trajectory_once(t
     # steps after the checkpoint were cut, then redone: each step once, each trajectory once
     _, consumed, stored = check_each_trajectory_once(run_dir, 8)
     assert len({stored[t]["position"] for t in consumed}) == len(consumed) // 4  # whole groups of 4
+    from loomrl.metrics.logger import read_metrics
+
+    assert [r["step"] for r in read_metrics(run_dir) if r["kind"] == "train"] == list(range(1, 9))
 
 
 def test_sigkill_of_the_trainer_is_survived_by_an_in_run_restart(tmp_path):
@@ -106,6 +109,12 @@ def test_sigkill_of_the_trainer_is_survived_by_an_in_run_restart(tmp_path):
     assert "restarting it (1 of 2)" in out
     _, consumed, stored = check_each_trajectory_once(run_dir, 8)
     assert len({stored[t]["position"] for t in consumed}) == len(consumed) // 4
+    # metrics: the steps redone after the restart are logged again; read_metrics keeps the final ones
+    from loomrl.metrics.logger import read_metrics
+
+    everything = read_metrics(run_dir, superseded=True)
+    assert [r["reason"] for r in everything if r["kind"] == "rollback"] == ["trainer_restart"]
+    assert [r["step"] for r in read_metrics(run_dir) if r["kind"] == "train"] == list(range(1, 9))
 
 
 def test_sigkill_of_a_follower_rank_restarts_the_whole_trainer(tmp_path):

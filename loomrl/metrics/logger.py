@@ -1,4 +1,9 @@
-"""MetricsLogger: one JSON object per line in metrics.jsonl, and the numeric values to TensorBoard."""
+"""MetricsLogger: one JSON object per line in metrics.jsonl, and the numeric values to TensorBoard.
+
+A run that goes back to a checkpoint (--resume, or a trainer restarted after a crash) redoes the steps
+after it, so their numbers appear twice in the file. A `rollback` record marks where: `read_metrics`
+keeps only the train records that the final model's history went through (the file keeps them all).
+"""
 
 from __future__ import annotations
 
@@ -30,14 +35,31 @@ class MetricsLogger:
                     self._tb.add_scalar(f"{kind}/{key}", value, step)
             self._tb.flush()
 
+    def rollback(self, step: int, reason: str) -> None:
+        """The run continues from the checkpoint of `step`: train records of later steps logged so far
+        were undone (read_metrics drops them)."""
+        self.log(step, {"reason": reason}, kind="rollback")
+
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+def read_metrics(run_dir: Path, *, superseded: bool = False) -> list[dict[str, Any]]:
+    """The records of metrics.jsonl in order; without `superseded`, train records undone by a later
+    rollback (steps past the checkpoint the run went back to) are left out."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if superseded:
+        return records
+    kept, floor = [], math.inf  # the lowest step a later rollback went back to
+    for r in reversed(records):
+        if r.get("kind") == "rollback":
+            floor = min(floor, r["step"])
+        elif r.get("kind") == "train" and r.get("step", 0) > floor:
+            continue
+        kept.append(r)
+    return kept[::-1]

@@ -37,7 +37,7 @@ from loomrl.runtime.trainer_ranks import LocalRankGroup, exit_reason, name_proce
 from loomrl.runtime.trainer_service import PositionSet, TrainerService, repair_ledger_for_restart
 from loomrl.runtime.weight_sync import StaleWeights, load_weights, make_publisher, sync_metrics
 from loomrl.store import TrajectoryStore
-from loomrl.trainer.checkpoint import latest_checkpoint, load_state
+from loomrl.trainer.checkpoint import checkpoint_step, latest_checkpoint, load_state
 
 log = logging.getLogger("loomrl")
 
@@ -144,6 +144,8 @@ class LocalRun:
         self.ckpt = prepare_run_dir(cfg, resume)
         self.train_tasks, self.heldout = env_family(cfg.env.name).splits(cfg)
         self.logger = MetricsLogger(cfg.run_dir)
+        if self.ckpt is not None:
+            self.logger.rollback(checkpoint_step(self.ckpt), "resume")
         self.store = TrajectoryStore(cfg.run_dir / "trajectories")
         self.trainer_restarts = 0  # async: trainer processes restarted from a checkpoint in this run
         torch.manual_seed(cfg.seed)
@@ -269,6 +271,7 @@ class LocalRun:
                                    "continue with the same command and --resume") from None
                 log.warning("the trainer process failed (%s); restarting it (%d of %d), %s", str(err).splitlines()[-1],
                             restarts, cfg.runtime.max_trainer_restarts, where)
+                self.logger.rollback(checkpoint_step(ckpt) if ckpt else 0, "trainer_restart")
                 self.trainer_restarts = restarts
 
     async def _async_segment(self, engine, worker: RolloutWorker, extra: dict[str, Any], ckpt: Path | None,

@@ -54,7 +54,7 @@ from loomrl.runtime.trainer_ranks import RankLost
 from loomrl.runtime.trainer_service import PositionSet, read_ledger
 from loomrl.runtime.weight_sync import Transport, WeightHandle
 from loomrl.store import TrajectoryStore
-from loomrl.trainer.checkpoint import load_state
+from loomrl.trainer.checkpoint import checkpoint_step, load_state
 
 log = logging.getLogger("loomrl")
 
@@ -97,6 +97,8 @@ class RayRun:
         self.wall_start = wall_start or time.time()
         self.ckpt = prepare_run_dir(cfg, resume)
         self.logger = MetricsLogger(cfg.run_dir)
+        if self.ckpt is not None:
+            self.logger.rollback(checkpoint_step(self.ckpt), "resume")
         self.store = TrajectoryStore(cfg.run_dir / "trajectories")
         self.acc = Accounting()
         self.B = cfg.trainer.groups_per_step
@@ -402,6 +404,7 @@ class RayRun:
                 self._kill_trainer()
                 try:
                     await self._start_trainer(extra)
+                    self.logger.rollback(self.version, "trainer_restart")
                 except TrainerDied:  # died again while starting: the next pass restarts it (kill the
                     self._kill_trainer()  # ranks still up: rank 0 may wait for a dead one to join)
                     continue

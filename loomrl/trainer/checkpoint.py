@@ -55,6 +55,11 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return path if path.is_dir() else None
 
 
+def checkpoint_step(ckpt: Path) -> int:
+    """The step a checkpoint folder (step_NNNNNN) was saved at."""
+    return int(Path(ckpt).name.removeprefix("step_"))
+
+
 def load_state(ckpt: Path) -> dict[str, Any]:
     return torch.load(ckpt / "state.pt", weights_only=False)
 

@@ -5,7 +5,8 @@
 
 trained, skipped and stale come from the run's ledger (what the saved model has consumed). The driver
 knows the rest: `discarded` (returned, then thrown away on purpose, e.g. sampled after the checkpoint a
-restarted trainer went back to), `unconsumed` (sent to the trainer, still buffered when the run ended),
+restarted trainer went back to), `unconsumed` (returned and stored, but not consumed by a training step
+when the run ended: still buffered in the trainer, or finished as the last step was taken),
 `failed` (died with their rollout actor, so no id ever reached the driver; counted by the group) and
 `cancelled` (in flight when the run ended). Returned trajectories are checked by id: none may have two
 fates (e.g. trained twice), none may have none.

@@ -323,15 +323,19 @@ class RayRun:
             self.gave_up[d.position] = f"{why} ({k} attempts)"
             log.warning("position %d failed %d times; recorded as failed", d.position, k)
 
-    async def _arrived(self, d: Dispatch, group: list) -> list | None:
-        """Store a returned group; send it to the trainer unless it was superseded."""
-        ids = [t.trajectory_id for t in group]
-        self.acc.returned.update(ids)
+    def _keep_unconsumed(self, group: list) -> None:
+        """Count and store a returned group (the trainer may or may not get it)."""
+        self.acc.returned.update(t.trajectory_id for t in group)
         for t in group:
             self.statuses[str(t.status)] = self.statuses.get(str(t.status), 0) + 1
             if reward_failed(t):
                 self.statuses["reward_failed"] = self.statuses.get("reward_failed", 0) + 1
         self.store.append(group)
+
+    async def _arrived(self, d: Dispatch, group: list) -> list | None:
+        """Store a returned group; send it to the trainer unless it was superseded."""
+        ids = [t.trajectory_id for t in group]
+        self._keep_unconsumed(group)  # stored first: whatever happens next, it is on disk
         if self.live.get(d.position) != d.serial:
             self.acc.discard(ids, "trainer_restart")
             return None
@@ -451,6 +455,9 @@ class RayRun:
                     extra["eval_before"] = before
             steps = await self._loop(extra)
             for fut, (_d, ref) in self.inflight.items():  # the run is over: what is in flight is not needed
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                    self._keep_unconsumed(fut.result())  # finished but not read: stored, not trained
+                    continue
                 try:
                     self.ray.cancel(ref)
                 except Exception:  # noqa: BLE001 - its actor is gone: nothing left to cancel

@@ -304,9 +304,12 @@ def test_a_failed_weight_load_raises_and_the_engine_refuses_requests_until_a_goo
         good = {k: v.clone() for k, v in model.state_dict().items()}
         prompt = _prompts(tokenizer)[:1]
         before = _run(eng, prompt, temperature=0.0, max_tokens=6)[0].token_ids
-        bad = {k: torch.zeros(3, 3) for k in list(good)[:2]}  # wrong shapes: load_state_dict raises
+        first, second = list(good)[:2]
+        # one tensor that fits, one of the wrong shape: load_state_dict copies the first, then raises
+        bad = {first: good[first] + 1.0, second: torch.zeros(3, 3)}
         with pytest.raises(EngineFault, match="loading version 1 failed"):
             eng.update_weights(bad, 1)
+        assert torch.equal(model.state_dict()[first], good[first] + 1.0)  # partly loaded indeed
         with pytest.raises(EngineFault, match="no valid weights"):
             _run(eng, prompt, temperature=0.0, max_tokens=6)
         assert eng.version == 0

@@ -217,3 +217,23 @@ def test_a_sync_run_with_two_ranks_takes_the_steps_of_one(tmp_path):
     assert norms1 and norms2 == pytest.approx(norms1, rel=1e-4)
     for name, want in w1.items():
         assert _rel(w2[name].float(), want.float()) < 1e-5, name
+
+
+def test_rank0_stops_waiting_for_a_follower_that_dies_before_it_joins(tokenizer, tmp_path):
+    """A follower that cannot start (here: its model path does not exist) makes rank 0's join fail
+    within seconds, naming the rank, instead of waiting out the rendezvous timeout (300 s)."""
+    from loomrl.config import RunConfig
+    from loomrl.runtime.trainer_ranks import LocalRankGroup, RankLost, join_watching, spawn_local_followers
+
+    cfg = RunConfig.model_validate({"model": {"kind": "hf", "path": str(tmp_path / "no-such-model")},
+                                    "trainer": {"world_size": 2}, "output_dir": str(tmp_path)})
+    followers = spawn_local_followers(cfg, None, threads=1)
+    ranks = LocalRankGroup(Trainer(_model(len(tokenizer), tokenizer.eos_token_id), _cfg({})), 2,
+                           *followers.channels(), dead=followers.dead)
+    start = time.monotonic()
+    try:
+        with pytest.raises(RankLost, match="trainer rank 1 exited with code 1 before it joined"):
+            join_watching(ranks, followers)
+    finally:
+        followers.stop()
+    assert time.monotonic() - start < 60

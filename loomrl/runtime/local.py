@@ -27,13 +27,21 @@ from typing import Any
 import torch
 
 from loomrl.config import ModelConfig, RunConfig, save_resolved
+from loomrl.engine.base import EngineFault
 from loomrl.engine.torch_engine import TorchEngine
 from loomrl.env.registry import env_family
 from loomrl.metrics import MetricsLogger
 from loomrl.model.chat import ChatRenderer
 from loomrl.model.loader import load_model
 from loomrl.runtime.rollout import EvalResult, RolloutWorker, gather_all, group_summary
-from loomrl.runtime.trainer_ranks import LocalRankGroup, exit_reason, name_process, spawn_local_followers
+from loomrl.runtime.trainer_ranks import (
+    LocalRankGroup,
+    exit_reason,
+    follower_threads,
+    join_watching,
+    name_process,
+    spawn_local_followers,
+)
 from loomrl.runtime.trainer_service import PositionSet, TrainerService, repair_ledger_for_restart
 from loomrl.runtime.weight_sync import StaleWeights, load_weights, make_publisher, sync_metrics
 from loomrl.store import TrajectoryStore
@@ -182,13 +190,22 @@ class LocalRun:
         service = TrainerService(cfg, model, tokenizer, resume_from=self.ckpt)
         followers = None
         if cfg.trainer.world_size > 1:  # this process is rank 0; a dead follower stops the run (--resume)
-            threads = cfg.trainer.threads or max(1, (os.cpu_count() or 1) // cfg.trainer.world_size)
-            followers = spawn_local_followers(cfg, self.ckpt, threads)
-            service.ranks = LocalRankGroup(service.trainer, cfg.trainer.world_size, *followers.channels(),
-                                           dead=followers.dead)
-            service.ranks.join("127.0.0.1", followers.port)
-        engine = self._engine(model, tokenizer, service.version)
-        worker = RolloutWorker(cfg, engine, ChatRenderer(tokenizer), self.train_tasks)
+            followers = spawn_local_followers(cfg, self.ckpt, follower_threads(cfg, os.cpu_count() or 1))
+            try:
+                service.ranks = LocalRankGroup(service.trainer, cfg.trainer.world_size, *followers.channels(),
+                                               dead=followers.dead)
+                join_watching(service.ranks, followers)
+            except BaseException:
+                followers.stop()
+                raise
+        try:
+            engine = self._engine(model, tokenizer, service.version)
+            worker = RolloutWorker(cfg, engine, ChatRenderer(tokenizer), self.train_tasks)
+        except BaseException:
+            if followers is not None:
+                followers.stop()
+                service.ranks.close()
+            raise
         try:
             before = service.extra.get("eval_before")
             if before is None and cfg.eval.before and cfg.eval.n_tasks:
@@ -283,8 +300,8 @@ class LocalRun:
         inbox, outbox = ctx.Queue(), ctx.Queue()
         # trainer.world_size > 1: the follower ranks are the trainer's siblings, so that this process
         # sees them die (and stops the whole trainer, which then restarts) and cleans them up.
-        followers = (spawn_local_followers(cfg, ckpt, async_threads(cfg)[1]) if cfg.trainer.world_size > 1
-                     else None)
+        followers = (spawn_local_followers(cfg, ckpt, follower_threads(cfg, async_threads(cfg)[1]))
+                     if cfg.trainer.world_size > 1 else None)
         ranks = (followers.channels(), followers.port) if followers else None
         proc = ctx.Process(target=_trainer_main, name="loomrl-trainer", daemon=True,
                            args=(cfg.model_dump_json(), str(ckpt) if ckpt else None, extra, inbox, outbox, restore,
@@ -322,11 +339,19 @@ class LocalRun:
         kind, version, received_state, *restored = await messages.get()
         if kind == "error":
             proc.join(timeout=10)
+            if followers is not None:
+                followers.stop()
             if restore:  # a restart that cannot even start counts against the restarts
                 raise TrainerDied(f"trainer process failed to start: {version}")
             raise RunError(f"trainer process failed to start: {version}")
         # A restart rolls the engine back to the checkpoint's weights; a first start shares them already.
-        engine.update_weights(load_weights(restored[0]).weights if restored else None, version)
+        try:
+            engine.update_weights(load_weights(restored[0]).weights if restored else None, version)
+        except BaseException:
+            proc.kill()
+            if followers is not None:
+                followers.stop()
+            raise
         engine_version = version  # the weights the engine holds: admission counts the lag from these
         received = PositionSet(received_state["watermark"], set(received_state["above"]))
         pos = positions_after(received)
@@ -382,7 +407,11 @@ class LocalRun:
                         if cfg.runtime.interrupt_on_update and hasattr(engine, "interrupt"):
                             engine.interrupt()  # in-flight turns resume under the new weights (AgentLoop._generate)
                         t_apply = time.perf_counter()
-                        engine.update_weights(loaded.weights, version)
+                        try:
+                            engine.update_weights(loaded.weights, version)
+                        except EngineFault as err:  # the trainer's own weights: retrying cannot help
+                            raise RunError(f"run error: the engine could not load the weights of version "
+                                           f"{version}: {err}") from None
                         engine_version = version
                         metrics.update(sync_metrics(handle, loaded))
                         metrics["weight_sync/apply_s"] = time.perf_counter() - t_apply  # into the engine

@@ -29,7 +29,7 @@ from loomrl.env.sandbox import make_sandbox
 from loomrl.env.sandbox.base import ExecResult, Sandbox, SandboxError
 from loomrl.model.chat import ChatRenderer
 from loomrl.reward.pool import RewardPool, mark_reward_failed
-from loomrl.runtime.rollout import RolloutWorker
+from loomrl.runtime.rollout import RolloutWorker, sandbox_pool_size
 from loomrl.runtime.trainer_ranks import Follower, RankGroup, RankLost, RankReport, RankWork
 from loomrl.runtime.trainer_service import TrainerService, repair_ledger_for_restart
 from loomrl.runtime.weight_sync import WeightHandle
@@ -75,6 +75,8 @@ class RemoteRewardPool:
         try:
             out = await self.actors[i].score.remote(traj, task)
         except ray.exceptions.RayError as err:
+            if "creation task" in str(err):  # a reward setup that cannot work: fail the rollout, and so the run
+                raise
             self.failed += 1
             out = mark_reward_failed(traj, f"reward actor {i}: {type(err).__name__}: {str(err).splitlines()[0]}")
         self.scored += 1
@@ -93,12 +95,17 @@ class EnvActor:
     fresh pool; calls on the leases of the old one fail with SandboxError (the episode ends env_error,
     and agent.retry_on may run it again). Calls are not retried by Ray: a command may not be idempotent."""
 
-    def __init__(self, cfg_json: str, size: int):
+    def __init__(self, cfg_json: str, concurrency: int):
+        """`concurrency`: trajectories that may lease from this actor at once (its share of the run's)."""
         cfg = RunConfig.model_validate_json(cfg_json)
         self.cfg = cfg
-        self.size = size
+        self.size = sandbox_pool_size(cfg, concurrency)  # sized on this node (its cores)
         self.pool: EnvPool | None = None
         self.leases: dict[str, tuple[str, Sandbox]] = {}  # lease id -> (owner, sandbox)
+        # Leases given up before their acquire finished (the caller was cancelled), and owners that
+        # died: an acquire that completes for either is released at once, never leaked.
+        self.abandoned: set[str] = set()
+        self.dead_owners: set[str] = set()
         self._start_lock: asyncio.Lock | None = None
 
     async def _pool(self) -> EnvPool:
@@ -125,20 +132,31 @@ class EnvActor:
         await self._pool()
         return self.size
 
-    async def acquire(self, owner: str) -> dict[str, str]:
+    async def acquire(self, owner: str, lease: str) -> dict[str, str]:
+        """Lease a sandbox under `lease` (an id the caller chose, so that it can give the lease up
+        before this returns)."""
+        if owner in self.dead_owners:
+            raise SandboxError(f"env worker: owner {owner} is gone")
         pool = await self._pool()
         sb = await pool.acquire()
-        lease = uuid.uuid4().hex
+        if lease in self.abandoned or owner in self.dead_owners:
+            self.abandoned.discard(lease)
+            await pool.release(sb)
+            raise SandboxError(f"env worker: lease {lease} was given up while it waited")
         self.leases[lease] = (owner, sb)
         return {"lease": lease, "backend": sb.backend, "workdir": str(sb.workdir), "python": sb.python}
 
     async def release(self, lease: str, broken: bool = False) -> None:
         entry = self.leases.pop(lease, None)
-        if entry is not None and self.pool is not None:
+        if entry is None:
+            self.abandoned.add(lease)  # its acquire has not finished yet: released when it does
+            return
+        if self.pool is not None:
             await self.pool.release(entry[1], broken=broken)
 
     async def release_owner(self, owner: str) -> int:
         """Destroy (and replace) every sandbox leased by `owner`, a rollout actor that died; returns how many."""
+        self.dead_owners.add(owner)
         mine = [lease for lease, (o, _) in self.leases.items() if o == owner]
         for lease in mine:
             await self.release(lease, broken=True)
@@ -248,12 +266,16 @@ class RemoteEnvPool(Leases):
         errors = []
         for _ in range(2 * len(self.actors)):
             actor = self.actors[next(self._next)]
+            lease = uuid.uuid4().hex
             try:
-                info = await _remote(actor.acquire.remote(self.owner))
+                info = await _remote(actor.acquire.remote(self.owner, lease))
             except SandboxError as err:
                 errors.append(str(err))
                 await asyncio.sleep(0.1)
                 continue
+            except asyncio.CancelledError:  # e.g. the episode's deadline: the acquire may still finish there
+                actor.release.remote(lease, False)
+                raise
             wait = time.perf_counter() - t0
             self.metrics.acquired += 1
             self.metrics.acquire_wait_s_total += wait

@@ -44,12 +44,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from loomrl.config import RunConfig
+from loomrl.env.registry import env_family
 from loomrl.metrics import MetricsLogger
 from loomrl.reward.pool import reward_failed
 from loomrl.runtime.accounting import Accounting, ledger_line
 from loomrl.runtime.local import RunError, _progress, positions_after, prepare_run_dir
 from loomrl.runtime.ray_actors import EnvActor, RewardActor, RolloutActor, TrainerActor, TrainerRankActor
-from loomrl.runtime.rollout import group_summary, rollout_concurrency, sandbox_pool_size
+from loomrl.runtime.rollout import group_summary, rollout_concurrency
 from loomrl.runtime.trainer_ranks import RankLost
 from loomrl.runtime.trainer_service import PositionSet, read_ledger
 from loomrl.runtime.weight_sync import Transport, WeightHandle
@@ -66,6 +67,16 @@ def import_ray():
         raise RunError("run error: runtime.backend=ray needs the ray package; install it with "
                        "pip install -e '.[ray]' (or set runtime.backend=local)") from None
     return ray
+
+
+def last_lines(err: BaseException, n: int = 3) -> str:
+    return "\n".join(str(err).splitlines()[-n:])
+
+
+def fail_if_cannot_start(err: BaseException, what: str) -> None:
+    """An actor whose constructor raised: every fresh one would too, so the run stops with the cause."""
+    if "creation task" in str(err):
+        raise RunError(f"run error: {what} failed to start (its constructor raised):\n{last_lines(err)}")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -175,11 +186,16 @@ class RayRun:
         r = self.cfg.ray
         if not r.num_env_workers:
             return []
+        if env_family(self.cfg.env.name).sandbox_use is None:
+            log.warning("ray.num_env_workers=%d ignored: env %s uses no sandbox", r.num_env_workers, self.cfg.env.name)
+            return []
         total = rollout_concurrency(self.cfg) * r.num_rollout_workers
-        size = sandbox_pool_size(self.cfg, math.ceil(total / r.num_env_workers))
+        share = math.ceil(total / r.num_env_workers)  # trajectories that may lease from one env actor at once
+        # Concurrency: every waiting acquire holds a slot, and releases must still get in (else a full
+        # pool could never be given back to): room for all of them, with margin.
         cls = self.ray.remote(EnvActor).options(num_cpus=r.env_num_cpus, resources=r.env_resources,
-                                                 max_concurrency=1000, max_restarts=r.max_env_restarts)
-        return [cls.remote(self.cfg.model_dump_json(), size) for _ in range(r.num_env_workers)]
+                                                 max_concurrency=max(1000, 4 * share), max_restarts=r.max_env_restarts)
+        return [cls.remote(self.cfg.model_dump_json(), share) for _ in range(r.num_env_workers)]
 
     async def _pids(self, actors: list[Any]) -> list[int | None]:
         out = []
@@ -276,8 +292,12 @@ class RayRun:
         for ref in done:
             try:
                 timings.append(self.ray.get(ref))
-            except self.ray.exceptions.RayError:  # that actor died: supervision replaces it
+            except self.ray.exceptions.RayActorError:  # that actor died: supervision replaces it
                 continue
+            except self.ray.exceptions.RayError as err:  # a live engine could not load the trainer's weights:
+                # every actor gets the same ones, so retrying cannot help (and the engine refuses requests)
+                raise RunError(f"run error: a rollout actor's engine could not load the trainer's weights:\n"
+                               f"{last_lines(err)}") from None
         if not timings:
             return {}
         return {"weight_sync/load_s": max(t["load_s"] for t in timings),
@@ -306,9 +326,7 @@ class RayRun:
             self.next_pos = next(self.positions)
 
     def _rollout_failed(self, d: Dispatch, err: BaseException) -> None:
-        if "creation task" in str(err):  # its constructor raised: every fresh actor would too
-            detail = "\n".join(str(err).splitlines()[-3:])
-            raise RunError(f"run error: a rollout actor failed to start (its constructor raised):\n{detail}")
+        fail_if_cannot_start(err, "a rollout actor")
         why = f"actor_died: {type(err).__name__}"
         self.acc.failed["actor_died"] += self.G  # the group's trajectories died with the actor
         if self.workers[d.worker].incarnation == d.incarnation:
@@ -381,6 +399,7 @@ class RayRun:
                         self._rollout_failed(d, err)
                         continue
                     if err is not None:
+                        fail_if_cannot_start(err, "an actor the rollouts use (e.g. a reward actor)")
                         raise err
                     group = await self._arrived(d, fut.result())
                     if group is not None:
@@ -426,6 +445,7 @@ class RayRun:
                 record = await self.workers[0].handle.evaluate.remote()
                 break
             except self.ray.exceptions.RayActorError as err:
+                fail_if_cannot_start(err, "a rollout actor")
                 self._replace_worker(0, f"during eval: {type(err).__name__}")
         else:
             log.warning("eval %s: the rollout actor kept dying; no result", label)

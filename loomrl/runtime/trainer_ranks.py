@@ -22,6 +22,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import sys
 import threading
 import traceback
 from collections.abc import Callable
@@ -50,6 +51,12 @@ def exit_reason(code: int | None, what: str) -> str:
         why = " (killed: out of memory, or by an operator)" if name == "SIGKILL" else ""
         return f"{what} died from signal {name}{why}"
     return f"{what} exited with code {code}"
+
+
+def collective_failed(err: BaseException) -> bool:
+    """Whether a torch.distributed call failed because of the process group (a peer that died or
+    timed out), as opposed to this rank's own error. gloo reports those as plain RuntimeErrors."""
+    return isinstance(err, dist.DistError) or "gloo" in str(err).lower()
 
 
 class RankLost(RuntimeError):
@@ -123,8 +130,11 @@ class RankGroup:
         try:  # rank 0 carries the step's idle counts; the ranks sum them
             stats = self.dp.train_step(shards[0], idle_tokens=idle_tokens, idle_seqs=idle_seqs,
                                        idle_longest=idle_longest)
-        except RuntimeError as err:  # a collective failed: a peer died or timed out (the runtime
-            # stops every rank: a follower may still wait in a collective, so no report is awaited)
+        except RuntimeError as err:
+            if not collective_failed(err):
+                raise  # this rank's own error (a bug, out of memory): as with one rank
+            # A peer died or timed out. The runtime stops every rank (a follower may still wait in a
+            # collective, so no report is awaited here).
             raise RankLost(f"a collective of the data-parallel step failed: {err}") from err
         self._check(self._collect())
         return stats
@@ -210,6 +220,34 @@ def spawn_local_followers(cfg: RunConfig, ckpt: Path | None, threads: int) -> Lo
     return LocalFollowers(world_size=world, port=port, procs=procs, inboxes=inboxes, outboxes=outboxes)
 
 
+def follower_threads(cfg: RunConfig, trainer_share: int) -> int:
+    """Torch threads of each local follower: trainer.threads, else the trainer's share of the cores
+    split over the ranks (the ranks run at the same time)."""
+    return cfg.trainer.threads or max(1, trainer_share // cfg.trainer.world_size)
+
+
+def join_watching(ranks: RankGroup, followers: LocalFollowers) -> None:
+    """Rank 0 joins the process group, giving up as soon as a follower dies on its way there (instead
+    of waiting for the rendezvous timeout)."""
+    errors: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            ranks.join("127.0.0.1", followers.port)
+        except BaseException as err:  # noqa: BLE001 - re-raised below
+            errors.append(err)
+
+    t = threading.Thread(target=join, daemon=True, name="loomrl-rank0-join")
+    t.start()
+    while t.is_alive():
+        t.join(timeout=0.5)
+        why = followers.dead() if t.is_alive() else None
+        if why:
+            raise RankLost(f"{why} before it joined the process group")
+    if errors:
+        raise errors[0]
+
+
 class LocalRankGroup(RankGroup):
     """Rank 0 over queues to local follower processes. `dead`: how rank 0 learns that a follower is
     gone while it waits for its report (the followers' parent can tell; in async mode rank 0 is their
@@ -274,6 +312,9 @@ def _follower_main(cfg_json: str, ckpt: str | None, rank: int, world: int, port:
             outbox.put(("report", follower.work(work)))
     except BaseException:  # noqa: BLE001 - rank 0 reads it and stops the step
         outbox.put(("error", traceback.format_exc()))
+        outbox.close()
+        outbox.join_thread()  # delivered before we exit
+        sys.exit(1)  # a failed rank says so in its exit code too (its parent may only see that)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -125,16 +125,16 @@ class BuiltinEngine:
     def submit(self, request: GenerationRequest) -> concurrent.futures.Future:
         if not request.prompt_ids:
             raise ValueError("generate: prompt_ids is empty")
-        if self._closed or not self._thread.is_alive():
-            raise EngineFault("the engine is closed" if self._closed else "the engine's thread is not running")
-        if self._broken is not None:
-            raise EngineFault(f"the engine has no valid weights (the last weight update failed: {self._broken}); "
-                              "it serves again after a successful update_weights")
         fut: concurrent.futures.Future = concurrent.futures.Future()
         seed = request.sampling.seed
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         seq = _Seq(request=request, future=fut, prompt=list(request.prompt_ids), generator=gen)
-        with self._cond:
+        with self._cond:  # checked under the lock: a close or a failed load cannot slip in between
+            if self._closed or not self._thread.is_alive():
+                raise EngineFault("the engine is closed" if self._closed else "the engine's thread is not running")
+            if self._broken is not None:
+                raise EngineFault(f"the engine has no valid weights (the last weight update failed: {self._broken}); "
+                                  "it serves again after a successful update_weights")
             # After every waiting request of the same or a lower priority (FIFO among equals).
             at = len(self._waiting)
             while at and self._waiting[at - 1].request.priority > request.priority:

@@ -127,7 +127,12 @@ class CodefixEnv:
         files = {self.root + path: content for path, content in spec.files.items()}
         if p.get("broken_dependency"):
             files[f"{self.root}{p['broken_dependency']}.py"] = _broken_module(p["broken_dependency"])
-        await lay_out(self.sandbox, files)
+        try:
+            await lay_out(self.sandbox, files)
+        except BaseException:
+            # Cancelled (episode deadline) while the writes go on in their thread: never reuse it.
+            self.broken = True
+            raise
         disabled = set(p.get("disable_tools", []))
         self.tools = [t for t in TOOLS if t["function"]["name"] not in disabled]
         listing = "\n".join(sorted(f"  {path}" for path in spec.files))
@@ -142,7 +147,9 @@ class CodefixEnv:
         try:
             return await self._step(action)
         except BaseException:
-            self.broken = True  # cancelled mid-command (trajectory deadline) or the sandbox failed
+            # cancelled mid-command or mid-write (trajectory deadline; a write in its thread may still
+            # land) or the sandbox failed: the pool destroys it instead of resetting it
+            self.broken = True
             raise
 
     async def _step(self, action: str) -> StepResult:

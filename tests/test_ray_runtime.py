@@ -258,7 +258,8 @@ def test_env_actors_run_the_sandboxes_on_their_node_and_survive_a_kill(cluster, 
     """env.name=codefix (every episode leases a sandbox, writes a repository into it and runs the
     hidden tests there, whatever the tiny model says) with the sandboxes in an env actor on the head
     node and the engines on the other node. The env actor is SIGKILLed once mid-run: Ray restarts it,
-    the episodes whose sandboxes died end env_error and run again (agent.retry_on), and the run
+    the episodes whose sandboxes died end env_error and run again (agent.retry_on). Later both
+    rollout actors are SIGKILLed while a sandbox is leased: the env actor reclaims their leases. The run
     completes with every trajectory accounted for."""
     steps = 4
     proc = _train(cluster, tmp_path, "envs", f"trainer.total_steps={steps}", "checkpoint_every=0", "env.name=codefix",
@@ -269,20 +270,25 @@ def test_env_actors_run_the_sandboxes_on_their_node_and_survive_a_kill(cluster, 
     run_dir = tmp_path / "envs"
     killed = []
 
-    def kill_env_actor_after_the_first_step() -> None:
-        # Killed while an episode's hidden tests run in one of its sandboxes, so that an episode surely
-        # holds a lease when its sandbox dies (health checks and resets run other commands).
+    def kill_while_a_sandbox_is_leased() -> None:
+        # Kills while an episode's hidden tests run in a sandbox of the env actor, so that an episode
+        # surely holds a lease then (health checks and resets run other commands): after step 1 the
+        # env actor itself, after step 3 both rollout actors (one of them owns that lease).
         deadline = time.time() + 240
-        while time.time() < deadline and proc.poll() is None:
-            if len(read_ledger(run_dir)) >= 1:
-                pids = [p for p in _tagged(cluster["tag"], cluster["tmp"]) if _title(p).startswith("ray::EnvActor")]
-                if pids and _runs(pids[0], "unittest"):
-                    os.kill(pids[0], signal.SIGKILL)
-                    killed.append(pids[0])
-                    return
+        plan = [(1, "ray::EnvActor"), (3, "ray::RolloutActor")]
+        while plan and time.time() < deadline and proc.poll() is None:
+            after, title = plan[0]
+            if len(read_ledger(run_dir)) >= after:
+                actors = {p: _title(p) for p in _tagged(cluster["tag"], cluster["tmp"])}
+                env = [p for p, t in actors.items() if t.startswith("ray::EnvActor")]
+                if env and _runs(env[0], "unittest"):
+                    for pid in [p for p, t in actors.items() if t.startswith(title)]:
+                        os.kill(pid, signal.SIGKILL)
+                        killed.append(title)
+                    plan.pop(0)
             time.sleep(0.01)
 
-    killer = threading.Thread(target=kill_env_actor_after_the_first_step, daemon=True)
+    killer = threading.Thread(target=kill_while_a_sandbox_is_leased, daemon=True)
     killer.start()
     try:
         out, _ = proc.communicate(timeout=400)
@@ -294,7 +300,8 @@ def test_env_actors_run_the_sandboxes_on_their_node_and_survive_a_kill(cluster, 
     summary = json.loads(out.strip().splitlines()[-1])
     placement = summary["ray"]["placement"]
     assert placement["env"] and placement["env"][0] not in placement["rollout"], placement  # another node
-    assert killed and summary["ray"]["env_restarts"] == 1, (killed, summary["ray"])
+    assert killed.count("ray::EnvActor") == 1 and summary["ray"]["env_restarts"] == 1, (killed, summary["ray"])
+    assert killed.count("ray::RolloutActor") == 2 and summary["ray"]["env_leases_reclaimed"] >= 1, summary["ray"]
     pool = summary["env_pool"]  # the env actor's own pool (the one that ran after the restart)
     assert pool["acquired"] > 0 and pool["created"] == pool["destroyed"], pool
     check_each_trajectory_once(run_dir, steps)

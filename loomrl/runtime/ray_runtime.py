@@ -121,6 +121,8 @@ class RayRun:
         self.reward_actors: list[Any] = []  # ray.num_reward_workers, shared by the rollout actors
         self.env_actors: list[Any] = []  # ray.num_env_workers, shared by the rollout actors
         self.owners = 0  # rollout actors made so far
+        self._reclaims: list[Any] = []  # release_owner calls: sandboxes of dead rollout actors reclaimed
+        self.env_leases_reclaimed = 0
         self.version = 0
         self.weights: WeightHandle | None = None
         self._syncs: list = []  # update_weights calls not yet read for the metrics
@@ -218,7 +220,7 @@ class RayRun:
                            "Ray logs of the rollout nodes, then continue with --resume")
         log.warning("rollout actor %d died (%s); starting a fresh one", i, why)
         for env in self.env_actors:  # its sandboxes are destroyed and replaced, not leaked
-            env.release_owner.remote(slot.owner)
+            self._reclaims.append(env.release_owner.remote(slot.owner))
         (slot.handle, slot.owner), slot.incarnation, slot.load = self._new_rollout_actor(), slot.incarnation + 1, 0
 
     async def _call_trainer(self, method: str, *args):
@@ -500,6 +502,11 @@ class RayRun:
             # Ray restarts reward and env actors itself: a new process id means at least one restart
             self.reward_restarts = sum(a != b for a, b in zip(reward_pids, await self._pids(self.reward_actors)))
             self.env_restarts = sum(a != b for a, b in zip(env_pids, await self._pids(self.env_actors)))
+            for ref in self._reclaims:
+                try:
+                    self.env_leases_reclaimed += await asyncio.wait_for(ref, timeout=30)
+                except Exception:  # noqa: BLE001 - that env actor died meanwhile (its sandboxes with it)
+                    pass
             for env in self.env_actors:  # sandboxes torn down; what this side saw stays in `pool` above
                 try:
                     metrics = await asyncio.wait_for(env.close.remote(), timeout=60)
@@ -540,6 +547,7 @@ class RayRun:
             "accounting": acc,
             "ray": {"rollout_restarts": self.rollout_restarts, "trainer_restarts": self.trainer_restarts,
                     "reward_restarts": self.reward_restarts, "env_restarts": self.env_restarts,
+                    "env_leases_reclaimed": self.env_leases_reclaimed,
                     "positions_failed": {str(k): v for k, v in self.gave_up.items()},
                     "placement": self.placement},
         }

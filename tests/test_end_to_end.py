@@ -287,3 +287,26 @@ def test_async_run_with_interruptible_rollouts(tmp_path):
     for r in rows:  # every stored turn is complete and versioned token by token
         assert len(r["versions"]) == len(r["token_ids"]) == len(r["loss_mask"])
         assert all(v >= 0 for v, m in zip(r["versions"], r["loss_mask"]) if m)
+
+
+def test_resume_keeps_kl_reference_at_the_initial_policy(tmp_path):
+    """trainer.kl's reference is the policy the run started from. After --resume it must still be that,
+    not the checkpoint (which a plain copy of the resumed model would give)."""
+    import torch
+
+    from loomrl.model.loader import load_model
+    from loomrl.runtime.local import build_model
+    from loomrl.runtime.trainer_service import TrainerService
+    from loomrl.trainer.checkpoint import latest_checkpoint
+
+    cfg = _cfg(tmp_path, "name=kl", "runtime.mode=sync", "trainer.total_steps=2", "eval.n_tasks=0",
+               "trainer.kl=k3", "trainer.kl_coef=0.1", "trainer.lr=1e-2")
+    LocalRun(cfg).train()
+    ckpt = latest_checkpoint(cfg.run_dir)
+    model, tokenizer = build_model(cfg, ckpt)
+    service = TrainerService(cfg, model, tokenizer, resume_from=ckpt)
+    initial, _ = load_model(cfg.model)
+    ref = dict(service.trainer.ref_model.named_parameters())
+    trained = dict(model.named_parameters())
+    assert any(not torch.equal(trained[n], p) for n, p in initial.named_parameters())  # training moved it
+    assert all(torch.equal(ref[n], p) for n, p in initial.named_parameters())  # the reference did not

@@ -85,10 +85,11 @@ class Follower:
 
     def __init__(self, cfg: RunConfig, ckpt: Path | None):
         from loomrl.runtime.local import build_model
+        from loomrl.runtime.trainer_service import initial_policy
         from loomrl.trainer.checkpoint import load_optimizer, load_state
 
         model, _ = build_model(cfg, ckpt)
-        self.trainer = Trainer(model, cfg.trainer)
+        self.trainer = Trainer(model, cfg.trainer, initial_model=initial_policy(cfg, ckpt))
         if ckpt is not None:
             load_optimizer(ckpt, self.trainer.optimizer, self.trainer.scheduler)
             self.trainer.step = load_state(ckpt)["step"]

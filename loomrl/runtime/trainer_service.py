@@ -69,13 +69,23 @@ def repair_ledger_for_restart(run_dir: Path, checkpoint: Path | None) -> None:
         ledger.unlink()
 
 
+def initial_policy(cfg: RunConfig, resume_from: Path | None) -> torch.nn.Module | None:
+    """KL's reference when resuming: the run's starting model (cfg.model), not the checkpoint's."""
+    t = cfg.trainer
+    if resume_from is None or t.kl is None or t.kl_coef <= 0:
+        return None
+    from loomrl.model.loader import load_model
+
+    return load_model(cfg.model)[0]
+
+
 class TrainerService:
     def __init__(self, cfg: RunConfig, model: torch.nn.Module, tokenizer: Any, resume_from: Path | None = None):
         self.cfg = cfg
         self.run_dir = cfg.run_dir
         self.model = model
         self.tokenizer = tokenizer
-        self.trainer = Trainer(model, cfg.trainer)
+        self.trainer = Trainer(model, cfg.trainer, initial_model=initial_policy(cfg, resume_from))
         self.buffer = Buffer(cfg.buffer.max_policy_lag, cfg.buffer.sampler, cfg.buffer.window)
         b = cfg.buffer
         self.filters = FilterConfig(filters=tuple(b.filters), drop_truncated=b.drop_truncated, ngram=b.ngram,

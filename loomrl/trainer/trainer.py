@@ -93,7 +93,9 @@ def token_logprobs(model: torch.nn.Module, samples: list[TrainingSample], *, wit
 
 
 class Trainer:
-    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig):
+    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, initial_model: torch.nn.Module | None = None):
+        """`initial_model`: the policy the run started from, KL's reference; default: a copy of `model`
+        (right for a fresh run; a resumed one must pass it, or the reference would be the checkpoint)."""
         self.model = model
         self.cfg = cfg
         freeze_bottom(model, cfg.freeze_layers)
@@ -105,7 +107,8 @@ class Trainer:
         )
         self.step = 0
         # KL to the initial policy needs its logprobs: a frozen copy, kept only when the KL term is on.
-        self.ref_model = copy.deepcopy(model).eval() if cfg.kl is not None and cfg.kl_coef > 0 else None
+        kl = cfg.kl is not None and cfg.kl_coef > 0
+        self.ref_model = (initial_model if initial_model is not None else copy.deepcopy(model)).eval() if kl else None
         if self.ref_model is not None:
             self.ref_model.requires_grad_(False)
 

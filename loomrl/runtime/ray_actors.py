@@ -306,7 +306,8 @@ class RolloutActor:
         from loomrl.runtime.local import build_model, make_engine
 
         cfg = RunConfig.model_validate_json(cfg_json)
-        torch.set_num_threads(cfg.engine.threads or 1)  # several actors share a node's cores
+        # engine.threads, else the CPUs Ray reserved for this actor (several actors share a node's cores)
+        torch.set_num_threads(cfg.engine.threads or max(1, int(cfg.ray.rollout_num_cpus)))
         torch.manual_seed(cfg.seed)
         self.cfg = cfg
         # Architecture, tokenizer and frozen weights; the trainable ones arrive with update_weights
@@ -376,7 +377,7 @@ class TrainerActor:
         from loomrl.trainer.checkpoint import latest_checkpoint
 
         cfg = RunConfig.model_validate_json(cfg_json)
-        torch.set_num_threads(cfg.trainer.threads or 1)
+        torch.set_num_threads(cfg.trainer.threads or max(1, int(cfg.ray.trainer_num_cpus)))  # as reserved
         self.ckpt = latest_checkpoint(cfg.run_dir)
         repair_ledger_for_restart(cfg.run_dir, self.ckpt)
         model, tokenizer = build_model(cfg, self.ckpt)
@@ -427,7 +428,7 @@ class TrainerRankActor:
 
     def __init__(self, cfg_json: str, ckpt: str | None):
         cfg = RunConfig.model_validate_json(cfg_json)
-        torch.set_num_threads(cfg.trainer.threads or 1)
+        torch.set_num_threads(cfg.trainer.threads or max(1, int(cfg.ray.trainer_num_cpus)))  # as reserved
         self.follower = Follower(cfg, Path(ckpt) if ckpt else None)
 
     def join(self, rank: int, world_size: int, addr: str, port: int) -> None:

@@ -22,6 +22,7 @@ import logging
 import math
 import time
 import weakref
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -68,15 +69,15 @@ def pool_size_for(concurrency: int, spare: float = 0.25) -> int:
     return concurrency + max(1, math.ceil(concurrency * spare))
 
 
-class Leases:
+class Leases(ABC):
     """`lease()` over a pool's acquire/release (EnvPool here; ray_actors.RemoteEnvPool for sandboxes
     on other nodes)."""
 
-    async def acquire(self) -> Sandbox:
-        raise NotImplementedError
+    @abstractmethod
+    async def acquire(self) -> Sandbox: ...
 
-    async def release(self, sb: Sandbox, *, broken: bool = False) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    async def release(self, sb: Sandbox, *, broken: bool = False) -> None: ...
 
     @asynccontextmanager
     async def lease(self, cleanup: list[Callable[[Sandbox], Any]] | None = None) -> AsyncIterator[Sandbox]:

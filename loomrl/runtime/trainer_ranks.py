@@ -25,6 +25,7 @@ import queue
 import sys
 import threading
 import traceback
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,12 +66,9 @@ class RankLost(RuntimeError):
 
 @dataclass(slots=True)
 class RankWork:
-    """One step's work for one follower."""
+    """One step's work for one follower (rank 0 carries the step's idle counts, see train_step)."""
 
     samples: list[TrainingSample] = field(default_factory=list)
-    idle_tokens: int = 0  # this rank's share of the step's idle counts (Trainer.train_step)
-    idle_seqs: int = 0
-    idle_longest: int = 0
     skip: bool = False  # a step without signal: advance the schedule only (Trainer.skip_step)
 
 
@@ -104,12 +102,11 @@ class Follower:
         if w.skip:
             self.trainer.skip_step()
         else:
-            self.dp.train_step(w.samples, idle_tokens=w.idle_tokens, idle_seqs=w.idle_seqs,
-                               idle_longest=w.idle_longest)
+            self.dp.train_step(w.samples)
         return RankReport(step=self.trainer.step, checksum=param_checksum(self.trainer.params))
 
 
-class RankGroup:
+class RankGroup(ABC):
     """Rank 0's side: shards a step over the ranks and checks the followers stayed in step."""
 
     def __init__(self, trainer: Trainer, world_size: int):
@@ -153,12 +150,12 @@ class RankGroup:
                                f"checksum {r.checksum} vs {mine.checksum}); restarting the ranks from a checkpoint")
 
     # -- transport (subclasses) -------------------------------------------------------------------
-    def _send(self, works: list[RankWork]) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def _send(self, works: list[RankWork]) -> None: ...
 
+    @abstractmethod
     def _collect(self) -> list[RankReport]:
         """The followers' reports, in rank order; RankLost when one failed or died."""
-        raise NotImplementedError
 
     def close(self) -> None:
         if dist.is_initialized():

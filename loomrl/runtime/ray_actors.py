@@ -36,6 +36,11 @@ from loomrl.runtime.weight_sync import WeightHandle
 from loomrl.types import Task, Trajectory
 
 
+def constructor_failed(err: BaseException) -> bool:
+    """Whether a Ray actor error says the actor's constructor raised (every fresh one would too)."""
+    return "creation task" in str(err)
+
+
 class RewardActor:
     """A reward worker (ray.num_reward_workers > 0): the run's reward function on its own threads, on
     whatever node ray.reward_resources picks, shared by every rollout actor. Stateless, so Ray itself
@@ -75,7 +80,7 @@ class RemoteRewardPool:
         try:
             out = await self.actors[i].score.remote(traj, task)
         except ray.exceptions.RayError as err:
-            if "creation task" in str(err):  # a reward setup that cannot work: fail the rollout, and so the run
+            if constructor_failed(err):  # a reward setup that cannot work: fail the rollout, and so the run
                 raise
             self.failed += 1
             out = mark_reward_failed(traj, f"reward actor {i}: {type(err).__name__}: {str(err).splitlines()[0]}")
@@ -224,8 +229,12 @@ class RemoteSandbox:
         pass  # released through RemoteEnvPool
 
 
-def _raise_as_sandbox_error(call: Any) -> Any:
+def _env_worker_failed(err: BaseException) -> SandboxError:
     """A dead env actor is a dead sandbox to the environment code: SandboxError, with the reason."""
+    return SandboxError(f"env worker failed: {type(err).__name__}: {str(err).splitlines()[0]}")
+
+
+def _raise_as_sandbox_error(call: Any) -> Any:
     import ray
 
     try:
@@ -233,7 +242,7 @@ def _raise_as_sandbox_error(call: Any) -> Any:
     except SandboxError:
         raise
     except ray.exceptions.RayError as err:
-        raise SandboxError(f"env worker failed: {type(err).__name__}: {str(err).splitlines()[0]}") from None
+        raise _env_worker_failed(err) from None
 
 
 async def _remote(ref: Any) -> Any:
@@ -244,7 +253,7 @@ async def _remote(ref: Any) -> Any:
     except SandboxError:
         raise
     except ray.exceptions.RayError as err:
-        raise SandboxError(f"env worker failed: {type(err).__name__}: {str(err).splitlines()[0]}") from None
+        raise _env_worker_failed(err) from None
 
 
 class RemoteEnvPool(Leases):

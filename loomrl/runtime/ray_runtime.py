@@ -49,7 +49,14 @@ from loomrl.metrics import MetricsLogger
 from loomrl.reward.pool import reward_failed
 from loomrl.runtime.accounting import Accounting, ledger_line
 from loomrl.runtime.local import RunError, _progress, positions_after, prepare_run_dir
-from loomrl.runtime.ray_actors import EnvActor, RewardActor, RolloutActor, TrainerActor, TrainerRankActor
+from loomrl.runtime.ray_actors import (
+    EnvActor,
+    RewardActor,
+    RolloutActor,
+    TrainerActor,
+    TrainerRankActor,
+    constructor_failed,
+)
 from loomrl.runtime.rollout import group_summary, rollout_concurrency
 from loomrl.runtime.trainer_ranks import RankLost
 from loomrl.runtime.trainer_service import PositionSet, read_ledger
@@ -75,7 +82,7 @@ def last_lines(err: BaseException, n: int = 3) -> str:
 
 def fail_if_cannot_start(err: BaseException, what: str) -> None:
     """An actor whose constructor raised: every fresh one would too, so the run stops with the cause."""
-    if "creation task" in str(err):
+    if constructor_failed(err):
         raise RunError(f"run error: {what} failed to start (its constructor raised):\n{last_lines(err)}")
 
 

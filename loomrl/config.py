@@ -81,6 +81,9 @@ class EnvConfig(_Section):
     sandbox_limits: dict[str, int] = Field(default_factory=dict)
     pool_size: int = Field(0, ge=0)  # sandboxes in the env pool; 0 = sized from the rollout concurrency
     prewarm: int | None = Field(None, ge=0)  # created before the first rollout; default: the whole pool
+    # failed sandbox creations or health checks in a row after which the pool gives up and the run
+    # stops with the sandbox's own error (a backend that cannot work here must not hang the run)
+    sandbox_max_failures: int = Field(5, gt=0)
     tool_timeout_s: float = Field(5.0, gt=0.0)
     crash_rate: float = Field(0.0, ge=0.0, le=1.0)  # fault injection: a tool call crashes its process
     hang_rate: float = Field(0.0, ge=0.0, le=1.0)  # fault injection: a tool call hangs until its timeout

@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from loomrl.agent.blackbox import BlackBoxRunner
+from loomrl.agent.blackbox import SITE_INSIDE, BlackBoxRunner, site_packages
 from loomrl.agent.gateway import Budget, Gateway, ServerThread
 from loomrl.engine.base import SamplingParams
 from loomrl.engine.builtin.engine import BuiltinEngine
 from loomrl.env.pool import EnvPool
-from loomrl.env.sandbox import make_sandbox
-from loomrl.env.sandbox.bwrap import bwrap_available
+from loomrl.env.sandbox.bwrap import BwrapSandbox, bwrap_available
 from loomrl.trainer.grpo import samples_from_group
 from loomrl.types import Task
 
@@ -72,17 +71,23 @@ print(urllib.request.urlopen(req).read().decode())
 
 
 def run_agent(tiny_model, tokenizer, script: str, args: list[str] | None = None, budget: Budget | None = None,
-              agent_reward: bool = False):
+              agent_reward: bool = False, private: Path | None = None):
+    """`private`: a folder only root may enter, holding the gateway socket, the package folder the
+    sandbox binds (a link to this environment's site-packages) and the sandboxes' own folders."""
     async def go():
         engine = BuiltinEngine(tiny_model, eos_token_id=tokenizer.eos_token_id, tokenizer=tokenizer)
         gateway = Gateway(engine, tokenizer, "tiny", allow_agent_reward=agent_reward)
         import tempfile
 
-        folder = tempfile.mkdtemp(prefix="loomrl-gw-test-")
-        Path(folder).chmod(0o755)
+        folder = tempfile.mkdtemp(prefix="loomrl-gw-test-", dir=private)
         sock = f"{folder}/gw.sock"
+        binds = BlackBoxRunner.sandbox_binds(sock)
+        if private is not None:
+            site = private / "site-packages"
+            site.symlink_to(site_packages())
+            binds[str(site)] = SITE_INSIDE
         servers = [ServerThread(gateway.app(), uds=sock), ServerThread(gateway.app())]
-        pool = await EnvPool(lambda: make_sandbox("bwrap", binds=BlackBoxRunner.sandbox_binds(sock)), size=2).start()
+        pool = await EnvPool(lambda: BwrapSandbox(root=str(private) if private else None, binds=binds), size=2).start()
         try:
             runner = BlackBoxRunner(gateway, pool, ["python3", "agent.py", *(args or [])], gateway_url=servers[1].url,
                                     files={"agent.py": script}, timeout_s=60, budget=budget,
@@ -109,6 +114,20 @@ def test_sandboxed_openai_agent_trains_on_exactly_the_tokens_it_was_given(tiny_m
     assert trained == [t for ids in seen for t in ids]  # the trained tokens are the sampled tokens, exactly
     assert traj.segments == [] and traj.turns[0].obs_span is not None  # one context: calls merged
     assert all(len(t.versions) == len(t.logprobs) == t.act_span.end - t.act_span.start for t in traj.turns)
+
+
+def test_agent_runs_when_everything_its_sandbox_binds_lies_under_a_private_folder(tiny_model, tokenizer, tmp_path):
+    """The regression behind a hung `make test` in a clone under a 0700 folder (mktemp -d, root's home):
+    bwrap ran as the sandbox's uid, which cannot traverse such a folder, and failed with "Can't find
+    source path ...: Permission denied". Here the gateway socket, the package folder and the
+    sandboxes' workdirs all lie under a 0700 folder, wherever the checkout itself is."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    private.chmod(0o700)
+    run = run_agent(tiny_model, tokenizer, RECORDING_AGENT, private=private)
+    assert run.returncode == 0, run.stderr[-500:]
+    assert run.trajectory.status == "completed" and len(run.trajectory.all_turns()) == 3
+    assert oct(private.stat().st_mode & 0o777) == "0o700"  # nothing was loosened to make it work
 
 
 def test_sandboxed_agent_reaches_the_gateway_and_nothing_else(tiny_model, tokenizer):

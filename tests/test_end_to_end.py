@@ -7,9 +7,13 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
+
 from loomrl.config import load_config
+from loomrl.env.sandbox.bwrap import bwrap_available
 from loomrl.metrics.logger import read_metrics
 from loomrl.runtime.local import LocalRun
 from loomrl.runtime.trainer_service import read_ledger
@@ -171,6 +175,23 @@ def test_cli_reports_bad_config_and_missing_model(tmp_path):
                              capture_output=True, text=True)
     assert missing.returncode == 2 and "nope.gguf' not found" in missing.stderr
     assert "Traceback" not in bad.stderr + missing.stderr
+
+
+@pytest.mark.skipif(not bwrap_available(), reason="bubblewrap not installed (make test installs it)")
+def test_run_with_a_broken_sandbox_backend_stops_with_one_clear_line(tmp_path):
+    """Sandboxes that cannot run anything (1 MB of address space: not even the loader fits): the run
+    stops while its env pool pre-warms, within seconds, with one line naming the cause (the sandbox's
+    own error) and the fix, instead of replacing sandboxes forever."""
+    t0 = time.perf_counter()
+    run = subprocess.run([sys.executable, "-m", "loomrl", "train", str(RECIPE), f"output_dir={tmp_path}",
+                          "env.sandbox=bwrap", "env.sandbox_limits.address_space_mb=1"],
+                         capture_output=True, text=True, timeout=300)
+    wall = time.perf_counter() - t0
+    last = run.stderr.strip().splitlines()[-1]
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "sandboxes in a row failed" in last and "failed to map segment" in last, last
+    assert "loomrl sandbox run" in last and "env.sandbox" in last  # how to see it, how to fix it
+    assert "Traceback" not in run.stderr and wall < 120
 
 
 def test_cli_refuses_to_overwrite_a_run_and_resume_needs_a_checkpoint(tmp_path):

@@ -4,12 +4,20 @@ checks, reset to the snapshot, broken instances destroyed and replaced, waiting 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
-from loomrl.env.pool import EnvPool, pool_size_for
-from loomrl.env.sandbox import make_sandbox
+from loomrl.env.pool import EnvPool, EnvPoolFailed, pool_size_for
+from loomrl.env.sandbox import SandboxError, make_sandbox
+from loomrl.env.sandbox.bwrap import bwrap_available
 
 
 async def _prepare(sb):
@@ -175,3 +183,158 @@ def test_env_actor_leases_of_a_dead_owner_or_a_cancelled_acquire_are_reclaimed(t
         assert metrics["kills"] == 1 and metrics["created"] == metrics["destroyed"] == 3
 
     asyncio.run(scenario())
+
+
+# -- bounded failure (a sandbox backend that cannot work here must not hang the run) ----------------
+
+needs_bwrap = pytest.mark.skipif(not bwrap_available(), reason="bubblewrap not installed (make test installs it)")
+
+
+@needs_bwrap
+def test_every_creation_failing_ends_within_seconds_with_the_cause():
+    """A bind source that does not exist: every creation fails; pre-warm gives up after max_failures
+    with the sandbox's own error, and so does an acquire on a pool that pre-warms nothing."""
+    factory = lambda: make_sandbox("bwrap", binds={"/nonexistent-loomrl/site": "/opt/site"})  # noqa: E731
+
+    async def go():
+        t0 = time.perf_counter()
+        with pytest.raises(EnvPoolFailed) as prewarmed:
+            await EnvPool(factory, size=6, max_failures=3).start()
+        lazy = await EnvPool(factory, size=2, prewarm=0, max_failures=3).start()
+        waiters = [asyncio.ensure_future(lazy.acquire()) for _ in range(3)]
+        errors = await asyncio.gather(*waiters, return_exceptions=True)
+        with pytest.raises(EnvPoolFailed):
+            await lazy.acquire()  # gave up for good: at once, no more tries
+        await lazy.close()
+        return time.perf_counter() - t0, prewarmed.value, errors, lazy
+
+    wall, prewarmed, errors, lazy = asyncio.run(go())
+    assert wall < 10
+    for err in [prewarmed, *errors]:
+        assert isinstance(err, EnvPoolFailed), err
+        assert "sandboxes in a row failed" in str(err) and "/nonexistent-loomrl/site" in str(err)
+        assert "does not exist" in str(err) and "env.sandbox" in str(err)  # the cause and the fix
+    assert lazy.metrics.create_failures == 3 and lazy.failure is errors[0]
+
+
+@needs_bwrap
+def test_every_health_check_failing_ends_within_seconds_with_the_sandboxes_own_stderr():
+    """1 MB of address space: the sandboxed `echo` cannot even load libc. The pool gives up with the
+    loader's own message, both while pre-warming and in an acquire waiting at capacity when the
+    instance it waits for is replaced by broken ones."""
+    broken = lambda: make_sandbox("bwrap", limits={"address_space_mb": 1})  # noqa: E731
+
+    async def go():
+        t0 = time.perf_counter()
+        with pytest.raises(EnvPoolFailed) as prewarmed:
+            await EnvPool(broken, size=4, max_failures=3).start()
+        made = iter([lambda: make_sandbox("bwrap"), broken, broken, broken, broken])
+        pool = await EnvPool(lambda: next(made)(), size=1, max_failures=3).start()
+        first = await pool.acquire()
+        waiter = asyncio.ensure_future(pool.acquire())  # waits: the pool is at its size
+        await asyncio.sleep(0.1)
+        assert not waiter.done()
+        await pool.release(first, broken=True)  # its replacements cannot start
+        with pytest.raises(EnvPoolFailed) as waited:
+            await asyncio.wait_for(waiter, 30)
+        await pool.close()
+        return time.perf_counter() - t0, prewarmed.value, waited.value, pool
+
+    wall, prewarmed, waited, pool = asyncio.run(go())
+    assert wall < 15
+    for err in (prewarmed, waited):
+        assert "3 sandboxes in a row failed" in str(err) and "failed to map segment" in str(err), err
+    assert pool.metrics.create_failures == 3 and pool.live == 0
+
+
+def test_a_healthy_instance_resets_the_failure_count():
+    """Failures only count in a row: a flaky backend whose failures are separated by healthy
+    instances never trips the pool."""
+    flaky = itertools.cycle([True, False, False])  # two failures in a row at most
+
+    def factory():
+        if not next(flaky):
+            raise SandboxError("flaky backend")
+        return make_sandbox("auto")
+
+    async def go():
+        pool = await EnvPool(factory, size=1, prewarm=0, max_failures=3).start()
+        for _ in range(4):
+            sb = await pool.acquire()
+            await pool.release(sb, broken=True)
+            await asyncio.sleep(0.05)  # the replacement fails in the background (counted too)
+        await pool.close()
+        return pool
+
+    pool = asyncio.run(go())
+    assert pool.failure is None and pool.metrics.create_failures >= 6 and pool.metrics.acquired == 4
+
+
+@needs_bwrap
+def test_a_health_check_cancelled_mid_flight_leaves_no_process():
+    """The leak seen after full test runs: an orphaned `bwrap ... echo loomrl-ok`. Cancelled at many
+    points (while the process is being started, while it runs), nothing of it may survive."""
+
+    async def go():
+        sandboxes = []
+        for delay in [0, 0, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.03]:
+            sb = make_sandbox("bwrap")
+            sandboxes.append(sb)
+            check = asyncio.ensure_future(sb.health(timeout=5))
+            await asyncio.sleep(delay)
+            check.cancel()
+            await asyncio.gather(check, return_exceptions=True)
+        await asyncio.sleep(0.3)  # a start that was under way when cancelled finishes (and is killed)
+        for sb in sandboxes:
+            sb.close()
+        return [str(sb.workdir) for sb in sandboxes]
+
+    workdirs = asyncio.run(go())
+    time.sleep(0.2)
+    assert not processes_mentioning(workdirs)
+
+
+@needs_bwrap
+def test_a_sandbox_dies_with_the_process_that_started_it(tmp_path):
+    """SIGKILL of the process that owns a pool (a rollout worker killed by the OOM killer, say): the
+    command running in its sandbox goes too (bwrap gets SIGKILL as its parent dies)."""
+    script = tmp_path / "owner.py"
+    script.write_text(
+        "import asyncio, sys\n"
+        "from loomrl.env.sandbox import make_sandbox\n"
+        "async def main():\n"
+        "    sb = make_sandbox('bwrap')\n"
+        "    print(sb.workdir, flush=True)\n"
+        "    await sb.exec(['/usr/bin/sleep', '120'], timeout=300)\n"
+        "asyncio.run(main())\n")
+    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    workdir = owner.stdout.readline().strip()
+    for _ in range(100):
+        if processes_mentioning([workdir]):
+            break
+        time.sleep(0.05)
+    assert processes_mentioning([workdir]), "the sandboxed command did not start"
+    owner.send_signal(signal.SIGKILL)
+    owner.wait()
+    for _ in range(100):
+        if not processes_mentioning([workdir]):
+            break
+        time.sleep(0.05)
+    assert not processes_mentioning([workdir])
+    shutil.rmtree(Path(workdir).parent, ignore_errors=True)
+
+
+def processes_mentioning(needles: list[str]) -> list[str]:
+    """Command lines of live processes that contain one of `needles` (a sandbox's workdir is unique)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = Path(entry.path, "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and any(n in cmdline for n in needles):
+            found.append(cmdline)
+    return found

@@ -26,7 +26,8 @@ from pathlib import Path
 
 from loomrl.agent.gateway import Budget, Gateway
 from loomrl.engine.base import SamplingParams
-from loomrl.env.pool import EnvPool
+from loomrl.env.pool import Leases
+from loomrl.env.sandbox.base import SandboxError
 from loomrl.types import RolloutStatus, Task, Trajectory
 
 AGENT_PORT = 8080
@@ -97,7 +98,7 @@ class AgentRun:
 class BlackBoxRunner:
     """Runs `command` per rollout in a sandbox from `pool` (made with `sandbox_binds()`), against `gateway`."""
 
-    def __init__(self, gateway: Gateway, pool: EnvPool, command: list[str], *, gateway_url: str,
+    def __init__(self, gateway: Gateway, pool: Leases, command: list[str], *, gateway_url: str,
                  files: dict[str, str] | None = None, timeout_s: float = 300.0, budget: Budget | None = None,
                  sampling: SamplingParams | None = None):
         if not command:
@@ -121,7 +122,7 @@ class BlackBoxRunner:
         """One rollout; `sampling` (default: the runner's) overrides what the program asks for."""
         session = self.gateway.open_session(task_id=task.task_id, group_id=group_id, position=position,
                                             budget=self.budget, sampling=sampling or self.sampling)
-        failed = None
+        failed = env_failed = None
         res = None
         try:
             async with self.pool.lease() as sandbox:
@@ -143,12 +144,17 @@ class BlackBoxRunner:
                     raise TimeoutError(f"agent program killed ({res.killed}) after {res.duration_s:.1f}s")
         except TimeoutError as err:
             failed = str(err)
+        except SandboxError as err:  # no sandbox could be had (or it broke): errors are data
+            env_failed = f"{type(err).__name__}: {err}"
         except BaseException:
             self.gateway.close_session(session, failed="rollout cancelled")  # its key must die with it
             raise
         traj = self.gateway.close_session(session, failed=None)
         if failed:
             traj.status, traj.error = RolloutStatus.TIMEOUT, failed
+        elif env_failed:
+            traj.status, traj.error = RolloutStatus.ENV_ERROR, env_failed
+            traj.metadata.env_errors += 1
         elif session.engine_fault:  # whatever the program did next, the engine failed it first
             traj.status, traj.error = RolloutStatus.ENGINE_ERROR, session.engine_fault
         elif res is not None and res.returncode != 0 and traj.status == RolloutStatus.COMPLETED:

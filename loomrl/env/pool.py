@@ -3,6 +3,10 @@
 - Pre-warm: `start()` creates `prewarm` instances concurrently before the first rollout needs one.
 - Acquire: an idle instance if there is one, else a new one while the pool is under `size`, else wait.
   Every instance gets a health check before it is handed out; a failing one is destroyed and replaced.
+- Bounded failure: after `max_failures` failed creations or health checks in a row (with no healthy
+  instance in between) the pool gives up for good: every acquire, waiting or new, raises EnvPoolFailed
+  with the sandbox's own error output (bwrap's message, say). Backing off and retrying forever would
+  hang a run whose sandbox backend cannot work here; the rollout worker stops the run on it.
 - Release: the instance is reset to its initial state (workdir snapshot restored, leftovers killed) in
   the background and only then becomes idle again, so the next acquire does not pay for the reset.
   An instance released as broken (a step or trajectory timeout, a crash) is destroyed, never reused,
@@ -27,9 +31,12 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from loomrl.env.sandbox.base import Sandbox, SandboxError
+from loomrl.env.sandbox.base import Health, Sandbox, SandboxError, make_sandbox, one_line
+
+if TYPE_CHECKING:
+    from loomrl.config import EnvConfig
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +69,19 @@ class PoolMetrics:
         return asdict(self)
 
 
+class EnvPoolFailed(SandboxError):
+    """The pool gave up: its sandboxes cannot be created, or cannot run a trivial command."""
+
+
+GENERIC_FIX = ("the sandbox backend does not work here: `loomrl sandbox run -- /usr/bin/true` shows why; fix it, "
+               "or choose another backend with env.sandbox (process isolates nothing)")
+
+
+def pool_failure(failures: int, what: str, detail: str, fix: str = GENERIC_FIX) -> EnvPoolFailed:
+    return EnvPoolFailed(f"sandbox error: {failures} sandboxes in a row failed ({what}): {one_line(detail)}. "
+                         f"Fix: {fix}")
+
+
 def pool_size_for(concurrency: int, spare: float = 0.25) -> int:
     """Instances for `concurrency` simultaneous rollouts, plus spares being reset or replaced meanwhile."""
     if concurrency < 1:
@@ -69,9 +89,24 @@ def pool_size_for(concurrency: int, spare: float = 0.25) -> int:
     return concurrency + max(1, math.ceil(concurrency * spare))
 
 
+def sandbox_pool(e: EnvConfig, size: int, binds: dict[str, str] | None = None) -> EnvPool:
+    """The env pool a run's config asks for: env.sandbox sandboxes with env.sandbox_limits (and
+    `binds`), env.prewarm of them made up front, giving up after env.sandbox_max_failures."""
+    limits = "".join(f" --limit {k}={v}" for k, v in e.sandbox_limits.items())
+    fix = (f"the sandboxes of env.sandbox={e.sandbox}" + (f" with env.sandbox_limits={e.sandbox_limits}" if limits else "")
+           + f" do not work here: `loomrl sandbox run --backend {e.sandbox}{limits} -- /usr/bin/true` shows why; fix "
+           "that, or change env.sandbox / env.sandbox_limits (env.sandbox=process isolates nothing)")
+    return EnvPool(lambda: make_sandbox(e.sandbox, limits=e.sandbox_limits, binds=binds), size=size,
+                   prewarm=e.prewarm, max_failures=e.sandbox_max_failures, fix=fix)
+
+
 class Leases(ABC):
     """`lease()` over a pool's acquire/release (EnvPool here; ray_actors.RemoteEnvPool for sandboxes
     on other nodes)."""
+
+    # Set once the pool has given up for good (EnvPool: max_failures in a row); the rollout worker
+    # stops the run on it instead of failing episode after episode.
+    failure: EnvPoolFailed | None = None
 
     @abstractmethod
     async def acquire(self) -> Sandbox: ...
@@ -104,19 +139,26 @@ class Leases(ABC):
 
 class EnvPool(Leases):
     def __init__(self, factory: Callable[[], Sandbox], *, size: int, prewarm: int | None = None,
-                 health_timeout_s: float = 5.0, max_create_attempts: int = 3,
-                 prepare: Callable[[Sandbox], Awaitable[None]] | None = None):
+                 health_timeout_s: float = 5.0, max_failures: int = 5,
+                 prepare: Callable[[Sandbox], Awaitable[None]] | None = None, fix: str = GENERIC_FIX):
         """`factory` makes one sandbox (it runs in a worker thread); `prepare`, if given, lays out an
-        instance's initial state once, before its snapshot is taken (reset restores that state)."""
+        instance's initial state once, before its snapshot is taken (reset restores that state).
+        `max_failures`: failed creations or health checks in a row before the pool gives up; `fix`
+        finishes its error (how to see the failure by hand, what to change)."""
         if size < 1:
             raise ValueError(f"EnvPool: size must be >= 1, got {size}")
+        if max_failures < 1:
+            raise ValueError(f"EnvPool: max_failures must be >= 1, got {max_failures}")
         self.factory = factory
         self.prepare = prepare
         self.size = size
         self.prewarm = size if prewarm is None else min(prewarm, size)
         self.health_timeout_s = health_timeout_s
-        self.max_create_attempts = max_create_attempts
+        self.max_failures = max_failures
+        self.fix = fix
         self.metrics = PoolMetrics()
+        self.failure: EnvPoolFailed | None = None  # set once the pool has given up (see the module doc)
+        self._failures_in_a_row = 0
         self._idle: deque[Sandbox] = deque()
         self._leased: set[int] = set()
         self._all: dict[int, Sandbox] = {}  # every live instance: idle, leased or being reset
@@ -136,6 +178,8 @@ class EnvPool(Leases):
                     continue
                 self._idle.append(r)
             self._changed.notify_all()
+        if self.failure is not None:
+            raise self.failure
         if self.prewarm and not self._idle:
             raise SandboxError(f"env pool: could not create any of {self.prewarm} instances: {results[0]}")
         return self
@@ -172,16 +216,15 @@ class EnvPool(Leases):
 
     # -- acquire / release --------------------------------------------------------------------------
     async def acquire(self) -> Sandbox:
-        if self._closed:
-            raise SandboxError("env pool is closed")
+        """A healthy instance. Raises EnvPoolFailed once the pool has given up (see the module doc)."""
         t0 = time.perf_counter()
         while True:
             sb = None
             async with self._changed:
+                self._check_usable()
                 while not self._idle and self.live >= self.size:
                     await self._changed.wait()
-                    if self._closed:
-                        raise SandboxError("env pool is closed")
+                    self._check_usable()
                 if self._idle:
                     sb = self._idle.popleft()
                 else:
@@ -190,13 +233,18 @@ class EnvPool(Leases):
                 try:
                     sb = await self._create(reserved=True)
                 except SandboxError:
-                    await asyncio.sleep(0.05)
+                    # Counted in _create; a short pause before the next try (the pool gives up after
+                    # max_failures in a row, so this loop is bounded).
+                    await asyncio.sleep(0.05 * self._failures_in_a_row)
                     continue
-            if await self._healthy(sb):
+            health = await self._healthy(sb)
+            if health.ok:
+                self._failures_in_a_row = 0
                 break
             self.metrics.health_failures += 1
-            log.warning("env pool: instance failed its health check; replacing it")
+            log.warning("env pool: instance failed its health check (%s); replacing it", one_line(health.detail, 200))
             await asyncio.to_thread(self._destroy_sync, sb)
+            await self._failed("health check", health.detail)
             self._spawn_replacement()
         wait = time.perf_counter() - t0
         self.metrics.acquired += 1
@@ -204,6 +252,20 @@ class EnvPool(Leases):
         self.metrics.acquire_wait_s_max = max(self.metrics.acquire_wait_s_max, wait)
         self._leased.add(id(sb))
         return sb
+
+    def _check_usable(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+        if self._closed:
+            raise SandboxError("env pool is closed")
+
+    async def _failed(self, what: str, detail: str) -> None:
+        """One more failure in a row; past max_failures the pool gives up and wakes every waiter."""
+        self._failures_in_a_row += 1
+        if self._failures_in_a_row >= self.max_failures and self.failure is None:
+            self.failure = pool_failure(self._failures_in_a_row, what, detail, self.fix)
+            async with self._changed:
+                self._changed.notify_all()
 
     async def release(self, sb: Sandbox, *, broken: bool = False) -> None:
         """Give an instance back: reset in the background, or destroyed and replaced if `broken`."""
@@ -223,37 +285,42 @@ class EnvPool(Leases):
 
     # -- internals ----------------------------------------------------------------------------------
     async def _create(self, reserved: bool = False) -> Sandbox:
-        """A new instance (prepared and snapshotted); retried, and counted in metrics."""
+        """A new instance (prepared and snapshotted), or SandboxError; counted in metrics and in the
+        failures in a row."""
         if not reserved:
             self._creating += 1
         try:
-            last: BaseException | None = None
-            for _ in range(self.max_create_attempts):
-                try:
-                    sb = await asyncio.to_thread(self.factory)
-                except (OSError, SandboxError) as err:
-                    self.metrics.create_failures += 1
-                    last = err
-                    continue
-                try:
-                    if self.prepare is not None:
-                        await self.prepare(sb)
-                    await asyncio.to_thread(sb.snapshot)
-                except Exception as err:  # noqa: BLE001 - a bad instance is dropped, not handed out
-                    self.metrics.create_failures += 1
-                    await asyncio.to_thread(sb.close)
-                    last = err
-                    continue
-                self._all[id(sb)] = sb
-                self.metrics.created += 1
-                return sb
-            raise SandboxError(f"env pool: creating an instance failed {self.max_create_attempts} times: {last}")
+            try:
+                sb = await asyncio.to_thread(self.factory)
+            except (OSError, SandboxError) as err:
+                self.metrics.create_failures += 1
+                await self._failed("creating one", f"{type(err).__name__}: {err}")
+                raise SandboxError(f"env pool: creating an instance failed: {err}") from err
+            try:
+                # Checked once when made, so that a backend that cannot run anything here is found
+                # while the pool pre-warms, before the first rollout.
+                health = await self._healthy(sb)
+                if not health.ok:
+                    raise SandboxError(health.detail)
+                if self.prepare is not None:
+                    await self.prepare(sb)
+                await asyncio.to_thread(sb.snapshot)
+            except Exception as err:  # noqa: BLE001 - a bad instance is dropped, not handed out
+                self.metrics.create_failures += 1
+                await asyncio.to_thread(sb.close)
+                await self._failed("starting one", f"{type(err).__name__}: {err}" if health.ok else health.detail)
+                raise SandboxError(f"env pool: a new instance did not start: {err}") from err
+            self._all[id(sb)] = sb
+            self.metrics.created += 1
+            return sb
         finally:
             self._creating -= 1
             async with self._changed:
                 self._changed.notify_all()
 
     def _spawn_replacement(self) -> None:
+        if self.failure is not None or self._closed:
+            return  # a pool that gave up makes no more instances
         self._creating += 1  # counted now, so an acquire in between does not create one too
         self._spawn(self._replace())
 
@@ -289,11 +356,11 @@ class EnvPool(Leases):
                 self._idle.append(sb)
             self._changed.notify_all()
 
-    async def _healthy(self, sb: Sandbox) -> bool:
+    async def _healthy(self, sb: Sandbox) -> Health:
         try:
             return await sb.health(timeout=self.health_timeout_s)
-        except Exception:  # noqa: BLE001 - any failure is unhealthy
-            return False
+        except Exception as err:  # noqa: BLE001 - any failure is unhealthy
+            return Health(ok=False, detail=f"{type(err).__name__}: {err}")
 
     def _destroy_sync(self, sb: Sandbox) -> None:
         if self._all.pop(id(sb), None) is not None:

@@ -165,8 +165,10 @@ class LocalRun:
     async def _evaluate(self, worker: RolloutWorker, label: str, step: int) -> dict[str, Any]:
         tasks = self.heldout[: self.cfg.eval.n_tasks]
         bar = _progress(len(tasks), f"eval {label}", self.cfg.progress)
-        res = await worker.evaluate(tasks, progress=bar)
-        bar.close()
+        try:
+            res = await worker.evaluate(tasks, progress=bar)
+        finally:
+            bar.close()  # before an error's message, not after it
         record = _eval_record(res)
         self.logger.log(step, {f"eval/{k}": v for k, v in record.items() if k != "statuses"}, kind=f"eval_{label}")
         log.info("held-out success %s: %.3f ± %.3f (n=%d)", label, res.success, res.stderr, res.n)
@@ -220,28 +222,30 @@ class LocalRun:
         bar = _progress(cfg.trainer.total_steps, "train", cfg.progress)
         bar.update(service.version)
         engine_delta = EngineDelta(engine)
-        while not service.done:
-            t0 = time.perf_counter()
-            need = cfg.trainer.groups_per_step - len(service.buffer)
-            positions = [next(pos) for _ in range(max(need, 0))]
-            groups = await gather_all([worker.run_group(p) for p in positions])
-            for p, g in zip(positions, groups):
-                self.store.append(g)
-                service.receive(p, g)
-            self.store.flush()
-            t1 = time.perf_counter()
-            if hasattr(engine, "call"):  # train on the engine's thread: one OpenMP team per process
-                metrics = await asyncio.wrap_future(engine.call(service.train_step))
-            else:
-                metrics = service.train_step()
-            engine.update_weights(None, service.version)  # weights changed in place (shared model)
-            # The hybrid split: generation and training take turns on the same cores.
-            metrics.update({"time/rollout_s": t1 - t0, "time/train_s": time.perf_counter() - t1,
-                            **engine_delta.take()})
-            self._log_step(service.version, metrics, groups, worker)
-            bar.update(1)
-            bar.set_postfix(reward=f"{group_summary(groups).get('rollout/reward_mean', 0):.3f}")
-        bar.close()
+        try:
+            while not service.done:
+                t0 = time.perf_counter()
+                need = cfg.trainer.groups_per_step - len(service.buffer)
+                positions = [next(pos) for _ in range(max(need, 0))]
+                groups = await gather_all([worker.run_group(p) for p in positions])
+                for p, g in zip(positions, groups):
+                    self.store.append(g)
+                    service.receive(p, g)
+                self.store.flush()
+                t1 = time.perf_counter()
+                if hasattr(engine, "call"):  # train on the engine's thread: one OpenMP team per process
+                    metrics = await asyncio.wrap_future(engine.call(service.train_step))
+                else:
+                    metrics = service.train_step()
+                engine.update_weights(None, service.version)  # weights changed in place (shared model)
+                # The hybrid split: generation and training take turns on the same cores.
+                metrics.update({"time/rollout_s": t1 - t0, "time/train_s": time.perf_counter() - t1,
+                                **engine_delta.take()})
+                self._log_step(service.version, metrics, groups, worker)
+                bar.update(1)
+                bar.set_postfix(reward=f"{group_summary(groups).get('rollout/reward_mean', 0):.3f}")
+        finally:
+            bar.close()
         after = await self._evaluate(worker, "after", service.version) if cfg.eval.after and cfg.eval.n_tasks else None
         return {"before": before, "after": after, "steps": service.version}
 
@@ -549,8 +553,10 @@ def evaluate_checkpoint(cfg: RunConfig, checkpoint: Path) -> dict[str, Any]:
             finally:
                 await worker.aclose()
 
-        res = asyncio.run(run_eval())
-        bar.close()
+        try:
+            res = asyncio.run(run_eval())
+        finally:
+            bar.close()
     finally:
         engine.close()
     return {"checkpoint": str(ckpt), **_eval_record(res)}

@@ -23,10 +23,9 @@ from typing import Any
 import torch
 
 from loomrl.config import RunConfig
-from loomrl.env.pool import EnvPool, Leases, PoolMetrics
+from loomrl.env.pool import EnvPool, EnvPoolFailed, Leases, PoolMetrics, sandbox_pool
 from loomrl.env.registry import env_family
-from loomrl.env.sandbox import make_sandbox
-from loomrl.env.sandbox.base import ExecResult, Sandbox, SandboxError
+from loomrl.env.sandbox.base import ExecResult, Health, Sandbox, SandboxError
 from loomrl.model.chat import ChatRenderer
 from loomrl.reward.pool import RewardPool, mark_reward_failed
 from loomrl.runtime.rollout import RolloutWorker, sandbox_pool_size
@@ -118,9 +117,7 @@ class EnvActor:
             self._start_lock = asyncio.Lock()
         async with self._start_lock:
             if self.pool is None:
-                e = self.cfg.env
-                pool = EnvPool(lambda: make_sandbox(e.sandbox, limits=e.sandbox_limits), size=self.size,
-                               prewarm=e.prewarm)
+                pool = sandbox_pool(self.cfg.env, self.size)
                 await pool.start()
                 self.pool = pool
         return self.pool
@@ -217,8 +214,8 @@ class RemoteSandbox:
 
         return _raise_as_sandbox_error(lambda: ray.get(self.actor.read_file.remote(self.lease, path)))
 
-    async def health(self, timeout: float = 5.0) -> bool:
-        return True  # the env actor's pool checks its instances before it leases them
+    async def health(self, timeout: float = 5.0) -> Health:
+        return Health(ok=True)  # the env actor's pool checks its instances before it leases them
 
     def snapshot(self) -> None:
         raise NotImplementedError("a remote sandbox is snapshotted and reset by its env actor's pool")
@@ -232,6 +229,15 @@ class RemoteSandbox:
 def _env_worker_failed(err: BaseException) -> SandboxError:
     """A dead env actor is a dead sandbox to the environment code: SandboxError, with the reason."""
     return SandboxError(f"env worker failed: {type(err).__name__}: {str(err).splitlines()[0]}")
+
+
+def actor_error_line(err: BaseException) -> str:
+    """The message of the exception an actor raised (Ray wraps it in a traceback)."""
+    import ray
+
+    if isinstance(err, ray.exceptions.RayTaskError) and err.cause is not None:
+        err = err.cause
+    return str(err).strip().splitlines()[-1]
 
 
 def _raise_as_sandbox_error(call: Any) -> Any:
@@ -283,6 +289,9 @@ class RemoteEnvPool(Leases):
             lease = uuid.uuid4().hex
             try:
                 info = await _remote(actor.acquire.remote(self.owner, lease))
+            except EnvPoolFailed as err:  # that actor's sandboxes cannot work: waiting will not help
+                self.failure = EnvPoolFailed(actor_error_line(err))
+                raise self.failure from None
             except SandboxError as err:
                 errors.append(str(err))
                 if time.perf_counter() - t0 > self.ACQUIRE_PATIENCE_S:

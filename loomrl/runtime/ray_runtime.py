@@ -45,6 +45,7 @@ from typing import Any
 
 from loomrl.config import RunConfig
 from loomrl.env.registry import env_family
+from loomrl.env.sandbox import SandboxError
 from loomrl.metrics import MetricsLogger
 from loomrl.reward.pool import reward_failed
 from loomrl.runtime.accounting import Accounting, ledger_line
@@ -55,6 +56,7 @@ from loomrl.runtime.ray_actors import (
     RolloutActor,
     TrainerActor,
     TrainerRankActor,
+    actor_error_line,
     constructor_failed,
 )
 from loomrl.runtime.rollout import group_summary, rollout_concurrency
@@ -529,6 +531,8 @@ class RayRun:
         owns = self._init_ray()
         try:
             result = asyncio.run(self._run())
+        except SandboxError as err:  # sandboxes that cannot work (EnvPoolFailed in an actor): one line
+            raise RunError(f"run error: {actor_error_line(err)}") from None
         finally:
             self.store.flush()
             self.logger.close()

@@ -25,9 +25,8 @@ from loomrl.agent.loop import AgentLoop
 from loomrl.config import RunConfig
 from loomrl.engine.base import Engine, SamplingParams
 from loomrl.env.base import Env
-from loomrl.env.pool import EnvPool, Leases, pool_size_for
+from loomrl.env.pool import Leases, pool_size_for, sandbox_pool
 from loomrl.env.registry import env_family
-from loomrl.env.sandbox import make_sandbox
 from loomrl.model.chat import ChatRenderer
 from loomrl.reward import RewardPool, import_reward
 from loomrl.reward.pool import RewardFn
@@ -181,9 +180,7 @@ class RolloutWorker:
         if use is None:
             return None
         if self._pool is None:
-            e = self.cfg.env
-            self._pool = EnvPool(lambda: make_sandbox(e.sandbox, limits=e.sandbox_limits, binds=binds),
-                                 size=sandbox_pool_size(self.cfg, self.concurrency()), prewarm=e.prewarm)
+            self._pool = sandbox_pool(self.cfg.env, sandbox_pool_size(self.cfg, self.concurrency()), binds)
             await self._pool.start()
         return self._pool
 
@@ -200,8 +197,9 @@ class RolloutWorker:
         a = self.cfg.agent
         self._gateway = Gateway(self.engine, self.renderer.tokenizer, self.cfg.name,
                                 allow_agent_reward=a.reward_from_agent)
+        # 0700, as mkdtemp makes it: bwrap mounts the socket as root, so the sandbox's uid need not
+        # traverse this folder (only the socket file itself is 0666, see ServerThread)
         self._gateway_dir = tempfile.mkdtemp(prefix="loomrl-gateway-")
-        os.chmod(self._gateway_dir, 0o755)  # sandboxed programs run as their own uids
         socket_path = os.path.join(self._gateway_dir, "gateway.sock")
         self._servers = [ServerThread(self._gateway.app(), uds=socket_path), ServerThread(self._gateway.app())]
         pool = await self.env_pool(binds=BlackBoxRunner.sandbox_binds(socket_path))
@@ -234,6 +232,10 @@ class RolloutWorker:
             errors: list[str] = []
             while True:
                 traj = await self._run_one(loop, task, group_id, position)
+                if self._pool is not None and self._pool.failure is not None:
+                    # The sandboxes cannot work here (the episode ended env_error with the same cause):
+                    # every later episode would fail at once, so the run stops with the cause.
+                    raise self._pool.failure
                 if str(traj.status) not in a.retry_on or len(errors) >= a.max_retries:
                     traj.metadata.attempts = len(errors) + 1
                     traj.metadata.retry_errors = errors

@@ -11,8 +11,9 @@ kills the whole process group. Interface (what environments and the pool use):
     read_file(path)                read a file of the workdir (host side; refuses paths that leave it)
     snapshot()                     remember the workdir as the state `reset()` restores
     reset()                        restore that state (empty unless snapshot() was called)
-    health()                       can the sandbox still run a trivial command quickly?
-    close()                        remove the workdir and its snapshot
+    health()                       can the sandbox still run a trivial command quickly? Health, with the
+                                   command's own error output when it cannot
+    close()                        stop whatever it still runs, remove the workdir and its snapshot
 
 Backends: `bwrap` (isolating: see bwrap.py), `process` (isolates nothing; for development on machines
 without bubblewrap, and it says so loudly) and `docker` (for machines with a Docker engine).
@@ -55,6 +56,18 @@ class ExecResult:
         return self.returncode < 0 and not self.timed_out
 
 
+@dataclass(slots=True, kw_only=True)
+class Health:
+    ok: bool
+    detail: str = ""  # why not: the trivial command's exit status and its own stderr (e.g. bwrap's message)
+
+
+def one_line(text: str, limit: int = 400) -> str:
+    """Error output folded onto one line (the end kept: that is where the cause usually is)."""
+    flat = " | ".join(line.strip() for line in text.strip().splitlines() if line.strip())
+    return flat if len(flat) <= limit else "..." + flat[-limit:]
+
+
 class Sandbox(Protocol):
     backend: str
     workdir: Path
@@ -71,7 +84,7 @@ class Sandbox(Protocol):
 
     def reset(self) -> None: ...
 
-    async def health(self, timeout: float = 5.0) -> bool: ...
+    async def health(self, timeout: float = 5.0) -> Health: ...
 
     def close(self) -> None: ...
 
@@ -114,6 +127,7 @@ class _SubprocessSandbox:
         self.workdir = self._home / "work"
         self.workdir.mkdir()
         self._snapshot = self._home / "snapshot"  # outside the workdir: never visible inside
+        self._running: set[int] = set()  # process groups of commands still running (close() kills them)
         self._closed = False
         self._state_lock = threading.Lock()  # reset and close may come from different threads
         self._prepare_workdir()
@@ -139,15 +153,8 @@ class _SubprocessSandbox:
         if self._closed:
             raise SandboxError("sandbox is closed")
         start = time.perf_counter()
-        proc = await asyncio.create_subprocess_exec(
-            *self.wrap(argv, env or {}),
-            env=self.process_env(env or {}),
-            cwd=self.workdir,  # the process backend runs the command itself: it must start in its workdir
-            stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,  # own process group, so a timeout kills every descendant
-        )
+        proc = await self._spawn(argv, env or {}, stdin is not None)
+        self._running.add(proc.pid)
         killed: str | None = None
         talk = asyncio.ensure_future(proc.communicate(stdin.encode() if stdin is not None else None))
         quota = self.limits.get("disk_mb", 0) * 1024 * 1024
@@ -177,6 +184,7 @@ class _SubprocessSandbox:
             self._kill(proc.pid)  # cancelled (trajectory deadline): leave nothing running
             raise
         finally:
+            self._running.discard(proc.pid)
             self._after_exec()
         if killed == "disk_quota":
             err += f"\n[loomrl] killed: the workdir passed its disk quota of {self.limits['disk_mb']} MB".encode()
@@ -188,6 +196,28 @@ class _SubprocessSandbox:
             duration_s=time.perf_counter() - start,
             killed=killed,
         )
+
+    async def _spawn(self, argv: list[str], env: dict[str, str], with_stdin: bool) -> asyncio.subprocess.Process:
+        """Start the wrapped command in its own process group. Cancel-safe: a cancellation that lands
+        while the process is being started (a health check given up mid-flight) still kills it once it
+        exists, instead of leaving it running unowned."""
+        spawning = asyncio.ensure_future(asyncio.create_subprocess_exec(
+            *self.wrap(argv, env),
+            env=self.process_env(env),
+            cwd=self.workdir,  # the process backend runs the command itself: it must start in its workdir
+            stdin=asyncio.subprocess.PIPE if with_stdin else asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,  # own process group, so a timeout kills every descendant
+        ))
+        try:
+            return await asyncio.shield(spawning)
+        except asyncio.CancelledError:
+            def reap(task: asyncio.Future) -> None:
+                if not task.cancelled() and task.exception() is None:
+                    self._kill(task.result().pid)  # asyncio's child watcher collects its exit status
+            spawning.add_done_callback(reap)
+            raise
 
     @staticmethod
     async def _collect(talk: asyncio.Future, proc: asyncio.subprocess.Process) -> tuple[bytes, bytes]:
@@ -210,15 +240,21 @@ class _SubprocessSandbox:
         except (ProcessLookupError, PermissionError):
             pass
 
-    async def health(self, timeout: float = 5.0) -> bool:
+    async def health(self, timeout: float = 5.0) -> Health:
         """A trivial command runs, exits 0 and prints what it was told, within `timeout`."""
         if self._closed:
-            return False
+            return Health(ok=False, detail="the sandbox is closed")
         try:
             res = await self.exec(["/usr/bin/echo", "loomrl-ok"], timeout=timeout)
-        except (OSError, SandboxError):
-            return False
-        return res.returncode == 0 and res.stdout.strip() == "loomrl-ok" and self.workdir.is_dir()
+        except (OSError, SandboxError) as err:
+            return Health(ok=False, detail=f"{type(err).__name__}: {err}")
+        if not self.workdir.is_dir():
+            return Health(ok=False, detail=f"its workdir {self.workdir} is gone")
+        if res.returncode == 0 and res.stdout.strip() == "loomrl-ok":
+            return Health(ok=True)
+        why = f"killed ({res.killed}) after {res.duration_s:.1f}s" if res.killed else f"exit status {res.returncode}"
+        return Health(ok=False, detail=f"`echo loomrl-ok` in the sandbox failed ({why}): "
+                                       f"{one_line(res.stderr or res.stdout) or 'no output'}")
 
     # -- files --------------------------------------------------------------------------------------
     def _inside(self, path: str) -> Path:
@@ -266,9 +302,13 @@ class _SubprocessSandbox:
             self._prepare_workdir()
 
     def close(self) -> None:
+        """Kill what is still running (a command whose caller went away), then remove the files."""
         with self._state_lock:
             if not self._closed:
                 self._closed = True
+                for pgid in list(self._running):
+                    self._kill(pgid)
+                self._after_exec()
                 shutil.rmtree(self._home, ignore_errors=True)
 
     @property

@@ -4,12 +4,19 @@ Covered: no network (own empty network namespace), own pid/ipc/uts namespaces (p
 invisible, so they cannot be signalled), read-only /usr (and the /bin, /lib links into it), a private
 size-limited tmpfs /tmp, the sandbox's own workdir as the only writable place (/work), no other host
 files, the environment cleared. The program runs as an unprivileged uid of its own (one per sandbox),
-so RLIMIT_NPROC holds per sandbox (the kernel never applies it to root) and sandboxes cannot read or
-signal each other; rlimits on CPU seconds, address space, processes and file size; a disk quota on the
-workdir enforced by polling (base.py). bwrap dies with its parent; the wall-clock timeout kills the
-whole process group; when a command ends, its pid namespace ends with it (bwrap's pid 1 goes, the
-kernel kills what is left) and any process still owned by the sandbox's uid is killed as well, so no
-daemon survives a step.
+with no capabilities (bounding set emptied, no_new_privs), so RLIMIT_NPROC holds per sandbox (the
+kernel never applies it to root) and sandboxes cannot read or signal each other; rlimits on CPU
+seconds, address space, processes and file size; a disk quota on the workdir enforced by polling
+(base.py). bwrap dies with its parent; the wall-clock timeout kills the whole process group; when a
+command ends, its pid namespace ends with it (bwrap's pid 1 goes, the kernel kills what is left) and
+any process still owned by the sandbox's uid is killed as well, so no daemon survives a step.
+
+Privileges are dropped inside, after the mounts: bwrap itself runs as root and makes the mounts, then
+`setpriv` switches to the sandbox's uid and `prlimit` sets the limits before the command runs. So what
+the sandbox is given (its workdir, a gateway socket, a folder of Python packages) may lie under a folder
+that the sandbox's uid cannot traverse (a 0700 home or `mktemp -d` folder holding the checkout): the
+mounts are made by root, and the sandbox sees only their destinations. (bwrap run as the unprivileged
+uid, as before, failed there with "Can't find source path ...: Permission denied".)
 
 Not covered: a memory cgroup (the address-space rlimit is per process; nproc x address space bounds the
 total), seccomp filtering of syscalls.
@@ -26,7 +33,7 @@ import subprocess
 import threading
 from pathlib import Path
 
-from loomrl.env.sandbox.base import _SubprocessSandbox
+from loomrl.env.sandbox.base import SandboxError, _SubprocessSandbox
 
 # Each sandbox runs as its own uid: RLIMIT_NPROC counts processes per uid, so a shared uid would make
 # sandboxes share (and exhaust) one process budget; distinct uids also keep sandboxes from reading or
@@ -58,6 +65,21 @@ def bwrap_available() -> bool:
         return False
 
 
+def _mount_points(destinations: list[str]) -> list[str]:
+    """bwrap options making the parent folders of bind destinations, world-traversable (made
+    implicitly, they would copy the mode of the host folder and may shut the sandbox's uid out)."""
+    out: list[str] = []
+    made: set[str] = set()
+    for inside in destinations:
+        parts = inside.strip("/").split("/")[:-1]
+        for k in range(1, len(parts) + 1):
+            folder = "/" + "/".join(parts[:k])
+            if folder not in made:
+                made.add(folder)
+                out += ["--perms", "0755", "--dir", folder]
+    return out
+
+
 def kill_uid(uid: int) -> int:
     """SIGKILL every process owned by `uid` (a sandbox's own uid); returns how many were found."""
     found = 0
@@ -83,6 +105,13 @@ class BwrapSandbox(_SubprocessSandbox):
         """`binds`: host path -> path inside, mounted read-only (e.g. a gateway's unix socket, a folder
         of Python packages an agent program needs)."""
         self.binds = dict(binds or {})
+        for host, inside in self.binds.items():
+            if not os.path.exists(host):
+                raise SandboxError(f"sandbox error: the bind source {host!r} (to be mounted at {inside}) does not "
+                                   "exist")
+            if not os.path.isabs(inside) or inside == "/work" or inside.startswith(("/work/", "/usr/", "/tmp/")):
+                raise SandboxError(f"sandbox error: bind destination {inside!r} must be an absolute path outside "
+                                   "/work, /usr and /tmp")
         self.uid = _next_uid()
         self.leftovers_killed = 0  # processes found still running after a command ended
         super().__init__(root, limits)
@@ -109,25 +138,34 @@ class BwrapSandbox(_SubprocessSandbox):
     def command_for(workdir: str, argv: list[str], *, limits: dict[str, int], uid: int,
                     env: dict[str, str] | None = None, binds: dict[str, str] | None = None) -> list[str]:
         setenv = [part for name, value in (env or {}).items() for part in ("--setenv", name, value)]
-        mounts = [part for host, inside in (binds or {}).items() for part in ("--ro-bind", host, inside)]
+        mounts = [*_mount_points(list((binds or {}).values())),
+                  *[part for host, inside in (binds or {}).items() for part in ("--ro-bind", host, inside)]]
         return [
-            "setpriv", "--reuid", str(uid), "--regid", str(uid), "--clear-groups",
-            "prlimit",
-            f"--cpu={limits['cpu_s']}",
-            f"--as={limits['address_space_mb'] * 1024 * 1024}",
-            f"--nproc={limits['nproc']}",
-            f"--fsize={limits['file_size_mb'] * 1024 * 1024}",
+            # If the process that started the sandbox dies (even by SIGKILL), bwrap gets SIGKILL too,
+            # and --die-with-parent takes the sandboxed command with it.
+            "setpriv", "--pdeathsig", "KILL",
             "bwrap",
-            "--unshare-all", "--die-with-parent", "--new-session",
+            # No user namespace: bwrap runs as root so that it can reach every bind source.
+            "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+            "--die-with-parent", "--new-session",
             "--ro-bind", "/usr", "/usr",
             "--symlink", "usr/lib", "/lib",
             "--symlink", "usr/lib64", "/lib64",
             "--symlink", "usr/bin", "/bin",
             "--proc", "/proc", "--dev", "/dev",
-            "--size", str(limits["tmp_mb"] * 1024 * 1024), "--tmpfs", "/tmp",
+            "--perms", "1777", "--size", str(limits["tmp_mb"] * 1024 * 1024), "--tmpfs", "/tmp",
             "--bind", workdir, "/work", *mounts, "--chdir", "/work",
             "--clearenv", "--setenv", "PATH", "/usr/bin", "--setenv", "HOME", "/work", *setenv,
             "--",
+            # Inside, after the mounts: drop to the sandbox's uid for good (no capabilities left, none
+            # to regain), then the limits, then the command.
+            "setpriv", "--reuid", str(uid), "--regid", str(uid), "--clear-groups",
+            "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs",
+            "prlimit",
+            f"--cpu={limits['cpu_s']}",
+            f"--as={limits['address_space_mb'] * 1024 * 1024}",
+            f"--nproc={limits['nproc']}",
+            f"--fsize={limits['file_size_mb'] * 1024 * 1024}",
             *argv,
         ]  # fmt: skip
 

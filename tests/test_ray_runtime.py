@@ -338,6 +338,26 @@ def test_a_rollout_actor_that_cannot_start_stops_the_run_with_the_cause(cluster,
     assert time.time() - t0 < 120
 
 
+@pytest.mark.ray
+@pytest.mark.parametrize("where", ["rollout_actors", "env_actor"])
+def test_sandboxes_that_cannot_work_stop_the_run_with_one_line(cluster, tmp_path, where):
+    """Sandboxes that cannot run anything (1 MB of address space), in the rollout actors' own pools or
+    in an env actor: the run stops within seconds with one line carrying the sandbox's own error and
+    the fix, instead of replacing sandboxes (or retrying leases) forever."""
+    t0 = time.time()
+    extra = (["ray.num_env_workers=1", "ray.env_num_cpus=0", "ray.env_resources={sandbox: 1}"]
+             if where == "env_actor" else [])
+    proc = _train(cluster, tmp_path, "nosandbox", "trainer.total_steps=2", "env.sandbox=bwrap",
+                  "env.sandbox_limits.address_space_mb=1", *extra)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 2, out[-3000:]
+    # (the output also holds what Ray forwards from the actors' logs, in any order: find the driver's line)
+    said = [line for line in out.splitlines() if line.startswith("run error:")]
+    assert len(said) == 1 and said[0].startswith("run error: sandbox error: 5 sandboxes in a row failed"), out[-3000:]
+    assert "failed to map segment" in said[0] and "env.sandbox_limits" in said[0], said
+    assert time.time() - t0 < 120
+
+
 def test_a_dead_env_actor_is_a_sandbox_error_to_the_environment():
     """What the environment code sees when an env actor dies mid-call: SandboxError with the reason
     (so the episode ends env_error and agent.retry_on applies), from awaited and blocking calls alike.

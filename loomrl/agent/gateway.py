@@ -417,9 +417,14 @@ class ServerThread:
         self._thread = threading.Thread(target=self._server.run, name="loomrl-gateway", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + 30
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("gateway: the HTTP server did not start")
+        where = f"unix socket {uds}" if uds is not None else f"127.0.0.1:{self.port}"
+        while not self._server.started:  # bounded: 30 s, or until the server's thread gives up
+            if not self._thread.is_alive():
+                raise RuntimeError(f"gateway: the HTTP server on {where} failed to start (uvicorn's error is "
+                                   "logged above)")
+            if time.monotonic() > deadline:
+                self._server.should_exit = True
+                raise RuntimeError(f"gateway: the HTTP server on {where} did not start within 30 s")
             time.sleep(0.02)
         if uds is not None:
             os.chmod(uds, 0o666)  # sandboxed agents run as their own uids

@@ -135,6 +135,8 @@ class RolloutWorker:
         self._gateway_dir = ""
         self._servers: list[ServerThread] = []
         self._init_lock = asyncio.Lock()
+        self._ready_lock = asyncio.Lock()
+        self._ready = False
         self._caps: tuple[asyncio.Semaphore, asyncio.Semaphore] | None = None
         self.cap_wait_s = 0.0  # summed time groups waited for a slot under max_inflight_trajectories
         self.counts: Counter[str] = Counter()
@@ -183,6 +185,19 @@ class RolloutWorker:
             self._pool = sandbox_pool(self.cfg.env, sandbox_pool_size(self.cfg, self.concurrency()), binds)
             await self._pool.start()
         return self._pool
+
+    async def ready(self) -> None:
+        """Start what episodes need (the env pool, pre-warmed; for black-box agents the gateway too)
+        before the first one runs: a sandbox backend that cannot work stops the run here, before any
+        rollout, and the episodes of the first groups all start together, after it, instead of the
+        first one waiting on the pool's start-up while its siblings go ahead."""
+        async with self._ready_lock:
+            if not self._ready:
+                if self.cfg.agent.kind == "blackbox":
+                    await self.blackbox_runner()
+                else:
+                    await self.env_pool()
+                self._ready = True
 
     async def blackbox_runner(self) -> BlackBoxRunner:
         """The gateway (served on a unix socket for sandboxes and on loopback TCP for the process
@@ -273,6 +288,7 @@ class RolloutWorker:
         return traj
 
     async def run_group(self, position: int) -> list[Trajectory]:
+        await self.ready()
         task = self.task_at(position)
         group_id = f"group-{position:07d}"
         limits = self._limits()
@@ -293,6 +309,7 @@ class RolloutWorker:
 
     async def evaluate(self, tasks: list[Task], progress=None) -> EvalResult:
         """Success rate on `tasks`, one episode each at the eval temperature (0 = greedy)."""
+        await self.ready()
 
         limits = self._limits()
 

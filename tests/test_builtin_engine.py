@@ -243,6 +243,24 @@ def test_generation_interrupted_by_a_weight_update_resumes_under_the_new_weights
         eng.close()
 
 
+def test_resuming_gives_up_on_an_engine_that_interrupts_without_making_progress():
+    """The resume loop is bounded: an engine that answers every request "interrupted" with no token
+    (a stand-in: the built-in engine samples a token in the step that admits a request, so it cannot
+    be made to do this) fails the generation with EngineFault instead of spinning forever."""
+    from loomrl.engine.base import MAX_IDLE_RESUMES, EngineFault, GenerationResult, generate_resuming
+
+    class Stuck:
+        calls = 0
+
+        async def generate(self, request):
+            Stuck.calls += 1
+            return GenerationResult(token_ids=[], logprobs=[], versions=[], finish_reason="interrupted")
+
+    with pytest.raises(EngineFault, match="without producing a token"):
+        asyncio.run(generate_resuming(Stuck(), [1, 2], SamplingParams(max_tokens=8)))
+    assert Stuck.calls == MAX_IDLE_RESUMES
+
+
 def test_waiting_requests_are_admitted_by_priority_then_arrival(tiny_model, tokenizer):
     """With one running slot, requests queued behind a long one start lowest priority first and, among
     equal priorities, in arrival order (vLLM's convention)."""

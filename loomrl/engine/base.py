@@ -60,6 +60,9 @@ class Engine(Protocol):
         """The program has ended; the engine may drop anything it kept for it."""
 
 
+MAX_IDLE_RESUMES = 100
+
+
 async def generate_resuming(engine: Engine, prompt_ids: list[int], params: SamplingParams,
                             program_id: str = "", priority: int = 0) -> tuple[GenerationResult, int]:
     """Generate; a request interrupted by a weight update (AReaL's interruptible rollout) resumes
@@ -69,7 +72,7 @@ async def generate_resuming(engine: Engine, prompt_ids: list[int], params: Sampl
     tokens: list[int] = []
     logprobs: list[float] = []
     versions: list[int] = []
-    resumed = 0
+    resumed = idle = 0
     while True:
         result = await engine.generate(GenerationRequest(
             prompt_ids=prompt_ids + tokens, program_id=program_id, priority=priority,
@@ -81,6 +84,12 @@ async def generate_resuming(engine: Engine, prompt_ids: list[int], params: Sampl
             return GenerationResult(token_ids=tokens, logprobs=logprobs, versions=versions,
                                     finish_reason=result.finish_reason), resumed
         resumed += 1
+        # Each resume normally adds tokens (an interrupt ends a step, not a request's whole life); an
+        # engine that keeps interrupting before producing any would make this loop spin forever.
+        idle = 0 if result.token_ids else idle + 1
+        if idle >= MAX_IDLE_RESUMES:
+            raise EngineFault(f"generation was interrupted {idle} times in a row without producing a token; "
+                              "the engine is not making progress")
         if len(tokens) >= params.max_tokens:
             return GenerationResult(token_ids=tokens, logprobs=logprobs, versions=versions,
                                     finish_reason="length"), resumed

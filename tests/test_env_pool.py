@@ -309,11 +309,14 @@ def test_a_sandbox_dies_with_the_process_that_started_it(tmp_path):
         "asyncio.run(main())\n")
     owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     workdir = owner.stdout.readline().strip()
-    for _ in range(100):
-        if processes_mentioning([workdir]):
+    def started() -> bool:  # setpriv has set the death signal and exec'd bwrap, whose child is up
+        return len([c for c in processes_mentioning([workdir]) if c.startswith("bwrap ")]) == 2
+
+    for _ in range(200):
+        if started():
             break
         time.sleep(0.05)
-    assert processes_mentioning([workdir]), "the sandboxed command did not start"
+    assert started(), "the sandboxed command did not start"
     owner.send_signal(signal.SIGKILL)
     owner.wait()
     for _ in range(100):

@@ -2,7 +2,8 @@
 
 - Pre-warm: `start()` creates `prewarm` instances concurrently before the first rollout needs one.
 - Acquire: an idle instance if there is one, else a new one while the pool is under `size`, else wait.
-  Every instance gets a health check before it is handed out; a failing one is destroyed and replaced.
+  Every instance gets a health check when it is made and before it is handed out from the idle ones;
+  a failing one is destroyed and replaced.
 - Bounded failure: after `max_failures` failed creations or health checks in a row (with no healthy
   instance in between) the pool gives up for good: every acquire, waiting or new, raises EnvPoolFailed
   with the sandbox's own error output (bwrap's message, say). Backing off and retrying forever would
@@ -237,6 +238,7 @@ class EnvPool(Leases):
                     # max_failures in a row, so this loop is bounded).
                     await asyncio.sleep(0.05 * self._failures_in_a_row)
                     continue
+                break  # just made, and checked as it was made
             health = await self._healthy(sb)
             if health.ok:
                 self._failures_in_a_row = 0
@@ -302,13 +304,14 @@ class EnvPool(Leases):
                 health = await self._healthy(sb)
                 if not health.ok:
                     raise SandboxError(health.detail)
+                self._failures_in_a_row = 0
                 if self.prepare is not None:
                     await self.prepare(sb)
                 await asyncio.to_thread(sb.snapshot)
             except Exception as err:  # noqa: BLE001 - a bad instance is dropped, not handed out
                 self.metrics.create_failures += 1
                 await asyncio.to_thread(sb.close)
-                await self._failed("starting one", f"{type(err).__name__}: {err}" if health.ok else health.detail)
+                await self._failed("starting one", health.detail or f"{type(err).__name__}: {err}")
                 raise SandboxError(f"env pool: a new instance did not start: {err}") from err
             self._all[id(sb)] = sb
             self.metrics.created += 1

@@ -56,7 +56,7 @@ def gemm_peak_flops(runner) -> float:
 
 def run_builtin(engine, prompts, observations, turns, new_tokens):
     """One pass of the workload on `engine` (its prefix cache cleared first); (tokens, seconds, metrics)."""
-    from loomrl.engine.builtin.engine import EngineMetrics
+    from loomrl.engine.base import EngineMetrics
 
     def reset():
         engine.cache.clear()

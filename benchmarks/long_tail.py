@@ -46,8 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, median, report  # noqa: E402
 
 from loomrl.config import ModelConfig  # noqa: E402
-from loomrl.engine.base import GenerationRequest, SamplingParams  # noqa: E402
-from loomrl.engine.builtin.engine import BuiltinEngine, EngineMetrics  # noqa: E402
+from loomrl.engine.base import EngineMetrics, GenerationRequest, SamplingParams  # noqa: E402
+from loomrl.engine.builtin.engine import BuiltinEngine  # noqa: E402
 from loomrl.model.loader import load_model  # noqa: E402
 from loomrl.runtime.scheduling import RolloutDispatcher, RolloutGroup, ScheduleReport  # noqa: E402
 

@@ -56,13 +56,12 @@ class SamplingConfig(_Section):
 
 
 class EngineConfig(_Section):
-    # builtin: continuous batching + prefix cache (engine/builtin); torch: the first, static-batch engine
-    kind: Literal["builtin", "torch"] = "builtin"
+    # builtin: continuous batching + prefix cache (engine/builtin)
+    kind: Literal["builtin"] = "builtin"
     max_batch_size: int = Field(64, gt=0)  # running sequences at once
-    batch_wait_ms: float = Field(5.0, ge=0.0)  # torch engine: how long to gather requests into a batch
-    kv_budget_tokens: int = Field(65536, gt=0)  # builtin: K/V tokens held by running sequences + cache
-    max_prefill_tokens: int = Field(4096, gt=0)  # builtin: prompt tokens computed per step
-    prefix_cache: bool = True  # builtin
+    kv_budget_tokens: int = Field(65536, gt=0)  # K/V tokens held by running sequences + cache
+    max_prefill_tokens: int = Field(4096, gt=0)  # prompt tokens computed per step
+    prefix_cache: bool = True
     threads: int = Field(0, ge=0)  # torch threads of the rollout side; 0 = all cores (sync), half (async)
 
 
@@ -337,12 +336,22 @@ def _known_fields(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     return list(getattr(current, "model_fields", {}))
 
 
+# Fields and values that existed once: a recipe still using one is told what replaced it.
+RETIRED = {
+    "engine.batch_wait_ms": "was an option of the torch engine, which is retired: remove it",
+    "engine.kind=torch": "the torch engine is retired: use engine.kind=builtin (the default)",
+}
+
+
 def _format_errors(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         loc = tuple(e["loc"])
         dotted = ".".join(str(p) for p in loc)
-        if e["type"] == "extra_forbidden":
+        retired = RETIRED.get(dotted) or RETIRED.get(f"{dotted}={e.get('input')}")
+        if retired:
+            lines.append(f"config error: '{dotted}' {retired}")
+        elif e["type"] == "extra_forbidden":
             known = _known_fields(RunConfig, loc)
             close = difflib.get_close_matches(str(loc[-1]), known, n=1)
             hint = f"did you mean '{close[0]}'?" if close else f"known fields: {', '.join(known)}"

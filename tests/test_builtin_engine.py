@@ -92,6 +92,17 @@ def test_prefix_cache_on_and_off_give_identical_outputs(tiny_model, tokenizer):
         off.close()
 
 
+def test_top_k_one_is_greedy_and_stop_tokens_end_generation_and_are_kept(engine, tokenizer):
+    prompts = _prompts(tokenizer)
+    greedy = _run(engine, prompts, temperature=0.0, max_tokens=8)
+    topk1 = _run(engine, prompts, temperature=1.0, top_k=1, max_tokens=8)
+    assert [r.token_ids for r in greedy] == [r.token_ids for r in topk1]
+    stop_at = greedy[0].token_ids[2]
+    stopped = _run(engine, [prompts[0]], temperature=0.0, max_tokens=8, stop_token_ids=[stop_at])[0]
+    assert stopped.token_ids[-1] == stop_at and stopped.finish_reason == "stop"  # the stop token is kept
+    assert stopped.token_ids == greedy[0].token_ids[: len(stopped.token_ids)] and len(stopped.token_ids) <= 3
+
+
 def test_multi_turn_program_reuses_its_previous_turn(engine, tokenizer):
     p = _prompts(tokenizer)[0]
     first = _run(engine, [p], program_ids={0: "prog"}, temperature=0.0, max_tokens=6)[0]

@@ -49,3 +49,13 @@ def test_missing_recipe_and_bad_override_syntax(tmp_path):
     bad.write_text("- just\n- a list\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(bad)
+
+
+def test_a_retired_field_or_value_says_what_replaced_it():
+    with pytest.raises(ConfigError) as kind:
+        load_config(None, ["engine.kind=torch"])
+    assert str(kind.value) == ("config error: 'engine.kind' the torch engine is retired: use engine.kind=builtin "
+                               "(the default)")
+    with pytest.raises(ConfigError, match="'engine.batch_wait_ms' was an option of the torch engine"):
+        load_config(None, ["engine.batch_wait_ms=5"])
+    assert load_config(None, ["engine.kind=builtin"]).engine.kind == "builtin"

@@ -92,6 +92,7 @@ def test_tool_calls_are_parsed_into_openai_form(server, tokenizer):
 
     class Replay:  # the tiny random model never writes a tool call; replay one through the server code
         version = 0
+        kv_budget = 1 << 20
 
         async def generate(self, request):
             from loomrl.engine.base import GenerationResult

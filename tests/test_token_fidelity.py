@@ -14,7 +14,7 @@ import pytest
 
 from loomrl.agent.loop import AgentLoop
 from loomrl.engine.base import GenerationRequest, GenerationResult, SamplingParams
-from loomrl.engine.torch_engine import TorchEngine
+from loomrl.engine.builtin.engine import BuiltinEngine
 from loomrl.env.base import Observation, StepResult
 from loomrl.model.chat import ChatRenderer
 from loomrl.store import TrajectoryStore, read_trajectories
@@ -45,7 +45,7 @@ class EchoEnv:
 class RecordingEngine:
     """Wraps the real engine and keeps every result it returned, to compare against the trajectory."""
 
-    def __init__(self, engine: TorchEngine):
+    def __init__(self, engine: BuiltinEngine):
         self.engine = engine
         self.results: dict[str, list[GenerationResult]] = {}
 
@@ -67,7 +67,7 @@ class RecordingEngine:
 
 @pytest.fixture
 def recording_engine(tiny_model, tokenizer):
-    engine = TorchEngine(tiny_model, eos_token_id=tokenizer.eos_token_id, version=5)
+    engine = BuiltinEngine(tiny_model, eos_token_id=tokenizer.eos_token_id, version=5)
     yield RecordingEngine(engine)
     engine.close()
 

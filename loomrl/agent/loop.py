@@ -51,7 +51,7 @@ class AgentLoop:
         deadline = start + self.trajectory_timeout_s
         traj = Trajectory(task_id=task.task_id, trajectory_id=new_id("traj"), group_id=group_id or new_id("group"),
                           position=position, temperature=self.sampling.temperature)
-        traj.metadata.env_version = getattr(env, "version", "")
+        traj.metadata.env_version = env.version
         try:
             await self._run_turns(env, task, traj, deadline)
         except (EnvCrash, ToolTimeout, TimeoutError, Exception) as err:  # noqa: BLE001 - errors are data

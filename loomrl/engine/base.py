@@ -1,13 +1,16 @@
 """The Engine protocol: token ids in; token ids, logprobs and policy versions out.
 
 Names follow vLLM's SamplingParams where they exist (temperature, top_p, top_k, max_tokens,
-stop_token_ids) so that a vLLM/SGLang engine can sit behind the same protocol later.
+stop_token_ids) so that a vLLM/SGLang engine can sit behind the same protocol later. The protocol
+declares everything the runtime, the gateway and the server call on an engine: nothing is probed for.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class EngineFault(RuntimeError):
@@ -45,8 +48,32 @@ class GenerationResult:
     finish_reason: str  # "stop" (a stop token, included in token_ids) or "length"
 
 
+@dataclass(slots=True)
+class EngineMetrics:
+    """An engine's counters since it started (the step metrics report their differences)."""
+
+    steps: int = 0
+    requests: int = 0
+    finished: int = 0
+    prompt_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens actually computed
+    reused_tokens: int = 0  # prompt tokens served from the prefix cache
+    generated_tokens: int = 0
+    preemptions: int = 0
+    interrupts: int = 0
+    faults: int = 0  # steps that raised: their requests failed, the engine reset and served on
+    busy_s: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
 class Engine(Protocol):
-    """What the agent loop needs from an inference engine."""
+    """What the agent loop, the gateway, the server and the runtime need from an inference engine."""
+
+    metrics: EngineMetrics
+    kv_budget: int  # tokens of K/V it can hold: a longer prompt + max_tokens is refused up front
 
     @property
     def version(self) -> int: ...
@@ -56,8 +83,19 @@ class Engine(Protocol):
     def update_weights(self, weights: dict | None, version: int) -> None:
         """Load new weights (None: the weights were changed in place) and tag later tokens `version`."""
 
+    def interrupt(self) -> None:
+        """End every in-flight request soon with finish_reason "interrupted" and its partial output
+        (generate_resuming resumes it): used when new weights arrive (runtime.interrupt_on_update)."""
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run `fn` where the engine runs its own work, between two of its steps (the hybrid trainer
+        trains there: one thread for all torch work of the process)."""
+
     def release(self, program_id: str) -> None:
         """The program has ended; the engine may drop anything it kept for it."""
+
+    def close(self) -> None:
+        """Stop; requests after this fail with EngineFault."""
 
 
 MAX_IDLE_RESUMES = 100

@@ -37,10 +37,14 @@ class StepResult:
 
 
 class Env(Protocol):
-    version: str
+    version: str  # recorded on every trajectory (metadata.env_version)
 
     async def reset(self, task: Task) -> Observation: ...
 
     async def step(self, action: str) -> StepResult: ...
+
+    async def finalize(self) -> str | None:
+        """The final answer of an episode cut short by its turn or context budget (codefix: run the
+        hidden tests on what the agent left), or None when the environment has nothing to add."""
 
     async def close(self) -> None: ...

@@ -108,12 +108,21 @@ class Leases(ABC):
     # Set once the pool has given up for good (EnvPool: max_failures in a row); the rollout worker
     # stops the run on it instead of failing episode after episode.
     failure: EnvPoolFailed | None = None
+    metrics: PoolMetrics  # this side's counts (the run's summary.json reports them under env_pool)
+
+    @abstractmethod
+    async def start(self) -> Leases:
+        """Get ready to lease (EnvPool: pre-warm); returns self."""
 
     @abstractmethod
     async def acquire(self) -> Sandbox: ...
 
     @abstractmethod
     async def release(self, sb: Sandbox, *, broken: bool = False) -> None: ...
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Tear down what this side owns (EnvPool: every instance)."""
 
     @asynccontextmanager
     async def lease(self, cleanup: list[Callable[[Sandbox], Any]] | None = None) -> AsyncIterator[Sandbox]:

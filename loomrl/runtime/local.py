@@ -27,8 +27,7 @@ from typing import Any
 import torch
 
 from loomrl.config import ModelConfig, RunConfig, save_resolved
-from loomrl.engine.base import EngineFault
-from loomrl.engine.torch_engine import TorchEngine
+from loomrl.engine.base import Engine, EngineFault
 from loomrl.env.registry import env_family
 from loomrl.metrics import MetricsLogger
 from loomrl.model.chat import ChatRenderer
@@ -97,9 +96,6 @@ def async_threads(cfg: RunConfig) -> tuple[int, int]:
 def make_engine(cfg: RunConfig, model, tokenizer, version: int):
     """The engine the config asks for, over `model` (shared with the trainer in sync mode)."""
     e = cfg.engine
-    if e.kind == "torch":
-        return TorchEngine(model, eos_token_id=tokenizer.eos_token_id, max_batch_size=e.max_batch_size,
-                           batch_wait_ms=e.batch_wait_ms, seed=cfg.seed, version=version)
     from loomrl.engine.builtin.engine import BuiltinEngine
 
     return BuiltinEngine(model, eos_token_id=tokenizer.eos_token_id, kv_budget_tokens=e.kv_budget_tokens,
@@ -111,14 +107,12 @@ class EngineDelta:
     """The engine's counters since the last call, for the step's metrics line (busy time: how much of
     the step the engine computed; the rest it waited for tools, the trainer or admission)."""
 
-    def __init__(self, engine):
-        self.metrics = getattr(engine, "metrics", None)
+    def __init__(self, engine: Engine):
+        self.metrics = engine.metrics
         self.last = self._read()
 
     def _read(self) -> dict[str, float]:
         m = self.metrics
-        if m is None:
-            return {}
         return {"busy_s": m.busy_s, "generated_tokens": m.generated_tokens, "prompt_tokens": m.prompt_tokens,
                 "reused_tokens": m.reused_tokens, "preemptions": m.preemptions, "faults": m.faults}
 
@@ -126,8 +120,6 @@ class EngineDelta:
         now = self._read()
         d = {k: now[k] - self.last.get(k, 0) for k in now}
         self.last = now
-        if not d:
-            return {}
         out = {f"engine/{k}": v for k, v in d.items() if k != "reused_tokens"}
         out["engine/prefix_hit_rate"] = d["reused_tokens"] / d["prompt_tokens"] if d["prompt_tokens"] else 0.0
         return out
@@ -233,10 +225,8 @@ class LocalRun:
                     service.receive(p, g)
                 self.store.flush()
                 t1 = time.perf_counter()
-                if hasattr(engine, "call"):  # train on the engine's thread: one OpenMP team per process
-                    metrics = await asyncio.wrap_future(engine.call(service.train_step))
-                else:
-                    metrics = service.train_step()
+                # on the engine's thread: one OpenMP team per process
+                metrics = await asyncio.wrap_future(engine.call(service.train_step))
                 engine.update_weights(None, service.version)  # weights changed in place (shared model)
                 # The hybrid split: generation and training take turns on the same cores.
                 metrics.update({"time/rollout_s": t1 - t0, "time/train_s": time.perf_counter() - t1,
@@ -406,7 +396,7 @@ class LocalRun:
                         loaded = None     # brings one; admission waits for it (engine_version)
                         log.warning("weights of version %d were freed before they were read", version)
                     if loaded is not None:
-                        if cfg.runtime.interrupt_on_update and hasattr(engine, "interrupt"):
+                        if cfg.runtime.interrupt_on_update:
                             engine.interrupt()  # in-flight turns resume under the new weights (AgentLoop._generate)
                         t_apply = time.perf_counter()
                         try:

@@ -361,7 +361,7 @@ class RolloutActor:
             t0 = time.perf_counter()
             weights = await handle.payload  # transport "ray": an ObjectRef owned by the driver
             t1 = time.perf_counter()
-            if self.cfg.runtime.interrupt_on_update and hasattr(self.engine, "interrupt"):
+            if self.cfg.runtime.interrupt_on_update:
                 self.engine.interrupt()  # in-flight turns resume under the new weights (AgentLoop._generate)
             await asyncio.to_thread(self.engine.update_weights, weights, handle.version)
         return {"version": handle.version, "load_s": t1 - t0, "apply_s": time.perf_counter() - t1}

@@ -276,10 +276,11 @@ class RolloutWorker:
             env = await self._make_env()
             try:
                 traj = await loop.run(env, task, group_id=group_id, position=position)
-                finalize = getattr(env, "finalize", None)
-                if finalize is not None and traj.status == RolloutStatus.TRUNCATED:
+                if traj.status == RolloutStatus.TRUNCATED:
                     try:  # e.g. codefix: run the tests on what the agent left
-                        traj.final_answer = await finalize()
+                        answer = await env.finalize()
+                        if answer is not None:
+                            traj.final_answer = answer
                     except Exception as err:  # noqa: BLE001 - errors are data: the sandbox died, not the run
                         traj.status = RolloutStatus.ENV_ERROR
                         traj.error = f"finalize failed: {type(err).__name__}: {err}"

@@ -99,8 +99,8 @@ class OpenAIServer:
         return text, ("stop" if reason == "interrupted" else reason)
 
     def _check_context(self, prompt_ids: list[int], max_tokens: int):
-        limit = getattr(self.engine, "kv_budget", None)
-        if limit is not None and len(prompt_ids) + max_tokens > limit:
+        limit = self.engine.kv_budget
+        if len(prompt_ids) + max_tokens > limit:
             return _error(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the engine's "
                                f"KV budget of {limit} tokens", "max_tokens")
         return None
@@ -209,24 +209,20 @@ class OpenAIServer:
 
         class _Collector:
             def collect(self):
-                m = getattr(server.engine, "metrics", None)
+                m = server.engine.metrics
                 yield GaugeMetricFamily("loomrl_policy_version", "Policy version of the engine's weights",
                                         value=server.engine.version)
                 yield CounterMetricFamily("loomrl_http_requests", "Requests served", value=server.requests)
                 yield CounterMetricFamily("loomrl_http_errors", "Requests refused with an error", value=server.errors)
-                if m is None:
-                    return
                 for name, help_ in [("requests", "Generation requests"), ("generated_tokens", "Tokens sampled"),
                                     ("prompt_tokens", "Prompt tokens received"),
                                     ("prefill_tokens", "Prompt tokens computed"),
                                     ("reused_tokens", "Prompt tokens served from the prefix cache"),
                                     ("preemptions", "Sequences preempted for recompute"),
                                     ("steps", "Engine steps")]:
-                    if hasattr(m, name):
-                        yield CounterMetricFamily(f"loomrl_engine_{name}", help_, value=getattr(m, name))
-                if hasattr(m, "hit_rate"):
-                    yield GaugeMetricFamily("loomrl_engine_prefix_hit_rate", "Share of prompt tokens reused",
-                                            value=m.hit_rate)
+                    yield CounterMetricFamily(f"loomrl_engine_{name}", help_, value=getattr(m, name))
+                yield GaugeMetricFamily("loomrl_engine_prefix_hit_rate", "Share of prompt tokens reused",
+                                        value=m.hit_rate)
 
         registry = CollectorRegistry()
         registry.register(_Collector())

@@ -40,30 +40,11 @@ from typing import Any
 
 import torch
 
-from loomrl.engine.base import EngineFault, GenerationRequest, GenerationResult
+from loomrl.engine.base import EngineFault, EngineMetrics, GenerationRequest, GenerationResult
 from loomrl.engine.builtin.prefix_cache import PrefixCache
 from loomrl.engine.builtin.runner import Chunk, ModelRunner, SequenceKV
 from loomrl.engine.common import deliver, sample_tokens
 from loomrl.tokens import common_prefix_len
-
-
-@dataclass(slots=True)
-class EngineMetrics:
-    steps: int = 0
-    requests: int = 0
-    finished: int = 0
-    prompt_tokens: int = 0
-    prefill_tokens: int = 0  # prompt tokens actually computed
-    reused_tokens: int = 0  # prompt tokens served from the prefix cache
-    generated_tokens: int = 0
-    preemptions: int = 0
-    interrupts: int = 0
-    faults: int = 0  # steps that raised: their requests failed, the engine reset and served on
-    busy_s: float = 0.0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 @dataclass(eq=False)

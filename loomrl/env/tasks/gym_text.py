@@ -341,6 +341,9 @@ class GymTextEnv:
         return {"action": name, "invalid": invalid, "return": self._return, "success": success,
                 "truncated": truncated, "invalid_limit": False}
 
+    async def finalize(self) -> str | None:
+        return None  # a cut-short episode is judged on its last answer, if it gave one
+
     async def close(self) -> None:
         if self._env is not None:
             self._env.close()

@@ -1,5 +1,5 @@
 """B2 long tail: one GRPO rollout with long-tailed output lengths, dispatched on the built-in engine
-with at most C requests in flight, under four orderings (loomrl.runtime.scheduling):
+with at most C requests in flight, under four orderings (benchmarks/dispatcher.py):
 
 - barrier: batches of C requests in arrival order, the next batch when the whole batch is done;
 - refill: continuous refill in arrival order;
@@ -44,12 +44,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, median, report  # noqa: E402
+from dispatcher import RolloutDispatcher, RolloutGroup, ScheduleReport  # noqa: E402
 
 from loomrl.config import ModelConfig  # noqa: E402
 from loomrl.engine.base import EngineMetrics, GenerationRequest, SamplingParams  # noqa: E402
 from loomrl.engine.builtin.engine import BuiltinEngine  # noqa: E402
 from loomrl.model.loader import load_model  # noqa: E402
-from loomrl.runtime.scheduling import RolloutDispatcher, RolloutGroup, ScheduleReport  # noqa: E402
 
 # Per-model defaults: the tiny model runs the full workload in seconds; SmolLM2 on a 2-core CPU
 # takes ~10x longer per step, so its default workload is smaller.

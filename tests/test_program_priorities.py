@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from loomrl.runtime.scheduling import ProgramPriorities
+from loomrl.agent.priorities import ProgramPriorities
 
 
 def test_probe_goes_first_then_longest_estimate_first():

@@ -1,16 +1,21 @@
-"""The rollout dispatcher (barrier / refill / Seer, with and without divided rollout) on the real
-built-in engine with the tiny model; lengths are set exactly with ignore_eos and per-request budgets."""
+"""The rollout dispatcher of benchmark B2 (benchmarks/dispatcher.py: barrier / refill / Seer, with and
+without divided rollout) on the real built-in engine with the tiny model; lengths are set exactly with
+ignore_eos and per-request budgets."""
 
 from __future__ import annotations
 
 import asyncio
 import math
+import sys
+from pathlib import Path
 
 import pytest
 
-from loomrl.engine.base import GenerationRequest, GenerationResult, SamplingParams
-from loomrl.engine.builtin.engine import BuiltinEngine
-from loomrl.runtime.scheduling import RolloutDispatcher, RolloutGroup, ScheduleReport
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from dispatcher import RolloutDispatcher, RolloutGroup, ScheduleReport  # noqa: E402
+
+from loomrl.engine.base import GenerationRequest, GenerationResult, SamplingParams  # noqa: E402
+from loomrl.engine.builtin.engine import BuiltinEngine  # noqa: E402
 
 # Budgets per group (rows) and sibling (columns): uneven on purpose, including 1-token requests.
 BUDGETS = [[5, 9, 3, 12], [20, 1, 7, 4], [2, 2, 15, 6], [11, 3, 8, 1]]

@@ -18,10 +18,10 @@ import time
 from dataclasses import replace
 
 from loomrl.agent.context import SUMMARY_REQUEST, ContextStrategy
+from loomrl.agent.priorities import ProgramPriorities
 from loomrl.engine.base import Engine, EngineFault, GenerationResult, SamplingParams, generate_resuming
 from loomrl.env.base import Env, EnvCrash, ToolTimeout
 from loomrl.model.chat import ChatRenderer
-from loomrl.runtime.scheduling import ProgramPriorities
 from loomrl.types import ContextSegment, RolloutStatus, Task, TokenSpan, Trajectory, Turn, new_id
 
 _THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)

@@ -22,6 +22,7 @@ from loomrl.agent.blackbox import BlackBoxRunner, read_agent_files
 from loomrl.agent.context import ContextStrategy
 from loomrl.agent.gateway import Budget, Gateway, ServerThread
 from loomrl.agent.loop import AgentLoop
+from loomrl.agent.priorities import ProgramPriorities
 from loomrl.config import RunConfig
 from loomrl.engine.base import Engine, SamplingParams
 from loomrl.env.base import Env
@@ -30,7 +31,6 @@ from loomrl.env.registry import env_family
 from loomrl.model.chat import ChatRenderer
 from loomrl.reward import RewardPool, import_reward
 from loomrl.reward.pool import RewardFn
-from loomrl.runtime.scheduling import ProgramPriorities
 from loomrl.types import RolloutStatus, Task, Trajectory
 
 

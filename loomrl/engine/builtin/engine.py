@@ -191,6 +191,7 @@ class BuiltinEngine:
         fault = err if isinstance(err, EngineFault) else EngineFault(f"engine step failed: {type(err).__name__}: {err}")
         fault.__cause__ = None if fault is err else err
         with self._cond:
+            self.metrics.faults += 1  # counted before any caller learns of the fault (it may read the count)
             for seq in [*self._running, *self._waiting]:
                 try:
                     self._retire_kv(seq)
@@ -201,7 +202,6 @@ class BuiltinEngine:
             self._waiting.clear()
             if self.cache is not None:
                 self.cache.clear()
-            self.metrics.faults += 1
 
     def _serve(self) -> bool:
         """One pass of the loop: weights, interrupts, borrowed calls, then a step. False once closed."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,6 +128,9 @@ class TrajectoryMetadata:
     retry_errors: list[str] = field(default_factory=list)  # why each earlier attempt failed
 
 
+REWARD_FAILED = "reward_failed"  # the component of a trajectory whose reward could not be computed
+
+
 @dataclass(slots=True, kw_only=True)
 class Trajectory(_TokenContext):
     """A full multi-turn rollout with its exact token sequence (the seed's schema, extended)."""
@@ -147,6 +151,11 @@ class Trajectory(_TokenContext):
     metadata: TrajectoryMetadata = field(default_factory=TrajectoryMetadata)
     # Earlier contexts, oldest first; prompt_ids/token_ids/turns above are the last (current) one.
     segments: list[ContextSegment] = field(default_factory=list)
+
+    @property
+    def reward_failed(self) -> bool:
+        """Its reward could not be computed (reward/pool.py marks it): stored, never trained."""
+        return REWARD_FAILED in self.reward_components
 
     def all_turns(self) -> list[Turn]:
         """Every turn of the episode, across its context segments."""
@@ -180,3 +189,7 @@ class TrainingSample:
     def min_version(self) -> int:
         sampled = [v for v, m in zip(self.versions, self.loss_mask) if m]
         return min(sampled) if sampled else -1
+
+
+# A reward function: (trajectory, task) -> named components (the total is their weighted sum; see reward/).
+RewardFn = Callable[[Trajectory, Task], dict[str, float]]

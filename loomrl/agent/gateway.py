@@ -38,8 +38,8 @@ from fastapi import Request  # at module level: FastAPI resolves endpoint annota
 
 from loomrl.engine.base import EngineFault, SamplingParams, generate_resuming
 from loomrl.model.chat import ChatRenderer
-from loomrl.server.app import _error, assistant_message
 from loomrl.server.protocol import ChatCompletionRequest
+from loomrl.server.responses import assistant_message, error_response
 from loomrl.types import ContextSegment, RolloutStatus, TokenSpan, Trajectory, Turn, new_id
 
 
@@ -255,21 +255,21 @@ class Gateway:
     async def chat(self, session: Session, req: ChatCompletionRequest):
         for i, m in enumerate(req.messages):
             if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
-                return _error(400, f"messages[{i}].role must be system, user, assistant or tool", f"messages[{i}].role")
+                return error_response(400, f"messages[{i}].role must be system, user, assistant or tool", f"messages[{i}].role")
         if req.n != 1:
-            return _error(400, "n must be 1 through the gateway (one rollout, one context)", "n")
+            return error_response(400, "n must be 1 through the gateway (one rollout, one context)", "n")
         async with session._lock:
             try:
                 prompt_ids, new_context = session.plan(req.messages, req.tools)
             except Exception as err:  # noqa: BLE001 - a conversation the template cannot render
-                return _error(400, f"cannot render messages with the chat template: {err}", "messages")
+                return error_response(400, f"cannot render messages with the chat template: {err}", "messages")
             asked = req.max_completion_tokens or req.max_tokens or 256
             if session.sampling is not None:
                 asked = min(asked, session.sampling.max_tokens)  # the run's per-turn cap
             try:
                 session._check_budget(len(prompt_ids), asked)
             except BudgetExceeded as err:
-                return _error(400, f"budget exceeded: {err}; the rollout is over", None, code="budget_exceeded")
+                return error_response(400, f"budget exceeded: {err}; the rollout is over", None, code="budget_exceeded")
             stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
             base = session.sampling or SamplingParams(temperature=req.temperature, top_p=req.top_p,
                                                       top_k=max(req.top_k, 0), seed=req.seed)
@@ -318,14 +318,14 @@ class Gateway:
         gateway = self
 
         def unauthorized():
-            return _error(401, "invalid or expired API key (each rollout has its own key; it ends with the rollout)",
+            return error_response(401, "invalid or expired API key (each rollout has its own key; it ends with the rollout)",
                           None, kind="authentication_error", code="invalid_api_key")
 
         @app.exception_handler(RequestValidationError)
         async def _invalid(request: Request, exc: RequestValidationError):
             first = exc.errors()[0] if exc.errors() else {}
             loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-            return _error(400, f"{loc or 'body'}: {first.get('msg', 'invalid request')}", loc or None)
+            return error_response(400, f"{loc or 'body'}: {first.get('msg', 'invalid request')}", loc or None)
 
         @app.get("/v1/models")
         async def models(request: Request):
@@ -355,19 +355,19 @@ class Gateway:
             if session is None:
                 return unauthorized()
             if not gateway.allow_agent_reward:
-                return _error(403, "this task does not accept rewards from the agent", None, kind="permission_error")
+                return error_response(403, "this task does not accept rewards from the agent", None, kind="permission_error")
             try:
                 data = await request.json()
                 values = {str(k): float(v) for k, v in dict(data.get("reward", {})).items()}
             except (ValueError, TypeError, AttributeError):
-                return _error(400, 'body must be {"reward": {"name": number, ...}}', "reward")
+                return error_response(400, 'body must be {"reward": {"name": number, ...}}', "reward")
             session.reward = values
             return {"ok": True}
 
         @app.get("/programs")
         async def programs(request: Request):
             if request.headers.get("authorization") != f"Bearer {gateway.admin_key}":
-                return _error(403, "the program list needs the gateway's admin key", None, kind="permission_error")
+                return error_response(403, "the program list needs the gateway's admin key", None, kind="permission_error")
             return {"programs": gateway.programs()}
 
         return app

@@ -22,7 +22,6 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 
-from loomrl.reward.pool import reward_failed
 from loomrl.types import RolloutStatus, TrainingSample, Trajectory
 
 _NOT_POLICY_FAULT = (RolloutStatus.ENV_ERROR, RolloutStatus.ENGINE_ERROR, RolloutStatus.TIMEOUT, RolloutStatus.ABORTED)
@@ -66,8 +65,8 @@ def usable_group(group: list[Trajectory], cfg: FilterConfig | None = None) -> tu
     cfg = cfg or FilterConfig()
     out: dict[str, list[str]] = {}
     kept = [t for t in group if any(t.all_turns())]
-    out["reward_failed"] = [t.trajectory_id for t in kept if reward_failed(t)]
-    kept = [t for t in kept if not reward_failed(t)]
+    out["reward_failed"] = [t.trajectory_id for t in kept if t.reward_failed]
+    kept = [t for t in kept if not t.reward_failed]
     if "complete" in cfg.filters:
         bad = (*_NOT_POLICY_FAULT, RolloutStatus.TRUNCATED) if cfg.drop_truncated else _NOT_POLICY_FAULT
         out["incomplete"] = [t.trajectory_id for t in kept if t.status in bad]

@@ -21,12 +21,9 @@ from typing import Any
 from loomrl.config import RunConfig
 from loomrl.env.base import Env
 from loomrl.env.pool import EnvPool
-from loomrl.types import Task, Trajectory
+from loomrl.types import RewardFn, Task, Trajectory
 
 log = logging.getLogger(__name__)
-
-RewardFn = Callable[[Trajectory, Task], dict[str, float]]
-
 
 @dataclass(frozen=True, slots=True)
 class EnvFamily:
@@ -36,6 +33,9 @@ class EnvFamily:
     reward: Callable[[RunConfig], RewardFn]
     # "call": a sandbox per tool call; "episode": one per episode; None: no sandbox.
     sandbox_use: str | None
+    # A black-box agent's final answer from its printed output or last message (None: the family takes
+    # no black-box agents; config.load_config refuses them)
+    answer_of: Callable[[str], str | None] | None = None
 
 
 # -- calculator ----------------------------------------------------------------------------------------
@@ -67,6 +67,12 @@ def _calc_reward(cfg: RunConfig) -> RewardFn:
         return calculator_reward(t, task, correct=cfg.reward.correct, format_weight=cfg.reward.format_weight)
 
     return reward
+
+
+def _calc_answer(text: str) -> str | None:
+    from loomrl.env.tasks.calculator import parse_final_answer
+
+    return parse_final_answer(text)
 
 
 # -- codefix ---------------------------------------------------------------------------------------------
@@ -152,7 +158,7 @@ def _gym_reward(cfg: RunConfig) -> RewardFn:
 
 
 FAMILIES: dict[str, EnvFamily] = {
-    "calculator": EnvFamily("calculator", _calc_splits, _calc_env, _calc_reward, "call"),
+    "calculator": EnvFamily("calculator", _calc_splits, _calc_env, _calc_reward, "call", _calc_answer),
     "codefix": EnvFamily("codefix", _codefix_splits, _codefix_env, _codefix_reward, "episode"),
     "gym": EnvFamily("gym", _gym_splits, _gym_env, _gym_reward, None),
 }

@@ -10,14 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from loomrl.config import ConfigError
-from loomrl.types import Task, Trajectory
-
-RewardFn = Callable[[Trajectory, Task], dict[str, float]]
-REWARD_FAILED = "reward_failed"  # the component of a trajectory whose reward could not be computed
+from loomrl.types import REWARD_FAILED, RewardFn, Task, Trajectory
 
 
 def mark_reward_failed(traj: Trajectory, why: str) -> Trajectory:
@@ -25,10 +21,6 @@ def mark_reward_failed(traj: Trajectory, why: str) -> Trajectory:
     traj.total_reward = 0.0
     traj.error = traj.error or f"reward failed: {why}"
     return traj
-
-
-def reward_failed(traj: Trajectory) -> bool:
-    return REWARD_FAILED in traj.reward_components
 
 
 def import_reward(spec: str) -> RewardFn:

@@ -47,7 +47,6 @@ from loomrl.config import RunConfig
 from loomrl.env.registry import env_family
 from loomrl.env.sandbox import SandboxError
 from loomrl.metrics import MetricsLogger
-from loomrl.reward.pool import reward_failed
 from loomrl.runtime.accounting import Accounting, ledger_line
 from loomrl.runtime.local import RunError, _progress, positions_after, prepare_run_dir
 from loomrl.runtime.ray_actors import (
@@ -357,7 +356,7 @@ class RayRun:
         self.acc.returned.update(t.trajectory_id for t in group)
         for t in group:
             self.statuses[str(t.status)] = self.statuses.get(str(t.status), 0) + 1
-            if reward_failed(t):
+            if t.reward_failed:
                 self.statuses["reward_failed"] = self.statuses.get("reward_failed", 0) + 1
         self.store.append(group)
 

@@ -30,8 +30,7 @@ from loomrl.env.pool import Leases, pool_size_for, sandbox_pool
 from loomrl.env.registry import env_family
 from loomrl.model.chat import ChatRenderer
 from loomrl.reward import RewardPool, import_reward
-from loomrl.reward.pool import RewardFn
-from loomrl.types import RolloutStatus, Task, Trajectory
+from loomrl.types import RewardFn, RolloutStatus, Task, Trajectory
 
 
 async def gather_all(coros: list) -> list:
@@ -226,15 +225,15 @@ class RolloutWorker:
                           max_wall_s=a.trajectory_timeout_s))
 
     async def _run_blackbox(self, loop: AgentLoop, task: Task, group_id: str, position: int) -> Trajectory:
-        from loomrl.env.tasks.calculator import parse_final_answer
-
+        answer_of = self.family.answer_of
+        assert answer_of is not None, "config.load_config refuses black-box agents for this env"
         runner = await self.blackbox_runner()
         run = await runner.run(task, group_id=group_id, position=position, sampling=loop.sampling)
         traj = run.trajectory
         if traj.status in (RolloutStatus.COMPLETED, RolloutStatus.TRUNCATED):
             # The verifier: the program's printed answer, else its last assistant message.
             last = traj.all_turns()[-1].act if traj.all_turns() else ""
-            traj.final_answer = parse_final_answer(run.stdout) or parse_final_answer(last)
+            traj.final_answer = answer_of(run.stdout) or answer_of(last)
         return traj
 
     async def _make_env(self) -> Env:

@@ -11,7 +11,6 @@ compute alternatives). Streaming is not served yet (400).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from dataclasses import replace
@@ -19,47 +18,8 @@ from typing import Any
 
 from loomrl.engine.base import GenerationRequest, GenerationResult, SamplingParams
 from loomrl.model.chat import ChatRenderer
-from loomrl.model.tools import parse_tool_calls
 from loomrl.server.protocol import ChatCompletionRequest, CompletionRequest
-
-
-def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-           code: str | int | None = None):
-    """An OpenAI-style error response."""
-    from fastapi.responses import JSONResponse
-
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param,
-                                                               "code": code if code is not None else status}})
-
-
-def _tool_arg_names(tools: list[dict[str, Any]] | None) -> dict[str, str]:
-    """name -> its single required parameter, for `name(args)` style calls."""
-    out = {}
-    for tool in tools or []:
-        fn = tool.get("function", {})
-        params = fn.get("parameters", {}) or {}
-        required = params.get("required") or list((params.get("properties") or {}).keys())
-        if fn.get("name") and len(required) == 1:
-            out[fn["name"]] = required[0]
-    return out
-
-
-def assistant_message(text: str, reason: str, tools: list[dict[str, Any]] | None) -> tuple[dict[str, Any], str]:
-    """The OpenAI assistant message for sampled `text` (tool calls parsed when tools were offered),
-    and the finish reason ("tool_calls" when it called any)."""
-    message: dict[str, Any] = {"role": "assistant", "content": text}
-    names = _tool_arg_names(tools)
-    if tools:
-        calls = [c for c in parse_tool_calls(text, names) if not c.error]
-        if calls:
-            message["tool_calls"] = [
-                {"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
-                 "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
-                for c in calls
-            ]
-            message["content"] = None if text.strip().startswith(("<tool_call>",) + tuple(names)) else text
-            reason = "tool_calls"
-    return message, reason
+from loomrl.server.responses import assistant_message, error_response
 
 
 class OpenAIServer:
@@ -101,16 +61,16 @@ class OpenAIServer:
     def _check_context(self, prompt_ids: list[int], max_tokens: int):
         limit = self.engine.kv_budget
         if len(prompt_ids) + max_tokens > limit:
-            return _error(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the engine's "
+            return error_response(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the engine's "
                                f"KV budget of {limit} tokens", "max_tokens")
         return None
 
     # -- endpoints --------------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest):
         if req.stream:
-            return _error(400, "stream=true is not supported by loomrl serve yet", "stream")
+            return error_response(400, "stream=true is not supported by loomrl serve yet", "stream")
         if req.echo:
-            return _error(400, "echo=true is not supported", "echo")
+            return error_response(400, "echo=true is not supported", "echo")
         p = req.prompt
         if isinstance(p, str):
             prompts = [self.renderer.encode_text(p)]
@@ -121,10 +81,10 @@ class OpenAIServer:
         elif p and all(isinstance(x, list) for x in p):
             prompts = [list(x) for x in p]
         else:
-            return _error(400, "prompt must be a non-empty string, list of token ids, or list of either", "prompt")
+            return error_response(400, "prompt must be a non-empty string, list of token ids, or list of either", "prompt")
         vocab = len(self.tokenizer)
         if any(not x or any(t < 0 or t >= vocab for t in x) for x in prompts):
-            return _error(400, f"prompt token ids must be non-empty and in [0, {vocab})", "prompt")
+            return error_response(400, f"prompt token ids must be non-empty and in [0, {vocab})", "prompt")
         for ids in prompts:
             bad = self._check_context(ids, req.max_tokens)
             if bad is not None:
@@ -160,14 +120,14 @@ class OpenAIServer:
 
     async def chat(self, req: ChatCompletionRequest):
         if req.stream:
-            return _error(400, "stream=true is not supported by loomrl serve yet", "stream")
+            return error_response(400, "stream=true is not supported by loomrl serve yet", "stream")
         for i, m in enumerate(req.messages):
             if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
-                return _error(400, f"messages[{i}].role must be system, user, assistant or tool", f"messages[{i}].role")
+                return error_response(400, f"messages[{i}].role must be system, user, assistant or tool", f"messages[{i}].role")
         try:
             prompt_ids = self.renderer.prompt_ids(req.messages, req.tools)
         except Exception as err:  # noqa: BLE001 - a template that cannot render this conversation
-            return _error(400, f"cannot render messages with the chat template: {err}", "messages")
+            return error_response(400, f"cannot render messages with the chat template: {err}", "messages")
         max_tokens = req.max_completion_tokens or req.max_tokens or 256
         bad = self._check_context(prompt_ids, max_tokens)
         if bad is not None:
@@ -243,7 +203,7 @@ def create_app(engine, tokenizer, model_name: str = "loomrl"):
         server.errors += 1
         first = exc.errors()[0] if exc.errors() else {}
         loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return _error(400, f"{loc or 'body'}: {first.get('msg', 'invalid request')}", loc or None)
+        return error_response(400, f"{loc or 'body'}: {first.get('msg', 'invalid request')}", loc or None)
 
     @app.get("/health")
     async def health():

@@ -80,9 +80,11 @@ def test_async_run_checkpoint_and_resume_trains_nothing_twice(tmp_path):
     for m in train_rows:
         assert 0 <= m["admission/open_positions"] <= (lag + 1) * B
         assert m["admission/inflight_groups_max"] <= (lag + 1) * B
-        assert m["time/step_s"] >= m["time/rollout_idle_s"] >= 0 and m["engine/busy_s"] > 0
-        # new weights came through shared memory (runtime.weight_transport), timed
-        assert m["weight_sync/bytes"] > 0 and m["weight_sync/load_s"] >= 0 and m["weight_sync/apply_s"] >= 0
+        assert 0 <= m["time/rollout_idle_s"] <= m["time/step_s"] and m["engine/busy_s"] > 0
+        # new weights came through shared memory (runtime.weight_transport), timed: reading and applying
+        # them takes real time, and far less than a step
+        assert m["weight_sync/bytes"] > 0 and 0 < m["weight_sync/load_s"] < m["time/step_s"]
+        assert 0 < m["weight_sync/apply_s"] < m["time/step_s"]
     assert sum(m["admission/launched_groups"] for m in train_rows) >= 5 * B
     # The store is plain parquet: a pyarrow dataset over the folder reads every row.
     import pyarrow.dataset as ds

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from loomrl.buffer.admission import admits, open_positions
 from loomrl.config import ModelConfig, RunConfig, save_resolved
 from loomrl.engine.base import Engine, EngineFault
 from loomrl.env.registry import env_family
@@ -361,7 +362,7 @@ class LocalRun:
         step_started = time.perf_counter()
         try:
             while True:
-                while next_pos // B - engine_version <= lag:  # admission: bounded staleness at consumption
+                while admits(next_pos, version=engine_version, groups_per_step=B, max_lag=lag):
                     inflight[asyncio.ensure_future(worker.run_group(next_pos))] = next_pos
                     next_pos = next(pos)
                     launched += 1
@@ -413,7 +414,8 @@ class LocalRun:
                     metrics.update({"admission/launched_groups": launched, "admission/inflight_groups_max": peak,
                                     "admission/inflight_groups": len(inflight),
                                     # positions the rule still admits before the next weight update
-                                    "admission/open_positions": (version + lag + 1) * B - next_pos,
+                                    "admission/open_positions": open_positions(
+                                        next_pos, version=version, groups_per_step=B, max_lag=lag),
                                     "time/step_s": now - step_started, "time/rollout_idle_s": idle_s,
                                     **engine_delta.take()})
                     idle_s, launched, peak, step_started = 0.0, 0, len(inflight), now

@@ -43,6 +43,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from loomrl.buffer.admission import admits
 from loomrl.config import RunConfig
 from loomrl.env.registry import env_family
 from loomrl.env.sandbox import SandboxError
@@ -331,7 +332,8 @@ class RayRun:
             del self.retry_at[pos]
             self._dispatch(pos)
         # admission counts positions that will deliver a group: ones given up on free their place
-        while (self.next_pos - len(self.gave_up)) // self.B - self.version <= self.lag:
+        while admits(self.next_pos - len(self.gave_up), version=self.version, groups_per_step=self.B,
+                     max_lag=self.lag):
             self._dispatch(self.next_pos)
             self.next_pos = next(self.positions)
 

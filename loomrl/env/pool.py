@@ -34,7 +34,8 @@ from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from loomrl.env.sandbox.base import Health, Sandbox, SandboxError, make_sandbox, one_line
+from loomrl.env.sandbox.base import Health, Sandbox, SandboxError, one_line
+from loomrl.env.sandbox.factory import make_sandbox
 
 if TYPE_CHECKING:
     from loomrl.config import EnvConfig

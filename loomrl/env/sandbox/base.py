@@ -1,4 +1,4 @@
-"""The Sandbox interface and the factory that picks a backend.
+"""The Sandbox interface and the machinery its backends share (the factory that picks one: factory.py).
 
 A sandbox owns one private working directory and runs commands in it with a wall-clock timeout that
 kills the whole process group. Interface (what environments and the pool use):
@@ -314,28 +314,3 @@ class _SubprocessSandbox:
     @property
     def closed(self) -> bool:
         return self._closed
-
-
-def make_sandbox(backend: str = "auto", limits: dict[str, int] | None = None,
-                 binds: dict[str, str] | None = None) -> Sandbox:
-    """`auto` picks bwrap when it is installed and works, else the (loud) process backend. `binds`
-    (host path -> path inside, read-only) are honoured by bwrap; the process backend sees the host
-    anyway, and the docker backend refuses them (mount them in the image instead)."""
-    if binds and backend == "docker":
-        raise SandboxError("sandbox error: extra binds are not supported by the docker backend")
-    from loomrl.env.sandbox.bwrap import BwrapSandbox, bwrap_available
-    from loomrl.env.sandbox.docker import DockerSandbox
-    from loomrl.env.sandbox.process import ProcessSandbox
-
-    if backend == "bwrap":
-        if not bwrap_available():
-            raise SandboxError("sandbox error: bubblewrap is not usable here; install it (apt-get install -y "
-                               "bubblewrap) or set env.sandbox=process")
-        return BwrapSandbox(limits=limits, binds=binds)
-    if backend == "process":
-        return ProcessSandbox(limits=limits)
-    if backend == "docker":
-        return DockerSandbox(limits=limits)
-    if backend == "auto":
-        return BwrapSandbox(limits=limits, binds=binds) if bwrap_available() else ProcessSandbox(limits=limits)
-    raise SandboxError(f"sandbox error: unknown backend {backend!r}; use bwrap, process, docker or auto")

@@ -2,7 +2,7 @@
 
 Workload (both arms, one invocation, same seeds): the tiny random model (model.kind=tiny, a real
 tokenizer), the calculator environment, trainer.groups_per_step=8 x group_size=8 = 64 trajectories per
-step, at most --slots (64) environments in use at once in either arm. Everything is real (LocalRun,
+step, at most --slots (64) environments in use at once in either arm. Everything is real (the driver,
 the built-in engine, the GRPO trainer, the env pool, the trajectory store) except one thing:
 
   SIMULATED: every env step first waits a lognormal time (env.step_latency_s = mean, default 0.5 s;
@@ -61,9 +61,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, median, report  # noqa: E402
 
 from loomrl.config import load_config  # noqa: E402
+from loomrl.rollout.worker import RolloutWorker  # noqa: E402
 from loomrl.runtime import local  # noqa: E402
-from loomrl.runtime.local import LocalRun, async_threads  # noqa: E402
-from loomrl.runtime.rollout import RolloutWorker  # noqa: E402
+from loomrl.runtime.local import LocalBackend, async_threads  # noqa: E402
+from loomrl.runtime.run import train  # noqa: E402
 
 
 def trainer_cpu_s() -> float:
@@ -123,26 +124,20 @@ class SlotWorker(RolloutWorker):
         return group
 
 
-class BenchRun(LocalRun):
-    """LocalRun that adds cumulative engine and env-slot counters to every step's metrics record
-    (LocalRun does not log the engine's busy time)."""
+class BenchBackend(LocalBackend):
+    """LocalBackend that adds cumulative engine and env-slot counters to every step's metrics record
+    (the runtime logs the engine's counters per step, not summed)."""
 
-    engine = None
-
-    def _engine(self, model, tokenizer, version):
-        self.engine = super()._engine(model, tokenizer, version)
-        return self.engine
-
-    def _log_step(self, step, metrics, groups, worker=None):
-        m = getattr(self.engine, "metrics", None) or getattr(self.engine, "stats", None)
-        extra = {"bench/engine_busy_s": getattr(m, "busy_s", 0.0),
-                 "bench/generated_tokens": getattr(m, "generated_tokens", 0),
+    def step_metrics(self):
+        m = self.engine.metrics
+        extra = {"bench/engine_busy_s": m.busy_s, "bench/generated_tokens": m.generated_tokens,
                  "bench/cpu_self_s": time.process_time(), "bench/cpu_trainer_s": trainer_cpu_s()}
+        worker = self.worker
         if isinstance(worker, SlotWorker):
             extra.update({"bench/group_done": worker.group_done, "bench/slot_s": worker.slot_s,
                           "bench/episodes": worker.episodes, "bench/turns": worker.turns,
                           "bench/max_in_flight": worker.max_in_flight})
-        super()._log_step(step, {**metrics, **extra}, groups, worker)
+        return {**super().step_metrics(), **extra}
 
 
 def run_arm(args, mode: str, out_dir: str, tag: str) -> dict:
@@ -161,7 +156,7 @@ def run_arm(args, mode: str, out_dir: str, tag: str) -> dict:
     SlotWorker.slots = args.slots
     local.RolloutWorker = SlotWorker  # the runtime builds its rollout worker from this name
     t0 = time.time()
-    summary = BenchRun(cfg).train()
+    summary = train(cfg, backend=BenchBackend(cfg, None))
     wall = time.time() - t0
     records = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = sorted((r for r in records if r.get("kind") == "train"), key=lambda r: r["step"])

@@ -81,15 +81,16 @@ def make_target(out: Path, args) -> tuple[Path, float]:
     import torch
 
     from loomrl.config import load_config
-    from loomrl.runtime.local import LocalRun, build_model
+    from loomrl.model.loader import load_run_model
+    from loomrl.runtime.run import train
     from loomrl.store import read_trajectories
 
     cfg = load_config(ROOT / "examples" / "calculator_tiny.yaml", [
         *_overrides(out, "probe", args), "runtime.mode=sync", "trainer.total_steps=1",
         "reward.function=staleness:no_reward"])
-    LocalRun(cfg).train()
+    train(cfg)
     rows = read_trajectories(cfg.run_dir / "trajectories").to_pylist()
-    model, _ = build_model(cfg, None)
+    model, _ = load_run_model(cfg.model, None)
     prompts = {tuple(r["token_ids"][: r["prompt_len"]]) for r in rows}
     with torch.no_grad():
         last = torch.stack([model(torch.tensor([list(p)])).logits[0, -1] for p in prompts])  # [P, V]
@@ -116,14 +117,15 @@ def make_target(out: Path, args) -> tuple[Path, float]:
 def run(out: Path, lag: int, loss: str, args) -> dict:
     from loomrl.config import load_config
     from loomrl.metrics.logger import read_metrics
-    from loomrl.runtime.local import LocalRun, async_threads
+    from loomrl.runtime.local import async_threads
+    from loomrl.runtime.run import train
 
     name = f"lag{lag}-{loss}"
     cfg = load_config(ROOT / "examples" / "calculator_tiny.yaml", [
         *_overrides(out, name, args), "runtime.mode=async", f"buffer.max_policy_lag={lag}", f"trainer.loss={loss}",
         "reward.function=staleness:preferred_first_token"])
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
-    LocalRun(cfg).train()
+    train(cfg)
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     cpu_s = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
     steps = [m for m in read_metrics(cfg.run_dir) if m.get("kind") == "train" and m.get("step", 0) > 0]

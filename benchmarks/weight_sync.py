@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, report  # noqa: E402
 
-from loomrl.runtime.weight_sync import Transport, available_transports, load_weights, make_publisher  # noqa: E402
+from loomrl.trainer.weight_sync import Transport, available_transports, load_weights, make_publisher  # noqa: E402
 
 # Transfers left out of the medians: the shm publisher's segments (2 kept + 1 spare) are all made by
 # then, and later versions rewrite them, as in a run.

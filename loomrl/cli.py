@@ -124,33 +124,32 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         if args.command == "train":
             start = float(os.environ.get("LOOMRL_WALL_START", time.time()))
-            if cfg.runtime.backend == "ray":
-                from loomrl.runtime.ray_runtime import RayRun as Run
-            else:
-                from loomrl.runtime.local import LocalRun as Run
-            summary = Run(cfg, resume=args.resume, wall_start=start).train()
+            from loomrl.runtime.run import train
+
+            summary = train(cfg, resume=args.resume, wall_start=start)
             print(json.dumps(summary), flush=True)
         elif args.command == "eval":
-            from loomrl.runtime.local import evaluate_checkpoint
+            from loomrl.runtime.run import evaluate_checkpoint
 
             print(json.dumps(evaluate_checkpoint(cfg, Path(args.checkpoint))), flush=True)
         elif args.command == "serve":
             import uvicorn
 
-            from loomrl.runtime.local import build_model, make_engine, resolve_checkpoint
+            from loomrl.engine.factory import make_engine
+            from loomrl.model.loader import load_run_model
+            from loomrl.runtime.run import resolve_checkpoint
             from loomrl.server.app import create_app
 
             ckpt = resolve_checkpoint(Path(args.checkpoint)) if args.checkpoint else None
-            model, tokenizer = build_model(cfg, ckpt)
-            engine = make_engine(cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"kind": "builtin"})}),
-                                 model, tokenizer, 0)
+            model, tokenizer = load_run_model(cfg.model, ckpt)
+            engine = make_engine(cfg, model, tokenizer, 0)
             app = create_app(engine, tokenizer, args.model_name or cfg.name)
             uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     except (ConfigError, ModelLoadError, SandboxError) as err:
         print(str(err), file=sys.stderr)
         return 2
     except Exception as err:  # RunError and friends carry their own message
-        from loomrl.runtime.local import RunError
+        from loomrl.runtime.driver import RunError
 
         if isinstance(err, RunError):
             print(str(err), file=sys.stderr)

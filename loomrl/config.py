@@ -203,13 +203,13 @@ class TrainerConfig(_Section):
 class RuntimeConfig(_Section):
     mode: Literal["sync", "async"] = "sync"
     # local: one machine (runtime/local.py); ray: rollout workers and the trainer as Ray actors placed
-    # by the `ray:` section's resources, supervised by the driver (runtime/ray_runtime.py; async only)
+    # by the `ray:` section's resources (runtime/ray_backend.py); one driver for both (runtime/driver.py)
     backend: Literal["local", "ray"] = "local"
     # async: when new weights arrive, interrupt in-flight generations; they resume from their partial
     # output under the new weights (AReaL), instead of finishing their turn with the old ones
     interrupt_on_update: bool = False
     # order of engine calls when more wait than the engine runs at once: "fifo" (arrival), or "seer"
-    # (runtime/scheduling.py ProgramPriorities: a probe per group first, then longest-estimated first)
+    # (agent/priorities.py ProgramPriorities: a probe per group first, then longest-estimated first)
     schedule: Literal["fifo", "seer"] = "fifo"
     # most training trajectories in flight at once (sandboxes, K/V); 0 = no cap beyond the admission
     # rule (sync: a step's groups; async: the groups within buffer.max_policy_lag). Whole groups count.
@@ -218,9 +218,13 @@ class RuntimeConfig(_Section):
     # async (local): how new weights go from the trainer process to the engine (runtime/weight_sync.py;
     # benchmarks/weight_sync.py: shm ~6x faster than pickling through the queue for SmolLM2-135M)
     weight_transport: Literal["shm", "file", "queue"] = "shm"
-    # async (local): a trainer process that dies is restarted from the latest checkpoint this many
-    # times (0: the run stops and says to continue with --resume)
-    max_trainer_restarts: int = Field(2, ge=0)
+    # a trainer that dies (async: its process or a rank; ray: its actors) is restarted from the latest
+    # checkpoint this many times (0: the run stops and says to continue with --resume)
+    max_trainer_restarts: int = Field(5, ge=0)
+    # a group whose rollout worker died (ray) is dispatched again up to this many times in all, after
+    # retry_backoff_s x 2^k; past that it is recorded as failed with the reason
+    max_group_attempts: int = Field(3, gt=0)
+    retry_backoff_s: float = Field(0.5, ge=0.0)
 
 
 class RayConfig(_Section):
@@ -234,11 +238,6 @@ class RayConfig(_Section):
     # `ray start --resources='{"rollout": 2}'`; on GPUs an engine would ask for {GPU: 1} here
     rollout_resources: dict[str, float] = Field(default_factory=dict)
     trainer_resources: dict[str, float] = Field(default_factory=dict)
-    # a group whose rollout actor died is dispatched again up to this many times in all, after
-    # retry_backoff_s x 2^k; past that it is recorded as failed with the reason
-    max_group_attempts: int = Field(3, gt=0)
-    retry_backoff_s: float = Field(0.5, ge=0.0)
-    max_trainer_restarts: int = Field(5, ge=0)  # trainer actor deaths survived (resume from checkpoint)
     max_rollout_restarts: int = Field(100, ge=0)  # rollout actor deaths survived (then the run stops)
     # reward actors shared by all rollout actors (0: each rollout actor scores on reward.workers threads
     # of its own); Ray restarts a dead one up to max_reward_restarts times and runs each scoring call
@@ -340,6 +339,9 @@ def _known_fields(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
 RETIRED = {
     "engine.batch_wait_ms": "was an option of the torch engine, which is retired: remove it",
     "engine.kind=torch": "the torch engine is retired: use engine.kind=builtin (the default)",
+    "ray.max_group_attempts": "moved: use runtime.max_group_attempts (the driver retries on every backend)",
+    "ray.retry_backoff_s": "moved: use runtime.retry_backoff_s (the driver retries on every backend)",
+    "ray.max_trainer_restarts": "moved: use runtime.max_trainer_restarts (one setting for every backend)",
 }
 
 

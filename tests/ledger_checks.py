@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loomrl.runtime.trainer_service import read_ledger
 from loomrl.store import read_trajectories
+from loomrl.trainer.service import read_ledger
 
 
 def check_each_trajectory_once(run_dir: Path, steps: int) -> tuple[list[str], list[str], dict[str, dict]]:

@@ -155,15 +155,15 @@ def test_agent_past_its_budget_gets_an_error_and_the_trajectory_is_truncated(tin
 
 def test_blackbox_example_trains_asynchronously(tmp_path):
     from loomrl.config import load_config
-    from loomrl.runtime.local import LocalRun
-    from loomrl.runtime.trainer_service import read_ledger
+    from loomrl.runtime.run import train
     from loomrl.store import read_trajectories
+    from loomrl.trainer.service import read_ledger
 
     cfg = load_config(ROOT / "examples" / "blackbox_agent" / "train.yaml", [
         f"output_dir={tmp_path}", "progress=false", "model.kind=tiny", "trainer.total_steps=2",
         "trainer.groups_per_step=2", "trainer.group_size=4", "eval.n_tasks=0", "sampling.max_tokens=8",
         "reward.function=rewards_for_tests:parity_reward", "checkpoint_every=0"])
-    summary = LocalRun(cfg).train()
+    summary = train(cfg)
     assert summary["steps"] == 2
     counts = summary["rollouts"]
     assert sum(v for k, v in counts.items() if k != "launched") == counts["launched"] >= 16, counts

@@ -199,7 +199,7 @@ def test_a_sync_run_with_two_ranks_takes_the_steps_of_one(tmp_path):
 
     from loomrl.config import load_config
     from loomrl.metrics.logger import read_metrics
-    from loomrl.runtime.local import LocalRun
+    from loomrl.runtime.run import train
     from loomrl.trainer.checkpoint import latest_checkpoint
 
     root = Path(__file__).resolve().parents[1]
@@ -209,7 +209,7 @@ def test_a_sync_run_with_two_ranks_takes_the_steps_of_one(tmp_path):
                           [f"output_dir={tmp_path}", f"name=w{world}", "progress=false", "runtime.mode=sync",
                            "reward.function=rewards_for_tests:parity_reward", "trainer.total_steps=3",
                            "eval.n_tasks=0", f"trainer.world_size={world}"])
-        assert LocalRun(cfg).train()["steps"] == 3
+        assert train(cfg)["steps"] == 3
         norms = [m["train/grad_norm"] for m in read_metrics(cfg.run_dir) if "train/grad_norm" in m]
         weights = load_file(str(next((latest_checkpoint(cfg.run_dir) / "model").glob("*.safetensors"))))
         runs[world] = norms, weights
@@ -223,7 +223,7 @@ def test_rank0_stops_waiting_for_a_follower_that_dies_before_it_joins(tokenizer,
     """A follower that cannot start (here: its model path does not exist) makes rank 0's join fail
     within seconds, naming the rank, instead of waiting out the rendezvous timeout (300 s)."""
     from loomrl.config import RunConfig
-    from loomrl.runtime.trainer_ranks import LocalRankGroup, RankLost, join_watching, spawn_local_followers
+    from loomrl.trainer.ranks import LocalRankGroup, RankLost, join_watching, spawn_local_followers
 
     cfg = RunConfig.model_validate({"model": {"kind": "hf", "path": str(tmp_path / "no-such-model")},
                                     "trainer": {"world_size": 2}, "output_dir": str(tmp_path)})

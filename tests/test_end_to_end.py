@@ -15,9 +15,10 @@ import pytest
 from loomrl.config import load_config
 from loomrl.env.sandbox.bwrap import bwrap_available
 from loomrl.metrics.logger import read_metrics
-from loomrl.runtime.local import LocalRun
-from loomrl.runtime.trainer_service import read_ledger
+from loomrl.runtime.local import LocalBackend
+from loomrl.runtime.run import train
 from loomrl.store import read_trajectories
+from loomrl.trainer.service import read_ledger
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "calculator_tiny.yaml"
@@ -34,7 +35,7 @@ def _trained_ids(run_dir):
 
 def test_async_run_checkpoint_and_resume_trains_nothing_twice(tmp_path):
     cfg = _cfg(tmp_path, "name=e2e", "runtime.mode=async", "trainer.total_steps=3", "checkpoint_every=2")
-    summary = LocalRun(cfg).train()
+    summary = train(cfg)
     run_dir = cfg.run_dir
     assert summary["steps"] == 3
     assert [e["step"] for e in read_ledger(run_dir)] == [1, 2, 3]
@@ -46,9 +47,8 @@ def test_async_run_checkpoint_and_resume_trains_nothing_twice(tmp_path):
     shutil.rmtree(ckpts / "step_000003")
     (ckpts / "latest").write_text("step_000002")
 
-    resumed = LocalRun(_cfg(tmp_path, "name=e2e", "runtime.mode=async", "trainer.total_steps=5", "checkpoint_every=2"),
-                       resume=True)
-    summary = resumed.train()
+    summary = train(_cfg(tmp_path, "name=e2e", "runtime.mode=async", "trainer.total_steps=5", "checkpoint_every=2"),
+                    resume=True)
     assert summary["steps"] == 5
     ledger = read_ledger(run_dir)
     assert [e["step"] for e in ledger] == [1, 2, 3, 4, 5]  # step 3 of the crashed segment was cut
@@ -91,7 +91,7 @@ def test_async_run_checkpoint_and_resume_trains_nothing_twice(tmp_path):
 
     assert ds.dataset(run_dir / "trajectories", format="parquet").count_rows() == len(rows)
     # `loomrl eval` on the run folder evaluates its latest checkpoint.
-    from loomrl.runtime.local import evaluate_checkpoint
+    from loomrl.runtime.run import evaluate_checkpoint
 
     result = evaluate_checkpoint(cfg, run_dir)
     assert result["checkpoint"].endswith("step_000005") and result["n"] == cfg.eval.n_tasks
@@ -99,7 +99,7 @@ def test_async_run_checkpoint_and_resume_trains_nothing_twice(tmp_path):
 
 def test_sync_run(tmp_path):
     cfg = _cfg(tmp_path, "name=sync", "runtime.mode=sync", "trainer.total_steps=2", "eval.n_tasks=4")
-    summary = LocalRun(cfg).train()
+    summary = train(cfg)
     assert summary["steps"] == 2 and summary["n_heldout"] == 4
     assert summary["success_before"] is not None and summary["success_after"] is not None
     rows = read_trajectories(cfg.run_dir / "trajectories").to_pylist()
@@ -155,7 +155,7 @@ def test_crashing_tool_is_recorded_on_its_trajectory_and_siblings_finish(tmp_pat
 
     from loomrl.env.tasks.calculator import make_splits
     from loomrl.model.chat import ChatRenderer
-    from loomrl.runtime.rollout import RolloutWorker
+    from loomrl.rollout.worker import RolloutWorker
 
     cfg = _cfg(tmp_path, "env.crash_rate=0.5", "trainer.group_size=8", "reward.function=null")
     train, _ = make_splits(cfg.env.families, cfg.env.families, 10, 2, cfg.env.seed)
@@ -226,9 +226,9 @@ def test_flaky_environment_run_completes_and_the_counts_add_up(tmp_path, tokeniz
     engine makes every trajectory call the tool, since the random tiny model never would."""
     cfg = _cfg(tmp_path, "name=flaky", "runtime.mode=sync", "trainer.total_steps=2", "eval.n_tasks=8",
                "env.crash_rate=0.3", "env.hang_rate=0.3", "env.tool_timeout_s=0.5", "reward.function=null")
-    monkeypatch.setattr(LocalRun, "_engine", lambda self, model, tok, version: ScriptedEngine(
+    monkeypatch.setattr(LocalBackend, "_engine", lambda self, model, tok, version: ScriptedEngine(
         tokenizer, ["calc(2 + 3)", "The answer is 5."]))
-    summary = LocalRun(cfg).train()
+    summary = train(cfg)
     counts = summary["rollouts"]
     ended = {k: v for k, v in counts.items() if k != "launched"}
     assert counts["launched"] == 2 * 2 * 4 + 2 * 8  # train trajectories + eval episodes before and after
@@ -250,9 +250,9 @@ def test_flaky_environment_with_retries_reruns_failed_episodes_and_records_why(t
     cfg = _cfg(tmp_path, "name=retry", "runtime.mode=sync", "trainer.total_steps=2", "eval.n_tasks=8",
                "env.crash_rate=0.3", "env.hang_rate=0.3", "env.tool_timeout_s=0.5", "reward.function=null",
                "agent.retry_on=[env_error, timeout]", "agent.max_retries=3", "agent.retry_backoff_s=0.01")
-    monkeypatch.setattr(LocalRun, "_engine", lambda self, model, tok, version: ScriptedEngine(
+    monkeypatch.setattr(LocalBackend, "_engine", lambda self, model, tok, version: ScriptedEngine(
         tokenizer, ["calc(2 + 3)", "The answer is 5."]))
-    summary = LocalRun(cfg).train()
+    summary = train(cfg)
     counts = summary["rollouts"]
     ended = {k: v for k, v in counts.items() if k != "launched" and not k.startswith("retried:")}
     retried = sum(v for k, v in counts.items() if k.startswith("retried:"))
@@ -287,7 +287,7 @@ def test_engine_faults_end_episodes_as_engine_error_and_are_retried(tmp_path, mo
     monkeypatch.setattr(ModelRunner, "forward", flaky)
     cfg = _cfg(tmp_path, "name=enginefault", "runtime.mode=async", "trainer.total_steps=3", "eval.n_tasks=0",
                "agent.retry_on=[engine_error]", "agent.max_retries=2", "agent.retry_backoff_s=0.01")
-    summary = LocalRun(cfg).train()
+    summary = train(cfg)
     assert calls["n"] > 45 and summary["steps"] == 3
     counts = summary["rollouts"]
     assert counts.get("retried:engine_error", 0) >= 2 and "engine_error" not in counts, counts
@@ -306,7 +306,7 @@ def test_gym_and_codefix_environments_run_end_to_end(tmp_path):
         cfg = _cfg(tmp_path, f"name={name}", f"env.name={name}", "runtime.mode=sync", "trainer.total_steps=1",
                    "trainer.group_size=2", "eval.n_tasks=2", "env.n_train=8", "env.n_heldout=4",
                    "reward.function=null", "agent.max_turns=2", *extra)
-        summary = LocalRun(cfg).train()
+        summary = train(cfg)
         counts = summary["rollouts"]
         assert counts["launched"] == 2 * 2 + 2 * 2  # train groups + eval before and after
         assert sum(v for k, v in counts.items() if k != "launched") == counts["launched"]
@@ -319,7 +319,7 @@ def test_gym_and_codefix_environments_run_end_to_end(tmp_path):
 def test_async_run_with_interruptible_rollouts(tmp_path):
     cfg = _cfg(tmp_path, "name=interrupt", "runtime.interrupt_on_update=true", "trainer.total_steps=2",
                "eval.n_tasks=0", "checkpoint_every=0", "runtime.weight_transport=file")
-    summary = LocalRun(cfg).train()
+    summary = train(cfg)
     assert summary["steps"] == 2
     rows = read_trajectories(cfg.run_dir / "trajectories").to_pylist()
     for r in rows:  # every stored turn is complete and versioned token by token
@@ -332,16 +332,15 @@ def test_resume_keeps_kl_reference_at_the_initial_policy(tmp_path):
     not the checkpoint (which a plain copy of the resumed model would give)."""
     import torch
 
-    from loomrl.model.loader import load_model
-    from loomrl.runtime.local import build_model
-    from loomrl.runtime.trainer_service import TrainerService
+    from loomrl.model.loader import load_model, load_run_model
     from loomrl.trainer.checkpoint import latest_checkpoint
+    from loomrl.trainer.service import TrainerService
 
     cfg = _cfg(tmp_path, "name=kl", "runtime.mode=sync", "trainer.total_steps=2", "eval.n_tasks=0",
                "trainer.kl=k3", "trainer.kl_coef=0.1", "trainer.lr=1e-2")
-    LocalRun(cfg).train()
+    train(cfg)
     ckpt = latest_checkpoint(cfg.run_dir)
-    model, tokenizer = build_model(cfg, ckpt)
+    model, tokenizer = load_run_model(cfg.model, ckpt)
     service = TrainerService(cfg, model, tokenizer, resume_from=ckpt)
     initial, _ = load_model(cfg.model)
     ref = dict(service.trainer.ref_model.named_parameters())
@@ -363,7 +362,7 @@ def test_a_failing_finalize_ends_its_episode_env_error_not_the_run(tmp_path, mon
     cfg = _cfg(tmp_path, "name=finalize", "env.name=codefix", "env.families=[clamp, chunk]", "runtime.mode=sync",
                "trainer.total_steps=1", "trainer.group_size=2", "eval.n_tasks=0", "env.n_train=8", "env.n_heldout=4",
                "reward.function=null", "agent.max_context_tokens=60")  # the prompt alone is longer: truncated
-    assert LocalRun(cfg).train()["steps"] == 1
+    assert train(cfg)["steps"] == 1
     rows = read_trajectories(cfg.run_dir / "trajectories").to_pylist()
     failed = [r for r in rows if r["status"] == "env_error"]
     assert failed and all(r["error"] == "finalize failed: SandboxError: the sandbox died" for r in failed)

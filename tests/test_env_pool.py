@@ -155,8 +155,8 @@ def test_env_actor_leases_of_a_dead_owner_or_a_cancelled_acquire_are_reclaimed(t
     import asyncio
 
     from loomrl.config import RunConfig
+    from loomrl.env.remote import EnvActor
     from loomrl.env.sandbox.base import SandboxError
-    from loomrl.runtime.ray_actors import EnvActor
 
     cfg = RunConfig.model_validate({"env": {"name": "codefix", "pool_size": 2}, "output_dir": str(tmp_path)})
 

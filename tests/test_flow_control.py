@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from loomrl.config import load_config
-from loomrl.runtime.trainer_service import TrainerService
+from loomrl.trainer.service import TrainerService
 from loomrl.types import TokenSpan, Trajectory, Turn
 
 

@@ -41,8 +41,8 @@ def test_seer_and_capped_runs_train_and_keep_within_the_cap(tmp_path):
     one group's programs run at once (counted around the real rollout)."""
     from loomrl.config import load_config
     from loomrl.metrics.logger import read_metrics
-    from loomrl.runtime import rollout
-    from loomrl.runtime.local import LocalRun
+    from loomrl.rollout import worker as rollout
+    from loomrl.runtime.run import train
 
     recipe = __import__("pathlib").Path(__file__).resolve().parents[1] / "examples" / "calculator_tiny.yaml"
     cfg = load_config(recipe, [f"output_dir={tmp_path}", "progress=false", "name=seer", "runtime.mode=sync",
@@ -63,7 +63,7 @@ def test_seer_and_capped_runs_train_and_keep_within_the_cap(tmp_path):
 
     rollout.RolloutWorker.run_one = counted
     try:
-        summary = LocalRun(cfg).train()
+        summary = train(cfg)
     finally:
         rollout.RolloutWorker.run_one = original
     assert summary["steps"] == 2

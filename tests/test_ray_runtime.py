@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 from ledger_checks import check_each_trajectory_once
 
-from loomrl.runtime.trainer_service import read_ledger
 from loomrl.store import read_trajectories
+from loomrl.trainer.service import read_ledger
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "calculator_tiny.yaml"
@@ -163,7 +163,7 @@ def test_chaos_kills_actors_and_the_run_accounts_for_every_trajectory_once(clust
     steps = 8
     # both trainer ranks on the trainer node (it offers {trainer: 1}), the reward actors too ({reward: 2})
     proc = _train(cluster, tmp_path, "chaos", f"trainer.total_steps={steps}", "checkpoint_every=2",
-                  "ray.retry_backoff_s=0.2", "ray.max_group_attempts=3", "trainer.world_size=2",
+                  "runtime.retry_backoff_s=0.2", "runtime.max_group_attempts=3", "trainer.world_size=2",
                   "ray.trainer_resources={trainer: 0.5}", "ray.num_reward_workers=2", "ray.reward_num_cpus=0",
                   "ray.reward_resources={reward: 1}")
     run_dir = tmp_path / "chaos"
@@ -216,7 +216,7 @@ def test_chaos_kills_actors_and_the_run_accounts_for_every_trajectory_once(clust
           f"accounting {summary['accounting']}")
     assert summary["steps"] == steps
     assert "trainer" in killed and "trainerrank" in killed and killed.count("rollout") >= 2, killed
-    assert summary["ray"]["trainer_restarts"] >= 2 and summary["ray"]["rollout_restarts"] >= 1
+    assert summary["trainer_restarts"] >= 2 and summary["ray"]["rollout_restarts"] >= 1
     placement = summary["ray"]["placement"]
     assert placement["trainer_ranks"] == [placement["trainer"]]  # the second rank on the trainer node
     assert placement["reward"] == [placement["trainer"]] * 2
@@ -365,8 +365,8 @@ def test_a_dead_env_actor_is_a_sandbox_error_to_the_environment():
     ray = pytest.importorskip("ray")
     import asyncio
 
+    from loomrl.env.remote import _raise_as_sandbox_error, _remote
     from loomrl.env.sandbox.base import SandboxError
-    from loomrl.runtime.ray_actors import _raise_as_sandbox_error, _remote
 
     async def dead_call():
         raise ray.exceptions.ActorDiedError()

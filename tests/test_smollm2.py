@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from loomrl.config import load_config
-from loomrl.runtime.local import LocalRun
+from loomrl.runtime.run import train
 from loomrl.store import read_trajectories
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,7 +20,7 @@ def test_one_sync_step_with_crashing_tools_completes_and_records_them(tmp_path):
         f"output_dir={tmp_path}", "name=flaky", "progress=false", "trainer.total_steps=1",
         "trainer.groups_per_step=4", "env.crash_rate=0.3", "eval.n_tasks=0", "trainer.freeze_layers=20",
     ])
-    summary = LocalRun(cfg).train()
+    summary = train(cfg)
     assert summary["steps"] == 1
     rows = read_trajectories(cfg.run_dir / "trajectories").to_pylist()
     assert len(rows) == 4 * cfg.trainer.group_size

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from loomrl.runtime.weight_sync import (
+from loomrl.trainer.weight_sync import (
     StaleWeights,
     Transport,
     latest_file_handle,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from typing import Any
 
 from loomrl.config import RunConfig
 from loomrl.env.base import Env
-from loomrl.env.pool import EnvPool
+from loomrl.env.pool import EnvPool, pool_size_for
 from loomrl.types import RewardFn, Task, Trajectory
 
 log = logging.getLogger(__name__)
@@ -170,3 +171,13 @@ def env_family(name: str) -> EnvFamily:
 
         raise ConfigError(f"config error: env.name: unknown environment {name!r}; choose from {sorted(FAMILIES)}")
     return FAMILIES[name]
+
+
+def sandbox_pool_size(cfg: RunConfig, concurrency: int) -> int:
+    """Sandboxes for `concurrency` rollouts: env.pool_size, else enough for them plus spares."""
+    if cfg.env.pool_size:
+        return cfg.env.pool_size
+    use = "episode" if cfg.agent.kind == "blackbox" else env_family(cfg.env.name).sandbox_use
+    if use == "call":  # held only while a tool runs: a few per core are plenty
+        return pool_size_for(min(concurrency, 4 * (os.cpu_count() or 1)))
+    return pool_size_for(concurrency)  # held for a whole episode

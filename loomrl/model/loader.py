@@ -152,3 +152,8 @@ def load_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBa
     model.eval()
     return model, tokenizer
 
+
+
+def load_run_model(cfg: ModelConfig, checkpoint: Path | None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A run's model: the checkpoint's when resuming or restarting from one, else `cfg`'s."""
+    return load_model(ModelConfig(kind="hf", path=str(checkpoint / "model")) if checkpoint is not None else cfg)

@@ -82,11 +82,11 @@ class Follower:
     """Rank r > 0: a model and optimizer replica that trains on the shards rank 0 sends."""
 
     def __init__(self, cfg: RunConfig, ckpt: Path | None):
-        from loomrl.runtime.local import build_model
-        from loomrl.runtime.trainer_service import initial_policy
+        from loomrl.model.loader import load_run_model
         from loomrl.trainer.checkpoint import load_optimizer, load_state
+        from loomrl.trainer.service import initial_policy
 
-        model, _ = build_model(cfg, ckpt)
+        model, _ = load_run_model(cfg.model, ckpt)
         self.trainer = Trainer(model, cfg.trainer, initial_model=initial_policy(cfg, ckpt))
         if ckpt is not None:
             load_optimizer(ckpt, self.trainer.optimizer, self.trainer.scheduler)

@@ -22,9 +22,9 @@ from loomrl.buffer import Buffer, usable_group
 from loomrl.buffer.buffer import group_min_version
 from loomrl.buffer.filters import FilterConfig, balance_samples
 from loomrl.config import RunConfig
-from loomrl.runtime.trainer_ranks import RankGroup
 from loomrl.trainer.checkpoint import load_optimizer, load_state, save_checkpoint, set_rng_state
 from loomrl.trainer.grpo import samples_from_group
+from loomrl.trainer.ranks import RankGroup
 from loomrl.trainer.trainer import Trainer
 from loomrl.types import Trajectory
 
@@ -106,6 +106,20 @@ class TrainerService:
             set_rng_state(state["rng"])
             kept = [e for e in read_ledger(self.run_dir) if e["step"] <= state["step"]]
             self.ledger_path.write_text("".join(json.dumps(e) + "\n" for e in kept))
+
+    @classmethod
+    def from_run(cls, cfg: RunConfig, extra: dict[str, Any], checkpoint: Path | None) -> TrainerService:
+        """A trainer of its own (async or Ray) from `checkpoint` (the run folder's latest; None: the
+        configured model), after repairing a ledger torn by a crash. `extra`: runtime facts the
+        checkpoint does not have yet (e.g. eval before)."""
+        from loomrl.model.loader import load_run_model
+
+        repair_ledger_for_restart(cfg.run_dir, checkpoint)
+        model, tokenizer = load_run_model(cfg.model, checkpoint)
+        service = cls(cfg, model, tokenizer, resume_from=checkpoint)
+        for k, v in extra.items():
+            service.extra.setdefault(k, v)
+        return service
 
     @property
     def version(self) -> int:
@@ -204,6 +218,7 @@ class TrainerService:
             state={"buffer": self.buffer.state_dict(), "received": self.received.state(), "extra": self.extra},
         )
 
-    def trainable_weights(self) -> dict[str, torch.Tensor]:
-        """Copies of the parameters that training changes (frozen ones never need resending)."""
-        return {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+    def live_weights(self) -> dict[str, torch.Tensor]:
+        """The parameters that training changes (frozen ones never need resending), not copied: a
+        publisher copies them out before the next step changes them."""
+        return {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}

@@ -26,8 +26,8 @@ from loomrl.agent.priorities import ProgramPriorities
 from loomrl.config import RunConfig
 from loomrl.engine.base import Engine, SamplingParams
 from loomrl.env.base import Env
-from loomrl.env.pool import Leases, pool_size_for, sandbox_pool
-from loomrl.env.registry import env_family
+from loomrl.env.pool import Leases, sandbox_pool
+from loomrl.env.registry import env_family, sandbox_pool_size
 from loomrl.model.chat import ChatRenderer
 from loomrl.reward import RewardPool, import_reward
 from loomrl.types import RewardFn, RolloutStatus, Task, Trajectory
@@ -100,16 +100,6 @@ def rollout_concurrency(cfg: RunConfig) -> int:
     if cap:
         return max(min(train, group_slots(cfg) * t.group_size), min(cfg.eval.n_tasks, cap))
     return max(train, cfg.eval.n_tasks)
-
-
-def sandbox_pool_size(cfg: RunConfig, concurrency: int) -> int:
-    """Sandboxes for `concurrency` rollouts: env.pool_size, else enough for them plus spares."""
-    if cfg.env.pool_size:
-        return cfg.env.pool_size
-    use = "episode" if cfg.agent.kind == "blackbox" else env_family(cfg.env.name).sandbox_use
-    if use == "call":  # held only while a tool runs: a few per core are plenty
-        return pool_size_for(min(concurrency, 4 * (os.cpu_count() or 1)))
-    return pool_size_for(concurrency)  # held for a whole episode
 
 
 class RolloutWorker:
@@ -255,6 +245,8 @@ class RolloutWorker:
                     traj.metadata.retry_errors = errors
                     traj = await self.reward_pool.score(traj, task)
                     self.counts[str(traj.status)] += 1
+                    if traj.reward_failed:  # outside the sum, like retried:<status>
+                        self.counts["reward_failed"] += 1
                     return traj
                 # A failure the recipe retries (agent.retry_on): run the episode again after a backoff.
                 errors.append(f"{traj.status}: {traj.error}")
@@ -337,7 +329,8 @@ class RolloutWorker:
     def rollout_counts(self) -> dict[str, int]:
         """launched, and how each rollout ended: a trajectory status, or "cancelled" (in flight when an
         async run finished); they add up once none is in flight. "retried:<status>" counts attempts
-        that failed and were run again (agent.retry_on), outside that sum."""
+        that failed and were run again (agent.retry_on), "reward_failed" the ones that could not be
+        scored (stored, not trained), both outside that sum."""
         return dict(self.counts)
 
     def program_metrics(self) -> dict[str, float]:

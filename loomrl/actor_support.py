@@ -1,0 +1,31 @@
+"""What every Ray actor of a run shares: where it runs, and how its errors read. Plain classes elsewhere
+(rollout/actor.py, reward/actor.py, env/remote.py, trainer/actor.py); the Ray backend
+(runtime/ray_backend.py) wraps them with `ray.remote`, so that importing them needs no ray."""
+
+from __future__ import annotations
+
+import os
+
+
+def constructor_failed(err: BaseException) -> bool:
+    """Whether a Ray actor error says the actor's constructor raised (every fresh one would too)."""
+    return "creation task" in str(err)
+
+
+def actor_error_line(err: BaseException) -> str:
+    """The message of the exception an actor raised (Ray wraps it in a traceback)."""
+    import ray
+
+    if isinstance(err, ray.exceptions.RayTaskError) and err.cause is not None:
+        err = err.cause
+    return str(err).strip().splitlines()[-1]
+
+
+class Placed:
+    """An actor that can say where the scheduler placed it."""
+
+    def where(self) -> tuple[str, int]:
+        """(Ray node id, process id)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), os.getpid()

@@ -1,0 +1,18 @@
+"""The engine a run's config asks for (engine.kind), over a model it may share with the trainer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loomrl.config import RunConfig
+from loomrl.engine.base import Engine
+
+
+def make_engine(cfg: RunConfig, model: Any, tokenizer: Any, version: int) -> Engine:
+    """The built-in engine (the one kind today) over `model`; sync runs share it with the trainer."""
+    from loomrl.engine.builtin.engine import BuiltinEngine
+
+    e = cfg.engine
+    return BuiltinEngine(model, eos_token_id=tokenizer.eos_token_id, kv_budget_tokens=e.kv_budget_tokens,
+                         max_running=e.max_batch_size, max_prefill_tokens=e.max_prefill_tokens,
+                         prefix_cache=e.prefix_cache, seed=cfg.seed, version=version, tokenizer=tokenizer)

@@ -1,0 +1,57 @@
+"""The reward pool's Ray half: reward actors (ray.num_reward_workers > 0) and RewardPool's interface
+over them, for rollout actors that score remotely."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from loomrl.actor_support import Placed, constructor_failed
+from loomrl.config import RunConfig
+from loomrl.reward.pool import RewardPool, mark_reward_failed
+from loomrl.types import Task, Trajectory
+
+
+class RewardActor(Placed):
+    """A reward worker (ray.num_reward_workers > 0): the run's reward function on its own threads, on
+    whatever node ray.reward_resources picks, shared by every rollout actor. Stateless, so Ray itself
+    restarts it when it dies (max_restarts) and retries the calls it was running on the fresh one
+    (max_task_retries); calls that still fail reach RemoteRewardPool as errors."""
+
+    def __init__(self, cfg_json: str):
+        from loomrl.rollout.worker import reward_fn_for
+
+        cfg = RunConfig.model_validate_json(cfg_json)
+        self.pool = RewardPool(reward_fn_for(cfg), workers=cfg.reward.workers)
+
+    async def score(self, traj: Trajectory, task: Task) -> Trajectory:
+        return await self.pool.score(traj, task)
+
+
+class RemoteRewardPool:
+    """RewardPool's interface over the reward actors (round robin). A call that fails even after Ray's
+    retries on restarted actors marks the trajectory reward_failed with the reason: it is stored and
+    left out of training, and the rollout goes on."""
+
+    def __init__(self, actors: list[Any]):
+        self.actors = actors
+        self._next = itertools.cycle(range(len(actors)))
+        self.scored = 0
+        self.failed = 0
+
+    async def score(self, traj: Trajectory, task: Task) -> Trajectory:
+        import ray
+
+        i = next(self._next)
+        try:
+            out = await self.actors[i].score.remote(traj, task)
+        except ray.exceptions.RayError as err:
+            if constructor_failed(err):  # a reward setup that cannot work: fail the rollout, and so the run
+                raise
+            self.failed += 1
+            out = mark_reward_failed(traj, f"reward actor {i}: {type(err).__name__}: {str(err).splitlines()[0]}")
+        self.scored += 1
+        return out
+
+    def close(self) -> None:
+        pass  # the driver owns the reward actors

@@ -1,0 +1,1 @@
+"""The rollout pool: rollout workers (positions -> scored groups) and their Ray actor."""

@@ -1,0 +1,86 @@
+"""The rollout pool's Ray half: a rollout worker (engine + agent loops + env and reward pools) as an
+actor on some node."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from typing import Any
+
+import torch
+
+from loomrl.actor_support import Placed
+from loomrl.config import RunConfig
+from loomrl.engine.factory import make_engine
+from loomrl.env.registry import env_family
+from loomrl.env.remote import RemoteEnvPool
+from loomrl.model.chat import ChatRenderer
+from loomrl.model.loader import load_run_model
+from loomrl.reward.actor import RemoteRewardPool
+from loomrl.rollout.worker import RolloutWorker
+from loomrl.trainer.weight_sync import WeightHandle
+from loomrl.types import Trajectory
+
+
+class RolloutActor(Placed):
+    """One rollout worker on some node. Async actor: many groups run at once over one engine.
+    `reward_actors`: score on these (RemoteRewardPool) instead of this actor's own threads.
+    `env_actors`: lease sandboxes from these (RemoteEnvPool, as `owner`) instead of this node's."""
+
+    def __init__(self, cfg_json: str, reward_actors: list[Any] | None = None, env_actors: list[Any] | None = None,
+                 owner: str = ""):
+        cfg = RunConfig.model_validate_json(cfg_json)
+        # engine.threads, else the CPUs Ray reserved for this actor (several actors share a node's cores)
+        torch.set_num_threads(cfg.engine.threads or max(1, int(cfg.ray.rollout_num_cpus)))
+        torch.manual_seed(cfg.seed)
+        self.cfg = cfg
+        # Architecture, tokenizer and frozen weights; the trainable ones arrive with update_weights
+        # before the first group (the driver sends the trainer's current version to every new actor).
+        model, tokenizer = load_run_model(cfg.model, None)
+        self.engine = make_engine(cfg, model, tokenizer, 0)
+        # On a thread: this constructor runs inside the actor's event loop, and a family may run one of
+        # its own to build its tasks (codefix validates its corpus in local sandboxes, once per process).
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            train_tasks, self.heldout = pool.submit(env_family(cfg.env.name).splits, cfg).result()
+        rewards = RemoteRewardPool(reward_actors) if reward_actors else None
+        envs = RemoteEnvPool(env_actors, owner) if env_actors else None
+        self.worker = RolloutWorker(cfg, self.engine, ChatRenderer(tokenizer), train_tasks, reward_pool=rewards,
+                                    env_pool=envs)
+        self._weights_lock: asyncio.Lock | None = None
+
+    def _lock(self) -> asyncio.Lock:
+        if self._weights_lock is None:  # made on the actor's event loop
+            self._weights_lock = asyncio.Lock()
+        return self._weights_lock
+
+    async def update_weights(self, handle: WeightHandle) -> dict[str, float]:
+        """Load a published version into the engine; groups sent after this call wait for it.
+        Returns the version and how long fetching (from the object store) and applying took."""
+        async with self._lock():
+            t0 = time.perf_counter()
+            weights = await handle.payload  # transport "ray": an ObjectRef owned by the driver
+            t1 = time.perf_counter()
+            if self.cfg.runtime.interrupt_on_update:
+                self.engine.interrupt()  # in-flight turns resume under the new weights (AgentLoop._generate)
+            await asyncio.to_thread(self.engine.update_weights, weights, handle.version)
+        return {"version": handle.version, "load_s": t1 - t0, "apply_s": time.perf_counter() - t1}
+
+    async def run_group(self, position: int) -> list[Trajectory]:
+        # An update sent before this group (e.g. the rollback after a trainer restart) lands first:
+        # the lock is FIFO and update_weights takes it before its first await.
+        async with self._lock():
+            pass
+        return await self.worker.run_group(position)
+
+    async def evaluate(self) -> dict[str, Any]:
+        async with self._lock():  # the latest published weights first, as for run_group
+            pass
+        res = await self.worker.evaluate(self.heldout[: self.cfg.eval.n_tasks])
+        return {"success": res.success, "n": res.n, "stderr": res.stderr, "statuses": res.statuses}
+
+    async def close(self) -> tuple[dict[str, int], dict[str, Any]]:
+        """Tear down sandboxes and the engine; returns the episode counts and the env pool's metrics."""
+        await self.worker.aclose()
+        self.engine.close()
+        return self.worker.rollout_counts(), self.worker.pool_metrics()

@@ -1,0 +1,449 @@
+"""The driver: one loop for every run, over a backend that holds only placement and transport.
+
+The driver owns what a run decides:
+- admission (bounded staleness, buffer/admission.py): the group at data position p is launched only
+  while p // groups_per_step - version <= max_lag (buffer.max_policy_lag; 0 in sync mode, so a step's
+  groups are sampled by the current policy and training never overlaps generation);
+- data positions: a resumed or restarted run goes on from the positions its trainer has not received;
+- retries: an attempt whose rollout worker died (RolloutLost) runs again after
+  runtime.retry_backoff_s x 2^k, at most runtime.max_group_attempts times in all, then the position is
+  recorded as failed;
+- the trainer-restart policy: a trainer that dies (TrainerLost) is restarted from the run folder's
+  latest checkpoint at most runtime.max_trainer_restarts times; groups it received after that
+  checkpoint, and attempts still in flight, may hold tokens of versions the restored model never had:
+  they are discarded (reason trainer_restart) and their positions run again with the restored weights;
+- step metrics, eval before and after, the summary, and the accounting identity (accounting.py):
+  every trajectory launched ends in exactly one fate, checked against the ledger at the end.
+
+A backend (Backend below) runs attempts, feeds the trainer and moves weights: runtime/local.py (this
+process + a trainer process, or one process in sync mode) and runtime/ray_backend.py (actors).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from loomrl.buffer.admission import admits, open_positions
+from loomrl.config import RunConfig
+from loomrl.metrics import MetricsLogger
+from loomrl.rollout.worker import group_summary
+from loomrl.runtime.accounting import Accounting, ledger_line
+from loomrl.store import TrajectoryStore
+from loomrl.trainer.checkpoint import checkpoint_step, latest_checkpoint, load_state
+from loomrl.trainer.service import PositionSet, read_ledger
+from loomrl.types import Trajectory
+
+log = logging.getLogger("loomrl")
+
+
+class RunError(RuntimeError):
+    """A run cannot start or continue; the message says why and what to do."""
+
+
+class TrainerLost(Exception):
+    """The trainer (or one of its ranks) died or failed; the driver restarts it or stops the run."""
+
+
+class RolloutLost(Exception):
+    """The rollout worker that ran an attempt died (the backend has replaced it); the driver retries."""
+
+
+@dataclass(slots=True, frozen=True)
+class TrainerState:
+    """What a (re)started trainer holds: its policy version and the data positions it has received."""
+
+    version: int
+    received: PositionSet
+
+
+@dataclass(slots=True, frozen=True)
+class EvalRecord:
+    """Held-out success: the rate, its standard error, how many episodes and how they ended."""
+
+    success: float
+    n: int
+    stderr: float
+    statuses: dict[str, int]
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(slots=True, kw_only=True)
+class BackendReport:
+    """What a backend tells the summary when it closes."""
+
+    rollouts: dict[str, int]  # episodes (eval included) by how they ended, as its rollout workers counted
+    env_pool: dict[str, float]  # the sandbox pools' metrics, teardown included
+    extra: dict[str, Any] = field(default_factory=dict)  # its own section (e.g. "ray": restarts, placement)
+
+
+@dataclass(slots=True, kw_only=True)
+class RunSummary:
+    success_before: float | None
+    success_after: float | None
+    n_heldout: int
+    stderr_before: float | None
+    stderr_after: float | None
+    steps: int
+    run_dir: str
+    wall_s: float
+    rollouts: dict[str, int]
+    trainer_restarts: int
+    positions_failed: dict[str, str]  # position -> why it was given up
+    env_pool: dict[str, float]
+    accounting: dict[str, Any]  # accounting.Accounting.settle: training trajectories, by fate
+    extra: dict[str, Any]
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(out.pop("extra"))
+        out["env_pool"] = {k: round(v, 4) if isinstance(v, float) else v for k, v in self.env_pool.items()}
+        return out
+
+
+class Backend(ABC):
+    """Placement and transport of a run: where groups are generated and trained, how they and the
+    weights travel. Every method that talks to the trainer raises TrainerLost when it is gone."""
+
+    label: str  # for the progress bar
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Start the rollout side (engines, pools, actors), ready to evaluate and dispatch."""
+
+    @abstractmethod
+    async def start_trainer(self, extra: dict[str, Any]) -> TrainerState:
+        """A trainer from the run folder's latest checkpoint (none: the configured model)."""
+
+    @abstractmethod
+    def stop_trainer(self) -> None:
+        """Stop the trainer (every rank), dead or alive."""
+
+    @abstractmethod
+    def dispatch(self, position: int) -> asyncio.Future:
+        """Start generating the group at `position`; the future gives the scored group, or raises
+        RolloutLost when the worker running it died."""
+
+    @abstractmethod
+    def cancel(self, attempt: asyncio.Future) -> None:
+        """Give up an attempt in flight."""
+
+    @abstractmethod
+    async def receive(self, position: int, group: list[Trajectory]) -> None:
+        """Hand a group to the trainer."""
+
+    @abstractmethod
+    async def train_step(self) -> dict[str, Any] | None:
+        """One training step's metrics, or None when the trainer has no step's groups buffered."""
+
+    @abstractmethod
+    async def publish(self, version: int) -> None:
+        """Bring the trainer's current weights (`version`) to every engine; later groups use them."""
+
+    @abstractmethod
+    async def evaluate(self, label: str) -> EvalRecord:
+        """Held-out success with the latest published weights (RolloutLost: the worker died)."""
+
+    @abstractmethod
+    def step_metrics(self) -> dict[str, float]:
+        """The backend's own metrics since the last call (engine, weight transfers, pools, restarts)."""
+
+    @abstractmethod
+    async def close(self) -> BackendReport:
+        """Stop everything; what the rollout side counted."""
+
+
+@dataclass(slots=True)
+class Attempt:
+    position: int
+    serial: int  # the position's live attempt is the one whose serial Driver.live holds
+
+
+def positions_after(received: PositionSet) -> Iterator[int]:
+    """Data positions in order, skipping the ones the trainer has received."""
+    p = 0
+    while True:
+        if p not in received:
+            yield p
+        p += 1
+
+
+def progress(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, dynamic_ncols=True, leave=True)
+
+
+class Driver:
+    def __init__(self, cfg: RunConfig, backend: Backend, checkpoint, wall_start: float):
+        self.cfg, self.backend, self.ckpt, self.wall_start = cfg, backend, checkpoint, wall_start
+        self.logger = MetricsLogger(cfg.run_dir)
+        if checkpoint is not None:
+            self.logger.rollback(checkpoint_step(checkpoint), "resume")
+        self.store = TrajectoryStore(cfg.run_dir / "trajectories")
+        self.acc = Accounting()
+        self.B, self.G = cfg.trainer.groups_per_step, cfg.trainer.group_size
+        self.lag = 0 if cfg.runtime.mode == "sync" else cfg.buffer.max_policy_lag
+        self.version = 0
+        self.inflight: dict[asyncio.Future, Attempt] = {}
+        self.live: dict[int, int] = {}  # position -> serial of its live attempt
+        self.attempts: dict[int, int] = {}
+        self.retry_at: dict[int, float] = {}  # position -> when to dispatch it again
+        self.gave_up: dict[int, str] = {}  # position -> why
+        self.sent: dict[int, list[str]] = {}  # position -> ids sent to the trainer since it started
+        self.serials = itertools.count()
+        self.trainer_restarts = 0
+        self.positions: Iterator[int] = iter(())
+        self.next_pos = 0
+        # per step: groups launched, the most in flight at once, seconds with none in flight
+        self.launched = self.peak = 0
+        self.idle_s, self.idle_since = 0.0, None
+
+    # -- the trainer --------------------------------------------------------------------------------
+    async def _start_trainer(self, extra: dict[str, Any]) -> None:
+        state = await self.backend.start_trainer(extra)
+        for pos in [p for p in self.sent if p not in state.received]:
+            self.acc.discard(self.sent.pop(pos), "trainer_restart")
+        self.live.clear()  # attempts in flight are superseded: their results are discarded on arrival
+        self.retry_at.clear()
+        self.attempts.clear()
+        self.gave_up.clear()
+        self.version = state.version
+        self.positions = positions_after(state.received)
+        self.next_pos = next(self.positions)
+        await self.backend.publish(self.version)
+
+    async def _restart_trainer(self, err: TrainerLost, extra: dict[str, Any]) -> None:
+        """After TrainerLost: a fresh trainer from the latest checkpoint, or RunError past the limit."""
+        self.trainer_restarts += 1
+        limit = self.cfg.runtime.max_trainer_restarts
+        ckpt = latest_checkpoint(self.cfg.run_dir)
+        where = f"its latest checkpoint is {ckpt.name}" if ckpt else "it has no checkpoint yet"
+        if self.trainer_restarts > limit:
+            raise RunError(f"run error: the trainer failed:\n{err}\nThe run folder '{self.cfg.run_dir}' keeps "
+                           f"everything up to the last checkpoint ({where}); continue with the same command and "
+                           "--resume") from None
+        log.warning("the trainer failed (%s); restarting it (%d of %d), %s", str(err).splitlines()[-1],
+                    self.trainer_restarts, limit, where)
+        self.backend.stop_trainer()
+        await self._start_trainer(extra)
+        self.logger.rollback(self.version, "trainer_restart")
+
+    # -- attempts -----------------------------------------------------------------------------------
+    def _dispatch(self, pos: int) -> None:
+        a = Attempt(pos, next(self.serials))
+        self.live[pos] = a.serial
+        self.attempts[pos] = self.attempts.get(pos, 0) + 1
+        self.inflight[self.backend.dispatch(pos)] = a
+        self.acc.launched += self.G
+        self.launched += 1
+        if self.idle_since is not None:
+            self.idle_s += time.perf_counter() - self.idle_since
+            self.idle_since = None
+
+    def _admit(self) -> None:
+        for pos in [p for p, t in self.retry_at.items() if t <= time.monotonic()]:
+            del self.retry_at[pos]
+            self._dispatch(pos)
+        # admission counts positions that will deliver a group: ones given up on free their place
+        while admits(self.next_pos - len(self.gave_up), version=self.version, groups_per_step=self.B,
+                     max_lag=self.lag):
+            self._dispatch(self.next_pos)
+            self.next_pos = next(self.positions)
+        self.peak = max(self.peak, len(self.inflight))
+
+    def _lost(self, a: Attempt, err: RolloutLost) -> None:
+        self.acc.failed["actor_died"] += self.G  # the group's trajectories died with their worker
+        if self.live.get(a.position) != a.serial:
+            return  # superseded (trainer restart): the position runs again anyway
+        del self.live[a.position]
+        k = self.attempts[a.position]
+        if k < self.cfg.runtime.max_group_attempts:
+            self.retry_at[a.position] = time.monotonic() + self.cfg.runtime.retry_backoff_s * 2 ** (k - 1)
+        else:
+            self.gave_up[a.position] = f"{err} ({k} attempts)"
+            log.warning("position %d failed %d times; recorded as failed", a.position, k)
+
+    def _keep(self, group: list[Trajectory]) -> None:
+        """Count and store a returned group (the trainer may or may not get it)."""
+        self.acc.returned.update(t.trajectory_id for t in group)
+        self.store.append(group)
+
+    async def _arrived(self, a: Attempt, group: list[Trajectory]) -> bool:
+        """Store a returned group; send it to the trainer unless it was superseded."""
+        ids = [t.trajectory_id for t in group]
+        self._keep(group)  # stored first: whatever happens next, it is on disk
+        if self.live.get(a.position) != a.serial:
+            self.acc.discard(ids, "trainer_restart")
+            return False
+        del self.live[a.position]
+        if max((t.metadata.policy_version_max for t in group), default=-1) > self.version:
+            # sampled by weights the trainer no longer has (a rollback raced this group): never train it
+            self.acc.discard(ids, "newer_than_trainer")
+            self.gave_up[a.position] = "newer_than_trainer"
+            return False
+        self.sent[a.position] = ids
+        await self.backend.receive(a.position, group)
+        return True
+
+    async def _settle(self, done: set[asyncio.Future], recent: list) -> None:
+        for fut in done:
+            a = self.inflight.pop(fut)
+            err = fut.exception()
+            if isinstance(err, RolloutLost):
+                self._lost(a, err)
+            elif err is not None:
+                raise err
+            elif await self._arrived(a, fut.result()):
+                recent.append(fut.result())
+        if not self.inflight and self.idle_since is None:
+            self.idle_since = time.perf_counter()
+
+    # -- the loop -----------------------------------------------------------------------------------
+    async def _wait(self) -> set[asyncio.Future]:
+        """The attempts that ended (none: a retry is due)."""
+        due = max(0.0, min(self.retry_at.values()) - time.monotonic()) if self.retry_at else None
+        if not self.inflight:
+            if due is None:
+                raise RunError(f"run error: nothing in flight at version {self.version} and nothing to retry; "
+                               "every position of the step failed")
+            await asyncio.sleep(due)
+            return set()
+        done, _ = await asyncio.wait(list(self.inflight), timeout=due, return_when=asyncio.FIRST_COMPLETED)
+        return done
+
+    async def _train(self, recent: list, clock: dict[str, float], bar) -> None:
+        """Every step the trainer can take now: train, publish the weights, log the step."""
+        while self.version < self.cfg.trainer.total_steps:
+            t0 = time.perf_counter()
+            metrics = await self.backend.train_step()
+            if metrics is None:
+                return
+            self.version += 1
+            await self.backend.publish(self.version)
+            now = time.perf_counter()
+            clock["train_s"] += now - t0
+            if self.idle_since is not None:
+                self.idle_s, self.idle_since = self.idle_s + now - self.idle_since, now
+            step_s = now - clock["started"]
+            metrics.update({
+                "time/step_s": step_s, "time/train_s": clock["train_s"], "time/rollout_s": step_s - clock["train_s"],
+                "time/rollout_idle_s": self.idle_s, "admission/launched_groups": self.launched,
+                "admission/inflight_groups_max": self.peak, "admission/inflight_groups": len(self.inflight),
+                # positions the rule still admits before the next weight update
+                "admission/open_positions": open_positions(self.next_pos - len(self.gave_up), version=self.version,
+                                                           groups_per_step=self.B, max_lag=self.lag),
+                "runtime/trainer_restarts": self.trainer_restarts, **group_summary(recent),
+                **self.backend.step_metrics()})
+            self.logger.log(self.version, metrics)
+            self.idle_s, self.launched, self.peak = 0.0, 0, len(self.inflight)
+            clock.update(started=now, train_s=0.0)
+            recent.clear()
+            bar.update(1)
+            bar.set_postfix(reward=f"{metrics.get('rollout/reward_mean', 0):.3f}")
+            self._admit()  # what the new version admits generates while the next step trains
+
+    async def _steps(self, extra: dict[str, Any]) -> None:
+        bar = progress(self.cfg.trainer.total_steps, f"train ({self.backend.label})", self.cfg.progress)
+        bar.update(self.version)
+        recent: list = []
+        clock = {"started": time.perf_counter(), "train_s": 0.0}
+        lost: TrainerLost | None = None
+        try:
+            while self.version < self.cfg.trainer.total_steps:
+                try:
+                    if lost is not None:  # a restart that fails as it starts counts as one more
+                        err, lost = lost, None
+                        await self._restart_trainer(err, extra)
+                        bar.n = self.version
+                        bar.refresh()
+                    self._admit()
+                    await self._settle(await self._wait(), recent)
+                    await self._train(recent, clock, bar)
+                except TrainerLost as err:
+                    lost = err
+        finally:
+            bar.close()  # before an error's message, not after it
+
+    def _end_inflight(self) -> list[asyncio.Future]:
+        """The run is over: attempts that finished are stored (not trained), the others cancelled."""
+        cancelled = []
+        for fut in self.inflight:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self._keep(fut.result())
+                continue
+            self.backend.cancel(fut)
+            self.acc.cancelled += self.G
+            cancelled.append(fut)
+        self.inflight.clear()
+        return cancelled
+
+    async def _evaluate(self, label: str, step: int) -> EvalRecord | None:
+        cfg = self.cfg
+        if not cfg.eval.n_tasks or not (cfg.eval.before if label == "before" else cfg.eval.after):
+            return None
+        for _ in range(cfg.runtime.max_group_attempts):
+            try:
+                record = await self.backend.evaluate(label)
+                break
+            except RolloutLost:
+                continue
+        else:
+            log.warning("eval %s: the rollout worker kept dying; no result", label)
+            return None
+        self.logger.log(step, {f"eval/{k}": v for k, v in record.as_dict().items() if k != "statuses"},
+                        kind=f"eval_{label}")
+        log.info("held-out success %s: %.3f ± %.3f (n=%d)", label, record.success, record.stderr, record.n)
+        return record
+
+    async def _run(self) -> tuple[EvalRecord | None, EvalRecord | None, BackendReport]:
+        extra = load_state(self.ckpt).get("extra", {}) if self.ckpt else {}
+        before = after = None
+        try:
+            await self.backend.start()
+            if extra.get("eval_before") is not None:
+                before = EvalRecord(**extra["eval_before"])
+            else:
+                before = await self._evaluate("before", 0)
+                if before is not None:
+                    extra["eval_before"] = before.as_dict()
+            try:
+                await self._start_trainer(extra)
+            except TrainerLost as err:
+                raise RunError(f"run error: the trainer failed to start:\n{err}") from None
+            await self._steps(extra)
+            await asyncio.gather(*self._end_inflight(), return_exceptions=True)
+            after = await self._evaluate("after", self.version)
+        finally:
+            await asyncio.gather(*self._end_inflight(), return_exceptions=True)
+            self.backend.stop_trainer()
+            report = await self.backend.close()
+        return before, after, report
+
+    def train(self) -> dict[str, Any]:
+        try:
+            before, after, report = asyncio.run(self._run())
+        finally:
+            self.store.flush()
+            self.logger.close()
+        acc = self.acc.settle(read_ledger(self.cfg.run_dir))
+        log.info(ledger_line(acc))
+        summary = RunSummary(
+            success_before=before.success if before else None, success_after=after.success if after else None,
+            n_heldout=(after or before).n if (after or before) else 0,
+            stderr_before=before.stderr if before else None, stderr_after=after.stderr if after else None,
+            steps=self.version, run_dir=str(self.cfg.run_dir), wall_s=round(time.time() - self.wall_start, 1),
+            rollouts=report.rollouts, trainer_restarts=self.trainer_restarts,
+            positions_failed={str(k): v for k, v in self.gave_up.items()}, env_pool=report.env_pool,
+            accounting=acc, extra=report.extra).as_dict()
+        (self.cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary

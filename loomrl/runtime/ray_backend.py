@@ -1,0 +1,354 @@
+"""The Ray backend (runtime.backend=ray): rollout actors (engine + agent loops), trainer actors (rank 0
+and, with trainer.world_size > 1, the other data-parallel ranks), and optionally reward actors and env
+actors (sandboxes), each placed by its own resources across a Ray cluster. The driver
+(runtime/driver.py) decides what runs and what a failure means; this file places actors, moves groups
+and weights (transport "ray": the trainer returns its weights, so the object belongs to the driver
+and outlives a trainer that dies), and replaces what died:
+- a rollout actor dies (its engine dies with it, and its own env pool and reward pool when it has
+  them): a fresh actor takes its place with the current weights and its attempts end RolloutLost
+  (the driver retries them). Sandboxes it had leased from env actors are destroyed and replaced. One
+  whose constructor raises stops the run.
+- a reward actor dies: Ray restarts it (stateless) and retries its calls; a trajectory that still
+  cannot be scored is stored as reward_failed and not trained.
+- an env actor dies: Ray restarts it with fresh sandboxes; the episodes whose sandboxes it held end
+  env_error (agent.retry_on runs them again).
+- a trainer actor dies (any rank): TrainerLost; the driver has fresh ones made from the run folder's
+  latest checkpoint (which must be on a filesystem every node sees).
+
+What is not here: GPU engines (vLLM / SGLang actors), or restarting the driver itself (a dead driver
+is a crashed run: `--resume` continues from the latest checkpoint).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from loomrl.actor_support import actor_error_line, constructor_failed
+from loomrl.config import RunConfig
+from loomrl.env.registry import env_family
+from loomrl.env.remote import EnvActor
+from loomrl.env.sandbox import SandboxError
+from loomrl.reward.actor import RewardActor
+from loomrl.rollout.actor import RolloutActor
+from loomrl.rollout.worker import rollout_concurrency
+from loomrl.runtime.driver import Backend, BackendReport, EvalRecord, RolloutLost, RunError, TrainerLost, TrainerState
+from loomrl.trainer.actor import TrainerActor, TrainerRankActor
+from loomrl.trainer.ranks import RankLost
+from loomrl.trainer.service import PositionSet
+from loomrl.trainer.weight_sync import Transport, WeightHandle
+from loomrl.types import Trajectory
+
+log = logging.getLogger("loomrl")
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise RunError("run error: runtime.backend=ray needs the ray package; install it with "
+                       "pip install -e '.[ray]' (or set runtime.backend=local)") from None
+    return ray
+
+
+def fail_if_cannot_start(err: BaseException, what: str) -> None:
+    """An actor whose constructor raised: every fresh one would too, so the run stops with the cause;
+    sandboxes that cannot work (EnvPoolFailed in an actor) likewise, in one line."""
+    if constructor_failed(err):
+        raise RunError(f"run error: {what} failed to start (its constructor raised):\n"
+                       + "\n".join(str(err).splitlines()[-3:])) from None
+    if isinstance(err, SandboxError):
+        raise RunError(f"run error: {actor_error_line(err)}") from None
+
+
+@dataclass(slots=True, kw_only=True)
+class WorkerSlot:
+    handle: Any
+    owner: str = ""  # its name in the env actors' lease tables
+    incarnation: int = 0
+    load: int = 0  # groups in flight on it
+
+
+class RayBackend(Backend):
+    label = "ray"
+
+    def __init__(self, cfg: RunConfig):
+        self.ray = import_ray()
+        self.cfg = cfg
+        self.cfg_json = cfg.model_dump_json()
+        self.workers: list[WorkerSlot] = []
+        self.trainer: Any = None  # rank 0
+        self.trainer_ranks: list[Any] = []  # ranks 1.. (trainer.world_size > 1)
+        self.reward_actors: list[Any] = []  # ray.num_reward_workers, shared by the rollout actors
+        self.env_actors: list[Any] = []  # ray.num_env_workers, shared by the rollout actors
+        self.owners = 0  # rollout actors made so far
+        self.reclaims: list[Any] = []  # release_owner calls: sandboxes of dead rollout actors reclaimed
+        self.weights: WeightHandle | None = None
+        self.syncs: list = []  # update_weights calls not yet read for the metrics
+        self.rollout_restarts = 0
+        self.pids: dict[str, list[int | None]] = {}  # reward / env actors' processes at the start
+        self.placement: dict[str, Any] = {}  # where the first actors ran
+        self.owns_ray = False
+
+    # -- actors -------------------------------------------------------------------------------------
+    def _actor(self, cls: type, num_cpus: float, resources: dict[str, float], **options: Any) -> Any:
+        return self.ray.remote(cls).options(num_cpus=num_cpus, resources=resources, **options)
+
+    def _init_ray(self) -> None:
+        """Connect (ray.address) or start a local Ray; one we start we also shut down."""
+        if self.ray.is_initialized():
+            return
+        r = self.cfg.ray
+        env = {"TOKENIZERS_PARALLELISM": "false"}
+        if os.environ.get("PYTHONPATH"):  # e.g. where a custom reward function lives
+            env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+        kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}, "log_to_driver": False,
+                                  "configure_logging": False}
+        if r.address is None:  # a one-machine cluster offering the resources the config asks for
+            need: dict[str, float] = {}
+            for res, n in [(r.rollout_resources, r.num_rollout_workers), (r.trainer_resources, self.cfg.trainer.world_size),
+                           (r.reward_resources, r.num_reward_workers), (r.env_resources, r.num_env_workers)]:
+                for k, v in res.items():
+                    need[k] = need.get(k, 0) + v * n
+            kwargs.update(include_dashboard=False, resources=need or None)
+        # "local": always a new one-machine cluster; plain None would join a cluster found running
+        # (RAY_ADDRESS, or the last one started on this machine)
+        self.ray.init(address=r.address or "local", **kwargs)
+        self.owns_ray = True
+
+    def _new_rollout_actor(self) -> WorkerSlot:
+        r = self.cfg.ray
+        self.owners += 1  # names this incarnation in the env actors' lease tables
+        owner = f"rollout-{self.owners}"
+        cls = self._actor(RolloutActor, r.rollout_num_cpus, r.rollout_resources, max_restarts=0, max_concurrency=1000)
+        actor = cls.remote(self.cfg_json, self.reward_actors, self.env_actors, owner)
+        if self.weights is not None:
+            self.syncs.append(actor.update_weights.remote(self.weights))
+        return WorkerSlot(handle=actor, owner=owner)
+
+    def _new_env_actors(self) -> list[Any]:
+        """Env actors sized for every rollout actor's concurrency, split between them."""
+        r = self.cfg.ray
+        if not r.num_env_workers:
+            return []
+        if env_family(self.cfg.env.name).sandbox_use is None:
+            log.warning("ray.num_env_workers=%d ignored: env %s uses no sandbox", r.num_env_workers, self.cfg.env.name)
+            return []
+        share = math.ceil(rollout_concurrency(self.cfg) * r.num_rollout_workers / r.num_env_workers)
+        # Concurrency: every waiting acquire holds a slot, and releases must still get in (else a full
+        # pool could never be given back to): room for all of them, with margin.
+        cls = self._actor(EnvActor, r.env_num_cpus, r.env_resources, max_concurrency=max(1000, 4 * share),
+                          max_restarts=r.max_env_restarts)
+        return [cls.remote(self.cfg_json, share) for _ in range(r.num_env_workers)]
+
+    async def _where(self, actors: list[Any]) -> list[tuple[str | None, int | None]]:
+        out = []
+        for actor in actors:
+            try:
+                out.append(tuple(await asyncio.wait_for(actor.where.remote(), timeout=30)))
+            except Exception:  # noqa: BLE001 - dead for good (past its restarts) or stuck
+                out.append((None, None))
+        return out
+
+    async def start(self) -> None:
+        self._init_ray()
+        r = self.cfg.ray
+        reward = self._actor(RewardActor, r.reward_num_cpus, r.reward_resources, max_concurrency=1000,
+                             max_restarts=r.max_reward_restarts, max_task_retries=r.max_reward_attempts - 1)
+        self.reward_actors = [reward.remote(self.cfg_json) for _ in range(r.num_reward_workers)]
+        self.env_actors = self._new_env_actors()
+        try:
+            for env in self.env_actors:  # pre-warm the sandboxes before the first rollout
+                await env.start.remote()
+        except self.ray.exceptions.RayError as err:
+            fail_if_cannot_start(err, "an env actor")
+            raise
+        for name, actors in (("reward", self.reward_actors), ("env", self.env_actors)):
+            where = await self._where(actors)
+            self.placement[name] = [node for node, _ in where]
+            self.pids[name] = [pid for _, pid in where]
+        self.workers = [self._new_rollout_actor() for _ in range(r.num_rollout_workers)]
+
+    def _replace_worker(self, i: int, why: str) -> None:
+        slot = self.workers[i]
+        try:
+            self.ray.kill(slot.handle, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        self.rollout_restarts += 1
+        if self.rollout_restarts > self.cfg.ray.max_rollout_restarts:  # e.g. an actor that dies as it starts
+            raise RunError(f"run error: rollout actors died {self.rollout_restarts} times (last: {why}); see the "
+                           "Ray logs of the rollout nodes, then continue with --resume")
+        log.warning("rollout actor %d died (%s); starting a fresh one", i, why)
+        for env in self.env_actors:  # its sandboxes are destroyed and replaced, not leaked
+            self.reclaims.append(env.release_owner.remote(slot.owner))
+        fresh = self._new_rollout_actor()
+        slot.handle, slot.owner, slot.incarnation, slot.load = fresh.handle, fresh.owner, slot.incarnation + 1, 0
+
+    def _worker_died(self, i: int, incarnation: int, err: BaseException) -> RolloutLost:
+        fail_if_cannot_start(err, "a rollout actor")
+        why = f"actor_died: {type(err).__name__}"
+        if self.workers[i].incarnation == incarnation:
+            self._replace_worker(i, why)
+        return RolloutLost(why)
+
+    # -- the trainer --------------------------------------------------------------------------------
+    async def _call_trainer(self, method: str, *args: Any) -> Any:
+        try:
+            return await getattr(self.trainer, method).remote(*args)
+        except self.ray.exceptions.RayActorError as err:
+            raise TrainerLost(str(err).splitlines()[0]) from None
+        except RankLost as err:  # another trainer rank died or failed: all ranks restart
+            raise TrainerLost(str(err).splitlines()[-1]) from None
+
+    async def start_trainer(self, extra: dict[str, Any]) -> TrainerState:
+        r, world = self.cfg.ray, self.cfg.trainer.world_size
+        self.trainer = self._actor(TrainerActor, r.trainer_num_cpus, r.trainer_resources,
+                                   max_restarts=0).remote(self.cfg_json, extra)
+        if world > 1:  # follower rank actors from rank 0's checkpoint, all in one process group
+            addr, port, ckpt = await self._call_trainer("rendezvous")
+            cls = self._actor(TrainerRankActor, r.trainer_num_cpus, r.trainer_resources, max_restarts=0)
+            self.trainer_ranks = [cls.remote(self.cfg_json, ckpt) for _ in range(world - 1)]
+            joins = [f.join.remote(rank, world, addr, port) for rank, f in enumerate(self.trainer_ranks, start=1)]
+            try:
+                await asyncio.gather(self._call_trainer("join_ranks", self.trainer_ranks, addr, port), *joins)
+            except self.ray.exceptions.RayError as err:  # a follower died or failed while joining
+                raise TrainerLost(f"a trainer rank failed to start: {str(err).splitlines()[0]}") from None
+        version, state = await self._call_trainer("state")
+        if "trainer" not in self.placement:
+            self.placement.update(
+                trainer=(await self._where([self.trainer]))[0][0],
+                trainer_ranks=[node for node, _ in await self._where(self.trainer_ranks)],
+                rollout=[node for node, _ in await self._where([s.handle for s in self.workers])])
+        return TrainerState(version, PositionSet(state["watermark"], set(state["above"])))
+
+    def stop_trainer(self) -> None:
+        for actor in [self.trainer, *self.trainer_ranks]:
+            try:
+                if actor is not None:
+                    self.ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self.trainer, self.trainer_ranks = None, []
+
+    async def receive(self, position: int, group: list[Trajectory]) -> None:
+        await self._call_trainer("receive", position, group)
+
+    async def train_step(self) -> dict[str, Any] | None:
+        return await self._call_trainer("step")
+
+    async def publish(self, version: int) -> None:
+        self.weights = WeightHandle(transport=Transport.RAY, version=version, nbytes=0,
+                                    payload=self.trainer.weights.remote())
+        for slot in self.workers:
+            self.syncs.append(slot.handle.update_weights.remote(self.weights))
+
+    # -- the rollout side ---------------------------------------------------------------------------
+    def dispatch(self, position: int) -> asyncio.Future:
+        return asyncio.ensure_future(self._attempt(position))
+
+    async def _attempt(self, position: int) -> list[Trajectory]:
+        i = min(range(len(self.workers)), key=lambda k: self.workers[k].load)
+        slot = self.workers[i]
+        incarnation = slot.incarnation
+        slot.load += 1
+        ref = slot.handle.run_group.remote(position)
+        try:
+            return await ref
+        except asyncio.CancelledError:
+            try:
+                self.ray.cancel(ref)
+            except Exception:  # noqa: BLE001 - its actor is gone: nothing left to cancel
+                pass
+            raise
+        except self.ray.exceptions.RayActorError as err:
+            raise self._worker_died(i, incarnation, err) from None
+        except self.ray.exceptions.RayError as err:
+            fail_if_cannot_start(err, "an actor the rollouts use (e.g. a reward actor)")
+            raise
+        finally:
+            if slot.incarnation == incarnation:
+                slot.load -= 1
+
+    def cancel(self, attempt: asyncio.Future) -> None:
+        attempt.cancel()
+
+    async def evaluate(self, label: str) -> EvalRecord:
+        slot = self.workers[0]
+        incarnation = slot.incarnation
+        try:
+            return EvalRecord(**await slot.handle.evaluate.remote())
+        except self.ray.exceptions.RayActorError as err:
+            raise self._worker_died(0, incarnation, err) from None
+
+    def step_metrics(self) -> dict[str, float]:
+        """The slowest finished weight transfer to a rollout actor since the last step (fetch from the
+        object store, apply in the engine); transfers still running are reported later."""
+        out = {"ray/rollout_restarts": float(self.rollout_restarts)}
+        if not self.syncs:
+            return out
+        done, self.syncs = self.ray.wait(self.syncs, num_returns=len(self.syncs), timeout=0)
+        timings = []
+        for ref in done:
+            try:
+                timings.append(self.ray.get(ref))
+            except self.ray.exceptions.RayActorError:  # that actor died: supervision replaces it
+                continue
+            except self.ray.exceptions.RayError as err:  # a live engine could not load the trainer's weights:
+                # every actor gets the same ones, so retrying cannot help (and the engine refuses requests)
+                raise RunError("run error: a rollout actor's engine could not load the trainer's weights:\n"
+                               + "\n".join(str(err).splitlines()[-3:])) from None
+        if timings:
+            out.update({"weight_sync/load_s": max(t["load_s"] for t in timings),
+                        "weight_sync/apply_s": max(t["apply_s"] for t in timings),
+                        "weight_sync/transfers": float(len(timings))})
+        return out
+
+    async def close(self) -> BackendReport:
+        try:
+            return await self._close()
+        finally:
+            if self.owns_ray:
+                self.ray.shutdown()
+
+    @staticmethod
+    def _add(into: dict[str, Any], values: dict[str, Any]) -> None:
+        for k, v in values.items():
+            into[k] = into.get(k, 0) + v
+
+    async def _close(self) -> BackendReport:
+        pool: dict[str, Any] = {}
+        rollouts: dict[str, int] = {}
+        for slot in self.workers:
+            try:
+                counts, metrics = await asyncio.wait_for(slot.handle.close.remote(), timeout=30)
+                self._add(rollouts, counts)
+                self._add(pool, metrics)
+            except Exception:  # noqa: BLE001 - a dead or stuck actor is killed below anyway
+                pass
+            self.ray.kill(slot.handle, no_restart=True)
+        # Ray restarts reward and env actors itself: a new process id means at least one restart
+        restarts = {name: sum(a != b for a, (_, b) in zip(self.pids.get(name, []), await self._where(actors)))
+                    for name, actors in (("reward", self.reward_actors), ("env", self.env_actors))}
+        reclaimed = 0
+        for ref in self.reclaims:
+            try:
+                reclaimed += await asyncio.wait_for(ref, timeout=30)
+            except Exception:  # noqa: BLE001 - that env actor died meanwhile (its sandboxes with it)
+                pass
+        env_pool: dict[str, Any] = {}  # the env actors' own pools (ray.num_env_workers > 0)
+        for env in self.env_actors:
+            try:
+                self._add(env_pool, await asyncio.wait_for(env.close.remote(), timeout=60))
+            except Exception:  # noqa: BLE001 - a dead env actor took its sandboxes with it
+                pass
+        for actor in [*self.reward_actors, *self.env_actors]:
+            self.ray.kill(actor, no_restart=True)
+        # rollouts: as the rollout actors alive at the end counted them (a dead actor's counts die with it)
+        return BackendReport(rollouts=rollouts, env_pool=env_pool if self.env_actors else pool, extra={"ray": {
+            "rollout_restarts": self.rollout_restarts, "reward_restarts": restarts["reward"],
+            "env_restarts": restarts["env"], "env_leases_reclaimed": reclaimed, "placement": self.placement}})

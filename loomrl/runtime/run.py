@@ -1,0 +1,84 @@
+"""Wiring: a run folder, a backend for the config (runtime.backend), the driver over it; and held-out
+evaluation of a checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+from loomrl.config import RunConfig, save_resolved
+from loomrl.engine.factory import make_engine
+from loomrl.env.registry import env_family
+from loomrl.model.chat import ChatRenderer
+from loomrl.model.loader import load_run_model
+from loomrl.rollout.worker import EvalResult, RolloutWorker
+from loomrl.runtime.driver import Backend, Driver, EvalRecord, RunError, progress
+from loomrl.trainer.checkpoint import latest_checkpoint
+
+
+def prepare_run_dir(cfg: RunConfig, resume: bool) -> Path | None:
+    """Create the run folder (or find the checkpoint to resume); returns the checkpoint or None."""
+    run_dir = cfg.run_dir
+    ckpt = latest_checkpoint(run_dir)
+    if resume:
+        if ckpt is None:
+            raise RunError(f"run error: --resume given but '{run_dir}' has no checkpoint; start without --resume")
+    elif ckpt is not None or (run_dir / "ledger.jsonl").exists():
+        raise RunError(f"run error: '{run_dir}' already holds a run; pass --resume to continue it, or set name=... "
+                       "for a new run")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_resolved(cfg, run_dir / "config.yaml")
+    return ckpt
+
+
+def make_backend(cfg: RunConfig, checkpoint: Path | None) -> Backend:
+    if cfg.runtime.backend == "ray":
+        from loomrl.runtime.ray_backend import RayBackend
+
+        return RayBackend(cfg)
+    from loomrl.runtime.local import LocalBackend
+
+    return LocalBackend(cfg, checkpoint)
+
+
+def train(cfg: RunConfig, resume: bool = False, wall_start: float | None = None,
+          backend: Backend | None = None) -> dict[str, Any]:
+    """Train as the config says; the summary (also RUN/summary.json). `backend`: one made by the
+    caller (tests swap in a scripted engine this way), else the config's."""
+    wall_start = wall_start or time.time()
+    ckpt = prepare_run_dir(cfg, resume)
+    return Driver(cfg, backend or make_backend(cfg, ckpt), ckpt, wall_start).train()
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A checkpoint folder, or a run folder's latest checkpoint."""
+    ckpt = path if (path / "model").is_dir() else latest_checkpoint(path)
+    if ckpt is None:
+        raise RunError(f"error: '{path}' is neither a checkpoint folder nor a run folder with one")
+    return ckpt
+
+
+def evaluate_checkpoint(cfg: RunConfig, checkpoint: Path) -> dict[str, Any]:
+    """Held-out success of a checkpoint folder (or a run folder: its latest checkpoint)."""
+    ckpt = resolve_checkpoint(checkpoint)
+    _, heldout = env_family(cfg.env.name).splits(cfg)
+    model, tokenizer = load_run_model(cfg.model, ckpt)
+    engine = make_engine(cfg, model, tokenizer, 0)
+    worker = RolloutWorker(cfg, engine, ChatRenderer(tokenizer), heldout)
+    bar = progress(min(cfg.eval.n_tasks, len(heldout)), "eval", cfg.progress)
+
+    async def run_eval() -> EvalResult:
+        try:
+            return await worker.evaluate(heldout[: cfg.eval.n_tasks], progress=bar)
+        finally:
+            await worker.aclose()
+
+    try:
+        res = asyncio.run(run_eval())
+    finally:
+        bar.close()
+        engine.close()
+    record = EvalRecord(success=res.success, n=res.n, stderr=res.stderr, statuses=res.statuses)
+    return {"checkpoint": str(ckpt), **record.as_dict()}

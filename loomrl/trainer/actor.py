@@ -1,0 +1,99 @@
+"""The training pool's Ray half: the TrainerService as an actor (rank 0) and, with trainer.world_size
+> 1, the other data-parallel ranks as actors of their own."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loomrl.actor_support import Placed
+from loomrl.config import RunConfig
+from loomrl.trainer.checkpoint import latest_checkpoint
+from loomrl.trainer.ranks import Follower, RankGroup, RankLost, RankReport, RankWork
+from loomrl.trainer.service import TrainerService
+from loomrl.types import Trajectory
+
+
+class TrainerActor(Placed):
+    """The TrainerService on the trainer's node (rank 0 when trainer.world_size > 1). Made from the run
+    folder's latest checkpoint when there is one: a fresh run has none, a resumed run or a restart
+    after a crash continues from it."""
+
+    def __init__(self, cfg_json: str, extra: dict[str, Any]):
+        cfg = RunConfig.model_validate_json(cfg_json)
+        torch.set_num_threads(cfg.trainer.threads or max(1, int(cfg.ray.trainer_num_cpus)))  # as reserved
+        self.ckpt = latest_checkpoint(cfg.run_dir)
+        self.service = TrainerService.from_run(cfg, extra, self.ckpt)
+
+    def rendezvous(self) -> tuple[str, int, str | None]:
+        """Where the other ranks meet this one (this node's address, a free port) and the checkpoint
+        they must start from (this rank's)."""
+        import ray
+
+        from loomrl.trainer.distributed import free_port
+
+        return ray.util.get_node_ip_address(), free_port(""), str(self.ckpt) if self.ckpt else None
+
+    def join_ranks(self, followers: list[Any], addr: str, port: int) -> None:
+        """Rank 0 joins the process group of the follower actors (which join theirs concurrently)."""
+        ranks = RayRankGroup(self.service.trainer, len(followers) + 1, followers)
+        ranks.join(addr, port)
+        self.service.ranks = ranks
+
+    def state(self) -> tuple[int, dict[str, Any]]:
+        """The policy version and the positions received (as of the checkpoint it started from)."""
+        return self.service.version, self.service.received.state()
+
+    def receive(self, position: int, group: list[Trajectory]) -> None:
+        self.service.receive(position, group)
+
+    def step(self) -> dict[str, Any] | None:
+        """One training step when a step's groups are buffered (and the run is not done), else None."""
+        return self.service.train_step() if self.service.ready() else None
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The trainable weights of the current version. Returned (not ray.put here) so that the
+        object is owned by the caller and outlives this actor; Ray copies them as it returns."""
+        return self.service.live_weights()
+
+
+class TrainerRankActor(Placed):
+    """A data-parallel trainer rank r > 0 (trainer/ranks.py Follower) on some node."""
+
+    def __init__(self, cfg_json: str, ckpt: str | None):
+        cfg = RunConfig.model_validate_json(cfg_json)
+        torch.set_num_threads(cfg.trainer.threads or max(1, int(cfg.ray.trainer_num_cpus)))  # as reserved
+        self.follower = Follower(cfg, Path(ckpt) if ckpt else None)
+
+    def join(self, rank: int, world_size: int, addr: str, port: int) -> None:
+        self.follower.join(rank, world_size, addr, port)
+
+    def work(self, work: RankWork) -> RankReport:
+        return self.follower.work(work)
+
+
+class RayRankGroup(RankGroup):
+    """Rank 0 over Ray actor calls to the follower actors."""
+
+    def __init__(self, trainer: Any, world_size: int, followers: list[Any]):
+        super().__init__(trainer, world_size)
+        self.followers = followers
+        self.refs: list[Any] = []
+
+    def _send(self, works: list[RankWork]) -> None:
+        self.refs = [f.work.remote(w) for f, w in zip(self.followers, works)]
+
+    def _collect(self) -> list[RankReport]:
+        import ray
+
+        reports = []
+        for rank, ref in enumerate(self.refs, start=1):
+            try:
+                reports.append(ray.get(ref))
+            except ray.exceptions.RayActorError as err:
+                raise RankLost(f"trainer rank {rank} died: {str(err).splitlines()[0]}") from None
+            except ray.exceptions.RayTaskError as err:
+                raise RankLost(f"trainer rank {rank} failed: {err}") from None
+        return reports

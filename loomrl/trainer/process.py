@@ -1,0 +1,205 @@
+"""The training pool in a process of its own (local async runs): a TrainerService that answers typed
+requests on a pair of queues, and the client the local backend drives it with.
+
+The channel carries dataclasses, not tuples: Group (one group and its data position), StepRequest
+(train one step if a step's groups are buffered), Stop; answers are Ready (after start: the version,
+the positions received, the current weights), Stepped (metrics and the new weights, or nothing when no
+step was due) and Failed (the traceback). New weights travel as small handles (runtime.weight_transport,
+weight_sync.py); the trainer keeps its last versions readable until the client has read them.
+
+A trainer that dies (or whose follower rank dies: in async mode the followers are the trainer's
+siblings, so the client sees them die) makes every pending call raise TrainerProcessDied with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loomrl.config import RunConfig
+from loomrl.trainer.ranks import (
+    LocalFollowers,
+    LocalRankGroup,
+    exit_reason,
+    follower_threads,
+    name_process,
+    spawn_local_followers,
+)
+from loomrl.trainer.service import TrainerService
+from loomrl.trainer.weight_sync import WeightHandle, make_publisher
+from loomrl.types import Trajectory
+
+
+@dataclass(slots=True, frozen=True)
+class Group:
+    position: int
+    group: list[Trajectory]
+
+
+@dataclass(slots=True, frozen=True)
+class StepRequest:
+    pass
+
+
+@dataclass(slots=True, frozen=True)
+class Stop:
+    pass
+
+
+@dataclass(slots=True, frozen=True)
+class Ready:
+    version: int
+    received: dict[str, Any]  # PositionSet.state()
+    weights: WeightHandle
+
+
+@dataclass(slots=True, frozen=True)
+class Stepped:
+    metrics: dict[str, Any] | None  # None: no step was due
+    weights: WeightHandle | None
+
+
+@dataclass(slots=True, frozen=True)
+class Failed:
+    error: str
+
+
+class TrainerProcessDied(RuntimeError):
+    """The trainer process (or one of its follower ranks) died or failed; the message says how."""
+
+
+class TrainerProcess:
+    """Client of one trainer process: start() it from the run folder's latest checkpoint, feed it
+    groups, ask for steps, stop() it. Each call answers in order (one request in flight at a time)."""
+
+    def __init__(self, cfg: RunConfig, extra: dict[str, Any], checkpoint: Path | None, threads: int):
+        self.cfg, self.extra, self.checkpoint, self.threads = cfg, extra, checkpoint, threads
+        ctx = mp.get_context("spawn")
+        self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
+        self.proc: Any = None
+        self.followers: LocalFollowers | None = None
+        self.answers: asyncio.Queue = asyncio.Queue()
+        self.stopping = False  # set by stop(): the process ending then is no failure
+
+    async def start(self) -> Ready:
+        cfg = self.cfg
+        # trainer.world_size > 1: the follower ranks are the trainer's siblings, so that this process
+        # sees them die (and stops the whole trainer, which then restarts) and cleans them up.
+        if cfg.trainer.world_size > 1:
+            self.followers = spawn_local_followers(cfg, self.checkpoint, follower_threads(cfg, self.threads))
+        ranks = (self.followers.channels(), self.followers.port) if self.followers else None
+        ctx = mp.get_context("spawn")
+        self.proc = ctx.Process(target=_trainer_main, name="loomrl-trainer", daemon=True,
+                                args=(cfg.model_dump_json(), self.extra, str(self.checkpoint or ""), self.threads,
+                                      self.inbox, self.outbox, ranks))
+        self.proc.start()
+        loop = asyncio.get_running_loop()
+        threading.Thread(target=self._pump, args=(loop,), daemon=True, name="loomrl-trainer-pump").start()
+        return await self._answer(Ready)
+
+    def _pump(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Trainer process -> asyncio, on a thread so that the event loop never blocks."""
+        def deliver(msg: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(self.answers.put_nowait, msg)
+            except RuntimeError:  # the event loop has closed: nobody is waiting any more
+                pass
+
+        while not self.stopping:
+            try:
+                msg = self.outbox.get(timeout=0.5)
+            except queue.Empty:
+                if self.stopping:
+                    return
+                why = None if self.proc.is_alive() else exit_reason(self.proc.exitcode, "trainer process")
+                why = why or (self.followers.dead() if self.followers else None)
+                if why:  # rank 0 may be waiting on a dead follower in a collective: stop it too
+                    self.proc.kill()
+                    deliver(Failed(why))
+                    return
+                continue
+            except Exception:  # noqa: BLE001 - e.g. a message that cannot be unpickled
+                deliver(Failed(traceback.format_exc()))
+                return
+            if isinstance(msg, Failed) and self.followers is not None:
+                time.sleep(0.5)  # a dead follower reaches rank 0 as a failed collective: name it
+                why = self.followers.dead()
+                msg = Failed(f"{msg.error}\n{why}") if why else msg
+            deliver(msg)
+            if isinstance(msg, Failed):
+                return
+
+    async def _answer(self, kind: type) -> Any:
+        msg = await self.answers.get()
+        if isinstance(msg, Failed):
+            self.answers.put_nowait(msg)  # every later call fails the same way
+            raise TrainerProcessDied(msg.error)
+        assert isinstance(msg, kind), f"trainer process answered {type(msg).__name__}, expected {kind.__name__}"
+        return msg
+
+    def send(self, position: int, group: list[Trajectory]) -> None:
+        self.inbox.put(Group(position, group))
+
+    async def step(self) -> Stepped:
+        self.inbox.put(StepRequest())
+        return await self._answer(Stepped)
+
+    def stop(self) -> None:
+        """Stop the process (and its followers); a process that does not stop in time is killed."""
+        self.stopping = True
+        if self.proc is not None:
+            self.inbox.put(Stop())
+            self.proc.join(timeout=60)
+            if self.proc.is_alive():
+                self.proc.terminate()  # SIGTERM first: its finally frees the published weights
+                self.proc.join(timeout=10)
+            if self.proc.is_alive():
+                self.proc.kill()
+        if self.followers is not None:
+            self.followers.stop()
+
+
+def _trainer_main(cfg_json: str, extra: dict[str, Any], checkpoint: str, threads: int, inbox: Any, outbox: Any,
+                  ranks: tuple | None) -> None:
+    """Entry of the trainer process; `ranks`: the follower ranks' queues and port."""
+    import signal
+    import sys
+
+    # SIGTERM (the rollout side giving up on us) unwinds through `finally`, which frees the weights.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    name_process("loomrl-trainer")
+    publisher = None
+    try:
+        cfg = RunConfig.model_validate_json(cfg_json)
+        torch.set_num_threads(threads)
+        service = TrainerService.from_run(cfg, extra, Path(checkpoint) if checkpoint else None)
+        if ranks is not None:
+            (inboxes, outboxes), port = ranks
+            service.ranks = LocalRankGroup(service.trainer, cfg.trainer.world_size, inboxes, outboxes)
+            service.ranks.join("127.0.0.1", port)
+        folder = cfg.run_dir / "weights" if cfg.runtime.weight_transport == "file" else None
+        publisher = make_publisher(cfg.runtime.weight_transport, keep=3, folder=folder)
+        outbox.put(Ready(service.version, service.received.state(),
+                         publisher.publish(service.live_weights(), service.version)))
+        while not isinstance(msg := inbox.get(), Stop):
+            if isinstance(msg, Group):
+                service.receive(msg.position, msg.group)
+            elif service.ready():
+                metrics = service.train_step()
+                outbox.put(Stepped(metrics, publisher.publish(service.live_weights(), service.version)))
+            else:
+                outbox.put(Stepped(None, None))
+    except BaseException:  # noqa: BLE001 - reported to the client, which restarts the trainer or stops
+        outbox.put(Failed(traceback.format_exc()))
+    finally:
+        if publisher is not None:
+            publisher.close()

@@ -227,33 +227,55 @@ class RuntimeConfig(_Section):
     retry_backoff_s: float = Field(0.5, ge=0.0)
 
 
+class Placement(_Section):
+    """What one Ray actor asks the scheduler for."""
+
+    num_cpus: float = Field(1.0, ge=0.0)
+    num_gpus: float = Field(0.0, ge=0.0)  # GPUs per actor; a fraction shares one (e.g. 0.5: two per GPU)
+    # custom resources per actor, e.g. {rollout: 1} to pin to nodes started with
+    # `ray start --resources='{"rollout": 2}'`; CPUs and GPUs go in num_cpus / num_gpus
+    resources: dict[str, float] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _no_builtin_resources(self) -> Placement:
+        for key, field in (("GPU", "num_gpus"), ("CPU", "num_cpus")):
+            if key in self.resources:  # Ray refuses them there
+                raise ValueError(f"'{key}' cannot be a custom resource: set {field}={self.resources[key]} instead")
+        return self
+
+
+class ActorSpec(Placement):
+    """A pool of one kind of Ray actor: how many, and how many deaths are survived (rollout: actors the
+    backend replaces; reward, env: restarts Ray makes itself)."""
+
+    count: int = Field(1, ge=0)
+    max_restarts: int = Field(100, ge=0)
+
+
 class RayConfig(_Section):
-    """runtime.backend=ray: where the actors go and how hard the driver tries before giving up."""
+    """runtime.backend=ray: where the actors go (runtime/ray_backend.py)."""
 
     address: str | None = None  # "host:port" of a running cluster (`ray start --head`); None = start one here
-    num_rollout_workers: int = Field(2, gt=0)  # rollout actors (engine + env pool + reward pool each)
-    rollout_num_cpus: float = Field(1.0, ge=0.0)
-    trainer_num_cpus: float = Field(1.0, ge=0.0)
-    # custom resources per actor, e.g. {rollout: 1} and {trainer: 1} to pin them to nodes started with
-    # `ray start --resources='{"rollout": 2}'`; on GPUs an engine would ask for {GPU: 1} here
-    rollout_resources: dict[str, float] = Field(default_factory=dict)
-    trainer_resources: dict[str, float] = Field(default_factory=dict)
-    max_rollout_restarts: int = Field(100, ge=0)  # rollout actor deaths survived (then the run stops)
-    # reward actors shared by all rollout actors (0: each rollout actor scores on reward.workers threads
-    # of its own); Ray restarts a dead one up to max_reward_restarts times and runs each scoring call
-    # up to max_reward_attempts times in all, then the trajectory is marked reward_failed (not trained)
-    num_reward_workers: int = Field(0, ge=0)
-    reward_num_cpus: float = Field(1.0, ge=0.0)
-    reward_resources: dict[str, float] = Field(default_factory=dict)
-    max_reward_restarts: int = Field(100, ge=0)
+    rollout: ActorSpec = Field(default_factory=lambda: ActorSpec(count=2))  # engine + env pool + reward pool each
+    # one actor per data-parallel rank (trainer.world_size), reserved together in a placement group
+    # (trainer_placement: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD); restarts: runtime.max_trainer_restarts
+    trainer: Placement = Field(default_factory=Placement)
+    trainer_placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    placement_timeout_s: float = Field(300.0, gt=0.0)  # then the run stops: the cluster lacks the resources
+    # reward actors shared by all rollout actors (count 0: each rollout actor scores on reward.workers
+    # threads of its own); each scoring call runs up to max_reward_attempts times in all (Ray retries it
+    # on a restarted actor), then the trajectory is marked reward_failed (not trained)
+    reward: ActorSpec = Field(default_factory=lambda: ActorSpec(count=0))
     max_reward_attempts: int = Field(3, gt=0)
-    # env actors holding the sandboxes of white-box environments, shared by all rollout actors (0: each
-    # rollout actor runs sandboxes on its own node); e.g. env_resources {sandbox: 1} for CPU nodes
-    # started with that resource. Ray restarts a dead one up to max_env_restarts times.
-    num_env_workers: int = Field(0, ge=0)
-    env_num_cpus: float = Field(1.0, ge=0.0)
-    env_resources: dict[str, float] = Field(default_factory=dict)
-    max_env_restarts: int = Field(100, ge=0)
+    # env actors holding the sandboxes of white-box environments, shared by all rollout actors (count 0:
+    # each rollout actor runs sandboxes on its own node); e.g. resources {sandbox: 1} for CPU nodes
+    env: ActorSpec = Field(default_factory=lambda: ActorSpec(count=0))
+
+    @model_validator(mode="after")
+    def _one_rollout_actor(self) -> RayConfig:
+        if self.rollout.count < 1:
+            raise ValueError("ray.rollout.count: at least one rollout actor is needed")
+        return self
 
 
 class EvalConfig(_Section):
@@ -342,6 +364,20 @@ RETIRED = {
     "ray.max_group_attempts": "moved: use runtime.max_group_attempts (the driver retries on every backend)",
     "ray.retry_backoff_s": "moved: use runtime.retry_backoff_s (the driver retries on every backend)",
     "ray.max_trainer_restarts": "moved: use runtime.max_trainer_restarts (one setting for every backend)",
+    "ray.num_rollout_workers": "moved: use ray.rollout.count",
+    "ray.rollout_num_cpus": "moved: use ray.rollout.num_cpus",
+    "ray.rollout_resources": "moved: use ray.rollout.resources",
+    "ray.max_rollout_restarts": "moved: use ray.rollout.max_restarts",
+    "ray.trainer_num_cpus": "moved: use ray.trainer.num_cpus",
+    "ray.trainer_resources": "moved: use ray.trainer.resources",
+    "ray.num_reward_workers": "moved: use ray.reward.count",
+    "ray.reward_num_cpus": "moved: use ray.reward.num_cpus",
+    "ray.reward_resources": "moved: use ray.reward.resources",
+    "ray.max_reward_restarts": "moved: use ray.reward.max_restarts",
+    "ray.num_env_workers": "moved: use ray.env.count",
+    "ray.env_num_cpus": "moved: use ray.env.num_cpus",
+    "ray.env_resources": "moved: use ray.env.resources",
+    "ray.max_env_restarts": "moved: use ray.env.max_restarts",
 }
 
 
@@ -353,6 +389,8 @@ def _format_errors(err: ValidationError) -> str:
         retired = RETIRED.get(dotted) or RETIRED.get(f"{dotted}={e.get('input')}")
         if retired:
             lines.append(f"config error: '{dotted}' {retired}")
+        elif e["type"] == "value_error":  # a validator's own message names the field and the fix
+            lines.append(f"config error: '{dotted}': {e['msg'].removeprefix('Value error, ')}")
         elif e["type"] == "extra_forbidden":
             known = _known_fields(RunConfig, loc)
             close = difflib.get_close_matches(str(loc[-1]), known, n=1)
@@ -401,10 +439,10 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if config.env.name != "calculator":
             raise ConfigError("config error: agent.kind=blackbox works with env.name=calculator so far (its verifier "
                               "reads the program's final answer)")
-        if config.runtime.backend == "ray" and config.ray.num_env_workers:
-            raise ConfigError("config error: ray.num_env_workers: a black-box agent reaches the gateway through a "
+        if config.runtime.backend == "ray" and config.ray.env.count:
+            raise ConfigError("config error: ray.env.count: a black-box agent reaches the gateway through a "
                               "socket mounted into its sandbox, so its sandboxes must run on the rollout actor's "
-                              "node; set ray.num_env_workers=0")
+                              "node; set ray.env.count=0")
     return config
 
 

@@ -59,3 +59,29 @@ def test_a_retired_field_or_value_says_what_replaced_it():
     with pytest.raises(ConfigError, match="'engine.batch_wait_ms' was an option of the torch engine"):
         load_config(None, ["engine.batch_wait_ms=5"])
     assert load_config(None, ["engine.kind=builtin"]).engine.kind == "builtin"
+
+
+def test_moved_ray_and_runtime_fields_name_their_new_place():
+    with pytest.raises(ConfigError) as moved:
+        load_config(None, ["ray.num_rollout_workers=4"])
+    assert str(moved.value) == "config error: 'ray.num_rollout_workers' moved: use ray.rollout.count"
+    with pytest.raises(ConfigError, match="'ray.max_trainer_restarts' moved: use runtime.max_trainer_restarts"):
+        load_config(None, ["ray.max_trainer_restarts=3"])
+    with pytest.raises(ConfigError, match="'ray.max_group_attempts' moved: use runtime.max_group_attempts"):
+        load_config(None, ["ray.max_group_attempts=3"])
+    cfg = load_config(None, ["ray.rollout.count=4", "ray.rollout.num_gpus=0.5", "ray.trainer.num_gpus=1",
+                             "runtime.max_trainer_restarts=1"])
+    assert (cfg.ray.rollout.count, cfg.ray.rollout.num_gpus, cfg.ray.trainer.num_gpus) == (4, 0.5, 1.0)
+    assert cfg.runtime.max_trainer_restarts == 1
+
+
+def test_gpus_are_asked_for_with_num_gpus_not_as_a_custom_resource():
+    """Ray refuses "GPU" (and "CPU") inside an actor's resources: the config says what to set instead."""
+    with pytest.raises(ConfigError) as bad:
+        load_config(None, ["ray.trainer.resources={GPU: 1}"])
+    assert str(bad.value) == ("config error: 'ray.trainer': 'GPU' cannot be a custom resource: set num_gpus=1.0 "
+                              "instead")
+    with pytest.raises(ConfigError, match="'ray.rollout': 'CPU' cannot be a custom resource: set num_cpus=2"):
+        load_config(None, ["ray.rollout.resources={CPU: 2}"])
+    with pytest.raises(ConfigError, match="ray.rollout.count: at least one rollout actor"):
+        load_config(None, ["ray.rollout.count=0"])

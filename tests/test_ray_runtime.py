@@ -110,9 +110,9 @@ def cluster():
 def _train(cluster, tmp_path, name: str, *overrides: str) -> subprocess.Popen:
     args = [sys.executable, "-m", "loomrl.cli", "train", str(RECIPE), f"output_dir={tmp_path}", f"name={name}",
             "progress=false", "reward.function=rewards_for_tests:parity_reward", "eval.n_tasks=0",
-            "runtime.backend=ray", f"ray.address={cluster['address']}", "ray.num_rollout_workers=2",
-            "ray.rollout_num_cpus=0", "ray.trainer_num_cpus=0",
-            "ray.rollout_resources={rollout: 1}", "ray.trainer_resources={trainer: 1}", *overrides]
+            "runtime.backend=ray", f"ray.address={cluster['address']}", "ray.rollout.count=2",
+            "ray.rollout.num_cpus=0", "ray.trainer.num_cpus=0",
+            "ray.rollout.resources={rollout: 1}", "ray.trainer.resources={trainer: 1}", *overrides]
     return subprocess.Popen(args, env=cluster["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -164,8 +164,8 @@ def test_chaos_kills_actors_and_the_run_accounts_for_every_trajectory_once(clust
     # both trainer ranks on the trainer node (it offers {trainer: 1}), the reward actors too ({reward: 2})
     proc = _train(cluster, tmp_path, "chaos", f"trainer.total_steps={steps}", "checkpoint_every=2",
                   "runtime.retry_backoff_s=0.2", "runtime.max_group_attempts=3", "trainer.world_size=2",
-                  "ray.trainer_resources={trainer: 0.5}", "ray.num_reward_workers=2", "ray.reward_num_cpus=0",
-                  "ray.reward_resources={reward: 1}")
+                  "ray.trainer.resources={trainer: 0.5}", "ray.reward.count=2", "ray.reward.num_cpus=0",
+                  "ray.reward.resources={reward: 1}")
     run_dir = tmp_path / "chaos"
     killed: list[str] = []
     stop = threading.Event()
@@ -219,6 +219,7 @@ def test_chaos_kills_actors_and_the_run_accounts_for_every_trajectory_once(clust
     assert summary["trainer_restarts"] >= 2 and summary["ray"]["rollout_restarts"] >= 1
     placement = summary["ray"]["placement"]
     assert placement["trainer_ranks"] == [placement["trainer"]]  # the second rank on the trainer node
+    assert placement["trainer_bundles"] == [{"trainer": 0.5}] * 2  # both ranks reserved in one placement group
     assert placement["reward"] == [placement["trainer"]] * 2
     assert killed.count("reward") == 2 and summary["ray"]["reward_restarts"] >= 1  # Ray restarted them
     assert summary["rollouts"].get("reward_failed", 0) == 0  # ... and ran their calls again
@@ -233,8 +234,8 @@ def test_a_reward_actor_that_stays_dead_marks_trajectories_reward_failed_and_the
     off: the scoring calls fail, their trajectories are stored as reward_failed with the reason and
     left out of training (skipped: reward_failed), and the run completes."""
     proc = _train(cluster, tmp_path, "noreward", "trainer.total_steps=3", "checkpoint_every=0",
-                  "reward.function=rewards_for_tests:reward_that_kills_its_process", "ray.num_reward_workers=1",
-                  "ray.reward_num_cpus=0", "ray.reward_resources={reward: 1}", "ray.max_reward_restarts=0")
+                  "reward.function=rewards_for_tests:reward_that_kills_its_process", "ray.reward.count=1",
+                  "ray.reward.num_cpus=0", "ray.reward.resources={reward: 1}", "ray.reward.max_restarts=0")
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-3000:]
     summary = json.loads(out.strip().splitlines()[-1])
@@ -266,8 +267,8 @@ def test_env_actors_run_the_sandboxes_on_their_node_and_survive_a_kill(cluster, 
     steps = 6
     proc = _train(cluster, tmp_path, "envs", f"trainer.total_steps={steps}", "checkpoint_every=0", "env.name=codefix",
                   "env.families=[clamp, chunk]", "env.n_train=8", "env.n_heldout=4", "reward.function=null",
-                  "agent.max_turns=2", "trainer.group_size=2", "ray.num_env_workers=1", "ray.env_num_cpus=0",
-                  "ray.env_resources={sandbox: 1}", "agent.retry_on=[env_error]", "agent.max_retries=2",
+                  "agent.max_turns=2", "trainer.group_size=2", "ray.env.count=1", "ray.env.num_cpus=0",
+                  "ray.env.resources={sandbox: 1}", "agent.retry_on=[env_error]", "agent.max_retries=2",
                   "agent.retry_backoff_s=0.05")
     run_dir = tmp_path / "envs"
     killed = []
@@ -339,13 +340,27 @@ def test_a_rollout_actor_that_cannot_start_stops_the_run_with_the_cause(cluster,
 
 
 @pytest.mark.ray
+def test_a_trainer_the_cluster_cannot_place_stops_the_run_with_what_is_missing(cluster, tmp_path):
+    """The trainer ranks are reserved as one placement group: asking for more than the cluster has
+    stops the run after ray.placement_timeout_s with the bundle it could not place."""
+    proc = _train(cluster, tmp_path, "noplace", "trainer.total_steps=1", "trainer.world_size=2",
+                  "ray.trainer.resources={trainer: 1}", "ray.trainer_placement=STRICT_PACK",
+                  "ray.placement_timeout_s=3")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 2, out[-3000:]
+    said = [line for line in out.splitlines() if line.startswith("run error:")]
+    assert said == ["run error: the cluster cannot place 2 trainer rank(s) of {'trainer': 1.0} (STRICT_PACK) "
+                    "within 3s; check ray.trainer and the nodes' resources (`ray status`)"], out[-3000:]
+
+
+@pytest.mark.ray
 @pytest.mark.parametrize("where", ["rollout_actors", "env_actor"])
 def test_sandboxes_that_cannot_work_stop_the_run_with_one_line(cluster, tmp_path, where):
     """Sandboxes that cannot run anything (1 MB of address space), in the rollout actors' own pools or
     in an env actor: the run stops within seconds with one line carrying the sandbox's own error and
     the fix, instead of replacing sandboxes (or retrying leases) forever."""
     t0 = time.time()
-    extra = (["ray.num_env_workers=1", "ray.env_num_cpus=0", "ray.env_resources={sandbox: 1}"]
+    extra = (["ray.env.count=1", "ray.env.num_cpus=0", "ray.env.resources={sandbox: 1}"]
              if where == "env_actor" else [])
     proc = _train(cluster, tmp_path, "nosandbox", "trainer.total_steps=2", "env.sandbox=bwrap",
                   "env.sandbox_limits.address_space_mb=1", *extra)

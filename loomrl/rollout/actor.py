@@ -32,7 +32,7 @@ class RolloutActor(Placed):
                  owner: str = ""):
         cfg = RunConfig.model_validate_json(cfg_json)
         # engine.threads, else the CPUs Ray reserved for this actor (several actors share a node's cores)
-        torch.set_num_threads(cfg.engine.threads or max(1, int(cfg.ray.rollout_num_cpus)))
+        torch.set_num_threads(cfg.engine.threads or max(1, int(cfg.ray.rollout.num_cpus)))
         torch.manual_seed(cfg.seed)
         self.cfg = cfg
         # Architecture, tokenizer and frozen weights; the trainable ones arrive with update_weights

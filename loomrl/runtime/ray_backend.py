@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loomrl.actor_support import actor_error_line, constructor_failed
-from loomrl.config import RunConfig
+from loomrl.config import Placement, RunConfig
 from loomrl.env.registry import env_family
 from loomrl.env.remote import EnvActor
 from loomrl.env.sandbox import SandboxError
@@ -83,6 +83,7 @@ class RayBackend(Backend):
         self.workers: list[WorkerSlot] = []
         self.trainer: Any = None  # rank 0
         self.trainer_ranks: list[Any] = []  # ranks 1.. (trainer.world_size > 1)
+        self.trainer_group: Any = None  # the ranks' placement group
         self.reward_actors: list[Any] = []  # ray.num_reward_workers, shared by the rollout actors
         self.env_actors: list[Any] = []  # ray.num_env_workers, shared by the rollout actors
         self.owners = 0  # rollout actors made so far
@@ -95,8 +96,9 @@ class RayBackend(Backend):
         self.owns_ray = False
 
     # -- actors -------------------------------------------------------------------------------------
-    def _actor(self, cls: type, num_cpus: float, resources: dict[str, float], **options: Any) -> Any:
-        return self.ray.remote(cls).options(num_cpus=num_cpus, resources=resources, **options)
+    def _actor(self, cls: type, spec: Placement, **options: Any) -> Any:
+        return self.ray.remote(cls).options(num_cpus=spec.num_cpus, num_gpus=spec.num_gpus or None,
+                                            resources=spec.resources, **options)
 
     def _init_ray(self) -> None:
         """Connect (ray.address) or start a local Ray; one we start we also shut down."""
@@ -110,9 +112,9 @@ class RayBackend(Backend):
                                   "configure_logging": False}
         if r.address is None:  # a one-machine cluster offering the resources the config asks for
             need: dict[str, float] = {}
-            for res, n in [(r.rollout_resources, r.num_rollout_workers), (r.trainer_resources, self.cfg.trainer.world_size),
-                           (r.reward_resources, r.num_reward_workers), (r.env_resources, r.num_env_workers)]:
-                for k, v in res.items():
+            for spec, n in [(r.rollout, r.rollout.count), (r.trainer, self.cfg.trainer.world_size),
+                            (r.reward, r.reward.count), (r.env, r.env.count)]:
+                for k, v in spec.resources.items():
                     need[k] = need.get(k, 0) + v * n
             kwargs.update(include_dashboard=False, resources=need or None)
         # "local": always a new one-machine cluster; plain None would join a cluster found running
@@ -124,7 +126,7 @@ class RayBackend(Backend):
         r = self.cfg.ray
         self.owners += 1  # names this incarnation in the env actors' lease tables
         owner = f"rollout-{self.owners}"
-        cls = self._actor(RolloutActor, r.rollout_num_cpus, r.rollout_resources, max_restarts=0, max_concurrency=1000)
+        cls = self._actor(RolloutActor, r.rollout, max_restarts=0, max_concurrency=1000)
         actor = cls.remote(self.cfg_json, self.reward_actors, self.env_actors, owner)
         if self.weights is not None:
             self.syncs.append(actor.update_weights.remote(self.weights))
@@ -133,17 +135,16 @@ class RayBackend(Backend):
     def _new_env_actors(self) -> list[Any]:
         """Env actors sized for every rollout actor's concurrency, split between them."""
         r = self.cfg.ray
-        if not r.num_env_workers:
+        if not r.env.count:
             return []
         if env_family(self.cfg.env.name).sandbox_use is None:
-            log.warning("ray.num_env_workers=%d ignored: env %s uses no sandbox", r.num_env_workers, self.cfg.env.name)
+            log.warning("ray.env.count=%d ignored: env %s uses no sandbox", r.env.count, self.cfg.env.name)
             return []
-        share = math.ceil(rollout_concurrency(self.cfg) * r.num_rollout_workers / r.num_env_workers)
+        share = math.ceil(rollout_concurrency(self.cfg) * r.rollout.count / r.env.count)
         # Concurrency: every waiting acquire holds a slot, and releases must still get in (else a full
         # pool could never be given back to): room for all of them, with margin.
-        cls = self._actor(EnvActor, r.env_num_cpus, r.env_resources, max_concurrency=max(1000, 4 * share),
-                          max_restarts=r.max_env_restarts)
-        return [cls.remote(self.cfg_json, share) for _ in range(r.num_env_workers)]
+        cls = self._actor(EnvActor, r.env, max_concurrency=max(1000, 4 * share), max_restarts=r.env.max_restarts)
+        return [cls.remote(self.cfg_json, share) for _ in range(r.env.count)]
 
     async def _where(self, actors: list[Any]) -> list[tuple[str | None, int | None]]:
         out = []
@@ -157,9 +158,9 @@ class RayBackend(Backend):
     async def start(self) -> None:
         self._init_ray()
         r = self.cfg.ray
-        reward = self._actor(RewardActor, r.reward_num_cpus, r.reward_resources, max_concurrency=1000,
-                             max_restarts=r.max_reward_restarts, max_task_retries=r.max_reward_attempts - 1)
-        self.reward_actors = [reward.remote(self.cfg_json) for _ in range(r.num_reward_workers)]
+        reward = self._actor(RewardActor, r.reward, max_concurrency=1000, max_restarts=r.reward.max_restarts,
+                             max_task_retries=r.max_reward_attempts - 1)
+        self.reward_actors = [reward.remote(self.cfg_json) for _ in range(r.reward.count)]
         self.env_actors = self._new_env_actors()
         try:
             for env in self.env_actors:  # pre-warm the sandboxes before the first rollout
@@ -171,7 +172,7 @@ class RayBackend(Backend):
             where = await self._where(actors)
             self.placement[name] = [node for node, _ in where]
             self.pids[name] = [pid for _, pid in where]
-        self.workers = [self._new_rollout_actor() for _ in range(r.num_rollout_workers)]
+        self.workers = [self._new_rollout_actor() for _ in range(r.rollout.count)]
 
     def _replace_worker(self, i: int, why: str) -> None:
         slot = self.workers[i]
@@ -180,7 +181,7 @@ class RayBackend(Backend):
         except Exception:  # noqa: BLE001 - already gone
             pass
         self.rollout_restarts += 1
-        if self.rollout_restarts > self.cfg.ray.max_rollout_restarts:  # e.g. an actor that dies as it starts
+        if self.rollout_restarts > self.cfg.ray.rollout.max_restarts:  # e.g. an actor that dies as it starts
             raise RunError(f"run error: rollout actors died {self.rollout_restarts} times (last: {why}); see the "
                            "Ray logs of the rollout nodes, then continue with --resume")
         log.warning("rollout actor %d died (%s); starting a fresh one", i, why)
@@ -197,28 +198,57 @@ class RayBackend(Backend):
         return RolloutLost(why)
 
     # -- the trainer --------------------------------------------------------------------------------
-    async def _call_trainer(self, method: str, *args: Any) -> Any:
+    async def _call_trainer(self, ref: Any) -> Any:
+        """The result of a call on the trainer actor; TrainerLost when any trainer rank is gone."""
         try:
-            return await getattr(self.trainer, method).remote(*args)
+            return await ref
         except self.ray.exceptions.RayActorError as err:
             raise TrainerLost(str(err).splitlines()[0]) from None
         except RankLost as err:  # another trainer rank died or failed: all ranks restart
             raise TrainerLost(str(err).splitlines()[-1]) from None
 
+    async def _reserve_trainer(self) -> None:
+        """A placement group with one bundle per trainer rank (ray.trainer_placement), so that all
+        ranks are placed together or not at all; none when a rank asks for nothing to reserve."""
+        spec, world = self.cfg.ray.trainer, self.cfg.trainer.world_size
+        bundle = {k: v for k, v in {"CPU": spec.num_cpus, "GPU": spec.num_gpus, **spec.resources}.items() if v}
+        if not bundle:
+            return
+        from ray.util.placement_group import placement_group
+
+        self.trainer_group = placement_group([bundle] * world, strategy=self.cfg.ray.trainer_placement)
+        try:
+            await asyncio.wait_for(self.trainer_group.ready(), timeout=self.cfg.ray.placement_timeout_s)
+        except TimeoutError:
+            raise RunError(f"run error: the cluster cannot place {world} trainer rank(s) of {bundle} "
+                           f"({self.cfg.ray.trainer_placement}) within {self.cfg.ray.placement_timeout_s:.0f}s; "
+                           "check ray.trainer and the nodes' resources (`ray status`)") from None
+        self.placement["trainer_bundles"] = [bundle] * world
+
+    def _trainer_options(self, rank: int) -> dict[str, Any]:
+        if self.trainer_group is None:
+            return {}
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.trainer_group,
+                                                                        placement_group_bundle_index=rank)}
+
     async def start_trainer(self, extra: dict[str, Any]) -> TrainerState:
-        r, world = self.cfg.ray, self.cfg.trainer.world_size
-        self.trainer = self._actor(TrainerActor, r.trainer_num_cpus, r.trainer_resources,
-                                   max_restarts=0).remote(self.cfg_json, extra)
+        spec, world = self.cfg.ray.trainer, self.cfg.trainer.world_size
+        await self._reserve_trainer()
+        self.trainer = self._actor(TrainerActor, spec, max_restarts=0,
+                                   **self._trainer_options(0)).remote(self.cfg_json, extra)
         if world > 1:  # follower rank actors from rank 0's checkpoint, all in one process group
-            addr, port, ckpt = await self._call_trainer("rendezvous")
-            cls = self._actor(TrainerRankActor, r.trainer_num_cpus, r.trainer_resources, max_restarts=0)
-            self.trainer_ranks = [cls.remote(self.cfg_json, ckpt) for _ in range(world - 1)]
+            addr, port, ckpt = await self._call_trainer(self.trainer.rendezvous.remote())
+            self.trainer_ranks = [self._actor(TrainerRankActor, spec, max_restarts=0, **self._trainer_options(rank))
+                                  .remote(self.cfg_json, ckpt) for rank in range(1, world)]
             joins = [f.join.remote(rank, world, addr, port) for rank, f in enumerate(self.trainer_ranks, start=1)]
             try:
-                await asyncio.gather(self._call_trainer("join_ranks", self.trainer_ranks, addr, port), *joins)
+                joined = self.trainer.join_ranks.remote(self.trainer_ranks, addr, port)
+                await asyncio.gather(self._call_trainer(joined), *joins)
             except self.ray.exceptions.RayError as err:  # a follower died or failed while joining
                 raise TrainerLost(f"a trainer rank failed to start: {str(err).splitlines()[0]}") from None
-        version, state = await self._call_trainer("state")
+        version, state = await self._call_trainer(self.trainer.state.remote())
         if "trainer" not in self.placement:
             self.placement.update(
                 trainer=(await self._where([self.trainer]))[0][0],
@@ -234,12 +264,15 @@ class RayBackend(Backend):
             except Exception:  # noqa: BLE001 - already gone
                 pass
         self.trainer, self.trainer_ranks = None, []
+        if self.trainer_group is not None:  # its reservation goes with it: a restart reserves anew
+            self.ray.util.remove_placement_group(self.trainer_group)
+            self.trainer_group = None
 
     async def receive(self, position: int, group: list[Trajectory]) -> None:
-        await self._call_trainer("receive", position, group)
+        await self._call_trainer(self.trainer.receive.remote(position, group))
 
     async def train_step(self) -> dict[str, Any] | None:
-        return await self._call_trainer("step")
+        return await self._call_trainer(self.trainer.step.remote())
 
     async def publish(self, version: int) -> None:
         self.weights = WeightHandle(transport=Transport.RAY, version=version, nbytes=0,

@@ -23,7 +23,7 @@ class TrainerActor(Placed):
 
     def __init__(self, cfg_json: str, extra: dict[str, Any]):
         cfg = RunConfig.model_validate_json(cfg_json)
-        torch.set_num_threads(cfg.trainer.threads or max(1, int(cfg.ray.trainer_num_cpus)))  # as reserved
+        torch.set_num_threads(cfg.trainer.threads or max(1, int(cfg.ray.trainer.num_cpus)))  # as reserved
         self.ckpt = latest_checkpoint(cfg.run_dir)
         self.service = TrainerService.from_run(cfg, extra, self.ckpt)
 
@@ -64,7 +64,7 @@ class TrainerRankActor(Placed):
 
     def __init__(self, cfg_json: str, ckpt: str | None):
         cfg = RunConfig.model_validate_json(cfg_json)
-        torch.set_num_threads(cfg.trainer.threads or max(1, int(cfg.ray.trainer_num_cpus)))  # as reserved
+        torch.set_num_threads(cfg.trainer.threads or max(1, int(cfg.ray.trainer.num_cpus)))  # as reserved
         self.follower = Follower(cfg, Path(ckpt) if ckpt else None)
 
     def join(self, rank: int, world_size: int, addr: str, port: int) -> None:

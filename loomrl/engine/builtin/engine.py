@@ -2,10 +2,9 @@
 
 Every engine step (one forward pass) mixes the decode tokens of all running sequences with prefill
 chunks of newly admitted ones; a request joins at the step after it arrives and leaves at the step
-it finishes. A KV budget (tokens) bounds what running sequences and the prefix cache hold together:
-admission waits for room, the prefix cache gives up least-recently-used entries first, and when
-running sequences outgrow the budget the most recently admitted one is preempted (its KV dropped;
-it requeues with its sampled tokens and is recomputed later, its result unchanged).
+it finishes. A step reads schedule -> run -> postprocess: scheduler.py decides the batch (admission
+under the KV budget, preemption), the runner computes it, and postprocessing samples, records and
+finishes.
 
 Prefix cache: prompts are matched against a radix tree of cached K/V (GRPO siblings share their
 prompt; a program's next turn extends its previous one). A finished request's K/V stays cached under
@@ -35,36 +34,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from loomrl.engine.base import EngineFault, EngineMetrics, GenerationRequest, GenerationResult
 from loomrl.engine.builtin.prefix_cache import PrefixCache
-from loomrl.engine.builtin.runner import Chunk, ModelRunner, SequenceKV
+from loomrl.engine.builtin.runner import ModelRunner
+from loomrl.engine.builtin.scheduler import Batch, Scheduler, Seq
 from loomrl.engine.common import deliver, sample_tokens
-from loomrl.tokens import common_prefix_len
-
-
-@dataclass(eq=False)
-class _Seq:
-    request: GenerationRequest
-    future: concurrent.futures.Future
-    prompt: list[int]  # what must be in the KV before sampling (grows on preemption)
-    generator: torch.Generator | None
-    kv: SequenceKV | None = None
-    out_tokens: list[int] = field(default_factory=list)
-    out_logprobs: list[float] = field(default_factory=list)
-    out_versions: list[int] = field(default_factory=list)
-    admitted_at: int = 0
-
-    def kv_tokens(self) -> list[int]:
-        """Token ids in KV order: the (possibly re-prefilled) prompt, then tokens sampled since."""
-        return self.prompt + self.out_tokens[len(self.prompt) - len(self.request.prompt_ids) :]
-
-    def pending_prompt(self) -> list[int]:
-        return self.prompt[self.kv.length :] if self.kv is not None else self.prompt
 
 
 class BuiltinEngine:
@@ -76,16 +54,14 @@ class BuiltinEngine:
         self.runner = ModelRunner(model)
         self.model = model
         self.eos_token_id = eos_token_id
-        self.kv_budget = kv_budget_tokens
-        self.max_running = max_running
-        self.max_prefill_tokens = max_prefill_tokens
         self.cache = PrefixCache() if prefix_cache else None
         self.tokenizer = tokenizer  # only needed for stop strings
         self.metrics = EngineMetrics()
+        self.kv_budget = kv_budget_tokens  # the protocol's: the server refuses requests that cannot fit
+        self.sched = Scheduler(self.runner, self.cache, self.metrics, kv_budget=kv_budget_tokens,
+                               max_running=max_running, max_prefill_tokens=max_prefill_tokens)
         self._version = version
         self._generator = torch.Generator().manual_seed(seed)
-        self._waiting: deque[_Seq] = deque()
-        self._running: list[_Seq] = []
         self._pending_weights: tuple[dict | None, int, concurrent.futures.Future] | None = None
         self._broken: str | None = None  # why the last weight load failed (no request is served until one works)
         self._interrupt = False
@@ -109,18 +85,14 @@ class BuiltinEngine:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         seed = request.sampling.seed
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        seq = _Seq(request=request, future=fut, prompt=list(request.prompt_ids), generator=gen)
+        seq = Seq(request=request, future=fut, prompt=list(request.prompt_ids), generator=gen)
         with self._cond:  # checked under the lock: a close or a failed load cannot slip in between
             if self._closed or not self._thread.is_alive():
                 raise EngineFault("the engine is closed" if self._closed else "the engine's thread is not running")
             if self._broken is not None:
                 raise EngineFault(f"the engine has no valid weights (the last weight update failed: {self._broken}); "
                                   "it serves again after a successful update_weights")
-            # After every waiting request of the same or a lower priority (FIFO among equals).
-            at = len(self._waiting)
-            while at and self._waiting[at - 1].request.priority > request.priority:
-                at -= 1
-            self._waiting.insert(at, seq)
+            self.sched.add(seq)
             self.metrics.requests += 1
             self._cond.notify()
         return fut
@@ -179,7 +151,7 @@ class BuiltinEngine:
                     break
             except BaseException as err:  # noqa: BLE001 - a fault outside a step: reset, keep serving
                 self._recover(err)
-        for seq in [*self._running, *self._waiting]:
+        for seq in self.sched.drain():
             deliver(seq.future, exception=EngineFault("engine closed"))
         for _, fut in self._calls:
             deliver(fut, exception=EngineFault("engine closed"))
@@ -192,14 +164,12 @@ class BuiltinEngine:
         fault.__cause__ = None if fault is err else err
         with self._cond:
             self.metrics.faults += 1  # counted before any caller learns of the fault (it may read the count)
-            for seq in [*self._running, *self._waiting]:
+            for seq in self.sched.drain():
                 try:
-                    self._retire_kv(seq)
+                    self.sched.retire(seq)
                 except Exception:  # noqa: BLE001 - the state that failed may fail again; drop it
                     seq.kv = None
                 deliver(seq.future, exception=fault)
-            self._running.clear()
-            self._waiting.clear()
             if self.cache is not None:
                 self.cache.clear()
 
@@ -207,7 +177,7 @@ class BuiltinEngine:
         """One pass of the loop: weights, interrupts, borrowed calls, then a step. False once closed."""
         while True:
             with self._cond:
-                while not (self._closed or self._waiting or self._running or self._pending_weights
+                while not (self._closed or self.sched.waiting or self.sched.running or self._pending_weights
                            or self._interrupt or self._calls):
                     self._cond.wait()
                 if self._closed:
@@ -222,7 +192,7 @@ class BuiltinEngine:
                     deliver(fut, fn())
                 except BaseException as err:  # noqa: BLE001 - the caller gets it
                     deliver(fut, exception=err)
-            if not (self._waiting or self._running):
+            if not (self.sched.waiting or self.sched.running):
                 continue
             t0 = time.perf_counter()
             self._step()  # a fault: _loop fails the requests in flight and serves on
@@ -243,11 +213,9 @@ class BuiltinEngine:
             deliver(fut, exception=EngineFault(f"update_weights: loading version {version} failed: {self._broken}"))
             if self.cache is not None:
                 self.cache.clear()
-            for seq in [*self._running, *self._waiting]:  # their K/V and tokens came from other weights
-                self._retire_kv(seq)
+            for seq in self.sched.drain():  # their K/V and tokens came from other weights
+                self.sched.retire(seq)
                 deliver(seq.future, exception=EngineFault(f"engine weights failed to load: {self._broken}"))
-            self._running.clear()
-            self._waiting.clear()
             return
         self._broken = None
         if self.cache is not None:
@@ -257,105 +225,32 @@ class BuiltinEngine:
 
     def _interrupt_locked(self) -> None:
         self._interrupt = False
-        for seq in [*self._running, *self._waiting]:
+        for seq in self.sched.drain():
             self.metrics.interrupts += 1
             self._finish(seq, "interrupted")
-        self._running.clear()
-        self._waiting.clear()
-
-    # -- memory -----------------------------------------------------------------------------------
-    def _held_tokens(self) -> int:
-        held: dict[int, SequenceKV] = {id(s.kv): s.kv for s in self._running if s.kv is not None}
-        if self.cache is not None:
-            held.update(self.cache.held())
-        return sum(kv.length for kv in held.values())
-
-    def _make_room(self, need: int) -> bool:
-        """Evict cached entries until `need` more tokens fit in the budget."""
-        while self._held_tokens() + need > self.kv_budget:
-            if self.cache is None or not self.cache.evict_lru():
-                return False
-        return True
-
-    def _admit(self) -> list[_Seq]:
-        """Move waiting requests into the running batch while the budget allows.
-
-        A request whose prompt shares a long prefix with one admitted in this same round waits one
-        step: by then that prefix is in the cache and it is copied instead of computed again (GRPO
-        siblings, requests sharing a system prompt)."""
-        admitted: list[_Seq] = []
-        deferred: list[_Seq] = []
-        while self._waiting and len(self._running) < self.max_running:
-            seq = self._waiting.popleft()
-            hit, donor = (0, None)
-            if self.cache is not None:
-                hit, donor = self.cache.match(seq.prompt[:-1], count=False)  # the last token must be computed
-                shared = max((common_prefix_len(seq.prompt, a.prompt) for a in admitted), default=0)
-                if shared > hit and shared >= 8 and shared >= len(seq.prompt) // 4:
-                    deferred.append(seq)
-                    continue
-                self.cache.match(seq.prompt[:-1])  # count the lookup once, when it is used
-            if not self._make_room(len(seq.prompt)) and self._running:
-                self._waiting.appendleft(seq)
-                break  # wait for running sequences to finish
-            seq.kv = self.runner.new_kv(len(seq.prompt) + seq.request.sampling.max_tokens)
-            if hit and donor is not None:
-                seq.kv.copy_prefix(donor, hit)
-            self.metrics.prompt_tokens += len(seq.prompt)
-            self.metrics.reused_tokens += hit
-            self.metrics.prefill_tokens += len(seq.prompt) - hit
-            seq.admitted_at = self.metrics.steps
-            self._running.append(seq)
-            admitted.append(seq)
-        self._waiting.extendleft(reversed(deferred))
-        return admitted
-
-    def _preempt_if_needed(self) -> None:
-        while self._held_tokens() > self.kv_budget and len(self._running) > 1:
-            if self.cache is not None and self.cache.evict_lru():
-                continue
-            victim = max(self._running, key=lambda s: s.admitted_at)
-            self._running.remove(victim)
-            # Recompute later: the sampled tokens become part of the prompt to re-prefill.
-            victim.prompt = list(victim.request.prompt_ids) + victim.out_tokens
-            self._retire_kv(victim)
-            self._waiting.appendleft(victim)
-            self.metrics.preemptions += 1
 
     # -- one step ---------------------------------------------------------------------------------
     def _step(self) -> None:
+        """schedule (under the lock) -> run (one forward pass) -> postprocess (cache, sample, finish)."""
         with self._cond:
-            self._admit()
-            self._preempt_if_needed()
-            running = list(self._running)
+            batch = self.sched.schedule()
             version = self._version
-        chunks, sample_rows, budget = [], [], self.max_prefill_tokens
-        for seq in running:
-            pending = seq.pending_prompt()
-            if pending:  # still prefilling: a chunk of its prompt
-                if budget <= 0:
-                    continue
-                part = pending[:budget]
-                budget -= len(part)
-                chunks.append(Chunk(seq.kv, part))
-                if len(part) == len(pending):
-                    sample_rows.append((len(chunks) - 1, seq))
-            else:  # decoding: feed the last sampled token
-                chunks.append(Chunk(seq.kv, [seq.out_tokens[-1]]))
-                sample_rows.append((len(chunks) - 1, seq))
-        if not chunks:
+        if not batch.chunks:
             return
-        logits = self.runner.forward(chunks)
+        logits = self.runner.forward(batch.chunks)
         self.metrics.steps += 1
+        self._postprocess(batch, logits, version)
+
+    def _postprocess(self, batch: Batch, logits: torch.Tensor, version: int) -> None:
         if self.cache is not None:
             with self._cond:  # release() may touch the tree from another thread
-                for seq in running:  # newly prefilled prompts serve their siblings from the next step on
+                for seq in batch.running:  # newly prefilled prompts serve their siblings from the next step on
                     if seq.kv is not None and seq.kv.length == len(seq.prompt) and not seq.out_tokens:
                         self.cache.insert(seq.prompt, seq.kv, seq.request.program_id)
-        if not sample_rows:
+        if not batch.samples:
             return
-        rows = torch.tensor([i for i, _ in sample_rows])
-        seqs = [s for _, s in sample_rows]
+        rows = torch.tensor([i for i, _ in batch.samples])
+        seqs = [s for _, s in batch.samples]
         tokens, logps = self._sample(logits[rows], seqs)
         done = []
         for seq, tok, lp in zip(seqs, tokens, logps):
@@ -369,16 +264,16 @@ class BuiltinEngine:
         if done:
             with self._cond:
                 for seq, reason in done:
-                    if seq in self._running:
-                        self._running.remove(seq)
+                    if seq in self.sched.running:
+                        self.sched.running.remove(seq)
                     self._finish(seq, reason)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[_Seq]) -> tuple[list[int], list[float]]:
+    def _sample(self, logits: torch.Tensor, seqs: list[Seq]) -> tuple[list[int], list[float]]:
         uniforms = torch.cat([torch.rand(1, generator=seq.generator or self._generator) for seq in seqs])
         tokens, logprobs = sample_tokens(logits, [s.request.sampling for s in seqs], uniforms)
         return tokens.tolist(), logprobs.tolist()
 
-    def _stop_reason(self, seq: _Seq, tok: int) -> str | None:
+    def _stop_reason(self, seq: Seq, tok: int) -> str | None:
         sp = seq.request.sampling
         if (tok == self.eos_token_id and not sp.ignore_eos) or tok in sp.stop_token_ids:
             return "stop"
@@ -390,22 +285,12 @@ class BuiltinEngine:
             return "length"
         return None
 
-    def _retire_kv(self, seq: _Seq) -> None:
-        """A sequence leaves the batch: its pool slot is freed; K/V the prefix cache may hold (its
-        prompt is inserted once prefilled) is first copied out of the pool."""
-        if seq.kv is not None:
-            if self.cache is not None:
-                seq.kv.detach()
-            else:
-                seq.kv.free()
-        seq.kv = None
-
-    def _finish(self, seq: _Seq, reason: str) -> None:
+    def _finish(self, seq: Seq, reason: str) -> None:
         self.metrics.finished += 1
         if self.cache is not None and seq.kv is not None and reason != "interrupted":
             # Keep the turn's K/V for the program's next turn (its tokens minus the last sampled one,
             # whose K/V was never computed).
             self.cache.insert(seq.kv_tokens(), seq.kv, seq.request.program_id)
-        self._retire_kv(seq)
+        self.sched.retire(seq)
         deliver(seq.future, GenerationResult(token_ids=list(seq.out_tokens), logprobs=list(seq.out_logprobs),
                                               versions=list(seq.out_versions), finish_reason=reason))

@@ -1,0 +1,161 @@
+"""The built-in engine's scheduler: which sequences run in the next step and what each contributes.
+
+A KV budget (tokens) bounds what running sequences and the prefix cache hold together: admission
+waits for room, the prefix cache gives up least-recently-used entries first, and when running
+sequences outgrow the budget the most recently admitted one is preempted (its KV dropped; it requeues
+with its sampled tokens and is recomputed later, its result unchanged). A step's batch mixes the
+decode tokens of all running sequences with prefill chunks of newly admitted ones, within
+max_prefill_tokens. The engine calls `schedule()` under its lock; nothing here runs the model.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from loomrl.engine.base import EngineMetrics, GenerationRequest
+from loomrl.engine.builtin.prefix_cache import PrefixCache
+from loomrl.engine.builtin.runner import Chunk, ModelRunner, SequenceKV
+from loomrl.tokens import common_prefix_len
+
+
+@dataclass(eq=False)
+class Seq:
+    request: GenerationRequest
+    future: concurrent.futures.Future
+    prompt: list[int]  # what must be in the KV before sampling (grows on preemption)
+    generator: torch.Generator | None
+    kv: SequenceKV | None = None
+    out_tokens: list[int] = field(default_factory=list)
+    out_logprobs: list[float] = field(default_factory=list)
+    out_versions: list[int] = field(default_factory=list)
+    admitted_at: int = 0
+
+    def kv_tokens(self) -> list[int]:
+        """Token ids in KV order: the (possibly re-prefilled) prompt, then tokens sampled since."""
+        return self.prompt + self.out_tokens[len(self.prompt) - len(self.request.prompt_ids) :]
+
+    def pending_prompt(self) -> list[int]:
+        return self.prompt[self.kv.length :] if self.kv is not None else self.prompt
+
+
+@dataclass(slots=True)
+class Batch:
+    """One step's work: the chunks to run, and which chunk's last row each sampling sequence reads."""
+
+    running: list[Seq]
+    chunks: list[Chunk]
+    samples: list[tuple[int, Seq]]
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, cache: PrefixCache | None, metrics: EngineMetrics, *,
+                 kv_budget: int, max_running: int, max_prefill_tokens: int):
+        self.runner, self.cache, self.metrics = runner, cache, metrics
+        self.kv_budget, self.max_running, self.max_prefill_tokens = kv_budget, max_running, max_prefill_tokens
+        self.waiting: deque[Seq] = deque()
+        self.running: list[Seq] = []
+
+    def add(self, seq: Seq) -> None:
+        """Queue after every waiting request of the same or a lower priority (FIFO among equals)."""
+        at = len(self.waiting)
+        while at and self.waiting[at - 1].request.priority > seq.request.priority:
+            at -= 1
+        self.waiting.insert(at, seq)
+
+    def drain(self) -> list[Seq]:
+        """Every sequence in flight, running and waiting, removed from the scheduler."""
+        out = [*self.running, *self.waiting]
+        self.running.clear()
+        self.waiting.clear()
+        return out
+
+    def schedule(self) -> Batch:
+        self._admit()
+        self._preempt_if_needed()
+        chunks, samples, budget = [], [], self.max_prefill_tokens
+        for seq in self.running:
+            pending = seq.pending_prompt()
+            if pending:  # still prefilling: a chunk of its prompt
+                if budget <= 0:
+                    continue
+                part = pending[:budget]
+                budget -= len(part)
+                chunks.append(Chunk(seq.kv, part))
+                if len(part) == len(pending):
+                    samples.append((len(chunks) - 1, seq))
+            else:  # decoding: feed the last sampled token
+                chunks.append(Chunk(seq.kv, [seq.out_tokens[-1]]))
+                samples.append((len(chunks) - 1, seq))
+        return Batch(list(self.running), chunks, samples)
+
+    def retire(self, seq: Seq) -> None:
+        """A sequence leaves the batch: its pool slot is freed; K/V the prefix cache may hold (its
+        prompt is inserted once prefilled) is first copied out of the pool."""
+        if seq.kv is not None:
+            if self.cache is not None:
+                seq.kv.detach()
+            else:
+                seq.kv.free()
+        seq.kv = None
+
+    # -- memory -------------------------------------------------------------------------------------
+    def _held_tokens(self) -> int:
+        held: dict[int, SequenceKV] = {id(s.kv): s.kv for s in self.running if s.kv is not None}
+        if self.cache is not None:
+            held.update(self.cache.held())
+        return sum(kv.length for kv in held.values())
+
+    def _make_room(self, need: int) -> bool:
+        """Evict cached entries until `need` more tokens fit in the budget."""
+        while self._held_tokens() + need > self.kv_budget:
+            if self.cache is None or not self.cache.evict_lru():
+                return False
+        return True
+
+    def _admit(self) -> None:
+        """Move waiting requests into the running batch while the budget allows.
+
+        A request whose prompt shares a long prefix with one admitted in this same round waits one
+        step: by then that prefix is in the cache and it is copied instead of computed again (GRPO
+        siblings, requests sharing a system prompt)."""
+        admitted: list[Seq] = []
+        deferred: list[Seq] = []
+        while self.waiting and len(self.running) < self.max_running:
+            seq = self.waiting.popleft()
+            hit, donor = (0, None)
+            if self.cache is not None:
+                hit, donor = self.cache.match(seq.prompt[:-1], count=False)  # the last token must be computed
+                shared = max((common_prefix_len(seq.prompt, a.prompt) for a in admitted), default=0)
+                if shared > hit and shared >= 8 and shared >= len(seq.prompt) // 4:
+                    deferred.append(seq)
+                    continue
+                self.cache.match(seq.prompt[:-1])  # count the lookup once, when it is used
+            if not self._make_room(len(seq.prompt)) and self.running:
+                self.waiting.appendleft(seq)
+                break  # wait for running sequences to finish
+            seq.kv = self.runner.new_kv(len(seq.prompt) + seq.request.sampling.max_tokens)
+            if hit and donor is not None:
+                seq.kv.copy_prefix(donor, hit)
+            self.metrics.prompt_tokens += len(seq.prompt)
+            self.metrics.reused_tokens += hit
+            self.metrics.prefill_tokens += len(seq.prompt) - hit
+            seq.admitted_at = self.metrics.steps
+            self.running.append(seq)
+            admitted.append(seq)
+        self.waiting.extendleft(reversed(deferred))
+
+    def _preempt_if_needed(self) -> None:
+        while self._held_tokens() > self.kv_budget and len(self.running) > 1:
+            if self.cache is not None and self.cache.evict_lru():
+                continue
+            victim = max(self.running, key=lambda s: s.admitted_at)
+            self.running.remove(victim)
+            # Recompute later: the sampled tokens become part of the prompt to re-prefill.
+            victim.prompt = list(victim.request.prompt_ids) + victim.out_tokens
+            self.retire(victim)
+            self.waiting.appendleft(victim)
+            self.metrics.preemptions += 1

@@ -65,12 +65,24 @@ class EngineConfig(_Section):
     threads: int = Field(0, ge=0)  # torch threads of the rollout side; 0 = all cores (sync), half (async)
 
 
+class CalculatorConfig(_Section):
+    """env.name=calculator only."""
+
+    heldout_families: list[str] | None = None  # default: the same as env.families
+    crash_rate: float = Field(0.0, ge=0.0, le=1.0)  # fault injection: a tool call crashes its process
+    hang_rate: float = Field(0.0, ge=0.0, le=1.0)  # fault injection: a tool call hangs until its timeout
+    # simulated environment latency (benchmarks): every env step first waits a lognormal time with this
+    # mean and sigma (of the underlying normal); 0 = none. Declared wherever a result uses it.
+    step_latency_s: float = Field(0.0, ge=0.0)
+    step_latency_sigma: float = Field(0.5, ge=0.0)
+    few_shot: Literal["none", "bare", "word"] = "word"  # worked examples shown before the task
+
+
 class EnvConfig(_Section):
     name: Literal["calculator", "codefix", "gym"] = "calculator"
     # task families: calculator (default add, sub, mul), codefix bug families, or gym games
     # (FrozenLake, Taxi, CliffWalking, Blackjack); None = the environment's default (codefix, gym: all)
     families: list[str] | None = None
-    heldout_families: list[str] | None = None  # calculator only; default: same as `families`
     n_train: int = Field(2000, gt=0)
     n_heldout: int = Field(200, gt=0)
     seed: int = 1234
@@ -83,14 +95,8 @@ class EnvConfig(_Section):
     # failed sandbox creations or health checks in a row after which the pool gives up and the run
     # stops with the sandbox's own error (a backend that cannot work here must not hang the run)
     sandbox_max_failures: int = Field(5, gt=0)
-    tool_timeout_s: float = Field(5.0, gt=0.0)
-    crash_rate: float = Field(0.0, ge=0.0, le=1.0)  # fault injection: a tool call crashes its process
-    hang_rate: float = Field(0.0, ge=0.0, le=1.0)  # fault injection: a tool call hangs until its timeout
-    # simulated environment latency (benchmarks): every env step first waits a lognormal time with this
-    # mean and sigma (of the underlying normal); 0 = none. Declared wherever a result uses it.
-    step_latency_s: float = Field(0.0, ge=0.0)
-    step_latency_sigma: float = Field(0.5, ge=0.0)
-    few_shot: Literal["none", "bare", "word"] = "word"  # worked examples shown before the task
+    tool_timeout_s: float = Field(5.0, gt=0.0)  # a tool call (calculator) or command (codefix) runs at most this
+    calculator: CalculatorConfig = Field(default_factory=CalculatorConfig)
 
 
 class ContextConfig(_Section):
@@ -364,6 +370,12 @@ RETIRED = {
     "ray.max_group_attempts": "moved: use runtime.max_group_attempts (the driver retries on every backend)",
     "ray.retry_backoff_s": "moved: use runtime.retry_backoff_s (the driver retries on every backend)",
     "ray.max_trainer_restarts": "moved: use runtime.max_trainer_restarts (one setting for every backend)",
+    "env.heldout_families": "moved: use env.calculator.heldout_families (calculator only)",
+    "env.crash_rate": "moved: use env.calculator.crash_rate (calculator only)",
+    "env.hang_rate": "moved: use env.calculator.hang_rate (calculator only)",
+    "env.step_latency_s": "moved: use env.calculator.step_latency_s (calculator only)",
+    "env.step_latency_sigma": "moved: use env.calculator.step_latency_sigma (calculator only)",
+    "env.few_shot": "moved: use env.calculator.few_shot (calculator only)",
     "ray.num_rollout_workers": "moved: use ray.rollout.count",
     "ray.rollout_num_cpus": "moved: use ray.rollout.num_cpus",
     "ray.rollout_resources": "moved: use ray.rollout.resources",

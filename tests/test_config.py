@@ -69,6 +69,9 @@ def test_moved_ray_and_runtime_fields_name_their_new_place():
         load_config(None, ["ray.max_trainer_restarts=3"])
     with pytest.raises(ConfigError, match="'ray.max_group_attempts' moved: use runtime.max_group_attempts"):
         load_config(None, ["ray.max_group_attempts=3"])
+    with pytest.raises(ConfigError, match="'env.crash_rate' moved: use env.calculator.crash_rate"):
+        load_config(None, ["env.crash_rate=0.3"])
+    assert load_config(None, ["env.calculator.crash_rate=0.3"]).env.calculator.crash_rate == 0.3
     cfg = load_config(None, ["ray.rollout.count=4", "ray.rollout.num_gpus=0.5", "ray.trainer.num_gpus=1",
                              "runtime.max_trainer_restarts=1"])
     assert (cfg.ray.rollout.count, cfg.ray.rollout.num_gpus, cfg.ray.trainer.num_gpus) == (4, 0.5, 1.0)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from loomrl.buffer.filters import FilterConfig, balance_samples, is_repetitive, usable_group
+from loomrl.buffer.filters import balance_samples, is_repetitive, usable_group
+from loomrl.config import BufferConfig, ConfigError, load_config
 from loomrl.types import RolloutStatus, TokenSpan, TrainingSample, Trajectory, Turn
 
 
@@ -23,7 +24,7 @@ def test_complete_filter_and_drop_truncated():
              traj("d", [7, 7, 8], 1.0, RolloutStatus.TRUNCATED)]
     kept, out, reason = usable_group(group)
     assert reason is None and [t.trajectory_id for t in kept] == ["a", "b", "d"] and out == {"incomplete": ["c"]}
-    kept, out, _ = usable_group(group, FilterConfig(drop_truncated=True))
+    kept, out, _ = usable_group(group, BufferConfig(drop_truncated=True))
     assert [t.trajectory_id for t in kept] == ["a", "b"] and out == {"incomplete": ["c", "d"]}
 
 
@@ -32,14 +33,14 @@ def test_repetitive_loops_are_left_out():
     assert is_repetitive(traj("x", loop, 0.0), n=4, max_repeats=8)
     assert not is_repetitive(traj("y", list(range(40)), 0.0), n=4, max_repeats=8)
     group = [traj("x", loop, 0.0), traj("y", list(range(40)), 1.0), traj("z", list(range(40, 80)), 0.0)]
-    kept, out, reason = usable_group(group, FilterConfig(filters=("complete", "repetitive")))
+    kept, out, reason = usable_group(group, BufferConfig(filters=["complete", "repetitive"]))
     assert out == {"repetitive": ["x"]} and [t.trajectory_id for t in kept] == ["y", "z"] and reason is None
 
 
 def test_near_duplicates_keep_one_copy():
     base = list(range(10, 40))
     group = [traj("a", base, 1.0), traj("b", base[:-1] + [99], 1.0), traj("c", list(range(50, 80)), 0.0)]
-    kept, out, _ = usable_group(group, FilterConfig(filters=("complete", "near_duplicate"), duplicate_threshold=0.85))
+    kept, out, _ = usable_group(group, BufferConfig(filters=["complete", "near_duplicate"], duplicate_threshold=0.85))
     assert out == {"near_duplicate": ["b"]} and [t.trajectory_id for t in kept] == ["a", "c"]
 
 
@@ -61,8 +62,8 @@ def test_balance_subsamples_the_majority_sign():
 
 
 def test_unknown_filter_is_refused():
-    with pytest.raises(ValueError, match="unknown filter"):
-        FilterConfig(filters=("complete", "vibes"))
+    with pytest.raises(ConfigError, match="'buffer.filters.1'"):
+        load_config(None, ["buffer.filters=[complete, vibes]"])
 
 
 def test_a_trajectory_whose_reward_failed_is_left_out_not_trained_as_zero():

@@ -20,26 +20,11 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from dataclasses import dataclass
 
+from loomrl.config import BufferConfig
 from loomrl.types import RolloutStatus, TrainingSample, Trajectory
 
 _NOT_POLICY_FAULT = (RolloutStatus.ENV_ERROR, RolloutStatus.ENGINE_ERROR, RolloutStatus.TIMEOUT, RolloutStatus.ABORTED)
-FILTERS = ("complete", "repetitive", "near_duplicate")
-
-
-@dataclass(slots=True, kw_only=True)
-class FilterConfig:
-    filters: tuple[str, ...] = ("complete",)
-    drop_truncated: bool = False
-    ngram: int = 4
-    max_repeats: int = 8
-    duplicate_threshold: float = 0.9
-
-    def __post_init__(self) -> None:
-        unknown = sorted(set(self.filters) - set(FILTERS))
-        if unknown:
-            raise ValueError(f"buffer.filters: unknown filter(s) {unknown}; choose from {list(FILTERS)}")
 
 
 def _sampled(t: Trajectory) -> list[int]:
@@ -59,10 +44,11 @@ def _jaccard(a: set, b: set) -> float:
     return len(a & b) / len(a | b) if a or b else 1.0
 
 
-def usable_group(group: list[Trajectory], cfg: FilterConfig | None = None) -> tuple[list[Trajectory], dict[str, list[str]], str | None]:
-    """The trainable part of a group, the trajectory ids left out by reason, and why nothing of the
+def usable_group(group: list[Trajectory], cfg: BufferConfig | None = None) -> tuple[list[Trajectory], dict[str, list[str]], str | None]:
+    """The trainable part of a group under the buffer's filters (buffer.filters, drop_truncated, ngram,
+    max_repeats, duplicate_threshold), the trajectory ids left out by reason, and why nothing of the
     group can be trained (None when something can)."""
-    cfg = cfg or FilterConfig()
+    cfg = cfg or BufferConfig()
     out: dict[str, list[str]] = {}
     kept = [t for t in group if any(t.all_turns())]
     out["reward_failed"] = [t.trajectory_id for t in kept if t.reward_failed]

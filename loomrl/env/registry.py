@@ -48,17 +48,17 @@ def _calc_splits(cfg: RunConfig) -> tuple[list[Task], list[Task]]:
 
     e = cfg.env
     families = e.families or _CALC_FAMILIES
-    return make_splits(families, e.heldout_families or families, e.n_train, e.n_heldout, e.seed)
+    return make_splits(families, e.calculator.heldout_families or families, e.n_train, e.n_heldout, e.seed)
 
 
 def _calc_env(cfg: RunConfig, pool: EnvPool | None, rng: random.Random) -> Env:
     from loomrl.env.tasks.calculator import CalculatorEnv
 
-    e = cfg.env
+    c = cfg.env.calculator
     assert pool is not None
-    return CalculatorEnv(pool, tool_timeout_s=e.tool_timeout_s, crash_rate=e.crash_rate, hang_rate=e.hang_rate,
-                         few_shot=e.few_shot, rng=rng, step_latency_s=e.step_latency_s,
-                         step_latency_sigma=e.step_latency_sigma)
+    return CalculatorEnv(pool, tool_timeout_s=cfg.env.tool_timeout_s, crash_rate=c.crash_rate, hang_rate=c.hang_rate,
+                         few_shot=c.few_shot, rng=rng, step_latency_s=c.step_latency_s,
+                         step_latency_sigma=c.step_latency_sigma)
 
 
 def _calc_reward(cfg: RunConfig) -> RewardFn:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from loomrl.config import RunConfig
 from loomrl.trainer.distributed import DataParallelTrainer, init_process_group, param_checksum, shard_samples
-from loomrl.trainer.trainer import StepStats, Trainer
+from loomrl.trainer.trainer import StepStats, Trainer, initial_policy
 from loomrl.types import TrainingSample
 
 # Bounds each collective of a step: the ranks' skew within one step, not the wait between steps.
@@ -84,7 +84,6 @@ class Follower:
     def __init__(self, cfg: RunConfig, ckpt: Path | None):
         from loomrl.model.loader import load_run_model
         from loomrl.trainer.checkpoint import load_optimizer, load_state
-        from loomrl.trainer.service import initial_policy
 
         model, _ = load_run_model(cfg.model, ckpt)
         self.trainer = Trainer(model, cfg.trainer, initial_model=initial_policy(cfg, ckpt))

@@ -20,12 +20,12 @@ import torch
 
 from loomrl.buffer import Buffer, usable_group
 from loomrl.buffer.buffer import group_min_version
-from loomrl.buffer.filters import FilterConfig, balance_samples
+from loomrl.buffer.filters import balance_samples
 from loomrl.config import RunConfig
 from loomrl.trainer.checkpoint import load_optimizer, load_state, save_checkpoint, set_rng_state
 from loomrl.trainer.grpo import samples_from_group
 from loomrl.trainer.ranks import RankGroup
-from loomrl.trainer.trainer import Trainer
+from loomrl.trainer.trainer import Trainer, initial_policy
 from loomrl.types import Trajectory
 
 
@@ -69,16 +69,6 @@ def repair_ledger_for_restart(run_dir: Path, checkpoint: Path | None) -> None:
         ledger.unlink()
 
 
-def initial_policy(cfg: RunConfig, resume_from: Path | None) -> torch.nn.Module | None:
-    """KL's reference when resuming: the run's starting model (cfg.model), not the checkpoint's."""
-    t = cfg.trainer
-    if resume_from is None or t.kl is None or t.kl_coef <= 0:
-        return None
-    from loomrl.model.loader import load_model
-
-    return load_model(cfg.model)[0]
-
-
 class TrainerService:
     def __init__(self, cfg: RunConfig, model: torch.nn.Module, tokenizer: Any, resume_from: Path | None = None):
         self.cfg = cfg
@@ -87,9 +77,6 @@ class TrainerService:
         self.tokenizer = tokenizer
         self.trainer = Trainer(model, cfg.trainer, initial_model=initial_policy(cfg, resume_from))
         self.buffer = Buffer(cfg.buffer.max_policy_lag, cfg.buffer.sampler, cfg.buffer.window)
-        b = cfg.buffer
-        self.filters = FilterConfig(filters=tuple(b.filters), drop_truncated=b.drop_truncated, ngram=b.ngram,
-                                    max_repeats=b.max_repeats, duplicate_threshold=b.duplicate_threshold)
         self.received = PositionSet()
         self.extra: dict[str, Any] = {}  # runtime facts to carry across resume (e.g. eval before)
         self.ledger_path = self.run_dir / "ledger.jsonl"
@@ -147,7 +134,7 @@ class TrainerService:
         groups_skipped = 0
         idle_tokens = idle_seqs = idle_longest = 0  # of zero-variance groups: no gradient, but part of the mean
         for group in groups:
-            usable, left_out, reason = usable_group(group, self.filters)
+            usable, left_out, reason = usable_group(group, self.cfg.buffer)
             for why, ids in left_out.items():
                 skipped.setdefault(why, []).extend(ids)
             if reason:

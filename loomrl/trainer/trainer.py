@@ -17,10 +17,11 @@ import math
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from loomrl.config import TrainerConfig
+from loomrl.config import RunConfig, TrainerConfig
 from loomrl.trainer.losses import policy_loss
 from loomrl.trainer.tree import (
     dense_attention_pairs,
@@ -274,3 +275,13 @@ class Trainer:
         if merged:
             return tree_token_logprobs(model, batch, with_grad=with_grad)
         return token_logprobs(model, batch, with_grad=with_grad)
+
+
+def initial_policy(cfg: RunConfig, resume_from: Path | None) -> torch.nn.Module | None:
+    """KL's reference when resuming: the run's starting model (cfg.model), not the checkpoint's."""
+    t = cfg.trainer
+    if resume_from is None or t.kl is None or t.kl_coef <= 0:
+        return None
+    from loomrl.model.loader import load_model
+
+    return load_model(cfg.model)[0]

@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-# Ray: the Ray runtime and its two-node cluster tests (tests/test_ray_runtime.py) run in `make test`;
+# Ray: the Ray runtime and its two-node cluster tests (tests/runtime/test_ray_runtime.py) run in `make test`;
 # the demo does not need it.
 $(VENV)/.ray: $(VENV)/.installed
 	$(PIP) install -q -e '.[ray]'

@@ -27,7 +27,7 @@ Samplers (``make_sampler(name, window=None)``):
   order; the window advances only when the head has been taken. ``W=1`` is strict submission order,
   ``W=math.inf`` is greedy first-finished (the same order as ``"fifo"``).
 
-Guarantees of ``"window"`` with width W (tested in tests/test_samplers.py):
+Guarantees of ``"window"`` with width W (tested in tests/buffer/test_samplers.py):
 
 1. bounded overtaking: a group is taken only after every group submitted W or more places before it
    has been taken. Equivalently, at most W-1 later-submitted groups are taken before any group.

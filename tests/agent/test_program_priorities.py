@@ -44,7 +44,7 @@ def test_seer_and_capped_runs_train_and_keep_within_the_cap(tmp_path):
     from loomrl.rollout import worker as rollout
     from loomrl.runtime.run import train
 
-    recipe = __import__("pathlib").Path(__file__).resolve().parents[1] / "examples" / "calculator_tiny.yaml"
+    recipe = __import__("pathlib").Path(__file__).resolve().parents[2] / "examples" / "calculator_tiny.yaml"
     cfg = load_config(recipe, [f"output_dir={tmp_path}", "progress=false", "name=seer", "runtime.mode=sync",
                                "runtime.schedule=seer", "trainer.total_steps=2", "eval.n_tasks=6",
                                "runtime.max_inflight_trajectories=4",

@@ -202,7 +202,7 @@ def test_a_sync_run_with_two_ranks_takes_the_steps_of_one(tmp_path):
     from loomrl.runtime.run import train
     from loomrl.trainer.checkpoint import latest_checkpoint
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     runs = {}
     for world in (1, 2):
         cfg = load_config(root / "examples" / "calculator_tiny.yaml",

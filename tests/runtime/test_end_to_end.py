@@ -20,7 +20,7 @@ from loomrl.runtime.run import train
 from loomrl.store import read_trajectories
 from loomrl.trainer.service import read_ledger
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "examples" / "calculator_tiny.yaml"
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from dispatcher import RolloutDispatcher, RolloutGroup, ScheduleReport  # noqa: E402
 
 from loomrl.engine.base import GenerationRequest, GenerationResult, SamplingParams  # noqa: E402

@@ -11,7 +11,7 @@ from loomrl.config import load_config
 from loomrl.runtime.run import train
 from loomrl.store import read_trajectories
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow

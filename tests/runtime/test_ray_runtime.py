@@ -25,7 +25,7 @@ from ledger_checks import check_each_trajectory_once
 from loomrl.store import read_trajectories
 from loomrl.trainer.service import read_ledger
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "examples" / "calculator_tiny.yaml"
 RAY = shutil.which("ray", path=str(Path(sys.executable).parent)) or "ray"
 

@@ -23,7 +23,7 @@ from loomrl.types import Task
 
 pytest.importorskip("openai")
 pytestmark = pytest.mark.skipif(not bwrap_available(), reason="bubblewrap not installed (make test installs it)")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # A ReAct agent that also prints, as its last line, the token ids the gateway says it sampled.
 RECORDING_AGENT = '''

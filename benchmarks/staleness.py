@@ -122,7 +122,7 @@ def run(out: Path, lag: int, loss: str, args) -> dict:
 
     name = f"lag{lag}-{loss}"
     cfg = load_config(ROOT / "examples" / "calculator_tiny.yaml", [
-        *_overrides(out, name, args), "runtime.mode=async", f"buffer.max_policy_lag={lag}", f"trainer.loss={loss}",
+        *_overrides(out, name, args), "runtime.mode=async", f"buffer.max_policy_lag={lag}", f"trainer.loss.kind={loss}",
         "reward.function=staleness:preferred_first_token"])
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     train(cfg)

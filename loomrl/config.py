@@ -162,17 +162,14 @@ class BufferConfig(_Section):
     balance_max_ratio: float | None = Field(None, ge=1.0)  # subsample the majority advantage sign to this ratio
 
 
-class TrainerConfig(_Section):
-    lr: float = Field(1e-5, gt=0.0)
-    weight_decay: float = Field(0.0, ge=0.0)
-    betas: tuple[float, float] = (0.9, 0.99)
-    warmup_steps: int = Field(0, ge=0)
-    grad_clip: float = Field(1.0, gt=0.0)
-    clip_eps: float = Field(0.2, gt=0.0)  # ppo_clip / decoupled_ppo: lower clip (and upper unless clip_high)
-    clip_high: float | None = Field(None, gt=0.0)  # DAPO's clip-higher; gspo/cispo use their papers' defaults
-    # loomrl/trainer/losses.py: advantage estimator, policy loss, off-policy correction, KL, aggregation
-    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
-    loss: Literal["ppo_clip", "gspo", "decoupled_ppo", "cispo"] = "ppo_clip"
+class LossConfig(_Section):
+    """trainer.loss (loomrl/trainer/losses.py policy_loss): the policy loss, its off-policy correction,
+    the KL term and the aggregation."""
+
+    kind: Literal["ppo_clip", "gspo", "decoupled_ppo", "cispo"] = "ppo_clip"
+    # clip range below / above 1; None: the kind's default (PPO 0.2 / 0.2, GSPO 3e-4 / 4e-4, CISPO none / 0.28)
+    clip_low: float | None = Field(None, gt=0.0)
+    clip_high: float | None = Field(None, gt=0.0)  # e.g. DAPO's clip-higher
     is_level: Literal["none", "token", "sequence", "chunk"] = "none"  # chunk = one turn (between env calls)
     is_variant: Literal["none", "truncated", "masked"] = "truncated"
     is_cap: float = Field(2.0, gt=0.0)
@@ -180,6 +177,16 @@ class TrainerConfig(_Section):
     kl_coef: float = Field(0.0, ge=0.0)
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm"] = "token_mean"
     norm_constant: float | None = Field(None, gt=0.0)  # token_sum_norm: default max sampled tokens x sequences
+
+
+class TrainerConfig(_Section):
+    lr: float = Field(1e-5, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.99)
+    warmup_steps: int = Field(0, ge=0)
+    grad_clip: float = Field(1.0, gt=0.0)
+    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"  # loomrl/trainer/losses.py: the estimator
+    loss: LossConfig = Field(default_factory=LossConfig)
     # zero-variance groups are not trained (no gradient) but count in the loss denominators, so that a
     # step with few informative groups takes a proportionally smaller step; False: mean over trained only
     count_idle_groups: bool = True
@@ -376,6 +383,16 @@ RETIRED = {
     "env.step_latency_s": "moved: use env.calculator.step_latency_s (calculator only)",
     "env.step_latency_sigma": "moved: use env.calculator.step_latency_sigma (calculator only)",
     "env.few_shot": "moved: use env.calculator.few_shot (calculator only)",
+    "trainer.clip_eps": "moved: use trainer.loss.clip_low",
+    "trainer.clip_high": "moved: use trainer.loss.clip_high",
+    "trainer.is_level": "moved: use trainer.loss.is_level",
+    "trainer.is_variant": "moved: use trainer.loss.is_variant",
+    "trainer.is_cap": "moved: use trainer.loss.is_cap",
+    "trainer.kl": "moved: use trainer.loss.kl",
+    "trainer.kl_coef": "moved: use trainer.loss.kl_coef",
+    "trainer.aggregation": "moved: use trainer.loss.aggregation",
+    "trainer.norm_constant": "moved: use trainer.loss.norm_constant",
+    "trainer.loss": "is a section now: use trainer.loss.kind=<ppo_clip|gspo|decoupled_ppo|cispo>",
     "ray.num_rollout_workers": "moved: use ray.rollout.count",
     "ray.rollout_num_cpus": "moved: use ray.rollout.num_cpus",
     "ray.rollout_resources": "moved: use ray.rollout.resources",

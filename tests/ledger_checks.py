@@ -1,5 +1,5 @@
-"""What every run's ledger and store must satisfy after crashes and resumes (shared by the local
-SIGKILL test and the Ray tests)."""
+"""What every run's ledger, store and accounting must satisfy after crashes and resumes (shared by the
+local and the Ray tests)."""
 
 from __future__ import annotations
 
@@ -26,3 +26,20 @@ def check_each_trajectory_once(run_dir: Path, steps: int) -> tuple[list[str], li
         by_position.setdefault(stored[t]["position"], set()).add(stored[t]["group_id"])
     assert all(len(g) == 1 for g in by_position.values()), "a data position was consumed twice"
     return trained, consumed, stored
+
+
+def check_run(run_dir: Path, summary: dict, steps: int) -> dict:
+    """What every run must satisfy, on either backend: each step once, no trajectory consumed twice,
+    everything the ledger names is stored, and launched = the sum of the fates (summary.json
+    accounting), every stored trajectory with exactly one."""
+    trained, consumed, stored = check_each_trajectory_once(run_dir, steps)
+    assert trained, "the parity reward gives groups variance, so something must have been trained"
+    acc = summary["accounting"]
+    assert acc["violations"] == []
+    assert acc["trained"] == len(trained)
+    assert acc["trained"] + sum(acc["skipped"].values()) + acc["stale"] == len(consumed)
+    fates = (acc["trained"] + sum(acc["skipped"].values()) + acc["stale"] + sum(acc["discarded"].values())
+             + acc["unconsumed"])
+    assert fates == len(stored), "a stored trajectory has no fate (missing) or two"
+    assert acc["launched"] == len(stored) + sum(acc["failed"].values()) + acc["cancelled"]
+    return stored

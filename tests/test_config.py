@@ -69,6 +69,11 @@ def test_moved_ray_and_runtime_fields_name_their_new_place():
         load_config(None, ["ray.max_trainer_restarts=3"])
     with pytest.raises(ConfigError, match="'ray.max_group_attempts' moved: use runtime.max_group_attempts"):
         load_config(None, ["ray.max_group_attempts=3"])
+    with pytest.raises(ConfigError, match="'trainer.loss' is a section now: use trainer.loss.kind="):
+        load_config(None, ["trainer.loss=gspo"])
+    with pytest.raises(ConfigError, match="'trainer.clip_eps' moved: use trainer.loss.clip_low"):
+        load_config(None, ["trainer.clip_eps=0.3"])
+    assert load_config(None, ["trainer.loss.kind=gspo"]).trainer.loss.kind == "gspo"
     with pytest.raises(ConfigError, match="'env.crash_rate' moved: use env.calculator.crash_rate"):
         load_config(None, ["env.crash_rate=0.3"])
     assert load_config(None, ["env.calculator.crash_rate=0.3"]).env.calculator.crash_rate == 0.3

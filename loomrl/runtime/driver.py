@@ -254,9 +254,11 @@ class Driver:
         for pos in [p for p, t in self.retry_at.items() if t <= time.monotonic()]:
             del self.retry_at[pos]
             self._dispatch(pos)
-        # admission counts positions that will deliver a group: ones given up on free their place
-        while admits(self.next_pos - len(self.gave_up), version=self.version, groups_per_step=self.B,
-                     max_lag=self.lag):
+        # admission counts positions that will deliver a group: ones given up on free their place;
+        # nothing past the last step's positions (it would only be cancelled at the end)
+        while (admits(self.next_pos - len(self.gave_up), version=self.version, groups_per_step=self.B,
+                      max_lag=self.lag)
+               and (self.next_pos - len(self.gave_up)) // self.B < self.cfg.trainer.total_steps):
             self._dispatch(self.next_pos)
             self.next_pos = next(self.positions)
         self.peak = max(self.peak, len(self.inflight))

@@ -121,8 +121,9 @@ class DataParallelTrainer:
         if g_tokens == 0:  # every rank raises, none is left waiting in a collective
             raise ValueError("data-parallel step: no rank got a sampled token")
         cfg = t.cfg
-        if cfg.aggregation == "token_sum_norm" and cfg.norm_constant is None:
-            t.cfg = cfg.model_copy(update={"norm_constant": self._global_norm(longest, g_seqs + g_idle_seqs)})
+        if cfg.loss.aggregation == "token_sum_norm" and cfg.loss.norm_constant is None:
+            norm = self._global_norm(longest, g_seqs + g_idle_seqs)
+            t.cfg = cfg.model_copy(update={"loss": cfg.loss.model_copy(update={"norm_constant": norm})})
         t.grad_hook = self._sum_gradients
         try:
             stats = t.train_step(samples, idle_tokens=g_tokens + g_idle_tokens - tokens,

@@ -23,6 +23,8 @@ from typing import Literal
 
 import torch
 
+from loomrl.config import LossConfig
+
 Tensor = torch.Tensor
 
 AdvantageKind = Literal["grpo", "dr_grpo", "rloo"]
@@ -352,14 +354,12 @@ def aggregate(loss: Tensor, seq_ids: Tensor, mode: Aggregation = "token_mean", *
 # ---------------------------------------------------------------- entry point
 
 
-def policy_loss(kind: LossKind, logp: Tensor, old_logp: Tensor, advantages: Tensor, seq_ids: Tensor, *,
-                chunk_ids: Tensor | None = None, prox_logp: Tensor | None = None, clip_low: float | None = None,
-                clip_high: float | None = None, is_level: ISLevel = "none", is_variant: ISVariant = "none",
-                is_cap: float = 2.0, kl: KLKind | None = None, ref_logp: Tensor | None = None,
-                kl_coef: float = 0.0, aggregation: Aggregation = "token_mean", norm_constant: float | None = None,
+def policy_loss(cfg: LossConfig, logp: Tensor, old_logp: Tensor, advantages: Tensor, seq_ids: Tensor, *,
+                chunk_ids: Tensor | None = None, prox_logp: Tensor | None = None, ref_logp: Tensor | None = None,
                 num_seqs: int | None = None) -> tuple[Tensor, dict[str, float]]:
-    """Scalar loss of one micro-batch and float stats. `old_logp` is always the behaviour (engine)
-    logprob mu; `prox_logp`, if given, the trainer's logprob under a recent policy (pi_train).
+    """Scalar loss of one micro-batch and float stats, as `cfg` (trainer.loss) says. `old_logp` is
+    always the behaviour (engine) logprob mu; `prox_logp`, if given, the trainer's logprob under a
+    recent policy (pi_train).
 
     Composition, so that pi/mu is never counted twice (pi/mu = pi/pi_train * pi_train/mu):
     - the policy ratio (clip / GSPO / CISPO weight) is taken against pi_train = prox_logp if given;
@@ -374,16 +374,12 @@ def policy_loss(kind: LossKind, logp: Tensor, old_logp: Tensor, advantages: Tens
     clip_low / clip_high default per kind (DEFAULT_CLIP). Stats: clip_frac, ratio_mean (of the
     policy ratio), approx_kl (k3 of KL(mu || pi), always vs behaviour), the IS stats (ess, ...) when a
     correction is on, kl_ref when `kl` is set, num_tokens and num_seqs."""
-    _check_choice("kind", kind, LOSS_KINDS)
-    _check_choice("is_level", is_level, IS_LEVELS)
-    _check_choice("is_variant", is_variant, IS_VARIANTS)
-    _check_choice("aggregation", aggregation, AGGREGATIONS)
+    kind, is_level, is_variant, is_cap, kl = cfg.kind, cfg.is_level, cfg.is_variant, cfg.is_cap, cfg.kl
     if kl is not None:
-        _check_choice("kl", kl, KL_KINDS)
         if ref_logp is None:
             raise ValueError(f"ref_logp is required when kl={kl!r}")
-    elif kl_coef != 0.0:
-        raise ValueError(f"kl_coef={kl_coef} needs kl set to one of {', '.join(KL_KINDS)}")
+    elif cfg.kl_coef != 0.0:
+        raise ValueError(f"kl_coef={cfg.kl_coef} needs kl set to one of {', '.join(KL_KINDS)}")
     if kind == "decoupled_ppo" and prox_logp is None:
         raise ValueError("prox_logp is required for kind='decoupled_ppo' (the proximal policy's logprobs)")
     if is_level == "chunk" and chunk_ids is None:
@@ -394,8 +390,8 @@ def policy_loss(kind: LossKind, logp: Tensor, old_logp: Tensor, advantages: Tens
     if logp.numel() == 0:
         raise ValueError("logp has no tokens: skip empty micro-batches before calling policy_loss")
     default_low, default_high = DEFAULT_CLIP[kind]
-    clip_low = default_low if clip_low is None else clip_low
-    clip_high = default_high if clip_high is None else clip_high
+    clip_low = default_low if cfg.clip_low is None else cfg.clip_low
+    clip_high = default_high if cfg.clip_high is None else cfg.clip_high
 
     level = "token" if kind == "decoupled_ppo" and is_level == "none" else is_level
     if level != "none":
@@ -418,11 +414,11 @@ def policy_loss(kind: LossKind, logp: Tensor, old_logp: Tensor, advantages: Tens
     stats.update(is_stats)
     if kl is not None:
         kl_t = kl_penalty(logp, ref_logp, kl)
-        per_token = per_token + kl_coef * kl_t
+        per_token = per_token + cfg.kl_coef * kl_t
         stats["kl_ref"] = kl_t.detach().mean()
     with torch.no_grad():
         stats["approx_kl"] = _k3(logp - old_logp).mean()
-    loss = aggregate(per_token, seq_ids, aggregation, norm_constant=norm_constant, num_seqs=num_seqs)
+    loss = aggregate(per_token, seq_ids, cfg.aggregation, norm_constant=cfg.norm_constant, num_seqs=num_seqs)
     out = {name: float(v) for name, v in stats.items()}
     out["num_tokens"] = float(logp.numel())
     out["num_seqs"] = float(n_seqs)

@@ -108,7 +108,7 @@ class Trainer:
         )
         self.step = 0
         # KL to the initial policy needs its logprobs: a frozen copy, kept only when the KL term is on.
-        kl = cfg.kl is not None and cfg.kl_coef > 0
+        kl = cfg.loss.kl is not None and cfg.loss.kl_coef > 0
         self.ref_model = (initial_model if initial_model is not None else copy.deepcopy(model)).eval() if kl else None
         if self.ref_model is not None:
             self.ref_model.requires_grad_(False)
@@ -145,16 +145,19 @@ class Trainer:
         # Decoupled PPO's proximal policy: the weights before this step; KL's reference: the initial weights.
         self.model.eval()
         prox = ([self._logprobs(self.model, b, m, with_grad=False) for b, m in zip(batches, merged)]
-                if cfg.loss == "decoupled_ppo" else None)
+                if cfg.loss.kind == "decoupled_ppo" else None)
         ref = ([self._logprobs(self.ref_model, b, m, with_grad=False) for b, m in zip(batches, merged)]
                if self.ref_model is not None else None)
         self.model.train()
-        if cfg.aggregation == "token_mean":
+        if cfg.loss.aggregation == "token_mean":
             aggregation, norm = "token_sum_norm", float(total_loss_tokens + idle_tokens)  # sum / the step's sampled tokens
         else:
-            aggregation = cfg.aggregation
+            aggregation = cfg.loss.aggregation
             longest = max([idle_longest, *(sum(s.loss_mask) for s in samples)])
-            norm = cfg.norm_constant or float(longest * (len(samples) + idle_seqs))
+            norm = cfg.loss.norm_constant or float(longest * (len(samples) + idle_seqs))
+        # the step's loss: its denominators, and no KL term without a reference model
+        loss_cfg = cfg.loss.model_copy(update={"aggregation": aggregation, "norm_constant": norm, **(
+            {} if ref is not None else {"kl": None, "kl_coef": 0.0})})
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         stats_sum: dict[str, float] = {}
@@ -182,14 +185,10 @@ class Trainer:
             seq_offset += len(parts)
             chunk_offset = c
             loss, stats = policy_loss(
-                cfg.loss, torch.cat([logp for _, _, logp in parts]), behaviour, adv, seq_ids,
+                loss_cfg, torch.cat([logp for _, _, logp in parts]), behaviour, adv, seq_ids,
                 chunk_ids=torch.tensor(chunk_ids),
                 prox_logp=torch.cat([prox[b][i] for i, _, _ in parts]) if prox is not None else None,
-                clip_low=cfg.clip_eps if cfg.loss in ("ppo_clip", "decoupled_ppo") else None, clip_high=cfg.clip_high,
-                is_level=cfg.is_level, is_variant=cfg.is_variant, is_cap=cfg.is_cap,
-                kl=cfg.kl if ref is not None else None,
                 ref_logp=torch.cat([ref[b][i] for i, _, _ in parts]) if ref is not None else None,
-                kl_coef=cfg.kl_coef if ref is not None else 0.0, aggregation=aggregation, norm_constant=norm,
                 num_seqs=len(samples) + idle_seqs)
             n = stats.get("num_tokens", float(len(behaviour)))
             for key in ("clip_frac", "ratio_mean", "approx_kl", "ess"):
@@ -280,7 +279,7 @@ class Trainer:
 def initial_policy(cfg: RunConfig, resume_from: Path | None) -> torch.nn.Module | None:
     """KL's reference when resuming: the run's starting model (cfg.model), not the checkpoint's."""
     t = cfg.trainer
-    if resume_from is None or t.kl is None or t.kl_coef <= 0:
+    if resume_from is None or t.loss.kl is None or t.loss.kl_coef <= 0:
         return None
     from loomrl.model.loader import load_model
 

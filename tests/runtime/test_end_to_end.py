@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from ledger_checks import check_run
 
 from loomrl.config import load_config
 from loomrl.env.sandbox.bwrap import bwrap_available
@@ -39,6 +40,7 @@ def test_async_run_checkpoint_and_resume_trains_nothing_twice(tmp_path):
     run_dir = cfg.run_dir
     assert summary["steps"] == 3
     assert [e["step"] for e in read_ledger(run_dir)] == [1, 2, 3]
+    check_run(run_dir, summary, 3)  # the accounting identity, on a local run as on Ray
     first_ids = _trained_ids(run_dir)
     assert first_ids, "the parity reward gives groups variance, so something must have been trained"
 
@@ -80,7 +82,10 @@ def test_async_run_checkpoint_and_resume_trains_nothing_twice(tmp_path):
     for m in train_rows:
         assert 0 <= m["admission/open_positions"] <= (lag + 1) * B
         assert m["admission/inflight_groups_max"] <= (lag + 1) * B
-        assert 0 <= m["time/rollout_idle_s"] <= m["time/step_s"] and m["engine/busy_s"] > 0
+        assert 0 <= m["time/rollout_idle_s"] <= m["time/step_s"]
+        # the engine generated during every step but the last (whose groups were all launched before it:
+        # admission stops at the run's last position)
+        assert m["engine/busy_s"] > 0 or m["step"] == 5
         # new weights came through shared memory (runtime.weight_transport), timed: reading and applying
         # them takes real time, and far less than a step
         assert m["weight_sync/bytes"] > 0 and 0 < m["weight_sync/load_s"] < m["time/step_s"]
@@ -239,6 +244,9 @@ def test_flaky_environment_run_completes_and_the_counts_add_up(tmp_path, tokeniz
     assert pool["created"] == pool["destroyed"]  # ... and replaced, and all were cleaned up at the end
     rows = read_trajectories(cfg.run_dir / "trajectories").to_pylist()
     assert len(rows) == 2 * 2 * 4 and all(r["status"] for r in rows)
+    acc = summary["accounting"]  # sync: exactly the two steps' groups launched, each consumed once
+    assert acc["violations"] == [] and acc["launched"] == 2 * 2 * 4 and acc["cancelled"] == 0
+    assert acc["trained"] + sum(acc["skipped"].values()) == 2 * 2 * 4
     for r in rows:
         if r["status"] == "timeout":
             assert "ran past 0.5s" in r["error"]
@@ -280,7 +288,7 @@ def test_engine_faults_end_episodes_as_engine_error_and_are_retried(tmp_path, mo
 
     def flaky(self, chunks):
         calls["n"] += 1
-        if calls["n"] in (20, 45):
+        if calls["n"] in (10, 25):
             raise MemoryError("injected engine fault")
         return real(self, chunks)
 
@@ -288,7 +296,7 @@ def test_engine_faults_end_episodes_as_engine_error_and_are_retried(tmp_path, mo
     cfg = _cfg(tmp_path, "name=enginefault", "runtime.mode=async", "trainer.total_steps=3", "eval.n_tasks=0",
                "agent.retry_on=[engine_error]", "agent.max_retries=2", "agent.retry_backoff_s=0.01")
     summary = train(cfg)
-    assert calls["n"] > 45 and summary["steps"] == 3
+    assert calls["n"] > 25 and summary["steps"] == 3
     counts = summary["rollouts"]
     assert counts.get("retried:engine_error", 0) >= 2 and "engine_error" not in counts, counts
     rows = read_trajectories(cfg.run_dir / "trajectories").to_pylist()
@@ -328,7 +336,7 @@ def test_async_run_with_interruptible_rollouts(tmp_path):
 
 
 def test_resume_keeps_kl_reference_at_the_initial_policy(tmp_path):
-    """trainer.kl's reference is the policy the run started from. After --resume it must still be that,
+    """trainer.loss.kl's reference is the policy the run started from. After --resume it must still be that,
     not the checkpoint (which a plain copy of the resumed model would give)."""
     import torch
 
@@ -337,7 +345,7 @@ def test_resume_keeps_kl_reference_at_the_initial_policy(tmp_path):
     from loomrl.trainer.service import TrainerService
 
     cfg = _cfg(tmp_path, "name=kl", "runtime.mode=sync", "trainer.total_steps=2", "eval.n_tasks=0",
-               "trainer.kl=k3", "trainer.kl_coef=0.1", "trainer.lr=1e-2")
+               "trainer.loss.kl=k3", "trainer.loss.kl_coef=0.1", "trainer.lr=1e-2")
     train(cfg)
     ckpt = latest_checkpoint(cfg.run_dir)
     model, tokenizer = load_run_model(cfg.model, ckpt)

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from ledger_checks import check_each_trajectory_once
+from ledger_checks import check_each_trajectory_once, check_run
 
 from loomrl.store import read_trajectories
 from loomrl.trainer.service import read_ledger
@@ -116,22 +116,6 @@ def _train(cluster, tmp_path, name: str, *overrides: str) -> subprocess.Popen:
     return subprocess.Popen(args, env=cluster["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _check_ledger_and_store(run_dir: Path, summary: dict, steps: int) -> dict:
-    """What every Ray run must satisfy: each step once, no trajectory consumed twice, everything the
-    ledger names is stored, and launched = the sum of the fates."""
-    trained, consumed, stored = check_each_trajectory_once(run_dir, steps)
-    assert trained, "the parity reward gives groups variance, so something must have been trained"
-    acc = summary["accounting"]
-    assert acc["violations"] == []
-    assert acc["trained"] == len(trained)
-    assert acc["trained"] + sum(acc["skipped"].values()) + acc["stale"] == len(consumed)
-    fates = (acc["trained"] + sum(acc["skipped"].values()) + acc["stale"] + sum(acc["discarded"].values())
-             + acc["unconsumed"])
-    assert fates == len(stored), "a stored trajectory has no fate (missing) or two"
-    assert acc["launched"] == len(stored) + sum(acc["failed"].values()) + acc["cancelled"]
-    return stored
-
-
 @pytest.mark.ray
 def test_two_node_run_places_trainer_and_rollouts_on_their_nodes(cluster, tmp_path):
     t0 = time.time()
@@ -144,7 +128,7 @@ def test_two_node_run_places_trainer_and_rollouts_on_their_nodes(cluster, tmp_pa
     assert placement["trainer"] and len(set(placement["rollout"])) == 1
     assert placement["trainer"] not in placement["rollout"], "trainer and rollouts must sit on different nodes"
     run_dir = tmp_path / "two"
-    _check_ledger_and_store(run_dir, summary, 3)
+    check_run(run_dir, summary, 3)
     assert (run_dir / "checkpoints" / "step_000003" / "model" / "config.json").is_file()
     # weight transfers to the rollout actors are timed (reported by the step after they finish)
     from loomrl.metrics.logger import read_metrics
@@ -224,7 +208,7 @@ def test_chaos_kills_actors_and_the_run_accounts_for_every_trajectory_once(clust
     assert killed.count("reward") == 2 and summary["ray"]["reward_restarts"] >= 1  # Ray restarted them
     assert summary["rollouts"].get("reward_failed", 0) == 0  # ... and ran their calls again
     assert "ledger: launched" in out
-    _check_ledger_and_store(run_dir, summary, steps)
+    check_run(run_dir, summary, steps)
     assert summary["accounting"]["failed"].get("actor_died", 0) > 0
 
 

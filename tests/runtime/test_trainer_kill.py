@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from ledger_checks import check_each_trajectory_once
+from ledger_checks import check_each_trajectory_once, check_run
 
 from loomrl.trainer.service import read_ledger
 
@@ -107,6 +107,8 @@ def test_sigkill_of_the_trainer_is_survived_by_an_in_run_restart(tmp_path):
     assert summary["steps"] == 8 and summary["trainer_restarts"] == 1
     assert summary["success_after"] is not None  # evaluated with the final weights after the restart
     assert "restarting it (1 of 5)" in out
+    check_run(run_dir, summary, 8)  # launched = the sum of the fates, across the restart
+    assert summary["accounting"]["discarded"].get("trainer_restart", 0) > 0  # sampled after the checkpoint
     _, consumed, stored = check_each_trajectory_once(run_dir, 8)
     assert len({stored[t]["position"] for t in consumed}) == len(consumed) // 4
     # metrics: the steps redone after the restart are logged again; read_metrics keeps the final ones
@@ -127,4 +129,4 @@ def test_sigkill_of_a_follower_rank_restarts_the_whole_trainer(tmp_path):
     summary = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
     assert summary["steps"] == 8 and summary["trainer_restarts"] == 1
     assert "trainer rank 1 died from signal SIGKILL" in out, out[-3000:]  # says which rank died and how
-    check_each_trajectory_once(run_dir, 8)
+    check_run(run_dir, summary, 8)

@@ -24,7 +24,7 @@ from loomrl.types import TrainingSample
 CASES = [
     ({}, (0, 0)),
     ({"aggregation": "seq_mean_token_mean"}, (10, 2)),
-    ({"aggregation": "token_sum_norm", "loss": "decoupled_ppo"}, (0, 0)),
+    ({"aggregation": "token_sum_norm", "kind": "decoupled_ppo"}, (0, 0)),
 ]
 SPLIT = 3  # rank 0 trains on the first 3 samples, rank 1 on the other 5
 STEPS = 2
@@ -35,7 +35,7 @@ def _cfg(options: dict) -> TrainerConfig:
     # Adam divides by sqrt(v): a gradient component near 0 turns float32 rounding (~1e-7 of the
     # gradient) into a large relative change of its update; at lr=1e-4 that stays below 1e-7 of the
     # parameters, and the gradients are compared directly too.
-    return TrainerConfig(lr=1e-4, micro_batch_size=2, **options)
+    return TrainerConfig(lr=1e-4, micro_batch_size=2, loss=options)  # options: trainer.loss fields
 
 
 def _model(vocab: int, eos: int) -> torch.nn.Module:

@@ -42,7 +42,7 @@ def test_token_logprobs_match_full_logits(tiny_model, tokenizer):
 
 
 @pytest.mark.parametrize("options", [
-    {}, {"loss": "gspo"}, {"loss": "decoupled_ppo"}, {"loss": "cispo"},
+    {}, {"kind": "gspo"}, {"kind": "decoupled_ppo"}, {"kind": "cispo"},
     {"is_level": "sequence", "is_variant": "truncated"}, {"is_level": "chunk", "is_variant": "masked", "is_cap": 100.0},
     {"kl": "k3", "kl_coef": 0.1}, {"aggregation": "seq_mean_token_mean"}, {"aggregation": "token_sum_norm"},
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
@@ -60,7 +60,9 @@ def test_train_step_moves_logprobs_in_the_advantage_direction(tokenizer, options
         for t, v in zip([t for t in range(1, len(s.token_ids)) if s.loss_mask[t]], lp):
             s.behaviour_logprobs[t] = v
     before = [token_logprobs(model, [s], with_grad=False)[0].sum().item() for s in (good, bad)]
-    trainer = Trainer(model, TrainerConfig(lr=1e-3, micro_batch_size=1, clip_eps=10.0, **options))
+    # PPO's clip range wide open (the other kinds keep their papers' ranges)
+    wide = {"clip_low": 10.0} if options.get("kind", "ppo_clip") in ("ppo_clip", "decoupled_ppo") else {}
+    trainer = Trainer(model, TrainerConfig(lr=1e-3, micro_batch_size=1, loss={**wide, **options}))
     for _ in range(3):
         stats = trainer.train_step([good, bad])
     after = [token_logprobs(model, [s], with_grad=False)[0].sum().item() for s in (good, bad)]
@@ -104,7 +106,7 @@ def test_idle_counts_make_skipping_a_zero_advantage_group_exact(tokenizer, aggre
         torch.manual_seed(0)
         model = build_tiny_model(ModelConfig(kind="tiny"), len(tokenizer), tokenizer.eos_token_id)
         trainer = Trainer(model, TrainerConfig(lr=1e-3, micro_batch_size=2, grad_clip=1e9,
-                                               aggregation=aggregation, norm_constant=norm))
+                                               loss={"aggregation": aggregation, "norm_constant": norm}))
         trainer.train_step(samples, **kw)  # .grad keeps the step's gradient after the update
         return torch.cat([p.grad.flatten() for p in trainer.params if p.grad is not None])
 

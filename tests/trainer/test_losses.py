@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from loomrl.config import LossConfig
 from loomrl.trainer.losses import (
     aggregate,
     cispo_loss,
@@ -25,6 +26,15 @@ from loomrl.trainer.losses import (
 )
 
 F64 = torch.float64
+
+
+def _loss(kind, logp, old_logp, advantages, seq_ids, *, chunk_ids=None, prox_logp=None, ref_logp=None,
+          num_seqs=None, is_variant="none", **options):
+    """policy_loss with the options a trainer.loss section gives it (is_variant "none" unless set)."""
+    return policy_loss(LossConfig(kind=kind, is_variant=is_variant, **options), logp, old_logp, advantages, seq_ids,
+                       chunk_ids=chunk_ids, prox_logp=prox_logp, ref_logp=ref_logp, num_seqs=num_seqs)
+
+
 TOL = {"atol": 1e-12, "rtol": 1e-12}
 
 # Two sequences: 2 and 3 sampled tokens. Probabilities chosen so that the ratios are round numbers.
@@ -181,8 +191,8 @@ def test_decoupled_ppo_equals_ppo_clip_when_prox_is_behaviour(clips):
     # and through the entry point, for every IS variant of the built-in weight
     for variant in ("none", "truncated", "masked"):
         a, b = logt(PI, grad=True), logt(PI, grad=True)
-        ref, _ = policy_loss("ppo_clip", a, logt(MU), t(ADV), ids(SEQ), clip_low=lo, clip_high=hi)
-        got, _ = policy_loss("decoupled_ppo", b, logt(MU), t(ADV), ids(SEQ), prox_logp=logt(MU), clip_low=lo,
+        ref, _ = _loss("ppo_clip", a, logt(MU), t(ADV), ids(SEQ), clip_low=lo, clip_high=hi)
+        got, _ = _loss("decoupled_ppo", b, logt(MU), t(ADV), ids(SEQ), prox_logp=logt(MU), clip_low=lo,
                              clip_high=hi, is_variant=variant)
         assert torch.equal(got, ref)
         ref.backward()
@@ -305,7 +315,7 @@ def test_aggregation(mode, kwargs, expected):
 
 
 def test_policy_loss_ppo_clip_and_stats():
-    loss, stats = policy_loss("ppo_clip", logt(PI), logt(MU), t(ADV), ids(SEQ))
+    loss, stats = _loss("ppo_clip", logt(PI), logt(MU), t(ADV), ids(SEQ))
     assert close(loss, (-1.2 - 0.5 + 3.0 + 2.2 + 1.6) / 5)
     assert stats["clip_frac"] == pytest.approx(0.4) and stats["num_tokens"] == 5 and stats["num_seqs"] == 2
     ratios = [p / m for p, m in zip(PI, MU)]
@@ -316,7 +326,7 @@ def test_policy_loss_ppo_clip_and_stats():
 def test_policy_loss_is_without_prox_uses_current_as_train():
     # pi/mu enters once: ratio vs logp.detach() (= 1, gradient d logp) times w = min(pi/mu, cap)
     logp = logt(PI, grad=True)
-    loss, stats = policy_loss("ppo_clip", logp, logt(MU), t(ADV), ids(SEQ), is_level="token",
+    loss, stats = _loss("ppo_clip", logp, logt(MU), t(ADV), ids(SEQ), is_level="token",
                               is_variant="truncated", is_cap=1.3)
     w = [min(p / m, 1.3) for p, m in zip(PI, MU)]  # 1.3, 0.5, 1.3, 1.1, 0.5
     assert close(loss, sum(-wi * a for wi, a in zip(w, ADV)) / 5)
@@ -327,7 +337,7 @@ def test_policy_loss_is_without_prox_uses_current_as_train():
 
 
 def test_policy_loss_prox_with_sequence_mis():
-    loss, stats = policy_loss("ppo_clip", logt(PI), logt(MU), t(ADV), ids(SEQ), prox_logp=logt(PROX),
+    loss, stats = _loss("ppo_clip", logt(PI), logt(MU), t(ADV), ids(SEQ), prox_logp=logt(PROX),
                               is_level="sequence", is_variant="masked", is_cap=1.3,
                               aggregation="seq_mean_token_sum")
     r = [c / p for c, p in zip(PI, PROX)]
@@ -338,11 +348,11 @@ def test_policy_loss_prox_with_sequence_mis():
 
 
 def test_policy_loss_decoupled_matches_function_and_chunk_level():
-    got, _ = policy_loss("decoupled_ppo", logt(PI), logt(MU), t(ADV), ids(SEQ), prox_logp=logt(PROX),
+    got, _ = _loss("decoupled_ppo", logt(PI), logt(MU), t(ADV), ids(SEQ), prox_logp=logt(PROX),
                          is_variant="truncated", is_cap=1.3)
     per_tok, _ = decoupled_ppo_loss(logt(PI), logt(PROX), logt(MU), t(ADV), weight_cap=1.3)
     assert close(got, per_tok.mean())
-    chunk, _ = policy_loss("decoupled_ppo", logt(PI), logt(MU), t(ADV), ids(SEQ), prox_logp=logt(PROX),
+    chunk, _ = _loss("decoupled_ppo", logt(PI), logt(MU), t(ADV), ids(SEQ), prox_logp=logt(PROX),
                            is_level="chunk", chunk_ids=ids(CHUNK), aggregation="token_sum_norm", norm_constant=8.0)
     r = [c / p for c, p in zip(PI, PROX)]
     w = [1.2, 1.2, 0.875, 0.875, 1.5]
@@ -350,32 +360,32 @@ def test_policy_loss_decoupled_matches_function_and_chunk_level():
 
 
 def test_policy_loss_gspo_cispo_defaults_and_kl():
-    gspo, stats = policy_loss("gspo", logt(PI), logt(MU), t(ADV), ids(SEQ), aggregation="seq_mean_token_mean")
+    gspo, stats = _loss("gspo", logt(PI), logt(MU), t(ADV), ids(SEQ), aggregation="seq_mean_token_mean")
     s0, s1 = math.sqrt(0.75), 0.825 ** (1 / 3)
     # GSPO default range [1 - 3e-4, 1 + 4e-4]: sequence 1 (A < 0, s1 < 1 - 3e-4) is clipped, sequence 0 (A > 0) not
     assert close(gspo, (-s0 + -min(s1 * -2, (1 - 3e-4) * -2)) / 2)
     assert stats["clip_frac"] == pytest.approx(0.5)
-    cispo, _ = policy_loss("cispo", logt(PI), logt(MU), t(ADV), ids(SEQ))
+    cispo, _ = _loss("cispo", logt(PI), logt(MU), t(ADV), ids(SEQ))
     ratios = [p / m for p, m in zip(PI, MU)]
     assert close(cispo, sum(-min(r, 1.28) * a * math.log(p) for r, a, p in zip(ratios, ADV, PI)) / 5)
-    base, _ = policy_loss("ppo_clip", logt(PI), logt(MU), t(ADV), ids(SEQ))
-    with_kl, stats = policy_loss("ppo_clip", logt(PI), logt(MU), t(ADV), ids(SEQ), kl="k3", ref_logp=logt(MU),
+    base, _ = _loss("ppo_clip", logt(PI), logt(MU), t(ADV), ids(SEQ))
+    with_kl, stats = _loss("ppo_clip", logt(PI), logt(MU), t(ADV), ids(SEQ), kl="k3", ref_logp=logt(MU),
                                  kl_coef=0.1)
     k3 = [m / p - math.log(m / p) - 1 for p, m in zip(PI, MU)]
     assert close(with_kl, float(base) + 0.1 * sum(k3) / 5)
     assert stats["kl_ref"] == pytest.approx(sum(k3) / 5, abs=1e-12)
-    monitor, stats = policy_loss("ppo_clip", logt(PI), logt(MU), t(ADV), ids(SEQ), kl="k1", ref_logp=logt(MU))
+    monitor, stats = _loss("ppo_clip", logt(PI), logt(MU), t(ADV), ids(SEQ), kl="k1", ref_logp=logt(MU))
     assert torch.equal(monitor, base) and "kl_ref" in stats
 
 
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"kind": "ppo"}, "kind='ppo'.*ppo_clip, gspo, decoupled_ppo, cispo"),
-        ({"is_level": "turn"}, "is_level='turn'.*none, token, sequence, chunk"),
-        ({"is_variant": "clipped"}, "is_variant='clipped'.*none, truncated, masked"),
-        ({"aggregation": "mean"}, "aggregation='mean'"),
-        ({"kl": "k4", "ref_logp": "mu"}, "kl='k4'"),
+        ({"kind": "ppo"}, r"kind\s+Input should be 'ppo_clip', 'gspo', 'decoupled_ppo' or 'cispo'"),
+        ({"is_level": "turn"}, r"is_level\s+Input should be 'none', 'token', 'sequence' or 'chunk'"),
+        ({"is_variant": "clipped"}, r"is_variant\s+Input should be 'none', 'truncated' or 'masked'"),
+        ({"aggregation": "mean"}, r"aggregation\s+Input should be 'token_mean'"),
+        ({"kl": "k4", "ref_logp": "mu"}, r"kl\s+Input should be 'k1', 'k2' or 'k3'"),
         ({"kl": "k3"}, "ref_logp is required"),
         ({"kl_coef": 0.1}, "kl_coef"),
         ({"kind": "decoupled_ppo"}, "prox_logp is required"),
@@ -399,13 +409,13 @@ def test_policy_loss_errors(kwargs, match):
         args[key] = value
     kind, logp, old, adv, seq = (args.pop(k) for k in ("kind", "logp", "old_logp", "advantages", "seq_ids"))
     with pytest.raises(ValueError, match=match):
-        policy_loss(kind, logp, old, adv, seq, **args)
+        _loss(kind, logp, old, adv, seq, **args)
 
 
 def test_other_errors():
     empty = torch.zeros(0, dtype=F64)
     with pytest.raises(ValueError, match="logp has no tokens"):
-        policy_loss("ppo_clip", empty, empty, empty, torch.zeros(0, dtype=torch.long))
+        _loss("ppo_clip", empty, empty, empty, torch.zeros(0, dtype=torch.long))
     with pytest.raises(ValueError, match="level='turn'"):
         importance_weights(logt(PROX), logt(MU), level="turn")
     with pytest.raises(ValueError, match="seq_ids is required"):

@@ -290,8 +290,8 @@ def _trained(tokenizer, samples, **options):
     return dict(model.named_parameters()), stats
 
 
-@pytest.mark.parametrize("options", [{}, {"loss": "decoupled_ppo", "kl": "k3", "kl_coef": 0.1},
-                                     {"aggregation": "seq_mean_token_mean"}],
+@pytest.mark.parametrize("options", [{}, {"loss": {"kind": "decoupled_ppo", "kl": "k3", "kl_coef": 0.1}},
+                                     {"loss": {"aggregation": "seq_mean_token_mean"}}],
                          ids=["default", "decoupled_ppo+kl", "seq_mean"])
 def test_train_step_with_tree_merge_equals_dense(tokenizer, options):
     rng = random.Random(5)

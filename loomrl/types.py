@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -193,3 +193,16 @@ class TrainingSample:
 
 # A reward function: (trajectory, task) -> named components (the total is their weighted sum; see reward/).
 RewardFn = Callable[[Trajectory, Task], dict[str, float]]
+
+
+@dataclass(slots=True, frozen=True)
+class EvalRecord:
+    """Held-out success: the rate, its standard error, how many episodes and how they ended."""
+
+    success: float
+    n: int
+    stderr: float
+    statuses: dict[str, int]
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)

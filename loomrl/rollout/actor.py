@@ -20,7 +20,7 @@ from loomrl.model.loader import load_run_model
 from loomrl.reward.actor import RemoteRewardPool
 from loomrl.rollout.worker import RolloutWorker
 from loomrl.trainer.weight_sync import WeightHandle
-from loomrl.types import Trajectory
+from loomrl.types import EvalRecord, Trajectory
 
 
 class RolloutActor(Placed):
@@ -73,11 +73,10 @@ class RolloutActor(Placed):
             pass
         return await self.worker.run_group(position)
 
-    async def evaluate(self) -> dict[str, Any]:
+    async def evaluate(self) -> EvalRecord:
         async with self._lock():  # the latest published weights first, as for run_group
             pass
-        res = await self.worker.evaluate(self.heldout[: self.cfg.eval.n_tasks])
-        return {"success": res.success, "n": res.n, "stderr": res.stderr, "statuses": res.statuses}
+        return await self.worker.evaluate(self.heldout[: self.cfg.eval.n_tasks])
 
     async def close(self) -> tuple[dict[str, int], dict[str, Any]]:
         """Tear down sandboxes and the engine; returns the episode counts and the env pool's metrics."""

@@ -16,7 +16,6 @@ import shutil
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass
 
 from loomrl.agent.blackbox import BlackBoxRunner, read_agent_files
 from loomrl.agent.context import ContextStrategy
@@ -30,7 +29,7 @@ from loomrl.env.pool import Leases, sandbox_pool
 from loomrl.env.registry import env_family, sandbox_pool_size
 from loomrl.model.chat import ChatRenderer
 from loomrl.reward import RewardPool, import_reward
-from loomrl.types import RewardFn, RolloutStatus, Task, Trajectory
+from loomrl.types import EvalRecord, RewardFn, RolloutStatus, Task, Trajectory
 
 
 async def gather_all(coros: list) -> list:
@@ -62,15 +61,6 @@ class DataOrder:
             random.Random(f"{self.seed}:epoch{epoch}").shuffle(perm)
             self._perms = {epoch: perm}
         return self._perms[epoch][offset]
-
-
-@dataclass(slots=True)
-class EvalResult:
-    success: float
-    n: int
-    stderr: float
-    statuses: dict[str, int]
-    trajectories: list[Trajectory]
 
 
 def reward_fn_for(cfg: RunConfig) -> RewardFn:
@@ -299,7 +289,7 @@ class RolloutWorker:
             if self.priorities is not None:
                 self.priorities.forget(group_id)
 
-    async def evaluate(self, tasks: list[Task], progress=None) -> EvalResult:
+    async def evaluate(self, tasks: list[Task], progress=None) -> EvalRecord:
         """Success rate on `tasks`, one episode each at the eval temperature (0 = greedy)."""
         await self.ready()
 
@@ -323,8 +313,7 @@ class RolloutWorker:
         statuses: dict[str, int] = {}
         for tr in trajs:
             statuses[str(tr.status)] = statuses.get(str(tr.status), 0) + 1
-        return EvalResult(success=p, n=n, stderr=(p * (1 - p) / n) ** 0.5 if n else 0.0, statuses=statuses,
-                          trajectories=trajs)
+        return EvalRecord(success=p, n=n, stderr=(p * (1 - p) / n) ** 0.5 if n else 0.0, statuses=statuses)
 
     def rollout_counts(self) -> dict[str, int]:
         """launched, and how each rollout ended: a trajectory status, or "cancelled" (in flight when an

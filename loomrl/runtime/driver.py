@@ -39,7 +39,7 @@ from loomrl.runtime.accounting import Accounting, ledger_line
 from loomrl.store import TrajectoryStore
 from loomrl.trainer.checkpoint import checkpoint_step, latest_checkpoint, load_state
 from loomrl.trainer.service import PositionSet, read_ledger
-from loomrl.types import Trajectory
+from loomrl.types import EvalRecord, Trajectory
 
 log = logging.getLogger("loomrl")
 
@@ -58,23 +58,12 @@ class RolloutLost(Exception):
 
 @dataclass(slots=True, frozen=True)
 class TrainerState:
-    """What a (re)started trainer holds: its policy version and the data positions it has received."""
+    """What a (re)started trainer holds: its policy version, the data positions it has received, and
+    the metrics of the step its checkpoint was taken at."""
 
     version: int
     received: PositionSet
-
-
-@dataclass(slots=True, frozen=True)
-class EvalRecord:
-    """Held-out success: the rate, its standard error, how many episodes and how they ended."""
-
-    success: float
-    n: int
-    stderr: float
-    statuses: dict[str, int]
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    metrics: dict[str, Any] | None = None
 
 
 @dataclass(slots=True, kw_only=True)
@@ -209,7 +198,7 @@ class Driver:
         self.idle_s, self.idle_since = 0.0, None
 
     # -- the trainer --------------------------------------------------------------------------------
-    async def _start_trainer(self, extra: dict[str, Any]) -> None:
+    async def _start_trainer(self, extra: dict[str, Any]) -> TrainerState:
         state = await self.backend.start_trainer(extra)
         for pos in [p for p in self.sent if p not in state.received]:
             self.acc.discard(self.sent.pop(pos), "trainer_restart")
@@ -221,6 +210,7 @@ class Driver:
         self.positions = positions_after(state.received)
         self.next_pos = next(self.positions)
         await self.backend.publish(self.version)
+        return state
 
     async def _restart_trainer(self, err: TrainerLost, extra: dict[str, Any]) -> None:
         """After TrainerLost: a fresh trainer from the latest checkpoint, or RunError past the limit."""
@@ -235,8 +225,12 @@ class Driver:
         log.warning("the trainer failed (%s); restarting it (%d of %d), %s", str(err).splitlines()[-1],
                     self.trainer_restarts, limit, where)
         self.backend.stop_trainer()
-        await self._start_trainer(extra)
+        reported = self.version
+        state = await self._start_trainer(extra)
         self.logger.rollback(self.version, "trainer_restart")
+        if self.version > reported and state.metrics is not None:
+            # it died after checkpointing a step, before reporting it: that step's metrics come from there
+            self.logger.log(self.version, {**state.metrics, "runtime/metrics_from_checkpoint": 1})
 
     # -- attempts -----------------------------------------------------------------------------------
     def _dispatch(self, pos: int) -> None:

@@ -25,7 +25,7 @@ from loomrl.env.registry import env_family
 from loomrl.model.chat import ChatRenderer
 from loomrl.model.loader import load_run_model
 from loomrl.rollout.worker import RolloutWorker
-from loomrl.runtime.driver import Backend, BackendReport, EvalRecord, RunError, TrainerLost, TrainerState, progress
+from loomrl.runtime.driver import Backend, BackendReport, RunError, TrainerLost, TrainerState, progress
 from loomrl.trainer.checkpoint import latest_checkpoint
 from loomrl.trainer.process import TrainerProcess, TrainerProcessDied
 from loomrl.trainer.ranks import (
@@ -38,7 +38,7 @@ from loomrl.trainer.ranks import (
 )
 from loomrl.trainer.service import PositionSet, TrainerService
 from loomrl.trainer.weight_sync import WeightHandle, load_weights, sync_metrics
-from loomrl.types import Trajectory
+from loomrl.types import EvalRecord, Trajectory
 
 
 def async_threads(cfg: RunConfig) -> tuple[int, int]:
@@ -112,7 +112,8 @@ class LocalBackend(Backend):
         except TrainerProcessDied as err:
             raise TrainerLost(str(err)) from None
         self.weights = ready.weights
-        return TrainerState(ready.version, PositionSet(ready.received["watermark"], set(ready.received["above"])))
+        return TrainerState(ready.version, PositionSet(ready.received["watermark"], set(ready.received["above"])),
+                            ready.metrics)
 
     def _start_sync_trainer(self, extra: dict[str, Any]) -> TrainerState:
         """The sync trainer shares the engine's model; it is never restarted (a failure stops the run)."""
@@ -124,7 +125,7 @@ class LocalBackend(Backend):
             service.ranks = LocalRankGroup(service.trainer, cfg.trainer.world_size, *self.followers.channels(),
                                            dead=self.followers.dead)
             join_watching(service.ranks, self.followers)
-        return TrainerState(service.version, service.received)
+        return TrainerState(service.version, service.received, service.last_metrics)
 
     def stop_trainer(self) -> None:
         if self.trainer is not None:
@@ -185,10 +186,9 @@ class LocalBackend(Backend):
         tasks = self.heldout[: self.cfg.eval.n_tasks]
         bar = progress(len(tasks), f"eval {label}", self.cfg.progress)
         try:
-            res = await self.worker.evaluate(tasks, progress=bar)
+            return await self.worker.evaluate(tasks, progress=bar)
         finally:
             bar.close()  # before an error's message, not after it
-        return EvalRecord(success=res.success, n=res.n, stderr=res.stderr, statuses=res.statuses)
 
     def step_metrics(self) -> dict[str, float]:
         out = {**self.delta.take(), **self.sync_metrics, **self.worker.program_metrics(),

@@ -36,12 +36,12 @@ from loomrl.env.sandbox import SandboxError
 from loomrl.reward.actor import RewardActor
 from loomrl.rollout.actor import RolloutActor
 from loomrl.rollout.worker import rollout_concurrency
-from loomrl.runtime.driver import Backend, BackendReport, EvalRecord, RolloutLost, RunError, TrainerLost, TrainerState
+from loomrl.runtime.driver import Backend, BackendReport, RolloutLost, RunError, TrainerLost, TrainerState
 from loomrl.trainer.actor import TrainerActor, TrainerRankActor
 from loomrl.trainer.ranks import RankLost
 from loomrl.trainer.service import PositionSet
 from loomrl.trainer.weight_sync import Transport, WeightHandle
-from loomrl.types import Trajectory
+from loomrl.types import EvalRecord, Trajectory
 
 log = logging.getLogger("loomrl")
 
@@ -248,13 +248,13 @@ class RayBackend(Backend):
                 await asyncio.gather(self._call_trainer(joined), *joins)
             except self.ray.exceptions.RayError as err:  # a follower died or failed while joining
                 raise TrainerLost(f"a trainer rank failed to start: {str(err).splitlines()[0]}") from None
-        version, state = await self._call_trainer(self.trainer.state.remote())
+        version, state, metrics = await self._call_trainer(self.trainer.state.remote())
         if "trainer" not in self.placement:
             self.placement.update(
                 trainer=(await self._where([self.trainer]))[0][0],
                 trainer_ranks=[node for node, _ in await self._where(self.trainer_ranks)],
                 rollout=[node for node, _ in await self._where([s.handle for s in self.workers])])
-        return TrainerState(version, PositionSet(state["watermark"], set(state["above"])))
+        return TrainerState(version, PositionSet(state["watermark"], set(state["above"])), metrics)
 
     def stop_trainer(self) -> None:
         for actor in [self.trainer, *self.trainer_ranks]:
@@ -314,7 +314,7 @@ class RayBackend(Backend):
         slot = self.workers[0]
         incarnation = slot.incarnation
         try:
-            return EvalRecord(**await slot.handle.evaluate.remote())
+            return await slot.handle.evaluate.remote()
         except self.ray.exceptions.RayActorError as err:
             raise self._worker_died(0, incarnation, err) from None
 

@@ -13,9 +13,10 @@ from loomrl.engine.factory import make_engine
 from loomrl.env.registry import env_family
 from loomrl.model.chat import ChatRenderer
 from loomrl.model.loader import load_run_model
-from loomrl.rollout.worker import EvalResult, RolloutWorker
-from loomrl.runtime.driver import Backend, Driver, EvalRecord, RunError, progress
+from loomrl.rollout.worker import RolloutWorker
+from loomrl.runtime.driver import Backend, Driver, RunError, progress
 from loomrl.trainer.checkpoint import latest_checkpoint
+from loomrl.types import EvalRecord
 
 
 def prepare_run_dir(cfg: RunConfig, resume: bool) -> Path | None:
@@ -69,7 +70,7 @@ def evaluate_checkpoint(cfg: RunConfig, checkpoint: Path) -> dict[str, Any]:
     worker = RolloutWorker(cfg, engine, ChatRenderer(tokenizer), heldout)
     bar = progress(min(cfg.eval.n_tasks, len(heldout)), "eval", cfg.progress)
 
-    async def run_eval() -> EvalResult:
+    async def run_eval() -> EvalRecord:
         try:
             return await worker.evaluate(heldout[: cfg.eval.n_tasks], progress=bar)
         finally:
@@ -80,5 +81,4 @@ def evaluate_checkpoint(cfg: RunConfig, checkpoint: Path) -> dict[str, Any]:
     finally:
         bar.close()
         engine.close()
-    record = EvalRecord(success=res.success, n=res.n, stderr=res.stderr, statuses=res.statuses)
-    return {"checkpoint": str(ckpt), **record.as_dict()}
+    return {"checkpoint": str(ckpt), **res.as_dict()}

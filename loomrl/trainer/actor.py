@@ -42,9 +42,10 @@ class TrainerActor(Placed):
         ranks.join(addr, port)
         self.service.ranks = ranks
 
-    def state(self) -> tuple[int, dict[str, Any]]:
-        """The policy version and the positions received (as of the checkpoint it started from)."""
-        return self.service.version, self.service.received.state()
+    def state(self) -> tuple[int, dict[str, Any], dict[str, Any] | None]:
+        """The policy version, the positions received and that step's metrics (as of the checkpoint
+        it started from)."""
+        return self.service.version, self.service.received.state(), self.service.last_metrics
 
     def receive(self, position: int, group: list[Trajectory]) -> None:
         self.service.receive(position, group)

@@ -60,6 +60,7 @@ class Ready:
     version: int
     received: dict[str, Any]  # PositionSet.state()
     weights: WeightHandle
+    metrics: dict[str, Any] | None  # of the step the checkpoint was taken at
 
 
 @dataclass(slots=True, frozen=True)
@@ -189,7 +190,7 @@ def _trainer_main(cfg_json: str, extra: dict[str, Any], checkpoint: str, threads
         folder = cfg.run_dir / "weights" if cfg.runtime.weight_transport == "file" else None
         publisher = make_publisher(cfg.runtime.weight_transport, keep=3, folder=folder)
         outbox.put(Ready(service.version, service.received.state(),
-                         publisher.publish(service.live_weights(), service.version)))
+                         publisher.publish(service.live_weights(), service.version), service.last_metrics))
         while not isinstance(msg := inbox.get(), Stop):
             if isinstance(msg, Group):
                 service.receive(msg.position, msg.group)

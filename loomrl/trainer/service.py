@@ -79,6 +79,9 @@ class TrainerService:
         self.buffer = Buffer(cfg.buffer.max_policy_lag, cfg.buffer.sampler, cfg.buffer.window)
         self.received = PositionSet()
         self.extra: dict[str, Any] = {}  # runtime facts to carry across resume (e.g. eval before)
+        # the metrics of the step the latest checkpoint was taken at: a trainer that dies after writing
+        # it but before reporting the step gives them to the driver when it restarts from it
+        self.last_metrics: dict[str, Any] | None = None
         self.ledger_path = self.run_dir / "ledger.jsonl"
         # trainer.world_size > 1: the other data-parallel ranks (runtime/trainer_ranks.py), set by the runtime
         self.ranks: RankGroup | None = None
@@ -90,6 +93,7 @@ class TrainerService:
             waiting = {t.position for g in state["buffer"]["groups"] for t in g}
             self.buffer.load_state_dict(state["buffer"], skip=lambda p: p in self.received and p not in waiting)
             self.extra = state.get("extra", {})
+            self.last_metrics = state.get("metrics")
             set_rng_state(state["rng"])
             kept = [e for e in read_ledger(self.run_dir) if e["step"] <= state["step"]]
             self.ledger_path.write_text("".join(json.dumps(e) + "\n" for e in kept))
@@ -195,6 +199,7 @@ class TrainerService:
             f.write(json.dumps(entry) + "\n")
         every = self.cfg.checkpoint_every
         if (every and self.version % every == 0) or self.done:
+            self.last_metrics = metrics
             self.checkpoint()
         return metrics
 
@@ -202,7 +207,8 @@ class TrainerService:
         return save_checkpoint(
             self.run_dir, self.version, model=self.model, tokenizer=self.tokenizer,
             optimizer=self.trainer.optimizer, scheduler=self.trainer.scheduler,
-            state={"buffer": self.buffer.state_dict(), "received": self.received.state(), "extra": self.extra},
+            state={"buffer": self.buffer.state_dict(), "received": self.received.state(), "extra": self.extra,
+                   "metrics": self.last_metrics},
         )
 
     def live_weights(self) -> dict[str, torch.Tensor]:

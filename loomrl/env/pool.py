@@ -34,7 +34,7 @@ from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from loomrl.env.sandbox.base import Health, Sandbox, SandboxError, one_line
+from loomrl.env.sandbox.base import Health, PooledSandbox, Sandbox, SandboxError, one_line
 from loomrl.env.sandbox.factory import make_sandbox
 
 if TYPE_CHECKING:
@@ -149,9 +149,9 @@ class Leases(ABC):
 
 
 class EnvPool(Leases):
-    def __init__(self, factory: Callable[[], Sandbox], *, size: int, prewarm: int | None = None,
+    def __init__(self, factory: Callable[[], PooledSandbox], *, size: int, prewarm: int | None = None,
                  health_timeout_s: float = 5.0, max_failures: int = 5,
-                 prepare: Callable[[Sandbox], Awaitable[None]] | None = None, fix: str = GENERIC_FIX):
+                 prepare: Callable[[PooledSandbox], Awaitable[None]] | None = None, fix: str = GENERIC_FIX):
         """`factory` makes one sandbox (it runs in a worker thread); `prepare`, if given, lays out an
         instance's initial state once, before its snapshot is taken (reset restores that state).
         `max_failures`: failed creations or health checks in a row before the pool gives up; `fix`
@@ -170,9 +170,9 @@ class EnvPool(Leases):
         self.metrics = PoolMetrics()
         self.failure: EnvPoolFailed | None = None  # set once the pool has given up (see the module doc)
         self._failures_in_a_row = 0
-        self._idle: deque[Sandbox] = deque()
+        self._idle: deque[PooledSandbox] = deque()
         self._leased: set[int] = set()
-        self._all: dict[int, Sandbox] = {}  # every live instance: idle, leased or being reset
+        self._all: dict[int, PooledSandbox] = {}  # every live instance: idle, leased or being reset
         self._creating = 0
         self._cond: asyncio.Condition | None = None  # made on first use, inside the running loop
         self._tasks: set[asyncio.Task] = set()
@@ -283,20 +283,21 @@ class EnvPool(Leases):
         """Give an instance back: reset in the background, or destroyed and replaced if `broken`."""
         self._leased.discard(id(sb))
         self.metrics.released += 1
-        if id(sb) not in self._all:
+        owned = self._all.get(id(sb))  # the pool's own instance (with snapshot and reset)
+        if owned is None:
             return
         if self._closed:
-            self._destroy_sync(sb)
+            self._destroy_sync(owned)
             return
         if broken:
             self.metrics.kills += 1
-            await asyncio.to_thread(self._destroy_sync, sb)
+            await asyncio.to_thread(self._destroy_sync, owned)
             self._spawn_replacement()
         else:
-            self._spawn(self._reset(sb))
+            self._spawn(self._reset(owned))
 
     # -- internals ----------------------------------------------------------------------------------
-    async def _create(self, reserved: bool = False) -> Sandbox:
+    async def _create(self, reserved: bool = False) -> PooledSandbox:
         """A new instance (prepared and snapshotted), or SandboxError; counted in metrics and in the
         failures in a row."""
         if not reserved:
@@ -345,7 +346,7 @@ class EnvPool(Leases):
             return
         await self._make_idle(sb)
 
-    async def _reset(self, sb: Sandbox) -> None:
+    async def _reset(self, sb: PooledSandbox) -> None:
         t0 = time.perf_counter()
         try:
             await asyncio.to_thread(sb.reset)
@@ -361,7 +362,7 @@ class EnvPool(Leases):
         self.metrics.reset_s_max = max(self.metrics.reset_s_max, dt)
         await self._make_idle(sb)
 
-    async def _make_idle(self, sb: Sandbox) -> None:
+    async def _make_idle(self, sb: PooledSandbox) -> None:
         async with self._changed:
             if self._closed or id(sb) not in self._all:
                 self._destroy_sync(sb)
@@ -369,13 +370,13 @@ class EnvPool(Leases):
                 self._idle.append(sb)
             self._changed.notify_all()
 
-    async def _healthy(self, sb: Sandbox) -> Health:
+    async def _healthy(self, sb: PooledSandbox) -> Health:
         try:
             return await sb.health(timeout=self.health_timeout_s)
         except Exception as err:  # noqa: BLE001 - any failure is unhealthy
             return Health(ok=False, detail=f"{type(err).__name__}: {err}")
 
-    def _destroy_sync(self, sb: Sandbox) -> None:
+    def _destroy_sync(self, sb: PooledSandbox) -> None:
         if self._all.pop(id(sb), None) is not None:
             self.metrics.destroyed += 1
         try:

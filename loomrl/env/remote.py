@@ -139,11 +139,6 @@ class RemoteSandbox:
     async def health(self, timeout: float = 5.0) -> Health:
         return Health(ok=True)  # the env actor's pool checks its instances before it leases them
 
-    def snapshot(self) -> None:
-        raise NotImplementedError("a remote sandbox is snapshotted and reset by its env actor's pool")
-
-    reset = snapshot
-
     def close(self) -> None:
         pass  # released through RemoteEnvPool
 

@@ -1,7 +1,8 @@
 """The Sandbox interface and the machinery its backends share (the factory that picks one: factory.py).
 
 A sandbox owns one private working directory and runs commands in it with a wall-clock timeout that
-kills the whole process group. Interface (what environments and the pool use):
+kills the whole process group. Interface (Sandbox: what environments use; PooledSandbox adds what
+the pool that owns the instance uses, snapshot and reset):
 
     exec(argv, timeout=, stdin=, env=)
                                    run one command in the workdir, with extra environment variables;
@@ -80,13 +81,18 @@ class Sandbox(Protocol):
 
     def read_file(self, path: str) -> str: ...
 
-    def snapshot(self) -> None: ...
-
-    def reset(self) -> None: ...
-
     async def health(self, timeout: float = 5.0) -> Health: ...
 
     def close(self) -> None: ...
+
+
+class PooledSandbox(Sandbox, Protocol):
+    """A sandbox its EnvPool owns: the pool snapshots it once prepared and resets it between leases
+    (a remote sandbox is only leased: its env actor's pool does that)."""
+
+    def snapshot(self) -> None: ...
+
+    def reset(self) -> None: ...
 
 
 def dir_size(path: Path) -> int:

@@ -3,14 +3,14 @@ import the shared machinery without base.py importing them back."""
 
 from __future__ import annotations
 
-from loomrl.env.sandbox.base import Sandbox, SandboxError
+from loomrl.env.sandbox.base import PooledSandbox, SandboxError
 from loomrl.env.sandbox.bwrap import BwrapSandbox, bwrap_available
 from loomrl.env.sandbox.docker import DockerSandbox
 from loomrl.env.sandbox.process import ProcessSandbox
 
 
 def make_sandbox(backend: str = "auto", limits: dict[str, int] | None = None,
-                 binds: dict[str, str] | None = None) -> Sandbox:
+                 binds: dict[str, str] | None = None) -> PooledSandbox:
     """`auto` picks bwrap when it is installed and works, else the (loud) process backend. `binds`
     (host path -> path inside, read-only) are honoured by bwrap; the process backend sees the host
     anyway, and the docker backend refuses them (mount them in the image instead)."""

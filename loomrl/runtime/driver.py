@@ -11,7 +11,8 @@ The driver owns what a run decides:
 - the trainer-restart policy: a trainer that dies (TrainerLost) is restarted from the run folder's
   latest checkpoint at most runtime.max_trainer_restarts times; groups it received after that
   checkpoint, and attempts still in flight, may hold tokens of versions the restored model never had:
-  they are discarded (reason trainer_restart) and their positions run again with the restored weights;
+  the first are discarded (reason trainer_restart), the others cancelled, and their positions run
+  again with the restored weights;
 - step metrics, eval before and after, the summary, and the accounting identity (accounting.py):
   every trajectory launched ends in exactly one fate, checked against the ledger at the end.
 
@@ -190,6 +191,7 @@ class Driver:
         self.gave_up: dict[int, str] = {}  # position -> why
         self.sent: dict[int, list[str]] = {}  # position -> ids sent to the trainer since it started
         self.serials = itertools.count()
+        self.abandoned: list[asyncio.Future] = []  # attempts cancelled at a trainer restart, awaited at the end
         self.trainer_restarts = 0
         self.positions: Iterator[int] = iter(())
         self.next_pos = 0
@@ -202,7 +204,14 @@ class Driver:
         state = await self.backend.start_trainer(extra)
         for pos in [p for p in self.sent if p not in state.received]:
             self.acc.discard(self.sent.pop(pos), "trainer_restart")
-        self.live.clear()  # attempts in flight are superseded: their results are discarded on arrival
+        # Attempts in flight may hold tokens of versions the restored trainer never had: cancelled
+        # (ones that already finished are discarded as they are settled); their positions run again.
+        for fut in [f for f in self.inflight if not f.done()]:
+            del self.inflight[fut]
+            self.backend.cancel(fut)
+            self.acc.cancelled += self.G
+            self.abandoned.append(fut)
+        self.live.clear()
         self.retry_at.clear()
         self.attempts.clear()
         self.gave_up.clear()
@@ -420,7 +429,7 @@ class Driver:
             await asyncio.gather(*self._end_inflight(), return_exceptions=True)
             after = await self._evaluate("after", self.version)
         finally:
-            await asyncio.gather(*self._end_inflight(), return_exceptions=True)
+            await asyncio.gather(*self._end_inflight(), *self.abandoned, return_exceptions=True)
             self.backend.stop_trainer()
             report = await self.backend.close()
         return before, after, report

@@ -193,6 +193,7 @@ class Driver:
         self.serials = itertools.count()
         self.abandoned: list[asyncio.Future] = []  # attempts cancelled at a trainer restart, awaited at the end
         self.trainer_restarts = 0
+        self.stale = 0  # groups the trainer dropped as stale so far (they free their positions' place)
         self.positions: Iterator[int] = iter(())
         self.next_pos = 0
         # per step: groups launched, the most in flight at once, seconds with none in flight
@@ -258,10 +259,11 @@ class Driver:
             del self.retry_at[pos]
             self._dispatch(pos)
         # admission counts positions that will deliver a group: ones given up on free their place;
-        # nothing past the last step's positions (it would only be cancelled at the end)
+        # nothing past the last step's positions (it would only be cancelled at the end), counting
+        # the groups the trainer dropped as stale (each step takes fresh ones in their place)
         while (admits(self.next_pos - len(self.gave_up), version=self.version, groups_per_step=self.B,
                       max_lag=self.lag)
-               and (self.next_pos - len(self.gave_up)) // self.B < self.cfg.trainer.total_steps):
+               and (self.next_pos - len(self.gave_up) - self.stale) // self.B < self.cfg.trainer.total_steps):
             self._dispatch(self.next_pos)
             self.next_pos = next(self.positions)
         self.peak = max(self.peak, len(self.inflight))
@@ -327,35 +329,49 @@ class Driver:
         return done
 
     async def _train(self, recent: list, clock: dict[str, float], bar) -> None:
-        """Every step the trainer can take now: train, publish the weights, log the step."""
-        while self.version < self.cfg.trainer.total_steps:
-            t0 = time.perf_counter()
-            metrics = await self.backend.train_step()
-            if metrics is None:
-                return
-            self.version += 1
-            await self.backend.publish(self.version)
-            now = time.perf_counter()
-            clock["train_s"] += now - t0
-            if self.idle_since is not None:
-                self.idle_s, self.idle_since = self.idle_s + now - self.idle_since, now
-            step_s = now - clock["started"]
-            metrics.update({
-                "time/step_s": step_s, "time/train_s": clock["train_s"], "time/rollout_s": step_s - clock["train_s"],
-                "time/rollout_idle_s": self.idle_s, "admission/launched_groups": self.launched,
-                "admission/inflight_groups_max": self.peak, "admission/inflight_groups": len(self.inflight),
-                # positions the rule still admits before the next weight update
-                "admission/open_positions": open_positions(self.next_pos - len(self.gave_up), version=self.version,
-                                                           groups_per_step=self.B, max_lag=self.lag),
-                "runtime/trainer_restarts": self.trainer_restarts, **group_summary(recent),
-                **self.backend.step_metrics()})
-            self.logger.log(self.version, metrics)
-            self.idle_s, self.launched, self.peak = 0.0, 0, len(self.inflight)
-            clock.update(started=now, train_s=0.0)
-            recent.clear()
-            bar.update(1)
-            bar.set_postfix(reward=f"{metrics.get('rollout/reward_mean', 0):.3f}")
-            self._admit()  # what the new version admits generates while the next step trains
+        """Every step the trainer can take now: train, publish the weights, log the step. The next
+        step is asked for before the weights travel, so that the trainer works while engines load them."""
+        total = self.cfg.trainer.total_steps
+        step: asyncio.Future | None = None
+        try:
+            while self.version < total:
+                t0 = time.perf_counter()
+                step = step or asyncio.ensure_future(self.backend.train_step())
+                metrics, step = await step, None
+                if metrics is None:
+                    return
+                clock["train_s"] += time.perf_counter() - t0
+                self.version += 1
+                self.stale += metrics.get("groups_stale", 0)
+                if self.version < total and self.lag > 0:  # lag 0: the next step's groups are not launched yet
+                    step = asyncio.ensure_future(self.backend.train_step())
+                await self.backend.publish(self.version)
+                self._log_step(metrics, recent, clock, bar)
+                self._admit()  # what the new version admits generates while the next step trains
+        finally:
+            if step is not None:  # an error ends the run or restarts the trainer: its answer is not needed
+                step.cancel()
+
+    def _log_step(self, metrics: dict[str, Any], recent: list, clock: dict[str, float], bar) -> None:
+        now = time.perf_counter()
+        if self.idle_since is not None:
+            self.idle_s, self.idle_since = self.idle_s + now - self.idle_since, now
+        step_s = now - clock["started"]
+        metrics.update({
+            "time/step_s": step_s, "time/train_s": clock["train_s"], "time/rollout_s": step_s - clock["train_s"],
+            "time/rollout_idle_s": self.idle_s, "admission/launched_groups": self.launched,
+            "admission/inflight_groups_max": self.peak, "admission/inflight_groups": len(self.inflight),
+            # positions the rule still admits before the next weight update
+            "admission/open_positions": open_positions(self.next_pos - len(self.gave_up), version=self.version,
+                                                       groups_per_step=self.B, max_lag=self.lag),
+            "runtime/trainer_restarts": self.trainer_restarts, **group_summary(recent),
+            **self.backend.step_metrics()})
+        self.logger.log(self.version, metrics)
+        self.idle_s, self.launched, self.peak = 0.0, 0, len(self.inflight)
+        clock.update(started=now, train_s=0.0)
+        recent.clear()
+        bar.update(1)
+        bar.set_postfix(reward=f"{metrics.get('rollout/reward_mean', 0):.3f}")
 
     async def _steps(self, extra: dict[str, Any]) -> None:
         bar = progress(self.cfg.trainer.total_steps, f"train ({self.backend.label})", self.cfg.progress)

@@ -165,12 +165,13 @@ class LocalBackend(Backend):
             self.engine.update_weights(None, version)
             return
         handle, self.weights = self.weights, None
-        loaded = load_weights(handle)
+        # Off the event loop: rollouts go on, and the trainer's next step request goes out meanwhile.
+        loaded = await asyncio.to_thread(load_weights, handle)
         if self.cfg.runtime.interrupt_on_update:
             self.engine.interrupt()  # in-flight turns resume under the new weights (AgentLoop._generate)
         t0 = time.perf_counter()
         try:
-            self.engine.update_weights(loaded.weights, version)
+            await asyncio.to_thread(self.engine.update_weights, loaded.weights, version)
         except EngineFault as err:  # the trainer's own weights: retrying cannot help
             raise RunError(f"run error: the engine could not load the weights of version {version}: {err}") from None
         self.sync_metrics = {**sync_metrics(handle, loaded), "weight_sync/apply_s": time.perf_counter() - t0}

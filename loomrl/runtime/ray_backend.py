@@ -88,7 +88,8 @@ class RayBackend(Backend):
         self.env_actors: list[Any] = []  # ray.num_env_workers, shared by the rollout actors
         self.owners = 0  # rollout actors made so far
         self.reclaims: list[Any] = []  # release_owner calls: sandboxes of dead rollout actors reclaimed
-        self.weights: WeightHandle | None = None
+        self.weights: WeightHandle | None = None  # the latest published version
+        self.step_weights: Any = None  # ObjectRef of the trainer's newest weights, not yet published
         self.syncs: list = []  # update_weights calls not yet read for the metrics
         self.rollout_restarts = 0
         self.pids: dict[str, list[int | None]] = {}  # reward / env actors' processes at the start
@@ -249,6 +250,7 @@ class RayBackend(Backend):
             except self.ray.exceptions.RayError as err:  # a follower died or failed while joining
                 raise TrainerLost(f"a trainer rank failed to start: {str(err).splitlines()[0]}") from None
         version, state, metrics = await self._call_trainer(self.trainer.state.remote())
+        self.step_weights = self.trainer.weights.remote()  # what publish(version) sends first
         if "trainer" not in self.placement:
             self.placement.update(
                 trainer=(await self._where([self.trainer]))[0][0],
@@ -272,11 +274,14 @@ class RayBackend(Backend):
         await self._call_trainer(self.trainer.receive.remote(position, group))
 
     async def train_step(self) -> dict[str, Any] | None:
-        return await self._call_trainer(self.trainer.step.remote())
+        metrics_ref, weights_ref = self.trainer.step.options(num_returns=2).remote()
+        metrics = await self._call_trainer(metrics_ref)
+        if metrics is not None:
+            self.step_weights = weights_ref  # that step's weights, whatever the trainer does next
+        return metrics
 
     async def publish(self, version: int) -> None:
-        self.weights = WeightHandle(transport=Transport.RAY, version=version, nbytes=0,
-                                    payload=self.trainer.weights.remote())
+        self.weights = WeightHandle(transport=Transport.RAY, version=version, nbytes=0, payload=self.step_weights)
         for slot in self.workers:
             self.syncs.append(slot.handle.update_weights.remote(self.weights))
 

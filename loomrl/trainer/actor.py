@@ -50,9 +50,13 @@ class TrainerActor(Placed):
     def receive(self, position: int, group: list[Trajectory]) -> None:
         self.service.receive(position, group)
 
-    def step(self) -> dict[str, Any] | None:
-        """One training step when a step's groups are buffered (and the run is not done), else None."""
-        return self.service.train_step() if self.service.ready() else None
+    def step(self) -> tuple[dict[str, Any] | None, dict[str, torch.Tensor] | None]:
+        """One training step when a step's groups are buffered (and the run is not done): its metrics
+        and the new weights (called with num_returns=2, so that the weights stay in the object store,
+        owned by the caller, for the rollout actors to fetch); else (None, None)."""
+        if not self.service.ready():
+            return None, None
+        return self.service.train_step(), self.service.live_weights()
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The trainable weights of the current version. Returned (not ray.put here) so that the

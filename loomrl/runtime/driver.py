@@ -121,11 +121,8 @@ class Backend(ABC):
     @abstractmethod
     def dispatch(self, position: int) -> asyncio.Future:
         """Start generating the group at `position`; the future gives the scored group, or raises
-        RolloutLost when the worker running it died."""
-
-    @abstractmethod
-    def cancel(self, attempt: asyncio.Future) -> None:
-        """Give up an attempt in flight."""
+        RolloutLost when the worker running it died. Cancelling the future gives the attempt up
+        (the backend stops the work behind it)."""
 
     @abstractmethod
     async def receive(self, position: int, group: list[Trajectory]) -> None:
@@ -209,7 +206,7 @@ class Driver:
         # (ones that already finished are discarded as they are settled); their positions run again.
         for fut in [f for f in self.inflight if not f.done()]:
             del self.inflight[fut]
-            self.backend.cancel(fut)
+            fut.cancel()
             self.acc.cancelled += self.G
             self.abandoned.append(fut)
         self.live.clear()
@@ -402,7 +399,7 @@ class Driver:
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 self._keep(fut.result())
                 continue
-            self.backend.cancel(fut)
+            fut.cancel()
             self.acc.cancelled += self.G
             cancelled.append(fut)
         self.inflight.clear()

@@ -180,9 +180,6 @@ class LocalBackend(Backend):
     def dispatch(self, position: int) -> asyncio.Future:
         return asyncio.ensure_future(self.worker.run_group(position))
 
-    def cancel(self, attempt: asyncio.Future) -> None:
-        attempt.cancel()
-
     async def evaluate(self, label: str) -> EvalRecord:
         tasks = self.heldout[: self.cfg.eval.n_tasks]
         bar = progress(len(tasks), f"eval {label}", self.cfg.progress)

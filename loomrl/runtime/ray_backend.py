@@ -312,9 +312,6 @@ class RayBackend(Backend):
             if slot.incarnation == incarnation:
                 slot.load -= 1
 
-    def cancel(self, attempt: asyncio.Future) -> None:
-        attempt.cancel()
-
     async def evaluate(self, label: str) -> EvalRecord:
         slot = self.workers[0]
         incarnation = slot.incarnation

@@ -371,42 +371,24 @@ def _known_fields(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
 
 
 # Fields and values that existed once: a recipe still using one is told what replaced it.
+_MOVED = {
+    **{f"ray.{k}": f"runtime.{k} (the driver retries on every backend)" for k in ("max_group_attempts", "retry_backoff_s")},
+    "ray.max_trainer_restarts": "runtime.max_trainer_restarts (one setting for every backend)",
+    **{f"env.{k}": f"env.calculator.{k} (calculator only)"
+       for k in ("heldout_families", "crash_rate", "hang_rate", "step_latency_s", "step_latency_sigma", "few_shot")},
+    "trainer.clip_eps": "trainer.loss.clip_low",
+    **{f"trainer.{k}": f"trainer.loss.{k}"
+       for k in ("clip_high", "is_level", "is_variant", "is_cap", "kl", "kl_coef", "aggregation", "norm_constant")},
+    **{f"ray.{old.format(pool)}": f"ray.{pool}.{new}" for pool in ("rollout", "reward", "env")
+       for old, new in (("num_{}_workers", "count"), ("{}_num_cpus", "num_cpus"), ("{}_resources", "resources"),
+                        ("max_{}_restarts", "max_restarts"))},
+    **{f"ray.trainer_{k}": f"ray.trainer.{k}" for k in ("num_cpus", "resources")},
+}
 RETIRED = {
+    **{old: f"moved: use {new}" for old, new in _MOVED.items()},
     "engine.batch_wait_ms": "was an option of the torch engine, which is retired: remove it",
     "engine.kind=torch": "the torch engine is retired: use engine.kind=builtin (the default)",
-    "ray.max_group_attempts": "moved: use runtime.max_group_attempts (the driver retries on every backend)",
-    "ray.retry_backoff_s": "moved: use runtime.retry_backoff_s (the driver retries on every backend)",
-    "ray.max_trainer_restarts": "moved: use runtime.max_trainer_restarts (one setting for every backend)",
-    "env.heldout_families": "moved: use env.calculator.heldout_families (calculator only)",
-    "env.crash_rate": "moved: use env.calculator.crash_rate (calculator only)",
-    "env.hang_rate": "moved: use env.calculator.hang_rate (calculator only)",
-    "env.step_latency_s": "moved: use env.calculator.step_latency_s (calculator only)",
-    "env.step_latency_sigma": "moved: use env.calculator.step_latency_sigma (calculator only)",
-    "env.few_shot": "moved: use env.calculator.few_shot (calculator only)",
-    "trainer.clip_eps": "moved: use trainer.loss.clip_low",
-    "trainer.clip_high": "moved: use trainer.loss.clip_high",
-    "trainer.is_level": "moved: use trainer.loss.is_level",
-    "trainer.is_variant": "moved: use trainer.loss.is_variant",
-    "trainer.is_cap": "moved: use trainer.loss.is_cap",
-    "trainer.kl": "moved: use trainer.loss.kl",
-    "trainer.kl_coef": "moved: use trainer.loss.kl_coef",
-    "trainer.aggregation": "moved: use trainer.loss.aggregation",
-    "trainer.norm_constant": "moved: use trainer.loss.norm_constant",
     "trainer.loss": "is a section now: use trainer.loss.kind=<ppo_clip|gspo|decoupled_ppo|cispo>",
-    "ray.num_rollout_workers": "moved: use ray.rollout.count",
-    "ray.rollout_num_cpus": "moved: use ray.rollout.num_cpus",
-    "ray.rollout_resources": "moved: use ray.rollout.resources",
-    "ray.max_rollout_restarts": "moved: use ray.rollout.max_restarts",
-    "ray.trainer_num_cpus": "moved: use ray.trainer.num_cpus",
-    "ray.trainer_resources": "moved: use ray.trainer.resources",
-    "ray.num_reward_workers": "moved: use ray.reward.count",
-    "ray.reward_num_cpus": "moved: use ray.reward.num_cpus",
-    "ray.reward_resources": "moved: use ray.reward.resources",
-    "ray.max_reward_restarts": "moved: use ray.reward.max_restarts",
-    "ray.num_env_workers": "moved: use ray.env.count",
-    "ray.env_num_cpus": "moved: use ray.env.num_cpus",
-    "ray.env_resources": "moved: use ray.env.resources",
-    "ray.max_env_restarts": "moved: use ray.env.max_restarts",
 }
 
 

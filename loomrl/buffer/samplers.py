@@ -149,41 +149,24 @@ class FifoSampler(_Base[G]):
         return len(self._queue)
 
 
-class _HeapSampler(_Base[G]):
-    """Finished groups in a heap keyed by submission index (sign gives the direction)."""
+class OrderSampler(_Base[G]):
+    """Among finished groups, the lowest submission index first (oldest_first), or the highest: the
+    newest launch, hence the newest policy (freshest_first); never waits for unfinished ones."""
 
-    _sign = 1
-
-    def __init__(self) -> None:
+    def __init__(self, name: str) -> None:
         super().__init__()
+        self.name = name
+        self._sign = -1 if name == "freshest_first" else 1
         self._heap: list[tuple[int, int, G]] = []  # (sign * index, index, group); indices are unique
 
     def _on_finished(self, index: int, rank: int, group: G) -> None:
         heapq.heappush(self._heap, (self._sign * index, index, group))
 
     def _take(self, n: int) -> list[tuple[int, G]]:
-        out = []
-        while self._heap and len(out) < n:
-            _, index, group = heapq.heappop(self._heap)
-            out.append((index, group))
-        return out
+        return [heapq.heappop(self._heap)[1:] for _ in range(min(n, len(self._heap)))]
 
     def ready(self) -> int:
         return len(self._heap)
-
-
-class OldestFirstSampler(_HeapSampler[G]):
-    """Among finished groups, the lowest submission index first; never waits for unfinished ones."""
-
-    name = "oldest_first"
-    _sign = 1
-
-
-class FreshestFirstSampler(_HeapSampler[G]):
-    """Among finished groups, the highest submission index (newest launch, newest policy) first."""
-
-    name = "freshest_first"
-    _sign = -1
 
 
 class WindowSampler(_Base[G]):
@@ -271,13 +254,13 @@ def make_sampler(name: str, window: int | float | None = None) -> Sampler:
     an int >= 1, or math.inf for greedy first-finished)."""
     if name not in SAMPLERS:
         raise ValueError(f"unknown sampler {name!r}; choose one of {', '.join(SAMPLERS)}")
-    if name != "window":
-        if window is not None:
-            raise ValueError(f"window={window!r} only applies to the 'window' sampler, not {name!r}")
-        return {"fifo": FifoSampler, "oldest_first": OldestFirstSampler, "freshest_first": FreshestFirstSampler}[name]()
-    if window is None:
-        raise ValueError("the 'window' sampler needs window=W (an int >= 1, or math.inf for greedy first-finished)")
-    return WindowSampler(window)
+    if name == "window":
+        if window is None:
+            raise ValueError("the 'window' sampler needs window=W (an int >= 1, or math.inf for greedy first-finished)")
+        return WindowSampler(window)
+    if window is not None:
+        raise ValueError(f"window={window!r} only applies to the 'window' sampler, not {name!r}")
+    return FifoSampler() if name == "fifo" else OrderSampler(name)
 
 
 @dataclass(frozen=True, slots=True)

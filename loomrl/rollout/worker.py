@@ -10,6 +10,7 @@ scores it off the agent loop; `counts` says how many were launched and how each 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import shutil
@@ -96,9 +97,9 @@ class RolloutWorker:
     def __init__(self, cfg: RunConfig, engine: Engine, renderer: ChatRenderer, train_tasks: list[Task],
                  reward_pool: RewardPool | None = None, env_pool: Leases | None = None):
         """`reward_pool`: where trajectories are scored (default: threads of this process; on Ray
-        it may be the reward actors, ray_actors.RemoteRewardPool). `env_pool`: where white-box
+        it may be the reward actors, reward/actor.py RemoteRewardPool). `env_pool`: where white-box
         environments lease sandboxes (default: an EnvPool of this process, made on first use; on
-        Ray it may be the env actors, ray_actors.RemoteEnvPool)."""
+        Ray it may be the env actors, env/remote.py RemoteEnvPool)."""
         self.cfg = cfg
         self.engine = engine
         self.renderer = renderer
@@ -113,7 +114,6 @@ class RolloutWorker:
         self._gateway: Gateway | None = None
         self._gateway_dir = ""
         self._servers: list[ServerThread] = []
-        self._init_lock = asyncio.Lock()
         self._ready_lock = asyncio.Lock()
         self._ready = False
         self._caps: tuple[asyncio.Semaphore, asyncio.Semaphore] | None = None
@@ -138,20 +138,13 @@ class RolloutWorker:
     def task_at(self, position: int) -> Task:
         return self.train_tasks[self.order.index(position)]
 
-    def concurrency(self) -> int:
-        return rollout_concurrency(self.cfg)
-
-    @property
-    def _group_slots(self) -> int:
-        return group_slots(self.cfg)
-
     def _limits(self) -> tuple[asyncio.Semaphore, asyncio.Semaphore] | None:
         """The cap's semaphores (groups, eval episodes), made inside the run's event loop."""
         cap = self.cfg.runtime.max_inflight_trajectories
         if not cap:
             return None
         if self._caps is None:
-            self._caps = (asyncio.Semaphore(self._group_slots), asyncio.Semaphore(cap))
+            self._caps = (asyncio.Semaphore(group_slots(self.cfg)), asyncio.Semaphore(cap))
         return self._caps
 
     async def env_pool(self, binds: dict[str, str] | None = None) -> Leases | None:
@@ -161,7 +154,7 @@ class RolloutWorker:
         if use is None:
             return None
         if self._pool is None:
-            self._pool = sandbox_pool(self.cfg.env, sandbox_pool_size(self.cfg, self.concurrency()), binds)
+            self._pool = sandbox_pool(self.cfg.env, sandbox_pool_size(self.cfg, rollout_concurrency(self.cfg)), binds)
             await self._pool.start()
         return self._pool
 
@@ -173,21 +166,14 @@ class RolloutWorker:
         async with self._ready_lock:
             if not self._ready:
                 if self.cfg.agent.kind == "blackbox":
-                    await self.blackbox_runner()
+                    self._blackbox = await self._start_blackbox()
                 else:
                     await self.env_pool()
                 self._ready = True
 
-    async def blackbox_runner(self) -> BlackBoxRunner:
+    async def _start_blackbox(self) -> BlackBoxRunner:
         """The gateway (served on a unix socket for sandboxes and on loopback TCP for the process
-        backend) and the runner, made on first use."""
-        async with self._init_lock:  # concurrent first rollouts must not each start a gateway
-            if self._blackbox is None:
-                await self._start_blackbox()
-        assert self._blackbox is not None
-        return self._blackbox
-
-    async def _start_blackbox(self) -> None:
+        backend) and the runner."""
         a = self.cfg.agent
         self._gateway = Gateway(self.engine, self.renderer.tokenizer, self.cfg.name,
                                 allow_agent_reward=a.reward_from_agent)
@@ -198,7 +184,7 @@ class RolloutWorker:
         self._servers = [ServerThread(self._gateway.app(), uds=socket_path), ServerThread(self._gateway.app())]
         pool = await self.env_pool(binds=BlackBoxRunner.sandbox_binds(socket_path))
         assert pool is not None
-        self._blackbox = BlackBoxRunner(
+        return BlackBoxRunner(
             self._gateway, pool, a.command, gateway_url=self._servers[1].url, files=read_agent_files(a.files),
             timeout_s=a.trajectory_timeout_s,
             budget=Budget(max_calls=a.max_turns, max_context_tokens=a.max_context_tokens,
@@ -207,8 +193,8 @@ class RolloutWorker:
     async def _run_blackbox(self, loop: AgentLoop, task: Task, group_id: str, position: int) -> Trajectory:
         answer_of = self.family.answer_of
         assert answer_of is not None, "config.load_config refuses black-box agents for this env"
-        runner = await self.blackbox_runner()
-        run = await runner.run(task, group_id=group_id, position=position, sampling=loop.sampling)
+        assert self._blackbox is not None, "ready() starts it"
+        run = await self._blackbox.run(task, group_id=group_id, position=position, sampling=loop.sampling)
         traj = run.trajectory
         if traj.status in (RolloutStatus.COMPLETED, RolloutStatus.TRUNCATED):
             # The verifier: the program's printed answer, else its last assistant message.
@@ -274,46 +260,33 @@ class RolloutWorker:
         task = self.task_at(position)
         group_id = f"group-{position:07d}"
         limits = self._limits()
-        if limits is None:
-            return await self._run_group(task, group_id, position)
         t0 = time.perf_counter()
-        async with limits[0]:
+        async with limits[0] if limits else contextlib.nullcontext():
             self.cap_wait_s += time.perf_counter() - t0
-            return await self._run_group(task, group_id, position)
-
-    async def _run_group(self, task: Task, group_id: str, position: int) -> list[Trajectory]:
-        try:
-            return await gather_all([self.run_one(self.train_loop, task, group_id, position)
-                                     for _ in range(self.cfg.trainer.group_size)])
-        finally:
-            if self.priorities is not None:
-                self.priorities.forget(group_id)
+            try:
+                return await gather_all([self.run_one(self.train_loop, task, group_id, position)
+                                         for _ in range(self.cfg.trainer.group_size)])
+            finally:
+                if self.priorities is not None:
+                    self.priorities.forget(group_id)
 
     async def evaluate(self, tasks: list[Task], progress=None) -> EvalRecord:
         """Success rate on `tasks`, one episode each at the eval temperature (0 = greedy)."""
         await self.ready()
-
         limits = self._limits()
 
         async def one(i: int, task: Task) -> Trajectory:
-            if limits is None:
+            async with limits[1] if limits else contextlib.nullcontext():
                 traj = await self.run_one(self.eval_loop, task, f"eval-{i:05d}", -1)
-            else:
-                async with limits[1]:
-                    traj = await self.run_one(self.eval_loop, task, f"eval-{i:05d}", -1)
             if progress is not None:
                 progress.update(1)
             return traj
 
         trajs = await gather_all([one(i, t) for i, t in enumerate(tasks)])
-        by_id = {t.task_id: t for t in tasks}
-        wins = [1.0 if tr.final_answer == by_id[tr.task_id].answer else 0.0 for tr in trajs]
-        n = len(wins)
-        p = sum(wins) / n if n else 0.0
-        statuses: dict[str, int] = {}
-        for tr in trajs:
-            statuses[str(tr.status)] = statuses.get(str(tr.status), 0) + 1
-        return EvalRecord(success=p, n=n, stderr=(p * (1 - p) / n) ** 0.5 if n else 0.0, statuses=statuses)
+        n = len(trajs)
+        p = sum(tr.final_answer == task.answer for tr, task in zip(trajs, tasks)) / n if n else 0.0
+        return EvalRecord(success=p, n=n, stderr=(p * (1 - p) / n) ** 0.5 if n else 0.0,
+                          statuses=dict(Counter(str(tr.status) for tr in trajs)))
 
     def rollout_counts(self) -> dict[str, int]:
         """launched, and how each rollout ended: a trajectory status, or "cancelled" (in flight when an

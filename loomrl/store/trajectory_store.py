@@ -18,74 +18,46 @@ import pyarrow.parquet as pq
 
 from loomrl.types import Trajectory
 
+# Columns copied from the trajectory, and from its metadata, as they are.
+_PLAIN = [("trajectory_id", pa.string()), ("task_id", pa.string()), ("group_id", pa.string()),
+          ("position", pa.int64()), ("error", pa.string()), ("total_reward", pa.float64()),
+          ("final_answer", pa.string()), ("temperature", pa.float64()), ("token_ids", pa.list_(pa.int32()))]
+_METADATA = [("env_version", pa.string()), ("total_steps", pa.int32()), ("total_tokens", pa.int32()),
+             ("wall_time", pa.float64()), ("truncated", pa.bool_()), ("env_errors", pa.int32()),
+             ("policy_version_min", pa.int32()), ("policy_version_max", pa.int32()), ("attempts", pa.int32())]
 SCHEMA = pa.schema([
-    ("trajectory_id", pa.string()),
-    ("task_id", pa.string()),
-    ("group_id", pa.string()),
-    ("position", pa.int64()),
+    *_PLAIN, *_METADATA,
     ("status", pa.string()),
-    ("error", pa.string()),
-    ("total_reward", pa.float64()),
     ("reward_components", pa.string()),
-    ("final_answer", pa.string()),
-    ("temperature", pa.float64()),
     ("n_turns", pa.int32()),
     ("turns", pa.string()),
     ("prompt_len", pa.int32()),
-    ("token_ids", pa.list_(pa.int32())),
     ("loss_mask", pa.list_(pa.int8())),
     ("logprobs", pa.list_(pa.float32())),
     ("versions", pa.list_(pa.int32())),
-    ("env_version", pa.string()),
-    ("total_steps", pa.int32()),
-    ("total_tokens", pa.int32()),
-    ("wall_time", pa.float64()),
-    ("truncated", pa.bool_()),
-    ("env_errors", pa.int32()),
-    ("policy_version_min", pa.int32()),
-    ("policy_version_max", pa.int32()),
-    ("attempts", pa.int32()),
     ("retry_errors", pa.string()),  # JSON list: why each earlier (retried) attempt failed
     ("segments", pa.string()),  # earlier contexts (JSON: reason, token_ids, loss_mask, logprobs, versions, turns)
 ])  # fmt: skip
 
 
+def _tokens(ctx) -> dict:
+    """The per-token columns of one context (the trajectory's current one, or a closed segment)."""
+    return {"prompt_len": len(ctx.prompt_ids), "loss_mask": ctx.sampled_mask(), "logprobs": ctx.token_logprobs(),
+            "versions": ctx.token_versions(), "token_ids": ctx.token_ids}
+
+
 def _row(t: Trajectory) -> dict:
-    md = t.metadata
     return {
-        "trajectory_id": t.trajectory_id,
-        "task_id": t.task_id,
-        "group_id": t.group_id,
-        "position": t.position,
+        **{name: getattr(t, name) for name, _ in _PLAIN},
+        **{name: getattr(t.metadata, name) for name, _ in _METADATA},
+        **_tokens(t),
         "status": str(t.status),
-        "error": t.error,
-        "total_reward": t.total_reward,
         "reward_components": json.dumps(t.reward_components),
-        "final_answer": t.final_answer,
-        "temperature": t.temperature,
         "n_turns": len(t.all_turns()),
         "turns": json.dumps([asdict(turn) for turn in t.turns]),
-        "prompt_len": len(t.prompt_ids),
-        "token_ids": t.token_ids,
-        "loss_mask": t.sampled_mask(),
-        "logprobs": t.token_logprobs(),
-        "versions": t.token_versions(),
-        "env_version": md.env_version,
-        "total_steps": md.total_steps,
-        "total_tokens": md.total_tokens,
-        "wall_time": md.wall_time,
-        "truncated": md.truncated,
-        "env_errors": md.env_errors,
-        "policy_version_min": md.policy_version_min,
-        "policy_version_max": md.policy_version_max,
-        "attempts": md.attempts,
-        "retry_errors": json.dumps(md.retry_errors),
-        "segments": json.dumps([
-            {"reason": seg.reason, "prompt_len": len(seg.prompt_ids), "token_ids": seg.token_ids,
-             "loss_mask": seg.sampled_mask(), "logprobs": seg.token_logprobs(), "versions": seg.token_versions(),
-             "turns": [asdict(turn) for turn in seg.turns]}
-            for seg in t.segments
-        ]),
+        "retry_errors": json.dumps(t.metadata.retry_errors),
+        "segments": json.dumps([{"reason": seg.reason, **_tokens(seg), "turns": [asdict(turn) for turn in seg.turns]}
+                                for seg in t.segments]),
     }
 
 

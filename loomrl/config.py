@@ -196,7 +196,7 @@ class TrainerConfig(_Section):
     total_steps: int = Field(10, gt=0)
     freeze_layers: int = Field(0, ge=0)  # keep the bottom N transformer blocks fixed (cheaper steps)
     threads: int = Field(0, ge=0)  # torch threads of the trainer; 0 = all cores (sync), the rest (async)
-    # data-parallel trainer ranks (runtime/trainer_ranks.py): each holds a model and optimizer replica
+    # data-parallel trainer ranks (trainer/ranks.py): each holds a model and optimizer replica
     # and trains on a share of every step's samples; gradients are summed over gloo (CPU)
     world_size: int = Field(1, ge=1)
     # loomrl/trainer/tree.py: forward a micro-batch as one prefix tree, so tokens its samples share (a
@@ -228,7 +228,7 @@ class RuntimeConfig(_Section):
     # rule (sync: a step's groups; async: the groups within buffer.max_policy_lag). Whole groups count.
     # backend=ray: per rollout actor.
     max_inflight_trajectories: int = Field(0, ge=0)
-    # async (local): how new weights go from the trainer process to the engine (runtime/weight_sync.py;
+    # async (local): how new weights go from the trainer process to the engine (trainer/weight_sync.py;
     # benchmarks/weight_sync.py: shm ~6x faster than pickling through the queue for SmolLM2-135M)
     weight_transport: Literal["shm", "file", "queue"] = "shm"
     # a trainer that dies (async: its process or a rank; ray: its actors) is restarted from the latest

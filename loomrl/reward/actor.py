@@ -1,4 +1,4 @@
-"""The reward pool's Ray half: reward actors (ray.num_reward_workers > 0) and RewardPool's interface
+"""The reward pool's Ray half: reward actors (ray.reward.count > 0) and RewardPool's interface
 over them, for rollout actors that score remotely."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from loomrl.types import Task, Trajectory
 
 
 class RewardActor(Placed):
-    """A reward worker (ray.num_reward_workers > 0): the run's reward function on its own threads, on
-    whatever node ray.reward_resources picks, shared by every rollout actor. Stateless, so Ray itself
+    """A reward worker (ray.reward.count > 0): the run's reward function on its own threads, on
+    whatever node ray.reward.resources picks, shared by every rollout actor. Stateless, so Ray itself
     restarts it when it dies (max_restarts) and retries the calls it was running on the fresh one
     (max_task_retries); calls that still fail reach RemoteRewardPool as errors."""
 
@@ -36,7 +36,6 @@ class RemoteRewardPool:
     def __init__(self, actors: list[Any]):
         self.actors = actors
         self._next = itertools.cycle(range(len(actors)))
-        self.scored = 0
         self.failed = 0
 
     async def score(self, traj: Trajectory, task: Task) -> Trajectory:
@@ -50,7 +49,6 @@ class RemoteRewardPool:
                 raise
             self.failed += 1
             out = mark_reward_failed(traj, f"reward actor {i}: {type(err).__name__}: {str(err).splitlines()[0]}")
-        self.scored += 1
         return out
 
     def close(self) -> None:

@@ -41,7 +41,6 @@ class RewardPool:
     def __init__(self, fn: RewardFn, workers: int = 2):
         self.fn = fn
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="loomrl-reward")
-        self.scored = 0
         self.failed = 0
 
     def _score(self, traj: Trajectory, task: Task) -> Trajectory:
@@ -49,11 +48,9 @@ class RewardPool:
             components = self.fn(traj, task)
         except Exception as err:  # noqa: BLE001
             self.failed += 1
-            self.scored += 1
             return mark_reward_failed(traj, f"{type(err).__name__}: {err}")
         traj.reward_components = components
         traj.total_reward = float(sum(components.values()))
-        self.scored += 1
         return traj
 
     async def score(self, traj: Trajectory, task: Task) -> Trajectory:

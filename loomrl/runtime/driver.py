@@ -206,9 +206,7 @@ class Driver:
         # (ones that already finished are discarded as they are settled); their positions run again.
         for fut in [f for f in self.inflight if not f.done()]:
             del self.inflight[fut]
-            fut.cancel()
-            self.acc.cancelled += self.G
-            self.abandoned.append(fut)
+            self.abandoned.append(self._cancel(fut))
         self.live.clear()
         self.retry_at.clear()
         self.attempts.clear()
@@ -392,16 +390,17 @@ class Driver:
         finally:
             bar.close()  # before an error's message, not after it
 
+    def _cancel(self, fut: asyncio.Future) -> asyncio.Future:
+        fut.cancel()
+        self.acc.cancelled += self.G
+        return fut
+
     def _end_inflight(self) -> list[asyncio.Future]:
         """The run is over: attempts that finished are stored (not trained), the others cancelled."""
-        cancelled = []
-        for fut in self.inflight:
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                self._keep(fut.result())
-                continue
-            fut.cancel()
-            self.acc.cancelled += self.G
-            cancelled.append(fut)
+        finished = [f for f in self.inflight if f.done() and not f.cancelled() and f.exception() is None]
+        for fut in finished:
+            self._keep(fut.result())
+        cancelled = [self._cancel(f) for f in self.inflight if f not in finished]
         self.inflight.clear()
         return cancelled
 
@@ -456,9 +455,9 @@ class Driver:
         acc = self.acc.settle(read_ledger(self.cfg.run_dir))
         log.info(ledger_line(acc))
         summary = RunSummary(
-            success_before=before.success if before else None, success_after=after.success if after else None,
+            success_before=before and before.success, success_after=after and after.success,
             n_heldout=(after or before).n if (after or before) else 0,
-            stderr_before=before.stderr if before else None, stderr_after=after.stderr if after else None,
+            stderr_before=before and before.stderr, stderr_after=after and after.stderr,
             steps=self.version, run_dir=str(self.cfg.run_dir), wall_s=round(time.time() - self.wall_start, 1),
             rollouts=report.rollouts, trainer_restarts=self.trainer_restarts,
             positions_failed={str(k): v for k, v in self.gave_up.items()}, env_pool=report.env_pool,

@@ -65,6 +65,19 @@ def fail_if_cannot_start(err: BaseException, what: str) -> None:
         raise RunError(f"run error: {actor_error_line(err)}") from None
 
 
+async def result_or(ref: Any, timeout_s: float, default: Any) -> Any:
+    """A call's result, or `default` when its actor died (for good: past its restarts) or got stuck."""
+    try:
+        return await asyncio.wait_for(ref, timeout=timeout_s)
+    except Exception:  # noqa: BLE001 - the caller kills it anyway, or reports it as gone
+        return default
+
+
+def add_into(into: dict[str, Any], values: dict[str, Any]) -> None:
+    for k, v in values.items():
+        into[k] = into.get(k, 0) + v
+
+
 @dataclass(slots=True, kw_only=True)
 class WorkerSlot:
     handle: Any
@@ -84,8 +97,8 @@ class RayBackend(Backend):
         self.trainer: Any = None  # rank 0
         self.trainer_ranks: list[Any] = []  # ranks 1.. (trainer.world_size > 1)
         self.trainer_group: Any = None  # the ranks' placement group
-        self.reward_actors: list[Any] = []  # ray.num_reward_workers, shared by the rollout actors
-        self.env_actors: list[Any] = []  # ray.num_env_workers, shared by the rollout actors
+        self.reward_actors: list[Any] = []  # ray.reward.count, shared by the rollout actors
+        self.env_actors: list[Any] = []  # ray.env.count, shared by the rollout actors
         self.owners = 0  # rollout actors made so far
         self.reclaims: list[Any] = []  # release_owner calls: sandboxes of dead rollout actors reclaimed
         self.weights: WeightHandle | None = None  # the latest published version
@@ -148,13 +161,13 @@ class RayBackend(Backend):
         return [cls.remote(self.cfg_json, share) for _ in range(r.env.count)]
 
     async def _where(self, actors: list[Any]) -> list[tuple[str | None, int | None]]:
-        out = []
-        for actor in actors:
-            try:
-                out.append(tuple(await asyncio.wait_for(actor.where.remote(), timeout=30)))
-            except Exception:  # noqa: BLE001 - dead for good (past its restarts) or stuck
-                out.append((None, None))
-        return out
+        return [tuple(await result_or(actor.where.remote(), 30, (None, None))) for actor in actors]
+
+    def _kill(self, actor: Any) -> None:
+        try:
+            self.ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
 
     async def start(self) -> None:
         self._init_ray()
@@ -177,10 +190,7 @@ class RayBackend(Backend):
 
     def _replace_worker(self, i: int, why: str) -> None:
         slot = self.workers[i]
-        try:
-            self.ray.kill(slot.handle, no_restart=True)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
+        self._kill(slot.handle)
         self.rollout_restarts += 1
         if self.rollout_restarts > self.cfg.ray.rollout.max_restarts:  # e.g. an actor that dies as it starts
             raise RunError(f"run error: rollout actors died {self.rollout_restarts} times (last: {why}); see the "
@@ -260,11 +270,8 @@ class RayBackend(Backend):
 
     def stop_trainer(self) -> None:
         for actor in [self.trainer, *self.trainer_ranks]:
-            try:
-                if actor is not None:
-                    self.ray.kill(actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
+            if actor is not None:
+                self._kill(actor)
         self.trainer, self.trainer_ranks = None, []
         if self.trainer_group is not None:  # its reservation goes with it: a restart reserves anew
             self.ray.util.remove_placement_group(self.trainer_group)
@@ -350,39 +357,24 @@ class RayBackend(Backend):
             if self.owns_ray:
                 self.ray.shutdown()
 
-    @staticmethod
-    def _add(into: dict[str, Any], values: dict[str, Any]) -> None:
-        for k, v in values.items():
-            into[k] = into.get(k, 0) + v
-
     async def _close(self) -> BackendReport:
         pool: dict[str, Any] = {}
         rollouts: dict[str, int] = {}
-        for slot in self.workers:
-            try:
-                counts, metrics = await asyncio.wait_for(slot.handle.close.remote(), timeout=30)
-                self._add(rollouts, counts)
-                self._add(pool, metrics)
-            except Exception:  # noqa: BLE001 - a dead or stuck actor is killed below anyway
-                pass
-            self.ray.kill(slot.handle, no_restart=True)
+        for slot in self.workers:  # a dead or stuck actor counts nothing (and is killed anyway)
+            counts, metrics = await result_or(slot.handle.close.remote(), 30, ({}, {}))
+            add_into(rollouts, counts)
+            add_into(pool, metrics)
+            self._kill(slot.handle)
         # Ray restarts reward and env actors itself: a new process id means at least one restart
         restarts = {name: sum(a != b for a, (_, b) in zip(self.pids.get(name, []), await self._where(actors)))
                     for name, actors in (("reward", self.reward_actors), ("env", self.env_actors))}
-        reclaimed = 0
-        for ref in self.reclaims:
-            try:
-                reclaimed += await asyncio.wait_for(ref, timeout=30)
-            except Exception:  # noqa: BLE001 - that env actor died meanwhile (its sandboxes with it)
-                pass
-        env_pool: dict[str, Any] = {}  # the env actors' own pools (ray.num_env_workers > 0)
+        # an env actor that died meanwhile took its sandboxes with it
+        reclaimed = sum([await result_or(ref, 30, 0) for ref in self.reclaims])
+        env_pool: dict[str, Any] = {}  # the env actors' own pools (ray.env.count > 0)
         for env in self.env_actors:
-            try:
-                self._add(env_pool, await asyncio.wait_for(env.close.remote(), timeout=60))
-            except Exception:  # noqa: BLE001 - a dead env actor took its sandboxes with it
-                pass
+            add_into(env_pool, await result_or(env.close.remote(), 60, {}))
         for actor in [*self.reward_actors, *self.env_actors]:
-            self.ray.kill(actor, no_restart=True)
+            self._kill(actor)
         # rollouts: as the rollout actors alive at the end counted them (a dead actor's counts die with it)
         return BackendReport(rollouts=rollouts, env_pool=env_pool if self.env_actors else pool, extra={"ray": {
             "rollout_restarts": self.rollout_restarts, "reward_restarts": restarts["reward"],

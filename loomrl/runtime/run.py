@@ -9,12 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from loomrl.config import RunConfig, save_resolved
-from loomrl.engine.factory import make_engine
-from loomrl.env.registry import env_family
-from loomrl.model.chat import ChatRenderer
-from loomrl.model.loader import load_run_model
-from loomrl.rollout.worker import RolloutWorker
-from loomrl.runtime.driver import Backend, Driver, RunError, progress
+from loomrl.runtime.driver import Backend, Driver, RunError
 from loomrl.trainer.checkpoint import latest_checkpoint
 from loomrl.types import EvalRecord
 
@@ -62,23 +57,18 @@ def resolve_checkpoint(path: Path) -> Path:
 
 
 def evaluate_checkpoint(cfg: RunConfig, checkpoint: Path) -> dict[str, Any]:
-    """Held-out success of a checkpoint folder (or a run folder: its latest checkpoint)."""
+    """Held-out success of a checkpoint folder (or a run folder: its latest checkpoint), on the local
+    backend's rollout side."""
+    from loomrl.runtime.local import LocalBackend
+
     ckpt = resolve_checkpoint(checkpoint)
-    _, heldout = env_family(cfg.env.name).splits(cfg)
-    model, tokenizer = load_run_model(cfg.model, ckpt)
-    engine = make_engine(cfg, model, tokenizer, 0)
-    worker = RolloutWorker(cfg, engine, ChatRenderer(tokenizer), heldout)
-    bar = progress(min(cfg.eval.n_tasks, len(heldout)), "eval", cfg.progress)
+    backend = LocalBackend(cfg, ckpt)
 
     async def run_eval() -> EvalRecord:
         try:
-            return await worker.evaluate(heldout[: cfg.eval.n_tasks], progress=bar)
+            await backend.start()
+            return await backend.evaluate("checkpoint")
         finally:
-            await worker.aclose()
+            await backend.close()
 
-    try:
-        res = asyncio.run(run_eval())
-    finally:
-        bar.close()
-        engine.close()
-    return {"checkpoint": str(ckpt), **res.as_dict()}
+    return {"checkpoint": str(ckpt), **asyncio.run(run_eval()).as_dict()}

@@ -184,10 +184,7 @@ class EnvPool(Leases):
         """Pre-warm: create `prewarm` instances concurrently."""
         results = await asyncio.gather(*[self._create() for _ in range(self.prewarm)], return_exceptions=True)
         async with self._changed:
-            for r in results:
-                if isinstance(r, BaseException):
-                    continue
-                self._idle.append(r)
+            self._idle.extend(r for r in results if not isinstance(r, BaseException))
             self._changed.notify_all()
         if self.failure is not None:
             raise self.failure

@@ -28,6 +28,7 @@ import asyncio
 import os
 import shutil
 import signal
+import subprocess
 import tempfile
 import threading
 import time
@@ -93,6 +94,14 @@ class PooledSandbox(Sandbox, Protocol):
     def snapshot(self) -> None: ...
 
     def reset(self) -> None: ...
+
+
+def command_works(argv: list[str]) -> bool:
+    """A backend's probe: `argv` runs and exits 0 within 10 s."""
+    try:
+        return subprocess.run(argv, capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def dir_size(path: Path) -> int:

@@ -111,9 +111,9 @@ class Leases(ABC):
     failure: EnvPoolFailed | None = None
     metrics: PoolMetrics  # this side's counts (the run's summary.json reports them under env_pool)
 
-    @abstractmethod
     async def start(self) -> Leases:
         """Get ready to lease (EnvPool: pre-warm); returns self."""
+        return self
 
     @abstractmethod
     async def acquire(self) -> Sandbox: ...

@@ -182,9 +182,6 @@ class RemoteEnvPool(Leases):
         self._next = itertools.cycle(range(len(actors)))
         self.metrics = PoolMetrics()  # this side's view: leases, waits, broken releases
 
-    async def start(self) -> RemoteEnvPool:
-        return self
-
     async def acquire(self) -> Sandbox:
         """A sandbox from the next env actor that can lease one. An actor that Ray is restarting takes
         a few seconds: the lease is tried on the others and again, with backoff, for up to

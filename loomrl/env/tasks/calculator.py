@@ -207,12 +207,9 @@ class CalculatorEnv:
         self.task = task
         messages: list[dict] = [{"role": "system", "content": SYSTEM_PROMPT}]
         for question, expr, result in FEW_SHOT[self.few_shot]:
-            messages += [
-                {"role": "user", "content": question},
-                {"role": "assistant", "content": f"calc({expr})"},
-                {"role": "user", "content": f"Result: {result}"},
-                {"role": "assistant", "content": f"The answer is {result}."},
-            ]
+            messages += [{"role": "user", "content": question}, {"role": "assistant", "content": f"calc({expr})"},
+                         {"role": "user", "content": f"Result: {result}"},
+                         {"role": "assistant", "content": f"The answer is {result}."}]
         messages.append({"role": "user", "content": task.prompt})
         return Observation(messages=messages, tools=None)
 

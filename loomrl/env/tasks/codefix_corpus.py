@@ -27,13 +27,8 @@ from loomrl.env.tasks.codefix_types import CodefixTask
 # Declared perturbations, handed out to every fourth task in order (a quarter of the corpus).
 # The environment applies them; tasks and their tests never depend on them.
 _PERTURBATIONS: list[dict] = [
-    {"env": {"LC_ALL": "C", "APP_MODE": "test"}},
-    {"disable_tools": ["bash"]},
-    {"layout": "src"},
-    {"broken_dependency": "requests"},
-    {"env": {"TZ": "UTC", "CI": "true"}},
-    {"broken_dependency": "yaml"},
-]
+    {"env": {"LC_ALL": "C", "APP_MODE": "test"}}, {"disable_tools": ["bash"]}, {"layout": "src"},
+    {"broken_dependency": "requests"}, {"env": {"TZ": "UTC", "CI": "true"}}, {"broken_dependency": "yaml"}]
 
 
 def _src(text: str) -> str:
@@ -62,23 +57,17 @@ def _task(family: str, variant: int, *, pkg: str, module: str, exports: list[str
     all_names = ", ".join(f'"{name}"' for name in exports)
     path = f"{pkg}/{module}.py"
     camel = "".join(part.title() for part in module.split("_"))
-    test_module = (
-        f"import unittest\n\nfrom {pkg}.{module} import {names}\n\n\n"
-        f"class Test{camel}(unittest.TestCase):\n{textwrap.indent(_src(tests), '    ')}\n\n"
-        'if __name__ == "__main__":\n    unittest.main()\n'
-    )
+    test_module = (f"import unittest\n\nfrom {pkg}.{module} import {names}\n\n\n"
+                   f"class Test{camel}(unittest.TestCase):\n{textwrap.indent(_src(tests), '    ')}\n\n"
+                   'if __name__ == "__main__":\n    unittest.main()\n')
     return CodefixTask(
-        task_id=f"codefix-{family}-{variant}",
-        family=family,
-        issue=issue,
+        task_id=f"codefix-{family}-{variant}", family=family, issue=issue,
         files={
             "README.md": f"# {pkg}\n\n{summary}\n\n## Usage\n\n```python\nfrom {pkg} import {names}\n\n{usage}\n```\n",
             f"{pkg}/__init__.py": f'"""{summary}"""\n\nfrom .{module} import {names}\n\n__all__ = [{all_names}]\n',
-            path: fixed.replace(good, bad),
-        },
+            path: fixed.replace(good, bad)},
         golden_patch={path: fixed},
-        hidden_tests={"tests_hidden/__init__.py": "", f"tests_hidden/test_{module}.py": test_module},
-    )
+        hidden_tests={"tests_hidden/__init__.py": "", f"tests_hidden/test_{module}.py": test_module})
 
 
 def _clamp(v, *, pkg, module, func, params, lo, hi, above, inside, below):

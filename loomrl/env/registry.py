@@ -66,7 +66,8 @@ def _calc_env(cfg: RunConfig, pool: EnvPool | None, rng: random.Random) -> Env:
 def _calc_reward(cfg: RunConfig) -> RewardFn:
     from loomrl.reward import calculator_reward
 
-    return lambda t, task: calculator_reward(t, task, correct=cfg.reward.correct, format_weight=cfg.reward.format_weight)
+    r = cfg.reward
+    return lambda t, task: calculator_reward(t, task, correct=r.correct, format_weight=r.format_weight)
 
 
 # -- codefix ---------------------------------------------------------------------------------------------

@@ -141,7 +141,8 @@ def _one_step(kind: str) -> Callable[[random.Random], tuple[str, int, str]]:
 
 
 FAMILIES: dict[str, Callable[[random.Random], tuple[str, int, str]]] = {k: _one_step(k) for k in [
-    "add", "sub", "mul", "div", "expr", "add_sub", "add_add", "mul_add", "distract_add", "distract_sub", "distract_mul"]}
+    "add", "sub", "mul", "div", "expr", "add_sub", "add_add", "mul_add", "distract_add", "distract_sub",
+    "distract_mul"]}
 
 
 def generate_tasks(families: list[str], n: int, seed: int, split: str, exclude: set[str] | None = None) -> list[Task]:

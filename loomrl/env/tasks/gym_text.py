@@ -41,7 +41,7 @@ from gymnasium.envs.toy_text.frozen_lake import generate_random_map
 
 from loomrl.config import ConfigError
 from loomrl.env.base import Observation, StepResult
-from loomrl.model.tools import ToolCall, parse_tool_calls
+from loomrl.model.tools import parse_tool_calls
 from loomrl.types import RolloutStatus, Task, Trajectory
 
 ENV_VERSION = "gym-text-v1"
@@ -164,14 +164,10 @@ def _start(game: GymGame, episode_seed: int) -> tuple[gym.Env, Any]:
 
 def system_prompt(game: GymGame) -> str:
     example = next(iter(game.actions))
-    return (
-        f"{game.rules}\n\n"
-        f"Each turn, reply with exactly one action, in one of these forms:\n"
-        f"move({example})\n"
-        f'<tool_call>{{"name": "move", "arguments": {{"action": "{example}"}}}}</tool_call>\n'
-        f"or the bare action word on a line by itself. Only the first action in your reply is played.\n"
-        f"Legal actions: {game.legal}."
-    )
+    return (f"{game.rules}\n\nEach turn, reply with exactly one action, in one of these forms:\nmove({example})\n"
+            f'<tool_call>{{"name": "move", "arguments": {{"action": "{example}"}}}}</tool_call>\n'
+            "or the bare action word on a line by itself. Only the first action in your reply is played.\n"
+            f"Legal actions: {game.legal}.")
 
 
 def _state_message(game: GymGame, env: gym.Env, obs: Any) -> str:
@@ -183,24 +179,19 @@ def _normalize(word: str) -> str:
     return word.strip().lower().removeprefix("action=").strip().strip("'\"`*.!").strip()
 
 
-def _call_action(call: ToolCall) -> tuple[str | None, str | None]:
-    if call.error:
-        return None, call.error
-    if call.name != "move":
-        return None, f"unknown tool {call.name!r}; the only tool is move"
-    if "action" not in call.arguments:
-        return None, "move needs an 'action' argument"
-    return _normalize(str(call.arguments["action"])), None
-
-
 def parse_action(text: str, actions: Mapping[str, int]) -> tuple[str | None, str | None]:
     """(action word, None) for the first action in `text`, or (None, why not); see the module docstring."""
     text = _THINK.sub("", text)
     calls = parse_tool_calls(text, MOVE_TOOL)
     if calls:
-        word, error = _call_action(calls[0])
-        if error:
-            return None, error
+        call = calls[0]
+        if call.error:
+            return None, call.error
+        if call.name != "move":
+            return None, f"unknown tool {call.name!r}; the only tool is move"
+        if "action" not in call.arguments:
+            return None, "move needs an 'action' argument"
+        word = _normalize(str(call.arguments["action"]))
     else:
         word = next((w for w in map(_normalize, text.splitlines()) if w in actions), None)
         if word is None:

@@ -111,9 +111,9 @@ class Leases(ABC):
     failure: EnvPoolFailed | None = None
     metrics: PoolMetrics  # this side's counts (the run's summary.json reports them under env_pool)
 
-    @abstractmethod
     async def start(self) -> Leases:
         """Get ready to lease (EnvPool: pre-warm); returns self."""
+        return self
 
     @abstractmethod
     async def acquire(self) -> Sandbox: ...
@@ -184,10 +184,7 @@ class EnvPool(Leases):
         """Pre-warm: create `prewarm` instances concurrently."""
         results = await asyncio.gather(*[self._create() for _ in range(self.prewarm)], return_exceptions=True)
         async with self._changed:
-            for r in results:
-                if isinstance(r, BaseException):
-                    continue
-                self._idle.append(r)
+            self._idle.extend(r for r in results if not isinstance(r, BaseException))
             self._changed.notify_all()
         if self.failure is not None:
             raise self.failure

@@ -10,6 +10,7 @@ and their default reward, and whether (and how) they use the sandbox pool.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import logging
 import os
@@ -19,12 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loomrl.config import RunConfig
+from loomrl.config import ConfigError, RunConfig
 from loomrl.env.base import Env
 from loomrl.env.pool import EnvPool, pool_size_for
-from loomrl.types import RewardFn, Task, Trajectory
+from loomrl.types import RewardFn, Task
 
 log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True, slots=True)
 class EnvFamily:
@@ -64,16 +66,8 @@ def _calc_env(cfg: RunConfig, pool: EnvPool | None, rng: random.Random) -> Env:
 def _calc_reward(cfg: RunConfig) -> RewardFn:
     from loomrl.reward import calculator_reward
 
-    def reward(t: Trajectory, task: Task) -> dict[str, float]:
-        return calculator_reward(t, task, correct=cfg.reward.correct, format_weight=cfg.reward.format_weight)
-
-    return reward
-
-
-def _calc_answer(text: str) -> str | None:
-    from loomrl.env.tasks.calculator import parse_final_answer
-
-    return parse_final_answer(text)
+    r = cfg.reward
+    return lambda t, task: calculator_reward(t, task, correct=r.correct, format_weight=r.format_weight)
 
 
 # -- codefix ---------------------------------------------------------------------------------------------
@@ -108,17 +102,10 @@ def _codefix_env(cfg: RunConfig, pool: EnvPool | None, rng: random.Random) -> En
     return CodefixEnv(pool, _codefix_specs(cfg), command_timeout_s=cfg.env.tool_timeout_s)
 
 
-def _codefix_reward(cfg: RunConfig) -> RewardFn:
-    from loomrl.env.tasks.codefix import codefix_reward
-
-    return codefix_reward
-
-
 async def validate_codefix(specs: list, backend: str = "auto", limits: dict[str, int] | None = None,
                            progress=None) -> list[dict[str, Any]]:
     """Validate codefix tasks in real sandboxes: one record per task (task_id, valid, golden_passes,
     noop_fails, detail)."""
-    from loomrl.env.pool import pool_size_for
     from loomrl.env.sandbox import make_sandbox
     from loomrl.env.tasks.codefix import validate_tasks
 
@@ -146,29 +133,24 @@ def _gym_splits(cfg: RunConfig) -> tuple[list[Task], list[Task]]:
     return gym_text.make_gym_splits(e.families or list(gym_text.GYM_GAMES), e.n_train, e.n_heldout, e.seed)
 
 
-def _gym_env(cfg: RunConfig, pool: EnvPool | None, rng: random.Random) -> Env:
-    from loomrl.env.tasks.gym_text import GymTextEnv
-
-    return GymTextEnv()
-
-
-def _gym_reward(cfg: RunConfig) -> RewardFn:
-    from loomrl.env.tasks.gym_text import gym_reward
-
-    return gym_reward
+def _task_attr(module: str, name: str) -> Any:
+    """`name` from loomrl.env.tasks.<module>. Task modules, like the imports inside the functions above, load
+    only once a run uses their family: they are slow to import (gymnasium above all)."""
+    return getattr(importlib.import_module(f"loomrl.env.tasks.{module}"), name)
 
 
 FAMILIES: dict[str, EnvFamily] = {
-    "calculator": EnvFamily("calculator", _calc_splits, _calc_env, _calc_reward, "call", _calc_answer),
-    "codefix": EnvFamily("codefix", _codefix_splits, _codefix_env, _codefix_reward, "episode"),
-    "gym": EnvFamily("gym", _gym_splits, _gym_env, _gym_reward, None),
+    "calculator": EnvFamily("calculator", _calc_splits, _calc_env, _calc_reward, "call",
+                            lambda text: _task_attr("calculator", "parse_final_answer")(text)),
+    "codefix": EnvFamily("codefix", _codefix_splits, _codefix_env, lambda cfg: _task_attr("codefix", "codefix_reward"),
+                         "episode"),
+    "gym": EnvFamily("gym", _gym_splits, lambda cfg, pool, rng: _task_attr("gym_text", "GymTextEnv")(),
+                     lambda cfg: _task_attr("gym_text", "gym_reward"), None),
 }
 
 
 def env_family(name: str) -> EnvFamily:
     if name not in FAMILIES:
-        from loomrl.config import ConfigError
-
         raise ConfigError(f"config error: env.name: unknown environment {name!r}; choose from {sorted(FAMILIES)}")
     return FAMILIES[name]
 

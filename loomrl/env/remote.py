@@ -7,6 +7,8 @@ import asyncio
 import itertools
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -143,31 +145,28 @@ class RemoteSandbox:
         pass  # released through RemoteEnvPool
 
 
-def _env_worker_failed(err: BaseException) -> SandboxError:
-    """A dead env actor is a dead sandbox to the environment code: SandboxError, with the reason."""
-    return SandboxError(f"env worker failed: {type(err).__name__}: {str(err).splitlines()[0]}")
-
-
-def _raise_as_sandbox_error(call: Any) -> Any:
+@contextmanager
+def _env_worker_errors() -> Iterator[None]:
+    """A dead env actor is a dead sandbox to the environment code: SandboxError, with the reason (the
+    env actor's own SandboxError passes as it is)."""
     import ray
 
     try:
-        return call()
+        yield
     except SandboxError:
         raise
     except ray.exceptions.RayError as err:
-        raise _env_worker_failed(err) from None
+        raise SandboxError(f"env worker failed: {type(err).__name__}: {str(err).splitlines()[0]}") from None
+
+
+def _raise_as_sandbox_error(call: Callable[[], Any]) -> Any:
+    with _env_worker_errors():
+        return call()
 
 
 async def _remote(ref: Any) -> Any:
-    import ray
-
-    try:
+    with _env_worker_errors():
         return await ref
-    except SandboxError:
-        raise
-    except ray.exceptions.RayError as err:
-        raise _env_worker_failed(err) from None
 
 
 class RemoteEnvPool(Leases):
@@ -182,9 +181,6 @@ class RemoteEnvPool(Leases):
         self.owner = owner
         self._next = itertools.cycle(range(len(actors)))
         self.metrics = PoolMetrics()  # this side's view: leases, waits, broken releases
-
-    async def start(self) -> RemoteEnvPool:
-        return self
 
     async def acquire(self) -> Sandbox:
         """A sandbox from the next env actor that can lease one. An actor that Ray is restarting takes

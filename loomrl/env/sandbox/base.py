@@ -1,20 +1,8 @@
 """The Sandbox interface and the machinery its backends share (the factory that picks one: factory.py).
 
 A sandbox owns one private working directory and runs commands in it with a wall-clock timeout that
-kills the whole process group. Interface (Sandbox: what environments use; PooledSandbox adds what
-the pool that owns the instance uses, snapshot and reset):
-
-    exec(argv, timeout=, stdin=, env=)
-                                   run one command in the workdir, with extra environment variables;
-                                   ExecResult (never raises for the command's own failures; `killed`
-                                   says why it was stopped, if it was)
-    write_file(path, data)         put a file into the workdir (host side, between commands)
-    read_file(path)                read a file of the workdir (host side; refuses paths that leave it)
-    snapshot()                     remember the workdir as the state `reset()` restores
-    reset()                        restore that state (empty unless snapshot() was called)
-    health()                       can the sandbox still run a trivial command quickly? Health, with the
-                                   command's own error output when it cannot
-    close()                        stop whatever it still runs, remove the workdir and its snapshot
+kills the whole process group. Interface: Sandbox, what environments use, and PooledSandbox, which
+adds what the pool that owns the instance uses (snapshot and reset).
 
 Backends: `bwrap` (isolating: see bwrap.py), `process` (isolates nothing; for development on machines
 without bubblewrap, and it says so loudly) and `docker` (for machines with a Docker engine).
@@ -28,6 +16,7 @@ import asyncio
 import os
 import shutil
 import signal
+import subprocess
 import tempfile
 import threading
 import time
@@ -51,11 +40,6 @@ class ExecResult:
     duration_s: float
     killed: str | None = None  # "timeout" or "disk_quota" when the sandbox stopped the command
 
-    @property
-    def crashed(self) -> bool:
-        """Killed by a signal or an internal failure, as opposed to a normal exit status."""
-        return self.returncode < 0 and not self.timed_out
-
 
 @dataclass(slots=True, kw_only=True)
 class Health:
@@ -75,24 +59,41 @@ class Sandbox(Protocol):
     python: str  # a Python interpreter usable inside the sandbox
 
     async def exec(self, argv: list[str], *, timeout: float, stdin: str | None = None,
-                   env: dict[str, str] | None = None) -> ExecResult: ...
+                   env: dict[str, str] | None = None) -> ExecResult:
+        """Run one command in the workdir, with extra environment variables. Never raises for the command's
+        own failures: ExecResult.killed says why it was stopped, if it was."""
 
-    def write_file(self, path: str, data: str | bytes) -> None: ...
+    def write_file(self, path: str, data: str | bytes) -> None:
+        """Put a file into the workdir (host side, between commands)."""
 
-    def read_file(self, path: str) -> str: ...
+    def read_file(self, path: str) -> str:
+        """Read a file of the workdir (host side; refuses paths that leave it)."""
 
-    async def health(self, timeout: float = 5.0) -> Health: ...
+    async def health(self, timeout: float = 5.0) -> Health:
+        """Can the sandbox still run a trivial command quickly? Health, with the command's own error output
+        when it cannot."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Stop whatever it still runs, remove the workdir and its snapshot."""
 
 
 class PooledSandbox(Sandbox, Protocol):
     """A sandbox its EnvPool owns: the pool snapshots it once prepared and resets it between leases
     (a remote sandbox is only leased: its env actor's pool does that)."""
 
-    def snapshot(self) -> None: ...
+    def snapshot(self) -> None:
+        """Remember the workdir as the state `reset()` restores."""
 
-    def reset(self) -> None: ...
+    def reset(self) -> None:
+        """Restore that state (empty unless snapshot() was called)."""
+
+
+def command_works(argv: list[str]) -> bool:
+    """A backend's probe: `argv` runs and exits 0 within 10 s."""
+    try:
+        return subprocess.run(argv, capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def dir_size(path: Path) -> int:
@@ -194,14 +195,9 @@ class _SubprocessSandbox:
             self._after_exec()
         if killed == "disk_quota":
             err += f"\n[loomrl] killed: the workdir passed its disk quota of {self.limits['disk_mb']} MB".encode()
-        return ExecResult(
-            returncode=proc.returncode if proc.returncode is not None else -9,
-            stdout=out.decode(errors="replace"),
-            stderr=err.decode(errors="replace"),
-            timed_out=killed == "timeout",
-            duration_s=time.perf_counter() - start,
-            killed=killed,
-        )
+        return ExecResult(returncode=proc.returncode if proc.returncode is not None else -9,
+                          stdout=out.decode(errors="replace"), stderr=err.decode(errors="replace"),
+                          timed_out=killed == "timeout", duration_s=time.perf_counter() - start, killed=killed)
 
     async def _spawn(self, argv: list[str], env: dict[str, str], with_stdin: bool) -> asyncio.subprocess.Process:
         """Start the wrapped command in its own process group. Cancel-safe: a cancellation that lands

@@ -29,11 +29,10 @@ import itertools
 import os
 import shutil
 import signal
-import subprocess
 import threading
 from pathlib import Path
 
-from loomrl.env.sandbox.base import SandboxError, _SubprocessSandbox
+from loomrl.env.sandbox.base import SandboxError, _SubprocessSandbox, command_works
 
 # Each sandbox runs as its own uid: RLIMIT_NPROC counts processes per uid, so a shared uid would make
 # sandboxes share (and exhaust) one process budget; distinct uids also keep sandboxes from reading or
@@ -54,15 +53,11 @@ DEFAULT_LIMITS = {"cpu_s": 10, "address_space_mb": 1024, "nproc": 64, "file_size
 
 @functools.cache
 def bwrap_available() -> bool:
-    if shutil.which("bwrap") is None or shutil.which("setpriv") is None or shutil.which("prlimit") is None:
+    if any(shutil.which(tool) is None for tool in ("bwrap", "setpriv", "prlimit")):
         return False
     if os.geteuid() != 0:
         return False  # one uid per sandbox needs root to switch to it
-    probe = BwrapSandbox.command_for("/tmp", ["/usr/bin/true"], limits=DEFAULT_LIMITS, uid=_next_uid())
-    try:
-        return subprocess.run(probe, capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+    return command_works(BwrapSandbox.command_for("/tmp", ["/usr/bin/true"], limits=DEFAULT_LIMITS, uid=_next_uid()))
 
 
 def _mount_points(destinations: list[str]) -> list[str]:
@@ -80,19 +75,14 @@ def _mount_points(destinations: list[str]) -> list[str]:
     return out
 
 
-def kill_uid(uid: int) -> int:
-    """SIGKILL every process owned by `uid` (a sandbox's own uid); returns how many were found."""
-    found = 0
+def kill_uid(uid: int) -> None:
+    """SIGKILL every process owned by `uid` (a sandbox's own uid)."""
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
         try:
-            if entry.stat().st_uid == uid:
-                found += 1
+            if entry.name.isdigit() and entry.stat().st_uid == uid:
                 os.kill(int(entry.name), signal.SIGKILL)
         except (OSError, ValueError):
             continue
-    return found
 
 
 class BwrapSandbox(_SubprocessSandbox):
@@ -113,7 +103,6 @@ class BwrapSandbox(_SubprocessSandbox):
                 raise SandboxError(f"sandbox error: bind destination {inside!r} must be an absolute path outside "
                                    "/work, /usr and /tmp")
         self.uid = _next_uid()
-        self.leftovers_killed = 0  # processes found still running after a command ended
         super().__init__(root, limits)
 
     def _prepare_workdir(self) -> None:
@@ -132,7 +121,7 @@ class BwrapSandbox(_SubprocessSandbox):
             node = node.parent
 
     def _after_exec(self) -> None:
-        self.leftovers_killed += kill_uid(self.uid)
+        kill_uid(self.uid)
 
     @staticmethod
     def command_for(workdir: str, argv: list[str], *, limits: dict[str, int], uid: int,

@@ -17,19 +17,14 @@ import os
 import shutil
 import subprocess
 
-from loomrl.env.sandbox.base import SandboxError, _SubprocessSandbox
+from loomrl.env.sandbox.base import SandboxError, _SubprocessSandbox, command_works
 
 DEFAULT_LIMITS = {"memory_mb": 1024, "nproc": 64, "cpus": 1, "disk_mb": 256, "tmp_mb": 64}
 DEFAULT_IMAGE = os.environ.get("LOOMRL_DOCKER_IMAGE", "python:3.11-slim")
 
 
 def docker_available() -> bool:
-    if shutil.which("docker") is None:
-        return False
-    try:
-        return subprocess.run(["docker", "info"], capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+    return shutil.which("docker") is not None and command_works(["docker", "info"])
 
 
 class DockerSandbox(_SubprocessSandbox):

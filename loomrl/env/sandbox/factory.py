@@ -16,6 +16,8 @@ def make_sandbox(backend: str = "auto", limits: dict[str, int] | None = None,
     anyway, and the docker backend refuses them (mount them in the image instead)."""
     if binds and backend == "docker":
         raise SandboxError("sandbox error: extra binds are not supported by the docker backend")
+    if backend == "auto":
+        backend = "bwrap" if bwrap_available() else "process"
     if backend == "bwrap":
         if not bwrap_available():
             raise SandboxError("sandbox error: bubblewrap is not usable here; install it (apt-get install -y "
@@ -25,6 +27,4 @@ def make_sandbox(backend: str = "auto", limits: dict[str, int] | None = None,
         return ProcessSandbox(limits=limits)
     if backend == "docker":
         return DockerSandbox(limits=limits)
-    if backend == "auto":
-        return BwrapSandbox(limits=limits, binds=binds) if bwrap_available() else ProcessSandbox(limits=limits)
     raise SandboxError(f"sandbox error: unknown backend {backend!r}; use bwrap, process, docker or auto")

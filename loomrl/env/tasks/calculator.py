@@ -40,20 +40,6 @@ FEW_SHOT = {
              ("What is 6 * 7?", "6 * 7", "42")],
 }
 TOOLS = {"calc": "expression"}
-TOOL_SCHEMAS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calc",
-            "description": "Evaluate an arithmetic expression (+ - * / // % ** and parentheses).",
-            "parameters": {
-                "type": "object",
-                "properties": {"expression": {"type": "string"}},
-                "required": ["expression"],
-            },
-        },
-    }
-]
 _ANSWER = re.compile(r"answer is\s*:?\s*\$?\s*(-?[\d,]*\.?\d+)", re.IGNORECASE)
 
 # The tool program: a safe AST evaluator run with the sandbox's python. `--crash` makes it abort and
@@ -154,10 +140,9 @@ def _one_step(kind: str) -> Callable[[random.Random], tuple[str, int, str]]:
     return make
 
 
-FAMILIES: dict[str, Callable[[random.Random], tuple[str, int, str]]] = {
-    k: _one_step(k)
-    for k in ["add", "sub", "mul", "div", "expr", "add_sub", "add_add", "mul_add", "distract_add", "distract_sub", "distract_mul"]
-}
+FAMILIES: dict[str, Callable[[random.Random], tuple[str, int, str]]] = {k: _one_step(k) for k in [
+    "add", "sub", "mul", "div", "expr", "add_sub", "add_add", "mul_add", "distract_add", "distract_sub",
+    "distract_mul"]}
 
 
 def generate_tasks(families: list[str], n: int, seed: int, split: str, exclude: set[str] | None = None) -> list[Task]:
@@ -166,8 +151,7 @@ def generate_tasks(families: list[str], n: int, seed: int, split: str, exclude: 
     if unknown:
         raise ConfigError(f"config error: env.families: unknown family {unknown}; choose from {sorted(FAMILIES)}")
     rng = random.Random(f"{seed}:{split}")
-    exclude = exclude or set()
-    seen: set[str] = set()
+    seen = set(exclude or ())  # questions already used, here or in the other split
     tasks: list[Task] = []
     attempts = 0
     while len(tasks) < n:
@@ -176,19 +160,11 @@ def generate_tasks(families: list[str], n: int, seed: int, split: str, exclude: 
             raise ValueError(f"could not generate {n} distinct {split} tasks for {families}")
         family = families[len(tasks) % len(families)]
         question, answer, expr = FAMILIES[family](rng)
-        if question in seen or question in exclude:
+        if question in seen:
             continue
         seen.add(question)
-        tasks.append(
-            Task(
-                task_id=f"calc-{split}-{len(tasks):05d}",
-                prompt=question,
-                answer=str(answer),
-                split=split,
-                family=family,
-                data={"expression": expr},
-            )
-        )
+        tasks.append(Task(task_id=f"calc-{split}-{len(tasks):05d}", prompt=question, answer=str(answer), split=split,
+                          family=family, data={"expression": expr}))
     return tasks
 
 
@@ -203,11 +179,7 @@ def parse_final_answer(text: str) -> str | None:
     match = _ANSWER.search(text)
     if not match:
         return None
-    raw = match.group(1).replace(",", "")
-    try:
-        value = float(raw)
-    except ValueError:
-        return None
+    value = float(match.group(1).replace(",", ""))  # the pattern admits only valid numbers, commas aside
     return str(int(value)) if value.is_integer() else str(value)
 
 
@@ -236,12 +208,9 @@ class CalculatorEnv:
         self.task = task
         messages: list[dict] = [{"role": "system", "content": SYSTEM_PROMPT}]
         for question, expr, result in FEW_SHOT[self.few_shot]:
-            messages += [
-                {"role": "user", "content": question},
-                {"role": "assistant", "content": f"calc({expr})"},
-                {"role": "user", "content": f"Result: {result}"},
-                {"role": "assistant", "content": f"The answer is {result}."},
-            ]
+            messages += [{"role": "user", "content": question}, {"role": "assistant", "content": f"calc({expr})"},
+                         {"role": "user", "content": f"Result: {result}"},
+                         {"role": "assistant", "content": f"The answer is {result}."}]
         messages.append({"role": "user", "content": task.prompt})
         return Observation(messages=messages, tools=None)
 

@@ -18,7 +18,6 @@ tools withheld, the repository under src/, a broken module planted next to the p
 from __future__ import annotations
 
 import asyncio
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,8 +27,6 @@ from loomrl.env.sandbox import Sandbox, SandboxError
 from loomrl.env.tasks.codefix_types import CodefixTask
 from loomrl.model.tools import parse_tool_calls
 from loomrl.types import Task
-
-log = logging.getLogger(__name__)
 
 ENV_VERSION = "codefix-v1"
 TEST_DIR = "tests_hidden"
@@ -63,12 +60,8 @@ TOOLS: list[dict[str, Any]] = [
 
 
 def describe_tools(tools: list[dict[str, Any]]) -> str:
-    lines = []
-    for t in tools:
-        f = t["function"]
-        args = ", ".join(f["parameters"]["properties"])
-        lines.append(f"- {f['name']}({args}): {f['description']}")
-    return "\n".join(lines)
+    fns = [t["function"] for t in tools]
+    return "\n".join(f"- {f['name']}({', '.join(f['parameters']['properties'])}): {f['description']}" for f in fns)
 
 
 # Single-argument tools also accept the plain call form, e.g. bash(ls -la).
@@ -88,10 +81,6 @@ class TestVerdict:
     returncode: int
     output: str  # tail of the test run's output
     killed: str | None = None
-
-
-def _broken_module(name: str) -> str:
-    return f'raise ImportError("{name} is broken in this environment (a declared perturbation)")\n'
 
 
 class CodefixEnv:
@@ -125,8 +114,9 @@ class CodefixEnv:
         self.root = "src/" if p.get("layout") == "src" else ""
         self.env_vars = {str(k): str(v) for k, v in p.get("env", {}).items()}
         files = {self.root + path: content for path, content in spec.files.items()}
-        if p.get("broken_dependency"):
-            files[f"{self.root}{p['broken_dependency']}.py"] = _broken_module(p["broken_dependency"])
+        if name := p.get("broken_dependency"):
+            files[f"{self.root}{name}.py"] = (f'raise ImportError("{name} is broken in this environment '
+                                              '(a declared perturbation)")\n')
         try:
             await lay_out(self.sandbox, files)
         except BaseException:

@@ -27,18 +27,23 @@ from loomrl.env.tasks.codefix_types import CodefixTask
 # Declared perturbations, handed out to every fourth task in order (a quarter of the corpus).
 # The environment applies them; tasks and their tests never depend on them.
 _PERTURBATIONS: list[dict] = [
-    {"env": {"LC_ALL": "C", "APP_MODE": "test"}},
-    {"disable_tools": ["bash"]},
-    {"layout": "src"},
-    {"broken_dependency": "requests"},
-    {"env": {"TZ": "UTC", "CI": "true"}},
-    {"broken_dependency": "yaml"},
-]
+    {"env": {"LC_ALL": "C", "APP_MODE": "test"}}, {"disable_tools": ["bash"]}, {"layout": "src"},
+    {"broken_dependency": "requests"}, {"env": {"TZ": "UTC", "CI": "true"}}, {"broken_dependency": "yaml"}]
 
 
 def _src(text: str) -> str:
     """Dedent a triple-quoted template and drop its leading newline."""
     return textwrap.dedent(text).lstrip("\n")
+
+
+def _test(name: str, line: str) -> str:
+    """A test method whose body is one line."""
+    return f"def test_{name}(self):\n    {line}\n"
+
+
+def _tests(*methods: str) -> str:
+    """Test methods (one-line ones from _test, others as templates), a blank line between them."""
+    return "\n".join(_src(m) for m in methods)
 
 
 def _task(family: str, variant: int, *, pkg: str, module: str, exports: list[str], summary: str, usage: str,
@@ -52,23 +57,17 @@ def _task(family: str, variant: int, *, pkg: str, module: str, exports: list[str
     all_names = ", ".join(f'"{name}"' for name in exports)
     path = f"{pkg}/{module}.py"
     camel = "".join(part.title() for part in module.split("_"))
-    test_module = (
-        f"import unittest\n\nfrom {pkg}.{module} import {names}\n\n\n"
-        f"class Test{camel}(unittest.TestCase):\n{textwrap.indent(_src(tests), '    ')}\n\n"
-        'if __name__ == "__main__":\n    unittest.main()\n'
-    )
+    test_module = (f"import unittest\n\nfrom {pkg}.{module} import {names}\n\n\n"
+                   f"class Test{camel}(unittest.TestCase):\n{textwrap.indent(_src(tests), '    ')}\n\n"
+                   'if __name__ == "__main__":\n    unittest.main()\n')
     return CodefixTask(
-        task_id=f"codefix-{family}-{variant}",
-        family=family,
-        issue=issue,
+        task_id=f"codefix-{family}-{variant}", family=family, issue=issue,
         files={
             "README.md": f"# {pkg}\n\n{summary}\n\n## Usage\n\n```python\nfrom {pkg} import {names}\n\n{usage}\n```\n",
             f"{pkg}/__init__.py": f'"""{summary}"""\n\nfrom .{module} import {names}\n\n__all__ = [{all_names}]\n',
-            path: fixed.replace(good, bad),
-        },
+            path: fixed.replace(good, bad)},
         golden_patch={path: fixed},
-        hidden_tests={"tests_hidden/__init__.py": "", f"tests_hidden/test_{module}.py": test_module},
-    )
+        hidden_tests={"tests_hidden/__init__.py": "", f"tests_hidden/test_{module}.py": test_module})
 
 
 def _clamp(v, *, pkg, module, func, params, lo, hi, above, inside, below):
@@ -81,20 +80,15 @@ def _clamp(v, *, pkg, module, func, params, lo, hi, above, inside, below):
                 raise ValueError("{a} must not exceed {b}")
             return max({a}, min({x}, {b}))
         ''')
-    tests = f'''
-        def test_above_range_gives_upper_bound(self):
-            self.assertEqual({func}({above}, {lo}, {hi}), {hi})
-
-        def test_inside_range_is_unchanged(self):
-            self.assertEqual({func}({inside}, {lo}, {hi}), {inside})
-
-        def test_below_range_gives_lower_bound(self):
-            self.assertEqual({func}({below}, {lo}, {hi}), {lo})
-
+    tests = _tests(
+        _test("above_range_gives_upper_bound", f"self.assertEqual({func}({above}, {lo}, {hi}), {hi})"),
+        _test("inside_range_is_unchanged", f"self.assertEqual({func}({inside}, {lo}, {hi}), {inside})"),
+        _test("below_range_gives_lower_bound", f"self.assertEqual({func}({below}, {lo}, {hi}), {lo})"),
+        f'''
         def test_inverted_bounds_are_rejected(self):
             with self.assertRaises(ValueError):
                 {func}({inside}, {hi}, {lo})
-        '''
+        ''')
     return _task(
         "clamp", v, pkg=pkg, module=module, exports=[func],
         summary=f"`{func}` keeps a value inside a closed interval.",
@@ -116,19 +110,11 @@ def _range_sum(v, *, pkg, module, func, term, value, what, start, stop):
                 return 0
             return sum({term} for i in range(start, stop + 1))
         ''')
-    tests = f'''
-        def test_both_ends_included(self):
-            self.assertEqual({func}({start}, {stop}), {total(start, stop)})
-
-        def test_single_value(self):
-            self.assertEqual({func}(4, 4), {value(4)})
-
-        def test_negative_start(self):
-            self.assertEqual({func}(-3, 2), {total(-3, 2)})
-
-        def test_start_after_stop_is_zero(self):
-            self.assertEqual({func}(5, 2), 0)
-        '''
+    tests = _tests(
+        _test("both_ends_included", f"self.assertEqual({func}({start}, {stop}), {total(start, stop)})"),
+        _test("single_value", f"self.assertEqual({func}(4, 4), {value(4)})"),
+        _test("negative_start", f"self.assertEqual({func}(-3, 2), {total(-3, 2)})"),
+        _test("start_after_stop_is_zero", f"self.assertEqual({func}(5, 2), 0)"))
     return _task(
         "range_sum", v, pkg=pkg, module=module, exports=[func],
         summary=f"`{func}(start, stop)` sums {what} over an inclusive range of integers.",
@@ -165,24 +151,22 @@ def _is_prime(v, *, pkg, module, check, listing, following, cited):
                 n += 1
             return n
         ''')
-    tests = f'''
-        def test_one_is_not_prime(self):
-            self.assertFalse({check}(1))
-
+    tests = _tests(
+        _test("one_is_not_prime", f"self.assertFalse({check}(1))"),
+        f'''
         def test_small_numbers(self):
             for n in (2, 3, 13, 97):
                 self.assertTrue({check}(n), n)
             for n in (-7, 0, 9, 91):
                 self.assertFalse({check}(n), n)
-
-        def test_primes_below(self):
-            self.assertEqual({listing}(20), [2, 3, 5, 7, 11, 13, 17, 19])
-
+        ''',
+        _test("primes_below", f"self.assertEqual({listing}(20), [2, 3, 5, 7, 11, 13, 17, 19])"),
+        f'''
         def test_next_prime(self):
             self.assertEqual({following}(0), 2)
             self.assertEqual({following}(14), 17)
             self.assertEqual({following}(17), 17)
-        '''
+        ''')
     # Each variant reports the symptom through a different entry point.
     issues = {
         "check": f"`{pkg}.{check}(1)` returns True, but 1 is not a prime number.",
@@ -207,19 +191,11 @@ def _mean_empty(v, *, pkg, module, func, arg, empty, sample):
             return sum({arg}) / len({arg})
         ''')
     mean = sum(sample) / len(sample)
-    tests = f'''
-        def test_empty_returns_default(self):
-            self.assertEqual({func}([]), {empty!r})
-
-        def test_mean(self):
-            self.assertAlmostEqual({func}({sample!r}), {mean!r})
-
-        def test_accepts_a_generator(self):
-            self.assertAlmostEqual({func}(x for x in {sample!r}), {mean!r})
-
-        def test_single_value(self):
-            self.assertEqual({func}([7]), 7)
-        '''
+    tests = _tests(
+        _test("empty_returns_default", f"self.assertEqual({func}([]), {empty!r})"),
+        _test("mean", f"self.assertAlmostEqual({func}({sample!r}), {mean!r})"),
+        _test("accepts_a_generator", f"self.assertAlmostEqual({func}(x for x in {sample!r}), {mean!r})"),
+        _test("single_value", f"self.assertEqual({func}([7]), 7)"))
     return _task(
         "mean_empty", v, pkg=pkg, module=module, exports=[func],
         summary=f"`{func}` averages numbers and returns {empty!r} when there are none.",
@@ -242,19 +218,11 @@ def _char_case(v, *, pkg, module, func, const, chars, what, text, mixed):
             """Count the {what} in text; upper- and lower-case letters both count."""
             return sum(1 for ch in text.lower() if ch in {const})
         ''')
-    tests = f'''
-        def test_upper_case_counts(self):
-            self.assertEqual({func}({text.upper()!r}), {count(text)})
-
-        def test_mixed_case(self):
-            self.assertEqual({func}({mixed!r}), {count(mixed)})
-
-        def test_lower_case(self):
-            self.assertEqual({func}({text.lower()!r}), {count(text)})
-
-        def test_empty_text(self):
-            self.assertEqual({func}(""), 0)
-        '''
+    tests = _tests(
+        _test("upper_case_counts", f"self.assertEqual({func}({text.upper()!r}), {count(text)})"),
+        _test("mixed_case", f"self.assertEqual({func}({mixed!r}), {count(mixed)})"),
+        _test("lower_case", f"self.assertEqual({func}({text.lower()!r}), {count(text)})"),
+        _test("empty_text", f'self.assertEqual({func}(""), 0)'))
     return _task(
         "char_case", v, pkg=pkg, module=module, exports=[func],
         summary=f"`{func}` counts the {what} in a piece of text, in either case.",
@@ -272,21 +240,16 @@ def _dedupe_order(v, *, pkg, module, func, arg, sample, unique_sorted):
             """Return {arg} without duplicates, each kept where it first appears."""
             return list(dict.fromkeys({arg}))
         ''')
-    tests = f'''
-        def test_first_seen_order_is_kept(self):
-            self.assertEqual({func}({sample!r}), {wanted!r})
-
-        def test_already_unique_is_unchanged(self):
-            self.assertEqual({func}({unique_sorted!r}), {unique_sorted!r})
-
+    tests = _tests(
+        _test("first_seen_order_is_kept", f"self.assertEqual({func}({sample!r}), {wanted!r})"),
+        _test("already_unique_is_unchanged", f"self.assertEqual({func}({unique_sorted!r}), {unique_sorted!r})"),
+        f'''
         def test_input_is_not_modified(self):
             data = {sample!r}
             {func}(data)
             self.assertEqual(data, {sample!r})
-
-        def test_empty(self):
-            self.assertEqual({func}([]), [])
-        '''
+        ''',
+        _test("empty", f"self.assertEqual({func}([]), [])"))
     return _task(
         "dedupe_order", v, pkg=pkg, module=module, exports=[func],
         summary=f"`{func}` drops duplicates while keeping the original order.",
@@ -321,13 +284,10 @@ def _recurrence_base(v, *, pkg, module, func, name, p, q):
                 return n
             return {step}
         ''')
-    tests = f'''
-        def test_zero(self):
-            self.assertEqual({func}(0), 0)
-
-        def test_one(self):
-            self.assertEqual({func}(1), 1)
-
+    tests = _tests(
+        _test("zero", f"self.assertEqual({func}(0), 0)"),
+        _test("one", f"self.assertEqual({func}(1), 1)"),
+        f'''
         def test_later_terms(self):
             self.assertEqual([{func}(n) for n in range(2, 7)], {[seq(n, 0) for n in range(2, 7)]!r})
             self.assertEqual({func}(10), {seq(10, 0)})
@@ -335,7 +295,7 @@ def _recurrence_base(v, *, pkg, module, func, name, p, q):
         def test_negative_is_rejected(self):
             with self.assertRaises(ValueError):
                 {func}(-1)
-        '''
+        ''')
     return _task(
         "recurrence_base", v, pkg=pkg, module=module, exports=[func],
         summary=f"`{func}(n)` computes the {name} numbers.",
@@ -361,21 +321,19 @@ def _binary_search(v, *, pkg, module, func, items, missing):
                     hi = mid - 1
             return -1
         ''')
-    tests = f'''
-        def test_last_element(self):
-            self.assertEqual({func}({items!r}, {items[-1]!r}), {len(items) - 1})
-
+    tests = _tests(
+        _test("last_element", f"self.assertEqual({func}({items!r}, {items[-1]!r}), {len(items) - 1})"),
+        f'''
         def test_every_element(self):
             for index, item in enumerate({items!r}):
                 self.assertEqual({func}({items!r}, item), index)
-
-        def test_single_element(self):
-            self.assertEqual({func}([{items[0]!r}], {items[0]!r}), 0)
-
+        ''',
+        _test("single_element", f"self.assertEqual({func}([{items[0]!r}], {items[0]!r}), 0)"),
+        f'''
         def test_absent(self):
             self.assertEqual({func}({items!r}, {missing!r}), -1)
             self.assertEqual({func}([], {missing!r}), -1)
-        '''
+        ''')
     return _task(
         "binary_search", v, pkg=pkg, module=module, exports=[func],
         summary=f"`{func}` looks a value up in a sorted list by binary search.",
@@ -393,17 +351,14 @@ def _unit_formula(v, *, pkg, module, func, arg, src, dst, expr, bad_expr, points
             return {expr}
         ''')
     (ref_in, ref_out), *others = points
-    tests = f'''
-        def test_reference_point(self):
-            self.assertAlmostEqual({func}({ref_in!r}), {ref_out!r})
-
+    tests = _tests(
+        _test("reference_point", f"self.assertAlmostEqual({func}({ref_in!r}), {ref_out!r})"),
+        f'''
         def test_other_points(self):
             for given, expected in {others!r}:
                 self.assertAlmostEqual({func}(given), expected)
-
-        def test_result_is_float(self):
-            self.assertIsInstance({func}({ref_in!r}), float)
-        '''
+        ''',
+        _test("result_is_float", f"self.assertIsInstance({func}({ref_in!r}), float)"))
     return _task(
         "unit_formula", v, pkg=pkg, module=module, exports=[func],
         summary=f"`{func}` converts temperatures from {src} to {dst}.",
@@ -445,21 +400,16 @@ def _word_freq(v, *, pkg, module, counts, top, hits, text, word, top_text, cited
             return _words(text).count(word.lower())
         ''')
     top_word = Counter(re.findall(r"[a-z0-9']+", top_text.lower())).most_common(1)[0][0]
-    tests = f'''
-        def test_counts_ignore_punctuation(self):
-            self.assertEqual({counts}({text!r}), {dict(Counter(words))!r})
-
-        def test_most_frequent_word(self):
-            self.assertEqual({top}({top_text!r}), {top_word!r})
-
-        def test_occurrences(self):
-            self.assertEqual({hits}({text!r}, {word.title()!r}), {words.count(word)})
-
+    tests = _tests(
+        _test("counts_ignore_punctuation", f"self.assertEqual({counts}({text!r}), {dict(Counter(words))!r})"),
+        _test("most_frequent_word", f"self.assertEqual({top}({top_text!r}), {top_word!r})"),
+        _test("occurrences", f"self.assertEqual({hits}({text!r}, {word.title()!r}), {words.count(word)})"),
+        f'''
         def test_plain_words_and_empty_text(self):
             self.assertEqual({counts}("a b a"), {{"a": 2, "b": 1}})
             self.assertEqual({counts}(""), {{}})
             self.assertIsNone({top}("  "))
-        '''
+        ''')
     issues = {
         "counts": f"`{pkg}.{counts}({text!r})` counts {word!r} more than once under different keys "
                   f"(with punctuation attached); I expected {word!r}: {words.count(word)}.",
@@ -498,20 +448,15 @@ def _flatten(v, *, pkg, module, func, types, kinds, deep):
                     flat.append(item)
             return flat
         ''')
-    tests = f'''
-        def test_deep_nesting(self):
-            self.assertEqual({func}({deep!r}), {flat(deep, 99)!r})
-
-        def test_one_level(self):
-            self.assertEqual({func}([1, [2, 3], 4]), [1, 2, 3, 4])
-
-        def test_strings_are_kept_whole(self):
-            self.assertEqual({func}(["ab", ["cd"]]), ["ab", "cd"])
-
+    tests = _tests(
+        _test("deep_nesting", f"self.assertEqual({func}({deep!r}), {flat(deep, 99)!r})"),
+        _test("one_level", f"self.assertEqual({func}([1, [2, 3], 4]), [1, 2, 3, 4])"),
+        _test("strings_are_kept_whole", f'self.assertEqual({func}(["ab", ["cd"]]), ["ab", "cd"])'),
+        f'''
         def test_empty(self):
             self.assertEqual({func}([]), [])
             self.assertEqual({func}([[], [[]]]), [])
-        '''
+        ''')
     return _task(
         "flatten", v, pkg=pkg, module=module, exports=[func],
         summary=f"`{func}` flattens nested {kinds} into a single list.",
@@ -538,17 +483,14 @@ def _running_extreme(v, *, pkg, module, func, pick, which, op, start, sample, mi
                 result.append(best)
             return result
         ''')
-    tests = f'''
-        def test_same_sign_values(self):
-            self.assertEqual({func}({sample!r}), {run(sample)!r})
-
-        def test_mixed_values(self):
-            self.assertEqual({func}({mixed!r}), {run(mixed)!r})
-
+    tests = _tests(
+        _test("same_sign_values", f"self.assertEqual({func}({sample!r}), {run(sample)!r})"),
+        _test("mixed_values", f"self.assertEqual({func}({mixed!r}), {run(mixed)!r})"),
+        f'''
         def test_single_and_empty(self):
             self.assertEqual({func}([{mixed[0]!r}]), [{mixed[0]!r}])
             self.assertEqual({func}([]), [])
-        '''
+        ''')
     return _task(
         "running_extreme", v, pkg=pkg, module=module, exports=[func],
         summary=f"`{func}` computes the running {which} of a sequence.",
@@ -570,21 +512,16 @@ def _chunk(v, *, pkg, module, func, items_arg, size_arg, sample, size):
             return [{items_arg}[i:i + {size_arg}] for i in range(0, len({items_arg}), {size_arg})]
         ''')
     exact = sample[:size * 2]
-    tests = f'''
-        def test_shorter_last_chunk_is_kept(self):
-            self.assertEqual({func}({sample!r}, {size}), {split(sample, size)!r})
-
-        def test_exact_multiple(self):
-            self.assertEqual({func}({exact!r}, {size}), {split(exact, size)!r})
-
-        def test_size_larger_than_input(self):
-            self.assertEqual({func}({sample[:2]!r}, 10), [{sample[:2]!r}])
-
+    tests = _tests(
+        _test("shorter_last_chunk_is_kept", f"self.assertEqual({func}({sample!r}, {size}), {split(sample, size)!r})"),
+        _test("exact_multiple", f"self.assertEqual({func}({exact!r}, {size}), {split(exact, size)!r})"),
+        _test("size_larger_than_input", f"self.assertEqual({func}({sample[:2]!r}, 10), [{sample[:2]!r}])"),
+        f'''
         def test_empty_and_invalid_size(self):
             self.assertEqual({func}([], {size}), [])
             with self.assertRaises(ValueError):
                 {func}({sample!r}, 0)
-        '''
+        ''')
     return _task(
         "chunk", v, pkg=pkg, module=module, exports=[func],
         summary=f"`{func}` splits a list into consecutive pieces of a fixed size.",
@@ -603,22 +540,20 @@ def _merge_precedence(v, *, pkg, module, func, base, extra, defaults, overrides)
             """Return a new dict with the keys of {base} and {extra}; values from {extra} win."""
             return {{**{base}, **{extra}}}
         ''')
-    tests = f'''
-        def test_explicit_values_win(self):
-            self.assertEqual({func}({defaults!r}, {overrides!r}), {merged!r})
-
+    tests = _tests(
+        _test("explicit_values_win", f"self.assertEqual({func}({defaults!r}, {overrides!r}), {merged!r})"),
+        f'''
         def test_inputs_are_not_modified(self):
             {base}, {extra} = {defaults!r}, {overrides!r}
             {func}({base}, {extra})
             self.assertEqual(({base}, {extra}), ({defaults!r}, {overrides!r}))
-
-        def test_disjoint_keys(self):
-            self.assertEqual({func}({{"a": 1}}, {{"b": 2}}), {{"a": 1, "b": 2}})
-
+        ''',
+        _test("disjoint_keys", f'self.assertEqual({func}({{"a": 1}}, {{"b": 2}}), {{"a": 1, "b": 2}})'),
+        f'''
         def test_empty_side(self):
             self.assertEqual({func}({defaults!r}, {{}}), {defaults!r})
             self.assertEqual({func}({{}}, {overrides!r}), {overrides!r})
-        '''
+        ''')
     return _task(
         "merge_precedence", v, pkg=pkg, module=module, exports=[func],
         summary=f"`{func}({base}, {extra})` layers {extra} on top of {base}.",
@@ -643,10 +578,9 @@ def _parse_kv(v, *, pkg, module, func, sep, line, expected_line, what):
                 result[key.strip()] = value.strip()
             return result
         ''')
-    tests = f'''
-        def test_value_containing_separator(self):
-            self.assertEqual({func}({line!r}), {{{key!r}: {value!r}}})
-
+    tests = _tests(
+        _test("value_containing_separator", f"self.assertEqual({func}({line!r}), {{{key!r}: {value!r}}})"),
+        f'''
         def test_comments_and_blank_lines(self):
             text = "# header\\n\\nname{sep} demo\\n  mode {sep}fast  \\n"
             self.assertEqual({func}(text), {{"name": "demo", "mode": "fast"}})
@@ -654,10 +588,8 @@ def _parse_kv(v, *, pkg, module, func, sep, line, expected_line, what):
         def test_several_lines(self):
             text = "a{sep}1\\n" + {line!r} + "\\nb{sep}2"
             self.assertEqual({func}(text), {{"a": "1", {key!r}: {value!r}, "b": "2"}})
-
-        def test_empty(self):
-            self.assertEqual({func}(""), {{}})
-        '''
+        ''',
+        _test("empty", f'self.assertEqual({func}(""), {{}})'))
     return _task(
         "parse_kv", v, pkg=pkg, module=module, exports=[func],
         summary=f"`{func}` reads {what} written as `key{sep} value` lines.",
@@ -674,10 +606,9 @@ def _mutate_arg(v, *, pkg, module, func, params, arg, copy_var, body, doc, call_
             """{doc}"""
             {copy_var} = list({arg})
         ''') + textwrap.indent(_src(body), "    ")
-    tests = f'''
-        def test_result(self):
-            self.assertEqual({func}({sample!r}{call_args}), {result!r})
-
+    tests = _tests(
+        _test("result", f"self.assertEqual({func}({sample!r}{call_args}), {result!r})"),
+        f'''
         def test_argument_is_not_modified(self):
             data = {sample!r}
             {func}(data{call_args})
@@ -686,7 +617,7 @@ def _mutate_arg(v, *, pkg, module, func, params, arg, copy_var, body, doc, call_
         def test_repeated_calls_agree(self):
             data = {sample!r}
             self.assertEqual({func}(data{call_args}), {func}(data{call_args}))
-        '''
+        ''')
     return _task(
         "mutate_arg", v, pkg=pkg, module=module, exports=[func],
         summary=f"`{func}`: {doc[0].lower()}{doc[1:]}",

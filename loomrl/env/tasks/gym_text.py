@@ -29,6 +29,7 @@ the agent loop copies to Trajectory.final_answer for gym_reward.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 from collections.abc import Callable, Mapping
@@ -40,7 +41,7 @@ from gymnasium.envs.toy_text.frozen_lake import generate_random_map
 
 from loomrl.config import ConfigError
 from loomrl.env.base import Observation, StepResult
-from loomrl.model.tools import ToolCall, parse_tool_calls
+from loomrl.model.tools import parse_tool_calls
 from loomrl.types import RolloutStatus, Task, Trajectory
 
 ENV_VERSION = "gym-text-v1"
@@ -91,96 +92,59 @@ def _render_blackjack(env: gym.Env, obs: tuple[int, int, int]) -> str:
     return f"Your sum is {player}, the dealer shows {shows}, you have {ace}."
 
 
-def _won(reward: float) -> bool:
-    return reward > 0
-
-
-def _reached(reward: float) -> bool:
-    return True  # CliffWalking terminates only at the goal (the cliff sends you back to the start)
-
-
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class GymGame:
     gym_id: str
-    make_kwargs: Callable[[int], dict[str, Any]]  # episode seed -> gym.make kwargs
     rules: str
     actions: Mapping[str, int]  # action word -> gymnasium action
     max_steps: int  # game steps per episode (invalid replies do not count)
     render: Callable[[gym.Env, Any], str]  # (env, observation) -> state text
-    success: Callable[[float], bool]  # given the last reward of a terminated episode
+    make_kwargs: Callable[[int], dict[str, Any]] = lambda seed: {}  # episode seed -> gym.make kwargs
+    # Given the last reward of a terminated episode; by default, won when it is positive.
+    success: Callable[[float], bool] = lambda reward: reward > 0
     ansi: bool = True  # made with render_mode="ansi"
 
+    @property
+    def legal(self) -> str:
+        return ", ".join(self.actions)
 
-_FROZENLAKE_RULES = (
-    "You walk on a frozen lake from the start S to the goal G. F is safe ice; H is a hole, and stepping "
-    "into it ends the game. @ marks where you are. Walking into the edge leaves you in place. The ice is "
-    "not slippery: you always move where you choose. Reaching G gives reward 1; every other step gives 0."
-)
-_FROZENLAKE_ACTIONS = {"left": 0, "down": 1, "right": 2, "up": 3}
+
+_FROZENLAKE = GymGame(
+    gym_id="FrozenLake-v1", make_kwargs=lambda seed: {"map_name": "4x4", "is_slippery": False},
+    rules="You walk on a frozen lake from the start S to the goal G. F is safe ice; H is a hole, and stepping "
+          "into it ends the game. @ marks where you are. Walking into the edge leaves you in place. The ice is "
+          "not slippery: you always move where you choose. Reaching G gives reward 1; every other step gives 0.",
+    actions={"left": 0, "down": 1, "right": 2, "up": 3}, max_steps=20, render=_render_frozenlake)
 
 GYM_GAMES: dict[str, GymGame] = {
-    "frozenlake": GymGame(
-        gym_id="FrozenLake-v1",
-        make_kwargs=lambda seed: {"map_name": "4x4", "is_slippery": False},
-        rules=_FROZENLAKE_RULES,
-        actions=_FROZENLAKE_ACTIONS,
-        max_steps=20,
-        render=_render_frozenlake,
-        success=_won,
-    ),
+    "frozenlake": _FROZENLAKE,
     # The fixed map and start make every frozenlake episode the same; this variant varies the map.
-    "frozenlake_random": GymGame(
-        gym_id="FrozenLake-v1",
-        make_kwargs=lambda seed: {"desc": generate_random_map(size=4, seed=seed), "is_slippery": False},
-        rules=_FROZENLAKE_RULES,
-        actions=_FROZENLAKE_ACTIONS,
-        max_steps=20,
-        render=_render_frozenlake,
-        success=_won,
-    ),
+    "frozenlake_random": dataclasses.replace(
+        _FROZENLAKE, make_kwargs=lambda seed: {"desc": generate_random_map(size=4, seed=seed), "is_slippery": False}),
     "taxi": GymGame(
         gym_id=_registered("Taxi-v4", "Taxi-v3"),
-        make_kwargs=lambda seed: {},
-        rules=(
-            "You drive a taxi (@) on a 5x5 grid. R, G, Y and B are the four stops; north is up. A '|' is a "
-            "wall that blocks moving east or west; ':' does not. Drive to the passenger, pickup, drive to "
-            "the destination and dropoff. Each step costs -1, delivering the passenger gives +20 and ends "
-            "the game, and a pickup or dropoff at the wrong place costs -10."
-        ),
-        actions={"south": 0, "north": 1, "east": 2, "west": 3, "pickup": 4, "dropoff": 5},
-        max_steps=40,
-        render=_render_taxi,
-        success=_won,
-    ),
+        rules="You drive a taxi (@) on a 5x5 grid. R, G, Y and B are the four stops; north is up. A '|' is a "
+              "wall that blocks moving east or west; ':' does not. Drive to the passenger, pickup, drive to "
+              "the destination and dropoff. Each step costs -1, delivering the passenger gives +20 and ends "
+              "the game, and a pickup or dropoff at the wrong place costs -10.",
+        actions={"south": 0, "north": 1, "east": 2, "west": 3, "pickup": 4, "dropoff": 5}, max_steps=40,
+        render=_render_taxi),
     "cliffwalking": GymGame(
         gym_id=_registered("CliffWalking-v1", "CliffWalking-v0"),
-        make_kwargs=lambda seed: {},
-        rules=(
-            "You walk on a 4x12 grid from the start at the bottom left to the goal T at the bottom right. "
-            "o is safe ground and @ marks where you are. C is the cliff: stepping into it costs -100 and "
-            "sends you back to the start. Walking into the edge leaves you in place. Each step costs -1; "
-            "the game ends when you reach T."
-        ),
-        actions={"up": 0, "right": 1, "down": 2, "left": 3},
-        max_steps=30,
-        render=_render_cliffwalking,
-        success=_reached,
-    ),
+        rules="You walk on a 4x12 grid from the start at the bottom left to the goal T at the bottom right. "
+              "o is safe ground and @ marks where you are. C is the cliff: stepping into it costs -100 and "
+              "sends you back to the start. Walking into the edge leaves you in place. Each step costs -1; "
+              "the game ends when you reach T.",
+        actions={"up": 0, "right": 1, "down": 2, "left": 3}, max_steps=30, render=_render_cliffwalking,
+        success=lambda reward: True),  # it terminates only at the goal (the cliff sends you back to the start)
     "blackjack": GymGame(
         gym_id="Blackjack-v1",
-        make_kwargs=lambda seed: {},
-        rules=(
-            "You play one hand of blackjack against the dealer. Number cards count their value, face cards "
-            "10, and an ace 1 or 11 (a usable ace is one counted as 11 without going over 21). hit takes "
-            "another card; going over 21 loses at once. stick ends your turn: the dealer then draws until "
-            "reaching 17 or more, and whoever is closer to 21 wins. Win +1, draw 0, loss -1."
-        ),
-        actions={"stick": 0, "hit": 1},
-        max_steps=10,
-        render=_render_blackjack,
-        success=_won,
-        ansi=False,  # Blackjack renders only to pixels
-    ),
+        rules="You play one hand of blackjack against the dealer. Number cards count their value, face cards "
+              "10, and an ace 1 or 11 (a usable ace is one counted as 11 without going over 21). hit takes "
+              "another card; going over 21 loses at once. stick ends your turn: the dealer then draws until "
+              "reaching 17 or more, and whoever is closer to 21 wins. Win +1, draw 0, loss -1.",
+        actions={"stick": 0, "hit": 1}, max_steps=10, render=_render_blackjack,
+        ansi=False),  # Blackjack renders only to pixels
 }
 
 
@@ -198,24 +162,16 @@ def _start(game: GymGame, episode_seed: int) -> tuple[gym.Env, Any]:
     return env, obs
 
 
-def _legal(game: GymGame) -> str:
-    return ", ".join(game.actions)
-
-
 def system_prompt(game: GymGame) -> str:
     example = next(iter(game.actions))
-    return (
-        f"{game.rules}\n\n"
-        f"Each turn, reply with exactly one action, in one of these forms:\n"
-        f"move({example})\n"
-        f'<tool_call>{{"name": "move", "arguments": {{"action": "{example}"}}}}</tool_call>\n'
-        f"or the bare action word on a line by itself. Only the first action in your reply is played.\n"
-        f"Legal actions: {_legal(game)}."
-    )
+    return (f"{game.rules}\n\nEach turn, reply with exactly one action, in one of these forms:\nmove({example})\n"
+            f'<tool_call>{{"name": "move", "arguments": {{"action": "{example}"}}}}</tool_call>\n'
+            "or the bare action word on a line by itself. Only the first action in your reply is played.\n"
+            f"Legal actions: {game.legal}.")
 
 
 def _state_message(game: GymGame, env: gym.Env, obs: Any) -> str:
-    return f"{game.render(env, obs)}\nLegal actions: {_legal(game)}."
+    return f"{game.render(env, obs)}\nLegal actions: {game.legal}."
 
 
 def _normalize(word: str) -> str:
@@ -223,24 +179,19 @@ def _normalize(word: str) -> str:
     return word.strip().lower().removeprefix("action=").strip().strip("'\"`*.!").strip()
 
 
-def _call_action(call: ToolCall) -> tuple[str | None, str | None]:
-    if call.error:
-        return None, call.error
-    if call.name != "move":
-        return None, f"unknown tool {call.name!r}; the only tool is move"
-    if "action" not in call.arguments:
-        return None, "move needs an 'action' argument"
-    return _normalize(str(call.arguments["action"])), None
-
-
 def parse_action(text: str, actions: Mapping[str, int]) -> tuple[str | None, str | None]:
     """(action word, None) for the first action in `text`, or (None, why not); see the module docstring."""
     text = _THINK.sub("", text)
     calls = parse_tool_calls(text, MOVE_TOOL)
     if calls:
-        word, error = _call_action(calls[0])
-        if error:
-            return None, error
+        call = calls[0]
+        if call.error:
+            return None, call.error
+        if call.name != "move":
+            return None, f"unknown tool {call.name!r}; the only tool is move"
+        if "action" not in call.arguments:
+            return None, "move needs an 'action' argument"
+        word = _normalize(str(call.arguments["action"]))
     else:
         word = next((w for w in map(_normalize, text.splitlines()) if w in actions), None)
         if word is None:
@@ -333,7 +284,7 @@ class GymTextEnv:
             info.update(invalid_limit=True, final_answer=FAILURE)
             return StepResult(observation=[], done=True, info=info)
         text = (f"Invalid reply: {error}. Reply with exactly one action, e.g. move({next(iter(self._game.actions))}). "
-                f"Legal actions: {_legal(self._game)}. ({left} more invalid {'reply' if left == 1 else 'replies'} "
+                f"Legal actions: {self._game.legal}. ({left} more invalid {'reply' if left == 1 else 'replies'} "
                 f"in a row will end the game.)")
         return StepResult(observation=[_user(text)], info=info)
 

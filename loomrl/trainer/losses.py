@@ -19,7 +19,7 @@ logprobs are the trainer's under a recent policy (e.g. the weights the sample wa
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -34,12 +34,12 @@ ISVariant = Literal["none", "truncated", "masked"]
 KLKind = Literal["k1", "k2", "k3"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm"]
 
-ADVANTAGE_KINDS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo")
-LOSS_KINDS: tuple[str, ...] = ("ppo_clip", "gspo", "decoupled_ppo", "cispo")
-IS_LEVELS: tuple[str, ...] = ("none", "token", "sequence", "chunk")
-IS_VARIANTS: tuple[str, ...] = ("none", "truncated", "masked")
-KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3")
-AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm")
+ADVANTAGE_KINDS: tuple[str, ...] = get_args(AdvantageKind)
+LOSS_KINDS: tuple[str, ...] = get_args(LossKind)
+IS_LEVELS: tuple[str, ...] = get_args(ISLevel)
+IS_VARIANTS: tuple[str, ...] = get_args(ISVariant)
+KL_KINDS: tuple[str, ...] = get_args(KLKind)
+AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
 
 # (clip_low, clip_high) per loss when the caller leaves them unset: PPO's 0.2; GSPO's paper values
 # (its ratio is a per-token geometric mean, so the range is tiny); CISPO as in MiniMax-M1, no lower
@@ -135,6 +135,21 @@ def _frac(mask: Tensor, like: Tensor) -> Tensor:
     return mask.to(like.dtype).mean() if mask.numel() else like.new_zeros(())
 
 
+@torch.no_grad()
+def _ratio_stats(binds: Tensor, ratio: Tensor, log_ratio: Tensor) -> dict[str, Tensor]:
+    """clip_frac (where `binds`), ratio_mean, approx_kl (k3 of the token log ratios), detached."""
+    return {"clip_frac": _frac(binds, ratio), "ratio_mean": ratio.mean(), "approx_kl": _k3(log_ratio).mean()}
+
+
+def _clipped_surrogate(ratio: Tensor, advantages: Tensor, clip_low: float, clip_high: float,
+                       log_ratio: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A), with stats; clip_frac counts where the clipped
+    branch binds, i.e. where the gradient is zeroed."""
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
+    return -torch.minimum(unclipped, clipped), _ratio_stats(clipped < unclipped, ratio, log_ratio)
+
+
 # ---------------------------------------------------------------- per-token policy losses
 
 
@@ -147,17 +162,7 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, *, clip_lo
     ratio_mean, approx_kl (k3 estimate of KL(old || current))."""
     _check_tokens(logp=logp, old_logp=old_logp, advantages=advantages)
     log_ratio = logp - old_logp
-    ratio = torch.exp(log_ratio)
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
-    loss = -torch.minimum(unclipped, clipped)
-    with torch.no_grad():
-        stats = {
-            "clip_frac": _frac(clipped < unclipped, ratio),
-            "ratio_mean": ratio.mean(),
-            "approx_kl": _k3(log_ratio).mean(),
-        }
-    return loss, stats
+    return _clipped_surrogate(torch.exp(log_ratio), advantages, clip_low, clip_high, log_ratio)
 
 
 def gspo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, seq_ids: Tensor, *, clip_low: float = 3e-4,
@@ -175,15 +180,7 @@ def gspo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, seq_ids: Tenso
     log_ratio = logp - old_logp
     seq_ratio = torch.exp(_segment_sum(log_ratio, inv, k) / counts)  # [S]
     seq_adv = _segment_sum(advantages.to(logp.dtype), inv, k) / counts  # [S]
-    unclipped = seq_ratio * seq_adv
-    clipped = torch.clamp(seq_ratio, 1.0 - clip_low, 1.0 + clip_high) * seq_adv
-    seq_loss = -torch.minimum(unclipped, clipped)  # [S]
-    with torch.no_grad():
-        stats = {
-            "clip_frac": _frac(clipped < unclipped, seq_ratio),
-            "ratio_mean": seq_ratio.mean(),
-            "approx_kl": _k3(log_ratio).mean(),
-        }
+    seq_loss, stats = _clipped_surrogate(seq_ratio, seq_adv, clip_low, clip_high, log_ratio)  # [S]
     return seq_loss[inv], stats
 
 
@@ -220,14 +217,7 @@ def cispo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, *, clip_low: 
     log_ratio = (logp - old_logp).detach()
     ratio = torch.exp(log_ratio)
     weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    loss = -weight * advantages * logp
-    with torch.no_grad():
-        stats = {
-            "clip_frac": _frac(weight != ratio, ratio),
-            "ratio_mean": ratio.mean(),
-            "approx_kl": _k3(log_ratio).mean(),
-        }
-    return loss, stats
+    return -weight * advantages * logp, _ratio_stats(weight != ratio, ratio, log_ratio)
 
 
 # ---------------------------------------------------------------- off-policy importance weights
@@ -266,17 +256,15 @@ def importance_weights(logp_train: Tensor, logp_behaviour: Tensor, *, level: ISL
     log_ratio = (logp_train - logp_behaviour).detach()  # [N]
     zero = log_ratio.new_zeros(())
     if level == "none":
-        ones = torch.ones_like(log_ratio)
-        return ones, {"ess": zero + 1.0, "is_weight_mean": zero + 1.0, "is_truncated_frac": zero,
-                      "is_masked_frac": zero}
+        return torch.ones_like(log_ratio), {"ess": zero + 1.0, "is_weight_mean": zero + 1.0,
+                                            "is_truncated_frac": zero, "is_masked_frac": zero}
     if level == "token":
         unit_log, index = log_ratio, None
     else:
-        ids = seq_ids if level == "sequence" else chunk_ids
+        arg, ids = ("seq_ids", seq_ids) if level == "sequence" else ("chunk_ids", chunk_ids)
         if ids is None:
-            arg = "seq_ids" if level == "sequence" else "chunk_ids"
             raise ValueError(f"{arg} is required for level={level!r}")
-        index, k = _segments(ids, "seq_ids" if level == "sequence" else "chunk_ids")
+        index, k = _segments(ids, arg)
         unit_log = _segment_sum(log_ratio, index, k)  # [K] log of the product over the unit
     unit_w = torch.exp(unit_log)
     truncated = masked = torch.zeros_like(unit_w, dtype=torch.bool)
@@ -374,7 +362,7 @@ def policy_loss(cfg: LossConfig, logp: Tensor, old_logp: Tensor, advantages: Ten
     clip_low / clip_high default per kind (DEFAULT_CLIP). Stats: clip_frac, ratio_mean (of the
     policy ratio), approx_kl (k3 of KL(mu || pi), always vs behaviour), the IS stats (ess, ...) when a
     correction is on, kl_ref when `kl` is set, num_tokens and num_seqs."""
-    kind, is_level, is_variant, is_cap, kl = cfg.kind, cfg.is_level, cfg.is_variant, cfg.is_cap, cfg.kl
+    kind, is_level, kl = cfg.kind, cfg.is_level, cfg.kl
     if kl is not None:
         if ref_logp is None:
             raise ValueError(f"ref_logp is required when kl={kl!r}")
@@ -390,25 +378,22 @@ def policy_loss(cfg: LossConfig, logp: Tensor, old_logp: Tensor, advantages: Ten
     if logp.numel() == 0:
         raise ValueError("logp has no tokens: skip empty micro-batches before calling policy_loss")
     default_low, default_high = DEFAULT_CLIP[kind]
-    clip_low = default_low if cfg.clip_low is None else cfg.clip_low
-    clip_high = default_high if cfg.clip_high is None else cfg.clip_high
+    clip = {"clip_low": default_low if cfg.clip_low is None else cfg.clip_low,
+            "clip_high": default_high if cfg.clip_high is None else cfg.clip_high}
 
     level = "token" if kind == "decoupled_ppo" and is_level == "none" else is_level
     if level != "none":
-        train = prox_logp.detach() if prox_logp is not None else logp.detach()
-        weights, is_stats = importance_weights(train, old_logp, level=level, variant=is_variant, cap=is_cap,
+        base = prox_logp.detach() if prox_logp is not None else logp.detach()  # pi_train
+        weights, is_stats = importance_weights(base, old_logp, level=level, variant=cfg.is_variant, cap=cfg.is_cap,
                                                seq_ids=seq_ids, chunk_ids=chunk_ids)
-        base = train
     else:
         weights, is_stats = None, {}
         base = prox_logp if prox_logp is not None else old_logp
 
-    if kind in ("ppo_clip", "decoupled_ppo"):
-        per_token, stats = ppo_clip_loss(logp, base, advantages, clip_low=clip_low, clip_high=clip_high)
-    elif kind == "gspo":
-        per_token, stats = gspo_loss(logp, base, advantages, seq_ids, clip_low=clip_low, clip_high=clip_high)
+    if kind == "gspo":
+        per_token, stats = gspo_loss(logp, base, advantages, seq_ids, **clip)
     else:
-        per_token, stats = cispo_loss(logp, base, advantages, clip_low=clip_low, clip_high=clip_high)
+        per_token, stats = (cispo_loss if kind == "cispo" else ppo_clip_loss)(logp, base, advantages, **clip)
     if weights is not None:
         per_token = per_token * weights
     stats.update(is_stats)
@@ -419,7 +404,5 @@ def policy_loss(cfg: LossConfig, logp: Tensor, old_logp: Tensor, advantages: Ten
     with torch.no_grad():
         stats["approx_kl"] = _k3(logp - old_logp).mean()
     loss = aggregate(per_token, seq_ids, cfg.aggregation, norm_constant=cfg.norm_constant, num_seqs=num_seqs)
-    out = {name: float(v) for name, v in stats.items()}
-    out["num_tokens"] = float(logp.numel())
-    out["num_seqs"] = float(n_seqs)
-    return loss, out
+    return loss, {**{name: float(v) for name, v in stats.items()}, "num_tokens": float(logp.numel()),
+                  "num_seqs": float(n_seqs)}

@@ -115,7 +115,7 @@ class PackedTree:
     @property
     def dense_attention_pairs(self) -> int:
         """(query, key) pairs of causal attention over every sample separately."""
-        return sum(n * (n + 1) // 2 for n in map(len, self.sample_nodes))
+        return dense_attention_pairs(self.sample_nodes)
 
     @property
     def tree_attention_pairs(self) -> int:
@@ -314,7 +314,8 @@ def _attention_implementation(model: torch.nn.Module, name: str) -> Iterator[Non
         model.set_attn_implementation(before)
 
 
-def _decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A causal LM's decoder stack (hidden states out) and its LM head."""
     base = getattr(model, "model", None) or model.get_decoder()
     return base, model.get_output_embeddings()
 
@@ -322,7 +323,7 @@ def _decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn
 def tree_hidden(model: torch.nn.Module, tree: PackedTree, attention: Attention = "segments") -> torch.Tensor:
     """Last hidden state of every packed token, [N, H]: one forward of the decoder over the trie."""
     _check_supported(model)
-    base, _ = _decoder_and_head(model)
+    base, _ = decoder_and_head(model)
     ids = torch.tensor([tree.token_ids])  # [1, N]
     pos = torch.tensor([tree.positions])  # [1, N]
     if attention == "segments":
@@ -340,7 +341,8 @@ def tree_hidden(model: torch.nn.Module, tree: PackedTree, attention: Attention =
     return base(input_ids=ids, position_ids=pos, attention_mask=mask).last_hidden_state[0]
 
 
-def _targets(sample: TrainingSample) -> list[int]:
+def sampled_positions(sample: TrainingSample) -> list[int]:
+    """The positions t >= 1 whose token is trained (loss-masked); its logprob is read at t - 1."""
     return [t for t in range(1, len(sample.token_ids)) if sample.loss_mask[t]]
 
 
@@ -370,7 +372,7 @@ def _sample_logprobs(model: torch.nn.Module, hidden: torch.Tensor, samples: Sequ
     row_of, tokens, counts = [], [], []
     for i, s in enumerate(samples):
         divisor = s.temperature if s.temperature > 0 else 1.0
-        targets = _targets(s)
+        targets = sampled_positions(s)
         for t in targets:
             row_of.append(rows.setdefault((rows_of[i][t - 1], divisor), len(rows)))
             tokens.append(s.token_ids[t])
@@ -388,7 +390,7 @@ def _head_logprobs(model: torch.nn.Module, hidden: torch.Tensor, rows: list[tupl
                    row_of: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log_softmax(head(hidden[node]) / divisor)[token] for each target, in target order, computed
     row-chunk by row-chunk. rows: (node, divisor) per logit row; row_of, tokens: [T] per target."""
-    _, head = _decoder_and_head(model)
+    _, head = decoder_and_head(model)
     order = torch.argsort(row_of, stable=True)  # targets grouped by row, so chunks take contiguous runs
     by_row = row_of[order]
     picked = []
@@ -435,7 +437,7 @@ def _part_hidden(model: torch.nn.Module, tree: PackedTree, alive: list[_Trunk], 
                  capture: dict[int, tuple[torch.Tensor, torch.Tensor]] | None) -> torch.Tensor:
     """Hidden states [n, H] of packed `nodes` (parents first), each attending to its ancestors
     among the alive trunks' nodes (through their K/V leaves) and among `nodes`."""
-    base, _ = _decoder_and_head(model)
+    base, _ = decoder_and_head(model)
     past_nodes = [n for t in alive for n in t.nodes]  # creation order: parents before children
     order = [*past_nodes, *nodes]
     local = {n: j for j, n in enumerate(order)}
@@ -475,7 +477,7 @@ def depth_first_backward(model: torch.nn.Module, batches: Sequence[Sequence[Trai
     starting: dict[int, list[tuple[int, list[int]]]] = {}
     for (lo, hi), nodes in sorted(shared.items(), key=lambda kv: (kv[0][0], -kv[0][1])):
         starting.setdefault(lo, []).append((hi, nodes))
-    width, dtype = model.config.hidden_size, _decoder_and_head(model)[0].get_input_embeddings().weight.dtype
+    width, dtype = model.config.hidden_size, decoder_and_head(model)[0].get_input_embeddings().weight.dtype
     result = DepthFirstResult(logprobs=[], loss=0.0, forward_tokens=[], alive_tokens=[])
     alive: list[_Trunk] = []
     for k, batch in enumerate(batches):

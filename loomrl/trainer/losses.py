@@ -7,13 +7,12 @@ GSPO, AReaL's decoupled PPO and MiniMax-M1's CISPO; token / sequence / chunk imp
 reduce a per-token loss to a scalar; and `policy_loss`, one entry point composing them.
 What is not: value functions / GAE, entropy bonuses, anything that touches a model or a sample.
 
-Conventions. Every per-token tensor is flat, [N] over the sampled tokens of one micro-batch.
-`seq_ids` [N] (integer) says which sequence each token belongs to and `chunk_ids` [N] (integer,
-unique across the micro-batch) which chunk: a chunk is the span of sampled tokens between two
-environment interactions, i.e. one turn (ROLL's chunked MDP). Ids need not be contiguous. Losses
-return (per-token loss [N], stats) where stats are detached scalar tensors, averaged over the
-micro-batch. "Behaviour" logprobs are the engine's at sampling time (mu); "proximal" / "train"
-logprobs are the trainer's under a recent policy (e.g. the weights the sample was generated for).
+Conventions. Every per-token tensor is flat, [N] over the sampled tokens of one micro-batch. `seq_ids` [N] (integer)
+says which sequence each token belongs to and `chunk_ids` [N] (integer, unique across the micro-batch) which chunk: a
+chunk is the span of sampled tokens between two environment interactions, i.e. one turn (ROLL's chunked MDP). Ids need
+not be contiguous. Losses return (per-token loss [N], stats) where stats are detached scalar tensors, averaged over the
+micro-batch. "Behaviour" logprobs are the engine's at sampling time (mu); "proximal" / "train" logprobs are the
+trainer's under a recent policy (e.g. the weights the sample was generated for).
 """
 
 from __future__ import annotations
@@ -345,9 +344,8 @@ def aggregate(loss: Tensor, seq_ids: Tensor, mode: Aggregation = "token_mean", *
 def policy_loss(cfg: LossConfig, logp: Tensor, old_logp: Tensor, advantages: Tensor, seq_ids: Tensor, *,
                 chunk_ids: Tensor | None = None, prox_logp: Tensor | None = None, ref_logp: Tensor | None = None,
                 num_seqs: int | None = None) -> tuple[Tensor, dict[str, float]]:
-    """Scalar loss of one micro-batch and float stats, as `cfg` (trainer.loss) says. `old_logp` is
-    always the behaviour (engine) logprob mu; `prox_logp`, if given, the trainer's logprob under a
-    recent policy (pi_train).
+    """Scalar loss of one micro-batch and float stats, as `cfg` (trainer.loss) says. `old_logp` is always the behaviour
+    (engine) logprob mu; `prox_logp`, if given, the trainer's logprob under a recent policy (pi_train).
 
     Composition, so that pi/mu is never counted twice (pi/mu = pi/pi_train * pi_train/mu):
     - the policy ratio (clip / GSPO / CISPO weight) is taken against pi_train = prox_logp if given;

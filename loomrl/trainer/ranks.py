@@ -1,12 +1,11 @@
 """Trainer ranks (trainer.world_size > 1): data-parallel training inside the training pool.
 
-Rank 0 is the TrainerService (buffer, filters, ledger, checkpoints, weights for the engines). Ranks
-1..N-1 are followers: each holds a replica of the model and optimizer, made from the same checkpoint
-(or the same initial model). Every step rank 0 cuts its samples into shards (distributed.shard_samples;
-a group's samples stay on one rank under tree merge), sends each follower its shard, trains on its own,
-and the ranks meet in the process group only inside the step (trainer/distributed.py sums gradients
-and counts there). Work travels outside the process group (queues locally, actor calls on Ray), so a
-follower can wait any time for the next step without a collective timing out.
+Rank 0 is the TrainerService (buffer, filters, ledger, checkpoints, weights for the engines). Ranks 1..N-1 are
+followers: each holds a replica of the model and optimizer, made from the same checkpoint (or the same initial model).
+Every step rank 0 cuts its samples into shards (distributed.shard_samples; a group's samples stay on one rank under tree
+merge), sends each follower its shard, trains on its own, and the ranks meet in the process group only inside the step
+(trainer/distributed.py sums gradients and counts there). Work travels outside the process group (queues locally, actor
+calls on Ray), so a follower can wait any time for the next step without a collective timing out.
 
 After each step every follower answers with its step counter and a checksum of its parameters; rank 0
 compares them with its own, so replicas that drifted apart stop the run instead of training on

@@ -1,13 +1,11 @@
-"""The optimiser step: per-token logprobs of a batch of samples, the configured policy loss
-(losses.py: PPO clip by default, GSPO, decoupled PPO, CISPO; IS corrections, KL, aggregation), AdamW,
-grad clipping.
+"""The optimiser step: per-token logprobs of a batch of samples, the configured policy loss (losses.py: PPO clip by
+default, GSPO, decoupled PPO, CISPO; IS corrections, KL, aggregation), AdamW, grad clipping.
 
-Cost notes (CPU): logits are computed only at positions whose next token is trained (the 49k-wide
-LM head is a large share of a small model's FLOPs), and `freeze_layers` keeps the embeddings and the
-bottom N blocks fixed so that backward stops above them. With `tree_merge`, micro-batches are cut
-from the samples in lexicographic order (a group's samples stay together) and forwarded as one prefix
-tree each (tree.py), so a shared prompt or history is computed once (once per step, across
-micro-batches, with `tree_merge_memory=depth_first`).
+Cost notes (CPU): logits are computed only at positions whose next token is trained (the 49k-wide LM head is a large
+share of a small model's FLOPs), and `freeze_layers` keeps the embeddings and the bottom N blocks fixed so that backward
+stops above them. With `tree_merge`, micro-batches are cut from the samples in lexicographic order (a group's samples
+stay together) and forwarded as one prefix tree each (tree.py), so a shared prompt or history is computed once (once per
+step, across micro-batches, with `tree_merge_memory=depth_first`).
 """
 
 from __future__ import annotations
@@ -117,12 +115,11 @@ class Trainer:
         """One optimiser step over `samples`, in micro-batches, with the configured loss
         (loomrl/trainer/losses.py); aggregation denominators are those of the whole step.
 
-        `idle_tokens`/`idle_seqs`: sampled tokens and sequences of the step that were left out only
-        because they carry no signal (groups whose rewards are all equal: zero advantage). They count
-        in the denominators, so leaving them out saves compute without changing the gradient; were
-        they dropped from the denominator too, a step with one informative group would move the
-        weights as far as a step with six, on a sixth of the evidence. `idle_longest`: the most sampled
-        tokens of one idle sequence (token_sum_norm's default constant is the longest x sequences).
+        `idle_tokens`/`idle_seqs`: sampled tokens and sequences of the step that were left out only because they carry
+        no signal (groups whose rewards are all equal: zero advantage). They count in the denominators, so leaving them
+        out saves compute without changing the gradient; were they dropped from the denominator too, a step with one
+        informative group would move the weights as far as a step with six, on a sixth of the evidence. `idle_longest`:
+        the most sampled tokens of one idle sequence (token_sum_norm's default constant is the longest x sequences).
         Exception: with a KL penalty the idle tokens' KL term would have had a gradient; it is not
         trained (their tokens still count in the denominator)."""
         start = time.perf_counter()

@@ -1,28 +1,24 @@
-"""Prefix-tree merged training: the samples of a micro-batch become one trie, each shared token is
-computed once, and every sample's per-token logprobs (and so its gradients) equal the dense
-computation's up to float rounding.
+"""Prefix-tree merged training: the samples of a micro-batch become one trie, each shared token is computed once, and
+every sample's per-token logprobs (and so its gradients) equal the dense computation's up to float rounding.
 
-What it is. `pack_tree` inserts the samples' token ids into a trie and lays its nodes out in
-depth-first order: each unique (prefix, token) appears once, with its depth as position id, and a
-packed token may attend exactly to its ancestors (itself included). `tree_token_logprobs` runs the
-model once over that packed sequence and returns what `trainer.token_logprobs` returns. The logprob
-of a sample's token t is read from the packed node of token t-1; the LM head runs once per distinct
-(node, temperature), so duplicate samples and the shared history of multi-turn samples cost one
-logit row, and samples of different temperatures that share a node each get their own division.
+What it is. `pack_tree` inserts the samples' token ids into a trie and lays its nodes out in depth-first order: each
+unique (prefix, token) appears once, with its depth as position id, and a packed token may attend exactly to its
+ancestors (itself included). `tree_token_logprobs` runs the model once over that packed sequence and returns what
+`trainer.token_logprobs` returns. The logprob of a sample's token t is read from the packed node of token t-1; the LM
+head runs once per distinct (node, temperature), so duplicate samples and the shared history of multi-turn samples cost
+one logit row, and samples of different temperatures that share a node each get their own division.
 
 Attention, two exact ways (`attention=`):
-- "segments" (default): a custom transformers attention function (registered in transformers'
-  `AttentionInterface` and switched on for the duration of the forward with the documented
-  `model.set_attn_implementation`). The packed sequence is cut into segments, runs in which every
-  token's parent is the token before it; a segment's queries see a few contiguous key spans (its
-  ancestors) plus itself causally, so each is one SDPA call over only the keys it needs: the cost is
-  the tree's (query, key) pairs, not N^2 (plus the upper triangle of a segment's own block, which
-  the CPU kernel computes under the mask when the segment has ancestors).
-- "mask": the model's own attention with a 4-D mask, which transformers 5.24 passes through as it
-  is (masking_utils: "If the mask is already 4D, simply return as-is"): boolean (True = attend) for
-  sdpa, additive (0 / dtype min) for eager; a boolean mask given to eager would be added as 0/1,
-  silently wrong, so the kind follows `config._attn_implementation`. This costs N^2 per head and
-  layer (CPU SDPA does not skip masked blocks) and serves as the plain, reference path.
+- "segments" (default): a custom transformers attention function (registered in transformers' `AttentionInterface` and
+  switched on for the duration of the forward with the documented `model.set_attn_implementation`). The packed sequence
+  is cut into segments, runs in which every token's parent is the token before it; a segment's queries see a few
+  contiguous key spans (its ancestors) plus itself causally, so each is one SDPA call over only the keys it needs: the
+  cost is the tree's (query, key) pairs, not N^2 (plus the upper triangle of a segment's own block, which the CPU kernel
+  computes under the mask when the segment has ancestors).
+- "mask": the model's own attention with a 4-D mask, which transformers 5.24 passes through as it is (masking_utils: "If
+  the mask is already 4D, simply return as-is"): boolean (True = attend) for sdpa, additive (0 / dtype min) for eager; a
+  boolean mask given to eager would be added as 0/1, silently wrong, so the kind follows `config._attn_implementation`.
+  This costs N^2 per head and layer (CPU SDPA does not skip masked blocks) and serves as the plain, reference path.
 flex_attention block masks are not used: in torch 2.13 FlexAttention has no backward on CPU
 (NotImplementedError), and training needs one.
 
@@ -32,33 +28,30 @@ sub-trie of its own). A prefix shared across two sub-tries is computed once per 
 realised compression is lower than the whole batch's; with grad, every sub-trie's graph stays alive
 until the caller's backward, so the trainer splits its micro-batches with `plan_tries` instead.
 
-Depth-first (AReaL-DTA style), `depth_first_backward`: every node of the whole trie is computed
-once, and the caller's loss is applied and backwarded per sub-trie inside the pass. A node used by
-sub-tries lo..hi (lo < hi) is trunk; trunk nodes with the same (lo, hi) form one chain (siblings
-have disjoint, ordered sample ranges), forwarded once just before sub-trie lo. Its output hidden
-state and each layer's K and V are then detached into leaves that require grad; later forwards
-attend to the leaves and the LM head reads the hidden leaf, so each sub-trie's backward stops at
-them and accumulates their .grad. After sub-trie hi, the chain's own graph is backwarded with those
-gradients (torch.autograd.backward(outputs, grad_tensors=leaf grads)), latest chain first, since a
-chain may attend to an earlier one's leaves but never the reverse. The gradient is the chain rule
-split at the leaves, so exact: equal to dense up to float summation order. Alive during a forward:
-its own nodes plus the trunk chains whose range covers the current sub-trie, all of them nodes of
-that sub-trie, so never more than the sub-trie's unique tokens (`DepthFirstResult.alive_tokens`).
-Cost over sub-tries: shared prefixes are not recomputed; a trunk node's logit row needed by two
-sub-tries (a split group's last prompt token) goes through the LM head once per sub-trie, and each
-forward concatenates the alive trunk K/V per layer (one copy). The past K/V reach the attention
-through the segment plan, a side channel, not transformers' `cache=`: the attention function gets
-exactly the post-RoPE, pre-GQA K/V a cache would hold (captured the same way in the trunk forward),
-indexed by `module.layer_idx`, and no cache object (with its in-place growth and its own masks and
+Depth-first (AReaL-DTA style), `depth_first_backward`: every node of the whole trie is computed once, and the caller's
+loss is applied and backwarded per sub-trie inside the pass. A node used by sub-tries lo..hi (lo < hi) is trunk; trunk
+nodes with the same (lo, hi) form one chain (siblings have disjoint, ordered sample ranges), forwarded once just before
+sub-trie lo. Its output hidden state and each layer's K and V are then detached into leaves that require grad; later
+forwards attend to the leaves and the LM head reads the hidden leaf, so each sub-trie's backward stops at them and
+accumulates their .grad. After sub-trie hi, the chain's own graph is backwarded with those gradients
+(torch.autograd.backward(outputs, grad_tensors=leaf grads)), latest chain first, since a chain may attend to an earlier
+one's leaves but never the reverse. The gradient is the chain rule split at the leaves, so exact: equal to dense up to
+float summation order. Alive during a forward: its own nodes plus the trunk chains whose range covers the current
+sub-trie, all of them nodes of that sub-trie, so never more than the sub-trie's unique tokens
+(`DepthFirstResult.alive_tokens`).
+Cost over sub-tries: shared prefixes are not recomputed; a trunk node's logit row needed by two sub-tries (a split
+group's last prompt token) goes through the LM head once per sub-trie, and each forward concatenates the alive trunk K/V
+per layer (one copy). The past K/V reach the attention through the segment plan, a side channel, not transformers'
+`cache=`: the attention function gets exactly the post-RoPE, pre-GQA K/V a cache would hold (captured the same way in
+the trunk forward), indexed by `module.layer_idx`, and no cache object (with its in-place growth and its own masks and
 cache positions) is involved; positions are the nodes' depths as everywhere else.
 
-Not covered: sliding-window or soft-capped attention (ValueError), models whose decoder does not
-take `position_ids`, batches with padding inside a sample (loomrl samples have none); for the
-depth-first pass, attention modules without a `layer_idx` and a no-grad use (the trainer's no-grad
-passes use `tree_token_logprobs` per sub-trie). The "segments"
-switch of the attention implementation is not thread-safe against a concurrent forward of the same
-model object (loomrl's trainer owns its model during a step: sync mode alternates with the engine,
-async mode trains in its own process).
+Not covered: sliding-window or soft-capped attention (ValueError), models whose decoder does not take `position_ids`,
+batches with padding inside a sample (loomrl samples have none); for the depth-first pass, attention modules without a
+`layer_idx` and a no-grad use (the trainer's no-grad passes use `tree_token_logprobs` per sub-trie). The "segments"
+switch of the attention implementation is not thread-safe against a concurrent forward of the same model object
+(loomrl's trainer owns its model during a step: sync mode alternates with the engine, async mode trains in its own
+process).
 """
 
 from __future__ import annotations
@@ -233,12 +226,11 @@ def compression_ratio(seqs: Sequence[Sequence[int]]) -> float:
 class _SegmentPlan:
     """The packed sequence's segments as tensors, built once per forward and shared by all layers.
 
-    Queries are split by segment (`q_sizes`, in packed order). Keys/values are gathered once into
-    one tensor, each segment's spans one after another (`kv_index`; None when there is a single
-    segment: the keys are the sequence itself), then split by `kv_sizes`. One gather and one split
-    keep the backward to one index_add and one cat; slicing per segment would allocate a zero
-    tensor of the whole sequence for every slice's gradient. `masks`: [L, K] bool per segment, None
-    for a root segment (plain causal).
+    Queries are split by segment (`q_sizes`, in packed order). Keys/values are gathered once into one tensor, each
+    segment's spans one after another (`kv_index`; None when there is a single segment: the keys are the sequence
+    itself), then split by `kv_sizes`. One gather and one split keep the backward to one index_add and one cat; slicing
+    per segment would allocate a zero tensor of the whole sequence for every slice's gradient. `masks`: [L, K] bool per
+    segment, None for a root segment (plain causal).
 
     Depth-first pass only: `past` holds, per layer, the K/V [1, Hkv, P, D] of the P packed tokens
     before the queries (keys index past + new); `capture`, when set, receives each layer's new K/V."""

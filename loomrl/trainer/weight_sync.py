@@ -7,11 +7,10 @@ a Ray actor call); `load_weights(handle)` turns it back into tensors there. Tran
 - "queue": the tensors ride inside the handle (cloned at publish). Sending the handle through a
   multiprocessing queue is today's async path: torch's pickler moves each storage into shared
   memory on the way. The baseline; the handle is as large as the model.
-- "shm":  POSIX shared-memory segments holding a header (tensor names, dtypes, shapes, offsets and
-  the version) then the tensors' bytes, 64-byte aligned. The handle names the segment. Segments of
-  versions out of the window are rewritten for later ones (a new segment costs several times the
-  copy: the kernel allocates and zeroes every page), under flock so that no reader is mid-copy (see
-  the section's comment).
+- "shm":  POSIX shared-memory segments holding a header (tensor names, dtypes, shapes, offsets and the version) then the
+  tensors' bytes, 64-byte aligned. The handle names the segment. Segments of versions out of the window are rewritten
+  for later ones (a new segment costs several times the copy: the kernel allocates and zeroes every page), under flock
+  so that no reader is mid-copy (see the section's comment).
 - "file": one safetensors file per version in a folder, written under a temporary name, fsynced,
   then renamed into place (os.replace is atomic). Works across machines on a shared filesystem and
   lets a restarted engine find the newest version by listing the folder (`latest_file_handle`).
@@ -21,13 +20,12 @@ Atomicity (a reader never sees a mix of two versions): every transport writes a 
 before its handle exists and never writes over a version while it can be read: files and Ray
 objects are never rewritten; a shm segment is rewritten only under an exclusive flock that readers
 hold shared while they copy, and a reader checks the segment's header names its handle's version.
-Cleanup: the publisher keeps the last `keep` versions loadable (default 2: the current one and the
-one engines may still be loading); older ones are unlinked (file, shm beyond one spare segment) or
-left to Ray's reference counting. On POSIX, unlinking only removes the name: a reader that has a
-file or segment open finishes normally; one that comes later (or finds its segment rewritten) gets
-`StaleWeights` and should load the newer handle, which is already on its way (handles are published
-in version order). Segments are also unlinked when the publisher closes, and by Python's resource
-tracker if the publisher's process dies.
+Cleanup: the publisher keeps the last `keep` versions loadable (default 2: the current one and the one engines may still
+be loading); older ones are unlinked (file, shm beyond one spare segment) or left to Ray's reference counting. On POSIX,
+unlinking only removes the name: a reader that has a file or segment open finishes normally; one that comes later (or
+finds its segment rewritten) gets `StaleWeights` and should load the newer handle, which is already on its way (handles
+are published in version order). Segments are also unlinked when the publisher closes, and by Python's resource tracker
+if the publisher's process dies.
 
 What this module is not: a channel (handles are sent by the caller) or a policy for when engines
 apply weights (engine.update_weights does that). One publisher per process and per folder; publish
@@ -151,9 +149,8 @@ def make_publisher(transport: str, *, keep: int = 2, folder: str | Path | None =
 
 
 def load_weights(handle: WeightHandle, into: dict[str, Tensor] | None = None) -> LoadedWeights:
-    """The handle's tensors and version. With `into` (e.g. an engine's parameters, by name), the tensors
-    are copied into those and `into` is returned: one copy fewer for shm. Raises StaleWeights if the
-    version was freed already."""
+    """The handle's tensors and version. With `into` (e.g. an engine's parameters, by name), the tensors are copied into
+    those and `into` is returned: one copy fewer for shm. Raises StaleWeights if the version was freed already."""
     start = time.perf_counter()
     if handle.transport is Transport.SHM:
         weights = _load_shm(handle, into)

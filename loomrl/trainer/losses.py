@@ -267,6 +267,7 @@ def importance_weights(logp_train: Tensor, logp_behaviour: Tensor, *, level: ISL
         unit_log = _segment_sum(log_ratio, index, k)  # [K] log of the product over the unit
     unit_w = torch.exp(unit_log)
     truncated = masked = torch.zeros_like(unit_w, dtype=torch.bool)
+    unit_log_w = unit_log  # log of the final unit weights, for the ESS
     if variant == "truncated":
         truncated = unit_w > cap
         unit_w = torch.clamp(unit_w, max=cap)
@@ -275,8 +276,6 @@ def importance_weights(logp_train: Tensor, logp_behaviour: Tensor, *, level: ISL
         masked = (unit_w < 1.0 / cap) | (unit_w > cap)
         unit_w = torch.where(masked, torch.zeros_like(unit_w), unit_w)
         unit_log_w = torch.where(masked, torch.full_like(unit_log, -math.inf), unit_log)
-    else:
-        unit_log_w = unit_log
     if index is not None:
         unit_w, truncated, masked = unit_w[index], truncated[index], masked[index]
     stats = {

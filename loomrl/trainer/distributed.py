@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as tmp
+from torch.multiprocessing.spawn import ProcessException
 
 from loomrl.trainer.trainer import StepStats, Trainer
 from loomrl.types import TrainingSample
@@ -64,14 +66,10 @@ def shard_samples(samples: list[TrainingSample], world_size: int, *,
     `keep_groups`: a group's samples stay on one rank (tree merge then still computes their shared
     prompt once), as long as there are at least as many groups as ranks. With fewer samples than
     ranks some shards are empty; those ranks still take the step (DataParallelTrainer)."""
-    units: list[list[TrainingSample]]
-    if keep_groups:
-        by_group: dict[str, list[TrainingSample]] = {}
-        for s in samples:
-            by_group.setdefault(s.group_id, []).append(s)
-        units = list(by_group.values()) if len(by_group) >= world_size else [[s] for s in samples]
-    else:
-        units = [[s] for s in samples]
+    by_group: dict[str, list[TrainingSample]] = {}
+    for s in samples:
+        by_group.setdefault(s.group_id, []).append(s)
+    units = list(by_group.values()) if keep_groups and len(by_group) >= world_size else [[s] for s in samples]
     shards: list[list[TrainingSample]] = [[] for _ in range(world_size)]
     load = [0] * world_size
     for unit in sorted(units, key=lambda u: sum(len(s.token_ids) for s in u), reverse=True):
@@ -173,10 +171,9 @@ class DataParallelTrainer:
     def in_sync(self) -> bool:
         """Whether every rank holds bit-identical trainable parameters (a cheap checksum, for checks)."""
         sums = torch.tensor(param_checksum(self.trainer.params), dtype=torch.int64)
-        hi, lo = sums.clone(), -sums
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-        dist.all_reduce(lo, op=dist.ReduceOp.MAX)
-        return bool(torch.equal(hi, -lo))
+        extremes = torch.cat([sums, -sums])  # max and -min over the ranks, in one collective
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+        return bool(torch.equal(extremes[:2], -extremes[2:]))
 
 
 # ---------------------------------------------------------------- local launcher
@@ -212,9 +209,6 @@ def launch_local(fn: Callable[..., Any], world_size: int, args: tuple = (), *, t
     """Run fn(rank, world_size, *args) on `world_size` spawned local ranks in one process group; returns their results
     by rank. An exception in any rank stops the others and is raised here as RankFailed (naming the rank that failed
     first); a run past `timeout_s` raises TimeoutError. `fn` must be importable (a module-level function)."""
-    import torch.multiprocessing as tmp
-    from torch.multiprocessing.spawn import ProcessException
-
     threads = threads or max(1, (os.cpu_count() or 1) // world_size)
     ctx = tmp.get_context("spawn")
     results = ctx.Queue()

@@ -34,6 +34,7 @@ is not meant to be called from two threads at once.
 
 from __future__ import annotations
 
+import _posixshmem
 import enum
 import fcntl
 import json
@@ -45,6 +46,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -126,12 +128,11 @@ class WeightPublisher:
 
 def available_transports() -> list[Transport]:
     """The transports usable in this environment (ray only when it is installed)."""
-    out = [Transport.QUEUE, Transport.SHM, Transport.FILE]
     try:
         import ray  # noqa: F401
     except ImportError:
-        return out
-    return [*out, Transport.RAY]
+        return [Transport.QUEUE, Transport.SHM, Transport.FILE]
+    return list(Transport)
 
 
 def make_publisher(transport: str, *, keep: int = 2, folder: str | Path | None = None) -> WeightPublisher:
@@ -212,14 +213,13 @@ class QueuePublisher(WeightPublisher):
 # ---------------------------------------------------------------- shared memory
 #
 # Segment layout: [8-byte little-endian header length][JSON header][tensors, each 64-byte aligned].
-# A new segment costs more than the copy into it (tmpfs allocates and zeroes every page: 8x to 50x
-# the copy on the development machine, benchmarks/weight_sync.py), so segments that fall out of the window are kept as spares and rewritten for a later
-# version. A spare may still be read (a slow reader, or one holding an old handle), so access goes
-# through flock on the segment: readers hold a shared lock while they check the header's version and
-# copy; the publisher rewrites a spare only under an exclusive lock taken without waiting, else it
-# makes a new segment and unlinks the busy spare (its reader keeps its mapping). A reader never sees
-# a mix: either the header still names its version and no one writes until it is done, or the
-# header names a newer one and it gets StaleWeights.
+# A new segment costs more than the copy into it (tmpfs allocates and zeroes every page: 8x to 50x the copy on the
+# development machine, benchmarks/weight_sync.py), so segments that fall out of the window are kept as spares and
+# rewritten for a later version. A spare may still be read (a slow reader, or one holding an old handle), so access goes
+# through flock on the segment: readers hold a shared lock while they check the header's version and copy; the publisher
+# rewrites a spare only under an exclusive lock taken without waiting, else it makes a new segment and unlinks the busy
+# spare (its reader keeps its mapping). A reader never sees a mix: either the header still names its version and no one
+# writes until it is done, or the header names a newer one and it gets StaleWeights.
 
 
 @dataclass(slots=True)
@@ -256,9 +256,6 @@ def _views(buf: Any, data_start: int, entries: list[list[Any]]) -> dict[str, Ten
 
 
 def _create_segment(name: str, size: int) -> _Segment:
-    import _posixshmem
-    from multiprocessing import resource_tracker
-
     fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
     try:
         os.ftruncate(fd, size)
@@ -272,9 +269,6 @@ def _create_segment(name: str, size: int) -> _Segment:
 
 
 def _free(seg: _Segment) -> None:
-    import _posixshmem
-    from multiprocessing import resource_tracker
-
     seg.mem.close()
     os.close(seg.fd)
     try:
@@ -324,13 +318,12 @@ class ShmPublisher(WeightPublisher):
         for seg in list(self._spares):
             if seg.size < size:
                 continue
+            self._spares.remove(seg)
             try:
                 fcntl.flock(seg.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                self._spares.remove(seg)
                 _free(seg)  # its reader keeps its mapping and finishes
                 continue
-            self._spares.remove(seg)
             return seg
         return None
 
@@ -353,8 +346,6 @@ class ShmPublisher(WeightPublisher):
 
 
 def _load_shm(handle: WeightHandle, into: dict[str, Tensor] | None) -> dict[str, Tensor]:
-    import _posixshmem
-
     try:
         fd = _posixshmem.shm_open("/" + handle.location, os.O_RDONLY, mode=0o600)
     except FileNotFoundError:

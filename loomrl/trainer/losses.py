@@ -113,15 +113,12 @@ def _segment_sum(x: Tensor, index: Tensor, k: int) -> Tensor:
 
 def _check_tokens(**tensors: Tensor | None) -> None:
     """All given tensors are 1-D with the same length."""
-    n = None
-    for name, t in tensors.items():
-        if t is None:
-            continue
+    given = [(name, t) for name, t in tensors.items() if t is not None]
+    for name, t in given:
         if t.dim() != 1:
             raise ValueError(f"{name} must be 1-D over the sampled tokens, got shape {tuple(t.shape)}")
-        if n is None:
-            n, first = t.numel(), name
-        elif t.numel() != n:
+        first, n = given[0][0], given[0][1].numel()
+        if t.numel() != n:
             raise ValueError(f"{name} has {t.numel()} tokens but {first} has {n}")
 
 

@@ -223,20 +223,19 @@ class Trainer:
         the tokens its forwards compute)."""
         cfg = self.cfg
         mb = cfg.micro_batch_size
-        if cfg.tree_merge == "off":
-            # Micro-batches of similar length waste less padding.
+        if cfg.tree_merge == "off":  # micro-batches of similar length waste less padding
             ordered = sorted(samples, key=lambda s: len(s.token_ids))
-            batches = [ordered[i : i + mb] for i in range(0, len(ordered), mb)]
-            return batches, [False] * len(batches), 1.0
-        # Lexicographic order puts samples that share a prefix next to each other, in one micro-batch.
-        ordered = sorted(samples, key=lambda s: s.token_ids)
-        if cfg.tree_token_budget is not None:
+        else:  # lexicographic order puts samples that share a prefix next to each other, in one micro-batch
+            ordered = sorted(samples, key=lambda s: s.token_ids)
+        if cfg.tree_merge != "off" and cfg.tree_token_budget is not None:
             groups = plan_tries([s.token_ids for s in ordered], cfg.tree_token_budget)
             batches = [[ordered[i] for i in g] for g in groups]
-            if self._depth_first():  # every micro-batch merged; each node of the step forwarded once
-                return batches, [True] * len(batches), compression_ratio([s.token_ids for s in ordered])
         else:
             batches = [ordered[i : i + mb] for i in range(0, len(ordered), mb)]
+        if cfg.tree_merge == "off":
+            return batches, [False] * len(batches), 1.0
+        if self._depth_first():  # every micro-batch merged; each node of the step forwarded once
+            return batches, [True] * len(batches), compression_ratio([s.token_ids for s in ordered])
         merged, tokens, forwarded = [], 0, 0
         for b in batches:
             total, unique = sum(len(s.token_ids) for s in b), unique_tokens([s.token_ids for s in b])

@@ -69,6 +69,7 @@ from loomrl.types import TrainingSample
 TREE_ATTENTION = "loomrl_tree"  # the name the segment attention is registered under in transformers
 
 Attention = Literal["segments", "mask"]
+KV = tuple[torch.Tensor, torch.Tensor]  # one layer's K and V, [1, Hkv, n, D] each
 
 
 @dataclass(slots=True, kw_only=True)
@@ -239,8 +240,8 @@ class _SegmentPlan:
     kv_sizes: list[int]
     kv_index: torch.Tensor | None
     masks: list[torch.Tensor | None]
-    past: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-    capture: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+    past: list[KV] | None = None
+    capture: dict[int, KV] | None = None
 
 
 def _plan(segments: list[Segment], first: int = 0) -> _SegmentPlan:
@@ -426,11 +427,13 @@ class _Trunk:
 
 
 def _part_hidden(model: torch.nn.Module, tree: PackedTree, alive: list[_Trunk], nodes: list[int],
-                 capture: dict[int, tuple[torch.Tensor, torch.Tensor]] | None) -> torch.Tensor:
-    """Hidden states [n, H] of packed `nodes` (parents first), each attending to its ancestors
-    among the alive trunks' nodes (through their K/V leaves) and among `nodes`."""
+                 capture: dict[int, KV] | None, result: DepthFirstResult) -> torch.Tensor:
+    """Hidden states [n, H] of packed `nodes` (parents first), each attending to its ancestors among the alive trunks'
+    nodes (through their K/V leaves) and among `nodes`; the forward's token counts go to `result`."""
     base, _ = decoder_and_head(model)
     past_nodes = [n for t in alive for n in t.nodes]  # creation order: parents before children
+    result.alive_tokens.append(len(past_nodes) + len(nodes))
+    result.forward_tokens.append(len(nodes))
     order = [*past_nodes, *nodes]
     local = {n: j for j, n in enumerate(order)}
     parents = [local[tree.parents[n]] if tree.parents[n] >= 0 else -1 for n in order]  # KeyError: a missing ancestor
@@ -474,17 +477,13 @@ def depth_first_backward(model: torch.nn.Module, batches: Sequence[Sequence[Trai
     alive: list[_Trunk] = []
     for k, batch in enumerate(batches):
         for hi, nodes in starting.get(k, []):
-            capture: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-            result.alive_tokens.append(sum(len(t.nodes) for t in alive) + len(nodes))
-            result.forward_tokens.append(len(nodes))
-            hidden = _part_hidden(model, tree, alive, nodes, capture)
+            capture: dict[int, KV] = {}
+            hidden = _part_hidden(model, tree, alive, nodes, capture, result)
             outputs = [hidden, *(x for layer in sorted(capture) for x in capture[layer])]
             alive.append(_Trunk(nodes=nodes, hi=hi, outputs=outputs,
                                 leaves=[x.detach().requires_grad_(x.requires_grad) for x in outputs]))
         if own[k]:
-            result.alive_tokens.append(sum(len(t.nodes) for t in alive) + len(own[k]))
-            result.forward_tokens.append(len(own[k]))
-            hidden = _part_hidden(model, tree, alive, own[k], None)  # [n, H]
+            hidden = _part_hidden(model, tree, alive, own[k], None, result)  # [n, H]
         else:  # every node of the batch is shared with a neighbour
             hidden = torch.zeros(0, width, dtype=dtype)
         # Rows: the alive trunks' hidden leaves, then the batch's own nodes; every node of the batch is one.

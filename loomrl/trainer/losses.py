@@ -275,13 +275,8 @@ def importance_weights(logp_train: Tensor, logp_behaviour: Tensor, *, level: ISL
         unit_log_w = torch.where(masked, torch.full_like(unit_log, -math.inf), unit_log)
     if index is not None:
         unit_w, truncated, masked = unit_w[index], truncated[index], masked[index]
-    stats = {
-        "ess": _ess_from_log(unit_log_w),
-        "is_weight_mean": unit_w.mean() if unit_w.numel() else zero,
-        "is_truncated_frac": _frac(truncated, log_ratio),
-        "is_masked_frac": _frac(masked, log_ratio),
-    }
-    return unit_w, stats
+    return unit_w, {"ess": _ess_from_log(unit_log_w), "is_weight_mean": unit_w.mean() if unit_w.numel() else zero,
+                    "is_truncated_frac": _frac(truncated, log_ratio), "is_masked_frac": _frac(masked, log_ratio)}
 
 
 # ---------------------------------------------------------------- KL to a reference policy

@@ -201,12 +201,10 @@ class TrainerService:
         return metrics
 
     def checkpoint(self) -> Path:
-        return save_checkpoint(
-            self.run_dir, self.version, model=self.model, tokenizer=self.tokenizer,
-            optimizer=self.trainer.optimizer, scheduler=self.trainer.scheduler,
-            state={"buffer": self.buffer.state_dict(), "received": self.received.state(), "extra": self.extra,
-                   "metrics": self.last_metrics},
-        )
+        state = {"buffer": self.buffer.state_dict(), "received": self.received.state(), "extra": self.extra,
+                 "metrics": self.last_metrics}
+        return save_checkpoint(self.run_dir, self.version, model=self.model, tokenizer=self.tokenizer,
+                               optimizer=self.trainer.optimizer, scheduler=self.trainer.scheduler, state=state)
 
     def live_weights(self) -> dict[str, torch.Tensor]:
         """The parameters that training changes (frozen ones never need resending), not copied: a

@@ -43,12 +43,8 @@ AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
 # (clip_low, clip_high) per loss when the caller leaves them unset: PPO's 0.2; GSPO's paper values
 # (its ratio is a per-token geometric mean, so the range is tiny); CISPO as in MiniMax-M1, no lower
 # bound (1 - 1.0 = 0 < any ratio) and a tuned upper one (DAPO's 0.28 here).
-DEFAULT_CLIP: dict[str, tuple[float, float]] = {
-    "ppo_clip": (0.2, 0.2),
-    "decoupled_ppo": (0.2, 0.2),
-    "gspo": (3e-4, 4e-4),
-    "cispo": (1.0, 0.28),
-}
+DEFAULT_CLIP: dict[str, tuple[float, float]] = {"ppo_clip": (0.2, 0.2), "decoupled_ppo": (0.2, 0.2),
+                                                 "gspo": (3e-4, 4e-4), "cispo": (1.0, 0.28)}
 
 
 def _check_choice(name: str, value: object, accepted: tuple[str, ...]) -> None:

@@ -17,9 +17,8 @@ from loomrl.types import Trajectory
 
 
 class TrainerActor(Placed):
-    """The TrainerService on the trainer's node (rank 0 when trainer.world_size > 1). Made from the run
-    folder's latest checkpoint when there is one: a fresh run has none, a resumed run or a restart
-    after a crash continues from it."""
+    """The TrainerService on the trainer's node (rank 0 when trainer.world_size > 1). Made from the run folder's latest
+    checkpoint when there is one: a fresh run has none, a resumed run or a restart after a crash continues from it."""
 
     def __init__(self, cfg_json: str, extra: dict[str, Any]):
         cfg = RunConfig.model_validate_json(cfg_json)
@@ -43,8 +42,7 @@ class TrainerActor(Placed):
         self.service.ranks = ranks
 
     def state(self) -> tuple[int, dict[str, Any], dict[str, Any] | None]:
-        """The policy version, the positions received and that step's metrics (as of the checkpoint
-        it started from)."""
+        """The policy version, the positions received and that step's metrics (as of the checkpoint it started from)."""
         return self.service.version, self.service.received.state(), self.service.last_metrics
 
     def receive(self, position: int, group: list[Trajectory]) -> None:

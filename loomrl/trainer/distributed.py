@@ -12,12 +12,11 @@ one (up to float summation order):
   ranks (all_reduce SUM, one flat buffer per dtype) through Trainer's grad hook. Every rank then clips
   the same gradient and takes the same AdamW and scheduler step, so the replicas stay identical.
 
-Why not torch DDP: DDP all-reduces inside each backward pass, so every rank must run the same number
-of backward passes, and shards here are uneven (3 samples are fewer micro-batches than 5); it
-prepares its reducer in the wrapper's forward, while the trainer calls the decoder and the head
-directly; and it averages gradients, while per-rank losses over global denominators must be summed.
-One all-reduce after the last backward moves the same bytes and only gives up DDP's overlap of
-communication with the backward pass (worth it on GPUs, little on CPU).
+Why not torch DDP: DDP all-reduces inside each backward pass, so every rank must run the same number of backward passes,
+and shards here are uneven (3 samples are fewer micro-batches than 5); it prepares its reducer in the wrapper's forward,
+while the trainer calls the decoder and the head directly; and it averages gradients, while per-rank losses over global
+denominators must be summed. One all-reduce after the last backward moves the same bytes and only gives up DDP's overlap
+of communication with the backward pass (worth it on GPUs, little on CPU).
 
 What is not here: sharded models or optimizer state (FSDP, ZeRO), gradient buckets for models whose
 gradients do not fit twice in memory, elastic membership. A rank that fails makes the others fail:
@@ -38,6 +37,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as tmp
+from torch.multiprocessing.spawn import ProcessException
 
 from loomrl.trainer.trainer import StepStats, Trainer
 from loomrl.types import TrainingSample
@@ -65,14 +66,10 @@ def shard_samples(samples: list[TrainingSample], world_size: int, *,
     `keep_groups`: a group's samples stay on one rank (tree merge then still computes their shared
     prompt once), as long as there are at least as many groups as ranks. With fewer samples than
     ranks some shards are empty; those ranks still take the step (DataParallelTrainer)."""
-    units: list[list[TrainingSample]]
-    if keep_groups:
-        by_group: dict[str, list[TrainingSample]] = {}
-        for s in samples:
-            by_group.setdefault(s.group_id, []).append(s)
-        units = list(by_group.values()) if len(by_group) >= world_size else [[s] for s in samples]
-    else:
-        units = [[s] for s in samples]
+    by_group: dict[str, list[TrainingSample]] = {}
+    for s in samples:
+        by_group.setdefault(s.group_id, []).append(s)
+    units = list(by_group.values()) if keep_groups and len(by_group) >= world_size else [[s] for s in samples]
     shards: list[list[TrainingSample]] = [[] for _ in range(world_size)]
     load = [0] * world_size
     for unit in sorted(units, key=lambda u: sum(len(s.token_ids) for s in u), reverse=True):
@@ -86,10 +83,9 @@ _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def param_checksum(params: list[torch.Tensor]) -> tuple[int, int]:
-    """(sum, sum of squares) of the parameters' bit patterns read as integers, in int64 arithmetic
-    (which wraps: still exact and order-free). Equal on bit-identical replicas whatever the thread
-    count (a float sum is not: its rounding depends on the reduction order), and almost surely
-    different on replicas that differ in any bit."""
+    """(sum, sum of squares) of the parameters' bit patterns read as integers, in int64 arithmetic (which wraps: still
+    exact and order-free). Equal on bit-identical replicas whatever the thread count (a float sum is not: its rounding
+    depends on the reduction order), and almost surely different on replicas that differ in any bit."""
     total = squares = torch.zeros((), dtype=torch.int64)
     for p in params:
         bits = p.detach().contiguous().view(_INT_OF_SIZE[p.element_size()]).to(torch.int64)
@@ -175,10 +171,9 @@ class DataParallelTrainer:
     def in_sync(self) -> bool:
         """Whether every rank holds bit-identical trainable parameters (a cheap checksum, for checks)."""
         sums = torch.tensor(param_checksum(self.trainer.params), dtype=torch.int64)
-        hi, lo = sums.clone(), -sums
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-        dist.all_reduce(lo, op=dist.ReduceOp.MAX)
-        return bool(torch.equal(hi, -lo))
+        extremes = torch.cat([sums, -sums])  # max and -min over the ranks, in one collective
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+        return bool(torch.equal(extremes[:2], -extremes[2:]))
 
 
 # ---------------------------------------------------------------- local launcher
@@ -211,13 +206,9 @@ def _rank_main(rank: int, fn: Callable[..., Any], world_size: int, port: int, ba
 
 def launch_local(fn: Callable[..., Any], world_size: int, args: tuple = (), *, timeout_s: float = 120.0,
                  backend: str = "gloo", threads: int | None = None) -> list[Any]:
-    """Run fn(rank, world_size, *args) on `world_size` spawned local ranks in one process group; returns
-    their results by rank. An exception in any rank stops the others and is raised here as RankFailed
-    (naming the rank that failed first); a run past `timeout_s` raises TimeoutError. `fn` must be
-    importable (a module-level function)."""
-    import torch.multiprocessing as tmp
-    from torch.multiprocessing.spawn import ProcessException
-
+    """Run fn(rank, world_size, *args) on `world_size` spawned local ranks in one process group; returns their results
+    by rank. An exception in any rank stops the others and is raised here as RankFailed (naming the rank that failed
+    first); a run past `timeout_s` raises TimeoutError. `fn` must be importable (a module-level function)."""
     threads = threads or max(1, (os.cpu_count() or 1) // world_size)
     ctx = tmp.get_context("spawn")
     results = ctx.Queue()

@@ -21,17 +21,8 @@ def samples_from_group(group: list[Trajectory], advantage: str = "grpo") -> list
     for traj, adv in zip(group, advantages):
         for ctx in traj.contexts():
             mask = ctx.sampled_mask()
-            samples.append(
-                TrainingSample(
-                    trajectory_id=traj.trajectory_id,
-                    group_id=traj.group_id,
-                    token_ids=list(ctx.token_ids),
-                    loss_mask=mask,
-                    behaviour_logprobs=ctx.token_logprobs(),
-                    versions=ctx.token_versions(),
-                    advantages=[adv * m for m in mask],
-                    temperature=traj.temperature,
-                    reward=traj.total_reward,
-                )
-            )
+            samples.append(TrainingSample(
+                trajectory_id=traj.trajectory_id, group_id=traj.group_id, token_ids=list(ctx.token_ids), loss_mask=mask,
+                behaviour_logprobs=ctx.token_logprobs(), versions=ctx.token_versions(),
+                advantages=[adv * m for m in mask], temperature=traj.temperature, reward=traj.total_reward))
     return samples

@@ -7,19 +7,18 @@ GSPO, AReaL's decoupled PPO and MiniMax-M1's CISPO; token / sequence / chunk imp
 reduce a per-token loss to a scalar; and `policy_loss`, one entry point composing them.
 What is not: value functions / GAE, entropy bonuses, anything that touches a model or a sample.
 
-Conventions. Every per-token tensor is flat, [N] over the sampled tokens of one micro-batch.
-`seq_ids` [N] (integer) says which sequence each token belongs to and `chunk_ids` [N] (integer,
-unique across the micro-batch) which chunk: a chunk is the span of sampled tokens between two
-environment interactions, i.e. one turn (ROLL's chunked MDP). Ids need not be contiguous. Losses
-return (per-token loss [N], stats) where stats are detached scalar tensors, averaged over the
-micro-batch. "Behaviour" logprobs are the engine's at sampling time (mu); "proximal" / "train"
-logprobs are the trainer's under a recent policy (e.g. the weights the sample was generated for).
+Conventions. Every per-token tensor is flat, [N] over the sampled tokens of one micro-batch. `seq_ids` [N] (integer)
+says which sequence each token belongs to and `chunk_ids` [N] (integer, unique across the micro-batch) which chunk: a
+chunk is the span of sampled tokens between two environment interactions, i.e. one turn (ROLL's chunked MDP). Ids need
+not be contiguous. Losses return (per-token loss [N], stats) where stats are detached scalar tensors, averaged over the
+micro-batch. "Behaviour" logprobs are the engine's at sampling time (mu); "proximal" / "train" logprobs are the
+trainer's under a recent policy (e.g. the weights the sample was generated for).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -34,22 +33,18 @@ ISVariant = Literal["none", "truncated", "masked"]
 KLKind = Literal["k1", "k2", "k3"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm"]
 
-ADVANTAGE_KINDS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo")
-LOSS_KINDS: tuple[str, ...] = ("ppo_clip", "gspo", "decoupled_ppo", "cispo")
-IS_LEVELS: tuple[str, ...] = ("none", "token", "sequence", "chunk")
-IS_VARIANTS: tuple[str, ...] = ("none", "truncated", "masked")
-KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3")
-AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm")
+ADVANTAGE_KINDS: tuple[str, ...] = get_args(AdvantageKind)
+LOSS_KINDS: tuple[str, ...] = get_args(LossKind)
+IS_LEVELS: tuple[str, ...] = get_args(ISLevel)
+IS_VARIANTS: tuple[str, ...] = get_args(ISVariant)
+KL_KINDS: tuple[str, ...] = get_args(KLKind)
+AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
 
 # (clip_low, clip_high) per loss when the caller leaves them unset: PPO's 0.2; GSPO's paper values
 # (its ratio is a per-token geometric mean, so the range is tiny); CISPO as in MiniMax-M1, no lower
 # bound (1 - 1.0 = 0 < any ratio) and a tuned upper one (DAPO's 0.28 here).
-DEFAULT_CLIP: dict[str, tuple[float, float]] = {
-    "ppo_clip": (0.2, 0.2),
-    "decoupled_ppo": (0.2, 0.2),
-    "gspo": (3e-4, 4e-4),
-    "cispo": (1.0, 0.28),
-}
+DEFAULT_CLIP: dict[str, tuple[float, float]] = {"ppo_clip": (0.2, 0.2), "decoupled_ppo": (0.2, 0.2),
+                                                 "gspo": (3e-4, 4e-4), "cispo": (1.0, 0.28)}
 
 
 def _check_choice(name: str, value: object, accepted: tuple[str, ...]) -> None:
@@ -114,15 +109,12 @@ def _segment_sum(x: Tensor, index: Tensor, k: int) -> Tensor:
 
 def _check_tokens(**tensors: Tensor | None) -> None:
     """All given tensors are 1-D with the same length."""
-    n = None
-    for name, t in tensors.items():
-        if t is None:
-            continue
+    given = [(name, t) for name, t in tensors.items() if t is not None]
+    for name, t in given:
         if t.dim() != 1:
             raise ValueError(f"{name} must be 1-D over the sampled tokens, got shape {tuple(t.shape)}")
-        if n is None:
-            n, first = t.numel(), name
-        elif t.numel() != n:
+        first, n = given[0][0], given[0][1].numel()
+        if t.numel() != n:
             raise ValueError(f"{name} has {t.numel()} tokens but {first} has {n}")
 
 
@@ -133,6 +125,21 @@ def _k3(log_ratio: Tensor) -> Tensor:
 
 def _frac(mask: Tensor, like: Tensor) -> Tensor:
     return mask.to(like.dtype).mean() if mask.numel() else like.new_zeros(())
+
+
+@torch.no_grad()
+def _ratio_stats(binds: Tensor, ratio: Tensor, log_ratio: Tensor) -> dict[str, Tensor]:
+    """clip_frac (where `binds`), ratio_mean, approx_kl (k3 of the token log ratios), detached."""
+    return {"clip_frac": _frac(binds, ratio), "ratio_mean": ratio.mean(), "approx_kl": _k3(log_ratio).mean()}
+
+
+def _clipped_surrogate(ratio: Tensor, advantages: Tensor, clip_low: float, clip_high: float,
+                       log_ratio: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A), with stats; clip_frac counts where the clipped
+    branch binds, i.e. where the gradient is zeroed."""
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
+    return -torch.minimum(unclipped, clipped), _ratio_stats(clipped < unclipped, ratio, log_ratio)
 
 
 # ---------------------------------------------------------------- per-token policy losses
@@ -147,17 +154,7 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, *, clip_lo
     ratio_mean, approx_kl (k3 estimate of KL(old || current))."""
     _check_tokens(logp=logp, old_logp=old_logp, advantages=advantages)
     log_ratio = logp - old_logp
-    ratio = torch.exp(log_ratio)
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
-    loss = -torch.minimum(unclipped, clipped)
-    with torch.no_grad():
-        stats = {
-            "clip_frac": _frac(clipped < unclipped, ratio),
-            "ratio_mean": ratio.mean(),
-            "approx_kl": _k3(log_ratio).mean(),
-        }
-    return loss, stats
+    return _clipped_surrogate(torch.exp(log_ratio), advantages, clip_low, clip_high, log_ratio)
 
 
 def gspo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, seq_ids: Tensor, *, clip_low: float = 3e-4,
@@ -175,15 +172,7 @@ def gspo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, seq_ids: Tenso
     log_ratio = logp - old_logp
     seq_ratio = torch.exp(_segment_sum(log_ratio, inv, k) / counts)  # [S]
     seq_adv = _segment_sum(advantages.to(logp.dtype), inv, k) / counts  # [S]
-    unclipped = seq_ratio * seq_adv
-    clipped = torch.clamp(seq_ratio, 1.0 - clip_low, 1.0 + clip_high) * seq_adv
-    seq_loss = -torch.minimum(unclipped, clipped)  # [S]
-    with torch.no_grad():
-        stats = {
-            "clip_frac": _frac(clipped < unclipped, seq_ratio),
-            "ratio_mean": seq_ratio.mean(),
-            "approx_kl": _k3(log_ratio).mean(),
-        }
+    seq_loss, stats = _clipped_surrogate(seq_ratio, seq_adv, clip_low, clip_high, log_ratio)  # [S]
     return seq_loss[inv], stats
 
 
@@ -220,14 +209,7 @@ def cispo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, *, clip_low: 
     log_ratio = (logp - old_logp).detach()
     ratio = torch.exp(log_ratio)
     weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    loss = -weight * advantages * logp
-    with torch.no_grad():
-        stats = {
-            "clip_frac": _frac(weight != ratio, ratio),
-            "ratio_mean": ratio.mean(),
-            "approx_kl": _k3(log_ratio).mean(),
-        }
-    return loss, stats
+    return -weight * advantages * logp, _ratio_stats(weight != ratio, ratio, log_ratio)
 
 
 # ---------------------------------------------------------------- off-policy importance weights
@@ -266,20 +248,19 @@ def importance_weights(logp_train: Tensor, logp_behaviour: Tensor, *, level: ISL
     log_ratio = (logp_train - logp_behaviour).detach()  # [N]
     zero = log_ratio.new_zeros(())
     if level == "none":
-        ones = torch.ones_like(log_ratio)
-        return ones, {"ess": zero + 1.0, "is_weight_mean": zero + 1.0, "is_truncated_frac": zero,
-                      "is_masked_frac": zero}
+        return torch.ones_like(log_ratio), {"ess": zero + 1.0, "is_weight_mean": zero + 1.0,
+                                            "is_truncated_frac": zero, "is_masked_frac": zero}
     if level == "token":
         unit_log, index = log_ratio, None
     else:
-        ids = seq_ids if level == "sequence" else chunk_ids
+        arg, ids = ("seq_ids", seq_ids) if level == "sequence" else ("chunk_ids", chunk_ids)
         if ids is None:
-            arg = "seq_ids" if level == "sequence" else "chunk_ids"
             raise ValueError(f"{arg} is required for level={level!r}")
-        index, k = _segments(ids, "seq_ids" if level == "sequence" else "chunk_ids")
+        index, k = _segments(ids, arg)
         unit_log = _segment_sum(log_ratio, index, k)  # [K] log of the product over the unit
     unit_w = torch.exp(unit_log)
     truncated = masked = torch.zeros_like(unit_w, dtype=torch.bool)
+    unit_log_w = unit_log  # log of the final unit weights, for the ESS
     if variant == "truncated":
         truncated = unit_w > cap
         unit_w = torch.clamp(unit_w, max=cap)
@@ -288,17 +269,10 @@ def importance_weights(logp_train: Tensor, logp_behaviour: Tensor, *, level: ISL
         masked = (unit_w < 1.0 / cap) | (unit_w > cap)
         unit_w = torch.where(masked, torch.zeros_like(unit_w), unit_w)
         unit_log_w = torch.where(masked, torch.full_like(unit_log, -math.inf), unit_log)
-    else:
-        unit_log_w = unit_log
     if index is not None:
         unit_w, truncated, masked = unit_w[index], truncated[index], masked[index]
-    stats = {
-        "ess": _ess_from_log(unit_log_w),
-        "is_weight_mean": unit_w.mean() if unit_w.numel() else zero,
-        "is_truncated_frac": _frac(truncated, log_ratio),
-        "is_masked_frac": _frac(masked, log_ratio),
-    }
-    return unit_w, stats
+    return unit_w, {"ess": _ess_from_log(unit_log_w), "is_weight_mean": unit_w.mean() if unit_w.numel() else zero,
+                    "is_truncated_frac": _frac(truncated, log_ratio), "is_masked_frac": _frac(masked, log_ratio)}
 
 
 # ---------------------------------------------------------------- KL to a reference policy
@@ -357,9 +331,8 @@ def aggregate(loss: Tensor, seq_ids: Tensor, mode: Aggregation = "token_mean", *
 def policy_loss(cfg: LossConfig, logp: Tensor, old_logp: Tensor, advantages: Tensor, seq_ids: Tensor, *,
                 chunk_ids: Tensor | None = None, prox_logp: Tensor | None = None, ref_logp: Tensor | None = None,
                 num_seqs: int | None = None) -> tuple[Tensor, dict[str, float]]:
-    """Scalar loss of one micro-batch and float stats, as `cfg` (trainer.loss) says. `old_logp` is
-    always the behaviour (engine) logprob mu; `prox_logp`, if given, the trainer's logprob under a
-    recent policy (pi_train).
+    """Scalar loss of one micro-batch and float stats, as `cfg` (trainer.loss) says. `old_logp` is always the behaviour
+    (engine) logprob mu; `prox_logp`, if given, the trainer's logprob under a recent policy (pi_train).
 
     Composition, so that pi/mu is never counted twice (pi/mu = pi/pi_train * pi_train/mu):
     - the policy ratio (clip / GSPO / CISPO weight) is taken against pi_train = prox_logp if given;
@@ -374,7 +347,7 @@ def policy_loss(cfg: LossConfig, logp: Tensor, old_logp: Tensor, advantages: Ten
     clip_low / clip_high default per kind (DEFAULT_CLIP). Stats: clip_frac, ratio_mean (of the
     policy ratio), approx_kl (k3 of KL(mu || pi), always vs behaviour), the IS stats (ess, ...) when a
     correction is on, kl_ref when `kl` is set, num_tokens and num_seqs."""
-    kind, is_level, is_variant, is_cap, kl = cfg.kind, cfg.is_level, cfg.is_variant, cfg.is_cap, cfg.kl
+    kind, is_level, kl = cfg.kind, cfg.is_level, cfg.kl
     if kl is not None:
         if ref_logp is None:
             raise ValueError(f"ref_logp is required when kl={kl!r}")
@@ -390,25 +363,22 @@ def policy_loss(cfg: LossConfig, logp: Tensor, old_logp: Tensor, advantages: Ten
     if logp.numel() == 0:
         raise ValueError("logp has no tokens: skip empty micro-batches before calling policy_loss")
     default_low, default_high = DEFAULT_CLIP[kind]
-    clip_low = default_low if cfg.clip_low is None else cfg.clip_low
-    clip_high = default_high if cfg.clip_high is None else cfg.clip_high
+    clip = {"clip_low": default_low if cfg.clip_low is None else cfg.clip_low,
+            "clip_high": default_high if cfg.clip_high is None else cfg.clip_high}
 
     level = "token" if kind == "decoupled_ppo" and is_level == "none" else is_level
     if level != "none":
-        train = prox_logp.detach() if prox_logp is not None else logp.detach()
-        weights, is_stats = importance_weights(train, old_logp, level=level, variant=is_variant, cap=is_cap,
+        base = prox_logp.detach() if prox_logp is not None else logp.detach()  # pi_train
+        weights, is_stats = importance_weights(base, old_logp, level=level, variant=cfg.is_variant, cap=cfg.is_cap,
                                                seq_ids=seq_ids, chunk_ids=chunk_ids)
-        base = train
     else:
         weights, is_stats = None, {}
         base = prox_logp if prox_logp is not None else old_logp
 
-    if kind in ("ppo_clip", "decoupled_ppo"):
-        per_token, stats = ppo_clip_loss(logp, base, advantages, clip_low=clip_low, clip_high=clip_high)
-    elif kind == "gspo":
-        per_token, stats = gspo_loss(logp, base, advantages, seq_ids, clip_low=clip_low, clip_high=clip_high)
+    if kind == "gspo":
+        per_token, stats = gspo_loss(logp, base, advantages, seq_ids, **clip)
     else:
-        per_token, stats = cispo_loss(logp, base, advantages, clip_low=clip_low, clip_high=clip_high)
+        per_token, stats = (cispo_loss if kind == "cispo" else ppo_clip_loss)(logp, base, advantages, **clip)
     if weights is not None:
         per_token = per_token * weights
     stats.update(is_stats)
@@ -419,7 +389,5 @@ def policy_loss(cfg: LossConfig, logp: Tensor, old_logp: Tensor, advantages: Ten
     with torch.no_grad():
         stats["approx_kl"] = _k3(logp - old_logp).mean()
     loss = aggregate(per_token, seq_ids, cfg.aggregation, norm_constant=cfg.norm_constant, num_seqs=num_seqs)
-    out = {name: float(v) for name, v in stats.items()}
-    out["num_tokens"] = float(logp.numel())
-    out["num_seqs"] = float(n_seqs)
-    return loss, out
+    return loss, {**{name: float(v) for name, v in stats.items()}, "num_tokens": float(logp.numel()),
+                  "num_seqs": float(n_seqs)}

@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import queue
+import signal
+import sys
 import threading
 import time
 import traceback
@@ -172,9 +174,6 @@ class TrainerProcess:
 def _trainer_main(cfg_json: str, extra: dict[str, Any], checkpoint: str, threads: int, inbox: Any, outbox: Any,
                   ranks: tuple | None) -> None:
     """Entry of the trainer process; `ranks`: the follower ranks' queues and port."""
-    import signal
-    import sys
-
     # SIGTERM (the rollout side giving up on us) unwinds through `finally`, which frees the weights.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     name_process("loomrl-trainer")

@@ -1,12 +1,11 @@
 """Trainer ranks (trainer.world_size > 1): data-parallel training inside the training pool.
 
-Rank 0 is the TrainerService (buffer, filters, ledger, checkpoints, weights for the engines). Ranks
-1..N-1 are followers: each holds a replica of the model and optimizer, made from the same checkpoint
-(or the same initial model). Every step rank 0 cuts its samples into shards (distributed.shard_samples;
-a group's samples stay on one rank under tree merge), sends each follower its shard, trains on its own,
-and the ranks meet in the process group only inside the step (trainer/distributed.py sums gradients
-and counts there). Work travels outside the process group (queues locally, actor calls on Ray), so a
-follower can wait any time for the next step without a collective timing out.
+Rank 0 is the TrainerService (buffer, filters, ledger, checkpoints, weights for the engines). Ranks 1..N-1 are
+followers: each holds a replica of the model and optimizer, made from the same checkpoint (or the same initial model).
+Every step rank 0 cuts its samples into shards (distributed.shard_samples; a group's samples stay on one rank under tree
+merge), sends each follower its shard, trains on its own, and the ranks meet in the process group only inside the step
+(trainer/distributed.py sums gradients and counts there). Work travels outside the process group (queues locally, actor
+calls on Ray), so a follower can wait any time for the next step without a collective timing out.
 
 After each step every follower answers with its step counter and a checksum of its parameters; rank 0
 compares them with its own, so replicas that drifted apart stop the run instead of training on
@@ -22,6 +21,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import signal
 import sys
 import threading
 import traceback
@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from loomrl.config import RunConfig
-from loomrl.trainer.distributed import DataParallelTrainer, init_process_group, param_checksum, shard_samples
+from loomrl.trainer.checkpoint import load_optimizer, load_state
+from loomrl.trainer.distributed import DataParallelTrainer, free_port, init_process_group, param_checksum, shard_samples
 from loomrl.trainer.trainer import StepStats, Trainer, initial_policy
 from loomrl.types import TrainingSample
 
@@ -46,8 +47,6 @@ COLLECTIVE_TIMEOUT_S = 300.0
 def exit_reason(code: int | None, what: str) -> str:
     """Why a process ended, from its exit code (negative: the signal that killed it)."""
     if code is not None and code < 0:
-        import signal
-
         name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
         why = " (killed: out of memory, or by an operator)" if name == "SIGKILL" else ""
         return f"{what} died from signal {name}{why}"
@@ -83,7 +82,6 @@ class Follower:
 
     def __init__(self, cfg: RunConfig, ckpt: Path | None):
         from loomrl.model.loader import load_run_model
-        from loomrl.trainer.checkpoint import load_optimizer, load_state
 
         model, _ = load_run_model(cfg.model, ckpt)
         self.trainer = Trainer(model, cfg.trainer, initial_model=initial_policy(cfg, ckpt))
@@ -168,7 +166,6 @@ class RankGroup(ABC):
 class LocalFollowers:
     """Followers spawned on this machine: their processes and the queues to reach them."""
 
-    world_size: int
     port: int
     procs: list[Any]
     inboxes: list[Any]  # rank 0 -> follower r (index r - 1)
@@ -200,8 +197,6 @@ class LocalFollowers:
 
 def spawn_local_followers(cfg: RunConfig, ckpt: Path | None, threads: int) -> LocalFollowers:
     """Start ranks 1..trainer.world_size-1 as processes of this machine (rank 0 then joins on `port`)."""
-    from loomrl.trainer.distributed import free_port
-
     world = cfg.trainer.world_size
     ctx = mp.get_context("spawn")
     port = free_port()
@@ -214,7 +209,7 @@ def spawn_local_followers(cfg: RunConfig, ckpt: Path | None, threads: int) -> Lo
                               inboxes[rank - 1], outboxes[rank - 1]))
         p.start()
         procs.append(p)
-    return LocalFollowers(world_size=world, port=port, procs=procs, inboxes=inboxes, outboxes=outboxes)
+    return LocalFollowers(port=port, procs=procs, inboxes=inboxes, outboxes=outboxes)
 
 
 def follower_threads(cfg: RunConfig, trainer_share: int) -> int:

@@ -141,9 +141,9 @@ class TrainerService:
             usable, left_out, reason = usable_group(group, self.cfg.buffer)
             for why, ids in left_out.items():
                 skipped.setdefault(why, []).extend(ids)
+            out = {i for ids in left_out.values() for i in ids}
             if reason:
                 groups_skipped += 1
-                out = {i for ids in left_out.values() for i in ids}
                 if reason == "zero_variance" and self.cfg.trainer.count_idle_groups:
                     kept = [t for t in group if t.trajectory_id not in out and any(t.all_turns())]
                     idle = samples_from_group(kept, self.cfg.trainer.advantage)
@@ -154,9 +154,8 @@ class TrainerService:
                 continue
             samples.extend(samples_from_group(usable, self.cfg.trainer.advantage))
             trained.extend(t.trajectory_id for t in usable)
-            usable_ids = {t.trajectory_id for t in usable}
-            unaccounted = [t.trajectory_id for t in group if t.trajectory_id not in usable_ids
-                           and not any(t.trajectory_id in ids for ids in left_out.values())]
+            accounted = {t.trajectory_id for t in usable} | out
+            unaccounted = [t.trajectory_id for t in group if t.trajectory_id not in accounted]
             if unaccounted:  # no turn at all
                 skipped.setdefault("incomplete", []).extend(unaccounted)
         if self.cfg.buffer.balance_max_ratio is not None and samples:
@@ -166,15 +165,14 @@ class TrainerService:
             if before - after:
                 skipped.setdefault("balance", []).extend(sorted(before - after))
                 trained = [t for t in trained if t in after]
-        metrics: dict[str, Any] = {"groups": len(groups), "groups_stale": len(stale),
-                                   "groups_skipped": groups_skipped,
+        metrics: dict[str, Any] = {"groups": len(groups), "groups_stale": len(stale), "groups_skipped": groups_skipped,
                                    "buffer/depth": depth}  # backpressure: groups waiting when the step began
         waits = self.buffer.last_waits
         if waits:
             metrics["buffer/wait_s_mean"] = sum(waits) / len(waits)
             metrics["buffer/wait_s_max"] = max(waits)
-        for lag, count in sorted(Counter(version - group_min_version(g) for g in groups
-                                         if group_min_version(g) >= 0).items()):
+        staleness = [version - group_min_version(g) for g in groups if group_min_version(g) >= 0]
+        for lag, count in sorted(Counter(staleness).items()):
             metrics[f"staleness/lag_{lag}"] = count  # histogram of the consumed groups' lag
         decay = self.cfg.buffer.lag_decay
         if decay > 0:  # down-weight what was sampled by older policies
@@ -191,7 +189,6 @@ class TrainerService:
             metrics.update({f"train/{k}": v for k, v in asdict(stats).items()})
         else:  # a step with no signal still consumes its groups and advances the schedule
             (self.ranks or self.trainer).skip_step()
-        staleness = [version - group_min_version(g) for g in groups if group_min_version(g) >= 0]
         metrics["staleness_max"] = max(staleness) if staleness else 0
         entry = {"step": self.version, "trained": trained, "skipped": skipped,
                  "stale": [t.trajectory_id for g in stale for t in g]}
@@ -204,12 +201,10 @@ class TrainerService:
         return metrics
 
     def checkpoint(self) -> Path:
-        return save_checkpoint(
-            self.run_dir, self.version, model=self.model, tokenizer=self.tokenizer,
-            optimizer=self.trainer.optimizer, scheduler=self.trainer.scheduler,
-            state={"buffer": self.buffer.state_dict(), "received": self.received.state(), "extra": self.extra,
-                   "metrics": self.last_metrics},
-        )
+        state = {"buffer": self.buffer.state_dict(), "received": self.received.state(), "extra": self.extra,
+                 "metrics": self.last_metrics}
+        return save_checkpoint(self.run_dir, self.version, model=self.model, tokenizer=self.tokenizer,
+                               optimizer=self.trainer.optimizer, scheduler=self.trainer.scheduler, state=state)
 
     def live_weights(self) -> dict[str, torch.Tensor]:
         """The parameters that training changes (frozen ones never need resending), not copied: a

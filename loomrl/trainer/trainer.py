@@ -1,13 +1,11 @@
-"""The optimiser step: per-token logprobs of a batch of samples, the configured policy loss
-(losses.py: PPO clip by default, GSPO, decoupled PPO, CISPO; IS corrections, KL, aggregation), AdamW,
-grad clipping.
+"""The optimiser step: per-token logprobs of a batch of samples, the configured policy loss (losses.py: PPO clip by
+default, GSPO, decoupled PPO, CISPO; IS corrections, KL, aggregation), AdamW, grad clipping.
 
-Cost notes (CPU): logits are computed only at positions whose next token is trained (the 49k-wide
-LM head is a large share of a small model's FLOPs), and `freeze_layers` keeps the embeddings and the
-bottom N blocks fixed so that backward stops above them. With `tree_merge`, micro-batches are cut
-from the samples in lexicographic order (a group's samples stay together) and forwarded as one prefix
-tree each (tree.py), so a shared prompt or history is computed once (once per step, across
-micro-batches, with `tree_merge_memory=depth_first`).
+Cost notes (CPU): logits are computed only at positions whose next token is trained (the 49k-wide LM head is a large
+share of a small model's FLOPs), and `freeze_layers` keeps the embeddings and the bottom N blocks fixed so that backward
+stops above them. With `tree_merge`, micro-batches are cut from the samples in lexicographic order (a group's samples
+stay together) and forwarded as one prefix tree each (tree.py), so a shared prompt or history is computed once (once per
+step, across micro-batches, with `tree_merge_memory=depth_first`).
 """
 
 from __future__ import annotations
@@ -16,6 +14,7 @@ import copy
 import math
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,9 +23,12 @@ import torch
 from loomrl.config import RunConfig, TrainerConfig
 from loomrl.trainer.losses import policy_loss
 from loomrl.trainer.tree import (
+    compression_ratio,
+    decoder_and_head,
     dense_attention_pairs,
     depth_first_backward,
     plan_tries,
+    sampled_positions,
     tree_attention_pairs,
     tree_token_logprobs,
     unique_tokens,
@@ -51,16 +53,11 @@ class StepStats:
     attn_pairs: int = 0  # ... of the forwards actually run (fewer with tree merge)
 
 
-def _decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
-    base = getattr(model, "model", None) or model.get_decoder()
-    return base, model.get_output_embeddings()
-
-
 def freeze_bottom(model: torch.nn.Module, n_layers: int) -> None:
     """Fix the input embeddings and the bottom `n_layers` transformer blocks (tied head included)."""
     if n_layers <= 0:
         return
-    base, _ = _decoder_and_head(model)
+    base, _ = decoder_and_head(model)
     base.get_input_embeddings().weight.requires_grad_(False)
     for layer in base.layers[:n_layers]:
         for p in layer.parameters():
@@ -69,7 +66,7 @@ def freeze_bottom(model: torch.nn.Module, n_layers: int) -> None:
 
 def token_logprobs(model: torch.nn.Module, samples: list[TrainingSample], *, with_grad: bool) -> list[torch.Tensor]:
     """Logprob of each sample's loss-masked tokens under `model` (at the sample's temperature)."""
-    base, head = _decoder_and_head(model)
+    base, head = decoder_and_head(model)
     width = max(len(s.token_ids) for s in samples)
     ids = torch.zeros((len(samples), width), dtype=torch.long)
     attn = torch.zeros((len(samples), width), dtype=torch.long)
@@ -80,7 +77,7 @@ def token_logprobs(model: torch.nn.Module, samples: list[TrainingSample], *, wit
         hidden = base(input_ids=ids, attention_mask=attn).last_hidden_state  # [B, T, H]
         out = []
         for i, s in enumerate(samples):
-            targets = [t for t in range(1, len(s.token_ids)) if s.loss_mask[t]]
+            targets = sampled_positions(s)
             if not targets:
                 out.append(hidden.new_zeros(0))
                 continue
@@ -104,9 +101,9 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         warmup = cfg.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
-        )
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0)
         self.step = 0
+        self.grad_hook: Callable[[], None] | None = None  # trainer/distributed.py: sums the ranks' gradients
         # KL to the initial policy needs its logprobs: a frozen copy, kept only when the KL term is on.
         kl = cfg.loss.kl is not None and cfg.loss.kl_coef > 0
         self.ref_model = (initial_model if initial_model is not None else copy.deepcopy(model)).eval() if kl else None
@@ -118,12 +115,11 @@ class Trainer:
         """One optimiser step over `samples`, in micro-batches, with the configured loss
         (loomrl/trainer/losses.py); aggregation denominators are those of the whole step.
 
-        `idle_tokens`/`idle_seqs`: sampled tokens and sequences of the step that were left out only
-        because they carry no signal (groups whose rewards are all equal: zero advantage). They count
-        in the denominators, so leaving them out saves compute without changing the gradient; were
-        they dropped from the denominator too, a step with one informative group would move the
-        weights as far as a step with six, on a sixth of the evidence. `idle_longest`: the most sampled
-        tokens of one idle sequence (token_sum_norm's default constant is the longest x sequences).
+        `idle_tokens`/`idle_seqs`: sampled tokens and sequences of the step that were left out only because they carry
+        no signal (groups whose rewards are all equal: zero advantage). They count in the denominators, so leaving them
+        out saves compute without changing the gradient; were they dropped from the denominator too, a step with one
+        informative group would move the weights as far as a step with six, on a sixth of the evidence. `idle_longest`:
+        the most sampled tokens of one idle sequence (token_sum_norm's default constant is the longest x sequences).
         Exception: with a KL penalty the idle tokens' KL term would have had a gradient; it is not
         trained (their tokens still count in the denominator)."""
         start = time.perf_counter()
@@ -131,10 +127,9 @@ class Trainer:
         if idle_tokens < 0 or idle_seqs < 0:
             raise ValueError(f"train_step: idle_tokens and idle_seqs must be >= 0, got {idle_tokens}, {idle_seqs}")
         total_loss_tokens = sum(sum(s.loss_mask) for s in samples)
-        grad_hook = getattr(self, "grad_hook", None)  # trainer/distributed.py: sums the ranks' gradients
         # A data-parallel rank may get no samples (fewer than ranks): it still takes the step, with
         # the gradient the other ranks send, so that every replica stays the same.
-        if total_loss_tokens == 0 and grad_hook is None:
+        if total_loss_tokens == 0 and self.grad_hook is None:
             raise ValueError("train_step: no sampled tokens in the batch")
         batches, merged, tree_ratio = self._micro_batches(samples)
         pairs_dense = [dense_attention_pairs([s.token_ids for s in b]) for b in batches]
@@ -144,10 +139,8 @@ class Trainer:
             pairs = [tree_attention_pairs([s.token_ids for s in samples])]
         # Decoupled PPO's proximal policy: the weights before this step; KL's reference: the initial weights.
         self.model.eval()
-        prox = ([self._logprobs(self.model, b, m, with_grad=False) for b, m in zip(batches, merged)]
-                if cfg.loss.kind == "decoupled_ppo" else None)
-        ref = ([self._logprobs(self.ref_model, b, m, with_grad=False) for b, m in zip(batches, merged)]
-               if self.ref_model is not None else None)
+        prox = self._no_grad_logprobs(self.model, batches, merged) if cfg.loss.kind == "decoupled_ppo" else None
+        ref = self._no_grad_logprobs(self.ref_model, batches, merged) if self.ref_model is not None else None
         self.model.train()
         if cfg.loss.aggregation == "token_mean":
             aggregation, norm = "token_sum_norm", float(total_loss_tokens + idle_tokens)  # sum / the step's sampled tokens
@@ -170,30 +163,27 @@ class Trainer:
             parts = [(i, s, logp) for i, (s, logp) in enumerate(zip(chunk, logps)) if logp.numel()]
             if not parts:
                 return None
-            idx = [[t for t in range(1, len(s.token_ids)) if s.loss_mask[t]] for _, s, _ in parts]
+            idx = [sampled_positions(s) for _, s, _ in parts]
             behaviour = torch.tensor([s.behaviour_logprobs[t] for (_, s, _), ts in zip(parts, idx) for t in ts])
             adv = torch.tensor([s.advantages[t] for (_, s, _), ts in zip(parts, idx) for t in ts])
             seq_ids = torch.tensor([seq_offset + k for k, ts in enumerate(idx) for _ in ts])
             # A chunk is one turn: a run of sampled tokens between two environment interactions.
-            chunk_ids, c = [], chunk_offset
+            chunk_ids, c = [], chunk_offset - 1
             for ts in idx:
                 for j, t in enumerate(ts):
-                    if j and t != ts[j - 1] + 1:
-                        c += 1
+                    c += j == 0 or t != ts[j - 1] + 1  # a new sequence, or a gap in its sampled tokens
                     chunk_ids.append(c)
-                c += 1
             seq_offset += len(parts)
-            chunk_offset = c
+            chunk_offset = c + 1
             loss, stats = policy_loss(
                 loss_cfg, torch.cat([logp for _, _, logp in parts]), behaviour, adv, seq_ids,
                 chunk_ids=torch.tensor(chunk_ids),
                 prox_logp=torch.cat([prox[b][i] for i, _, _ in parts]) if prox is not None else None,
                 ref_logp=torch.cat([ref[b][i] for i, _, _ in parts]) if ref is not None else None,
                 num_seqs=len(samples) + idle_seqs)
-            n = stats.get("num_tokens", float(len(behaviour)))
             for key in ("clip_frac", "ratio_mean", "approx_kl", "ess"):
                 if key in stats:
-                    stats_sum[key] = stats_sum.get(key, 0.0) + stats[key] * n
+                    stats_sum[key] = stats_sum.get(key, 0.0) + stats[key] * stats["num_tokens"]
             return loss
 
         if self._depth_first() and batches:  # tree.py: shared prefixes computed once, one micro-batch's graph alive
@@ -204,30 +194,21 @@ class Trainer:
                 if loss is not None:
                     loss.backward()
                     loss_sum += float(loss.detach())
-        if grad_hook is not None:
-            grad_hook()
+        if self.grad_hook is not None:
+            self.grad_hook()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
         if math.isfinite(grad_norm):
             self.optimizer.step()
         self.scheduler.step()
         self.step += 1
         self.model.eval()
-        per_token = max(total_loss_tokens, 1)
+        mean = {key: v / max(total_loss_tokens, 1) for key, v in stats_sum.items()}  # per sampled token
         return StepStats(
-            loss=loss_sum,
-            grad_norm=grad_norm,
-            clip_frac=stats_sum.get("clip_frac", 0.0) / per_token,
-            ratio_mean=stats_sum.get("ratio_mean", 0.0) / per_token,
-            approx_kl=stats_sum.get("approx_kl", 0.0) / per_token,
-            tokens=sum(len(s.token_ids) for s in samples),
-            loss_tokens=total_loss_tokens,
-            seconds=time.perf_counter() - start,
-            lr=self.scheduler.get_last_lr()[0],
-            ess=stats_sum["ess"] / per_token if "ess" in stats_sum else 1.0,
-            tree_ratio=tree_ratio,
-            attn_pairs_dense=sum(pairs_dense),
-            attn_pairs=sum(pairs),
-        )
+            loss=loss_sum, grad_norm=grad_norm, clip_frac=mean.get("clip_frac", 0.0),
+            ratio_mean=mean.get("ratio_mean", 0.0), approx_kl=mean.get("approx_kl", 0.0), ess=mean.get("ess", 1.0),
+            tokens=sum(len(s.token_ids) for s in samples), loss_tokens=total_loss_tokens,
+            seconds=time.perf_counter() - start, lr=self.scheduler.get_last_lr()[0], tree_ratio=tree_ratio,
+            attn_pairs_dense=sum(pairs_dense), attn_pairs=sum(pairs))
 
     def skip_step(self) -> None:
         """A step whose groups carried no signal: it consumes them and advances the learning-rate
@@ -242,21 +223,19 @@ class Trainer:
         the tokens its forwards compute)."""
         cfg = self.cfg
         mb = cfg.micro_batch_size
-        if cfg.tree_merge == "off":
-            # Micro-batches of similar length waste less padding.
+        if cfg.tree_merge == "off":  # micro-batches of similar length waste less padding
             ordered = sorted(samples, key=lambda s: len(s.token_ids))
-            batches = [ordered[i : i + mb] for i in range(0, len(ordered), mb)]
-            return batches, [False] * len(batches), 1.0
-        # Lexicographic order puts samples that share a prefix next to each other, in one micro-batch.
-        ordered = sorted(samples, key=lambda s: s.token_ids)
-        if cfg.tree_token_budget is not None:
+        else:  # lexicographic order puts samples that share a prefix next to each other, in one micro-batch
+            ordered = sorted(samples, key=lambda s: s.token_ids)
+        if cfg.tree_merge != "off" and cfg.tree_token_budget is not None:
             groups = plan_tries([s.token_ids for s in ordered], cfg.tree_token_budget)
             batches = [[ordered[i] for i in g] for g in groups]
-            if self._depth_first():  # every micro-batch merged; each node of the step forwarded once
-                seqs = [s.token_ids for s in ordered]
-                return batches, [True] * len(batches), sum(map(len, seqs)) / max(unique_tokens(seqs), 1)
         else:
             batches = [ordered[i : i + mb] for i in range(0, len(ordered), mb)]
+        if cfg.tree_merge == "off":
+            return batches, [False] * len(batches), 1.0
+        if self._depth_first():  # every micro-batch merged; each node of the step forwarded once
+            return batches, [True] * len(batches), compression_ratio([s.token_ids for s in ordered])
         merged, tokens, forwarded = [], 0, 0
         for b in batches:
             total, unique = sum(len(s.token_ids) for s in b), unique_tokens([s.token_ids for s in b])
@@ -271,9 +250,11 @@ class Trainer:
 
     @staticmethod
     def _logprobs(model: torch.nn.Module, batch: list[TrainingSample], merged: bool, *, with_grad: bool) -> list[torch.Tensor]:
-        if merged:
-            return tree_token_logprobs(model, batch, with_grad=with_grad)
-        return token_logprobs(model, batch, with_grad=with_grad)
+        return (tree_token_logprobs if merged else token_logprobs)(model, batch, with_grad=with_grad)
+
+    def _no_grad_logprobs(self, model: torch.nn.Module, batches: list[list[TrainingSample]],
+                          merged: list[bool]) -> list[list[torch.Tensor]]:
+        return [self._logprobs(model, b, m, with_grad=False) for b, m in zip(batches, merged)]
 
 
 def initial_policy(cfg: RunConfig, resume_from: Path | None) -> torch.nn.Module | None:

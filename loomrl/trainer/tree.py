@@ -1,28 +1,24 @@
-"""Prefix-tree merged training: the samples of a micro-batch become one trie, each shared token is
-computed once, and every sample's per-token logprobs (and so its gradients) equal the dense
-computation's up to float rounding.
+"""Prefix-tree merged training: the samples of a micro-batch become one trie, each shared token is computed once, and
+every sample's per-token logprobs (and so its gradients) equal the dense computation's up to float rounding.
 
-What it is. `pack_tree` inserts the samples' token ids into a trie and lays its nodes out in
-depth-first order: each unique (prefix, token) appears once, with its depth as position id, and a
-packed token may attend exactly to its ancestors (itself included). `tree_token_logprobs` runs the
-model once over that packed sequence and returns what `trainer.token_logprobs` returns. The logprob
-of a sample's token t is read from the packed node of token t-1; the LM head runs once per distinct
-(node, temperature), so duplicate samples and the shared history of multi-turn samples cost one
-logit row, and samples of different temperatures that share a node each get their own division.
+What it is. `pack_tree` inserts the samples' token ids into a trie and lays its nodes out in depth-first order: each
+unique (prefix, token) appears once, with its depth as position id, and a packed token may attend exactly to its
+ancestors (itself included). `tree_token_logprobs` runs the model once over that packed sequence and returns what
+`trainer.token_logprobs` returns. The logprob of a sample's token t is read from the packed node of token t-1; the LM
+head runs once per distinct (node, temperature), so duplicate samples and the shared history of multi-turn samples cost
+one logit row, and samples of different temperatures that share a node each get their own division.
 
 Attention, two exact ways (`attention=`):
-- "segments" (default): a custom transformers attention function (registered in transformers'
-  `AttentionInterface` and switched on for the duration of the forward with the documented
-  `model.set_attn_implementation`). The packed sequence is cut into segments, runs in which every
-  token's parent is the token before it; a segment's queries see a few contiguous key spans (its
-  ancestors) plus itself causally, so each is one SDPA call over only the keys it needs: the cost is
-  the tree's (query, key) pairs, not N^2 (plus the upper triangle of a segment's own block, which
-  the CPU kernel computes under the mask when the segment has ancestors).
-- "mask": the model's own attention with a 4-D mask, which transformers 5.24 passes through as it
-  is (masking_utils: "If the mask is already 4D, simply return as-is"): boolean (True = attend) for
-  sdpa, additive (0 / dtype min) for eager; a boolean mask given to eager would be added as 0/1,
-  silently wrong, so the kind follows `config._attn_implementation`. This costs N^2 per head and
-  layer (CPU SDPA does not skip masked blocks) and serves as the plain, reference path.
+- "segments" (default): a custom transformers attention function (registered in transformers' `AttentionInterface` and
+  switched on for the duration of the forward with the documented `model.set_attn_implementation`). The packed sequence
+  is cut into segments, runs in which every token's parent is the token before it; a segment's queries see a few
+  contiguous key spans (its ancestors) plus itself causally, so each is one SDPA call over only the keys it needs: the
+  cost is the tree's (query, key) pairs, not N^2 (plus the upper triangle of a segment's own block, which the CPU kernel
+  computes under the mask when the segment has ancestors).
+- "mask": the model's own attention with a 4-D mask, which transformers 5.24 passes through as it is (masking_utils: "If
+  the mask is already 4D, simply return as-is"): boolean (True = attend) for sdpa, additive (0 / dtype min) for eager; a
+  boolean mask given to eager would be added as 0/1, silently wrong, so the kind follows `config._attn_implementation`.
+  This costs N^2 per head and layer (CPU SDPA does not skip masked blocks) and serves as the plain, reference path.
 flex_attention block masks are not used: in torch 2.13 FlexAttention has no backward on CPU
 (NotImplementedError), and training needs one.
 
@@ -32,33 +28,30 @@ sub-trie of its own). A prefix shared across two sub-tries is computed once per 
 realised compression is lower than the whole batch's; with grad, every sub-trie's graph stays alive
 until the caller's backward, so the trainer splits its micro-batches with `plan_tries` instead.
 
-Depth-first (AReaL-DTA style), `depth_first_backward`: every node of the whole trie is computed
-once, and the caller's loss is applied and backwarded per sub-trie inside the pass. A node used by
-sub-tries lo..hi (lo < hi) is trunk; trunk nodes with the same (lo, hi) form one chain (siblings
-have disjoint, ordered sample ranges), forwarded once just before sub-trie lo. Its output hidden
-state and each layer's K and V are then detached into leaves that require grad; later forwards
-attend to the leaves and the LM head reads the hidden leaf, so each sub-trie's backward stops at
-them and accumulates their .grad. After sub-trie hi, the chain's own graph is backwarded with those
-gradients (torch.autograd.backward(outputs, grad_tensors=leaf grads)), latest chain first, since a
-chain may attend to an earlier one's leaves but never the reverse. The gradient is the chain rule
-split at the leaves, so exact: equal to dense up to float summation order. Alive during a forward:
-its own nodes plus the trunk chains whose range covers the current sub-trie, all of them nodes of
-that sub-trie, so never more than the sub-trie's unique tokens (`DepthFirstResult.alive_tokens`).
-Cost over sub-tries: shared prefixes are not recomputed; a trunk node's logit row needed by two
-sub-tries (a split group's last prompt token) goes through the LM head once per sub-trie, and each
-forward concatenates the alive trunk K/V per layer (one copy). The past K/V reach the attention
-through the segment plan, a side channel, not transformers' `cache=`: the attention function gets
-exactly the post-RoPE, pre-GQA K/V a cache would hold (captured the same way in the trunk forward),
-indexed by `module.layer_idx`, and no cache object (with its in-place growth and its own masks and
+Depth-first (AReaL-DTA style), `depth_first_backward`: every node of the whole trie is computed once, and the caller's
+loss is applied and backwarded per sub-trie inside the pass. A node used by sub-tries lo..hi (lo < hi) is trunk; trunk
+nodes with the same (lo, hi) form one chain (siblings have disjoint, ordered sample ranges), forwarded once just before
+sub-trie lo. Its output hidden state and each layer's K and V are then detached into leaves that require grad; later
+forwards attend to the leaves and the LM head reads the hidden leaf, so each sub-trie's backward stops at them and
+accumulates their .grad. After sub-trie hi, the chain's own graph is backwarded with those gradients
+(torch.autograd.backward(outputs, grad_tensors=leaf grads)), latest chain first, since a chain may attend to an earlier
+one's leaves but never the reverse. The gradient is the chain rule split at the leaves, so exact: equal to dense up to
+float summation order. Alive during a forward: its own nodes plus the trunk chains whose range covers the current
+sub-trie, all of them nodes of that sub-trie, so never more than the sub-trie's unique tokens
+(`DepthFirstResult.alive_tokens`).
+Cost over sub-tries: shared prefixes are not recomputed; a trunk node's logit row needed by two sub-tries (a split
+group's last prompt token) goes through the LM head once per sub-trie, and each forward concatenates the alive trunk K/V
+per layer (one copy). The past K/V reach the attention through the segment plan, a side channel, not transformers'
+`cache=`: the attention function gets exactly the post-RoPE, pre-GQA K/V a cache would hold (captured the same way in
+the trunk forward), indexed by `module.layer_idx`, and no cache object (with its in-place growth and its own masks and
 cache positions) is involved; positions are the nodes' depths as everywhere else.
 
-Not covered: sliding-window or soft-capped attention (ValueError), models whose decoder does not
-take `position_ids`, batches with padding inside a sample (loomrl samples have none); for the
-depth-first pass, attention modules without a `layer_idx` and a no-grad use (the trainer's no-grad
-passes use `tree_token_logprobs` per sub-trie). The "segments"
-switch of the attention implementation is not thread-safe against a concurrent forward of the same
-model object (loomrl's trainer owns its model during a step: sync mode alternates with the engine,
-async mode trains in its own process).
+Not covered: sliding-window or soft-capped attention (ValueError), models whose decoder does not take `position_ids`,
+batches with padding inside a sample (loomrl samples have none); for the depth-first pass, attention modules without a
+`layer_idx` and a no-grad use (the trainer's no-grad passes use `tree_token_logprobs` per sub-trie). The "segments"
+switch of the attention implementation is not thread-safe against a concurrent forward of the same model object
+(loomrl's trainer owns its model during a step: sync mode alternates with the engine, async mode trains in its own
+process).
 """
 
 from __future__ import annotations
@@ -76,6 +69,7 @@ from loomrl.types import TrainingSample
 TREE_ATTENTION = "loomrl_tree"  # the name the segment attention is registered under in transformers
 
 Attention = Literal["segments", "mask"]
+KV = tuple[torch.Tensor, torch.Tensor]  # one layer's K and V, [1, Hkv, n, D] each
 
 
 @dataclass(slots=True, kw_only=True)
@@ -115,7 +109,7 @@ class PackedTree:
     @property
     def dense_attention_pairs(self) -> int:
         """(query, key) pairs of causal attention over every sample separately."""
-        return sum(n * (n + 1) // 2 for n in map(len, self.sample_nodes))
+        return dense_attention_pairs(self.sample_nodes)
 
     @property
     def tree_attention_pairs(self) -> int:
@@ -233,12 +227,11 @@ def compression_ratio(seqs: Sequence[Sequence[int]]) -> float:
 class _SegmentPlan:
     """The packed sequence's segments as tensors, built once per forward and shared by all layers.
 
-    Queries are split by segment (`q_sizes`, in packed order). Keys/values are gathered once into
-    one tensor, each segment's spans one after another (`kv_index`; None when there is a single
-    segment: the keys are the sequence itself), then split by `kv_sizes`. One gather and one split
-    keep the backward to one index_add and one cat; slicing per segment would allocate a zero
-    tensor of the whole sequence for every slice's gradient. `masks`: [L, K] bool per segment, None
-    for a root segment (plain causal).
+    Queries are split by segment (`q_sizes`, in packed order). Keys/values are gathered once into one tensor, each
+    segment's spans one after another (`kv_index`; None when there is a single segment: the keys are the sequence
+    itself), then split by `kv_sizes`. One gather and one split keep the backward to one index_add and one cat; slicing
+    per segment would allocate a zero tensor of the whole sequence for every slice's gradient. `masks`: [L, K] bool per
+    segment, None for a root segment (plain causal).
 
     Depth-first pass only: `past` holds, per layer, the K/V [1, Hkv, P, D] of the P packed tokens
     before the queries (keys index past + new); `capture`, when set, receives each layer's new K/V."""
@@ -247,8 +240,8 @@ class _SegmentPlan:
     kv_sizes: list[int]
     kv_index: torch.Tensor | None
     masks: list[torch.Tensor | None]
-    past: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-    capture: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+    past: list[KV] | None = None
+    capture: dict[int, KV] | None = None
 
 
 def _plan(segments: list[Segment], first: int = 0) -> _SegmentPlan:
@@ -314,7 +307,8 @@ def _attention_implementation(model: torch.nn.Module, name: str) -> Iterator[Non
         model.set_attn_implementation(before)
 
 
-def _decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A causal LM's decoder stack (hidden states out) and its LM head."""
     base = getattr(model, "model", None) or model.get_decoder()
     return base, model.get_output_embeddings()
 
@@ -322,7 +316,7 @@ def _decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn
 def tree_hidden(model: torch.nn.Module, tree: PackedTree, attention: Attention = "segments") -> torch.Tensor:
     """Last hidden state of every packed token, [N, H]: one forward of the decoder over the trie."""
     _check_supported(model)
-    base, _ = _decoder_and_head(model)
+    base, _ = decoder_and_head(model)
     ids = torch.tensor([tree.token_ids])  # [1, N]
     pos = torch.tensor([tree.positions])  # [1, N]
     if attention == "segments":
@@ -340,7 +334,8 @@ def tree_hidden(model: torch.nn.Module, tree: PackedTree, attention: Attention =
     return base(input_ids=ids, position_ids=pos, attention_mask=mask).last_hidden_state[0]
 
 
-def _targets(sample: TrainingSample) -> list[int]:
+def sampled_positions(sample: TrainingSample) -> list[int]:
+    """The positions t >= 1 whose token is trained (loss-masked); its logprob is read at t - 1."""
     return [t for t in range(1, len(sample.token_ids)) if sample.loss_mask[t]]
 
 
@@ -370,7 +365,7 @@ def _sample_logprobs(model: torch.nn.Module, hidden: torch.Tensor, samples: Sequ
     row_of, tokens, counts = [], [], []
     for i, s in enumerate(samples):
         divisor = s.temperature if s.temperature > 0 else 1.0
-        targets = _targets(s)
+        targets = sampled_positions(s)
         for t in targets:
             row_of.append(rows.setdefault((rows_of[i][t - 1], divisor), len(rows)))
             tokens.append(s.token_ids[t])
@@ -388,7 +383,7 @@ def _head_logprobs(model: torch.nn.Module, hidden: torch.Tensor, rows: list[tupl
                    row_of: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log_softmax(head(hidden[node]) / divisor)[token] for each target, in target order, computed
     row-chunk by row-chunk. rows: (node, divisor) per logit row; row_of, tokens: [T] per target."""
-    _, head = _decoder_and_head(model)
+    _, head = decoder_and_head(model)
     order = torch.argsort(row_of, stable=True)  # targets grouped by row, so chunks take contiguous runs
     by_row = row_of[order]
     picked = []
@@ -432,11 +427,13 @@ class _Trunk:
 
 
 def _part_hidden(model: torch.nn.Module, tree: PackedTree, alive: list[_Trunk], nodes: list[int],
-                 capture: dict[int, tuple[torch.Tensor, torch.Tensor]] | None) -> torch.Tensor:
-    """Hidden states [n, H] of packed `nodes` (parents first), each attending to its ancestors
-    among the alive trunks' nodes (through their K/V leaves) and among `nodes`."""
-    base, _ = _decoder_and_head(model)
+                 capture: dict[int, KV] | None, result: DepthFirstResult) -> torch.Tensor:
+    """Hidden states [n, H] of packed `nodes` (parents first), each attending to its ancestors among the alive trunks'
+    nodes (through their K/V leaves) and among `nodes`; the forward's token counts go to `result`."""
+    base, _ = decoder_and_head(model)
     past_nodes = [n for t in alive for n in t.nodes]  # creation order: parents before children
+    result.alive_tokens.append(len(past_nodes) + len(nodes))
+    result.forward_tokens.append(len(nodes))
     order = [*past_nodes, *nodes]
     local = {n: j for j, n in enumerate(order)}
     parents = [local[tree.parents[n]] if tree.parents[n] >= 0 else -1 for n in order]  # KeyError: a missing ancestor
@@ -475,22 +472,18 @@ def depth_first_backward(model: torch.nn.Module, batches: Sequence[Sequence[Trai
     starting: dict[int, list[tuple[int, list[int]]]] = {}
     for (lo, hi), nodes in sorted(shared.items(), key=lambda kv: (kv[0][0], -kv[0][1])):
         starting.setdefault(lo, []).append((hi, nodes))
-    width, dtype = model.config.hidden_size, _decoder_and_head(model)[0].get_input_embeddings().weight.dtype
+    width, dtype = model.config.hidden_size, decoder_and_head(model)[0].get_input_embeddings().weight.dtype
     result = DepthFirstResult(logprobs=[], loss=0.0, forward_tokens=[], alive_tokens=[])
     alive: list[_Trunk] = []
     for k, batch in enumerate(batches):
         for hi, nodes in starting.get(k, []):
-            capture: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-            result.alive_tokens.append(sum(len(t.nodes) for t in alive) + len(nodes))
-            result.forward_tokens.append(len(nodes))
-            hidden = _part_hidden(model, tree, alive, nodes, capture)
+            capture: dict[int, KV] = {}
+            hidden = _part_hidden(model, tree, alive, nodes, capture, result)
             outputs = [hidden, *(x for layer in sorted(capture) for x in capture[layer])]
             alive.append(_Trunk(nodes=nodes, hi=hi, outputs=outputs,
                                 leaves=[x.detach().requires_grad_(x.requires_grad) for x in outputs]))
         if own[k]:
-            result.alive_tokens.append(sum(len(t.nodes) for t in alive) + len(own[k]))
-            result.forward_tokens.append(len(own[k]))
-            hidden = _part_hidden(model, tree, alive, own[k], None)  # [n, H]
+            hidden = _part_hidden(model, tree, alive, own[k], None, result)  # [n, H]
         else:  # every node of the batch is shared with a neighbour
             hidden = torch.zeros(0, width, dtype=dtype)
         # Rows: the alive trunks' hidden leaves, then the batch's own nodes; every node of the batch is one.

@@ -7,11 +7,10 @@ a Ray actor call); `load_weights(handle)` turns it back into tensors there. Tran
 - "queue": the tensors ride inside the handle (cloned at publish). Sending the handle through a
   multiprocessing queue is today's async path: torch's pickler moves each storage into shared
   memory on the way. The baseline; the handle is as large as the model.
-- "shm":  POSIX shared-memory segments holding a header (tensor names, dtypes, shapes, offsets and
-  the version) then the tensors' bytes, 64-byte aligned. The handle names the segment. Segments of
-  versions out of the window are rewritten for later ones (a new segment costs several times the
-  copy: the kernel allocates and zeroes every page), under flock so that no reader is mid-copy (see
-  the section's comment).
+- "shm":  POSIX shared-memory segments holding a header (tensor names, dtypes, shapes, offsets and the version) then the
+  tensors' bytes, 64-byte aligned. The handle names the segment. Segments of versions out of the window are rewritten
+  for later ones (a new segment costs several times the copy: the kernel allocates and zeroes every page), under flock
+  so that no reader is mid-copy (see the section's comment).
 - "file": one safetensors file per version in a folder, written under a temporary name, fsynced,
   then renamed into place (os.replace is atomic). Works across machines on a shared filesystem and
   lets a restarted engine find the newest version by listing the folder (`latest_file_handle`).
@@ -21,13 +20,12 @@ Atomicity (a reader never sees a mix of two versions): every transport writes a 
 before its handle exists and never writes over a version while it can be read: files and Ray
 objects are never rewritten; a shm segment is rewritten only under an exclusive flock that readers
 hold shared while they copy, and a reader checks the segment's header names its handle's version.
-Cleanup: the publisher keeps the last `keep` versions loadable (default 2: the current one and the
-one engines may still be loading); older ones are unlinked (file, shm beyond one spare segment) or
-left to Ray's reference counting. On POSIX, unlinking only removes the name: a reader that has a
-file or segment open finishes normally; one that comes later (or finds its segment rewritten) gets
-`StaleWeights` and should load the newer handle, which is already on its way (handles are published
-in version order). Segments are also unlinked when the publisher closes, and by Python's resource
-tracker if the publisher's process dies.
+Cleanup: the publisher keeps the last `keep` versions loadable (default 2: the current one and the one engines may still
+be loading); older ones are unlinked (file, shm beyond one spare segment) or left to Ray's reference counting. On POSIX,
+unlinking only removes the name: a reader that has a file or segment open finishes normally; one that comes later (or
+finds its segment rewritten) gets `StaleWeights` and should load the newer handle, which is already on its way (handles
+are published in version order). Segments are also unlinked when the publisher closes, and by Python's resource tracker
+if the publisher's process dies.
 
 What this module is not: a channel (handles are sent by the caller) or a policy for when engines
 apply weights (engine.update_weights does that). One publisher per process and per folder; publish
@@ -36,9 +34,11 @@ is not meant to be called from two threads at once.
 
 from __future__ import annotations
 
+import _posixshmem
 import enum
 import fcntl
 import json
+import math
 import mmap
 import os
 import tempfile
@@ -46,8 +46,9 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import torch
 
@@ -88,26 +89,50 @@ class LoadedWeights(NamedTuple):
     load_s: float
 
 
-class WeightPublisher(Protocol):
+class WeightPublisher:
+    """What every transport shares: strictly increasing versions, the window of the last `keep` still
+    held (a version falling out of it goes to `_release`), and the timing of publish."""
+
     transport: Transport
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self._last: int | None = None
+        self._held: deque[tuple[int, Any]] = deque()  # (version, what the transport holds for it)
 
     def publish(self, weights: dict[str, Tensor], version: int) -> WeightHandle:
         """Snapshot `weights` as `version` (the caller may keep training them in place right after)."""
-        ...
+        if self._last is not None and version <= self._last:
+            raise ValueError(f"publish: version {version} is not above the last published one ({self._last})")
+        start = time.perf_counter()
+        resource, handle = self._snapshot(weights, version)
+        self._last = version
+        self._held.append((version, resource))
+        while len(self._held) > self.keep:
+            self._release(self._held.popleft()[1])
+        handle.publish_s = time.perf_counter() - start
+        return handle
 
     def close(self) -> None:
         """Free every version still held."""
-        ...
+        while self._held:
+            self._release(self._held.popleft()[1])
+
+    def _snapshot(self, weights: dict[str, Tensor], version: int) -> tuple[Any, WeightHandle]:
+        """Write `version` completely; returns what stays held for it and its handle."""
+        raise NotImplementedError
+
+    def _release(self, resource: Any) -> None:
+        """`resource` is out of the window (nothing to free by default)."""
 
 
 def available_transports() -> list[Transport]:
     """The transports usable in this environment (ray only when it is installed)."""
-    out = [Transport.QUEUE, Transport.SHM, Transport.FILE]
     try:
         import ray  # noqa: F401
     except ImportError:
-        return out
-    return [*out, Transport.RAY]
+        return [Transport.QUEUE, Transport.SHM, Transport.FILE]
+    return list(Transport)
 
 
 def make_publisher(transport: str, *, keep: int = 2, folder: str | Path | None = None) -> WeightPublisher:
@@ -125,9 +150,8 @@ def make_publisher(transport: str, *, keep: int = 2, folder: str | Path | None =
 
 
 def load_weights(handle: WeightHandle, into: dict[str, Tensor] | None = None) -> LoadedWeights:
-    """The handle's tensors and version. With `into` (e.g. an engine's parameters, by name), the tensors
-    are copied into those and `into` is returned: one copy fewer for shm. Raises StaleWeights if the
-    version was freed already."""
+    """The handle's tensors and version. With `into` (e.g. an engine's parameters, by name), the tensors are copied into
+    those and `into` is returned: one copy fewer for shm. Raises StaleWeights if the version was freed already."""
     start = time.perf_counter()
     if handle.transport is Transport.SHM:
         weights = _load_shm(handle, into)
@@ -168,62 +192,34 @@ def _nbytes(weights: dict[str, Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in weights.values())
 
 
-class _Versions:
-    """Strictly increasing versions and the window of the last `keep` still held."""
-
-    def __init__(self, keep: int):
-        self.keep = keep
-        self.last: int | None = None
-        self.held: deque[tuple[int, Any]] = deque()
-
-    def check(self, version: int) -> None:
-        if self.last is not None and version <= self.last:
-            raise ValueError(f"publish: version {version} is not above the last published one ({self.last})")
-
-    def add(self, version: int, resource: Any) -> list[Any]:
-        """Record `resource` for `version`; returns the ones that fell out of the window."""
-        self.last = version
-        self.held.append((version, resource))
-        out = []
-        while len(self.held) > self.keep:
-            out.append(self.held.popleft()[1])
-        return out
-
-
 # ---------------------------------------------------------------- queue (baseline)
 
 
-class QueuePublisher:
+class QueuePublisher(WeightPublisher):
+    """Nothing held: each handle owns its tensors."""
+
     transport = Transport.QUEUE
 
     def __init__(self) -> None:
-        self._versions = _Versions(keep=1)
+        super().__init__(keep=1)
 
-    def publish(self, weights: dict[str, Tensor], version: int) -> WeightHandle:
-        self._versions.check(version)
-        start = time.perf_counter()
+    def _snapshot(self, weights: dict[str, Tensor], version: int) -> tuple[Any, WeightHandle]:
         # A clone per version: torch pickles a storage when the queue's feeder thread gets to it,
         # later than put(), so sending live parameters could mix two versions.
         payload = {name: t.detach().clone() for name, t in weights.items()}
-        self._versions.add(version, None)
-        return WeightHandle(transport=self.transport, version=version, nbytes=_nbytes(payload), payload=payload,
-                            publish_s=time.perf_counter() - start)
-
-    def close(self) -> None:
-        """Nothing held: each handle owns its tensors."""
+        return None, WeightHandle(transport=self.transport, version=version, nbytes=_nbytes(payload), payload=payload)
 
 
 # ---------------------------------------------------------------- shared memory
 #
 # Segment layout: [8-byte little-endian header length][JSON header][tensors, each 64-byte aligned].
-# A new segment costs more than the copy into it (tmpfs allocates and zeroes every page: 8x to 50x
-# the copy on the development machine, benchmarks/weight_sync.py), so segments that fall out of the window are kept as spares and rewritten for a later
-# version. A spare may still be read (a slow reader, or one holding an old handle), so access goes
-# through flock on the segment: readers hold a shared lock while they check the header's version and
-# copy; the publisher rewrites a spare only under an exclusive lock taken without waiting, else it
-# makes a new segment and unlinks the busy spare (its reader keeps its mapping). A reader never sees
-# a mix: either the header still names its version and no one writes until it is done, or the
-# header names a newer one and it gets StaleWeights.
+# A new segment costs more than the copy into it (tmpfs allocates and zeroes every page: 8x to 50x the copy on the
+# development machine, benchmarks/weight_sync.py), so segments that fall out of the window are kept as spares and
+# rewritten for a later version. A spare may still be read (a slow reader, or one holding an old handle), so access goes
+# through flock on the segment: readers hold a shared lock while they check the header's version and copy; the publisher
+# rewrites a spare only under an exclusive lock taken without waiting, else it makes a new segment and unlinks the busy
+# spare (its reader keeps its mapping). A reader never sees a mix: either the header still names its version and no one
+# writes until it is done, or the header names a newer one and it gets StaleWeights.
 
 
 @dataclass(slots=True)
@@ -250,22 +246,16 @@ def _views(buf: Any, data_start: int, entries: list[list[Any]]) -> dict[str, Ten
     out = {}
     for name, dtype_name, shape, offset in entries:
         dtype = _dtype(dtype_name)
-        numel = 1
-        for d in shape:
-            numel *= d
-        if numel == 0:
+        if math.prod(shape) == 0:
             out[name] = torch.empty(shape, dtype=dtype)
             continue
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=data_start + offset)
         out[name] = raw.view(dtype).view(shape)
     return out
 
 
 def _create_segment(name: str, size: int) -> _Segment:
-    import _posixshmem
-    from multiprocessing import resource_tracker
-
     fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
     try:
         os.ftruncate(fd, size)
@@ -279,9 +269,6 @@ def _create_segment(name: str, size: int) -> _Segment:
 
 
 def _free(seg: _Segment) -> None:
-    import _posixshmem
-    from multiprocessing import resource_tracker
-
     seg.mem.close()
     os.close(seg.fd)
     try:
@@ -291,19 +278,17 @@ def _free(seg: _Segment) -> None:
     resource_tracker.unregister("/" + seg.name, "shared_memory")
 
 
-class ShmPublisher:
+class ShmPublisher(WeightPublisher):
     transport = Transport.SHM
 
     def __init__(self, *, keep: int = 2, spares: int = 1):
-        self._versions = _Versions(keep)
+        super().__init__(keep)
         self._spares: list[_Segment] = []  # out of the window, to be rewritten
         self._max_spares = spares
         self._prefix = f"loomrl-w-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # no clash with a crashed run's leftovers
         self._count = 0
 
-    def publish(self, weights: dict[str, Tensor], version: int) -> WeightHandle:
-        self._versions.check(version)
-        start = time.perf_counter()
+    def _snapshot(self, weights: dict[str, Tensor], version: int) -> tuple[Any, WeightHandle]:
         entries, offset = [], 0
         for name, t in weights.items():
             entries.append([name, str(t.dtype), list(t.shape), offset])
@@ -321,24 +306,24 @@ class ShmPublisher:
             _free(seg)
             raise
         fcntl.flock(seg.fd, fcntl.LOCK_UN)  # a rewritten spare: readers may look now
-        self._spares += self._versions.add(version, seg)
+        return seg, WeightHandle(transport=self.transport, version=version, nbytes=_nbytes(weights), location=seg.name)
+
+    def _release(self, seg: _Segment) -> None:
+        self._spares.append(seg)
         while len(self._spares) > self._max_spares:
             _free(self._spares.pop(0))
-        return WeightHandle(transport=self.transport, version=version, nbytes=_nbytes(weights), location=seg.name,
-                            publish_s=time.perf_counter() - start)
 
     def _take_spare(self, size: int) -> _Segment | None:
         """A spare that fits and that no reader holds, locked exclusively; busy ones are unlinked."""
         for seg in list(self._spares):
             if seg.size < size:
                 continue
+            self._spares.remove(seg)
             try:
                 fcntl.flock(seg.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                self._spares.remove(seg)
                 _free(seg)  # its reader keeps its mapping and finishes
                 continue
-            self._spares.remove(seg)
             return seg
         return None
 
@@ -355,15 +340,12 @@ class ShmPublisher:
         seg.mem[:8] = len(header).to_bytes(8, "little")
 
     def close(self) -> None:
-        while self._versions.held:
-            _free(self._versions.held.popleft()[1])
+        super().close()
         while self._spares:
             _free(self._spares.pop())
 
 
 def _load_shm(handle: WeightHandle, into: dict[str, Tensor] | None) -> dict[str, Tensor]:
-    import _posixshmem
-
     try:
         fd = _posixshmem.shm_open("/" + handle.location, os.O_RDONLY, mode=0o600)
     except FileNotFoundError:
@@ -404,21 +386,19 @@ def _file_name(version: int) -> str:
     return f"weights-v{version:010d}.safetensors"
 
 
-class FilePublisher:
+class FilePublisher(WeightPublisher):
     transport = Transport.FILE
 
     def __init__(self, folder: str | Path | None = None, *, keep: int = 2, fsync: bool = True):
+        super().__init__(keep)
         self._own_folder = folder is None
         self.folder = Path(tempfile.mkdtemp(prefix="loomrl-weights-")) if folder is None else Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.fsync = fsync
-        self._versions = _Versions(keep)
 
-    def publish(self, weights: dict[str, Tensor], version: int) -> WeightHandle:
+    def _snapshot(self, weights: dict[str, Tensor], version: int) -> tuple[Any, WeightHandle]:
         from safetensors.torch import save_file
 
-        self._versions.check(version)
-        start = time.perf_counter()
         final = self.folder / _file_name(version)
         tmp = self.folder / f".{final.name}.{uuid.uuid4().hex[:8]}.tmp"  # readers never list dot files
         try:
@@ -431,14 +411,14 @@ class FilePublisher:
                 _fsync(self.folder)
         finally:
             tmp.unlink(missing_ok=True)
-        for old in self._versions.add(version, final):
-            old.unlink(missing_ok=True)
-        return WeightHandle(transport=self.transport, version=version, nbytes=_nbytes(weights), location=str(final),
-                            publish_s=time.perf_counter() - start)
+        return final, WeightHandle(transport=self.transport, version=version, nbytes=_nbytes(weights),
+                                   location=str(final))
+
+    def _release(self, path: Path) -> None:
+        path.unlink(missing_ok=True)
 
     def close(self) -> None:
-        while self._versions.held:
-            self._versions.held.popleft()[1].unlink(missing_ok=True)
+        super().close()
         if self._own_folder:
             for leftover in self.folder.iterdir():
                 leftover.unlink(missing_ok=True)
@@ -484,7 +464,7 @@ def latest_file_handle(folder: str | Path) -> WeightHandle | None:
 # ---------------------------------------------------------------- ray object store
 
 
-class RayPublisher:
+class RayPublisher(WeightPublisher):
     transport = Transport.RAY
 
     def __init__(self, *, keep: int = 2):
@@ -492,19 +472,12 @@ class RayPublisher:
 
         if not ray.is_initialized():
             raise RuntimeError("weight sync: transport 'ray' needs ray.init() first")
-        self._versions = _Versions(keep)
+        super().__init__(keep)
 
-    def publish(self, weights: dict[str, Tensor], version: int) -> WeightHandle:
+    def _snapshot(self, weights: dict[str, Tensor], version: int) -> tuple[Any, WeightHandle]:
         import ray
 
-        self._versions.check(version)
-        start = time.perf_counter()
         # put copies into the object store now (an immutable object); it is freed by Ray's reference
         # counting once it is out of our window and no handle refers to it.
         ref = ray.put({n: t.detach().cpu() for n, t in weights.items()})
-        self._versions.add(version, ref)
-        return WeightHandle(transport=self.transport, version=version, nbytes=_nbytes(weights), payload=ref,
-                            publish_s=time.perf_counter() - start)
-
-    def close(self) -> None:
-        self._versions.held.clear()
+        return ref, WeightHandle(transport=self.transport, version=version, nbytes=_nbytes(weights), payload=ref)

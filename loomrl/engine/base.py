@@ -118,16 +118,16 @@ async def generate_resuming(engine: Engine, prompt_ids: list[int], params: Sampl
         tokens += result.token_ids
         logprobs += result.logprobs
         versions += result.versions
-        if result.finish_reason != "interrupted":
-            return GenerationResult(token_ids=tokens, logprobs=logprobs, versions=versions,
-                                    finish_reason=result.finish_reason), resumed
-        resumed += 1
-        # Each resume normally adds tokens (an interrupt ends a step, not a request's whole life); an
-        # engine that keeps interrupting before producing any would make this loop spin forever.
-        idle = 0 if result.token_ids else idle + 1
-        if idle >= MAX_IDLE_RESUMES:
-            raise EngineFault(f"generation was interrupted {idle} times in a row without producing a token; "
-                              "the engine is not making progress")
-        if len(tokens) >= params.max_tokens:
-            return GenerationResult(token_ids=tokens, logprobs=logprobs, versions=versions,
-                                    finish_reason="length"), resumed
+        reason = result.finish_reason
+        if reason == "interrupted":
+            resumed += 1
+            # Each resume normally adds tokens (an interrupt ends a step, not a request's whole life); an
+            # engine that keeps interrupting before producing any would make this loop spin forever.
+            idle = 0 if result.token_ids else idle + 1
+            if idle >= MAX_IDLE_RESUMES:
+                raise EngineFault(f"generation was interrupted {idle} times in a row without producing a token; "
+                                  "the engine is not making progress")
+            if len(tokens) < params.max_tokens:
+                continue
+            reason = "length"
+        return GenerationResult(token_ids=tokens, logprobs=logprobs, versions=versions, finish_reason=reason), resumed

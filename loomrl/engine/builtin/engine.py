@@ -151,12 +151,9 @@ class BuiltinEngine:
                     break
             except BaseException as err:  # noqa: BLE001 - a fault outside a step: reset, keep serving
                 self._recover(err)
-        for seq in self.sched.drain():
-            deliver(seq.future, exception=EngineFault("engine closed"))
-        for _, fut in self._calls:
+        pending = [self._pending_weights[2]] if self._pending_weights is not None else []
+        for fut in [s.future for s in self.sched.drain()] + [f for _, f in self._calls] + pending:
             deliver(fut, exception=EngineFault("engine closed"))
-        if self._pending_weights is not None:
-            deliver(self._pending_weights[2], exception=EngineFault("engine closed"))
 
     def _recover(self, err: BaseException) -> None:
         """Fail everything in flight with the cause and reset the per-request state."""
@@ -164,14 +161,18 @@ class BuiltinEngine:
         fault.__cause__ = None if fault is err else err
         with self._cond:
             self.metrics.faults += 1  # counted before any caller learns of the fault (it may read the count)
-            for seq in self.sched.drain():
-                try:
-                    self.sched.retire(seq)
-                except Exception:  # noqa: BLE001 - the state that failed may fail again; drop it
-                    seq.kv = None
-                deliver(seq.future, exception=fault)
-            if self.cache is not None:
-                self.cache.clear()
+            self._fail_in_flight(fault)
+
+    def _fail_in_flight(self, fault: EngineFault) -> None:
+        """Fail every request in flight with `fault`, freeing its K/V, and clear the prefix cache (lock held)."""
+        for seq in self.sched.drain():
+            try:
+                self.sched.retire(seq)
+            except Exception:  # noqa: BLE001 - the state that failed may fail again; drop it
+                seq.kv = None
+            deliver(seq.future, exception=fault)
+        if self.cache is not None:
+            self.cache.clear()
 
     def _serve(self) -> bool:
         """One pass of the loop: weights, interrupts, borrowed calls, then a step. False once closed."""
@@ -211,11 +212,8 @@ class BuiltinEngine:
         except BaseException as err:  # noqa: BLE001 - the caller gets it; no request runs on these weights
             self._broken = f"{type(err).__name__}: {err}"
             deliver(fut, exception=EngineFault(f"update_weights: loading version {version} failed: {self._broken}"))
-            if self.cache is not None:
-                self.cache.clear()
-            for seq in self.sched.drain():  # their K/V and tokens came from other weights
-                self.sched.retire(seq)
-                deliver(seq.future, exception=EngineFault(f"engine weights failed to load: {self._broken}"))
+            # Their K/V and tokens came from other weights.
+            self._fail_in_flight(EngineFault(f"engine weights failed to load: {self._broken}"))
             return
         self._broken = None
         if self.cache is not None:
@@ -251,9 +249,10 @@ class BuiltinEngine:
             return
         rows = torch.tensor([i for i, _ in batch.samples])
         seqs = [s for _, s in batch.samples]
-        tokens, logps = self._sample(logits[rows], seqs)
+        uniforms = torch.cat([torch.rand(1, generator=seq.generator or self._generator) for seq in seqs])
+        tokens, logps = sample_tokens(logits[rows], [s.request.sampling for s in seqs], uniforms)
         done = []
-        for seq, tok, lp in zip(seqs, tokens, logps):
+        for seq, tok, lp in zip(seqs, tokens.tolist(), logps.tolist()):
             seq.out_tokens.append(tok)
             seq.out_logprobs.append(lp)
             seq.out_versions.append(version)
@@ -267,11 +266,6 @@ class BuiltinEngine:
                     if seq in self.sched.running:
                         self.sched.running.remove(seq)
                     self._finish(seq, reason)
-
-    def _sample(self, logits: torch.Tensor, seqs: list[Seq]) -> tuple[list[int], list[float]]:
-        uniforms = torch.cat([torch.rand(1, generator=seq.generator or self._generator) for seq in seqs])
-        tokens, logprobs = sample_tokens(logits, [s.request.sampling for s in seqs], uniforms)
-        return tokens.tolist(), logprobs.tolist()
 
     def _stop_reason(self, seq: Seq, tok: int) -> str | None:
         sp = seq.request.sampling

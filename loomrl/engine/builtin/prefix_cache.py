@@ -14,9 +14,11 @@ sequences (no copies are made here).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from loomrl.engine.builtin.runner import SequenceKV
+from loomrl.tokens import common_prefix_len
 
 _clock = itertools.count()
 
@@ -33,26 +35,17 @@ class _Node:
     depth: int = 0  # tokens on the path from the root to the end of this node
 
 
-@dataclass(slots=True)
-class CacheStats:
-    lookups: int = 0
-    lookup_tokens: int = 0
-    hit_tokens: int = 0
-    evictions: int = 0
-    inserts: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
+def _shared(edge: tuple[int, ...], tokens: list[int], at: int) -> int:
+    """How many leading tokens of `edge` tokens[at:] repeats."""
+    return common_prefix_len(edge, tokens[at : at + len(edge)])
 
 
 class PrefixCache:
     def __init__(self) -> None:
         self.root = _Node(edge=(), parent=None)
-        self.stats = CacheStats()
 
     # -- lookup -----------------------------------------------------------------------------------
-    def match(self, tokens: list[int], *, count: bool = True) -> tuple[int, SequenceKV | None]:
+    def match(self, tokens: list[int]) -> tuple[int, SequenceKV | None]:
         """Length of the longest cached prefix of `tokens` and a KV holding it."""
         node, matched, best = self.root, 0, (0, None)
         now = next(_clock)
@@ -60,21 +53,14 @@ class PrefixCache:
             child = node.children.get(tokens[matched])
             if child is None:
                 break
-            n = 0
-            edge = child.edge
-            while n < len(edge) and matched + n < len(tokens) and edge[n] == tokens[matched + n]:
-                n += 1
+            n = _shared(child.edge, tokens, matched)
             if child.kv is not None and n > 0:
                 best = (matched + n, child.kv)
             child.last_used = now
             matched += n
-            if n < len(edge):
+            if n < len(child.edge):
                 break
             node = child
-        if count:
-            self.stats.lookups += 1
-            self.stats.lookup_tokens += len(tokens)
-            self.stats.hit_tokens += best[0]
         length, kv = best
         if kv is not None and kv.length < length:  # donor shorter than the path (cannot happen)
             length = kv.length
@@ -96,9 +82,7 @@ class PrefixCache:
                 node = leaf
                 i = len(tokens)
                 break
-            n = 0
-            while n < len(child.edge) and i + n < len(tokens) and child.edge[n] == tokens[i + n]:
-                n += 1
+            n = _shared(child.edge, tokens, i)
             if n < len(child.edge):  # split the edge at n
                 mid = _Node(edge=child.edge[:n], parent=node, kv=kv, depth=node.depth + n, last_used=now)
                 child.edge = child.edge[n:]
@@ -112,17 +96,17 @@ class PrefixCache:
             i += n
         node.is_entry = True
         node.entry_program = program_id
-        self.stats.inserts += 1
 
     # -- removal ----------------------------------------------------------------------------------
-    def _entries(self) -> list[_Node]:
-        out, stack = [], [self.root]
+    def _nodes(self) -> Iterator[_Node]:
+        stack = [self.root]
         while stack:
             node = stack.pop()
-            if node.is_entry:
-                out.append(node)
+            yield node
             stack.extend(node.children.values())
-        return out
+
+    def _entries(self) -> list[_Node]:
+        return [n for n in self._nodes() if n.is_entry]
 
     def _remove_entry(self, node: _Node) -> None:
         node.is_entry = False
@@ -145,19 +129,14 @@ class PrefixCache:
     def _any_donor(self, node: _Node) -> SequenceKV | None:
         if node.is_entry:
             return node.kv
-        for child in node.children.values():
-            if child.kv is not None:
-                return child.kv
-        return None
+        return next((child.kv for child in node.children.values() if child.kv is not None), None)
 
     def evict_lru(self) -> bool:
         """Drop the least recently used entry; False when there is none."""
         entries = self._entries()
         if not entries:
             return False
-        victim = min(entries, key=lambda n: n.last_used)
-        self._remove_entry(victim)
-        self.stats.evictions += 1
+        self._remove_entry(min(entries, key=lambda n: n.last_used))
         return True
 
     def release(self, program_id: str) -> int:
@@ -173,14 +152,7 @@ class PrefixCache:
     # -- accounting -------------------------------------------------------------------------------
     def held(self) -> dict[int, SequenceKV]:
         """KV objects kept alive by the cache, by id."""
-        out: dict[int, SequenceKV] = {}
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
-            if node.kv is not None:
-                out[id(node.kv)] = node.kv
-            stack.extend(node.children.values())
-        return out
+        return {id(n.kv): n.kv for n in self._nodes() if n.kv is not None}
 
     def __len__(self) -> int:
         return len(self._entries())

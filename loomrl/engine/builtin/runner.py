@@ -24,6 +24,7 @@ Anything else raises UnsupportedModel at construction.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,13 @@ import torch.nn.functional as F
 
 class UnsupportedModel(ValueError):
     pass
+
+
+def _doubled(capacity: int, need: int) -> int:
+    """`capacity` doubled until it holds `need` tokens."""
+    while capacity < need:
+        capacity *= 2
+    return capacity
 
 
 class KVPool:
@@ -67,10 +75,7 @@ class KVPool:
 
     def ensure_capacity(self, tokens: int) -> None:
         if tokens > self.capacity:
-            cap = self.capacity
-            while cap < tokens:
-                cap *= 2
-            self._regrow(capacity=cap)
+            self._regrow(capacity=_doubled(self.capacity, tokens))
 
     def _regrow(self, *, slots: int | None = None, capacity: int | None = None) -> None:
         s, c = slots or self.slots, capacity or self.capacity
@@ -78,9 +83,6 @@ class KVPool:
                             dtype=self.data.dtype)
         grown[:, :, : self.slots, :, : self.capacity] = self.data
         self.data = grown
-
-    def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
 
 
 class SequenceKV:
@@ -120,10 +122,8 @@ class SequenceKV:
             return
         if total <= self.capacity:
             return
-        cap = self.capacity
-        while cap < total:
-            cap *= 2
-        grown = torch.empty((*self.data.shape[:3], cap, self.data.shape[4]), dtype=self.data.dtype)
+        grown = torch.empty((*self.data.shape[:3], _doubled(self.capacity, total), self.data.shape[4]),
+                            dtype=self.data.dtype)
         grown[:, :, :, : self.length] = self.data[:, :, :, : self.length]
         self._data = grown
 
@@ -237,7 +237,6 @@ class ModelRunner:
                     or not hasattr(norm, "variance_epsilon"):
                 raise UnsupportedModel(f"builtin engine: {type(norm).__name__} is not a plain RMSNorm")
         cfg = model.config
-        self.model = model
         self.base = base
         self.head_module = model.get_output_embeddings()
         self.n_layers = len(base.layers)
@@ -296,9 +295,7 @@ class ModelRunner:
         # rotate_half(x) * sin == roll(x, D/2) * (sin with its first half negated)
         sin = (sin[0] * torch.cat((-torch.ones(D // 2), torch.ones(D // 2)))).unsqueeze(1)
 
-        offsets = [0]
-        for n in lengths:
-            offsets.append(offsets[-1] + n)
+        offsets = [0, *itertools.accumulate(lengths)]
         if any(c.kv.pool is None for c in chunks):
             raise ValueError("ModelRunner.forward: every chunk's kv must come from new_kv() (a pool slot)")
         # Where each new token's K/V goes in the pool.

@@ -128,12 +128,11 @@ class Scheduler:
             seq = self.waiting.popleft()
             hit, donor = (0, None)
             if self.cache is not None:
-                hit, donor = self.cache.match(seq.prompt[:-1], count=False)  # the last token must be computed
+                hit, donor = self.cache.match(seq.prompt[:-1])  # the last token must be computed
                 shared = max((common_prefix_len(seq.prompt, a.prompt) for a in admitted), default=0)
                 if shared > hit and shared >= 8 and shared >= len(seq.prompt) // 4:
                     deferred.append(seq)
                     continue
-                self.cache.match(seq.prompt[:-1])  # count the lookup once, when it is used
             if not self._make_room(len(seq.prompt)) and self.running:
                 self.waiting.appendleft(seq)
                 break  # wait for running sequences to finish

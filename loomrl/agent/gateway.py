@@ -30,7 +30,6 @@ import asyncio
 import json
 import secrets
 import time
-import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -38,8 +37,8 @@ from fastapi import Request  # at module level: FastAPI resolves endpoint annota
 
 from loomrl.engine.base import EngineFault, SamplingParams, generate_resuming
 from loomrl.model.chat import ChatRenderer
+from loomrl.server import responses as oai
 from loomrl.server.protocol import ChatCompletionRequest
-from loomrl.server.responses import assistant_message, error_response
 from loomrl.types import ContextSegment, RolloutStatus, TokenSpan, Trajectory, Turn, new_id
 
 
@@ -49,10 +48,6 @@ class Budget:
     max_sampled_tokens: int | None = None
     max_context_tokens: int | None = None  # prompt + max_tokens of a call
     max_wall_s: float | None = None
-
-
-class BudgetExceeded(Exception):
-    pass
 
 
 @dataclass(slots=True, kw_only=True)
@@ -65,9 +60,6 @@ class Program:
     tokens_in_context: int = 0
     calls: int = 0
     started_at: float = field(default_factory=time.time)
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _normalize(message: dict[str, Any]) -> tuple:
@@ -114,7 +106,8 @@ class Session:
         self._lock = asyncio.Lock()  # one context is sequential: calls of a session are served in order
 
     # -- budgets ----------------------------------------------------------------------------------
-    def _check_budget(self, prompt_len: int, max_tokens: int) -> None:
+    def _spent(self, prompt_len: int) -> str | None:
+        """Which budget is spent, if one is (the session is then truncated)."""
         b = self.budget
         why = None
         if b.max_wall_s is not None and time.monotonic() - self.created > b.max_wall_s:
@@ -129,7 +122,7 @@ class Session:
             self.truncated_reason = why
             self.trajectory.status = RolloutStatus.TRUNCATED
             self.program.status = "truncated"
-            raise BudgetExceeded(why)
+        return why
 
     def _max_tokens(self, prompt_len: int, asked: int) -> int:
         b, n = self.budget, asked
@@ -188,7 +181,7 @@ class Session:
         traj = self.trajectory
         return {"session_id": self.session_id, "calls": self.calls, "sampled_tokens": self.sampled_tokens,
                 "contexts": len(traj.contexts()), "status": str(traj.status), "truncated_reason": self.truncated_reason,
-                "program": self.program.as_dict()}
+                "program": asdict(self.program)}
 
 
 class Gateway:
@@ -243,7 +236,7 @@ class Gateway:
         return traj
 
     def programs(self) -> list[dict[str, Any]]:
-        return [s.program.as_dict() for s in self._sessions.values()]
+        return [asdict(s.program) for s in self._sessions.values()]
 
     def _session_for(self, authorization: str | None) -> Session | None:
         if not authorization or not authorization.startswith("Bearer "):
@@ -253,30 +246,26 @@ class Gateway:
 
     # -- the chat endpoint ------------------------------------------------------------------------
     async def chat(self, session: Session, req: ChatCompletionRequest):
-        for i, m in enumerate(req.messages):
-            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
-                return error_response(400, f"messages[{i}].role must be system, user, assistant or tool", f"messages[{i}].role")
+        if (bad := oai.bad_roles(req.messages)) is not None:
+            return bad
         if req.n != 1:
-            return error_response(400, "n must be 1 through the gateway (one rollout, one context)", "n")
+            return oai.error_response(400, "n must be 1 through the gateway (one rollout, one context)", "n")
         async with session._lock:
             try:
                 prompt_ids, new_context = session.plan(req.messages, req.tools)
             except Exception as err:  # noqa: BLE001 - a conversation the template cannot render
-                return error_response(400, f"cannot render messages with the chat template: {err}", "messages")
+                return oai.error_response(400, f"cannot render messages with the chat template: {err}", "messages")
             asked = req.max_completion_tokens or req.max_tokens or 256
             if session.sampling is not None:
                 asked = min(asked, session.sampling.max_tokens)  # the run's per-turn cap
-            try:
-                session._check_budget(len(prompt_ids), asked)
-            except BudgetExceeded as err:
-                return error_response(400, f"budget exceeded: {err}; the rollout is over", None, code="budget_exceeded")
-            stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+            if (spent := session._spent(len(prompt_ids))) is not None:
+                return oai.error_response(400, f"budget exceeded: {spent}; the rollout is over", None,
+                                          code="budget_exceeded")
             base = session.sampling or SamplingParams(temperature=req.temperature, top_p=req.top_p,
                                                       top_k=max(req.top_k, 0), seed=req.seed)
-            sampling = SamplingParams(temperature=base.temperature, top_p=base.top_p, top_k=base.top_k,
-                                      seed=base.seed if session.sampling else req.seed,
-                                      max_tokens=session._max_tokens(len(prompt_ids), asked), stop=stop,
-                                      stop_token_ids=list(req.stop_token_ids or []))
+            sampling = SamplingParams(temperature=base.temperature, top_p=base.top_p, top_k=base.top_k, seed=base.seed,
+                                      max_tokens=session._max_tokens(len(prompt_ids), asked),
+                                      stop=oai.stop_strings(req.stop), stop_token_ids=list(req.stop_token_ids or []))
             session.program.phase = "reasoning"
             session.program.tools = [t.get("function", {}).get("name", "") for t in req.tools or []]
             try:
@@ -286,26 +275,16 @@ class Gateway:
                 raise
             finally:
                 session.program.phase = "acting"
-            text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-            reason = result.finish_reason
-            for s in stop:
-                if s in text:
-                    text, reason = text[: text.find(s)], "stop"
-            reason = "stop" if reason == "interrupted" else reason
-            reply, reason = assistant_message(text, reason, req.tools)
+            text, reason = oai.sampled_text(self.tokenizer, result, sampling.stop)
+            reply, reason = oai.assistant_message(text, reason, req.tools)
             session.record(req.messages, prompt_ids, new_context, result, text, reply, reason)
-        body = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": self.model_name,
-                "choices": [{"index": 0, "message": reply, "finish_reason": reason, "logprobs": None}],
-                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(result.token_ids),
-                          "total_tokens": len(prompt_ids) + len(result.token_ids)}}
+        choice = {"index": 0, "message": reply, "finish_reason": reason,
+                  "logprobs": oai.chat_logprobs(self.tokenizer, result, top=False) if req.logprobs else None}
+        body = oai.completion_body("chatcmpl", "chat.completion", self.model_name, [choice], len(prompt_ids),
+                                   len(result.token_ids))
         if req.return_token_ids:  # vLLM's extension: the exact ids (what the trajectory trains on)
-            body["choices"][0]["token_ids"] = list(result.token_ids)
+            choice["token_ids"] = list(result.token_ids)
             body["prompt_token_ids"] = prompt_ids
-        if req.logprobs:
-            body["choices"][0]["logprobs"] = {"content": [
-                {"token": self.tokenizer.decode([t]), "logprob": lp, "bytes": list(self.tokenizer.decode([t]).encode()),
-                 "top_logprobs": []} for t, lp in zip(result.token_ids, result.logprobs)]}
         return body
 
     # -- the application --------------------------------------------------------------------------
@@ -318,21 +297,18 @@ class Gateway:
         gateway = self
 
         def unauthorized():
-            return error_response(401, "invalid or expired API key (each rollout has its own key; it ends with the rollout)",
+            return oai.error_response(401, "invalid or expired API key (each rollout has its own key; it ends with the rollout)",
                           None, kind="authentication_error", code="invalid_api_key")
 
         @app.exception_handler(RequestValidationError)
         async def _invalid(request: Request, exc: RequestValidationError):
-            first = exc.errors()[0] if exc.errors() else {}
-            loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-            return error_response(400, f"{loc or 'body'}: {first.get('msg', 'invalid request')}", loc or None)
+            return oai.invalid_request(exc)
 
         @app.get("/v1/models")
         async def models(request: Request):
             if gateway._session_for(request.headers.get("authorization")) is None:
                 return unauthorized()
-            return {"object": "list", "data": [{"id": gateway.model_name, "object": "model", "created": 0,
-                                                "owned_by": "loomrl"}]}
+            return oai.model_list(gateway.model_name, 0)
 
         @app.post("/v1/chat/completions")
         async def chat(req: ChatCompletionRequest, request: Request):
@@ -355,19 +331,19 @@ class Gateway:
             if session is None:
                 return unauthorized()
             if not gateway.allow_agent_reward:
-                return error_response(403, "this task does not accept rewards from the agent", None, kind="permission_error")
+                return oai.error_response(403, "this task does not accept rewards from the agent", None, kind="permission_error")
             try:
                 data = await request.json()
                 values = {str(k): float(v) for k, v in dict(data.get("reward", {})).items()}
             except (ValueError, TypeError, AttributeError):
-                return error_response(400, 'body must be {"reward": {"name": number, ...}}', "reward")
+                return oai.error_response(400, 'body must be {"reward": {"name": number, ...}}', "reward")
             session.reward = values
             return {"ok": True}
 
         @app.get("/programs")
         async def programs(request: Request):
             if request.headers.get("authorization") != f"Bearer {gateway.admin_key}":
-                return error_response(403, "the program list needs the gateway's admin key", None, kind="permission_error")
+                return oai.error_response(403, "the program list needs the gateway's admin key", None, kind="permission_error")
             return {"programs": gateway.programs()}
 
         return app

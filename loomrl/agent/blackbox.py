@@ -37,27 +37,16 @@ SITE_INSIDE = "/opt/loomrl-site"
 # Runs inside the sandbox with its python3 (stdlib only): bind the port first (so the agent never
 # races the forwarder), fork the forwarder, exec the agent.
 LAUNCHER = r"""
-import os, socket, sys, threading
+import contextlib, os, socket, sys, threading
 port, upstream = int(sys.argv[1]), sys.argv[2]
-server = socket.socket()
-server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-server.bind(("127.0.0.1", port))
-server.listen(64)
+server = socket.create_server(("127.0.0.1", port), backlog=64)  # SO_REUSEADDR set on POSIX
 if os.fork() == 0:
     def pipe(src, dst):
-        try:
-            while True:
-                data = src.recv(65536)
-                if not data:
-                    break
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
                 dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            try:
-                dst.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
     def serve(conn):
         up = socket.socket(socket.AF_UNIX)
         try:

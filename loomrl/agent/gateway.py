@@ -35,11 +35,12 @@ from typing import Any
 
 from fastapi import Request  # at module level: FastAPI resolves endpoint annotations from the module
 
+from loomrl.agent.loop import add_turn, finish_metadata
 from loomrl.engine.base import EngineFault, SamplingParams, generate_resuming
 from loomrl.model.chat import ChatRenderer
 from loomrl.server import responses as oai
 from loomrl.server.protocol import ChatCompletionRequest
-from loomrl.types import ContextSegment, RolloutStatus, TokenSpan, Trajectory, Turn, new_id
+from loomrl.types import ContextSegment, RolloutStatus, TokenSpan, Trajectory, new_id
 
 
 @dataclass(slots=True, kw_only=True)
@@ -165,11 +166,7 @@ class Session:
             last = traj.turns[-1]
             last.obs_span = TokenSpan(start=start, end=len(traj.token_ids))
             last.obs = "\n".join(str(m.get("content") or "") for m in messages[len(self._known or []):])
-        begin = len(traj.token_ids)
-        traj.token_ids.extend(result.token_ids)
-        traj.turns.append(Turn(act=text, act_span=TokenSpan(start=begin, end=len(traj.token_ids)),
-                               logprobs=list(result.logprobs), versions=list(result.versions),
-                               finish_reason=finish_reason, tool_calls=list(reply.get("tool_calls") or [])))
+        add_turn(traj, result, act=text, finish_reason=finish_reason, tool_calls=list(reply.get("tool_calls") or []))
         self._known = [_normalize(m) for m in messages] + [_normalize(reply)]
         self._last_closed = result.finish_reason == "stop"
         self.calls += 1
@@ -224,15 +221,7 @@ class Gateway:
         session.program.phase = "done"
         if session.truncated_reason:
             traj.error = traj.error or f"budget: {session.truncated_reason}"
-        md = traj.metadata
-        turns = traj.all_turns()
-        md.total_steps = len(turns)
-        md.total_tokens = sum(len(c.token_ids) for c in traj.contexts())
-        md.wall_time = time.monotonic() - session.created
-        md.truncated = traj.status == RolloutStatus.TRUNCATED
-        versions = [v for t in turns for v in t.versions]
-        md.policy_version_min = min(versions) if versions else -1
-        md.policy_version_max = max(versions) if versions else -1
+        finish_metadata(traj, time.monotonic() - session.created)
         return traj
 
     def programs(self) -> list[dict[str, Any]]:

@@ -40,10 +40,8 @@ class ChatRenderer:
         text = self._template([{"role": "system", "content": "s"}, *probe], None, False)
         tail = text[text.rindex("MARKER") + len("MARKER") :]
         if not tail.startswith(self.eos_text):
-            raise ValueError(
-                f"chat template does not end an assistant turn with the eos token {self.eos_text!r}; "
-                "set the tokenizer's eos_token to the end-of-turn token"
-            )
+            raise ValueError(f"chat template does not end an assistant turn with the eos token {self.eos_text!r}; "
+                             "set the tokenizer's eos_token to the end-of-turn token")
         return tail[len(self.eos_text) :]
 
     def encode_text(self, text: str) -> list[int]:
@@ -53,14 +51,8 @@ class ChatRenderer:
         """Token ids of a conversation, ending with the assistant generation prompt."""
         return self.encode_text(self._template(messages, tools, add_generation_prompt=True))
 
-    def continuation_ids(
-        self,
-        history: list[Message],
-        new_messages: list[Message],
-        *,
-        closed: bool,
-        tools: list[dict] | None = None,
-    ) -> list[int]:
+    def continuation_ids(self, history: list[Message], new_messages: list[Message], *, closed: bool,
+                         tools: list[dict] | None = None) -> list[int]:
         """Tokens to append after a sampled assistant turn so the context shows `new_messages`.
 
         `history` ends with the assistant message whose tokens were sampled; `closed` says whether
@@ -70,8 +62,7 @@ class ChatRenderer:
         after = self._template(history + new_messages, tools, add_generation_prompt=True)
         if not after.startswith(before):
             raise ValueError("chat template is not prefix-stable for this conversation; cannot append tokens")
-        text = self._glue + after[len(before) :]
-        ids = self.encode_text(text)
+        ids = self.encode_text(self._glue + after[len(before) :])
         return ids if closed else [self.eos_token_id, *ids]
 
     def decode(self, ids: list[int]) -> str:

@@ -198,12 +198,8 @@ class _Linear:
 
 def _fused(*linears: torch.nn.Linear) -> _Linear:
     weight = torch.cat([m.weight for m in linears]) if len(linears) > 1 else linears[0].weight
-    biases = [m.bias for m in linears]
-    if all(b is None for b in biases):
-        bias = None
-    else:
-        bias = torch.cat([b if b is not None else torch.zeros(m.out_features, dtype=m.weight.dtype)
-                          for b, m in zip(biases, linears)])
+    bias = None if all(m.bias is None for m in linears) else torch.cat(
+        [m.bias if m.bias is not None else torch.zeros(m.out_features, dtype=m.weight.dtype) for m in linears])
     return _Linear(weight, bias)
 
 

@@ -95,11 +95,9 @@ class Session:
         self.program = Program(program_id=self.session_id, engine=gateway.engine_name)
         self.trajectory = Trajectory(task_id=task_id, trajectory_id=self.session_id, group_id=group_id or new_id("group"),
                                      position=position, temperature=sampling.temperature if sampling else 1.0)
-        self.trajectory.status = RolloutStatus.COMPLETED
         self.closed = False
         self.truncated_reason: str | None = None
         self.sampled_tokens = 0
-        self.calls = 0
         self.reward: dict[str, float] | None = None  # reported by the agent, where the task allows it
         self.engine_fault: str | None = None  # the engine failed during one of its calls
         self._known: list[tuple] | None = None  # normalized messages the current context holds
@@ -113,7 +111,7 @@ class Session:
         why = None
         if b.max_wall_s is not None and time.monotonic() - self.created > b.max_wall_s:
             why = f"wall-time budget of {b.max_wall_s}s is spent"
-        elif b.max_calls is not None and self.calls >= b.max_calls:
+        elif b.max_calls is not None and self.program.calls >= b.max_calls:
             why = f"call budget of {b.max_calls} calls is spent"
         elif b.max_sampled_tokens is not None and self.sampled_tokens >= b.max_sampled_tokens:
             why = f"token budget of {b.max_sampled_tokens} sampled tokens is spent"
@@ -140,10 +138,8 @@ class Session:
         norm = [_normalize(m) for m in messages]
         known = self._known
         if known is not None and len(norm) > len(known) and norm[: len(known)] == known:
-            new = messages[len(known):]
-            ids = list(self.trajectory.token_ids) + renderer.continuation_ids(
-                messages[: len(known)], new, closed=self._last_closed, tools=tools)
-            return ids, None
+            return list(self.trajectory.token_ids) + renderer.continuation_ids(
+                messages[: len(known)], messages[len(known):], closed=self._last_closed, tools=tools), None
         if known is None:
             return renderer.prompt_ids(messages, tools), "start"
         first = next((i for i, (a, b) in enumerate(zip(norm, known)) if a != b), min(len(norm), len(known)))
@@ -169,14 +165,13 @@ class Session:
         add_turn(traj, result, act=text, finish_reason=finish_reason, tool_calls=list(reply.get("tool_calls") or []))
         self._known = [_normalize(m) for m in messages] + [_normalize(reply)]
         self._last_closed = result.finish_reason == "stop"
-        self.calls += 1
+        self.program.calls += 1
         self.sampled_tokens += len(result.token_ids)
-        self.program.calls = self.calls
         self.program.tokens_in_context = len(traj.token_ids)
 
     def summary(self) -> dict[str, Any]:
         traj = self.trajectory
-        return {"session_id": self.session_id, "calls": self.calls, "sampled_tokens": self.sampled_tokens,
+        return {"session_id": self.session_id, "calls": self.program.calls, "sampled_tokens": self.sampled_tokens,
                 "contexts": len(traj.contexts()), "status": str(traj.status), "truncated_reason": self.truncated_reason,
                 "program": asdict(self.program)}
 
@@ -368,17 +363,13 @@ class ServerThread:
 
         import uvicorn
 
-        self.uds = uds
+        self.uds, self.port = uds, 0
         if uds is None:
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-            sock.close()
-            config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        else:
-            self.port = 0
-            config = uvicorn.Config(app, uds=uds, log_level="warning")
-        self._server = uvicorn.Server(config)
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                self.port = sock.getsockname()[1]
+        where = {"uds": uds} if uds is not None else {"host": "127.0.0.1", "port": self.port}
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **where))
         self._thread = threading.Thread(target=self._server.run, name="loomrl-gateway", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + 30

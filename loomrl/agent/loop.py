@@ -99,8 +99,7 @@ class AgentLoop:
         opening = list(obs.messages)
         messages = list(opening)
         ids = self.renderer.prompt_ids(messages, obs.tools)
-        traj.prompt_ids = list(ids)
-        traj.token_ids = list(ids)
+        traj.prompt_ids, traj.token_ids = list(ids), list(ids)
         traj.status = RolloutStatus.TRUNCATED  # until a turn says done
         new_message, closed = False, True
         for _ in range(self.max_turns):
@@ -158,9 +157,7 @@ class AgentLoop:
         (except by discard_all, which keeps the opening messages only)."""
         name = self.context.name
         before = len(traj.token_ids)
-        summary = None
-        if name == "summarize":
-            summary = await self._write_summary(traj, messages, tools, closed)
+        summary = await self._write_summary(traj, messages, tools, closed) if name == "summarize" else None
         rewritten = self.context.rewrite(opening, messages, summary)
         if pending and name != "discard_all":
             rewritten = [*rewritten, *pending]

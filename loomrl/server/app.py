@@ -49,11 +49,13 @@ class OpenAIServer:
         ]
         return list(await asyncio.gather(*reqs))
 
-    def _check_context(self, prompt_ids: list[int], max_tokens: int):
+    def _check_context(self, prompts: list[list[int]], max_tokens: int):
+        """A 400 when a prompt and max_tokens cannot fit in the engine's KV budget together, or None."""
         limit = self.engine.kv_budget
-        if len(prompt_ids) + max_tokens > limit:
-            return oai.error_response(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
-                                      f"the engine's KV budget of {limit} tokens", "max_tokens")
+        for ids in prompts:
+            if len(ids) + max_tokens > limit:
+                return oai.error_response(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+                                          f"the engine's KV budget of {limit} tokens", "max_tokens")
         return None
 
     # -- endpoints --------------------------------------------------------------------------------
@@ -76,10 +78,8 @@ class OpenAIServer:
         vocab = len(self.tokenizer)
         if any(not x or any(t < 0 or t >= vocab for t in x) for x in prompts):
             return oai.error_response(400, f"prompt token ids must be non-empty and in [0, {vocab})", "prompt")
-        for ids in prompts:
-            bad = self._check_context(ids, req.max_tokens)
-            if bad is not None:
-                return bad
+        if (bad := self._check_context(prompts, req.max_tokens)) is not None:
+            return bad
         sampling = self._sampling(req, req.max_tokens)
         results = await asyncio.gather(*[self._generate_n(ids, sampling, req.n) for ids in prompts])
         choices, completion_tokens = [], 0
@@ -113,8 +113,7 @@ class OpenAIServer:
         except Exception as err:  # noqa: BLE001 - a template that cannot render this conversation
             return oai.error_response(400, f"cannot render messages with the chat template: {err}", "messages")
         max_tokens = req.max_completion_tokens or req.max_tokens or 256
-        bad = self._check_context(prompt_ids, max_tokens)
-        if bad is not None:
+        if (bad := self._check_context([prompt_ids], max_tokens)) is not None:
             return bad
         sampling = self._sampling(req, max_tokens)
         outs = await self._generate_n(prompt_ids, sampling, req.n)
@@ -154,8 +153,7 @@ class OpenAIServer:
                                     ("prompt_tokens", "Prompt tokens received"),
                                     ("prefill_tokens", "Prompt tokens computed"),
                                     ("reused_tokens", "Prompt tokens served from the prefix cache"),
-                                    ("preemptions", "Sequences preempted for recompute"),
-                                    ("steps", "Engine steps")]:
+                                    ("preemptions", "Sequences preempted for recompute"), ("steps", "Engine steps")]:
                     yield CounterMetricFamily(f"loomrl_engine_{name}", help_, value=getattr(m, name))
                 yield GaugeMetricFamily("loomrl_engine_prefix_hit_rate", "Share of prompt tokens reused",
                                         value=m.hit_rate)

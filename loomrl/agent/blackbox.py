@@ -1,20 +1,19 @@
-"""Black-box agents: any program that speaks the OpenAI API, run once per rollout in a sandbox against
-its own gateway session; its calls become the trajectory, the task's verifier gives the reward.
+"""Black-box agents: any program that speaks the OpenAI API, run once per rollout in a sandbox against its own gateway
+session; its calls become the trajectory, the task's verifier gives the reward.
 
-How the program reaches the gateway and nothing else (bwrap): the sandbox has its own empty network
-namespace, so no address outside exists for it. The gateway listens on a unix socket that is mounted
-into the sandbox read-only; a launcher, started in the sandbox before the agent, listens on
-127.0.0.1:AGENT_PORT inside that namespace and forwards each connection to the socket, then execs the
-agent command with OPENAI_BASE_URL=http://127.0.0.1:AGENT_PORT/v1 and OPENAI_API_KEY=<its session
-key>. When the agent exits, its pid namespace ends and the forwarder with it. The Python packages of
-loomrl's own environment are mounted read-only at /opt/loomrl-site (PYTHONPATH), so an agent written
-with the `openai` SDK runs with the sandbox's python3 unchanged.
+How the program reaches the gateway and nothing else (bwrap): the sandbox has its own empty network namespace, so no
+address outside exists for it. The gateway listens on a unix socket that is mounted into the sandbox read-only; a
+launcher, started in the sandbox before the agent, listens on 127.0.0.1:AGENT_PORT inside that namespace and forwards
+each connection to the socket, then execs the agent command with OPENAI_BASE_URL=http://127.0.0.1:AGENT_PORT/v1 and
+OPENAI_API_KEY=<its session key>. When the agent exits, its pid namespace ends and the forwarder with it. The Python
+packages of loomrl's own environment are mounted read-only at /opt/loomrl-site (PYTHONPATH), so an agent written with
+the `openai` SDK runs with the sandbox's python3 unchanged.
 
 With the `process` backend (no isolation, development only) the agent gets the gateway's TCP URL.
 
-The task reaches the program as `task.json` in its working directory and the LOOMRL_TASK_PROMPT
-environment variable (the prompt only, never the answer). Its standard output is kept for the
-verifier (for the calculator: the final answer sentence; else the last assistant message counts).
+The task reaches the program as `task.json` in its working directory and the LOOMRL_TASK_PROMPT environment variable
+(the prompt only, never the answer). Its standard output is kept for the verifier (for the calculator: the final answer
+sentence; else the last assistant message counts).
 """
 
 from __future__ import annotations

@@ -1,27 +1,24 @@
-"""Gateway: an OpenAI-compatible endpoint in front of the engine for black-box agents, one session
-per rollout.
+"""Gateway: an OpenAI-compatible endpoint in front of the engine for black-box agents, one session per rollout.
 
-A rollout opens a Session (`open_session`): it gets a key, and every call the agent makes with that
-key (`Authorization: Bearer <key>`, as the `openai` client sends it) is served by the engine and
-recorded: the prompt token ids the engine was given, the sampled token ids, their logprobs and
-policy versions, taken from the engine at sampling time. Nothing sampled is ever re-tokenized.
+A rollout opens a Session (`open_session`): it gets a key, and every call the agent makes with that key (`Authorization:
+Bearer <key>`, as the `openai` client sends it) is served by the engine and recorded: the prompt token ids the engine
+was given, the sampled token ids, their logprobs and policy versions, taken from the engine at sampling time. Nothing
+sampled is ever re-tokenized.
 
-Assembly into a trajectory (the same form as a white-box one): when a call's messages extend the
-previous call's messages plus the assistant reply the gateway gave (the usual agent loop: it appends
-our reply and the tool results), the prompt is the previous context's exact tokens followed by the
-rendered new messages, and the call continues the same context (one training sample). When they do
-not (the agent edited, dropped or reordered history), the call starts a new context: the previous
-one is closed as a ContextSegment with the reason, and is trained as its own sample.
+Assembly into a trajectory (the same form as a white-box one): when a call's messages extend the previous call's
+messages plus the assistant reply the gateway gave (the usual agent loop: it appends our reply and the tool results),
+the prompt is the previous context's exact tokens followed by the rendered new messages, and the call continues the same
+context (one training sample). When they do not (the agent edited, dropped or reordered history), the call starts a new
+context: the previous one is closed as a ContextSegment with the reason, and is trained as its own sample.
 
-Budgets per session (calls, sampled tokens, context tokens, wall time) are enforced here: a call past
-one gets an OpenAI-style 400 error with code `budget_exceeded` (the `openai` client raises, and does
-not retry) and the trajectory is marked truncated. An unknown key, or the key of a closed session,
-gets 401. A key only ever reaches its own session: there is no way to name another.
+Budgets per session (calls, sampled tokens, context tokens, wall time) are enforced here: a call past one gets an
+OpenAI-style 400 error with code `budget_exceeded` (the `openai` client raises, and does not retry) and the trajectory
+is marked truncated. An unknown key, or the key of a closed session, gets 401. A key only ever reaches its own session:
+there is no way to name another.
 
-Programs (ThunderAgent's abstraction): each session is a Program with an id, the tokens in its context,
-its tools, the engine it is bound to, its phase ("reasoning" while the engine generates for it,
-"acting" while the agent works between calls) and status; `GET /programs` lists them (admin key).
-`engine.release(program_id)` is called when a session closes.
+Programs (ThunderAgent's abstraction): each session is a Program with an id, the tokens in its context, its tools, the
+engine it is bound to, its phase ("reasoning" while the engine generates for it, "acting" while the agent works between
+calls) and status; `GET /programs` lists them (admin key). `engine.release(program_id)` is called when a session closes.
 """
 
 from __future__ import annotations

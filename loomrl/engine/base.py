@@ -103,10 +103,9 @@ MAX_IDLE_RESUMES = 100
 
 async def generate_resuming(engine: Engine, prompt_ids: list[int], params: SamplingParams,
                             program_id: str = "", priority: int = 0) -> tuple[GenerationResult, int]:
-    """Generate; a request interrupted by a weight update (AReaL's interruptible rollout) resumes
-    from its partial output, re-prefilled under the new weights. The tokens keep the versions that
-    sampled them, so staleness stays exact per token. Returns the whole result and how many times
-    it resumed."""
+    """Generate; a request interrupted by a weight update (AReaL's interruptible rollout) resumes from its partial
+    output, re-prefilled under the new weights. The tokens keep the versions that sampled them, so staleness stays
+    exact per token. Returns the whole result and how many times it resumed."""
     tokens: list[int] = []
     logprobs: list[float] = []
     versions: list[int] = []

@@ -82,9 +82,8 @@ def _tokenizer_dir(cfg: ModelConfig) -> Path:
         if not path.is_dir():
             raise ModelLoadError(f"model error: tokenizer folder '{path}' not found; set model.tokenizer")
         return path
-    if cfg.kind == "gguf":
-        return _converted_dir(cfg, _gguf_source(cfg))
-    return _converted_dir(cfg.model_copy(update={"kind": "smollm2"}), smollm2_gguf_path())
+    # gguf, smollm2, and tiny models using SmolLM2's tokenizer (the conversion reads only cfg.cache_dir)
+    return _converted_dir(cfg, _gguf_source(cfg) if cfg.kind == "gguf" else smollm2_gguf_path())
 
 
 def _hf_dir(cfg: ModelConfig) -> Path:

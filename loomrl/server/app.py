@@ -1,11 +1,10 @@
-"""OpenAI-compatible HTTP API over an Engine: /v1/completions, /v1/chat/completions (tools
-included), /v1/models, /health and Prometheus /metrics.
+"""OpenAI-compatible HTTP API over an Engine: /v1/completions, /v1/chat/completions (tools included), /v1/models,
+/health and Prometheus /metrics.
 
-Token ids and logprobs come back the way vLLM returns them: with `return_token_ids: true` a choice
-carries `token_ids` (sampled) and `prompt_token_ids`; loomrl adds `policy_versions` (the version of
-the weights that produced each token). Logprobs are those of the sampled tokens under the
-distribution actually sampled from; `top_logprobs` lists only the sampled token (the engine does not
-compute alternatives). Streaming is not served yet (400).
+Token ids and logprobs come back the way vLLM returns them: with `return_token_ids: true` a choice carries `token_ids`
+(sampled) and `prompt_token_ids`; loomrl adds `policy_versions` (the version of the weights that produced each token).
+Logprobs are those of the sampled tokens under the distribution actually sampled from; `top_logprobs` lists only the
+sampled token (the engine does not compute alternatives). Streaming is not served yet (400).
 """
 
 from __future__ import annotations

@@ -1,29 +1,28 @@
 """BuiltinEngine: continuous batching with a prefix cache, in-place weight updates and interrupts.
 
-Every engine step (one forward pass) mixes the decode tokens of all running sequences with prefill
-chunks of newly admitted ones; a request joins at the step after it arrives and leaves at the step
-it finishes. A step reads schedule -> run -> postprocess: scheduler.py decides the batch (admission
-under the KV budget, preemption), the runner computes it, and postprocessing samples, records and
-finishes.
+Every engine step (one forward pass) mixes the decode tokens of all running sequences with prefill chunks of newly
+admitted ones; a request joins at the step after it arrives and leaves at the step it finishes. A step reads schedule ->
+run -> postprocess: scheduler.py decides the batch (admission under the KV budget, preemption), the runner computes it,
+and postprocessing samples, records and finishes.
 
-Prefix cache: prompts are matched against a radix tree of cached K/V (GRPO siblings share their
-prompt; a program's next turn extends its previous one). A finished request's K/V stays cached under
-its program id until `release(program_id)` or eviction.
+Prefix cache: prompts are matched against a radix tree of cached K/V (GRPO siblings share their prompt; a program's next
+turn extends its previous one). A finished request's K/V stays cached under its program id until `release(program_id)`
+or eviction.
 
-Weights: `update_weights` is applied between steps, never within one; every token records the
-version of the weights that produced it. The prefix cache is cleared then (its K/V came from the old
-weights); running sequences keep their K/V, as vLLM's in-flight updates do. `interrupt()` ends every
-in-flight request at the next step boundary with finish_reason "interrupted" and its partial output;
-resubmitting prompt + partial tokens resumes it (re-prefilled under the current weights).
+Weights: `update_weights` is applied between steps, never within one; every token records the version of the weights
+that produced it. The prefix cache is cleared then (its K/V came from the old weights); running sequences keep their
+K/V, as vLLM's in-flight updates do. `interrupt()` ends every in-flight request at the next step boundary with
+finish_reason "interrupted" and its partial output; resubmitting prompt + partial tokens resumes it (re-prefilled under
+the current weights).
 
-Supervision: the engine's worker thread never dies of an error. A step that raises fails the
-requests in flight (EngineFault, with the cause) and the engine serves the next ones with its state
-reset (KV freed, prefix cache cleared). A weight load that raises leaves the model partly loaded, so
-`update_weights` raises and the engine refuses requests until a later load succeeds. A request made
-after the engine closed, or while its thread is gone, fails at once instead of waiting for ever.
+Supervision: the engine's worker thread never dies of an error. A step that raises fails the requests in flight
+(EngineFault, with the cause) and the engine serves the next ones with its state reset (KV freed, prefix cache cleared).
+A weight load that raises leaves the model partly loaded, so `update_weights` raises and the engine refuses requests
+until a later load succeeds. A request made after the engine closed, or while its thread is gone, fails at once instead
+of waiting for ever.
 
-Logprobs are of the distribution sampled from: softmax(logits / T) after top-k/top-p; for greedy
-requests (T = 0), of softmax(logits).
+Logprobs are of the distribution sampled from: softmax(logits / T) after top-k/top-p; for greedy requests (T = 0), of
+softmax(logits).
 """
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
 """Radix tree over token ids whose nodes point at KV storage holding that prefix.
 
-A node's edge is a run of token ids; the path from the root spells a prefix. Every node keeps a
-reference to one SequenceKV (its "donor") whose first len(path) tokens hold the K/V of exactly that
-prefix: any sequence passing through the node can serve, since K/V of a prefix does not depend on
-what follows. Leaves are the cached entries: a finished program turn, or a prompt being decoded.
-`match` finds the longest cached prefix of a token list; `insert` adds an entry; `evict` drops the
-least recently used leaves; `release(program_id)` drops a program's entries.
+A node's edge is a run of token ids; the path from the root spells a prefix. Every node keeps a reference to one
+SequenceKV (its "donor") whose first len(path) tokens hold the K/V of exactly that prefix: any sequence passing through
+the node can serve, since K/V of a prefix does not depend on what follows. Leaves are the cached entries: a finished
+program turn, or a prompt being decoded. `match` finds the longest cached prefix of a token list; `insert` adds an
+entry; `evict` drops the least recently used leaves; `release(program_id)` drops a program's entries.
 
-Only the token path is stored per node; K/V memory lives in SequenceKV objects shared with running
-sequences (no copies are made here).
+Only the token path is stored per node; K/V memory lives in SequenceKV objects shared with running sequences (no copies
+are made here).
 """
 
 from __future__ import annotations

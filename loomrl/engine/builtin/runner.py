@@ -45,9 +45,8 @@ def _doubled(capacity: int, need: int) -> int:
 class KVPool:
     """K/V of running sequences: [layers, 2, slots, kv_heads, capacity, head_dim], a slot per sequence.
 
-    Both the slot count and the per-slot capacity grow by doubling (copying the pool); slots are
-    handed out lowest first so the batched decode attention, which spans slots 0..max used, scans
-    few holes."""
+    Both the slot count and the per-slot capacity grow by doubling (copying the pool); slots are handed out lowest
+    first so the batched decode attention, which spans slots 0..max used, scans few holes."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  slots: int = 8, capacity: int = 256):
@@ -282,8 +281,7 @@ class ModelRunner:
             c.kv.reserve(c.kv.length + n)
         ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.long)
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])
-        N = ids.shape[0]
-        H, KH, D = self.n_heads, self.n_kv_heads, self.head_dim
+        N, H, KH, D = ids.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         group = H // KH
         h = self.base.embed_tokens(ids)  # [N, hidden]
         cos, sin = self.base.rotary_emb(h, positions.unsqueeze(0))  # [1, N, D]

@@ -1,11 +1,10 @@
 """The built-in engine's scheduler: which sequences run in the next step and what each contributes.
 
-A KV budget (tokens) bounds what running sequences and the prefix cache hold together: admission
-waits for room, the prefix cache gives up least-recently-used entries first, and when running
-sequences outgrow the budget the most recently admitted one is preempted (its KV dropped; it requeues
-with its sampled tokens and is recomputed later, its result unchanged). A step's batch mixes the
-decode tokens of all running sequences with prefill chunks of newly admitted ones, within
-max_prefill_tokens. The engine calls `schedule()` under its lock; nothing here runs the model.
+A KV budget (tokens) bounds what running sequences and the prefix cache hold together: admission waits for room, the
+prefix cache gives up least-recently-used entries first, and when running sequences outgrow the budget the most recently
+admitted one is preempted (its KV dropped; it requeues with its sampled tokens and is recomputed later, its result
+unchanged). A step's batch mixes the decode tokens of all running sequences with prefill chunks of newly admitted ones,
+within max_prefill_tokens. The engine calls `schedule()` under its lock; nothing here runs the model.
 """
 
 from __future__ import annotations

@@ -184,13 +184,8 @@ def create_app(engine, tokenizer, model_name: str = "loomrl"):
     async def models():
         return oai.model_list(model_name, server.started)
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
-        return await server.completions(req)
-
-    @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest):
-        return await server.chat(req)
+    app.post("/v1/completions")(server.completions)
+    app.post("/v1/chat/completions")(server.chat)
 
     @app.get("/metrics")
     async def metrics():

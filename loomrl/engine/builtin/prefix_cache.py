@@ -31,7 +31,6 @@ class _Node:
     entry_program: str | None = None  # set on nodes that are cached entries
     is_entry: bool = False
     last_used: int = 0
-    depth: int = 0  # tokens on the path from the root to the end of this node
 
 
 def _shared(edge: tuple[int, ...], tokens: list[int], at: int) -> int:
@@ -76,14 +75,12 @@ class PrefixCache:
         while i < len(tokens):
             child = node.children.get(tokens[i])
             if child is None:
-                leaf = _Node(edge=tuple(tokens[i:]), parent=node, kv=kv, depth=len(tokens), last_used=now)
-                node.children[tokens[i]] = leaf
-                node = leaf
-                i = len(tokens)
+                leaf = _Node(edge=tuple(tokens[i:]), parent=node, kv=kv, last_used=now)
+                node.children[tokens[i]], node = leaf, leaf
                 break
             n = _shared(child.edge, tokens, i)
             if n < len(child.edge):  # split the edge at n
-                mid = _Node(edge=child.edge[:n], parent=node, kv=kv, depth=node.depth + n, last_used=now)
+                mid = _Node(edge=child.edge[:n], parent=node, kv=kv, last_used=now)
                 child.edge = child.edge[n:]
                 child.parent = mid
                 mid.children[child.edge[0]] = child

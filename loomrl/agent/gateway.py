@@ -186,8 +186,7 @@ class Gateway:
         self.default_budget = default_budget or Budget()
         self.allow_agent_reward = allow_agent_reward
         self.admin_key = "sk-loomrl-admin-" + secrets.token_urlsafe(24)
-        self._by_key: dict[str, Session] = {}
-        self._sessions: dict[str, Session] = {}
+        self._by_key: dict[str, Session] = {}  # the open sessions
 
     # -- sessions ---------------------------------------------------------------------------------
     def open_session(self, *, task_id: str = "", group_id: str = "", position: int = -1, budget: Budget | None = None,
@@ -195,14 +194,12 @@ class Gateway:
         session = Session(self, task_id=task_id, group_id=group_id, budget=budget or self.default_budget,
                           sampling=sampling, position=position)
         self._by_key[session.key] = session
-        self._sessions[session.session_id] = session
         return session
 
     def close_session(self, session: Session, *, failed: str | None = None) -> Trajectory:
         """End the session: its key stops working, the engine forgets the program, the trajectory is final."""
         session.closed = True
         self._by_key.pop(session.key, None)
-        self._sessions.pop(session.session_id, None)
         self.engine.release(session.program.program_id)
         traj = session.trajectory
         if failed:
@@ -217,7 +214,7 @@ class Gateway:
         return traj
 
     def programs(self) -> list[dict[str, Any]]:
-        return [asdict(s.program) for s in self._sessions.values()]
+        return [asdict(s.program) for s in self._by_key.values()]
 
     def _session_for(self, authorization: str | None) -> Session | None:
         if not authorization or not authorization.startswith("Bearer "):

@@ -81,11 +81,10 @@ class OpenAIServer:
             return bad
         sampling = self._sampling(req, req.max_tokens)
         results = await asyncio.gather(*[self._generate_n(ids, sampling, req.n) for ids in prompts])
-        choices, completion_tokens = [], 0
+        choices = []
         for ids, outs in zip(prompts, results):
             for r in outs:
                 text, reason = oai.sampled_text(self.tokenizer, r, sampling.stop)
-                completion_tokens += len(r.token_ids)
                 choice: dict[str, Any] = {"index": len(choices), "text": text, "finish_reason": reason,
                                           "stop_reason": None, "logprobs": None, "policy_versions": r.versions}
                 if req.logprobs is not None:
@@ -97,10 +96,9 @@ class OpenAIServer:
                     choice["token_ids"] = r.token_ids
                     choice["prompt_token_ids"] = ids
                 choices.append(choice)
-        prompt_tokens = sum(len(x) for x in prompts) * req.n
         self.requests += 1
-        return oai.completion_body("cmpl", "text_completion", self.model_name, choices, prompt_tokens,
-                                   completion_tokens)
+        return oai.completion_body("cmpl", "text_completion", self.model_name, choices, sum(map(len, prompts)) * req.n,
+                                   sum(len(r.token_ids) for outs in results for r in outs))
 
     async def chat(self, req: ChatCompletionRequest):
         if req.stream:
@@ -116,20 +114,18 @@ class OpenAIServer:
             return bad
         sampling = self._sampling(req, max_tokens)
         outs = await self._generate_n(prompt_ids, sampling, req.n)
-        choices, completion_tokens = [], 0
+        choices = []
         for r in outs:
             text, reason = oai.sampled_text(self.tokenizer, r, sampling.stop)
-            completion_tokens += len(r.token_ids)
             message, reason = oai.assistant_message(text, reason, req.tools)
+            logprobs = oai.chat_logprobs(self.tokenizer, r, top=bool(req.top_logprobs)) if req.logprobs else None
             choice: dict[str, Any] = {"index": len(choices), "message": message, "finish_reason": reason,
-                                      "logprobs": None, "policy_versions": r.versions}
-            if req.logprobs:
-                choice["logprobs"] = oai.chat_logprobs(self.tokenizer, r, top=bool(req.top_logprobs))
+                                      "logprobs": logprobs, "policy_versions": r.versions}
             if req.return_token_ids:
                 choice["token_ids"] = r.token_ids
             choices.append(choice)
         body = oai.completion_body("chatcmpl", "chat.completion", self.model_name, choices, len(prompt_ids) * req.n,
-                               completion_tokens)
+                                   sum(len(r.token_ids) for r in outs))
         if req.return_token_ids:
             body["prompt_token_ids"] = prompt_ids
         self.requests += 1

@@ -158,8 +158,7 @@ def _packer():
     try:
         if torch.backends.mkldnn.is_available():
             reorder, linear = torch.ops.mkldnn._reorder_linear_weight, torch.ops.mkldnn._linear_pointwise
-            w = torch.randn(8, 4)
-            x = torch.randn(2, 4)
+            w, x = torch.randn(8, 4), torch.randn(2, 4)
             if torch.allclose(linear(x, reorder(w, 2), None, "none", [], ""), x @ w.t(), atol=1e-5):
                 return reorder, linear
     except (AttributeError, RuntimeError):
@@ -242,22 +241,18 @@ class ModelRunner:
         self.eps = layer0.input_layernorm.variance_epsilon
         self.dtype = next(model.parameters()).dtype
         self.pool = KVPool(self.n_layers, self.n_kv_heads, self.head_dim, self.dtype)
-        self.layers: list[_LayerWeights] = []
-        self.head: _Linear | None = None
         self.refresh()
         # Work done, for rooflines: tokens through the layers, rows through the output head.
-        self.tokens_computed = 0
-        self.rows_projected = 0
+        self.tokens_computed = self.rows_projected = 0
 
     def matmul_flops(self, tokens: int, head_rows: int) -> int:
         """FLOPs of the projections for `tokens` through all layers and `head_rows` through the head."""
         per_token = sum(lin.numel for w in self.layers for lin in (w.qkv, w.o, w.gate_up, w.down))
-        assert self.head is not None
         return 2 * (tokens * per_token + head_rows * self.head.numel)
 
     def refresh(self) -> None:
         """Re-read (and re-pack) the model's weights; call after they change."""
-        layers = []
+        layers: list[_LayerWeights] = []
         for layer in self.base.layers:
             a, m = layer.self_attn, layer.mlp
             layers.append(_LayerWeights(

@@ -51,8 +51,7 @@ def parse_tool_calls(text: str, tools: dict[str, str]) -> list[ToolCall]:
         for body in hermes:
             try:
                 obj = json.loads(body)
-                name = obj["name"]
-                args = obj.get("arguments", {})
+                name, args = obj["name"], obj.get("arguments", {})
                 if isinstance(args, str):
                     args = json.loads(args)
                 calls.append(ToolCall(name=str(name), arguments=dict(args), raw=body))

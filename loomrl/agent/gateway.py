@@ -284,9 +284,8 @@ class Gateway:
 
         @app.get("/v1/models")
         async def models(request: Request):
-            if gateway._session_for(request.headers.get("authorization")) is None:
-                return unauthorized()
-            return oai.model_list(gateway.model_name, 0)
+            known = gateway._session_for(request.headers.get("authorization")) is not None
+            return oai.model_list(gateway.model_name, 0) if known else unauthorized()
 
         @app.post("/v1/chat/completions")
         async def chat(req: ChatCompletionRequest, request: Request):

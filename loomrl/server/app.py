@@ -64,16 +64,10 @@ class OpenAIServer:
         if req.echo:
             return oai.error_response(400, "echo=true is not supported", "echo")
         p = req.prompt
-        if isinstance(p, str):
-            prompts = [self.renderer.encode_text(p)]
-        elif p and all(isinstance(x, int) for x in p):
-            prompts = [list(p)]
-        elif p and all(isinstance(x, str) for x in p):
-            prompts = [self.renderer.encode_text(x) for x in p]
-        elif p and all(isinstance(x, list) for x in p):
-            prompts = [list(x) for x in p]
-        else:
+        if not isinstance(p, str) and not p:  # the request model has made any list homogeneous
             return oai.error_response(400, "prompt must be a non-empty string, list of token ids, or list of either", "prompt")
+        single = isinstance(p, str) or isinstance(p[0], int)
+        prompts = [self.renderer.encode_text(x) if isinstance(x, str) else list(x) for x in ([p] if single else p)]
         vocab = len(self.tokenizer)
         if any(not x or any(t < 0 or t >= vocab for t in x) for x in prompts):
             return oai.error_response(400, f"prompt token ids must be non-empty and in [0, {vocab})", "prompt")

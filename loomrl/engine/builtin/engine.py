@@ -184,7 +184,10 @@ class BuiltinEngine:
                     return False
                 self._apply_weights_locked()
                 if self._interrupt:
-                    self._interrupt_locked()
+                    self._interrupt = False
+                    for seq in self.sched.drain():
+                        self.metrics.interrupts += 1
+                        self._finish(seq, "interrupted")
                     continue
                 calls, self._calls = list(self._calls), deque()
             for fn, fut in calls:
@@ -194,8 +197,15 @@ class BuiltinEngine:
                     deliver(fut, exception=err)
             if not (self.sched.waiting or self.sched.running):
                 continue
+            # One step: schedule (under the lock) -> run (one forward pass) -> postprocess (cache, sample, finish).
+            # A fault: _loop fails the requests in flight and serves on.
             t0 = time.perf_counter()
-            self._step()  # a fault: _loop fails the requests in flight and serves on
+            with self._cond:
+                batch, version = self.sched.schedule(), self._version
+            if batch.chunks:
+                logits = self.runner.forward(batch.chunks)
+                self.metrics.steps += 1
+                self._postprocess(batch, logits, version)
             self.metrics.busy_s += time.perf_counter() - t0
 
     def _apply_weights_locked(self) -> None:
@@ -220,24 +230,7 @@ class BuiltinEngine:
         self._version = version
         deliver(fut)
 
-    def _interrupt_locked(self) -> None:
-        self._interrupt = False
-        for seq in self.sched.drain():
-            self.metrics.interrupts += 1
-            self._finish(seq, "interrupted")
-
-    # -- one step ---------------------------------------------------------------------------------
-    def _step(self) -> None:
-        """schedule (under the lock) -> run (one forward pass) -> postprocess (cache, sample, finish)."""
-        with self._cond:
-            batch = self.sched.schedule()
-            version = self._version
-        if not batch.chunks:
-            return
-        logits = self.runner.forward(batch.chunks)
-        self.metrics.steps += 1
-        self._postprocess(batch, logits, version)
-
+    # -- one step's postprocessing ------------------------------------------------------------------
     def _postprocess(self, batch: Batch, logits: torch.Tensor, version: int) -> None:
         if self.cache is not None:
             with self._cond:  # release() may touch the tree from another thread

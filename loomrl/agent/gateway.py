@@ -1,9 +1,9 @@
 """Gateway: an OpenAI-compatible endpoint in front of the engine for black-box agents, one session per rollout.
 
-A rollout opens a Session (`open_session`): it gets a key, and every call the agent makes with that key (`Authorization:
-Bearer <key>`, as the `openai` client sends it) is served by the engine and recorded: the prompt token ids the engine
-was given, the sampled token ids, their logprobs and policy versions, taken from the engine at sampling time. Nothing
-sampled is ever re-tokenized.
+A rollout opens a Session (`open_session`): it gets a key, and every call the agent makes with that key
+(`Authorization: Bearer <key>`, as the `openai` client sends it) is served by the engine and recorded: the prompt token
+ids the engine was given, the sampled token ids, their logprobs and policy versions, taken from the engine at sampling
+time. Nothing sampled is ever re-tokenized.
 
 Assembly into a trajectory (the same form as a white-box one): when a call's messages extend the previous call's
 messages plus the assistant reply the gateway gave (the usual agent loop: it appends our reply and the tool results),

@@ -31,9 +31,8 @@ class ChatRenderer:
         self._glue = self._find_glue()
 
     def _template(self, messages: list[Message], tools: list[dict] | None, add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
 
     def _find_glue(self) -> str:
         probe = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "MARKER"}]
@@ -55,9 +54,8 @@ class ChatRenderer:
                          tools: list[dict] | None = None) -> list[int]:
         """Tokens to append after a sampled assistant turn so the context shows `new_messages`.
 
-        `history` ends with the assistant message whose tokens were sampled; `closed` says whether
-        the sampled tokens already end with the end-of-turn token.
-        """
+        `history` ends with the assistant message whose tokens were sampled; `closed` says whether the sampled tokens
+        already end with the end-of-turn token."""
         before = self._template(history, tools, add_generation_prompt=False)
         after = self._template(history + new_messages, tools, add_generation_prompt=True)
         if not after.startswith(before):

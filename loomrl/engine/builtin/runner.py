@@ -299,9 +299,8 @@ class ModelRunner:
             dec_len = torch.ones(n_slots, dtype=torch.long)  # non-decoding slots: attend to one position
             dec_len[dec_slots] = torch.tensor([starts[i] + 1 for i in decode])
             span = int(dec_len.max())
-            dec_mask = torch.zeros(n_slots, span, dtype=self.dtype)
-            dec_mask.masked_fill_(torch.arange(span)[None, :] >= dec_len[:, None], float("-inf"))
-            dec_mask = dec_mask.view(n_slots, 1, 1, span)
+            dec_mask = torch.zeros(n_slots, span, dtype=self.dtype).masked_fill_(
+                torch.arange(span)[None, :] >= dec_len[:, None], float("-inf")).view(n_slots, 1, 1, span)
         pre_plan = [
             (offsets[i], offsets[i + 1], starts[i], chunks[i].kv.slot,
              torch.ones(lengths[i], starts[i] + lengths[i], dtype=torch.bool).tril(diagonal=starts[i]))

@@ -110,8 +110,7 @@ class BlackBoxRunner:
         """One rollout; `sampling` (default: the runner's) overrides what the program asks for."""
         session = self.gateway.open_session(task_id=task.task_id, group_id=group_id, position=position,
                                             budget=self.budget, sampling=sampling or self.sampling)
-        failed = env_failed = None
-        res = None
+        failed = env_failed = res = None
         try:
             async with self.pool.lease() as sandbox:
                 for name, content in self.files.items():

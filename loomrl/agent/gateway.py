@@ -311,10 +311,9 @@ class Gateway:
                 return oai.error_response(403, "this task does not accept rewards from the agent", None, kind="permission_error")
             try:
                 data = await request.json()
-                values = {str(k): float(v) for k, v in dict(data.get("reward", {})).items()}
+                session.reward = {str(k): float(v) for k, v in dict(data.get("reward", {})).items()}
             except (ValueError, TypeError, AttributeError):
                 return oai.error_response(400, 'body must be {"reward": {"name": number, ...}}', "reward")
-            session.reward = values
             return {"ok": True}
 
         @app.get("/programs")

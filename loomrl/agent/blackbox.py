@@ -1,20 +1,19 @@
-"""Black-box agents: any program that speaks the OpenAI API, run once per rollout in a sandbox against
-its own gateway session; its calls become the trajectory, the task's verifier gives the reward.
+"""Black-box agents: any program that speaks the OpenAI API, run once per rollout in a sandbox against its own gateway
+session; its calls become the trajectory, the task's verifier gives the reward.
 
-How the program reaches the gateway and nothing else (bwrap): the sandbox has its own empty network
-namespace, so no address outside exists for it. The gateway listens on a unix socket that is mounted
-into the sandbox read-only; a launcher, started in the sandbox before the agent, listens on
-127.0.0.1:AGENT_PORT inside that namespace and forwards each connection to the socket, then execs the
-agent command with OPENAI_BASE_URL=http://127.0.0.1:AGENT_PORT/v1 and OPENAI_API_KEY=<its session
-key>. When the agent exits, its pid namespace ends and the forwarder with it. The Python packages of
-loomrl's own environment are mounted read-only at /opt/loomrl-site (PYTHONPATH), so an agent written
-with the `openai` SDK runs with the sandbox's python3 unchanged.
+How the program reaches the gateway and nothing else (bwrap): the sandbox has its own empty network namespace, so no
+address outside exists for it. The gateway listens on a unix socket that is mounted into the sandbox read-only; a
+launcher, started in the sandbox before the agent, listens on 127.0.0.1:AGENT_PORT inside that namespace and forwards
+each connection to the socket, then execs the agent command with OPENAI_BASE_URL=http://127.0.0.1:AGENT_PORT/v1 and
+OPENAI_API_KEY=<its session key>. When the agent exits, its pid namespace ends and the forwarder with it. The Python
+packages of loomrl's own environment are mounted read-only at /opt/loomrl-site (PYTHONPATH), so an agent written with
+the `openai` SDK runs with the sandbox's python3 unchanged.
 
 With the `process` backend (no isolation, development only) the agent gets the gateway's TCP URL.
 
-The task reaches the program as `task.json` in its working directory and the LOOMRL_TASK_PROMPT
-environment variable (the prompt only, never the answer). Its standard output is kept for the
-verifier (for the calculator: the final answer sentence; else the last assistant message counts).
+The task reaches the program as `task.json` in its working directory and the LOOMRL_TASK_PROMPT environment variable
+(the prompt only, never the answer). Its standard output is kept for the verifier (for the calculator: the final answer
+sentence; else the last assistant message counts).
 """
 
 from __future__ import annotations
@@ -37,27 +36,16 @@ SITE_INSIDE = "/opt/loomrl-site"
 # Runs inside the sandbox with its python3 (stdlib only): bind the port first (so the agent never
 # races the forwarder), fork the forwarder, exec the agent.
 LAUNCHER = r"""
-import os, socket, sys, threading
+import contextlib, os, socket, sys, threading
 port, upstream = int(sys.argv[1]), sys.argv[2]
-server = socket.socket()
-server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-server.bind(("127.0.0.1", port))
-server.listen(64)
+server = socket.create_server(("127.0.0.1", port), backlog=64)  # SO_REUSEADDR set on POSIX
 if os.fork() == 0:
     def pipe(src, dst):
-        try:
-            while True:
-                data = src.recv(65536)
-                if not data:
-                    break
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
                 dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            try:
-                dst.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
     def serve(conn):
         up = socket.socket(socket.AF_UNIX)
         try:
@@ -122,8 +110,7 @@ class BlackBoxRunner:
         """One rollout; `sampling` (default: the runner's) overrides what the program asks for."""
         session = self.gateway.open_session(task_id=task.task_id, group_id=group_id, position=position,
                                             budget=self.budget, sampling=sampling or self.sampling)
-        failed = env_failed = None
-        res = None
+        failed = env_failed = res = None
         try:
             async with self.pool.lease() as sandbox:
                 for name, content in self.files.items():

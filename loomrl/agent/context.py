@@ -1,11 +1,10 @@
 """Context management as an action of the agent (Forge), for the white-box loop.
 
-When a strategy fires, the loop rewrites the conversation and starts a new context: the tokens so
-far are closed as a ContextSegment (trained as their own sample, with their own masks), and the
-model continues from the rewritten conversation, rendered afresh. So the model is trained on the
-context it actually saw at every turn, never on a history it did not see. Each rewrite is recorded
-on the last turn of the closed context (`Turn.context_events`): which action, tokens and messages
-before and after.
+When a strategy fires, the loop rewrites the conversation and starts a new context: the tokens so far are closed as a
+ContextSegment (trained as their own sample, with their own masks), and the model continues from the rewritten
+conversation, rendered afresh. So the model is trained on the context it actually saw at every turn, never on a history
+it did not see. Each rewrite is recorded on the last turn of the closed context (`Turn.context_events`): which action,
+tokens and messages before and after.
 
 Strategies:
 - discard_all: past `threshold` of the window, keep only the opening messages (system prompt and task).

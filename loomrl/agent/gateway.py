@@ -1,27 +1,24 @@
-"""Gateway: an OpenAI-compatible endpoint in front of the engine for black-box agents, one session
-per rollout.
+"""Gateway: an OpenAI-compatible endpoint in front of the engine for black-box agents, one session per rollout.
 
-A rollout opens a Session (`open_session`): it gets a key, and every call the agent makes with that
-key (`Authorization: Bearer <key>`, as the `openai` client sends it) is served by the engine and
-recorded: the prompt token ids the engine was given, the sampled token ids, their logprobs and
-policy versions, taken from the engine at sampling time. Nothing sampled is ever re-tokenized.
+A rollout opens a Session (`open_session`): it gets a key, and every call the agent makes with that key
+(`Authorization: Bearer <key>`, as the `openai` client sends it) is served by the engine and recorded: the prompt token
+ids the engine was given, the sampled token ids, their logprobs and policy versions, taken from the engine at sampling
+time. Nothing sampled is ever re-tokenized.
 
-Assembly into a trajectory (the same form as a white-box one): when a call's messages extend the
-previous call's messages plus the assistant reply the gateway gave (the usual agent loop: it appends
-our reply and the tool results), the prompt is the previous context's exact tokens followed by the
-rendered new messages, and the call continues the same context (one training sample). When they do
-not (the agent edited, dropped or reordered history), the call starts a new context: the previous
-one is closed as a ContextSegment with the reason, and is trained as its own sample.
+Assembly into a trajectory (the same form as a white-box one): when a call's messages extend the previous call's
+messages plus the assistant reply the gateway gave (the usual agent loop: it appends our reply and the tool results),
+the prompt is the previous context's exact tokens followed by the rendered new messages, and the call continues the same
+context (one training sample). When they do not (the agent edited, dropped or reordered history), the call starts a new
+context: the previous one is closed as a ContextSegment with the reason, and is trained as its own sample.
 
-Budgets per session (calls, sampled tokens, context tokens, wall time) are enforced here: a call past
-one gets an OpenAI-style 400 error with code `budget_exceeded` (the `openai` client raises, and does
-not retry) and the trajectory is marked truncated. An unknown key, or the key of a closed session,
-gets 401. A key only ever reaches its own session: there is no way to name another.
+Budgets per session (calls, sampled tokens, context tokens, wall time) are enforced here: a call past one gets an
+OpenAI-style 400 error with code `budget_exceeded` (the `openai` client raises, and does not retry) and the trajectory
+is marked truncated. An unknown key, or the key of a closed session, gets 401. A key only ever reaches its own session:
+there is no way to name another.
 
-Programs (ThunderAgent's abstraction): each session is a Program with an id, the tokens in its context,
-its tools, the engine it is bound to, its phase ("reasoning" while the engine generates for it,
-"acting" while the agent works between calls) and status; `GET /programs` lists them (admin key).
-`engine.release(program_id)` is called when a session closes.
+Programs (ThunderAgent's abstraction): each session is a Program with an id, the tokens in its context, its tools, the
+engine it is bound to, its phase ("reasoning" while the engine generates for it, "acting" while the agent works between
+calls) and status; `GET /programs` lists them (admin key). `engine.release(program_id)` is called when a session closes.
 """
 
 from __future__ import annotations
@@ -30,17 +27,17 @@ import asyncio
 import json
 import secrets
 import time
-import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fastapi import Request  # at module level: FastAPI resolves endpoint annotations from the module
 
+from loomrl.agent.loop import add_turn, finish_metadata
 from loomrl.engine.base import EngineFault, SamplingParams, generate_resuming
 from loomrl.model.chat import ChatRenderer
+from loomrl.server import responses as oai
 from loomrl.server.protocol import ChatCompletionRequest
-from loomrl.server.responses import assistant_message, error_response
-from loomrl.types import ContextSegment, RolloutStatus, TokenSpan, Trajectory, Turn, new_id
+from loomrl.types import ContextSegment, RolloutStatus, TokenSpan, Trajectory, new_id
 
 
 @dataclass(slots=True, kw_only=True)
@@ -49,10 +46,6 @@ class Budget:
     max_sampled_tokens: int | None = None
     max_context_tokens: int | None = None  # prompt + max_tokens of a call
     max_wall_s: float | None = None
-
-
-class BudgetExceeded(Exception):
-    pass
 
 
 @dataclass(slots=True, kw_only=True)
@@ -65,9 +58,6 @@ class Program:
     tokens_in_context: int = 0
     calls: int = 0
     started_at: float = field(default_factory=time.time)
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _normalize(message: dict[str, Any]) -> tuple:
@@ -102,11 +92,9 @@ class Session:
         self.program = Program(program_id=self.session_id, engine=gateway.engine_name)
         self.trajectory = Trajectory(task_id=task_id, trajectory_id=self.session_id, group_id=group_id or new_id("group"),
                                      position=position, temperature=sampling.temperature if sampling else 1.0)
-        self.trajectory.status = RolloutStatus.COMPLETED
         self.closed = False
         self.truncated_reason: str | None = None
         self.sampled_tokens = 0
-        self.calls = 0
         self.reward: dict[str, float] | None = None  # reported by the agent, where the task allows it
         self.engine_fault: str | None = None  # the engine failed during one of its calls
         self._known: list[tuple] | None = None  # normalized messages the current context holds
@@ -114,12 +102,13 @@ class Session:
         self._lock = asyncio.Lock()  # one context is sequential: calls of a session are served in order
 
     # -- budgets ----------------------------------------------------------------------------------
-    def _check_budget(self, prompt_len: int, max_tokens: int) -> None:
+    def _spent(self, prompt_len: int) -> str | None:
+        """Which budget is spent, if one is (the session is then truncated)."""
         b = self.budget
         why = None
         if b.max_wall_s is not None and time.monotonic() - self.created > b.max_wall_s:
             why = f"wall-time budget of {b.max_wall_s}s is spent"
-        elif b.max_calls is not None and self.calls >= b.max_calls:
+        elif b.max_calls is not None and self.program.calls >= b.max_calls:
             why = f"call budget of {b.max_calls} calls is spent"
         elif b.max_sampled_tokens is not None and self.sampled_tokens >= b.max_sampled_tokens:
             why = f"token budget of {b.max_sampled_tokens} sampled tokens is spent"
@@ -129,7 +118,7 @@ class Session:
             self.truncated_reason = why
             self.trajectory.status = RolloutStatus.TRUNCATED
             self.program.status = "truncated"
-            raise BudgetExceeded(why)
+        return why
 
     def _max_tokens(self, prompt_len: int, asked: int) -> int:
         b, n = self.budget, asked
@@ -146,10 +135,8 @@ class Session:
         norm = [_normalize(m) for m in messages]
         known = self._known
         if known is not None and len(norm) > len(known) and norm[: len(known)] == known:
-            new = messages[len(known):]
-            ids = list(self.trajectory.token_ids) + renderer.continuation_ids(
-                messages[: len(known)], new, closed=self._last_closed, tools=tools)
-            return ids, None
+            return list(self.trajectory.token_ids) + renderer.continuation_ids(
+                messages[: len(known)], messages[len(known):], closed=self._last_closed, tools=tools), None
         if known is None:
             return renderer.prompt_ids(messages, tools), "start"
         first = next((i for i, (a, b) in enumerate(zip(norm, known)) if a != b), min(len(norm), len(known)))
@@ -172,23 +159,18 @@ class Session:
             last = traj.turns[-1]
             last.obs_span = TokenSpan(start=start, end=len(traj.token_ids))
             last.obs = "\n".join(str(m.get("content") or "") for m in messages[len(self._known or []):])
-        begin = len(traj.token_ids)
-        traj.token_ids.extend(result.token_ids)
-        traj.turns.append(Turn(act=text, act_span=TokenSpan(start=begin, end=len(traj.token_ids)),
-                               logprobs=list(result.logprobs), versions=list(result.versions),
-                               finish_reason=finish_reason, tool_calls=list(reply.get("tool_calls") or [])))
+        add_turn(traj, result, act=text, finish_reason=finish_reason, tool_calls=list(reply.get("tool_calls") or []))
         self._known = [_normalize(m) for m in messages] + [_normalize(reply)]
         self._last_closed = result.finish_reason == "stop"
-        self.calls += 1
+        self.program.calls += 1
         self.sampled_tokens += len(result.token_ids)
-        self.program.calls = self.calls
         self.program.tokens_in_context = len(traj.token_ids)
 
     def summary(self) -> dict[str, Any]:
         traj = self.trajectory
-        return {"session_id": self.session_id, "calls": self.calls, "sampled_tokens": self.sampled_tokens,
+        return {"session_id": self.session_id, "calls": self.program.calls, "sampled_tokens": self.sampled_tokens,
                 "contexts": len(traj.contexts()), "status": str(traj.status), "truncated_reason": self.truncated_reason,
-                "program": self.program.as_dict()}
+                "program": asdict(self.program)}
 
 
 class Gateway:
@@ -204,8 +186,7 @@ class Gateway:
         self.default_budget = default_budget or Budget()
         self.allow_agent_reward = allow_agent_reward
         self.admin_key = "sk-loomrl-admin-" + secrets.token_urlsafe(24)
-        self._by_key: dict[str, Session] = {}
-        self._sessions: dict[str, Session] = {}
+        self._by_key: dict[str, Session] = {}  # the open sessions
 
     # -- sessions ---------------------------------------------------------------------------------
     def open_session(self, *, task_id: str = "", group_id: str = "", position: int = -1, budget: Budget | None = None,
@@ -213,14 +194,12 @@ class Gateway:
         session = Session(self, task_id=task_id, group_id=group_id, budget=budget or self.default_budget,
                           sampling=sampling, position=position)
         self._by_key[session.key] = session
-        self._sessions[session.session_id] = session
         return session
 
     def close_session(self, session: Session, *, failed: str | None = None) -> Trajectory:
         """End the session: its key stops working, the engine forgets the program, the trajectory is final."""
         session.closed = True
         self._by_key.pop(session.key, None)
-        self._sessions.pop(session.session_id, None)
         self.engine.release(session.program.program_id)
         traj = session.trajectory
         if failed:
@@ -231,19 +210,11 @@ class Gateway:
         session.program.phase = "done"
         if session.truncated_reason:
             traj.error = traj.error or f"budget: {session.truncated_reason}"
-        md = traj.metadata
-        turns = traj.all_turns()
-        md.total_steps = len(turns)
-        md.total_tokens = sum(len(c.token_ids) for c in traj.contexts())
-        md.wall_time = time.monotonic() - session.created
-        md.truncated = traj.status == RolloutStatus.TRUNCATED
-        versions = [v for t in turns for v in t.versions]
-        md.policy_version_min = min(versions) if versions else -1
-        md.policy_version_max = max(versions) if versions else -1
+        finish_metadata(traj, time.monotonic() - session.created)
         return traj
 
     def programs(self) -> list[dict[str, Any]]:
-        return [s.program.as_dict() for s in self._sessions.values()]
+        return [asdict(s.program) for s in self._by_key.values()]
 
     def _session_for(self, authorization: str | None) -> Session | None:
         if not authorization or not authorization.startswith("Bearer "):
@@ -253,30 +224,26 @@ class Gateway:
 
     # -- the chat endpoint ------------------------------------------------------------------------
     async def chat(self, session: Session, req: ChatCompletionRequest):
-        for i, m in enumerate(req.messages):
-            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
-                return error_response(400, f"messages[{i}].role must be system, user, assistant or tool", f"messages[{i}].role")
+        if (bad := oai.bad_roles(req.messages)) is not None:
+            return bad
         if req.n != 1:
-            return error_response(400, "n must be 1 through the gateway (one rollout, one context)", "n")
+            return oai.error_response(400, "n must be 1 through the gateway (one rollout, one context)", "n")
         async with session._lock:
             try:
                 prompt_ids, new_context = session.plan(req.messages, req.tools)
             except Exception as err:  # noqa: BLE001 - a conversation the template cannot render
-                return error_response(400, f"cannot render messages with the chat template: {err}", "messages")
+                return oai.error_response(400, f"cannot render messages with the chat template: {err}", "messages")
             asked = req.max_completion_tokens or req.max_tokens or 256
             if session.sampling is not None:
                 asked = min(asked, session.sampling.max_tokens)  # the run's per-turn cap
-            try:
-                session._check_budget(len(prompt_ids), asked)
-            except BudgetExceeded as err:
-                return error_response(400, f"budget exceeded: {err}; the rollout is over", None, code="budget_exceeded")
-            stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+            if (spent := session._spent(len(prompt_ids))) is not None:
+                return oai.error_response(400, f"budget exceeded: {spent}; the rollout is over", None,
+                                          code="budget_exceeded")
             base = session.sampling or SamplingParams(temperature=req.temperature, top_p=req.top_p,
                                                       top_k=max(req.top_k, 0), seed=req.seed)
-            sampling = SamplingParams(temperature=base.temperature, top_p=base.top_p, top_k=base.top_k,
-                                      seed=base.seed if session.sampling else req.seed,
-                                      max_tokens=session._max_tokens(len(prompt_ids), asked), stop=stop,
-                                      stop_token_ids=list(req.stop_token_ids or []))
+            sampling = SamplingParams(temperature=base.temperature, top_p=base.top_p, top_k=base.top_k, seed=base.seed,
+                                      max_tokens=session._max_tokens(len(prompt_ids), asked),
+                                      stop=oai.stop_strings(req.stop), stop_token_ids=list(req.stop_token_ids or []))
             session.program.phase = "reasoning"
             session.program.tools = [t.get("function", {}).get("name", "") for t in req.tools or []]
             try:
@@ -286,26 +253,16 @@ class Gateway:
                 raise
             finally:
                 session.program.phase = "acting"
-            text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-            reason = result.finish_reason
-            for s in stop:
-                if s in text:
-                    text, reason = text[: text.find(s)], "stop"
-            reason = "stop" if reason == "interrupted" else reason
-            reply, reason = assistant_message(text, reason, req.tools)
+            text, reason = oai.sampled_text(self.tokenizer, result, sampling.stop)
+            reply, reason = oai.assistant_message(text, reason, req.tools)
             session.record(req.messages, prompt_ids, new_context, result, text, reply, reason)
-        body = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": self.model_name,
-                "choices": [{"index": 0, "message": reply, "finish_reason": reason, "logprobs": None}],
-                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(result.token_ids),
-                          "total_tokens": len(prompt_ids) + len(result.token_ids)}}
+        choice = {"index": 0, "message": reply, "finish_reason": reason,
+                  "logprobs": oai.chat_logprobs(self.tokenizer, result, top=False) if req.logprobs else None}
+        body = oai.completion_body("chatcmpl", "chat.completion", self.model_name, [choice], len(prompt_ids),
+                                   len(result.token_ids))
         if req.return_token_ids:  # vLLM's extension: the exact ids (what the trajectory trains on)
-            body["choices"][0]["token_ids"] = list(result.token_ids)
+            choice["token_ids"] = list(result.token_ids)
             body["prompt_token_ids"] = prompt_ids
-        if req.logprobs:
-            body["choices"][0]["logprobs"] = {"content": [
-                {"token": self.tokenizer.decode([t]), "logprob": lp, "bytes": list(self.tokenizer.decode([t]).encode()),
-                 "top_logprobs": []} for t, lp in zip(result.token_ids, result.logprobs)]}
         return body
 
     # -- the application --------------------------------------------------------------------------
@@ -318,21 +275,17 @@ class Gateway:
         gateway = self
 
         def unauthorized():
-            return error_response(401, "invalid or expired API key (each rollout has its own key; it ends with the rollout)",
+            return oai.error_response(401, "invalid or expired API key (each rollout has its own key; it ends with the rollout)",
                           None, kind="authentication_error", code="invalid_api_key")
 
         @app.exception_handler(RequestValidationError)
         async def _invalid(request: Request, exc: RequestValidationError):
-            first = exc.errors()[0] if exc.errors() else {}
-            loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-            return error_response(400, f"{loc or 'body'}: {first.get('msg', 'invalid request')}", loc or None)
+            return oai.invalid_request(exc)
 
         @app.get("/v1/models")
         async def models(request: Request):
-            if gateway._session_for(request.headers.get("authorization")) is None:
-                return unauthorized()
-            return {"object": "list", "data": [{"id": gateway.model_name, "object": "model", "created": 0,
-                                                "owned_by": "loomrl"}]}
+            known = gateway._session_for(request.headers.get("authorization")) is not None
+            return oai.model_list(gateway.model_name, 0) if known else unauthorized()
 
         @app.post("/v1/chat/completions")
         async def chat(req: ChatCompletionRequest, request: Request):
@@ -355,19 +308,18 @@ class Gateway:
             if session is None:
                 return unauthorized()
             if not gateway.allow_agent_reward:
-                return error_response(403, "this task does not accept rewards from the agent", None, kind="permission_error")
+                return oai.error_response(403, "this task does not accept rewards from the agent", None, kind="permission_error")
             try:
                 data = await request.json()
-                values = {str(k): float(v) for k, v in dict(data.get("reward", {})).items()}
+                session.reward = {str(k): float(v) for k, v in dict(data.get("reward", {})).items()}
             except (ValueError, TypeError, AttributeError):
-                return error_response(400, 'body must be {"reward": {"name": number, ...}}', "reward")
-            session.reward = values
+                return oai.error_response(400, 'body must be {"reward": {"name": number, ...}}', "reward")
             return {"ok": True}
 
         @app.get("/programs")
         async def programs(request: Request):
             if request.headers.get("authorization") != f"Bearer {gateway.admin_key}":
-                return error_response(403, "the program list needs the gateway's admin key", None, kind="permission_error")
+                return oai.error_response(403, "the program list needs the gateway's admin key", None, kind="permission_error")
             return {"programs": gateway.programs()}
 
         return app
@@ -403,17 +355,13 @@ class ServerThread:
 
         import uvicorn
 
-        self.uds = uds
+        self.uds, self.port = uds, 0
         if uds is None:
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-            sock.close()
-            config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        else:
-            self.port = 0
-            config = uvicorn.Config(app, uds=uds, log_level="warning")
-        self._server = uvicorn.Server(config)
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                self.port = sock.getsockname()[1]
+        where = {"uds": uds} if uds is not None else {"host": "127.0.0.1", "port": self.port}
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **where))
         self._thread = threading.Thread(target=self._server.run, name="loomrl-gateway", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + 30

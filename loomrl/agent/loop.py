@@ -16,6 +16,7 @@ import asyncio
 import re
 import time
 from dataclasses import replace
+from typing import Any
 
 from loomrl.agent.context import SUMMARY_REQUEST, ContextStrategy
 from loomrl.agent.priorities import ProgramPriorities
@@ -30,6 +31,28 @@ _THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
 def _split_think(text: str) -> tuple[str, str]:
     thoughts = _THINK.findall(text)
     return "\n".join(t.strip() for t in thoughts), _THINK.sub("", text).strip()
+
+
+# Shared with the gateway, so white-box and black-box rollouts assemble the same trajectory.
+def add_turn(traj: Trajectory, result: GenerationResult, **fields: Any) -> Turn:
+    """Append a sampled turn to the current context: its exact tokens, logprobs and versions."""
+    begin = len(traj.token_ids)
+    traj.token_ids.extend(result.token_ids)
+    turn = Turn(act_span=TokenSpan(start=begin, end=len(traj.token_ids)), logprobs=list(result.logprobs),
+                versions=list(result.versions), **fields)
+    traj.turns.append(turn)
+    return turn
+
+
+def finish_metadata(traj: Trajectory, wall_time: float) -> None:
+    """Fill the trajectory's metadata from its turns and contexts once the rollout has ended."""
+    md, turns = traj.metadata, traj.all_turns()
+    md.total_steps = len(turns)
+    md.total_tokens = sum(len(c.token_ids) for c in traj.contexts())
+    md.wall_time = wall_time
+    md.truncated = traj.status == RolloutStatus.TRUNCATED
+    versions = [v for t in turns for v in t.versions]
+    md.policy_version_min, md.policy_version_max = (min(versions), max(versions)) if versions else (-1, -1)
 
 
 class AgentLoop:
@@ -68,14 +91,7 @@ class AgentLoop:
                     self.priorities.finished(traj.group_id, traj.trajectory_id)
                 else:  # a failed episode says nothing about the group's length (and may be retried)
                     self.priorities.abandoned(traj.group_id, traj.trajectory_id)
-        md = traj.metadata
-        md.total_steps = len(traj.all_turns())
-        md.total_tokens = sum(len(c.token_ids) for c in traj.contexts())
-        md.wall_time = time.perf_counter() - start
-        md.truncated = traj.status == RolloutStatus.TRUNCATED
-        versions = [v for t in traj.all_turns() for v in t.versions]
-        md.policy_version_min = min(versions) if versions else -1
-        md.policy_version_max = max(versions) if versions else -1
+        finish_metadata(traj, time.perf_counter() - start)
         return traj
 
     async def _run_turns(self, env: Env, task: Task, traj: Trajectory, deadline: float) -> None:
@@ -83,8 +99,7 @@ class AgentLoop:
         opening = list(obs.messages)
         messages = list(opening)
         ids = self.renderer.prompt_ids(messages, obs.tools)
-        traj.prompt_ids = list(ids)
-        traj.token_ids = list(ids)
+        traj.prompt_ids, traj.token_ids = list(ids), list(ids)
         traj.status = RolloutStatus.TRUNCATED  # until a turn says done
         new_message, closed = False, True
         for _ in range(self.max_turns):
@@ -98,14 +113,9 @@ class AgentLoop:
                 raise TimeoutError(f"trajectory ran past {self.trajectory_timeout_s}s")
             params = replace(self.sampling, max_tokens=min(self.sampling.max_tokens, budget))
             result = await self._generate(list(traj.token_ids), params, traj.trajectory_id, traj.group_id)
-            begin = len(traj.token_ids)
-            traj.token_ids.extend(result.token_ids)
             text = self.renderer.decode(result.token_ids)
             think, act = _split_think(text)
-            turn = Turn(think=think, act=act, act_span=TokenSpan(start=begin, end=len(traj.token_ids)),
-                        logprobs=list(result.logprobs), versions=list(result.versions),
-                        finish_reason=result.finish_reason)
-            traj.turns.append(turn)
+            turn = add_turn(traj, result, think=think, act=act, finish_reason=result.finish_reason)
             messages.append({"role": "assistant", "content": text})
             closed = result.finish_reason == "stop"
             step = await asyncio.wait_for(env.step(text), max(deadline - time.perf_counter(), 0.001))
@@ -147,9 +157,7 @@ class AgentLoop:
         (except by discard_all, which keeps the opening messages only)."""
         name = self.context.name
         before = len(traj.token_ids)
-        summary = None
-        if name == "summarize":
-            summary = await self._write_summary(traj, messages, tools, closed)
+        summary = await self._write_summary(traj, messages, tools, closed) if name == "summarize" else None
         rewritten = self.context.rewrite(opening, messages, summary)
         if pending and name != "discard_all":
             rewritten = [*rewritten, *pending]
@@ -174,10 +182,7 @@ class AgentLoop:
         traj.token_ids.extend(ask)
         params = replace(self.sampling, max_tokens=min(self.context.summary_max_tokens, room))
         result = await self._generate(list(traj.token_ids), params, traj.trajectory_id, traj.group_id)
-        begin = len(traj.token_ids)
-        traj.token_ids.extend(result.token_ids)
         text = self.renderer.decode(result.token_ids)
-        traj.turns.append(Turn(act=text, act_span=TokenSpan(start=begin, end=len(traj.token_ids)),
-                               logprobs=list(result.logprobs), versions=list(result.versions),
-                               finish_reason=result.finish_reason, context_events=[{"action": "summary_written"}]))
+        add_turn(traj, result, act=text, finish_reason=result.finish_reason,
+                 context_events=[{"action": "summary_written"}])
         return _split_think(text)[1]

@@ -49,9 +49,7 @@ class ProgramPriorities:
 
     def estimate(self, group_id: str) -> int:
         g = self._groups.get(group_id)
-        if g is None or not g.finished:
-            return self.budget_tokens
-        return max(g.programs.values())
+        return max(g.programs.values()) if g is not None and g.finished else self.budget_tokens
 
     def priority(self, group_id: str, program_id: str) -> int:
         g = self._group(group_id, program_id)

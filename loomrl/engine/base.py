@@ -103,10 +103,9 @@ MAX_IDLE_RESUMES = 100
 
 async def generate_resuming(engine: Engine, prompt_ids: list[int], params: SamplingParams,
                             program_id: str = "", priority: int = 0) -> tuple[GenerationResult, int]:
-    """Generate; a request interrupted by a weight update (AReaL's interruptible rollout) resumes
-    from its partial output, re-prefilled under the new weights. The tokens keep the versions that
-    sampled them, so staleness stays exact per token. Returns the whole result and how many times
-    it resumed."""
+    """Generate; a request interrupted by a weight update (AReaL's interruptible rollout) resumes from its partial
+    output, re-prefilled under the new weights. The tokens keep the versions that sampled them, so staleness stays
+    exact per token. Returns the whole result and how many times it resumed."""
     tokens: list[int] = []
     logprobs: list[float] = []
     versions: list[int] = []
@@ -118,16 +117,16 @@ async def generate_resuming(engine: Engine, prompt_ids: list[int], params: Sampl
         tokens += result.token_ids
         logprobs += result.logprobs
         versions += result.versions
-        if result.finish_reason != "interrupted":
-            return GenerationResult(token_ids=tokens, logprobs=logprobs, versions=versions,
-                                    finish_reason=result.finish_reason), resumed
-        resumed += 1
-        # Each resume normally adds tokens (an interrupt ends a step, not a request's whole life); an
-        # engine that keeps interrupting before producing any would make this loop spin forever.
-        idle = 0 if result.token_ids else idle + 1
-        if idle >= MAX_IDLE_RESUMES:
-            raise EngineFault(f"generation was interrupted {idle} times in a row without producing a token; "
-                              "the engine is not making progress")
-        if len(tokens) >= params.max_tokens:
-            return GenerationResult(token_ids=tokens, logprobs=logprobs, versions=versions,
-                                    finish_reason="length"), resumed
+        reason = result.finish_reason
+        if reason == "interrupted":
+            resumed += 1
+            # Each resume normally adds tokens (an interrupt ends a step, not a request's whole life); an
+            # engine that keeps interrupting before producing any would make this loop spin forever.
+            idle = 0 if result.token_ids else idle + 1
+            if idle >= MAX_IDLE_RESUMES:
+                raise EngineFault(f"generation was interrupted {idle} times in a row without producing a token; "
+                                  "the engine is not making progress")
+            if len(tokens) < params.max_tokens:
+                continue
+            reason = "length"
+        return GenerationResult(token_ids=tokens, logprobs=logprobs, versions=versions, finish_reason=reason), resumed

@@ -31,19 +31,16 @@ class ChatRenderer:
         self._glue = self._find_glue()
 
     def _template(self, messages: list[Message], tools: list[dict] | None, add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
 
     def _find_glue(self) -> str:
         probe = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "MARKER"}]
         text = self._template([{"role": "system", "content": "s"}, *probe], None, False)
         tail = text[text.rindex("MARKER") + len("MARKER") :]
         if not tail.startswith(self.eos_text):
-            raise ValueError(
-                f"chat template does not end an assistant turn with the eos token {self.eos_text!r}; "
-                "set the tokenizer's eos_token to the end-of-turn token"
-            )
+            raise ValueError(f"chat template does not end an assistant turn with the eos token {self.eos_text!r}; "
+                             "set the tokenizer's eos_token to the end-of-turn token")
         return tail[len(self.eos_text) :]
 
     def encode_text(self, text: str) -> list[int]:
@@ -53,25 +50,17 @@ class ChatRenderer:
         """Token ids of a conversation, ending with the assistant generation prompt."""
         return self.encode_text(self._template(messages, tools, add_generation_prompt=True))
 
-    def continuation_ids(
-        self,
-        history: list[Message],
-        new_messages: list[Message],
-        *,
-        closed: bool,
-        tools: list[dict] | None = None,
-    ) -> list[int]:
+    def continuation_ids(self, history: list[Message], new_messages: list[Message], *, closed: bool,
+                         tools: list[dict] | None = None) -> list[int]:
         """Tokens to append after a sampled assistant turn so the context shows `new_messages`.
 
-        `history` ends with the assistant message whose tokens were sampled; `closed` says whether
-        the sampled tokens already end with the end-of-turn token.
-        """
+        `history` ends with the assistant message whose tokens were sampled; `closed` says whether the sampled tokens
+        already end with the end-of-turn token."""
         before = self._template(history, tools, add_generation_prompt=False)
         after = self._template(history + new_messages, tools, add_generation_prompt=True)
         if not after.startswith(before):
             raise ValueError("chat template is not prefix-stable for this conversation; cannot append tokens")
-        text = self._glue + after[len(before) :]
-        ids = self.encode_text(text)
+        ids = self.encode_text(self._glue + after[len(before) :])
         return ids if closed else [self.eos_token_id, *ids]
 
     def decode(self, ids: list[int]) -> str:

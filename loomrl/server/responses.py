@@ -1,22 +1,79 @@
-"""OpenAI-style responses shared by `loomrl serve` (server/app.py) and the black-box gateway
-(agent/gateway.py): the error body, and the assistant message for sampled text (tool calls parsed)."""
+"""OpenAI-style requests and responses shared by `loomrl serve` (server/app.py) and the black-box gateway
+(agent/gateway.py): the error bodies, message checks, the sampled text and its logprobs, the completion
+body, and the assistant message for sampled text (tool calls parsed)."""
 
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from typing import Any
 
+from loomrl.engine.base import GenerationResult
 from loomrl.model.tools import parse_tool_calls
 
 
 def error_response(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-           code: str | int | None = None):
+                   code: str | int | None = None):
     """An OpenAI-style error response."""
     from fastapi.responses import JSONResponse
 
     return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param,
                                                                "code": code if code is not None else status}})
+
+
+def invalid_request(exc):
+    """The 400 for a body that failed validation (a RequestValidationError), naming its first bad field."""
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    return error_response(400, f"{loc or 'body'}: {first.get('msg', 'invalid request')}", loc or None)
+
+
+def bad_roles(messages: list[Any]):
+    """A 400 naming the first message whose role is not an OpenAI one, or None."""
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
+            return error_response(400, f"messages[{i}].role must be system, user, assistant or tool", f"messages[{i}].role")
+    return None
+
+
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
+def sampled_text(tokenizer, result: GenerationResult, stops: list[str]) -> tuple[str, str]:
+    """The decoded output cut before the first stop string, and its finish reason ("interrupted" is
+    reported as "stop")."""
+    text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    reason = result.finish_reason
+    for s in stops:
+        idx = text.find(s)
+        if idx >= 0:
+            text, reason = text[:idx], "stop"
+    return text, ("stop" if reason == "interrupted" else reason)
+
+
+def chat_logprobs(tokenizer, result: GenerationResult, top: bool) -> dict[str, Any]:
+    """Chat logprobs of the sampled tokens; with `top`, each lists itself as its one top logprob (the
+    engine does not compute alternatives)."""
+    content = []
+    for t, lp in zip(result.token_ids, result.logprobs):
+        tok = tokenizer.decode([t])
+        entry = {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
+        content.append({**entry, "top_logprobs": [entry] if top else []})
+    return {"content": content}
+
+
+def completion_body(id_prefix: str, kind: str, model: str, choices: list[dict[str, Any]], prompt_tokens: int,
+                    completion_tokens: int) -> dict[str, Any]:
+    """A (chat) completion response: `kind` is its "object", "text_completion" or "chat.completion"."""
+    return {"id": f"{id_prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": model,
+            "choices": choices, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                          "total_tokens": prompt_tokens + completion_tokens}}
+
+
+def model_list(name: str, created: int) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "loomrl"}]}
 
 
 def _tool_arg_names(tools: list[dict[str, Any]] | None) -> dict[str, str]:

@@ -1,29 +1,28 @@
 """BuiltinEngine: continuous batching with a prefix cache, in-place weight updates and interrupts.
 
-Every engine step (one forward pass) mixes the decode tokens of all running sequences with prefill
-chunks of newly admitted ones; a request joins at the step after it arrives and leaves at the step
-it finishes. A step reads schedule -> run -> postprocess: scheduler.py decides the batch (admission
-under the KV budget, preemption), the runner computes it, and postprocessing samples, records and
-finishes.
+Every engine step (one forward pass) mixes the decode tokens of all running sequences with prefill chunks of newly
+admitted ones; a request joins at the step after it arrives and leaves at the step it finishes. A step reads schedule ->
+run -> postprocess: scheduler.py decides the batch (admission under the KV budget, preemption), the runner computes it,
+and postprocessing samples, records and finishes.
 
-Prefix cache: prompts are matched against a radix tree of cached K/V (GRPO siblings share their
-prompt; a program's next turn extends its previous one). A finished request's K/V stays cached under
-its program id until `release(program_id)` or eviction.
+Prefix cache: prompts are matched against a radix tree of cached K/V (GRPO siblings share their prompt; a program's next
+turn extends its previous one). A finished request's K/V stays cached under its program id until `release(program_id)`
+or eviction.
 
-Weights: `update_weights` is applied between steps, never within one; every token records the
-version of the weights that produced it. The prefix cache is cleared then (its K/V came from the old
-weights); running sequences keep their K/V, as vLLM's in-flight updates do. `interrupt()` ends every
-in-flight request at the next step boundary with finish_reason "interrupted" and its partial output;
-resubmitting prompt + partial tokens resumes it (re-prefilled under the current weights).
+Weights: `update_weights` is applied between steps, never within one; every token records the version of the weights
+that produced it. The prefix cache is cleared then (its K/V came from the old weights); running sequences keep their
+K/V, as vLLM's in-flight updates do. `interrupt()` ends every in-flight request at the next step boundary with
+finish_reason "interrupted" and its partial output; resubmitting prompt + partial tokens resumes it (re-prefilled under
+the current weights).
 
-Supervision: the engine's worker thread never dies of an error. A step that raises fails the
-requests in flight (EngineFault, with the cause) and the engine serves the next ones with its state
-reset (KV freed, prefix cache cleared). A weight load that raises leaves the model partly loaded, so
-`update_weights` raises and the engine refuses requests until a later load succeeds. A request made
-after the engine closed, or while its thread is gone, fails at once instead of waiting for ever.
+Supervision: the engine's worker thread never dies of an error. A step that raises fails the requests in flight
+(EngineFault, with the cause) and the engine serves the next ones with its state reset (KV freed, prefix cache cleared).
+A weight load that raises leaves the model partly loaded, so `update_weights` raises and the engine refuses requests
+until a later load succeeds. A request made after the engine closed, or while its thread is gone, fails at once instead
+of waiting for ever.
 
-Logprobs are of the distribution sampled from: softmax(logits / T) after top-k/top-p; for greedy
-requests (T = 0), of softmax(logits).
+Logprobs are of the distribution sampled from: softmax(logits / T) after top-k/top-p; for greedy requests (T = 0), of
+softmax(logits).
 """
 
 from __future__ import annotations
@@ -151,12 +150,9 @@ class BuiltinEngine:
                     break
             except BaseException as err:  # noqa: BLE001 - a fault outside a step: reset, keep serving
                 self._recover(err)
-        for seq in self.sched.drain():
-            deliver(seq.future, exception=EngineFault("engine closed"))
-        for _, fut in self._calls:
+        pending = [self._pending_weights[2]] if self._pending_weights is not None else []
+        for fut in [s.future for s in self.sched.drain()] + [f for _, f in self._calls] + pending:
             deliver(fut, exception=EngineFault("engine closed"))
-        if self._pending_weights is not None:
-            deliver(self._pending_weights[2], exception=EngineFault("engine closed"))
 
     def _recover(self, err: BaseException) -> None:
         """Fail everything in flight with the cause and reset the per-request state."""
@@ -164,14 +160,18 @@ class BuiltinEngine:
         fault.__cause__ = None if fault is err else err
         with self._cond:
             self.metrics.faults += 1  # counted before any caller learns of the fault (it may read the count)
-            for seq in self.sched.drain():
-                try:
-                    self.sched.retire(seq)
-                except Exception:  # noqa: BLE001 - the state that failed may fail again; drop it
-                    seq.kv = None
-                deliver(seq.future, exception=fault)
-            if self.cache is not None:
-                self.cache.clear()
+            self._fail_in_flight(fault)
+
+    def _fail_in_flight(self, fault: EngineFault) -> None:
+        """Fail every request in flight with `fault`, freeing its K/V, and clear the prefix cache (lock held)."""
+        for seq in self.sched.drain():
+            try:
+                self.sched.retire(seq)
+            except Exception:  # noqa: BLE001 - the state that failed may fail again; drop it
+                seq.kv = None
+            deliver(seq.future, exception=fault)
+        if self.cache is not None:
+            self.cache.clear()
 
     def _serve(self) -> bool:
         """One pass of the loop: weights, interrupts, borrowed calls, then a step. False once closed."""
@@ -184,7 +184,10 @@ class BuiltinEngine:
                     return False
                 self._apply_weights_locked()
                 if self._interrupt:
-                    self._interrupt_locked()
+                    self._interrupt = False
+                    for seq in self.sched.drain():
+                        self.metrics.interrupts += 1
+                        self._finish(seq, "interrupted")
                     continue
                 calls, self._calls = list(self._calls), deque()
             for fn, fut in calls:
@@ -194,8 +197,15 @@ class BuiltinEngine:
                     deliver(fut, exception=err)
             if not (self.sched.waiting or self.sched.running):
                 continue
+            # One step: schedule (under the lock) -> run (one forward pass) -> postprocess (cache, sample, finish).
+            # A fault: _loop fails the requests in flight and serves on.
             t0 = time.perf_counter()
-            self._step()  # a fault: _loop fails the requests in flight and serves on
+            with self._cond:
+                batch, version = self.sched.schedule(), self._version
+            if batch.chunks:
+                logits = self.runner.forward(batch.chunks)
+                self.metrics.steps += 1
+                self._postprocess(batch, logits, version)
             self.metrics.busy_s += time.perf_counter() - t0
 
     def _apply_weights_locked(self) -> None:
@@ -211,11 +221,8 @@ class BuiltinEngine:
         except BaseException as err:  # noqa: BLE001 - the caller gets it; no request runs on these weights
             self._broken = f"{type(err).__name__}: {err}"
             deliver(fut, exception=EngineFault(f"update_weights: loading version {version} failed: {self._broken}"))
-            if self.cache is not None:
-                self.cache.clear()
-            for seq in self.sched.drain():  # their K/V and tokens came from other weights
-                self.sched.retire(seq)
-                deliver(seq.future, exception=EngineFault(f"engine weights failed to load: {self._broken}"))
+            # Their K/V and tokens came from other weights.
+            self._fail_in_flight(EngineFault(f"engine weights failed to load: {self._broken}"))
             return
         self._broken = None
         if self.cache is not None:
@@ -223,24 +230,7 @@ class BuiltinEngine:
         self._version = version
         deliver(fut)
 
-    def _interrupt_locked(self) -> None:
-        self._interrupt = False
-        for seq in self.sched.drain():
-            self.metrics.interrupts += 1
-            self._finish(seq, "interrupted")
-
-    # -- one step ---------------------------------------------------------------------------------
-    def _step(self) -> None:
-        """schedule (under the lock) -> run (one forward pass) -> postprocess (cache, sample, finish)."""
-        with self._cond:
-            batch = self.sched.schedule()
-            version = self._version
-        if not batch.chunks:
-            return
-        logits = self.runner.forward(batch.chunks)
-        self.metrics.steps += 1
-        self._postprocess(batch, logits, version)
-
+    # -- one step's postprocessing ------------------------------------------------------------------
     def _postprocess(self, batch: Batch, logits: torch.Tensor, version: int) -> None:
         if self.cache is not None:
             with self._cond:  # release() may touch the tree from another thread
@@ -251,9 +241,10 @@ class BuiltinEngine:
             return
         rows = torch.tensor([i for i, _ in batch.samples])
         seqs = [s for _, s in batch.samples]
-        tokens, logps = self._sample(logits[rows], seqs)
+        uniforms = torch.cat([torch.rand(1, generator=seq.generator or self._generator) for seq in seqs])
+        tokens, logps = sample_tokens(logits[rows], [s.request.sampling for s in seqs], uniforms)
         done = []
-        for seq, tok, lp in zip(seqs, tokens, logps):
+        for seq, tok, lp in zip(seqs, tokens.tolist(), logps.tolist()):
             seq.out_tokens.append(tok)
             seq.out_logprobs.append(lp)
             seq.out_versions.append(version)
@@ -267,11 +258,6 @@ class BuiltinEngine:
                     if seq in self.sched.running:
                         self.sched.running.remove(seq)
                     self._finish(seq, reason)
-
-    def _sample(self, logits: torch.Tensor, seqs: list[Seq]) -> tuple[list[int], list[float]]:
-        uniforms = torch.cat([torch.rand(1, generator=seq.generator or self._generator) for seq in seqs])
-        tokens, logprobs = sample_tokens(logits, [s.request.sampling for s in seqs], uniforms)
-        return tokens.tolist(), logprobs.tolist()
 
     def _stop_reason(self, seq: Seq, tok: int) -> str | None:
         sp = seq.request.sampling

@@ -1,22 +1,23 @@
 """Radix tree over token ids whose nodes point at KV storage holding that prefix.
 
-A node's edge is a run of token ids; the path from the root spells a prefix. Every node keeps a
-reference to one SequenceKV (its "donor") whose first len(path) tokens hold the K/V of exactly that
-prefix: any sequence passing through the node can serve, since K/V of a prefix does not depend on
-what follows. Leaves are the cached entries: a finished program turn, or a prompt being decoded.
-`match` finds the longest cached prefix of a token list; `insert` adds an entry; `evict` drops the
-least recently used leaves; `release(program_id)` drops a program's entries.
+A node's edge is a run of token ids; the path from the root spells a prefix. Every node keeps a reference to one
+SequenceKV (its "donor") whose first len(path) tokens hold the K/V of exactly that prefix: any sequence passing through
+the node can serve, since K/V of a prefix does not depend on what follows. Leaves are the cached entries: a finished
+program turn, or a prompt being decoded. `match` finds the longest cached prefix of a token list; `insert` adds an
+entry; `evict` drops the least recently used leaves; `release(program_id)` drops a program's entries.
 
-Only the token path is stored per node; K/V memory lives in SequenceKV objects shared with running
-sequences (no copies are made here).
+Only the token path is stored per node; K/V memory lives in SequenceKV objects shared with running sequences (no copies
+are made here).
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from loomrl.engine.builtin.runner import SequenceKV
+from loomrl.tokens import common_prefix_len
 
 _clock = itertools.count()
 
@@ -30,29 +31,19 @@ class _Node:
     entry_program: str | None = None  # set on nodes that are cached entries
     is_entry: bool = False
     last_used: int = 0
-    depth: int = 0  # tokens on the path from the root to the end of this node
 
 
-@dataclass(slots=True)
-class CacheStats:
-    lookups: int = 0
-    lookup_tokens: int = 0
-    hit_tokens: int = 0
-    evictions: int = 0
-    inserts: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
+def _shared(edge: tuple[int, ...], tokens: list[int], at: int) -> int:
+    """How many leading tokens of `edge` tokens[at:] repeats."""
+    return common_prefix_len(edge, tokens[at : at + len(edge)])
 
 
 class PrefixCache:
     def __init__(self) -> None:
         self.root = _Node(edge=(), parent=None)
-        self.stats = CacheStats()
 
     # -- lookup -----------------------------------------------------------------------------------
-    def match(self, tokens: list[int], *, count: bool = True) -> tuple[int, SequenceKV | None]:
+    def match(self, tokens: list[int]) -> tuple[int, SequenceKV | None]:
         """Length of the longest cached prefix of `tokens` and a KV holding it."""
         node, matched, best = self.root, 0, (0, None)
         now = next(_clock)
@@ -60,21 +51,14 @@ class PrefixCache:
             child = node.children.get(tokens[matched])
             if child is None:
                 break
-            n = 0
-            edge = child.edge
-            while n < len(edge) and matched + n < len(tokens) and edge[n] == tokens[matched + n]:
-                n += 1
+            n = _shared(child.edge, tokens, matched)
             if child.kv is not None and n > 0:
                 best = (matched + n, child.kv)
             child.last_used = now
             matched += n
-            if n < len(edge):
+            if n < len(child.edge):
                 break
             node = child
-        if count:
-            self.stats.lookups += 1
-            self.stats.lookup_tokens += len(tokens)
-            self.stats.hit_tokens += best[0]
         length, kv = best
         if kv is not None and kv.length < length:  # donor shorter than the path (cannot happen)
             length = kv.length
@@ -91,16 +75,12 @@ class PrefixCache:
         while i < len(tokens):
             child = node.children.get(tokens[i])
             if child is None:
-                leaf = _Node(edge=tuple(tokens[i:]), parent=node, kv=kv, depth=len(tokens), last_used=now)
-                node.children[tokens[i]] = leaf
-                node = leaf
-                i = len(tokens)
+                leaf = _Node(edge=tuple(tokens[i:]), parent=node, kv=kv, last_used=now)
+                node.children[tokens[i]], node = leaf, leaf
                 break
-            n = 0
-            while n < len(child.edge) and i + n < len(tokens) and child.edge[n] == tokens[i + n]:
-                n += 1
+            n = _shared(child.edge, tokens, i)
             if n < len(child.edge):  # split the edge at n
-                mid = _Node(edge=child.edge[:n], parent=node, kv=kv, depth=node.depth + n, last_used=now)
+                mid = _Node(edge=child.edge[:n], parent=node, kv=kv, last_used=now)
                 child.edge = child.edge[n:]
                 child.parent = mid
                 mid.children[child.edge[0]] = child
@@ -112,17 +92,17 @@ class PrefixCache:
             i += n
         node.is_entry = True
         node.entry_program = program_id
-        self.stats.inserts += 1
 
     # -- removal ----------------------------------------------------------------------------------
-    def _entries(self) -> list[_Node]:
-        out, stack = [], [self.root]
+    def _nodes(self) -> Iterator[_Node]:
+        stack = [self.root]
         while stack:
             node = stack.pop()
-            if node.is_entry:
-                out.append(node)
+            yield node
             stack.extend(node.children.values())
-        return out
+
+    def _entries(self) -> list[_Node]:
+        return [n for n in self._nodes() if n.is_entry]
 
     def _remove_entry(self, node: _Node) -> None:
         node.is_entry = False
@@ -145,19 +125,14 @@ class PrefixCache:
     def _any_donor(self, node: _Node) -> SequenceKV | None:
         if node.is_entry:
             return node.kv
-        for child in node.children.values():
-            if child.kv is not None:
-                return child.kv
-        return None
+        return next((child.kv for child in node.children.values() if child.kv is not None), None)
 
     def evict_lru(self) -> bool:
         """Drop the least recently used entry; False when there is none."""
         entries = self._entries()
         if not entries:
             return False
-        victim = min(entries, key=lambda n: n.last_used)
-        self._remove_entry(victim)
-        self.stats.evictions += 1
+        self._remove_entry(min(entries, key=lambda n: n.last_used))
         return True
 
     def release(self, program_id: str) -> int:
@@ -173,14 +148,7 @@ class PrefixCache:
     # -- accounting -------------------------------------------------------------------------------
     def held(self) -> dict[int, SequenceKV]:
         """KV objects kept alive by the cache, by id."""
-        out: dict[int, SequenceKV] = {}
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
-            if node.kv is not None:
-                out[id(node.kv)] = node.kv
-            stack.extend(node.children.values())
-        return out
+        return {id(n.kv): n.kv for n in self._nodes() if n.kv is not None}
 
     def __len__(self) -> int:
         return len(self._entries())

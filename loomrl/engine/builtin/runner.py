@@ -24,6 +24,7 @@ Anything else raises UnsupportedModel at construction.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -34,12 +35,18 @@ class UnsupportedModel(ValueError):
     pass
 
 
+def _doubled(capacity: int, need: int) -> int:
+    """`capacity` doubled until it holds `need` tokens."""
+    while capacity < need:
+        capacity *= 2
+    return capacity
+
+
 class KVPool:
     """K/V of running sequences: [layers, 2, slots, kv_heads, capacity, head_dim], a slot per sequence.
 
-    Both the slot count and the per-slot capacity grow by doubling (copying the pool); slots are
-    handed out lowest first so the batched decode attention, which spans slots 0..max used, scans
-    few holes."""
+    Both the slot count and the per-slot capacity grow by doubling (copying the pool); slots are handed out lowest
+    first so the batched decode attention, which spans slots 0..max used, scans few holes."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  slots: int = 8, capacity: int = 256):
@@ -67,10 +74,7 @@ class KVPool:
 
     def ensure_capacity(self, tokens: int) -> None:
         if tokens > self.capacity:
-            cap = self.capacity
-            while cap < tokens:
-                cap *= 2
-            self._regrow(capacity=cap)
+            self._regrow(capacity=_doubled(self.capacity, tokens))
 
     def _regrow(self, *, slots: int | None = None, capacity: int | None = None) -> None:
         s, c = slots or self.slots, capacity or self.capacity
@@ -78,9 +82,6 @@ class KVPool:
                             dtype=self.data.dtype)
         grown[:, :, : self.slots, :, : self.capacity] = self.data
         self.data = grown
-
-    def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
 
 
 class SequenceKV:
@@ -120,10 +121,8 @@ class SequenceKV:
             return
         if total <= self.capacity:
             return
-        cap = self.capacity
-        while cap < total:
-            cap *= 2
-        grown = torch.empty((*self.data.shape[:3], cap, self.data.shape[4]), dtype=self.data.dtype)
+        grown = torch.empty((*self.data.shape[:3], _doubled(self.capacity, total), self.data.shape[4]),
+                            dtype=self.data.dtype)
         grown[:, :, :, : self.length] = self.data[:, :, :, : self.length]
         self._data = grown
 
@@ -159,8 +158,7 @@ def _packer():
     try:
         if torch.backends.mkldnn.is_available():
             reorder, linear = torch.ops.mkldnn._reorder_linear_weight, torch.ops.mkldnn._linear_pointwise
-            w = torch.randn(8, 4)
-            x = torch.randn(2, 4)
+            w, x = torch.randn(8, 4), torch.randn(2, 4)
             if torch.allclose(linear(x, reorder(w, 2), None, "none", [], ""), x @ w.t(), atol=1e-5):
                 return reorder, linear
     except (AttributeError, RuntimeError):
@@ -198,12 +196,8 @@ class _Linear:
 
 def _fused(*linears: torch.nn.Linear) -> _Linear:
     weight = torch.cat([m.weight for m in linears]) if len(linears) > 1 else linears[0].weight
-    biases = [m.bias for m in linears]
-    if all(b is None for b in biases):
-        bias = None
-    else:
-        bias = torch.cat([b if b is not None else torch.zeros(m.out_features, dtype=m.weight.dtype)
-                          for b, m in zip(biases, linears)])
+    bias = None if all(m.bias is None for m in linears) else torch.cat(
+        [m.bias if m.bias is not None else torch.zeros(m.out_features, dtype=m.weight.dtype) for m in linears])
     return _Linear(weight, bias)
 
 
@@ -237,7 +231,6 @@ class ModelRunner:
                     or not hasattr(norm, "variance_epsilon"):
                 raise UnsupportedModel(f"builtin engine: {type(norm).__name__} is not a plain RMSNorm")
         cfg = model.config
-        self.model = model
         self.base = base
         self.head_module = model.get_output_embeddings()
         self.n_layers = len(base.layers)
@@ -248,22 +241,18 @@ class ModelRunner:
         self.eps = layer0.input_layernorm.variance_epsilon
         self.dtype = next(model.parameters()).dtype
         self.pool = KVPool(self.n_layers, self.n_kv_heads, self.head_dim, self.dtype)
-        self.layers: list[_LayerWeights] = []
-        self.head: _Linear | None = None
         self.refresh()
         # Work done, for rooflines: tokens through the layers, rows through the output head.
-        self.tokens_computed = 0
-        self.rows_projected = 0
+        self.tokens_computed = self.rows_projected = 0
 
     def matmul_flops(self, tokens: int, head_rows: int) -> int:
         """FLOPs of the projections for `tokens` through all layers and `head_rows` through the head."""
         per_token = sum(lin.numel for w in self.layers for lin in (w.qkv, w.o, w.gate_up, w.down))
-        assert self.head is not None
         return 2 * (tokens * per_token + head_rows * self.head.numel)
 
     def refresh(self) -> None:
         """Re-read (and re-pack) the model's weights; call after they change."""
-        layers = []
+        layers: list[_LayerWeights] = []
         for layer in self.base.layers:
             a, m = layer.self_attn, layer.mlp
             layers.append(_LayerWeights(
@@ -287,8 +276,7 @@ class ModelRunner:
             c.kv.reserve(c.kv.length + n)
         ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.long)
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])
-        N = ids.shape[0]
-        H, KH, D = self.n_heads, self.n_kv_heads, self.head_dim
+        N, H, KH, D = ids.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         group = H // KH
         h = self.base.embed_tokens(ids)  # [N, hidden]
         cos, sin = self.base.rotary_emb(h, positions.unsqueeze(0))  # [1, N, D]
@@ -296,9 +284,7 @@ class ModelRunner:
         # rotate_half(x) * sin == roll(x, D/2) * (sin with its first half negated)
         sin = (sin[0] * torch.cat((-torch.ones(D // 2), torch.ones(D // 2)))).unsqueeze(1)
 
-        offsets = [0]
-        for n in lengths:
-            offsets.append(offsets[-1] + n)
+        offsets = [0, *itertools.accumulate(lengths)]
         if any(c.kv.pool is None for c in chunks):
             raise ValueError("ModelRunner.forward: every chunk's kv must come from new_kv() (a pool slot)")
         # Where each new token's K/V goes in the pool.
@@ -313,9 +299,8 @@ class ModelRunner:
             dec_len = torch.ones(n_slots, dtype=torch.long)  # non-decoding slots: attend to one position
             dec_len[dec_slots] = torch.tensor([starts[i] + 1 for i in decode])
             span = int(dec_len.max())
-            dec_mask = torch.zeros(n_slots, span, dtype=self.dtype)
-            dec_mask.masked_fill_(torch.arange(span)[None, :] >= dec_len[:, None], float("-inf"))
-            dec_mask = dec_mask.view(n_slots, 1, 1, span)
+            dec_mask = torch.zeros(n_slots, span, dtype=self.dtype).masked_fill_(
+                torch.arange(span)[None, :] >= dec_len[:, None], float("-inf")).view(n_slots, 1, 1, span)
         pre_plan = [
             (offsets[i], offsets[i + 1], starts[i], chunks[i].kv.slot,
              torch.ones(lengths[i], starts[i] + lengths[i], dtype=torch.bool).tril(diagonal=starts[i]))

@@ -1,11 +1,10 @@
 """The built-in engine's scheduler: which sequences run in the next step and what each contributes.
 
-A KV budget (tokens) bounds what running sequences and the prefix cache hold together: admission
-waits for room, the prefix cache gives up least-recently-used entries first, and when running
-sequences outgrow the budget the most recently admitted one is preempted (its KV dropped; it requeues
-with its sampled tokens and is recomputed later, its result unchanged). A step's batch mixes the
-decode tokens of all running sequences with prefill chunks of newly admitted ones, within
-max_prefill_tokens. The engine calls `schedule()` under its lock; nothing here runs the model.
+A KV budget (tokens) bounds what running sequences and the prefix cache hold together: admission waits for room, the
+prefix cache gives up least-recently-used entries first, and when running sequences outgrow the budget the most recently
+admitted one is preempted (its KV dropped; it requeues with its sampled tokens and is recomputed later, its result
+unchanged). A step's batch mixes the decode tokens of all running sequences with prefill chunks of newly admitted ones,
+within max_prefill_tokens. The engine calls `schedule()` under its lock; nothing here runs the model.
 """
 
 from __future__ import annotations
@@ -128,12 +127,11 @@ class Scheduler:
             seq = self.waiting.popleft()
             hit, donor = (0, None)
             if self.cache is not None:
-                hit, donor = self.cache.match(seq.prompt[:-1], count=False)  # the last token must be computed
+                hit, donor = self.cache.match(seq.prompt[:-1])  # the last token must be computed
                 shared = max((common_prefix_len(seq.prompt, a.prompt) for a in admitted), default=0)
                 if shared > hit and shared >= 8 and shared >= len(seq.prompt) // 4:
                     deferred.append(seq)
                     continue
-                self.cache.match(seq.prompt[:-1])  # count the lookup once, when it is used
             if not self._make_room(len(seq.prompt)) and self.running:
                 self.waiting.appendleft(seq)
                 break  # wait for running sequences to finish

@@ -12,7 +12,7 @@ Protocol, shared by every sampler:
 - ``finished(index, group)``: its rollouts are done and scored; it may now be taken;
 - ``take(n)``: up to ``n`` ``(index, group)`` pairs, removed from the sampler. ``take(n)`` is the
   same as ``n`` calls of ``take(1)``: a window may advance in the middle of a batch;
-- ``ready()``: how many groups ``take`` would return now if ``n`` were unbounded (O(1));
+- ``ready()``: how many groups ``take`` would return now if ``n`` were unbounded;
 - ``len(sampler)``: finished groups not yet taken (some may not be ready: they wait for the window).
 
 Samplers (``make_sampler(name, window=None)``):
@@ -37,8 +37,9 @@ Guarantees of ``"window"`` with width W (tested in tests/buffer/test_samplers.py
    finish too. ``ready()`` is exact: with ``f`` the oldest unfinished submission, the ready groups are
    the finished, not yet taken ones of rank < f + W.
 
-Costs: ``submitted``, ``finished``, ``ready`` and ``len`` O(1) amortised; ``take(n)`` O(n log m) for m
-groups waiting (heaps), plus O(1) amortised per group the window passes.
+Costs: ``submitted``, ``finished`` and ``len`` O(1); ``ready`` O(m) and ``take(n)`` O(n x m) for m
+groups submitted and not yet taken, as each pick scans them. The admission limit keeps m to tens, at
+most a few hundred, so a scan is microseconds next to a trainer step: incremental heaps buy nothing.
 
 ``batch_bias`` compares an attribute's mean in the consumed batches with its mean in the submitted
 population (e.g. the share of long/hard tasks: a sampler that prefers what finishes first trains on
@@ -47,10 +48,8 @@ fewer of them early on).
 
 from __future__ import annotations
 
-import heapq
 import math
 import numbers
-from collections import deque
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -65,32 +64,34 @@ class Sampler(Protocol[G]):
     name: str
 
     def submitted(self, index: int) -> None: ...
-
     def finished(self, index: int, group: G) -> None: ...
-
     def take(self, n: int) -> list[tuple[int, G]]: ...
-
     def ready(self) -> int: ...
-
     def __len__(self) -> int: ...
 
 
-class _Base(Generic[G]):
-    """Bookkeeping shared by all samplers: launch order, finished-once, take() argument checks."""
+class RuleSampler(Generic[G]):
+    """Every sampler: take the lowest priority among the waiting groups of rank < head + window.
 
-    name = "base"
+    `_running`: submitted, unfinished index -> rank r; `_waiting`: finished, not-taken rank ->
+    (priority, index, group), the priority being the completion number (fifo, window), r (oldest_first:
+    indices increase with rank) or -r (freshest_first), unique, so groups are never compared.
+    head = the oldest rank not taken; window is math.inf for every sampler but "window"."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str, window: int | float = math.inf) -> None:
+        self.name = name
+        self.window = window
         self._last_index: int | None = None
-        self._running: dict[int, int] = {}  # index -> rank, submitted and not finished
         self._n_submitted = 0
-        self._waiting = 0  # finished, not taken
+        self._n_finished = 0  # the completion counter: fifo's and the window's order
+        self._running: dict[int, int] = {}
+        self._waiting: dict[int, tuple[int, int, G]] = {}
 
     def __len__(self) -> int:
-        return self._waiting
+        return len(self._waiting)
 
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.name} waiting={self._waiting} ready={self.ready()}>"
+        return f"<{type(self).__name__} {self.name} waiting={len(self)} ready={self.ready()}>"
 
     def submitted(self, index: int) -> None:
         if not isinstance(index, int) or isinstance(index, bool) or index < 0:
@@ -100,153 +101,52 @@ class _Base(Generic[G]):
         self._last_index = index
         self._running[index] = self._n_submitted
         self._n_submitted += 1
-        self._on_submitted(index, self._running[index])
 
     def finished(self, index: int, group: G) -> None:
         rank = self._running.pop(index, None)
         if rank is None:
             raise ValueError(f"group {index} finished but was never submitted, or finished twice")
-        self._waiting += 1
-        self._on_finished(index, rank, group)
+        priority = {"oldest_first": rank, "freshest_first": -rank}.get(self.name, self._n_finished)
+        self._n_finished += 1
+        self._waiting[rank] = (priority, index, group)
 
     def take(self, n: int) -> list[tuple[int, G]]:
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"take(n) needs a non-negative int, got {n!r}")
-        out = self._take(n)
-        self._waiting -= len(out)
+        out: list[tuple[int, G]] = []
+        while len(out) < n:
+            # The head is recomputed after every pick: taking it moves the window mid-batch.
+            head = min([*self._running.values(), *self._waiting, self._n_submitted])
+            inside = [(priority, rank) for rank, (priority, _, _) in self._waiting.items() if rank < head + self.window]
+            if not inside:
+                break
+            _, index, group = self._waiting.pop(min(inside)[1])
+            out.append((index, group))
         return out
 
-    # -- per sampler ------------------------------------------------------------------------------
-    def _on_submitted(self, index: int, rank: int) -> None:
-        pass
-
-    def _on_finished(self, index: int, rank: int, group: G) -> None:
-        raise NotImplementedError
-
-    def _take(self, n: int) -> list[tuple[int, G]]:
-        raise NotImplementedError
-
     def ready(self) -> int:
-        raise NotImplementedError
+        # take() can move the head up to the oldest unfinished rank (the frontier), never past it.
+        frontier = min(self._running.values(), default=self._n_submitted)
+        return sum(rank < frontier + self.window for rank in self._waiting)
 
 
-class FifoSampler(_Base[G]):
+class FifoSampler(RuleSampler[G]):
     """Completion order (first finished, first taken)."""
 
-    name = "fifo"
-
     def __init__(self) -> None:
-        super().__init__()
-        self._queue: deque[tuple[int, G]] = deque()
-
-    def _on_finished(self, index: int, rank: int, group: G) -> None:
-        self._queue.append((index, group))
-
-    def _take(self, n: int) -> list[tuple[int, G]]:
-        return [self._queue.popleft() for _ in range(min(n, len(self._queue)))]
-
-    def ready(self) -> int:
-        return len(self._queue)
+        super().__init__("fifo")
 
 
-class OrderSampler(_Base[G]):
-    """Among finished groups, the lowest submission index first (oldest_first), or the highest: the
-    newest launch, hence the newest policy (freshest_first); never waits for unfinished ones."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__()
-        self.name = name
-        self._sign = -1 if name == "freshest_first" else 1
-        self._heap: list[tuple[int, int, G]] = []  # (sign * index, index, group); indices are unique
-
-    def _on_finished(self, index: int, rank: int, group: G) -> None:
-        heapq.heappush(self._heap, (self._sign * index, index, group))
-
-    def _take(self, n: int) -> list[tuple[int, G]]:
-        return [heapq.heappop(self._heap)[1:] for _ in range(min(n, len(self._heap)))]
-
-    def ready(self) -> int:
-        return len(self._heap)
-
-
-class WindowSampler(_Base[G]):
-    """Forge's sliding window of width W over submission order (see the module docstring).
-
-    State, by submission rank r: `_head` = oldest rank not taken, the window is [head, head + W);
-    `_eligible` is a heap, in completion order, of the finished, not-taken groups inside it; `_outside`
-    holds the finished groups beyond it, by rank, until the head moves; `_taken` the ranks taken above
-    the head. For ready(): `_frontier` = the oldest unfinished rank (the number submitted if none),
-    `_ahead` the finished ranks >= frontier, and `_ready` = #finished, not taken, rank < frontier + W.
-    """
-
-    name = "window"
+class WindowSampler(RuleSampler[G]):
+    """Forge's sliding window of width W over submission order (see the module docstring)."""
 
     def __init__(self, window: int | float) -> None:
-        super().__init__()
-        self.window = _check_window(window)
-        self._inf = math.isinf(self.window)
-        self._seq = 0  # completion counter: the order inside the window
-        self._eligible: list[tuple[int, int, int, G]] = []  # (seq, rank, index, group)
-        self._outside: dict[int, tuple[int, int, G]] = {}  # rank -> (seq, index, group)
-        self._head = 0
-        self._taken: set[int] = set()
-        self._frontier = 0
-        self._ahead: set[int] = set()
-        self._ready = 0
-
-    def _on_finished(self, index: int, rank: int, group: G) -> None:
-        seq, self._seq = self._seq, self._seq + 1
-        if self._inf:
-            heapq.heappush(self._eligible, (seq, rank, index, group))
-            return
-        if rank < self._head + self.window:
-            heapq.heappush(self._eligible, (seq, rank, index, group))
-        else:
-            self._outside[rank] = (seq, index, group)
-        if rank < self._frontier + self.window:
-            self._ready += 1
-        self._ahead.add(rank)
-        while self._frontier in self._ahead:  # each step brings rank frontier + W into the ready region;
-            self._ahead.discard(self._frontier)  # it cannot have been taken (taken ranks < head + W)
-            self._frontier += 1
-            self._ready += (self._frontier + self.window - 1) in self._ahead
-
-    def _take(self, n: int) -> list[tuple[int, G]]:
-        out: list[tuple[int, G]] = []
-        while self._eligible and len(out) < n:
-            _, rank, index, group = heapq.heappop(self._eligible)
-            out.append((index, group))
-            if not self._inf:
-                self._ready -= 1
-                self._taken.add(rank)
-                if rank == self._head:
-                    self._advance()
-        return out
-
-    def _advance(self) -> None:
-        """The head was taken: move it past every taken rank; groups now inside become eligible."""
-        old_end = self._head + self.window
-        while self._head in self._taken:
-            self._taken.discard(self._head)
-            self._head += 1
-        for rank in range(old_end, min(self._head + self.window, self._n_submitted)):
-            entry = self._outside.pop(rank, None)
-            if entry is not None:
-                seq, index, group = entry
-                heapq.heappush(self._eligible, (seq, rank, index, group))
-
-    def ready(self) -> int:
-        return len(self._eligible) if self._inf else self._ready
-
-
-def _check_window(window) -> int | float:
-    if isinstance(window, float) and math.isinf(window) and window > 0:
-        return math.inf
-    if isinstance(window, bool) or not isinstance(window, numbers.Integral):
-        raise ValueError(f"window must be an int >= 1 or math.inf, got {window!r}")
-    if window < 1:
-        raise ValueError(f"window must be >= 1 (1 = strict submission order), got {window!r}")
-    return int(window)
+        infinite = isinstance(window, float) and math.isinf(window) and window > 0
+        if not infinite and (isinstance(window, bool) or not isinstance(window, numbers.Integral)):
+            raise ValueError(f"window must be an int >= 1 or math.inf, got {window!r}")
+        if not infinite and window < 1:
+            raise ValueError(f"window must be >= 1 (1 = strict submission order), got {window!r}")
+        super().__init__("window", math.inf if infinite else int(window))
 
 
 def make_sampler(name: str, window: int | float | None = None) -> Sampler:
@@ -260,7 +160,7 @@ def make_sampler(name: str, window: int | float | None = None) -> Sampler:
         return WindowSampler(window)
     if window is not None:
         raise ValueError(f"window={window!r} only applies to the 'window' sampler, not {name!r}")
-    return FifoSampler() if name == "fifo" else OrderSampler(name)
+    return FifoSampler() if name == "fifo" else RuleSampler(name)
 
 
 @dataclass(frozen=True, slots=True)

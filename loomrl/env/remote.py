@@ -205,10 +205,7 @@ class RemoteEnvPool(Leases):
             except asyncio.CancelledError:  # e.g. the episode's deadline: the acquire may still finish there
                 actor.release.remote(lease, False)
                 raise
-            wait = time.perf_counter() - t0
-            self.metrics.acquired += 1
-            self.metrics.acquire_wait_s_total += wait
-            self.metrics.acquire_wait_s_max = max(self.metrics.acquire_wait_s_max, wait)
+            self.metrics.add_acquire(t0)
             return RemoteSandbox(actor, info)
         raise SandboxError(f"no env worker could lease a sandbox in {time.perf_counter() - t0:.0f}s: {errors[-1]}")
 

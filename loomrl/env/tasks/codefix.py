@@ -18,9 +18,11 @@ tools withheld, the repository under src/, a broken module planted next to the p
 from __future__ import annotations
 
 import asyncio
+import random
 from dataclasses import dataclass
 from typing import Any
 
+from loomrl.config import ConfigError
 from loomrl.env.base import Observation, StepResult
 from loomrl.env.pool import EnvPool
 from loomrl.env.sandbox import Sandbox, SandboxError
@@ -291,8 +293,6 @@ def codefix_specs(families: list[str] | None = None) -> dict[str, CodefixTask]:
     known = sorted({s.family for s in specs})
     unknown = sorted(set(families or []) - set(known))
     if unknown:
-        from loomrl.config import ConfigError
-
         raise ConfigError(f"config error: env.families: unknown codefix family {unknown}; choose from {known}")
     return {s.task_id: s for s in specs if not families or s.family in families}
 
@@ -303,12 +303,10 @@ def as_task(spec: CodefixTask, split: str) -> Task:
 
 def codefix_splits(specs: dict[str, CodefixTask], n_heldout: int, seed: int) -> tuple[list[Task], list[Task]]:
     """Disjoint train and held-out task lists: a seeded shuffle, at most a third held out."""
-    import random
-
     ids = sorted(specs)
     random.Random(f"{seed}:codefix").shuffle(ids)
     k = min(n_heldout, len(ids) // 3)
-    held = {i for i in ids[:k]}
+    held = set(ids[:k])
     return ([as_task(specs[i], "train") for i in sorted(ids) if i not in held],
             [as_task(specs[i], "heldout") for i in sorted(held)])
 

@@ -105,8 +105,8 @@ def sandbox_pool(e: EnvConfig, size: int, binds: dict[str, str] | None = None) -
 
 
 class Leases(ABC):
-    """`lease()` over a pool's acquire/release (EnvPool here; ray_actors.RemoteEnvPool for sandboxes
-    on other nodes)."""
+    """`lease()` over a pool's acquire/release (EnvPool here; remote.RemoteEnvPool for sandboxes on
+    other nodes)."""
 
     # Set once the pool has given up for good (EnvPool: max_failures in a row); the rollout worker
     # stops the run on it instead of failing episode after episode.

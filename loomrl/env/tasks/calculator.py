@@ -186,10 +186,8 @@ class CalculatorEnv:
         self.hang_rate = hang_rate
         self.few_shot = few_shot
         self.rng = rng or random.Random()
-        self.task: Task | None = None
 
     async def reset(self, task: Task) -> Observation:
-        self.task = task
         messages: list[dict] = [{"role": "system", "content": SYSTEM_PROMPT}]
         for question, expr, result in FEW_SHOT[self.few_shot]:
             messages += [{"role": "user", "content": question}, {"role": "assistant", "content": f"calc({expr})"},
@@ -234,4 +232,4 @@ class CalculatorEnv:
         return None  # a cut-short episode is judged on its last answer, if it gave one
 
     async def close(self) -> None:
-        self.task = None  # the pool owns the sandboxes; leases were returned after each call
+        pass  # the pool owns the sandboxes; leases were returned after each call

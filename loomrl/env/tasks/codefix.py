@@ -203,8 +203,7 @@ class CodefixEnv:
                                               env=self.env_vars)
         if self.verdict.killed:
             self.broken = True
-        reward = 1.0 if self.verdict.passed else 0.0
-        return StepResult(observation=[], reward=reward, done=True, info={
+        return StepResult(observation=[], reward=float(self.verdict.passed), done=True, info={
             "final_answer": verdict_label(self.verdict.passed), "submitted": submitted,
             "tests_passed": self.verdict.passed, "test_output": self.verdict.output})
 

@@ -80,7 +80,6 @@ def verdict_label(passed: bool) -> str:
 @dataclass(slots=True)
 class TestVerdict:
     passed: bool
-    returncode: int
     output: str  # tail of the test run's output
     killed: str | None = None
 
@@ -236,8 +235,7 @@ async def run_hidden_tests(sandbox: Sandbox, spec: CodefixTask, root: str = "", 
     argv = ["/bin/sh", "-c", f"cd {root} && exec \"$@\"", "sh", *TEST_COMMAND] if root else TEST_COMMAND
     res = await sandbox.exec(argv, timeout=timeout, env=env)
     tail = (res.stdout + res.stderr)[-1500:]
-    return TestVerdict(passed=res.returncode == 0 and res.killed is None, returncode=res.returncode, output=tail,
-                       killed=res.killed)
+    return TestVerdict(passed=res.returncode == 0 and res.killed is None, output=tail, killed=res.killed)
 
 
 # -- task validation ---------------------------------------------------------------------------------

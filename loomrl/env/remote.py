@@ -7,7 +7,7 @@ import asyncio
 import itertools
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -128,10 +128,14 @@ class RemoteSandbox:
         return await _remote(self.actor.exec.remote(self.lease, argv, timeout, stdin, env))
 
     def write_file(self, path: str, data: str | bytes) -> None:
-        _get(self.actor.write_file.remote(self.lease, path, data))
+        import ray
+
+        _raise_as_sandbox_error(lambda: ray.get(self.actor.write_file.remote(self.lease, path, data)))
 
     def read_file(self, path: str) -> str:
-        return _get(self.actor.read_file.remote(self.lease, path))
+        import ray
+
+        return _raise_as_sandbox_error(lambda: ray.get(self.actor.read_file.remote(self.lease, path)))
 
     async def health(self, timeout: float = 5.0) -> Health:
         return Health(ok=True)  # the env actor's pool checks its instances before it leases them
@@ -154,11 +158,9 @@ def _env_worker_errors() -> Iterator[None]:
         raise SandboxError(f"env worker failed: {type(err).__name__}: {str(err).splitlines()[0]}") from None
 
 
-def _get(ref: Any) -> Any:
-    import ray
-
+def _raise_as_sandbox_error(call: Callable[[], Any]) -> Any:
     with _env_worker_errors():
-        return ray.get(ref)
+        return call()
 
 
 async def _remote(ref: Any) -> Any:

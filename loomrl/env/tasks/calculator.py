@@ -17,8 +17,6 @@ import asyncio
 import math
 import random
 import re
-from collections.abc import Callable
-from functools import partial
 
 from loomrl.config import ConfigError
 from loomrl.env.base import EnvCrash, Observation, StepResult, ToolTimeout
@@ -78,11 +76,12 @@ _NAMES = ["Tom", "Ana", "Sam", "Lia", "Max", "Eva", "Ben", "Mia", "Leo", "Zoe"]
 _ITEMS = ["apples", "pens", "books", "coins", "cards", "stamps", "shells", "marbles", "stickers", "cookies"]
 
 
-# Each kind: the numbers it draws, in order, as (name, low, high) (distract_mul draws a and c twice, and
-# the second draw counts), and its (question, expression) templates, one drawn at random if there are
-# several; the answer is the expression's value. {n} is a name, {it} an item, {ab} is a * b; distract
-# kinds also draw two different items {i1}, {i2} and ask about {i1}. The draws' order fixes the tasks.
-_KINDS: dict[str, tuple[list[tuple[str, int, int]], list[tuple[str, str]]]] = {
+# Each family: the numbers it draws, in order, as (name, low, high) (distract_mul draws a and c twice,
+# and the second draw counts), and its (question, expression) templates, one drawn at random if there
+# are several; the answer is the expression's value. {n} is a name, {it} an item, {ab} is a * b;
+# distract families also draw two different items {i1}, {i2} and ask about {i1}. The draws' order
+# fixes the tasks.
+FAMILIES: dict[str, tuple[list[tuple[str, int, int]], list[tuple[str, str]]]] = {
     "add": ([("a", 10, 99), ("b", 10, 99)], [
         ("{n} has {a} {it} and gets {b} more. How many {it} does {n} have now?", "{a} + {b}"),
         ("{n} had {a} {it}. A friend gave {n} {b} more {it}. How many {it} does {n} have?", "{a} + {b}")]),
@@ -112,8 +111,8 @@ _KINDS: dict[str, tuple[list[tuple[str, int, int]], list[tuple[str, str]]]] = {
 
 
 def _one_step(kind: str, rng: random.Random) -> tuple[str, int, str]:
-    """A (question, answer, expression) of `kind`, drawn from `rng`."""
-    draws, templates = _KINDS[kind]
+    """A (question, answer, expression) of family `kind`, drawn from `rng`."""
+    draws, templates = FAMILIES[kind]
     values = {"n": rng.choice(_NAMES), "it": rng.choice(_ITEMS)}
     if kind.startswith("distract_"):
         values["i1"], values["i2"] = rng.sample(_ITEMS, 2)
@@ -124,9 +123,6 @@ def _one_step(kind: str, rng: random.Random) -> tuple[str, int, str]:
     question, expr = rng.choice(templates) if len(templates) > 1 else templates[0]
     expr = expr.format(**values)
     return question.format(**values), int(eval(expr)), expr  # every answer is a whole number
-
-
-FAMILIES: dict[str, Callable[[random.Random], tuple[str, int, str]]] = {k: partial(_one_step, k) for k in _KINDS}
 
 
 def generate_tasks(families: list[str], n: int, seed: int, split: str, exclude: set[str] | None = None) -> list[Task]:
@@ -143,7 +139,7 @@ def generate_tasks(families: list[str], n: int, seed: int, split: str, exclude: 
         if attempts > n * 50:
             raise ValueError(f"could not generate {n} distinct {split} tasks for {families}")
         family = families[len(tasks) % len(families)]
-        question, answer, expr = FAMILIES[family](rng)
+        question, answer, expr = _one_step(family, rng)
         if question in seen:
             continue
         seen.add(question)

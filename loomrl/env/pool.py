@@ -70,6 +70,13 @@ class PoolMetrics:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def add_acquire(self, t0: float) -> None:
+        """Count one acquire that began at time.perf_counter() `t0` (EnvPool's and RemoteEnvPool's alike)."""
+        wait = time.perf_counter() - t0
+        self.acquired += 1
+        self.acquire_wait_s_total += wait
+        self.acquire_wait_s_max = max(self.acquire_wait_s_max, wait)
+
 
 class EnvPoolFailed(SandboxError):
     """The pool gave up: its sandboxes cannot be created, or cannot run a trivial command."""
@@ -77,11 +84,6 @@ class EnvPoolFailed(SandboxError):
 
 GENERIC_FIX = ("the sandbox backend does not work here: `loomrl sandbox run -- /usr/bin/true` shows why; fix it, "
                "or choose another backend with env.sandbox (process isolates nothing)")
-
-
-def pool_failure(failures: int, what: str, detail: str, fix: str = GENERIC_FIX) -> EnvPoolFailed:
-    return EnvPoolFailed(f"sandbox error: {failures} sandboxes in a row failed ({what}): {one_line(detail)}. "
-                         f"Fix: {fix}")
 
 
 def pool_size_for(concurrency: int, spare: float = 0.25) -> int:
@@ -103,8 +105,8 @@ def sandbox_pool(e: EnvConfig, size: int, binds: dict[str, str] | None = None) -
 
 
 class Leases(ABC):
-    """`lease()` over a pool's acquire/release (EnvPool here; ray_actors.RemoteEnvPool for sandboxes
-    on other nodes)."""
+    """`lease()` over a pool's acquire/release (EnvPool here; remote.RemoteEnvPool for sandboxes on
+    other nodes)."""
 
     # Set once the pool has given up for good (EnvPool: max_failures in a row); the rollout worker
     # stops the run on it instead of failing episode after episode.
@@ -168,10 +170,8 @@ class EnvPool(Leases):
         self.max_failures = max_failures
         self.fix = fix
         self.metrics = PoolMetrics()
-        self.failure: EnvPoolFailed | None = None  # set once the pool has given up (see the module doc)
         self._failures_in_a_row = 0
         self._idle: deque[PooledSandbox] = deque()
-        self._leased: set[int] = set()
         self._all: dict[int, PooledSandbox] = {}  # every live instance: idle, leased or being reset
         self._creating = 0
         self._cond: asyncio.Condition | None = None  # made on first use, inside the running loop
@@ -255,11 +255,7 @@ class EnvPool(Leases):
             await asyncio.to_thread(self._destroy_sync, sb)
             await self._failed("health check", health.detail)
             self._spawn_replacement()
-        wait = time.perf_counter() - t0
-        self.metrics.acquired += 1
-        self.metrics.acquire_wait_s_total += wait
-        self.metrics.acquire_wait_s_max = max(self.metrics.acquire_wait_s_max, wait)
-        self._leased.add(id(sb))
+        self.metrics.add_acquire(t0)
         return sb
 
     def _check_usable(self) -> None:
@@ -272,13 +268,13 @@ class EnvPool(Leases):
         """One more failure in a row; past max_failures the pool gives up and wakes every waiter."""
         self._failures_in_a_row += 1
         if self._failures_in_a_row >= self.max_failures and self.failure is None:
-            self.failure = pool_failure(self._failures_in_a_row, what, detail, self.fix)
+            self.failure = EnvPoolFailed(f"sandbox error: {self._failures_in_a_row} sandboxes in a row failed "
+                                         f"({what}): {one_line(detail)}. Fix: {self.fix}")
             async with self._changed:
                 self._changed.notify_all()
 
     async def release(self, sb: Sandbox, *, broken: bool = False) -> None:
         """Give an instance back: reset in the background, or destroyed and replaced if `broken`."""
-        self._leased.discard(id(sb))
         self.metrics.released += 1
         owned = self._all.get(id(sb))  # the pool's own instance (with snapshot and reset)
         if owned is None:

@@ -10,6 +10,7 @@ and their default reward, and whether (and how) they use the sandbox pool.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import json
 import logging
@@ -115,8 +116,7 @@ async def validate_codefix(specs: list, backend: str = "auto", limits: dict[str,
         results = await validate_tasks(specs, pool, progress=progress)
     finally:
         await pool.close()
-    return [{"task_id": r.task_id, "valid": r.valid, "golden_passes": r.golden_passes, "noop_fails": r.noop_fails,
-             "detail": r.detail} for r in results]
+    return [{"task_id": r.task_id, "valid": r.valid, **dataclasses.asdict(r)} for r in results]
 
 
 def write_validation_report(report: list[dict[str, Any]], path: Path) -> None:

@@ -30,9 +30,8 @@ class EnvActor(Placed):
 
     def __init__(self, cfg_json: str, concurrency: int):
         """`concurrency`: trajectories that may lease from this actor at once (its share of the run's)."""
-        cfg = RunConfig.model_validate_json(cfg_json)
-        self.cfg = cfg
-        self.size = sandbox_pool_size(cfg, concurrency)  # sized on this node (its cores)
+        self.cfg = RunConfig.model_validate_json(cfg_json)
+        self.size = sandbox_pool_size(self.cfg, concurrency)  # sized on this node (its cores)
         self.pool: EnvPool | None = None
         self.leases: dict[str, tuple[str, Sandbox]] = {}  # lease id -> (owner, sandbox)
         # Leases given up before their acquire finished (the caller was cancelled), and owners that
@@ -205,10 +204,7 @@ class RemoteEnvPool(Leases):
             except asyncio.CancelledError:  # e.g. the episode's deadline: the acquire may still finish there
                 actor.release.remote(lease, False)
                 raise
-            wait = time.perf_counter() - t0
-            self.metrics.acquired += 1
-            self.metrics.acquire_wait_s_total += wait
-            self.metrics.acquire_wait_s_max = max(self.metrics.acquire_wait_s_max, wait)
+            self.metrics.add_acquire(t0)
             return RemoteSandbox(actor, info)
         raise SandboxError(f"no env worker could lease a sandbox in {time.perf_counter() - t0:.0f}s: {errors[-1]}")
 

@@ -53,10 +53,8 @@ DEFAULT_LIMITS = {"cpu_s": 10, "address_space_mb": 1024, "nproc": 64, "file_size
 
 @functools.cache
 def bwrap_available() -> bool:
-    if any(shutil.which(tool) is None for tool in ("bwrap", "setpriv", "prlimit")):
-        return False
-    if os.geteuid() != 0:
-        return False  # one uid per sandbox needs root to switch to it
+    if any(shutil.which(tool) is None for tool in ("bwrap", "setpriv", "prlimit")) or os.geteuid() != 0:
+        return False  # the tools are missing, or we are not root (one uid per sandbox needs root to switch to it)
     return command_works(BwrapSandbox.command_for("/tmp", ["/usr/bin/true"], limits=DEFAULT_LIMITS, uid=_next_uid()))
 
 

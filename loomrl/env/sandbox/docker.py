@@ -29,7 +29,6 @@ def docker_available() -> bool:
 
 class DockerSandbox(_SubprocessSandbox):
     backend = "docker"
-    python = "python3"
     default_limits = DEFAULT_LIMITS
 
     def __init__(self, root: str | None = None, limits: dict[str, int] | None = None, image: str = DEFAULT_IMAGE,

@@ -17,7 +17,6 @@ import asyncio
 import math
 import random
 import re
-from collections.abc import Callable
 
 from loomrl.config import ConfigError
 from loomrl.env.base import EnvCrash, Observation, StepResult, ToolTimeout
@@ -77,72 +76,53 @@ _NAMES = ["Tom", "Ana", "Sam", "Lia", "Max", "Eva", "Ben", "Mia", "Leo", "Zoe"]
 _ITEMS = ["apples", "pens", "books", "coins", "cards", "stamps", "shells", "marbles", "stickers", "cookies"]
 
 
-def _one_step(kind: str) -> Callable[[random.Random], tuple[str, int, str]]:
-    def make(rng: random.Random) -> tuple[str, int, str]:
-        n, it = rng.choice(_NAMES), rng.choice(_ITEMS)
-        if kind == "add":
-            a, b = rng.randint(10, 99), rng.randint(10, 99)
-            q = rng.choice([
-                f"{n} has {a} {it} and gets {b} more. How many {it} does {n} have now?",
-                f"{n} had {a} {it}. A friend gave {n} {b} more {it}. How many {it} does {n} have?",
-            ])
-            return q, a + b, f"{a} + {b}"
-        if kind == "sub":
-            a, b = rng.randint(40, 99), rng.randint(10, 39)
-            q = rng.choice([
-                f"{n} has {a} {it} and gives away {b}. How many {it} are left?",
-                f"There are {a} {it} in a box. {n} takes {b} of them. How many {it} are in the box now?",
-            ])
-            return q, a - b, f"{a} - {b}"
-        if kind == "mul":
-            a, b = rng.randint(3, 19), rng.randint(3, 19)
-            q = rng.choice([
-                f"{n} buys {a} bags with {b} {it} in each bag. How many {it} does {n} have?",
-                f"A shelf has {a} rows with {b} {it} in each row. How many {it} are on the shelf?",
-            ])
-            return q, a * b, f"{a} * {b}"
-        if kind == "div":
-            a, b = rng.randint(3, 12), rng.randint(3, 19)
-            q = f"{n} shares {a * b} {it} equally among {a} friends. How many {it} does each friend get?"
-            return q, b, f"{a * b} / {a}"
-        if kind == "expr":
-            a, b = rng.randint(10, 99), rng.randint(10, 99)
-            op = rng.choice(["+", "-", "*"])
-            return f"What is {a} {op} {b}?", eval(f"{a} {op} {b}"), f"{a} {op} {b}"
-        if kind == "add_sub":
-            a, b, c = rng.randint(20, 99), rng.randint(10, 60), rng.randint(5, 19)
-            q = f"{n} has {a} {it}, gets {b} more, then gives away {c}. How many {it} does {n} have now?"
-            return q, a + b - c, f"{a} + {b} - {c}"
-        if kind == "add_add":
-            a, b, c = rng.randint(10, 99), rng.randint(10, 60), rng.randint(5, 40)
-            q = f"{n} has {a} {it}. {n} gets {b} more, then {c} more. How many {it} does {n} have now?"
-            return q, a + b + c, f"{a} + {b} + {c}"
-        if kind == "mul_add":
-            a, b, c = rng.randint(3, 9), rng.randint(3, 12), rng.randint(5, 40)
-            q = f"{n} has {c} {it} and buys {a} bags with {b} {it} in each bag. How many {it} does {n} have now?"
-            return q, c + a * b, f"{c} + {a} * {b}"
-        if kind.startswith("distract_"):
-            # Two quantities of different items; the question asks about one of them.
-            i1, i2 = rng.sample(_ITEMS, 2)
-            a, b, c = rng.randint(20, 99), rng.randint(10, 60), rng.randint(5, 19)
-            if kind == "distract_add":
-                q = f"{n} has {a} {i1} and {b} {i2}. {n} gets {c} more {i1}. How many {i1} does {n} have now?"
-                return q, a + c, f"{a} + {c}"
-            if kind == "distract_sub":
-                q = f"{n} has {a} {i1} and {b} {i2}. {n} gives away {c} {i1}. How many {i1} are left?"
-                return q, a - c, f"{a} - {c}"
-            if kind == "distract_mul":
-                a, c = rng.randint(3, 12), rng.randint(3, 12)
-                q = f"{n} has {b} {i2}. {n} buys {a} bags with {c} {i1} in each bag. How many {i1} does {n} have?"
-                return q, a * c, f"{a} * {c}"
-        raise ValueError(kind)
-
-    return make
+# Each family: the numbers it draws, in order, as (name, low, high) (distract_mul draws a and c twice,
+# and the second draw counts), and its (question, expression) templates, one drawn at random if there
+# are several; the answer is the expression's value. {n} is a name, {it} an item, {ab} is a * b;
+# distract families also draw two different items {i1}, {i2} and ask about {i1}. The draws' order
+# fixes the tasks.
+FAMILIES: dict[str, tuple[list[tuple[str, int, int]], list[tuple[str, str]]]] = {
+    "add": ([("a", 10, 99), ("b", 10, 99)], [
+        ("{n} has {a} {it} and gets {b} more. How many {it} does {n} have now?", "{a} + {b}"),
+        ("{n} had {a} {it}. A friend gave {n} {b} more {it}. How many {it} does {n} have?", "{a} + {b}")]),
+    "sub": ([("a", 40, 99), ("b", 10, 39)], [
+        ("{n} has {a} {it} and gives away {b}. How many {it} are left?", "{a} - {b}"),
+        ("There are {a} {it} in a box. {n} takes {b} of them. How many {it} are in the box now?", "{a} - {b}")]),
+    "mul": ([("a", 3, 19), ("b", 3, 19)], [
+        ("{n} buys {a} bags with {b} {it} in each bag. How many {it} does {n} have?", "{a} * {b}"),
+        ("A shelf has {a} rows with {b} {it} in each row. How many {it} are on the shelf?", "{a} * {b}")]),
+    "div": ([("a", 3, 12), ("b", 3, 19)], [
+        ("{n} shares {ab} {it} equally among {a} friends. How many {it} does each friend get?", "{ab} / {a}")]),
+    "expr": ([("a", 10, 99), ("b", 10, 99)], [(f"What is {{a}} {op} {{b}}?", f"{{a}} {op} {{b}}") for op in "+-*"]),
+    "add_sub": ([("a", 20, 99), ("b", 10, 60), ("c", 5, 19)], [
+        ("{n} has {a} {it}, gets {b} more, then gives away {c}. How many {it} does {n} have now?", "{a} + {b} - {c}")]),
+    "add_add": ([("a", 10, 99), ("b", 10, 60), ("c", 5, 40)], [
+        ("{n} has {a} {it}. {n} gets {b} more, then {c} more. How many {it} does {n} have now?", "{a} + {b} + {c}")]),
+    "mul_add": ([("a", 3, 9), ("b", 3, 12), ("c", 5, 40)], [
+        ("{n} has {c} {it} and buys {a} bags with {b} {it} in each bag. How many {it} does {n} have now?",
+         "{c} + {a} * {b}")]),
+    "distract_add": ([("a", 20, 99), ("b", 10, 60), ("c", 5, 19)], [
+        ("{n} has {a} {i1} and {b} {i2}. {n} gets {c} more {i1}. How many {i1} does {n} have now?", "{a} + {c}")]),
+    "distract_sub": ([("a", 20, 99), ("b", 10, 60), ("c", 5, 19)], [
+        ("{n} has {a} {i1} and {b} {i2}. {n} gives away {c} {i1}. How many {i1} are left?", "{a} - {c}")]),
+    "distract_mul": ([("a", 20, 99), ("b", 10, 60), ("c", 5, 19), ("a", 3, 12), ("c", 3, 12)], [
+        ("{n} has {b} {i2}. {n} buys {a} bags with {c} {i1} in each bag. How many {i1} does {n} have?", "{a} * {c}")]),
+}
 
 
-FAMILIES: dict[str, Callable[[random.Random], tuple[str, int, str]]] = {k: _one_step(k) for k in [
-    "add", "sub", "mul", "div", "expr", "add_sub", "add_add", "mul_add", "distract_add", "distract_sub",
-    "distract_mul"]}
+def _one_step(kind: str, rng: random.Random) -> tuple[str, int, str]:
+    """A (question, answer, expression) of family `kind`, drawn from `rng`."""
+    draws, templates = FAMILIES[kind]
+    values = {"n": rng.choice(_NAMES), "it": rng.choice(_ITEMS)}
+    if kind.startswith("distract_"):
+        values["i1"], values["i2"] = rng.sample(_ITEMS, 2)
+    for name, low, high in draws:
+        values[name] = rng.randint(low, high)
+    values["ab"] = values["a"] * values["b"]
+    # choice() draws even from a list of one: only kinds with several templates may call it.
+    question, expr = rng.choice(templates) if len(templates) > 1 else templates[0]
+    expr = expr.format(**values)
+    return question.format(**values), int(eval(expr)), expr  # every answer is a whole number
 
 
 def generate_tasks(families: list[str], n: int, seed: int, split: str, exclude: set[str] | None = None) -> list[Task]:
@@ -159,7 +139,7 @@ def generate_tasks(families: list[str], n: int, seed: int, split: str, exclude: 
         if attempts > n * 50:
             raise ValueError(f"could not generate {n} distinct {split} tasks for {families}")
         family = families[len(tasks) % len(families)]
-        question, answer, expr = FAMILIES[family](rng)
+        question, answer, expr = _one_step(family, rng)
         if question in seen:
             continue
         seen.add(question)
@@ -202,10 +182,8 @@ class CalculatorEnv:
         self.hang_rate = hang_rate
         self.few_shot = few_shot
         self.rng = rng or random.Random()
-        self.task: Task | None = None
 
     async def reset(self, task: Task) -> Observation:
-        self.task = task
         messages: list[dict] = [{"role": "system", "content": SYSTEM_PROMPT}]
         for question, expr, result in FEW_SHOT[self.few_shot]:
             messages += [{"role": "user", "content": question}, {"role": "assistant", "content": f"calc({expr})"},
@@ -250,4 +228,4 @@ class CalculatorEnv:
         return None  # a cut-short episode is judged on its last answer, if it gave one
 
     async def close(self) -> None:
-        self.task = None  # the pool owns the sandboxes; leases were returned after each call
+        pass  # the pool owns the sandboxes; leases were returned after each call

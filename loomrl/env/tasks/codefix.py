@@ -18,9 +18,11 @@ tools withheld, the repository under src/, a broken module planted next to the p
 from __future__ import annotations
 
 import asyncio
+import random
 from dataclasses import dataclass
 from typing import Any
 
+from loomrl.config import ConfigError
 from loomrl.env.base import Observation, StepResult
 from loomrl.env.pool import EnvPool
 from loomrl.env.sandbox import Sandbox, SandboxError
@@ -78,7 +80,6 @@ def verdict_label(passed: bool) -> str:
 @dataclass(slots=True)
 class TestVerdict:
     passed: bool
-    returncode: int
     output: str  # tail of the test run's output
     killed: str | None = None
 
@@ -201,8 +202,7 @@ class CodefixEnv:
                                               env=self.env_vars)
         if self.verdict.killed:
             self.broken = True
-        reward = 1.0 if self.verdict.passed else 0.0
-        return StepResult(observation=[], reward=reward, done=True, info={
+        return StepResult(observation=[], reward=float(self.verdict.passed), done=True, info={
             "final_answer": verdict_label(self.verdict.passed), "submitted": submitted,
             "tests_passed": self.verdict.passed, "test_output": self.verdict.output})
 
@@ -235,8 +235,7 @@ async def run_hidden_tests(sandbox: Sandbox, spec: CodefixTask, root: str = "", 
     argv = ["/bin/sh", "-c", f"cd {root} && exec \"$@\"", "sh", *TEST_COMMAND] if root else TEST_COMMAND
     res = await sandbox.exec(argv, timeout=timeout, env=env)
     tail = (res.stdout + res.stderr)[-1500:]
-    return TestVerdict(passed=res.returncode == 0 and res.killed is None, returncode=res.returncode, output=tail,
-                       killed=res.killed)
+    return TestVerdict(passed=res.returncode == 0 and res.killed is None, output=tail, killed=res.killed)
 
 
 # -- task validation ---------------------------------------------------------------------------------
@@ -291,8 +290,6 @@ def codefix_specs(families: list[str] | None = None) -> dict[str, CodefixTask]:
     known = sorted({s.family for s in specs})
     unknown = sorted(set(families or []) - set(known))
     if unknown:
-        from loomrl.config import ConfigError
-
         raise ConfigError(f"config error: env.families: unknown codefix family {unknown}; choose from {known}")
     return {s.task_id: s for s in specs if not families or s.family in families}
 
@@ -303,12 +300,10 @@ def as_task(spec: CodefixTask, split: str) -> Task:
 
 def codefix_splits(specs: dict[str, CodefixTask], n_heldout: int, seed: int) -> tuple[list[Task], list[Task]]:
     """Disjoint train and held-out task lists: a seeded shuffle, at most a third held out."""
-    import random
-
     ids = sorted(specs)
     random.Random(f"{seed}:codefix").shuffle(ids)
     k = min(n_heldout, len(ids) // 3)
-    held = {i for i in ids[:k]}
+    held = set(ids[:k])
     return ([as_task(specs[i], "train") for i in sorted(ids) if i not in held],
             [as_task(specs[i], "heldout") for i in sorted(held)])
 

@@ -31,6 +31,20 @@ _PERTURBATIONS: list[dict] = [
     {"broken_dependency": "requests"}, {"env": {"TZ": "UTC", "CI": "true"}}, {"broken_dependency": "yaml"}]
 
 
+# Each family: its generator and its three variants (different names, constants and data), in the order
+# the generators are defined below.
+_FAMILIES: list[tuple[Callable[..., CodefixTask], tuple[dict, ...]]] = []
+
+
+def _variants(*variants: dict) -> Callable[[Callable[..., CodefixTask]], Callable[..., CodefixTask]]:
+    """Register the decorated family generator with its variants (the keyword arguments of each)."""
+    def register(gen: Callable[..., CodefixTask]) -> Callable[..., CodefixTask]:
+        _FAMILIES.append((gen, variants))
+        return gen
+
+    return register
+
+
 def _src(text: str) -> str:
     """Dedent a triple-quoted template and drop its leading newline."""
     return textwrap.dedent(text).lstrip("\n")
@@ -70,6 +84,12 @@ def _task(family: str, variant: int, *, pkg: str, module: str, exports: list[str
         hidden_tests={"tests_hidden/__init__.py": "", f"tests_hidden/test_{module}.py": test_module})
 
 
+@_variants(dict(pkg="mathutils", module="bounds", func="clamp", params=("value", "low", "high"), lo=0, hi=3, above=5,
+                inside=1, below=-2),
+           dict(pkg="audiokit", module="gain", func="limit_gain", params=("db", "floor", "ceiling"), lo=-6.0, hi=6.0,
+                above=12.5, inside=-1.5, below=-20.0),
+           dict(pkg="pixelops", module="channels", func="clamp_channel", params=("level", "lo", "hi"), lo=0, hi=255,
+                above=300, inside=128, below=-5))
 def _clamp(v, *, pkg, module, func, params, lo, hi, above, inside, below):
     """min/max nested the wrong way round: every value collapses onto the lower bound."""
     x, a, b = params
@@ -98,6 +118,12 @@ def _clamp(v, *, pkg, module, func, params, lo, hi, above, inside, below):
         fixed=fixed, bug=(f"max({a}, min({x}, {b}))", f"min({a}, max({x}, {b}))"), tests=tests)
 
 
+@_variants(dict(pkg="numkit", module="series", func="sum_between", term="i", value=lambda i: i, what="i", start=1,
+                stop=5),
+           dict(pkg="geomkit", module="pyramids", func="sum_of_squares", term="i * i", value=lambda i: i * i,
+                what="i squared", start=1, stop=4),
+           dict(pkg="booking", module="pricing", func="stay_price", term="100 + 5 * i", value=lambda i: 100 + 5 * i,
+                what="the nightly rate 100 + 5 * i", start=3, stop=6))
 def _range_sum(v, *, pkg, module, func, term, value, what, start, stop):
     """Half-open range where the README promises an inclusive one: the last term is lost."""
     def total(a, b):
@@ -124,6 +150,12 @@ def _range_sum(v, *, pkg, module, func, term, value, what, start, stop):
         fixed=fixed, bug=("range(start, stop + 1)", "range(start, stop)"), tests=tests)
 
 
+@_variants(dict(pkg="numtheory", module="primes", check="is_prime", listing="primes_below", following="next_prime",
+                cited="check"),
+           dict(pkg="sievekit", module="listing", check="isprime", listing="primes_under", following="prime_at_least",
+                cited="listing"),
+           dict(pkg="hashsize", module="tables", check="is_prime_number", listing="small_primes",
+                following="next_table_size", cited="following"))
 def _is_prime(v, *, pkg, module, check, listing, following, cited):
     """Guard one too low: 1 counts as prime, which leaks into the helpers built on the check."""
     fixed = _src(f'''
@@ -180,6 +212,11 @@ def _is_prime(v, *, pkg, module, check, listing, following, cited):
         issue=issues[cited], fixed=fixed, bug=("if n < 2:", "if n < 1:"), tests=tests)
 
 
+@_variants(dict(pkg="stats", module="averages", func="average", arg="values", empty=0.0, sample=[2, 4, 9]),
+           dict(pkg="monitor", module="latency", func="mean_latency", arg="samples", empty=None,
+                sample=[12.5, 7.5, 30.0, 10.0]),
+           dict(pkg="gradebook", module="report", func="class_average", arg="scores", empty=0,
+                sample=[88, 92, 75, 61, 90]))
 def _mean_empty(v, *, pkg, module, func, arg, empty, sample):
     """Missing empty-input guard: the mean of nothing divides by zero instead of returning the default."""
     fixed = _src(f'''
@@ -205,6 +242,12 @@ def _mean_empty(v, *, pkg, module, func, arg, empty, sample):
         fixed=fixed, bug=(f"    if not {arg}:\n        return {empty!r}\n", ""), tests=tests)
 
 
+@_variants(dict(pkg="textstats", module="letters", func="count_vowels", const="VOWELS", chars="aeiou", what="vowels",
+                text="education", mixed="Hello World, AEIOU"),
+           dict(pkg="genomics", module="content", func="gc_count", const="GC_BASES", chars="gc", what="G and C bases",
+                text="acgtggca", mixed="ACGTacgtGGcc"),
+           dict(pkg="phonetics", module="sounds", func="count_sibilants", const="SIBILANTS", chars="sz",
+                what="letters s and z", text="sizzling seas", mixed="Sizzling Seas"))
 def _char_case(v, *, pkg, module, func, const, chars, what, text, mixed):
     """Case-sensitive membership test: upper-case letters are never counted."""
     def count(s):
@@ -232,6 +275,12 @@ def _char_case(v, *, pkg, module, func, const, chars, what, text, mixed):
         fixed=fixed, bug=("for ch in text.lower() if", "for ch in text if"), tests=tests)
 
 
+@_variants(dict(pkg="listkit", module="unique", func="dedupe", arg="items", sample=["b", "a", "b", "c", "a"],
+                unique_sorted=["a", "b", "c"]),
+           dict(pkg="eventlog", module="ids", func="unique_ids", arg="event_ids", sample=[42, 7, 42, 3, 7, 100],
+                unique_sorted=[1, 2, 3]),
+           dict(pkg="tagger", module="tags", func="distinct_tags", arg="tags",
+                sample=["python", "api", "python", "web", "api"], unique_sorted=["api", "python", "web"]))
 def _dedupe_order(v, *, pkg, module, func, arg, sample, unique_sorted):
     """Deduplicating through a set loses the first-seen order callers rely on."""
     wanted = list(dict.fromkeys(sample))
@@ -259,6 +308,9 @@ def _dedupe_order(v, *, pkg, module, func, arg, sample, unique_sorted):
         fixed=fixed, bug=(f"list(dict.fromkeys({arg}))", f"sorted(set({arg}))"), tests=tests)
 
 
+@_variants(dict(pkg="seqs", module="fibonacci", func="fib", name="Fibonacci", p=1, q=1),
+           dict(pkg="pellkit", module="numbers", func="pell", name="Pell", p=2, q=1),
+           dict(pkg="tilings", module="counts", func="jacobsthal", name="Jacobsthal", p=1, q=2))
 def _recurrence_base(v, *, pkg, module, func, name, p, q):
     """Wrong base case (1 instead of n) for a(n) = p*a(n-1) + q*a(n-2): a(0) and every later term are off."""
     def seq(n, base0):
@@ -305,6 +357,10 @@ def _recurrence_base(v, *, pkg, module, func, name, p, q):
         fixed=fixed, bug=("return n\n", "return 1\n"), tests=tests)
 
 
+@_variants(dict(pkg="searchkit", module="bisect_search", func="find_index", items=[2, 3, 5, 7, 11], missing=4),
+           dict(pkg="lexicon", module="lookup", func="find_word",
+                items=["apple", "banana", "cherry", "grape", "melon", "peach"], missing="kiwi"),
+           dict(pkg="versions", module="index", func="locate", items=[0.5, 1.0, 1.5, 2.25], missing=2.0))
 def _binary_search(v, *, pkg, module, func, items, missing):
     """Loop stops while lo == hi, so the last candidate (e.g. the final element) is never examined."""
     fixed = _src(f'''
@@ -343,6 +399,15 @@ def _binary_search(v, *, pkg, module, func, items, missing):
         fixed=fixed, bug=("while lo <= hi:", "while lo < hi:"), tests=tests)
 
 
+@_variants(dict(pkg="weather", module="convert", func="celsius_to_fahrenheit", arg="celsius", src="Celsius",
+                dst="Fahrenheit", expr="celsius * 9 / 5 + 32", bad_expr="(celsius + 32) * 9 / 5",
+                points=[(100, 212.0), (0, 32.0), (-40, -40.0), (37, 98.6)], wrong="237.6"),
+           dict(pkg="thermo", module="units", func="fahrenheit_to_celsius", arg="fahrenheit", src="Fahrenheit",
+                dst="Celsius", expr="(fahrenheit - 32) * 5 / 9", bad_expr="fahrenheit - 32 * 5 / 9",
+                points=[(212, 100.0), (32, 0.0), (-40, -40.0), (50, 10.0)], wrong="about 194.2"),
+           dict(pkg="cryokit", module="scales", func="kelvin_to_fahrenheit", arg="kelvin", src="Kelvin",
+                dst="Fahrenheit", expr="(kelvin - 273.15) * 9 / 5 + 32", bad_expr="kelvin - 273.15 * 9 / 5 + 32",
+                points=[(273.15, 32.0), (373.15, 212.0), (0, -459.67), (233.15, -40.0)], wrong="about -186.5"))
 def _unit_formula(v, *, pkg, module, func, arg, src, dst, expr, bad_expr, points, wrong):
     """Operator precedence slip in a conversion formula."""
     fixed = _src(f'''
@@ -367,6 +432,15 @@ def _unit_formula(v, *, pkg, module, func, arg, src, dst, expr, bad_expr, points
         fixed=fixed, bug=(f"return {expr}", f"return {bad_expr}"), tests=tests)
 
 
+@_variants(dict(pkg="textstats", module="freq", counts="word_counts", top="most_common_word", hits="occurrences",
+                text="The cat sat. The cat ran, and the dog sat!", word="sat",
+                top_text="Error! Retry, error? warning warning", cited="counts"),
+           dict(pkg="seo", module="keywords", counts="keyword_counts", top="top_keyword", hits="keyword_hits",
+                text="Cheap flights! Book flights, compare flights.", word="flights",
+                top_text="Sale, sale! Buy now; buy now. now", cited="top"),
+           dict(pkg="chatlog", module="tokens", counts="token_counts", top="top_token", hits="mentions",
+                text="@here deploy? deploy! Deploy done, ok.", word="deploy", top_text="ship it. ship, ship! wait wait",
+                cited="hits"))
 def _word_freq(v, *, pkg, module, counts, top, hits, text, word, top_text, cited):
     """Splitting on whitespace keeps punctuation glued to words, so 'cat.' and 'cat' count apart."""
     words = re.findall(r"[a-z0-9']+", text.lower())
@@ -425,6 +499,12 @@ def _word_freq(v, *, pkg, module, counts, top, hits, text, word, top_text, cited
         tests=tests)
 
 
+@_variants(dict(pkg="listkit", module="nested", func="flatten", types=(list,), kinds="lists",
+                deep=[1, [2, [3, [4]]], 5]),
+           dict(pkg="shapes", module="points", func="flatten_coords", types=(list, tuple), kinds="lists and tuples",
+                deep=[(0, 1), [(2, 3), [(4, (5,))]]]),
+           dict(pkg="playlists", module="tree", func="flatten_playlist", types=(list,), kinds="playlists",
+                deep=["intro", ["song-a", ["song-b", ["song-c"]]], "outro"]))
 def _flatten(v, *, pkg, module, func, types, kinds, deep):
     """Recursion replaced by a plain extend: only one level of nesting is removed."""
     def flat(items, depth):
@@ -466,6 +546,12 @@ def _flatten(v, *, pkg, module, func, types, kinds, deep):
         fixed=fixed, bug=(f"flat.extend({func}(item))", "flat.extend(item)"), tests=tests)
 
 
+@_variants(dict(pkg="streams", module="running", func="running_max", pick=max, which="maximum", op=">", start="-inf",
+                sample=[-5, -2, -8, -1], mixed=[3, -1, 4, 1, 5]),
+           dict(pkg="prices", module="lows", func="running_min", pick=min, which="minimum", op="<", start="inf",
+                sample=[12, 15, 9, 11], mixed=[-3, 4, -5, 0, -1]),
+           dict(pkg="climate", module="records", func="high_water_mark", pick=max, which="maximum", op=">",
+                start="-inf", sample=[-12.5, -7.0, -9.5, -3.0], mixed=[2.0, -1.5, 0.5, 4.0]))
 def _running_extreme(v, *, pkg, module, func, pick, which, op, start, sample, mixed):
     """Accumulator seeded with 0 instead of the identity, wrong whenever all values lie on one side of 0."""
     def run(values, initial=None):
@@ -499,6 +585,12 @@ def _running_extreme(v, *, pkg, module, func, pick, which, op, start, sample, mi
         fixed=fixed, bug=(f'best = float("{start}")', "best = 0"), tests=tests)
 
 
+@_variants(dict(pkg="listkit", module="chunks", func="chunked", items_arg="items", size_arg="size",
+                sample=[1, 2, 3, 4, 5, 6, 7], size=3),
+           dict(pkg="uploader", module="batching", func="batches", items_arg="records", size_arg="batch_size",
+                sample=["a", "b", "c", "d", "e"], size=2),
+           dict(pkg="webapi", module="pages", func="paginate", items_arg="rows", size_arg="per_page",
+                sample=list(range(10, 110, 10)), size=4))
 def _chunk(v, *, pkg, module, func, items_arg, size_arg, sample, size):
     """Range stops one chunk early, dropping a shorter trailing chunk."""
     def split(items, n):
@@ -532,6 +624,12 @@ def _chunk(v, *, pkg, module, func, items_arg, size_arg, sample, size):
         bug=(f"range(0, len({items_arg}), {size_arg})", f"range(0, len({items_arg}) - {size_arg} + 1, {size_arg})"))
 
 
+@_variants(dict(pkg="settings", module="config", func="merge_config", base="defaults", extra="overrides",
+                defaults={"debug": False, "port": 8000}, overrides={"debug": True}),
+           dict(pkg="httpkit", module="headers", func="with_defaults", base="base", extra="extra",
+                defaults={"Accept": "*/*", "User-Agent": "httpkit/1.0"}, overrides={"Accept": "application/json"}),
+           dict(pkg="cliapp", module="options", func="resolve_options", base="config", extra="flags",
+                defaults={"verbose": 0, "color": "auto", "jobs": 1}, overrides={"jobs": 4, "color": "never"}))
 def _merge_precedence(v, *, pkg, module, func, base, extra, defaults, overrides):
     """Unpacking order reversed: the defaults overwrite the caller's explicit values."""
     merged = {**defaults, **overrides}
@@ -563,6 +661,13 @@ def _merge_precedence(v, *, pkg, module, func, base, extra, defaults, overrides)
         fixed=fixed, bug=(f"{{**{base}, **{extra}}}", f"{{**{extra}, **{base}}}"), tests=tests)
 
 
+@_variants(dict(pkg="envfile", module="dotenv", func="parse_env", sep="=", what="environment files",
+                line="DATABASE_URL=postgres://db/app?sslmode=require",
+                expected_line=("DATABASE_URL", "postgres://db/app?sslmode=require")),
+           dict(pkg="mailkit", module="headers", func="parse_headers", sep=":", what="mail headers",
+                line="Date: Tue, 10 Jun 2025 10:30:00", expected_line=("Date", "Tue, 10 Jun 2025 10:30:00")),
+           dict(pkg="k8stools", module="labels", func="parse_labels", sep="=", what="label files",
+                line="token = c2VjcmV0==", expected_line=("token", "c2VjcmV0==")))
 def _parse_kv(v, *, pkg, module, func, sep, line, expected_line, what):
     """Unbounded split: a value that itself contains the separator cannot be unpacked."""
     key, value = expected_line
@@ -599,6 +704,19 @@ def _parse_kv(v, *, pkg, module, func, sep, line, expected_line, what):
         fixed=fixed, bug=(f'line.split("{sep}", 1)', f'line.split("{sep}")'), tests=tests)
 
 
+@_variants(dict(pkg="leaderboard", module="ranking", func="top_scores", params="scores, n", arg="scores",
+                copy_var="ranked", doc="Return the n highest scores, highest first.",
+                body="ranked.sort(reverse=True)\nreturn ranked[:n]\n", call_args=", 2", sample=[70, 95, 80, 88],
+                result=[95, 88], mutated=[95, 88, 80, 70]),
+           dict(pkg="statskit", module="middle", func="median", params="values", arg="values", copy_var="ordered",
+                doc="Return the median of a non-empty list of numbers.",
+                body=("ordered.sort()\nmid = len(ordered) // 2\nif len(ordered) % 2:\n    return ordered[mid]\n"
+                      "return (ordered[mid - 1] + ordered[mid]) / 2\n"), call_args="", sample=[5, 1, 4, 2], result=3.0,
+                mutated=[1, 2, 4, 5]),
+           dict(pkg="tagging", module="labels", func="with_tag", params="tags, tag", arg="tags", copy_var="result",
+                doc="Return a copy of tags with tag appended unless it is already there.",
+                body="if tag not in result:\n    result.append(tag)\nreturn result\n", call_args=', "urgent"',
+                sample=["bug", "ui"], result=["bug", "ui", "urgent"], mutated=["bug", "ui", "urgent"]))
 def _mutate_arg(v, *, pkg, module, func, params, arg, copy_var, body, doc, call_args, sample, result, mutated):
     """Working on the caller's list instead of a copy: the argument changes behind the caller's back."""
     fixed = _src(f'''
@@ -625,149 +743,6 @@ def _mutate_arg(v, *, pkg, module, func, params, arg, copy_var, body, doc, call_
         issue=f"Calling `{pkg}.{func}(data{call_args})` with data = {sample!r} changes my list: afterwards "
               f"data is {mutated!r}.",
         fixed=fixed, bug=(f"{copy_var} = list({arg})", f"{copy_var} = {arg}"), tests=tests)
-
-
-# Each family: its generator and three variants (different names, constants and data).
-_FAMILIES: list[tuple[Callable[..., CodefixTask], list[dict]]] = [
-    (_clamp, [
-        dict(pkg="mathutils", module="bounds", func="clamp", params=("value", "low", "high"),
-             lo=0, hi=3, above=5, inside=1, below=-2),
-        dict(pkg="audiokit", module="gain", func="limit_gain", params=("db", "floor", "ceiling"),
-             lo=-6.0, hi=6.0, above=12.5, inside=-1.5, below=-20.0),
-        dict(pkg="pixelops", module="channels", func="clamp_channel", params=("level", "lo", "hi"),
-             lo=0, hi=255, above=300, inside=128, below=-5),
-    ]),
-    (_range_sum, [
-        dict(pkg="numkit", module="series", func="sum_between", term="i", value=lambda i: i,
-             what="i", start=1, stop=5),
-        dict(pkg="geomkit", module="pyramids", func="sum_of_squares", term="i * i", value=lambda i: i * i,
-             what="i squared", start=1, stop=4),
-        dict(pkg="booking", module="pricing", func="stay_price", term="100 + 5 * i", value=lambda i: 100 + 5 * i,
-             what="the nightly rate 100 + 5 * i", start=3, stop=6),
-    ]),
-    (_is_prime, [
-        dict(pkg="numtheory", module="primes", check="is_prime", listing="primes_below",
-             following="next_prime", cited="check"),
-        dict(pkg="sievekit", module="listing", check="isprime", listing="primes_under",
-             following="prime_at_least", cited="listing"),
-        dict(pkg="hashsize", module="tables", check="is_prime_number", listing="small_primes",
-             following="next_table_size", cited="following"),
-    ]),
-    (_mean_empty, [
-        dict(pkg="stats", module="averages", func="average", arg="values", empty=0.0, sample=[2, 4, 9]),
-        dict(pkg="monitor", module="latency", func="mean_latency", arg="samples", empty=None,
-             sample=[12.5, 7.5, 30.0, 10.0]),
-        dict(pkg="gradebook", module="report", func="class_average", arg="scores", empty=0,
-             sample=[88, 92, 75, 61, 90]),
-    ]),
-    (_char_case, [
-        dict(pkg="textstats", module="letters", func="count_vowels", const="VOWELS", chars="aeiou",
-             what="vowels", text="education", mixed="Hello World, AEIOU"),
-        dict(pkg="genomics", module="content", func="gc_count", const="GC_BASES", chars="gc",
-             what="G and C bases", text="acgtggca", mixed="ACGTacgtGGcc"),
-        dict(pkg="phonetics", module="sounds", func="count_sibilants", const="SIBILANTS", chars="sz",
-             what="letters s and z", text="sizzling seas", mixed="Sizzling Seas"),
-    ]),
-    (_dedupe_order, [
-        dict(pkg="listkit", module="unique", func="dedupe", arg="items",
-             sample=["b", "a", "b", "c", "a"], unique_sorted=["a", "b", "c"]),
-        dict(pkg="eventlog", module="ids", func="unique_ids", arg="event_ids",
-             sample=[42, 7, 42, 3, 7, 100], unique_sorted=[1, 2, 3]),
-        dict(pkg="tagger", module="tags", func="distinct_tags", arg="tags",
-             sample=["python", "api", "python", "web", "api"], unique_sorted=["api", "python", "web"]),
-    ]),
-    (_recurrence_base, [
-        dict(pkg="seqs", module="fibonacci", func="fib", name="Fibonacci", p=1, q=1),
-        dict(pkg="pellkit", module="numbers", func="pell", name="Pell", p=2, q=1),
-        dict(pkg="tilings", module="counts", func="jacobsthal", name="Jacobsthal", p=1, q=2),
-    ]),
-    (_binary_search, [
-        dict(pkg="searchkit", module="bisect_search", func="find_index", items=[2, 3, 5, 7, 11], missing=4),
-        dict(pkg="lexicon", module="lookup", func="find_word",
-             items=["apple", "banana", "cherry", "grape", "melon", "peach"], missing="kiwi"),
-        dict(pkg="versions", module="index", func="locate", items=[0.5, 1.0, 1.5, 2.25], missing=2.0),
-    ]),
-    (_unit_formula, [
-        dict(pkg="weather", module="convert", func="celsius_to_fahrenheit", arg="celsius",
-             src="Celsius", dst="Fahrenheit", expr="celsius * 9 / 5 + 32", bad_expr="(celsius + 32) * 9 / 5",
-             points=[(100, 212.0), (0, 32.0), (-40, -40.0), (37, 98.6)], wrong="237.6"),
-        dict(pkg="thermo", module="units", func="fahrenheit_to_celsius", arg="fahrenheit",
-             src="Fahrenheit", dst="Celsius", expr="(fahrenheit - 32) * 5 / 9", bad_expr="fahrenheit - 32 * 5 / 9",
-             points=[(212, 100.0), (32, 0.0), (-40, -40.0), (50, 10.0)], wrong="about 194.2"),
-        dict(pkg="cryokit", module="scales", func="kelvin_to_fahrenheit", arg="kelvin",
-             src="Kelvin", dst="Fahrenheit", expr="(kelvin - 273.15) * 9 / 5 + 32",
-             bad_expr="kelvin - 273.15 * 9 / 5 + 32",
-             points=[(273.15, 32.0), (373.15, 212.0), (0, -459.67), (233.15, -40.0)], wrong="about -186.5"),
-    ]),
-    (_word_freq, [
-        dict(pkg="textstats", module="freq", counts="word_counts", top="most_common_word", hits="occurrences",
-             text="The cat sat. The cat ran, and the dog sat!", word="sat",
-             top_text="Error! Retry, error? warning warning", cited="counts"),
-        dict(pkg="seo", module="keywords", counts="keyword_counts", top="top_keyword", hits="keyword_hits",
-             text="Cheap flights! Book flights, compare flights.", word="flights",
-             top_text="Sale, sale! Buy now; buy now. now", cited="top"),
-        dict(pkg="chatlog", module="tokens", counts="token_counts", top="top_token", hits="mentions",
-             text="@here deploy? deploy! Deploy done, ok.", word="deploy",
-             top_text="ship it. ship, ship! wait wait", cited="hits"),
-    ]),
-    (_flatten, [
-        dict(pkg="listkit", module="nested", func="flatten", types=(list,), kinds="lists",
-             deep=[1, [2, [3, [4]]], 5]),
-        dict(pkg="shapes", module="points", func="flatten_coords", types=(list, tuple), kinds="lists and tuples",
-             deep=[(0, 1), [(2, 3), [(4, (5,))]]]),
-        dict(pkg="playlists", module="tree", func="flatten_playlist", types=(list,), kinds="playlists",
-             deep=["intro", ["song-a", ["song-b", ["song-c"]]], "outro"]),
-    ]),
-    (_running_extreme, [
-        dict(pkg="streams", module="running", func="running_max", pick=max, which="maximum", op=">", start="-inf",
-             sample=[-5, -2, -8, -1], mixed=[3, -1, 4, 1, 5]),
-        dict(pkg="prices", module="lows", func="running_min", pick=min, which="minimum", op="<", start="inf",
-             sample=[12, 15, 9, 11], mixed=[-3, 4, -5, 0, -1]),
-        dict(pkg="climate", module="records", func="high_water_mark", pick=max, which="maximum", op=">",
-             start="-inf", sample=[-12.5, -7.0, -9.5, -3.0], mixed=[2.0, -1.5, 0.5, 4.0]),
-    ]),
-    (_chunk, [
-        dict(pkg="listkit", module="chunks", func="chunked", items_arg="items", size_arg="size",
-             sample=[1, 2, 3, 4, 5, 6, 7], size=3),
-        dict(pkg="uploader", module="batching", func="batches", items_arg="records", size_arg="batch_size",
-             sample=["a", "b", "c", "d", "e"], size=2),
-        dict(pkg="webapi", module="pages", func="paginate", items_arg="rows", size_arg="per_page",
-             sample=list(range(10, 110, 10)), size=4),
-    ]),
-    (_merge_precedence, [
-        dict(pkg="settings", module="config", func="merge_config", base="defaults", extra="overrides",
-             defaults={"debug": False, "port": 8000}, overrides={"debug": True}),
-        dict(pkg="httpkit", module="headers", func="with_defaults", base="base", extra="extra",
-             defaults={"Accept": "*/*", "User-Agent": "httpkit/1.0"}, overrides={"Accept": "application/json"}),
-        dict(pkg="cliapp", module="options", func="resolve_options", base="config", extra="flags",
-             defaults={"verbose": 0, "color": "auto", "jobs": 1}, overrides={"jobs": 4, "color": "never"}),
-    ]),
-    (_parse_kv, [
-        dict(pkg="envfile", module="dotenv", func="parse_env", sep="=", what="environment files",
-             line="DATABASE_URL=postgres://db/app?sslmode=require",
-             expected_line=("DATABASE_URL", "postgres://db/app?sslmode=require")),
-        dict(pkg="mailkit", module="headers", func="parse_headers", sep=":", what="mail headers",
-             line="Date: Tue, 10 Jun 2025 10:30:00", expected_line=("Date", "Tue, 10 Jun 2025 10:30:00")),
-        dict(pkg="k8stools", module="labels", func="parse_labels", sep="=", what="label files",
-             line="token = c2VjcmV0==", expected_line=("token", "c2VjcmV0==")),
-    ]),
-    (_mutate_arg, [
-        dict(pkg="leaderboard", module="ranking", func="top_scores", params="scores, n", arg="scores",
-             copy_var="ranked", doc="Return the n highest scores, highest first.",
-             body="ranked.sort(reverse=True)\nreturn ranked[:n]\n",
-             call_args=", 2", sample=[70, 95, 80, 88], result=[95, 88], mutated=[95, 88, 80, 70]),
-        dict(pkg="statskit", module="middle", func="median", params="values", arg="values",
-             copy_var="ordered", doc="Return the median of a non-empty list of numbers.",
-             body=("ordered.sort()\nmid = len(ordered) // 2\nif len(ordered) % 2:\n    return ordered[mid]\n"
-                   "return (ordered[mid - 1] + ordered[mid]) / 2\n"),
-             call_args="", sample=[5, 1, 4, 2], result=3.0, mutated=[1, 2, 4, 5]),
-        dict(pkg="tagging", module="labels", func="with_tag", params="tags, tag", arg="tags",
-             copy_var="result", doc="Return a copy of tags with tag appended unless it is already there.",
-             body="if tag not in result:\n    result.append(tag)\nreturn result\n",
-             call_args=', "urgent"', sample=["bug", "ui"], result=["bug", "ui", "urgent"],
-             mutated=["bug", "ui", "urgent"]),
-    ]),
-]
 
 
 def codefix_tasks() -> list[CodefixTask]:

@@ -24,13 +24,17 @@ class _Section(BaseModel):
 
 
 class TinyModelConfig(_Section):
-    """A random-initialised Llama-architecture model, for tests and smoke runs."""
+    """A random-initialised model of a real architecture's shape, for tests and smoke runs."""
 
+    # llama (SmolLM2's), qwen2 (q/k/v biases), qwen3 (per-head q/k RMSNorm, head_dim of its own)
+    arch: Literal["llama", "qwen2", "qwen3"] = "llama"
     hidden_size: int = Field(64, gt=0)
     intermediate_size: int = Field(128, gt=0)
     num_hidden_layers: int = Field(2, gt=0)
     num_attention_heads: int = Field(4, gt=0)
     num_key_value_heads: int = Field(2, gt=0)
+    head_dim: int | None = Field(None, gt=0)  # None: hidden_size / num_attention_heads
+    tie_word_embeddings: bool = True
     seed: int = 0
     # std of the random weights (transformers' initializer_range). At 0.02 the next-token distribution
     # is almost uniform over the 49k vocabulary; a larger one gives a peaked model whose preferences RL

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from loomrl.config import RunConfig, TrainerConfig
+from loomrl.trainer.head import head_logprobs
 from loomrl.trainer.losses import policy_loss
 from loomrl.trainer.tree import (
     compression_ratio,
@@ -66,28 +67,21 @@ def freeze_bottom(model: torch.nn.Module, n_layers: int) -> None:
 
 def token_logprobs(model: torch.nn.Module, samples: list[TrainingSample], *, with_grad: bool) -> list[torch.Tensor]:
     """Logprob of each sample's loss-masked tokens under `model` (at the sample's temperature)."""
-    base, head = decoder_and_head(model)
+    base, _ = decoder_and_head(model)
     width = max(len(s.token_ids) for s in samples)
     ids = torch.zeros((len(samples), width), dtype=torch.long)
     attn = torch.zeros((len(samples), width), dtype=torch.long)
     for i, s in enumerate(samples):
         ids[i, : len(s.token_ids)] = torch.tensor(s.token_ids)
         attn[i, : len(s.token_ids)] = 1
+    targets = [sampled_positions(s) for s in samples]
+    # the hidden state before each sampled token: one row per target, every sample's rows in one head pass
+    at = torch.tensor([(i, t) for i, ts in enumerate(targets) for t in ts], dtype=torch.long).view(-1, 2)
+    temps = torch.tensor([s.temperature for s, ts in zip(samples, targets) for _ in ts], dtype=torch.float32)
     with torch.set_grad_enabled(with_grad):
         hidden = base(input_ids=ids, attention_mask=attn).last_hidden_state  # [B, T, H]
-        out = []
-        for i, s in enumerate(samples):
-            targets = sampled_positions(s)
-            if not targets:
-                out.append(hidden.new_zeros(0))
-                continue
-            pos = torch.tensor(targets)
-            logits = head(hidden[i, pos - 1]).float()  # [N, V]
-            if s.temperature > 0:
-                logits = logits / s.temperature
-            logp = torch.log_softmax(logits, dim=-1).gather(1, ids[i, pos].unsqueeze(1)).squeeze(1)
-            out.append(logp)
-    return out
+        logp = head_logprobs(model, hidden[at[:, 0], at[:, 1] - 1], ids[at[:, 0], at[:, 1]], temps)
+    return list(torch.split(logp, [len(ts) for ts in targets]))
 
 
 class Trainer:

@@ -91,3 +91,22 @@ def test_saves_no_full_logits_for_backward():
             assert max(saved) >= n * v * 4
         else:
             assert max(saved) < n * v * 4 / 8 and sum(saved) <= (hidden.numel() + weight.numel()) * 4 + 4 * n * 8
+
+
+def test_rows_serving_several_targets_equal_repeated_rows():
+    """A prefix-tree node feeds several targets (its children): reading it through `rows` equals
+    repeating the row once per target, values and gradients."""
+    hidden, weight, _, temps, _ = _case(n=9)
+    rows = torch.tensor([4, 0, 4, 8, 1, 4, 0])
+    targets = torch.tensor([3, 5, 7, 2, 9, 11, 5])
+    upstream = torch.randn(len(rows))
+    hidden.grad = weight.grad = None
+    (dense_logprobs(hidden[rows], weight, targets, temps[rows]) * upstream).sum().backward()
+    want = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    got = chunked_logprobs(hidden, weight, targets, temps, rows=rows, chunk=3)
+    (got * upstream).sum().backward()
+    torch.testing.assert_close(got, dense_logprobs(hidden[rows], weight, targets, temps[rows]).detach(),
+                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(hidden.grad, want[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(weight.grad, want[1], rtol=1e-5, atol=1e-6)

@@ -199,6 +199,9 @@ class TrainerConfig(_Section):
     micro_batch_size: int = Field(8, gt=0)
     total_steps: int = Field(10, gt=0)
     freeze_layers: int = Field(0, ge=0)  # keep the bottom N transformer blocks fixed (cheaper steps)
+    # recompute each decoder layer's activations in the backward pass instead of keeping them: activation
+    # memory of one layer instead of all, for about one more forward pass of compute
+    activation_checkpointing: bool = False
     threads: int = Field(0, ge=0)  # torch threads of the trainer; 0 = all cores (sync), the rest (async)
     # data-parallel trainer ranks (trainer/ranks.py): each holds a model and optimizer replica
     # and trains on a share of every step's samples; gradients are summed over gloo (CPU)
@@ -215,6 +218,13 @@ class TrainerConfig(_Section):
     # by two micro-batches is computed in each); "depth_first" computes each node of the step once,
     # keeping a shared prefix's activations only while the micro-batches that use it run
     tree_merge_memory: Literal["subtries", "depth_first"] = "subtries"
+
+    @model_validator(mode="after")
+    def _checkpointing_without_tree(self) -> TrainerConfig:
+        if self.activation_checkpointing and self.tree_merge != "off":
+            # the backward's recompute would run outside the tree attention, which is switched in per forward
+            raise ValueError("trainer.activation_checkpointing works with trainer.tree_merge=off only, so far")
+        return self
 
 
 class RuntimeConfig(_Section):

@@ -91,6 +91,8 @@ class Trainer:
         self.model = model
         self.cfg = cfg
         freeze_bottom(model, cfg.freeze_layers)
+        if cfg.activation_checkpointing:  # transformers' per-layer checkpointing; non-reentrant: kwargs-safe
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         warmup = cfg.warmup_steps

@@ -354,3 +354,17 @@ def test_attention_pair_counts_match_the_packed_trie():
         assert tree_attention_pairs(seqs) == tree.tree_attention_pairs
         assert dense_attention_pairs(seqs) == tree.dense_attention_pairs
     assert tree_attention_pairs([[1, 2, 3], [1, 2, 4]]) == 1 + 2 + 3 + 3  # the shared [1, 2] counted once
+
+
+def test_activation_checkpointing_gives_the_same_gradients(tokenizer):
+    """Recomputing each decoder layer in the backward pass changes memory, not the step: the same
+    loss and gradients (to float rounding: the recompute runs the same kernels on the same inputs)."""
+    rng = random.Random(7)
+    samples = _grpo(rng, len(tokenizer), 4, 12) + _multiturn(rng, len(tokenizer))
+    off, off_stats = _trained(tokenizer, samples)
+    on, on_stats = _trained(tokenizer, samples, activation_checkpointing=True)
+    assert on_stats.loss == pytest.approx(off_stats.loss, rel=1e-6, abs=1e-7)
+    for name, p in off.items():
+        assert torch.allclose(on[name].grad, p.grad, rtol=1e-5, atol=1e-8), name
+    with pytest.raises(ValueError, match="activation_checkpointing works with trainer.tree_merge=off only"):
+        TrainerConfig(activation_checkpointing=True, tree_merge="on")

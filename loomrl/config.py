@@ -202,6 +202,11 @@ class TrainerConfig(_Section):
     # recompute each decoder layer's activations in the backward pass instead of keeping them: activation
     # memory of one layer instead of all, for about one more forward pass of compute
     activation_checkpointing: bool = False
+    # compute dtype of the trainer's forward and backward (torch.autocast): the weights, their gradients and
+    # AdamW's state stay float32, and so do the logprobs, the loss and its softmax; auto = bfloat16 on a
+    # GPU, float32 on the CPU (whose bf16 matmuls are slower than its float32 ones). No float16: it needs
+    # loss scaling, which bfloat16 (float32's exponent range) does not
+    precision: Literal["auto", "float32", "bfloat16"] = "auto"
     threads: int = Field(0, ge=0)  # torch threads of the trainer; 0 = all cores (sync), the rest (async)
     # data-parallel trainer ranks (trainer/ranks.py): each holds a model and optimizer replica
     # and trains on a share of every step's samples; gradients are summed over gloo (CPU)

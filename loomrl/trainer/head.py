@@ -26,8 +26,8 @@ DEFAULT_CHUNK = 128
 
 
 def _capped(h: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None) -> Tensor:
-    """float32 logits of a block of rows, soft-capped when the model caps them."""
-    z = torch.nn.functional.linear(h, weight, bias).float()
+    """float32 logits of a block of rows (the matmul in the weight's dtype), soft-capped when the model caps them."""
+    z = torch.nn.functional.linear(h.to(weight.dtype), weight, bias).float()
     return softcap * torch.tanh(z / softcap) if softcap is not None else z
 
 
@@ -38,11 +38,16 @@ class _ChunkedLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, rows: Tensor,
                 inv_temp: Tensor, chunk: int, softcap: float | None) -> Tensor:
+        # Under autocast (trainer.precision) the head's matmul runs in the autocast dtype, as it would
+        # outside this function; forward and backward use the same one, so their logits agree.
+        device = hidden.device.type
+        ctx.compute_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+        w_c, b_c = weight.to(ctx.compute_dtype), bias.to(ctx.compute_dtype) if bias is not None else None
         lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         out = torch.empty(targets.shape[0], dtype=torch.float32, device=hidden.device)
         bounds = torch.searchsorted(rows, torch.arange(0, hidden.shape[0] + chunk, chunk, device=rows.device)).tolist()
         for k, s in enumerate(range(0, hidden.shape[0], chunk)):
-            z = _capped(hidden[s : s + chunk], weight, bias, softcap) * inv_temp[s : s + chunk, None]
+            z = _capped(hidden[s : s + chunk], w_c, b_c, softcap) * inv_temp[s : s + chunk, None]
             lse[s : s + chunk] = torch.logsumexp(z, dim=-1)
             a, b = bounds[k], bounds[k + 1]
             out[a:b] = z[rows[a:b] - s, targets[a:b]] - lse[rows[a:b]]
@@ -54,6 +59,8 @@ class _ChunkedLogprob(torch.autograd.Function):
     def backward(ctx, grad_out: Tensor):
         hidden, weight, bias, targets, rows, inv_temp, lse = ctx.saved_tensors
         chunk, softcap, bounds = ctx.chunk, ctx.softcap, ctx.bounds
+        compute = ctx.compute_dtype
+        w_c, b_c = weight.to(compute), bias.to(compute) if bias is not None else None
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
@@ -63,7 +70,7 @@ class _ChunkedLogprob(torch.autograd.Function):
             h, it = hidden[s : s + chunk], inv_temp[s : s + chunk, None]
             a, b = bounds[k], bounds[k + 1]
             local, g = rows[a:b] - s, g_all[a:b]
-            capped = _capped(h, weight, bias, softcap)
+            capped = _capped(h, w_c, b_c, softcap)
             # d logp[t] / d z = onehot(t) - softmax(z), z = capped / T, summed over the row's targets
             g_row = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device).index_add_(0, local, g)
             dz = torch.exp(capped * it - lse[s : s + chunk, None]).mul_(-g_row[:, None])
@@ -72,7 +79,7 @@ class _ChunkedLogprob(torch.autograd.Function):
             if softcap is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
                 dz.mul_(1 - (capped / softcap) ** 2)
             if need_h:
-                grad_h[s : s + chunk] = (dz.to(weight.dtype) @ weight).to(hidden.dtype)
+                grad_h[s : s + chunk] = (dz.to(compute) @ w_c).to(hidden.dtype)
             if need_w:
                 grad_w.addmm_(dz.t(), h.float())
             if need_b:

@@ -10,6 +10,7 @@ step, across micro-batches, with `tree_merge_memory=depth_first`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
@@ -84,6 +85,16 @@ def token_logprobs(model: torch.nn.Module, samples: list[TrainingSample], *, wit
     return list(torch.split(logp, [len(ts) for ts in targets]))
 
 
+def compute_context(precision: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
+    """What the trainer's forward passes run under: autocast to trainer.precision ("auto": bfloat16 on
+    CUDA, none on the CPU), or nothing for float32."""
+    if precision == "auto":
+        precision = "bfloat16" if device.type == "cuda" else "float32"
+    if precision == "float32":
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+
+
 class Trainer:
     def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, initial_model: torch.nn.Module | None = None):
         """`initial_model`: the policy the run started from, KL's reference; default: a copy of `model`
@@ -99,6 +110,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0)
         self.step = 0
+        self.autocast = compute_context(cfg.precision, next(model.parameters()).device)
         self.grad_hook: Callable[[], None] | None = None  # trainer/distributed.py: sums the ranks' gradients
         # KL to the initial policy needs its logprobs: a frozen copy, kept only when the KL term is on.
         kl = cfg.loss.kl is not None and cfg.loss.kl_coef > 0
@@ -135,8 +147,9 @@ class Trainer:
             pairs = [tree_attention_pairs([s.token_ids for s in samples])]
         # Decoupled PPO's proximal policy: the weights before this step; KL's reference: the initial weights.
         self.model.eval()
-        prox = self._no_grad_logprobs(self.model, batches, merged) if cfg.loss.kind == "decoupled_ppo" else None
-        ref = self._no_grad_logprobs(self.ref_model, batches, merged) if self.ref_model is not None else None
+        with self.autocast():
+            prox = self._no_grad_logprobs(self.model, batches, merged) if cfg.loss.kind == "decoupled_ppo" else None
+            ref = self._no_grad_logprobs(self.ref_model, batches, merged) if self.ref_model is not None else None
         self.model.train()
         if cfg.loss.aggregation == "token_mean":
             aggregation, norm = "token_sum_norm", float(total_loss_tokens + idle_tokens)  # sum / the step's sampled tokens
@@ -183,10 +196,12 @@ class Trainer:
             return loss
 
         if self._depth_first() and batches:  # tree.py: shared prefixes computed once, one micro-batch's graph alive
-            loss_sum = depth_first_backward(self.model, batches, micro_batch_loss).loss
+            with self.autocast():
+                loss_sum = depth_first_backward(self.model, batches, micro_batch_loss).loss
         else:
             for b, chunk in enumerate(batches):
-                loss = micro_batch_loss(b, self._logprobs(self.model, chunk, merged[b], with_grad=True))
+                with self.autocast():
+                    loss = micro_batch_loss(b, self._logprobs(self.model, chunk, merged[b], with_grad=True))
                 if loss is not None:
                     loss.backward()
                     loss_sum += float(loss.detach())

@@ -368,3 +368,26 @@ def test_activation_checkpointing_gives_the_same_gradients(tokenizer):
         assert torch.allclose(on[name].grad, p.grad, rtol=1e-5, atol=1e-8), name
     with pytest.raises(ValueError, match="activation_checkpointing works with trainer.tree_merge=off only"):
         TrainerConfig(activation_checkpointing=True, tree_merge="on")
+
+
+def test_bfloat16_training_stays_near_float32_for_five_steps(tokenizer):
+    """trainer.precision=bfloat16 (autocast; float32 weights, gradients, AdamW state and loss) against
+    float32, 5 steps on CPU. Stated tolerance: each step's loss within 1% relative and every weight
+    tensor within 1% (relative norm) after 5 steps (measured here: 0.33% and 0.28%)."""
+    rng = random.Random(3)
+    samples = _grpo(rng, len(tokenizer), 4, 12) + _multiturn(rng, len(tokenizer))
+    for s in samples:
+        s.behaviour_logprobs = [-10.8 * m for m in s.loss_mask]
+    runs = {}
+    for precision in ("float32", "bfloat16"):
+        model = _tiny(tokenizer)
+        trainer = Trainer(model, TrainerConfig(lr=1e-3, micro_batch_size=4, precision=precision))
+        runs[precision] = ([trainer.train_step(samples).loss for _ in range(5)],
+                           {n: p.detach() for n, p in model.named_parameters()})
+    (l32, w32), (l16, w16) = runs["float32"], runs["bfloat16"]
+    assert l16 != l32  # autocast did run in bfloat16
+    for a, b in zip(l32, l16):
+        assert abs(a - b) <= 0.01 * abs(a)
+    for name, p in w32.items():
+        assert p.dtype == w16[name].dtype == torch.float32
+        assert float((w16[name] - p).norm()) <= 0.01 * float(p.norm()), name

@@ -24,13 +24,17 @@ class _Section(BaseModel):
 
 
 class TinyModelConfig(_Section):
-    """A random-initialised Llama-architecture model, for tests and smoke runs."""
+    """A random-initialised model of a real architecture's shape, for tests and smoke runs."""
 
+    # llama (SmolLM2's), qwen2 (q/k/v biases), qwen3 (per-head q/k RMSNorm, head_dim of its own)
+    arch: Literal["llama", "qwen2", "qwen3"] = "llama"
     hidden_size: int = Field(64, gt=0)
     intermediate_size: int = Field(128, gt=0)
     num_hidden_layers: int = Field(2, gt=0)
     num_attention_heads: int = Field(4, gt=0)
     num_key_value_heads: int = Field(2, gt=0)
+    head_dim: int | None = Field(None, gt=0)  # None: hidden_size / num_attention_heads
+    tie_word_embeddings: bool = True
     seed: int = 0
     # std of the random weights (transformers' initializer_range). At 0.02 the next-token distribution
     # is almost uniform over the 49k vocabulary; a larger one gives a peaked model whose preferences RL
@@ -195,6 +199,14 @@ class TrainerConfig(_Section):
     micro_batch_size: int = Field(8, gt=0)
     total_steps: int = Field(10, gt=0)
     freeze_layers: int = Field(0, ge=0)  # keep the bottom N transformer blocks fixed (cheaper steps)
+    # recompute each decoder layer's activations in the backward pass instead of keeping them: activation
+    # memory of one layer instead of all, for about one more forward pass of compute
+    activation_checkpointing: bool = False
+    # compute dtype of the trainer's forward and backward (torch.autocast): the weights, their gradients and
+    # AdamW's state stay float32, and so do the logprobs, the loss and its softmax; auto = bfloat16 on a
+    # GPU, float32 on the CPU (whose bf16 matmuls are slower than its float32 ones). No float16: it needs
+    # loss scaling, which bfloat16 (float32's exponent range) does not
+    precision: Literal["auto", "float32", "bfloat16"] = "auto"
     threads: int = Field(0, ge=0)  # torch threads of the trainer; 0 = all cores (sync), the rest (async)
     # data-parallel trainer ranks (trainer/ranks.py): each holds a model and optimizer replica
     # and trains on a share of every step's samples; gradients are summed over gloo (CPU)
@@ -211,6 +223,13 @@ class TrainerConfig(_Section):
     # by two micro-batches is computed in each); "depth_first" computes each node of the step once,
     # keeping a shared prefix's activations only while the micro-batches that use it run
     tree_merge_memory: Literal["subtries", "depth_first"] = "subtries"
+
+    @model_validator(mode="after")
+    def _checkpointing_without_tree(self) -> TrainerConfig:
+        if self.activation_checkpointing and self.tree_merge != "off":
+            # the backward's recompute would run outside the tree attention, which is switched in per forward
+            raise ValueError("trainer.activation_checkpointing works with trainer.tree_merge=off only, so far")
+        return self
 
 
 class RuntimeConfig(_Section):

@@ -106,17 +106,18 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
 
 def build_tiny_model(cfg: ModelConfig, vocab_size: int, eos_token_id: int) -> PreTrainedModel:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     t = cfg.tiny
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-                         num_hidden_layers=t.num_hidden_layers, num_attention_heads=t.num_attention_heads,
-                         num_key_value_heads=t.num_key_value_heads, max_position_embeddings=4096,
-                         initializer_range=t.init_std, tie_word_embeddings=True, eos_token_id=eos_token_id,
-                         pad_token_id=eos_token_id)
+    config = AutoConfig.for_model(
+        t.arch, vocab_size=vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+        num_hidden_layers=t.num_hidden_layers, num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_key_value_heads, head_dim=t.head_dim or t.hidden_size // t.num_attention_heads,
+        max_position_embeddings=4096, initializer_range=t.init_std, tie_word_embeddings=t.tie_word_embeddings,
+        eos_token_id=eos_token_id, pad_token_id=eos_token_id)
     with torch.random.fork_rng():
         torch.manual_seed(t.seed)
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     return model.float()
 
 

@@ -10,6 +10,7 @@ step, across micro-batches, with `tree_merge_memory=depth_first`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 
 from loomrl.config import RunConfig, TrainerConfig
+from loomrl.trainer.head import head_logprobs
 from loomrl.trainer.losses import policy_loss
 from loomrl.trainer.tree import (
     compression_ratio,
@@ -66,28 +68,31 @@ def freeze_bottom(model: torch.nn.Module, n_layers: int) -> None:
 
 def token_logprobs(model: torch.nn.Module, samples: list[TrainingSample], *, with_grad: bool) -> list[torch.Tensor]:
     """Logprob of each sample's loss-masked tokens under `model` (at the sample's temperature)."""
-    base, head = decoder_and_head(model)
+    base, _ = decoder_and_head(model)
     width = max(len(s.token_ids) for s in samples)
     ids = torch.zeros((len(samples), width), dtype=torch.long)
     attn = torch.zeros((len(samples), width), dtype=torch.long)
     for i, s in enumerate(samples):
         ids[i, : len(s.token_ids)] = torch.tensor(s.token_ids)
         attn[i, : len(s.token_ids)] = 1
+    targets = [sampled_positions(s) for s in samples]
+    # the hidden state before each sampled token: one row per target, every sample's rows in one head pass
+    at = torch.tensor([(i, t) for i, ts in enumerate(targets) for t in ts], dtype=torch.long).view(-1, 2)
+    temps = torch.tensor([s.temperature for s, ts in zip(samples, targets) for _ in ts], dtype=torch.float32)
     with torch.set_grad_enabled(with_grad):
         hidden = base(input_ids=ids, attention_mask=attn).last_hidden_state  # [B, T, H]
-        out = []
-        for i, s in enumerate(samples):
-            targets = sampled_positions(s)
-            if not targets:
-                out.append(hidden.new_zeros(0))
-                continue
-            pos = torch.tensor(targets)
-            logits = head(hidden[i, pos - 1]).float()  # [N, V]
-            if s.temperature > 0:
-                logits = logits / s.temperature
-            logp = torch.log_softmax(logits, dim=-1).gather(1, ids[i, pos].unsqueeze(1)).squeeze(1)
-            out.append(logp)
-    return out
+        logp = head_logprobs(model, hidden[at[:, 0], at[:, 1] - 1], ids[at[:, 0], at[:, 1]], temps)
+    return list(torch.split(logp, [len(ts) for ts in targets]))
+
+
+def compute_context(precision: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
+    """What the trainer's forward passes run under: autocast to trainer.precision ("auto": bfloat16 on
+    CUDA, none on the CPU), or nothing for float32."""
+    if precision == "auto":
+        precision = "bfloat16" if device.type == "cuda" else "float32"
+    if precision == "float32":
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
 
 
 class Trainer:
@@ -97,12 +102,15 @@ class Trainer:
         self.model = model
         self.cfg = cfg
         freeze_bottom(model, cfg.freeze_layers)
+        if cfg.activation_checkpointing:  # transformers' per-layer checkpointing; non-reentrant: kwargs-safe
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         warmup = cfg.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0)
         self.step = 0
+        self.autocast = compute_context(cfg.precision, next(model.parameters()).device)
         self.grad_hook: Callable[[], None] | None = None  # trainer/distributed.py: sums the ranks' gradients
         # KL to the initial policy needs its logprobs: a frozen copy, kept only when the KL term is on.
         kl = cfg.loss.kl is not None and cfg.loss.kl_coef > 0
@@ -139,8 +147,9 @@ class Trainer:
             pairs = [tree_attention_pairs([s.token_ids for s in samples])]
         # Decoupled PPO's proximal policy: the weights before this step; KL's reference: the initial weights.
         self.model.eval()
-        prox = self._no_grad_logprobs(self.model, batches, merged) if cfg.loss.kind == "decoupled_ppo" else None
-        ref = self._no_grad_logprobs(self.ref_model, batches, merged) if self.ref_model is not None else None
+        with self.autocast():
+            prox = self._no_grad_logprobs(self.model, batches, merged) if cfg.loss.kind == "decoupled_ppo" else None
+            ref = self._no_grad_logprobs(self.ref_model, batches, merged) if self.ref_model is not None else None
         self.model.train()
         if cfg.loss.aggregation == "token_mean":
             aggregation, norm = "token_sum_norm", float(total_loss_tokens + idle_tokens)  # sum / the step's sampled tokens
@@ -187,10 +196,12 @@ class Trainer:
             return loss
 
         if self._depth_first() and batches:  # tree.py: shared prefixes computed once, one micro-batch's graph alive
-            loss_sum = depth_first_backward(self.model, batches, micro_batch_loss).loss
+            with self.autocast():
+                loss_sum = depth_first_backward(self.model, batches, micro_batch_loss).loss
         else:
             for b, chunk in enumerate(batches):
-                loss = micro_batch_loss(b, self._logprobs(self.model, chunk, merged[b], with_grad=True))
+                with self.autocast():
+                    loss = micro_batch_loss(b, self._logprobs(self.model, chunk, merged[b], with_grad=True))
                 if loss is not None:
                     loss.backward()
                     loss_sum += float(loss.detach())

@@ -64,6 +64,7 @@ from typing import Literal
 import torch
 
 from loomrl.tokens import common_prefix_len
+from loomrl.trainer.head import head_logprobs
 from loomrl.types import TrainingSample
 
 TREE_ATTENTION = "loomrl_tree"  # the name the segment attention is registered under in transformers
@@ -372,32 +373,10 @@ def _sample_logprobs(model: torch.nn.Module, hidden: torch.Tensor, samples: Sequ
         counts.append(len(targets))
     if not rows:
         return [hidden.new_zeros(0) for _ in samples]
-    logp = _head_logprobs(model, hidden, list(rows), torch.tensor(row_of), torch.tensor(tokens))
+    nodes = torch.tensor([node for node, _ in rows])
+    divisors = torch.tensor([d for _, d in rows], dtype=torch.float32)
+    logp = head_logprobs(model, hidden[nodes], torch.tensor(tokens), divisors, rows=torch.tensor(row_of))
     return list(torch.split(logp, counts))
-
-
-_HEAD_ROWS = 128  # logit rows per chunk: [128, 49k] stays cache-friendly; one [U, 49k] block ran ~2x slower
-
-
-def _head_logprobs(model: torch.nn.Module, hidden: torch.Tensor, rows: list[tuple[int, float]],
-                   row_of: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log_softmax(head(hidden[node]) / divisor)[token] for each target, in target order, computed
-    row-chunk by row-chunk. rows: (node, divisor) per logit row; row_of, tokens: [T] per target."""
-    _, head = decoder_and_head(model)
-    order = torch.argsort(row_of, stable=True)  # targets grouped by row, so chunks take contiguous runs
-    by_row = row_of[order]
-    picked = []
-    for lo in range(0, len(rows), _HEAD_ROWS):
-        chunk = rows[lo : lo + _HEAD_ROWS]
-        a, b = torch.searchsorted(by_row, torch.tensor([lo, lo + len(chunk)])).tolist()
-        logits = head(hidden[torch.tensor([node for node, _ in chunk])]).float()  # [c, V]
-        divisors = [d for _, d in chunk]
-        if any(d != 1.0 for d in divisors):  # x / 1.0 == x exactly: skip the pass over [c, V]
-            logits = logits / torch.tensor(divisors, dtype=logits.dtype).unsqueeze(1)
-        logp = torch.log_softmax(logits, dim=-1)
-        picked.append(logp[by_row[a:b] - lo, tokens[order[a:b]]])
-    flat = torch.cat(picked)  # [T] in row order
-    return flat[torch.argsort(order)]
 
 
 # --- the depth-first pass (memory) -------------------------------------------------------------

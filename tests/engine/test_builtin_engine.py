@@ -349,3 +349,46 @@ def test_a_failed_weight_load_raises_and_the_engine_refuses_requests_until_a_goo
         eng.close()
     with pytest.raises(EngineFault, match="closed"):
         _run(eng, prompt, temperature=0.0, max_tokens=6)
+
+
+@pytest.mark.parametrize("arch, head_dim, tied", [("qwen3", 24, True), ("qwen3", None, False), ("qwen2", None, False)])
+def test_other_architectures_match_transformers(tokenizer, arch, head_dim, tied):
+    """Qwen3 (per-head q/k RMSNorm before the rotary embedding, a head_dim of its own) and Qwen2 (q/k/v
+    biases), tied and separate embeddings: the runner's logits equal a dense forward, greedy output
+    equals transformers' generate."""
+    from loomrl.config import TinyModelConfig
+
+    cfg = ModelConfig(kind="tiny", tiny=TinyModelConfig(arch=arch, head_dim=head_dim, tie_word_embeddings=tied,
+                                                        init_std=0.1, seed=3))
+    model = build_tiny_model(cfg, len(tokenizer), tokenizer.eos_token_id).eval()
+    if arch == "qwen2":  # random biases: transformers initialises them to zero, which would test nothing
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.bias.normal_(0, 0.1)
+                layer.self_attn.k_proj.bias.normal_(0, 0.1)
+    runner = ModelRunner(model)
+    a = tokenizer.encode("hello there my friend how are you")
+    kv = runner.new_kv(4)
+    first = runner.forward([Chunk(kv, a[:5])])
+    second = runner.forward([Chunk(kv, a[5:])])
+    with torch.no_grad():
+        ref = model(torch.tensor([a])).logits[0]
+    assert torch.allclose(first[0], ref[4], atol=1e-4) and torch.allclose(second[0], ref[-1], atol=1e-4)
+    eng = BuiltinEngine(model, eos_token_id=tokenizer.eos_token_id)
+    try:
+        prompts = _prompts(tokenizer)[:3]
+        for p, r in zip(prompts, _run(eng, prompts, temperature=0.0, max_tokens=10)):
+            assert r.token_ids == greedy_reference(model, tokenizer, p, 10)[: len(r.token_ids)]
+    finally:
+        eng.close()
+
+
+def test_an_unsupported_model_is_refused_naming_the_feature(tokenizer):
+    from loomrl.config import TinyModelConfig
+    from loomrl.engine.builtin.runner import UnsupportedModel
+
+    model = build_tiny_model(ModelConfig(kind="tiny", tiny=TinyModelConfig(arch="qwen3")), len(tokenizer),
+                             tokenizer.eos_token_id)
+    model.config.sliding_window = 16
+    with pytest.raises(UnsupportedModel, match="sliding-window attention"):
+        ModelRunner(model)

@@ -18,7 +18,8 @@ decoding, 2 cores of this machine; numbers in benchmarks/RESULTS.md):
   standalone tensors (`SequenceKV.detach`), so pool slots are reused at once.
 
 Supported: decoder layers with q/k/v/o projections (biases allowed), RMSNorm, rotary embeddings from
-the model's own `rotary_emb`, grouped-query attention, a gated MLP (Llama, Mistral, Qwen2, SmolLM2).
+the model's own `rotary_emb`, grouped-query attention, per-head q/k RMSNorm (Qwen3), a gated MLP, tied or
+separate embeddings (Llama, Mistral, Qwen2/2.5, Qwen3, SmolLM2).
 Anything else raises UnsupportedModel at construction.
 """
 
@@ -209,6 +210,8 @@ class _LayerWeights:
     down: _Linear
     norm1: torch.Tensor
     norm2: torch.Tensor
+    q_norm: torch.Tensor | None  # Qwen3: RMSNorm of each head's q and k before the rotary embedding
+    k_norm: torch.Tensor | None
 
 
 class ModelRunner:
@@ -221,12 +224,15 @@ class ModelRunner:
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             if not hasattr(attn, name):
                 raise UnsupportedModel(f"builtin engine: attention without {name}")
-        if hasattr(attn, "q_norm") or getattr(model.config, "sliding_window", None):
-            raise UnsupportedModel("builtin engine: q/k norms and sliding windows are not supported yet")
+        if getattr(model.config, "sliding_window", None):
+            raise UnsupportedModel("builtin engine: sliding-window attention is not supported yet")
+        qk_norms = [getattr(attn, name, None) for name in ("q_norm", "k_norm")]  # Qwen3: RMSNorm per head
+        if any(n is None for n in qk_norms) and any(n is not None for n in qk_norms):
+            raise UnsupportedModel("builtin engine: a q norm without a k norm (or the reverse) is not supported")
         for name in ("gate_proj", "up_proj", "down_proj", "act_fn"):
             if not hasattr(layer0.mlp, name):
                 raise UnsupportedModel(f"builtin engine: MLP without {name} (a gated MLP is required)")
-        for norm in (layer0.input_layernorm, layer0.post_attention_layernorm, base.norm):
+        for norm in (layer0.input_layernorm, layer0.post_attention_layernorm, base.norm, *filter(None, qk_norms)):
             if "RMSNorm" not in type(norm).__name__ or "Gemma" in type(norm).__name__ \
                     or not hasattr(norm, "variance_epsilon"):
                 raise UnsupportedModel(f"builtin engine: {type(norm).__name__} is not a plain RMSNorm")
@@ -239,6 +245,7 @@ class ModelRunner:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.scaling = getattr(attn, "scaling", self.head_dim**-0.5)
         self.eps = layer0.input_layernorm.variance_epsilon
+        self.qk_eps = qk_norms[0].variance_epsilon if qk_norms[0] is not None else None
         self.dtype = next(model.parameters()).dtype
         self.pool = KVPool(self.n_layers, self.n_kv_heads, self.head_dim, self.dtype)
         self.refresh()
@@ -259,6 +266,8 @@ class ModelRunner:
                 qkv=_fused(a.q_proj, a.k_proj, a.v_proj), o=_fused(a.o_proj),
                 gate_up=_fused(m.gate_proj, m.up_proj), down=_fused(m.down_proj),
                 norm1=layer.input_layernorm.weight.detach(), norm2=layer.post_attention_layernorm.weight.detach(),
+                q_norm=a.q_norm.weight.detach() if self.qk_eps is not None else None,
+                k_norm=a.k_norm.weight.detach() if self.qk_eps is not None else None,
             ))
         self.layers = layers
         self.head = _fused(self.head_module)
@@ -311,6 +320,9 @@ class ModelRunner:
             x = F.rms_norm(h, (h.shape[-1],), w.norm1, self.eps)
             qkv = w.qkv(x).view(N, H + 2 * KH, D)
             qk = qkv[:, : H + KH]
+            if w.q_norm is not None:
+                qk = torch.cat((F.rms_norm(qk[:, :H], (D,), w.q_norm, self.qk_eps),
+                                F.rms_norm(qk[:, H:], (D,), w.k_norm, self.qk_eps)), dim=1)
             qk = torch.addcmul(qk * cos, qk.roll(D // 2, dims=-1), sin)
             q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + KH :]
             layer_kv = pool[li]  # [2, slots, KH, cap, D]

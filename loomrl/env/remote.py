@@ -1,4 +1,4 @@
-"""The env pool's Ray half: env actors holding sandboxes (ray.num_env_workers > 0), and the pool and
+"""The env pool's Ray half: env actors holding sandboxes (ray.env.count > 0), and the pool and
 sandbox interfaces over them that rollout actors on other nodes use."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from loomrl.env.sandbox.base import ExecResult, Health, Sandbox, SandboxError
 
 
 class EnvActor(Placed):
-    """Sandboxes on whatever node ray.env_resources picks (ray.num_env_workers > 0): an EnvPool whose
+    """Sandboxes on whatever node ray.env.resources picks (ray.env.count > 0): an EnvPool whose
     instances rollout actors lease by id and drive by calls (RemoteEnvPool, RemoteSandbox), so that
     sandboxes can live on CPU nodes while engines sit on GPU nodes. Every lease names its owner (a
     rollout actor incarnation): when that actor dies the driver calls release_owner, and its sandboxes

@@ -13,7 +13,7 @@ silently. A follower that dies, or a collective that fails, raises RankLost: the
 whole trainer (all ranks) from the latest checkpoint, as it does when rank 0 dies.
 
 Launchers: local (`spawn_local_followers`: processes of this machine, gloo over loopback) and Ray
-(ray_actors.TrainerRankActor, gloo between nodes).
+(trainer/actor.py TrainerRankActor, gloo between nodes).
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ class TrainerService:
         # it but before reporting the step gives them to the driver when it restarts from it
         self.last_metrics: dict[str, Any] | None = None
         self.ledger_path = self.run_dir / "ledger.jsonl"
-        # trainer.world_size > 1: the other data-parallel ranks (runtime/trainer_ranks.py), set by the runtime
+        # trainer.world_size > 1: the other data-parallel ranks (trainer/ranks.py), set by the runtime
         self.ranks: RankGroup | None = None
         if resume_from is not None:
             state = load_state(resume_from)

@@ -120,14 +120,23 @@ class DataParallelTrainer:
         if cfg.loss.aggregation == "token_sum_norm" and cfg.loss.norm_constant is None:
             norm = self._global_norm(longest, g_seqs + g_idle_seqs)
             t.cfg = cfg.model_copy(update={"loss": cfg.loss.model_copy(update={"norm_constant": norm})})
-        t.grad_hook = self._sum_gradients
+        if t.sharded:  # FSDP sums gradients in every backward: the ranks run as many as the busiest
+            t.shared_plan = self._most
+        else:
+            t.grad_hook = self._sum_gradients
         try:
             stats = t.train_step(samples, idle_tokens=g_tokens + g_idle_tokens - tokens,
                                  idle_seqs=g_seqs + g_idle_seqs - len(samples))
         finally:
             t.cfg = cfg
-            t.grad_hook = None
+            t.grad_hook = t.shared_plan = None
         return self._global_stats(stats)
+
+    @staticmethod
+    def _most(n: int) -> int:
+        m = torch.tensor([n], dtype=torch.int64)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX)
+        return int(m)
 
     def _global_norm(self, longest: int, seqs: int) -> float:
         """Trainer's token_sum_norm default, max sampled tokens x sequences, over the whole step."""
@@ -174,6 +183,40 @@ class DataParallelTrainer:
         extremes = torch.cat([sums, -sums])  # max and -min over the ranks, in one collective
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
         return bool(torch.equal(extremes[:2], -extremes[2:]))
+
+
+class _ShardedForward(torch.nn.Module):
+    """The micro-batch forward as the module FSDP shards at its root: the embeddings, the final norm and
+    the head belong to this root (each decoder layer is a unit of its own), so they are gathered for
+    the whole forward, which reads the head's weight directly (trainer/head.py), and their gradients
+    are reduced after its backward."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: list[TrainingSample], merged: bool) -> list[torch.Tensor]:
+        # clones, not split views: FSDP hooks its pre-backward into the outputs, which an in-place op on a
+        # view would drop
+        return [lp.clone() for lp in Trainer.logprobs_of(self.model, batch, merged, with_grad=torch.is_grad_enabled())]
+
+
+def fsdp_shard(model: torch.nn.Module) -> Callable[[list[TrainingSample], bool], list[torch.Tensor]]:
+    """Shard `model` over the default process group with FSDP2 (fully_shard): every decoder layer a
+    unit, the rest at the root. Gradients are summed over the ranks, not averaged: the loss of each rank
+    already uses the step's global denominators. Parameters are float32 (the trainer's autocast gives
+    the compute dtype), and so is the gradient reduction. Returns the sharded forward (Trainer(shard=))."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from loomrl.trainer.tree import decoder_and_head
+
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    units = [fully_shard(layer, mp_policy=policy) for layer in decoder_and_head(model)[0].layers]
+    root = fully_shard(_ShardedForward(model), mp_policy=policy)
+    for unit in [*units, root]:
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
+    return root
 
 
 # ---------------------------------------------------------------- local launcher

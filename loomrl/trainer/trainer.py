@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from loomrl.config import RunConfig, TrainerConfig
 from loomrl.trainer.head import head_logprobs
@@ -95,15 +96,47 @@ def compute_context(precision: str, device: torch.device) -> Callable[[], contex
     return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
 
 
+Logprobs = Callable[[list[TrainingSample], bool], list[torch.Tensor]]  # (micro-batch, merged) -> per sample
+
+
+def forward_of(model: torch.nn.Module) -> Logprobs:
+    """The micro-batch forward of a model held whole by this process."""
+    return lambda batch, merged: Trainer.logprobs_of(model, batch, merged, with_grad=torch.is_grad_enabled())
+
+
+# A micro-batch that trains nothing: ranks of a sharded step with fewer micro-batches than others run it,
+# so that every rank joins every forward's and backward's collectives.
+_PADDING = TrainingSample(trajectory_id="padding", group_id="padding", token_ids=[0, 0], loss_mask=[0, 1],
+                          behaviour_logprobs=[0.0, 0.0], versions=[0, 0], advantages=[0.0, 0.0])
+
+
 class Trainer:
-    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, initial_model: torch.nn.Module | None = None):
+    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, initial_model: torch.nn.Module | None = None,
+                 *, shard: Callable[[torch.nn.Module], Logprobs] | None = None):
         """`initial_model`: the policy the run started from, KL's reference; default: a copy of `model`
-        (right for a fresh run; a resumed one must pass it, or the reference would be the checkpoint)."""
+        (right for a fresh run; a resumed one must pass it, or the reference would be the checkpoint).
+        `shard`: turns a model into its sharded forward (trainer/distributed.py fsdp_shard), after the
+        frozen layers are marked and before the optimizer sees the (then sharded) parameters."""
         self.model = model
         self.cfg = cfg
+        if shard is not None and self._depth_first():
+            # its partial forwards would each gather and reduce on their own: a plan the ranks cannot share yet
+            raise ValueError("trainer.tree_merge_memory=depth_first is not supported with sharded (FSDP) ranks yet; "
+                             "use subtries")
         freeze_bottom(model, cfg.freeze_layers)
         if cfg.activation_checkpointing:  # transformers' per-layer checkpointing; non-reentrant: kwargs-safe
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        # KL to the initial policy needs its logprobs: a frozen copy, kept only when the KL term is on.
+        kl = cfg.loss.kl is not None and cfg.loss.kl_coef > 0
+        self.ref_model = (initial_model if initial_model is not None else copy.deepcopy(model)).eval() if kl else None
+        if self.ref_model is not None:
+            self.ref_model.requires_grad_(False)
+        self.sharded = shard is not None
+        make = shard or forward_of
+        self.forward = make(model)
+        self.ref_forward = make(self.ref_model) if self.ref_model is not None else None
+        # sharded: every rank must run the same number of micro-batches (set by DataParallelTrainer)
+        self.shared_plan: Callable[[int], int] | None = None
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         warmup = cfg.warmup_steps
@@ -112,11 +145,6 @@ class Trainer:
         self.step = 0
         self.autocast = compute_context(cfg.precision, next(model.parameters()).device)
         self.grad_hook: Callable[[], None] | None = None  # trainer/distributed.py: sums the ranks' gradients
-        # KL to the initial policy needs its logprobs: a frozen copy, kept only when the KL term is on.
-        kl = cfg.loss.kl is not None and cfg.loss.kl_coef > 0
-        self.ref_model = (initial_model if initial_model is not None else copy.deepcopy(model)).eval() if kl else None
-        if self.ref_model is not None:
-            self.ref_model.requires_grad_(False)
 
     def train_step(self, samples: list[TrainingSample], *, idle_tokens: int = 0, idle_seqs: int = 0,
                    idle_longest: int = 0) -> StepStats:
@@ -137,9 +165,13 @@ class Trainer:
         total_loss_tokens = sum(sum(s.loss_mask) for s in samples)
         # A data-parallel rank may get no samples (fewer than ranks): it still takes the step, with
         # the gradient the other ranks send, so that every replica stays the same.
-        if total_loss_tokens == 0 and self.grad_hook is None:
+        if total_loss_tokens == 0 and self.grad_hook is None and self.shared_plan is None:
             raise ValueError("train_step: no sampled tokens in the batch")
         batches, merged, tree_ratio = self._micro_batches(samples)
+        real = len(batches)  # the rest are padding (a sharded step's shared plan)
+        if self.shared_plan is not None:
+            pad = self.shared_plan(real) - real
+            batches, merged = batches + [[_PADDING]] * pad, merged + [False] * pad
         pairs_dense = [dense_attention_pairs([s.token_ids for s in b]) for b in batches]
         pairs = [tree_attention_pairs([s.token_ids for s in b]) if m else d
                  for b, m, d in zip(batches, merged, pairs_dense)]
@@ -148,8 +180,8 @@ class Trainer:
         # Decoupled PPO's proximal policy: the weights before this step; KL's reference: the initial weights.
         self.model.eval()
         with self.autocast():
-            prox = self._no_grad_logprobs(self.model, batches, merged) if cfg.loss.kind == "decoupled_ppo" else None
-            ref = self._no_grad_logprobs(self.ref_model, batches, merged) if self.ref_model is not None else None
+            prox = self._no_grad(self.forward, batches, merged) if cfg.loss.kind == "decoupled_ppo" else None
+            ref = self._no_grad(self.ref_forward, batches, merged) if self.ref_forward is not None else None
         self.model.train()
         if cfg.loss.aggregation == "token_mean":
             aggregation, norm = "token_sum_norm", float(total_loss_tokens + idle_tokens)  # sum / the step's sampled tokens
@@ -168,6 +200,8 @@ class Trainer:
         def micro_batch_loss(b: int, logps: list[torch.Tensor]) -> torch.Tensor | None:
             """The loss of micro-batch b given its samples' logprobs (None: no sampled tokens)."""
             nonlocal seq_offset, chunk_offset
+            if b >= real:  # padding: a forward and a backward for the collectives, no gradient
+                return logps[0].sum() * 0.0
             chunk = batches[b]
             parts = [(i, s, logp) for i, (s, logp) in enumerate(zip(chunk, logps)) if logp.numel()]
             if not parts:
@@ -201,13 +235,14 @@ class Trainer:
         else:
             for b, chunk in enumerate(batches):
                 with self.autocast():
-                    loss = micro_batch_loss(b, self._logprobs(self.model, chunk, merged[b], with_grad=True))
+                    loss = micro_batch_loss(b, self.forward(chunk, merged[b]))
                 if loss is not None:
                     loss.backward()
                     loss_sum += float(loss.detach())
         if self.grad_hook is not None:
             self.grad_hook()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # sharded: over every rank
         if math.isfinite(grad_norm):
             self.optimizer.step()
         self.scheduler.step()
@@ -260,12 +295,14 @@ class Trainer:
         return cfg.tree_merge != "off" and cfg.tree_token_budget is not None and cfg.tree_merge_memory == "depth_first"
 
     @staticmethod
-    def _logprobs(model: torch.nn.Module, batch: list[TrainingSample], merged: bool, *, with_grad: bool) -> list[torch.Tensor]:
+    def logprobs_of(model: torch.nn.Module, batch: list[TrainingSample], merged: bool, *,
+                    with_grad: bool) -> list[torch.Tensor]:
         return (tree_token_logprobs if merged else token_logprobs)(model, batch, with_grad=with_grad)
 
-    def _no_grad_logprobs(self, model: torch.nn.Module, batches: list[list[TrainingSample]],
-                          merged: list[bool]) -> list[list[torch.Tensor]]:
-        return [self._logprobs(model, b, m, with_grad=False) for b, m in zip(batches, merged)]
+    @staticmethod
+    def _no_grad(forward: Logprobs, batches: list[list[TrainingSample]], merged: list[bool]) -> list[list[torch.Tensor]]:
+        with torch.no_grad():
+            return [forward(b, m) for b, m in zip(batches, merged)]
 
 
 def initial_policy(cfg: RunConfig, resume_from: Path | None) -> torch.nn.Module | None:

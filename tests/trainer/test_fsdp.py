@@ -1,0 +1,100 @@
+"""FSDP2 (fully_shard over gloo, CPU) trainer ranks against one process: the same losses, grad norms and
+weights after 3 steps, on an uneven split and with a rank that gets no sample; tree merge on and off;
+the KL reference sharded too."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from loomrl.config import ModelConfig, TrainerConfig
+from loomrl.model.loader import build_tiny_model
+from loomrl.trainer.distributed import DataParallelTrainer, fsdp_shard, launch_local
+from loomrl.trainer.trainer import Trainer
+from loomrl.types import TrainingSample
+
+STEPS = 3
+CASES = [{}, {"tree_merge": "on"}, {"loss": {"kind": "decoupled_ppo", "kl": "k3", "kl_coef": 0.1}}]
+
+
+def _model(vocab: int, eos: int) -> torch.nn.Module:
+    return build_tiny_model(ModelConfig(kind="tiny"), vocab, eos)
+
+
+def _samples(vocab: int) -> list[TrainingSample]:
+    """Two GRPO groups of 4 with a shared prompt each, of different lengths."""
+    rng = random.Random(0)
+    out = []
+    for g in range(2):
+        prompt = [rng.randrange(vocab) for _ in range(5 + 3 * g)]
+        for i in range(4):
+            ids = prompt + [rng.randrange(vocab) for _ in range(4 + 3 * i)]
+            mask = [0] * len(prompt) + [1] * (len(ids) - len(prompt))
+            adv = 1.0 if (i + g) % 2 else -1.0
+            out.append(TrainingSample(trajectory_id=f"s{g}{i}", group_id=f"g{g}", token_ids=ids, loss_mask=mask,
+                                      behaviour_logprobs=[-10.8 * m for m in mask], versions=[0] * len(ids),
+                                      advantages=[adv * m for m in mask]))
+    return out
+
+
+def _cfg(options: dict) -> TrainerConfig:
+    return TrainerConfig(lr=1e-4, micro_batch_size=2, **options)
+
+
+def _rank(rank: int, world: int, vocab: int, eos: int, samples: list[TrainingSample], splits: list[int]) -> list:
+    out = []
+    for options in CASES:
+        for split in splits:  # rank 0 takes samples[:split], rank 1 the rest (none when split == len)
+            trainer = Trainer(_model(vocab, eos), _cfg(options), shard=fsdp_shard)
+            dp = DataParallelTrainer(trainer)
+            shard = samples[:split] if rank == 0 else samples[split:]
+            stats = [dp.train_step(copy.deepcopy(shard)) for _ in range(STEPS)]
+            weights = {n: p.full_tensor().detach().clone() for n, p in trainer.model.named_parameters()}
+            out.append(([s.loss for s in stats], [s.grad_norm for s in stats], weights))
+    return out
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def test_two_fsdp_ranks_equal_one_process(tokenizer):
+    vocab, eos = len(tokenizer), tokenizer.eos_token_id
+    samples = _samples(vocab)
+    splits = [3, len(samples)]  # uneven (3 vs 5 samples: 2 vs 3 micro-batches), and rank 1 empty
+    ranks = launch_local(_rank, 2, (vocab, eos, samples, splits), timeout_s=300, threads=1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        refs = []
+        for options in CASES:
+            trainer = Trainer(_model(vocab, eos), _cfg(options))
+            stats = [trainer.train_step(copy.deepcopy(samples)) for _ in range(STEPS)]
+            refs.append(([s.loss for s in stats], [s.grad_norm for s in stats],
+                         {n: p.detach().clone() for n, p in trainer.model.named_parameters()}))
+    finally:
+        torch.set_num_threads(threads)
+    k = 0
+    for c, options in enumerate(CASES):
+        losses, norms, weights = refs[c]
+        for split in splits:
+            for r in ranks:
+                got_losses, got_norms, got_weights = r[k]
+                # relative to the run's loss scale: a step's loss can come close to 0 (the terms cancel)
+                scale = max(abs(x) for x in losses)
+                for a, b in zip(got_losses, losses):
+                    assert abs(a - b) <= 1e-4 * scale, (options, split)
+                for a, b in zip(got_norms, norms):
+                    assert _rel(a, b) < 1e-4, (options, split)
+                for name, want in weights.items():
+                    assert float((got_weights[name] - want).abs().max()) < 1e-5, (options, split, name)
+            k += 1
+
+
+def test_depth_first_is_refused_when_sharded(tokenizer):
+    cfg = TrainerConfig(tree_merge="on", tree_token_budget=20, tree_merge_memory="depth_first")
+    with pytest.raises(ValueError, match="depth_first"):
+        Trainer(_model(len(tokenizer), tokenizer.eos_token_id), cfg, shard=fsdp_shard)

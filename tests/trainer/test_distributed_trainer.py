@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from dist_launch import in_sync, launch_local
 
 from loomrl.config import ModelConfig, TrainerConfig
 from loomrl.model.loader import build_tiny_model
-from loomrl.trainer.distributed import DataParallelTrainer, launch_local, shard_samples
+from loomrl.trainer.distributed import DataParallelTrainer, shard_samples
 from loomrl.trainer.trainer import Trainer, token_logprobs
 from loomrl.types import TrainingSample
 
@@ -87,7 +88,7 @@ def _rank_train(rank: int, world: int, vocab: int, eos: int, samples: list[Train
             out["losses"].append(stats.loss)
         out["params"].append(_trained(dp.trainer.model))
         out["grads"].append(_grads(dp.trainer.model))
-        out["in_sync"].append(dp.in_sync())
+        out["in_sync"].append(in_sync(dp))
     # Fewer samples than ranks: rank 1 gets none and still takes the step (seq_mean_token_mean: the
     # step's sequence count must come from rank 0 alone).
     dp = DataParallelTrainer(Trainer(_model(vocab, eos), _cfg(LOPSIDED)))

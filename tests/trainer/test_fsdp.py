@@ -9,10 +9,11 @@ import random
 
 import pytest
 import torch
+from dist_launch import launch_local
 
 from loomrl.config import ModelConfig, TrainerConfig
 from loomrl.model.loader import build_tiny_model
-from loomrl.trainer.distributed import DataParallelTrainer, fsdp_shard, launch_local
+from loomrl.trainer.distributed import DataParallelTrainer, fsdp_shard
 from loomrl.trainer.trainer import Trainer
 from loomrl.types import TrainingSample
 

@@ -43,7 +43,14 @@ from _common import machine, median, report  # noqa: E402
 from loomrl.config import ModelConfig  # noqa: E402
 from loomrl.model.loader import load_model  # noqa: E402
 from loomrl.trainer.trainer import token_logprobs  # noqa: E402
-from loomrl.trainer.tree import pack_tree, plan_tries, tree_token_logprobs  # noqa: E402
+from loomrl.trainer.tree import (  # noqa: E402
+    dense_attention_pairs,
+    pack_tree,
+    plan_tries,
+    tree_attention_pairs,
+    tree_token_logprobs,
+    unique_tokens,
+)
 from loomrl.types import TrainingSample  # noqa: E402
 
 
@@ -128,7 +135,7 @@ def flop_bound(model, samples: list[TrainingSample], tree_budget: int) -> float:
         t = pack_tree([samples[i].token_ids for i in group])
         tree_rows = len({(t.sample_nodes[k][j - 1]) for k, i in enumerate(group)
                          for j in range(1, len(samples[i].token_ids)) if samples[i].loss_mask[j]})
-        tree += t.unique_tokens * per_token + t.tree_attention_pairs * per_pair + tree_rows * per_row
+        tree += len(t.token_ids) * per_token + sum(p + 1 for p in t.positions) * per_pair + tree_rows * per_row
     return dense / tree
 
 
@@ -160,12 +167,15 @@ def breakdown(model, run) -> dict[str, float]:
 def measure(model, case: Case, repeats: int, dense_tokens: int, tree_tokens: int, profile: bool) -> dict:
     samples = case.samples
     total = sum(len(s.token_ids) for s in samples)
-    unique = sum(pack_tree([samples[i].token_ids for i in g]).unique_tokens
-                 for g in plan_tries([s.token_ids for s in samples], tree_tokens))
-    whole = pack_tree([s.token_ids for s in samples])
+    groups = plan_tries([s.token_ids for s in samples], tree_tokens)
+    unique = sum(unique_tokens([samples[i].token_ids for i in g]) for g in groups)
+    seqs = [s.token_ids for s in samples]
     with torch.no_grad():  # correctness, once: the two arms' logprobs
         d = token_logprobs(model, samples, with_grad=False)
-        t = tree_token_logprobs(model, samples, with_grad=False, token_budget=tree_tokens)
+        t = [None] * len(samples)
+        for g in groups:
+            for i, logp in zip(g, tree_token_logprobs(model, [samples[i] for i in g], with_grad=False)):
+                t[i] = logp
         max_diff = max(float((a - b).abs().max()) for a, b in zip(d, t) if a.numel())
     arms = {"dense": lambda: dense_pass(model, samples, dense_tokens),
             "tree": lambda: tree_pass(model, samples, tree_tokens)}
@@ -188,7 +198,7 @@ def measure(model, case: Case, repeats: int, dense_tokens: int, tree_tokens: int
         "case": case.name, "samples": len(samples), "total_tokens": total, "unique_tokens": unique,
         "dense_tok_s": dense_tps, "tree_tok_s": tree_tps, "ratio": ratio, "C": c, "efficiency": ratio / c,
         "flop_bound": bound, "flop_eff": ratio / bound, "max_logp_diff": max_diff,
-        "attn_pairs_dense": whole.dense_attention_pairs, "attn_pairs_tree": whole.tree_attention_pairs,
+        "attn_pairs_dense": dense_attention_pairs(seqs), "attn_pairs_tree": tree_attention_pairs(seqs),
         "dense_s": [round(x, 3) for x in times["dense"]], "tree_s": [round(x, 3) for x in times["tree"]],
         "breakdown_s": parts,
     }

@@ -8,25 +8,19 @@ ancestors (itself included). `tree_token_logprobs` runs the model once over that
 head runs once per distinct (node, temperature), so duplicate samples and the shared history of multi-turn samples cost
 one logit row, and samples of different temperatures that share a node each get their own division.
 
-Attention, two exact ways (`attention=`):
-- "segments" (default): a custom transformers attention function (registered in transformers' `AttentionInterface` and
-  switched on for the duration of the forward with the documented `model.set_attn_implementation`). The packed sequence
-  is cut into segments, runs in which every token's parent is the token before it; a segment's queries see a few
-  contiguous key spans (its ancestors) plus itself causally, so each is one SDPA call over only the keys it needs: the
-  cost is the tree's (query, key) pairs, not N^2 (plus the upper triangle of a segment's own block, which the CPU kernel
-  computes under the mask when the segment has ancestors).
-- "mask": the model's own attention with a 4-D mask, which transformers 5.24 passes through as it is (masking_utils: "If
-  the mask is already 4D, simply return as-is"): boolean (True = attend) for sdpa, additive (0 / dtype min) for eager; a
-  boolean mask given to eager would be added as 0/1, silently wrong, so the kind follows `config._attn_implementation`.
-  This costs N^2 per head and layer (CPU SDPA does not skip masked blocks) and serves as the plain, reference path.
+Attention: a custom transformers attention function (registered in transformers' `AttentionInterface` and switched on
+for the duration of the forward with the documented `model.set_attn_implementation`). The packed sequence is cut into
+segments, runs in which every token's parent is the token before it; a segment's queries see a few contiguous key spans
+(its ancestors) plus itself causally, so each is one SDPA call over only the keys it needs: the cost is the tree's
+(query, key) pairs, not N^2 (plus the upper triangle of a segment's own block, which the CPU kernel computes under the
+mask when the segment has ancestors). The tests check it against the model's own attention given the 4-D ancestor mask.
 flex_attention block masks are not used: in torch 2.13 FlexAttention has no backward on CPU
 (NotImplementedError), and training needs one.
 
-Memory, two ways. Sub-tries: `token_budget` splits the lexicographically sorted samples into
-consecutive sub-tries of at most that many unique tokens (one sample longer than the budget is a
-sub-trie of its own). A prefix shared across two sub-tries is computed once per sub-trie, so the
-realised compression is lower than the whole batch's; with grad, every sub-trie's graph stays alive
-until the caller's backward, so the trainer splits its micro-batches with `plan_tries` instead.
+Memory, two ways. Sub-tries: `plan_tries` splits the lexicographically sorted samples into consecutive sub-tries of at
+most a budget of unique tokens (one sample longer than the budget is a sub-trie of its own), forwarded one after
+another. A prefix shared across two sub-tries is computed once per sub-trie, so the realised compression is lower than
+the whole batch's.
 
 Depth-first (AReaL-DTA style), `depth_first_backward`: every node of the whole trie is computed once, and the caller's
 loss is applied and backwarded per sub-trie inside the pass. A node used by sub-tries lo..hi (lo < hi) is trunk; trunk
@@ -59,7 +53,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
@@ -69,7 +62,6 @@ from loomrl.types import TrainingSample
 
 TREE_ATTENTION = "loomrl_tree"  # the name the segment attention is registered under in transformers
 
-Attention = Literal["segments", "mask"]
 KV = tuple[torch.Tensor, torch.Tensor]  # one layer's K and V, [1, Hkv, n, D] each
 
 
@@ -93,38 +85,6 @@ class PackedTree:
     node_samples: list[list[int]]  # [N] indices (into the input list) of the samples through the node
     sample_nodes: list[list[int]]  # per sample, the packed index of each of its tokens
     segments: list[Segment] = field(default_factory=list)
-
-    @property
-    def unique_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(len(nodes) for nodes in self.sample_nodes)
-
-    @property
-    def compression_ratio(self) -> float:
-        """Total tokens / unique tokens: the most a merged forward can save on per-token work."""
-        return self.total_tokens / max(self.unique_tokens, 1)
-
-    @property
-    def dense_attention_pairs(self) -> int:
-        """(query, key) pairs of causal attention over every sample separately."""
-        return dense_attention_pairs(self.sample_nodes)
-
-    @property
-    def tree_attention_pairs(self) -> int:
-        """(query, key) pairs of tree attention: each node with its ancestors and itself."""
-        return sum(p + 1 for p in self.positions)
-
-    def ancestor_mask(self) -> torch.Tensor:
-        """[N, N] bool: row i is True at i and at each of its ancestors."""
-        mask = torch.zeros(len(self.token_ids), len(self.token_ids), dtype=torch.bool)
-        for seg in self.segments:
-            for a, b in seg.spans:
-                mask[seg.start : seg.end, a:b] = True
-            mask[seg.start : seg.end, seg.start : seg.end].tril_()  # causal inside the segment
-        return mask
 
 
 def _sorted_with_prefix(seqs: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
@@ -203,7 +163,7 @@ def unique_tokens(seqs: Sequence[Sequence[int]]) -> int:
 
 def tree_attention_pairs(seqs: Sequence[Sequence[int]]) -> int:
     """(query, key) pairs of tree attention over the trie of `seqs` (a node at depth d sees d + 1
-    keys), without building it; PackedTree.tree_attention_pairs of the packed trie."""
+    keys), without building it."""
     total = 0
     for i, shared in _sorted_with_prefix(seqs):
         n = len(seqs[i])
@@ -314,25 +274,14 @@ def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.
     return base, model.get_output_embeddings()
 
 
-def tree_hidden(model: torch.nn.Module, tree: PackedTree, attention: Attention = "segments") -> torch.Tensor:
+def tree_hidden(model: torch.nn.Module, tree: PackedTree) -> torch.Tensor:
     """Last hidden state of every packed token, [N, H]: one forward of the decoder over the trie."""
     _check_supported(model)
     base, _ = decoder_and_head(model)
     ids = torch.tensor([tree.token_ids])  # [1, N]
     pos = torch.tensor([tree.positions])  # [1, N]
-    if attention == "segments":
-        with _attention_implementation(model, TREE_ATTENTION):
-            return base(input_ids=ids, position_ids=pos, tree_plan=_plan(tree.segments)).last_hidden_state[0]
-    impl = model.config._attn_implementation
-    allowed = tree.ancestor_mask()[None, None]  # [1, 1, N, N]
-    if impl == "sdpa":
-        mask = allowed
-    elif impl == "eager":
-        dtype = base.get_input_embeddings().weight.dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
-    else:
-        raise ValueError(f"tree merge: attention='mask' supports sdpa and eager, not '{impl}'; use 'segments'")
-    return base(input_ids=ids, position_ids=pos, attention_mask=mask).last_hidden_state[0]
+    with _attention_implementation(model, TREE_ATTENTION):
+        return base(input_ids=ids, position_ids=pos, tree_plan=_plan(tree.segments)).last_hidden_state[0]
 
 
 def sampled_positions(sample: TrainingSample) -> list[int]:
@@ -340,21 +289,12 @@ def sampled_positions(sample: TrainingSample) -> list[int]:
     return [t for t in range(1, len(sample.token_ids)) if sample.loss_mask[t]]
 
 
-def tree_token_logprobs(model: torch.nn.Module, samples: list[TrainingSample], *, with_grad: bool,
-                        attention: Attention = "segments", token_budget: int | None = None) -> list[torch.Tensor]:
+def tree_token_logprobs(model: torch.nn.Module, samples: list[TrainingSample], *, with_grad: bool) -> list[torch.Tensor]:
     """Same result as trainer.token_logprobs (per sample, the logprobs of its loss-masked tokens at
-    its temperature), computed over the samples' prefix tree. With `token_budget`, sub-tries of at
-    most that many unique tokens are forwarded one after another (see the module docstring)."""
-    if token_budget is not None:
-        out: list[torch.Tensor | None] = [None] * len(samples)
-        for group in plan_tries([s.token_ids for s in samples], token_budget):
-            for i, logp in zip(group, tree_token_logprobs(model, [samples[i] for i in group], with_grad=with_grad,
-                                                           attention=attention)):
-                out[i] = logp
-        return out  # type: ignore[return-value]
+    its temperature), computed over the samples' prefix tree."""
     tree = pack_tree([s.token_ids for s in samples])
     with torch.set_grad_enabled(with_grad):
-        return _sample_logprobs(model, tree_hidden(model, tree, attention), samples, tree.sample_nodes)
+        return _sample_logprobs(model, tree_hidden(model, tree), samples, tree.sample_nodes)
 
 
 def _sample_logprobs(model: torch.nn.Module, hidden: torch.Tensor, samples: Sequence[TrainingSample],

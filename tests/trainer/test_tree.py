@@ -15,6 +15,7 @@ from loomrl.model.loader import build_tiny_model
 from loomrl.trainer.trainer import Trainer, token_logprobs
 from loomrl.trainer.tree import (
     compression_ratio,
+    dense_attention_pairs,
     depth_first_backward,
     pack_tree,
     plan_tries,
@@ -37,7 +38,6 @@ def test_trie_by_hand():
     assert tree.sample_nodes == [[0, 1, 2], [0, 1, 3], [0, 4], [0, 1, 2]]
     assert sorted(tree.node_samples[0]) == [0, 1, 2, 3] and sorted(tree.node_samples[1]) == [0, 1, 3]
     assert sorted(tree.node_samples[2]) == [0, 3] and tree.node_samples[3] == [1] and tree.node_samples[4] == [2]
-    assert tree.unique_tokens == 5 and tree.total_tokens == 11 and tree.compression_ratio == 11 / 5
     assert [(s.start, s.end, s.spans) for s in tree.segments] == [
         (0, 3, [(0, 3)]), (3, 4, [(0, 2), (3, 4)]), (4, 5, [(0, 1), (4, 5)])]
     expected = torch.tensor([
@@ -47,8 +47,8 @@ def test_trie_by_hand():
         [1, 1, 0, 1, 0],
         [1, 0, 0, 0, 1],
     ], dtype=torch.bool)
-    assert torch.equal(tree.ancestor_mask(), expected)
-    assert tree.dense_attention_pairs == 6 + 6 + 3 + 6 and tree.tree_attention_pairs == int(expected.sum()) == 11
+    assert torch.equal(_ancestor_mask(tree), expected)
+    assert dense_attention_pairs(seqs) == 6 + 6 + 3 + 6 and tree_attention_pairs(seqs) == int(expected.sum()) == 11
     assert unique_tokens(seqs) == 5 and compression_ratio(seqs) == 11 / 5
     # Budget 4, lexicographic order [5,6,7] x2, [5,6,8], [5,9]: 3 + 0 + 1 tokens, then [5,9] recomputes 5.
     assert plan_tries(seqs, 4) == [[0, 3, 1], [2]]
@@ -59,8 +59,8 @@ def test_mask_matches_ancestors_on_a_random_trie():
     rng = random.Random(1)
     seqs = [[rng.randrange(3) for _ in range(rng.randrange(1, 7))] for _ in range(12)]
     tree = pack_tree(seqs)
-    mask = tree.ancestor_mask()
-    for j in range(tree.unique_tokens):
+    mask = _ancestor_mask(tree)
+    for j in range(len(tree.token_ids)):
         ancestors, k = {j}, tree.parents[j]
         while k >= 0:
             ancestors.add(k)
@@ -70,7 +70,7 @@ def test_mask_matches_ancestors_on_a_random_trie():
     for i, s in enumerate(seqs):
         assert [tree.token_ids[n] for n in tree.sample_nodes[i]] == s
         assert all(i in tree.node_samples[n] for n in tree.sample_nodes[i])
-    assert sum(map(len, tree.node_samples)) == tree.total_tokens
+    assert sum(map(len, tree.node_samples)) == sum(map(len, seqs))
 
 
 # --- tree vs dense on a tiny model ---------------------------------------------------------------
@@ -177,15 +177,42 @@ def test_tree_matches_dense(model, case):
     _assert_same(dense, tree)
 
 
-@pytest.mark.parametrize("attention,impl", [("mask", "sdpa"), ("mask", "eager"), ("segments", "eager")])
-def test_other_attention_paths_match_dense(model, attention, impl):
-    """The 4-D mask through the model's own attention (bool for sdpa, additive for eager), and the
-    segment attention on a model configured for eager; the configured implementation is restored."""
+def _ancestor_mask(tree) -> torch.Tensor:
+    """[N, N] bool: row i is True at i and at each of its ancestors (from the tree's segments)."""
+    mask = torch.zeros(len(tree.token_ids), len(tree.token_ids), dtype=torch.bool)
+    for seg in tree.segments:
+        for a, b in seg.spans:
+            mask[seg.start : seg.end, a:b] = True
+        mask[seg.start : seg.end, seg.start : seg.end].tril_()  # causal inside the segment
+    return mask
+
+
+def _mask_logprobs(model, samples, *, with_grad):
+    """The plain reference: the model's own attention over the packed trie with the 4-D ancestor mask,
+    which transformers passes through as it is (boolean, True = attend, for sdpa; additive for eager:
+    a boolean mask given to eager would be added as 0/1, silently wrong). N^2 per head and layer."""
+    from loomrl.trainer import tree as tree_module
+
+    tree = pack_tree([s.token_ids for s in samples])
+    allowed = _ancestor_mask(tree)[None, None]
+    if model.config._attn_implementation == "eager":
+        dtype = model.model.embed_tokens.weight.dtype
+        allowed = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+    with torch.set_grad_enabled(with_grad):
+        hidden = model.model(input_ids=torch.tensor([tree.token_ids]), position_ids=torch.tensor([tree.positions]),
+                             attention_mask=allowed).last_hidden_state[0]
+        return tree_module._sample_logprobs(model, hidden, samples, tree.sample_nodes)
+
+
+@pytest.mark.parametrize("path,impl", [("mask", "sdpa"), ("mask", "eager"), ("segments", "eager")])
+def test_other_attention_paths_match_dense(model, path, impl):
+    """The 4-D ancestor mask through the model's own attention (bool for sdpa, additive for eager) agrees
+    with dense, and so does the segment attention on a model configured for eager, which it restores."""
     model.set_attn_implementation(impl)
     samples = _cases(model.config.vocab_size)["mix"]
     dense = _logprobs_and_grads(model, samples, lambda m, s: token_logprobs(m, s, with_grad=True))
-    tree = _logprobs_and_grads(model, samples,
-                               lambda m, s: tree_token_logprobs(m, s, with_grad=True, attention=attention))
+    forward = _mask_logprobs if path == "mask" else tree_token_logprobs
+    tree = _logprobs_and_grads(model, samples, lambda m, s: forward(m, s, with_grad=True))
     _assert_same(dense, tree)
     assert model.config._attn_implementation == impl
 
@@ -201,9 +228,10 @@ def test_wrong_tree_is_caught(model, monkeypatch, corrupt):
     def wrong(seqs):
         tree = pack(seqs)
         if corrupt == "packed_positions":
-            tree.positions = list(range(tree.unique_tokens))
+            tree.positions = list(range(len(tree.token_ids)))
         else:
-            tree.segments = [tree_module.Segment(start=0, end=tree.unique_tokens, spans=[(0, tree.unique_tokens)])]
+            n = len(tree.token_ids)
+            tree.segments = [tree_module.Segment(start=0, end=n, spans=[(0, n)])]
         return tree
 
     samples = _cases(model.config.vocab_size)["mix"]
@@ -219,9 +247,14 @@ def test_token_budget_splits_into_sub_tries(model):
     samples = _cases(model.config.vocab_size)["mix"]
     assert len(plan_tries([s.token_ids for s in samples], 30)) > 2
     dense = _logprobs_and_grads(model, samples, lambda m, s: token_logprobs(m, s, with_grad=True))
-    tree = _logprobs_and_grads(model, samples,
-                               lambda m, s: tree_token_logprobs(m, s, with_grad=True, token_budget=30))
-    _assert_same(dense, tree)
+    def sub_tries(m, s):  # as the trainer forwards a step's micro-batches: one sub-trie after another
+        out = [None] * len(s)
+        for group in plan_tries([x.token_ids for x in s], 30):
+            for i, logp in zip(group, tree_token_logprobs(m, [s[i] for i in group], with_grad=True)):
+                out[i] = logp
+        return out
+
+    _assert_same(dense, _logprobs_and_grads(model, samples, sub_tries))
 
 
 @pytest.mark.parametrize("case,budget", [("grpo", 20), ("multiturn", 12), ("mix", 20), ("duplicates", 12),
@@ -345,14 +378,14 @@ def test_auto_merges_only_micro_batches_that_share(tokenizer):
 def test_attention_pair_counts_match_the_packed_trie():
     import random
 
-    from loomrl.trainer.tree import dense_attention_pairs, pack_tree, tree_attention_pairs
+
 
     rng = random.Random(0)
     for _ in range(200):
         seqs = [[rng.randint(0, 3) for _ in range(rng.randint(1, 7))] for _ in range(rng.randint(1, 6))]
-        tree = pack_tree(seqs)
-        assert tree_attention_pairs(seqs) == tree.tree_attention_pairs
-        assert dense_attention_pairs(seqs) == tree.dense_attention_pairs
+        tree = pack_tree(seqs)  # counted from the packed trie: a node at depth d sees d + 1 keys
+        assert tree_attention_pairs(seqs) == sum(p + 1 for p in tree.positions) == int(_ancestor_mask(tree).sum())
+        assert dense_attention_pairs(seqs) == sum(n * (n + 1) // 2 for n in map(len, tree.sample_nodes))
     assert tree_attention_pairs([[1, 2, 3], [1, 2, 4]]) == 1 + 2 + 3 + 3  # the shared [1, 2] counted once
 
 

@@ -119,13 +119,3 @@ def head_logprobs(model: torch.nn.Module, hidden: Tensor, targets: Tensor, tempe
     head = model.get_output_embeddings()
     return chunked_logprobs(hidden, head.weight, targets, temperatures, rows=rows, bias=head.bias,
                             softcap=getattr(model.config, "final_logit_softcapping", None))
-
-
-def dense_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperatures: Tensor | None = None, *,
-                   bias: Tensor | None = None, softcap: float | None = None) -> Tensor:
-    """The same through full [N, V] logits, one target per row (the reference the chunked head is tested against)."""
-    z = _capped(hidden, weight, bias, softcap)
-    if temperatures is not None:
-        t = temperatures.to(device=hidden.device, dtype=torch.float32)
-        z = z / torch.where(t > 0, t, torch.ones_like(t))[:, None]
-    return torch.log_softmax(z, dim=-1).gather(1, targets[:, None]).squeeze(1)

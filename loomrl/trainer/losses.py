@@ -176,27 +176,6 @@ def gspo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, seq_ids: Tenso
     return seq_loss[inv], stats
 
 
-def decoupled_ppo_loss(logp: Tensor, prox_logp: Tensor, behaviour_logp: Tensor, advantages: Tensor, *,
-                       clip_low: float = 0.2, clip_high: float = 0.2,
-                       weight_cap: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-    """Decoupled PPO (AReaL, Fu et al., 2025): the behaviour policy mu (engine, sampling time) is
-    decoupled from the proximal policy pi_prox that anchors the trust region.
-    loss_t = -w_t min(r_t A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t), r_t = pi/pi_prox,
-    w_t = sg(pi_prox/mu), truncated to min(w_t, weight_cap) if a cap is given. With pi_prox == mu,
-    w_t = 1 exactly and this is ppo_clip_loss exactly (values and gradients).
-
-    Stats: those of ppo_clip_loss against pi_prox, plus behav_weight_mean."""
-    _check_tokens(logp=logp, prox_logp=prox_logp, behaviour_logp=behaviour_logp, advantages=advantages)
-    if weight_cap is not None and not weight_cap > 0:
-        raise ValueError(f"weight_cap must be > 0 or None, got {weight_cap}")
-    weight = torch.exp((prox_logp - behaviour_logp).detach())
-    if weight_cap is not None:
-        weight = torch.clamp(weight, max=weight_cap)
-    loss, stats = ppo_clip_loss(logp, prox_logp, advantages, clip_low=clip_low, clip_high=clip_high)
-    stats["behav_weight_mean"] = weight.mean()
-    return loss * weight, stats
-
-
 def cispo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, *, clip_low: float = 1.0,
                clip_high: float = 0.28) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO (MiniMax-M1, 2025): loss_t = -sg(clip(r_t, 1 - clip_low, 1 + clip_high)) A_t logp_t,
@@ -213,11 +192,6 @@ def cispo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, *, clip_low: 
 
 
 # ---------------------------------------------------------------- off-policy importance weights
-
-
-def effective_sample_size(weights: Tensor) -> Tensor:
-    """Normalised ESS = (sum w)^2 / (n sum w^2) in (0, 1] (1 iff all weights are equal; 0 if all are 0)."""
-    return _ess_from_log(torch.log(weights.detach()))
 
 
 def _ess_from_log(log_w: Tensor) -> Tensor:

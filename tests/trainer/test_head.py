@@ -3,8 +3,9 @@ per-row temperatures, soft-capping, chunks that do not divide the rows, and in b
 
 import pytest
 import torch
+from trainer_references import dense_logprobs
 
-from loomrl.trainer.head import chunked_logprobs, dense_logprobs
+from loomrl.trainer.head import chunked_logprobs
 
 
 def _case(n=37, h=16, v=101, dtype=torch.float32, seed=0):

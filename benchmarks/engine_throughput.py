@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import sys
 import time
@@ -51,17 +52,40 @@ def gemm_peak_flops(runner) -> float:
     t0 = time.perf_counter()
     for _ in range(10):
         lin(x)
-    return 10 * 2 * x.shape[0] * lin.numel / (time.perf_counter() - t0)
+    return 10 * 2 * x.shape[0] * math.prod(lin.shape) / (time.perf_counter() - t0)
 
 
-def run_builtin(engine, prompts, observations, turns, new_tokens):
+class WorkCounter:
+    """Counts the built-in runner's work by wrapping its forward: tokens through the layers, rows (one per
+    chunk: its last token) through the output head; prefix-cached tokens never reach forward."""
+
+    def __init__(self, runner):
+        self.runner, self.tokens, self.rows = runner, 0, 0
+        forward = runner.forward
+
+        def counted(chunks):
+            logits = forward(chunks)
+            self.tokens += sum(len(c.tokens) for c in chunks)
+            self.rows += len(chunks)
+            return logits
+
+        runner.forward = counted
+
+    def matmul_flops(self) -> int:
+        """FLOPs of the projections for the work counted, from the runner's layer and head weights."""
+        r = self.runner
+        per_token = sum(math.prod(lin.shape) for w in r.layers for lin in (w.qkv, w.o, w.gate_up, w.down))
+        return 2 * (self.tokens * per_token + self.rows * math.prod(r.head.shape))
+
+
+def run_builtin(engine, work: WorkCounter, prompts, observations, turns, new_tokens):
     """One pass of the workload on `engine` (its prefix cache cleared first); (tokens, seconds, metrics)."""
     from loomrl.engine.base import EngineMetrics
 
     def reset():
         engine.cache.clear()
         engine.metrics = EngineMetrics()
-        engine.runner.tokens_computed = engine.runner.rows_projected = 0
+        work.tokens = work.rows = 0
 
     engine.call(reset).result()
 
@@ -171,18 +195,18 @@ def main() -> None:
     from loomrl.engine.builtin.engine import BuiltinEngine
 
     engine = BuiltinEngine(model, eos_token_id=tokenizer.eos_token_id)
+    work = WorkCounter(engine.runner)
     roofline = None
     for rep in range(args.repeats if chosen & {"builtin", "transformers"} else 0):
         if "builtin" in chosen:
-            made, secs, stats = run_builtin(engine, prompts, observations, args.turns, args.new_tokens)
+            made, secs, stats = run_builtin(engine, work, prompts, observations, args.turns, args.new_tokens)
             runs.setdefault("builtin", []).append(made / secs)
             hit = stats.hit_rate
             if roofline is None:
                 # Matmul-only roofline: the projection FLOPs this run needed (prefix-cached work
                 # excluded) at the kernels' best measured FLOP/s; attention and memory traffic ignored,
                 # so no engine on this machine can beat it.
-                r = engine.runner
-                flops = r.matmul_flops(r.tokens_computed, r.rows_projected)
+                flops = work.matmul_flops()
                 peak = engine.call(lambda: gemm_peak_flops(engine.runner)).result()
                 roofline = made / (flops / peak)
                 details.append(f"roofline: {flops / 1e12:.2f} TFLOP of projections at {peak / 1e9:.0f} GFLOP/s "

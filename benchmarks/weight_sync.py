@@ -1,4 +1,4 @@
-"""Weight sync transports (loomrl/runtime/weight_sync.py): how long new weights take to go from the
+"""Weight sync transports (loomrl/trainer/weight_sync.py): how long new weights take to go from the
 trainer to an engine in another process, per transport and model size.
 
 Sizes: the tests' tiny Llama (~3.2M parameters), a ~31M one, and SmolLM2-135M's shapes (~134M). The
@@ -7,9 +7,11 @@ the values), not trained weights.
 
 Per transfer: the trainer publishes and sends the handle; the reader (a spawned process; for "ray" a
 Ray actor, called with the handle) loads it into its own preallocated copy of the weights, as an
-engine would (load_weights(handle, into=...)), and answers.
+engine would (load_weights(handle, into=...)), and answers. The "ray" arm is this script's own:
+ray.put at publish, ray.get and a copy into the weights in the reader (loomrl's Ray backend sends
+the trainer actor's returned ObjectRef instead, with no publisher).
 - publish_s: time inside publish() (the snapshot);
-- load_s: time inside load_weights() in the reader;
+- load_s: time inside load_weights() (for "ray": ray.get and the copy) in the reader;
 - total_s: from the start of publish to the reader's answer: handoff included (for "queue" that is
   where torch pickles every storage into shared memory).
 Bound: a plain clone of the same tensors in this process (one memory copy), measured in the same run;
@@ -28,13 +30,20 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, report  # noqa: E402
 
-from loomrl.trainer.weight_sync import Transport, available_transports, load_weights, make_publisher  # noqa: E402
+from loomrl.trainer.weight_sync import (  # noqa: E402
+    Transport,
+    WeightHandle,
+    WeightPublisher,
+    load_weights,
+    make_publisher,
+)
 
 # Transfers left out of the medians: the shm publisher's segments (2 kept + 1 spare) are all made by
 # then, and later versions rewrite them, as in a run.
@@ -69,6 +78,20 @@ def _reader(shapes: dict[str, tuple], threads: int, handles, answers) -> None:
         answers.put(load_weights(handle, into=into).load_s)
 
 
+class RayPutPublisher(WeightPublisher):
+    """The "ray" arm: ray.put into the object store, the handle holding the ObjectRef. The last `keep` refs stay
+    held, as every publisher's window; older objects are freed by Ray's reference counting."""
+
+    transport = Transport.RAY
+
+    def _snapshot(self, weights: dict[str, torch.Tensor], version: int) -> tuple[Any, WeightHandle]:
+        import ray
+
+        ref = ray.put({n: t.detach().cpu() for n, t in weights.items()})  # copies now: an immutable object
+        nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+        return ref, WeightHandle(transport=self.transport, version=version, nbytes=nbytes, payload=ref)
+
+
 def _ray_reader_class():
     import ray
 
@@ -79,14 +102,18 @@ def _ray_reader_class():
             self.into = {n: torch.empty(s) for n, s in shapes.items()}
 
         def load(self, handle):
-            return load_weights(handle, into=self.into).load_s
+            start = time.perf_counter()
+            with torch.no_grad():
+                for name, t in ray.get(handle.payload).items():
+                    self.into[name].copy_(t)
+            return time.perf_counter() - start
 
     return Reader
 
 
 def measure(transport: Transport, weights: dict[str, torch.Tensor], repeats: int, folder: str | None) -> dict:
     shapes = {n: tuple(t.shape) for n, t in weights.items()}
-    pub = make_publisher(transport, keep=2, folder=folder)
+    pub = RayPutPublisher(keep=2) if transport is Transport.RAY else make_publisher(transport, keep=2, folder=folder)
     publish, load, total = [], [], []
     if transport is Transport.RAY:
         import ray
@@ -156,12 +183,14 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     sizes = ["tiny", "31m"] if args.quick else args.sizes
     repeats = 3 if args.quick else args.repeats
-    usable = available_transports()
+    try:
+        import ray
+    except ImportError:
+        ray = None
+    usable = [t for t in Transport if ray is not None or t is not Transport.RAY]
     transports = [t for t in usable if args.transports is None or t.value in args.transports]
     skipped = [t.value for t in Transport if t not in usable]
     if Transport.RAY in transports:
-        import ray
-
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     arms: dict[str, dict] = {}
     details = []
@@ -189,8 +218,6 @@ def main() -> None:
             del weights
     finally:
         if Transport.RAY in transports:
-            import ray
-
             ray.shutdown()
     largest = arms[sizes[-1]]
     best = max(transports, key=lambda t: largest[t.value]["efficiency"])

@@ -43,16 +43,46 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, median, report  # noqa: E402
 
-from loomrl.buffer.samplers import batch_bias, make_sampler  # noqa: E402
+from loomrl.buffer.samplers import make_sampler  # noqa: E402
 
 ARMS = [("strict W=1", "window", 1), ("W=2", "window", 2), ("W=4", "window", 4), ("W=8", "window", 8),
         ("W=16", "window", 16), ("W=32", "window", 32), ("W=64", "window", 64), ("greedy W=inf (fifo)", "fifo", None),
         ("oldest_first", "oldest_first", None), ("freshest_first", "freshest_first", None)]
+
+
+@dataclass(frozen=True, slots=True)
+class Bias:
+    """An attribute's mean in the consumed batches vs in the population.
+
+    With 0/1 attributes (e.g. 1 = hard task) the means are shares. difference = batch - population
+    (0 = unbiased; < 0: the batches under-represent the attribute); ratio = batch / population
+    (1 = unbiased; 1.0 when both are 0, inf when only the population's is 0)."""
+
+    batch_mean: float
+    population_mean: float
+    difference: float
+    ratio: float
+    n_batch: int
+    n_population: int
+
+
+def batch_bias(batch_attrs, population_attrs) -> Bias:
+    """Bias of the consumed groups' attribute (iterable of numbers or bools, one per group taken)
+    against the submitted population's (one per group submitted). Raises ValueError if either is empty."""
+    batch = [float(x) for x in batch_attrs]
+    population = [float(x) for x in population_attrs]
+    if not batch or not population:
+        raise ValueError(f"batch_bias needs non-empty inputs (got {len(batch)} batch, {len(population)} population)")
+    b, p = sum(batch) / len(batch), sum(population) / len(population)
+    ratio = b / p if p != 0 else (1.0 if b == 0 else math.inf)
+    return Bias(batch_mean=b, population_mean=p, difference=b - p, ratio=ratio, n_batch=len(batch),
+                n_population=len(population))
 
 
 def draw_tasks(seed: int, n: int, p_hard: float, mean: float, hard_factor: float, sigma: float):

@@ -40,17 +40,12 @@ Guarantees of ``"window"`` with width W (tested in tests/buffer/test_samplers.py
 Costs: ``submitted``, ``finished`` and ``len`` O(1); ``ready`` O(m) and ``take(n)`` O(n x m) for m
 groups submitted and not yet taken, as each pick scans them. The admission limit keeps m to tens, at
 most a few hundred, so a scan is microseconds next to a trainer step: incremental heaps buy nothing.
-
-``batch_bias`` compares an attribute's mean in the consumed batches with its mean in the submitted
-population (e.g. the share of long/hard tasks: a sampler that prefers what finishes first trains on
-fewer of them early on).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 G = TypeVar("G")
@@ -161,32 +156,3 @@ def make_sampler(name: str, window: int | float | None = None) -> Sampler:
     if window is not None:
         raise ValueError(f"window={window!r} only applies to the 'window' sampler, not {name!r}")
     return FifoSampler() if name == "fifo" else RuleSampler(name)
-
-
-@dataclass(frozen=True, slots=True)
-class Bias:
-    """An attribute's mean in the consumed batches vs in the population.
-
-    With 0/1 attributes (e.g. 1 = hard task) the means are shares. difference = batch - population
-    (0 = unbiased; < 0: the batches under-represent the attribute); ratio = batch / population
-    (1 = unbiased; 1.0 when both are 0, inf when only the population's is 0)."""
-
-    batch_mean: float
-    population_mean: float
-    difference: float
-    ratio: float
-    n_batch: int
-    n_population: int
-
-
-def batch_bias(batch_attrs, population_attrs) -> Bias:
-    """Bias of the consumed groups' attribute (iterable of numbers or bools, one per group taken)
-    against the submitted population's (one per group submitted). Raises ValueError if either is empty."""
-    batch = [float(x) for x in batch_attrs]
-    population = [float(x) for x in population_attrs]
-    if not batch or not population:
-        raise ValueError(f"batch_bias needs non-empty inputs (got {len(batch)} batch, {len(population)} population)")
-    b, p = sum(batch) / len(batch), sum(population) / len(population)
-    ratio = b / p if p != 0 else (1.0 if b == 0 else math.inf)
-    return Bias(batch_mean=b, population_mean=p, difference=b - p, ratio=ratio, n_batch=len(batch),
-                n_population=len(population))

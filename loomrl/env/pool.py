@@ -174,7 +174,7 @@ class EnvPool(Leases):
         self._idle: deque[PooledSandbox] = deque()
         self._all: dict[int, PooledSandbox] = {}  # every live instance: idle, leased or being reset
         self._creating = 0
-        self._cond: asyncio.Condition | None = None  # made on first use, inside the running loop
+        self._changed = asyncio.Condition()  # bound to the running loop when first waited on
         self._tasks: set[asyncio.Task] = set()
         self._closed = False
         _open_pools.add(self)
@@ -207,12 +207,6 @@ class EnvPool(Leases):
             self._destroy_sync(sb)
         self._idle.clear()
         _open_pools.discard(self)
-
-    @property
-    def _changed(self) -> asyncio.Condition:
-        if self._cond is None:
-            self._cond = asyncio.Condition()
-        return self._cond
 
     @property
     def live(self) -> int:

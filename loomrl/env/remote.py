@@ -38,11 +38,9 @@ class EnvActor(Placed):
         # died: an acquire that completes for either is released at once, never leaked.
         self.abandoned: set[str] = set()
         self.dead_owners: set[str] = set()
-        self._start_lock: asyncio.Lock | None = None
+        self._start_lock = asyncio.Lock()  # bound to the actor's event loop when first waited on
 
     async def _pool(self) -> EnvPool:
-        if self._start_lock is None:  # made on the actor's event loop
-            self._start_lock = asyncio.Lock()
         async with self._start_lock:
             if self.pool is None:
                 pool = sandbox_pool(self.cfg.env, self.size)

@@ -47,17 +47,12 @@ class RolloutActor(Placed):
         envs = RemoteEnvPool(env_actors, owner) if env_actors else None
         self.worker = RolloutWorker(cfg, self.engine, ChatRenderer(tokenizer), train_tasks, reward_pool=rewards,
                                     env_pool=envs)
-        self._weights_lock: asyncio.Lock | None = None
-
-    def _lock(self) -> asyncio.Lock:
-        if self._weights_lock is None:  # made on the actor's event loop
-            self._weights_lock = asyncio.Lock()
-        return self._weights_lock
+        self._weights_lock = asyncio.Lock()  # bound to the actor's event loop when first waited on
 
     async def update_weights(self, handle: WeightHandle) -> dict[str, float]:
         """Load a published version into the engine; groups sent after this call wait for it.
         Returns the version and how long fetching (from the object store) and applying took."""
-        async with self._lock():
+        async with self._weights_lock:
             t0 = time.perf_counter()
             weights = await handle.payload  # transport "ray": an ObjectRef owned by the driver
             t1 = time.perf_counter()
@@ -69,12 +64,12 @@ class RolloutActor(Placed):
     async def run_group(self, position: int) -> list[Trajectory]:
         # An update sent before this group (e.g. the rollback after a trainer restart) lands first:
         # the lock is FIFO and update_weights takes it before its first await.
-        async with self._lock():
+        async with self._weights_lock:
             pass
         return await self.worker.run_group(position)
 
     async def evaluate(self) -> EvalRecord:
-        async with self._lock():  # the latest published weights first, as for run_group
+        async with self._weights_lock:  # the latest published weights first, as for run_group
             pass
         return await self.worker.evaluate(self.heldout[: self.cfg.eval.n_tasks])
 

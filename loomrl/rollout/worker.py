@@ -116,7 +116,9 @@ class RolloutWorker:
         self._servers: list[ServerThread] = []
         self._ready_lock = asyncio.Lock()
         self._ready = False
-        self._caps: tuple[asyncio.Semaphore, asyncio.Semaphore] | None = None
+        # max_inflight_trajectories' semaphores (groups, eval episodes); bound to the run's loop when first waited on
+        cap = cfg.runtime.max_inflight_trajectories
+        self._caps = (asyncio.Semaphore(group_slots(cfg)), asyncio.Semaphore(cap)) if cap else None
         self.cap_wait_s = 0.0  # summed time groups waited for a slot under max_inflight_trajectories
         self.counts: Counter[str] = Counter()
         s = cfg.sampling
@@ -137,15 +139,6 @@ class RolloutWorker:
 
     def task_at(self, position: int) -> Task:
         return self.train_tasks[self.order.index(position)]
-
-    def _limits(self) -> tuple[asyncio.Semaphore, asyncio.Semaphore] | None:
-        """The cap's semaphores (groups, eval episodes), made inside the run's event loop."""
-        cap = self.cfg.runtime.max_inflight_trajectories
-        if not cap:
-            return None
-        if self._caps is None:
-            self._caps = (asyncio.Semaphore(group_slots(self.cfg)), asyncio.Semaphore(cap))
-        return self._caps
 
     async def env_pool(self, binds: dict[str, str] | None = None) -> Leases | None:
         """The sandbox pool, made and pre-warmed on first use (inside the run's event loop); None for
@@ -259,9 +252,8 @@ class RolloutWorker:
         await self.ready()
         task = self.task_at(position)
         group_id = f"group-{position:07d}"
-        limits = self._limits()
         t0 = time.perf_counter()
-        async with limits[0] if limits else contextlib.nullcontext():
+        async with self._caps[0] if self._caps else contextlib.nullcontext():
             self.cap_wait_s += time.perf_counter() - t0
             try:
                 return await gather_all([self.run_one(self.train_loop, task, group_id, position)
@@ -273,10 +265,9 @@ class RolloutWorker:
     async def evaluate(self, tasks: list[Task], progress=None) -> EvalRecord:
         """Success rate on `tasks`, one episode each at the eval temperature (0 = greedy)."""
         await self.ready()
-        limits = self._limits()
 
         async def one(i: int, task: Task) -> Trajectory:
-            async with limits[1] if limits else contextlib.nullcontext():
+            async with self._caps[1] if self._caps else contextlib.nullcontext():
                 traj = await self.run_one(self.eval_loop, task, f"eval-{i:05d}", -1)
             if progress is not None:
                 progress.update(1)

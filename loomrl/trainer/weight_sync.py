@@ -12,20 +12,21 @@ a Ray actor call); `load_weights(handle)` turns it back into tensors there. Tran
   for later ones (a new segment costs several times the copy: the kernel allocates and zeroes every page), under flock
   so that no reader is mid-copy (see the section's comment).
 - "file": one safetensors file per version in a folder, written under a temporary name, fsynced,
-  then renamed into place (os.replace is atomic). Works across machines on a shared filesystem and
-  lets a restarted engine find the newest version by listing the folder (`latest_file_handle`).
-- "ray":  ray.put into the object store; the handle holds the ObjectRef. Only when ray is installed.
+  then renamed into place (os.replace is atomic). Works across machines on a shared filesystem.
+- "ray":  no publisher here. The Ray backend (runtime/ray_backend.py publish) puts in the handle's payload the ObjectRef
+  of the weights the trainer actor returned with its step (an object in Ray's store, owned by the driver, never
+  rewritten, freed by Ray's reference counting); rollout actors await it (rollout/actor.py update_weights) instead of
+  calling `load_weights`.
 
-Atomicity (a reader never sees a mix of two versions): every transport writes a version completely
-before its handle exists and never writes over a version while it can be read: files and Ray
-objects are never rewritten; a shm segment is rewritten only under an exclusive flock that readers
-hold shared while they copy, and a reader checks the segment's header names its handle's version.
-Cleanup: the publisher keeps the last `keep` versions loadable (default 2: the current one and the one engines may still
-be loading); older ones are unlinked (file, shm beyond one spare segment) or left to Ray's reference counting. On POSIX,
-unlinking only removes the name: a reader that has a file or segment open finishes normally; one that comes later (or
-finds its segment rewritten) gets `StaleWeights` and should load the newer handle, which is already on its way (handles
-are published in version order). Segments are also unlinked when the publisher closes, and by Python's resource tracker
-if the publisher's process dies.
+Atomicity (a reader never sees a mix of two versions): every transport writes a version completely before its handle
+exists and never writes over a version while it can be read: files are never rewritten; a shm segment is rewritten only
+under an exclusive flock that readers hold shared while they copy, and a reader checks the segment's header names its
+handle's version. Cleanup: the publisher keeps the last `keep` versions loadable (default 2: the current one and the one
+engines may still be loading); older ones are unlinked (file, shm beyond one spare segment). On POSIX, unlinking only
+removes the name: a reader that has a file or segment open finishes normally; one that comes later (or finds its
+segment rewritten) gets `StaleWeights` and should load the newer handle, which is already on its way (handles are
+published in version order). Segments are also unlinked when the publisher closes, and by Python's resource tracker if
+the publisher's process dies.
 
 What this module is not: a channel (handles are sent by the caller) or a policy for when engines
 apply weights (engine.update_weights does that). One publisher per process and per folder; publish
@@ -126,15 +127,6 @@ class WeightPublisher:
         """`resource` is out of the window (nothing to free by default)."""
 
 
-def available_transports() -> list[Transport]:
-    """The transports usable in this environment (ray only when it is installed)."""
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        return [Transport.QUEUE, Transport.SHM, Transport.FILE]
-    return list(Transport)
-
-
 def make_publisher(transport: str, *, keep: int = 2, folder: str | Path | None = None) -> WeightPublisher:
     """A publisher for `transport`; `keep`: how many recent versions stay loadable; `folder`: file only."""
     kind = Transport(transport)
@@ -146,7 +138,7 @@ def make_publisher(transport: str, *, keep: int = 2, folder: str | Path | None =
         return ShmPublisher(keep=keep)
     if kind is Transport.FILE:
         return FilePublisher(folder, keep=keep)
-    return RayPublisher(keep=keep)
+    raise ValueError("weight sync: the ray transport has no publisher (the Ray backend sends its ObjectRefs itself)")
 
 
 def load_weights(handle: WeightHandle, into: dict[str, Tensor] | None = None) -> LoadedWeights:
@@ -161,9 +153,7 @@ def load_weights(handle: WeightHandle, into: dict[str, Tensor] | None = None) ->
         elif handle.transport is Transport.FILE:
             weights = _load_file(Path(handle.location), handle.version)
         else:
-            import ray
-
-            weights = ray.get(handle.payload)
+            raise ValueError("weight sync: a ray handle's payload is an ObjectRef, awaited by the rollout actor")
         if into is not None:
             _copy_into(into, weights)
             weights = into
@@ -445,39 +435,3 @@ def _load_file(path: Path, version: int) -> dict[str, Tensor]:
     if found != version:
         raise RuntimeError(f"weight sync: {path} holds version {found}, the handle says {version}")
     return {name: f.get_tensor(name) for name in f.keys()}
-
-
-def latest_file_handle(folder: str | Path) -> WeightHandle | None:
-    """The newest complete version in a file publisher's folder (for an engine that (re)starts)."""
-    files = sorted(Path(folder).glob("weights-v*.safetensors"))
-    if not files:
-        return None
-    path = files[-1]
-    version = int(path.name.removeprefix("weights-v").removesuffix(".safetensors"))
-    try:
-        nbytes = path.stat().st_size
-    except FileNotFoundError:  # freed between listing and stat: a newer one exists, ask again
-        return latest_file_handle(folder)
-    return WeightHandle(transport=Transport.FILE, version=version, nbytes=nbytes, location=str(path))
-
-
-# ---------------------------------------------------------------- ray object store
-
-
-class RayPublisher(WeightPublisher):
-    transport = Transport.RAY
-
-    def __init__(self, *, keep: int = 2):
-        import ray
-
-        if not ray.is_initialized():
-            raise RuntimeError("weight sync: transport 'ray' needs ray.init() first")
-        super().__init__(keep)
-
-    def _snapshot(self, weights: dict[str, Tensor], version: int) -> tuple[Any, WeightHandle]:
-        import ray
-
-        # put copies into the object store now (an immutable object); it is freed by Ray's reference
-        # counting once it is out of our window and no handle refers to it.
-        ref = ray.put({n: t.detach().cpu() for n, t in weights.items()})
-        return ref, WeightHandle(transport=self.transport, version=version, nbytes=_nbytes(weights), payload=ref)

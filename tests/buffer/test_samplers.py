@@ -1,4 +1,4 @@
-"""Batch samplers: ordering of each sampler, the window's guarantees, ready(), errors, batch_bias."""
+"""Batch samplers: ordering of each sampler, the window's guarantees, ready(), errors."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from loomrl.buffer.samplers import (
     SAMPLERS,
     FifoSampler,
     WindowSampler,
-    batch_bias,
     make_sampler,
 )
 from loomrl.types import Trajectory, TrajectoryMetadata
@@ -328,20 +327,3 @@ def test_misuse():
         s.finished(3, "x")
     with pytest.raises(ValueError, match="non-negative"):
         s.take(-1)
-
-
-# -- bias ---------------------------------------------------------------------------------------------
-
-def test_batch_bias():
-    b = batch_bias([1, 0, 0, 0], [1, 0, 1, 0, 0, 1, 0, 0, 0, 0])
-    assert b.batch_mean == 0.25 and b.population_mean == 0.3
-    assert b.difference == pytest.approx(-0.05) and b.ratio == pytest.approx(0.25 / 0.3)
-    assert (b.n_batch, b.n_population) == (4, 10)
-    assert batch_bias([True, False], [True, False]).ratio == 1.0
-    assert batch_bias([0, 0], [0]).ratio == 1.0
-    assert batch_bias([1], [0]).ratio == math.inf
-    assert batch_bias([3.0, 1.0], [2.0]).difference == 0.0  # a numeric attribute: means
-    with pytest.raises(ValueError, match="non-empty"):
-        batch_bias([], [1])
-    with pytest.raises(ValueError, match="non-empty"):
-        batch_bias([1], [])

@@ -185,10 +185,6 @@ class _Linear:
             self.packed = _PACKER[0](weight.detach().contiguous(), _PACK_BATCH_HINT)
             self.weight = None  # the packed copy serves; keeping the (fused) plain one too would double memory
 
-    @property
-    def numel(self) -> int:
-        return self.shape[0] * self.shape[1]
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return _PACKER[1](x, self.packed, self.bias, "none", [], "")
@@ -249,13 +245,6 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.pool = KVPool(self.n_layers, self.n_kv_heads, self.head_dim, self.dtype)
         self.refresh()
-        # Work done, for rooflines: tokens through the layers, rows through the output head.
-        self.tokens_computed = self.rows_projected = 0
-
-    def matmul_flops(self, tokens: int, head_rows: int) -> int:
-        """FLOPs of the projections for `tokens` through all layers and `head_rows` through the head."""
-        per_token = sum(lin.numel for w in self.layers for lin in (w.qkv, w.o, w.gate_up, w.down))
-        return 2 * (tokens * per_token + head_rows * self.head.numel)
 
     def refresh(self) -> None:
         """Re-read (and re-pack) the model's weights; call after they change."""
@@ -349,8 +338,6 @@ class ModelRunner:
             h = h + w.down(self.base.layers[li].mlp.act_fn(gate) * up)
         for c, n in zip(chunks, lengths):
             c.kv.length += n
-        self.tokens_computed += N
-        self.rows_projected += len(chunks)
         last = torch.tensor([o - 1 for o in offsets[1:]])
         hl = F.rms_norm(h[last], (h.shape[-1],), self.base.norm.weight.detach(), self.base.norm.variance_epsilon)
         return self.head(hl).float()

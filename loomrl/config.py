@@ -197,6 +197,11 @@ class TrainerConfig(_Section):
     groups_per_step: int = Field(4, gt=0)
     group_size: int = Field(8, gt=1)
     micro_batch_size: int = Field(8, gt=0)
+    # dense micro-batches by size instead: as many samples (sorted by length) as fit in this many padded
+    # tokens (samples x the longest), so that activation memory is bounded by tokens, not by a count;
+    # a sample longer than the budget is a micro-batch of its own. None keeps micro_batch_size. With tree
+    # merge, tree_token_budget plays this part (in unique tokens)
+    micro_batch_tokens: int | None = Field(None, gt=0)
     total_steps: int = Field(10, gt=0)
     freeze_layers: int = Field(0, ge=0)  # keep the bottom N transformer blocks fixed (cheaper steps)
     # recompute each decoder layer's activations in the backward pass instead of keeping them: activation

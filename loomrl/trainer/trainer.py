@@ -276,6 +276,13 @@ class Trainer:
         if cfg.tree_merge != "off" and cfg.tree_token_budget is not None:
             groups = plan_tries([s.token_ids for s in ordered], cfg.tree_token_budget)
             batches = [[ordered[i] for i in g] for g in groups]
+        elif cfg.tree_merge == "off" and cfg.micro_batch_tokens is not None:
+            batches = []  # ordered by length: a batch's padded size is its count x its last sample's length
+            for s in ordered:
+                if batches and (len(batches[-1]) + 1) * len(s.token_ids) <= cfg.micro_batch_tokens:
+                    batches[-1].append(s)
+                else:
+                    batches.append([s])
         else:
             batches = [ordered[i : i + mb] for i in range(0, len(ordered), mb)]
         if cfg.tree_merge == "off":

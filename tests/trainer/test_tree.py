@@ -424,3 +424,22 @@ def test_bfloat16_training_stays_near_float32_for_five_steps(tokenizer):
     for name, p in w32.items():
         assert p.dtype == w16[name].dtype == torch.float32
         assert float((w16[name] - p).norm()) <= 0.01 * float(p.norm()), name
+
+
+def test_micro_batches_by_token_budget(tokenizer):
+    """trainer.micro_batch_tokens: dense micro-batches of at most that many padded tokens (a longer sample
+    alone); the step's gradient does not depend on how it is cut (the denominators are the step's)."""
+    rng = random.Random(11)
+    samples = _grpo(rng, len(tokenizer), 4, 12) + _multiturn(rng, len(tokenizer)) + _grpo(rng, len(tokenizer), 4, 3)
+    budget = 45
+    trainer = Trainer(_tiny(tokenizer), TrainerConfig(micro_batch_tokens=budget))
+    batches, _, _ = trainer._micro_batches(samples)
+    assert sorted(id(s) for b in batches for s in b) == sorted(map(id, samples))  # each sample once
+    assert len(batches) > 2
+    for b in batches:
+        assert len(b) == 1 or len(b) * max(len(s.token_ids) for s in b) <= budget
+    by_count, count_stats = _trained(tokenizer, samples)
+    by_tokens, token_stats = _trained(tokenizer, samples, micro_batch_tokens=budget)
+    assert token_stats.loss == pytest.approx(count_stats.loss, rel=1e-5, abs=1e-7)
+    for name, p in by_count.items():
+        assert float((by_tokens[name].grad - p.grad).norm()) <= RTOL * float(p.grad.norm()) + 1e-8, name

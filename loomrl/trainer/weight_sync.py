@@ -45,6 +45,7 @@ import os
 import tempfile
 import time
 import uuid
+from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
@@ -90,7 +91,7 @@ class LoadedWeights(NamedTuple):
     load_s: float
 
 
-class WeightPublisher:
+class WeightPublisher(ABC):
     """What every transport shares: strictly increasing versions, the window of the last `keep` still
     held (a version falling out of it goes to `_release`), and the timing of publish."""
 
@@ -119,11 +120,11 @@ class WeightPublisher:
         while self._held:
             self._release(self._held.popleft()[1])
 
+    @abstractmethod
     def _snapshot(self, weights: dict[str, Tensor], version: int) -> tuple[Any, WeightHandle]:
         """Write `version` completely; returns what stays held for it and its handle."""
-        raise NotImplementedError
 
-    def _release(self, resource: Any) -> None:
+    def _release(self, resource: Any) -> None:  # noqa: B027 - a hook: not every transport frees anything
         """`resource` is out of the window (nothing to free by default)."""
 
 

@@ -8,9 +8,10 @@ recomputes each chunk's logits, turns them into the gradient of the logits (soft
 and multiplies straight into the hidden rows' and the head's gradients. Peak extra memory: a few
 [chunk, V] float32 blocks, whatever N is; the price is the head's matmul once more in the backward.
 
-Numerics: the logits are computed in the head's dtype (bf16 on GPU, as the dense path does) and
-upcast to float32 before the temperature, the softcap and the softmax; the head's gradient is
-accumulated in float32 over the chunks and cast once at the end. Final-logit soft-capping (Gemma 2:
+Numerics: the head's matmul runs in the head's dtype, or in the autocast dtype under
+trainer.precision (the same one in forward and backward); its output is upcast to float32 before the
+softcap, the temperature and the softmax; the head's gradient is accumulated in float32 over the
+chunks and cast once at the end. Final-logit soft-capping (Gemma 2:
 cap * tanh(logits / cap)) is applied here, with its derivative, when `softcap` is given.
 """
 

@@ -29,9 +29,9 @@ import torch
 
 from loomrl.config import RunConfig
 from loomrl.trainer.ranks import (
+    Child,
     LocalFollowers,
     LocalRankGroup,
-    exit_reason,
     follower_threads,
     name_process,
     spawn_local_followers,
@@ -88,7 +88,7 @@ class TrainerProcess:
         self.cfg, self.extra, self.checkpoint, self.threads = cfg, extra, checkpoint, threads
         ctx = mp.get_context("spawn")
         self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
-        self.proc: Any = None
+        self.child: Child | None = None
         self.followers: LocalFollowers | None = None
         self.answers: asyncio.Queue = asyncio.Queue()
         self.stopping = False  # set by stop(): the process ending then is no failure
@@ -100,11 +100,8 @@ class TrainerProcess:
         if cfg.trainer.world_size > 1:
             self.followers = spawn_local_followers(cfg, self.checkpoint, follower_threads(cfg, self.threads))
         ranks = (self.followers.channels(), self.followers.port) if self.followers else None
-        ctx = mp.get_context("spawn")
-        self.proc = ctx.Process(target=_trainer_main, name="loomrl-trainer", daemon=True,
-                                args=(cfg.model_dump_json(), self.extra, str(self.checkpoint or ""), self.threads,
-                                      self.inbox, self.outbox, ranks))
-        self.proc.start()
+        self.child = Child("trainer process", "loomrl-trainer", _trainer_main, cfg.model_dump_json(), self.extra,
+                           str(self.checkpoint or ""), self.threads, self.inbox, self.outbox, ranks)
         loop = asyncio.get_running_loop()
         threading.Thread(target=self._pump, args=(loop,), daemon=True, name="loomrl-trainer-pump").start()
         return await self._answer(Ready)
@@ -123,10 +120,9 @@ class TrainerProcess:
             except queue.Empty:
                 if self.stopping:
                     return
-                why = None if self.proc.is_alive() else exit_reason(self.proc.exitcode, "trainer process")
-                why = why or (self.followers.dead() if self.followers else None)
+                why = self.child.dead() or (self.followers.dead() if self.followers else None)
                 if why:  # rank 0 may be waiting on a dead follower in a collective: stop it too
-                    self.proc.kill()
+                    self.child.proc.kill()
                     deliver(Failed(why))
                     return
                 continue
@@ -159,14 +155,9 @@ class TrainerProcess:
     def stop(self) -> None:
         """Stop the process (and its followers); a process that does not stop in time is killed."""
         self.stopping = True
-        if self.proc is not None:
+        if self.child is not None:
             self.inbox.put(Stop())
-            self.proc.join(timeout=60)
-            if self.proc.is_alive():
-                self.proc.terminate()  # SIGTERM first: its finally frees the published weights
-                self.proc.join(timeout=10)
-            if self.proc.is_alive():
-                self.proc.kill()
+            self.child.stop(60)  # SIGTERM before SIGKILL: its finally frees the published weights
         if self.followers is not None:
             self.followers.stop()
 

@@ -44,15 +44,6 @@ from loomrl.types import TrainingSample
 COLLECTIVE_TIMEOUT_S = 300.0
 
 
-def exit_reason(code: int | None, what: str) -> str:
-    """Why a process ended, from its exit code (negative: the signal that killed it)."""
-    if code is not None and code < 0:
-        name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
-        why = " (killed: out of memory, or by an operator)" if name == "SIGKILL" else ""
-        return f"{what} died from signal {name}{why}"
-    return f"{what} exited with code {code}"
-
-
 def collective_failed(err: BaseException) -> bool:
     """Whether a torch.distributed call failed because of the process group (a peer that died or
     timed out), as opposed to this rank's own error. gloo reports those as plain RuntimeErrors."""
@@ -162,12 +153,39 @@ class RankGroup(ABC):
 # ---------------------------------------------------------------- local processes
 
 
+class Child:
+    """A process the training pool spawned (the trainer process, a follower rank): started on creation."""
+
+    def __init__(self, what: str, name: str, target: Callable[..., None], *args: Any):
+        self.what = what
+        self.proc = mp.get_context("spawn").Process(target=target, name=name, daemon=True, args=args)
+        self.proc.start()
+
+    def dead(self) -> str | None:
+        """Why it ended (negative exit code: the signal that killed it), or None while it runs; reaps it."""
+        if self.proc.is_alive():
+            return None
+        if (code := self.proc.exitcode) >= 0:
+            return f"{self.what} exited with code {code}"
+        name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
+        return f"{self.what} died from signal {name}" + (" (killed: out of memory, or by an operator)"
+                                                          if name == "SIGKILL" else "")
+
+    def stop(self, wait_s: float) -> None:
+        """Give it `wait_s` to end (it was asked to), then SIGTERM (its finally blocks run), then SIGKILL."""
+        self.proc.join(timeout=wait_s)
+        for send in (self.proc.terminate, self.proc.kill):
+            if self.proc.is_alive():
+                send()
+                self.proc.join(timeout=10)
+
+
 @dataclass(slots=True)
 class LocalFollowers:
     """Followers spawned on this machine: their processes and the queues to reach them."""
 
     port: int
-    procs: list[Any]
+    children: list[Child]
     inboxes: list[Any]  # rank 0 -> follower r (index r - 1)
     outboxes: list[Any]  # follower -> rank 0
 
@@ -176,11 +194,8 @@ class LocalFollowers:
         return self.inboxes, self.outboxes
 
     def dead(self) -> str | None:
-        """Why a follower is gone, or None while all live (reaps the dead: call from their parent)."""
-        for rank, p in enumerate(self.procs, start=1):
-            if not p.is_alive():
-                return exit_reason(p.exitcode, f"trainer rank {rank}")
-        return None
+        """Why a follower is gone, or None while all live."""
+        return next((why for c in self.children if (why := c.dead())), None)
 
     def stop(self) -> None:
         for q in self.inboxes:
@@ -188,11 +203,8 @@ class LocalFollowers:
                 q.put(None)
             except (ValueError, OSError):  # closed already
                 pass
-        for p in self.procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        for c in self.children:
+            c.stop(10)
 
 
 def spawn_local_followers(cfg: RunConfig, ckpt: Path | None, threads: int) -> LocalFollowers:
@@ -202,14 +214,10 @@ def spawn_local_followers(cfg: RunConfig, ckpt: Path | None, threads: int) -> Lo
     port = free_port()
     inboxes = [ctx.Queue() for _ in range(world - 1)]
     outboxes = [ctx.Queue() for _ in range(world - 1)]
-    procs = []
-    for rank in range(1, world):
-        p = ctx.Process(target=_follower_main, name=f"loomrl-trainer-rank{rank}", daemon=True,
-                        args=(cfg.model_dump_json(), str(ckpt) if ckpt else None, rank, world, port, threads,
-                              inboxes[rank - 1], outboxes[rank - 1]))
-        p.start()
-        procs.append(p)
-    return LocalFollowers(port=port, procs=procs, inboxes=inboxes, outboxes=outboxes)
+    children = [Child(f"trainer rank {r}", f"loomrl-trainer-rank{r}", _follower_main, cfg.model_dump_json(),
+                      str(ckpt) if ckpt else None, r, world, port, threads, inboxes[r - 1], outboxes[r - 1])
+                for r in range(1, world)]
+    return LocalFollowers(port=port, children=children, inboxes=inboxes, outboxes=outboxes)
 
 
 def follower_threads(cfg: RunConfig, trainer_share: int) -> int:

@@ -156,7 +156,7 @@ def test_a_trainer_that_dies_between_checkpoint_and_report_loses_no_metrics(tmp_
                 ckpt = self.cfg.run_dir / "checkpoints" / "step_000002"
                 if ckpt.is_dir():  # the step that wrote it: its answer is lost with the process
                     self.killed = True
-                    os.kill(self.trainer.proc.pid, signal.SIGKILL)
+                    os.kill(self.trainer.child.proc.pid, signal.SIGKILL)
                     raise TrainerLost("trainer process died from signal SIGKILL (injected after its checkpoint)")
             return metrics
 

@@ -213,9 +213,12 @@ class TrainerConfig(_Section):
     # loss scaling, which bfloat16 (float32's exponent range) does not
     precision: Literal["auto", "float32", "bfloat16"] = "auto"
     threads: int = Field(0, ge=0)  # torch threads of the trainer; 0 = all cores (sync), the rest (async)
-    # data-parallel trainer ranks (trainer/ranks.py): each holds a model and optimizer replica
-    # and trains on a share of every step's samples; gradients are summed over gloo (CPU)
+    # data-parallel trainer ranks (trainer/ranks.py), each training on a share of every step's samples
     world_size: int = Field(1, ge=1)
+    # ddp: every rank holds the whole model and AdamW state, gradients are summed after the backward;
+    # fsdp: FSDP2 shards parameters, gradients, AdamW state and the KL reference over the ranks (also at
+    # world_size 1), checkpoints the optimizer with torch.distributed.checkpoint (trainer/distributed.py)
+    parallel: Literal["ddp", "fsdp"] = "ddp"
     # loomrl/trainer/tree.py: forward a micro-batch as one prefix tree, so tokens its samples share (a
     # group's prompt, a conversation's history) are computed once; same logprobs and gradients.
     # "auto": merge a micro-batch when its total/unique token ratio is at least tree_merge_min_ratio.
@@ -230,11 +233,20 @@ class TrainerConfig(_Section):
     tree_merge_memory: Literal["subtries", "depth_first"] = "subtries"
 
     @model_validator(mode="after")
-    def _checkpointing_without_tree(self) -> TrainerConfig:
+    def _supported_combinations(self) -> TrainerConfig:
         if self.activation_checkpointing and self.tree_merge != "off":
             # the backward's recompute would run outside the tree attention, which is switched in per forward
             raise ValueError("trainer.activation_checkpointing works with trainer.tree_merge=off only, so far")
+        if self.parallel == "fsdp" and self.tree_merge != "off" and self.tree_merge_memory == "depth_first":
+            # its partial forwards would each gather and reduce on their own: a plan the ranks cannot share yet
+            raise ValueError("trainer.tree_merge_memory=depth_first does not work with trainer.parallel=fsdp yet; "
+                             "use subtries")
         return self
+
+    @property
+    def distributed(self) -> bool:
+        """Whether the trainer runs in a process group: several ranks, or FSDP (even on one)."""
+        return self.world_size > 1 or self.parallel == "fsdp"
 
 
 class RuntimeConfig(_Section):
@@ -340,6 +352,14 @@ class RunConfig(_Section):
     ray: RayConfig = Field(default_factory=RayConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
 
+    @model_validator(mode="after")
+    def _fsdp_async(self) -> RunConfig:
+        if self.trainer.parallel == "fsdp" and self.runtime.mode == "sync":
+            # sync mode serves the engine from the trainer's own model object, which FSDP shards
+            raise ValueError("trainer.parallel=fsdp needs runtime.mode=async (sync mode shares the trainer's model "
+                             "with the engine)")
+        return self
+
     @property
     def run_dir(self) -> Path:
         return Path(self.output_dir) / self.name
@@ -424,8 +444,9 @@ def _format_errors(err: ValidationError) -> str:
         retired = RETIRED.get(dotted) or RETIRED.get(f"{dotted}={e.get('input')}")
         if retired:
             lines.append(f"config error: '{dotted}' {retired}")
-        elif e["type"] == "value_error":  # a validator's own message names the field and the fix
-            lines.append(f"config error: '{dotted}': {e['msg'].removeprefix('Value error, ')}")
+        elif e["type"] == "value_error":  # a validator's own message names the field(s) and the fix
+            where = f"'{dotted}': " if dotted else ""  # a rule across sections has no one field
+            lines.append(f"config error: {where}{e['msg'].removeprefix('Value error, ')}")
         elif e["type"] == "extra_forbidden":
             known = _known_fields(RunConfig, loc)
             close = difflib.get_close_matches(str(loc[-1]), known, n=1)

@@ -118,13 +118,13 @@ class LocalBackend(Backend):
     def _start_sync_trainer(self, extra: dict[str, Any]) -> TrainerState:
         """The sync trainer shares the engine's model; it is never restarted (a failure stops the run)."""
         cfg = self.cfg
-        service = self.service = TrainerService(cfg, self.model, self.tokenizer, resume_from=self.ckpt)
-        service.extra.update(extra)
+        ranks = None
         if cfg.trainer.world_size > 1:  # this process is rank 0; a dead follower stops the run (--resume)
             self.followers = spawn_local_followers(cfg, self.ckpt, follower_threads(cfg, os.cpu_count() or 1))
-            service.ranks = LocalRankGroup(service.trainer, cfg.trainer.world_size, *self.followers.channels(),
-                                           dead=self.followers.dead)
-            join_watching(service.ranks, self.followers)
+            ranks = LocalRankGroup(cfg.trainer.world_size, *self.followers.channels(), dead=self.followers.dead)
+            join_watching(ranks, self.followers)
+        service = self.service = TrainerService(cfg, self.model, self.tokenizer, resume_from=self.ckpt, ranks=ranks)
+        service.extra.update(extra)
         return TrainerState(service.version, service.received, service.last_metrics)
 
     def stop_trainer(self) -> None:

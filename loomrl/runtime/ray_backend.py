@@ -249,7 +249,7 @@ class RayBackend(Backend):
         await self._reserve_trainer()
         self.trainer = self._actor(TrainerActor, spec, max_restarts=0,
                                    **self._trainer_options(0)).remote(self.cfg_json, extra)
-        if world > 1:  # follower rank actors from rank 0's checkpoint, all in one process group
+        if self.cfg.trainer.distributed:  # follower rank actors from rank 0's checkpoint, all in one process group
             addr, port, ckpt = await self._call_trainer(self.trainer.rendezvous.remote())
             self.trainer_ranks = [self._actor(TrainerRankActor, spec, max_restarts=0, **self._trainer_options(rank))
                                   .remote(self.cfg_json, ckpt) for rank in range(1, world)]

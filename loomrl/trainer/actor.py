@@ -23,8 +23,9 @@ class TrainerActor(Placed):
     def __init__(self, cfg_json: str, extra: dict[str, Any]):
         cfg = RunConfig.model_validate_json(cfg_json)
         torch.set_num_threads(cfg.trainer.threads or max(1, int(cfg.ray.trainer.num_cpus)))  # as reserved
-        self.ckpt = latest_checkpoint(cfg.run_dir)
-        self.service = TrainerService.from_run(cfg, extra, self.ckpt)
+        self.cfg, self.extra, self.ckpt = cfg, extra, latest_checkpoint(cfg.run_dir)
+        # trainer.distributed: built once the ranks joined (join_ranks), sharded ranks shard it as they build it
+        self.service = None if cfg.trainer.distributed else TrainerService.from_run(cfg, extra, self.ckpt)
 
     def rendezvous(self) -> tuple[str, int, str | None]:
         """Where the other ranks meet this one (this node's address, a free port) and the checkpoint
@@ -36,10 +37,11 @@ class TrainerActor(Placed):
         return ray.util.get_node_ip_address(), free_port(""), str(self.ckpt) if self.ckpt else None
 
     def join_ranks(self, followers: list[Any], addr: str, port: int) -> None:
-        """Rank 0 joins the process group of the follower actors (which join theirs concurrently)."""
-        ranks = RayRankGroup(self.service.trainer, len(followers) + 1, followers)
+        """Rank 0 joins the process group of the follower actors (which join theirs concurrently), then
+        builds its trainer."""
+        ranks = RayRankGroup(len(followers) + 1, followers)
         ranks.join(addr, port)
-        self.service.ranks = ranks
+        self.service = TrainerService.from_run(self.cfg, self.extra, self.ckpt, ranks=ranks)
 
     def state(self) -> tuple[int, dict[str, Any], dict[str, Any] | None]:
         """The policy version, the positions received and that step's metrics (as of the checkpoint it started from)."""
@@ -80,8 +82,8 @@ class TrainerRankActor(Placed):
 class RayRankGroup(RankGroup):
     """Rank 0 over Ray actor calls to the follower actors."""
 
-    def __init__(self, trainer: Any, world_size: int, followers: list[Any]):
-        super().__init__(trainer, world_size)
+    def __init__(self, world_size: int, followers: list[Any]):
+        super().__init__(world_size)
         self.followers = followers
         self.refs: list[Any] = []
 

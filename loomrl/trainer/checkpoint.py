@@ -2,7 +2,9 @@
 (data position, buffer contents, trained-trajectory ledger) so `--resume` trains nothing twice.
 
 Layout: RUN/checkpoints/step_000010/{model/, optimizer.pt, state.pt}; RUN/checkpoints/latest names the
-newest complete one. Each checkpoint is written to a temporary folder and renamed into place, so a
+newest complete one. Sharded ranks (trainer.parallel=fsdp) write the AdamW state as a torch.distributed.checkpoint
+folder, optimizer/, each rank its own part (optimizer.pt then holds the scheduler only), and the model folder
+from the full weights rank 0 gathers after each step. Each checkpoint is written to a temporary folder and renamed into place, so a
 crash mid-save leaves the previous checkpoint intact.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,15 +31,23 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, *, model: torch.nn.Module, tokenizer: Any,
-                    optimizer: torch.optim.Optimizer, scheduler: Any, state: dict[str, Any], keep: int = 2) -> Path:
+                    optimizer: torch.optim.Optimizer, scheduler: Any, state: dict[str, Any], keep: int = 2,
+                    weights: dict[str, torch.Tensor] | None = None, shards: Callable[[Path], None] | None = None) -> Path:
+    """`weights`: the model's full parameters when the model itself is sharded; `shards`: writes every rank's
+    part of the optimizer state into the folder it is given (a collective of all ranks)."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp_step_{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model.save_pretrained(tmp / "model")
+    model.save_pretrained(tmp / "model", state_dict=weights)
     tokenizer.save_pretrained(tmp / "model")
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
+    blob = {"scheduler": scheduler.state_dict()}
+    if shards is not None:
+        shards(tmp / "optimizer")
+    else:
+        blob["optimizer"] = optimizer.state_dict()
+    torch.save(blob, tmp / "optimizer.pt")
     torch.save({"step": step, "rng": rng_state(), **state}, tmp / "state.pt")
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
@@ -64,7 +75,16 @@ def load_state(ckpt: Path) -> dict[str, Any]:
     return torch.load(ckpt / "state.pt", weights_only=False)
 
 
-def load_optimizer(ckpt: Path, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+def load_optimizer(ckpt: Path, optimizer: torch.optim.Optimizer, scheduler: Any,
+                   shards: Callable[[Path], None] | None = None) -> None:
+    """`shards`: reads every rank's part of a sharded optimizer state from the folder it is given."""
     blob = torch.load(ckpt / "optimizer.pt", weights_only=False)
-    optimizer.load_state_dict(blob["optimizer"])
+    if ("optimizer" in blob) == (shards is not None):
+        kinds = ("whole", "sharded") if shards else ("sharded", "whole")
+        raise ValueError(f"checkpoint {ckpt}: its optimizer state is {kinds[0]} but this trainer's is {kinds[1]}; "
+                         "resume with the trainer.parallel it was saved with")
+    if shards is not None:
+        shards(ckpt / "optimizer")
+    else:
+        optimizer.load_state_dict(blob["optimizer"])
     scheduler.load_state_dict(blob["scheduler"])

@@ -18,9 +18,12 @@ while the trainer calls the decoder and the head directly; and it averages gradi
 denominators must be summed. One all-reduce after the last backward moves the same bytes and only gives up DDP's overlap
 of communication with the backward pass (worth it on GPUs, little on CPU).
 
-Sharded ranks (`fsdp_shard`, FSDP2): parameters, gradients and AdamW state split over the ranks; FSDP
-reduces gradients inside every backward, so the ranks run one shared plan of micro-batches (Trainer
-pads the shorter ones). Not wired into runs yet. What is not here: elastic membership. A rank that fails makes the others fail:
+Sharded ranks (`fsdp_shard`, FSDP2; trainer.parallel=fsdp): parameters, gradients and AdamW state split over the
+ranks; FSDP reduces gradients inside every backward, so the ranks run one shared plan of micro-batches (Trainer pads
+the shorter ones). After each step every rank gathers the full parameters in turn and rank 0 keeps a copy on the CPU
+(`DataParallelTrainer.weights`: for the engines and the checkpoint's model folder); the optimizer state is
+checkpointed in parts with torch.distributed.checkpoint (`save_sharded_optimizer`). What is not here: elastic
+membership. A rank that fails makes the others fail:
 the run's rank group (trainer/ranks.py) stops them all; elsewhere the process group's timeout does.
 """
 
@@ -30,6 +33,7 @@ import os
 import socket
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -97,6 +101,9 @@ class DataParallelTrainer:
         self.trainer = trainer
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        self.weights: dict[str, torch.Tensor] = {}  # sharded, rank 0: the full parameters, as of the last step
+        if trainer.sharded:
+            self._gather(everything=True)
 
     def train_step(self, samples: list[TrainingSample], *, idle_tokens: int = 0, idle_seqs: int = 0,
                    idle_longest: int = 0) -> StepStats:
@@ -124,7 +131,18 @@ class DataParallelTrainer:
         finally:
             t.cfg = cfg
             t.grad_hook = t.shared_plan = None
+        if t.sharded:
+            self._gather(everything=False)
         return self._global_stats(stats)
+
+    def _gather(self, everything: bool) -> None:
+        """Every rank gathers each parameter (the trainable ones; `everything`: the frozen ones too, once) in
+        the same order, a collective each; rank 0 keeps a CPU copy of it."""
+        for name, p in self.trainer.model.named_parameters():
+            if everything or p.requires_grad:
+                full = p.full_tensor().detach()
+                if self.rank == 0:
+                    self.weights[name] = full.to("cpu", copy=True)  # at world size 1 `full` is the shard itself
 
     @staticmethod
     def _most(n: int) -> int:
@@ -187,6 +205,24 @@ class _ShardedForward(torch.nn.Module):
         # clones, not split views: FSDP hooks its pre-backward into the outputs, which an in-place op on a
         # view would drop
         return [lp.clone() for lp in Trainer.logprobs_of(self.model, batch, merged, with_grad=torch.is_grad_enabled())]
+
+
+def save_sharded_optimizer(trainer: Trainer, folder: Path) -> None:
+    """This rank's part of the AdamW state into `folder` (every rank calls it: a collective)."""
+    from torch.distributed.checkpoint import save
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    save(get_optimizer_state_dict(trainer.forward, trainer.optimizer), checkpoint_id=str(folder))
+
+
+def load_sharded_optimizer(trainer: Trainer, folder: Path) -> None:
+    """This rank's part of the AdamW state from `folder` (every rank calls it; any world size can read it)."""
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    state = get_optimizer_state_dict(trainer.forward, trainer.optimizer)
+    load(state, checkpoint_id=str(folder))
+    set_optimizer_state_dict(trainer.forward, trainer.optimizer, state)
 
 
 def fsdp_shard(model: torch.nn.Module) -> Callable[[list[TrainingSample], bool], list[torch.Tensor]]:

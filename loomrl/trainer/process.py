@@ -95,9 +95,9 @@ class TrainerProcess:
 
     async def start(self) -> Ready:
         cfg = self.cfg
-        # trainer.world_size > 1: the follower ranks are the trainer's siblings, so that this process
+        # trainer.distributed: the follower ranks are the trainer's siblings, so that this process
         # sees them die (and stops the whole trainer, which then restarts) and cleans them up.
-        if cfg.trainer.world_size > 1:
+        if cfg.trainer.distributed:
             self.followers = spawn_local_followers(cfg, self.checkpoint, follower_threads(cfg, self.threads))
         ranks = (self.followers.channels(), self.followers.port) if self.followers else None
         self.child = Child("trainer process", "loomrl-trainer", _trainer_main, cfg.model_dump_json(), self.extra,
@@ -172,11 +172,12 @@ def _trainer_main(cfg_json: str, extra: dict[str, Any], checkpoint: str, threads
     try:
         cfg = RunConfig.model_validate_json(cfg_json)
         torch.set_num_threads(threads)
-        service = TrainerService.from_run(cfg, extra, Path(checkpoint) if checkpoint else None)
+        group = None
         if ranks is not None:
             (inboxes, outboxes), port = ranks
-            service.ranks = LocalRankGroup(service.trainer, cfg.trainer.world_size, inboxes, outboxes)
-            service.ranks.join("127.0.0.1", port)
+            group = LocalRankGroup(cfg.trainer.world_size, inboxes, outboxes)
+            group.join("127.0.0.1", port)
+        service = TrainerService.from_run(cfg, extra, Path(checkpoint) if checkpoint else None, ranks=group)
         folder = cfg.run_dir / "weights" if cfg.runtime.weight_transport == "file" else None
         publisher = make_publisher(cfg.runtime.weight_transport, keep=3, folder=folder)
         outbox.put(Ready(service.version, service.received.state(),

@@ -1,4 +1,4 @@
-"""Trainer ranks (trainer.world_size > 1): data-parallel training inside the training pool.
+"""Trainer ranks (trainer.world_size > 1, or trainer.parallel=fsdp): data-parallel training inside the training pool.
 
 Rank 0 is the TrainerService (buffer, filters, ledger, checkpoints, weights for the engines). Ranks 1..N-1 are
 followers: each holds a replica of the model and optimizer, made from the same checkpoint (or the same initial model).
@@ -7,9 +7,11 @@ merge), sends each follower its shard, trains on its own, and the ranks meet in 
 (trainer/distributed.py sums gradients and counts there). Work travels outside the process group (queues locally, actor
 calls on Ray), so a follower can wait any time for the next step without a collective timing out.
 
-After each step every follower answers with its step counter and a checksum of its parameters; rank 0
-compares them with its own, so replicas that drifted apart stop the run instead of training on
-silently. A follower that dies, or a collective that fails, raises RankLost: the runtime restarts the
+Every rank builds its trainer the same way (`build_trainer`) after the process group is up: sharded ranks
+(trainer.parallel=fsdp) shard the model as they build it. After each step every follower answers with its step counter
+and a checksum of its parameters; rank 0 compares them with its own, so replicas that drifted apart stop the run
+instead of training on silently (sharded ranks hold different parts: no checksum). A checkpoint of sharded ranks is
+written by all of them (RankGroup.save_shards). A follower that dies, or a collective that fails, raises RankLost: the runtime restarts the
 whole trainer (all ranks) from the latest checkpoint, as it does when rank 0 dies.
 
 Launchers: local (`spawn_local_followers`: processes of this machine, gloo over loopback) and Ray
@@ -36,7 +38,16 @@ import torch.distributed as dist
 
 from loomrl.config import RunConfig
 from loomrl.trainer.checkpoint import load_optimizer, load_state
-from loomrl.trainer.distributed import DataParallelTrainer, free_port, init_process_group, param_checksum, shard_samples
+from loomrl.trainer.distributed import (
+    DataParallelTrainer,
+    free_port,
+    fsdp_shard,
+    init_process_group,
+    load_sharded_optimizer,
+    param_checksum,
+    save_sharded_optimizer,
+    shard_samples,
+)
 from loomrl.trainer.trainer import StepStats, Trainer, initial_policy
 from loomrl.types import TrainingSample
 
@@ -60,53 +71,72 @@ class RankWork:
 
     samples: list[TrainingSample] = field(default_factory=list)
     skip: bool = False  # a step without signal: advance the schedule only (Trainer.skip_step)
+    save: str = ""  # instead: write this rank's part of the optimizer state into this folder (sharded ranks)
 
 
 @dataclass(slots=True)
 class RankReport:
     step: int
-    checksum: tuple[int, int]
+    checksum: tuple[int, int] | None  # None: sharded ranks (each holds other parts)
+
+    @classmethod
+    def of(cls, trainer: Trainer) -> RankReport:
+        return cls(trainer.step, None if trainer.sharded else param_checksum(trainer.params))
+
+
+def build_trainer(cfg: RunConfig, model: torch.nn.Module, ckpt: Path | None) -> Trainer:
+    """Every rank's trainer (and a lone one's): sharded with trainer.parallel=fsdp (the process group is up by
+    then), with `ckpt`'s optimizer state and step when it resumes."""
+    sharded = cfg.trainer.parallel == "fsdp"
+    trainer = Trainer(model, cfg.trainer, initial_model=initial_policy(cfg, ckpt), shard=fsdp_shard if sharded else None)
+    if ckpt is not None:
+        shards = (lambda folder: load_sharded_optimizer(trainer, folder)) if sharded else None
+        load_optimizer(ckpt, trainer.optimizer, trainer.scheduler, shards=shards)
+        trainer.step = load_state(ckpt)["step"]
+    return trainer
 
 
 class Follower:
-    """Rank r > 0: a model and optimizer replica that trains on the shards rank 0 sends."""
+    """Rank r > 0: a model and optimizer replica (or shard) that trains on the shards rank 0 sends."""
 
     def __init__(self, cfg: RunConfig, ckpt: Path | None):
         from loomrl.model.loader import load_run_model
 
-        model, _ = load_run_model(cfg.model, ckpt)
-        self.trainer = Trainer(model, cfg.trainer, initial_model=initial_policy(cfg, ckpt))
-        if ckpt is not None:
-            load_optimizer(ckpt, self.trainer.optimizer, self.trainer.scheduler)
-            self.trainer.step = load_state(ckpt)["step"]
+        self.cfg, self.ckpt = cfg, ckpt
+        self.model, _ = load_run_model(cfg.model, ckpt)  # before joining: a rank that cannot start fails fast
         self.dp: DataParallelTrainer | None = None
 
     def join(self, rank: int, world_size: int, addr: str, port: int) -> None:
         init_process_group(rank, world_size, master_addr=addr, master_port=port, timeout_s=COLLECTIVE_TIMEOUT_S)
-        self.dp = DataParallelTrainer(self.trainer)
+        self.dp = DataParallelTrainer(build_trainer(self.cfg, self.model, self.ckpt))
 
     def work(self, w: RankWork) -> RankReport:
         assert self.dp is not None, "Follower.join first"
-        if w.skip:
-            self.trainer.skip_step()
+        if w.save:
+            save_sharded_optimizer(self.dp.trainer, Path(w.save))
+        elif w.skip:
+            self.dp.trainer.skip_step()
         else:
             self.dp.train_step(w.samples)
-        return RankReport(step=self.trainer.step, checksum=param_checksum(self.trainer.params))
+        return RankReport.of(self.dp.trainer)
 
 
 class RankGroup(ABC):
-    """Rank 0's side: shards a step over the ranks and checks the followers stayed in step."""
+    """Rank 0's side: shards a step over the ranks and checks the followers stayed in step. Made and joined
+    before rank 0's trainer exists (sharded ranks build it in the process group), then given it (`attach`)."""
 
-    def __init__(self, trainer: Trainer, world_size: int):
-        self.trainer = trainer
+    def __init__(self, world_size: int):
         self.world_size = world_size
-        self.keep_groups = trainer.cfg.tree_merge != "off"
         self.dp: DataParallelTrainer | None = None
 
     def join(self, addr: str, port: int) -> None:
         """Rank 0 joins the process group (the followers join theirs concurrently)."""
         init_process_group(0, self.world_size, master_addr=addr, master_port=port, timeout_s=COLLECTIVE_TIMEOUT_S)
-        self.dp = DataParallelTrainer(self.trainer)
+
+    def attach(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.keep_groups = trainer.cfg.tree_merge != "off"
+        self.dp = DataParallelTrainer(trainer)
 
     def train_step(self, samples: list[TrainingSample], *, idle_tokens: int, idle_seqs: int,
                    idle_longest: int) -> StepStats:
@@ -130,8 +160,14 @@ class RankGroup(ABC):
         self.trainer.skip_step()
         self._check(self._collect())
 
+    def save_shards(self, folder: Path) -> None:
+        """Every rank writes its part of the optimizer state into `folder` (a checkpoint of sharded ranks)."""
+        self._send([RankWork(save=str(folder)) for _ in range(self.world_size - 1)])
+        save_sharded_optimizer(self.trainer, folder)
+        self._check(self._collect())
+
     def _check(self, reports: list[RankReport]) -> None:
-        mine = RankReport(step=self.trainer.step, checksum=param_checksum(self.trainer.params))
+        mine = RankReport.of(self.trainer)
         for rank, r in enumerate(reports, start=1):
             if r.step != mine.step or r.checksum != mine.checksum:
                 raise RankLost(f"trainer rank {rank} drifted from rank 0 (step {r.step} vs {mine.step}, parameter "
@@ -253,9 +289,9 @@ class LocalRankGroup(RankGroup):
     gone while it waits for its report (the followers' parent can tell; in async mode rank 0 is their
     sibling, and the parent stops the whole trainer instead)."""
 
-    def __init__(self, trainer: Trainer, world_size: int, inboxes: list[Any], outboxes: list[Any],
+    def __init__(self, world_size: int, inboxes: list[Any], outboxes: list[Any],
                  dead: Callable[[], str | None] | None = None):
-        super().__init__(trainer, world_size)
+        super().__init__(world_size)
         self.inboxes, self.outboxes, self.dead = inboxes, outboxes, dead
 
     def _send(self, works: list[RankWork]) -> None:

@@ -22,10 +22,9 @@ from loomrl.buffer import Buffer, usable_group
 from loomrl.buffer.buffer import group_min_version
 from loomrl.buffer.filters import balance_samples
 from loomrl.config import RunConfig
-from loomrl.trainer.checkpoint import load_optimizer, load_state, save_checkpoint, set_rng_state
+from loomrl.trainer.checkpoint import load_state, save_checkpoint, set_rng_state
 from loomrl.trainer.grpo import samples_from_group
-from loomrl.trainer.ranks import RankGroup
-from loomrl.trainer.trainer import Trainer, initial_policy
+from loomrl.trainer.ranks import RankGroup, build_trainer
 from loomrl.types import Trajectory
 
 
@@ -70,12 +69,17 @@ def repair_ledger_for_restart(run_dir: Path, checkpoint: Path | None) -> None:
 
 
 class TrainerService:
-    def __init__(self, cfg: RunConfig, model: torch.nn.Module, tokenizer: Any, resume_from: Path | None = None):
+    def __init__(self, cfg: RunConfig, model: torch.nn.Module, tokenizer: Any, resume_from: Path | None = None,
+                 ranks: RankGroup | None = None):
+        """`ranks` (trainer.distributed): the other ranks, in the process group already."""
         self.cfg = cfg
         self.run_dir = cfg.run_dir
         self.model = model
         self.tokenizer = tokenizer
-        self.trainer = Trainer(model, cfg.trainer, initial_model=initial_policy(cfg, resume_from))
+        self.trainer = build_trainer(cfg, model, resume_from)
+        self.ranks = ranks
+        if ranks is not None:
+            ranks.attach(self.trainer)
         self.buffer = Buffer(cfg.buffer.max_policy_lag, cfg.buffer.sampler, cfg.buffer.window)
         self.received = PositionSet()
         self.extra: dict[str, Any] = {}  # runtime facts to carry across resume (e.g. eval before)
@@ -83,12 +87,8 @@ class TrainerService:
         # it but before reporting the step gives them to the driver when it restarts from it
         self.last_metrics: dict[str, Any] | None = None
         self.ledger_path = self.run_dir / "ledger.jsonl"
-        # trainer.world_size > 1: the other data-parallel ranks (trainer/ranks.py), set by the runtime
-        self.ranks: RankGroup | None = None
         if resume_from is not None:
             state = load_state(resume_from)
-            load_optimizer(resume_from, self.trainer.optimizer, self.trainer.scheduler)
-            self.trainer.step = state["step"]
             self.received = PositionSet(state["received"]["watermark"], set(state["received"]["above"]))
             waiting = {t.position for g in state["buffer"]["groups"] for t in g}
             self.buffer.load_state_dict(state["buffer"], skip=lambda p: p in self.received and p not in waiting)
@@ -99,7 +99,8 @@ class TrainerService:
             self.ledger_path.write_text("".join(json.dumps(e) + "\n" for e in kept))
 
     @classmethod
-    def from_run(cls, cfg: RunConfig, extra: dict[str, Any], checkpoint: Path | None) -> TrainerService:
+    def from_run(cls, cfg: RunConfig, extra: dict[str, Any], checkpoint: Path | None,
+                 ranks: RankGroup | None = None) -> TrainerService:
         """A trainer of its own (async or Ray) from `checkpoint` (the run folder's latest; None: the
         configured model), after repairing a ledger torn by a crash. `extra`: runtime facts the
         checkpoint does not have yet (e.g. eval before)."""
@@ -107,7 +108,7 @@ class TrainerService:
 
         repair_ledger_for_restart(cfg.run_dir, checkpoint)
         model, tokenizer = load_run_model(cfg.model, checkpoint)
-        service = cls(cfg, model, tokenizer, resume_from=checkpoint)
+        service = cls(cfg, model, tokenizer, resume_from=checkpoint, ranks=ranks)
         for k, v in extra.items():
             service.extra.setdefault(k, v)
         return service
@@ -203,10 +204,14 @@ class TrainerService:
     def checkpoint(self) -> Path:
         state = {"buffer": self.buffer.state_dict(), "received": self.received.state(), "extra": self.extra,
                  "metrics": self.last_metrics}
+        sharded = self.ranks if self.trainer.sharded else None
         return save_checkpoint(self.run_dir, self.version, model=self.model, tokenizer=self.tokenizer,
-                               optimizer=self.trainer.optimizer, scheduler=self.trainer.scheduler, state=state)
+                               optimizer=self.trainer.optimizer, scheduler=self.trainer.scheduler, state=state,
+                               weights=sharded and sharded.dp.weights, shards=sharded and sharded.save_shards)
 
     def live_weights(self) -> dict[str, torch.Tensor]:
         """The parameters that training changes (frozen ones never need resending), not copied: a
-        publisher copies them out before the next step changes them."""
-        return {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
+        publisher copies them out before the next step changes them. Sharded: rank 0's gathered copy."""
+        sharded = self.trainer.sharded
+        return {n: self.ranks.dp.weights[n] if sharded else p.detach()
+                for n, p in self.model.named_parameters() if p.requires_grad}

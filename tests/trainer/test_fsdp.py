@@ -99,3 +99,53 @@ def test_depth_first_is_refused_when_sharded(tokenizer):
     cfg = TrainerConfig(tree_merge="on", tree_token_budget=20, tree_merge_memory="depth_first")
     with pytest.raises(ValueError, match="depth_first"):
         Trainer(_model(len(tokenizer), tokenizer.eos_token_id), cfg, shard=fsdp_shard)
+
+
+def _resume_rank(rank: int, world: int, run_dir: str, options: dict) -> tuple[list[float], list[float], dict]:
+    """Per rank: 3 steps straight, and 2 steps + a checkpoint (the model folder from rank 0's gathered
+    weights, the AdamW state in parts with torch.distributed.checkpoint) + fresh trainers from it + 1 step."""
+    import torch.distributed as dist
+
+    from loomrl.config import RunConfig
+    from loomrl.model.loader import load_run_model
+    from loomrl.trainer.checkpoint import latest_checkpoint, save_checkpoint
+    from loomrl.trainer.distributed import save_sharded_optimizer
+    from loomrl.trainer.ranks import build_trainer
+
+    cfg = RunConfig.model_validate({"model": {"kind": "tiny"}, "runtime": {"mode": "async"}, "output_dir": run_dir,
+                                    "trainer": {"lr": 1e-4, "micro_batch_size": 2, "parallel": "fsdp", **options}})
+    model, tok = load_run_model(cfg.model, None)
+    samples = _samples(len(tok))
+    mine = samples[:3] if rank == 0 else samples[3:]
+
+    def steps(dp: DataParallelTrainer, n: int) -> list[float]:
+        return [dp.train_step(copy.deepcopy(mine)).loss for _ in range(n)]
+
+    def full(dp: DataParallelTrainer) -> dict[str, torch.Tensor]:
+        return {n: p.full_tensor().detach().clone() for n, p in dp.trainer.model.named_parameters()}
+
+    straight = DataParallelTrainer(build_trainer(cfg, model, None))
+    want = steps(straight, 3)
+    first = DataParallelTrainer(build_trainer(cfg, load_run_model(cfg.model, None)[0], None))
+    got = steps(first, 2)
+    t = first.trainer
+    if rank == 0:
+        save_checkpoint(cfg.run_dir, 2, model=t.model, tokenizer=tok, optimizer=t.optimizer, scheduler=t.scheduler,
+                        state={}, weights=first.weights, shards=lambda folder: save_sharded_optimizer(t, folder))
+    else:  # rank 0's save_checkpoint writes its part into this folder at the same time
+        save_sharded_optimizer(t, cfg.run_dir / "checkpoints" / ".tmp_step_000002" / "optimizer")
+    dist.barrier()  # renamed into place by rank 0
+    ckpt = latest_checkpoint(cfg.run_dir)
+    resumed = DataParallelTrainer(build_trainer(cfg, load_run_model(cfg.model, ckpt)[0], ckpt))
+    assert resumed.trainer.step == 2
+    got += steps(resumed, 1)
+    return want, got, {"straight": full(straight), "resumed": full(resumed)}
+
+
+@pytest.mark.parametrize("options", [{}, {"loss": {"kind": "decoupled_ppo", "kl": "k3", "kl_coef": 0.1}}])
+def test_fsdp_checkpoint_resume_equals_the_uninterrupted_run(tmp_path, options):
+    for rank, (want, got, weights) in enumerate(launch_local(_resume_rank, 2, (str(tmp_path), options),
+                                                             timeout_s=300, threads=1)):
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-9), rank
+        for name, w in weights["straight"].items():
+            assert float((weights["resumed"][name] - w).abs().max()) < 1e-6, (rank, name)

@@ -40,7 +40,8 @@ def save_checkpoint(run_dir: Path, step: int, *, model: torch.nn.Module, tokeniz
     tmp = root / f".tmp_step_{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model.save_pretrained(tmp / "model", state_dict=weights)
+    # a copy: save_pretrained deletes the entries of tied (aliased) weights from the dict it is given
+    model.save_pretrained(tmp / "model", state_dict=None if weights is None else dict(weights))
     tokenizer.save_pretrained(tmp / "model")
     blob = {"scheduler": scheduler.state_dict()}
     if shards is not None:

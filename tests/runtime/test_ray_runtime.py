@@ -408,3 +408,32 @@ def test_accounting_flags_a_trajectory_with_two_fates_and_one_with_none():
     assert any(v.startswith("d: stale + discarded") for v in out["violations"])
     acc.launched = 13  # one launched trajectory has no fate at all
     assert any("launched 13 != sum of fates" in v for v in acc.settle(ledger[:2])["violations"])
+
+
+@pytest.mark.ray
+def test_fsdp_ranks_restart_together_from_their_sharded_checkpoint(cluster, tmp_path):
+    """trainer.parallel=fsdp over two rank actors: the second rank is SIGKILLed after the first
+    checkpoint; both ranks restart from it (model folder + the optimizer state in parts) and the run
+    completes; every trajectory once."""
+    steps = 6
+    proc = _train(cluster, tmp_path, "fsdp", f"trainer.total_steps={steps}", "checkpoint_every=2",
+                  "runtime.mode=async", "trainer.world_size=2", "trainer.parallel=fsdp",
+                  "ray.trainer.resources={trainer: 0.5}")
+    run_dir = tmp_path / "fsdp"
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and len(read_ledger(run_dir)) < 3 and proc.poll() is None:
+            time.sleep(0.25)
+        victims = [p for p in _tagged(cluster["tag"], cluster["tmp"]) if _title(p).startswith("ray::TrainerRankActor")]
+        assert victims, "no trainer rank actor to kill"
+        os.kill(victims[0], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["steps"] == steps and summary["trainer_restarts"] == 1, summary
+    assert (run_dir / "checkpoints" / f"step_{steps:06d}" / "optimizer").is_dir()  # written in parts
+    check_run(run_dir, summary, steps)
+    check_each_trajectory_once(run_dir, steps)

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from ledger_checks import check_each_trajectory_once, check_run
 
 from loomrl.trainer.service import read_ledger
@@ -120,10 +121,12 @@ def test_sigkill_of_the_trainer_is_survived_by_an_in_run_restart(tmp_path):
     assert [r["step"] for r in read_metrics(run_dir) if r["kind"] == "train"] == list(range(1, 9))
 
 
-def test_sigkill_of_a_follower_rank_restarts_the_whole_trainer(tmp_path):
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_sigkill_of_a_follower_rank_restarts_the_whole_trainer(tmp_path, parallel):
     """trainer.world_size=2: the second data-parallel rank is killed; the run stops rank 0 too, restarts
-    both from the latest checkpoint and completes; every step once, every trajectory once."""
-    args, env = _train_args(tmp_path, "ranks", "eval.n_tasks=0", "trainer.world_size=2")
+    both from the latest checkpoint (fsdp: the optimizer state in parts) and completes; every step once,
+    every trajectory once."""
+    args, env = _train_args(tmp_path, "ranks", "eval.n_tasks=0", "trainer.world_size=2", f"trainer.parallel={parallel}")
     run_dir = tmp_path / "ranks"
     code, out = _run_killing_the_trainer(args, env, run_dir, victim="loomrl-rank1")
     assert code == 0, out[-3000:]

@@ -132,6 +132,7 @@ def _resume_rank(rank: int, world: int, run_dir: str, options: dict) -> tuple[li
     if rank == 0:
         save_checkpoint(cfg.run_dir, 2, model=t.model, tokenizer=tok, optimizer=t.optimizer, scheduler=t.scheduler,
                         state={}, weights=first.weights, shards=lambda folder: save_sharded_optimizer(t, folder))
+        assert set(first.weights) == {n for n, _ in t.model.named_parameters()}  # the engines' copy kept whole
     else:  # rank 0's save_checkpoint writes its part into this folder at the same time
         save_sharded_optimizer(t, cfg.run_dir / "checkpoints" / ".tmp_step_000002" / "optimizer")
     dist.barrier()  # renamed into place by rank 0

@@ -1,11 +1,12 @@
-"""The rollout pool's Ray half: a rollout worker (engine + agent loops + env and reward pools) as an
-actor on some node."""
+"""A rollout worker with what it runs on (RolloutSide: model, engine, task splits; the local backend's
+rollout side), and the rollout pool's Ray half: one as an actor on some node (RolloutActor)."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,7 +24,37 @@ from loomrl.trainer.weight_sync import WeightHandle
 from loomrl.types import EvalRecord, Trajectory
 
 
-class RolloutActor(Placed):
+class RolloutSide:
+    """A RolloutWorker, its engine over the run's model (`checkpoint`'s, else model config's: see
+    load_run_model) and the env family's splits; `eval_tasks`: the held-out tasks an evaluation runs.
+    `pools`: the worker's reward_pool and env_pool."""
+
+    def __init__(self, cfg: RunConfig, checkpoint: Path | None, **pools: Any):
+        self.cfg = cfg
+        # On a thread: this may run inside an event loop (a Ray actor's constructor, LocalBackend.start),
+        # and a family may run one of its own to build its tasks (codefix validates its corpus in local
+        # sandboxes, once per process).
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            train_tasks, heldout = pool.submit(env_family(cfg.env.name).splits, cfg).result()
+        self.eval_tasks = heldout[: cfg.eval.n_tasks]
+        torch.manual_seed(cfg.seed)
+        self.model, self.tokenizer = load_run_model(cfg.model, checkpoint)
+        self.engine = make_engine(cfg, self.model, self.tokenizer, 0)
+        try:
+            self.worker = RolloutWorker(cfg, self.engine, ChatRenderer(self.tokenizer), train_tasks, **pools)
+        except BaseException:  # e.g. reward.function does not import: no engine thread left behind
+            self.engine.close()
+            raise
+
+    async def close(self) -> tuple[dict[str, int], dict[str, Any]]:
+        """Tear down sandboxes and the engine; returns the episode counts and the env pool's metrics (read
+        after the pool closed: they count every instance's teardown)."""
+        await self.worker.aclose()
+        self.engine.close()
+        return self.worker.rollout_counts(), self.worker.pool_metrics()
+
+
+class RolloutActor(Placed, RolloutSide):
     """One rollout worker on some node. Async actor: many groups run at once over one engine.
     `reward_actors`: score on these (RemoteRewardPool) instead of this actor's own threads.
     `env_actors`: lease sandboxes from these (RemoteEnvPool, as `owner`) instead of this node's."""
@@ -33,20 +64,10 @@ class RolloutActor(Placed):
         cfg = RunConfig.model_validate_json(cfg_json)
         # engine.threads, else the CPUs Ray reserved for this actor (several actors share a node's cores)
         torch.set_num_threads(cfg.engine.threads or max(1, int(cfg.ray.rollout.num_cpus)))
-        torch.manual_seed(cfg.seed)
-        self.cfg = cfg
         # Architecture, tokenizer and frozen weights; the trainable ones arrive with update_weights
         # before the first group (the driver sends the trainer's current version to every new actor).
-        model, tokenizer = load_run_model(cfg.model, None)
-        self.engine = make_engine(cfg, model, tokenizer, 0)
-        # On a thread: this constructor runs inside the actor's event loop, and a family may run one of
-        # its own to build its tasks (codefix validates its corpus in local sandboxes, once per process).
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            train_tasks, self.heldout = pool.submit(env_family(cfg.env.name).splits, cfg).result()
-        rewards = RemoteRewardPool(reward_actors) if reward_actors else None
-        envs = RemoteEnvPool(env_actors, owner) if env_actors else None
-        self.worker = RolloutWorker(cfg, self.engine, ChatRenderer(tokenizer), train_tasks, reward_pool=rewards,
-                                    env_pool=envs)
+        super().__init__(cfg, None, reward_pool=RemoteRewardPool(reward_actors) if reward_actors else None,
+                         env_pool=RemoteEnvPool(env_actors, owner) if env_actors else None)
         self._weights_lock = asyncio.Lock()  # bound to the actor's event loop when first waited on
 
     async def update_weights(self, handle: WeightHandle) -> dict[str, float]:
@@ -71,10 +92,4 @@ class RolloutActor(Placed):
     async def evaluate(self) -> EvalRecord:
         async with self._weights_lock:  # the latest published weights first, as for run_group
             pass
-        return await self.worker.evaluate(self.heldout[: self.cfg.eval.n_tasks])
-
-    async def close(self) -> tuple[dict[str, int], dict[str, Any]]:
-        """Tear down sandboxes and the engine; returns the episode counts and the env pool's metrics."""
-        await self.worker.aclose()
-        self.engine.close()
-        return self.worker.rollout_counts(), self.worker.pool_metrics()
+        return await self.worker.evaluate(self.eval_tasks)

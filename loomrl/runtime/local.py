@@ -1,7 +1,7 @@
 """The local backend (runtime.backend=local): one machine, one command, no servers to start.
 
-The rollout side is one RolloutWorker in this process: an engine and many agent loops on one event
-loop, each group an asyncio task. The trainer is
+The rollout side is one RolloutSide (rollout/actor.py) in this process: an engine and many agent loops
+on one event loop, each group an asyncio task. The trainer is
 - sync (hybrid, the seed's time-sharing): a TrainerService in this process sharing the engine's model
   object; it trains on the engine's thread (one OpenMP team per process), weights change in place;
 - async (disaggregated): a TrainerService in a process of its own (trainer/process.py); new weights
@@ -11,6 +11,7 @@ loop, each group an asyncio task. The trainer is
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -20,11 +21,7 @@ import torch
 
 from loomrl.config import RunConfig
 from loomrl.engine.base import Engine, EngineFault
-from loomrl.engine.factory import make_engine
-from loomrl.env.registry import env_family
-from loomrl.model.chat import ChatRenderer
-from loomrl.model.loader import load_run_model
-from loomrl.rollout.worker import RolloutWorker
+from loomrl.rollout.actor import RolloutSide
 from loomrl.runtime.driver import Backend, BackendReport, RunError, TrainerLost, TrainerState, progress
 from loomrl.trainer.checkpoint import latest_checkpoint
 from loomrl.trainer.process import TrainerProcess, TrainerProcessDied
@@ -56,15 +53,10 @@ class EngineDelta:
 
     def __init__(self, engine: Engine):
         self.metrics = engine.metrics
-        self.last = self._read()
-
-    def _read(self) -> dict[str, float]:
-        m = self.metrics
-        return {"busy_s": m.busy_s, "generated_tokens": m.generated_tokens, "prompt_tokens": m.prompt_tokens,
-                "reused_tokens": m.reused_tokens, "preemptions": m.preemptions, "faults": m.faults}
+        self.last = dataclasses.asdict(self.metrics)
 
     def take(self) -> dict[str, float]:
-        now = self._read()
+        now = dataclasses.asdict(self.metrics)
         d = {k: now[k] - self.last[k] for k in now}
         self.last = now
         out = {f"engine/{k}": v for k, v in d.items() if k != "reused_tokens"}
@@ -77,18 +69,13 @@ class LocalBackend(Backend):
         self.cfg, self.ckpt = cfg, checkpoint
         self.sync = cfg.runtime.mode == "sync"
         self.label = cfg.runtime.mode
-        self.train_tasks, self.heldout = env_family(cfg.env.name).splits(cfg)
         self.threads = torch.get_num_threads()  # given back at close: a library call leaves it as it was
         self.service: TrainerService | None = None  # sync: the trainer, in this process
         self.followers: LocalFollowers | None = None  # sync, trainer.world_size > 1
         self.trainer: TrainerProcess | None = None  # async: the client of the trainer process
         self.weights: WeightHandle | None = None  # async: the trainer's latest weights, not yet loaded
         self.sync_metrics: dict[str, float] = {}
-        self.engine: Engine | None = None
-        self.worker: RolloutWorker | None = None
-
-    def _engine(self, model, tokenizer, version: int) -> Engine:
-        return make_engine(self.cfg, model, tokenizer, version)
+        self.rollout: RolloutSide | None = None
 
     async def start(self) -> None:
         cfg = self.cfg
@@ -96,11 +83,8 @@ class LocalBackend(Backend):
             torch.set_num_threads(async_threads(cfg)[0])
         elif cfg.trainer.threads:
             torch.set_num_threads(cfg.trainer.threads)
-        torch.manual_seed(cfg.seed)
-        self.model, self.tokenizer = load_run_model(cfg.model, self.ckpt)
-        self.engine = self._engine(self.model, self.tokenizer, 0)
-        self.delta = EngineDelta(self.engine)
-        self.worker = RolloutWorker(cfg, self.engine, ChatRenderer(self.tokenizer), self.train_tasks)
+        self.rollout = RolloutSide(cfg, self.ckpt)
+        self.delta = EngineDelta(self.rollout.engine)
 
     # -- the trainer --------------------------------------------------------------------------------
     async def start_trainer(self, extra: dict[str, Any]) -> TrainerState:
@@ -123,7 +107,8 @@ class LocalBackend(Backend):
             self.followers = spawn_local_followers(cfg, self.ckpt, follower_threads(cfg, os.cpu_count() or 1))
             ranks = LocalRankGroup(cfg.trainer.world_size, *self.followers.channels(), dead=self.followers.dead)
             join_watching(ranks, self.followers)
-        service = self.service = TrainerService(cfg, self.model, self.tokenizer, resume_from=self.ckpt, ranks=ranks)
+        service = self.service = TrainerService(cfg, self.rollout.model, self.rollout.tokenizer,
+                                                resume_from=self.ckpt, ranks=ranks)
         service.extra.update(extra)
         return TrainerState(service.version, service.received, service.last_metrics)
 
@@ -149,7 +134,7 @@ class LocalBackend(Backend):
             if not self.service.ready():
                 return None
             try:  # on the engine's thread: one OpenMP team per process
-                return await asyncio.wrap_future(self.engine.call(self.service.train_step))
+                return await asyncio.wrap_future(self.rollout.engine.call(self.service.train_step))
             except RankLost as err:
                 raise RunError(f"run error: {err}; continue with the same command and --resume") from None
         try:
@@ -162,49 +147,42 @@ class LocalBackend(Backend):
 
     async def publish(self, version: int) -> None:
         if self.sync:  # the weights changed in place (shared model)
-            self.engine.update_weights(None, version)
+            self.rollout.engine.update_weights(None, version)
             return
         handle, self.weights = self.weights, None
         # Off the event loop: rollouts go on, and the trainer's next step request goes out meanwhile.
         loaded = await asyncio.to_thread(load_weights, handle)
         if self.cfg.runtime.interrupt_on_update:
-            self.engine.interrupt()  # in-flight turns resume under the new weights (AgentLoop._generate)
+            self.rollout.engine.interrupt()  # in-flight turns resume under the new weights (AgentLoop._generate)
         t0 = time.perf_counter()
         try:
-            await asyncio.to_thread(self.engine.update_weights, loaded.weights, version)
+            await asyncio.to_thread(self.rollout.engine.update_weights, loaded.weights, version)
         except EngineFault as err:  # the trainer's own weights: retrying cannot help
             raise RunError(f"run error: the engine could not load the weights of version {version}: {err}") from None
         self.sync_metrics = {**sync_metrics(handle, loaded), "weight_sync/apply_s": time.perf_counter() - t0}
 
     # -- the rollout side ---------------------------------------------------------------------------
     def dispatch(self, position: int) -> asyncio.Future:
-        return asyncio.ensure_future(self.worker.run_group(position))
+        return asyncio.ensure_future(self.rollout.worker.run_group(position))
 
     async def evaluate(self, label: str) -> EvalRecord:
-        tasks = self.heldout[: self.cfg.eval.n_tasks]
-        bar = progress(len(tasks), f"eval {label}", self.cfg.progress)
+        bar = progress(len(self.rollout.eval_tasks), f"eval {label}", self.cfg.progress)
         try:
-            return await self.worker.evaluate(tasks, progress=bar)
+            return await self.rollout.worker.evaluate(self.rollout.eval_tasks, progress=bar)
         finally:
             bar.close()  # before an error's message, not after it
 
     def step_metrics(self) -> dict[str, float]:
-        out = {**self.delta.take(), **self.sync_metrics, **self.worker.program_metrics(),
-               **{f"env_pool/{k}": v for k, v in self.worker.pool_metrics().items()}}
+        out = {**self.delta.take(), **self.sync_metrics, **self.rollout.worker.program_metrics(),
+               **{f"env_pool/{k}": v for k, v in self.rollout.worker.pool_metrics().items()}}
         if self.cfg.runtime.max_inflight_trajectories:
-            out["rollout/cap_wait_s_total"] = self.worker.cap_wait_s
+            out["rollout/cap_wait_s_total"] = self.rollout.worker.cap_wait_s
         self.sync_metrics = {}
         return out
 
     async def close(self) -> BackendReport:
         try:
-            if self.worker is not None:
-                await self.worker.aclose()
-            if self.engine is not None:
-                self.engine.close()
+            rollouts, env_pool = await self.rollout.close() if self.rollout is not None else ({}, {})
         finally:
             torch.set_num_threads(self.threads)
-        if self.worker is None:
-            return BackendReport(rollouts={}, env_pool={})
-        # After the pool closed: its metrics then count every instance's teardown.
-        return BackendReport(rollouts=self.worker.rollout_counts(), env_pool=self.worker.pool_metrics())
+        return BackendReport(rollouts=rollouts, env_pool=env_pool)

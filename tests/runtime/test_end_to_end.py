@@ -16,7 +16,6 @@ from ledger_checks import check_run
 from loomrl.config import load_config
 from loomrl.env.sandbox.bwrap import bwrap_available
 from loomrl.metrics.logger import read_metrics
-from loomrl.runtime.local import LocalBackend
 from loomrl.runtime.run import train
 from loomrl.store import read_trajectories
 from loomrl.trainer.service import read_ledger
@@ -231,7 +230,7 @@ def test_flaky_environment_run_completes_and_the_counts_add_up(tmp_path, tokeniz
     engine makes every trajectory call the tool, since the random tiny model never would."""
     cfg = _cfg(tmp_path, "name=flaky", "runtime.mode=sync", "trainer.total_steps=2", "eval.n_tasks=8",
                "env.calculator.crash_rate=0.3", "env.calculator.hang_rate=0.3", "env.tool_timeout_s=0.5", "reward.function=null")
-    monkeypatch.setattr(LocalBackend, "_engine", lambda self, model, tok, version: ScriptedEngine(
+    monkeypatch.setattr("loomrl.rollout.actor.make_engine", lambda cfg, model, tok, version: ScriptedEngine(
         tokenizer, ["calc(2 + 3)", "The answer is 5."]))
     summary = train(cfg)
     counts = summary["rollouts"]
@@ -258,7 +257,7 @@ def test_flaky_environment_with_retries_reruns_failed_episodes_and_records_why(t
     cfg = _cfg(tmp_path, "name=retry", "runtime.mode=sync", "trainer.total_steps=2", "eval.n_tasks=8",
                "env.calculator.crash_rate=0.3", "env.calculator.hang_rate=0.3", "env.tool_timeout_s=0.5", "reward.function=null",
                "agent.retry_on=[env_error, timeout]", "agent.max_retries=3", "agent.retry_backoff_s=0.01")
-    monkeypatch.setattr(LocalBackend, "_engine", lambda self, model, tok, version: ScriptedEngine(
+    monkeypatch.setattr("loomrl.rollout.actor.make_engine", lambda cfg, model, tok, version: ScriptedEngine(
         tokenizer, ["calc(2 + 3)", "The answer is 5."]))
     summary = train(cfg)
     counts = summary["rollouts"]

@@ -27,7 +27,7 @@ import asyncio
 import json
 import secrets
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from fastapi import Request  # at module level: FastAPI resolves endpoint annotations from the module
@@ -239,11 +239,10 @@ class Gateway:
             if (spent := session._spent(len(prompt_ids))) is not None:
                 return oai.error_response(400, f"budget exceeded: {spent}; the rollout is over", None,
                                           code="budget_exceeded")
-            base = session.sampling or SamplingParams(temperature=req.temperature, top_p=req.top_p,
-                                                      top_k=max(req.top_k, 0), seed=req.seed)
-            sampling = SamplingParams(temperature=base.temperature, top_p=base.top_p, top_k=base.top_k, seed=base.seed,
-                                      max_tokens=session._max_tokens(len(prompt_ids), asked),
-                                      stop=oai.stop_strings(req.stop), stop_token_ids=list(req.stop_token_ids or []))
+            sampling = replace(oai.sampling_params(req, session._max_tokens(len(prompt_ids), asked)), ignore_eos=False)
+            if (run := session.sampling) is not None:  # the run's sampling overrides what the agent asks for
+                sampling = replace(sampling, temperature=run.temperature, top_p=run.top_p, top_k=run.top_k,
+                                   seed=run.seed)
             session.program.phase = "reasoning"
             session.program.tools = [t.get("function", {}).get("name", "") for t in req.tools or []]
             try:

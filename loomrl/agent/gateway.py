@@ -216,8 +216,8 @@ class Gateway:
     def programs(self) -> list[dict[str, Any]]:
         return [asdict(s.program) for s in self._by_key.values()]
 
-    def _session_for(self, authorization: str | None) -> Session | None:
-        if not authorization or not authorization.startswith("Bearer "):
+    def _session_for(self, request: Request) -> Session | None:
+        if not (authorization := request.headers.get("authorization", "")).startswith("Bearer "):
             return None
         session = self._by_key.get(authorization[len("Bearer "):].strip())
         return session if session is not None and not session.closed else None
@@ -283,12 +283,11 @@ class Gateway:
 
         @app.get("/v1/models")
         async def models(request: Request):
-            known = gateway._session_for(request.headers.get("authorization")) is not None
-            return oai.model_list(gateway.model_name, 0) if known else unauthorized()
+            return oai.model_list(gateway.model_name, 0) if gateway._session_for(request) else unauthorized()
 
         @app.post("/v1/chat/completions")
         async def chat(req: ChatCompletionRequest, request: Request):
-            session = gateway._session_for(request.headers.get("authorization"))
+            session = gateway._session_for(request)
             if session is None:
                 return unauthorized()
             body = await gateway.chat(session, req)
@@ -298,12 +297,12 @@ class Gateway:
 
         @app.get("/v1/session")
         async def own_session(request: Request):
-            session = gateway._session_for(request.headers.get("authorization"))
+            session = gateway._session_for(request)
             return unauthorized() if session is None else session.summary()
 
         @app.post("/v1/reward")
         async def reward(request: Request):
-            session = gateway._session_for(request.headers.get("authorization"))
+            session = gateway._session_for(request)
             if session is None:
                 return unauthorized()
             if not gateway.allow_agent_reward:

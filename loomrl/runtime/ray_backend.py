@@ -266,7 +266,7 @@ class RayBackend(Backend):
                 trainer=(await self._where([self.trainer]))[0][0],
                 trainer_ranks=[node for node, _ in await self._where(self.trainer_ranks)],
                 rollout=[node for node, _ in await self._where([s.handle for s in self.workers])])
-        return TrainerState(version, PositionSet(state["watermark"], set(state["above"])), metrics)
+        return TrainerState(version, PositionSet(**state), metrics)
 
     def stop_trainer(self) -> None:
         for actor in [self.trainer, *self.trainer_ranks]:

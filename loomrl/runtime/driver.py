@@ -157,11 +157,7 @@ class Attempt:
 
 def positions_after(received: PositionSet) -> Iterator[int]:
     """Data positions in order, skipping the ones the trainer has received."""
-    p = 0
-    while True:
-        if p not in received:
-            yield p
-        p += 1
+    return (p for p in itertools.count() if p not in received)
 
 
 def progress(total: int, desc: str, enabled: bool):

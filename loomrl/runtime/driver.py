@@ -203,10 +203,8 @@ class Driver:
         for fut in [f for f in self.inflight if not f.done()]:
             del self.inflight[fut]
             self.abandoned.append(self._cancel(fut))
-        self.live.clear()
-        self.retry_at.clear()
-        self.attempts.clear()
-        self.gave_up.clear()
+        for by_position in (self.live, self.retry_at, self.attempts, self.gave_up):
+            by_position.clear()
         self.version = state.version
         self.positions = positions_after(state.received)
         self.next_pos = next(self.positions)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -166,20 +166,29 @@ class BufferConfig(_Section):
     balance_max_ratio: float | None = Field(None, ge=1.0)  # subsample the majority advantage sign to this ratio
 
 
+# The choices of trainer.loss and trainer.advantage; loomrl/trainer/losses.py checks its arguments against them.
+AdvantageKind = Literal["grpo", "dr_grpo", "rloo"]
+LossKind = Literal["ppo_clip", "gspo", "decoupled_ppo", "cispo"]
+ISLevel = Literal["none", "token", "sequence", "chunk"]
+ISVariant = Literal["none", "truncated", "masked"]
+KLKind = Literal["k1", "k2", "k3"]
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm"]
+
+
 class LossConfig(_Section):
     """trainer.loss (loomrl/trainer/losses.py policy_loss): the policy loss, its off-policy correction,
     the KL term and the aggregation."""
 
-    kind: Literal["ppo_clip", "gspo", "decoupled_ppo", "cispo"] = "ppo_clip"
+    kind: LossKind = "ppo_clip"
     # clip range below / above 1; None: the kind's default (PPO 0.2 / 0.2, GSPO 3e-4 / 4e-4, CISPO none / 0.28)
     clip_low: float | None = Field(None, gt=0.0)
     clip_high: float | None = Field(None, gt=0.0)  # e.g. DAPO's clip-higher
-    is_level: Literal["none", "token", "sequence", "chunk"] = "none"  # chunk = one turn (between env calls)
-    is_variant: Literal["none", "truncated", "masked"] = "truncated"
+    is_level: ISLevel = "none"  # chunk = one turn (between env calls)
+    is_variant: ISVariant = "truncated"
     is_cap: float = Field(2.0, gt=0.0)
-    kl: Literal["k1", "k2", "k3"] | None = None  # KL to the initial policy (keeps a frozen copy of it)
+    kl: KLKind | None = None  # KL to the initial policy (keeps a frozen copy of it)
     kl_coef: float = Field(0.0, ge=0.0)
-    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm"] = "token_mean"
+    aggregation: Aggregation = "token_mean"
     norm_constant: float | None = Field(None, gt=0.0)  # token_sum_norm: default max sampled tokens x sequences
 
 
@@ -189,7 +198,7 @@ class TrainerConfig(_Section):
     betas: tuple[float, float] = (0.9, 0.99)
     warmup_steps: int = Field(0, ge=0)
     grad_clip: float = Field(1.0, gt=0.0)
-    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"  # loomrl/trainer/losses.py: the estimator
+    advantage: AdvantageKind = "grpo"  # loomrl/trainer/losses.py: the estimator
     loss: LossConfig = Field(default_factory=LossConfig)
     # zero-variance groups are not trained (no gradient) but count in the loss denominators, so that a
     # step with few informative groups takes a proportionally smaller step; False: mean over trained only
@@ -432,7 +441,7 @@ RETIRED = {
     **{old: f"moved: use {new}" for old, new in _MOVED.items()},
     "engine.batch_wait_ms": "was an option of the torch engine, which is retired: remove it",
     "engine.kind=torch": "the torch engine is retired: use engine.kind=builtin (the default)",
-    "trainer.loss": "is a section now: use trainer.loss.kind=<ppo_clip|gspo|decoupled_ppo|cispo>",
+    "trainer.loss": f"is a section now: use trainer.loss.kind=<{'|'.join(get_args(LossKind))}>",
 }
 
 

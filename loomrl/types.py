@@ -187,8 +187,7 @@ class TrainingSample:
 
     @property
     def min_version(self) -> int:
-        sampled = [v for v, m in zip(self.versions, self.loss_mask) if m]
-        return min(sampled) if sampled else -1
+        return min((v for v, m in zip(self.versions, self.loss_mask) if m), default=-1)
 
 
 # A reward function: (trajectory, task) -> named components (the total is their weighted sum; see reward/).

@@ -27,7 +27,7 @@ import asyncio
 import json
 import secrets
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from fastapi import Request  # at module level: FastAPI resolves endpoint annotations from the module
@@ -216,8 +216,8 @@ class Gateway:
     def programs(self) -> list[dict[str, Any]]:
         return [asdict(s.program) for s in self._by_key.values()]
 
-    def _session_for(self, authorization: str | None) -> Session | None:
-        if not authorization or not authorization.startswith("Bearer "):
+    def _session_for(self, request: Request) -> Session | None:
+        if not (authorization := request.headers.get("authorization", "")).startswith("Bearer "):
             return None
         session = self._by_key.get(authorization[len("Bearer "):].strip())
         return session if session is not None and not session.closed else None
@@ -239,11 +239,10 @@ class Gateway:
             if (spent := session._spent(len(prompt_ids))) is not None:
                 return oai.error_response(400, f"budget exceeded: {spent}; the rollout is over", None,
                                           code="budget_exceeded")
-            base = session.sampling or SamplingParams(temperature=req.temperature, top_p=req.top_p,
-                                                      top_k=max(req.top_k, 0), seed=req.seed)
-            sampling = SamplingParams(temperature=base.temperature, top_p=base.top_p, top_k=base.top_k, seed=base.seed,
-                                      max_tokens=session._max_tokens(len(prompt_ids), asked),
-                                      stop=oai.stop_strings(req.stop), stop_token_ids=list(req.stop_token_ids or []))
+            sampling = replace(oai.sampling_params(req, session._max_tokens(len(prompt_ids), asked)), ignore_eos=False)
+            if (run := session.sampling) is not None:  # the run's sampling overrides what the agent asks for
+                sampling = replace(sampling, temperature=run.temperature, top_p=run.top_p, top_k=run.top_k,
+                                   seed=run.seed)
             session.program.phase = "reasoning"
             session.program.tools = [t.get("function", {}).get("name", "") for t in req.tools or []]
             try:
@@ -284,12 +283,11 @@ class Gateway:
 
         @app.get("/v1/models")
         async def models(request: Request):
-            known = gateway._session_for(request.headers.get("authorization")) is not None
-            return oai.model_list(gateway.model_name, 0) if known else unauthorized()
+            return oai.model_list(gateway.model_name, 0) if gateway._session_for(request) else unauthorized()
 
         @app.post("/v1/chat/completions")
         async def chat(req: ChatCompletionRequest, request: Request):
-            session = gateway._session_for(request.headers.get("authorization"))
+            session = gateway._session_for(request)
             if session is None:
                 return unauthorized()
             body = await gateway.chat(session, req)
@@ -299,12 +297,12 @@ class Gateway:
 
         @app.get("/v1/session")
         async def own_session(request: Request):
-            session = gateway._session_for(request.headers.get("authorization"))
+            session = gateway._session_for(request)
             return unauthorized() if session is None else session.summary()
 
         @app.post("/v1/reward")
         async def reward(request: Request):
-            session = gateway._session_for(request.headers.get("authorization"))
+            session = gateway._session_for(request)
             if session is None:
                 return unauthorized()
             if not gateway.allow_agent_reward:

@@ -16,8 +16,7 @@ from loomrl.types import Trajectory
 
 
 def group_min_version(group: list[Trajectory]) -> int:
-    versions = [t.metadata.policy_version_min for t in group if t.metadata.policy_version_min >= 0]
-    return min(versions) if versions else -1
+    return min((t.metadata.policy_version_min for t in group if t.metadata.policy_version_min >= 0), default=-1)
 
 
 class Buffer:

@@ -106,19 +106,17 @@ async def generate_resuming(engine: Engine, prompt_ids: list[int], params: Sampl
     """Generate; a request interrupted by a weight update (AReaL's interruptible rollout) resumes from its partial
     output, re-prefilled under the new weights. The tokens keep the versions that sampled them, so staleness stays
     exact per token. Returns the whole result and how many times it resumed."""
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    versions: list[int] = []
+    out = GenerationResult(token_ids=[], logprobs=[], versions=[], finish_reason="")  # the parts so far, joined
     resumed = idle = 0
     while True:
         result = await engine.generate(GenerationRequest(
-            prompt_ids=prompt_ids + tokens, program_id=program_id, priority=priority,
-            sampling=replace(params, max_tokens=params.max_tokens - len(tokens))))
-        tokens += result.token_ids
-        logprobs += result.logprobs
-        versions += result.versions
-        reason = result.finish_reason
-        if reason == "interrupted":
+            prompt_ids=prompt_ids + out.token_ids, program_id=program_id, priority=priority,
+            sampling=replace(params, max_tokens=params.max_tokens - len(out.token_ids))))
+        out.token_ids += result.token_ids
+        out.logprobs += result.logprobs
+        out.versions += result.versions
+        out.finish_reason = result.finish_reason
+        if out.finish_reason == "interrupted":
             resumed += 1
             # Each resume normally adds tokens (an interrupt ends a step, not a request's whole life); an
             # engine that keeps interrupting before producing any would make this loop spin forever.
@@ -126,7 +124,7 @@ async def generate_resuming(engine: Engine, prompt_ids: list[int], params: Sampl
             if idle >= MAX_IDLE_RESUMES:
                 raise EngineFault(f"generation was interrupted {idle} times in a row without producing a token; "
                                   "the engine is not making progress")
-            if len(tokens) < params.max_tokens:
+            if len(out.token_ids) < params.max_tokens:
                 continue
-            reason = "length"
-        return GenerationResult(token_ids=tokens, logprobs=logprobs, versions=versions, finish_reason=reason), resumed
+            out.finish_reason = "length"
+        return out, resumed

@@ -74,9 +74,16 @@ def _converted_dir(cfg: ModelConfig, gguf: Path) -> Path:
     return out
 
 
-def _tokenizer_dir(cfg: ModelConfig) -> Path:
+def _hf_folder(cfg: ModelConfig) -> Path:
+    """The Hugging Face folder `cfg` loads: its model's (a GGUF is converted once), or a tiny model's tokenizer's."""
     if cfg.kind == "hf":
-        return _hf_dir(cfg)
+        if not cfg.path:
+            raise ModelLoadError("model error: model.kind=hf needs model.path=/path/to/hf_folder")
+        path = Path(cfg.path)
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"model error: '{path}' is not a Hugging Face model folder (no config.json); "
+                                 "set model.path")
+        return path
     if cfg.kind == "tiny" and cfg.tokenizer != "smollm2":
         path = Path(cfg.tokenizer)
         if not path.is_dir():
@@ -86,19 +93,10 @@ def _tokenizer_dir(cfg: ModelConfig) -> Path:
     return _converted_dir(cfg, _gguf_source(cfg) if cfg.kind == "gguf" else smollm2_gguf_path())
 
 
-def _hf_dir(cfg: ModelConfig) -> Path:
-    if not cfg.path:
-        raise ModelLoadError("model error: model.kind=hf needs model.path=/path/to/hf_folder")
-    path = Path(cfg.path)
-    if not (path / "config.json").is_file():
-        raise ModelLoadError(f"model error: '{path}' is not a Hugging Face model folder (no config.json); set model.path")
-    return path
-
-
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(_tokenizer_dir(cfg))
+    tokenizer = AutoTokenizer.from_pretrained(_hf_folder(cfg))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -130,7 +128,7 @@ def load_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBa
     if cfg.kind == "tiny":
         model = build_tiny_model(cfg, len(tokenizer), tokenizer.eos_token_id)
     else:
-        folder = _hf_dir(cfg) if cfg.kind == "hf" else _converted_dir(cfg, _gguf_source(cfg))
+        folder = _hf_folder(cfg)
         try:
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         except (OSError, ValueError) as err:

@@ -157,11 +157,7 @@ class Attempt:
 
 def positions_after(received: PositionSet) -> Iterator[int]:
     """Data positions in order, skipping the ones the trainer has received."""
-    p = 0
-    while True:
-        if p not in received:
-            yield p
-        p += 1
+    return (p for p in itertools.count() if p not in received)
 
 
 def progress(total: int, desc: str, enabled: bool):
@@ -207,10 +203,8 @@ class Driver:
         for fut in [f for f in self.inflight if not f.done()]:
             del self.inflight[fut]
             self.abandoned.append(self._cancel(fut))
-        self.live.clear()
-        self.retry_at.clear()
-        self.attempts.clear()
-        self.gave_up.clear()
+        for by_position in (self.live, self.retry_at, self.attempts, self.gave_up):
+            by_position.clear()
         self.version = state.version
         self.positions = positions_after(state.received)
         self.next_pos = next(self.positions)

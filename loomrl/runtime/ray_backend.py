@@ -128,8 +128,7 @@ class RayBackend(Backend):
             need: dict[str, float] = {}
             for spec, n in [(r.rollout, r.rollout.count), (r.trainer, self.cfg.trainer.world_size),
                             (r.reward, r.reward.count), (r.env, r.env.count)]:
-                for k, v in spec.resources.items():
-                    need[k] = need.get(k, 0) + v * n
+                add_into(need, {k: v * n for k, v in spec.resources.items()})
             kwargs.update(include_dashboard=False, resources=need or None)
         # "local": always a new one-machine cluster; plain None would join a cluster found running
         # (RAY_ADDRESS, or the last one started on this machine)
@@ -266,7 +265,7 @@ class RayBackend(Backend):
                 trainer=(await self._where([self.trainer]))[0][0],
                 trainer_ranks=[node for node, _ in await self._where(self.trainer_ranks)],
                 rollout=[node for node, _ in await self._where([s.handle for s in self.workers])])
-        return TrainerState(version, PositionSet(state["watermark"], set(state["above"])), metrics)
+        return TrainerState(version, PositionSet(**state), metrics)
 
     def stop_trainer(self) -> None:
         for actor in [self.trainer, *self.trainer_ranks]:

@@ -33,11 +33,6 @@ class OpenAIServer:
         self.errors = 0
 
     # -- helpers ----------------------------------------------------------------------------------
-    def _sampling(self, req, max_tokens: int) -> SamplingParams:
-        return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
-                              max_tokens=max_tokens, stop_token_ids=list(req.stop_token_ids or []),
-                              stop=oai.stop_strings(req.stop), seed=req.seed, ignore_eos=req.ignore_eos)
-
     async def _generate_n(self, prompt_ids: list[int], sampling: SamplingParams, n: int) -> list[GenerationResult]:
         """n samples of one prompt (seeds seed, seed+1, ... when seeded); the prefix cache shares the prompt."""
         reqs = [
@@ -73,7 +68,7 @@ class OpenAIServer:
             return oai.error_response(400, f"prompt token ids must be non-empty and in [0, {vocab})", "prompt")
         if (bad := self._check_context(prompts, req.max_tokens)) is not None:
             return bad
-        sampling = self._sampling(req, req.max_tokens)
+        sampling = oai.sampling_params(req, req.max_tokens)
         results = await asyncio.gather(*[self._generate_n(ids, sampling, req.n) for ids in prompts])
         choices = []
         for ids, outs in zip(prompts, results):
@@ -106,7 +101,7 @@ class OpenAIServer:
         max_tokens = req.max_completion_tokens or req.max_tokens or 256
         if (bad := self._check_context([prompt_ids], max_tokens)) is not None:
             return bad
-        sampling = self._sampling(req, max_tokens)
+        sampling = oai.sampling_params(req, max_tokens)
         outs = await self._generate_n(prompt_ids, sampling, req.n)
         choices = []
         for r in outs:

@@ -1,6 +1,6 @@
 """OpenAI-style requests and responses shared by `loomrl serve` (server/app.py) and the black-box gateway
-(agent/gateway.py): the error bodies, message checks, the sampled text and its logprobs, the completion
-body, and the assistant message for sampled text (tool calls parsed)."""
+(agent/gateway.py): the error bodies, message checks, a request's sampling, the sampled text and its logprobs,
+the completion body, and the assistant message for sampled text (tool calls parsed)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 import uuid
 from typing import Any
 
-from loomrl.engine.base import GenerationResult
+from loomrl.engine.base import GenerationResult, SamplingParams
 from loomrl.model.tools import parse_tool_calls
 
 
@@ -37,8 +37,11 @@ def bad_roles(messages: list[Any]):
     return None
 
 
-def stop_strings(stop: str | list[str] | None) -> list[str]:
-    return [stop] if isinstance(stop, str) else list(stop or [])
+def sampling_params(req, max_tokens: int) -> SamplingParams:
+    """The engine's sampling for a request (vLLM's top_k -1 or 0: off; `stop`: a string or a list of them)."""
+    return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0), max_tokens=max_tokens,
+                          stop_token_ids=list(req.stop_token_ids or []), seed=req.seed, ignore_eos=req.ignore_eos,
+                          stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []))
 
 
 def sampled_text(tokenizer, result: GenerationResult, stops: list[str]) -> tuple[str, str]:

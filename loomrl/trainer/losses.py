@@ -18,27 +18,13 @@ trainer's under a recent policy (e.g. the weights the sample was generated for).
 from __future__ import annotations
 
 import math
-from typing import Literal, get_args
+from typing import Any, get_args
 
 import torch
 
-from loomrl.config import LossConfig
+from loomrl.config import AdvantageKind, Aggregation, ISLevel, ISVariant, KLKind, LossConfig
 
 Tensor = torch.Tensor
-
-AdvantageKind = Literal["grpo", "dr_grpo", "rloo"]
-LossKind = Literal["ppo_clip", "gspo", "decoupled_ppo", "cispo"]
-ISLevel = Literal["none", "token", "sequence", "chunk"]
-ISVariant = Literal["none", "truncated", "masked"]
-KLKind = Literal["k1", "k2", "k3"]
-Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm"]
-
-ADVANTAGE_KINDS: tuple[str, ...] = get_args(AdvantageKind)
-LOSS_KINDS: tuple[str, ...] = get_args(LossKind)
-IS_LEVELS: tuple[str, ...] = get_args(ISLevel)
-IS_VARIANTS: tuple[str, ...] = get_args(ISVariant)
-KL_KINDS: tuple[str, ...] = get_args(KLKind)
-AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
 
 # (clip_low, clip_high) per loss when the caller leaves them unset: PPO's 0.2; GSPO's paper values
 # (its ratio is a per-token geometric mean, so the range is tiny); CISPO as in MiniMax-M1, no lower
@@ -47,9 +33,10 @@ DEFAULT_CLIP: dict[str, tuple[float, float]] = {"ppo_clip": (0.2, 0.2), "decoupl
                                                  "gspo": (3e-4, 4e-4), "cispo": (1.0, 0.28)}
 
 
-def _check_choice(name: str, value: object, accepted: tuple[str, ...]) -> None:
-    if value not in accepted:
-        raise ValueError(f"{name}={value!r} is not one of {', '.join(accepted)}")
+def _check_choice(name: str, value: object, choices: Any) -> None:
+    """`value` is one of the values of the Literal type `choices`."""
+    if value not in get_args(choices):
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(get_args(choices))}")
 
 
 # ---------------------------------------------------------------- advantages (one group of rewards)
@@ -88,7 +75,7 @@ def rloo_advantages(rewards: list[float] | Tensor) -> Tensor:
 
 def compute_advantages(kind: AdvantageKind, rewards: list[float] | Tensor) -> Tensor:
     """Advantages [n] of one group's per-trajectory rewards by `kind` (grpo, dr_grpo, rloo)."""
-    _check_choice("kind", kind, ADVANTAGE_KINDS)
+    _check_choice("kind", kind, AdvantageKind)
     return {"grpo": grpo_advantages, "dr_grpo": dr_grpo_advantages, "rloo": rloo_advantages}[kind](rewards)
 
 
@@ -214,8 +201,8 @@ def importance_weights(logp_train: Tensor, logp_behaviour: Tensor, *, level: ISL
     (MIS: the unit is dropped from the loss); "none" w as it is.
     Stats: ess (over the units carrying a weight: tokens, sequences or chunks; masked units count as
     0), is_weight_mean (over tokens), is_truncated_frac, is_masked_frac (over tokens)."""
-    _check_choice("level", level, IS_LEVELS)
-    _check_choice("variant", variant, IS_VARIANTS)
+    _check_choice("level", level, ISLevel)
+    _check_choice("variant", variant, ISVariant)
     _check_tokens(logp_train=logp_train, logp_behaviour=logp_behaviour, seq_ids=seq_ids, chunk_ids=chunk_ids)
     if not cap > 0 or (variant == "masked" and cap < 1):
         raise ValueError(f"cap must be > 0 (>= 1 for the masked variant), got {cap}")
@@ -256,7 +243,7 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: KLKind = "k3") -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) at tokens sampled from pi (Schulman, "Approximating KL
     divergence", 2020), with d = ref_logp - logp: k1 = -d = logp - ref_logp; k2 = d^2 / 2;
     k3 = exp(d) - d - 1 >= 0 (GRPO's penalty). Differentiable in logp; ref_logp is detached."""
-    _check_choice("kl", kind, KL_KINDS)
+    _check_choice("kl", kind, KLKind)
     _check_tokens(logp=logp, ref_logp=ref_logp)
     d = ref_logp.detach() - logp
     if kind == "k1":
@@ -280,7 +267,7 @@ def aggregate(loss: Tensor, seq_ids: Tensor, mode: Aggregation = "token_mean", *
     (Dr. GRPO's unbiased form; with the step's total token count it is the step-level token mean).
     S is the number of distinct seq_ids, or `num_seqs` if given (e.g. the whole step's count, so
     that micro-batch losses add up to the step's mean over sequences)."""
-    _check_choice("aggregation", mode, AGGREGATIONS)
+    _check_choice("aggregation", mode, Aggregation)
     _check_tokens(loss=loss, seq_ids=seq_ids)
     if loss.numel() == 0:
         raise ValueError("loss has no tokens to aggregate")
@@ -326,7 +313,7 @@ def policy_loss(cfg: LossConfig, logp: Tensor, old_logp: Tensor, advantages: Ten
         if ref_logp is None:
             raise ValueError(f"ref_logp is required when kl={kl!r}")
     elif cfg.kl_coef != 0.0:
-        raise ValueError(f"kl_coef={cfg.kl_coef} needs kl set to one of {', '.join(KL_KINDS)}")
+        raise ValueError(f"kl_coef={cfg.kl_coef} needs kl set to one of {', '.join(get_args(KLKind))}")
     if kind == "decoupled_ppo" and prox_logp is None:
         raise ValueError("prox_logp is required for kind='decoupled_ppo' (the proximal policy's logprobs)")
     if is_level == "chunk" and chunk_ids is None:

@@ -29,7 +29,7 @@ from loomrl.types import Trajectory
 
 
 class PositionSet:
-    """Positions received so far, kept compact as a watermark plus the few above it."""
+    """Positions received so far, kept as a watermark plus the few above it; PositionSet(**s.state()) copies s."""
 
     def __init__(self, watermark: int = 0, above: set[int] | None = None):
         self.watermark = watermark  # every position < watermark is in the set

@@ -249,8 +249,7 @@ class BuiltinEngine:
             seq.out_logprobs.append(lp)
             seq.out_versions.append(version)
             self.metrics.generated_tokens += 1
-            reason = self._stop_reason(seq, tok)
-            if reason:
+            if reason := self._stop_reason(seq, tok):
                 done.append((seq, reason))
         if done:
             with self._cond:

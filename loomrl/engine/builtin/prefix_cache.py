@@ -28,8 +28,7 @@ class _Node:
     parent: _Node | None
     children: dict[int, _Node] = field(default_factory=dict)
     kv: SequenceKV | None = None  # donor holding the K/V of the path to (the end of) this node
-    entry_program: str | None = None  # set on nodes that are cached entries
-    is_entry: bool = False
+    entry_program: str | None = None  # the program owning the cached entry ending here; None: not an entry
     last_used: int = 0
 
 
@@ -90,7 +89,6 @@ class PrefixCache:
             child.last_used = now
             node = child
             i += n
-        node.is_entry = True
         node.entry_program = program_id
 
     # -- removal ----------------------------------------------------------------------------------
@@ -102,19 +100,18 @@ class PrefixCache:
             stack.extend(node.children.values())
 
     def _entries(self) -> list[_Node]:
-        return [n for n in self._nodes() if n.is_entry]
+        return [n for n in self._nodes() if n.entry_program is not None]
 
     def _remove_entry(self, node: _Node) -> None:
-        node.is_entry = False
         node.entry_program = None
         # Prune childless non-entry nodes upward, then refresh donors on the path.
-        while node is not self.root and not node.children and not node.is_entry:
+        while node is not self.root and not node.children and node.entry_program is None:
             parent = node.parent
             del parent.children[node.edge[0]]
             node = parent
         while node is not self.root:
             node.kv = self._any_donor(node)
-            if len(node.children) == 1 and not node.is_entry and node.parent is not None:
+            if len(node.children) == 1 and node.entry_program is None and node.parent is not None:
                 (only,) = node.children.values()  # merge a pass-through node into its child
                 only.edge = node.edge + only.edge
                 only.parent = node.parent
@@ -123,7 +120,7 @@ class PrefixCache:
             node = node.parent
 
     def _any_donor(self, node: _Node) -> SequenceKV | None:
-        if node.is_entry:
+        if node.entry_program is not None:
             return node.kv
         return next((child.kv for child in node.children.values() if child.kv is not None), None)
 

@@ -81,8 +81,7 @@ def _render_taxi(env: gym.Env, obs: int) -> str:
 def _render_cliffwalking(env: gym.Env, obs: int) -> str:
     # This render marks the agent with "x" and no colour, so "@" is swapped in for the same legend.
     row, col = divmod(obs, env.unwrapped.shape[1])
-    grid = _grid_lines(env).replace("x", "@")
-    return f"{grid}\nYou (@) are at row {row + 1}, column {col + 1}."
+    return f"{_grid_lines(env).replace('x', '@')}\nYou (@) are at row {row + 1}, column {col + 1}."
 
 
 def _render_blackjack(env: gym.Env, obs: tuple[int, int, int]) -> str:

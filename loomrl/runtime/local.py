@@ -96,8 +96,7 @@ class LocalBackend(Backend):
         except TrainerProcessDied as err:
             raise TrainerLost(str(err)) from None
         self.weights = ready.weights
-        return TrainerState(ready.version, PositionSet(ready.received["watermark"], set(ready.received["above"])),
-                            ready.metrics)
+        return TrainerState(ready.version, PositionSet(**ready.received), ready.metrics)
 
     def _start_sync_trainer(self, extra: dict[str, Any]) -> TrainerState:
         """The sync trainer shares the engine's model; it is never restarted (a failure stops the run)."""

@@ -84,7 +84,7 @@ def param_checksum(params: list[torch.Tensor]) -> tuple[int, int]:
     """(sum, sum of squares) of the parameters' bit patterns read as integers, in int64 arithmetic (which wraps: still
     exact and order-free). Equal on bit-identical replicas whatever the thread count (a float sum is not: its rounding
     depends on the reduction order), and almost surely different on replicas that differ in any bit."""
-    total = squares = torch.zeros((), dtype=torch.int64)
+    total = squares = torch.zeros((), dtype=torch.int64, device=params[0].device if params else None)
     for p in params:
         bits = p.detach().contiguous().view(_INT_OF_SIZE[p.element_size()]).to(torch.int64)
         total = total + bits.sum()
@@ -101,6 +101,8 @@ class DataParallelTrainer:
         self.trainer = trainer
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        # where the collectives' own tensors live: NCCL reduces CUDA tensors only
+        self.device = next(trainer.model.parameters()).device
         self.weights: dict[str, torch.Tensor] = {}  # sharded, rank 0: the full parameters, as of the last step
         if trainer.sharded:
             self._gather(everything=True)
@@ -112,7 +114,7 @@ class DataParallelTrainer:
         t = self.trainer
         tokens = sum(sum(s.loss_mask) for s in samples)
         longest = max([idle_longest, *(sum(s.loss_mask) for s in samples)])
-        counts = torch.tensor([tokens, len(samples), idle_tokens, idle_seqs], dtype=torch.int64)
+        counts = torch.tensor([tokens, len(samples), idle_tokens, idle_seqs], dtype=torch.int64, device=self.device)
         dist.all_reduce(counts)
         g_tokens, g_seqs, g_idle_tokens, g_idle_seqs = counts.tolist()
         if g_tokens == 0:  # every rank raises, none is left waiting in a collective
@@ -144,22 +146,21 @@ class DataParallelTrainer:
                 if self.rank == 0:
                     self.weights[name] = full.to("cpu", copy=True)  # at world size 1 `full` is the shard itself
 
-    @staticmethod
-    def _most(n: int) -> int:
-        m = torch.tensor([n], dtype=torch.int64)
+    def _most(self, n: int) -> int:
+        m = torch.tensor([n], dtype=torch.int64, device=self.device)
         dist.all_reduce(m, op=dist.ReduceOp.MAX)
         return int(m)
 
     def _global_norm(self, longest: int, seqs: int) -> float:
         """Trainer's token_sum_norm default, max sampled tokens x sequences, over the whole step."""
-        m = torch.tensor([longest], dtype=torch.int64)
+        m = torch.tensor([longest], dtype=torch.int64, device=self.device)
         dist.all_reduce(m, op=dist.ReduceOp.MAX)
         return float(int(m) * seqs)
 
     def _sum_gradients(self) -> None:
         params = self.trainer.params
         # A parameter no sample of this rank reached has no gradient here but may have one elsewhere.
-        has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+        has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=self.device)
         dist.all_reduce(has)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for p, h in zip(params, has.tolist()):
@@ -181,7 +182,7 @@ class DataParallelTrainer:
         forwarded = s.tokens / s.tree_ratio if s.tree_ratio else float(s.tokens)
         v = torch.tensor([s.loss, s.clip_frac * lt, s.ratio_mean * lt, s.approx_kl * lt, s.ess * lt, lt,
                           float(s.tokens), forwarded, float(s.attn_pairs_dense), float(s.attn_pairs)],
-                         dtype=torch.float64)
+                         dtype=torch.float64, device=self.device)
         dist.all_reduce(v)
         loss, clip, ratio, kl, ess, g_lt, tokens, g_forwarded, pairs_dense, pairs = v.tolist()
         return StepStats(loss=loss, grad_norm=s.grad_norm, clip_frac=clip / g_lt, ratio_mean=ratio / g_lt,

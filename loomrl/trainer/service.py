@@ -89,7 +89,7 @@ class TrainerService:
         self.ledger_path = self.run_dir / "ledger.jsonl"
         if resume_from is not None:
             state = load_state(resume_from)
-            self.received = PositionSet(state["received"]["watermark"], set(state["received"]["above"]))
+            self.received = PositionSet(**state["received"])
             waiting = {t.position for g in state["buffer"]["groups"] for t in g}
             self.buffer.load_state_dict(state["buffer"], skip=lambda p: p in self.received and p not in waiting)
             self.extra = state.get("extra", {})

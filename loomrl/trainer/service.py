@@ -107,7 +107,7 @@ class TrainerService:
         from loomrl.model.loader import load_run_model
 
         repair_ledger_for_restart(cfg.run_dir, checkpoint)
-        model, tokenizer = load_run_model(cfg.model, checkpoint)
+        model, tokenizer = load_run_model(cfg.model, checkpoint, trainer=cfg.trainer)  # float32 on trainer.device
         service = cls(cfg, model, tokenizer, resume_from=checkpoint, ranks=ranks)
         for k, v in extra.items():
             service.extra.setdefault(k, v)

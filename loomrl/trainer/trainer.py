@@ -6,6 +6,10 @@ share of a small model's FLOPs), and `freeze_layers` keeps the embeddings and th
 stops above them. With `tree_merge`, micro-batches are cut from the samples in lexicographic order (a group's samples
 stay together) and forwarded as one prefix tree each (tree.py), so a shared prompt or history is computed once (once per
 step, across micro-batches, with `tree_merge_memory=depth_first`).
+
+Device and precision (loomrl/devices.py): the model's parameters, gradients and AdamW state are float32 on
+trainer.device; forwards and backwards run under autocast to trainer.precision; every tensor a step makes is made
+on the model's device.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from loomrl.config import RunConfig, TrainerConfig
+from loomrl.devices import place, resolve_device
 from loomrl.trainer.head import head_logprobs
 from loomrl.trainer.losses import policy_loss
 from loomrl.trainer.tree import (
@@ -70,16 +75,18 @@ def freeze_bottom(model: torch.nn.Module, n_layers: int) -> None:
 def token_logprobs(model: torch.nn.Module, samples: list[TrainingSample], *, with_grad: bool) -> list[torch.Tensor]:
     """Logprob of each sample's loss-masked tokens under `model` (at the sample's temperature)."""
     base, _ = decoder_and_head(model)
+    device = next(model.parameters()).device
     width = max(len(s.token_ids) for s in samples)
-    ids = torch.zeros((len(samples), width), dtype=torch.long)
-    attn = torch.zeros((len(samples), width), dtype=torch.long)
-    for i, s in enumerate(samples):
-        ids[i, : len(s.token_ids)] = torch.tensor(s.token_ids)
-        attn[i, : len(s.token_ids)] = 1
+    pad = [width - len(s.token_ids) for s in samples]
+    ids = torch.tensor([s.token_ids + [0] * p for s, p in zip(samples, pad)], dtype=torch.long, device=device)  # [B, T]
+    attn = torch.tensor([[1] * len(s.token_ids) + [0] * p for s, p in zip(samples, pad)], dtype=torch.long,
+                        device=device)  # [B, T]
     targets = [sampled_positions(s) for s in samples]
     # the hidden state before each sampled token: one row per target, every sample's rows in one head pass
-    at = torch.tensor([(i, t) for i, ts in enumerate(targets) for t in ts], dtype=torch.long).view(-1, 2)
-    temps = torch.tensor([s.temperature for s, ts in zip(samples, targets) for _ in ts], dtype=torch.float32)
+    at = torch.tensor([(i, t) for i, ts in enumerate(targets) for t in ts], dtype=torch.long,
+                      device=device).view(-1, 2)
+    temps = torch.tensor([s.temperature for s, ts in zip(samples, targets) for _ in ts], dtype=torch.float32,
+                         device=device)
     with torch.set_grad_enabled(with_grad):
         hidden = base(input_ids=ids, attention_mask=attn).last_hidden_state  # [B, T, H]
         logp = head_logprobs(model, hidden[at[:, 0], at[:, 1] - 1], ids[at[:, 0], at[:, 1]], temps)
@@ -116,9 +123,16 @@ class Trainer:
         """`initial_model`: the policy the run started from, KL's reference; default: a copy of `model`
         (right for a fresh run; a resumed one must pass it, or the reference would be the checkpoint).
         `shard`: turns a model into its sharded forward (trainer/distributed.py fsdp_shard), after the
-        frozen layers are marked and before the optimizer sees the (then sharded) parameters."""
+        frozen layers are marked and before the optimizer sees the (then sharded) parameters.
+        `model` (and `initial_model`) are placed in place on trainer.device with float32 parameters (the
+        masters; loomrl/devices.py): a no-op for a model loaded for the trainer, which callers should pass
+        (load_run_model(trainer=)): a bfloat16 model cast up here would hold rounded weights."""
         self.model = model
         self.cfg = cfg
+        self.device = resolve_device(cfg.device, "trainer.device")
+        place(model, self.device, torch.float32)
+        if initial_model is not None:
+            place(initial_model, self.device, torch.float32)
         if shard is not None and self._depth_first():
             # its partial forwards would each gather and reduce on their own: a plan the ranks cannot share yet
             raise ValueError("trainer.tree_merge_memory=depth_first is not supported with sharded (FSDP) ranks yet; "
@@ -143,7 +157,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0)
         self.step = 0
-        self.autocast = compute_context(cfg.precision, next(model.parameters()).device)
+        self.autocast = compute_context(cfg.precision, self.device)
         self.grad_hook: Callable[[], None] | None = None  # trainer/distributed.py: sums the ranks' gradients
 
     def train_step(self, samples: list[TrainingSample], *, idle_tokens: int = 0, idle_seqs: int = 0,
@@ -207,9 +221,10 @@ class Trainer:
             if not parts:
                 return None
             idx = [sampled_positions(s) for _, s, _ in parts]
-            behaviour = torch.tensor([s.behaviour_logprobs[t] for (_, s, _), ts in zip(parts, idx) for t in ts])
-            adv = torch.tensor([s.advantages[t] for (_, s, _), ts in zip(parts, idx) for t in ts])
-            seq_ids = torch.tensor([seq_offset + k for k, ts in enumerate(idx) for _ in ts])
+            on = {"device": self.device}
+            behaviour = torch.tensor([s.behaviour_logprobs[t] for (_, s, _), ts in zip(parts, idx) for t in ts], **on)
+            adv = torch.tensor([s.advantages[t] for (_, s, _), ts in zip(parts, idx) for t in ts], **on)
+            seq_ids = torch.tensor([seq_offset + k for k, ts in enumerate(idx) for _ in ts], **on)
             # A chunk is one turn: a run of sampled tokens between two environment interactions.
             chunk_ids, c = [], chunk_offset - 1
             for ts in idx:
@@ -220,7 +235,7 @@ class Trainer:
             chunk_offset = c + 1
             loss, stats = policy_loss(
                 loss_cfg, torch.cat([logp for _, _, logp in parts]), behaviour, adv, seq_ids,
-                chunk_ids=torch.tensor(chunk_ids),
+                chunk_ids=torch.tensor(chunk_ids, **on),
                 prox_logp=torch.cat([prox[b][i] for i, _, _ in parts]) if prox is not None else None,
                 ref_logp=torch.cat([ref[b][i] for i, _, _ in parts]) if ref is not None else None,
                 num_seqs=len(samples) + idle_seqs)
@@ -319,4 +334,4 @@ def initial_policy(cfg: RunConfig, resume_from: Path | None) -> torch.nn.Module 
         return None
     from loomrl.model.loader import load_model
 
-    return load_model(cfg.model)[0]
+    return load_model(cfg.model, device=resolve_device(t.device, "trainer.device"), dtype=torch.float32)[0]

@@ -205,9 +205,9 @@ class _SegmentPlan:
     capture: dict[int, KV] | None = None
 
 
-def _plan(segments: list[Segment], first: int = 0) -> _SegmentPlan:
-    """The plan for queries from packed index `first` on; keys index the whole layout (with
-    `first` > 0, the tokens before it are a past whose K/V the caller supplies in plan.past)."""
+def _plan(segments: list[Segment], device: torch.device, first: int = 0) -> _SegmentPlan:
+    """The plan (its tensors on `device`) for queries from packed index `first` on; keys index the whole layout
+    (with `first` > 0, the tokens before it are a past whose K/V the caller supplies in plan.past)."""
     q_sizes, kv_sizes, index, masks = [], [], [], []
     for seg in segments:
         if seg.start < first:
@@ -217,8 +217,9 @@ def _plan(segments: list[Segment], first: int = 0) -> _SegmentPlan:
         q_sizes.append(length)
         kv_sizes.append(keys)
         index.extend(j for a, b in seg.spans for j in range(a, b))
-        masks.append(None if len(seg.spans) == 1 else torch.ones(length, keys, dtype=torch.bool).tril_(keys - length))
-    kv_index = torch.tensor(index) if len(segments) > 1 else None
+        masks.append(None if len(seg.spans) == 1
+                     else torch.ones(length, keys, dtype=torch.bool, device=device).tril_(keys - length))
+    kv_index = torch.tensor(index, dtype=torch.long, device=device) if len(segments) > 1 else None
     return _SegmentPlan(q_sizes=q_sizes, kv_sizes=kv_sizes, kv_index=kv_index, masks=masks)
 
 
@@ -268,6 +269,11 @@ def _attention_implementation(model: torch.nn.Module, name: str) -> Iterator[Non
         model.set_attn_implementation(before)
 
 
+def _device(model: torch.nn.Module) -> torch.device:
+    """Where the model's inputs go: its input embedding's device."""
+    return decoder_and_head(model)[0].get_input_embeddings().weight.device
+
+
 def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
     """A causal LM's decoder stack (hidden states out) and its LM head."""
     base = getattr(model, "model", None) or model.get_decoder()
@@ -278,10 +284,11 @@ def tree_hidden(model: torch.nn.Module, tree: PackedTree) -> torch.Tensor:
     """Last hidden state of every packed token, [N, H]: one forward of the decoder over the trie."""
     _check_supported(model)
     base, _ = decoder_and_head(model)
-    ids = torch.tensor([tree.token_ids])  # [1, N]
-    pos = torch.tensor([tree.positions])  # [1, N]
+    device = _device(model)
+    ids = torch.tensor([tree.token_ids], dtype=torch.long, device=device)  # [1, N]
+    pos = torch.tensor([tree.positions], dtype=torch.long, device=device)  # [1, N]
     with _attention_implementation(model, TREE_ATTENTION):
-        return base(input_ids=ids, position_ids=pos, tree_plan=_plan(tree.segments)).last_hidden_state[0]
+        return base(input_ids=ids, position_ids=pos, tree_plan=_plan(tree.segments, device)).last_hidden_state[0]
 
 
 def sampled_positions(sample: TrainingSample) -> list[int]:
@@ -313,9 +320,11 @@ def _sample_logprobs(model: torch.nn.Module, hidden: torch.Tensor, samples: Sequ
         counts.append(len(targets))
     if not rows:
         return [hidden.new_zeros(0) for _ in samples]
-    nodes = torch.tensor([node for node, _ in rows])
-    divisors = torch.tensor([d for _, d in rows], dtype=torch.float32)
-    logp = head_logprobs(model, hidden[nodes], torch.tensor(tokens), divisors, rows=torch.tensor(row_of))
+    on = {"device": hidden.device}
+    nodes = torch.tensor([node for node, _ in rows], dtype=torch.long, **on)
+    divisors = torch.tensor([d for _, d in rows], dtype=torch.float32, **on)
+    logp = head_logprobs(model, hidden[nodes], torch.tensor(tokens, dtype=torch.long, **on), divisors,
+                         rows=torch.tensor(row_of, dtype=torch.long, **on))
     return list(torch.split(logp, counts))
 
 
@@ -356,14 +365,15 @@ def _part_hidden(model: torch.nn.Module, tree: PackedTree, alive: list[_Trunk], 
     order = [*past_nodes, *nodes]
     local = {n: j for j, n in enumerate(order)}
     parents = [local[tree.parents[n]] if tree.parents[n] >= 0 else -1 for n in order]  # KeyError: a missing ancestor
-    plan = _plan(_segments(parents, cut=len(past_nodes)), first=len(past_nodes))
+    device = _device(model)
+    plan = _plan(_segments(parents, cut=len(past_nodes)), device, first=len(past_nodes))
     plan.capture = capture
     if alive:
         layers = len(alive[0].leaves) // 2
         plan.past = [(torch.cat([t.leaves[1 + 2 * layer] for t in alive], dim=2),
                       torch.cat([t.leaves[2 + 2 * layer] for t in alive], dim=2)) for layer in range(layers)]
-    ids = torch.tensor([[tree.token_ids[n] for n in nodes]])  # [1, n]
-    pos = torch.tensor([[tree.positions[n] for n in nodes]])  # [1, n] depth, as in every sample
+    ids = torch.tensor([[tree.token_ids[n] for n in nodes]], dtype=torch.long, device=device)  # [1, n]
+    pos = torch.tensor([[tree.positions[n] for n in nodes]], dtype=torch.long, device=device)  # [1, n] depth
     with _attention_implementation(model, TREE_ATTENTION):
         return base(input_ids=ids, position_ids=pos, tree_plan=plan).last_hidden_state[0]
 
@@ -404,7 +414,7 @@ def depth_first_backward(model: torch.nn.Module, batches: Sequence[Sequence[Trai
         if own[k]:
             hidden = _part_hidden(model, tree, alive, own[k], None, result)  # [n, H]
         else:  # every node of the batch is shared with a neighbour
-            hidden = torch.zeros(0, width, dtype=dtype)
+            hidden = torch.zeros(0, width, dtype=dtype, device=_device(model))
         # Rows: the alive trunks' hidden leaves, then the batch's own nodes; every node of the batch is one.
         row = {n: j for j, n in enumerate([*(n for t in alive for n in t.nodes), *own[k]])}
         table = torch.cat([*(t.leaves[0] for t in alive), hidden])  # [R, H]

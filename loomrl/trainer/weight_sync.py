@@ -28,6 +28,10 @@ segment rewritten) gets `StaleWeights` and should load the newer handle, which i
 published in version order). Segments are also unlinked when the publisher closes, and by Python's resource tracker if
 the publisher's process dies.
 
+Devices and dtypes: a snapshot is always in host memory (shm, files and queues carry CPU tensors; a trainer on a GPU
+is copied out once per version) and keeps the trainer's dtype (float32 masters); the engine casts to its model's dtype
+and device as it loads them (BuiltinEngine.update_weights, and `load_weights(into=)` here, copy with a cast).
+
 What this module is not: a channel (handles are sent by the caller) or a policy for when engines
 apply weights (engine.update_weights does that). One publisher per process and per folder; publish
 is not meant to be called from two threads at once.
@@ -170,7 +174,7 @@ def _copy_into(into: dict[str, Tensor], weights: dict[str, Tensor]) -> None:
             dst = into[name]
             if dst.shape != src.shape:  # copy_ would broadcast silently
                 raise ValueError(f"weight sync: {name} has shape {tuple(src.shape)}, the destination {tuple(dst.shape)}")
-            dst.copy_(src)
+            dst.copy_(src)  # cast to the destination's dtype and device (a bfloat16 engine from float32 masters)
 
 
 def sync_metrics(handle: WeightHandle, loaded: LoadedWeights) -> dict[str, float]:
@@ -197,7 +201,7 @@ class QueuePublisher(WeightPublisher):
     def _snapshot(self, weights: dict[str, Tensor], version: int) -> tuple[Any, WeightHandle]:
         # A clone per version: torch pickles a storage when the queue's feeder thread gets to it,
         # later than put(), so sending live parameters could mix two versions.
-        payload = {name: t.detach().clone() for name, t in weights.items()}
+        payload = {name: t.detach().to("cpu", copy=True) for name, t in weights.items()}  # host memory
         return None, WeightHandle(transport=self.transport, version=version, nbytes=_nbytes(payload), payload=payload)
 
 
@@ -238,9 +242,9 @@ def _views(buf: Any, data_start: int, entries: list[list[Any]]) -> dict[str, Ten
     for name, dtype_name, shape, offset in entries:
         dtype = _dtype(dtype_name)
         if math.prod(shape) == 0:
-            out[name] = torch.empty(shape, dtype=dtype)
+            out[name] = torch.empty(shape, dtype=dtype, device="cpu")
             continue
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=data_start + offset)
         out[name] = raw.view(dtype).view(shape)
     return out
@@ -393,7 +397,7 @@ class FilePublisher(WeightPublisher):
         final = self.folder / _file_name(version)
         tmp = self.folder / f".{final.name}.{uuid.uuid4().hex[:8]}.tmp"  # readers never list dot files
         try:
-            save_file({n: t.detach().contiguous() for n, t in weights.items()}, str(tmp),
+            save_file({n: t.detach().to("cpu").contiguous() for n, t in weights.items()}, str(tmp),
                       metadata={"version": str(version)})
             if self.fsync:  # the bytes are on disk before the name points at them
                 _fsync(tmp)

@@ -334,6 +334,26 @@ def test_async_run_with_interruptible_rollouts(tmp_path):
         assert all(v >= 0 for v, m in zip(r["versions"], r["loss_mask"]) if m)
 
 
+def test_async_run_serves_a_bfloat16_engine_from_float32_masters(tmp_path):
+    """model.dtype=bfloat16 (async): the engine loads and serves bfloat16, the trainer trains and checkpoints float32
+    masters, and each published version is cast into the engine as it loads (step 3 trains only tokens sampled by a
+    loaded version: max_policy_lag 1)."""
+    from safetensors import safe_open
+
+    from loomrl.trainer.checkpoint import latest_checkpoint
+
+    cfg = _cfg(tmp_path, "name=bf16", "runtime.mode=async", "model.dtype=bfloat16", "trainer.total_steps=3",
+               "eval.n_tasks=0", "checkpoint_every=0")
+    summary = train(cfg)
+    assert summary["steps"] == 3
+    with safe_open(str(latest_checkpoint(cfg.run_dir) / "model" / "model.safetensors"), framework="pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
+    stored = {r["trajectory_id"]: r for r in read_trajectories(cfg.run_dir / "trajectories").to_pylist()}
+    last = [stored[t]["policy_version_min"] for e in read_ledger(cfg.run_dir) if e["step"] == 3 for t in e["trained"]]
+    assert all(v >= 1 for v in last)
+    assert any(m["kind"] == "train" and m.get("weight_sync/apply_s", 0) > 0 for m in read_metrics(cfg.run_dir))
+
+
 def test_resume_keeps_kl_reference_at_the_initial_policy(tmp_path):
     """trainer.loss.kl's reference is the policy the run started from. After --resume it must still be that,
     not the checkpoint (which a plain copy of the resumed model would give)."""

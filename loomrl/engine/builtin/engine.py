@@ -215,7 +215,7 @@ class BuiltinEngine:
         weights, version, fut = pending
         try:
             if weights is not None:
-                with torch.no_grad():
+                with torch.no_grad():  # copies with a cast: the trainer's float32 masters into a bf16 model
                     self.model.load_state_dict(weights, strict=False)
             self.runner.refresh()  # re-pack: with weights=None the model was changed in place
         except BaseException as err:  # noqa: BLE001 - the caller gets it; no request runs on these weights
@@ -239,9 +239,10 @@ class BuiltinEngine:
                         self.cache.insert(seq.prompt, seq.kv, seq.request.program_id)
         if not batch.samples:
             return
-        rows = torch.tensor([i for i, _ in batch.samples])
+        rows = torch.tensor([i for i, _ in batch.samples], dtype=torch.long, device=logits.device)
         seqs = [s for _, s in batch.samples]
-        uniforms = torch.cat([torch.rand(1, generator=seq.generator or self._generator) for seq in seqs])
+        # drawn on the CPU from each request's own generator (seeded requests reproduce on any device)
+        uniforms = torch.cat([torch.rand(1, generator=seq.generator or self._generator, device="cpu") for seq in seqs])
         tokens, logps = sample_tokens(logits[rows], [s.request.sampling for s in seqs], uniforms)
         done = []
         for seq, tok, lp in zip(seqs, tokens.tolist(), logps.tolist()):

@@ -20,7 +20,8 @@ decoding, 2 cores of this machine; numbers in benchmarks/RESULTS.md):
 Supported: decoder layers with q/k/v/o projections (biases allowed), RMSNorm, rotary embeddings from
 the model's own `rotary_emb`, grouped-query attention, per-head q/k RMSNorm (Qwen3), a gated MLP, tied or
 separate embeddings (Llama, Mistral, Qwen2/2.5, Qwen3, SmolLM2).
-Anything else raises UnsupportedModel at construction.
+Anything else raises UnsupportedModel at construction. The runner computes in the model's dtype on its device,
+and makes every tensor of a step there (K/V in that dtype too); the oneDNN packing is for float32 on the CPU only.
 """
 
 from __future__ import annotations
@@ -49,9 +50,9 @@ class KVPool:
     Both the slot count and the per-slot capacity grow by doubling (copying the pool); slots are handed out lowest
     first so the batched decode attention, which spans slots 0..max used, scans few holes."""
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                  slots: int = 8, capacity: int = 256):
-        self.data = torch.zeros((layers, 2, slots, kv_heads, capacity, head_dim), dtype=dtype)
+        self.data = torch.zeros((layers, 2, slots, kv_heads, capacity, head_dim), dtype=dtype, device=device)
         self._free = list(range(slots))
 
     @property
@@ -79,8 +80,7 @@ class KVPool:
 
     def _regrow(self, *, slots: int | None = None, capacity: int | None = None) -> None:
         s, c = slots or self.slots, capacity or self.capacity
-        grown = torch.zeros((*self.data.shape[:2], s, self.data.shape[3], c, self.data.shape[5]),
-                            dtype=self.data.dtype)
+        grown = self.data.new_zeros((*self.data.shape[:2], s, self.data.shape[3], c, self.data.shape[5]))
         grown[:, :, : self.slots, :, : self.capacity] = self.data
         self.data = grown
 
@@ -94,7 +94,7 @@ class SequenceKV:
     __slots__ = ("_data", "pool", "slot", "length")
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
-                 pool: KVPool | None = None):
+                 pool: KVPool | None = None, device: torch.device | str = "cpu"):
         self.pool = pool
         self.slot = -1
         self._data: torch.Tensor | None = None
@@ -102,7 +102,7 @@ class SequenceKV:
             self.slot = pool.acquire()
             pool.ensure_capacity(capacity)
         else:
-            self._data = torch.empty((layers, 2, kv_heads, max(capacity, 16), head_dim), dtype=dtype)
+            self._data = torch.empty((layers, 2, kv_heads, max(capacity, 16), head_dim), dtype=dtype, device=device)
         self.length = 0  # tokens whose K/V are stored
 
     @property
@@ -122,8 +122,7 @@ class SequenceKV:
             return
         if total <= self.capacity:
             return
-        grown = torch.empty((*self.data.shape[:3], _doubled(self.capacity, total), self.data.shape[4]),
-                            dtype=self.data.dtype)
+        grown = self.data.new_empty((*self.data.shape[:3], _doubled(self.capacity, total), self.data.shape[4]))
         grown[:, :, :, : self.length] = self.data[:, :, :, : self.length]
         self._data = grown
 
@@ -159,7 +158,7 @@ def _packer():
     try:
         if torch.backends.mkldnn.is_available():
             reorder, linear = torch.ops.mkldnn._reorder_linear_weight, torch.ops.mkldnn._linear_pointwise
-            w, x = torch.randn(8, 4), torch.randn(2, 4)
+            w, x = torch.randn(8, 4, device="cpu"), torch.randn(2, 4, device="cpu")  # a CPU kernel, probed there
             if torch.allclose(linear(x, reorder(w, 2), None, "none", [], ""), x @ w.t(), atol=1e-5):
                 return reorder, linear
     except (AttributeError, RuntimeError):
@@ -181,7 +180,7 @@ class _Linear:
         self.bias = None if bias is None else bias.detach()
         self.packed = None
         self.weight: torch.Tensor | None = weight.detach()
-        if _PACKER is not None and weight.dtype == torch.float32:
+        if _PACKER is not None and weight.dtype == torch.float32 and weight.device.type == "cpu":
             self.packed = _PACKER[0](weight.detach().contiguous(), _PACK_BATCH_HINT)
             self.weight = None  # the packed copy serves; keeping the (fused) plain one too would double memory
 
@@ -194,7 +193,7 @@ class _Linear:
 def _fused(*linears: torch.nn.Linear) -> _Linear:
     weight = torch.cat([m.weight for m in linears]) if len(linears) > 1 else linears[0].weight
     bias = None if all(m.bias is None for m in linears) else torch.cat(
-        [m.bias if m.bias is not None else torch.zeros(m.out_features, dtype=m.weight.dtype) for m in linears])
+        [m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears])
     return _Linear(weight, bias)
 
 
@@ -243,7 +242,8 @@ class ModelRunner:
         self.eps = layer0.input_layernorm.variance_epsilon
         self.qk_eps = qk_norms[0].variance_epsilon if qk_norms[0] is not None else None
         self.dtype = next(model.parameters()).dtype
-        self.pool = KVPool(self.n_layers, self.n_kv_heads, self.head_dim, self.dtype)
+        self.device = next(model.parameters()).device  # every tensor of a step is made here
+        self.pool = KVPool(self.n_layers, self.n_kv_heads, self.head_dim, self.dtype, self.device)
         self.refresh()
 
     def refresh(self) -> None:
@@ -272,36 +272,40 @@ class ModelRunner:
         starts = [c.kv.length for c in chunks]
         for c, n in zip(chunks, lengths):
             c.kv.reserve(c.kv.length + n)
-        ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.long)
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])
+        on = {"device": self.device}
+        ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.long, **on)
+        positions = torch.tensor([p for s, n in zip(starts, lengths) for p in range(s, s + n)], dtype=torch.long, **on)
         N, H, KH, D = ids.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         group = H // KH
         h = self.base.embed_tokens(ids)  # [N, hidden]
         cos, sin = self.base.rotary_emb(h, positions.unsqueeze(0))  # [1, N, D]
         cos = cos[0].unsqueeze(1)  # [N, 1, D]
         # rotate_half(x) * sin == roll(x, D/2) * (sin with its first half negated)
-        sin = (sin[0] * torch.cat((-torch.ones(D // 2), torch.ones(D // 2)))).unsqueeze(1)
+        sin = (sin[0] * torch.tensor([-1.0] * (D // 2) + [1.0] * (D // 2), dtype=sin.dtype, **on)).unsqueeze(1)
 
         offsets = [0, *itertools.accumulate(lengths)]
         if any(c.kv.pool is None for c in chunks):
             raise ValueError("ModelRunner.forward: every chunk's kv must come from new_kv() (a pool slot)")
         # Where each new token's K/V goes in the pool.
-        slot_of = torch.cat([torch.full((n,), c.kv.slot) for c, n in zip(chunks, lengths)])
+        slot_of = torch.tensor([c.kv.slot for c, n in zip(chunks, lengths) for _ in range(n)], dtype=torch.long, **on)
 
         decode = [i for i, n in enumerate(lengths) if n == 1]
         prefill = [i for i, n in enumerate(lengths) if n > 1]
         if decode:
-            dec_rows = torch.tensor([offsets[i] for i in decode])
-            dec_slots = torch.tensor([chunks[i].kv.slot for i in decode])
-            n_slots = int(dec_slots.max()) + 1
-            dec_len = torch.ones(n_slots, dtype=torch.long)  # non-decoding slots: attend to one position
-            dec_len[dec_slots] = torch.tensor([starts[i] + 1 for i in decode])
-            span = int(dec_len.max())
-            dec_mask = torch.zeros(n_slots, span, dtype=self.dtype).masked_fill_(
-                torch.arange(span)[None, :] >= dec_len[:, None], float("-inf")).view(n_slots, 1, 1, span)
+            dec_rows = torch.tensor([offsets[i] for i in decode], dtype=torch.long, **on)
+            slots = [chunks[i].kv.slot for i in decode]
+            dec_slots = torch.tensor(slots, dtype=torch.long, **on)
+            n_slots = max(slots) + 1
+            lens = [1] * n_slots  # non-decoding slots: attend to one position
+            for i, slot in zip(decode, slots):
+                lens[slot] = starts[i] + 1
+            span = max(lens)
+            dec_len = torch.tensor(lens, dtype=torch.long, **on)
+            dec_mask = torch.zeros(n_slots, span, dtype=self.dtype, **on).masked_fill_(
+                torch.arange(span, **on)[None, :] >= dec_len[:, None], float("-inf")).view(n_slots, 1, 1, span)
         pre_plan = [
             (offsets[i], offsets[i + 1], starts[i], chunks[i].kv.slot,
-             torch.ones(lengths[i], starts[i] + lengths[i], dtype=torch.bool).tril(diagonal=starts[i]))
+             torch.ones(lengths[i], starts[i] + lengths[i], dtype=torch.bool, **on).tril(diagonal=starts[i]))
             for i in prefill
         ]
         pool = self.pool.data
@@ -316,9 +320,9 @@ class ModelRunner:
             q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + KH :]
             layer_kv = pool[li]  # [2, slots, KH, cap, D]
             layer_kv[:, slot_of, :, positions] = torch.stack((k, v), dim=1)
-            out = torch.empty(N, H, D, dtype=h.dtype)
+            out = h.new_empty(N, H, D)
             if decode:
-                qd = torch.zeros(n_slots, H, D, dtype=h.dtype)
+                qd = h.new_zeros(n_slots, H, D)
                 qd[dec_slots] = q[dec_rows]
                 keys = layer_kv[0, :n_slots, :, :span]  # [S, KH, span, D]
                 values = layer_kv[1, :n_slots, :, :span]
@@ -338,6 +342,6 @@ class ModelRunner:
             h = h + w.down(self.base.layers[li].mlp.act_fn(gate) * up)
         for c, n in zip(chunks, lengths):
             c.kv.length += n
-        last = torch.tensor([o - 1 for o in offsets[1:]])
+        last = torch.tensor([o - 1 for o in offsets[1:]], dtype=torch.long, **on)
         hl = F.rms_norm(h[last], (h.shape[-1],), self.base.norm.weight.detach(), self.base.norm.variance_epsilon)
         return self.head(hl).float()

@@ -1,0 +1,107 @@
+"""Devices and dtypes (loomrl/devices.py): what a config may ask for on this machine, refused in one line naming the
+field, and how a model is placed. This machine has no GPU; the tests that need one to exist fake torch's CUDA queries
+(torch.cuda.is_available / device_count / current_device) and say so."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loomrl.config import ConfigError, ModelConfig, load_config
+from loomrl.devices import DeviceError, place, resolve_device, resolve_dtype
+
+
+@pytest.fixture
+def two_fake_gpus(monkeypatch):
+    """A machine with cuda:0 and cuda:1, as torch's queries report it (nothing is put on them)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+def test_defaults_on_the_cpu_are_float32_on_cpu():
+    cfg = load_config(None, [])
+    assert (cfg.model.device, cfg.model.dtype, cfg.trainer.device) == ("auto", "auto", "auto")
+    device = resolve_device(cfg.model.device, "model.device")
+    assert device == torch.device("cpu") and resolve_dtype(cfg.model.dtype, device) == torch.float32
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("override", ["model.device=cuda", "trainer.device=cuda:1"])
+def test_a_cuda_device_is_refused_where_there_is_none(override):
+    field = override.split("=")[0]
+    with pytest.raises(DeviceError) as err:
+        load_config(None, [override])
+    msg = str(err.value)
+    assert isinstance(err.value, ConfigError) and len(msg.splitlines()) == 1
+    assert f"'{field}'" in msg and "not available here" in msg and f"set {field}=cpu or {field}=auto" in msg
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_a_ray_run_checks_devices_where_the_model_is_loaded():
+    """The driver of a Ray run may have no GPU while its actors do: the config loads, and loading the model on a
+    machine without CUDA refuses it with the same line."""
+    cfg = load_config(None, ["runtime.backend=ray", "model.device=cuda", "model.kind=tiny"])
+    with pytest.raises(DeviceError, match="'model.device': cuda is not available here"):
+        from loomrl.model.loader import load_model
+
+        load_model(cfg.model)
+
+
+def test_a_device_name_that_is_none_is_refused():
+    for bad in ("gpu", "cuda:x", "mps"):
+        with pytest.raises(ConfigError, match=r"'trainer.device': '.*' is not a device; use auto, cpu, cuda or cuda:N"):
+            load_config(None, [f"trainer.device={bad}"])
+
+
+def test_resolution_with_gpus_and_a_missing_index(two_fake_gpus):
+    assert resolve_device("auto", "model.device") == resolve_device("cuda", "model.device") == torch.device("cuda:0")
+    assert resolve_device("cuda:1", "model.device") == torch.device("cuda:1")
+    assert resolve_dtype("auto", torch.device("cuda:0")) == torch.bfloat16
+    with pytest.raises(DeviceError, match=r"'trainer.device': cuda:2 is not available here \(this machine has 2 CUDA "
+                                          r"device\(s\), cuda:0 to cuda:1\); set trainer.device=cuda:0"):
+        resolve_device("cuda:2", "trainer.device")
+
+
+def test_a_sync_run_refuses_an_engine_dtype_of_its_own():
+    for dtype in ("bfloat16", "float16"):
+        with pytest.raises(DeviceError) as err:
+            load_config(None, ["runtime.mode=sync", f"model.dtype={dtype}"])
+        msg = str(err.value)
+        assert len(msg.splitlines()) == 1 and "'model.dtype'" in msg and "set model.dtype=float32" in msg
+    for ok in (["runtime.mode=sync", "model.dtype=float32"], ["runtime.mode=async", "model.dtype=bfloat16"],
+               ["runtime.mode=sync", "runtime.backend=ray", "model.dtype=bfloat16"]):  # Ray: no shared model
+        load_config(None, ok)
+
+
+def test_a_sync_run_refuses_two_devices(two_fake_gpus):
+    with pytest.raises(DeviceError) as err:
+        load_config(None, ["runtime.mode=sync", "model.device=cuda:1", "trainer.device=auto"])
+    msg = str(err.value)
+    assert len(msg.splitlines()) == 1 and "'model.device'" in msg and "must equal trainer.device (cuda:0)" in msg
+    load_config(None, ["runtime.mode=sync", "model.device=cuda", "trainer.device=cuda:0"])  # one device, two names
+    load_config(None, ["runtime.mode=async", "model.device=cuda:1", "trainer.device=cuda:0"])
+
+
+def test_place_casts_parameters_and_keeps_rotary_frequencies_and_ties(tiny_model):
+    import copy
+
+    model = copy.deepcopy(tiny_model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    place(model, torch.device("cpu"), torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert all(torch.equal(p, before[n].to(torch.bfloat16)) for n, p in model.named_parameters())
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32  # a non-persistent buffer: as from_pretrained
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    weight = model.lm_head.weight
+    place(model, torch.device("cpu"), torch.bfloat16)
+    assert model.lm_head.weight is weight and weight.dtype == torch.bfloat16  # already there: untouched
+    place(model, torch.device("cpu"), torch.float32)
+    assert all(torch.equal(p, before[n].to(torch.bfloat16).float()) for n, p in model.named_parameters())
+
+
+def test_the_model_config_carries_device_and_dtype():
+    cfg = ModelConfig(kind="tiny", device="cpu", dtype="bfloat16")
+    assert resolve_dtype(cfg.dtype, resolve_device(cfg.device, "model.device")) == torch.bfloat16
+    with pytest.raises(ValueError):
+        ModelConfig(dtype="int8")

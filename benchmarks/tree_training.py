@@ -42,7 +42,7 @@ from _common import machine, median, report  # noqa: E402
 
 from loomrl.config import ModelConfig  # noqa: E402
 from loomrl.model.loader import load_model  # noqa: E402
-from loomrl.trainer.trainer import token_logprobs  # noqa: E402
+from loomrl.trainer.forward import token_logprobs  # noqa: E402
 from loomrl.trainer.tree import (  # noqa: E402
     dense_attention_pairs,
     pack_tree,

@@ -258,6 +258,10 @@ class TrainerConfig(_Section):
     # by two micro-batches is computed in each); "depth_first" computes each node of the step once,
     # keeping a shared prefix's activations only while the micro-batches that use it run
     tree_merge_memory: Literal["subtries", "depth_first"] = "subtries"
+    # how a merged micro-batch attends: "segments" (SDPA over each run of tokens and its ancestors' keys, any
+    # device), "flex" (one FlexAttention call with a block mask of the tree; CUDA only: no backward on the CPU),
+    # "auto" (flex on CUDA, else segments). The depth-first pass always uses segments
+    tree_attention: Literal["auto", "segments", "flex"] = "auto"
 
     @model_validator(mode="after")
     def _supported_combinations(self) -> TrainerConfig:

@@ -24,7 +24,7 @@ from loomrl.config import ConfigError
 if TYPE_CHECKING:
     import torch
 
-    from loomrl.config import RunConfig
+    from loomrl.config import RunConfig, TrainerConfig
 
 
 class DeviceError(ConfigError):
@@ -50,6 +50,11 @@ def resolve_device(name: str, field: str) -> torch.device:
         raise DeviceError(f"config error: '{field}': {name} is not available here (this machine has {count} CUDA "
                           f"device(s), cuda:0 to cuda:{count - 1}); set {field}=cuda:0 or {field}=auto")
     return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def trainer_device(cfg: TrainerConfig) -> torch.device:
+    """trainer.device on this machine."""
+    return resolve_device(cfg.device, "trainer.device")
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -88,7 +93,7 @@ def check_run_devices(cfg: RunConfig) -> None:
     if cfg.runtime.backend != "local":
         return
     model = resolve_device(cfg.model.device, "model.device")
-    trainer = resolve_device(cfg.trainer.device, "trainer.device")
+    trainer = trainer_device(cfg.trainer)
     if cfg.runtime.mode != "sync":
         return
     # Sync mode trains the engine's model object in place (runtime/local.py shares it; no weight copy between

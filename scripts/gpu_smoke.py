@@ -10,7 +10,8 @@ one failing part does not stop the others.
   b  FSDP2 at world size 1 on a random model shaped like Qwen2.5-7B: one training step over 8 samples
      of 4k tokens (loomrl's sharded forward and chunked head, a policy-gradient surrogate loss, AdamW),
      peak memory, seconds; a torch.distributed.checkpoint save and reload of the model, compared
-  c  tree-merged attention through FlexAttention: not built yet, reported as such
+  c  tree-merged attention through FlexAttention (a block mask of the trie) against the SDPA segments:
+     logprobs and gradients (the CPU has no FlexAttention backward, so only a GPU checks the gradients)
   d  one 32k-token sample through the chunked head (152k vocabulary): peak memory against the dense
      logits it never holds
   e  tokens/s of (b)'s step and its model FLOPs utilisation (6 x parameters x tokens / time / peak)
@@ -26,6 +27,7 @@ import json
 import os
 import random
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -36,22 +38,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # loomrl from this checkout, uninstalled
 
-from loomrl.trainer.distributed import fsdp_shard, free_port, init_process_group  # noqa: E402
+from loomrl.trainer.forward import compute_context, enable_activation_checkpointing, token_logprobs  # noqa: E402
+from loomrl.trainer.fsdp import fsdp_shard  # noqa: E402
 from loomrl.trainer.head import chunked_logprobs  # noqa: E402
-from loomrl.trainer.trainer import compute_context, enable_activation_checkpointing, token_logprobs  # noqa: E402
 from loomrl.trainer.tree import tree_token_logprobs  # noqa: E402
 from loomrl.types import TrainingSample  # noqa: E402
 
 H200_BF16_PEAK_FLOPS = 989e12  # dense bf16, NVIDIA's H200 SXM figure; other GPUs: pass --peak-tflops
 
 
-def _samples(vocab: int, n: int, prompt: int, completion: int, seed: int = 0) -> list[TrainingSample]:
-    """n samples sharing one prompt (a GRPO group), completions of different lengths."""
+def _samples(vocab: int, n: int, prompt: int, completion: int, seed: int = 0, vary: bool = True) -> list[TrainingSample]:
+    """n samples sharing one prompt (a GRPO group), completions of different lengths (`vary`) or all as long."""
     rng = random.Random(seed)
     shared = [rng.randrange(vocab) for _ in range(prompt)]
     out = []
     for i in range(n):
-        ids = shared + [rng.randrange(vocab) for _ in range(completion - i * completion // (2 * n))]
+        ids = shared + [rng.randrange(vocab) for _ in range(completion - vary * i * completion // (2 * n))]
         mask = [0] * prompt + [1] * (len(ids) - prompt)
         adv = 1.0 if i % 2 else -1.0
         out.append(TrainingSample(trajectory_id=f"s{i}", group_id="g", token_ids=ids, loss_mask=mask,
@@ -101,7 +103,7 @@ def part_a(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
             loss = _surrogate(logps, samples, tokens)
         loss.backward()
         grads = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
-        return float(loss), torch.cat([lp.detach() for lp in logps]), grads
+        return float(loss.detach()), torch.cat([lp.detach() for lp in logps]), grads
 
     loss_d, lp_d, g_d = run(token_logprobs, False)
     loss_t, lp_t, g_t = run(tree_token_logprobs, False)
@@ -119,6 +121,36 @@ def part_a(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
                                                  for a, b in zip(g_c, g_d))
     out["ok"] = (out["grads_finite"] and out["max_abs_dense_vs_fp32"] < 0.1 and out["max_abs_tree_vs_fp32"] < 0.1
                  and out["loss_rel_diff_checkpointing"] < 1e-2)
+    return out
+
+
+def part_c(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    cfg = Qwen3Config(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    with device:
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    samples = (_samples(cfg.vocab_size, 4, prompt=200, completion=120, seed=2)
+               + _samples(cfg.vocab_size, 3, prompt=64, completion=300, seed=3))
+    tokens = sum(sum(s.loss_mask) for s in samples)
+
+    def run(flex: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        logps = tree_token_logprobs(model, samples, with_grad=True, flex=flex)
+        _surrogate(logps, samples, tokens).backward()
+        return torch.cat([lp.detach() for lp in logps]), [p.grad.detach().clone() for p in model.parameters()]
+
+    if device.type != "cuda":  # no FlexAttention backward on the CPU: the forward only
+        with torch.no_grad():
+            seg = torch.cat(tree_token_logprobs(model, samples, with_grad=False))
+            flex = torch.cat(tree_token_logprobs(model, samples, with_grad=False, flex=True))
+        return {"max_abs_logprob": float((seg - flex).abs().max()), "gradients": "not on the CPU"}
+    (seg, g_seg), (flex, g_flex) = run(False), run(True)
+    rel = max(float((a - b).norm() / b.norm().clamp_min(1e-12)) for a, b in zip(g_flex, g_seg))
+    out = {"max_abs_logprob": float((seg - flex).abs().max()), "grad_max_rel_diff": rel}
+    out["ok"] = out["max_abs_logprob"] < 1e-4 and rel < 1e-3
     return out
 
 
@@ -148,12 +180,14 @@ def _fsdp_step(device: torch.device, layers: int, n: int, seq: int, ckpt_dir: Pa
     params = sum(p.numel() for p in model.parameters())
     enable_activation_checkpointing(model)
     model.train()
-    forward = fsdp_shard(model)
+    forward = fsdp_shard(model, param_dtype=torch.bfloat16 if device.type == "cuda" else None)
+    # fused on CUDA: foreach would allocate temporaries the size of all the parameters at once
     try:
         opt, kind = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device.type == "cuda"), "fused"
-    except (RuntimeError, TypeError):
+    except (RuntimeError, TypeError):  # a torch whose fused AdamW does not take DTensors
         opt, kind = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=False), "per-tensor"
-    samples = _samples(cfg.vocab_size, n, prompt=seq // 4, completion=seq - seq // 4, seed=1)
+    kind = kind if device.type == "cuda" else "default"
+    samples = _samples(cfg.vocab_size, n, prompt=seq // 4, completion=seq - seq // 4, seed=1, vary=False)
     tokens = sum(len(s.token_ids) for s in samples)
     loss_tokens = sum(sum(s.loss_mask) for s in samples)
     ctx = compute_context("bfloat16" if device.type == "cuda" else "float32", device)
@@ -260,18 +294,20 @@ def main() -> None:
         torch.cuda.set_device(device)
     own_scratch = args.scratch is None
     args.scratch = args.scratch or tempfile.mkdtemp(prefix="loomrl-smoke-")
-    init_process_group(0, 1, master_port=free_port(), backend="nccl" if device.type == "cuda" else "gloo")
+    import torch.distributed as dist
+
+    with socket.socket() as s:  # a free port for the one-rank group
+        s.bind(("127.0.0.1", 0))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
     import transformers
 
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                               "torch": torch.__version__, "transformers": transformers.__version__}
-    parts = {"a": part_a, "b": part_b, "d": part_d}
+    parts = {"a": part_a, "b": part_b, "c": part_c, "d": part_d}
     t_all = time.perf_counter()
     for name in args.parts:
         t0 = time.perf_counter()
-        if name == "c":
-            result["c"] = {"skipped": "FlexAttention tree mask not built yet (the tree path uses SDPA segments)"}
-            continue
         if name == "e":
             result["e"] = part_e(result.get("b", {}), args.peak_tflops * 1e12)
             continue

@@ -31,11 +31,11 @@ class RankFailed(RuntimeError):
     """A rank of a local launch raised; the message holds the first failure's traceback."""
 
 
-def _rank_main(rank: int, fn: Callable[..., Any], world_size: int, port: int, backend: str, timeout_s: float,
+def _rank_main(rank: int, fn: Callable[..., Any], world_size: int, port: int, timeout_s: float,
                threads: int, results: Any, args: tuple) -> None:
     try:
         torch.set_num_threads(threads)
-        init_process_group(rank, world_size, master_port=port, backend=backend, timeout_s=timeout_s)
+        init_process_group(rank, world_size, master_port=port, timeout_s=timeout_s)  # gloo
         out = fn(rank, world_size, *args)
     except BaseException:
         # Sent before our connections close: the first failure is the cause, the other ranks' lost
@@ -53,14 +53,14 @@ def _rank_main(rank: int, fn: Callable[..., Any], world_size: int, port: int, ba
 
 
 def launch_local(fn: Callable[..., Any], world_size: int, args: tuple = (), *, timeout_s: float = 120.0,
-                 backend: str = "gloo", threads: int | None = None) -> list[Any]:
+                 threads: int | None = None) -> list[Any]:
     """Run fn(rank, world_size, *args) on `world_size` spawned local ranks in one process group; returns their results
     by rank. An exception in any rank stops the others and is raised here as RankFailed (naming the rank that failed
     first); a run past `timeout_s` raises TimeoutError. `fn` must be importable (a module-level function)."""
     threads = threads or max(1, (os.cpu_count() or 1) // world_size)
     ctx = tmp.get_context("spawn")
     results = ctx.Queue()
-    procs = tmp.start_processes(_rank_main, args=(fn, world_size, free_port(), backend, timeout_s, threads, results,
+    procs = tmp.start_processes(_rank_main, args=(fn, world_size, free_port(), timeout_s, threads, results,
                                                   args), nprocs=world_size, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
     out: dict[int, Any] = {}

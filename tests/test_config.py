@@ -93,3 +93,24 @@ def test_gpus_are_asked_for_with_num_gpus_not_as_a_custom_resource():
         load_config(None, ["ray.rollout.resources={CPU: 2}"])
     with pytest.raises(ConfigError, match="ray.rollout.count: at least one rollout actor"):
         load_config(None, ["ray.rollout.count=0"])
+
+
+def test_every_recipe_in_examples_loads():
+    """The shipped recipes (the GPU one included, whose Ray backend defers the device check to its actors)
+    use only current field names and valid values."""
+    from pathlib import Path
+
+    recipes = sorted((Path(__file__).resolve().parents[1] / "examples").rglob("*.yaml"))
+    assert any(r.parent.name == "gpu" for r in recipes)
+    for recipe in recipes:
+        load_config(recipe)
+
+
+def test_fsdp_needs_async_mode_and_subtries():
+    with pytest.raises(ConfigError, match="trainer.parallel=fsdp needs runtime.mode=async"):
+        load_config(None, ["trainer.parallel=fsdp", "runtime.mode=sync"])
+    with pytest.raises(ConfigError, match="depth_first does not work with trainer.parallel=fsdp"):
+        load_config(None, ["trainer.parallel=fsdp", "runtime.mode=async", "trainer.tree_merge='on'",
+                           "trainer.tree_token_budget=64", "trainer.tree_merge_memory=depth_first"])
+    cfg = load_config(None, ["trainer.parallel=fsdp", "runtime.mode=async"])
+    assert cfg.trainer.distributed and cfg.trainer.world_size == 1

@@ -156,10 +156,10 @@ def load_run_model(cfg: ModelConfig, checkpoint: Path | None, *, trainer: Traine
     up from model.dtype, which would round a float32 checkpoint)."""
     import torch
 
-    from loomrl.devices import resolve_device, resolve_dtype
+    from loomrl.devices import resolve_device, resolve_dtype, trainer_device
 
     if trainer is not None:
-        device, dtype = resolve_device(trainer.device, "trainer.device"), torch.float32
+        device, dtype = trainer_device(trainer), torch.float32
     else:
         device = resolve_device(cfg.device, "model.device")
         dtype = resolve_dtype(cfg.dtype, device)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from loomrl.config import RunConfig
+from loomrl.devices import trainer_device
 from loomrl.engine.base import Engine, EngineFault
 from loomrl.rollout.actor import RolloutSide
 from loomrl.runtime.driver import Backend, BackendReport, RunError, TrainerLost, TrainerState, progress
@@ -106,7 +107,8 @@ class LocalBackend(Backend):
         ranks = None
         if cfg.trainer.world_size > 1:  # this process is rank 0; a dead follower stops the run (--resume)
             self.followers = spawn_local_followers(cfg, self.ckpt, follower_threads(cfg, os.cpu_count() or 1))
-            ranks = LocalRankGroup(cfg.trainer.world_size, *self.followers.channels(), dead=self.followers.dead)
+            ranks = LocalRankGroup(cfg.trainer.world_size, trainer_device(cfg.trainer),
+                                   *self.followers.channels(), dead=self.followers.dead)
             join_watching(ranks, self.followers)
         service = self.service = TrainerService(cfg, self.rollout.model, self.rollout.tokenizer,
                                                 resume_from=self.ckpt, ranks=ranks)

@@ -10,6 +10,7 @@ import torch
 
 from loomrl.actor_support import Placed
 from loomrl.config import RunConfig
+from loomrl.devices import trainer_device
 from loomrl.trainer.checkpoint import latest_checkpoint
 from loomrl.trainer.ranks import Follower, RankGroup, RankLost, RankReport, RankWork
 from loomrl.trainer.service import TrainerService
@@ -39,7 +40,7 @@ class TrainerActor(Placed):
     def join_ranks(self, followers: list[Any], addr: str, port: int) -> None:
         """Rank 0 joins the process group of the follower actors (which join theirs concurrently), then
         builds its trainer."""
-        ranks = RayRankGroup(len(followers) + 1, followers)
+        ranks = RayRankGroup(len(followers) + 1, trainer_device(self.cfg.trainer), followers)
         ranks.join(addr, port)
         self.service = TrainerService.from_run(self.cfg, self.extra, self.ckpt, ranks=ranks)
 
@@ -56,12 +57,13 @@ class TrainerActor(Placed):
         owned by the caller, for the rollout actors to fetch); else (None, None)."""
         if not self.service.ready():
             return None, None
-        return self.service.train_step(), self.service.live_weights()
+        return self.service.train_step(), self.weights()
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The trainable weights of the current version. Returned (not ray.put here) so that the
-        object is owned by the caller and outlives this actor; Ray copies them as it returns."""
-        return self.service.live_weights()
+        object is owned by the caller and outlives this actor; Ray copies them as it returns. In host memory:
+        rollout actors need not sit on a GPU, nor on this one (.cpu() of a CPU tensor is the tensor itself)."""
+        return {n: t.cpu() for n, t in self.service.live_weights().items()}
 
 
 class TrainerRankActor(Placed):
@@ -82,8 +84,8 @@ class TrainerRankActor(Placed):
 class RayRankGroup(RankGroup):
     """Rank 0 over Ray actor calls to the follower actors."""
 
-    def __init__(self, world_size: int, followers: list[Any]):
-        super().__init__(world_size)
+    def __init__(self, world_size: int, device: Any, followers: list[Any]):
+        super().__init__(world_size, device)
         self.followers = followers
         self.refs: list[Any] = []
 

@@ -1,4 +1,4 @@
-"""Data-parallel training on torch.distributed (gloo on CPU): N ranks, one model replica each, the same
+"""Data-parallel training on torch.distributed (gloo on CPU, NCCL on CUDA): N ranks, one model replica each, the same
 optimizer step as one process training on the whole batch.
 
 Each rank trains on its shard of the step's samples. Two things make the step equal the single-process
@@ -18,11 +18,11 @@ while the trainer calls the decoder and the head directly; and it averages gradi
 denominators must be summed. One all-reduce after the last backward moves the same bytes and only gives up DDP's overlap
 of communication with the backward pass (worth it on GPUs, little on CPU).
 
-Sharded ranks (`fsdp_shard`, FSDP2; trainer.parallel=fsdp): parameters, gradients and AdamW state split over the
+Sharded ranks (trainer/fsdp.py, FSDP2; trainer.parallel=fsdp): parameters, gradients and AdamW state split over the
 ranks; FSDP reduces gradients inside every backward, so the ranks run one shared plan of micro-batches (Trainer pads
 the shorter ones). After each step every rank gathers the full parameters in turn and rank 0 keeps a copy on the CPU
 (`DataParallelTrainer.weights`: for the engines and the checkpoint's model folder); the optimizer state is
-checkpointed in parts with torch.distributed.checkpoint (`save_sharded_optimizer`). What is not here: elastic
+checkpointed in parts with torch.distributed.checkpoint (fsdp.py). What is not here: elastic
 membership. A rank that fails makes the others fail:
 the run's rank group (trainer/ranks.py) stops them all; elsewhere the process group's timeout does.
 """
@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -51,10 +49,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def init_process_group(rank: int, world_size: int, *, master_port: int, master_addr: str = "127.0.0.1",
-                       backend: str = "gloo", timeout_s: float = 60.0) -> None:
-    """Join the default process group; `timeout_s` bounds every collective, so a dead peer is an error."""
+                       device: torch.device | None = None, timeout_s: float = 60.0) -> None:
+    """Join the default process group: NCCL when this rank trains on a CUDA `device` (made the current one, where
+    FSDP and NCCL put their buffers), else gloo; `timeout_s` bounds every collective, so a dead peer is an error."""
     os.environ["MASTER_ADDR"] = master_addr
     os.environ["MASTER_PORT"] = str(master_port)
+    backend = "gloo"
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
+        backend = "nccl"
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
 
 
@@ -189,56 +192,3 @@ class DataParallelTrainer:
                          approx_kl=kl / g_lt, tokens=int(tokens), loss_tokens=int(g_lt), seconds=s.seconds,
                          lr=s.lr, ess=ess / g_lt, tree_ratio=tokens / max(g_forwarded, 1.0),
                          attn_pairs_dense=int(pairs_dense), attn_pairs=int(pairs))
-
-
-
-class _ShardedForward(torch.nn.Module):
-    """The micro-batch forward as the module FSDP shards at its root: the embeddings, the final norm and
-    the head belong to this root (each decoder layer is a unit of its own), so they are gathered for
-    the whole forward, which reads the head's weight directly (trainer/head.py), and their gradients
-    are reduced after its backward."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, batch: list[TrainingSample], merged: bool) -> list[torch.Tensor]:
-        # clones, not split views: FSDP hooks its pre-backward into the outputs, which an in-place op on a
-        # view would drop
-        return [lp.clone() for lp in Trainer.logprobs_of(self.model, batch, merged, with_grad=torch.is_grad_enabled())]
-
-
-def save_sharded_optimizer(trainer: Trainer, folder: Path) -> None:
-    """This rank's part of the AdamW state into `folder` (every rank calls it: a collective)."""
-    from torch.distributed.checkpoint import save
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    save(get_optimizer_state_dict(trainer.forward, trainer.optimizer), checkpoint_id=str(folder))
-
-
-def load_sharded_optimizer(trainer: Trainer, folder: Path) -> None:
-    """This rank's part of the AdamW state from `folder` (every rank calls it; any world size can read it)."""
-    from torch.distributed.checkpoint import load
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-    state = get_optimizer_state_dict(trainer.forward, trainer.optimizer)
-    load(state, checkpoint_id=str(folder))
-    set_optimizer_state_dict(trainer.forward, trainer.optimizer, state)
-
-
-def fsdp_shard(model: torch.nn.Module) -> Callable[[list[TrainingSample], bool], list[torch.Tensor]]:
-    """Shard `model` over the default process group with FSDP2 (fully_shard): every decoder layer a
-    unit, the rest at the root. Gradients are summed over the ranks, not averaged: the loss of each rank
-    already uses the step's global denominators. Parameters are float32 (the trainer's autocast gives
-    the compute dtype), and so is the gradient reduction. Returns the sharded forward (Trainer(shard=))."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    from loomrl.trainer.tree import decoder_and_head
-
-    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
-    units = [fully_shard(layer, mp_policy=policy) for layer in decoder_and_head(model)[0].layers]
-    root = fully_shard(_ShardedForward(model), mp_policy=policy)
-    for unit in [*units, root]:
-        unit.set_gradient_divide_factor(1.0)
-        unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
-    return root

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from loomrl.config import RunConfig
+from loomrl.devices import trainer_device
 from loomrl.trainer.ranks import (
     Child,
     LocalFollowers,
@@ -175,7 +176,8 @@ def _trainer_main(cfg_json: str, extra: dict[str, Any], checkpoint: str, threads
         group = None
         if ranks is not None:
             (inboxes, outboxes), port = ranks
-            group = LocalRankGroup(cfg.trainer.world_size, inboxes, outboxes)
+            group = LocalRankGroup(cfg.trainer.world_size, trainer_device(cfg.trainer),
+                                   inboxes, outboxes)
             group.join("127.0.0.1", port)
         service = TrainerService.from_run(cfg, extra, Path(checkpoint) if checkpoint else None, ranks=group)
         folder = cfg.run_dir / "weights" if cfg.runtime.weight_transport == "file" else None

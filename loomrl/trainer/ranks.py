@@ -30,6 +30,7 @@ import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,17 +38,17 @@ import torch
 import torch.distributed as dist
 
 from loomrl.config import RunConfig
+from loomrl.devices import trainer_device
 from loomrl.trainer.checkpoint import load_optimizer, load_state
 from loomrl.trainer.distributed import (
     DataParallelTrainer,
     free_port,
-    fsdp_shard,
     init_process_group,
-    load_sharded_optimizer,
     param_checksum,
-    save_sharded_optimizer,
     shard_samples,
 )
+from loomrl.trainer.forward import compute_dtype
+from loomrl.trainer.fsdp import fsdp_shard, load_sharded_optimizer, save_sharded_optimizer
 from loomrl.trainer.trainer import StepStats, Trainer, initial_policy
 from loomrl.types import TrainingSample
 
@@ -88,7 +89,9 @@ def build_trainer(cfg: RunConfig, model: torch.nn.Module, ckpt: Path | None) -> 
     """Every rank's trainer (and a lone one's): sharded with trainer.parallel=fsdp (the process group is up by
     then), with `ckpt`'s optimizer state and step when it resumes."""
     sharded = cfg.trainer.parallel == "fsdp"
-    trainer = Trainer(model, cfg.trainer, initial_model=initial_policy(cfg, ckpt), shard=fsdp_shard if sharded else None)
+    param_dtype = compute_dtype(cfg.trainer.precision, trainer_device(cfg.trainer))
+    shard = partial(fsdp_shard, param_dtype=param_dtype) if sharded else None
+    trainer = Trainer(model, cfg.trainer, initial_model=initial_policy(cfg, ckpt), shard=shard)
     if ckpt is not None:
         shards = (lambda folder: load_sharded_optimizer(trainer, folder)) if sharded else None
         load_optimizer(ckpt, trainer.optimizer, trainer.scheduler, shards=shards)
@@ -108,7 +111,8 @@ class Follower:
         self.dp: DataParallelTrainer | None = None
 
     def join(self, rank: int, world_size: int, addr: str, port: int) -> None:
-        init_process_group(rank, world_size, master_addr=addr, master_port=port, timeout_s=COLLECTIVE_TIMEOUT_S)
+        init_process_group(rank, world_size, master_addr=addr, master_port=port, timeout_s=COLLECTIVE_TIMEOUT_S,
+                           device=trainer_device(self.cfg.trainer))
         self.dp = DataParallelTrainer(build_trainer(self.cfg, self.model, self.ckpt))
 
     def work(self, w: RankWork) -> RankReport:
@@ -126,13 +130,14 @@ class RankGroup(ABC):
     """Rank 0's side: shards a step over the ranks and checks the followers stayed in step. Made and joined
     before rank 0's trainer exists (sharded ranks build it in the process group), then given it (`attach`)."""
 
-    def __init__(self, world_size: int):
-        self.world_size = world_size
+    def __init__(self, world_size: int, device: torch.device):
+        self.world_size, self.device = world_size, device  # rank 0's trainer.device
         self.dp: DataParallelTrainer | None = None
 
     def join(self, addr: str, port: int) -> None:
         """Rank 0 joins the process group (the followers join theirs concurrently)."""
-        init_process_group(0, self.world_size, master_addr=addr, master_port=port, timeout_s=COLLECTIVE_TIMEOUT_S)
+        init_process_group(0, self.world_size, master_addr=addr, master_port=port, timeout_s=COLLECTIVE_TIMEOUT_S,
+                           device=self.device)
 
     def attach(self, trainer: Trainer) -> None:
         self.trainer = trainer
@@ -251,10 +256,19 @@ def spawn_local_followers(cfg: RunConfig, ckpt: Path | None, threads: int) -> Lo
     port = free_port()
     inboxes = [ctx.Queue() for _ in range(world - 1)]
     outboxes = [ctx.Queue() for _ in range(world - 1)]
-    children = [Child(f"trainer rank {r}", f"loomrl-trainer-rank{r}", _follower_main, cfg.model_dump_json(),
+    children = [Child(f"trainer rank {r}", f"loomrl-trainer-rank{r}", _follower_main, local_rank_config(cfg, r).model_dump_json(),
                       str(ckpt) if ckpt else None, r, world, port, threads, inboxes[r - 1], outboxes[r - 1])
                 for r in range(1, world)]
     return LocalFollowers(port=port, children=children, inboxes=inboxes, outboxes=outboxes)
+
+
+def local_rank_config(cfg: RunConfig, rank: int) -> RunConfig:
+    """Local rank r's config: with CUDA, rank r trains on the r-th GPU counted from trainer.device's (ranks of Ray
+    actors each see only their own GPU, so there every rank's trainer.device is the same)."""
+    device = trainer_device(cfg.trainer)
+    if device.type != "cuda" or rank == 0:
+        return cfg
+    return cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"device": f"cuda:{device.index + rank}"})})
 
 
 def follower_threads(cfg: RunConfig, trainer_share: int) -> int:
@@ -290,9 +304,9 @@ class LocalRankGroup(RankGroup):
     gone while it waits for its report (the followers' parent can tell; in async mode rank 0 is their
     sibling, and the parent stops the whole trainer instead)."""
 
-    def __init__(self, world_size: int, inboxes: list[Any], outboxes: list[Any],
+    def __init__(self, world_size: int, device: torch.device, inboxes: list[Any], outboxes: list[Any],
                  dead: Callable[[], str | None] | None = None):
-        super().__init__(world_size)
+        super().__init__(world_size, device)
         self.inboxes, self.outboxes, self.dead = inboxes, outboxes, dead
 
     def _send(self, works: list[RankWork]) -> None:

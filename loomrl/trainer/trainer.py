@@ -14,7 +14,6 @@ on the model's device.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import time
@@ -27,8 +26,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from loomrl.config import RunConfig, TrainerConfig
-from loomrl.devices import place, resolve_device
-from loomrl.trainer.head import head_logprobs
+from loomrl.devices import place, trainer_device
+from loomrl.trainer.forward import Logprobs, compute_context, enable_activation_checkpointing, forward_of
 from loomrl.trainer.losses import policy_loss
 from loomrl.trainer.tree import (
     compression_ratio,
@@ -38,7 +37,6 @@ from loomrl.trainer.tree import (
     plan_tries,
     sampled_positions,
     tree_attention_pairs,
-    tree_token_logprobs,
     unique_tokens,
 )
 from loomrl.types import TrainingSample
@@ -72,45 +70,6 @@ def freeze_bottom(model: torch.nn.Module, n_layers: int) -> None:
             p.requires_grad_(False)
 
 
-def token_logprobs(model: torch.nn.Module, samples: list[TrainingSample], *, with_grad: bool) -> list[torch.Tensor]:
-    """Logprob of each sample's loss-masked tokens under `model` (at the sample's temperature)."""
-    base, _ = decoder_and_head(model)
-    device = next(model.parameters()).device
-    width = max(len(s.token_ids) for s in samples)
-    pad = [width - len(s.token_ids) for s in samples]
-    ids = torch.tensor([s.token_ids + [0] * p for s, p in zip(samples, pad)], dtype=torch.long, device=device)  # [B, T]
-    attn = torch.tensor([[1] * len(s.token_ids) + [0] * p for s, p in zip(samples, pad)], dtype=torch.long,
-                        device=device)  # [B, T]
-    targets = [sampled_positions(s) for s in samples]
-    # the hidden state before each sampled token: one row per target, every sample's rows in one head pass
-    at = torch.tensor([(i, t) for i, ts in enumerate(targets) for t in ts], dtype=torch.long,
-                      device=device).view(-1, 2)
-    temps = torch.tensor([s.temperature for s, ts in zip(samples, targets) for _ in ts], dtype=torch.float32,
-                         device=device)
-    with torch.set_grad_enabled(with_grad):
-        hidden = base(input_ids=ids, attention_mask=attn).last_hidden_state  # [B, T, H]
-        logp = head_logprobs(model, hidden[at[:, 0], at[:, 1] - 1], ids[at[:, 0], at[:, 1]], temps)
-    return list(torch.split(logp, [len(ts) for ts in targets]))
-
-
-def compute_context(precision: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
-    """What the trainer's forward passes run under: autocast to trainer.precision ("auto": bfloat16 on
-    CUDA, none on the CPU), or nothing for float32."""
-    if precision == "auto":
-        precision = "bfloat16" if device.type == "cuda" else "float32"
-    if precision == "float32":
-        return contextlib.nullcontext
-    return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
-
-
-Logprobs = Callable[[list[TrainingSample], bool], list[torch.Tensor]]  # (micro-batch, merged) -> per sample
-
-
-def forward_of(model: torch.nn.Module) -> Logprobs:
-    """The micro-batch forward of a model held whole by this process."""
-    return lambda batch, merged: Trainer.logprobs_of(model, batch, merged, with_grad=torch.is_grad_enabled())
-
-
 # A micro-batch that trains nothing: ranks of a sharded step with fewer micro-batches than others run it,
 # so that every rank joins every forward's and backward's collectives.
 _PADDING = TrainingSample(trajectory_id="padding", group_id="padding", token_ids=[0, 0], loss_mask=[0, 1],
@@ -119,7 +78,7 @@ _PADDING = TrainingSample(trajectory_id="padding", group_id="padding", token_ids
 
 class Trainer:
     def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, initial_model: torch.nn.Module | None = None,
-                 *, shard: Callable[[torch.nn.Module], Logprobs] | None = None):
+                 *, shard: Callable[..., Logprobs] | None = None):
         """`initial_model`: the policy the run started from, KL's reference; default: a copy of `model`
         (right for a fresh run; a resumed one must pass it, or the reference would be the checkpoint).
         `shard`: turns a model into its sharded forward (trainer/distributed.py fsdp_shard), after the
@@ -129,7 +88,7 @@ class Trainer:
         (load_run_model(trainer=)): a bfloat16 model cast up here would hold rounded weights."""
         self.model = model
         self.cfg = cfg
-        self.device = resolve_device(cfg.device, "trainer.device")
+        self.device = trainer_device(cfg)
         place(model, self.device, torch.float32)
         if initial_model is not None:
             place(initial_model, self.device, torch.float32)
@@ -138,17 +97,21 @@ class Trainer:
             raise ValueError("trainer.tree_merge_memory=depth_first is not supported with sharded (FSDP) ranks yet; "
                              "use subtries")
         freeze_bottom(model, cfg.freeze_layers)
-        if cfg.activation_checkpointing:  # transformers' per-layer checkpointing; non-reentrant: kwargs-safe
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        if cfg.activation_checkpointing:
+            enable_activation_checkpointing(model)
         # KL to the initial policy needs its logprobs: a frozen copy, kept only when the KL term is on.
         kl = cfg.loss.kl is not None and cfg.loss.kl_coef > 0
         self.ref_model = (initial_model if initial_model is not None else copy.deepcopy(model)).eval() if kl else None
         if self.ref_model is not None:
             self.ref_model.requires_grad_(False)
         self.sharded = shard is not None
+        flex = cfg.tree_attention == "flex" or (cfg.tree_attention == "auto" and self.device.type == "cuda")
+        if flex and self.device.type != "cuda":
+            raise ValueError("trainer.tree_attention=flex needs a CUDA trainer.device (torch's FlexAttention has no "
+                             "backward on the CPU); use segments or auto")
         make = shard or forward_of
-        self.forward = make(model)
-        self.ref_forward = make(self.ref_model) if self.ref_model is not None else None
+        self.forward = make(model, flex=flex)
+        self.ref_forward = make(self.ref_model, flex=flex) if self.ref_model is not None else None
         # sharded: every rank must run the same number of micro-batches (set by DataParallelTrainer)
         self.shared_plan: Callable[[int], int] | None = None
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -317,11 +280,6 @@ class Trainer:
         return cfg.tree_merge != "off" and cfg.tree_token_budget is not None and cfg.tree_merge_memory == "depth_first"
 
     @staticmethod
-    def logprobs_of(model: torch.nn.Module, batch: list[TrainingSample], merged: bool, *,
-                    with_grad: bool) -> list[torch.Tensor]:
-        return (tree_token_logprobs if merged else token_logprobs)(model, batch, with_grad=with_grad)
-
-    @staticmethod
     def _no_grad(forward: Logprobs, batches: list[list[TrainingSample]], merged: list[bool]) -> list[list[torch.Tensor]]:
         with torch.no_grad():
             return [forward(b, m) for b, m in zip(batches, merged)]
@@ -334,4 +292,4 @@ def initial_policy(cfg: RunConfig, resume_from: Path | None) -> torch.nn.Module 
         return None
     from loomrl.model.loader import load_model
 
-    return load_model(cfg.model, device=resolve_device(t.device, "trainer.device"), dtype=torch.float32)[0]
+    return load_model(cfg.model, device=trainer_device(t), dtype=torch.float32)[0]

@@ -14,8 +14,12 @@ segments, runs in which every token's parent is the token before it; a segment's
 (its ancestors) plus itself causally, so each is one SDPA call over only the keys it needs: the cost is the tree's
 (query, key) pairs, not N^2 (plus the upper triangle of a segment's own block, which the CPU kernel computes under the
 mask when the segment has ancestors). The tests check it against the model's own attention given the 4-D ancestor mask.
-flex_attention block masks are not used: in torch 2.13 FlexAttention has no backward on CPU
-(NotImplementedError), and training needs one.
+On CUDA (trainer.tree_attention auto or flex) the same attention is one FlexAttention call over the whole packed
+sequence with a block mask: in depth-first order token j is an ancestor of i (or i itself) exactly when
+j <= i < j + size of j's subtree, so the mask is two comparisons per (query, key) and only the blocks holding
+tree pairs are computed. Not on the CPU: in torch 2.13 FlexAttention has no backward there (NotImplementedError),
+so there the CPU tests check its forward against the segments only; its gradients are checked on a GPU
+(scripts/gpu_smoke.py part c).
 
 Memory, two ways. Sub-tries: `plan_tries` splits the lexicographically sorted samples into consecutive sub-tries of at
 most a budget of unique tokens (one sample longer than the budget is a sub-trie of its own), forwarded one after
@@ -50,9 +54,11 @@ process).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -195,7 +201,8 @@ class _SegmentPlan:
     segment, None for a root segment (plain causal).
 
     Depth-first pass only: `past` holds, per layer, the K/V [1, Hkv, P, D] of the P packed tokens
-    before the queries (keys index past + new); `capture`, when set, receives each layer's new K/V."""
+    before the queries (keys index past + new); `capture`, when set, receives each layer's new K/V.
+    FlexAttention instead (`block_mask`, _flex_plan): one call over the whole sequence, no segments."""
 
     q_sizes: list[int]
     kv_sizes: list[int]
@@ -203,6 +210,33 @@ class _SegmentPlan:
     masks: list[torch.Tensor | None]
     past: list[KV] | None = None
     capture: dict[int, KV] | None = None
+    block_mask: Any = None  # torch.nn.attention.flex_attention.BlockMask
+
+
+def _flex_plan(parents: list[int], device: torch.device) -> _SegmentPlan:
+    """The trie's ancestor mask as a FlexAttention block mask (depth-first layout: parents come first)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    n = len(parents)
+    size = [1] * n
+    for i in range(n - 1, -1, -1):
+        if parents[i] >= 0:
+            size[parents[i]] += size[i]
+    end = torch.tensor([j + size[j] for j in range(n)], dtype=torch.long, device=device)  # past j's subtree
+
+    def ancestor_or_self(b, h, q, kv):
+        return (kv <= q) & (q < end[kv])
+
+    mask = create_block_mask(ancestor_or_self, None, None, n, n, device=device, _compile=device.type == "cuda")
+    return _SegmentPlan(q_sizes=[n], kv_sizes=[n], kv_index=None, masks=[None], block_mask=mask)
+
+
+@functools.cache
+def _compiled_flex_attention() -> Callable[..., torch.Tensor]:
+    """FlexAttention compiled (once per process): uncompiled it materialises every score."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
 
 
 def _plan(segments: list[Segment], device: torch.device, first: int = 0) -> _SegmentPlan:
@@ -236,10 +270,17 @@ def _segment_attention(module, query, key, value, attention_mask, dropout=0.0, s
         if plan.past is not None:
             past_k, past_v = plan.past[layer]
             key, value = torch.cat([past_k, key], dim=2), torch.cat([past_v, value], dim=2)  # [1, Hkv, P + N, D]
+    gqa = query.shape[1] != key.shape[1]
+    if plan.block_mask is not None:
+        if query.is_cuda:
+            flex = _compiled_flex_attention()
+        else:  # eager: the CPU has FlexAttention's forward only, for the tests
+            from torch.nn.attention.flex_attention import flex_attention as flex
+        out = flex(query, key, value, block_mask=plan.block_mask, scale=scaling, enable_gqa=gqa)
+        return out.transpose(1, 2).contiguous(), None
     if plan.kv_index is not None:
         key, value = key.index_select(2, plan.kv_index), value.index_select(2, plan.kv_index)  # [1, Hkv, sum K, D]
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    gqa = query.shape[1] != key.shape[1]
     outs = [sdpa(q, k, v, attn_mask=m, is_causal=m is None, dropout_p=dropout, scale=scaling, enable_gqa=gqa)
             for q, k, v, m in zip(query.split(plan.q_sizes, dim=2), key.split(plan.kv_sizes, dim=2),
                                   value.split(plan.kv_sizes, dim=2), plan.masks)]
@@ -280,15 +321,17 @@ def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.
     return base, model.get_output_embeddings()
 
 
-def tree_hidden(model: torch.nn.Module, tree: PackedTree) -> torch.Tensor:
-    """Last hidden state of every packed token, [N, H]: one forward of the decoder over the trie."""
+def tree_hidden(model: torch.nn.Module, tree: PackedTree, *, flex: bool = False) -> torch.Tensor:
+    """Last hidden state of every packed token, [N, H]: one forward of the decoder over the trie (`flex`: its
+    attention through FlexAttention)."""
     _check_supported(model)
     base, _ = decoder_and_head(model)
     device = _device(model)
     ids = torch.tensor([tree.token_ids], dtype=torch.long, device=device)  # [1, N]
     pos = torch.tensor([tree.positions], dtype=torch.long, device=device)  # [1, N]
     with _attention_implementation(model, TREE_ATTENTION):
-        return base(input_ids=ids, position_ids=pos, tree_plan=_plan(tree.segments, device)).last_hidden_state[0]
+        plan = _flex_plan(tree.parents, device) if flex else _plan(tree.segments, device)
+        return base(input_ids=ids, position_ids=pos, tree_plan=plan).last_hidden_state[0]
 
 
 def sampled_positions(sample: TrainingSample) -> list[int]:
@@ -296,12 +339,13 @@ def sampled_positions(sample: TrainingSample) -> list[int]:
     return [t for t in range(1, len(sample.token_ids)) if sample.loss_mask[t]]
 
 
-def tree_token_logprobs(model: torch.nn.Module, samples: list[TrainingSample], *, with_grad: bool) -> list[torch.Tensor]:
+def tree_token_logprobs(model: torch.nn.Module, samples: list[TrainingSample], *, with_grad: bool,
+                        flex: bool = False) -> list[torch.Tensor]:
     """Same result as trainer.token_logprobs (per sample, the logprobs of its loss-masked tokens at
     its temperature), computed over the samples' prefix tree."""
     tree = pack_tree([s.token_ids for s in samples])
     with torch.set_grad_enabled(with_grad):
-        return _sample_logprobs(model, tree_hidden(model, tree), samples, tree.sample_nodes)
+        return _sample_logprobs(model, tree_hidden(model, tree, flex=flex), samples, tree.sample_nodes)
 
 
 def _sample_logprobs(model: torch.nn.Module, hidden: torch.Tensor, samples: Sequence[TrainingSample],

@@ -17,7 +17,8 @@ from dist_launch import in_sync, launch_local
 from loomrl.config import ModelConfig, TrainerConfig
 from loomrl.model.loader import build_tiny_model
 from loomrl.trainer.distributed import DataParallelTrainer, shard_samples
-from loomrl.trainer.trainer import Trainer, token_logprobs
+from loomrl.trainer.forward import token_logprobs
+from loomrl.trainer.trainer import Trainer
 from loomrl.types import TrainingSample
 
 # (trainer options, idle tokens and sequences of the step) per case; micro-batches of 2 give the ranks
@@ -229,7 +230,7 @@ def test_rank0_stops_waiting_for_a_follower_that_dies_before_it_joins(tokenizer,
     cfg = RunConfig.model_validate({"model": {"kind": "hf", "path": str(tmp_path / "no-such-model")},
                                     "trainer": {"world_size": 2}, "output_dir": str(tmp_path)})
     followers = spawn_local_followers(cfg, None, threads=1)
-    ranks = LocalRankGroup(2, *followers.channels(), dead=followers.dead)
+    ranks = LocalRankGroup(2, torch.device("cpu"), *followers.channels(), dead=followers.dead)
     start = time.monotonic()
     try:
         with pytest.raises(RankLost, match="trainer rank 1 exited with code 1 before it joined"):

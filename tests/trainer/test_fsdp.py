@@ -13,7 +13,8 @@ from dist_launch import launch_local
 
 from loomrl.config import ModelConfig, TrainerConfig
 from loomrl.model.loader import build_tiny_model
-from loomrl.trainer.distributed import DataParallelTrainer, fsdp_shard
+from loomrl.trainer.distributed import DataParallelTrainer
+from loomrl.trainer.fsdp import fsdp_shard
 from loomrl.trainer.trainer import Trainer
 from loomrl.types import TrainingSample
 
@@ -109,7 +110,7 @@ def _resume_rank(rank: int, world: int, run_dir: str, options: dict) -> tuple[li
     from loomrl.config import RunConfig
     from loomrl.model.loader import load_run_model
     from loomrl.trainer.checkpoint import latest_checkpoint, save_checkpoint
-    from loomrl.trainer.distributed import save_sharded_optimizer
+    from loomrl.trainer.fsdp import save_sharded_optimizer
     from loomrl.trainer.ranks import build_trainer
 
     cfg = RunConfig.model_validate({"model": {"kind": "tiny"}, "runtime": {"mode": "async"}, "output_dir": run_dir,

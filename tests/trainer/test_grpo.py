@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from loomrl.config import TrainerConfig
+from loomrl.trainer.forward import token_logprobs
 from loomrl.trainer.grpo import group_advantages
-from loomrl.trainer.trainer import Trainer, token_logprobs
+from loomrl.trainer.trainer import Trainer
 from loomrl.types import TrainingSample
 
 

@@ -12,7 +12,8 @@ import torch
 
 from loomrl.config import ModelConfig, TrainerConfig
 from loomrl.model.loader import build_tiny_model
-from loomrl.trainer.trainer import Trainer, token_logprobs
+from loomrl.trainer.forward import token_logprobs
+from loomrl.trainer.trainer import Trainer
 from loomrl.trainer.tree import (
     compression_ratio,
     dense_attention_pairs,
@@ -175,6 +176,22 @@ def test_tree_matches_dense(model, case):
     dense = _logprobs_and_grads(model, samples, lambda m, s: token_logprobs(m, s, with_grad=True))
     tree = _logprobs_and_grads(model, samples, lambda m, s: tree_token_logprobs(m, s, with_grad=True))
     _assert_same(dense, tree)
+
+
+@pytest.mark.parametrize("case", ["grpo", "multiturn", "mix", "one_sequence", "duplicates", "temperatures"])
+def test_flex_attention_tree_mask_matches_the_segments_forward(model, case):
+    """FlexAttention's block mask of the trie gives the segments' logprobs. Forward only: torch's FlexAttention
+    has no backward on the CPU; its gradients are checked on a GPU (scripts/gpu_smoke.py part c)."""
+    samples = _cases(model.config.vocab_size)[case]
+    segments = tree_token_logprobs(model, samples, with_grad=False)
+    flex = tree_token_logprobs(model, samples, with_grad=False, flex=True)
+    for a, b in zip(flex, segments):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=1e-6)
+
+
+def test_flex_attention_is_refused_for_a_cpu_trainer(tokenizer):
+    with pytest.raises(ValueError, match="tree_attention=flex needs a CUDA"):
+        Trainer(_tiny(tokenizer), TrainerConfig(tree_merge="on", tree_attention="flex"))
 
 
 def _ancestor_mask(tree) -> torch.Tensor:

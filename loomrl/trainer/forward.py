@@ -1,0 +1,79 @@
+"""The trainer's forward passes at the model level: per-sample logprobs of a micro-batch (dense, or tree-merged:
+tree.py), the dtype they compute in, and activation checkpointing. Nothing here reads the run's config, so that
+scripts/gpu_smoke.py runs these passes on a machine with torch and transformers only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import transformers
+
+from loomrl.trainer.head import head_logprobs
+from loomrl.trainer.tree import decoder_and_head, sampled_positions, tree_token_logprobs
+from loomrl.types import TrainingSample
+
+
+def token_logprobs(model: torch.nn.Module, samples: list[TrainingSample], *, with_grad: bool) -> list[torch.Tensor]:
+    """Logprob of each sample's loss-masked tokens under `model` (at the sample's temperature)."""
+    base, _ = decoder_and_head(model)
+    device = next(model.parameters()).device
+    width = max(len(s.token_ids) for s in samples)
+    pad = [width - len(s.token_ids) for s in samples]
+    ids = torch.tensor([s.token_ids + [0] * p for s, p in zip(samples, pad)], dtype=torch.long, device=device)  # [B, T]
+    attn = torch.tensor([[1] * len(s.token_ids) + [0] * p for s, p in zip(samples, pad)], dtype=torch.long,
+                        device=device)  # [B, T]
+    targets = [sampled_positions(s) for s in samples]
+    # the hidden state before each sampled token: one row per target, every sample's rows in one head pass
+    at = torch.tensor([(i, t) for i, ts in enumerate(targets) for t in ts], dtype=torch.long,
+                      device=device).view(-1, 2)
+    temps = torch.tensor([s.temperature for s, ts in zip(samples, targets) for _ in ts], dtype=torch.float32,
+                         device=device)
+    with torch.set_grad_enabled(with_grad):
+        hidden = base(input_ids=ids, attention_mask=attn).last_hidden_state  # [B, T, H]
+        logp = head_logprobs(model, hidden[at[:, 0], at[:, 1] - 1], ids[at[:, 0], at[:, 1]], temps)
+    return list(torch.split(logp, [len(ts) for ts in targets]))
+
+
+def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """trainer.precision on `device`: "auto" is bfloat16 on CUDA, float32 on the CPU (whose bf16 matmuls are slower)."""
+    if precision == "auto":
+        precision = "bfloat16" if device.type == "cuda" else "float32"
+    return torch.bfloat16 if precision == "bfloat16" else torch.float32
+
+
+def compute_context(precision: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
+    """What the trainer's forward passes run under: autocast to trainer.precision, or nothing for float32."""
+    dtype = compute_dtype(precision, device)
+    if dtype == torch.float32:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device.type, dtype=dtype)
+
+
+Logprobs = Callable[[list[TrainingSample], bool], list[torch.Tensor]]  # (micro-batch, merged) -> per sample
+
+
+def forward_of(model: torch.nn.Module, *, flex: bool = False) -> Logprobs:
+    """The micro-batch forward of a model held whole by this process (`flex`: tree attention through FlexAttention)."""
+    return lambda batch, merged: logprobs_of(model, batch, merged, with_grad=torch.is_grad_enabled(), flex=flex)
+
+
+def logprobs_of(model: torch.nn.Module, batch: list[TrainingSample], merged: bool, *, with_grad: bool,
+                flex: bool = False) -> list[torch.Tensor]:
+    """Per sample of `batch`, the logprobs of its loss-masked tokens; `merged`: over the batch's prefix tree
+    (`flex`: its attention through FlexAttention)."""
+    if merged:
+        return tree_token_logprobs(model, batch, with_grad=with_grad, flex=flex)
+    return token_logprobs(model, batch, with_grad=with_grad)
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """transformers' per-decoder-layer checkpointing, non-reentrant (safe with keyword arguments). transformers 5
+    renamed the call (the old name warns there); 4.x has only the old one."""
+    kwargs = {"use_reentrant": False}
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

@@ -1,0 +1,72 @@
+"""FSDP2 sharding of a trainer's model (trainer.parallel=fsdp): the parameters, gradients and AdamW state split
+over the ranks of the default process group. The rank group around it is trainer/ranks.py; the shared plan of
+micro-batches every rank runs is the Trainer's (trainer.py, `shared_plan`); checkpoints of the optimizer state
+in parts are here too. Nothing here reads the run's config (scripts/gpu_smoke.py uses it as it is).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from loomrl.trainer.forward import Logprobs, logprobs_of
+from loomrl.trainer.tree import decoder_and_head
+from loomrl.types import TrainingSample
+
+if TYPE_CHECKING:
+    from loomrl.trainer.trainer import Trainer
+
+
+class _ShardedForward(torch.nn.Module):
+    """The micro-batch forward as the module FSDP shards at its root: the embeddings, the final norm and
+    the head belong to this root (each decoder layer is a unit of its own), so they are gathered for
+    the whole forward, which reads the head's weight directly (trainer/head.py), and their gradients
+    are reduced after its backward."""
+
+    def __init__(self, model: torch.nn.Module, flex: bool):
+        super().__init__()
+        self.model, self.flex = model, flex
+
+    def forward(self, batch: list[TrainingSample], merged: bool) -> list[torch.Tensor]:
+        # clones, not split views: FSDP hooks its pre-backward into the outputs, which an in-place op on a
+        # view would drop
+        return [lp.clone() for lp in logprobs_of(self.model, batch, merged, with_grad=torch.is_grad_enabled(),
+                                               flex=self.flex)]
+
+
+def save_sharded_optimizer(trainer: Trainer, folder: Path) -> None:
+    """This rank's part of the AdamW state into `folder` (every rank calls it: a collective)."""
+    from torch.distributed.checkpoint import save
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    save(get_optimizer_state_dict(trainer.forward, trainer.optimizer), checkpoint_id=str(folder))
+
+
+def load_sharded_optimizer(trainer: Trainer, folder: Path) -> None:
+    """This rank's part of the AdamW state from `folder` (every rank calls it; any world size can read it)."""
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    state = get_optimizer_state_dict(trainer.forward, trainer.optimizer)
+    load(state, checkpoint_id=str(folder))
+    set_optimizer_state_dict(trainer.forward, trainer.optimizer, state)
+
+
+def fsdp_shard(model: torch.nn.Module, param_dtype: torch.dtype | None = None, *, flex: bool = False) -> Logprobs:
+    """Shard `model` over the default process group with FSDP2 (fully_shard): every decoder layer a
+    unit, the rest at the root. Gradients are summed over the ranks, not averaged: the loss of each rank
+    already uses the step's global denominators. The sharded parameters stay float32; `param_dtype`
+    (bfloat16 under trainer.precision=bfloat16) is what each unit is gathered in for its forward and
+    backward, so that autocast has no float32 weights to cast (its cast cache would hold a bf16 copy of
+    every layer until the forward ends). Gradients are reduced in float32. `flex`: tree attention through
+    FlexAttention. Returns the sharded forward (Trainer(shard=))."""
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    units = [fully_shard(layer, mp_policy=policy) for layer in decoder_and_head(model)[0].layers]
+    root = fully_shard(_ShardedForward(model, flex), mp_policy=policy)
+    for unit in [*units, root]:
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
+    return root

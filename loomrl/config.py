@@ -246,6 +246,10 @@ class TrainerConfig(_Section):
     # fsdp: FSDP2 shards parameters, gradients, AdamW state and the KL reference over the ranks (also at
     # world_size 1), checkpoints the optimizer with torch.distributed.checkpoint (trainer/distributed.py)
     parallel: Literal["ddp", "fsdp"] = "ddp"
+    # fsdp with a KL term: keep the frozen KL reference's shards in host memory, each layer's brought to the
+    # device for its forward only (FSDP2's CPUOffloadPolicy): a model's worth of device memory less per
+    # world_size, for a host-to-device copy of the reference per micro-batch
+    kl_reference_offload: bool = False
     # loomrl/trainer/tree.py: forward a micro-batch as one prefix tree, so tokens its samples share (a
     # group's prompt, a conversation's history) are computed once; same logprobs and gradients.
     # "auto": merge a micro-batch when its total/unique token ratio is at least tree_merge_min_ratio.
@@ -268,6 +272,9 @@ class TrainerConfig(_Section):
         if self.activation_checkpointing and self.tree_merge != "off":
             # the backward's recompute would run outside the tree attention, which is switched in per forward
             raise ValueError("trainer.activation_checkpointing works with trainer.tree_merge=off only, so far")
+        if self.kl_reference_offload and self.parallel != "fsdp":
+            raise ValueError("trainer.kl_reference_offload needs trainer.parallel=fsdp (FSDP2 streams the offloaded "
+                             "reference's layers back); with ddp the reference stays on trainer.device")
         if self.parallel == "fsdp" and self.tree_merge != "off" and self.tree_merge_memory == "depth_first":
             # its partial forwards would each gather and reduce on their own: a plan the ranks cannot share yet
             raise ValueError("trainer.tree_merge_memory=depth_first does not work with trainer.parallel=fsdp yet; "

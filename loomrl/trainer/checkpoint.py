@@ -21,13 +21,18 @@ import torch
 
 
 def rng_state() -> dict[str, Any]:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_initialized():  # each device's generator (dropout, sampling on the GPU)
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
 
 
 def save_checkpoint(run_dir: Path, step: int, *, model: torch.nn.Module, tokenizer: Any,
@@ -73,13 +78,13 @@ def checkpoint_step(ckpt: Path) -> int:
 
 
 def load_state(ckpt: Path) -> dict[str, Any]:
-    return torch.load(ckpt / "state.pt", weights_only=False)
+    return torch.load(ckpt / "state.pt", weights_only=False, map_location="cpu")
 
 
 def load_optimizer(ckpt: Path, optimizer: torch.optim.Optimizer, scheduler: Any,
                    shards: Callable[[Path], None] | None = None) -> None:
     """`shards`: reads every rank's part of a sharded optimizer state from the folder it is given."""
-    blob = torch.load(ckpt / "optimizer.pt", weights_only=False)
+    blob = torch.load(ckpt / "optimizer.pt", weights_only=False, map_location="cpu")  # load_state_dict moves it
     if ("optimizer" in blob) == (shards is not None):
         kinds = ("whole", "sharded") if shards else ("sharded", "whole")
         raise ValueError(f"checkpoint {ckpt}: its optimizer state is {kinds[0]} but this trainer's is {kinds[1]}; "

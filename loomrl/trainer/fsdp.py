@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from loomrl.trainer.forward import Logprobs, logprobs_of
 from loomrl.trainer.tree import decoder_and_head
@@ -55,17 +55,21 @@ def load_sharded_optimizer(trainer: Trainer, folder: Path) -> None:
     set_optimizer_state_dict(trainer.forward, trainer.optimizer, state)
 
 
-def fsdp_shard(model: torch.nn.Module, param_dtype: torch.dtype | None = None, *, flex: bool = False) -> Logprobs:
+def fsdp_shard(model: torch.nn.Module, param_dtype: torch.dtype | None = None, *, flex: bool = False,
+               offload: bool = False) -> Logprobs:
     """Shard `model` over the default process group with FSDP2 (fully_shard): every decoder layer a
     unit, the rest at the root. Gradients are summed over the ranks, not averaged: the loss of each rank
     already uses the step's global denominators. The sharded parameters stay float32; `param_dtype`
     (bfloat16 under trainer.precision=bfloat16) is what each unit is gathered in for its forward and
     backward, so that autocast has no float32 weights to cast (its cast cache would hold a bf16 copy of
     every layer until the forward ends). Gradients are reduced in float32. `flex`: tree attention through
-    FlexAttention. Returns the sharded forward (Trainer(shard=))."""
+    FlexAttention; `offload`: the shards live in host memory, copied to the device unit by unit (the frozen KL
+    reference: trainer.kl_reference_offload). Returns the sharded forward (Trainer(shard=))."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    units = [fully_shard(layer, mp_policy=policy) for layer in decoder_and_head(model)[0].layers]
-    root = fully_shard(_ShardedForward(model, flex), mp_policy=policy)
+    device = next(model.parameters()).device
+    where = {"offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda")} if offload else {}
+    units = [fully_shard(layer, mp_policy=policy, **where) for layer in decoder_and_head(model)[0].layers]
+    root = fully_shard(_ShardedForward(model, flex), mp_policy=policy, **where)
     for unit in [*units, root]:
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)

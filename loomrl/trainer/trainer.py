@@ -20,6 +20,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -111,7 +112,8 @@ class Trainer:
                              "backward on the CPU); use segments or auto")
         make = shard or forward_of
         self.forward = make(model, flex=flex)
-        self.ref_forward = make(self.ref_model, flex=flex) if self.ref_model is not None else None
+        ref_make = partial(shard, offload=True) if shard is not None and cfg.kl_reference_offload else make
+        self.ref_forward = ref_make(self.ref_model, flex=flex) if self.ref_model is not None else None
         # sharded: every rank must run the same number of micro-batches (set by DataParallelTrainer)
         self.shared_plan: Callable[[int], int] | None = None
         self.params = [p for p in model.parameters() if p.requires_grad]

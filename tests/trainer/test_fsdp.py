@@ -19,7 +19,10 @@ from loomrl.trainer.trainer import Trainer
 from loomrl.types import TrainingSample
 
 STEPS = 3
-CASES = [{}, {"tree_merge": "on"}, {"loss": {"kind": "decoupled_ppo", "kl": "k3", "kl_coef": 0.1}}]
+CASES = [{}, {"tree_merge": "on"}, {"loss": {"kind": "decoupled_ppo", "kl": "k3", "kl_coef": 0.1}},
+         # the KL reference's shards in host memory (on this CPU-only machine the offload moves nothing: this checks
+         # that the offloaded reference gives the same logprobs, not the memory it saves on a GPU)
+         {"loss": {"kind": "ppo_clip", "kl": "k3", "kl_coef": 0.1}, "parallel": "fsdp", "kl_reference_offload": True}]
 
 
 def _model(vocab: int, eos: int) -> torch.nn.Module:

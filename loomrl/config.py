@@ -231,7 +231,8 @@ class TrainerConfig(_Section):
     total_steps: int = Field(10, gt=0)
     freeze_layers: int = Field(0, ge=0)  # keep the bottom N transformer blocks fixed (cheaper steps)
     # recompute each decoder layer's activations in the backward pass instead of keeping them: activation
-    # memory of one layer instead of all, for about one more forward pass of compute
+    # memory of one layer instead of all, for about one more forward pass of compute (tree merge too, not
+    # the depth-first pass)
     activation_checkpointing: bool = False
     # compute dtype of the trainer's forward and backward (torch.autocast): the weights, their gradients and
     # AdamW's state stay float32, and so do the logprobs, the loss and its softmax; auto = bfloat16 on a
@@ -269,13 +270,16 @@ class TrainerConfig(_Section):
 
     @model_validator(mode="after")
     def _supported_combinations(self) -> TrainerConfig:
-        if self.activation_checkpointing and self.tree_merge != "off":
-            # the backward's recompute would run outside the tree attention, which is switched in per forward
-            raise ValueError("trainer.activation_checkpointing works with trainer.tree_merge=off only, so far")
+        depth_first = (self.tree_merge != "off" and self.tree_token_budget is not None
+                       and self.tree_merge_memory == "depth_first")
+        if self.activation_checkpointing and depth_first:
+            # its forwards capture each layer's K/V for later sub-tries: a recompute would capture them again
+            raise ValueError("trainer.activation_checkpointing does not work with trainer.tree_merge_memory=depth_first "
+                             "yet; use subtries")
         if self.kl_reference_offload and self.parallel != "fsdp":
             raise ValueError("trainer.kl_reference_offload needs trainer.parallel=fsdp (FSDP2 streams the offloaded "
                              "reference's layers back); with ddp the reference stays on trainer.device")
-        if self.parallel == "fsdp" and self.tree_merge != "off" and self.tree_merge_memory == "depth_first":
+        if self.parallel == "fsdp" and depth_first:
             # its partial forwards would each gather and reduce on their own: a plan the ranks cannot share yet
             raise ValueError("trainer.tree_merge_memory=depth_first does not work with trainer.parallel=fsdp yet; "
                              "use subtries")

@@ -14,6 +14,7 @@ on the model's device.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
@@ -37,6 +38,7 @@ from loomrl.trainer.tree import (
     depth_first_backward,
     plan_tries,
     sampled_positions,
+    tree_attention,
     tree_attention_pairs,
     unique_tokens,
 )
@@ -217,7 +219,9 @@ class Trainer:
                 with self.autocast():
                     loss = micro_batch_loss(b, self.forward(chunk, merged[b]))
                 if loss is not None:
-                    loss.backward()
+                    recompute_merged = merged[b] and cfg.activation_checkpointing
+                    with tree_attention(self.model) if recompute_merged else contextlib.nullcontext():
+                        loss.backward()
                     loss_sum += float(loss.detach())
         if self.grad_hook is not None:
             self.grad_hook()

@@ -54,6 +54,7 @@ process).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -294,6 +295,12 @@ def _check_supported(model: torch.nn.Module) -> None:
         raise ValueError("tree merge: sliding-window attention is not supported (the tree mask would replace it)")
     if getattr(config, "attn_logit_softcapping", None):
         raise ValueError("tree merge: soft-capped attention is not supported")
+
+
+def tree_attention(model: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """The tree attention switched on, for a backward that recomputes checkpointed layers of a merged forward
+    (trainer.activation_checkpointing): the recompute then runs the attention the forward ran, with the same plan."""
+    return _attention_implementation(model, TREE_ATTENTION)
 
 
 @contextmanager

@@ -406,18 +406,22 @@ def test_attention_pair_counts_match_the_packed_trie():
     assert tree_attention_pairs([[1, 2, 3], [1, 2, 4]]) == 1 + 2 + 3 + 3  # the shared [1, 2] counted once
 
 
-def test_activation_checkpointing_gives_the_same_gradients(tokenizer):
+@pytest.mark.parametrize("merge", [{}, {"tree_merge": "on"}, {"tree_merge": "on", "tree_token_budget": 40}],
+                         ids=["dense", "tree", "tree_subtries"])
+def test_activation_checkpointing_gives_the_same_gradients(tokenizer, merge):
     """Recomputing each decoder layer in the backward pass changes memory, not the step: the same
-    loss and gradients (to float rounding: the recompute runs the same kernels on the same inputs)."""
+    loss and gradients (to float rounding: the recompute runs the same kernels on the same inputs). Under
+    tree merge the recompute must run the tree attention again: run outside it, the gradients differ."""
     rng = random.Random(7)
     samples = _grpo(rng, len(tokenizer), 4, 12) + _multiturn(rng, len(tokenizer))
-    off, off_stats = _trained(tokenizer, samples)
-    on, on_stats = _trained(tokenizer, samples, activation_checkpointing=True)
+    off, off_stats = _trained(tokenizer, samples, **merge)
+    on, on_stats = _trained(tokenizer, samples, activation_checkpointing=True, **merge)
     assert on_stats.loss == pytest.approx(off_stats.loss, rel=1e-6, abs=1e-7)
     for name, p in off.items():
         assert torch.allclose(on[name].grad, p.grad, rtol=1e-5, atol=1e-8), name
-    with pytest.raises(ValueError, match="activation_checkpointing works with trainer.tree_merge=off only"):
-        TrainerConfig(activation_checkpointing=True, tree_merge="on")
+    with pytest.raises(ValueError, match="activation_checkpointing does not work with trainer.tree_merge_memory"):
+        TrainerConfig(activation_checkpointing=True, tree_merge="on", tree_token_budget=40,
+                      tree_merge_memory="depth_first")
 
 
 def test_bfloat16_training_stays_near_float32_for_five_steps(tokenizer):

@@ -36,6 +36,7 @@ is not meant to be called from two threads at once.
 from __future__ import annotations
 
 import _posixshmem
+import contextlib
 import enum
 import fcntl
 import json
@@ -262,10 +263,8 @@ def _create_segment(name: str, size: int) -> _Segment:
 def _free(seg: _Segment) -> None:
     seg.mem.close()
     os.close(seg.fd)
-    try:
+    with contextlib.suppress(FileNotFoundError):
         _posixshmem.shm_unlink("/" + seg.name)
-    except FileNotFoundError:
-        pass
     resource_tracker.unregister("/" + seg.name, "shared_memory")
 
 
@@ -363,10 +362,8 @@ def _load_shm(handle: WeightHandle, into: dict[str, Tensor] | None) -> dict[str,
     finally:
         views.clear()  # no exported buffers may remain when the mapping is closed
         if mem is not None:
-            try:
+            with contextlib.suppress(BufferError):  # a view still held by a traceback: closed when collected
                 mem.close()
-            except BufferError:  # a view still held by an exception's traceback: closed when it is collected
-                pass
         os.close(fd)  # releases the lock
 
 

@@ -210,6 +210,3 @@ class RemoteEnvPool(Leases):
         self.metrics.kills += int(broken)
         with suppress(SandboxError):  # the env actor died: the sandbox died with it
             await _remote(sb.actor.release.remote(sb.lease, broken))
-
-    async def close(self) -> None:
-        pass  # the driver owns (and closes) the env actors

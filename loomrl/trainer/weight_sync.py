@@ -146,16 +146,13 @@ def make_publisher(transport: str, *, keep: int = 2, folder: str | Path | None =
 def load_weights(handle: WeightHandle, into: dict[str, Tensor] | None = None) -> LoadedWeights:
     """The handle's tensors and version. With `into` (e.g. an engine's parameters, by name), the tensors are copied into
     those and `into` is returned: one copy fewer for shm. Raises StaleWeights if the version was freed already."""
+    if handle.transport is Transport.RAY:
+        raise ValueError("weight sync: a ray handle's payload is an ObjectRef, awaited by the rollout actor")
     start = time.perf_counter()
     if handle.transport is Transport.SHM:
         weights = _load_shm(handle, into)
     else:
-        if handle.transport is Transport.QUEUE:
-            weights = handle.payload
-        elif handle.transport is Transport.FILE:
-            weights = _load_file(Path(handle.location), handle.version)
-        else:
-            raise ValueError("weight sync: a ray handle's payload is an ObjectRef, awaited by the rollout actor")
+        weights = handle.payload if handle.transport is Transport.QUEUE else _load_file(handle.location, handle.version)
         if into is not None:
             _copy_into(into, weights)
             weights = into
@@ -421,11 +418,11 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _load_file(path: Path, version: int) -> dict[str, Tensor]:
+def _load_file(path: str, version: int) -> dict[str, Tensor]:
     from safetensors import safe_open
 
     try:
-        f = safe_open(str(path), framework="pt")
+        f = safe_open(path, framework="pt")
     except FileNotFoundError:
         raise StaleWeights(f"weight sync: version {version} ({path}) was freed; load a newer handle") from None
     # Once open, the file's contents stay readable even if the publisher unlinks it meanwhile.

@@ -24,6 +24,7 @@ calls) and status; `GET /programs` lists them (admin key). `engine.release(progr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import time
@@ -67,10 +68,8 @@ def _normalize(message: dict[str, Any]) -> tuple:
     for call in message.get("tool_calls") or []:
         fn = call.get("function", {}) if isinstance(call, dict) else {}
         args = fn.get("arguments", "")
-        try:
+        with contextlib.suppress(ValueError):  # arguments that are not JSON are compared as text
             args = json.loads(args) if isinstance(args, str) else args
-        except ValueError:
-            pass
         calls.append((fn.get("name"), json.dumps(args, sort_keys=True)))
     content = message.get("content")
     if isinstance(content, list):  # content parts: keep their text

@@ -37,6 +37,8 @@ class StepResult:
 
 
 class Env(Protocol):
+    """Environments subclass it (explicitly) to take its defaults: finalize and close do nothing."""
+
     version: str  # recorded on every trajectory (metadata.env_version)
 
     async def reset(self, task: Task) -> Observation: ...
@@ -45,6 +47,8 @@ class Env(Protocol):
 
     async def finalize(self) -> str | None:
         """The final answer of an episode cut short by its turn or context budget (codefix: run the
-        hidden tests on what the agent left), or None when the environment has nothing to add."""
+        hidden tests on what the agent left), or None when the environment has nothing to add (by
+        default: a cut-short episode is judged on its last answer, if it gave one)."""
 
-    async def close(self) -> None: ...
+    async def close(self) -> None:
+        """Release what the episode holds (by default nothing)."""

@@ -123,9 +123,9 @@ class Leases(ABC):
     @abstractmethod
     async def release(self, sb: Sandbox, *, broken: bool = False) -> None: ...
 
-    @abstractmethod
-    async def close(self) -> None:
-        """Tear down what this side owns (EnvPool: every instance)."""
+    async def close(self) -> None:  # noqa: B027 - a hook: not every side owns anything
+        """Tear down what this side owns (EnvPool: every instance; remote.RemoteEnvPool: nothing, the
+        driver owns and closes the env actors)."""
 
     @asynccontextmanager
     async def lease(self, cleanup: list[Callable[[Sandbox], Any]] | None = None) -> AsyncIterator[Sandbox]:

@@ -7,8 +7,8 @@ import asyncio
 import itertools
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -126,14 +126,10 @@ class RemoteSandbox:
         return await _remote(self.actor.exec.remote(self.lease, argv, timeout, stdin, env))
 
     def write_file(self, path: str, data: str | bytes) -> None:
-        import ray
-
-        _raise_as_sandbox_error(lambda: ray.get(self.actor.write_file.remote(self.lease, path, data)))
+        _get(self.actor.write_file.remote(self.lease, path, data))
 
     def read_file(self, path: str) -> str:
-        import ray
-
-        return _raise_as_sandbox_error(lambda: ray.get(self.actor.read_file.remote(self.lease, path)))
+        return _get(self.actor.read_file.remote(self.lease, path))
 
     async def health(self, timeout: float = 5.0) -> Health:
         return Health(ok=True)  # the env actor's pool checks its instances before it leases them
@@ -156,9 +152,11 @@ def _env_worker_errors() -> Iterator[None]:
         raise SandboxError(f"env worker failed: {type(err).__name__}: {str(err).splitlines()[0]}") from None
 
 
-def _raise_as_sandbox_error(call: Callable[[], Any]) -> Any:
+def _get(ref: Any) -> Any:
+    import ray
+
     with _env_worker_errors():
-        return call()
+        return ray.get(ref)
 
 
 async def _remote(ref: Any) -> Any:
@@ -210,10 +208,5 @@ class RemoteEnvPool(Leases):
         assert isinstance(sb, RemoteSandbox)
         self.metrics.released += 1
         self.metrics.kills += int(broken)
-        try:
+        with suppress(SandboxError):  # the env actor died: the sandbox died with it
             await _remote(sb.actor.release.remote(sb.lease, broken))
-        except SandboxError:
-            pass  # the env actor died: the sandbox died with it
-
-    async def close(self) -> None:
-        pass  # the driver owns (and closes) the env actors

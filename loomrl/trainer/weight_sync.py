@@ -40,6 +40,7 @@ is not meant to be called from two threads at once.
 from __future__ import annotations
 
 import _posixshmem
+import contextlib
 import enum
 import fcntl
 import json
@@ -149,16 +150,13 @@ def make_publisher(transport: str, *, keep: int = 2, folder: str | Path | None =
 def load_weights(handle: WeightHandle, into: dict[str, Tensor] | None = None) -> LoadedWeights:
     """The handle's tensors and version. With `into` (e.g. an engine's parameters, by name), the tensors are copied into
     those and `into` is returned: one copy fewer for shm. Raises StaleWeights if the version was freed already."""
+    if handle.transport is Transport.RAY:
+        raise ValueError("weight sync: a ray handle's payload is an ObjectRef, awaited by the rollout actor")
     start = time.perf_counter()
     if handle.transport is Transport.SHM:
         weights = _load_shm(handle, into)
     else:
-        if handle.transport is Transport.QUEUE:
-            weights = handle.payload
-        elif handle.transport is Transport.FILE:
-            weights = _load_file(Path(handle.location), handle.version)
-        else:
-            raise ValueError("weight sync: a ray handle's payload is an ObjectRef, awaited by the rollout actor")
+        weights = handle.payload if handle.transport is Transport.QUEUE else _load_file(handle.location, handle.version)
         if into is not None:
             _copy_into(into, weights)
             weights = into
@@ -266,10 +264,8 @@ def _create_segment(name: str, size: int) -> _Segment:
 def _free(seg: _Segment) -> None:
     seg.mem.close()
     os.close(seg.fd)
-    try:
+    with contextlib.suppress(FileNotFoundError):
         _posixshmem.shm_unlink("/" + seg.name)
-    except FileNotFoundError:
-        pass
     resource_tracker.unregister("/" + seg.name, "shared_memory")
 
 
@@ -367,10 +363,8 @@ def _load_shm(handle: WeightHandle, into: dict[str, Tensor] | None) -> dict[str,
     finally:
         views.clear()  # no exported buffers may remain when the mapping is closed
         if mem is not None:
-            try:
+            with contextlib.suppress(BufferError):  # a view still held by a traceback: closed when collected
                 mem.close()
-            except BufferError:  # a view still held by an exception's traceback: closed when it is collected
-                pass
         os.close(fd)  # releases the lock
 
 
@@ -428,11 +422,11 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _load_file(path: Path, version: int) -> dict[str, Tensor]:
+def _load_file(path: str, version: int) -> dict[str, Tensor]:
     from safetensors import safe_open
 
     try:
-        f = safe_open(str(path), framework="pt")
+        f = safe_open(path, framework="pt")
     except FileNotFoundError:
         raise StaleWeights(f"weight sync: version {version} ({path}) was freed; load a newer handle") from None
     # Once open, the file's contents stay readable even if the publisher unlinks it meanwhile.

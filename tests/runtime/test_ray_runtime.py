@@ -357,14 +357,15 @@ def test_sandboxes_that_cannot_work_stop_the_run_with_one_line(cluster, tmp_path
     assert time.time() - t0 < 120
 
 
-def test_a_dead_env_actor_is_a_sandbox_error_to_the_environment():
+def test_a_dead_env_actor_is_a_sandbox_error_to_the_environment(monkeypatch):
     """What the environment code sees when an env actor dies mid-call: SandboxError with the reason
     (so the episode ends env_error and agent.retry_on applies), from awaited and blocking calls alike.
-    The Ray error is constructed here (no cluster needed): it is what Ray raises for a dead actor."""
+    The Ray error is constructed here (no cluster needed): it is what Ray raises for a dead actor; the
+    blocking calls' ray.get is replaced by one that raises what a call on that actor would."""
     ray = pytest.importorskip("ray")
     import asyncio
 
-    from loomrl.env.remote import _raise_as_sandbox_error, _remote
+    from loomrl.env.remote import _get, _remote
     from loomrl.env.sandbox.base import SandboxError
 
     async def dead_call():
@@ -373,13 +374,17 @@ def test_a_dead_env_actor_is_a_sandbox_error_to_the_environment():
     with pytest.raises(SandboxError, match="env worker failed: ActorDiedError"):
         asyncio.run(_remote(dead_call()))
 
-    def dead_blocking_call():
-        raise ray.exceptions.ActorDiedError()
+    def get_raising(err):
+        def get(ref):
+            raise err
+        return get
 
+    monkeypatch.setattr(ray, "get", get_raising(ray.exceptions.ActorDiedError()))
     with pytest.raises(SandboxError, match="env worker failed: ActorDiedError"):
-        _raise_as_sandbox_error(dead_blocking_call)
+        _get("a ref")
+    monkeypatch.setattr(ray, "get", get_raising(SandboxError("no sandbox under lease x")))
     with pytest.raises(SandboxError, match="no sandbox"):  # the env actor's own SandboxError passes as is
-        _raise_as_sandbox_error(lambda: (_ for _ in ()).throw(SandboxError("no sandbox under lease x")))
+        _get("a ref")
 
 
 def test_ray_backend_without_ray_says_how_to_install_it(tmp_path):

@@ -13,6 +13,7 @@ Disk: while a command runs, the workdir's size is polled and the command killed 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -237,10 +238,8 @@ class _SubprocessSandbox:
 
     @staticmethod
     def _kill(pgid: int) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
     async def health(self, timeout: float = 5.0) -> Health:
         """A trivial command runs, exits 0 and prints what it was told, within `timeout`."""

@@ -61,16 +61,11 @@ def bwrap_available() -> bool:
 def _mount_points(destinations: list[str]) -> list[str]:
     """bwrap options making the parent folders of bind destinations, world-traversable (made
     implicitly, they would copy the mode of the host folder and may shut the sandbox's uid out)."""
-    out: list[str] = []
-    made: set[str] = set()
+    folders: dict[str, None] = {}  # an ordered set: each folder once, parents before their children
     for inside in destinations:
         parts = inside.strip("/").split("/")[:-1]
-        for k in range(1, len(parts) + 1):
-            folder = "/" + "/".join(parts[:k])
-            if folder not in made:
-                made.add(folder)
-                out += ["--perms", "0755", "--dir", folder]
-    return out
+        folders.update(dict.fromkeys("/" + "/".join(parts[:k]) for k in range(1, len(parts) + 1)))
+    return [part for folder in folders for part in ("--perms", "0755", "--dir", folder)]
 
 
 def kill_uid(uid: int) -> None:

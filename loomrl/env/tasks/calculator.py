@@ -19,7 +19,7 @@ import random
 import re
 
 from loomrl.config import ConfigError
-from loomrl.env.base import EnvCrash, Observation, StepResult, ToolTimeout
+from loomrl.env.base import Env, EnvCrash, Observation, StepResult, ToolTimeout
 from loomrl.env.pool import EnvPool
 from loomrl.model.tools import parse_tool_calls
 from loomrl.types import Task
@@ -163,7 +163,7 @@ def parse_final_answer(text: str) -> str | None:
     return str(int(value)) if value.is_integer() else str(value)
 
 
-class CalculatorEnv:
+class CalculatorEnv(Env):
     """One episode at a time. The tool is stateless, so each call leases a sandbox from the pool only
     for its own duration (a program thinking or waiting on the engine holds none); a call that
     crashes or times out returns its sandbox as broken, to be destroyed and replaced."""
@@ -223,9 +223,3 @@ class CalculatorEnv:
             return StepResult(observation=[{"role": "user", "content": f"Result: {output}"}], info=info)
         # A final answer, or neither a call nor an answer: the episode ends either way.
         return StepResult(observation=[], done=True, info={"final_answer": answer})
-
-    async def finalize(self) -> str | None:
-        return None  # a cut-short episode is judged on its last answer, if it gave one
-
-    async def close(self) -> None:
-        pass  # the pool owns the sandboxes; leases were returned after each call

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loomrl.config import ConfigError
-from loomrl.env.base import Observation, StepResult
+from loomrl.env.base import Env, Observation, StepResult
 from loomrl.env.pool import EnvPool
 from loomrl.env.sandbox import Sandbox, SandboxError
 from loomrl.env.tasks.codefix_types import CodefixTask
@@ -84,7 +84,7 @@ class TestVerdict:
     killed: str | None = None
 
 
-class CodefixEnv:
+class CodefixEnv(Env):
     """One episode at a time over a sandbox leased from `pool` for the whole episode."""
 
     version = ENV_VERSION

@@ -40,7 +40,7 @@ import gymnasium as gym
 from gymnasium.envs.toy_text.frozen_lake import generate_random_map
 
 from loomrl.config import ConfigError
-from loomrl.env.base import Observation, StepResult
+from loomrl.env.base import Env, Observation, StepResult
 from loomrl.model.tools import parse_tool_calls
 from loomrl.types import RolloutStatus, Task, Trajectory
 
@@ -237,7 +237,7 @@ def _user(text: str) -> dict[str, str]:
     return {"role": "user", "content": text}
 
 
-class GymTextEnv:
+class GymTextEnv(Env):
     """One episode at a time; the gymnasium env lives from reset() to the next reset() or close()."""
 
     version = ENV_VERSION
@@ -290,9 +290,6 @@ class GymTextEnv:
     def _info(self, name: str | None, *, invalid: bool, success: bool, truncated: bool) -> dict[str, Any]:
         return {"action": name, "invalid": invalid, "return": self._return, "success": success,
                 "truncated": truncated, "invalid_limit": False}
-
-    async def finalize(self) -> str | None:
-        return None  # a cut-short episode is judged on its last answer, if it gave one
 
     async def close(self) -> None:
         if self._env is not None:

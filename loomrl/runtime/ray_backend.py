@@ -22,6 +22,7 @@ is a crashed run: `--resume` continues from the latest checkpoint).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -163,10 +164,8 @@ class RayBackend(Backend):
         return [tuple(await result_or(actor.where.remote(), 30, (None, None))) for actor in actors]
 
     def _kill(self, actor: Any) -> None:
-        try:
+        with contextlib.suppress(Exception):  # already gone
             self.ray.kill(actor, no_restart=True)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
 
     async def start(self) -> None:
         self._init_ray()
@@ -304,10 +303,8 @@ class RayBackend(Backend):
         try:
             return await ref
         except asyncio.CancelledError:
-            try:
+            with contextlib.suppress(Exception):  # its actor is gone: nothing left to cancel
                 self.ray.cancel(ref)
-            except Exception:  # noqa: BLE001 - its actor is gone: nothing left to cancel
-                pass
             raise
         except self.ray.exceptions.RayActorError as err:
             raise self._worker_died(i, incarnation, err) from None

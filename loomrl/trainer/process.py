@@ -14,6 +14,7 @@ siblings, so the client sees them die) makes every pending call raise TrainerPro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 import queue
 import signal
@@ -110,10 +111,8 @@ class TrainerProcess:
     def _pump(self, loop: asyncio.AbstractEventLoop) -> None:
         """Trainer process -> asyncio, on a thread so that the event loop never blocks."""
         def deliver(msg: Any) -> None:
-            try:
+            with contextlib.suppress(RuntimeError):  # the event loop has closed: nobody is waiting any more
                 loop.call_soon_threadsafe(self.answers.put_nowait, msg)
-            except RuntimeError:  # the event loop has closed: nobody is waiting any more
-                pass
 
         while not self.stopping:
             try:

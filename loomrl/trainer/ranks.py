@@ -20,6 +20,7 @@ Launchers: local (`spawn_local_followers`: processes of this machine, gloo over 
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -241,10 +242,8 @@ class LocalFollowers:
 
     def stop(self) -> None:
         for q in self.inboxes:
-            try:
+            with contextlib.suppress(ValueError, OSError):  # closed already
                 q.put(None)
-            except (ValueError, OSError):  # closed already
-                pass
         for c in self.children:
             c.stop(10)
 

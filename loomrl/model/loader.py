@@ -51,10 +51,21 @@ def _gguf_source(cfg: ModelConfig) -> Path:
     return path
 
 
+def _cache_key(gguf: Path) -> str:
+    """The file's content and the transformers version that converts it, not its path: every fresh venv holds its own
+    copy of the same GGUF, and a path key made one 517 MB conversion per clone (28 of them, 15 GB, on the development
+    machine). Hashing the 98 MB SmolLM2 file takes ~0.06 s."""
+    import transformers
+
+    with gguf.open("rb") as f:
+        digest = hashlib.file_digest(f, "sha1")
+    digest.update(transformers.__version__.encode())
+    return digest.hexdigest()[:12]
+
+
 def _converted_dir(cfg: ModelConfig, gguf: Path) -> Path:
     """De-quantise a GGUF once into an HF folder (float32 safetensors + tokenizer) and reuse it."""
-    stat = gguf.stat()
-    key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    key = _cache_key(gguf)
     root = cfg.cache_dir or os.environ.get("LOOMRL_CACHE") or Path.home() / ".cache" / "loomrl"
     out = Path(root) / f"{gguf.stem}-{key}"
     if (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file():

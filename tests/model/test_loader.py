@@ -53,3 +53,17 @@ def test_the_trainer_loads_a_float32_checkpoint_unrounded_whatever_model_dtype_s
     assert all(p.dtype == torch.bfloat16 and torch.equal(p, ref[n].to(torch.bfloat16))
                for n, p in engine.named_parameters())
     assert any(not torch.equal(p.float(), ref[n]) for n, p in engine.named_parameters())  # bf16 did round
+
+
+def test_the_gguf_conversion_cache_is_keyed_by_content_not_path(tmp_path):
+    """Two venvs' copies of one GGUF share one converted folder; a different file gets its own."""
+    import os
+
+    from loomrl.model.loader import _cache_key
+
+    a, b, c = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf", tmp_path / "c" / "m.gguf"
+    for path, data in ((a, b"GGUF same bytes"), (b, b"GGUF same bytes"), (c, b"GGUF other bytes")):
+        path.parent.mkdir()
+        path.write_bytes(data)
+    os.utime(b, (1, 1))  # another mtime too
+    assert _cache_key(a) == _cache_key(b) != _cache_key(c)

@@ -24,7 +24,8 @@ The contract, as SGLang's source has it:
   partial output (new requests wait until /continue_generation), then /update_weights_from_disk {model_path,
   load_format, weight_version} and /flush_cache (the radix cache holds K/V of the old weights). No request spans
   an update, so every token's version is exact: the server's weight_version (set to loomrl's version by each
-  update) when it is an integer, else the engine's version when the request started.
+  update) when it is an integer, else (before the first update, or a server that sends none) the engine's version
+  when the request started.
 
 Per-token versions, interrupts and resumption: an abort the adapter caused (an interrupt() or an update during the
 request's life) is finish_reason "interrupted", which generate_resuming resumes from the partial output; an abort it
@@ -142,6 +143,8 @@ class SGLangEngine:
     def update_weights(self, weights: dict | None, version: int) -> None:
         """Write `weights` as a checkpoint folder, then pause (abort) -> /update_weights_from_disk -> /flush_cache
         -> continue; in-flight requests end "interrupted" and resume under the new weights."""
+        if self._closed:
+            raise EngineFault("update_weights: the engine is closed")
         if weights is None:
             raise EngineFault("update_weights(None): in-place updates need a model shared with the trainer; an SGLang "
                               "server holds its own copy (engine.kind=sglang needs runtime.mode=async)")

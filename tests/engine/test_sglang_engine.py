@@ -370,6 +370,8 @@ def test_server_errors_are_engine_faults_with_the_servers_message(engine, fake, 
         gone.close()
     with pytest.raises(EngineFault, match="the engine is closed"):
         _generate(gone, [1, 2])
+    with pytest.raises(EngineFault, match="the engine is closed"):
+        gone.update_weights({}, 2)
 
 
 def test_config_refuses_sglang_without_a_server_and_make_engine_builds_it(tiny_model, tokenizer):

@@ -76,14 +76,37 @@ class SamplingConfig(_Section):
     max_tokens: int = Field(48, gt=0)
 
 
+class SGLangConfig(_Section):
+    """engine.kind=sglang only: an SGLang server (`python -m sglang.launch_server`) that loomrl drives over HTTP
+    (engine/sglang.py says which server flags it needs)."""
+
+    base_url: str | None = None  # e.g. http://gpu-node:30000 (required with engine.kind=sglang)
+    timeout_s: float = Field(600.0, gt=0)  # one /generate call
+    control_timeout_s: float = Field(60.0, gt=0)  # /pause_generation, /continue_generation, /flush_cache
+    update_timeout_s: float = Field(600.0, gt=0)  # /update_weights_from_disk (the server reads the checkpoint)
+    # a call whose connection was refused (or answered 503: the server is starting) is tried again this many
+    # times, retry_backoff_s x 2^k apart; a call the server received is never sent twice
+    retries: int = Field(3, ge=0)
+    retry_backoff_s: float = Field(1.0, ge=0.0)
+    # update_weights writes each version as a safetensors folder here; the server must be able to read it
+    weights_dir: str | None = None
+    server_weights_dir: str | None = None  # the same folder as the server's machine names it (None: weights_dir)
+    weights_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # of the written checkpoint
+    context_length: int = Field(32768, gt=0)  # the server's --context-length: the engine's kv_budget
+    # True: the server runs with --enable-priority-scheduling --schedule-low-priority-values-first (loomrl's order,
+    # lowest first); False: it orders highest first (SGLang's default) and the adapter sends -priority
+    low_priority_first: bool = True
+
+
 class EngineConfig(_Section):
-    # builtin: continuous batching + prefix cache (engine/builtin)
-    kind: Literal["builtin"] = "builtin"
+    # builtin: continuous batching + prefix cache (engine/builtin); sglang: an SGLang server over HTTP (engine/sglang.py)
+    kind: Literal["builtin", "sglang"] = "builtin"
     max_batch_size: int = Field(64, gt=0)  # running sequences at once
     kv_budget_tokens: int = Field(65536, gt=0)  # K/V tokens held by running sequences + cache
     max_prefill_tokens: int = Field(4096, gt=0)  # prompt tokens computed per step
     prefix_cache: bool = True
     threads: int = Field(0, ge=0)  # torch threads of the rollout side; 0 = all cores (sync), half (async)
+    sglang: SGLangConfig = Field(default_factory=SGLangConfig)
 
 
 class CalculatorConfig(_Section):
@@ -395,11 +418,14 @@ class RunConfig(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
 
     @model_validator(mode="after")
-    def _fsdp_async(self) -> RunConfig:
-        if self.trainer.parallel == "fsdp" and self.runtime.mode == "sync":
-            # sync mode serves the engine from the trainer's own model object, which FSDP shards
+    def _needs_async(self) -> RunConfig:
+        # sync mode serves the engine from the trainer's own model object and changes its weights in place
+        if self.runtime.mode == "sync" and self.trainer.parallel == "fsdp":  # FSDP shards that object
             raise ValueError("trainer.parallel=fsdp needs runtime.mode=async (sync mode shares the trainer's model "
                              "with the engine)")
+        if self.runtime.mode == "sync" and self.engine.kind == "sglang":
+            raise ValueError("engine.kind=sglang needs runtime.mode=async (sync mode shares the trainer's model with "
+                             "the engine; an SGLang server holds its own copy and loads each version from disk)")
         return self
 
     @property
@@ -530,6 +556,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     from loomrl.devices import check_run_devices  # imports torch: deferred until a config is loaded
 
     check_run_devices(config)
+    if config.engine.kind == "sglang" and not config.engine.sglang.base_url:
+        raise ConfigError("config error: engine.sglang.base_url: engine.kind=sglang needs the SGLang server's address, "
+                          "e.g. engine.sglang.base_url=http://gpu-node:30000")
     for f in config.agent.files:
         if not Path(f).is_file():
             raise ConfigError(f"config error: agent.files: {f!r} is not a file (paths are relative to the recipe)")

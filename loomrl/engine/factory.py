@@ -9,10 +9,15 @@ from loomrl.engine.base import Engine
 
 
 def make_engine(cfg: RunConfig, model: Any, tokenizer: Any, version: int) -> Engine:
-    """The built-in engine (the one kind today) over `model`; sync runs share it with the trainer."""
+    """The engine engine.kind names: the built-in one over `model` (sync runs share it with the trainer), or a
+    client of an SGLang server (`model` gives only the config.json written beside each weight update)."""
+    e = cfg.engine
+    if e.kind == "sglang":
+        from loomrl.engine.sglang import SGLangEngine
+
+        return SGLangEngine(e.sglang, version=version, model_config=model.config)
     from loomrl.engine.builtin.engine import BuiltinEngine
 
-    e = cfg.engine
     return BuiltinEngine(model, eos_token_id=tokenizer.eos_token_id, kv_budget_tokens=e.kv_budget_tokens,
                          max_running=e.max_batch_size, max_prefill_tokens=e.max_prefill_tokens,
                          prefix_cache=e.prefix_cache, seed=cfg.seed, version=version, tokenizer=tokenizer)

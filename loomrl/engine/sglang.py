@@ -1,0 +1,320 @@
+"""SGLangEngine: the Engine protocol over an SGLang server's native HTTP API (`engine.kind: sglang`).
+
+What it is: a client of a server the user runs (`python -m sglang.launch_server`), which must be started with
+  --enable-priority-scheduling --schedule-low-priority-values-first   (loomrl's order, lowest first; without the
+      second flag set engine.sglang.low_priority_first=false and the adapter sends -priority)
+and must NOT have SGLANG_RETURN_ORIGINAL_LOGPROB set in its environment (with it the returned logprobs are of the
+raw logits, before temperature). Model weights arrive as safetensors folders in engine.sglang.weights_dir, a folder
+the server can read (a shared filesystem; engine.sglang.server_weights_dir if it names it differently).
+
+What it is not: tested against a running SGLang. SGLang 0.5 ships GPU builds only; the adapter is tested here
+against a fake server that checks every request against the contract recorded from SGLang's source
+(tests/engine/test_sglang_engine.py names the files). Nothing has run against a real server yet.
+
+The contract, as SGLang's source has it:
+- /generate {rid, input_ids, sampling_params, return_logprob, logprob_start_len, priority} answers
+  {output_ids, meta_info: {finish_reason: {type: stop|length|abort, ...}, output_token_logprobs: [[logprob,
+  token_id, text], ...], weight_version, cached_tokens, ...}}. no_stop_trim keeps a matched stop token in
+  output_ids (the detokenizer drops it otherwise); the token ids are read from the logprob triples, which are
+  never trimmed, and checked against output_ids where the server sends them.
+- Logprobs (layers/sampler.py) are log softmax(logits / T), the temperature-scaled distribution, taken before
+  top-k/top-p truncation; greedy requests (T = 0) get log softmax(logits). They equal the distribution sampled
+  from when top_p = 1 and top_k = 0 (loomrl's defaults); with a truncation they are of the untruncated one.
+- Weight updates: /pause_generation {mode: abort} ends every in-flight request with finish_reason abort and its
+  partial output (new requests wait until /continue_generation), then /update_weights_from_disk {model_path,
+  load_format, weight_version} and /flush_cache (the radix cache holds K/V of the old weights). No request spans
+  an update, so every token's version is exact: the server's weight_version (set to loomrl's version by each
+  update) when it is an integer, else (before the first update, or a server that sends none) the engine's version
+  when the request started.
+
+Per-token versions, interrupts and resumption: an abort the adapter caused (an interrupt() or an update during the
+request's life) is finish_reason "interrupted", which generate_resuming resumes from the partial output; an abort it
+did not cause (the server refused the request) is an EngineFault with the server's message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from loomrl.config import SGLangConfig
+from loomrl.engine.base import EngineFault, EngineMetrics, GenerationRequest, GenerationResult
+
+log = logging.getLogger(__name__)
+
+_FINISH = {"stop": "stop", "length": "length"}
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_RETRIED = (httpx.ConnectError, httpx.ConnectTimeout)  # the server never received the call
+
+
+def _server_message(resp: httpx.Response) -> str:
+    """The error text of an SGLang answer: {"error": {"message"}} (/generate), {"message"} (weight updates,
+    ErrorResponse) or a plain body (/flush_cache)."""
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text.strip()
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        if body.get("message"):
+            return str(body["message"])
+    return resp.text.strip()
+
+
+def write_checkpoint(folder: Path, weights: dict[str, torch.Tensor], config: Any, dtype: torch.dtype) -> None:
+    """An HF model folder SGLang can load: config.json (when `config` is given) and model.safetensors in `dtype`.
+    Tensors that share storage (tied embeddings) are written once, under the first name (SGLang's loaders skip
+    lm_head.weight of a tied model)."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    for name, t in weights.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        tensors[name] = t.detach().to(device="cpu", dtype=dtype).contiguous()
+    folder.mkdir(parents=True)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    if config is not None:
+        config.save_pretrained(str(folder))
+
+
+class SGLangEngine:
+    """Engine protocol implementation over HTTP; generate is awaited from asyncio, the rest is thread-safe."""
+
+    def __init__(self, cfg: SGLangConfig, *, version: int = 0, model_config: Any = None):
+        if not cfg.base_url:
+            raise EngineFault("engine.sglang.base_url is not set: the SGLang server's address is needed")
+        self.cfg = cfg
+        self.base_url = cfg.base_url.rstrip("/")
+        self.model_config = model_config  # written as config.json beside each checkpoint
+        self.metrics = EngineMetrics()
+        self.kv_budget = cfg.context_length
+        self._version = version
+        self._lock = threading.Lock()
+        self._aborts = 0  # pauses with mode=abort sent so far: a request that saw one was interrupted by us
+        self._closed = False
+        self._client = httpx.Client(base_url=self.base_url)
+        self._aclients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}  # one per event loop
+        # One thread for control calls, in order: an interrupt() then an update_weights never interleave.
+        self._control = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loomrl-sglang-control")
+        self._calls = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loomrl-sglang-call")
+
+    # -- protocol ---------------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        if not request.prompt_ids:
+            raise ValueError("generate: prompt_ids is empty")
+        if self._closed:
+            raise EngineFault("the engine is closed")
+        with self._lock:
+            version, aborts = self._version, self._aborts
+            self.metrics.requests += 1
+        rid = f"loomrl-{uuid.uuid4().hex}"
+        data = await self._apost("/generate", self.generate_body(request, rid))
+        result, cached = self.parse_generate(data, version, interrupted=self._aborts > aborts)
+        with self._lock:
+            n = len(request.prompt_ids)
+            self.metrics.finished += 1
+            self.metrics.prompt_tokens += n
+            self.metrics.reused_tokens += cached
+            self.metrics.prefill_tokens += n - cached
+            self.metrics.generated_tokens += len(result.token_ids)
+        return result
+
+    def update_weights(self, weights: dict | None, version: int) -> None:
+        """Write `weights` as a checkpoint folder, then pause (abort) -> /update_weights_from_disk -> /flush_cache
+        -> continue; in-flight requests end "interrupted" and resume under the new weights."""
+        if self._closed:
+            raise EngineFault("update_weights: the engine is closed")
+        if weights is None:
+            raise EngineFault("update_weights(None): in-place updates need a model shared with the trainer; an SGLang "
+                              "server holds its own copy (engine.kind=sglang needs runtime.mode=async)")
+        if not self.cfg.weights_dir:
+            raise EngineFault("update_weights: engine.sglang.weights_dir is not set (a folder the SGLang server can "
+                              "read, where each version's checkpoint is written)")
+        root = Path(self.cfg.weights_dir)
+        name = f"v{version:06d}"
+        partial = root / f".{name}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        write_checkpoint(partial, weights, self.model_config, _DTYPES[self.cfg.weights_dtype])
+        shutil.rmtree(root / name, ignore_errors=True)
+        partial.rename(root / name)  # the server never sees a half-written folder
+        server_path = str(Path(self.cfg.server_weights_dir or self.cfg.weights_dir) / name)
+        self._control.submit(self._load, server_path, version).result()
+        for old in root.glob("v*"):  # the server has read the new folder; older ones are not needed again
+            if old.name != name:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def interrupt(self) -> None:
+        """Pause with mode=abort and continue, on the control thread: in-flight requests end "interrupted" soon."""
+        if self._closed:
+            return
+        with self._lock:
+            self.metrics.interrupts += 1
+        self._control.submit(self._interrupt)
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run `fn` on the engine's one worker thread (the model runs on the server, not here)."""
+        return self._calls.submit(fn)
+
+    def release(self, program_id: str) -> None:
+        """Nothing to do: SGLang's radix cache is keyed by token prefixes, not programs, and evicts on its own."""
+
+    def close(self) -> None:
+        self._closed = True
+        self._control.shutdown(wait=True, cancel_futures=True)
+        self._calls.shutdown(wait=False)
+        self._client.close()
+        for loop, client in self._aclients.items():
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(lambda c=client: asyncio.ensure_future(c.aclose()))
+        self._aclients.clear()
+
+    # -- the wire format --------------------------------------------------------------------------
+    def generate_body(self, request: GenerationRequest, rid: str) -> dict[str, Any]:
+        """The /generate request (io_struct.GenerateReqInput; sampling_params: sampling/sampling_params.py)."""
+        s = request.sampling
+        sampling: dict[str, Any] = {
+            "max_new_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
+            "top_k": s.top_k if s.top_k > 0 else -1,  # SGLang: -1 = no top-k filter (0 is refused)
+            "ignore_eos": s.ignore_eos,
+            "no_stop_trim": True,  # keep a matched stop token in output_ids: token fidelity
+        }
+        if s.stop_token_ids:
+            sampling["stop_token_ids"] = list(s.stop_token_ids)
+        if s.stop:
+            sampling["stop"] = list(s.stop)
+        if s.seed is not None:
+            sampling["sampling_seed"] = s.seed
+        priority = request.priority if self.cfg.low_priority_first else -request.priority
+        return {"rid": rid, "input_ids": list(request.prompt_ids), "sampling_params": sampling,
+                "return_logprob": True, "logprob_start_len": -1, "priority": priority, "stream": False}
+
+    @staticmethod
+    def parse_generate(data: dict[str, Any], version: int, *, interrupted: bool) -> tuple[GenerationResult, int]:
+        """A GenerationResult from a /generate answer, and the prompt tokens the server served from its cache.
+        `version`: the engine's when the request started; `interrupted`: an abort of ours happened meanwhile."""
+        meta = data.get("meta_info") or {}
+        triples = meta.get("output_token_logprobs")
+        if triples is None:
+            raise EngineFault("SGLang /generate answered without meta_info.output_token_logprobs "
+                              "(the request asks for return_logprob)")
+        ids = [int(t[1]) for t in triples]
+        logprobs = [float(t[0]) for t in triples]
+        sent = data.get("output_ids")
+        if sent is not None and [int(t) for t in sent] != ids:
+            raise EngineFault(f"SGLang /generate: output_ids {list(sent)[-4:]} (last 4) disagree with the token ids of "
+                              f"output_token_logprobs {ids[-4:]}; was no_stop_trim dropped?")
+        reason = meta.get("finish_reason") or {}
+        kind = reason.get("type") if isinstance(reason, dict) else None
+        if kind == "abort":
+            if not interrupted:
+                raise EngineFault(f"SGLang aborted the request: {reason.get('message') or reason}")
+            finish = "interrupted"
+        elif kind in _FINISH:
+            finish = _FINISH[kind]
+        else:
+            raise EngineFault(f"SGLang /generate: unknown finish_reason {reason!r}")
+        served = meta.get("weight_version")
+        tag = int(served) if isinstance(served, (int, str)) and str(served).lstrip("-").isdigit() else version
+        result = GenerationResult(token_ids=ids, logprobs=logprobs, versions=[tag] * len(ids), finish_reason=finish)
+        return result, int(meta.get("cached_tokens") or 0)
+
+    # -- control ----------------------------------------------------------------------------------
+    def _interrupt(self) -> None:
+        try:
+            self._pause()
+        except EngineFault as err:  # nobody waits for an interrupt: record it and go on
+            log.warning("interrupt failed: %s", err)
+            with self._lock:
+                self.metrics.faults += 1
+        finally:
+            self._continue()
+
+    def _pause(self) -> None:
+        with self._lock:
+            self._aborts += 1  # before the call: a request aborted by it reads this as ours
+        self._post("/pause_generation", {"mode": "abort"}, self.cfg.control_timeout_s)
+
+    def _continue(self) -> None:
+        try:
+            self._post("/continue_generation", {}, self.cfg.control_timeout_s)
+        except EngineFault as err:
+            log.warning("continue_generation failed (the server may stay paused): %s", err)
+            with self._lock:
+                self.metrics.faults += 1
+
+    def _load(self, path: str, version: int) -> None:
+        try:
+            self._pause()
+            self._post("/update_weights_from_disk", {"model_path": path, "load_format": "safetensors",
+                                                     "weight_version": str(version)}, self.cfg.update_timeout_s)
+            self._post("/flush_cache", None, self.cfg.control_timeout_s)
+            with self._lock:
+                self._version = version
+        finally:
+            self._continue()  # never leave the server paused, even after a failed load
+
+    # -- HTTP -------------------------------------------------------------------------------------
+    def _post(self, path: str, body: dict[str, Any] | None, timeout: float) -> httpx.Response:
+        for attempt in range(self.cfg.retries + 1):
+            try:
+                resp = self._client.post(path, json=body, timeout=timeout)
+            except httpx.HTTPError as err:
+                self._retry_or_raise(path, attempt, err)
+            else:
+                if resp.status_code == 200:
+                    return resp
+                self._retry_or_raise(path, attempt, resp)
+            time.sleep(self.cfg.retry_backoff_s * 2 ** attempt)
+        raise AssertionError("unreachable: the last attempt raises")
+
+    async def _apost(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        client = self._aclients.get(loop)
+        if client is None:  # an AsyncClient's connections belong to the loop that opened them
+            for old in [k for k in self._aclients if k.is_closed()]:
+                del self._aclients[old]
+            client = self._aclients[loop] = httpx.AsyncClient(base_url=self.base_url)
+        for attempt in range(self.cfg.retries + 1):
+            try:
+                resp = await client.post(path, json=body, timeout=self.cfg.timeout_s)
+            except httpx.HTTPError as err:
+                self._retry_or_raise(path, attempt, err)
+            else:
+                if resp.status_code == 200:
+                    return resp.json()
+                self._retry_or_raise(path, attempt, resp)
+            await asyncio.sleep(self.cfg.retry_backoff_s * 2 ** attempt)
+        raise AssertionError("unreachable: the last attempt raises")
+
+    def _retry_or_raise(self, path: str, attempt: int, failure: httpx.Response | httpx.HTTPError) -> None:
+        """Return (try again) for a call the server never received or answered 503 (starting), while attempts
+        are left; raise EngineFault with the server's message otherwise."""
+        last = attempt == self.cfg.retries
+        if isinstance(failure, httpx.Response):
+            if failure.status_code != 503 or last:
+                raise EngineFault(f"SGLang {path} answered {failure.status_code}: {_server_message(failure)}")
+        elif not isinstance(failure, _RETRIED):
+            raise EngineFault(f"SGLang {path}: {type(failure).__name__}: {failure}")
+        elif last:
+            raise EngineFault(f"SGLang {path}: cannot reach {self.base_url}: {failure}")

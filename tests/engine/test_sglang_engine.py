@@ -1,0 +1,390 @@
+"""SGLangEngine against a fake SGLang server: a CONTRACT TEST, not a test against SGLang.
+
+SGLang cannot run here (SGLang 0.5 on PyPI is a GPU build; this machine has no GPU), so the adapter is tested over
+real HTTP (uvicorn on a loopback port) against a small FastAPI app that plays an SGLang server by the request/response
+contract recorded below from SGLang's own source (github.com/sgl-project/sglang):
+- python/sglang/srt/entrypoints/http_server.py: the routes /generate, /pause_generation, /continue_generation,
+  /flush_cache (200 "Cache flushed..." or 400 while requests run), /update_weights_from_disk (200 or 400 with
+  {success, message, num_paused_requests}; a given weight_version becomes the server's), /update_weights_from_tensor,
+  /update_weights_from_distributed, /init_weights_update_group, /release_memory_occupation,
+  /resume_memory_occupation, /abort_request; /generate errors are {"error": {"message"}} with status 400.
+- python/sglang/srt/managers/io_struct.py: GenerateReqInput (rid, input_ids, sampling_params, return_logprob,
+  logprob_start_len (-1: output tokens only), priority, stream, ...), PauseGenerationReqInput (mode: abort | retract
+  | in_place; abort ends in-flight requests and returns them), ContinueGenerationReqInput, UpdateWeightFromDiskReqInput
+  (model_path, load_format, weight_version, abort_all_requests, flush_cache, ...), UpdateWeightsFromTensorReqInput
+  (serialized_named_tensors, load_format, flush_cache, weight_version), UpdateWeightsFromDistributedReqInput (names,
+  dtypes, shapes, group_name, flush_cache, weight_version), InitWeightsUpdateGroupReqInput (master_address,
+  master_port, rank_offset, world_size, group_name, backend), Release/ResumeMemoryOccupationReqInput (tags),
+  AbortReq (rid, abort_all).
+- python/sglang/srt/managers/tokenizer_manager.py: the answer {text, output_ids, meta_info: {id, finish_reason,
+  prompt_tokens, completion_tokens, cached_tokens, weight_version, output_token_logprobs}}; an aborted request answers
+  finish_reason {"type": "abort", "message"} with its partial output_ids; generate waits while the server is paused.
+- python/sglang/srt/sampling/sampling_params.py: sampling_params names; top_k -1 disables (0 is refused: "top_k
+  must be -1 (disable) or at least 1"); sampling_seed; no_stop_trim.
+- python/sglang/srt/managers/detokenizer_manager.py: trim_matched_stop drops a matched stop token from output_ids
+  unless no_stop_trim (the fake does the same; the logprob triples are never trimmed).
+- python/sglang/srt/layers/sampler.py: logprobs are log softmax(logits / T) unless SGLANG_RETURN_ORIGINAL_LOGPROB.
+The fake is stricter than SGLang in one way: a field name outside the recorded ones is refused (400), so that a
+misspelt field fails here instead of being ignored by a real server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from safetensors.torch import load_file
+
+from loomrl.agent.gateway import ServerThread
+from loomrl.config import ConfigError, SGLangConfig, load_config
+from loomrl.engine.base import EngineFault, GenerationRequest, SamplingParams, generate_resuming
+from loomrl.engine.factory import make_engine
+from loomrl.engine.sglang import SGLangEngine
+
+GENERATE_FIELDS = {"rid", "text", "input_ids", "input_embeds", "sampling_params", "return_logprob", "logprob_start_len",
+                   "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "stream", "log_metrics",
+                   "return_hidden_states", "session_params", "lora_path", "custom_logit_processor", "priority",
+                   "extra_key", "no_logs", "custom_labels", "return_entropy"}
+SAMPLING_FIELDS = {"max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+                   "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
+                   "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
+                   "spaces_between_special_tokens", "no_stop_trim", "custom_params", "stream_interval", "logit_bias",
+                   "sampling_seed"}
+UPDATE_FROM_DISK_FIELDS = {"rid", "model_path", "load_format", "abort_all_requests", "weight_version", "is_async",
+                           "torch_empty_cache", "keep_pause", "recapture_cuda_graph", "token_step", "flush_cache",
+                           "manifest"}
+PAUSE_FIELDS, CONTINUE_FIELDS = {"rid", "mode"}, {"rid", "torch_empty_cache"}
+CONTROL = ("/pause_generation", "/continue_generation", "/flush_cache", "/update_weights_from_disk")
+TOO_LONG, SERVER_ABORT = 666, 667  # first prompt tokens the fake answers with an error / with an abort of its own
+
+
+def fake_token(context: list[int], weight_version: str) -> tuple[int, float]:
+    """The fake's "model": the next token of `context` and its logprob, different under each weight version."""
+    w = int(weight_version) if weight_version.isdigit() else 0
+    tok = 100 + (sum(context) * 7 + w * 13 + len(context)) % 50
+    return tok, -(tok % 5 + 1) / 10
+
+
+def fake_run(prompt: list[int], n: int, weight_version: str, stop: set[int] = frozenset()) -> list[int]:
+    out: list[int] = []
+    while len(out) < n:
+        out.append(fake_token(prompt + out, weight_version)[0])
+        if out[-1] in stop:
+            break
+    return out
+
+
+class FakeSGLang:
+    """The fake server's state; the test thread reads it and sets hold / unavailable / fail_update."""
+
+    def __init__(self):
+        self.bodies: dict[str, list[Any]] = {}
+        self.calls: list[str] = []
+        self.weight_version = "default"  # SGLang's own initial value (server_args.weight_version)
+        self.hold: int | None = None  # the next /generate stops after this many tokens until an abort pause
+        self.unavailable = 0  # answer this many /generate calls 503 first
+        self.fail_update = False
+        self.paused = False
+        self.inflight: dict[str, asyncio.Event] = {}
+        self.resumed: asyncio.Event | None = None
+        self.sequences: list[list[int]] = []  # what the radix cache would hold
+        self.loaded: dict[str, torch.Tensor] = {}
+
+
+def _refuse_unknown(body: dict, known: set[str], what: str) -> JSONResponse | None:
+    extra = sorted(set(body) - known)
+    if extra:
+        return JSONResponse({"object": "error", "message": f"{what}: unknown fields {extra}", "type": "Bad Request",
+                             "code": 400}, status_code=400)
+    return None
+
+
+def fake_app(fake: FakeSGLang) -> FastAPI:
+    app = FastAPI()
+
+    def record(path: str, body: Any) -> None:
+        fake.calls.append(path)
+        fake.bodies.setdefault(path, []).append(body)
+
+    async def read(request: Request, path: str, known: set[str], what: str) -> tuple[dict, JSONResponse | None]:
+        body = await request.json()
+        record(path, body)
+        return body, _refuse_unknown(body, known, what)
+
+    async def wait_unpaused() -> None:
+        while fake.paused:
+            await fake.resumed.wait()
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        body, bad = await read(request, "/generate", GENERATE_FIELDS, "GenerateReqInput")
+        if fake.resumed is None:
+            fake.resumed = asyncio.Event()
+        if bad := bad or _refuse_unknown(body["sampling_params"], SAMPLING_FIELDS, "SamplingParams"):
+            return bad
+        if fake.unavailable:
+            fake.unavailable -= 1
+            return PlainTextResponse("", status_code=503)
+        sp, ids = body["sampling_params"], body["input_ids"]
+        assert isinstance(ids, list) and all(isinstance(t, int) for t in ids) and isinstance(body["rid"], str)
+        if not (sp.get("top_k", -1) == -1 or sp["top_k"] >= 1):
+            return JSONResponse({"error": {"message": f"top_k must be -1 (disable) or at least 1, got {sp['top_k']}."}},
+                                status_code=400)
+        if ids[0] == TOO_LONG:
+            return JSONResponse({"error": {"message": f"The input ({len(ids)} tokens) is longer than the model's "
+                                                      "context length (4 tokens)."}}, status_code=400)
+        await wait_unpaused()  # TokenizerManager holds new requests while paused
+        cached = max((next((i for i, (a, b) in enumerate(zip(s, ids)) if a != b), min(len(s), len(ids)))
+                      for s in fake.sequences), default=0)
+        cached = min(cached, len(ids) - 1)
+        stop, out, lps = set(sp.get("stop_token_ids") or []), [], []
+        finish: dict[str, Any] = {"type": "length", "length": sp["max_new_tokens"]}
+        hold, fake.hold = fake.hold, None
+        while len(out) < sp["max_new_tokens"]:
+            if hold is not None and len(out) == hold:
+                aborted = fake.inflight[body["rid"]] = asyncio.Event()
+                await aborted.wait()
+                finish = {"type": "abort", "message": "Abort in waiting queue"}
+                break
+            tok, lp = fake_token(ids + out, fake.weight_version)
+            out.append(tok)
+            lps.append(lp)
+            if tok in stop:
+                finish = {"type": "stop", "matched": tok}
+                break
+        fake.inflight.pop(body["rid"], None)
+        if ids[0] == SERVER_ABORT:
+            finish = {"type": "abort", "message": "The server aborted it"}
+        fake.sequences.append(ids + out)
+        output_ids = out[:-1] if finish["type"] == "stop" and not sp.get("no_stop_trim") else out
+        meta = {"id": body["rid"], "finish_reason": finish, "prompt_tokens": len(ids), "completion_tokens": len(out),
+                "cached_tokens": cached, "weight_version": fake.weight_version,
+                "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, out)]}
+        return {"text": "", "output_ids": output_ids, "meta_info": meta}
+
+    @app.post("/pause_generation")
+    async def pause(request: Request):
+        body, bad = await read(request, "/pause_generation", PAUSE_FIELDS, "PauseGenerationReqInput")
+        if bad is not None:
+            return bad
+        assert body.get("mode", "abort") in ("abort", "retract", "in_place")
+        fake.paused = True
+        if fake.resumed is not None:
+            fake.resumed.clear()
+        if body.get("mode", "abort") == "abort":
+            for event in fake.inflight.values():
+                event.set()
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation")
+    async def resume(request: Request):
+        body, bad = await read(request, "/continue_generation", CONTINUE_FIELDS, "ContinueGenerationReqInput")
+        if bad is not None:
+            return bad
+        fake.paused = False
+        if fake.resumed is not None:
+            fake.resumed.set()
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.post("/flush_cache")
+    async def flush():
+        record("/flush_cache", None)
+        if fake.inflight and not fake.paused:
+            return PlainTextResponse("Cache not flushed: running requests.\n", status_code=400)
+        fake.sequences.clear()
+        return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details. (When there are running "
+                                 "or waiting requests, the operation will not be performed.)\n")
+
+    @app.post("/update_weights_from_disk")
+    async def update_from_disk(request: Request):
+        body, bad = await read(request, "/update_weights_from_disk", UPDATE_FROM_DISK_FIELDS,
+                               "UpdateWeightFromDiskReqInput")
+        if bad is not None:
+            return bad
+        folder = Path(body["model_path"])
+        if fake.fail_update or not (folder / "model.safetensors").is_file() or not (folder / "config.json").is_file():
+            return JSONResponse({"success": False, "message": f"Failed to get weights iterator: no safetensors "
+                                 f"checkpoint in {folder}", "num_paused_requests": 0}, status_code=400)
+        fake.loaded = load_file(str(folder / "model.safetensors"))
+        if body.get("weight_version") is not None:
+            fake.weight_version = body["weight_version"]
+        return {"success": True, "message": "Succeeded to update model weights. Weight version updated to "
+                f"{fake.weight_version}.", "num_paused_requests": 0}
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def served():
+    fake_holder: dict[str, FakeSGLang] = {"fake": FakeSGLang()}
+
+    class Proxy:  # the app reads the current test's FakeSGLang
+        def __getattr__(self, name):
+            return getattr(fake_holder["fake"], name)
+
+        def __setattr__(self, name, value):
+            setattr(fake_holder["fake"], name, value)
+
+    server = ServerThread(fake_app(Proxy()))
+    yield server, fake_holder
+    server.stop()
+
+
+@pytest.fixture
+def fake(served) -> FakeSGLang:
+    served[1]["fake"] = FakeSGLang()
+    return served[1]["fake"]
+
+
+@pytest.fixture
+def engine(served, fake, tmp_path, tiny_model):
+    eng = SGLangEngine(SGLangConfig(base_url=served[0].url, weights_dir=str(tmp_path / "weights"), retries=1,
+                                    retry_backoff_s=0.01, context_length=4096), model_config=tiny_model.config)
+    yield eng
+    eng.close()
+
+
+def _generate(engine, prompt, priority=0, **sampling):
+    return asyncio.run(engine.generate(GenerationRequest(prompt_ids=prompt, sampling=SamplingParams(**sampling),
+                                                         priority=priority)))
+
+
+def test_generate_request_fields_and_parsing(engine, fake):
+    prompt = [5, 6, 7]
+    out = _generate(engine, prompt, priority=3, max_tokens=6, temperature=0.7, top_p=0.9, seed=11)
+    body = fake.bodies["/generate"][-1]
+    assert body["input_ids"] == prompt and body["return_logprob"] is True and body["logprob_start_len"] == -1
+    assert body["priority"] == 3 and body["rid"].startswith("loomrl-") and body["stream"] is False
+    assert body["sampling_params"] == {"max_new_tokens": 6, "temperature": 0.7, "top_p": 0.9, "top_k": -1,
+                                       "ignore_eos": False, "no_stop_trim": True, "sampling_seed": 11}
+    expected = fake_run(prompt, 6, "default")
+    assert out.token_ids == expected and out.finish_reason == "length"
+    assert out.logprobs == [fake_token(prompt + expected[:i], "default")[1] for i in range(6)]
+    assert out.versions == [0] * 6  # the server's weight_version "default" is no integer: the engine's version
+
+    _generate(engine, prompt, top_k=5, stop=["\n"])
+    assert fake.bodies["/generate"][-1]["sampling_params"]["top_k"] == 5
+    assert fake.bodies["/generate"][-1]["sampling_params"]["stop"] == ["\n"]
+    m = engine.metrics
+    assert (m.requests, m.finished, m.prompt_tokens, m.generated_tokens) == (2, 2, 6, 6 + 64)
+    assert m.reused_tokens == 2 and m.prefill_tokens == 4  # the second prompt's prefix was in the radix cache
+
+
+def test_stop_token_is_kept_in_the_ids(engine, fake):
+    prompt = [9, 8]
+    stop = fake_run(prompt, 3, "default")[2]
+    out = _generate(engine, prompt, max_tokens=10, stop_token_ids=[stop])
+    assert fake.bodies["/generate"][-1]["sampling_params"]["stop_token_ids"] == [stop]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == stop and len(out.token_ids) == len(out.logprobs) == 3
+
+
+def test_priority_is_negated_for_a_server_ordering_highest_first(served, fake):
+    eng = SGLangEngine(SGLangConfig(base_url=served[0].url, low_priority_first=False))
+    try:
+        _generate(eng, [1, 2], priority=4, max_tokens=2)
+    finally:
+        eng.close()
+    assert fake.bodies["/generate"][-1]["priority"] == -4
+
+
+def test_update_mid_generation_resumes_under_the_new_weights(engine, fake, tiny_model, tmp_path):
+    prompt, params = [3, 1, 4, 1, 5], SamplingParams(max_tokens=8)
+    fake.hold = 3  # the request makes 3 tokens, then runs on until the update's abort pause
+
+    async def go():
+        task = asyncio.create_task(generate_resuming(engine, prompt, params))
+        while not fake.inflight and not task.done():  # a failed request fails the test, not hangs it
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(engine.update_weights, tiny_model.state_dict(), 1)
+        return await task
+
+    out, resumed = asyncio.run(go())
+    first = fake_run(prompt, 3, "default")
+    assert resumed == 1 and out.finish_reason == "length" and engine.version == 1
+    assert out.token_ids == first + fake_run(prompt + first, 5, "1") and out.versions == [0] * 3 + [1] * 5
+    assert fake.bodies["/generate"][-1]["input_ids"] == prompt + first  # resumed from the partial output
+    assert [c for c in fake.calls if c in CONTROL] == ["/pause_generation", "/update_weights_from_disk",
+                                                       "/flush_cache", "/continue_generation"]
+    assert fake.bodies["/pause_generation"][-1] == {"mode": "abort"}
+    update = fake.bodies["/update_weights_from_disk"][-1]
+    folder = tmp_path / "weights" / "v000001"
+    assert update == {"model_path": str(folder), "load_format": "safetensors", "weight_version": "1"}
+    # the checkpoint folder: config.json and the weights in bfloat16, tied tensors once
+    assert (folder / "config.json").is_file() and not list((tmp_path / "weights").glob(".*partial"))
+    written = load_file(str(folder / "model.safetensors"))
+    state = tiny_model.state_dict()
+    assert set(written) == set(fake.loaded) and set(written) <= set(state)
+    for name, tensor in state.items():
+        twin = name if name in written else next(n for n in written if state[n].data_ptr() == tensor.data_ptr())
+        assert torch.equal(written[twin], tensor.to(torch.bfloat16)), name
+    engine.update_weights(state, 2)  # the older folder goes once the server has read the new one
+    assert [p.name for p in (tmp_path / "weights").iterdir()] == ["v000002"] and fake.weight_version == "2"
+
+
+def test_interrupt_ends_in_flight_requests_as_interrupted_and_they_resume(engine, fake):
+    prompt, params = [2, 7, 1, 8], SamplingParams(max_tokens=6)
+    fake.hold = 2
+
+    async def go():
+        task = asyncio.create_task(generate_resuming(engine, prompt, params))
+        while not fake.inflight and not task.done():  # a failed request fails the test, not hangs it
+            await asyncio.sleep(0.01)
+        engine.interrupt()  # returns at once; the pause runs on the engine's control thread
+        return await task
+
+    out, resumed = asyncio.run(go())
+    assert resumed == 1 and out.token_ids == fake_run(prompt, 6, "default") and out.versions == [0] * 6
+    assert [c for c in fake.calls if c in CONTROL] == ["/pause_generation", "/continue_generation"]
+    assert engine.metrics.interrupts == 1 and engine.metrics.faults == 0
+
+
+def test_server_errors_are_engine_faults_with_the_servers_message(engine, fake, served, tiny_model):
+    with pytest.raises(EngineFault, match=r"/generate answered 400: The input \(3 tokens\) is longer"):
+        _generate(engine, [TOO_LONG, 1, 2])
+    with pytest.raises(EngineFault, match="SGLang aborted the request: The server aborted it"):
+        _generate(engine, [SERVER_ABORT, 1], max_tokens=2)  # an abort the engine did not cause is no interrupt
+    fake.unavailable = 1  # 503 (starting): tried again
+    assert len(_generate(engine, [4, 4], max_tokens=2).token_ids) == 2
+    fake.fail_update = True
+    with pytest.raises(EngineFault, match="update_weights_from_disk answered 400: Failed to get weights iterator"):
+        engine.update_weights(tiny_model.state_dict(), 5)
+    assert engine.version == 0 and fake.calls[-1] == "/continue_generation"  # the server is not left paused
+    with pytest.raises(EngineFault, match="in-place updates need a model shared with the trainer"):
+        engine.update_weights(None, 6)
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    gone = SGLangEngine(SGLangConfig(base_url=f"http://127.0.0.1:{port}", retries=1, retry_backoff_s=0.01))
+    try:
+        with pytest.raises(EngineFault, match=f"cannot reach http://127.0.0.1:{port}"):
+            _generate(gone, [1, 2])
+        with pytest.raises(EngineFault, match="engine.sglang.weights_dir is not set"):
+            gone.update_weights({}, 1)
+    finally:
+        gone.close()
+    with pytest.raises(EngineFault, match="the engine is closed"):
+        _generate(gone, [1, 2])
+    with pytest.raises(EngineFault, match="the engine is closed"):
+        gone.update_weights({}, 2)
+
+
+def test_config_refuses_sglang_without_a_server_and_make_engine_builds_it(tiny_model, tokenizer):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["engine.kind=sglang", "runtime.mode=async"])
+    assert str(err.value) == ("config error: engine.sglang.base_url: engine.kind=sglang needs the SGLang server's "
+                              "address, e.g. engine.sglang.base_url=http://gpu-node:30000")
+    with pytest.raises(ConfigError, match="engine.kind=sglang needs runtime.mode=async"):
+        load_config(None, ["engine.kind=sglang", "engine.sglang.base_url=http://x:1"])
+    cfg = load_config(None, ["engine.kind=sglang", "engine.sglang.base_url=http://x:1", "runtime.mode=async",
+                             "engine.sglang.context_length=2048"])
+    eng = make_engine(cfg, tiny_model, tokenizer, 3)
+    try:
+        assert isinstance(eng, SGLangEngine) and eng.kv_budget == 2048 and eng.version == 3
+    finally:
+        eng.close()

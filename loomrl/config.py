@@ -433,6 +433,21 @@ class RunConfig(_Section):
         return Path(self.output_dir) / self.name
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML 1.2's booleans: only true/false. PyYAML follows YAML 1.1, where on/off/yes/no are booleans too, so
+    `tree_merge: on` arrived as True and was refused; a bool field still takes "on" or "yes" (pydantic's coercion)."""
+
+
+_Loader.yaml_implicit_resolvers = {k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:bool"]
+                                   for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                              list("tTfF"))
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
+
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     keys = dotted.split(".")
     node = tree
@@ -456,7 +471,7 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
         key = key.strip()
         if not key:
             raise ConfigError(f"override '{item}': empty key; expected KEY=VALUE")
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = _load_yaml(raw) if raw.strip() else ""
         _set_dotted(tree, key, value)
     return tree
 
@@ -541,7 +556,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if not path.is_file():
             raise ConfigError(f"config error: recipe file '{path}' does not exist; pass a YAML file such as examples/calculator_smollm2.yaml")
         try:
-            loaded = yaml.safe_load(path.read_text())
+            loaded = _load_yaml(path.read_text())
         except yaml.YAMLError as err:
             raise ConfigError(f"config error: '{path}' is not valid YAML: {err}") from None
         if loaded is not None and not isinstance(loaded, dict):

@@ -114,3 +114,17 @@ def test_fsdp_needs_async_mode_and_subtries():
                            "trainer.tree_token_budget=64", "trainer.tree_merge_memory=depth_first"])
     cfg = load_config(None, ["trainer.parallel=fsdp", "runtime.mode=async"])
     assert cfg.trainer.distributed and cfg.trainer.world_size == 1
+
+
+def test_on_and_off_are_strings_in_recipes_and_overrides(tmp_path):
+    """YAML 1.1 (PyYAML's default) reads on/off/yes/no as booleans, so `tree_merge: on` was refused; loomrl reads
+    YAML 1.2's booleans only (true/false), and bool fields still accept yes/no/on/off."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("trainer:\n  tree_merge: on\nprogress: off\neval:\n  before: no\n")
+    cfg = load_config(recipe, ["runtime.interrupt_on_update=yes"])
+    assert cfg.trainer.tree_merge == "on" and cfg.progress is False and cfg.eval.before is False
+    assert cfg.runtime.interrupt_on_update is True
+    assert load_config(None, ["trainer.tree_merge=off"]).trainer.tree_merge == "off"
+    assert parse_overrides(["a=on", "b=true", "c=[1, 2]", "d=null"]) == {"a": "on", "b": True, "c": [1, 2], "d": None}
+    save_resolved(cfg, tmp_path / "resolved.yaml")  # and back: "on" is quoted on the way out
+    assert load_config(tmp_path / "resolved.yaml").trainer.tree_merge == "on"

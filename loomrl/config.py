@@ -284,7 +284,8 @@ class TrainerConfig(_Section):
     tree_token_budget: int | None = Field(None, gt=0)
     # with tree_token_budget: "subtries" forwards each micro-batch's trie on its own (a prefix shared
     # by two micro-batches is computed in each); "depth_first" computes each node of the step once,
-    # keeping a shared prefix's activations only while the micro-batches that use it run
+    # keeping a shared prefix's activations only while the micro-batches that use it run (with
+    # parallel=fsdp each rank holds the whole parameters and gradients through that pass: trainer/fsdp.py)
     tree_merge_memory: Literal["subtries", "depth_first"] = "subtries"
     # how a merged micro-batch attends: "segments" (SDPA over each run of tokens and its ancestors' keys, any
     # device), "flex" (one FlexAttention call with a block mask of the tree; CUDA only: no backward on the CPU),
@@ -302,10 +303,6 @@ class TrainerConfig(_Section):
         if self.kl_reference_offload and self.parallel != "fsdp":
             raise ValueError("trainer.kl_reference_offload needs trainer.parallel=fsdp (FSDP2 streams the offloaded "
                              "reference's layers back); with ddp the reference stays on trainer.device")
-        if self.parallel == "fsdp" and depth_first:
-            # its partial forwards would each gather and reduce on their own: a plan the ranks cannot share yet
-            raise ValueError("trainer.tree_merge_memory=depth_first does not work with trainer.parallel=fsdp yet; "
-                             "use subtries")
         return self
 
     @property

@@ -106,12 +106,9 @@ def test_every_recipe_in_examples_loads():
         load_config(recipe)
 
 
-def test_fsdp_needs_async_mode_and_subtries():
+def test_fsdp_needs_async_mode():
     with pytest.raises(ConfigError, match="trainer.parallel=fsdp needs runtime.mode=async"):
         load_config(None, ["trainer.parallel=fsdp", "runtime.mode=sync"])
-    with pytest.raises(ConfigError, match="depth_first does not work with trainer.parallel=fsdp"):
-        load_config(None, ["trainer.parallel=fsdp", "runtime.mode=async", "trainer.tree_merge='on'",
-                           "trainer.tree_token_budget=64", "trainer.tree_merge_memory=depth_first"])
     cfg = load_config(None, ["trainer.parallel=fsdp", "runtime.mode=async"])
     assert cfg.trainer.distributed and cfg.trainer.world_size == 1
 

@@ -6,11 +6,13 @@ in parts are here too. Nothing here reads the run's config (scripts/gpu_smoke.py
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from loomrl.trainer.forward import Logprobs, logprobs_of
 from loomrl.trainer.tree import decoder_and_head
@@ -35,6 +37,33 @@ class _ShardedForward(torch.nn.Module):
         # view would drop
         return [lp.clone() for lp in logprobs_of(self.model, batch, merged, with_grad=torch.is_grad_enabled(),
                                                flex=self.flex)]
+
+
+@contextmanager
+def whole_for_pass(root: FSDPModule, padding: list[TrainingSample]) -> Iterator[None]:
+    """Run a pass whose forwards and backwards differ in number and order between the ranks (the depth-first tree
+    pass: each rank's trie is its own), which FSDP's per-unit all-gathers and reduce-scatters cannot follow. Every
+    unit is gathered once, on entry (the same all-gathers on every rank; through a no-grad forward of `padding`, a
+    micro-batch that trains nothing, since FSDP wants its root to run before any unit), and stays whole through
+    the pass, with gradient sync off: its gradients accumulate unsharded on this rank and no forward or backward in
+    the pass communicates. On exit, `padding` through the root again with sync back on: its backward
+    reduce-scatters the accumulated gradients, the same collectives on every rank.
+    The cost: through the pass each rank holds the whole parameters (in the gather dtype) and whole float32
+    gradients, as DDP would; the float32 masters and the AdamW state stay sharded."""
+    switches = (root.set_requires_gradient_sync, root.set_reshard_after_forward, root.set_reshard_after_backward)
+    for switch in switches:
+        switch(False)  # recursive: every unit
+    with torch.no_grad():
+        root(padding, False)
+    for unit in root.modules():  # a no-op for every unit that forward gathered
+        if isinstance(unit, FSDPModule):
+            unit.unshard()
+    try:
+        yield
+    finally:
+        for switch in switches:
+            switch(True)
+    (root(padding, False)[0].sum() * 0.0).backward()
 
 
 def save_sharded_optimizer(trainer: Trainer, folder: Path) -> None:

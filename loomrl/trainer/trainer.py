@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from loomrl.config import RunConfig, TrainerConfig
 from loomrl.devices import place, trainer_device
 from loomrl.trainer.forward import Logprobs, compute_context, enable_activation_checkpointing, forward_of
+from loomrl.trainer.fsdp import whole_for_pass
 from loomrl.trainer.losses import policy_loss
 from loomrl.trainer.tree import (
     compression_ratio,
@@ -95,10 +96,6 @@ class Trainer:
         place(model, self.device, torch.float32)
         if initial_model is not None:
             place(initial_model, self.device, torch.float32)
-        if shard is not None and self._depth_first():
-            # its partial forwards would each gather and reduce on their own: a plan the ranks cannot share yet
-            raise ValueError("trainer.tree_merge_memory=depth_first is not supported with sharded (FSDP) ranks yet; "
-                             "use subtries")
         freeze_bottom(model, cfg.freeze_layers)
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(model)
@@ -212,8 +209,11 @@ class Trainer:
             return loss
 
         if self._depth_first() and batches:  # tree.py: shared prefixes computed once, one micro-batch's graph alive
-            with self.autocast():
-                loss_sum = depth_first_backward(self.model, batches, micro_batch_loss).loss
+            # sharded: each rank's trie is its own, so no collective may run inside the pass (fsdp.py)
+            whole = whole_for_pass(self.forward, [_PADDING]) if self.sharded else contextlib.nullcontext()
+            with self.autocast(), whole:
+                if real:  # the rest (the shared plan's padding) are left out: nothing to share inside the pass
+                    loss_sum = depth_first_backward(self.model, batches[:real], micro_batch_loss).loss
         else:
             for b, chunk in enumerate(batches):
                 with self.autocast():

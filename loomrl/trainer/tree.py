@@ -72,6 +72,17 @@ TREE_ATTENTION = "loomrl_tree"  # the name the segment attention is registered u
 KV = tuple[torch.Tensor, torch.Tensor]  # one layer's K and V, [1, Hkv, n, D] each
 
 
+class Capture:
+    """Where the depth-first pass's attention calls leave each layer's K/V (by layer index). Deliberately
+    neither a dict nor a dataclass: FSDP2 rebuilds those it finds in a unit's forward arguments (to hook the
+    tensors inside), so a write into one would land in a copy."""
+
+    __slots__ = ("kv",)
+
+    def __init__(self) -> None:
+        self.kv: dict[int, KV] = {}
+
+
 @dataclass(slots=True, kw_only=True)
 class Segment:
     """Packed tokens [start, end), each the child of the one before it; its queries see `spans`
@@ -210,7 +221,7 @@ class _SegmentPlan:
     kv_index: torch.Tensor | None
     masks: list[torch.Tensor | None]
     past: list[KV] | None = None
-    capture: dict[int, KV] | None = None
+    capture: Capture | None = None
     block_mask: Any = None  # torch.nn.attention.flex_attention.BlockMask
 
 
@@ -267,7 +278,7 @@ def _segment_attention(module, query, key, value, attention_mask, dropout=0.0, s
     if plan.capture is not None or plan.past is not None:
         layer = module.layer_idx  # the decoder layer this attention belongs to (Llama-style modules)
         if plan.capture is not None:
-            plan.capture[layer] = (key, value)  # post-RoPE, before GQA repetition: what a KV cache holds
+            plan.capture.kv[layer] = (key, value)  # post-RoPE, before GQA repetition: what a KV cache holds
         if plan.past is not None:
             past_k, past_v = plan.past[layer]
             key, value = torch.cat([past_k, key], dim=2), torch.cat([past_v, value], dim=2)  # [1, Hkv, P + N, D]
@@ -406,7 +417,7 @@ class _Trunk:
 
 
 def _part_hidden(model: torch.nn.Module, tree: PackedTree, alive: list[_Trunk], nodes: list[int],
-                 capture: dict[int, KV] | None, result: DepthFirstResult) -> torch.Tensor:
+                 capture: Capture | None, result: DepthFirstResult) -> torch.Tensor:
     """Hidden states [n, H] of packed `nodes` (parents first), each attending to its ancestors among the alive trunks'
     nodes (through their K/V leaves) and among `nodes`; the forward's token counts go to `result`."""
     base, _ = decoder_and_head(model)
@@ -457,9 +468,9 @@ def depth_first_backward(model: torch.nn.Module, batches: Sequence[Sequence[Trai
     alive: list[_Trunk] = []
     for k, batch in enumerate(batches):
         for hi, nodes in starting.get(k, []):
-            capture: dict[int, KV] = {}
+            capture = Capture()
             hidden = _part_hidden(model, tree, alive, nodes, capture, result)
-            outputs = [hidden, *(x for layer in sorted(capture) for x in capture[layer])]
+            outputs = [hidden, *(x for layer in sorted(capture.kv) for x in capture.kv[layer])]
             alive.append(_Trunk(nodes=nodes, hi=hi, outputs=outputs,
                                 leaves=[x.detach().requires_grad_(x.requires_grad) for x in outputs]))
         if own[k]:

@@ -1,6 +1,6 @@
 """FSDP2 (fully_shard over gloo, CPU) trainer ranks against one process: the same losses, grad norms and
-weights after 3 steps, on an uneven split and with a rank that gets no sample; tree merge on and off;
-the KL reference sharded too."""
+weights after 3 steps, on an uneven split and with a rank that gets no sample; tree merge on and off, in
+sub-tries and depth-first; the KL reference sharded too."""
 
 from __future__ import annotations
 
@@ -19,7 +19,11 @@ from loomrl.trainer.trainer import Trainer
 from loomrl.types import TrainingSample
 
 STEPS = 3
-CASES = [{}, {"tree_merge": "on"}, {"loss": {"kind": "decoupled_ppo", "kl": "k3", "kl_coef": 0.1}},
+CASES = [{}, {"tree_merge": "on"},
+         # the depth-first tree pass: each rank's trie (and so its forwards and backwards) differs, with no
+         # collective inside it (trainer/fsdp.py whole_for_pass); budget 20 splits each rank's samples in sub-tries
+         {"tree_merge": "on", "tree_token_budget": 20, "tree_merge_memory": "depth_first"},
+         {"loss": {"kind": "decoupled_ppo", "kl": "k3", "kl_coef": 0.1}},
          # the KL reference's shards in host memory (on this CPU-only machine the offload moves nothing: this checks
          # that the offloaded reference gives the same logprobs, not the memory it saves on a GPU)
          {"loss": {"kind": "ppo_clip", "kl": "k3", "kl_coef": 0.1}, "parallel": "fsdp", "kl_reference_offload": True}]
@@ -97,12 +101,6 @@ def test_two_fsdp_ranks_equal_one_process(tokenizer):
                 for name, want in weights.items():
                     assert float((got_weights[name] - want).abs().max()) < 1e-5, (options, split, name)
             k += 1
-
-
-def test_depth_first_is_refused_when_sharded(tokenizer):
-    cfg = TrainerConfig(tree_merge="on", tree_token_budget=20, tree_merge_memory="depth_first")
-    with pytest.raises(ValueError, match="depth_first"):
-        Trainer(_model(len(tokenizer), tokenizer.eos_token_id), cfg, shard=fsdp_shard)
 
 
 def _resume_rank(rank: int, world: int, run_dir: str, options: dict) -> tuple[list[float], list[float], dict]:

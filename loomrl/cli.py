@@ -26,7 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--checkpoint", required=True, help="a checkpoint folder or a run folder (its latest checkpoint)")
     s = sub.add_parser("serve", help="serve the recipe's model over an OpenAI-compatible HTTP API",
                        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics "
-                       "with the built-in engine.")
+                       "with the engine the recipe's engine.kind names.")
     s.add_argument("config", help="YAML recipe naming the model (and engine settings)")
     s.add_argument("overrides", nargs="*", help="dotted overrides KEY=VALUE")
     s.add_argument("--checkpoint", help="serve a checkpoint folder (or a run folder's latest) instead of model:")

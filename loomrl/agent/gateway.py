@@ -292,7 +292,7 @@ class Gateway:
             body = await gateway.chat(session, req)
             if not req.stream or isinstance(body, JSONResponse):
                 return body
-            return StreamingResponse(_sse(body), media_type="text/event-stream")
+            return StreamingResponse(oai.stream_events(body, req.include_usage), media_type="text/event-stream")
 
         @app.get("/v1/session")
         async def own_session(request: Request):
@@ -320,25 +320,6 @@ class Gateway:
             return {"programs": gateway.programs()}
 
         return app
-
-
-def _sse(body: dict[str, Any]):
-    """The finished completion as OpenAI stream chunks: role, content or tool calls, then finish and [DONE].
-    (The engine returns a request's tokens together; the stream carries them in one content chunk.)"""
-    choice = body["choices"][0]
-    message = choice["message"]
-    base = {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"], "model": body["model"]}
-
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
-        return "data: " + json.dumps({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}) + "\n\n"
-
-    yield chunk({"role": "assistant", "content": ""})
-    if message.get("content"):
-        yield chunk({"content": message["content"]})
-    for i, call in enumerate(message.get("tool_calls") or []):
-        yield chunk({"tool_calls": [{"index": i, **call}]})
-    yield chunk({}, choice["finish_reason"])
-    yield "data: [DONE]\n\n"
 
 
 class ServerThread:

@@ -4,7 +4,8 @@
 Token ids and logprobs come back the way vLLM returns them: with `return_token_ids: true` a choice carries `token_ids`
 (sampled) and `prompt_token_ids`; loomrl adds `policy_versions` (the version of the weights that produced each token).
 Logprobs are those of the sampled tokens under the distribution actually sampled from; `top_logprobs` lists only the
-sampled token (the engine does not compute alternatives). Streaming is not served yet (400).
+sampled token (the engine does not compute alternatives). `stream=true` answers server-sent events
+(responses.py stream_events: each choice's output in one chunk once it has finished).
 """
 
 from __future__ import annotations
@@ -54,8 +55,6 @@ class OpenAIServer:
 
     # -- endpoints --------------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest):
-        if req.stream:
-            return oai.error_response(400, "stream=true is not supported by loomrl serve yet", "stream")
         if req.echo:
             return oai.error_response(400, "echo=true is not supported", "echo")
         p = req.prompt
@@ -90,8 +89,6 @@ class OpenAIServer:
                                    sum(len(r.token_ids) for outs in results for r in outs))
 
     async def chat(self, req: ChatCompletionRequest):
-        if req.stream:
-            return oai.error_response(400, "stream=true is not supported by loomrl serve yet", "stream")
         if (bad := oai.bad_roles(req.messages)) is not None:
             return bad
         try:
@@ -150,7 +147,7 @@ class OpenAIServer:
 def create_app(engine, tokenizer, model_name: str = "loomrl"):
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import Response
+    from fastapi.responses import Response, StreamingResponse
 
     server = OpenAIServer(engine, tokenizer, model_name)
     app = FastAPI(title="loomrl", docs_url=None, redoc_url=None)
@@ -169,8 +166,19 @@ def create_app(engine, tokenizer, model_name: str = "loomrl"):
     async def models():
         return oai.model_list(model_name, server.started)
 
-    app.post("/v1/completions")(server.completions)
-    app.post("/v1/chat/completions")(server.chat)
+    async def answer(req: CompletionRequest | ChatCompletionRequest, body):
+        """The body, or (stream=true) its events; an error response stays an error response."""
+        if not req.stream or isinstance(body, Response):
+            return body
+        return StreamingResponse(oai.stream_events(body, req.include_usage), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        return await answer(req, await server.completions(req))
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest):
+        return await answer(req, await server.chat(req))
 
     @app.get("/metrics")
     async def metrics():

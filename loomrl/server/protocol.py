@@ -23,6 +23,11 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     return_token_ids: bool = False
     stream: bool = False
+    stream_options: dict[str, Any] | None = None  # {"include_usage": true}: a last chunk with the usage
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and (self.stream_options or {}).get("include_usage"))
 
 
 class CompletionRequest(_Sampling):

@@ -1,12 +1,13 @@
 """OpenAI-style requests and responses shared by `loomrl serve` (server/app.py) and the black-box gateway
 (agent/gateway.py): the error bodies, message checks, a request's sampling, the sampled text and its logprobs,
-the completion body, and the assistant message for sampled text (tool calls parsed)."""
+the completion body, the assistant message for sampled text (tool calls parsed), and the body as a stream."""
 
 from __future__ import annotations
 
 import json
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from loomrl.engine.base import GenerationResult, SamplingParams
@@ -73,6 +74,36 @@ def completion_body(id_prefix: str, kind: str, model: str, choices: list[dict[st
     return {"id": f"{id_prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": model,
             "choices": choices, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                                           "total_tokens": prompt_tokens + completion_tokens}}
+
+
+def stream_events(body: dict[str, Any], include_usage: bool = False) -> Iterator[str]:
+    """A finished completion `body` (chat or text) as OpenAI server-sent events, per choice: (chat: the role,)
+    what it sampled, then its finish reason; the usage when asked (stream_options.include_usage), then [DONE].
+    The Engine protocol returns a request's tokens together, so what a choice sampled comes in one chunk once it
+    has finished, not token by token; that chunk carries all its choice carries (logprobs, and with
+    return_token_ids its token_ids and policy_versions)."""
+    chat = body["object"] == "chat.completion"
+    base = {"id": body["id"], "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": body["created"], "model": body["model"]}
+
+    def event(choices: list[dict[str, Any]], **extra: Any) -> str:
+        return "data: " + json.dumps({**base, "choices": choices, **extra}) + "\n\n"
+
+    for choice in body["choices"]:
+        index, finish = choice["index"], choice["finish_reason"]
+        sampled = {k: v for k, v in choice.items() if k not in ("message", "finish_reason")}
+        if chat:
+            message = choice["message"]
+            yield event([{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+            delta = {"content": message["content"]} if message.get("content") else {}
+            if message.get("tool_calls"):
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+            sampled["delta"] = delta
+        yield event([{**sampled, "finish_reason": None}])
+        yield event([{"index": index, **({"delta": {}} if chat else {"text": ""}), "finish_reason": finish}])
+    if include_usage:
+        yield event([], usage=body["usage"])
+    yield "data: [DONE]\n\n"
 
 
 def model_list(name: str, created: int) -> dict[str, Any]:

@@ -388,3 +388,24 @@ def test_config_refuses_sglang_without_a_server_and_make_engine_builds_it(tiny_m
         assert isinstance(eng, SGLangEngine) and eng.kv_budget == 2048 and eng.version == 3
     finally:
         eng.close()
+
+
+def test_loomrl_serve_answers_over_sglang(engine, fake, tokenizer):
+    """`loomrl serve`'s app over the SGLang adapter (any Engine serves): a completion through the openai client
+    and its stream carry the fake server's tokens."""
+    openai = pytest.importorskip("openai")
+    from loomrl.server.app import create_app
+
+    server = ServerThread(create_app(engine, tokenizer, "tiny"))
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        prompt = [5, 6, 7]
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0.0,
+                                        extra_body={"return_token_ids": True})
+        assert out.choices[0].model_extra["token_ids"] == fake_run(prompt, 4, "default")
+        assert fake.bodies["/generate"][-1]["input_ids"] == prompt
+        chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0.0,
+                                                stream=True))
+        assert "".join(c.choices[0].text for c in chunks) == out.choices[0].text
+    finally:
+        server.stop()

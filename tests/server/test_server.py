@@ -109,6 +109,46 @@ def test_tool_calls_are_parsed_into_openai_form(server, tokenizer):
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     call = choice["message"]["tool_calls"][0]
     assert call["function"]["name"] == "calc" and call["function"]["arguments"] == '{"expression": "2+2"}'
+    # streamed, the same call arrives as OpenAI chunks (parsed by the openai package's own types)
+    import json
+
+    from openai.types.chat import ChatCompletionChunk
+
+    from loomrl.server.responses import stream_events
+
+    events = list(stream_events(body))
+    assert events[-1] == "data: [DONE]\n\n"
+    chunks = [ChatCompletionChunk.model_validate(json.loads(e[len("data: "):])) for e in events[:-1]]
+    calls = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls or []]
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("calc", '{"expression": "2+2"}')]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_streamed_answers_equal_the_unstreamed_ones(client):
+    """stream=true on both endpoints through the openai client: the same texts per choice (seeded, n=2), the
+    token ids and policy versions with return_token_ids, the usage chunk when asked, the finish reasons."""
+    ask = {"model": "tiny", "prompt": "hello", "max_tokens": 6, "n": 2, "seed": 5, "temperature": 1.0,
+           "extra_body": {"return_token_ids": True}}
+    whole = client.completions.create(**ask)
+    chunks = list(client.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+    texts, ids, finish = ["", ""], [[], []], [None, None]
+    for chunk in chunks[:-1]:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            ids[c.index] += (c.model_extra or {}).get("token_ids") or []
+            finish[c.index] = c.finish_reason or finish[c.index]
+    assert texts == [c.text for c in whole.choices] and finish == [c.finish_reason for c in whole.choices]
+    assert ids == [c.model_extra["token_ids"] for c in whole.choices]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0.0)
+    stream = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0.0,
+                                                 stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == chat.choices[0].message.content
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert stream[-1].choices[0].finish_reason == chat.choices[0].finish_reason
+    with pytest.raises(openai.BadRequestError):  # refused before anything is streamed: a JSON error
+        client.completions.create(model="tiny", prompt="x", max_tokens=100000, stream=True)
 
 
 def test_errors_are_openai_style(server, client):

@@ -381,6 +381,11 @@ class RayConfig(_Section):
     # env actors holding the sandboxes of white-box environments, shared by all rollout actors (count 0:
     # each rollout actor runs sandboxes on its own node); e.g. resources {sandbox: 1} for CPU nodes
     env: ActorSpec = Field(default_factory=lambda: ActorSpec(count=0))
+    # engine actors shared by the rollout actors (count 0: each rollout actor owns its engine); each one
+    # engine.kind engine, e.g. num_gpus 1 (a vLLM engine of tensor_parallel_size 2: num_gpus 2); rollout actor i
+    # uses engine i mod count. Ray restarts one that dies (max_restarts); it loads the latest weights first
+    engine: ActorSpec = Field(default_factory=lambda: ActorSpec(count=0))
+    engine_restart_wait_s: float = Field(300.0, gt=0.0)  # a request waits this long for a restarting engine actor
 
     @model_validator(mode="after")
     def _one_rollout_actor(self) -> RayConfig:

@@ -3,9 +3,7 @@ rollout side), and the rollout pool's Ray half: one as an actor on some node (Ro
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
-import time
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +11,13 @@ import torch
 
 from loomrl.actor_support import Placed
 from loomrl.config import RunConfig, TrainerConfig
+from loomrl.engine.actor import RemoteEngine, WeightGate
+from loomrl.engine.base import Engine
 from loomrl.engine.factory import make_engine
 from loomrl.env.registry import env_family
 from loomrl.env.remote import RemoteEnvPool
 from loomrl.model.chat import ChatRenderer
-from loomrl.model.loader import load_run_model
+from loomrl.model.loader import load_run_model, load_tokenizer
 from loomrl.reward.actor import RemoteRewardPool
 from loomrl.rollout.worker import RolloutWorker
 from loomrl.trainer.weight_sync import WeightHandle
@@ -29,7 +29,8 @@ class RolloutSide:
     load_run_model; `trainer`: loaded as the trainer's, for a sync run) and the env family's splits; `eval_tasks`: the held-out tasks an evaluation runs.
     `pools`: the worker's reward_pool and env_pool."""
 
-    def __init__(self, cfg: RunConfig, checkpoint: Path | None, *, trainer: TrainerConfig | None = None, **pools: Any):
+    def __init__(self, cfg: RunConfig, checkpoint: Path | None, *, trainer: TrainerConfig | None = None,
+                 engine_actor: Any = None, **pools: Any):
         self.cfg = cfg
         # On a thread: this may run inside an event loop (a Ray actor's constructor, LocalBackend.start),
         # and a family may run one of its own to build its tasks (codefix validates its corpus in local
@@ -38,8 +39,12 @@ class RolloutSide:
             train_tasks, heldout = pool.submit(env_family(cfg.env.name).splits, cfg).result()
         self.eval_tasks = heldout[: cfg.eval.n_tasks]
         torch.manual_seed(cfg.seed)
-        self.model, self.tokenizer = load_run_model(cfg.model, checkpoint, trainer=trainer)
-        self.engine = make_engine(cfg, self.model, self.tokenizer, 0)
+        if engine_actor is not None:  # the engine is an actor of its own (ray.engine.count > 0): tokenizer only
+            self.model, self.tokenizer = None, load_tokenizer(cfg.model)
+            self.engine: Engine = RemoteEngine(engine_actor, cfg.ray.engine_restart_wait_s)
+        else:
+            self.model, self.tokenizer = load_run_model(cfg.model, checkpoint, trainer=trainer)
+            self.engine = make_engine(cfg, self.model, self.tokenizer, 0)
         try:
             self.worker = RolloutWorker(cfg, self.engine, ChatRenderer(self.tokenizer), train_tasks, **pools)
         except BaseException:  # e.g. reward.function does not import: no engine thread left behind
@@ -57,39 +62,31 @@ class RolloutSide:
 class RolloutActor(Placed, RolloutSide):
     """One rollout worker on some node. Async actor: many groups run at once over one engine.
     `reward_actors`: score on these (RemoteRewardPool) instead of this actor's own threads.
-    `env_actors`: lease sandboxes from these (RemoteEnvPool, as `owner`) instead of this node's."""
+    `env_actors`: lease sandboxes from these (RemoteEnvPool, as `owner`) instead of this node's.
+    `engine_actor`: generate on it (RemoteEngine; it gets the weights itself) instead of an engine of its own."""
 
     def __init__(self, cfg_json: str, reward_actors: list[Any] | None = None, env_actors: list[Any] | None = None,
-                 owner: str = ""):
+                 owner: str = "", engine_actor: Any = None):
         cfg = RunConfig.model_validate_json(cfg_json)
         # engine.threads, else the CPUs Ray reserved for this actor (several actors share a node's cores)
         torch.set_num_threads(cfg.engine.threads or max(1, int(cfg.ray.rollout.num_cpus)))
         # Architecture, tokenizer and frozen weights; the trainable ones arrive with update_weights
         # before the first group (the driver sends the trainer's current version to every new actor).
         super().__init__(cfg, None, reward_pool=RemoteRewardPool(reward_actors) if reward_actors else None,
-                         env_pool=RemoteEnvPool(env_actors, owner) if env_actors else None)
-        self._weights_lock = asyncio.Lock()  # bound to the actor's event loop when first waited on
+                         env_pool=RemoteEnvPool(env_actors, owner) if env_actors else None, engine_actor=engine_actor)
+        self.gate = WeightGate(self.engine, cfg.runtime.interrupt_on_update)
 
     async def update_weights(self, handle: WeightHandle) -> dict[str, float]:
         """Load a published version into the engine; groups sent after this call wait for it.
         Returns the version and how long fetching (from the object store) and applying took."""
-        async with self._weights_lock:
-            t0 = time.perf_counter()
-            weights = await handle.payload  # transport "ray": an ObjectRef owned by the driver
-            t1 = time.perf_counter()
-            if self.cfg.runtime.interrupt_on_update:
-                self.engine.interrupt()  # in-flight turns resume under the new weights (AgentLoop._generate)
-            await asyncio.to_thread(self.engine.update_weights, weights, handle.version)
-        return {"version": handle.version, "load_s": t1 - t0, "apply_s": time.perf_counter() - t1}
+        return await self.gate.load(handle)
 
     async def run_group(self, position: int) -> list[Trajectory]:
-        # An update sent before this group (e.g. the rollback after a trainer restart) lands first:
-        # the lock is FIFO and update_weights takes it before its first await.
-        async with self._weights_lock:
-            pass
+        # An update sent before this group (e.g. the rollback after a trainer restart) lands first
+        # (with an engine actor, the backend waits for its engine's: RayBackend._attempt)
+        await self.gate.ready()
         return await self.worker.run_group(position)
 
     async def evaluate(self) -> EvalRecord:
-        async with self._weights_lock:  # the latest published weights first, as for run_group
-            pass
+        await self.gate.ready()  # the latest published weights first, as for run_group
         return await self.worker.evaluate(self.eval_tasks)

@@ -12,17 +12,20 @@ and outlives a trainer that dies), and replaces what died:
   cannot be scored is stored as reward_failed and not trained.
 - an env actor dies: Ray restarts it with fresh sandboxes; the episodes whose sandboxes it held end
   env_error (agent.retry_on runs them again).
+- an engine actor dies (ray.engine.count > 0): Ray restarts it; it loads the latest published weights
+  (engine/actor.py WeightBoard) before serving, and the requests it was running end engine_error.
 - a trainer actor dies (any rank): TrainerLost; the driver has fresh ones made from the run folder's
   latest checkpoint (which must be on a filesystem every node sees).
 
-What is not here: GPU engines (vLLM / SGLang actors), or restarting the driver itself (a dead driver
-is a crashed run: `--resume` continues from the latest checkpoint).
+What is not here: restarting the driver itself (a dead driver is a crashed run: `--resume` continues
+from the latest checkpoint).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -31,6 +34,8 @@ from typing import Any
 
 from loomrl.actor_support import actor_error_line, constructor_failed
 from loomrl.config import Placement, RunConfig
+from loomrl.engine.actor import EngineActor, WeightBoard
+from loomrl.engine.base import EngineMetrics
 from loomrl.env.registry import env_family
 from loomrl.env.remote import EnvActor
 from loomrl.env.sandbox import SandboxError
@@ -85,6 +90,7 @@ class WorkerSlot:
     owner: str = ""  # its name in the env actors' lease tables
     incarnation: int = 0
     load: int = 0  # groups in flight on it
+    engine: Any = None  # the engine actor it generates on (ray.engine.count > 0)
 
 
 class RayBackend(Backend):
@@ -100,6 +106,9 @@ class RayBackend(Backend):
         self.trainer_group: Any = None  # the ranks' placement group
         self.reward_actors: list[Any] = []  # ray.reward.count, shared by the rollout actors
         self.env_actors: list[Any] = []  # ray.env.count, shared by the rollout actors
+        self.engines: list[Any] = []  # ray.engine.count engine actors, shared by the rollout actors
+        self.board: Any = None  # the latest published version, for engine actors Ray restarts
+        self.engine_updates: dict[int, Any] = {}  # engine index -> its latest update_weights call
         self.owners = 0  # rollout actors made so far
         self.reclaims: list[Any] = []  # release_owner calls: sandboxes of dead rollout actors reclaimed
         self.weights: WeightHandle | None = None  # the latest published version
@@ -128,7 +137,7 @@ class RayBackend(Backend):
         if r.address is None:  # a one-machine cluster offering the resources the config asks for
             need: dict[str, float] = {}
             for spec, n in [(r.rollout, r.rollout.count), (r.trainer, self.cfg.trainer.world_size),
-                            (r.reward, r.reward.count), (r.env, r.env.count)]:
+                            (r.reward, r.reward.count), (r.env, r.env.count), (r.engine, r.engine.count)]:
                 add_into(need, {k: v * n for k, v in spec.resources.items()})
             kwargs.update(include_dashboard=False, resources=need or None)
         # "local": always a new one-machine cluster; plain None would join a cluster found running
@@ -141,10 +150,11 @@ class RayBackend(Backend):
         self.owners += 1  # names this incarnation in the env actors' lease tables
         owner = f"rollout-{self.owners}"
         cls = self._actor(RolloutActor, r.rollout, max_restarts=0, max_concurrency=1000)
-        actor = cls.remote(self.cfg_json, self.reward_actors, self.env_actors, owner)
-        if self.weights is not None:
+        engine = self.engines[(self.owners - 1) % len(self.engines)] if self.engines else None
+        actor = cls.remote(self.cfg_json, self.reward_actors, self.env_actors, owner, engine)
+        if self.weights is not None and engine is None:
             self.syncs.append(actor.update_weights.remote(self.weights))
-        return WorkerSlot(handle=actor, owner=owner)
+        return WorkerSlot(handle=actor, owner=owner, engine=engine)
 
     def _new_env_actors(self) -> list[Any]:
         """Env actors sized for every rollout actor's concurrency, split between them."""
@@ -180,7 +190,11 @@ class RayBackend(Backend):
         except self.ray.exceptions.RayError as err:
             fail_if_cannot_start(err, "an env actor")
             raise
-        for name, actors in (("reward", self.reward_actors), ("env", self.env_actors)):
+        if r.engine.count:
+            self.board = self.ray.remote(WeightBoard).options(num_cpus=0).remote()
+            cls = self._actor(EngineActor, r.engine, max_concurrency=1000, max_restarts=r.engine.max_restarts)
+            self.engines = [cls.remote(self.cfg_json, self.board) for _ in range(r.engine.count)]
+        for name, actors in (("reward", self.reward_actors), ("env", self.env_actors), ("engine", self.engines)):
             where = await self._where(actors)
             self.placement[name] = [node for node, _ in where]
             self.pids[name] = [pid for _, pid in where]
@@ -287,6 +301,12 @@ class RayBackend(Backend):
 
     async def publish(self, version: int) -> None:
         self.weights = WeightHandle(transport=Transport.RAY, version=version, nbytes=0, payload=self.step_weights)
+        if self.engines:  # the engine actors load it (the board first: one restarted meanwhile reads it there)
+            await self.board.post.remote(self.weights)
+            for i, engine in enumerate(self.engines):
+                self.engine_updates[i] = engine.update_weights.remote(self.weights)
+                self.syncs.append(self.engine_updates[i])
+            return
         for slot in self.workers:
             self.syncs.append(slot.handle.update_weights.remote(self.weights))
 
@@ -299,12 +319,15 @@ class RayBackend(Backend):
         slot = self.workers[i]
         incarnation = slot.incarnation
         slot.load += 1
-        ref = slot.handle.run_group.remote(position)
+        ref = None
         try:
+            await self._engine_ready(slot)
+            ref = slot.handle.run_group.remote(position)
             return await ref
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):  # its actor is gone: nothing left to cancel
-                self.ray.cancel(ref)
+                if ref is not None:
+                    self.ray.cancel(ref)
             raise
         except self.ray.exceptions.RayActorError as err:
             raise self._worker_died(i, incarnation, err) from None
@@ -315,10 +338,17 @@ class RayBackend(Backend):
             if slot.incarnation == incarnation:
                 slot.load -= 1
 
+    async def _engine_ready(self, slot: WorkerSlot) -> None:
+        """With engine actors: once the slot's engine has loaded the versions published so far (a dead engine
+        actor's update is lost, and its restart loads the board's latest itself)."""
+        if slot.engine is not None:
+            await result_or(slot.engine.ready.remote(), self.cfg.ray.placement_timeout_s, None)
+
     async def evaluate(self, label: str) -> EvalRecord:
         slot = self.workers[0]
         incarnation = slot.incarnation
         try:
+            await self._engine_ready(slot)
             return await slot.handle.evaluate.remote()
         except self.ray.exceptions.RayActorError as err:
             raise self._worker_died(0, incarnation, err) from None
@@ -363,15 +393,21 @@ class RayBackend(Backend):
             self._kill(slot.handle)
         # Ray restarts reward and env actors itself: a new process id means at least one restart
         restarts = {name: sum(a != b for a, (_, b) in zip(self.pids.get(name, []), await self._where(actors)))
-                    for name, actors in (("reward", self.reward_actors), ("env", self.env_actors))}
+                    for name, actors in (("reward", self.reward_actors), ("env", self.env_actors),
+                                         ("engine", self.engines))}
+        engines: dict[str, Any] = {}  # the engine actors' counters (since their last start)
+        for engine in self.engines:
+            add_into(engines, dataclasses.asdict(await result_or(engine.close.remote(), 60, EngineMetrics())))
         # an env actor that died meanwhile took its sandboxes with it
         reclaimed = sum([await result_or(ref, 30, 0) for ref in self.reclaims])
         env_pool: dict[str, Any] = {}  # the env actors' own pools (ray.env.count > 0)
         for env in self.env_actors:
             add_into(env_pool, await result_or(env.close.remote(), 60, {}))
-        for actor in [*self.reward_actors, *self.env_actors]:
-            self._kill(actor)
+        for actor in [*self.reward_actors, *self.env_actors, *self.engines, self.board]:
+            if actor is not None:
+                self._kill(actor)
         # rollouts: as the rollout actors alive at the end counted them (a dead actor's counts die with it)
         return BackendReport(rollouts=rollouts, env_pool=env_pool if self.env_actors else pool, extra={"ray": {
             "rollout_restarts": self.rollout_restarts, "reward_restarts": restarts["reward"],
-            "env_restarts": restarts["env"], "env_leases_reclaimed": reclaimed, "placement": self.placement}})
+            "env_restarts": restarts["env"], "env_leases_reclaimed": reclaimed, "placement": self.placement,
+            **({"engine_restarts": restarts["engine"], "engines": engines} if self.engines else {})}})

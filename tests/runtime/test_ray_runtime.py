@@ -91,7 +91,7 @@ def cluster():
     try:
         t0 = time.time()
         subprocess.run([RAY, "start", "--head", f"--port={port}", "--include-dashboard=false",
-                        '--resources={"trainer": 1, "reward": 2, "sandbox": 1}', *common], env=env, check=True, capture_output=True, timeout=120)
+                        '--resources={"trainer": 1, "reward": 2, "sandbox": 1, "engine": 1}', *common], env=env, check=True, capture_output=True, timeout=120)
         subprocess.run([RAY, "start", f"--address=127.0.0.1:{port}", '--resources={"rollout": 2}', *common],
                        env=env, check=True, capture_output=True, timeout=120)
         print(f"two-node cluster up in {time.time() - t0:.1f}s")
@@ -308,6 +308,53 @@ def test_env_actors_run_the_sandboxes_on_their_node_and_survive_a_kill(cluster, 
         {r["final_answer"] for r in rows}
     # a sandbox call failed (SandboxError, naming the env worker), in a step or in codefix's finalize
     assert all(e.startswith("env_error: ") and "SandboxError: " in e and "env worker" in e for e in retried), retried
+
+
+@pytest.mark.ray
+def test_an_engine_actor_serves_both_rollout_actors_from_another_node_and_survives_a_kill(cluster, tmp_path):
+    """ray.engine.count=1: the two rollout actors (rollout node) generate on one engine actor (head node) and
+    get the weights through it. The engine actor is SIGKILLed after step 2: Ray restarts it, it loads the
+    latest published weights before it serves (else its tokens would carry version 0, be stale at consumption
+    and make a trajectory's versions go backwards), the requests it was running end engine_error and run
+    again (agent.retry_on), and the run completes with every trajectory accounted for."""
+    steps = 5
+    proc = _train(cluster, tmp_path, "engines", f"trainer.total_steps={steps}", "checkpoint_every=0",
+                  "ray.engine.count=1", "ray.engine.num_cpus=0", "ray.engine.resources={engine: 1}",
+                  "agent.retry_on=[engine_error]", "agent.max_retries=3", "agent.retry_backoff_s=0.2")
+    run_dir = tmp_path / "engines"
+    killed = []
+
+    def kill_the_engine_after_step_2() -> None:
+        deadline = time.time() + 240
+        while not killed and time.time() < deadline and proc.poll() is None:
+            if len(read_ledger(run_dir)) >= 2:
+                actors = {p: _title(p) for p in _tagged(cluster["tag"], cluster["tmp"])}
+                for pid in [p for p, t in actors.items() if t.startswith("ray::EngineActor")]:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_the_engine_after_step_2, daemon=True)
+    killer.start()
+    try:
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        killer.join(timeout=10)
+    assert proc.returncode == 0, out[-4000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    ray_report = summary["ray"]
+    print(f"engine actor run: killed {killed}; ray {ray_report}; accounting {summary['accounting']}")
+    placement = ray_report["placement"]
+    assert len(placement["engine"]) == 1 and placement["engine"][0] not in placement["rollout"], placement
+    assert len(killed) == 1 and ray_report["engine_restarts"] == 1, ray_report
+    assert ray_report["engines"]["requests"] > 0  # the restarted engine served the rest of the run
+    check_run(run_dir, summary, steps)
+    assert summary["accounting"]["stale"] == 0
+    for row in read_trajectories(run_dir / "trajectories").to_pylist():
+        versions = [v for v in row["versions"] if v >= 0]  # sampled tokens (-1: prompt and tool output)
+        assert versions == sorted(versions), (row["trajectory_id"], versions)
 
 
 @pytest.mark.ray

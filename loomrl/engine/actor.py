@@ -1,0 +1,185 @@
+"""The inference pool's Ray half (ray.engine.count > 0): engines as actors of their own, placed by num_gpus (an engine
+per GPU group: a vLLM engine's tensor-parallel size is its own setting), each shared by the rollout actors bound to it
+(EngineActor); the Engine protocol over one, for a rollout actor's worker and gateway (RemoteEngine); and the gate
+that loads published weights into an engine in order (WeightGate, also used by rollout actors that own their
+engine). Without engine actors each rollout actor owns its engine (rollout/actor.py).
+
+Routing: a rollout actor is bound to one engine actor (rollout actor i to engine i mod count) and a GRPO group runs
+on one rollout actor, so a program's turns and its group's shared prompt reach one engine and its prefix cache.
+Weights: the backend sends each published version to every engine actor (runtime/ray_backend.py publish), and a
+group dispatched after a publish starts once its engine has loaded that version. Ray restarts an engine actor that
+died (ray.engine.max_restarts); the fresh one loads the latest published version before it serves (WeightBoard), so
+that no token is tagged with a version its weights are not. The calls it was running fail as EngineFault (the
+agent loop's engine_error: agent.retry_on may run them again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from loomrl.actor_support import Placed
+from loomrl.config import RunConfig
+from loomrl.engine.base import Engine, EngineFault, EngineMetrics, GenerationRequest, GenerationResult
+from loomrl.engine.factory import make_engine
+from loomrl.model.loader import load_run_model
+
+if TYPE_CHECKING:
+    from loomrl.trainer.weight_sync import WeightHandle
+
+
+class WeightGate:
+    """Loads published versions into an engine one at a time, in the order they were sent (an asyncio lock is
+    FIFO, and `load` takes it before its first await); `ready` returns once the versions sent before it are in."""
+
+    def __init__(self, engine: Engine, interrupt_on_update: bool):
+        self.engine = engine
+        self.interrupt_on_update = interrupt_on_update
+        self._lock = asyncio.Lock()  # bound to the actor's event loop when first waited on
+
+    async def load(self, handle: WeightHandle) -> dict[str, float]:
+        """Fetch (transport "ray": an ObjectRef owned by the driver) and apply; returns the version and how long
+        fetching and applying took."""
+        async with self._lock:
+            t0 = time.perf_counter()
+            weights = await handle.payload
+            t1 = time.perf_counter()
+            if self.interrupt_on_update:
+                self.engine.interrupt()  # in-flight turns resume under the new weights (AgentLoop._generate)
+            await asyncio.to_thread(self.engine.update_weights, weights, handle.version)
+        return {"version": handle.version, "load_s": t1 - t0, "apply_s": time.perf_counter() - t1}
+
+    async def ready(self) -> None:
+        async with self._lock:
+            pass
+
+
+class WeightBoard:
+    """The latest published version (its handle), for engine actors that Ray restarts."""
+
+    def __init__(self) -> None:
+        self.handle: WeightHandle | None = None
+
+    def post(self, handle: WeightHandle) -> None:
+        self.handle = handle
+
+    def latest(self) -> WeightHandle | None:
+        return self.handle
+
+
+class EngineActor(Placed):
+    """One inference engine (engine.kind) over the run's model on the node ray.engine places it, serving the rollout
+    actors bound to it. Async actor: their requests run at once, batched by the engine."""
+
+    def __init__(self, cfg_json: str, board: Any):
+        import ray
+
+        cfg = RunConfig.model_validate_json(cfg_json)
+        torch.set_num_threads(cfg.engine.threads or max(1, int(cfg.ray.engine.num_cpus)))
+        torch.manual_seed(cfg.seed)
+        model, tokenizer = load_run_model(cfg.model, None)
+        self.engine = make_engine(cfg, model, tokenizer, 0)
+        latest = ray.get(board.latest.remote())
+        if latest is not None:  # restarted after a crash: the run's current version before the first request
+            self.engine.update_weights(ray.get(latest.payload), latest.version)
+        self.gate = WeightGate(self.engine, cfg.runtime.interrupt_on_update)
+
+    def info(self) -> tuple[int, int]:
+        """(kv_budget, version)."""
+        return self.engine.kv_budget, self.engine.version
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        return await self.engine.generate(request)
+
+    async def update_weights(self, handle: WeightHandle) -> dict[str, float]:
+        return await self.gate.load(handle)
+
+    async def ready(self) -> None:
+        """Returns once the versions sent before this call are loaded."""
+        await self.gate.ready()
+
+    def interrupt(self) -> None:
+        self.engine.interrupt()
+
+    def release(self, program_id: str) -> None:
+        self.engine.release(program_id)
+
+    def metrics(self) -> EngineMetrics:
+        return self.engine.metrics
+
+    def close(self) -> EngineMetrics:
+        self.engine.close()
+        return self.engine.metrics
+
+
+class RemoteEngine:
+    """The Engine protocol over an EngineActor, in a rollout actor. Weights go to the engine actor from the backend,
+    not through here (update_weights refuses). `metrics` counts what this client sent and got back. A request that
+    finds the engine actor restarting waits for it, up to `restart_wait_s`; one it was running when it died fails
+    (EngineFault: the agent loop's engine_error)."""
+
+    def __init__(self, actor: Any, restart_wait_s: float):
+        import ray
+
+        self.actor = actor
+        self.restart_wait_s = restart_wait_s
+        self.kv_budget, self._version = ray.get(actor.info.remote())
+        self.metrics = EngineMetrics()
+        self._threads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loomrl-remote-engine")
+        self._closed = False
+
+    @property
+    def version(self) -> int:
+        """The newest version this client has seen tokens of."""
+        return self._version
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        import ray
+
+        if self._closed:
+            raise EngineFault("engine: closed")
+        m = self.metrics
+        m.requests += 1
+        m.prompt_tokens += len(request.prompt_ids)
+        deadline = time.monotonic() + self.restart_wait_s
+        while True:
+            try:
+                result = await self.actor.generate.remote(request)
+                break
+            except ray.exceptions.ActorUnavailableError as err:  # restarting: wait for it, bounded
+                if time.monotonic() > deadline:
+                    m.faults += 1
+                    raise EngineFault(f"engine actor unavailable for {self.restart_wait_s:.0f}s "
+                                      f"(ray.engine_restart_wait_s): {str(err).splitlines()[0]}") from None
+                await asyncio.sleep(0.5)
+            except ray.exceptions.RayActorError as err:  # died mid-request (Ray restarts it for the next ones)
+                m.faults += 1
+                raise EngineFault(f"engine actor died: {str(err).splitlines()[0]}") from None
+            except ray.exceptions.RayTaskError as err:  # what the engine raised, as a local engine would raise it
+                raise (err.cause or EngineFault(f"engine actor: {str(err).strip().splitlines()[-1]}")) from None
+        m.finished += 1
+        m.generated_tokens += len(result.token_ids)
+        self._version = max([self._version, *result.versions])
+        return result
+
+    def update_weights(self, weights: dict | None, version: int) -> None:
+        raise RuntimeError("RemoteEngine.update_weights: weights go to the engine actors (RayBackend.publish)")
+
+    def interrupt(self) -> None:
+        self.actor.interrupt.remote()
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        return self._threads.submit(fn)  # no engine runs here: a thread of its own
+
+    def release(self, program_id: str) -> None:
+        self.actor.release.remote(program_id)
+
+    def close(self) -> None:
+        """This client only: the backend closes the engine actors."""
+        self._closed = True
+        self._threads.shutdown(wait=False)

@@ -106,6 +106,10 @@ class EngineConfig(_Section):
     max_prefill_tokens: int = Field(4096, gt=0)  # prompt tokens computed per step
     prefix_cache: bool = True
     threads: int = Field(0, ge=0)  # torch threads of the rollout side; 0 = all cores (sync), half (async)
+    # colocated (hybrid) GPUs: the engines give their GPU memory (weights, KV cache) to the trainer during each
+    # training step (vLLM sleep, SGLang release_memory_occupation) and take it back after, before the new weights;
+    # rollouts in flight pause meanwhile. The built-in engine has nothing to free (a no-op on the CPU)
+    sleep_while_training: bool = False
     sglang: SGLangConfig = Field(default_factory=SGLangConfig)
 
 

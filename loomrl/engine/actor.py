@@ -109,6 +109,12 @@ class EngineActor(Placed):
     def release(self, program_id: str) -> None:
         self.engine.release(program_id)
 
+    async def sleep(self) -> None:
+        await asyncio.to_thread(self.engine.sleep)
+
+    async def wake(self) -> None:
+        await asyncio.to_thread(self.engine.wake)
+
     def metrics(self) -> EngineMetrics:
         return self.engine.metrics
 
@@ -169,6 +175,12 @@ class RemoteEngine:
 
     def update_weights(self, weights: dict | None, version: int) -> None:
         raise RuntimeError("RemoteEngine.update_weights: weights go to the engine actors (RayBackend.publish)")
+
+    def sleep(self) -> None:
+        raise RuntimeError("RemoteEngine.sleep: the backend puts the engine actors to sleep (RayBackend.sleep_engines)")
+
+    def wake(self) -> None:
+        raise RuntimeError("RemoteEngine.wake: the backend wakes the engine actors (RayBackend.wake_engines)")
 
     def interrupt(self) -> None:
         self.actor.interrupt.remote()

@@ -96,6 +96,14 @@ class Engine(Protocol):
     def release(self, program_id: str) -> None:
         """The program has ended; the engine may drop anything it kept for it."""
 
+    def sleep(self) -> None:
+        """Give the accelerator memory the engine holds (weights, KV cache) to a trainer on the same GPUs until
+        wake() (engine.sleep_while_training): requests in flight end "interrupted" (generate_resuming resumes them
+        after wake), new ones wait. Engines with nothing to free (the built-in one) do nothing."""
+
+    def wake(self) -> None:
+        """Take the memory back and serve again (the weights are those before sleep until the next update)."""
+
     def close(self) -> None:
         """Stop; requests after this fail with EngineFault."""
 

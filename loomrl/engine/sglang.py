@@ -20,6 +20,9 @@ The contract, as SGLang's source has it:
 - Logprobs (layers/sampler.py) are log softmax(logits / T), the temperature-scaled distribution, taken before
   top-k/top-p truncation; greedy requests (T = 0) get log softmax(logits). They equal the distribution sampled
   from when top_p = 1 and top_k = 0 (loomrl's defaults); with a truncation they are of the untruncated one.
+- Sleep (engine.sleep_while_training): /pause_generation {mode: abort}, /release_memory_occupation {} (all tags:
+  weights and KV cache; the server must run with --enable-memory-saver); wake: /resume_memory_occupation {},
+  /continue_generation.
 - Weight updates: /pause_generation {mode: abort} ends every in-flight request with finish_reason abort and its
   partial output (new requests wait until /continue_generation), then /update_weights_from_disk {model_path,
   load_format, weight_version} and /flush_cache (the radix cache holds K/V of the old weights). No request spans
@@ -179,6 +182,19 @@ class SGLangEngine:
     def release(self, program_id: str) -> None:
         """Nothing to do: SGLang's radix cache is keyed by token prefixes, not programs, and evicts on its own."""
 
+    def sleep(self) -> None:
+        """Pause (abort: in-flight requests end "interrupted"; new ones wait at the server), then
+        /release_memory_occupation (weights and KV cache; the server needs --enable-memory-saver)."""
+        if self._closed:
+            raise EngineFault("sleep: the engine is closed")
+        self._control.submit(self._release_memory).result()
+
+    def wake(self) -> None:
+        """/resume_memory_occupation, then continue: the waiting requests run."""
+        if self._closed:
+            raise EngineFault("wake: the engine is closed")
+        self._control.submit(self._resume_memory).result()
+
     def close(self) -> None:
         self._closed = True
         self._control.shutdown(wait=True, cancel_futures=True)
@@ -262,6 +278,20 @@ class SGLangEngine:
             log.warning("continue_generation failed (the server may stay paused): %s", err)
             with self._lock:
                 self.metrics.faults += 1
+
+    def _release_memory(self) -> None:
+        self._pause()
+        try:
+            self._post("/release_memory_occupation", {}, self.cfg.update_timeout_s)
+        except EngineFault:
+            self._continue()  # not released: serve on rather than stay paused
+            raise
+
+    def _resume_memory(self) -> None:
+        try:
+            self._post("/resume_memory_occupation", {}, self.cfg.update_timeout_s)
+        finally:
+            self._continue()
 
     def _load(self, path: str, version: int) -> None:
         try:

@@ -3,6 +3,7 @@ rollout side), and the rollout pool's Ray half: one as an actor on some node (Ro
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,12 @@ class RolloutActor(Placed, RolloutSide):
         # (with an engine actor, the backend waits for its engine's: RayBackend._attempt)
         await self.gate.ready()
         return await self.worker.run_group(position)
+
+    async def sleep(self) -> None:
+        await asyncio.to_thread(self.engine.sleep)
+
+    async def wake(self) -> None:
+        await asyncio.to_thread(self.engine.wake)
 
     async def evaluate(self) -> EvalRecord:
         await self.gate.ready()  # the latest published weights first, as for run_group

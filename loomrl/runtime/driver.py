@@ -133,6 +133,18 @@ class Backend(ABC):
         """One training step's metrics, or None when the trainer has no step's groups buffered."""
 
     @abstractmethod
+    async def trainer_ready(self) -> bool:
+        """Whether the trainer has a step's groups buffered (train_step would train)."""
+
+    @abstractmethod
+    async def sleep_engines(self) -> None:
+        """Every engine gives its accelerator memory to the trainer (Engine.sleep)."""
+
+    @abstractmethod
+    async def wake_engines(self) -> None:
+        """Every engine takes it back (Engine.wake)."""
+
+    @abstractmethod
     async def publish(self, version: int) -> None:
         """Bring the trainer's current weights (`version`) to every engine; later groups use them."""
 
@@ -321,18 +333,29 @@ class Driver:
         """Every step the trainer can take now: train, publish the weights, log the step. The next
         step is asked for before the weights travel, so that the trainer works while engines load them."""
         total = self.cfg.trainer.total_steps
+        colocated = self.cfg.engine.sleep_while_training  # the engines' memory goes to each step
         step: asyncio.Future | None = None
         try:
             while self.version < total:
                 t0 = time.perf_counter()
-                step = step or asyncio.ensure_future(self.backend.train_step())
-                metrics, step = await step, None
+                if colocated:
+                    if not await self.backend.trainer_ready():
+                        return
+                    await self.backend.sleep_engines()
+                    try:
+                        metrics = await self.backend.train_step()
+                    finally:
+                        await self.backend.wake_engines()
+                else:
+                    step = step or asyncio.ensure_future(self.backend.train_step())
+                    metrics, step = await step, None
                 if metrics is None:
                     return
                 clock["train_s"] += time.perf_counter() - t0
                 self.version += 1
                 self.stale += metrics.get("groups_stale", 0)
-                if self.version < total and self.lag > 0:  # lag 0: the next step's groups are not launched yet
+                # the next step is asked for before the weights travel (lag 0: its groups are not launched yet)
+                if self.version < total and self.lag > 0 and not colocated:
                     step = asyncio.ensure_future(self.backend.train_step())
                 await self.backend.publish(self.version)
                 self._log_step(metrics, recent, clock, bar)

@@ -148,6 +148,20 @@ class LocalBackend(Backend):
             self.weights = stepped.weights
         return stepped.metrics
 
+    async def trainer_ready(self) -> bool:
+        if self.service is not None:
+            return self.service.ready()
+        try:
+            return await self.trainer.ready()
+        except TrainerProcessDied as err:
+            raise TrainerLost(str(err)) from None
+
+    async def sleep_engines(self) -> None:
+        await asyncio.to_thread(self.rollout.engine.sleep)
+
+    async def wake_engines(self) -> None:
+        await asyncio.to_thread(self.rollout.engine.wake)
+
     async def publish(self, version: int) -> None:
         if self.sync:  # the weights changed in place (shared model)
             self.rollout.engine.update_weights(None, version)

@@ -299,6 +299,28 @@ class RayBackend(Backend):
             self.step_weights = weights_ref  # that step's weights, whatever the trainer does next
         return metrics
 
+    async def trainer_ready(self) -> bool:
+        return await self._call_trainer(self.trainer.ready.remote())
+
+    async def sleep_engines(self) -> None:
+        await self._on_engines([actor.sleep.remote() for actor in self.engines or [s.handle for s in self.workers]])
+
+    async def wake_engines(self) -> None:
+        await self._on_engines([actor.wake.remote() for actor in self.engines or [s.handle for s in self.workers]])
+
+    async def _on_engines(self, calls: list[Any]) -> None:
+        """Engine.sleep or wake on every engine (the engine actors', else the rollout actors' own): one that died
+        meanwhile is left to the supervision (a fresh engine is awake); one that failed stops the run (a trainer
+        step next to an engine that kept its memory would run out of it)."""
+        for ref in calls:
+            try:
+                await ref
+            except self.ray.exceptions.RayActorError:
+                continue
+            except self.ray.exceptions.RayError as err:
+                raise RunError("run error: an engine could not sleep or wake (engine.sleep_while_training):\n"
+                               + "\n".join(str(err).splitlines()[-3:])) from None
+
     async def publish(self, version: int) -> None:
         self.weights = WeightHandle(transport=Transport.RAY, version=version, nbytes=0, payload=self.step_weights)
         if self.engines:  # the engine actors load it (the board first: one restarted meanwhile reads it there)

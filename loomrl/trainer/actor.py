@@ -51,6 +51,10 @@ class TrainerActor(Placed):
     def receive(self, position: int, group: list[Trajectory]) -> None:
         self.service.receive(position, group)
 
+    def ready(self) -> bool:
+        """Whether a step's groups are buffered (step would train)."""
+        return self.service.ready()
+
     def step(self) -> tuple[dict[str, Any] | None, dict[str, torch.Tensor] | None]:
         """One training step when a step's groups are buffered (and the run is not done): its metrics
         and the new weights (called with num_returns=2, so that the weights stay in the object store,

@@ -60,6 +60,16 @@ class Stop:
 
 
 @dataclass(slots=True, frozen=True)
+class ReadyQuery:
+    """Whether a step's groups are buffered (answered IsReady; engine.sleep_while_training asks first)."""
+
+
+@dataclass(slots=True, frozen=True)
+class IsReady:
+    ready: bool
+
+
+@dataclass(slots=True, frozen=True)
 class Ready:
     version: int
     received: dict[str, Any]  # PositionSet.state()
@@ -152,6 +162,10 @@ class TrainerProcess:
         self.inbox.put(StepRequest())
         return await self._answer(Stepped)
 
+    async def ready(self) -> bool:
+        self.inbox.put(ReadyQuery())
+        return (await self._answer(IsReady)).ready
+
     def stop(self) -> None:
         """Stop the process (and its followers); a process that does not stop in time is killed."""
         self.stopping = True
@@ -186,6 +200,8 @@ def _trainer_main(cfg_json: str, extra: dict[str, Any], checkpoint: str, threads
         while not isinstance(msg := inbox.get(), Stop):
             if isinstance(msg, Group):
                 service.receive(msg.position, msg.group)
+            elif isinstance(msg, ReadyQuery):
+                outbox.put(IsReady(service.ready()))
             elif service.ready():
                 metrics = service.train_step()
                 outbox.put(Stepped(metrics, publisher.publish(service.live_weights(), service.version)))

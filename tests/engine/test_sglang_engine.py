@@ -60,6 +60,7 @@ UPDATE_FROM_DISK_FIELDS = {"rid", "model_path", "load_format", "abort_all_reques
                            "torch_empty_cache", "keep_pause", "recapture_cuda_graph", "token_step", "flush_cache",
                            "manifest"}
 PAUSE_FIELDS, CONTINUE_FIELDS = {"rid", "mode"}, {"rid", "torch_empty_cache"}
+MEMORY_FIELDS = {"rid", "tags"}  # Release/ResumeMemoryOccupationReqInput (tags None: weights and kv_cache)
 CONTROL = ("/pause_generation", "/continue_generation", "/flush_cache", "/update_weights_from_disk")
 TOO_LONG, SERVER_ABORT = 666, 667  # first prompt tokens the fake answers with an error / with an abort of its own
 
@@ -95,6 +96,7 @@ class FakeSGLang:
         self.resumed: asyncio.Event | None = None
         self.sequences: list[list[int]] = []  # what the radix cache would hold
         self.loaded: dict[str, torch.Tensor] = {}
+        self.released = False  # weights and KV cache given up (release_memory_occupation)
 
 
 def _refuse_unknown(body: dict, known: set[str], what: str) -> JSONResponse | None:
@@ -191,6 +193,23 @@ def fake_app(fake: FakeSGLang) -> FastAPI:
         if fake.resumed is not None:
             fake.resumed.set()
         return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.post("/release_memory_occupation")
+    async def release_memory(request: Request):
+        body, bad = await read(request, "/release_memory_occupation", MEMORY_FIELDS, "ReleaseMemoryOccupationReqInput")
+        if bad is not None:
+            return bad
+        assert fake.paused and not fake.inflight, "released with requests running"
+        fake.released = True
+        return {}
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory(request: Request):
+        body, bad = await read(request, "/resume_memory_occupation", MEMORY_FIELDS, "ResumeMemoryOccupationReqInput")
+        if bad is not None:
+            return bad
+        fake.released = False
+        return {}
 
     @app.post("/flush_cache")
     async def flush():
@@ -388,6 +407,37 @@ def test_config_refuses_sglang_without_a_server_and_make_engine_builds_it(tiny_m
         assert isinstance(eng, SGLangEngine) and eng.kv_budget == 2048 and eng.version == 3
     finally:
         eng.close()
+
+
+def test_sleep_releases_the_memory_and_wake_serves_again(engine, fake):
+    """engine.sleep_while_training: sleep pauses (abort: the request in flight ends interrupted) and releases
+    the weights and KV cache; a request sent while asleep waits; wake resumes the memory and continues, and
+    generate_resuming completes the interrupted request."""
+    prompt = [3, 4, 5]
+
+    async def scenario():
+        fake.hold = 2  # the first request stops after 2 tokens until an abort pause
+        first = asyncio.ensure_future(generate_resuming(engine, prompt, SamplingParams(max_tokens=5)))
+        while not fake.inflight:
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(engine.sleep)
+        assert fake.released and fake.paused
+        assert fake.bodies["/release_memory_occupation"] == [{}]
+        waiting = asyncio.ensure_future(_agenerate(engine, [7, 8], max_tokens=2))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()  # held while the server sleeps
+        await asyncio.to_thread(engine.wake)
+        return await first, await waiting
+
+    (result, resumes), second = asyncio.run(scenario())
+    assert not fake.released and not fake.paused
+    assert fake.calls.index("/release_memory_occupation") < fake.calls.index("/resume_memory_occupation")
+    assert resumes == 1 and result.token_ids == fake_run(prompt, 5, "default")  # complete after the wake
+    assert second.token_ids == fake_run([7, 8], 2, "default")
+
+
+async def _agenerate(engine, prompt, **sampling):
+    return await engine.generate(GenerationRequest(prompt_ids=prompt, sampling=SamplingParams(**sampling)))
 
 
 def test_loomrl_serve_answers_over_sglang(engine, fake, tokenizer):

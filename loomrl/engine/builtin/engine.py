@@ -136,6 +136,13 @@ class BuiltinEngine:
             with self._cond:
                 self.cache.release(program_id)
 
+    def sleep(self) -> None:
+        """Nothing to free: the built-in engine's model and K/V live in host memory (on a GPU it would keep
+        them; engine.sleep_while_training is for engines that can release theirs: vLLM, SGLang)."""
+
+    def wake(self) -> None:
+        """Nothing to take back (see sleep)."""
+
     def close(self) -> None:
         with self._cond:
             self._closed = True

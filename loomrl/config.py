@@ -80,7 +80,9 @@ class SGLangConfig(_Section):
     """engine.kind=sglang only: an SGLang server (`python -m sglang.launch_server`) that loomrl drives over HTTP
     (engine/sglang.py says which server flags it needs)."""
 
-    base_url: str | None = None  # e.g. http://gpu-node:30000 (required with engine.kind=sglang)
+    # e.g. http://gpu-node:30000 (required with engine.kind=sglang); a list: several servers, one per engine actor
+    # (runtime.backend=ray with ray.engine.count its length; engine actor i drives server i)
+    base_url: str | list[str] | None = None
     timeout_s: float = Field(600.0, gt=0)  # one /generate call
     control_timeout_s: float = Field(60.0, gt=0)  # /pause_generation, /continue_generation, /flush_cache
     update_timeout_s: float = Field(600.0, gt=0)  # /update_weights_from_disk (the server reads the checkpoint)
@@ -429,6 +431,11 @@ class RunConfig(_Section):
         if self.runtime.mode == "sync" and self.trainer.parallel == "fsdp":  # FSDP shards that object
             raise ValueError("trainer.parallel=fsdp needs runtime.mode=async (sync mode shares the trainer's model "
                              "with the engine)")
+        urls = self.engine.sglang.base_url
+        if isinstance(urls, list) and len(urls) > 1 and (self.runtime.backend != "ray" or
+                                                         self.ray.engine.count != len(urls)):
+            raise ValueError(f"engine.sglang.base_url lists {len(urls)} servers: one engine actor drives each, so "
+                             f"set runtime.backend=ray and ray.engine.count={len(urls)}")
         if self.runtime.mode == "sync" and self.engine.kind == "sglang":
             raise ValueError("engine.kind=sglang needs runtime.mode=async (sync mode shares the trainer's model with "
                              "the engine; an SGLang server holds its own copy and loads each version from disk)")

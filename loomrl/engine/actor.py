@@ -74,16 +74,17 @@ class WeightBoard:
 
 class EngineActor(Placed):
     """One inference engine (engine.kind) over the run's model on the node ray.engine places it, serving the rollout
-    actors bound to it. Async actor: their requests run at once, batched by the engine."""
+    actors bound to it; `replica`: its index (with several SGLang servers, the one it drives). Async actor: their
+    requests run at once, batched by the engine."""
 
-    def __init__(self, cfg_json: str, board: Any):
+    def __init__(self, cfg_json: str, board: Any, replica: int):
         import ray
 
         cfg = RunConfig.model_validate_json(cfg_json)
         torch.set_num_threads(cfg.engine.threads or max(1, int(cfg.ray.engine.num_cpus)))
         torch.manual_seed(cfg.seed)
         model, tokenizer = load_run_model(cfg.model, None)
-        self.engine = make_engine(cfg, model, tokenizer, 0)
+        self.engine = make_engine(cfg, model, tokenizer, 0, replica)
         latest = ray.get(board.latest.remote())
         if latest is not None:  # restarted after a crash: the run's current version before the first request
             self.engine.update_weights(ray.get(latest.payload), latest.version)

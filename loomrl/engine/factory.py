@@ -8,14 +8,24 @@ from loomrl.config import RunConfig
 from loomrl.engine.base import Engine
 
 
-def make_engine(cfg: RunConfig, model: Any, tokenizer: Any, version: int) -> Engine:
+def make_engine(cfg: RunConfig, model: Any, tokenizer: Any, version: int, replica: int = 0) -> Engine:
     """The engine engine.kind names: the built-in one over `model` (sync runs share it with the trainer), or a
-    client of an SGLang server (`model` gives only the config.json written beside each weight update)."""
+    client of an SGLang server (`model` gives only the config.json written beside each weight update; `replica`:
+    the engine actor's index, which picks its server when engine.sglang.base_url lists several)."""
     e = cfg.engine
     if e.kind == "sglang":
         from loomrl.engine.sglang import SGLangEngine
 
-        return SGLangEngine(e.sglang, version=version, model_config=model.config)
+        s = e.sglang
+        if not isinstance(s.base_url, list):
+            return SGLangEngine(s, version=version, model_config=model.config)
+        # one server per engine actor, each writing its versions into a folder of its own
+        mine = {"base_url": s.base_url[replica % len(s.base_url)]}
+        if s.weights_dir:
+            mine["weights_dir"] = f"{s.weights_dir}/server{replica}"
+        if s.server_weights_dir:
+            mine["server_weights_dir"] = f"{s.server_weights_dir}/server{replica}"
+        return SGLangEngine(s.model_copy(update=mine), version=version, model_config=model.config)
     from loomrl.engine.builtin.engine import BuiltinEngine
 
     return BuiltinEngine(model, eos_token_id=tokenizer.eos_token_id, kv_budget_tokens=e.kv_budget_tokens,

@@ -193,7 +193,7 @@ class RayBackend(Backend):
         if r.engine.count:
             self.board = self.ray.remote(WeightBoard).options(num_cpus=0).remote()
             cls = self._actor(EngineActor, r.engine, max_concurrency=1000, max_restarts=r.engine.max_restarts)
-            self.engines = [cls.remote(self.cfg_json, self.board) for _ in range(r.engine.count)]
+            self.engines = [cls.remote(self.cfg_json, self.board, i) for i in range(r.engine.count)]
         for name, actors in (("reward", self.reward_actors), ("env", self.env_actors), ("engine", self.engines)):
             where = await self._where(actors)
             self.placement[name] = [node for node, _ in where]

@@ -440,6 +440,20 @@ async def _agenerate(engine, prompt, **sampling):
     return await engine.generate(GenerationRequest(prompt_ids=prompt, sampling=SamplingParams(**sampling)))
 
 
+def test_several_servers_are_one_per_engine_actor(tiny_model, tokenizer):
+    urls = ["http://a:1", "http://b:2"]
+    with pytest.raises(ConfigError, match="set runtime.backend=ray and ray.engine.count=2"):
+        load_config(None, ["engine.kind=sglang", f"engine.sglang.base_url=[{', '.join(urls)}]", "runtime.mode=async"])
+    cfg = load_config(None, ["engine.kind=sglang", f"engine.sglang.base_url=[{', '.join(urls)}]", "runtime.mode=async",
+                             "runtime.backend=ray", "ray.engine.count=2", "engine.sglang.weights_dir=/shared/w"])
+    for replica, url in enumerate(urls):
+        eng = make_engine(cfg, tiny_model, tokenizer, 0, replica)
+        try:  # its own server, and its own folder for the versions it writes (two engines never share one)
+            assert eng.base_url == url and eng.cfg.weights_dir == f"/shared/w/server{replica}"
+        finally:
+            eng.close()
+
+
 def test_loomrl_serve_answers_over_sglang(engine, fake, tokenizer):
     """`loomrl serve`'s app over the SGLang adapter (any Engine serves): a completion through the openai client
     and its stream carry the fake server's tokens."""

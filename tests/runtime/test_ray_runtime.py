@@ -116,6 +116,20 @@ def _train(cluster, tmp_path, name: str, *overrides: str) -> subprocess.Popen:
     return subprocess.Popen(args, env=cluster["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def _finish_with(proc: subprocess.Popen, chaos, timeout_s: float) -> dict:
+    """Run `chaos` on a thread while the run goes on; the run's summary (it must have succeeded)."""
+    killer = threading.Thread(target=chaos, daemon=True)
+    killer.start()
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        killer.join(timeout=10)
+    assert proc.returncode == 0, out[-4000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
 @pytest.mark.ray
 def test_two_node_run_places_trainer_and_rollouts_on_their_nodes(cluster, tmp_path):
     t0 = time.time()
@@ -280,16 +294,7 @@ def test_env_actors_run_the_sandboxes_on_their_node_and_survive_a_kill(cluster, 
                     plan.pop(0)
             time.sleep(0.01)
 
-    killer = threading.Thread(target=kill_while_a_sandbox_is_leased, daemon=True)
-    killer.start()
-    try:
-        out, _ = proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        killer.join(timeout=10)
-    assert proc.returncode == 0, out[-4000:]
-    summary = json.loads(out.strip().splitlines()[-1])
+    summary = _finish_with(proc, kill_while_a_sandbox_is_leased, 400)
     rows = read_trajectories(run_dir / "trajectories").to_pylist()
     retried = [e for r in rows for e in json.loads(r["retry_errors"])]
     print(f"env actor run: killed {killed}, retried {len(retried)}: {retried[:1]}; rollouts {summary['rollouts']}; "
@@ -334,16 +339,7 @@ def test_an_engine_actor_serves_both_rollout_actors_from_another_node_and_surviv
                     killed.append(pid)
             time.sleep(0.05)
 
-    killer = threading.Thread(target=kill_the_engine_after_step_2, daemon=True)
-    killer.start()
-    try:
-        out, _ = proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        killer.join(timeout=10)
-    assert proc.returncode == 0, out[-4000:]
-    summary = json.loads(out.strip().splitlines()[-1])
+    summary = _finish_with(proc, kill_the_engine_after_step_2, 400)
     ray_report = summary["ray"]
     print(f"engine actor run: killed {killed}; ray {ray_report}; accounting {summary['accounting']}")
     placement = ray_report["placement"]

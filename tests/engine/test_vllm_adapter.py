@@ -1,0 +1,71 @@
+"""The parts of engine.kind=vllm that need no vLLM (these run in the main suite, where vLLM is not installed): its
+config, the error that names the install command, the model folder handed to vLLM, and per-token versions from vLLM's
+weight-version spans. The engine itself is tested on a real vLLM in test_vllm_engine.py."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from loomrl.config import ConfigError, ModelConfig, TinyModelConfig, load_config
+from loomrl.engine.base import EngineFault
+from loomrl.engine.factory import make_engine
+from loomrl.engine.vllm import _versions, engine_dtype, served_model
+from loomrl.model.loader import load_model
+
+
+@pytest.fixture
+def no_vllm(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises, find_spec says None: as if not installed
+
+
+def test_without_vllm_the_config_and_the_engine_name_the_install_command(no_vllm, tiny_model, tokenizer,
+                                                                         monkeypatch):
+    with pytest.raises(ConfigError, match=r"engine.kind=vllm: vLLM is not installed; run `pip install 'loomrl\[vllm\]'`"):
+        load_config(None, ["engine.kind=vllm", "runtime.mode=async"])
+    cfg = load_config(None, ["engine.kind=vllm", "runtime.mode=async", "runtime.backend=ray"])  # checked on the actors
+    made: list[str] = []
+    real = tempfile.mkdtemp
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda **kw: made.append(real(**kw)) or made[-1])
+    with pytest.raises(EngineFault, match=r"pip install 'loomrl\[vllm\]'"):
+        make_engine(cfg, tiny_model, tokenizer, 0)
+    assert len(made) == 1 and not Path(made[0]).exists()  # the model folder saved for vLLM is gone again
+
+
+def test_config_refuses_sync_mode_and_engine_args_loomrl_sets(no_vllm):
+    with pytest.raises(ConfigError, match="engine.kind=vllm needs runtime.mode=async"):
+        load_config(None, ["engine.kind=vllm", "runtime.backend=ray"])
+    with pytest.raises(ConfigError, match=r"may not set \['logprobs_mode'\]"):
+        load_config(None, ["engine.kind=vllm", "runtime.mode=async", "runtime.backend=ray",
+                           "engine.vllm.engine_args.logprobs_mode=raw_logprobs"])
+    cfg = load_config(None, ["engine.kind=vllm", "runtime.mode=async", "runtime.backend=ray",
+                             "engine.vllm.engine_args.max_num_batched_tokens=8192", "engine.vllm.block_size=32"])
+    assert cfg.engine.vllm.engine_args == {"max_num_batched_tokens": 8192} and cfg.engine.vllm.block_size == 32
+
+
+def test_the_served_folder_is_the_models_own_or_a_temporary_copy(tmp_path, tokenizer):
+    tiny, _ = load_model(ModelConfig(kind="tiny", tiny=TinyModelConfig(head_dim=32)))
+    copy = served_model(tiny, tokenizer)  # built from a config: no folder of its own
+    try:
+        assert copy.owned and (copy.folder / "config.json").is_file() and (copy.folder / "tokenizer.json").is_file()
+        assert "lm_head.weight" in copy.aliases and "lm_head.weight" not in copy.shapes  # tied: sent once
+        assert copy.shapes["model.layers.0.self_attn.q_proj.weight"] == (4 * 32, 64)
+        loaded, _ = load_model(ModelConfig(kind="hf", path=str(copy.folder)))
+        own = served_model(loaded, tokenizer)
+        assert own.folder == copy.folder and not own.owned and own.shapes == copy.shapes
+    finally:
+        shutil.rmtree(copy.folder)
+
+
+def test_versions_come_from_vllms_spans():
+    span = lambda v, s, e: SimpleNamespace(version=v, start=s, end=e)  # noqa: E731 - vllm.outputs.WeightVersionSpan
+    assert _versions([span("4", 0, 2), span("5", 2, 5)], 5, 0) == [4, 4, 5, 5, 5]
+    assert _versions([span("default", 0, 3)], 3, 7) == [7, 7, 7]  # a label that is not loomrl's
+    assert _versions(None, 2, 7) == [7, 7] and _versions([], 0, 7) == []
+    assert _versions([span("4", 0, 2)], 3, 1) == [1, 1, 1]  # spans that do not cover the output
+    assert engine_dtype("auto", "bfloat16") == "bfloat16" and engine_dtype("float16", "auto") == "float16"

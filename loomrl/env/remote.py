@@ -42,10 +42,8 @@ class EnvActor(Placed):
 
     async def _pool(self) -> EnvPool:
         async with self._start_lock:
-            if self.pool is None:
-                pool = sandbox_pool(self.cfg.env, self.size)
-                await pool.start()
-                self.pool = pool
+            if self.pool is None:  # set once pre-warmed: a pool that fails to start is not kept
+                self.pool = await sandbox_pool(self.cfg.env, self.size).start()
         return self.pool
 
     def _sandbox(self, lease: str) -> Sandbox:

@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +100,7 @@ class EnvActor(Placed):
         return await asyncio.to_thread(self._sandbox(lease).read_file, path)
 
     def metrics(self) -> dict[str, Any]:
-        return self.pool.metrics.as_dict() if self.pool is not None else {}
+        return asdict(self.pool.metrics) if self.pool is not None else {}
 
     async def close(self) -> dict[str, Any]:
         """Tear the sandboxes down; returns the pool's metrics (teardown included)."""

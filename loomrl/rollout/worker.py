@@ -17,6 +17,7 @@ import shutil
 import tempfile
 import time
 from collections import Counter
+from dataclasses import asdict
 
 from loomrl.agent.blackbox import BlackBoxRunner, read_agent_files
 from loomrl.agent.context import ContextStrategy
@@ -292,7 +293,7 @@ class RolloutWorker:
         return {k: float(v) for k, v in out.items()}
 
     def pool_metrics(self) -> dict[str, float]:
-        return self._pool.metrics.as_dict() if self._pool is not None else {}
+        return asdict(self._pool.metrics) if self._pool is not None else {}
 
     async def aclose(self) -> None:
         self.reward_pool.close()

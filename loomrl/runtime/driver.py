@@ -405,7 +405,7 @@ class Driver:
         else:
             log.warning("eval %s: the rollout worker kept dying; no result", label)
             return None
-        self.logger.log(step, {f"eval/{k}": v for k, v in record.as_dict().items() if k != "statuses"},
+        self.logger.log(step, {f"eval/{k}": v for k, v in asdict(record).items() if k != "statuses"},
                         kind=f"eval_{label}")
         log.info("held-out success %s: %.3f ± %.3f (n=%d)", label, record.success, record.stderr, record.n)
         return record
@@ -420,7 +420,7 @@ class Driver:
             else:
                 before = await self._evaluate("before", 0)
                 if before is not None:
-                    extra["eval_before"] = before.as_dict()
+                    extra["eval_before"] = asdict(before)
             try:
                 await self._start_trainer(extra)
             except TrainerLost as err:

@@ -525,24 +525,19 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     """Turn ["trainer.lr=1e-6", "runtime.mode=async"] into a nested dict (values parsed as YAML)."""
     tree: dict[str, Any] = {}
     for item in overrides:
-        if "=" not in item:
+        key, sep, raw = item.partition("=")
+        if not sep:
             raise ConfigError(f"override '{item}': expected KEY=VALUE, e.g. trainer.lr=1e-6")
-        key, raw = item.split("=", 1)
-        key = key.strip()
-        if not key:
+        if not key.strip():
             raise ConfigError(f"override '{item}': empty key; expected KEY=VALUE")
-        value = _load_yaml(raw) if raw.strip() else ""
-        _set_dotted(tree, key, value)
+        _set_dotted(tree, key.strip(), _load_yaml(raw) if raw.strip() else "")
     return tree
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -202,6 +202,3 @@ class EvalRecord:
     n: int
     stderr: float
     statuses: dict[str, int]
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)

@@ -286,8 +286,7 @@ class Gateway:
 
         @app.post("/v1/chat/completions")
         async def chat(req: ChatCompletionRequest, request: Request):
-            session = gateway._session_for(request)
-            if session is None:
+            if (session := gateway._session_for(request)) is None:
                 return unauthorized()
             body = await gateway.chat(session, req)
             if not req.stream or isinstance(body, JSONResponse):
@@ -301,8 +300,7 @@ class Gateway:
 
         @app.post("/v1/reward")
         async def reward(request: Request):
-            session = gateway._session_for(request)
-            if session is None:
+            if (session := gateway._session_for(request)) is None:
                 return unauthorized()
             if not gateway.allow_agent_reward:
                 return oai.error_response(403, "this task does not accept rewards from the agent", None, kind="permission_error")

@@ -31,7 +31,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from loomrl.env.sandbox.base import Health, PooledSandbox, Sandbox, SandboxError, one_line
@@ -66,9 +66,6 @@ class PoolMetrics:
     create_failures: int = 0
     reset_failures: int = 0
     kills: int = 0  # instances destroyed after a broken release (timeout, crash)
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
     def add_acquire(self, t0: float) -> None:
         """Count one acquire that began at time.perf_counter() `t0` (EnvPool's and RemoteEnvPool's alike)."""

@@ -110,8 +110,7 @@ async def validate_codefix(specs: list, backend: str = "auto", limits: dict[str,
     from loomrl.env.sandbox import make_sandbox
     from loomrl.env.tasks.codefix import validate_tasks
 
-    pool = EnvPool(lambda: make_sandbox(backend, limits=limits), size=pool_size_for(4), prewarm=4)
-    await pool.start()
+    pool = await EnvPool(lambda: make_sandbox(backend, limits=limits), size=pool_size_for(4), prewarm=4).start()
     try:
         results = await validate_tasks(specs, pool, progress=progress)
     finally:

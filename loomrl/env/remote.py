@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +43,8 @@ class EnvActor(Placed):
 
     async def _pool(self) -> EnvPool:
         async with self._start_lock:
-            if self.pool is None:
-                pool = sandbox_pool(self.cfg.env, self.size)
-                await pool.start()
-                self.pool = pool
+            if self.pool is None:  # set once pre-warmed: a pool that fails to start is not kept
+                self.pool = await sandbox_pool(self.cfg.env, self.size).start()
         return self.pool
 
     def _sandbox(self, lease: str) -> Sandbox:
@@ -101,7 +100,7 @@ class EnvActor(Placed):
         return await asyncio.to_thread(self._sandbox(lease).read_file, path)
 
     def metrics(self) -> dict[str, Any]:
-        return self.pool.metrics.as_dict() if self.pool is not None else {}
+        return asdict(self.pool.metrics) if self.pool is not None else {}
 
     async def close(self) -> dict[str, Any]:
         """Tear the sandboxes down; returns the pool's metrics (teardown included)."""

@@ -43,13 +43,12 @@ class RemoteRewardPool:
 
         i = next(self._next)
         try:
-            out = await self.actors[i].score.remote(traj, task)
+            return await self.actors[i].score.remote(traj, task)
         except ray.exceptions.RayError as err:
             if constructor_failed(err):  # a reward setup that cannot work: fail the rollout, and so the run
                 raise
             self.failed += 1
-            out = mark_reward_failed(traj, f"reward actor {i}: {type(err).__name__}: {str(err).splitlines()[0]}")
-        return out
+            return mark_reward_failed(traj, f"reward actor {i}: {type(err).__name__}: {str(err).splitlines()[0]}")
 
     def close(self) -> None:
         pass  # the driver owns the reward actors

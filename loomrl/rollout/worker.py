@@ -17,6 +17,7 @@ import shutil
 import tempfile
 import time
 from collections import Counter
+from dataclasses import asdict
 
 from loomrl.agent.blackbox import BlackBoxRunner, read_agent_files
 from loomrl.agent.context import ContextStrategy
@@ -25,7 +26,6 @@ from loomrl.agent.loop import AgentLoop
 from loomrl.agent.priorities import ProgramPriorities
 from loomrl.config import RunConfig
 from loomrl.engine.base import Engine, SamplingParams
-from loomrl.env.base import Env
 from loomrl.env.pool import Leases, sandbox_pool
 from loomrl.env.registry import env_family, sandbox_pool_size
 from loomrl.model.chat import ChatRenderer
@@ -85,8 +85,7 @@ def rollout_concurrency(cfg: RunConfig) -> int:
     """Trajectories in flight at once on one rollout worker: the groups of a step (sync) or the
     admission window (async), or evaluation's episodes, within runtime.max_inflight_trajectories."""
     t = cfg.trainer
-    train = t.groups_per_step * (1 + cfg.buffer.max_policy_lag if cfg.runtime.mode == "async" else 1)
-    train *= t.group_size
+    train = t.groups_per_step * (1 + cfg.buffer.max_policy_lag if cfg.runtime.mode == "async" else 1) * t.group_size
     cap = cfg.runtime.max_inflight_trajectories
     if cap:
         return max(min(train, group_slots(cfg) * t.group_size), min(cfg.eval.n_tasks, cap))
@@ -195,9 +194,6 @@ class RolloutWorker:
             traj.final_answer = answer_of(run.stdout) or answer_of(last)
         return traj
 
-    async def _make_env(self) -> Env:
-        return self.family.make_env(self.cfg, await self.env_pool(), random.Random(self._env_rng.random()))
-
     async def run_one(self, loop: AgentLoop, task: Task, group_id: str, position: int) -> Trajectory:
         self.counts["launched"] += 1
         try:
@@ -233,7 +229,7 @@ class RolloutWorker:
         if self.cfg.agent.kind == "blackbox":
             traj = await self._run_blackbox(loop, task, group_id, position)
         else:
-            env = await self._make_env()
+            env = self.family.make_env(self.cfg, await self.env_pool(), random.Random(self._env_rng.random()))
             try:
                 traj = await loop.run(env, task, group_id=group_id, position=position)
                 if traj.status == RolloutStatus.TRUNCATED:
@@ -297,7 +293,7 @@ class RolloutWorker:
         return {k: float(v) for k, v in out.items()}
 
     def pool_metrics(self) -> dict[str, float]:
-        return self._pool.metrics.as_dict() if self._pool is not None else {}
+        return asdict(self._pool.metrics) if self._pool is not None else {}
 
     async def aclose(self) -> None:
         self.reward_pool.close()

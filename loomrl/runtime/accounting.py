@@ -58,8 +58,7 @@ class Accounting:
             "failed": dict(self.failed),
             "cancelled": self.cancelled,
         }
-        total = (out["trained"] + sum(out["skipped"].values()) + out["stale"] + sum(out["discarded"].values())
-                 + unconsumed + sum(self.failed.values()) + self.cancelled)
+        total = sum(sum(n.values()) if isinstance(n, dict) else n for fate, n in out.items() if fate != "launched")
         if total != self.launched:
             violations.append(f"launched {self.launched} != sum of fates {total}")
         out["violations"] = violations

@@ -23,6 +23,7 @@ process + a trainer process, or one process in sync mode) and runtime/ray_backen
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -167,11 +168,6 @@ class Attempt:
     serial: int  # the position's live attempt is the one whose serial Driver.live holds
 
 
-def positions_after(received: PositionSet) -> Iterator[int]:
-    """Data positions in order, skipping the ones the trainer has received."""
-    return (p for p in itertools.count() if p not in received)
-
-
 def progress(total: int, desc: str, enabled: bool):
     from tqdm import tqdm
 
@@ -218,7 +214,7 @@ class Driver:
         for by_position in (self.live, self.retry_at, self.attempts, self.gave_up):
             by_position.clear()
         self.version = state.version
-        self.positions = positions_after(state.received)
+        self.positions = (p for p in itertools.count() if p not in state.received)  # not received yet, in order
         self.next_pos = next(self.positions)
         await self.backend.publish(self.version)
         return state
@@ -426,15 +422,13 @@ class Driver:
         if not cfg.eval.n_tasks or not (cfg.eval.before if label == "before" else cfg.eval.after):
             return None
         for _ in range(cfg.runtime.max_group_attempts):
-            try:
+            with contextlib.suppress(RolloutLost):  # the worker died: try again
                 record = await self.backend.evaluate(label)
                 break
-            except RolloutLost:
-                continue
         else:
             log.warning("eval %s: the rollout worker kept dying; no result", label)
             return None
-        self.logger.log(step, {f"eval/{k}": v for k, v in record.as_dict().items() if k != "statuses"},
+        self.logger.log(step, {f"eval/{k}": v for k, v in asdict(record).items() if k != "statuses"},
                         kind=f"eval_{label}")
         log.info("held-out success %s: %.3f ± %.3f (n=%d)", label, record.success, record.stderr, record.n)
         return record
@@ -449,7 +443,7 @@ class Driver:
             else:
                 before = await self._evaluate("before", 0)
                 if before is not None:
-                    extra["eval_before"] = before.as_dict()
+                    extra["eval_before"] = asdict(before)
             try:
                 await self._start_trainer(extra)
             except TrainerLost as err:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -71,4 +72,4 @@ def evaluate_checkpoint(cfg: RunConfig, checkpoint: Path) -> dict[str, Any]:
         finally:
             await backend.close()
 
-    return {"checkpoint": str(ckpt), **asyncio.run(run_eval()).as_dict()}
+    return {"checkpoint": str(ckpt), **asdict(asyncio.run(run_eval()))}

@@ -102,18 +102,16 @@ def dir_size(path: Path) -> int:
     total = 0
     stack = [str(path)]
     while stack:
-        try:
-            with os.scandir(stack.pop()) as entries:
-                for entry in entries:
-                    try:
-                        if entry.is_dir(follow_symlinks=False):
-                            stack.append(entry.path)
-                        else:
-                            total += entry.stat(follow_symlinks=False).st_blocks * 512
-                    except OSError:
-                        continue
-        except OSError:
-            continue
+        # a folder or file the command removes (or makes unreadable) meanwhile is skipped
+        with contextlib.suppress(OSError), os.scandir(stack.pop()) as entries:
+            for entry in entries:
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(entry.path)
+                    else:
+                        total += entry.stat(follow_symlinks=False).st_blocks * 512
+                except OSError:
+                    continue
     return total
 
 

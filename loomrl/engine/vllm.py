@@ -126,7 +126,9 @@ class VLLMEngine:
     """Engine protocol implementation over AsyncLLM; generate is awaited from asyncio, the rest is thread-safe."""
 
     def __init__(self, cfg: VLLMConfig, model: ServedModel, *, dtype: str, seed: int = 0, max_num_seqs: int = 64,
-                 prefix_cache: bool = True, version: int = 0):
+                 prefix_cache: bool = True, version: int = 0, sleep_mode: bool = False):
+        """`sleep_mode` (engine.sleep_while_training): vLLM's enable_sleep_mode on CUDA, where sleep frees the
+        memory (vLLM refuses it on platforms without sleep support, such as the CPU, where sleep only pauses)."""
         try:
             _import_vllm()
         except BaseException:
@@ -157,6 +159,8 @@ class VLLMEngine:
                 "logprobs_mode": "processed_logprobs", "scheduling_policy": "priority",
                 "worker_extension_cls": "loomrl.engine.vllm_worker.WorkerExtension",
                 "weight_transfer_config": {"backend": "loomrl_inline"}}
+        if sleep_mode and torch.cuda.is_available():
+            args["enable_sleep_mode"] = True
         if cfg.cpu_reserved_cores is not None:  # read by vLLM's CPU worker when it starts (inherited by children)
             os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(cfg.cpu_reserved_cores)
         try:
@@ -213,6 +217,20 @@ class VLLMEngine:
 
     def release(self, program_id: str) -> None:
         """Nothing to do: vLLM's prefix cache is keyed by token blocks, not programs, and evicts on its own."""
+
+    def sleep(self) -> None:
+        """vLLM's sleep(level=1, mode=abort): in-flight requests end "interrupted" (generate_resuming resumes them
+        after wake), new ones wait; on CUDA (sleep_mode) the weights go to host memory and the KV cache is freed. On
+        the CPU vLLM's worker frees nothing (it logs that sleep mode is not supported): a pause."""
+        if self._closed:
+            raise EngineFault("sleep: the engine is closed")
+        self._run(self._sleep(), self.cfg.update_timeout_s)
+
+    def wake(self) -> None:
+        """wake_up: the weights come back (those before sleep, until the next update) and requests run again."""
+        if self._closed:
+            raise EngineFault("wake: the engine is closed")
+        self._run(self._wake(), self.cfg.update_timeout_s)
 
     def close(self) -> None:
         """Stop: in-flight requests fail with EngineFault, vLLM's processes end (about 5 s), the loop thread stops."""
@@ -340,6 +358,19 @@ class VLLMEngine:
             finally:
                 self._interrupts_done = self._interrupts_begun
                 await self._resume()
+
+    async def _sleep(self) -> None:
+        async with self._control:
+            self._interrupts_begun += 1  # the requests sleep aborts are ours: "interrupted"
+            try:
+                await self._llm.sleep(level=1, mode="abort")
+            finally:
+                self._interrupts_done = self._interrupts_begun
+
+    async def _wake(self) -> None:
+        async with self._control:
+            await self._llm.wake_up()
+            await self._resume()  # wake_up unpauses; resuming an engine that runs is a no-op
 
     async def _load(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest

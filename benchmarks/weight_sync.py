@@ -20,12 +20,18 @@ the copy into preallocated tensors is printed too, with the efficiency against i
 copies at least twice (the snapshot and the reader's copy into its weights), so against that tighter
 bound 0.5 is about the best it can reach; "file" adds the safetensors write, an fsync to the
 folder's disk and a read. Medians over --repeats transfers after three warm-up ones.
+
+--vllm (run it where vLLM is installed, e.g. `make test`'s .venv-vllm): a SmolLM2-135M update into vLLM, the last
+hop of a run's weight sync: VLLMEngine.update_weights with the model's own float32 weights (pause, the buckets
+through vLLM's weight-transfer API into its worker process, the tied head re-packed, the prefix cache reset,
+resume), timed from the call to its return, against the same clone bound.
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -167,6 +173,33 @@ def copy_bounds(weights: dict[str, torch.Tensor], repeats: int) -> tuple[float, 
     return statistics.median(clones[1:]), statistics.median(copies[1:])
 
 
+def measure_vllm(repeats: int) -> dict:
+    """SmolLM2-135M's weights into a running VLLMEngine (engine.kind=vllm), `repeats` times after one warm-up."""
+    from loomrl.config import ModelConfig, load_config
+    from loomrl.engine.factory import make_engine
+    from loomrl.model.loader import load_model
+
+    model, tokenizer = load_model(ModelConfig(kind="smollm2"))
+    weights = {n: p.detach() for n, p in model.named_parameters()}
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    bound, warm = copy_bounds(weights, repeats)
+    cfg = load_config(None, ["engine.kind=vllm", "runtime.mode=async", "engine.vllm.max_model_len=2048",
+                             f"engine.vllm.kv_cache_memory_bytes={256 << 20}", "engine.vllm.cpu_reserved_cores=0"])
+    engine = make_engine(cfg, model, tokenizer, 0)
+    times = []
+    try:
+        for version in range(1, repeats + 2):
+            start = time.perf_counter()
+            engine.update_weights(weights, version)
+            times.append(time.perf_counter() - start)
+    finally:
+        engine.close()
+    total = statistics.median(times[1:])
+    return {"params": sum(t.numel() for t in weights.values()), "bytes": nbytes, "update_s": total,
+            "gb_s": nbytes / total / 1e9, "bound_s": bound, "efficiency": bound / total,
+            "efficiency_warm": warm / total, "bucket_bytes": cfg.engine.vllm.weight_bucket_bytes}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
@@ -177,8 +210,22 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0,
                     help="torch threads of the trainer and the reader (0: torch's default). On a shared, busy "
                          "machine 1 is steadier: a descheduled OpenMP thread leaves the others spinning")
+    ap.add_argument("--vllm", action="store_true", help="only the update of SmolLM2-135M into vLLM (engine.kind=vllm)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.vllm:
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        r = measure_vllm(args.repeats)
+        report({"name": "weight_sync_vllm", "machine": machine(),
+                "weights": "SmolLM2-135M-Instruct's own float32 weights, sent again under a new version each time",
+                "repeats": args.repeats, "update_s": round(r["update_s"], 4), "gb_s": round(r["gb_s"], 3),
+                "efficiency": round(r["efficiency"], 3), "arms": r,
+                "details": [f"{r['params'] / 1e6:.1f}M params, {r['bytes'] / 1e6:.0f} MB float32 in buckets of "
+                            f"{r['bucket_bytes'] / 1e6:.0f} MB: update_weights {r['update_s']:.2f} s "
+                            f"({r['gb_s']:.2f} GB/s); copy bound (clone) {r['bound_s'] * 1e3:.1f} ms: efficiency "
+                            f"{r['efficiency']:.3f} (vs the preallocated copy {r['efficiency_warm']:.3f})"]},
+               args.json)
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     sizes = ["tiny", "31m"] if args.quick else args.sizes

@@ -486,6 +486,12 @@ class RunConfig(_Section):
         if self.runtime.mode == "sync" and self.engine.kind == "vllm":
             raise ValueError("engine.kind=vllm needs runtime.mode=async (sync mode shares the trainer's model with "
                              "the engine; vLLM holds its own copy in its worker process and loads each version sent)")
+        if self.engine.kind == "vllm" and self.runtime.backend == "ray":  # the actors holding the engines
+            spec, where = (self.ray.engine, "ray.engine") if self.ray.engine.count else (self.ray.rollout, "ray.rollout")
+            tp = self.engine.vllm.tensor_parallel_size
+            if spec.num_gpus and spec.num_gpus != tp:
+                raise ValueError(f"{where}.num_gpus={spec.num_gpus:g} but engine.vllm.tensor_parallel_size={tp}: each "
+                                 f"actor's vLLM engine needs as many GPUs as its tensor-parallel size")
         return self
 
     @property

@@ -125,3 +125,15 @@ def test_on_and_off_are_strings_in_recipes_and_overrides(tmp_path):
     assert parse_overrides(["a=on", "b=true", "c=[1, 2]", "d=null"]) == {"a": "on", "b": True, "c": [1, 2], "d": None}
     save_resolved(cfg, tmp_path / "resolved.yaml")  # and back: "on" is quoted on the way out
     assert load_config(tmp_path / "resolved.yaml").trainer.tree_merge == "on"
+
+
+def test_a_vllm_engine_actor_asks_for_its_tensor_parallel_gpus():
+    with pytest.raises(ConfigError, match=r"ray.engine.num_gpus=1 but engine.vllm.tensor_parallel_size=2"):
+        load_config(None, ["engine.kind=vllm", "runtime.mode=async", "runtime.backend=ray", "ray.engine.count=2",
+                           "ray.engine.num_gpus=1", "engine.vllm.tensor_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"ray.rollout.num_gpus=1 but engine.vllm.tensor_parallel_size=4"):
+        load_config(None, ["engine.kind=vllm", "runtime.mode=async", "runtime.backend=ray", "ray.rollout.num_gpus=1",
+                           "engine.vllm.tensor_parallel_size=4"])
+    cfg = load_config(None, ["engine.kind=vllm", "runtime.mode=async", "runtime.backend=ray", "ray.engine.count=2",
+                             "ray.engine.num_gpus=2", "engine.vllm.tensor_parallel_size=2"])
+    assert cfg.ray.engine.num_gpus == 2

@@ -53,8 +53,8 @@ class ServerClient:
              params: dict[str, Any] | None = None) -> httpx.Response:
         return self._send("POST", path, body, timeout, params)
 
-    def get(self, path: str, timeout: float) -> httpx.Response:
-        return self._send("GET", path, None, timeout, None)
+    def get(self, path: str, timeout: float, params: dict[str, Any] | None = None) -> httpx.Response:
+        return self._send("GET", path, None, timeout, params)
 
     async def apost(self, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         """POST from the caller's event loop; the answer's JSON."""

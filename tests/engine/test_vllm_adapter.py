@@ -91,3 +91,17 @@ def test_the_wire_format_carries_tensors_exactly_as_bytes_or_base64(text):
     back = from_wire(SimpleNamespace(**wire))
     assert [n for n, _ in back] == ["a", "b"]
     assert all(t.dtype == u.dtype and torch.equal(t, u) for (_, t), (_, u) in zip(back, named))
+
+
+def test_with_a_base_url_the_http_engine_needs_no_local_vllm(no_vllm, tiny_model, tokenizer):
+    """engine.vllm.base_url: a client of a vLLM server (tested against a real one in test_vllm_http_engine.py); vLLM
+    need not be installed here, and a server that does not answer is an EngineFault naming its address."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    cfg = load_config(None, ["engine.kind=vllm", "runtime.mode=async", f"engine.vllm.base_url=http://127.0.0.1:{port}",
+                             "engine.vllm.retries=1", "engine.vllm.retry_backoff_s=0.01"])
+    with pytest.raises(EngineFault, match=rf"vLLM /health: cannot reach http://127.0.0.1:{port}"):
+        make_engine(cfg, tiny_model, tokenizer, 0)

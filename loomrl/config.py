@@ -134,8 +134,8 @@ class VLLMConfig(_Section):
     engine_args: dict[str, Any] = Field(default_factory=dict)
     # The HTTP variant (engine/vllm_http.py): the address of a vLLM server the user runs (its docstring lists the flags
     # it needs); None: AsyncLLM in this process. With it set the server's own flags decide max_model_len, block_size,
-    # the K/V cache and the rest above; dtype (the weights' dtype on the wire), weight_bucket_bytes and
-    # update_timeout_s still apply
+    # the K/V cache and the rest above; dtype (the weights' dtype on the wire; auto: the server's), weight_bucket_bytes
+    # and update_timeout_s still apply
     base_url: str | None = None
     timeout_s: float = Field(600.0, gt=0)  # one /inference/v1/generate call
     control_timeout_s: float = Field(60.0, gt=0)  # /pause, /resume, /reset_prefix_cache, /health and the like

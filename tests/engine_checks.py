@@ -22,3 +22,21 @@ def forward_logits(model, prompt: list[int], sampled: list[int], temperature: fl
 def token_logprobs(logits: torch.Tensor, sampled: list[int]) -> torch.Tensor:
     """log softmax(logits) at each sampled token."""
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(sampled).unsqueeze(1)).squeeze(1)
+
+
+def check_processed_logprobs(model, prompts: list[list[int]], results: list, temperature: float, top_p: float,
+                             atol: float) -> int:
+    """Assert that each result's logprobs are of softmax(logits / T) renormalised over the top-p set (vLLM's
+    processed_logprobs), from a float32 forward of `model`; the number of tokens whose logprob top-p changed (> 0
+    shows the comparison tells the truncated distribution from the untruncated one)."""
+    from loomrl.engine.common import filter_logits
+
+    truncated = 0
+    for p, r in zip(prompts, results):
+        logits = forward_logits(model, p, r.token_ids, temperature)
+        rows = len(logits)
+        kept = token_logprobs(filter_logits(logits, torch.zeros(rows, dtype=torch.long), torch.full((rows,), top_p)),
+                              r.token_ids)
+        assert torch.allclose(torch.tensor(r.logprobs), kept, atol=atol, rtol=0)
+        truncated += int((kept - token_logprobs(logits, r.token_ids) > 1e-3).sum())
+    return truncated

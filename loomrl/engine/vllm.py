@@ -55,7 +55,7 @@ import torch
 
 from loomrl.config import VLLM_MISSING, VLLMConfig
 from loomrl.engine.base import EngineFault, EngineMetrics, GenerationRequest, GenerationResult, SamplingParams
-from loomrl.engine.vllm_weights import checked_weights, parameter_shapes, to_wire, weight_buckets
+from loomrl.engine.vllm_weights import LoadState, checked_weights, parameter_shapes, to_wire, weight_buckets
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ def finish_reason(reason: str | None, stop_reason: Any, *, closed: bool, interru
     return reason
 
 
-class VLLMEngine:
+class VLLMEngine(LoadState):
     """Engine protocol implementation over AsyncLLM; generate is awaited from asyncio, the rest is thread-safe."""
 
     def __init__(self, cfg: VLLMConfig, model: ServedModel, *, dtype: str, seed: int = 0, max_num_seqs: int = 64,
@@ -384,27 +384,20 @@ class VLLMEngine:
         async with self._control:
             await self._llm.pause_generation(mode="keep", clear_cache=False)
             try:
-                await self._llm.start_weight_update()
-                try:
-                    for bucket in weight_buckets(named, self._dtype, self.cfg.weight_bucket_bytes):
-                        await self._llm.update_weights(WeightTransferUpdateRequest(update_info=to_wire(bucket)))
-                except Exception:
-                    # the worker's reload has finished on a failed bucket (vllm_worker.py); this closes the update
-                    # session where the failure came before the worker saw the bucket (it refuses an unopened one)
-                    with contextlib.suppress(Exception):
-                        await self._llm.finish_weight_update()
-                    raise
-                await self._llm.finish_weight_update(weight_version=str(version))
-                if not await self._llm.reset_prefix_cache(reset_running_requests=True):
-                    raise RuntimeError("reset_prefix_cache refused to drop the old weights' K/V")
-            except Exception as err:
-                with self._lock:
-                    self._broken = f"{type(err).__name__}: {err}"
-                raise EngineFault(f"update_weights: vLLM could not load version {version}: {self._broken}") from err
-            else:
-                with self._lock:
-                    self._version = version
-                    self._broken = None
+                with self._loading(version):
+                    await self._llm.start_weight_update()
+                    try:
+                        for bucket in weight_buckets(named, self._dtype, self.cfg.weight_bucket_bytes):
+                            await self._llm.update_weights(WeightTransferUpdateRequest(update_info=to_wire(bucket)))
+                    except Exception:
+                        # the worker's reload has finished on a failed bucket (vllm_worker.py); this closes the update
+                        # session where the failure came before the worker saw the bucket (it refuses an unopened one)
+                        with contextlib.suppress(Exception):
+                            await self._llm.finish_weight_update()
+                        raise
+                    await self._llm.finish_weight_update(weight_version=str(version))
+                    if not await self._llm.reset_prefix_cache(reset_running_requests=True):
+                        raise RuntimeError("reset_prefix_cache refused to drop the old weights' K/V")
             finally:
                 await self._resume()
 

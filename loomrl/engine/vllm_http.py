@@ -33,8 +33,9 @@ The calls (vllm/entrypoints/rl/online/api_router.py, serve/dev/{cache,sleep}, sc
 
 Every call has a timeout (engine.vllm.timeout_s, control_timeout_s, update_timeout_s); only calls the server never
 received are retried (engine/http.py). Metrics: requests, finished, prompt/prefill tokens (reused tokens when the server
-runs with --enable-prompt-tokens-details), generated tokens, interrupts, faults, busy_s; steps and preemptions stay 0
-(the server does not report them per request).
+runs with --enable-prompt-tokens-details), generated tokens (counted when a request ends: the answer is not streamed),
+interrupts, faults (interrupts and resumes that failed) and busy_s; steps and preemptions stay 0 (the server does not
+report them per request).
 
 What it is not: a launcher (the user runs the server), a client of several servers, or a fast weight path: every
 byte goes through JSON and the server's EngineCore sockets (about a third more than the tensors, base64). `release`
@@ -58,7 +59,7 @@ from loomrl.config import VLLMConfig
 from loomrl.engine.base import EngineFault, EngineMetrics, GenerationRequest, GenerationResult, SamplingParams
 from loomrl.engine.http import ServerClient
 from loomrl.engine.vllm import finish_reason, token_versions
-from loomrl.engine.vllm_weights import checked_weights, to_wire, weight_buckets
+from loomrl.engine.vllm_weights import LoadState, checked_weights, to_wire, weight_buckets
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _NEEDED = {"logprobs_mode": "processed_logprobs", "policy": "priority"}  # server settings the contract rests on
 
 
-class VLLMHTTPEngine:
+class VLLMHTTPEngine(LoadState):
     """Engine protocol implementation over a vLLM server; generate is awaited from asyncio, the rest is thread-safe."""
 
     def __init__(self, cfg: VLLMConfig, *, shapes: dict[str, tuple[int, ...]], aliases: frozenset[str],
@@ -199,8 +200,6 @@ class VLLMHTTPEngine:
         content = (c.get("logprobs") or {}).get("content") or []
         if [int(d["token_id"]) for d in content] != ids:
             raise EngineFault(f"vLLM returned {len(content)} logprobs that do not match its {len(ids)} token ids")
-        with self._lock:
-            self.metrics.faults += c.get("finish_reason") == "error"
         finish = finish_reason(c.get("finish_reason"), c.get("stop_reason"), closed=self._closed,
                                interrupted=interrupted)
         n = len(request.prompt_ids)
@@ -277,29 +276,22 @@ class VLLMHTTPEngine:
         post, t = self._http.post, self.cfg.update_timeout_s
         post("/pause", None, self.cfg.control_timeout_s, params={"mode": "keep"})
         try:
-            post("/start_weight_update", None, t)
-            try:
-                for bucket in weight_buckets(named, self._dtype, self.cfg.weight_bucket_bytes):
-                    post("/update_weights", {"update_info": to_wire(bucket, text=True)}, t)
-            except Exception:
-                # the worker's reload has finished on a failed bucket (vllm_worker.py); this closes the update
-                # session where the failure came before the worker saw the bucket
-                with contextlib.suppress(Exception):
-                    post("/finish_weight_update", {}, t)
-                raise
-            post("/finish_weight_update", {"weight_version": str(version)}, t)
-            reset = post("/reset_prefix_cache", None, self.cfg.control_timeout_s,
-                         params={"reset_running_requests": True}).json()
-            if not reset.get("success"):
-                raise EngineFault("reset_prefix_cache refused to drop the old weights' K/V")
-        except Exception as err:
-            with self._lock:
-                self._broken = f"{type(err).__name__}: {err}"
-            raise EngineFault(f"update_weights: vLLM could not load version {version}: {self._broken}") from err
-        else:
-            with self._lock:
-                self._version = version
-                self._broken = None
+            with self._loading(version):
+                post("/start_weight_update", None, t)
+                try:
+                    for bucket in weight_buckets(named, self._dtype, self.cfg.weight_bucket_bytes):
+                        post("/update_weights", {"update_info": to_wire(bucket, text=True)}, t)
+                except Exception:
+                    # the worker's reload has finished on a failed bucket (vllm_worker.py); this closes the update
+                    # session where the failure came before the worker saw the bucket
+                    with contextlib.suppress(Exception):
+                        post("/finish_weight_update", {}, t)
+                    raise
+                post("/finish_weight_update", {"weight_version": str(version)}, t)
+                reset = post("/reset_prefix_cache", None, self.cfg.control_timeout_s,
+                             params={"reset_running_requests": True}).json()
+                if not reset.get("success"):
+                    raise RuntimeError("reset_prefix_cache refused to drop the old weights' K/V")
         finally:
             self._resume()
 

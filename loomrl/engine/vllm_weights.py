@@ -13,12 +13,37 @@ client runs where vLLM is not installed.
 from __future__ import annotations
 
 import base64
+import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from loomrl.engine.base import EngineFault
+
+
+class LoadState:
+    """What a load leaves behind, for both adapters: `_version` (the weights serving) and `_broken` (why the last load
+    failed inside vLLM, else None), under `_lock`; the instance sets all three."""
+
+    _lock: threading.Lock
+    _version: int
+    _broken: str | None
+
+    @contextlib.contextmanager
+    def _loading(self, version: int) -> Iterator[None]:
+        """Around one load: when it completes `version` serves and the engine is whole again; when it fails the
+        engine is broken (it refuses requests until a complete update succeeds) and the error an EngineFault."""
+        try:
+            yield
+        except Exception as err:
+            with self._lock:
+                self._broken = f"{type(err).__name__}: {err}"
+            raise EngineFault(f"update_weights: vLLM could not load version {version}: {self._broken}") from err
+        with self._lock:
+            self._version = version
+            self._broken = None
 
 
 def parameter_shapes(model: Any) -> tuple[dict[str, tuple[int, ...]], frozenset[str]]:

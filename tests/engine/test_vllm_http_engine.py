@@ -21,10 +21,10 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from engine_checks import check_processed_logprobs
+from engine_checks import check_sampled_logprobs, check_stop_token_kept, run_requests
 
 from loomrl.config import ModelConfig, TinyModelConfig, load_config
-from loomrl.engine.base import EngineFault, GenerationRequest, SamplingParams, generate_resuming
+from loomrl.engine.base import EngineFault, SamplingParams, generate_resuming
 from loomrl.engine.builtin.engine import BuiltinEngine
 from loomrl.engine.factory import make_engine
 from loomrl.engine.vllm_http import VLLMHTTPEngine
@@ -117,19 +117,10 @@ def _prompts(tokenizer):
     return [system + tokenizer.encode(" what is 2 + 2?"), tokenizer.encode("unrelated short"), long]
 
 
-def _run(engine, prompts, **sampling):
-    async def go():
-        return await asyncio.gather(*[engine.generate(GenerationRequest(prompt_ids=p, program_id=f"p{i}",
-                                                                        sampling=SamplingParams(**sampling)))
-                                      for i, p in enumerate(prompts)])
-
-    return asyncio.run(go())
-
-
 def _builtin(model, tokenizer, prompts, **sampling):
     builtin = BuiltinEngine(model, eos_token_id=tokenizer.eos_token_id)
     try:
-        return _run(builtin, prompts, **sampling)
+        return run_requests(builtin, prompts, **sampling)
     finally:
         builtin.close()
 
@@ -145,41 +136,34 @@ def test_the_engine_reads_the_servers_settings(engine):
 def test_greedy_ids_and_logprobs_equal_the_builtin_engines(engine, models):
     a, _, tokenizer = models
     prompts = _prompts(tokenizer)
-    got = _run(engine, prompts, temperature=0.0, max_tokens=24, ignore_eos=True)
+    got = run_requests(engine, prompts, temperature=0.0, max_tokens=24, ignore_eos=True)
     want = _builtin(a, tokenizer, prompts, temperature=0.0, max_tokens=24, ignore_eos=True)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert _max_diff(got, want) < LOGPROB_ATOL
     assert all(r.finish_reason == "length" and r.versions == [0] * 24 for r in got)
-    _run(engine, [prompts[2]], temperature=0.0, max_tokens=2)
+    run_requests(engine, [prompts[2]], temperature=0.0, max_tokens=2)
     assert engine.metrics.reused_tokens >= 64  # the long prompt's two full blocks came from the prefix cache
 
 
 def test_sampled_logprobs_are_of_the_distribution_sampled_from(engine, models):
-    """T=0.7, top_p=0.9: log softmax(logits / T) renormalised over the top-p set (processed_logprobs)."""
+    """T=0.7, top_p=0.9: log softmax(logits / T) renormalised over the top-p set, from a float32 forward."""
     a, _, tokenizer = models
-    prompts = _prompts(tokenizer)
-    runs = [_run(engine, prompts, temperature=0.7, top_p=0.9, max_tokens=32, seed=11, ignore_eos=True) for _ in "ab"]
-    assert [r.token_ids for r in runs[0]] == [r.token_ids for r in runs[1]]  # seeded sampling is reproducible
-    assert check_processed_logprobs(a, prompts, runs[0], 0.7, 0.9, LOGPROB_ATOL) > 0  # top-p changed some logprobs: the comparison tells the two distributions apart
+    check_sampled_logprobs(engine, a, _prompts(tokenizer), LOGPROB_ATOL)
 
 
 def test_a_stop_token_ends_generation_and_is_kept(engine, models):
     _, _, tokenizer = models
-    prompt = _prompts(tokenizer)[0]
-    greedy = _run(engine, [prompt], temperature=0.0, max_tokens=12, ignore_eos=True)[0].token_ids
-    stopped = _run(engine, [prompt], temperature=0.0, max_tokens=12, stop_token_ids=[greedy[2]])[0]
-    assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == greedy[2] and len(stopped.token_ids) <= 3
-    assert stopped.token_ids == greedy[: len(stopped.token_ids)]
+    check_stop_token_kept(engine, _prompts(tokenizer)[0])
 
 
 def test_a_bad_request_is_an_engine_fault_with_the_servers_message(engine, models):
     _, _, tokenizer = models
     prompt = _prompts(tokenizer)[0]
     with pytest.raises(EngineFault, match=r"vLLM /inference/v1/generate answered 400: .*top_p"):
-        _run(engine, [prompt], temperature=0.5, top_p=0.0)  # vLLM's SamplingParams refuses it
+        run_requests(engine, [prompt], temperature=0.5, top_p=0.0)  # vLLM's SamplingParams refuses it
     with pytest.raises(EngineFault, match=r"vLLM /inference/v1/generate answered 400: .*(vocab|token)"):
-        _run(engine, [[*prompt, 10**7]], temperature=0.0, max_tokens=2)  # not a token of the model's
-    assert _run(engine, [prompt], temperature=0.0, max_tokens=2)[0].finish_reason == "length"  # serves on
+        run_requests(engine, [[*prompt, 10**7]], temperature=0.0, max_tokens=2)  # not a token of the model's
+    assert run_requests(engine, [prompt], temperature=0.0, max_tokens=2)[0].finish_reason == "length"  # serves on
 
 
 def test_interrupt_then_generate_resuming_completes_with_versions_v_then_v_plus_1(engine, models):
@@ -215,7 +199,7 @@ def test_after_an_update_greedy_output_equals_the_builtin_engine_on_the_new_weig
     _, b, tokenizer = models
     prompts = _prompts(tokenizer)
     before = engine.metrics.reused_tokens
-    got = _run(engine, prompts, temperature=0.0, max_tokens=24, ignore_eos=True)
+    got = run_requests(engine, prompts, temperature=0.0, max_tokens=24, ignore_eos=True)
     assert engine.metrics.reused_tokens == before  # nothing of A's K/V was reused
     want = _builtin(b, tokenizer, prompts, temperature=0.0, max_tokens=24, ignore_eos=True)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
@@ -242,7 +226,7 @@ def test_an_update_during_a_request_tags_its_tokens_v_then_v_plus_1(engine, mode
     values are B's again, so its tokens equal those of an uninterrupted run."""
     _, b, tokenizer = models
     prompt = _prompts(tokenizer)[1]
-    whole = _run(engine, [prompt], temperature=0.0, max_tokens=480, ignore_eos=True)[0]
+    whole = run_requests(engine, [prompt], temperature=0.0, max_tokens=480, ignore_eos=True)[0]
     result, resumed = _long_request_then(engine, prompt, 480, lambda: engine.update_weights(dict(b.state_dict()), 2))
     switch = result.versions.index(2)
     assert resumed == 0 and 0 < switch < 480 and result.versions == [1] * switch + [2] * (480 - switch)
@@ -254,7 +238,7 @@ def test_sleep_interrupts_and_wake_serves_again(engine, models):
     completes it after wake with the same tokens."""
     _, _, tokenizer = models
     prompt = _prompts(tokenizer)[0]
-    whole = _run(engine, [prompt], temperature=0.0, max_tokens=480, ignore_eos=True)[0]
+    whole = run_requests(engine, [prompt], temperature=0.0, max_tokens=480, ignore_eos=True)[0]
 
     def sleep_then_wake():
         engine.sleep()
@@ -272,7 +256,7 @@ def test_an_abort_the_engine_did_not_cause_is_an_engine_fault(engine, server, mo
     with pytest.raises(EngineFault, match="vLLM aborted the request"):
         _long_request_then(engine, _prompts(tokenizer)[0], 480,
                            lambda: httpx.post(server + "/abort_requests", json={}, timeout=30).raise_for_status())
-    assert _run(engine, [_prompts(tokenizer)[0]], temperature=0.0, max_tokens=2)[0].finish_reason == "length"
+    assert run_requests(engine, [_prompts(tokenizer)[0]], temperature=0.0, max_tokens=2)[0].finish_reason == "length"
 
 
 def test_refused_updates_send_nothing_and_the_engine_serves_on(engine, models):
@@ -285,4 +269,4 @@ def test_refused_updates_send_nothing_and_the_engine_serves_on(engine, models):
     with pytest.raises(EngineFault, match="has shape"):
         engine.update_weights(bad, 9)
     assert engine.version == 2
-    assert _run(engine, [_prompts(tokenizer)[0]], temperature=0.0, max_tokens=4)[0].versions == [2] * 4
+    assert run_requests(engine, [_prompts(tokenizer)[0]], temperature=0.0, max_tokens=4)[0].versions == [2] * 4

@@ -52,7 +52,8 @@ test: install $(VENV)/.ray sandbox
 	$(PY) -m pytest -q -m 'not vllm'
 	$(MAKE) --no-print-directory test-vllm
 
-# The vLLM engine on a real vLLM (tests/engine/test_vllm_engine.py; about 2.5 minutes on 2 cores).
+# The vLLM engine on a real vLLM, in process and over HTTP (tests/engine/test_vllm_engine.py, test_vllm_http_engine.py:
+# it starts a vLLM server of its own; about 3.5 minutes on 2 cores).
 test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm
 

@@ -110,7 +110,7 @@ VLLM_ARGS_SET_BY_LOOMRL = ("model", "tokenizer", "dtype", "seed", "logprobs_mode
 
 class VLLMConfig(_Section):
     """engine.kind=vllm only: vLLM's AsyncLLM in this process (its EngineCore and workers in child processes), over
-    the run's model folder (engine/vllm.py). engine.max_batch_size is its max_num_seqs and engine.prefix_cache its
+    the run's model folder (engine/vllm.py), or with base_url a vLLM server over HTTP (engine/vllm_http.py). engine.max_batch_size is its max_num_seqs and engine.prefix_cache its
     enable_prefix_caching; engine.kv_budget_tokens and max_prefill_tokens are the built-in engine's only."""
 
     # auto: model.dtype when that is set, else bfloat16 with CUDA and float32 without (loomrl's model.dtype rule)
@@ -132,6 +132,17 @@ class VLLMConfig(_Section):
     update_timeout_s: float = Field(600.0, gt=0)  # one update_weights, pause to resume
     # any other AsyncEngineArgs field, passed as it is (e.g. {max_num_batched_tokens: 8192}); vLLM checks them at start
     engine_args: dict[str, Any] = Field(default_factory=dict)
+    # The HTTP variant (engine/vllm_http.py): the address of a vLLM server the user runs (its docstring lists the flags
+    # it needs); None: AsyncLLM in this process. With it set the server's own flags decide max_model_len, block_size,
+    # the K/V cache and the rest above; dtype (the weights' dtype on the wire; auto: the server's), weight_bucket_bytes
+    # and update_timeout_s still apply
+    base_url: str | None = None
+    timeout_s: float = Field(600.0, gt=0)  # one /inference/v1/generate call
+    control_timeout_s: float = Field(60.0, gt=0)  # /pause, /resume, /reset_prefix_cache, /health and the like
+    # calls the server never received (connection refused, connect timeout) or answered 503 are sent again up to this
+    # many times, retry_backoff_s x 2^k apart; a call the server received is never sent twice
+    retries: int = Field(3, ge=0)
+    retry_backoff_s: float = Field(1.0, ge=0.0)
 
     @model_validator(mode="after")
     def _own_args(self) -> VLLMConfig:
@@ -144,7 +155,8 @@ class VLLMConfig(_Section):
 
 class EngineConfig(_Section):
     # builtin: continuous batching + prefix cache (engine/builtin); sglang: an SGLang server over HTTP (engine/sglang.py);
-    # vllm: vLLM's AsyncLLM in process (engine/vllm.py; pip install 'loomrl[vllm]')
+    # vllm: vLLM's AsyncLLM in process (engine/vllm.py; pip install 'loomrl[vllm]'), or a vLLM server over HTTP
+    # (engine.vllm.base_url; engine/vllm_http.py)
     kind: Literal["builtin", "sglang", "vllm"] = "builtin"
     max_batch_size: int = Field(64, gt=0)  # running sequences at once
     kv_budget_tokens: int = Field(65536, gt=0)  # K/V tokens held by running sequences + cache
@@ -632,7 +644,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     from loomrl.devices import check_run_devices  # imports torch: deferred until a config is loaded
 
     check_run_devices(config)
-    if config.engine.kind == "vllm" and config.runtime.backend == "local" and importlib.util.find_spec("vllm") is None:
+    if (config.engine.kind == "vllm" and not config.engine.vllm.base_url and config.runtime.backend == "local"
+            and importlib.util.find_spec("vllm") is None):
         # Ray runs: their rollout actors' nodes need vLLM, not the driver's; the engine says the same there
         raise ConfigError(f"config error: engine.kind=vllm: {VLLM_MISSING}")
     if config.engine.kind == "sglang" and not config.engine.sglang.base_url:

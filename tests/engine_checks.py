@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import torch
 
 
@@ -22,3 +24,44 @@ def forward_logits(model, prompt: list[int], sampled: list[int], temperature: fl
 def token_logprobs(logits: torch.Tensor, sampled: list[int]) -> torch.Tensor:
     """log softmax(logits) at each sampled token."""
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(sampled).unsqueeze(1)).squeeze(1)
+
+
+def run_requests(engine, prompts: list[list[int]], **sampling) -> list:
+    """GenerationResults of `prompts` sent to `engine` at once, with the same SamplingParams fields."""
+    from loomrl.engine.base import GenerationRequest, SamplingParams
+
+    async def go():
+        return await asyncio.gather(*[engine.generate(GenerationRequest(prompt_ids=p, program_id=f"p{i}",
+                                                                        sampling=SamplingParams(**sampling)))
+                                      for i, p in enumerate(prompts)])
+
+    return asyncio.run(go())
+
+
+def check_sampled_logprobs(engine, model, prompts: list[list[int]], atol: float) -> None:
+    """T=0.7, top_p=0.9, seeded: the same ids twice, and each logprob that of softmax(logits / T) renormalised over
+    the top-p set (vLLM's processed_logprobs) from a float32 forward of `model`, not of the raw or the untruncated
+    distribution (some tokens' logprobs differ between the two, so the comparison tells them apart)."""
+    from loomrl.engine.common import filter_logits
+
+    runs = [run_requests(engine, prompts, temperature=0.7, top_p=0.9, max_tokens=32, seed=11, ignore_eos=True)
+            for _ in "ab"]
+    assert [r.token_ids for r in runs[0]] == [r.token_ids for r in runs[1]]  # seeded sampling is reproducible
+    truncated = 0
+    for p, r in zip(prompts, runs[0]):
+        logits = forward_logits(model, p, r.token_ids, 0.7)
+        rows = len(logits)
+        kept = token_logprobs(filter_logits(logits, torch.zeros(rows, dtype=torch.long), torch.full((rows,), 0.9)),
+                              r.token_ids)
+        assert torch.allclose(torch.tensor(r.logprobs), kept, atol=atol, rtol=0)
+        truncated += int((kept - token_logprobs(logits, r.token_ids) > 1e-3).sum())
+    assert truncated > 0
+
+
+def check_stop_token_kept(engine, prompt: list[int]) -> list[int]:
+    """A stop token ends generation and stays in the ids; the 12 greedy ids (ignoring eos) it was picked from."""
+    greedy = run_requests(engine, [prompt], temperature=0.0, max_tokens=12, ignore_eos=True)[0].token_ids
+    stopped = run_requests(engine, [prompt], temperature=0.0, max_tokens=12, stop_token_ids=[greedy[2]])[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == greedy[2] and len(stopped.token_ids) <= 3
+    assert stopped.token_ids == greedy[: len(stopped.token_ids)]
+    return greedy

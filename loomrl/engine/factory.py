@@ -11,8 +11,9 @@ from loomrl.engine.base import Engine
 def make_engine(cfg: RunConfig, model: Any, tokenizer: Any, version: int, replica: int = 0) -> Engine:
     """The engine engine.kind names: the built-in one over `model` (sync runs share it with the trainer), a client
     of an SGLang server (`model` gives only the config.json written beside each weight update; `replica`: the
-    engine actor's index, which picks its server when engine.sglang.base_url lists several), or vLLM's AsyncLLM
-    over the folder `model` was loaded from (saved to a temporary one when it has none)."""
+    engine actor's index, which picks its server when engine.sglang.base_url lists several), a client of a vLLM
+    server (engine.vllm.base_url), or vLLM's AsyncLLM over the folder `model` was loaded from (saved to a temporary
+    one when it has none)."""
     e = cfg.engine
     if e.kind == "sglang":
         from loomrl.engine.sglang import SGLangEngine
@@ -27,6 +28,13 @@ def make_engine(cfg: RunConfig, model: Any, tokenizer: Any, version: int, replic
         if s.server_weights_dir:
             mine["server_weights_dir"] = f"{s.server_weights_dir}/server{replica}"
         return SGLangEngine(s.model_copy(update=mine), version=version, model_config=model.config)
+    if e.kind == "vllm" and e.vllm.base_url:
+        from loomrl.engine.vllm_http import VLLMHTTPEngine
+        from loomrl.engine.vllm_weights import parameter_shapes
+
+        shapes, aliases = parameter_shapes(model)  # auto dtype: the server's
+        return VLLMHTTPEngine(e.vllm, shapes=shapes, aliases=aliases, version=version,
+                              dtype=None if e.vllm.dtype == "auto" else e.vllm.dtype)
     if e.kind == "vllm":
         from loomrl.engine.vllm import VLLMEngine, engine_dtype, served_model
 

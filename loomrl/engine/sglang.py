@@ -37,44 +37,25 @@ did not cause (the server refused the request) is an EngineFault with the server
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 import shutil
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import torch
 
 from loomrl.config import SGLangConfig
 from loomrl.engine.base import EngineFault, EngineMetrics, GenerationRequest, GenerationResult
+from loomrl.engine.http import ServerClient
 
 log = logging.getLogger(__name__)
 
 _FINISH = {"stop": "stop", "length": "length"}
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_RETRIED = (httpx.ConnectError, httpx.ConnectTimeout)  # the server never received the call
-
-
-def _server_message(resp: httpx.Response) -> str:
-    """The error text of an SGLang answer: {"error": {"message"}} (/generate), {"message"} (weight updates,
-    ErrorResponse) or a plain body (/flush_cache)."""
-    try:
-        body = resp.json()
-    except ValueError:
-        return resp.text.strip()
-    if isinstance(body, dict):
-        err = body.get("error")
-        if isinstance(err, dict) and err.get("message"):
-            return str(err["message"])
-        if body.get("message"):
-            return str(body["message"])
-    return resp.text.strip()
 
 
 def write_checkpoint(folder: Path, weights: dict[str, torch.Tensor], config: Any, dtype: torch.dtype) -> None:
@@ -112,8 +93,7 @@ class SGLangEngine:
         self._lock = threading.Lock()
         self._aborts = 0  # pauses with mode=abort sent so far: a request that saw one was interrupted by us
         self._closed = False
-        self._client = httpx.Client(base_url=self.base_url)
-        self._aclients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}  # one per event loop
+        self._http = ServerClient("SGLang", self.base_url, retries=cfg.retries, backoff_s=cfg.retry_backoff_s)
         # One thread for control calls, in order: an interrupt() then an update_weights never interleave.
         self._control = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loomrl-sglang-control")
         self._calls = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loomrl-sglang-call")
@@ -132,7 +112,7 @@ class SGLangEngine:
             version, aborts = self._version, self._aborts
             self.metrics.requests += 1
         rid = f"loomrl-{uuid.uuid4().hex}"
-        data = await self._apost("/generate", self.generate_body(request, rid))
+        data = await self._http.apost("/generate", self.generate_body(request, rid), self.cfg.timeout_s)
         result, cached = self.parse_generate(data, version, interrupted=self._aborts > aborts)
         with self._lock:
             n = len(request.prompt_ids)
@@ -199,11 +179,7 @@ class SGLangEngine:
         self._closed = True
         self._control.shutdown(wait=True, cancel_futures=True)
         self._calls.shutdown(wait=False)
-        self._client.close()
-        for loop, client in self._aclients.items():
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(lambda c=client: asyncio.ensure_future(c.aclose()))
-        self._aclients.clear()
+        self._http.close()
 
     # -- the wire format --------------------------------------------------------------------------
     def generate_body(self, request: GenerationRequest, rid: str) -> dict[str, Any]:
@@ -269,11 +245,11 @@ class SGLangEngine:
     def _pause(self) -> None:
         with self._lock:
             self._aborts += 1  # before the call: a request aborted by it reads this as ours
-        self._post("/pause_generation", {"mode": "abort"}, self.cfg.control_timeout_s)
+        self._http.post("/pause_generation", {"mode": "abort"}, self.cfg.control_timeout_s)
 
     def _continue(self) -> None:
         try:
-            self._post("/continue_generation", {}, self.cfg.control_timeout_s)
+            self._http.post("/continue_generation", {}, self.cfg.control_timeout_s)
         except EngineFault as err:
             log.warning("continue_generation failed (the server may stay paused): %s", err)
             with self._lock:
@@ -282,69 +258,24 @@ class SGLangEngine:
     def _release_memory(self) -> None:
         self._pause()
         try:
-            self._post("/release_memory_occupation", {}, self.cfg.update_timeout_s)
+            self._http.post("/release_memory_occupation", {}, self.cfg.update_timeout_s)
         except EngineFault:
             self._continue()  # not released: serve on rather than stay paused
             raise
 
     def _resume_memory(self) -> None:
         try:
-            self._post("/resume_memory_occupation", {}, self.cfg.update_timeout_s)
+            self._http.post("/resume_memory_occupation", {}, self.cfg.update_timeout_s)
         finally:
             self._continue()
 
     def _load(self, path: str, version: int) -> None:
         try:
             self._pause()
-            self._post("/update_weights_from_disk", {"model_path": path, "load_format": "safetensors",
+            self._http.post("/update_weights_from_disk", {"model_path": path, "load_format": "safetensors",
                                                      "weight_version": str(version)}, self.cfg.update_timeout_s)
-            self._post("/flush_cache", None, self.cfg.control_timeout_s)
+            self._http.post("/flush_cache", None, self.cfg.control_timeout_s)
             with self._lock:
                 self._version = version
         finally:
             self._continue()  # never leave the server paused, even after a failed load
-
-    # -- HTTP -------------------------------------------------------------------------------------
-    def _post(self, path: str, body: dict[str, Any] | None, timeout: float) -> httpx.Response:
-        for attempt in range(self.cfg.retries + 1):
-            try:
-                resp = self._client.post(path, json=body, timeout=timeout)
-            except httpx.HTTPError as err:
-                self._retry_or_raise(path, attempt, err)
-            else:
-                if resp.status_code == 200:
-                    return resp
-                self._retry_or_raise(path, attempt, resp)
-            time.sleep(self.cfg.retry_backoff_s * 2 ** attempt)
-        raise AssertionError("unreachable: the last attempt raises")
-
-    async def _apost(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        loop = asyncio.get_running_loop()
-        client = self._aclients.get(loop)
-        if client is None:  # an AsyncClient's connections belong to the loop that opened them
-            for old in [k for k in self._aclients if k.is_closed()]:
-                del self._aclients[old]
-            client = self._aclients[loop] = httpx.AsyncClient(base_url=self.base_url)
-        for attempt in range(self.cfg.retries + 1):
-            try:
-                resp = await client.post(path, json=body, timeout=self.cfg.timeout_s)
-            except httpx.HTTPError as err:
-                self._retry_or_raise(path, attempt, err)
-            else:
-                if resp.status_code == 200:
-                    return resp.json()
-                self._retry_or_raise(path, attempt, resp)
-            await asyncio.sleep(self.cfg.retry_backoff_s * 2 ** attempt)
-        raise AssertionError("unreachable: the last attempt raises")
-
-    def _retry_or_raise(self, path: str, attempt: int, failure: httpx.Response | httpx.HTTPError) -> None:
-        """Return (try again) for a call the server never received or answered 503 (starting), while attempts
-        are left; raise EngineFault with the server's message otherwise."""
-        last = attempt == self.cfg.retries
-        if isinstance(failure, httpx.Response):
-            if failure.status_code != 503 or last:
-                raise EngineFault(f"SGLang {path} answered {failure.status_code}: {_server_message(failure)}")
-        elif not isinstance(failure, _RETRIED):
-            raise EngineFault(f"SGLang {path}: {type(failure).__name__}: {failure}")
-        elif last:
-            raise EngineFault(f"SGLang {path}: cannot reach {self.base_url}: {failure}")

@@ -30,7 +30,7 @@ Metrics: requests, finished, prompt/prefill/reused tokens (num_cached_tokens), g
 per-request count), interrupts (requests ended "interrupted"), faults (requests the engine failed) and busy_s (wall time
 with a request in flight). steps stays 0: AsyncLLM does not report its steps to the caller.
 
-What it is not: a client of an external `vllm serve` (the HTTP variant), or NCCL/CUDA-IPC weight sync, sleep/wake for
+What it is not: a client of an external vLLM server (that is engine/vllm_http.py, engine.vllm.base_url), or NCCL/CUDA-IPC weight sync, sleep/wake for
 colocated training, or Ray actors of its own. `release` does nothing: vLLM's prefix cache is keyed by token blocks.
 """
 
@@ -46,7 +46,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +55,7 @@ import torch
 
 from loomrl.config import VLLM_MISSING, VLLMConfig
 from loomrl.engine.base import EngineFault, EngineMetrics, GenerationRequest, GenerationResult, SamplingParams
+from loomrl.engine.vllm_weights import LoadState, checked_weights, parameter_shapes, to_wire, weight_buckets
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +77,7 @@ class ServedModel:
 def served_model(model: Any, tokenizer: Any) -> ServedModel:
     """The folder `model` was loaded from when it holds its weights, else a temporary one `model` and `tokenizer`
     are saved into (a tiny model built from a config); names and shapes from its parameters."""
-    params = dict(model.named_parameters())  # a tied head appears once, under the embedding's name
-    by_storage = {p.data_ptr(): n for n, p in params.items()}
-    aliases = frozenset(n for n, t in model.state_dict().items() if n not in params and t.data_ptr() in by_storage)
-    shapes = {n: tuple(p.shape) for n, p in params.items()}
+    shapes, aliases = parameter_shapes(model)
     source = Path(getattr(model.config, "_name_or_path", "") or ".")
     weights = list(source.glob("*.safetensors")) + list(source.glob("*.bin"))
     if (source / "config.json").is_file() and weights and (source / "tokenizer_config.json").is_file():
@@ -114,15 +112,31 @@ def _import_vllm() -> None:
     import vllm.v1.engine.async_llm  # noqa: F401
 
 
-def _versions(spans: list | None, n: int, fallback: int) -> list[int]:
-    """One version per token from vLLM's weight-version spans; `fallback` where a label is not loomrl's integer."""
+def token_versions(spans: list | None, n: int, fallback: int) -> list[int]:
+    """One version per token from vLLM's weight-version spans (objects or dicts with version, start and end);
+    `fallback` where a label is not loomrl's integer or the spans do not cover the `n` tokens."""
     out: list[int] = []
     for s in spans or []:
-        out += [int(s.version) if s.version.lstrip("-").isdigit() else fallback] * (s.end - s.start)
+        version, start, end = (s["version"], s["start"], s["end"]) if isinstance(s, dict) else (s.version, s.start, s.end)
+        out += [int(version) if version.lstrip("-").isdigit() else fallback] * (end - start)
     return out if len(out) == n else [fallback] * n
 
 
-class VLLMEngine:
+def finish_reason(reason: str | None, stop_reason: Any, *, closed: bool, interrupted: bool) -> str:
+    """loomrl's finish reason for vLLM's: stop and length as they are; an abort is "interrupted" when the engine
+    caused it (an interrupt, a sleep or an update during the request), an EngineFault otherwise."""
+    if reason == "abort":
+        if closed:
+            raise EngineFault("the engine was closed during the request")
+        if not interrupted:
+            raise EngineFault("vLLM aborted the request (not an interrupt of this engine's)")
+        return "interrupted"
+    if reason not in ("stop", "length"):
+        raise EngineFault(f"vLLM ended the request with finish_reason {reason!r} (stop reason {stop_reason!r})")
+    return reason
+
+
+class VLLMEngine(LoadState):
     """Engine protocol implementation over AsyncLLM; generate is awaited from asyncio, the rest is thread-safe."""
 
     def __init__(self, cfg: VLLMConfig, model: ServedModel, *, dtype: str, seed: int = 0, max_num_seqs: int = 64,
@@ -199,7 +213,7 @@ class VLLMEngine:
         if weights is None:
             raise EngineFault("update_weights(None): in-place updates need a model shared with the trainer; vLLM holds "
                               "its own copy (engine.kind=vllm needs runtime.mode=async)")
-        named = self._checked(weights)
+        named = checked_weights(weights, self.model.shapes, self.model.aliases, self._broken)
         try:
             self._run(self._load(named, version), self.cfg.update_timeout_s)
         except concurrent.futures.TimeoutError:
@@ -327,15 +341,7 @@ class VLLMEngine:
         c = final.outputs[0]
         if len(logprobs) != len(ids):
             raise EngineFault(f"vLLM returned {len(logprobs)} logprobs for {len(ids)} tokens")
-        finish = c.finish_reason
-        if finish == "abort":
-            if self._closed:
-                raise EngineFault("the engine was closed during the request")
-            if not interrupted:
-                raise EngineFault("vLLM aborted the request (not an interrupt of this engine's)")
-            finish = "interrupted"
-        elif finish not in ("stop", "length"):
-            raise EngineFault(f"vLLM ended the request with finish_reason {finish!r} (stop reason {c.stop_reason!r})")
+        finish = finish_reason(c.finish_reason, c.stop_reason, closed=self._closed, interrupted=interrupted)
         cached = int(final.num_cached_tokens or 0)
         with self._lock:
             m = self.metrics
@@ -345,7 +351,7 @@ class VLLMEngine:
             m.prefill_tokens += len(request.prompt_ids) - cached
             m.interrupts += finish == "interrupted"
             m.preemptions += getattr(final.metrics, "num_preemptions", 0) or 0
-        return GenerationResult(token_ids=ids, logprobs=logprobs, versions=_versions(c.weight_versions, len(ids),
+        return GenerationResult(token_ids=ids, logprobs=logprobs, versions=token_versions(c.weight_versions, len(ids),
                                                                                       version), finish_reason=finish)
 
     async def _interrupt(self) -> None:
@@ -375,32 +381,23 @@ class VLLMEngine:
     async def _load(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        from loomrl.engine.vllm_worker import to_wire
-
         async with self._control:
             await self._llm.pause_generation(mode="keep", clear_cache=False)
             try:
-                await self._llm.start_weight_update()
-                try:
-                    for bucket in self._buckets(named):
-                        await self._llm.update_weights(WeightTransferUpdateRequest(update_info=to_wire(bucket)))
-                except Exception:
-                    # the worker's reload has finished on a failed bucket (vllm_worker.py); this closes the update
-                    # session where the failure came before the worker saw the bucket (it refuses an unopened one)
-                    with contextlib.suppress(Exception):
-                        await self._llm.finish_weight_update()
-                    raise
-                await self._llm.finish_weight_update(weight_version=str(version))
-                if not await self._llm.reset_prefix_cache(reset_running_requests=True):
-                    raise RuntimeError("reset_prefix_cache refused to drop the old weights' K/V")
-            except Exception as err:
-                with self._lock:
-                    self._broken = f"{type(err).__name__}: {err}"
-                raise EngineFault(f"update_weights: vLLM could not load version {version}: {self._broken}") from err
-            else:
-                with self._lock:
-                    self._version = version
-                    self._broken = None
+                with self._loading(version):
+                    await self._llm.start_weight_update()
+                    try:
+                        for bucket in weight_buckets(named, self._dtype, self.cfg.weight_bucket_bytes):
+                            await self._llm.update_weights(WeightTransferUpdateRequest(update_info=to_wire(bucket)))
+                    except Exception:
+                        # the worker's reload has finished on a failed bucket (vllm_worker.py); this closes the update
+                        # session where the failure came before the worker saw the bucket (it refuses an unopened one)
+                        with contextlib.suppress(Exception):
+                            await self._llm.finish_weight_update()
+                        raise
+                    await self._llm.finish_weight_update(weight_version=str(version))
+                    if not await self._llm.reset_prefix_cache(reset_running_requests=True):
+                        raise RuntimeError("reset_prefix_cache refused to drop the old weights' K/V")
             finally:
                 await self._resume()
 
@@ -424,41 +421,6 @@ class VLLMEngine:
         for task in list(self._tasks):
             task.cancel()
         del llm  # AsyncLLM.__del__ shuts down again: now, not at interpreter exit (where it raises a TypeError)
-
-    # -- weights ----------------------------------------------------------------------------------
-    def _checked(self, weights: dict) -> list[tuple[str, torch.Tensor]]:
-        """The tensors to send, in the caller's order, tied aliases dropped; names and shapes the served model lacks
-        are refused, and after a failed load anything but a complete update."""
-        named = [(n, t) for n, t in weights.items() if n not in self.model.aliases]
-        shapes = self.model.shapes
-        unknown = [n for n, _ in named if n not in shapes]
-        if unknown:
-            raise EngineFault(f"update_weights: the served model has no parameter {unknown[:3]} "
-                              f"({len(unknown)} unknown names; it has e.g. {list(shapes)[:2]})")
-        wrong = [(n, tuple(t.shape), shapes[n]) for n, t in named if tuple(t.shape) != shapes[n]]
-        if wrong:
-            n, got, want = wrong[0]
-            raise EngineFault(f"update_weights: {n} has shape {list(got)}, the served model's is {list(want)} "
-                              f"({len(wrong)} tensors of the wrong shape)")
-        if self._broken is not None and len({n for n, _ in named}) < len(shapes):
-            raise EngineFault(f"update_weights: the last update failed inside vLLM ({self._broken}), which may have "
-                              f"left layers half-loaded; send all {len(shapes)} parameters, not {len(named)}")
-        return named
-
-    def _buckets(self, named: list[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Buckets of about weight_bucket_bytes in the engine's dtype, in the caller's order (vLLM processes a layer
-        as soon as all its weights have arrived, so layer order keeps few layers in flight)."""
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, t in named:
-            t = t.detach().to(device="cpu", dtype=self._dtype).contiguous()
-            bucket.append((name, t))
-            size += t.numel() * t.element_size()
-            if size >= self.cfg.weight_bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-        if bucket:
-            yield bucket
 
     # -- the loop thread --------------------------------------------------------------------------
     def _run(self, coro: Any, timeout: float) -> Any:

@@ -6,7 +6,8 @@ worker imports this module before it builds its model (vllm/v1/worker/worker_bas
 Worker.load_model create an InlineWeightEngine. AsyncLLM.update_weights hands it one bucket of tensors at a time.
 
 Why these choices (docs/research/vllm_cpu_0.32.md, section 5):
-- The tensors ride inside update_info as raw bytes with their dtype and shape. AsyncLLM -> EngineCore is msgpack and
+- The tensors ride inside update_info as raw bytes (base64 strings over HTTP) with their dtype and shape
+  (engine/vllm_weights.py). AsyncLLM -> EngineCore is msgpack and
   utility-call arguments are decoded untyped, so a torch.Tensor would arrive as a [dtype, shape, data] list; bytes
   arrive intact. None of vLLM's own engines (nccl, ipc, ...) works on a CPU.
 - Buckets load inside vLLM's layerwise reload (start -> model.load_weights per bucket -> finish), never by copying into
@@ -35,6 +36,8 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+from loomrl.engine.vllm_weights import from_wire
+
 BACKEND = "loomrl_inline"
 
 
@@ -48,19 +51,8 @@ class InlineUpdate(WeightTransferUpdateInfo):
     names: list[str]
     dtypes: list[str]  # torch dtype names without "torch."
     shapes: list[list[int]]
-    blobs: list[Any] = field(default_factory=list)  # the tensors' bytes (sent as memoryviews, received as bytes)
-
-
-def to_wire(named: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
-    """update_info for one bucket of CPU tensors: memoryviews over their bytes, no copy."""
-    flat = [t.contiguous().view(-1).view(torch.uint8) for _, t in named]
-    return {"names": [n for n, _ in named], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named],
-            "shapes": [list(t.shape) for _, t in named], "blobs": [f.numpy().data for f in flat]}
-
-
-def from_wire(update: InlineUpdate) -> list[tuple[str, torch.Tensor]]:
-    return [(n, torch.frombuffer(bytearray(b), dtype=getattr(torch, d)).view(s))
-            for n, d, s, b in zip(update.names, update.dtypes, update.shapes, update.blobs)]
+    # the tensors' bytes: sent as memoryviews and received as bytes in process, base64 strings over HTTP
+    blobs: list[Any] = field(default_factory=list)
 
 
 class InlineWeightEngine(WeightTransferEngine[InlineInit, InlineUpdate]):

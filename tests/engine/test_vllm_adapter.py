@@ -1,6 +1,6 @@
 """The parts of engine.kind=vllm that need no vLLM (these run in the main suite, where vLLM is not installed): its
-config, the error that names the install command, the model folder handed to vLLM, and per-token versions from vLLM's
-weight-version spans. The engine itself is tested on a real vLLM in test_vllm_engine.py."""
+config, the error that names the install command, the model folder handed to vLLM, per-token versions from vLLM's
+weight-version spans and the weights' wire format. The engine itself is tested on a real vLLM in test_vllm_engine.py."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import pytest
 from loomrl.config import ConfigError, ModelConfig, TinyModelConfig, load_config
 from loomrl.engine.base import EngineFault
 from loomrl.engine.factory import make_engine
-from loomrl.engine.vllm import _versions, engine_dtype, served_model
+from loomrl.engine.vllm import engine_dtype, served_model, token_versions
+from loomrl.engine.vllm_weights import from_wire, to_wire
 from loomrl.model.loader import load_model
 
 
@@ -64,8 +65,43 @@ def test_the_served_folder_is_the_models_own_or_a_temporary_copy(tmp_path, token
 
 def test_versions_come_from_vllms_spans():
     span = lambda v, s, e: SimpleNamespace(version=v, start=s, end=e)  # noqa: E731 - vllm.outputs.WeightVersionSpan
-    assert _versions([span("4", 0, 2), span("5", 2, 5)], 5, 0) == [4, 4, 5, 5, 5]
-    assert _versions([span("default", 0, 3)], 3, 7) == [7, 7, 7]  # a label that is not loomrl's
-    assert _versions(None, 2, 7) == [7, 7] and _versions([], 0, 7) == []
-    assert _versions([span("4", 0, 2)], 3, 1) == [1, 1, 1]  # spans that do not cover the output
+    assert token_versions([span("4", 0, 2), span("5", 2, 5)], 5, 0) == [4, 4, 5, 5, 5]
+    assert token_versions([span("default", 0, 3)], 3, 7) == [7, 7, 7]  # a label that is not loomrl's
+    assert token_versions(None, 2, 7) == [7, 7] and token_versions([], 0, 7) == []
+    assert token_versions([span("4", 0, 2)], 3, 1) == [1, 1, 1]  # spans that do not cover the output
+    # the HTTP server sends them as JSON objects
+    assert token_versions([{"version": "2", "start": 0, "end": 1}, {"version": "3", "start": 1, "end": 3}], 3, 0) == [
+        2, 3, 3]
     assert engine_dtype("auto", "bfloat16") == "bfloat16" and engine_dtype("float16", "auto") == "float16"
+
+
+@pytest.mark.parametrize("text", [False, True])
+def test_the_wire_format_carries_tensors_exactly_as_bytes_or_base64(text):
+    """In process the blobs are memoryviews (received as bytes); over HTTP (JSON) base64 strings: both decode."""
+    import json
+
+    import torch
+
+    named = [("a", torch.randn(3, 4)), ("b", torch.arange(6, dtype=torch.bfloat16).view(2, 3))]
+    wire = to_wire(named, text=text)
+    if text:
+        wire = json.loads(json.dumps(wire))
+    else:
+        wire["blobs"] = [bytes(b) for b in wire["blobs"]]
+    back = from_wire(SimpleNamespace(**wire))
+    assert [n for n, _ in back] == ["a", "b"]
+    assert all(t.dtype == u.dtype and torch.equal(t, u) for (_, t), (_, u) in zip(back, named))
+
+
+def test_with_a_base_url_the_http_engine_needs_no_local_vllm(no_vllm, tiny_model, tokenizer):
+    """engine.vllm.base_url: a client of a vLLM server (tested against a real one in test_vllm_http_engine.py); vLLM
+    need not be installed here, and a server that does not answer is an EngineFault naming its address."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    cfg = load_config(None, ["engine.kind=vllm", "runtime.mode=async", f"engine.vllm.base_url=http://127.0.0.1:{port}",
+                             "engine.vllm.retries=1", "engine.vllm.retry_backoff_s=0.01"])
+    with pytest.raises(EngineFault, match=rf"vLLM /health: cannot reach http://127.0.0.1:{port}"):
+        make_engine(cfg, tiny_model, tokenizer, 0)

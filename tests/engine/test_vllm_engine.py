@@ -17,12 +17,11 @@ import time
 
 import pytest
 import torch
-from engine_checks import forward_logits, token_logprobs
+from engine_checks import check_sampled_logprobs, check_stop_token_kept, run_requests
 
 from loomrl.config import ModelConfig, TinyModelConfig, load_config
 from loomrl.engine.base import EngineFault, GenerationRequest, SamplingParams, generate_resuming
 from loomrl.engine.builtin.engine import BuiltinEngine
-from loomrl.engine.common import filter_logits
 from loomrl.engine.factory import make_engine
 from loomrl.model.loader import load_model
 
@@ -67,15 +66,6 @@ def _prompts(tokenizer):
             system + tokenizer.encode(" 7 * 8")]
 
 
-def _run(engine, prompts, **sampling):
-    async def go():
-        return await asyncio.gather(*[engine.generate(GenerationRequest(prompt_ids=p, program_id=f"p{i}",
-                                                                        sampling=SamplingParams(**sampling)))
-                                      for i, p in enumerate(prompts)])
-
-    return asyncio.run(go())
-
-
 def _max_diff(a, b):
     return max(abs(x - y) for r, s in zip(a, b) for x, y in zip(r.logprobs, s.logprobs))
 
@@ -83,10 +73,10 @@ def _max_diff(a, b):
 def test_greedy_ids_and_logprobs_equal_the_builtin_engines(engine, models):
     a, _, tokenizer = models
     prompts = _prompts(tokenizer)
-    got = _run(engine, prompts, temperature=0.0, max_tokens=24, ignore_eos=True)
+    got = run_requests(engine, prompts, temperature=0.0, max_tokens=24, ignore_eos=True)
     builtin = BuiltinEngine(a, eos_token_id=tokenizer.eos_token_id)
     try:
-        want = _run(builtin, prompts, temperature=0.0, max_tokens=24, ignore_eos=True)
+        want = run_requests(builtin, prompts, temperature=0.0, max_tokens=24, ignore_eos=True)
     finally:
         builtin.close()
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
@@ -95,35 +85,19 @@ def test_greedy_ids_and_logprobs_equal_the_builtin_engines(engine, models):
 
 
 def test_sampled_logprobs_are_of_the_distribution_sampled_from(engine, models):
-    """T=0.7, top_p=0.9: each logprob is that of softmax(logits / T) renormalised over the top-p set, from a float32
-    forward of the same weights (processed_logprobs), not of the raw or the untruncated distribution."""
+    """T=0.7, top_p=0.9: log softmax(logits / T) renormalised over the top-p set, from a float32 forward."""
     a, _, tokenizer = models
-    prompts = _prompts(tokenizer)
-    runs = [_run(engine, prompts, temperature=0.7, top_p=0.9, max_tokens=32, seed=11, ignore_eos=True) for _ in "ab"]
-    assert [r.token_ids for r in runs[0]] == [r.token_ids for r in runs[1]]  # seeded sampling is reproducible
-    truncated = 0
-    for p, r in zip(prompts, runs[0]):
-        logits = forward_logits(a, p, r.token_ids, 0.7)
-        rows = len(logits)
-        kept = token_logprobs(filter_logits(logits, torch.zeros(rows, dtype=torch.long), torch.full((rows,), 0.9)),
-                              r.token_ids)
-        assert torch.allclose(torch.tensor(r.logprobs), kept, atol=LOGPROB_ATOL, rtol=0)
-        truncated += int((kept - token_logprobs(logits, r.token_ids) > 1e-3).sum())
-    assert truncated > 0  # top-p changed some logprobs: the comparison tells the two distributions apart
+    check_sampled_logprobs(engine, a, _prompts(tokenizer), LOGPROB_ATOL)
 
 
 def test_stop_tokens_and_strings_end_generation_and_are_kept(engine, models):
     _, _, tokenizer = models
     prompt = _prompts(tokenizer)[0]
-    greedy = _run(engine, [prompt], temperature=0.0, max_tokens=12, ignore_eos=True)[0].token_ids
-    stop_at = greedy[2]
-    stopped = _run(engine, [prompt], temperature=0.0, max_tokens=12, stop_token_ids=[stop_at])[0]
-    assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == stop_at and len(stopped.token_ids) <= 3
-    assert stopped.token_ids == greedy[: len(stopped.token_ids)]
+    greedy = check_stop_token_kept(engine, prompt)
     k = next(i for i in range(2, 12) if (piece := tokenizer.decode([greedy[i]])).strip() and piece.isprintable()
              and piece not in tokenizer.decode(greedy[:i]))  # a token whose text appears there first
     text = tokenizer.decode([greedy[k]])
-    by_string = _run(engine, [prompt], temperature=0.0, max_tokens=12, stop=[text])[0]
+    by_string = run_requests(engine, [prompt], temperature=0.0, max_tokens=12, stop=[text])[0]
     n = len(by_string.token_ids)
     assert by_string.finish_reason == "stop" and by_string.token_ids == greedy[:n] and n <= k + 1
     # the token that completed the stop string is kept (vLLM trims only its text)
@@ -136,19 +110,19 @@ def test_an_update_serves_exactly_as_a_fresh_engine_on_the_new_weights(engine, f
     _, b, tokenizer = models
     prompts = _prompts(tokenizer)
     long = prompts[2]
-    _run(engine, [long], temperature=0.0, max_tokens=4)
+    run_requests(engine, [long], temperature=0.0, max_tokens=4)
     before = engine.metrics.reused_tokens
-    _run(engine, [long], temperature=0.0, max_tokens=4)
+    run_requests(engine, [long], temperature=0.0, max_tokens=4)
     assert engine.metrics.reused_tokens - before >= 64  # two full blocks came from the cache
     engine.update_weights(dict(b.state_dict()), 1)
     before = engine.metrics.reused_tokens
-    sampled = _run(engine, [long], temperature=0.7, top_p=0.9, max_tokens=24, seed=3, ignore_eos=True)
+    sampled = run_requests(engine, [long], temperature=0.7, top_p=0.9, max_tokens=24, seed=3, ignore_eos=True)
     assert engine.metrics.reused_tokens == before  # nothing of the old weights' K/V was reused
-    sampled += _run(engine, prompts, temperature=0.7, top_p=0.9, max_tokens=24, seed=3, ignore_eos=True)
-    greedy = _run(engine, prompts, temperature=0.0, max_tokens=24, ignore_eos=True)
-    want = (_run(fresh, [long], temperature=0.7, top_p=0.9, max_tokens=24, seed=3, ignore_eos=True)
-            + _run(fresh, prompts, temperature=0.7, top_p=0.9, max_tokens=24, seed=3, ignore_eos=True))
-    want_greedy = _run(fresh, prompts, temperature=0.0, max_tokens=24, ignore_eos=True)
+    sampled += run_requests(engine, prompts, temperature=0.7, top_p=0.9, max_tokens=24, seed=3, ignore_eos=True)
+    greedy = run_requests(engine, prompts, temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = (run_requests(fresh, [long], temperature=0.7, top_p=0.9, max_tokens=24, seed=3, ignore_eos=True)
+            + run_requests(fresh, prompts, temperature=0.7, top_p=0.9, max_tokens=24, seed=3, ignore_eos=True))
+    want_greedy = run_requests(fresh, prompts, temperature=0.0, max_tokens=24, ignore_eos=True)
     assert [r.token_ids for r in sampled] == [r.token_ids for r in want]
     assert [r.token_ids for r in greedy] == [r.token_ids for r in want_greedy]
     assert _max_diff(sampled + greedy, want + want_greedy) < 1e-5  # measured: equal
@@ -167,10 +141,10 @@ def test_an_update_during_a_request_tags_its_tokens_v_then_v_plus_1(engine, mode
     values are the same here, so its tokens equal those of an uninterrupted run."""
     _, b, tokenizer = models
     prompt = _prompts(tokenizer)[3]
-    whole = _run(engine, [prompt], temperature=0.0, max_tokens=160, ignore_eos=True)[0]
+    whole = run_requests(engine, [prompt], temperature=0.0, max_tokens=160, ignore_eos=True)[0]
     since = engine.metrics.generated_tokens
     box = {}
-    runner = threading.Thread(target=lambda: box.setdefault("r", _run(engine, [prompt], temperature=0.0,
+    runner = threading.Thread(target=lambda: box.setdefault("r", run_requests(engine, [prompt], temperature=0.0,
                                                                           max_tokens=160, ignore_eos=True)[0]))
     runner.start()
     _wait_for_tokens(engine, 16, since)
@@ -186,7 +160,7 @@ def test_interrupt_then_generate_resuming_completes_with_versions_v_then_v_plus_
     _, b, tokenizer = models
     prompt = _prompts(tokenizer)[0]
     params = SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True)
-    whole = _run(engine, [prompt], temperature=0.0, max_tokens=160, ignore_eos=True)[0]
+    whole = run_requests(engine, [prompt], temperature=0.0, max_tokens=160, ignore_eos=True)[0]
     interrupted_before = engine.metrics.interrupts
 
     async def go():
@@ -214,7 +188,7 @@ def test_sleep_interrupts_holds_new_requests_and_wake_serves_them(engine, models
     _, _, tokenizer = models
     prompt = _prompts(tokenizer)[1]
     params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
-    whole = _run(engine, [prompt], temperature=0.0, max_tokens=96, ignore_eos=True)[0]
+    whole = run_requests(engine, [prompt], temperature=0.0, max_tokens=96, ignore_eos=True)[0]
 
     async def go():
         since = engine.metrics.generated_tokens
@@ -259,7 +233,7 @@ def test_waiting_requests_are_admitted_by_priority_then_arrival(fresh, models):
 def test_refused_updates_load_nothing_and_the_engine_serves_on(engine, models):
     _, b, tokenizer = models
     prompt = _prompts(tokenizer)[1]
-    before = _run(engine, [prompt], temperature=0.0, max_tokens=8)[0]
+    before = run_requests(engine, [prompt], temperature=0.0, max_tokens=8)[0]
     weights = dict(b.named_parameters())
     with pytest.raises(EngineFault, match="no parameter"):
         engine.update_weights({**weights, "model.layers.9.mlp.up_proj.weight": torch.zeros(1)}, 4)
@@ -267,7 +241,7 @@ def test_refused_updates_load_nothing_and_the_engine_serves_on(engine, models):
         engine.update_weights({"model.norm.weight": torch.ones(3)}, 4)
     with pytest.raises(EngineFault, match="runtime.mode=async"):
         engine.update_weights(None, 4)
-    after = _run(engine, [prompt], temperature=0.0, max_tokens=8)[0]
+    after = run_requests(engine, [prompt], temperature=0.0, max_tokens=8)[0]
     assert engine.version == 3 and after.token_ids == before.token_ids and set(after.versions) == {3}
 
 
@@ -297,7 +271,7 @@ def test_close_fails_requests_in_flight_and_later_calls(engine, models):
     asyncio.run(go())
     assert not engine.model.folder.exists()  # the temporary model folder went with it
     with pytest.raises(EngineFault, match="closed"):
-        _run(engine, [prompt], max_tokens=4)
+        run_requests(engine, [prompt], max_tokens=4)
     with pytest.raises(EngineFault, match="closed"):
         engine.update_weights(dict(b.named_parameters()), 5)
     engine.interrupt()  # no-ops once closed

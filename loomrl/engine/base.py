@@ -108,6 +108,18 @@ class Engine(Protocol):
         """Stop; requests after this fail with EngineFault."""
 
 
+def refuse_request(request: GenerationRequest, *, closed: bool, broken: str | None = None) -> None:
+    """What every engine refuses before a request: an empty prompt (ValueError, the request's fault), a closed
+    engine, and one without valid weights since a weight update failed (`broken`: why; EngineFault)."""
+    if not request.prompt_ids:
+        raise ValueError("generate: prompt_ids is empty")
+    if closed:
+        raise EngineFault("the engine is closed")
+    if broken is not None:
+        raise EngineFault(f"the engine has no valid weights (the last weight update failed: {broken}); it serves "
+                          "again after a successful update_weights")
+
+
 MAX_IDLE_RESUMES = 100
 
 

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from loomrl.config import SGLangConfig
-from loomrl.engine.base import EngineFault, EngineMetrics, GenerationRequest, GenerationResult
+from loomrl.engine.base import EngineFault, EngineMetrics, GenerationRequest, GenerationResult, refuse_request
 from loomrl.engine.http import ServerClient
 
 log = logging.getLogger(__name__)
@@ -104,10 +104,7 @@ class SGLangEngine:
         return self._version
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
-        if not request.prompt_ids:
-            raise ValueError("generate: prompt_ids is empty")
-        if self._closed:
-            raise EngineFault("the engine is closed")
+        refuse_request(request, closed=self._closed)
         with self._lock:
             version, aborts = self._version, self._aborts
             self.metrics.requests += 1

@@ -54,7 +54,14 @@ from typing import Any
 import torch
 
 from loomrl.config import VLLM_MISSING, VLLMConfig
-from loomrl.engine.base import EngineFault, EngineMetrics, GenerationRequest, GenerationResult, SamplingParams
+from loomrl.engine.base import (
+    EngineFault,
+    EngineMetrics,
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+    refuse_request,
+)
 from loomrl.engine.vllm_weights import LoadState, checked_weights, parameter_shapes, to_wire, weight_buckets
 
 log = logging.getLogger(__name__)
@@ -192,14 +199,8 @@ class VLLMEngine(LoadState):
         return self._version
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
-        if not request.prompt_ids:
-            raise ValueError("generate: prompt_ids is empty")
         with self._lock:  # checked under the lock: a close cannot slip in between
-            if self._closed:
-                raise EngineFault("the engine is closed")
-            if self._broken is not None:
-                raise EngineFault(f"the engine has no valid weights (the last weight update failed: {self._broken}); "
-                                  "it serves again after a successful update_weights")
+            refuse_request(request, closed=self._closed, broken=self._broken)
             self.metrics.requests += 1
             fut = asyncio.run_coroutine_threadsafe(self._generate(request), self._loop)
         return await asyncio.wrap_future(fut)  # a cancelled caller cancels the task, which aborts the vLLM request

@@ -56,7 +56,14 @@ from typing import Any
 import torch
 
 from loomrl.config import VLLMConfig
-from loomrl.engine.base import EngineFault, EngineMetrics, GenerationRequest, GenerationResult, SamplingParams
+from loomrl.engine.base import (
+    EngineFault,
+    EngineMetrics,
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+    refuse_request,
+)
 from loomrl.engine.http import ServerClient
 from loomrl.engine.vllm import finish_reason, token_versions
 from loomrl.engine.vllm_weights import LoadState, checked_weights, to_wire, weight_buckets
@@ -103,14 +110,8 @@ class VLLMHTTPEngine(LoadState):
         return self._version
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
-        if not request.prompt_ids:
-            raise ValueError("generate: prompt_ids is empty")
         with self._lock:
-            if self._closed:
-                raise EngineFault("the engine is closed")
-            if self._broken is not None:
-                raise EngineFault(f"the engine has no valid weights (the last weight update failed: {self._broken}); "
-                                  "it serves again after a successful update_weights")
+            refuse_request(request, closed=self._closed, broken=self._broken)
             version, interrupts = self._version, self._interrupts_done
             self.metrics.requests += 1
             self._in_flight += 1

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from loomrl.engine.base import EngineFault, EngineMetrics, GenerationRequest, GenerationResult
+from loomrl.engine.base import EngineFault, EngineMetrics, GenerationRequest, GenerationResult, refuse_request
 from loomrl.engine.builtin.prefix_cache import PrefixCache
 from loomrl.engine.builtin.runner import ModelRunner
 from loomrl.engine.builtin.scheduler import Batch, Scheduler, Seq
@@ -79,18 +79,14 @@ class BuiltinEngine:
         return await asyncio.wrap_future(self.submit(request))
 
     def submit(self, request: GenerationRequest) -> concurrent.futures.Future:
-        if not request.prompt_ids:
-            raise ValueError("generate: prompt_ids is empty")
         fut: concurrent.futures.Future = concurrent.futures.Future()
         seed = request.sampling.seed
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         seq = Seq(request=request, future=fut, prompt=list(request.prompt_ids), generator=gen)
         with self._cond:  # checked under the lock: a close or a failed load cannot slip in between
-            if self._closed or not self._thread.is_alive():
-                raise EngineFault("the engine is closed" if self._closed else "the engine's thread is not running")
-            if self._broken is not None:
-                raise EngineFault(f"the engine has no valid weights (the last weight update failed: {self._broken}); "
-                                  "it serves again after a successful update_weights")
+            refuse_request(request, closed=self._closed, broken=self._broken)
+            if not self._thread.is_alive():
+                raise EngineFault("the engine's thread is not running")
             self.sched.add(seq)
             self.metrics.requests += 1
             self._cond.notify()

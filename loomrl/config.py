@@ -136,7 +136,7 @@ class VLLMConfig(_Section):
     # it needs); None: AsyncLLM in this process. With it set the server's own flags decide max_model_len, block_size,
     # the K/V cache and the rest above; dtype (the weights' dtype on the wire; auto: the server's), weight_bucket_bytes
     # and update_timeout_s still apply
-    base_url: str | None = None
+    base_url: str | list[str] | None = None  # a list: several servers, one per engine actor (as engine.sglang's)
     timeout_s: float = Field(600.0, gt=0)  # one /inference/v1/generate call
     control_timeout_s: float = Field(60.0, gt=0)  # /pause, /resume, /reset_prefix_cache, /health and the like
     # calls the server never received (connection refused, connect timeout) or answered 503 are sent again up to this
@@ -487,10 +487,11 @@ class RunConfig(_Section):
         if self.runtime.mode == "sync" and self.trainer.parallel == "fsdp":  # FSDP shards that object
             raise ValueError("trainer.parallel=fsdp needs runtime.mode=async (sync mode shares the trainer's model "
                              "with the engine)")
-        urls = self.engine.sglang.base_url
+        kind = self.engine.kind
+        urls = {"sglang": self.engine.sglang.base_url, "vllm": self.engine.vllm.base_url}.get(kind)
         if isinstance(urls, list) and len(urls) > 1 and (self.runtime.backend != "ray" or
                                                          self.ray.engine.count != len(urls)):
-            raise ValueError(f"engine.sglang.base_url lists {len(urls)} servers: one engine actor drives each, so "
+            raise ValueError(f"engine.{kind}.base_url lists {len(urls)} servers: one engine actor drives each, so "
                              f"set runtime.backend=ray and ray.engine.count={len(urls)}")
         if self.runtime.mode == "sync" and self.engine.kind == "sglang":
             raise ValueError("engine.kind=sglang needs runtime.mode=async (sync mode shares the trainer's model with "

@@ -8,6 +8,11 @@ from loomrl.config import RunConfig
 from loomrl.engine.base import Engine
 
 
+def server_of(base_url: str | list[str], replica: int) -> str:
+    """The server engine actor `replica` drives when the config lists several (each its own), else the one."""
+    return base_url[replica % len(base_url)] if isinstance(base_url, list) else base_url
+
+
 def make_engine(cfg: RunConfig, model: Any, tokenizer: Any, version: int, replica: int = 0) -> Engine:
     """The engine engine.kind names: the built-in one over `model` (sync runs share it with the trainer), a client
     of an SGLang server (`model` gives only the config.json written beside each weight update; `replica`: the
@@ -22,7 +27,7 @@ def make_engine(cfg: RunConfig, model: Any, tokenizer: Any, version: int, replic
         if not isinstance(s.base_url, list):
             return SGLangEngine(s, version=version, model_config=model.config)
         # one server per engine actor, each writing its versions into a folder of its own
-        mine = {"base_url": s.base_url[replica % len(s.base_url)]}
+        mine = {"base_url": server_of(s.base_url, replica)}
         if s.weights_dir:
             mine["weights_dir"] = f"{s.weights_dir}/server{replica}"
         if s.server_weights_dir:
@@ -33,7 +38,8 @@ def make_engine(cfg: RunConfig, model: Any, tokenizer: Any, version: int, replic
         from loomrl.engine.vllm_weights import parameter_shapes
 
         shapes, aliases = parameter_shapes(model)  # auto dtype: the server's
-        return VLLMHTTPEngine(e.vllm, shapes=shapes, aliases=aliases, version=version,
+        mine = e.vllm.model_copy(update={"base_url": server_of(e.vllm.base_url, replica)})
+        return VLLMHTTPEngine(mine, shapes=shapes, aliases=aliases, version=version,
                               dtype=None if e.vllm.dtype == "auto" else e.vllm.dtype)
     if e.kind == "vllm":
         from loomrl.engine.vllm import VLLMEngine, engine_dtype, served_model

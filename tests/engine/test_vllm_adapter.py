@@ -105,3 +105,17 @@ def test_with_a_base_url_the_http_engine_needs_no_local_vllm(no_vllm, tiny_model
                              "engine.vllm.retries=1", "engine.vllm.retry_backoff_s=0.01"])
     with pytest.raises(EngineFault, match=rf"vLLM /health: cannot reach http://127.0.0.1:{port}"):
         make_engine(cfg, tiny_model, tokenizer, 0)
+
+
+def test_several_vllm_servers_are_one_per_engine_actor():
+    from loomrl.config import ConfigError, load_config
+    from loomrl.engine.factory import server_of
+
+    urls = ["http://a:8000", "http://b:8000"]
+    listed = f"engine.vllm.base_url=[{', '.join(urls)}]"
+    with pytest.raises(ConfigError, match="engine.vllm.base_url lists 2 servers: .* ray.engine.count=2"):
+        load_config(None, ["engine.kind=vllm", "runtime.mode=async", listed])
+    cfg = load_config(None, ["engine.kind=vllm", "runtime.mode=async", listed, "runtime.backend=ray",
+                             "ray.engine.count=2"])
+    assert [server_of(cfg.engine.vllm.base_url, r) for r in range(3)] == [urls[0], urls[1], urls[0]]
+    assert server_of("http://one:1", 5) == "http://one:1"

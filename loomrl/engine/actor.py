@@ -74,7 +74,7 @@ class WeightBoard:
 
 class EngineActor(Placed):
     """One inference engine (engine.kind) over the run's model on the node ray.engine places it, serving the rollout
-    actors bound to it; `replica`: its index (with several SGLang servers, the one it drives). Async actor: their
+    actors bound to it; `replica`: its index (with several SGLang or vLLM servers, the one it drives). Async actor: their
     requests run at once, batched by the engine."""
 
     def __init__(self, cfg_json: str, board: Any, replica: int):

@@ -57,13 +57,23 @@ def trainer_device(cfg: TrainerConfig) -> torch.device:
     return resolve_device(cfg.device, "trainer.device")
 
 
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the dtypes a config may name
+
+
+def dtype_named(name: str) -> torch.dtype:
+    """torch's dtype for one of DTYPE_NAMES (KeyError for any other name)."""
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """model.dtype on `device`: "auto" is bfloat16 on CUDA and float32 elsewhere."""
     import torch
 
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    return dtype_named(name)
 
 
 def place(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:

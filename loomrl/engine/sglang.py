@@ -49,13 +49,13 @@ from typing import Any
 import torch
 
 from loomrl.config import SGLangConfig
+from loomrl.devices import dtype_named
 from loomrl.engine.base import EngineFault, EngineMetrics, GenerationRequest, GenerationResult, refuse_request
 from loomrl.engine.http import ServerClient
 
 log = logging.getLogger(__name__)
 
 _FINISH = {"stop": "stop", "length": "length"}
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def write_checkpoint(folder: Path, weights: dict[str, torch.Tensor], config: Any, dtype: torch.dtype) -> None:
@@ -135,7 +135,7 @@ class SGLangEngine:
         name = f"v{version:06d}"
         partial = root / f".{name}.partial"
         shutil.rmtree(partial, ignore_errors=True)
-        write_checkpoint(partial, weights, self.model_config, _DTYPES[self.cfg.weights_dtype])
+        write_checkpoint(partial, weights, self.model_config, dtype_named(self.cfg.weights_dtype))
         shutil.rmtree(root / name, ignore_errors=True)
         partial.rename(root / name)  # the server never sees a half-written folder
         server_path = str(Path(self.cfg.server_weights_dir or self.cfg.weights_dir) / name)

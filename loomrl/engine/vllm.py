@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from loomrl.config import VLLM_MISSING, VLLMConfig
+from loomrl.devices import dtype_named
 from loomrl.engine.base import (
     EngineFault,
     EngineMetrics,
@@ -66,7 +67,6 @@ from loomrl.engine.vllm_weights import LoadState, checked_weights, parameter_sha
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _START_TIMEOUT_S = 900.0  # model load, profiling and warm-up (16-33 s for SmolLM2-135M on 2 CPU cores)
 _STREAM_INTERVAL = 8  # tokens per output vLLM sends a request's caller
 
@@ -160,7 +160,7 @@ class VLLMEngine(LoadState):
         self.model = model
         self.metrics = EngineMetrics()
         self.kv_budget = 0  # vLLM's max_model_len, read once it has started
-        self._dtype = _DTYPES[dtype]
+        self._dtype = dtype_named(dtype)
         self._version = version
         self._lock = threading.Lock()
         self._closed = False

@@ -56,6 +56,7 @@ from typing import Any
 import torch
 
 from loomrl.config import VLLMConfig
+from loomrl.devices import DTYPE_NAMES, dtype_named
 from loomrl.engine.base import (
     EngineFault,
     EngineMetrics,
@@ -70,7 +71,6 @@ from loomrl.engine.vllm_weights import LoadState, checked_weights, to_wire, weig
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _NEEDED = {"logprobs_mode": "processed_logprobs", "policy": "priority"}  # server settings the contract rests on
 
 
@@ -86,7 +86,7 @@ class VLLMHTTPEngine(LoadState):
         self.cfg = cfg
         self.shapes, self.aliases = shapes, aliases
         self.metrics = EngineMetrics()
-        self._dtype = _DTYPES[dtype] if dtype else None  # set from the server's when None
+        self._dtype = dtype_named(dtype) if dtype else None  # set from the server's when None
         self._version = version
         self._lock = threading.Lock()
         self._closed = False
@@ -241,9 +241,9 @@ class VLLMHTTPEngine(LoadState):
         self._http.post("/update_weight_version", {"new_version": str(self._version)}, t)
         if self._dtype is None:
             served = str(model.get("dtype")).removeprefix("torch.")
-            if served not in _DTYPES:
+            if served not in DTYPE_NAMES:
                 raise EngineFault(f"the vLLM server reports model dtype {served!r}; set engine.vllm.dtype")
-            self._dtype = _DTYPES[served]
+            self._dtype = dtype_named(served)
         return int(model["max_model_len"])
 
     def _interrupt(self) -> None:

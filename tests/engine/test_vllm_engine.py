@@ -187,8 +187,9 @@ def test_sleep_interrupts_holds_new_requests_and_wake_serves_them(engine, models
     a request sent while asleep waits for the wake."""
     _, _, tokenizer = models
     prompt = _prompts(tokenizer)[1]
-    params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
-    whole = run_requests(engine, [prompt], temperature=0.0, max_tokens=96, ignore_eos=True)[0]
+    # long enough that the request is still running when sleep lands, on a slow or busy machine
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    whole = run_requests(engine, [prompt], temperature=0.0, max_tokens=400, ignore_eos=True)[0]
 
     async def go():
         since = engine.metrics.generated_tokens

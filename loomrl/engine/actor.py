@@ -7,7 +7,8 @@ engine). Without engine actors each rollout actor owns its engine (rollout/actor
 Routing: a rollout actor is bound to one engine actor (rollout actor i to engine i mod count) and a GRPO group runs
 on one rollout actor, so a program's turns and its group's shared prompt reach one engine and its prefix cache.
 Weights: the backend sends each published version to every engine actor (runtime/ray_backend.py publish), and a
-group dispatched after a publish starts once its engine has loaded that version. Ray restarts an engine actor that
+group dispatched after a publish starts once its engine has loaded that version (EngineActor.ready, which loads
+it itself when the update was lost to a restart). Ray restarts an engine actor that
 died (ray.engine.max_restarts); the fresh one loads the latest published version before it serves (WeightBoard), so
 that no token is tagged with a version its weights are not. The calls it was running fail as EngineFault (the
 agent loop's engine_error: agent.retry_on may run them again).
@@ -100,9 +101,13 @@ class EngineActor(Placed):
     async def update_weights(self, handle: WeightHandle) -> dict[str, float]:
         return await self.gate.load(handle)
 
-    async def ready(self) -> None:
-        """Returns once the versions sent before this call are loaded."""
+    async def ready(self, latest: WeightHandle | None) -> None:
+        """Returns once the versions sent before this call are loaded and the engine has `latest` (the backend's
+        newest): an update sent while Ray was restarting this actor can fail after the fresh one read the board,
+        and the engine would then serve an older version under newer dispatches (stale at consumption)."""
         await self.gate.ready()
+        if latest is not None and self.engine.version < latest.version:
+            await self.gate.load(latest)
 
     def interrupt(self) -> None:
         self.engine.interrupt()

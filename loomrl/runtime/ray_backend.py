@@ -108,7 +108,6 @@ class RayBackend(Backend):
         self.env_actors: list[Any] = []  # ray.env.count, shared by the rollout actors
         self.engines: list[Any] = []  # ray.engine.count engine actors, shared by the rollout actors
         self.board: Any = None  # the latest published version, for engine actors Ray restarts
-        self.engine_updates: dict[int, Any] = {}  # engine index -> its latest update_weights call
         self.owners = 0  # rollout actors made so far
         self.reclaims: list[Any] = []  # release_owner calls: sandboxes of dead rollout actors reclaimed
         self.weights: WeightHandle | None = None  # the latest published version
@@ -325,9 +324,7 @@ class RayBackend(Backend):
         self.weights = WeightHandle(transport=Transport.RAY, version=version, nbytes=0, payload=self.step_weights)
         if self.engines:  # the engine actors load it (the board first: one restarted meanwhile reads it there)
             await self.board.post.remote(self.weights)
-            for i, engine in enumerate(self.engines):
-                self.engine_updates[i] = engine.update_weights.remote(self.weights)
-                self.syncs.append(self.engine_updates[i])
+            self.syncs.extend(engine.update_weights.remote(self.weights) for engine in self.engines)
             return
         for slot in self.workers:
             self.syncs.append(slot.handle.update_weights.remote(self.weights))
@@ -362,9 +359,9 @@ class RayBackend(Backend):
 
     async def _engine_ready(self, slot: WorkerSlot) -> None:
         """With engine actors: once the slot's engine has loaded the versions published so far (a dead engine
-        actor's update is lost, and its restart loads the board's latest itself)."""
+        actor's update is lost: its restart loads the board's latest, and `ready` loads one lost meanwhile)."""
         if slot.engine is not None:
-            await result_or(slot.engine.ready.remote(), self.cfg.ray.placement_timeout_s, None)
+            await result_or(slot.engine.ready.remote(self.weights), self.cfg.ray.placement_timeout_s, None)
 
     async def evaluate(self, label: str) -> EvalRecord:
         slot = self.workers[0]

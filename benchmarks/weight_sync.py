@@ -21,10 +21,11 @@ copies at least twice (the snapshot and the reader's copy into its weights), so 
 bound 0.5 is about the best it can reach; "file" adds the safetensors write, an fsync to the
 folder's disk and a read. Medians over --repeats transfers after three warm-up ones.
 
---vllm (run it where vLLM is installed, e.g. `make test`'s .venv-vllm): a SmolLM2-135M update into vLLM, the last
-hop of a run's weight sync: VLLMEngine.update_weights with the model's own float32 weights (pause, the buckets
-through vLLM's weight-transfer API into its worker process, the tied head re-packed, the prefix cache reset,
-resume), timed from the call to its return, against the same clone bound.
+--vllm (run it where vLLM is installed, e.g. `make test`'s .venv-vllm): a SmolLM2-135M update into vLLM from a shm
+handle, the last hop of a run's weight sync, two ways side by side: "inline" (this process reads the segment, then
+VLLMEngine.update_weights sends the buckets' bytes through vLLM's weight-transfer API into its worker process) and
+"worker" (VLLMEngine.update_from: the worker maps the segment and loads from views of it); both pause, re-pack the
+tied head, reset the prefix cache and resume. Timed from the call to its return, against the same clone bound.
 """
 
 from __future__ import annotations
@@ -174,7 +175,10 @@ def copy_bounds(weights: dict[str, torch.Tensor], repeats: int) -> tuple[float, 
 
 
 def measure_vllm(repeats: int) -> dict:
-    """SmolLM2-135M's weights into a running VLLMEngine (engine.kind=vllm), `repeats` times after one warm-up."""
+    """SmolLM2-135M's weights, published to shared memory, into a running VLLMEngine (engine.kind=vllm), both ways,
+    interleaved, `repeats` times each after one warm-up: "inline" reads the segment in this process and sends the
+    buckets' bytes through vLLM's sockets (load_weights + update_weights); "worker" hands vLLM's worker the segment,
+    which it reads through views of its mapping (update_from)."""
     from loomrl.config import ModelConfig, load_config
     from loomrl.engine.factory import make_engine
     from loomrl.model.loader import load_model
@@ -186,18 +190,28 @@ def measure_vllm(repeats: int) -> dict:
     cfg = load_config(None, ["engine.kind=vllm", "runtime.mode=async", "engine.vllm.max_model_len=2048",
                              f"engine.vllm.kv_cache_memory_bytes={256 << 20}", "engine.vllm.cpu_reserved_cores=0"])
     engine = make_engine(cfg, model, tokenizer, 0)
-    times = []
+    publisher = make_publisher("shm", keep=2)
+    times: dict[str, list[float]] = {"inline": [], "worker": []}
+    version = 0
     try:
-        for version in range(1, repeats + 2):
-            start = time.perf_counter()
-            engine.update_weights(weights, version)
-            times.append(time.perf_counter() - start)
+        for _ in range(repeats + 1):
+            for arm in times:
+                version += 1
+                handle = publisher.publish(weights, version)
+                start = time.perf_counter()
+                if arm == "inline":
+                    engine.update_weights(load_weights(handle).weights, version)
+                else:
+                    engine.update_from(handle)
+                times[arm].append(time.perf_counter() - start)
     finally:
         engine.close()
-    total = statistics.median(times[1:])
-    return {"params": sum(t.numel() for t in weights.values()), "bytes": nbytes, "update_s": total,
-            "gb_s": nbytes / total / 1e9, "bound_s": bound, "efficiency": bound / total,
-            "efficiency_warm": warm / total, "bucket_bytes": cfg.engine.vllm.weight_bucket_bytes}
+        publisher.close()
+    inline, worker = (statistics.median(times[a][1:]) for a in ("inline", "worker"))
+    return {"params": sum(t.numel() for t in weights.values()), "bytes": nbytes, "inline_s": inline,
+            "worker_s": worker, "ratio": inline / worker, "gb_s": nbytes / worker / 1e9, "bound_s": bound,
+            "efficiency": bound / worker, "efficiency_inline": bound / inline, "efficiency_warm": warm / worker,
+            "bucket_bytes": cfg.engine.vllm.weight_bucket_bytes}
 
 
 def main() -> None:
@@ -217,13 +231,20 @@ def main() -> None:
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         r = measure_vllm(args.repeats)
         report({"name": "weight_sync_vllm", "machine": machine(),
-                "weights": "SmolLM2-135M-Instruct's own float32 weights, sent again under a new version each time",
-                "repeats": args.repeats, "update_s": round(r["update_s"], 4), "gb_s": round(r["gb_s"], 3),
-                "efficiency": round(r["efficiency"], 3), "arms": r,
-                "details": [f"{r['params'] / 1e6:.1f}M params, {r['bytes'] / 1e6:.0f} MB float32 in buckets of "
-                            f"{r['bucket_bytes'] / 1e6:.0f} MB: update_weights {r['update_s']:.2f} s "
-                            f"({r['gb_s']:.2f} GB/s); copy bound (clone) {r['bound_s'] * 1e3:.1f} ms: efficiency "
-                            f"{r['efficiency']:.3f} (vs the preallocated copy {r['efficiency_warm']:.3f})"]},
+                "weights": "SmolLM2-135M-Instruct's own float32 weights, published to shm under a new version each "
+                           "time, then loaded into vLLM inline (this process reads, the bytes go through vLLM's "
+                           "sockets) or by vLLM's worker (it maps the segment)",
+                "repeats": args.repeats, "update_s": round(r["worker_s"], 4), "ratio": round(r["ratio"], 2),
+                "ratio_over": "inline", "gb_s": round(r["gb_s"], 3), "efficiency": round(r["efficiency"], 3),
+                "arms": r,
+                "details": [f"{r['params'] / 1e6:.1f}M params, {r['bytes'] / 1e6:.0f} MB float32",
+                            f"inline (load_weights + update_weights, buckets of {r['bucket_bytes'] / 1e6:.0f} MB): "
+                            f"{r['inline_s']:.2f} s, efficiency {r['efficiency_inline']:.3f}",
+                            f"worker (update_from: vLLM's worker reads the segment): {r['worker_s']:.2f} s "
+                            f"({r['gb_s']:.2f} GB/s), efficiency {r['efficiency']:.3f} (vs the preallocated copy "
+                            f"{r['efficiency_warm']:.3f})",
+                            f"ratio inline / worker: {r['ratio']:.2f}; bound: one copy (clone) "
+                            f"{r['bound_s'] * 1e3:.1f} ms"]},
                args.json)
         return
     if args.threads:

@@ -389,8 +389,9 @@ class RuntimeConfig(_Section):
     # backend=ray: per rollout actor.
     max_inflight_trajectories: int = Field(0, ge=0)
     # async (local): how new weights go from the trainer process to the engine (trainer/weight_sync.py;
-    # benchmarks/weight_sync.py: shm ~6x faster than pickling through the queue for SmolLM2-135M)
-    weight_transport: Literal["shm", "file", "queue"] = "shm"
+    # benchmarks/weight_sync.py: shm ~6x faster than pickling through the queue for SmolLM2-135M). engine.kind=vllm
+    # reads shm in its worker process. cuda_ipc: trainer and engine on one GPU, the weights never leave it
+    weight_transport: Literal["shm", "file", "queue", "cuda_ipc"] = "shm"
     # a trainer that dies (async: its process or a rank; ray: its actors) is restarted from the latest
     # checkpoint this many times (0: the run stops and says to continue with --resume)
     max_trainer_restarts: int = Field(5, ge=0)
@@ -493,6 +494,11 @@ class RunConfig(_Section):
                                                          self.ray.engine.count != len(urls)):
             raise ValueError(f"engine.{kind}.base_url lists {len(urls)} servers: one engine actor drives each, so "
                              f"set runtime.backend=ray and ray.engine.count={len(urls)}")
+        if self.runtime.weight_transport == "cuda_ipc" and (self.runtime.mode, self.runtime.backend) != ("async",
+                                                                                                     "local"):
+            raise ValueError("runtime.weight_transport=cuda_ipc is for runtime.mode=async with runtime.backend=local "
+                             "(a trainer process beside the engine on one GPU); sync runs share one model, and Ray "
+                             "runs send the weights through Ray's object store")
         if self.runtime.mode == "sync" and self.engine.kind == "sglang":
             raise ValueError("engine.kind=sglang needs runtime.mode=async (sync mode shares the trainer's model with "
                              "the engine; an SGLang server holds its own copy and loads each version from disk)")

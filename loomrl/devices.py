@@ -104,6 +104,10 @@ def check_run_devices(cfg: RunConfig) -> None:
         return
     model = resolve_device(cfg.model.device, "model.device")
     trainer = trainer_device(cfg.trainer)
+    if cfg.runtime.weight_transport == "cuda_ipc" and cfg.runtime.mode == "async" and trainer.type != "cuda":
+        raise DeviceError(f"config error: 'runtime.weight_transport': cuda_ipc shares the trainer's GPU memory with "
+                          f"the engine, but trainer.device is {trainer}; put the trainer on the engine's GPU "
+                          "(trainer.device=cuda:N) or use runtime.weight_transport=shm")
     if cfg.runtime.mode != "sync":
         return
     # Sync mode trains the engine's model object in place (runtime/local.py shares it; no weight copy between

@@ -105,3 +105,16 @@ def test_the_model_config_carries_device_and_dtype():
     assert resolve_dtype(cfg.dtype, resolve_device(cfg.device, "model.device")) == torch.bfloat16
     with pytest.raises(ValueError):
         ModelConfig(dtype="int8")
+
+
+def test_cuda_ipc_weights_need_the_trainer_on_a_gpu_and_an_async_local_run(two_fake_gpus):
+    """runtime.weight_transport=cuda_ipc maps the trainer's GPU memory in the engine's process: a CPU trainer, a sync
+    run (one shared model) and a Ray run (weights through the object store) are refused, naming the field."""
+    with pytest.raises(DeviceError, match=r"'runtime.weight_transport': cuda_ipc .* trainer.device is cpu"):
+        load_config(None, ["runtime.mode=async", "runtime.weight_transport=cuda_ipc", "trainer.device=cpu"])
+    for other in (["runtime.mode=sync"], ["runtime.mode=async", "runtime.backend=ray"]):
+        with pytest.raises(ConfigError, match="runtime.weight_transport=cuda_ipc is for runtime.mode=async"):
+            load_config(None, [*other, "runtime.weight_transport=cuda_ipc"])
+    cfg = load_config(None, ["runtime.mode=async", "runtime.weight_transport=cuda_ipc", "trainer.device=cuda:0",
+                             "model.device=cuda:0"])
+    assert cfg.runtime.weight_transport == "cuda_ipc"

@@ -26,7 +26,7 @@ import torch
 
 from loomrl.actor_support import Placed
 from loomrl.config import RunConfig
-from loomrl.engine.base import Engine, EngineFault, EngineMetrics, GenerationRequest, GenerationResult
+from loomrl.engine.base import Engine, EngineFault, EngineMetrics, GenerationRequest, GenerationResult, TakesTensors
 from loomrl.engine.factory import make_engine
 from loomrl.model.loader import load_run_model
 
@@ -129,7 +129,7 @@ class EngineActor(Placed):
         return self.engine.metrics
 
 
-class RemoteEngine:
+class RemoteEngine(TakesTensors):
     """The Engine protocol over an EngineActor, in a rollout actor. Weights go to the engine actor from the backend,
     not through here (update_weights refuses). `metrics` counts what this client sent and got back. A request that
     finds the engine actor restarting waits for it, up to `restart_wait_s`; one it was running when it died fails

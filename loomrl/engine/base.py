@@ -10,7 +10,10 @@ from __future__ import annotations
 import concurrent.futures
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from loomrl.trainer.weight_sync import Transport, WeightHandle
 
 
 class EngineFault(RuntimeError):
@@ -80,10 +83,16 @@ class Engine(Protocol):
 
     async def generate(self, request: GenerationRequest) -> GenerationResult: ...
 
+    opens: frozenset[Transport]  # the weight handles the engine reads itself, where its model lives (update_from)
+
     def update_weights(self, weights: dict | None, version: int) -> None:
         """Load new weights (None: the weights were changed in place) and tag later tokens `version`. The
         weights may be in another dtype or on another device (the trainer's float32 masters): they are cast
         to the engine model's as they are loaded."""
+
+    def update_from(self, handle: WeightHandle) -> None:
+        """update_weights for a published handle of a transport in `opens`, read by the engine itself (vLLM's
+        worker maps a shm segment or CUDA IPC handles: no copy through this process)."""
 
     def interrupt(self) -> None:
         """End every in-flight request soon with finish_reason "interrupted" and its partial output
@@ -106,6 +115,17 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Stop; requests after this fail with EngineFault."""
+
+
+class TakesTensors:
+    """For engines that open no weight handle: the runtime loads it (weight_sync.load_weights) and passes the
+    tensors to update_weights."""
+
+    opens: frozenset[Transport] = frozenset()
+
+    def update_from(self, handle: WeightHandle) -> None:
+        raise EngineFault(f"update_from: this engine opens no {handle.transport} handle; pass the tensors "
+                          "(weight_sync.load_weights) to update_weights")
 
 
 def refuse_request(request: GenerationRequest, *, closed: bool, broken: str | None = None) -> None:

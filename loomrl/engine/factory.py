@@ -13,6 +13,18 @@ def server_of(base_url: str | list[str], replica: int) -> str:
     return base_url[replica % len(base_url)] if isinstance(base_url, list) else base_url
 
 
+def serving_dtype(cfg: RunConfig) -> Any:
+    """The torch dtype the engine serves in (weights published on the GPU, runtime.weight_transport=cuda_ipc, are
+    cast to it once, in the trainer: half the memory of float32 masters for a bfloat16 engine)."""
+    from loomrl.devices import dtype_named, resolve_device, resolve_dtype
+
+    if cfg.engine.kind == "vllm":
+        from loomrl.engine.vllm import engine_dtype
+
+        return dtype_named(engine_dtype(cfg.engine.vllm.dtype, cfg.model.dtype))
+    return resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device, "model.device"))
+
+
 def make_engine(cfg: RunConfig, model: Any, tokenizer: Any, version: int, replica: int = 0) -> Engine:
     """The engine engine.kind names: the built-in one over `model` (sync runs share it with the trainer), a client
     of an SGLang server (`model` gives only the config.json written beside each weight update; `replica`: the

@@ -50,7 +50,14 @@ import torch
 
 from loomrl.config import SGLangConfig
 from loomrl.devices import dtype_named
-from loomrl.engine.base import EngineFault, EngineMetrics, GenerationRequest, GenerationResult, refuse_request
+from loomrl.engine.base import (
+    EngineFault,
+    EngineMetrics,
+    GenerationRequest,
+    GenerationResult,
+    TakesTensors,
+    refuse_request,
+)
 from loomrl.engine.http import ServerClient
 
 log = logging.getLogger(__name__)
@@ -78,7 +85,7 @@ def write_checkpoint(folder: Path, weights: dict[str, torch.Tensor], config: Any
         config.save_pretrained(str(folder))
 
 
-class SGLangEngine:
+class SGLangEngine(TakesTensors):
     """Engine protocol implementation over HTTP; generate is awaited from asyncio, the rest is thread-safe."""
 
     def __init__(self, cfg: SGLangConfig, *, version: int = 0, model_config: Any = None):

@@ -37,16 +37,18 @@ colocated training, or Ray actors of its own. `release` does nothing: vLLM's pre
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
 import contextlib
 import logging
 import os
+import pickle
 import shutil
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +66,7 @@ from loomrl.engine.base import (
     refuse_request,
 )
 from loomrl.engine.vllm_weights import LoadState, checked_weights, parameter_shapes, to_wire, weight_buckets
+from loomrl.trainer.weight_sync import Transport, WeightHandle, shm_views
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +149,8 @@ def finish_reason(reason: str | None, stop_reason: Any, *, closed: bool, interru
 class VLLMEngine(LoadState):
     """Engine protocol implementation over AsyncLLM; generate is awaited from asyncio, the rest is thread-safe."""
 
+    opens = frozenset({Transport.SHM, Transport.CUDA_IPC})  # read inside vLLM's worker (update_from)
+
     def __init__(self, cfg: VLLMConfig, model: ServedModel, *, dtype: str, seed: int = 0, max_num_seqs: int = 64,
                  prefix_cache: bool = True, version: int = 0, sleep_mode: bool = False):
         """`sleep_mode` (engine.sleep_while_training): vLLM's enable_sleep_mode on CUDA, where sleep frees the
@@ -215,8 +220,32 @@ class VLLMEngine(LoadState):
             raise EngineFault("update_weights(None): in-place updates need a model shared with the trainer; vLLM holds "
                               "its own copy (engine.kind=vllm needs runtime.mode=async)")
         named = checked_weights(weights, self.model.shapes, self.model.aliases, self._broken)
+        buckets = weight_buckets(named, self._dtype, self.cfg.weight_bucket_bytes)
+        self._apply((to_wire(bucket) for bucket in buckets), version)
+
+    def update_from(self, handle: WeightHandle) -> None:
+        """update_weights for a handle vLLM's worker reads itself (`opens`): a shm segment through views of its
+        mapping, CUDA IPC handles mapped on its GPU. Names and shapes are checked here first, as for update_weights."""
+        if self._closed:
+            raise EngineFault("update_weights: the engine is closed")
+        if handle.transport is Transport.SHM:
+            with shm_views(handle) as views:  # the header only: the worker maps the segment itself
+                named = checked_weights(views, self.model.shapes, self.model.aliases, self._broken)
+            update = {"segment": handle.location, "version": handle.version, "names": [n for n, _ in named]}
+        elif handle.transport is Transport.CUDA_IPC:
+            p = handle.payload
+            shapes = {n: torch.empty(s, device="meta") for n, s in zip(p["names"], p["shapes"])}
+            keep = {n for n, _ in checked_weights(shapes, self.model.shapes, self.model.aliases, self._broken)}
+            p = {k: [v for n, v in zip(p["names"], p[k]) if n in keep] for k in p}  # tied aliases left out
+            update = {"ipc": base64.b64encode(pickle.dumps(p)).decode("ascii")}
+        else:
+            raise EngineFault(f"update_from: vLLM's worker does not read {handle.transport} handles (opens: "
+                              f"{sorted(self.opens)})")
+        self._apply([update], handle.version)
+
+    def _apply(self, updates: Iterable[dict[str, Any]], version: int) -> None:
         try:
-            self._run(self._load(named, version), self.cfg.update_timeout_s)
+            self._run(self._load(updates, version), self.cfg.update_timeout_s)
         except concurrent.futures.TimeoutError:
             raise EngineFault(f"update_weights: version {version} not applied after "
                               f"{self.cfg.update_timeout_s:.0f}s") from None
@@ -379,7 +408,8 @@ class VLLMEngine(LoadState):
             await self._llm.wake_up()
             await self._resume()  # wake_up unpauses; resuming an engine that runs is a no-op
 
-    async def _load(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
+    async def _load(self, updates: Iterable[dict[str, Any]], version: int) -> None:
+        """One update: `updates`, the update_info of each vLLM update_weights call (vllm_worker.py's kinds)."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         async with self._control:
@@ -388,8 +418,8 @@ class VLLMEngine(LoadState):
                 with self._loading(version):
                     await self._llm.start_weight_update()
                     try:
-                        for bucket in weight_buckets(named, self._dtype, self.cfg.weight_bucket_bytes):
-                            await self._llm.update_weights(WeightTransferUpdateRequest(update_info=to_wire(bucket)))
+                        for update in updates:
+                            await self._llm.update_weights(WeightTransferUpdateRequest(update_info=update))
                     except Exception:
                         # the worker's reload has finished on a failed bucket (vllm_worker.py); this closes the update
                         # session where the failure came before the worker saw the bucket (it refuses an unopened one)

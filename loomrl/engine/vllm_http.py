@@ -63,6 +63,7 @@ from loomrl.engine.base import (
     GenerationRequest,
     GenerationResult,
     SamplingParams,
+    TakesTensors,
     refuse_request,
 )
 from loomrl.engine.http import ServerClient
@@ -74,7 +75,7 @@ log = logging.getLogger(__name__)
 _NEEDED = {"logprobs_mode": "processed_logprobs", "policy": "priority"}  # server settings the contract rests on
 
 
-class VLLMHTTPEngine(LoadState):
+class VLLMHTTPEngine(TakesTensors, LoadState):
     """Engine protocol implementation over a vLLM server; generate is awaited from asyncio, the rest is thread-safe."""
 
     def __init__(self, cfg: VLLMConfig, *, shapes: dict[str, tuple[int, ...]], aliases: frozenset[str],

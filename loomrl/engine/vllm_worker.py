@@ -3,7 +3,12 @@
 What it is: `engine.vllm` starts vLLM with worker_extension_cls="loomrl.engine.vllm_worker.WorkerExtension", so each
 worker imports this module before it builds its model (vllm/v1/worker/worker_base.py), and importing it registers
 "loomrl_inline" with vLLM's WeightTransferEngineFactory; weight_transfer_config={"backend": "loomrl_inline"} then has
-Worker.load_model create an InlineWeightEngine. AsyncLLM.update_weights hands it one bucket of tensors at a time.
+Worker.load_model create an InlineWeightEngine. AsyncLLM.update_weights hands it one of three kinds of update:
+- inline: one bucket of tensors, their bytes inside update_info (names, dtypes, shapes, blobs);
+- shm: the name and version of a trainer's shared-memory segment (runtime.weight_transport=shm), read here, in the
+  worker, through views of the mapping: the tensors cross no socket;
+- cuda_ipc: the trainer's CUDA IPC handles (runtime.weight_transport=cuda_ipc, pickled: msgpack cannot carry torch's
+  rebuild arguments), mapped on this worker's GPU, as vLLM's own "ipc" engine does.
 
 Why these choices (docs/research/vllm_cpu_0.32.md, section 5):
 - The tensors ride inside update_info as raw bytes (base64 strings over HTTP) with their dtype and shape
@@ -18,12 +23,14 @@ Why these choices (docs/research/vllm_cpu_0.32.md, section 5):
 - A bucket that fails to load finishes the reload at once (the layers it never reached get their old tensors back),
   so the next update starts from a consistent model; the adapter refuses requests until an update succeeds.
 
-What it is not: a trainer-side engine (loomrl's publisher already holds the tensors) or a fast path across machines
-(every byte goes through EngineCore's sockets; an NCCL backend would be the GPU path).
+What it is not: a trainer-side engine (loomrl's publisher already holds the tensors: trainer/weight_sync.py) or a path
+across machines or GPUs (inline bytes go through EngineCore's sockets; NCCL would be the path between GPUs).
 """
 
 from __future__ import annotations
 
+import base64
+import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +44,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
 from loomrl.engine.vllm_weights import from_wire
+from loomrl.trainer.weight_sync import Transport, WeightHandle, ipc_tensors, shm_views
 
 BACKEND = "loomrl_inline"
 
@@ -48,11 +56,14 @@ class InlineInit(WeightTransferInitInfo):
 
 @dataclass
 class InlineUpdate(WeightTransferUpdateInfo):
-    names: list[str]
-    dtypes: list[str]  # torch dtype names without "torch."
-    shapes: list[list[int]]
+    names: list[str] = field(default_factory=list)
+    dtypes: list[str] = field(default_factory=list)  # torch dtype names without "torch."
+    shapes: list[list[int]] = field(default_factory=list)
     # the tensors' bytes: sent as memoryviews and received as bytes in process, base64 strings over HTTP
     blobs: list[Any] = field(default_factory=list)
+    segment: str = ""  # shm: the segment to read the tensors `names` from (dtypes, shapes and blobs stay empty)
+    version: int = -1  # shm: the version the segment must hold
+    ipc: str = ""  # cuda_ipc: base64 of the pickled ipc_payload (trainer/weight_sync.py)
 
 
 class InlineWeightEngine(WeightTransferEngine[InlineInit, InlineUpdate]):
@@ -75,7 +86,16 @@ class InlineWeightEngine(WeightTransferEngine[InlineInit, InlineUpdate]):
 
     def receive_weights(self, update_info: InlineUpdate) -> None:
         try:
-            self.model.load_weights(from_wire(update_info))
+            if update_info.segment:
+                with shm_views(WeightHandle(transport=Transport.SHM, version=update_info.version, nbytes=0,
+                                            location=update_info.segment)) as views:
+                    # vLLM's loaders copy (and cast) out of the views; `names`: those the adapter checked
+                    self.model.load_weights([(n, views[n]) for n in update_info.names])
+            elif update_info.ipc:
+                payload = pickle.loads(base64.b64decode(update_info.ipc))  # noqa: S301 - our trainer's, same machine
+                self.model.load_weights(list(ipc_tensors(payload, self.device.index).items()))
+            else:
+                self.model.load_weights(from_wire(update_info))
         except BaseException:
             finalize_layerwise_reload(self.model, self.model_config)  # no layer left half-way in the reload
             raise

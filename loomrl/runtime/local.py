@@ -167,13 +167,19 @@ class LocalBackend(Backend):
             self.rollout.engine.update_weights(None, version)
             return
         handle, self.weights = self.weights, None
-        # Off the event loop: rollouts go on, and the trainer's next step request goes out meanwhile.
-        loaded = await asyncio.to_thread(load_weights, handle)
+        engine = self.rollout.engine
+        # Off the event loop: rollouts go on, and the trainer's next step request goes out meanwhile. An engine
+        # that opens the handle itself (vLLM's worker: shm, cuda_ipc) reads it where its model is.
+        opens = handle.transport in engine.opens
+        loaded = None if opens else await asyncio.to_thread(load_weights, handle)
         if self.cfg.runtime.interrupt_on_update:
-            self.rollout.engine.interrupt()  # in-flight turns resume under the new weights (AgentLoop._generate)
+            engine.interrupt()  # in-flight turns resume under the new weights (AgentLoop._generate)
         t0 = time.perf_counter()
         try:
-            await asyncio.to_thread(self.rollout.engine.update_weights, loaded.weights, version)
+            if loaded is None:
+                await asyncio.to_thread(engine.update_from, handle)
+            else:
+                await asyncio.to_thread(engine.update_weights, loaded.weights, version)
         except EngineFault as err:  # the trainer's own weights: retrying cannot help
             raise RunError(f"run error: the engine could not load the weights of version {version}: {err}") from None
         self.sync_metrics = {**sync_metrics(handle, loaded), "weight_sync/apply_s": time.perf_counter() - t0}

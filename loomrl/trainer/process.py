@@ -39,6 +39,7 @@ from loomrl.trainer.ranks import (
     spawn_local_followers,
 )
 from loomrl.trainer.service import TrainerService
+from loomrl.engine.factory import serving_dtype
 from loomrl.trainer.weight_sync import WeightHandle, make_publisher
 from loomrl.types import Trajectory
 
@@ -194,7 +195,9 @@ def _trainer_main(cfg_json: str, extra: dict[str, Any], checkpoint: str, threads
             group.join("127.0.0.1", port)
         service = TrainerService.from_run(cfg, extra, Path(checkpoint) if checkpoint else None, ranks=group)
         folder = cfg.run_dir / "weights" if cfg.runtime.weight_transport == "file" else None
-        publisher = make_publisher(cfg.runtime.weight_transport, keep=3, folder=folder)
+        ipc = cfg.runtime.weight_transport == "cuda_ipc"
+        publisher = make_publisher(cfg.runtime.weight_transport, keep=3, folder=folder,
+                                   dtype=serving_dtype(cfg) if ipc else None)
         outbox.put(Ready(service.version, service.received.state(),
                          publisher.publish(service.live_weights(), service.version), service.last_metrics))
         while not isinstance(msg := inbox.get(), Stop):

@@ -13,6 +13,10 @@ a Ray actor call); `load_weights(handle)` turns it back into tensors there. Tran
   so that no reader is mid-copy (see the section's comment).
 - "file": one safetensors file per version in a folder, written under a temporary name, fsynced,
   then renamed into place (os.replace is atomic). Works across machines on a shared filesystem.
+- "cuda_ipc": the snapshot stays on the trainer's GPU, cast to the engine's dtype, and the handle carries a CUDA IPC
+  handle per tensor (torch's reduce_tensor: vLLM's "ipc" layout, names / dtype_names / shapes / ipc_handles keyed by
+  the GPU's UUID), so an engine process on the same GPU maps the tensors without a host round trip. The vLLM engine
+  hands them to its worker (engine/vllm_worker.py); `load_weights` rebuilds them for any other engine. CUDA only.
 - "ray":  no publisher here. The Ray backend (runtime/ray_backend.py publish) puts in the handle's payload the ObjectRef
   of the weights the trainer actor returned with its step (an object in Ray's store, owned by the driver, never
   rewritten, freed by Ray's reference counting); rollout actors await it (rollout/actor.py update_weights) instead of
@@ -52,6 +56,7 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from pathlib import Path
@@ -69,6 +74,7 @@ class Transport(enum.StrEnum):
     QUEUE = "queue"
     SHM = "shm"
     FILE = "file"
+    CUDA_IPC = "cuda_ipc"
     RAY = "ray"
 
 
@@ -133,8 +139,10 @@ class WeightPublisher(ABC):
         """`resource` is out of the window (nothing to free by default)."""
 
 
-def make_publisher(transport: str, *, keep: int = 2, folder: str | Path | None = None) -> WeightPublisher:
-    """A publisher for `transport`; `keep`: how many recent versions stay loadable; `folder`: file only."""
+def make_publisher(transport: str, *, keep: int = 2, folder: str | Path | None = None,
+                   dtype: torch.dtype | None = None) -> WeightPublisher:
+    """A publisher for `transport`; `keep`: how many recent versions stay loadable; `folder`: file only; `dtype`:
+    cuda_ipc only, the engine's (None: the trainer's)."""
     kind = Transport(transport)
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
@@ -144,6 +152,8 @@ def make_publisher(transport: str, *, keep: int = 2, folder: str | Path | None =
         return ShmPublisher(keep=keep)
     if kind is Transport.FILE:
         return FilePublisher(folder, keep=keep)
+    if kind is Transport.CUDA_IPC:
+        return IpcPublisher(keep=keep, dtype=dtype)
     raise ValueError("weight sync: the ray transport has no publisher (the Ray backend sends its ObjectRefs itself)")
 
 
@@ -155,15 +165,17 @@ def load_weights(handle: WeightHandle, into: dict[str, Tensor] | None = None) ->
     start = time.perf_counter()
     if handle.transport is Transport.SHM:
         weights = _load_shm(handle, into)
+    elif handle.transport is Transport.CUDA_IPC:
+        views = ipc_tensors(handle.payload)
+        weights = _copy_into(into, views) if into is not None else {n: v.clone() for n, v in views.items()}
     else:
         weights = handle.payload if handle.transport is Transport.QUEUE else _load_file(handle.location, handle.version)
         if into is not None:
-            _copy_into(into, weights)
-            weights = into
+            weights = _copy_into(into, weights)
     return LoadedWeights(weights, handle.version, time.perf_counter() - start)
 
 
-def _copy_into(into: dict[str, Tensor], weights: dict[str, Tensor]) -> None:
+def _copy_into(into: dict[str, Tensor], weights: dict[str, Tensor]) -> dict[str, Tensor]:
     missing = sorted(set(weights) - set(into))
     if missing:
         raise KeyError(f"weight sync: no destination for {missing[:3]}{' ...' if len(missing) > 3 else ''}")
@@ -173,11 +185,13 @@ def _copy_into(into: dict[str, Tensor], weights: dict[str, Tensor]) -> None:
             if dst.shape != src.shape:  # copy_ would broadcast silently
                 raise ValueError(f"weight sync: {name} has shape {tuple(src.shape)}, the destination {tuple(dst.shape)}")
             dst.copy_(src)  # cast to the destination's dtype and device (a bfloat16 engine from float32 masters)
+    return into
 
 
-def sync_metrics(handle: WeightHandle, loaded: LoadedWeights) -> dict[str, float]:
-    """Metrics of one transfer, for the step's log line."""
-    return {"weight_sync/publish_s": handle.publish_s, "weight_sync/load_s": loaded.load_s,
+def sync_metrics(handle: WeightHandle, loaded: LoadedWeights | None) -> dict[str, float]:
+    """Metrics of one transfer, for the step's log line (`loaded` None: the engine read the handle itself, its
+    load is part of applying)."""
+    return {"weight_sync/publish_s": handle.publish_s, "weight_sync/load_s": loaded.load_s if loaded else 0.0,
             "weight_sync/bytes": float(handle.nbytes)}
 
 
@@ -336,7 +350,10 @@ class ShmPublisher(WeightPublisher):
             _free(self._spares.pop())
 
 
-def _load_shm(handle: WeightHandle, into: dict[str, Tensor] | None) -> dict[str, Tensor]:
+@contextlib.contextmanager
+def shm_views(handle: WeightHandle) -> Iterator[dict[str, Tensor]]:
+    """The segment's tensors as views (no copy), valid inside the block, during which the publisher cannot rewrite
+    the segment (a shared flock). Used by `load_weights` and, inside vLLM's worker, by engine/vllm_worker.py."""
     try:
         fd = _posixshmem.shm_open("/" + handle.location, os.O_RDONLY, mode=0o600)
     except FileNotFoundError:
@@ -356,16 +373,84 @@ def _load_shm(handle: WeightHandle, into: dict[str, Tensor] | None) -> dict[str,
             raise StaleWeights(f"weight sync: segment {handle.location} was reused for version "
                                f"{header.get('version')}; load a newer handle than {handle.version}")
         views = _views(mem, _align(8 + size), header["tensors"])
-        if into is not None:
-            _copy_into(into, views)
-            return into
-        return {name: v.clone() for name, v in views.items()}  # owned: the segment is rewritten later
+        yield views
     finally:
         views.clear()  # no exported buffers may remain when the mapping is closed
         if mem is not None:
             with contextlib.suppress(BufferError):  # a view still held by a traceback: closed when collected
                 mem.close()
         os.close(fd)  # releases the lock
+
+
+def _load_shm(handle: WeightHandle, into: dict[str, Tensor] | None) -> dict[str, Tensor]:
+    with shm_views(handle) as views:
+        if into is not None:
+            return _copy_into(into, views)
+        return {name: v.clone() for name, v in views.items()}  # owned: the segment is rewritten later
+
+
+# ---------------------------------------------------------------- CUDA IPC
+#
+# torch's reduce_tensor gives, for a CUDA tensor, the arguments of rebuild_cuda_tensor: a cudaIpcMemHandle of its
+# allocation and where the tensor sits in it. A process on the same GPU that rebuilds it maps the trainer's memory; the
+# trainer must keep the tensor alive meanwhile, hence a snapshot per version held for the window (the parameters
+# themselves change with the next optimizer step). vLLM's "ipc" engine reads the same layout (rebuild args keyed by the
+# GPU's UUID, index 6 the device index, overwritten by the reader).
+
+
+def ipc_payload(tensors: dict[str, Tensor]) -> dict[str, Any]:
+    """names / dtype_names / shapes / ipc_handles of CUDA tensors (vLLM's IPCWeightTransferUpdateInfo fields)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    handles = []
+    for t in tensors.values():
+        uuid_ = str(torch.cuda.get_device_properties(t.device).uuid)
+        handles.append({uuid_: reduce_tensor(t)[1]})
+    return {"names": list(tensors), "dtype_names": [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
+            "shapes": [list(t.shape) for t in tensors.values()], "ipc_handles": handles}
+
+
+def ipc_tensors(payload: dict[str, Any], device_index: int | None = None) -> dict[str, Tensor]:
+    """The tensors of an `ipc_payload`, mapped in this process on the GPU they live on (`device_index`: this
+    process's index of that GPU; default its current device). Views of the trainer's memory: clone to keep."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    index = torch.cuda.current_device() if device_index is None else device_index
+    uuid_ = str(torch.cuda.get_device_properties(index).uuid)
+    out = {}
+    for name, handle in zip(payload["names"], payload["ipc_handles"]):
+        if uuid_ not in handle:
+            raise RuntimeError(f"weight sync: cuda_ipc weights are on GPU {list(handle)}, this process on {uuid_}; "
+                               "CUDA IPC needs the trainer and the engine on the same GPU")
+        args = list(handle[uuid_])
+        args[6] = index  # the reader's index of the GPU
+        out[name] = rebuild_cuda_tensor(*args)
+    return out
+
+
+class IpcPublisher(WeightPublisher):
+    transport = Transport.CUDA_IPC
+
+    def __init__(self, *, keep: int = 2, dtype: torch.dtype | None = None):
+        if not torch.cuda.is_available():
+            raise RuntimeError("weight sync: runtime.weight_transport=cuda_ipc needs a CUDA GPU (use shm)")
+        super().__init__(keep)
+        self.dtype = dtype
+
+    def _snapshot(self, weights: dict[str, Tensor], version: int) -> tuple[Any, WeightHandle]:
+        off = [n for n, t in weights.items() if not t.is_cuda]
+        if off:
+            raise ValueError(f"weight sync: cuda_ipc publishes CUDA tensors; {off[:3]} are on "
+                             f"{weights[off[0]].device} (trainer.device must be a GPU)")
+        with torch.no_grad():
+            snap = {n: t.detach().to(dtype=self.dtype or t.dtype, copy=True).contiguous() for n, t in weights.items()}
+        torch.cuda.synchronize()  # the copies are complete before another process reads them
+        return snap, WeightHandle(transport=self.transport, version=version, nbytes=_nbytes(snap),
+                                  payload=ipc_payload(snap))
+
+    def _release(self, snap: dict[str, Tensor]) -> None:
+        snap.clear()
+        torch.cuda.ipc_collect()  # frees the blocks other processes have stopped mapping
 
 
 # ---------------------------------------------------------------- safetensors files

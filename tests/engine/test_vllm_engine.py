@@ -24,6 +24,7 @@ from loomrl.engine.base import EngineFault, GenerationRequest, SamplingParams, g
 from loomrl.engine.builtin.engine import BuiltinEngine
 from loomrl.engine.factory import make_engine
 from loomrl.model.loader import load_model
+from loomrl.trainer.weight_sync import ShmPublisher, StaleWeights
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -244,6 +245,36 @@ def test_refused_updates_load_nothing_and_the_engine_serves_on(engine, models):
         engine.update_weights(None, 4)
     after = run_requests(engine, [prompt], temperature=0.0, max_tokens=8)[0]
     assert engine.version == 3 and after.token_ids == before.token_ids and set(after.versions) == {3}
+
+
+def test_a_shm_handle_is_read_in_vllms_worker_and_serves_as_its_tensors_would(engine, models):
+    """runtime.weight_transport=shm with engine.kind=vllm: the handle goes to vLLM's worker, which loads the
+    trainer's segment through views of its mapping (engine/vllm_worker.py); the tensors cross no socket. Weights A
+    (float32, the tied lm_head.weight included) as version 4 give the built-in engine's greedy ids on A; a segment
+    of the wrong shape is refused before vLLM is touched; a freed one is StaleWeights."""
+    a, _, tokenizer = models
+    prompts = _prompts(tokenizer)
+    publisher = ShmPublisher(keep=1)
+    try:
+        handle = publisher.publish(dict(a.state_dict()), 4)
+        assert handle.transport in engine.opens
+        engine.update_from(handle)
+        got = run_requests(engine, prompts, temperature=0.0, max_tokens=24, ignore_eos=True)
+        builtin = BuiltinEngine(a, eos_token_id=tokenizer.eos_token_id)
+        try:
+            want = run_requests(builtin, prompts, temperature=0.0, max_tokens=24, ignore_eos=True)
+        finally:
+            builtin.close()
+        assert [r.token_ids for r in got] == [r.token_ids for r in want]
+        assert _max_diff(got, want) < LOGPROB_ATOL and all(set(r.versions) == {4} for r in got)
+        with pytest.raises(EngineFault, match="shape"):
+            engine.update_from(publisher.publish({"model.norm.weight": torch.ones(3)}, 5))
+        publisher.publish(dict(a.state_dict()), 6)  # keep=1: version 4's segment is rewritten
+        with pytest.raises(StaleWeights):
+            engine.update_from(handle)
+    finally:
+        publisher.close()
+    assert engine.version == 4
 
 
 def test_metrics_budget_call_and_release(engine):

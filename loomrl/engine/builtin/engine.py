@@ -37,14 +37,21 @@ from typing import Any
 
 import torch
 
-from loomrl.engine.base import EngineFault, EngineMetrics, GenerationRequest, GenerationResult, refuse_request
+from loomrl.engine.base import (
+    EngineFault,
+    EngineMetrics,
+    GenerationRequest,
+    GenerationResult,
+    TakesTensors,
+    refuse_request,
+)
 from loomrl.engine.builtin.prefix_cache import PrefixCache
 from loomrl.engine.builtin.runner import ModelRunner
 from loomrl.engine.builtin.scheduler import Batch, Scheduler, Seq
 from loomrl.engine.common import deliver, sample_tokens
 
 
-class BuiltinEngine:
+class BuiltinEngine(TakesTensors):
     """Engine protocol implementation; thread-safe, awaited from asyncio."""
 
     def __init__(self, model: torch.nn.Module, *, eos_token_id: int, kv_budget_tokens: int = 65536,

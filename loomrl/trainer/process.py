@@ -30,6 +30,7 @@ import torch
 
 from loomrl.config import RunConfig
 from loomrl.devices import trainer_device
+from loomrl.engine.factory import serving_dtype
 from loomrl.trainer.ranks import (
     Child,
     LocalFollowers,
@@ -39,7 +40,6 @@ from loomrl.trainer.ranks import (
     spawn_local_followers,
 )
 from loomrl.trainer.service import TrainerService
-from loomrl.engine.factory import serving_dtype
 from loomrl.trainer.weight_sync import WeightHandle, make_publisher
 from loomrl.types import Trajectory
 

@@ -15,6 +15,9 @@ one failing part does not stop the others.
   d  one 32k-token sample through the chunked head (152k vocabulary): peak memory against the dense
      logits it never holds
   e  tokens/s of (b)'s step and its model FLOPs utilisation (6 x parameters x tokens / time / peak)
+  f  runtime.weight_transport=cuda_ipc: a trainer process publishes bf16 snapshots of 7B-layer-sized weights as
+     CUDA IPC handles (trainer/weight_sync.py IpcPublisher); this process maps them (load_weights), compared
+     exactly, timed (GB/s); a version that left the window is freed in the publisher. CUDA only
 
 `--cpu` runs every part at toy sizes on the CPU, to check the script itself (its numbers say nothing
 about a GPU). Budget: under 8 minutes on one H200.
@@ -270,6 +273,60 @@ def part_d(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _ipc_trainer(outbox: Any, inbox: Any, shapes: dict[str, tuple[int, ...]]) -> None:
+    """The publishing side of part f, in a process of its own (CUDA IPC does not map memory of the same process)."""
+    from loomrl.trainer.weight_sync import make_publisher
+
+    torch.cuda.set_device(0)
+    publisher = make_publisher("cuda_ipc", keep=1, dtype=torch.bfloat16)
+    for version in (1, 2):
+        gen = torch.Generator(device="cuda").manual_seed(version)
+        weights = {n: torch.randn(s, device="cuda", generator=gen) for n, s in shapes.items()}  # float32 masters
+        outbox.put(publisher.publish(weights, version))
+        inbox.get()  # the reader is done with this version
+    outbox.put(torch.cuda.memory_allocated())  # keep=1: version 1's snapshot is gone
+    inbox.get()
+    publisher.close()
+
+
+def part_f(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
+    import multiprocessing as mp
+
+    from loomrl.trainer.weight_sync import load_weights  # imported on the CPU too: it needs no config layer
+
+    if device.type != "cuda":
+        return {"skipped": "CUDA IPC needs a GPU"}
+
+    hidden, inter = 3584, 18944  # one Qwen2.5-7B decoder layer's projections
+    shapes = {"q": (hidden, hidden), "k": (512, hidden), "v": (512, hidden), "o": (hidden, hidden),
+              "gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+    ctx = mp.get_context("spawn")
+    outbox, inbox = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_ipc_trainer, args=(outbox, inbox, shapes), daemon=True)
+    child.start()
+    out: dict[str, Any] = {}
+    try:
+        for version in (1, 2):
+            handle = outbox.get(timeout=300)
+            t0 = time.perf_counter()
+            loaded = load_weights(handle)  # mapped, then cloned into this process's own memory
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+            gen = torch.Generator(device="cuda").manual_seed(version)
+            want = {n: torch.randn(s, device="cuda", generator=gen).to(torch.bfloat16) for n, s in shapes.items()}
+            out[f"v{version}"] = {"equal": all(torch.equal(loaded.weights[n], want[n]) for n in shapes),
+                                  "dtype": str(next(iter(loaded.weights.values())).dtype), "seconds": seconds,
+                                  "gb_s": handle.nbytes / seconds / 1e9, "bytes": handle.nbytes}
+            inbox.put("done")
+        out["publisher_allocated_gib_after_v2"] = outbox.get(timeout=60) / 2**30  # one snapshot + v2's masters
+        inbox.put("stop")
+    finally:
+        child.join(timeout=60)
+        if child.is_alive():
+            child.kill()
+    return out
+
+
 def part_e(b: dict[str, Any], peak_flops: float) -> dict[str, Any]:
     if "step_s" not in b:
         return {"error": "part b did not complete"}
@@ -284,7 +341,7 @@ def main() -> None:
     ap.add_argument("--cpu", action="store_true", help="toy sizes on the CPU: checks the script, not a GPU")
     ap.add_argument("--layers", type=int, default=28, help="decoder layers of the 7B-shaped model (Qwen2.5-7B: 28)")
     ap.add_argument("--peak-tflops", type=float, default=H200_BF16_PEAK_FLOPS / 1e12)
-    ap.add_argument("--parts", default="abcde")
+    ap.add_argument("--parts", default="abcdef")
     ap.add_argument("--scratch", default=None, help="folder for the checkpoint of part b (default: a temp dir)")
     args = ap.parse_args()
     if not args.cpu and not torch.cuda.is_available():
@@ -304,7 +361,7 @@ def main() -> None:
 
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                               "torch": torch.__version__, "transformers": transformers.__version__}
-    parts = {"a": part_a, "b": part_b, "c": part_c, "d": part_d}
+    parts = {"a": part_a, "b": part_b, "c": part_c, "d": part_d, "f": part_f}
     t_all = time.perf_counter()
     for name in args.parts:
         t0 = time.perf_counter()

@@ -19,11 +19,12 @@ def test_gpu_smoke_runs_every_part_without_the_config_layer(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["device"] == "cpu"
-    for part in "abcde":
+    for part in "abcdef":
         assert "error" not in result[part], (part, result[part])
     a, b = result["a"], result["b"]
     assert a["ok"] and a["grads_finite"] and a["loss_rel_diff_checkpointing"] < 1e-2, a
     assert a["max_abs_dense_vs_tree"] < 0.05, a  # bf16 autocast on both paths
     assert b["dcp_equal"] and b["grad_norm_finite"] and b["step_s"] > 0, b
     assert result["d"]["finite"] and 0 < result["e"]["tokens_per_s"]
+    assert result["f"]["skipped"] == "CUDA IPC needs a GPU"
     assert result["c"]["max_abs_logprob"] < 1e-4 and result["c"]["gradients"] == "not on the CPU"

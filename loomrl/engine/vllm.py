@@ -30,8 +30,13 @@ Metrics: requests, finished, prompt/prefill/reused tokens (num_cached_tokens), g
 per-request count), interrupts (requests ended "interrupted"), faults (requests the engine failed) and busy_s (wall time
 with a request in flight). steps stays 0: AsyncLLM does not report its steps to the caller.
 
-What it is not: a client of an external vLLM server (that is engine/vllm_http.py, engine.vllm.base_url), or NCCL/CUDA-IPC weight sync, sleep/wake for
-colocated training, or Ray actors of its own. `release` does nothing: vLLM's prefix cache is keyed by token blocks.
+- update_from(handle): the same update for a handle vLLM's worker opens itself (`opens`): a trainer's shm segment,
+  read through views of its mapping (no bytes through EngineCore's sockets), or CUDA IPC handles mapped on the
+  worker's GPU (runtime.weight_transport=cuda_ipc; not run on a GPU).
+
+What it is not: a client of an external vLLM server (that is engine/vllm_http.py, engine.vllm.base_url), NCCL weight
+sync between GPUs, or Ray actors of its own (engine/actor.py). `release` does nothing: vLLM's prefix cache is keyed by
+token blocks.
 """
 
 from __future__ import annotations

@@ -277,6 +277,30 @@ def test_a_shm_handle_is_read_in_vllms_worker_and_serves_as_its_tensors_would(en
     assert engine.version == 4
 
 
+def test_a_cuda_ipc_payload_is_vllms_ipc_layout_and_is_checked_before_vllm_sees_it(engine, monkeypatch):
+    """runtime.weight_transport=cuda_ipc cannot run here (no CUDA): torch.cuda's device properties and torch's
+    reduce_tensor are replaced by fakes (said here, as the standards ask), to check that ipc_payload builds exactly
+    the fields of vLLM's own IPCWeightTransferUpdateInfo (its __post_init__ validates them), and that the adapter
+    refuses a payload of the wrong shape before anything reaches vLLM's worker."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import torch.multiprocessing.reductions as reductions
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
+
+    from loomrl.trainer.weight_sync import Transport, WeightHandle, ipc_payload
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(uuid="GPU-fake"))
+    monkeypatch.setattr(reductions, "reduce_tensor", lambda t: (None, ("rebuild-args", tuple(t.shape))))
+    payload = ipc_payload({"model.norm.weight": torch.ones(3), "model.embed_tokens.weight": torch.ones(2, 4)})
+    info = IPCWeightTransferUpdateInfo(**payload)  # vLLM's validation of the layout
+    assert set(payload) <= {f.name for f in dataclasses.fields(IPCWeightTransferUpdateInfo)}
+    assert info.ipc_handles[1] == {"GPU-fake": ("rebuild-args", (2, 4))} and info.shapes == [[3], [2, 4]]
+    with pytest.raises(EngineFault, match="shape"):
+        engine.update_from(WeightHandle(transport=Transport.CUDA_IPC, version=9, nbytes=12, payload=payload))
+    assert engine.version == 4
+
+
 def test_metrics_budget_call_and_release(engine):
     m = engine.metrics
     assert engine.kv_budget == 512

@@ -391,7 +391,8 @@ class RuntimeConfig(_Section):
     # async (local): how new weights go from the trainer process to the engine (trainer/weight_sync.py;
     # benchmarks/weight_sync.py: shm ~6x faster than pickling through the queue for SmolLM2-135M). engine.kind=vllm
     # reads shm in its worker process. cuda_ipc: trainer and engine on one GPU, the weights never leave it
-    weight_transport: Literal["shm", "file", "queue", "cuda_ipc"] = "shm"
+    # broadcast: over a process group of the trainer and vLLM's workers (engine.kind=vllm; NCCL between GPUs)
+    weight_transport: Literal["shm", "file", "queue", "cuda_ipc", "broadcast"] = "shm"
     # a trainer that dies (async: its process or a rank; ray: its actors) is restarted from the latest
     # checkpoint this many times (0: the run stops and says to continue with --resume)
     max_trainer_restarts: int = Field(5, ge=0)
@@ -494,11 +495,14 @@ class RunConfig(_Section):
                                                          self.ray.engine.count != len(urls)):
             raise ValueError(f"engine.{kind}.base_url lists {len(urls)} servers: one engine actor drives each, so "
                              f"set runtime.backend=ray and ray.engine.count={len(urls)}")
-        if self.runtime.weight_transport == "cuda_ipc" and (self.runtime.mode, self.runtime.backend) != ("async",
-                                                                                                     "local"):
-            raise ValueError("runtime.weight_transport=cuda_ipc is for runtime.mode=async with runtime.backend=local "
-                             "(a trainer process beside the engine on one GPU); sync runs share one model, and Ray "
-                             "runs send the weights through Ray's object store")
+        transport = self.runtime.weight_transport
+        if transport in ("cuda_ipc", "broadcast") and (self.runtime.mode, self.runtime.backend) != ("async", "local"):
+            raise ValueError(f"runtime.weight_transport={transport} is for runtime.mode=async with "
+                             "runtime.backend=local (a trainer process beside the engine); sync runs share one model, "
+                             "and Ray runs send the weights through Ray's object store")
+        if transport == "broadcast" and (kind != "vllm" or self.engine.vllm.base_url):
+            raise ValueError("runtime.weight_transport=broadcast needs engine.kind=vllm in process (no "
+                             "engine.vllm.base_url): vLLM's workers join the trainer's process group")
         if self.runtime.mode == "sync" and self.engine.kind == "sglang":
             raise ValueError("engine.kind=sglang needs runtime.mode=async (sync mode shares the trainer's model with "
                              "the engine; an SGLang server holds its own copy and loads each version from disk)")

@@ -118,3 +118,12 @@ def test_cuda_ipc_weights_need_the_trainer_on_a_gpu_and_an_async_local_run(two_f
     cfg = load_config(None, ["runtime.mode=async", "runtime.weight_transport=cuda_ipc", "trainer.device=cuda:0",
                              "model.device=cuda:0"])
     assert cfg.runtime.weight_transport == "cuda_ipc"
+
+
+def test_broadcast_weights_need_vllm_in_process_and_an_async_local_run():
+    """runtime.weight_transport=broadcast: vLLM's workers join the trainer's process group, so the built-in engine,
+    a vLLM server (engine.vllm.base_url) and sync or Ray runs are refused, naming what to set."""
+    with pytest.raises(ConfigError, match="broadcast needs engine.kind=vllm in process"):
+        load_config(None, ["runtime.mode=async", "runtime.weight_transport=broadcast"])
+    with pytest.raises(ConfigError, match="broadcast is for runtime.mode=async"):
+        load_config(None, ["runtime.mode=sync", "runtime.weight_transport=broadcast"])

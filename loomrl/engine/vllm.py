@@ -31,11 +31,13 @@ per-request count), interrupts (requests ended "interrupted"), faults (requests 
 with a request in flight). steps stays 0: AsyncLLM does not report its steps to the caller.
 
 - update_from(handle): the same update for a handle vLLM's worker opens itself (`opens`): a trainer's shm segment,
-  read through views of its mapping (no bytes through EngineCore's sockets), or CUDA IPC handles mapped on the
-  worker's GPU (runtime.weight_transport=cuda_ipc; not run on a GPU).
+  read through views of its mapping (no bytes through EngineCore's sockets), CUDA IPC handles mapped on the worker's
+  GPU (runtime.weight_transport=cuda_ipc; not run on a GPU), or a broadcast the workers receive from the trainer
+  over a process group they join on its first handle (runtime.weight_transport=broadcast: gloo here, NCCL on GPUs,
+  which has not run).
 
-What it is not: a client of an external vLLM server (that is engine/vllm_http.py, engine.vllm.base_url), NCCL weight
-sync between GPUs, or Ray actors of its own (engine/actor.py). `release` does nothing: vLLM's prefix cache is keyed by
+What it is not: a client of an external vLLM server (that is engine/vllm_http.py, engine.vllm.base_url) or Ray actors
+of its own (engine/actor.py). `release` does nothing: vLLM's prefix cache is keyed by
 token blocks.
 """
 
@@ -154,7 +156,7 @@ def finish_reason(reason: str | None, stop_reason: Any, *, closed: bool, interru
 class VLLMEngine(LoadState):
     """Engine protocol implementation over AsyncLLM; generate is awaited from asyncio, the rest is thread-safe."""
 
-    opens = frozenset({Transport.SHM, Transport.CUDA_IPC})  # read inside vLLM's worker (update_from)
+    opens = frozenset({Transport.SHM, Transport.CUDA_IPC, Transport.BROADCAST})  # read in vLLM's worker (update_from)
 
     def __init__(self, cfg: VLLMConfig, model: ServedModel, *, dtype: str, seed: int = 0, max_num_seqs: int = 64,
                  prefix_cache: bool = True, version: int = 0, sleep_mode: bool = False):
@@ -237,12 +239,15 @@ class VLLMEngine(LoadState):
             with shm_views(handle) as views:  # the header only: the worker maps the segment itself
                 named = checked_weights(views, self.model.shapes, self.model.aliases, self._broken)
             update = {"segment": handle.location, "version": handle.version, "names": [n for n, _ in named]}
-        elif handle.transport is Transport.CUDA_IPC:
+        elif handle.transport in (Transport.CUDA_IPC, Transport.BROADCAST):
             p = handle.payload
             shapes = {n: torch.empty(s, device="meta") for n, s in zip(p["names"], p["shapes"])}
-            keep = {n for n, _ in checked_weights(shapes, self.model.shapes, self.model.aliases, self._broken)}
-            p = {k: [v for n, v in zip(p["names"], p[k]) if n in keep] for k in p}  # tied aliases left out
-            update = {"ipc": base64.b64encode(pickle.dumps(p)).decode("ascii")}
+            keep = [n for n, _ in checked_weights(shapes, self.model.shapes, self.model.aliases, self._broken)]
+            if handle.transport is Transport.BROADCAST:  # every bucket is received (a collective), `names` loaded
+                update = {"broadcast": p, "names": keep}
+            else:
+                p = {k: [v for n, v in zip(p["names"], p[k]) if n in set(keep)] for k in p}  # tied aliases left out
+                update = {"ipc": base64.b64encode(pickle.dumps(p)).decode("ascii")}
         else:
             raise EngineFault(f"update_from: vLLM's worker does not read {handle.transport} handles (opens: "
                               f"{sorted(self.opens)})")

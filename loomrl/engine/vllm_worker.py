@@ -8,7 +8,10 @@ Worker.load_model create an InlineWeightEngine. AsyncLLM.update_weights hands it
 - shm: the name and version of a trainer's shared-memory segment (runtime.weight_transport=shm), read here, in the
   worker, through views of the mapping: the tensors cross no socket;
 - cuda_ipc: the trainer's CUDA IPC handles (runtime.weight_transport=cuda_ipc, pickled: msgpack cannot carry torch's
-  rebuild arguments), mapped on this worker's GPU, as vLLM's own "ipc" engine does.
+  rebuild arguments), mapped on this worker's GPU, as vLLM's own "ipc" engine does;
+- broadcast: the group's address and the version's layout; the worker joins the trainer's process group (rank 1 +
+  its tensor-parallel rank) on the first such update and receives the buckets the trainer broadcasts
+  (trainer/weight_group.py: gloo here, NCCL on GPUs), as vLLM's own "nccl" engine does.
 
 Why these choices (docs/research/vllm_cpu_0.32.md, section 5):
 - The tensors ride inside update_info as raw bytes (base64 strings over HTTP) with their dtype and shape
@@ -44,6 +47,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
 from loomrl.engine.vllm_weights import from_wire
+from loomrl.trainer.weight_group import Receiver
 from loomrl.trainer.weight_sync import Transport, WeightHandle, ipc_tensors, shm_views
 
 BACKEND = "loomrl_inline"
@@ -64,6 +68,7 @@ class InlineUpdate(WeightTransferUpdateInfo):
     segment: str = ""  # shm: the segment to read the tensors `names` from (dtypes, shapes and blobs stay empty)
     version: int = -1  # shm: the version the segment must hold
     ipc: str = ""  # cuda_ipc: base64 of the pickled ipc_payload (trainer/weight_sync.py)
+    broadcast: dict[str, Any] | None = None  # broadcast: the group's address and the version's names, dtypes, shapes
 
 
 class InlineWeightEngine(WeightTransferEngine[InlineInit, InlineUpdate]):
@@ -74,7 +79,7 @@ class InlineWeightEngine(WeightTransferEngine[InlineInit, InlineUpdate]):
     supports_draft_weight_update = False
 
     def init_transfer_engine(self, init_info: InlineInit) -> None:
-        pass  # nothing to connect: the tensors come with each update_weights call
+        self.receiver = Receiver()  # broadcast: joins the trainer's group when a handle first names it
 
     def start_weight_update(self) -> None:
         initialize_layerwise_reload(self.model)
@@ -91,6 +96,13 @@ class InlineWeightEngine(WeightTransferEngine[InlineInit, InlineUpdate]):
                                             location=update_info.segment)) as views:
                     # vLLM's loaders copy (and cast) out of the views; `names`: those the adapter checked
                     self.model.load_weights([(n, views[n]) for n in update_info.names])
+            elif update_info.broadcast is not None:
+                # rank 1 + this worker's tensor-parallel rank; the group is joined on the first handle naming it
+                group = self.receiver.group_for(update_info.broadcast["group"], 1 + self.parallel_config.rank,
+                                                self.device)
+                wanted = set(update_info.names)  # every bucket is received: the others are in the collective too
+                for bucket in group.receive(update_info.broadcast):
+                    self.model.load_weights([(n, t) for n, t in bucket if n in wanted])
             elif update_info.ipc:
                 payload = pickle.loads(base64.b64decode(update_info.ipc))  # noqa: S301 - our trainer's, same machine
                 self.model.load_weights(list(ipc_tensors(payload, self.device.index).items()))

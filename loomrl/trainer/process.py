@@ -195,9 +195,11 @@ def _trainer_main(cfg_json: str, extra: dict[str, Any], checkpoint: str, threads
             group.join("127.0.0.1", port)
         service = TrainerService.from_run(cfg, extra, Path(checkpoint) if checkpoint else None, ranks=group)
         folder = cfg.run_dir / "weights" if cfg.runtime.weight_transport == "file" else None
-        ipc = cfg.runtime.weight_transport == "cuda_ipc"
-        publisher = make_publisher(cfg.runtime.weight_transport, keep=3, folder=folder,
-                                   dtype=serving_dtype(cfg) if ipc else None)
+        transport, vllm = cfg.runtime.weight_transport, cfg.engine.vllm
+        publisher = make_publisher(transport, keep=3, folder=folder,
+                                   dtype=serving_dtype(cfg) if transport in ("cuda_ipc", "broadcast") else None,
+                                   receivers=vllm.tensor_parallel_size, bucket_bytes=vllm.weight_bucket_bytes,
+                                   timeout_s=vllm.update_timeout_s)
         outbox.put(Ready(service.version, service.received.state(),
                          publisher.publish(service.live_weights(), service.version), service.last_metrics))
         while not isinstance(msg := inbox.get(), Stop):
@@ -206,6 +208,7 @@ def _trainer_main(cfg_json: str, extra: dict[str, Any], checkpoint: str, threads
             elif isinstance(msg, ReadyQuery):
                 outbox.put(IsReady(service.ready()))
             elif service.ready():
+                publisher.settle()  # nothing reads the weights any more (broadcast) when the step changes them
                 metrics = service.train_step()
                 outbox.put(Stepped(metrics, publisher.publish(service.live_weights(), service.version)))
             else:

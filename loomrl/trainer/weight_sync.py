@@ -17,6 +17,10 @@ a Ray actor call); `load_weights(handle)` turns it back into tensors there. Tran
   handle per tensor (torch's reduce_tensor: vLLM's "ipc" layout, names / dtype_names / shapes / ipc_handles keyed by
   the GPU's UUID), so an engine process on the same GPU maps the tensors without a host round trip. The vLLM engine
   hands them to its worker (engine/vllm_worker.py); `load_weights` rebuilds them for any other engine. CUDA only.
+- "broadcast": the trainer broadcasts each version over a process group of its own with the engine's workers
+  (trainer/weight_group.py: NCCL between GPUs, gloo on CPUs); the handle carries the group's address and the
+  version's names, dtypes and shapes, and the engine's workers receive it (engine.kind=vllm only). Nothing is held:
+  the broadcast reads the live parameters, so the trainer settles it (`settle`) before its next step.
 - "ray":  no publisher here. The Ray backend (runtime/ray_backend.py publish) puts in the handle's payload the ObjectRef
   of the weights the trainer actor returned with its step (an object in Ray's store, owned by the driver, never
   rewritten, freed by Ray's reference counting); rollout actors await it (rollout/actor.py update_weights) instead of
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 import _posixshmem
 import contextlib
+import dataclasses
 import enum
 import fcntl
 import json
@@ -52,6 +57,7 @@ import math
 import mmap
 import os
 import tempfile
+import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -75,6 +81,7 @@ class Transport(enum.StrEnum):
     SHM = "shm"
     FILE = "file"
     CUDA_IPC = "cuda_ipc"
+    BROADCAST = "broadcast"
     RAY = "ray"
 
 
@@ -126,6 +133,9 @@ class WeightPublisher(ABC):
         handle.publish_s = time.perf_counter() - start
         return handle
 
+    def settle(self) -> None:  # noqa: B027 - a hook: only broadcast sends after publish returns
+        """Returns once nothing reads the weights published last (before the trainer changes them)."""
+
     def close(self) -> None:
         """Free every version still held."""
         while self._held:
@@ -140,9 +150,11 @@ class WeightPublisher(ABC):
 
 
 def make_publisher(transport: str, *, keep: int = 2, folder: str | Path | None = None,
-                   dtype: torch.dtype | None = None) -> WeightPublisher:
+                   dtype: torch.dtype | None = None, receivers: int = 1, bucket_bytes: int = 64 << 20,
+                   timeout_s: float = 600.0) -> WeightPublisher:
     """A publisher for `transport`; `keep`: how many recent versions stay loadable; `folder`: file only; `dtype`:
-    cuda_ipc only, the engine's (None: the trainer's)."""
+    cuda_ipc and broadcast, the engine's (None: the trainer's); broadcast: `receivers` (the engine's worker
+    processes), `bucket_bytes` per collective and `timeout_s` for the rendezvous and each version."""
     kind = Transport(transport)
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
@@ -154,6 +166,8 @@ def make_publisher(transport: str, *, keep: int = 2, folder: str | Path | None =
         return FilePublisher(folder, keep=keep)
     if kind is Transport.CUDA_IPC:
         return IpcPublisher(keep=keep, dtype=dtype)
+    if kind is Transport.BROADCAST:
+        return BroadcastPublisher(receivers=receivers, dtype=dtype, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
     raise ValueError("weight sync: the ray transport has no publisher (the Ray backend sends its ObjectRefs itself)")
 
 
@@ -162,6 +176,8 @@ def load_weights(handle: WeightHandle, into: dict[str, Tensor] | None = None) ->
     those and `into` is returned: one copy fewer for shm. Raises StaleWeights if the version was freed already."""
     if handle.transport is Transport.RAY:
         raise ValueError("weight sync: a ray handle's payload is an ObjectRef, awaited by the rollout actor")
+    if handle.transport is Transport.BROADCAST:
+        raise ValueError("weight sync: a broadcast handle is received by the engine's workers (engine.kind=vllm)")
     start = time.perf_counter()
     if handle.transport is Transport.SHM:
         weights = _load_shm(handle, into)
@@ -451,6 +467,73 @@ class IpcPublisher(WeightPublisher):
     def _release(self, snap: dict[str, Tensor]) -> None:
         snap.clear()
         torch.cuda.ipc_collect()  # frees the blocks other processes have stopped mapping
+
+
+# ---------------------------------------------------------------- broadcast
+
+
+class BroadcastPublisher(WeightPublisher):
+    """Rank 0 of a weight group (trainer/weight_group.py). publish returns the handle at once and broadcasts on a
+    thread of its own (the first one also waits there for the receivers to join), so the handle can reach the
+    engine, whose workers receive meanwhile; `settle` waits for it (bounded by timeout_s) and raises what failed."""
+
+    transport = Transport.BROADCAST
+
+    def __init__(self, *, receivers: int, dtype: torch.dtype | None, bucket_bytes: int, timeout_s: float,
+                 host: str = "127.0.0.1"):
+        from loomrl.trainer.weight_group import GroupAddress, host_store
+
+        super().__init__(keep=1)
+        self.dtype = dtype
+        self.bucket_bytes = bucket_bytes
+        self._store = host_store(host, receivers + 1, timeout_s)
+        self.address = GroupAddress(host=host, port=self._store.port, world_size=receivers + 1, timeout_s=timeout_s,
+                                    name=f"loomrl-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}", backend="gloo")
+        self._group: Any = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def _snapshot(self, weights: dict[str, Tensor], version: int) -> tuple[Any, WeightHandle]:
+        from loomrl.trainer.weight_group import describe
+
+        self.settle()
+        backend = "nccl" if next(iter(weights.values())).is_cuda else "gloo"
+        if self._group is None:
+            self.address.backend = backend  # the first version's tensors decide; later ones are on the same device
+        meta = describe(weights, self.dtype, self.bucket_bytes)
+        self._thread = threading.Thread(target=self._send, args=(weights, meta), name="loomrl-weight-broadcast",
+                                        daemon=True)  # a receiver that never comes must not hold the process
+        self._thread.start()
+        nbytes = sum(math.prod(s) * getattr(torch, d).itemsize for d, s in zip(meta["dtypes"], meta["shapes"]))
+        return None, WeightHandle(transport=self.transport, version=version, nbytes=nbytes,
+                                  payload={"group": dataclasses.asdict(self.address), **meta})
+
+    def _send(self, weights: dict[str, Tensor], meta: dict[str, Any]) -> None:
+        from loomrl.trainer.weight_group import WeightGroup
+
+        try:
+            if self._group is None:
+                device = next(iter(weights.values())).device
+                self._group = WeightGroup(self.address, 0, device, store=self._store)
+            self._group.send(weights, meta)
+        except BaseException as err:  # noqa: BLE001 - raised by settle, in the trainer's thread
+            self._error = err
+
+    def settle(self) -> None:
+        if self._thread is not None:
+            self._thread.join(self.address.timeout_s + 30)
+            if self._thread.is_alive():
+                raise RuntimeError(f"weight sync: the broadcast of the last version did not end within "
+                                   f"{self.address.timeout_s:.0f}s (did the engine receive it?)")
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"weight sync: broadcasting the weights failed: {type(err).__name__}: {err}") from err
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.join(1.0)  # a receiver that will not come (the run is ending): left to its timeout
+        super().close()
 
 
 # ---------------------------------------------------------------- safetensors files

@@ -24,7 +24,7 @@ from loomrl.engine.base import EngineFault, GenerationRequest, SamplingParams, g
 from loomrl.engine.builtin.engine import BuiltinEngine
 from loomrl.engine.factory import make_engine
 from loomrl.model.loader import load_model
-from loomrl.trainer.weight_sync import ShmPublisher, StaleWeights
+from loomrl.trainer.weight_sync import ShmPublisher, StaleWeights, make_publisher
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -277,6 +277,28 @@ def test_a_shm_handle_is_read_in_vllms_worker_and_serves_as_its_tensors_would(en
     assert engine.version == 4
 
 
+def test_a_broadcast_is_received_by_vllms_worker_over_the_group_it_joins(engine, fresh, models):
+    """runtime.weight_transport=broadcast: the publisher (here, in this process) opens a process group and sends on
+    a thread of its own; vLLM's worker joins it on the first handle (gloo on the CPU; NCCL on GPUs) and loads the
+    buckets it receives (the tied lm_head.weight is received, as a collective must, and not loaded). Weights B as
+    version 10 then serve exactly as the engine started on B; a second version goes over the same group."""
+    _, b, tokenizer = models
+    prompts = _prompts(tokenizer)
+    publisher = make_publisher("broadcast", receivers=1, bucket_bytes=2_000_000, timeout_s=120)
+    try:
+        for version in (10, 11):
+            handle = publisher.publish(dict(b.state_dict()), version)
+            assert handle.transport in engine.opens
+            engine.update_from(handle)
+            publisher.settle()
+        got = run_requests(engine, prompts, temperature=0.0, max_tokens=24, ignore_eos=True)
+        want = run_requests(fresh, prompts, temperature=0.0, max_tokens=24, ignore_eos=True)
+        assert [r.token_ids for r in got] == [r.token_ids for r in want]
+        assert _max_diff(got, want) < 1e-5 and all(set(r.versions) == {11} for r in got)
+    finally:
+        publisher.close()
+
+
 def test_a_cuda_ipc_payload_is_vllms_ipc_layout_and_is_checked_before_vllm_sees_it(engine, monkeypatch):
     """runtime.weight_transport=cuda_ipc cannot run here (no CUDA): torch.cuda's device properties and torch's
     reduce_tensor are replaced by fakes (said here, as the standards ask), to check that ipc_payload builds exactly
@@ -298,7 +320,7 @@ def test_a_cuda_ipc_payload_is_vllms_ipc_layout_and_is_checked_before_vllm_sees_
     assert info.ipc_handles[1] == {"GPU-fake": ("rebuild-args", (2, 4))} and info.shapes == [[3], [2, 4]]
     with pytest.raises(EngineFault, match="shape"):
         engine.update_from(WeightHandle(transport=Transport.CUDA_IPC, version=9, nbytes=12, payload=payload))
-    assert engine.version == 4
+    assert engine.version == 11
 
 
 def test_metrics_budget_call_and_release(engine):

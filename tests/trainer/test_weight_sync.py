@@ -232,3 +232,63 @@ def test_ray_handles_have_no_publisher_and_no_loader_here():
         make_publisher("ray")
     with pytest.raises(ValueError, match="ObjectRef"):
         load_weights(WeightHandle(transport=Transport.RAY, version=1, nbytes=0, payload=object()))
+
+
+def _receive_versions(handles, out) -> None:
+    """A receiving process (an engine's worker would be one): joins the group the handles name, receives each
+    version bucket by bucket, copies it out (the views are of a buffer per bucket) and sends it back."""
+    from loomrl.trainer.weight_group import Receiver
+
+    receiver = Receiver()
+    for payload in iter(handles.get, None):
+        group = receiver.group_for(payload["group"], 1, torch.device("cpu"))
+        got = {n: t.clone() for bucket in group.receive(payload) for n, t in bucket}
+        out.put(got)
+
+
+def test_broadcast_sends_whole_versions_in_the_engines_dtype_to_a_process_that_joins_its_group():
+    """runtime.weight_transport=broadcast on the CPU (gloo; NCCL on GPUs): the publisher returns the handle at once
+    and sends on its own thread; a receiver in another process joins on the first handle and gets every version
+    exactly, cast to the engine's dtype (bfloat16 here), in buckets smaller than the model (several collectives,
+    one tensor larger than a bucket alone). A trainer that changes the weights right after `settle` does not
+    change what was received."""
+    ctx = mp.get_context("spawn")
+    handles, out = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_receive_versions, args=(handles, out), daemon=True)
+    child.start()
+    weights = {n: t for n, t in _weights().items() if t.is_floating_point() and t.dim()}
+    pub = make_publisher("broadcast", dtype=torch.bfloat16, bucket_bytes=64, timeout_s=60)
+    try:
+        for version in (1, 2):
+            handle = pub.publish(weights, version)
+            assert handle.transport is Transport.BROADCAST and handle.payload["group"]["backend"] == "gloo"
+            handles.put(handle.payload)
+            pub.settle()
+            want = {n: t.to(torch.bfloat16, copy=True) for n, t in weights.items()}
+            with torch.no_grad():
+                for t in weights.values():
+                    t.add_(1.0)  # the trainer's next step, after settle
+            got = out.get(timeout=60)
+            assert list(got) == list(want), (list(got), list(want))
+            assert [n for n in want if not torch.equal(got[n], want[n])] == []
+            assert handle.nbytes == sum(t.numel() * 2 for t in want.values())
+        with pytest.raises(ValueError, match="received by the engine's workers"):
+            load_weights(handle)
+    finally:
+        handles.put(None)
+        pub.close()
+        child.join(30)
+    from loomrl.trainer.weight_group import plan_buckets
+
+    meta = handle.payload
+    assert len(plan_buckets(meta["names"], meta["dtypes"], meta["shapes"], 64)) >= 3
+
+
+def test_a_broadcast_nobody_receives_fails_at_settle_within_its_timeout():
+    pub = make_publisher("broadcast", timeout_s=2)
+    try:
+        pub.publish({"w": torch.ones(4)}, 1)
+        with pytest.raises(RuntimeError, match="broadcasting the weights failed"):
+            pub.settle()
+    finally:
+        pub.close()

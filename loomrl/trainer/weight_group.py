@@ -1,0 +1,144 @@
+"""A process group of the trainer and an engine's workers, over which each published version is broadcast
+(runtime.weight_transport=broadcast): NCCL when the tensors are on GPUs (trainer and engine on different GPUs), gloo
+when they are on CPUs (what the tests run). Rank 0 is the trainer's publisher; ranks 1.. are the engine's processes
+(vLLM's workers, one per tensor-parallel rank, or the rollout process for an engine that opens no handle).
+
+How the two sides meet: the publisher opens the group on its first publish, under a name and a port of its own, and
+puts them in every handle (`GroupAddress`); a receiver joins when it sees a handle of a group it has not joined (a
+restarted trainer is a new group: the old one is closed). The TCPStore rendezvous and every broadcast are bounded by
+`timeout_s`.
+
+The wire: both sides cut the same buckets from the version's names, dtypes and shapes (`plan_buckets`); each bucket is
+one flat uint8 tensor of about `bucket_bytes`, so a version costs a few collectives, not one per tensor. The sender
+casts to the engine's dtype as it packs, reading the live parameters: the trainer must not step them until the
+broadcast is over (BroadcastPublisher.settle, in trainer/weight_sync.py).
+
+What it is not: a transport across trainer ranks (rank 0 holds the full weights, as for every transport) or fault
+tolerant (a receiver that dies mid-version leaves the sender to time out; the run then stops).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+Tensor = torch.Tensor
+
+
+@dataclass(slots=True, kw_only=True)
+class GroupAddress:
+    """Where and under what name a publisher's group meets; travels in each handle (plain fields: picklable)."""
+
+    host: str
+    port: int
+    world_size: int  # the publisher and every receiving process
+    name: str  # unique per publisher: a new trainer process is a new group
+    timeout_s: float
+    backend: str  # "nccl" (CUDA tensors) or "gloo" (CPU tensors): every rank's
+
+
+@dataclass(slots=True, frozen=True)
+class Entry:
+    name: str
+    dtype: str  # without "torch."
+    shape: tuple[int, ...]
+    offset: int  # bytes into its bucket
+    nbytes: int
+
+
+def plan_buckets(names: list[str], dtypes: list[str], shapes: list[list[int]], bucket_bytes: int) -> list[list[Entry]]:
+    """The version's tensors in order, cut into buckets of about `bucket_bytes` (a larger tensor is a bucket alone);
+    offsets 64-byte aligned, so each tensor's view is aligned."""
+    buckets: list[list[Entry]] = [[]]
+    size = 0
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        nbytes = math.prod(shape) * getattr(torch, dtype).itemsize
+        if buckets[-1] and size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(Entry(name, dtype, tuple(shape), size, nbytes))
+        size = (size + nbytes + 63) // 64 * 64
+    return [b for b in buckets if b]
+
+
+def _bucket_size(bucket: list[Entry]) -> int:
+    return max(1, bucket[-1].offset + bucket[-1].nbytes)
+
+
+def host_store(host: str, world_size: int, timeout_s: float) -> Any:
+    """Rank 0's TCPStore on a port the system picks (read it from `.port`); it does not wait for the others here."""
+    return dist.TCPStore(host, 0, world_size, True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+class WeightGroup:
+    """One side's handle on the group: rank 0 sends (over `store`, its host_store), the others receive. Making it
+    is the rendezvous: it returns once every rank has joined (or raises after timeout_s)."""
+
+    def __init__(self, address: GroupAddress, rank: int, device: torch.device, store: Any = None):
+        self.address = address
+        self.rank = rank
+        self.device = device
+        timeout = datetime.timedelta(seconds=address.timeout_s)
+        if store is None:
+            store = dist.TCPStore(address.host, address.port, address.world_size, False, timeout=timeout)
+        self._store = store  # rank 0 hosts the TCPStore: it lives as long as the group
+        prefixed = dist.PrefixStore(address.name, store)
+        if address.backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self._pg: Any = dist.ProcessGroupNCCL(prefixed, rank, address.world_size, options)
+        else:
+            self._pg = dist.ProcessGroupGloo(prefixed, rank, address.world_size, timeout)
+
+    def _broadcast(self, flat: Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self._pg.broadcast([flat], opts).wait()
+
+    def send(self, weights: dict[str, Tensor], meta: dict[str, Any]) -> None:
+        """Broadcast `weights` as `meta` (describe) says, bucket by bucket, cast to meta's dtypes as they are packed."""
+        for bucket in plan_buckets(meta["names"], meta["dtypes"], meta["shapes"], meta["bucket_bytes"]):
+            flat = torch.empty(_bucket_size(bucket), dtype=torch.uint8, device=self.device)
+            with torch.no_grad():
+                for e in bucket:
+                    view = flat[e.offset:e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape)
+                    view.copy_(weights[e.name].detach())
+            self._broadcast(flat)
+
+    def receive(self, meta: dict[str, Any]) -> Iterator[list[tuple[str, Tensor]]]:
+        """The version `meta` describes, one bucket at a time: views of that bucket's buffer, to be consumed
+        (copied out) before the next is asked for."""
+        for bucket in plan_buckets(meta["names"], meta["dtypes"], meta["shapes"], meta["bucket_bytes"]):
+            flat = torch.empty(_bucket_size(bucket), dtype=torch.uint8, device=self.device)
+            self._broadcast(flat)
+            yield [(e.name, flat[e.offset:e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape))
+                   for e in bucket]
+
+
+class Receiver:
+    """A receiving process's membership: the group the latest handle names, joined when it first appears (the one
+    before is left: its trainer is gone)."""
+
+    def __init__(self) -> None:
+        self.group: WeightGroup | None = None
+
+    def group_for(self, address: dict[str, Any], rank: int, device: torch.device) -> WeightGroup:
+        addr = GroupAddress(**address)
+        if self.group is None or self.group.address.name != addr.name:
+            self.group = None
+            self.group = WeightGroup(addr, rank, device)
+        return self.group
+
+
+def describe(weights: dict[str, Tensor], dtype: torch.dtype | None, bucket_bytes: int) -> dict[str, Any]:
+    """names, dtypes (after the cast), shapes and bucket_bytes of a version: what a receiver needs."""
+    return {"names": list(weights),
+            "dtypes": [str(dtype or t.dtype).removeprefix("torch.") for t in weights.values()],
+            "shapes": [list(t.shape) for t in weights.values()], "bucket_bytes": bucket_bytes}

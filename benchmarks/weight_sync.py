@@ -24,7 +24,8 @@ folder's disk and a read. Medians over --repeats transfers after three warm-up o
 --vllm (run it where vLLM is installed, e.g. `make test`'s .venv-vllm): a SmolLM2-135M update into vLLM from a shm
 handle, the last hop of a run's weight sync, two ways side by side: "inline" (this process reads the segment, then
 VLLMEngine.update_weights sends the buckets' bytes through vLLM's weight-transfer API into its worker process) and
-"worker" (VLLMEngine.update_from: the worker maps the segment and loads from views of it); both pause, re-pack the
+"worker" (VLLMEngine.update_from: the worker maps the segment and loads from views of it), and a third arm,
+"broadcast" (runtime.weight_transport=broadcast over gloo, timed from publish to settle); all pause, re-pack the
 tied head, reset the prefix cache and resume. Timed from the call to its return, against the same clone bound.
 """
 
@@ -191,12 +192,19 @@ def measure_vllm(repeats: int) -> dict:
                              f"engine.vllm.kv_cache_memory_bytes={256 << 20}", "engine.vllm.cpu_reserved_cores=0"])
     engine = make_engine(cfg, model, tokenizer, 0)
     publisher = make_publisher("shm", keep=2)
-    times: dict[str, list[float]] = {"inline": [], "worker": []}
+    group = make_publisher("broadcast", receivers=1, bucket_bytes=cfg.engine.vllm.weight_bucket_bytes)
+    times: dict[str, list[float]] = {"inline": [], "worker": [], "broadcast": []}
     version = 0
     try:
         for _ in range(repeats + 1):
             for arm in times:
                 version += 1
+                if arm == "broadcast":  # timed from the publish: the broadcast runs while the worker receives
+                    start = time.perf_counter()
+                    engine.update_from(group.publish(weights, version))
+                    group.settle()
+                    times[arm].append(time.perf_counter() - start)
+                    continue
                 handle = publisher.publish(weights, version)
                 start = time.perf_counter()
                 if arm == "inline":
@@ -207,9 +215,11 @@ def measure_vllm(repeats: int) -> dict:
     finally:
         engine.close()
         publisher.close()
-    inline, worker = (statistics.median(times[a][1:]) for a in ("inline", "worker"))
+        group.close()
+    inline, worker, broadcast = (statistics.median(times[a][1:]) for a in ("inline", "worker", "broadcast"))
     return {"params": sum(t.numel() for t in weights.values()), "bytes": nbytes, "inline_s": inline,
-            "worker_s": worker, "ratio": inline / worker, "gb_s": nbytes / worker / 1e9, "bound_s": bound,
+            "worker_s": worker, "broadcast_s": broadcast, "ratio_broadcast": inline / broadcast,
+            "ratio": inline / worker, "gb_s": nbytes / worker / 1e9, "bound_s": bound,
             "efficiency": bound / worker, "efficiency_inline": bound / inline, "efficiency_warm": warm / worker,
             "bucket_bytes": cfg.engine.vllm.weight_bucket_bytes}
 
@@ -243,6 +253,8 @@ def main() -> None:
                             f"worker (update_from: vLLM's worker reads the segment): {r['worker_s']:.2f} s "
                             f"({r['gb_s']:.2f} GB/s), efficiency {r['efficiency']:.3f} (vs the preallocated copy "
                             f"{r['efficiency_warm']:.3f})",
+                            f"broadcast (gloo, a process group with vLLM's worker; NCCL on GPUs): "
+                            f"{r['broadcast_s']:.2f} s, ratio inline / broadcast {r['ratio_broadcast']:.2f}",
                             f"ratio inline / worker: {r['ratio']:.2f}; bound: one copy (clone) "
                             f"{r['bound_s'] * 1e3:.1f} ms"]},
                args.json)

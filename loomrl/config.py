@@ -96,6 +96,7 @@ class SGLangConfig(_Section):
     server_weights_dir: str | None = None  # the same folder as the server's machine names it (None: weights_dir)
     weights_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # of the written checkpoint
     context_length: int = Field(32768, gt=0)  # the server's --context-length: the engine's kv_budget
+    tp_size: int = Field(1, gt=0)  # the server's --tp-size: its workers join a broadcast's group (weight_transport)
     # True: the server runs with --enable-priority-scheduling --schedule-low-priority-values-first (loomrl's order,
     # lowest first); False: it orders highest first (SGLang's default) and the adapter sends -priority
     low_priority_first: bool = True
@@ -391,8 +392,10 @@ class RuntimeConfig(_Section):
     # async (local): how new weights go from the trainer process to the engine (trainer/weight_sync.py;
     # benchmarks/weight_sync.py: shm ~6x faster than pickling through the queue for SmolLM2-135M). engine.kind=vllm
     # reads shm in its worker process. cuda_ipc: trainer and engine on one GPU, the weights never leave it
-    # broadcast: over a process group of the trainer and vLLM's workers (engine.kind=vllm; NCCL between GPUs)
+    # broadcast: over a process group of the trainer and the engine's workers (engine.kind=vllm in process, or
+    # sglang; NCCL between GPUs)
     weight_transport: Literal["shm", "file", "queue", "cuda_ipc", "broadcast"] = "shm"
+    broadcast_host: str = "127.0.0.1"  # broadcast: the address the engine's workers reach the trainer process at
     # a trainer that dies (async: its process or a rank; ray: its actors) is restarted from the latest
     # checkpoint this many times (0: the run stops and says to continue with --resume)
     max_trainer_restarts: int = Field(5, ge=0)
@@ -500,9 +503,10 @@ class RunConfig(_Section):
             raise ValueError(f"runtime.weight_transport={transport} is for runtime.mode=async with "
                              "runtime.backend=local (a trainer process beside the engine); sync runs share one model, "
                              "and Ray runs send the weights through Ray's object store")
-        if transport == "broadcast" and (kind != "vllm" or self.engine.vllm.base_url):
+        if transport == "broadcast" and (kind not in ("vllm", "sglang") or (kind == "vllm" and self.engine.vllm.base_url)):
             raise ValueError("runtime.weight_transport=broadcast needs engine.kind=vllm in process (no "
-                             "engine.vllm.base_url): vLLM's workers join the trainer's process group")
+                             "engine.vllm.base_url) or engine.kind=sglang: their workers join the trainer's process "
+                             "group")
         if self.runtime.mode == "sync" and self.engine.kind == "sglang":
             raise ValueError("engine.kind=sglang needs runtime.mode=async (sync mode shares the trainer's model with "
                              "the engine; an SGLang server holds its own copy and loads each version from disk)")

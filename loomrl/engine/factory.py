@@ -22,6 +22,8 @@ def serving_dtype(cfg: RunConfig) -> Any:
         from loomrl.engine.vllm import engine_dtype
 
         return dtype_named(engine_dtype(cfg.engine.vllm.dtype, cfg.model.dtype))
+    if cfg.engine.kind == "sglang":
+        return dtype_named(cfg.engine.sglang.weights_dtype)
     return resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device, "model.device"))
 
 

@@ -29,6 +29,11 @@ The contract, as SGLang's source has it:
   an update, so every token's version is exact: the server's weight_version (set to loomrl's version by each
   update) when it is an integer, else (before the first update, or a server that sends none) the engine's version
   when the request started.
+- Or, with runtime.weight_transport=broadcast, /init_weights_update_group {master_address, master_port,
+  rank_offset: 1, world_size, group_name, backend} once per trainer process (the server's workers join the
+  trainer's process group, ranks 1 + tp_rank), then per version /update_weights_from_distributed {names, dtypes,
+  shapes, group_name, flush_cache, weight_version} while the trainer broadcasts each tensor (trainer/weight_group.py,
+  wire "tensors"): NCCL between GPUs, nothing through a filesystem.
 
 Per-token versions, interrupts and resumption: an abort the adapter caused (an interrupt() or an update during the
 request's life) is finish_reason "interrupted", which generate_resuming resumes from the partial output; an abort it
@@ -55,10 +60,10 @@ from loomrl.engine.base import (
     EngineMetrics,
     GenerationRequest,
     GenerationResult,
-    TakesTensors,
     refuse_request,
 )
 from loomrl.engine.http import ServerClient
+from loomrl.trainer.weight_sync import Transport, WeightHandle
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +90,7 @@ def write_checkpoint(folder: Path, weights: dict[str, torch.Tensor], config: Any
         config.save_pretrained(str(folder))
 
 
-class SGLangEngine(TakesTensors):
+class SGLangEngine:
     """Engine protocol implementation over HTTP; generate is awaited from asyncio, the rest is thread-safe."""
 
     def __init__(self, cfg: SGLangConfig, *, version: int = 0, model_config: Any = None):
@@ -100,6 +105,7 @@ class SGLangEngine(TakesTensors):
         self._lock = threading.Lock()
         self._aborts = 0  # pauses with mode=abort sent so far: a request that saw one was interrupted by us
         self._closed = False
+        self._group = ""  # the trainer's weight group the server has joined (broadcast)
         self._http = ServerClient("SGLang", self.base_url, retries=cfg.retries, backoff_s=cfg.retry_backoff_s)
         # One thread for control calls, in order: an interrupt() then an update_weights never interleave.
         self._control = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loomrl-sglang-control")
@@ -150,6 +156,18 @@ class SGLangEngine(TakesTensors):
         for old in root.glob("v*"):  # the server has read the new folder; older ones are not needed again
             if old.name != name:
                 shutil.rmtree(old, ignore_errors=True)
+
+    opens = frozenset({Transport.BROADCAST})  # the server's workers receive it (update_from)
+
+    def update_from(self, handle: WeightHandle) -> None:
+        """A broadcast version (runtime.weight_transport=broadcast): pause (abort) -> /init_weights_update_group the
+        first time this trainer's group is named -> /update_weights_from_distributed, which the server answers once
+        its workers have received every tensor (and flushed the cache) -> continue."""
+        if self._closed:
+            raise EngineFault("update_weights: the engine is closed")
+        if handle.transport is not Transport.BROADCAST:
+            raise EngineFault(f"update_from: an SGLang server receives broadcast handles only, not {handle.transport}")
+        self._control.submit(self._load_broadcast, handle.payload, handle.version).result()
 
     def interrupt(self) -> None:
         """Pause with mode=abort and continue, on the control thread: in-flight requests end "interrupted" soon."""
@@ -270,6 +288,25 @@ class SGLangEngine(TakesTensors):
     def _resume_memory(self) -> None:
         try:
             self._http.post("/resume_memory_occupation", {}, self.cfg.update_timeout_s)
+        finally:
+            self._continue()
+
+    def _load_broadcast(self, payload: dict[str, Any], version: int) -> None:
+        group = payload["group"]
+        try:
+            self._pause()
+            if self._group != group["name"]:  # a new trainer process: a new group (the server keeps the old one)
+                self._http.post("/init_weights_update_group", {
+                    "master_address": group["host"], "master_port": group["port"], "rank_offset": 1,
+                    "world_size": group["world_size"], "group_name": group["name"], "backend": group["backend"]},
+                    self.cfg.update_timeout_s)
+                self._group = group["name"]
+            self._http.post("/update_weights_from_distributed", {
+                "names": payload["names"], "dtypes": payload["dtypes"], "shapes": payload["shapes"],
+                "group_name": group["name"], "flush_cache": True, "weight_version": str(version)},
+                self.cfg.update_timeout_s)
+            with self._lock:
+                self._version = version
         finally:
             self._continue()
 

@@ -195,11 +195,14 @@ def _trainer_main(cfg_json: str, extra: dict[str, Any], checkpoint: str, threads
             group.join("127.0.0.1", port)
         service = TrainerService.from_run(cfg, extra, Path(checkpoint) if checkpoint else None, ranks=group)
         folder = cfg.run_dir / "weights" if cfg.runtime.weight_transport == "file" else None
-        transport, vllm = cfg.runtime.weight_transport, cfg.engine.vllm
+        transport, e = cfg.runtime.weight_transport, cfg.engine
+        sglang = e.kind == "sglang"  # its server receives tensor by tensor, from its tp_size workers
         publisher = make_publisher(transport, keep=3, folder=folder,
                                    dtype=serving_dtype(cfg) if transport in ("cuda_ipc", "broadcast") else None,
-                                   receivers=vllm.tensor_parallel_size, bucket_bytes=vllm.weight_bucket_bytes,
-                                   timeout_s=vllm.update_timeout_s)
+                                   receivers=e.sglang.tp_size if sglang else e.vllm.tensor_parallel_size,
+                                   bucket_bytes=e.vllm.weight_bucket_bytes, host=cfg.runtime.broadcast_host,
+                                   timeout_s=(e.sglang if sglang else e.vllm).update_timeout_s,
+                                   wire="tensors" if sglang else "buckets")
         outbox.put(Ready(service.version, service.received.state(),
                          publisher.publish(service.live_weights(), service.version), service.last_metrics))
         while not isinstance(msg := inbox.get(), Stop):

@@ -9,7 +9,10 @@ restarted trainer is a new group: the old one is closed). The TCPStore rendezvou
 `timeout_s`.
 
 The wire: both sides cut the same buckets from the version's names, dtypes and shapes (`plan_buckets`); each bucket is
-one flat uint8 tensor of about `bucket_bytes`, so a version costs a few collectives, not one per tensor. The sender
+one flat uint8 tensor of about `bucket_bytes`, so a version costs a few collectives, not one per tensor. For an SGLang
+server the wire is "tensors", one broadcast per tensor in its dtype: what /update_weights_from_distributed receives.
+The group itself is made as torch's tcp:// rendezvous and _new_process_group_helper make one, which is what SGLang's
+/init_weights_update_group does (init_custom_process_group), so both engines join the same kind of group. The sender
 casts to the engine's dtype as it packs, reading the live parameters: the trainer must not step them until the
 broadcast is over (BroadcastPublisher.settle, in trainer/weight_sync.py).
 
@@ -82,6 +85,8 @@ class WeightGroup:
     is the rendezvous: it returns once every rank has joined (or raises after timeout_s)."""
 
     def __init__(self, address: GroupAddress, rank: int, device: torch.device, store: Any = None):
+        from torch.distributed.distributed_c10d import _new_process_group_helper
+
         self.address = address
         self.rank = rank
         self.device = device
@@ -89,21 +94,24 @@ class WeightGroup:
         if store is None:
             store = dist.TCPStore(address.host, address.port, address.world_size, False, timeout=timeout)
         self._store = store  # rank 0 hosts the TCPStore: it lives as long as the group
-        prefixed = dist.PrefixStore(address.name, store)
-        if address.backend == "nccl":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            self._pg: Any = dist.ProcessGroupNCCL(prefixed, rank, address.world_size, options)
-        else:
-            self._pg = dist.ProcessGroupGloo(prefixed, rank, address.world_size, timeout)
-
+        # The keys and the group as torch's tcp:// rendezvous and _new_process_group_helper make them, which is what
+        # SGLang's init_custom_process_group does on its side (/init_weights_update_group), so that one group
+        # implementation serves vLLM's workers (ours) and an SGLang server alike.
+        prefixed = dist.PrefixStore(f"tcp://{address.host}:{address.port}", store)
+        self._pg, _ = _new_process_group_helper(address.world_size, rank, [], address.backend, prefixed,
+                                                group_name=address.name, timeout=timeout)
     def _broadcast(self, flat: Tensor) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         self._pg.broadcast([flat], opts).wait()
 
     def send(self, weights: dict[str, Tensor], meta: dict[str, Any]) -> None:
-        """Broadcast `weights` as `meta` (describe) says, bucket by bucket, cast to meta's dtypes as they are packed."""
+        """Broadcast `weights` as `meta` (describe) says, cast to meta's dtypes: bucket by bucket, or tensor by
+        tensor (wire "tensors": SGLang's /update_weights_from_distributed receives each tensor in its own call)."""
+        if meta["wire"] == "tensors":
+            for name, dtype in zip(meta["names"], meta["dtypes"]):
+                self._broadcast(weights[name].detach().to(self.device, getattr(torch, dtype)).contiguous())
+            return
         for bucket in plan_buckets(meta["names"], meta["dtypes"], meta["shapes"], meta["bucket_bytes"]):
             flat = torch.empty(_bucket_size(bucket), dtype=torch.uint8, device=self.device)
             with torch.no_grad():
@@ -113,8 +121,14 @@ class WeightGroup:
             self._broadcast(flat)
 
     def receive(self, meta: dict[str, Any]) -> Iterator[list[tuple[str, Tensor]]]:
-        """The version `meta` describes, one bucket at a time: views of that bucket's buffer, to be consumed
-        (copied out) before the next is asked for."""
+        """The version `meta` describes, one bucket (or tensor) at a time: views of that bucket's buffer, to be
+        consumed (copied out) before the next is asked for."""
+        if meta["wire"] == "tensors":
+            for name, dtype, shape in zip(meta["names"], meta["dtypes"], meta["shapes"]):
+                t = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
+                self._broadcast(t)
+                yield [(name, t)]
+            return
         for bucket in plan_buckets(meta["names"], meta["dtypes"], meta["shapes"], meta["bucket_bytes"]):
             flat = torch.empty(_bucket_size(bucket), dtype=torch.uint8, device=self.device)
             self._broadcast(flat)
@@ -137,8 +151,10 @@ class Receiver:
         return self.group
 
 
-def describe(weights: dict[str, Tensor], dtype: torch.dtype | None, bucket_bytes: int) -> dict[str, Any]:
-    """names, dtypes (after the cast), shapes and bucket_bytes of a version: what a receiver needs."""
+def describe(weights: dict[str, Tensor], dtype: torch.dtype | None, bucket_bytes: int,
+             wire: str = "buckets") -> dict[str, Any]:
+    """names, dtypes (after the cast), shapes, bucket_bytes and wire ("buckets" or "tensors") of a version: what a
+    receiver needs."""
     return {"names": list(weights),
             "dtypes": [str(dtype or t.dtype).removeprefix("torch.") for t in weights.values()],
-            "shapes": [list(t.shape) for t in weights.values()], "bucket_bytes": bucket_bytes}
+            "shapes": [list(t.shape) for t in weights.values()], "bucket_bytes": bucket_bytes, "wire": wire}

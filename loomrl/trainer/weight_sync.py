@@ -19,7 +19,7 @@ a Ray actor call); `load_weights(handle)` turns it back into tensors there. Tran
   hands them to its worker (engine/vllm_worker.py); `load_weights` rebuilds them for any other engine. CUDA only.
 - "broadcast": the trainer broadcasts each version over a process group of its own with the engine's workers
   (trainer/weight_group.py: NCCL between GPUs, gloo on CPUs); the handle carries the group's address and the
-  version's names, dtypes and shapes, and the engine's workers receive it (engine.kind=vllm only). Nothing is held:
+  version's names, dtypes and shapes, and the engine's workers receive it (engine.kind=vllm in process, or sglang). Nothing is held:
   the broadcast reads the live parameters, so the trainer settles it (`settle`) before its next step.
 - "ray":  no publisher here. The Ray backend (runtime/ray_backend.py publish) puts in the handle's payload the ObjectRef
   of the weights the trainer actor returned with its step (an object in Ray's store, owned by the driver, never
@@ -151,10 +151,11 @@ class WeightPublisher(ABC):
 
 def make_publisher(transport: str, *, keep: int = 2, folder: str | Path | None = None,
                    dtype: torch.dtype | None = None, receivers: int = 1, bucket_bytes: int = 64 << 20,
-                   timeout_s: float = 600.0) -> WeightPublisher:
+                   timeout_s: float = 600.0, host: str = "127.0.0.1", wire: str = "buckets") -> WeightPublisher:
     """A publisher for `transport`; `keep`: how many recent versions stay loadable; `folder`: file only; `dtype`:
     cuda_ipc and broadcast, the engine's (None: the trainer's); broadcast: `receivers` (the engine's worker
-    processes), `bucket_bytes` per collective and `timeout_s` for the rendezvous and each version."""
+    processes), `bucket_bytes` per collective, `timeout_s` for the rendezvous and each version, `host` the address
+    receivers reach the publisher at, `wire` "buckets" or "tensors" (an SGLang server)."""
     kind = Transport(transport)
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
@@ -167,7 +168,8 @@ def make_publisher(transport: str, *, keep: int = 2, folder: str | Path | None =
     if kind is Transport.CUDA_IPC:
         return IpcPublisher(keep=keep, dtype=dtype)
     if kind is Transport.BROADCAST:
-        return BroadcastPublisher(receivers=receivers, dtype=dtype, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+        return BroadcastPublisher(receivers=receivers, dtype=dtype, bucket_bytes=bucket_bytes, timeout_s=timeout_s,
+                                  host=host, wire=wire)
     raise ValueError("weight sync: the ray transport has no publisher (the Ray backend sends its ObjectRefs itself)")
 
 
@@ -177,7 +179,7 @@ def load_weights(handle: WeightHandle, into: dict[str, Tensor] | None = None) ->
     if handle.transport is Transport.RAY:
         raise ValueError("weight sync: a ray handle's payload is an ObjectRef, awaited by the rollout actor")
     if handle.transport is Transport.BROADCAST:
-        raise ValueError("weight sync: a broadcast handle is received by the engine's workers (engine.kind=vllm)")
+        raise ValueError("weight sync: a broadcast handle is received by the engine's workers (vllm, sglang)")
     start = time.perf_counter()
     if handle.transport is Transport.SHM:
         weights = _load_shm(handle, into)
@@ -480,12 +482,13 @@ class BroadcastPublisher(WeightPublisher):
     transport = Transport.BROADCAST
 
     def __init__(self, *, receivers: int, dtype: torch.dtype | None, bucket_bytes: int, timeout_s: float,
-                 host: str = "127.0.0.1"):
+                 host: str = "127.0.0.1", wire: str = "buckets"):
         from loomrl.trainer.weight_group import GroupAddress, host_store
 
         super().__init__(keep=1)
         self.dtype = dtype
         self.bucket_bytes = bucket_bytes
+        self.wire = wire  # "tensors" for an SGLang server (trainer/weight_group.py)
         self._store = host_store(host, receivers + 1, timeout_s)
         self.address = GroupAddress(host=host, port=self._store.port, world_size=receivers + 1, timeout_s=timeout_s,
                                     name=f"loomrl-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}", backend="gloo")
@@ -500,7 +503,7 @@ class BroadcastPublisher(WeightPublisher):
         backend = "nccl" if next(iter(weights.values())).is_cuda else "gloo"
         if self._group is None:
             self.address.backend = backend  # the first version's tensors decide; later ones are on the same device
-        meta = describe(weights, self.dtype, self.bucket_bytes)
+        meta = describe(weights, self.dtype, self.bucket_bytes, self.wire)
         self._thread = threading.Thread(target=self._send, args=(weights, meta), name="loomrl-weight-broadcast",
                                         daemon=True)  # a receiver that never comes must not hold the process
         self._thread.start()

@@ -46,6 +46,7 @@ from loomrl.config import ConfigError, SGLangConfig, load_config
 from loomrl.engine.base import EngineFault, GenerationRequest, SamplingParams, generate_resuming
 from loomrl.engine.factory import make_engine
 from loomrl.engine.sglang import SGLangEngine
+from loomrl.trainer.weight_sync import Transport
 
 GENERATE_FIELDS = {"rid", "text", "input_ids", "input_embeds", "sampling_params", "return_logprob", "logprob_start_len",
                    "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "stream", "log_metrics",
@@ -60,6 +61,9 @@ UPDATE_FROM_DISK_FIELDS = {"rid", "model_path", "load_format", "abort_all_reques
                            "torch_empty_cache", "keep_pause", "recapture_cuda_graph", "token_step", "flush_cache",
                            "manifest"}
 PAUSE_FIELDS, CONTINUE_FIELDS = {"rid", "mode"}, {"rid", "torch_empty_cache"}
+INIT_GROUP_FIELDS = {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}
+FROM_DISTRIBUTED_FIELDS = {"names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests",
+                           "weight_version", "load_format"}
 MEMORY_FIELDS = {"rid", "tags"}  # Release/ResumeMemoryOccupationReqInput (tags None: weights and kv_cache)
 CONTROL = ("/pause_generation", "/continue_generation", "/flush_cache", "/update_weights_from_disk")
 TOO_LONG, SERVER_ABORT = 666, 667  # first prompt tokens the fake answers with an error / with an abort of its own
@@ -97,6 +101,7 @@ class FakeSGLang:
         self.sequences: list[list[int]] = []  # what the radix cache would hold
         self.loaded: dict[str, torch.Tensor] = {}
         self.released = False  # weights and KV cache given up (release_memory_occupation)
+        self.groups: dict[str, Any] = {}  # group_name -> process group (init_weights_update_group)
 
 
 def _refuse_unknown(body: dict, known: set[str], what: str) -> JSONResponse | None:
@@ -235,6 +240,64 @@ def fake_app(fake: FakeSGLang) -> FastAPI:
             fake.weight_version = body["weight_version"]
         return {"success": True, "message": "Succeeded to update model weights. Weight version updated to "
                 f"{fake.weight_version}.", "num_paused_requests": 0}
+
+    def join_group(body: dict) -> Any:
+        """As SGLang's ModelRunner.init_weights_update_group (rank = rank_offset + tp_rank; tp_rank 0 here) and
+        sglang/srt/utils init_custom_process_group: torch's tcp:// rendezvous, a PrefixStore named by the init
+        method, torch's _new_process_group_helper with the group's name, registered in _world so that
+        torch.distributed.broadcast takes it."""
+        import datetime
+
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _new_process_group_helper, _world, rendezvous
+
+        init_method = f"tcp://{body['master_address']}:{body['master_port']}"
+        timeout = datetime.timedelta(seconds=60)
+        store, rank, world = next(rendezvous(init_method, body["rank_offset"], body["world_size"], timeout=timeout))
+        store.set_timeout(timeout)
+        pg, _ = _new_process_group_helper(world, rank, [], body["backend"], dist.PrefixStore(init_method, store),
+                                          group_name=body["group_name"], timeout=timeout)
+        _world.pg_group_ranks[pg] = {i: i for i in range(world)}
+        return pg
+
+    def receive(body: dict) -> dict[str, torch.Tensor]:
+        """As ModelRunner.update_weights_from_distributed: one broadcast per tensor from rank 0, then loaded."""
+        import torch.distributed as dist
+
+        pg = fake.groups[body["group_name"]]
+        out = {}
+        for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
+            out[name] = torch.empty(shape, dtype=getattr(torch, dtype))
+            dist.broadcast(out[name], src=0, group=pg)
+        return out
+
+    @app.post("/init_weights_update_group")
+    async def init_group(request: Request):
+        body, bad = await read(request, "/init_weights_update_group", INIT_GROUP_FIELDS, "InitWeightsUpdateGroupReqInput")
+        if bad is not None:
+            return bad
+        if body["group_name"] in fake.groups:
+            return JSONResponse({"success": False, "message": "Failed to initialize custom process group: Process "
+                                 f"group with name {body['group_name']} already exists."}, status_code=400)
+        fake.groups[body["group_name"]] = await asyncio.to_thread(join_group, body)
+        return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    @app.post("/update_weights_from_distributed")
+    async def update_from_distributed(request: Request):
+        body, bad = await read(request, "/update_weights_from_distributed", FROM_DISTRIBUTED_FIELDS,
+                               "UpdateWeightsFromDistributedReqInput")
+        if bad is not None:
+            return bad
+        if body["group_name"] not in fake.groups:
+            return JSONResponse({"success": False, "message": f"Group {body['group_name']} not in "
+                                 f"{list(fake.groups)}. Please call `init_weights_update_group` first."},
+                                status_code=400)
+        fake.loaded = await asyncio.to_thread(receive, body)
+        if body.get("flush_cache", True):
+            fake.sequences.clear()
+        if body.get("weight_version") is not None:
+            fake.weight_version = body["weight_version"]
+        return {"success": True, "message": "Succeeded to update parameter online."}
 
     return app
 
@@ -473,3 +536,50 @@ def test_loomrl_serve_answers_over_sglang(engine, fake, tokenizer):
         assert "".join(c.choices[0].text for c in chunks) == out.choices[0].text
     finally:
         server.stop()
+
+
+def _trainer_process(model_state: dict, handles: Any, done: Any) -> None:
+    """The trainer side of the broadcast test, in a process of its own as in a run (a process registers a group
+    under its name once: the fake server's side of it lives in the test's process)."""
+    from loomrl.trainer.weight_sync import make_publisher
+
+    publisher = make_publisher("broadcast", dtype=torch.bfloat16, wire="tensors", timeout_s=60)
+    try:
+        for version in (1, 2):
+            handles.put(publisher.publish({n: t + version for n, t in model_state.items()}, version))
+            publisher.settle()
+            done.put(version)
+    finally:
+        publisher.close()
+
+
+def test_a_broadcast_goes_to_the_servers_workers_over_the_group_they_join(engine, fake, tiny_model):
+    """runtime.weight_transport=broadcast with SGLang: the trainer's publisher (another process) opens the group;
+    the first version makes the adapter call /init_weights_update_group, which the fake answers as SGLang does, by
+    joining with torch's own rendezvous and _new_process_group_helper (the real torch calls, so a group our side
+    builds differently would hang or fail here); then /update_weights_from_distributed receives every tensor, one
+    broadcast each, in the checkpoint dtype. The second version reuses the group; requests then carry its version."""
+    import multiprocessing as mp
+
+    assert Transport.BROADCAST in engine.opens
+    state = {n: t.detach().clone() for n, t in tiny_model.state_dict().items()}
+    ctx = mp.get_context("spawn")
+    handles, done = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_trainer_process, args=(state, handles, done), daemon=True)
+    child.start()
+    try:
+        for version in (1, 2):
+            engine.update_from(handles.get(timeout=120))
+            assert done.get(timeout=60) == version  # the trainer's broadcast ended: settle returned
+    finally:
+        child.join(30)
+    assert child.exitcode == 0
+    assert fake.calls.count("/init_weights_update_group") == 1 and fake.calls.count(
+        "/update_weights_from_distributed") == 2
+    assert fake.calls[:4] == ["/pause_generation", "/init_weights_update_group", "/update_weights_from_distributed",
+                              "/continue_generation"]
+    init = fake.bodies["/init_weights_update_group"][0]
+    assert init["rank_offset"] == 1 and init["world_size"] == 2 and init["backend"] == "gloo"
+    assert list(fake.loaded) == list(state)
+    assert all(torch.equal(fake.loaded[n], (t + 2).to(torch.bfloat16)) for n, t in state.items())
+    assert engine.version == 2 and set(_generate(engine, [5, 6, 7], max_tokens=4).versions) == {2}

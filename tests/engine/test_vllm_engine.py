@@ -71,17 +71,23 @@ def _max_diff(a, b):
     return max(abs(x - y) for r, s in zip(a, b) for x, y in zip(r.logprobs, s.logprobs))
 
 
-def test_greedy_ids_and_logprobs_equal_the_builtin_engines(engine, models):
-    a, _, tokenizer = models
-    prompts = _prompts(tokenizer)
+def _check_greedy_as_builtin(engine, model, tokenizer, prompts):
+    """Greedy ids equal the built-in engine's on `model`, logprobs within LOGPROB_ATOL; returns vLLM's results."""
     got = run_requests(engine, prompts, temperature=0.0, max_tokens=24, ignore_eos=True)
-    builtin = BuiltinEngine(a, eos_token_id=tokenizer.eos_token_id)
+    builtin = BuiltinEngine(model, eos_token_id=tokenizer.eos_token_id)
     try:
         want = run_requests(builtin, prompts, temperature=0.0, max_tokens=24, ignore_eos=True)
     finally:
         builtin.close()
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert _max_diff(got, want) < LOGPROB_ATOL  # greedy rows: log softmax(logits), as the built-in engine's
+    return got
+
+
+def test_greedy_ids_and_logprobs_equal_the_builtin_engines(engine, models):
+    a, _, tokenizer = models
+    prompts = _prompts(tokenizer)
+    got = _check_greedy_as_builtin(engine, a, tokenizer, prompts)
     assert all(r.finish_reason == "length" and r.versions == [0] * 24 for r in got)
 
 
@@ -259,14 +265,8 @@ def test_a_shm_handle_is_read_in_vllms_worker_and_serves_as_its_tensors_would(en
         handle = publisher.publish(dict(a.state_dict()), 4)
         assert handle.transport in engine.opens
         engine.update_from(handle)
-        got = run_requests(engine, prompts, temperature=0.0, max_tokens=24, ignore_eos=True)
-        builtin = BuiltinEngine(a, eos_token_id=tokenizer.eos_token_id)
-        try:
-            want = run_requests(builtin, prompts, temperature=0.0, max_tokens=24, ignore_eos=True)
-        finally:
-            builtin.close()
-        assert [r.token_ids for r in got] == [r.token_ids for r in want]
-        assert _max_diff(got, want) < LOGPROB_ATOL and all(set(r.versions) == {4} for r in got)
+        got = _check_greedy_as_builtin(engine, a, tokenizer, prompts)
+        assert all(set(r.versions) == {4} for r in got)
         with pytest.raises(EngineFault, match="shape"):
             engine.update_from(publisher.publish({"model.norm.weight": torch.ones(3)}, 5))
         publisher.publish(dict(a.state_dict()), 6)  # keep=1: version 4's segment is rewritten

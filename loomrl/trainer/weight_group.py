@@ -5,7 +5,7 @@ when they are on CPUs (what the tests run). Rank 0 is the trainer's publisher; r
 
 How the two sides meet: the publisher opens the group on its first publish, under a name and a port of its own, and
 puts them in every handle (`GroupAddress`); a receiver joins when it sees a handle of a group it has not joined (a
-restarted trainer is a new group: the old one is closed). The TCPStore rendezvous and every broadcast are bounded by
+restarted trainer is a new group: the old one is dropped). The TCPStore rendezvous and every broadcast are bounded by
 `timeout_s`.
 
 The wire: both sides cut the same buckets from the version's names, dtypes and shapes (`plan_buckets`); each bucket is
@@ -146,7 +146,7 @@ class Receiver:
     def group_for(self, address: dict[str, Any], rank: int, device: torch.device) -> WeightGroup:
         addr = GroupAddress(**address)
         if self.group is None or self.group.address.name != addr.name:
-            self.group = None
+            self.group = None  # dropped first: a failed join leaves no stale group behind
             self.group = WeightGroup(addr, rank, device)
         return self.group
 

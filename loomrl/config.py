@@ -181,7 +181,7 @@ class CalculatorConfig(_Section):
     # mean and sigma (of the underlying normal); 0 = none. Declared wherever a result uses it.
     step_latency_s: float = Field(0.0, ge=0.0)
     step_latency_sigma: float = Field(0.5, ge=0.0)
-    few_shot: Literal["none", "bare", "word"] = "word"  # worked examples shown before the task
+    few_shot: Literal["none", "bare", "word", "distract"] = "word"  # worked examples shown before the task
 
 
 class EnvConfig(_Section):

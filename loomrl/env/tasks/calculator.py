@@ -32,12 +32,20 @@ SYSTEM_PROMPT = (
     "After you get the result, reply with: The answer is NUMBER."
 )
 # Worked examples shown as earlier chat turns (a 135M model needs them to use the tool at all).
-# "word" starts with a one-step word problem, "bare" shows bare expressions only.
+# "word" starts with a one-step word problem, "bare" shows bare expressions only, "distract" one word
+# problem of each operation with a quantity to leave out, in phrasings no template uses (so that none is
+# shown to the model before it is held out).
 FEW_SHOT = {
     "none": [],
     "bare": [("What is 14 + 9?", "14 + 9", "23"), ("What is 6 * 7?", "6 * 7", "42")],
     "word": [("Ben has 14 pens and gets 9 more. How many pens does Ben have now?", "14 + 9", "23"),
              ("What is 6 * 7?", "6 * 7", "42")],
+    "distract": [
+        ("A jar holds 15 red beads and 8 blue beads, and a cup holds 30 beads. How many beads are in the jar?",
+         "15 + 8", "23"),
+        ("Out of 42 balloons at a party, 17 popped. The party had 9 guests. How many balloons did not pop?",
+         "42 - 17", "25"),
+        ("A bus is 11 meters long and has 7 rows of 4 seats. How many seats does the bus have?", "7 * 4", "28")],
 }
 TOOLS = {"calc": "expression"}
 _ANSWER = re.compile(r"answer is\s*:?\s*\$?\s*(-?[\d,]*\.?\d+)", re.IGNORECASE)

@@ -5,10 +5,14 @@ tool as `calc(EXPRESSION)`; the tool runs in a sandboxed subprocess with a timeo
 `Result: VALUE` and the agent ends with `The answer is NUMBER.`
 
 Families (one or two arithmetic steps, word problems or bare expressions):
-  add, sub, mul, div         one-step word problems
+  add, sub, mul, div         one-step word problems (one or two templates each)
   add_sub, add_add, mul_add  two-step word problems
-  distract_add/_sub/_mul     one step, with a distracting quantity of another item
+  distract_add/_sub/_mul     one step with a distracting quantity, 16 templates each
   expr                       a bare two-number expression ("What is 37 + 48?")
+
+Each task records its template (`family/index`); env/registry.template_splits holds a share of each
+family's templates out of training. Not covered: word numbers ("fifteen"), answers that need more than
+one call, or problems with no distractor in the distract_* families.
 """
 
 from __future__ import annotations

@@ -46,9 +46,6 @@ class EnvFamily:
 
 
 # -- the split by template, for every generated family -----------------------------------------------------
-HELDOUT_SPLITS = ("heldout", "heldout_templates")  # new numbers on training templates; templates never trained on
-
-
 def split_templates(templates: dict[str, list[str]], share: float, seed: int) -> tuple[dict[str, list[str]],
                                                                                        dict[str, list[str]]]:
     """(train, held-out) template ids per kind: `int(share * count)` of each kind's templates held out, chosen

@@ -1,5 +1,6 @@
 # Two entry points, each installing what it needs into .venv:
 #   make demo   train SmolLM2-135M-Instruct on the calculator task and print held-out success before/after
+#               (on training templates and on held-out templates)
 #   make test   the test suite (CPU, tiny models, real bubblewrap sandboxes), then the vLLM engine's tests in .venv-vllm
 VENV ?= .venv
 PY := $(VENV)/bin/python

@@ -182,7 +182,7 @@ class CalculatorConfig(_Section):
     # mean and sigma (of the underlying normal); 0 = none. Declared wherever a result uses it.
     step_latency_s: float = Field(0.0, ge=0.0)
     step_latency_sigma: float = Field(0.5, ge=0.0)
-    few_shot: Literal["none", "bare", "word"] = "word"  # worked examples shown before the task
+    few_shot: Literal["none", "bare", "word", "distract"] = "word"  # worked examples shown before the task
 
 
 class EnvConfig(_Section):
@@ -191,7 +191,10 @@ class EnvConfig(_Section):
     # (FrozenLake, Taxi, CliffWalking, Blackjack); None = the environment's default (codefix, gym: all)
     families: list[str] | None = None
     n_train: int = Field(2000, gt=0)
-    n_heldout: int = Field(200, gt=0)
+    n_heldout: int = Field(200, gt=0)  # per held-out split
+    # generated families (calculator): this share of each family's templates is held out, and evaluated
+    # as a split of its own (heldout_templates) beside new numbers on the training templates (heldout)
+    heldout_template_share: float = Field(0.25, ge=0.0, lt=1.0)
     seed: int = 1234
     sandbox: Literal["auto", "bwrap", "process", "docker"] = "auto"
     # rlimits and quotas of each sandbox (bwrap: cpu_s, address_space_mb, nproc, file_size_mb, disk_mb,
@@ -462,7 +465,7 @@ class RayConfig(_Section):
 
 
 class EvalConfig(_Section):
-    n_tasks: int = Field(100, ge=0)
+    n_tasks: int = Field(100, ge=0)  # episodes per held-out split (heldout, heldout_templates)
     before: bool = True
     after: bool = True
     temperature: float = Field(0.0, ge=0.0)

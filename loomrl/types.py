@@ -195,10 +195,32 @@ RewardFn = Callable[[Trajectory, Task], dict[str, float]]
 
 
 @dataclass(slots=True, frozen=True)
+class Score:
+    """A success rate over `n` episodes and its standard error."""
+
+    success: float
+    n: int
+    stderr: float
+
+    @classmethod
+    def of(cls, hits: list[bool]) -> Score:
+        n = len(hits)
+        p = sum(hits) / n if n else 0.0
+        return cls(success=p, n=n, stderr=(p * (1 - p) / n) ** 0.5 if n else 0.0)
+
+
+@dataclass(slots=True, frozen=True)
 class EvalRecord:
-    """Held-out success: the rate, its standard error, how many episodes and how they ended."""
+    """Held-out success: the rate, its standard error, how many episodes and how they ended, over all
+    held-out tasks evaluated, and by split (`heldout`, `heldout_templates`: see env/registry.py)."""
 
     success: float
     n: int
     stderr: float
     statuses: dict[str, int]
+    splits: dict[str, Score] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EvalRecord:
+        """The inverse of dataclasses.asdict (a record saved in a checkpoint)."""
+        return cls(**{**d, "splits": {k: Score(**v) for k, v in d.get("splits", {}).items()}})

@@ -5,6 +5,9 @@ and their default reward, and whether (and how) they use the sandbox pool.
 - codefix: SWE-style bug fixing; an episode holds one sandbox throughout. Tasks are validated
   (golden patch passes, untouched repository fails) before a run; invalid ones are left out.
 - gym: gymnasium toy-text games as multi-turn text; in-process, no sandbox.
+
+Generated families (tasks drawn from templates) split by template as well as by numbers with
+`template_splits`, written once here for every such family: held-out templates never appear in training.
 """
 
 from __future__ import annotations
@@ -42,6 +45,37 @@ class EnvFamily:
     answer_of: Callable[[str], str | None] | None = None
 
 
+# -- the split by template, for every generated family -----------------------------------------------------
+def split_templates(templates: dict[str, list[str]], share: float, seed: int) -> tuple[dict[str, list[str]],
+                                                                                       dict[str, list[str]]]:
+    """(train, held-out) template ids per kind: `int(share * count)` of each kind's templates held out, chosen
+    from the seed. Each kind draws on its own, so a kind's split does not depend on which others are listed;
+    a kind always keeps at least one training template (share < 1)."""
+    if not 0.0 <= share < 1.0:
+        raise ConfigError(f"config error: env.heldout_template_share: {share} is not in [0, 1)")
+    train, held = {}, {}
+    for kind, ids in templates.items():
+        order = sorted(ids)
+        random.Random(f"{seed}:templates:{kind}").shuffle(order)
+        k = int(share * len(order))
+        held[kind], train[kind] = sorted(order[:k]), sorted(order[k:])
+    return train, held
+
+
+def template_splits(generate: Callable[[str, int, dict[str, list[str]], set[str]], list[Task]],
+                    templates: dict[str, list[str]], n_train: int, n_heldout: int, seed: int,
+                    share: float) -> tuple[list[Task], list[Task]]:
+    """Train and held-out tasks of a generated family. `generate(split, n, templates, exclude)` makes `n` tasks
+    of `split` from only those template ids, with no prompt in `exclude`. The held-out list holds
+    `heldout` (training templates, prompts training never sees) and, when `share` holds any template
+    out, `heldout_templates` (only the held-out templates: training never sees their phrasing)."""
+    train_t, held_t = split_templates(templates, share, seed)
+    heldout = generate("heldout", n_heldout, train_t, set())
+    new = generate("heldout_templates", n_heldout, held_t, set()) if any(held_t.values()) else []
+    train = generate("train", n_train, train_t, {t.prompt for t in heldout})
+    return train, heldout + new
+
+
 # -- calculator ----------------------------------------------------------------------------------------
 _CALC_FAMILIES = ["add", "sub", "mul"]
 
@@ -51,7 +85,8 @@ def _calc_splits(cfg: RunConfig) -> tuple[list[Task], list[Task]]:
 
     e = cfg.env
     families = e.families or _CALC_FAMILIES
-    return make_splits(families, e.calculator.heldout_families or families, e.n_train, e.n_heldout, e.seed)
+    return make_splits(families, e.calculator.heldout_families or families, e.n_train, e.n_heldout, e.seed,
+                       e.heldout_template_share)
 
 
 def _calc_env(cfg: RunConfig, pool: EnvPool | None, rng: random.Random) -> Env:

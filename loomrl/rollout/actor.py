@@ -38,7 +38,9 @@ class RolloutSide:
         # sandboxes, once per process).
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             train_tasks, heldout = pool.submit(env_family(cfg.env.name).splits, cfg).result()
-        self.eval_tasks = heldout[: cfg.eval.n_tasks]
+        # the first eval.n_tasks of each held-out split (heldout, heldout_templates: see env/registry.py)
+        splits = dict.fromkeys(t.split for t in heldout)
+        self.eval_tasks = [t for s in splits for t in [t for t in heldout if t.split == s][: cfg.eval.n_tasks]]
         torch.manual_seed(cfg.seed)
         if engine_actor is not None:  # the engine is an actor of its own (ray.engine.count > 0): tokenizer only
             self.model, self.tokenizer = None, load_tokenizer(cfg.model)

@@ -30,7 +30,7 @@ from loomrl.env.pool import Leases, sandbox_pool
 from loomrl.env.registry import env_family, sandbox_pool_size
 from loomrl.model.chat import ChatRenderer
 from loomrl.reward import RewardPool, import_reward
-from loomrl.types import EvalRecord, RewardFn, RolloutStatus, Task, Trajectory
+from loomrl.types import EvalRecord, RewardFn, RolloutStatus, Score, Task, Trajectory
 
 
 async def gather_all(coros: list) -> list:
@@ -270,10 +270,14 @@ class RolloutWorker:
             return traj
 
         trajs = await gather_all([one(i, t) for i, t in enumerate(tasks)])
-        n = len(trajs)
-        p = sum(tr.final_answer == task.answer for tr, task in zip(trajs, tasks)) / n if n else 0.0
-        return EvalRecord(success=p, n=n, stderr=(p * (1 - p) / n) ** 0.5 if n else 0.0,
-                          statuses=dict(Counter(str(tr.status) for tr in trajs)))
+        hits = [tr.final_answer == task.answer for tr, task in zip(trajs, tasks)]
+        by_split: dict[str, list[bool]] = {}
+        for hit, task in zip(hits, tasks):
+            by_split.setdefault(task.split, []).append(hit)
+        total = Score.of(hits)
+        return EvalRecord(success=total.success, n=total.n, stderr=total.stderr,
+                          statuses=dict(Counter(str(tr.status) for tr in trajs)),
+                          splits={k: Score.of(v) for k, v in by_split.items()})
 
     def rollout_counts(self) -> dict[str, int]:
         """launched, and how each rollout ended: a trajectory status, or "cancelled" (in flight when an

@@ -84,6 +84,9 @@ class RunSummary:
     n_heldout: int
     stderr_before: float | None
     stderr_after: float | None
+    # by held-out split (heldout: new numbers on training templates; heldout_templates: templates training
+    # never used): n, success_before, stderr_before, success_after, stderr_after
+    heldout_splits: dict[str, dict[str, float | int | None]]
     steps: int
     run_dir: str
     wall_s: float
@@ -99,6 +102,17 @@ class RunSummary:
         out.update(out.pop("extra"))
         out["env_pool"] = {k: round(v, 4) if isinstance(v, float) else v for k, v in self.env_pool.items()}
         return out
+
+
+def split_summary(before: EvalRecord | None, after: EvalRecord | None) -> dict[str, dict[str, float | int | None]]:
+    """Before and after scores of each held-out split, for the summary."""
+    out: dict[str, dict[str, float | int | None]] = {}
+    for label, record in (("before", before), ("after", after)):
+        for split, score in (record.splits if record else {}).items():
+            row = out.setdefault(split, {"n": score.n, "success_before": None, "stderr_before": None,
+                                         "success_after": None, "stderr_after": None})
+            row[f"success_{label}"], row[f"stderr_{label}"] = round(score.success, 4), round(score.stderr, 4)
+    return out
 
 
 class Backend(ABC):
@@ -428,9 +442,11 @@ class Driver:
         else:
             log.warning("eval %s: the rollout worker kept dying; no result", label)
             return None
-        self.logger.log(step, {f"eval/{k}": v for k, v in asdict(record).items() if k != "statuses"},
-                        kind=f"eval_{label}")
-        log.info("held-out success %s: %.3f ± %.3f (n=%d)", label, record.success, record.stderr, record.n)
+        by_split = {f"eval/{split}/{k}": v for split, score in record.splits.items() for k, v in asdict(score).items()}
+        self.logger.log(step, {"eval/success": record.success, "eval/n": record.n, "eval/stderr": record.stderr,
+                               **by_split}, kind=f"eval_{label}")
+        log.info("held-out success %s: %.3f ± %.3f (n=%d)%s", label, record.success, record.stderr, record.n,
+                 "".join(f"; {k} {v.success:.3f} ± {v.stderr:.3f} (n={v.n})" for k, v in record.splits.items()))
         return record
 
     async def _run(self) -> tuple[EvalRecord | None, EvalRecord | None, BackendReport]:
@@ -439,7 +455,7 @@ class Driver:
         try:
             await self.backend.start()
             if extra.get("eval_before") is not None:
-                before = EvalRecord(**extra["eval_before"])
+                before = EvalRecord.from_dict(extra["eval_before"])
             else:
                 before = await self._evaluate("before", 0)
                 if before is not None:
@@ -469,6 +485,7 @@ class Driver:
             success_before=before and before.success, success_after=after and after.success,
             n_heldout=(after or before).n if (after or before) else 0,
             stderr_before=before and before.stderr, stderr_after=after and after.stderr,
+            heldout_splits=split_summary(before, after),
             steps=self.version, run_dir=str(self.cfg.run_dir), wall_s=round(time.time() - self.wall_start, 1),
             rollouts=report.rollouts, trainer_restarts=self.trainer_restarts,
             positions_failed={str(k): v for k, v in self.gave_up.items()}, env_pool=report.env_pool,

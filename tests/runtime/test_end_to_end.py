@@ -98,14 +98,24 @@ def test_async_run_checkpoint_and_resume_trains_nothing_twice(tmp_path):
     from loomrl.runtime.run import evaluate_checkpoint
 
     result = evaluate_checkpoint(cfg, run_dir)
-    assert result["checkpoint"].endswith("step_000005") and result["n"] == cfg.eval.n_tasks
+    # eval.n_tasks of each held-out split: new numbers on training templates, and held-out templates
+    assert result["checkpoint"].endswith("step_000005") and result["n"] == 2 * cfg.eval.n_tasks
+    assert {k: v["n"] for k, v in result["splits"].items()} == {"heldout": cfg.eval.n_tasks,
+                                                                 "heldout_templates": cfg.eval.n_tasks}
 
 
 def test_sync_run(tmp_path):
     cfg = _cfg(tmp_path, "name=sync", "runtime.mode=sync", "trainer.total_steps=2", "eval.n_tasks=4")
     summary = train(cfg)
-    assert summary["steps"] == 2 and summary["n_heldout"] == 4
+    assert summary["steps"] == 2 and summary["n_heldout"] == 8  # 4 in each held-out split
     assert summary["success_before"] is not None and summary["success_after"] is not None
+    splits = summary["heldout_splits"]
+    assert set(splits) == {"heldout", "heldout_templates"} and all(s["n"] == 4 for s in splits.values())
+    for s in splits.values():
+        assert s["success_after"] is not None and s["stderr_after"] == round(
+            (s["success_after"] * (1 - s["success_after"]) / 4) ** 0.5, 4)
+    # the overall rate is the mean of the two (equal n)
+    assert summary["success_after"] == pytest.approx(sum(s["success_after"] for s in splits.values()) / 2, abs=1e-4)
     rows = read_trajectories(cfg.run_dir / "trajectories").to_pylist()
     assert len(rows) == 2 * 2 * 4  # steps x groups x group size (eval episodes are not stored)
     assert {r["policy_version_min"] for r in rows} == {0, 1}  # sync: step k samples with version k
@@ -228,14 +238,15 @@ def test_cli_refuses_to_overwrite_a_run_and_resume_needs_a_checkpoint(tmp_path):
 def test_flaky_environment_run_completes_and_the_counts_add_up(tmp_path, tokenizer, monkeypatch):
     """Tools crash or hang at configured rates during a real (sync) run with real sandboxes; the scripted
     engine makes every trajectory call the tool, since the random tiny model never would."""
-    cfg = _cfg(tmp_path, "name=flaky", "runtime.mode=sync", "trainer.total_steps=2", "eval.n_tasks=8",
+    cfg = _cfg(tmp_path, "name=flaky", "runtime.mode=sync", "trainer.total_steps=2", "eval.n_tasks=4",
                "env.calculator.crash_rate=0.3", "env.calculator.hang_rate=0.3", "env.tool_timeout_s=0.5", "reward.function=null")
     monkeypatch.setattr("loomrl.rollout.actor.make_engine", lambda cfg, model, tok, version: ScriptedEngine(
         tokenizer, ["calc(2 + 3)", "The answer is 5."]))
     summary = train(cfg)
     counts = summary["rollouts"]
     ended = {k: v for k, v in counts.items() if k != "launched"}
-    assert counts["launched"] == 2 * 2 * 4 + 2 * 8  # train trajectories + eval episodes before and after
+    # train trajectories + eval episodes before and after (4 in each of the two held-out splits)
+    assert counts["launched"] == 2 * 2 * 4 + 2 * 2 * 4
     assert sum(ended.values()) == counts["launched"]  # every trajectory ended with a status
     assert ended.get("env_error", 0) > 0 and ended.get("timeout", 0) > 0 and ended.get("completed", 0) > 0
     pool = summary["env_pool"]
@@ -254,7 +265,7 @@ def test_flaky_environment_run_completes_and_the_counts_add_up(tmp_path, tokeniz
 def test_flaky_environment_with_retries_reruns_failed_episodes_and_records_why(tmp_path, tokenizer, monkeypatch):
     """agent.retry_on: episodes that end env_error or timeout are run again (bounded, with backoff);
     the kept attempt names the earlier failures; the counts still add up."""
-    cfg = _cfg(tmp_path, "name=retry", "runtime.mode=sync", "trainer.total_steps=2", "eval.n_tasks=8",
+    cfg = _cfg(tmp_path, "name=retry", "runtime.mode=sync", "trainer.total_steps=2", "eval.n_tasks=4",
                "env.calculator.crash_rate=0.3", "env.calculator.hang_rate=0.3", "env.tool_timeout_s=0.5", "reward.function=null",
                "agent.retry_on=[env_error, timeout]", "agent.max_retries=3", "agent.retry_backoff_s=0.01")
     monkeypatch.setattr("loomrl.rollout.actor.make_engine", lambda cfg, model, tok, version: ScriptedEngine(
@@ -263,7 +274,7 @@ def test_flaky_environment_with_retries_reruns_failed_episodes_and_records_why(t
     counts = summary["rollouts"]
     ended = {k: v for k, v in counts.items() if k != "launched" and not k.startswith("retried:")}
     retried = sum(v for k, v in counts.items() if k.startswith("retried:"))
-    assert sum(ended.values()) == counts["launched"] == 2 * 2 * 4 + 2 * 8
+    assert sum(ended.values()) == counts["launched"] == 2 * 2 * 4 + 2 * 2 * 4  # train + eval (2 splits x 4)
     # ~half the attempts fail: with three retries most episodes end completed, and many were retried
     assert retried > 0 and ended.get("completed", 0) > ended.get("env_error", 0) + ended.get("timeout", 0)
     assert summary["env_pool"]["kills"] == retried + ended.get("env_error", 0) + ended.get("timeout", 0)

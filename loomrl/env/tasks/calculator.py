@@ -5,10 +5,14 @@ tool as `calc(EXPRESSION)`; the tool runs in a sandboxed subprocess with a timeo
 `Result: VALUE` and the agent ends with `The answer is NUMBER.`
 
 Families (one or two arithmetic steps, word problems or bare expressions):
-  add, sub, mul, div         one-step word problems
+  add, sub, mul, div         one-step word problems (one or two templates each)
   add_sub, add_add, mul_add  two-step word problems
-  distract_add/_sub/_mul     one step, with a distracting quantity of another item
+  distract_add/_sub/_mul     one step with a distracting quantity, 16 templates each
   expr                       a bare two-number expression ("What is 37 + 48?")
+
+Each task records its template (`family/index`); env/registry.template_splits holds a share of each
+family's templates out of training. Not covered: word numbers ("fifteen"), answers that need more than
+one call, or problems with no distractor in the distract_* families.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import re
 from loomrl.config import ConfigError
 from loomrl.env.base import Env, EnvCrash, Observation, StepResult, ToolTimeout
 from loomrl.env.pool import EnvPool
+from loomrl.env.registry import template_splits
 from loomrl.model.tools import parse_tool_calls
 from loomrl.types import Task
 
@@ -31,12 +36,20 @@ SYSTEM_PROMPT = (
     "After you get the result, reply with: The answer is NUMBER."
 )
 # Worked examples shown as earlier chat turns (a 135M model needs them to use the tool at all).
-# "word" starts with a one-step word problem, "bare" shows bare expressions only.
+# "word" starts with a one-step word problem, "bare" shows bare expressions only, "distract" one word
+# problem of each operation with a quantity to leave out, in phrasings no template uses (so that none is
+# shown to the model before it is held out).
 FEW_SHOT = {
     "none": [],
     "bare": [("What is 14 + 9?", "14 + 9", "23"), ("What is 6 * 7?", "6 * 7", "42")],
     "word": [("Ben has 14 pens and gets 9 more. How many pens does Ben have now?", "14 + 9", "23"),
              ("What is 6 * 7?", "6 * 7", "42")],
+    "distract": [
+        ("A jar holds 15 red beads and 8 blue beads, and a cup holds 30 beads. How many beads are in the jar?",
+         "15 + 8", "23"),
+        ("Out of 42 balloons at a party, 17 popped. The party had 9 guests. How many balloons did not pop?",
+         "42 - 17", "25"),
+        ("A bus is 11 meters long and has 7 rows of 4 seats. How many seats does the bus have?", "7 * 4", "28")],
 }
 TOOLS = {"calc": "expression"}
 _ANSWER = re.compile(r"answer is\s*:?\s*\$?\s*(-?[\d,]*\.?\d+)", re.IGNORECASE)
@@ -72,15 +85,95 @@ except Exception as err:
     print(f"Error: {err}")
 """
 
-_NAMES = ["Tom", "Ana", "Sam", "Lia", "Max", "Eva", "Ben", "Mia", "Leo", "Zoe"]
-_ITEMS = ["apples", "pens", "books", "coins", "cards", "stamps", "shells", "marbles", "stickers", "cookies"]
+_NAMES = ["Tom", "Ana", "Sam", "Lia", "Max", "Eva", "Ben", "Mia", "Leo", "Zoe", "Raj", "Ines", "Omar", "Yuki",
+          "Nora", "Ivan", "Kofi", "Lena", "Pablo", "Hana"]
+_ITEMS = ["apples", "pens", "books", "coins", "cards", "stamps", "shells", "marbles", "stickers", "cookies", "pencils",
+          "oranges", "eggs", "candles", "buttons", "beads", "rocks", "balloons", "tickets", "cupcakes", "plums",
+          "crayons", "postcards", "seeds", "keys", "bottles", "muffins", "blocks", "ribbons", "lemons"]
+_BOXES = [("bag", "bags"), ("box", "boxes"), ("jar", "jars"), ("basket", "baskets"), ("crate", "crates"),
+          ("pack", "packs"), ("tray", "trays"), ("tin", "tins"), ("bucket", "buckets"), ("carton", "cartons")]
+
+# The distract_* families: one step on {a} and {b}, with a distracting quantity {d} placed before, between or
+# after them, or in the question, of another item {y}, of the same item {x} owned by someone else {m}, or of
+# another kind (an age, a price, a count of chapters). Many phrasings each, so that a split by template
+# (env.heldout_template_share) holds out whole phrasings, not just numbers. Some templates bring their own
+# nouns and units (meters, dollars, pages). {n} is a name, {g}/{gs} a container, singular/plural.
+_ADD = [
+    "{n} has {a} {x} and {d} {y}. {n} gets {b} more {x}. How many {x} does {n} have now?",
+    "{n} had {a} {x}. Then {n} found {b} more {x} and {d} {y}. How many {x} does {n} have?",
+    "There are {a} {x} and {d} {y} in a box. {n} puts {b} more {x} in the box. How many {x} are in the box?",
+    "{n} collected {a} {x} on Monday and {b} {x} on Tuesday. {m} collected {d} {x}. How many {x} did {n} collect "
+    "in total?",
+    "How many {x} does {n} have after buying {b} more, if {n} started with {a} {x} and {d} {y}?",
+    "{m} gives {n} {b} {x}. Before that, {n} had {a} {x}. {m} still has {d} {x}. How many {x} does {n} have now?",
+    "A shop had {a} {x} and {d} {y}. A delivery brought {b} more {x}. How many {x} does the shop have now?",
+    "{n} is {d} years old and owns {a} {x}. For a birthday, {n} receives {b} {x}. How many {x} does {n} own now?",
+    "{n} keeps {a} {x} in one drawer and {b} {x} in another. There are {d} {y} on the desk. How many {x} are in "
+    "the two drawers altogether?",
+    "{n} and {m} put their {x} together: {n} brings {a} and {m} brings {b}. {m} also brings {d} {y}. How many "
+    "{x} do they have together?",
+    "{n} had {a} {x} before the fair. At the fair {n} won {b} {x} and {d} {y}. How many {x} does {n} have after "
+    "the fair?",
+    "A class has {a} {x}. The teacher adds {b} {x}. The class also has {d} {y}. What is the total number of {x} "
+    "now?",
+    "{n} saved {a} {x} last week, {d} {y} yesterday, and {b} {x} today. How many {x} has {n} saved?",
+    "{d} {y} and {a} {x} are on a table. {n} adds {b} {x}. How many {x} are on the table?",
+    "A rope is {a} meters long. {n} ties on another {b} meters of rope. A second rope is {d} meters long. How "
+    "long is the first rope now, in meters?",
+    "{n} paid {a} dollars for a coat and {b} dollars for boots, and has {d} dollars left. How many dollars did "
+    "{n} spend?",
+]
+_SUB = [
+    "{n} has {a} {x} and {d} {y}. {n} gives away {b} {x}. How many {x} are left?",
+    "There are {a} {x} in a box and {d} {y} next to it. {n} takes {b} {x} out of the box. How many {x} remain "
+    "in the box?",
+    "{n} had {a} {x}. {n} lost {b} of them and found {d} {y}. How many {x} does {n} have now?",
+    "A baker made {a} {x} and {d} {y}. {b} of the {x} were sold. How many {x} were not sold?",
+    "How many {x} does {n} have left after using {b}, if {n} had {a} {x} and {d} {y}?",
+    "{n} owns {a} {x}. {m} owns {d} {x}. {n} gives {b} {x} to a friend. How many {x} does {n} own now?",
+    "{n} is {d} years old. {n} had {a} {x} and sold {b} of them. How many {x} does {n} still have?",
+    "A shelf holds {a} {x}. {n} removes {b} {x} and puts {d} {y} on it. How many {x} are on the shelf now?",
+    "{n} needs {a} {x} and already has {b}. {n} also has {d} {y}. How many more {x} does {n} need?",
+    "Of the {a} {x} in a jar, {b} are taken by {n}. The jar also holds {d} {y}. How many {x} are still in the "
+    "jar?",
+    "{n} has {a} {x}, more than {m}, who has {b} {x}. {n} also has {d} {y}. How many more {x} does {n} have "
+    "than {m}?",
+    "{b} of {n}'s {a} {x} were lost. {n} also has {d} {y}. How many {x} does {n} have left?",
+    "A library had {a} {x}. It gave {b} {x} to a school and bought {d} {y}. How many {x} does the library have "
+    "now?",
+    "{n} had {a} {x} and gave {b} of them to {m}. {m} already had {d} {y}. How many {x} does {n} have left?",
+    "A tank holds {a} liters of water. {n} pours out {b} liters. A second tank holds {d} liters. How many "
+    "liters are in the first tank now?",
+    "{n} has {a} dollars and {d} {y}. A game costs {b} dollars. How many dollars will {n} have after buying "
+    "the game?",
+]
+_MUL = [
+    "{n} has {d} {y}. {n} buys {a} {gs} with {b} {x} in each {g}. How many {x} does {n} buy?",
+    "There are {a} {gs}. Each {g} holds {b} {x}. There are also {d} {y}. How many {x} are in the {gs}?",
+    "Each of {a} {gs} has {b} {x}. {n} also keeps {d} {y}. How many {x} are in the {gs}?",
+    "{n} packs {b} {x} into each of {a} {gs} and puts {d} {y} aside. How many {x} did {n} pack?",
+    "{d} {y} lie on the floor. How many {x} are in {a} {gs} if every {g} contains {b} {x}?",
+    "{n} buys {a} {gs} of {x} for {d} dollars. Each {g} contains {b} {x}. How many {x} did {n} buy?",
+    "A hall has {a} rows of chairs with {b} chairs in each row, and {d} tables. How many chairs are in the hall?",
+    "{n} reads {b} pages every day for {a} days. The book has {d} chapters. How many pages does {n} read?",
+    "{n} walks {b} kilometers a day. {n} is {d} years old. How many kilometers does {n} walk in {a} days?",
+    "{n} earns {b} dollars an hour and works {a} hours. {n} spends {d} dollars on lunch. How many dollars does "
+    "{n} earn?",
+    "{n} fills {a} {gs} with {b} {x} each, and {m} fills one {g} with {d} {x}. How many {x} did {n} put in the "
+    "{gs}?",
+    "{a} friends each bring {b} {x} to a party, and {n} brings {d} {y}. How many {x} do the friends bring?",
+    "A farmer plants {a} rows of trees with {b} trees in each row. {d} birds sit on the fence. How many trees "
+    "did the farmer plant?",
+    "{n} has {a} {gs}. There are {b} {x} in every {g}, and {d} {y} on the shelf. How many {x} does {n} have in "
+    "the {gs}?",
+    "{b} {x} fit in one {g}. {n} fills {a} {gs} and has {d} {y} left over. How many {x} are in the filled {gs}?",
+    "{n} buys {a} packs of {x} at {d} dollars each. Each pack has {b} {x}. How many {x} does {n} get?",
+]
 
 
-# Each family: the numbers it draws, in order, as (name, low, high) (distract_mul draws a and c twice,
-# and the second draw counts), and its (question, expression) templates, one drawn at random if there
-# are several; the answer is the expression's value. {n} is a name, {it} an item, {ab} is a * b;
-# distract families also draw two different items {i1}, {i2} and ask about {i1}. The draws' order
-# fixes the tasks.
+# Each family: the numbers it draws, in order, as (name, low, high), and its (question, expression)
+# templates; the answer is the expression's value. {n} is a name, {it} an item, {ab} is a * b (old
+# families), or as above (distract_*). A task's template is one of those its split allows.
 FAMILIES: dict[str, tuple[list[tuple[str, int, int]], list[tuple[str, str]]]] = {
     "add": ([("a", 10, 99), ("b", 10, 99)], [
         ("{n} has {a} {it} and gets {b} more. How many {it} does {n} have now?", "{a} + {b}"),
@@ -101,35 +194,46 @@ FAMILIES: dict[str, tuple[list[tuple[str, int, int]], list[tuple[str, str]]]] = 
     "mul_add": ([("a", 3, 9), ("b", 3, 12), ("c", 5, 40)], [
         ("{n} has {c} {it} and buys {a} bags with {b} {it} in each bag. How many {it} does {n} have now?",
          "{c} + {a} * {b}")]),
-    "distract_add": ([("a", 20, 99), ("b", 10, 60), ("c", 5, 19)], [
-        ("{n} has {a} {i1} and {b} {i2}. {n} gets {c} more {i1}. How many {i1} does {n} have now?", "{a} + {c}")]),
-    "distract_sub": ([("a", 20, 99), ("b", 10, 60), ("c", 5, 19)], [
-        ("{n} has {a} {i1} and {b} {i2}. {n} gives away {c} {i1}. How many {i1} are left?", "{a} - {c}")]),
-    "distract_mul": ([("a", 20, 99), ("b", 10, 60), ("c", 5, 19), ("a", 3, 12), ("c", 3, 12)], [
-        ("{n} has {b} {i2}. {n} buys {a} bags with {c} {i1} in each bag. How many {i1} does {n} have?", "{a} * {c}")]),
+    # the distractor {d} overlaps the operands' ranges, so its size does not give it away
+    "distract_add": ([("a", 10, 99), ("b", 5, 60), ("d", 5, 60)], [(q, "{a} + {b}") for q in _ADD]),
+    "distract_sub": ([("a", 30, 99), ("b", 5, 29), ("d", 5, 60)], [(q, "{a} - {b}") for q in _SUB]),
+    "distract_mul": ([("a", 3, 12), ("b", 3, 15), ("d", 3, 30)], [(q, "{a} * {b}") for q in _MUL]),
 }
 
 
-def _one_step(kind: str, rng: random.Random) -> tuple[str, int, str]:
-    """A (question, answer, expression) of family `kind`, drawn from `rng`."""
+def template_ids(families: list[str]) -> dict[str, list[str]]:
+    """Each family's template ids, `family/index`."""
+    return {f: [f"{f}/{i}" for i in range(len(FAMILIES[f][1]))] for f in families}
+
+
+def _one_step(kind: str, template: int, rng: random.Random) -> tuple[str, int, str]:
+    """A (question, answer, expression) of family `kind` with its template number `template`, drawn from `rng`."""
     draws, templates = FAMILIES[kind]
+    question, expr = templates[template]
     values = {"n": rng.choice(_NAMES), "it": rng.choice(_ITEMS)}
-    if kind.startswith("distract_"):
-        values["i1"], values["i2"] = rng.sample(_ITEMS, 2)
+    values["m"] = rng.choice([name for name in _NAMES if name != values["n"]])
+    values["x"], values["y"] = rng.sample(_ITEMS, 2)
+    values["g"], values["gs"] = rng.choice(_BOXES)
     for name, low, high in draws:
         values[name] = rng.randint(low, high)
+    while values.get("d") in (values["a"], values["b"]):  # a distractor equal to an operand would be no distractor
+        values["d"] = rng.randint(*next((low, high) for name, low, high in draws if name == "d"))
     values["ab"] = values["a"] * values["b"]
-    # choice() draws even from a list of one: only kinds with several templates may call it.
-    question, expr = rng.choice(templates) if len(templates) > 1 else templates[0]
     expr = expr.format(**values)
     return question.format(**values), int(eval(expr)), expr  # every answer is a whole number
 
 
-def generate_tasks(families: list[str], n: int, seed: int, split: str, exclude: set[str] | None = None) -> list[Task]:
-    """`n` tasks cycling through `families`, reproducible from (seed, split); none in `exclude`."""
+def generate_tasks(families: list[str], n: int, seed: int, split: str, exclude: set[str] | None = None,
+                   templates: dict[str, list[str]] | None = None) -> list[Task]:
+    """`n` tasks cycling through `families`, reproducible from (seed, split); none in `exclude`. `templates`:
+    the template ids each family may use (default: all); families with none are left out (all: no tasks)."""
     unknown = [f for f in families if f not in FAMILIES]
     if unknown:
         raise ConfigError(f"config error: env.families: unknown family {unknown}; choose from {sorted(FAMILIES)}")
+    allowed = templates if templates is not None else template_ids(families)
+    usable = [f for f in families if allowed.get(f)]
+    if not usable:  # only a held-out-templates split can have none (a family keeps a training template)
+        return []
     rng = random.Random(f"{seed}:{split}")
     seen = set(exclude or ())  # questions already used, here or in the other split
     tasks: list[Task] = []
@@ -138,21 +242,25 @@ def generate_tasks(families: list[str], n: int, seed: int, split: str, exclude: 
         attempts += 1
         if attempts > n * 50:
             raise ValueError(f"could not generate {n} distinct {split} tasks for {families}")
-        family = families[len(tasks) % len(families)]
-        question, answer, expr = _one_step(family, rng)
+        family = usable[len(tasks) % len(usable)]
+        choices = allowed[family]
+        template = rng.choice(choices) if len(choices) > 1 else choices[0]
+        question, answer, expr = _one_step(family, int(template.rsplit("/", 1)[1]), rng)
         if question in seen:
             continue
         seen.add(question)
         tasks.append(Task(task_id=f"calc-{split}-{len(tasks):05d}", prompt=question, answer=str(answer), split=split,
-                          family=family, data={"expression": expr}))
+                          family=family, data={"expression": expr, "template": template}))
     return tasks
 
 
-def make_splits(families: list[str], heldout_families: list[str], n_train: int, n_heldout: int, seed: int) -> tuple[list[Task], list[Task]]:
-    """Fixed train and held-out splits with no question in both."""
-    heldout = generate_tasks(heldout_families, n_heldout, seed, "heldout")
-    train = generate_tasks(families, n_train, seed, "train", exclude={t.prompt for t in heldout})
-    return train, heldout
+def make_splits(families: list[str], heldout_families: list[str], n_train: int, n_heldout: int, seed: int,
+                heldout_template_share: float = 0.0) -> tuple[list[Task], list[Task]]:
+    """Fixed train and held-out splits with no question in both; with `heldout_template_share`, also a
+    `heldout_templates` split on templates training never uses (see registry.template_splits)."""
+    return template_splits(lambda split, n, templates, exclude: generate_tasks(
+        families if split == "train" else heldout_families, n, seed, split, exclude, templates),
+        template_ids(sorted(set(families) | set(heldout_families))), n_train, n_heldout, seed, heldout_template_share)
 
 
 def parse_final_answer(text: str) -> str | None:

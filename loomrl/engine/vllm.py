@@ -37,8 +37,7 @@ with a request in flight). steps stays 0: AsyncLLM does not report its steps to 
   which has not run).
 
 What it is not: a client of an external vLLM server (that is engine/vllm_http.py, engine.vllm.base_url) or Ray actors
-of its own (engine/actor.py). `release` does nothing: vLLM's prefix cache is keyed by
-token blocks.
+of its own (engine/actor.py). `release` does nothing: vLLM's prefix cache is keyed by token blocks.
 """
 
 from __future__ import annotations
@@ -232,7 +231,8 @@ class VLLMEngine(LoadState):
 
     def update_from(self, handle: WeightHandle) -> None:
         """update_weights for a handle vLLM's worker reads itself (`opens`): a shm segment through views of its
-        mapping, CUDA IPC handles mapped on its GPU. Names and shapes are checked here first, as for update_weights."""
+        mapping, CUDA IPC handles mapped on its GPU, a broadcast over the trainer's group. Names and shapes are checked
+        here first, as for update_weights."""
         if self._closed:
             raise EngineFault("update_weights: the engine is closed")
         if handle.transport is Transport.SHM:
@@ -243,11 +243,10 @@ class VLLMEngine(LoadState):
             p = handle.payload
             shapes = {n: torch.empty(s, device="meta") for n, s in zip(p["names"], p["shapes"])}
             keep = [n for n, _ in checked_weights(shapes, self.model.shapes, self.model.aliases, self._broken)]
-            if handle.transport is Transport.BROADCAST:  # every bucket is received (a collective), `names` loaded
-                update = {"broadcast": p, "names": keep}
-            else:
-                p = {k: [v for n, v in zip(p["names"], p[k]) if n in set(keep)] for k in p}  # tied aliases left out
-                update = {"ipc": base64.b64encode(pickle.dumps(p)).decode("ascii")}
+            # broadcast: every bucket is received (a collective); both load `names` only (no tied alias)
+            kind = "broadcast" if handle.transport is Transport.BROADCAST else "ipc"
+            update = {kind: p if kind == "broadcast" else base64.b64encode(pickle.dumps(p)).decode("ascii"),
+                      "names": keep}
         else:
             raise EngineFault(f"update_from: vLLM's worker does not read {handle.transport} handles (opens: "
                               f"{sorted(self.opens)})")

@@ -66,6 +66,7 @@ class InlineUpdate(WeightTransferUpdateInfo):
     # the tensors' bytes: sent as memoryviews and received as bytes in process, base64 strings over HTTP
     blobs: list[Any] = field(default_factory=list)
     segment: str = ""  # shm: the segment to read the tensors `names` from (dtypes, shapes and blobs stay empty)
+    # shm, cuda_ipc and broadcast: `names` are the tensors the adapter checked (tied aliases left out), loaded alone
     version: int = -1  # shm: the version the segment must hold
     ipc: str = ""  # cuda_ipc: base64 of the pickled ipc_payload (trainer/weight_sync.py)
     broadcast: dict[str, Any] | None = None  # broadcast: the group's address and the version's names, dtypes, shapes
@@ -105,7 +106,8 @@ class InlineWeightEngine(WeightTransferEngine[InlineInit, InlineUpdate]):
                     self.model.load_weights([(n, t) for n, t in bucket if n in wanted])
             elif update_info.ipc:
                 payload = pickle.loads(base64.b64decode(update_info.ipc))  # noqa: S301 - our trainer's, same machine
-                self.model.load_weights(list(ipc_tensors(payload, self.device.index).items()))
+                mapped = ipc_tensors(payload, self.device.index)
+                self.model.load_weights([(n, mapped[n]) for n in update_info.names])
             else:
                 self.model.load_weights(from_wire(update_info))
         except BaseException:

@@ -243,8 +243,7 @@ def generate_tasks(families: list[str], n: int, seed: int, split: str, exclude: 
         if attempts > n * 50:
             raise ValueError(f"could not generate {n} distinct {split} tasks for {families}")
         family = usable[len(tasks) % len(usable)]
-        choices = allowed[family]
-        template = rng.choice(choices) if len(choices) > 1 else choices[0]
+        template = rng.choice(allowed[family])
         question, answer, expr = _one_step(family, int(template.rsplit("/", 1)[1]), rng)
         if question in seen:
             continue

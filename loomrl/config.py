@@ -510,6 +510,10 @@ class RunConfig(_Section):
             raise ValueError("runtime.weight_transport=broadcast needs engine.kind=vllm in process (no "
                              "engine.vllm.base_url) or engine.kind=sglang: their workers join the trainer's process "
                              "group")
+        if transport == "cuda_ipc" and kind == "sglang" and self.engine.sglang.tp_size != 1:
+            raise ValueError(f"runtime.weight_transport=cuda_ipc maps the trainer's GPU memory into the SGLang server, "
+                             f"which must then run on that one GPU (engine.sglang.tp_size={self.engine.sglang.tp_size}"
+                             "); use runtime.weight_transport=broadcast for a server on other GPUs")
         if self.runtime.mode == "sync" and self.engine.kind == "sglang":
             raise ValueError("engine.kind=sglang needs runtime.mode=async (sync mode shares the trainer's model with "
                              "the engine; an SGLang server holds its own copy and loads each version from disk)")

@@ -34,6 +34,11 @@ The contract, as SGLang's source has it:
   trainer's process group, ranks 1 + tp_rank), then per version /update_weights_from_distributed {names, dtypes,
   shapes, group_name, flush_cache, weight_version} while the trainer broadcasts each tensor (trainer/weight_group.py,
   wire "tensors"): NCCL between GPUs, nothing through a filesystem.
+- Or, with runtime.weight_transport=cuda_ipc (trainer and server on one GPU), /update_weights_from_tensor
+  {serialized_named_tensors: [one entry per TP rank], flush_cache, weight_version}: each entry is base64 of a pickled
+  [(name, tensor)] list whose tensors rebuild from the trainer's CUDA IPC handles, the device named by its UUID (what
+  SGLang's MultiprocessingSerializer sends; its monkey_patch_torch_reductions maps the UUID to the server's own index
+  of that GPU). The pickle names torch and builtins only: SGLang's unpickler refuses any other module.
 
 Per-token versions, interrupts and resumption: an abort the adapter caused (an interrupt() or an update during the
 request's life) is finish_reason "interrupted", which generate_resuming resumes from the partial output; an abort it
@@ -42,8 +47,10 @@ did not cause (the server refused the request) is an EngineFault with the server
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import logging
+import pickle
 import shutil
 import threading
 import uuid
@@ -88,6 +95,32 @@ def write_checkpoint(folder: Path, weights: dict[str, torch.Tensor], config: Any
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     if config is not None:
         config.save_pretrained(str(folder))
+
+
+class _CudaRebuild:
+    """Pickles as a call to torch's rebuild_cuda_tensor(*args): what a CUDA tensor pickles to in torch's multiprocessing
+    reductions, built from an ipc_payload's arguments instead of a tensor (so no GPU is needed to write it)."""
+
+    def __init__(self, args: tuple):
+        self.args = args
+
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple]:
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        return rebuild_cuda_tensor, self.args
+
+
+def tensor_update_entry(payload: dict[str, Any]) -> str:
+    """One TP rank's serialized_named_tensors entry for /update_weights_from_tensor, from an ipc_payload
+    (trainer/weight_sync.py): the device index (argument 6 of rebuild_cuda_tensor) replaced by the GPU's UUID, which
+    SGLang's patched rebuild maps to the server's own index of that GPU."""
+    named = []
+    for name, handle in zip(payload["names"], payload["ipc_handles"]):
+        (uuid_, args), = handle.items()  # one GPU: the trainer's
+        args = list(args)
+        args[6] = uuid_
+        named.append((name, _CudaRebuild(tuple(args))))
+    return base64.b64encode(pickle.dumps(named, protocol=pickle.HIGHEST_PROTOCOL)).decode("ascii")
 
 
 class SGLangEngine:
@@ -157,17 +190,26 @@ class SGLangEngine:
             if old.name != name:
                 shutil.rmtree(old, ignore_errors=True)
 
-    opens = frozenset({Transport.BROADCAST})  # the server's workers receive it (update_from)
+    opens = frozenset({Transport.BROADCAST, Transport.CUDA_IPC})  # the server's workers read them (update_from)
 
     def update_from(self, handle: WeightHandle) -> None:
         """A broadcast version (runtime.weight_transport=broadcast): pause (abort) -> /init_weights_update_group the
         first time this trainer's group is named -> /update_weights_from_distributed, which the server answers once
-        its workers have received every tensor (and flushed the cache) -> continue."""
+        its workers have received every tensor (and flushed the cache) -> continue. A cuda_ipc version: pause (abort)
+        -> /update_weights_from_tensor, answered once the server has copied the tensors out of the trainer's memory
+        (and flushed the cache) -> continue."""
         if self._closed:
             raise EngineFault("update_weights: the engine is closed")
-        if handle.transport is not Transport.BROADCAST:
-            raise EngineFault(f"update_from: an SGLang server receives broadcast handles only, not {handle.transport}")
-        self._control.submit(self._load_broadcast, handle.payload, handle.version).result()
+        if handle.transport is Transport.BROADCAST:
+            self._control.submit(self._load_broadcast, handle.payload, handle.version).result()
+        elif handle.transport is Transport.CUDA_IPC:
+            if self.cfg.tp_size != 1:
+                raise EngineFault("update_from: cuda_ipc maps the trainer's GPU memory, so the server must run on that "
+                                  f"one GPU (engine.sglang.tp_size={self.cfg.tp_size}; use weight_transport=broadcast)")
+            self._control.submit(self._load_tensors, tensor_update_entry(handle.payload), handle.version).result()
+        else:
+            raise EngineFault(f"update_from: an SGLang server reads broadcast and cuda_ipc handles, not "
+                              f"{handle.transport}")
 
     def interrupt(self) -> None:
         """Pause with mode=abort and continue, on the control thread: in-flight requests end "interrupted" soon."""
@@ -304,6 +346,17 @@ class SGLangEngine:
             self._http.post("/update_weights_from_distributed", {
                 "names": payload["names"], "dtypes": payload["dtypes"], "shapes": payload["shapes"],
                 "group_name": group["name"], "flush_cache": True, "weight_version": str(version)},
+                self.cfg.update_timeout_s)
+            with self._lock:
+                self._version = version
+        finally:
+            self._continue()
+
+    def _load_tensors(self, entry: str, version: int) -> None:
+        try:
+            self._pause()
+            self._http.post("/update_weights_from_tensor", {
+                "serialized_named_tensors": [entry], "flush_cache": True, "weight_version": str(version)},
                 self.cfg.update_timeout_s)
             with self._lock:
                 self._version = version

@@ -62,6 +62,8 @@ UPDATE_FROM_DISK_FIELDS = {"rid", "model_path", "load_format", "abort_all_reques
                            "manifest"}
 PAUSE_FIELDS, CONTINUE_FIELDS = {"rid", "mode"}, {"rid", "torch_empty_cache"}
 INIT_GROUP_FIELDS = {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}
+FROM_TENSOR_FIELDS = {"rid", "serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests",
+                      "weight_version", "disable_draft_model", "torch_empty_cache"}
 FROM_DISTRIBUTED_FIELDS = {"names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests",
                            "weight_version", "load_format"}
 MEMORY_FIELDS = {"rid", "tags"}  # Release/ResumeMemoryOccupationReqInput (tags None: weights and kv_cache)
@@ -102,6 +104,7 @@ class FakeSGLang:
         self.loaded: dict[str, torch.Tensor] = {}
         self.released = False  # weights and KV cache given up (release_memory_occupation)
         self.groups: dict[str, Any] = {}  # group_name -> process group (init_weights_update_group)
+        self.rebuilt: list[tuple] = []  # rebuild_cuda_tensor's arguments (update_weights_from_tensor)
 
 
 def _refuse_unknown(body: dict, known: set[str], what: str) -> JSONResponse | None:
@@ -299,7 +302,51 @@ def fake_app(fake: FakeSGLang) -> FastAPI:
             fake.weight_version = body["weight_version"]
         return {"success": True, "message": "Succeeded to update parameter online."}
 
+    @app.post("/update_weights_from_tensor")
+    async def update_from_tensor(request: Request):
+        body, bad = await read(request, "/update_weights_from_tensor", FROM_TENSOR_FIELDS,
+                               "UpdateWeightsFromTensorReqInput")
+        if bad is not None:
+            return bad
+        # as ModelRunner.update_weights_from_tensor over HTTP: this TP rank's entry (tp_rank 0), deserialized as
+        # SGLang's MultiprocessingSerializer does, then loaded
+        fake.loaded = dict(unpickle_named_tensors(body["serialized_named_tensors"][0], fake.rebuilt))
+        if body.get("flush_cache", True):
+            fake.sequences.clear()
+        if body.get("weight_version") is not None:
+            fake.weight_version = body["weight_version"]
+        return {"success": True, "message": "Succeeded to update model weights."}
+
     return app
+
+
+# SGLang deserializes weight payloads with an allowlisting unpickler: torch (tensors and their multiprocessing rebuild
+# functions) and plain builtins/collections, nothing else.
+ALLOWED_PICKLE_ROOTS = ("builtins", "collections", "copyreg", "torch")
+
+
+def unpickle_named_tensors(entry: str, rebuilt: list[tuple]) -> list[tuple[str, torch.Tensor]]:
+    """Deserialize one serialized_named_tensors entry: base64 of a pickle. No GPU here, so torch's
+    rebuild_cuda_tensor is replaced by a stand-in that records its arguments and returns a CPU tensor of the shape
+    and dtype they name; SGLang's patched rebuild wants the device (argument 6) as a GPU UUID."""
+    import base64
+    import io
+    import pickle
+
+    def stand_in(*args):
+        assert len(args) == 15, "rebuild_cuda_tensor takes 15 arguments"
+        rebuilt.append(args)
+        return torch.zeros(args[1], dtype=args[5])
+
+    class Allowlisted(pickle.Unpickler):
+        def find_class(self, module, name):
+            if not any(module == root or module.startswith(root + ".") for root in ALLOWED_PICKLE_ROOTS):
+                raise pickle.UnpicklingError(f"blocked unpickle of {module}.{name}")
+            if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
+                return stand_in
+            return super().find_class(module, name)
+
+    return Allowlisted(io.BytesIO(base64.b64decode(entry, validate=True))).load()
 
 
 @pytest.fixture(scope="module")
@@ -583,3 +630,53 @@ def test_a_broadcast_goes_to_the_servers_workers_over_the_group_they_join(engine
     assert list(fake.loaded) == list(state)
     assert all(torch.equal(fake.loaded[n], (t + 2).to(torch.bfloat16)) for n, t in state.items())
     assert engine.version == 2 and set(_generate(engine, [5, 6, 7], max_tokens=4).versions) == {2}
+
+
+def _fake_ipc_payload(state: dict[str, torch.Tensor], gpu: str) -> dict[str, Any]:
+    """An ipc_payload (trainer/weight_sync.py) as a trainer on GPU `gpu` writes it; no GPU here, so each tensor's
+    rebuild arguments are made up in reduce_tensor's order (index 6: the trainer's device index, 0)."""
+    handles = [{gpu: (torch.Tensor, t.shape, t.stride(), 0, torch.UntypedStorage, torch.bfloat16, 0, f"ipc-{i}".encode(),
+                      t.numel() * 2, 0, False, b"ref", 0, b"event", True)} for i, t in enumerate(state.values())]
+    return {"names": list(state), "dtype_names": ["bfloat16"] * len(state), "shapes": [list(t.shape) for t in
+            state.values()], "ipc_handles": handles}
+
+
+def test_a_cuda_ipc_version_reaches_the_server_as_sglangs_serialized_named_tensors(engine, fake, tiny_model):
+    """runtime.weight_transport=cuda_ipc with SGLang: /update_weights_from_tensor carries, for TP rank 0, the pickled
+    (name, tensor) list SGLang's MultiprocessingSerializer would make of the trainer's CUDA tensors, with the device as
+    the GPU's UUID. CONTRACT TEST: no GPU here, so the IPC handles are made up and the fake's rebuild is a stand-in;
+    what is checked is the wire (fields, an unpickler allowing torch and builtins only, rebuild_cuda_tensor's
+    arguments), the pause/continue around it and the version. Not run against SGLang."""
+    from loomrl.trainer.weight_sync import WeightHandle
+
+    assert Transport.CUDA_IPC in engine.opens
+    state = {n: t for n, t in tiny_model.state_dict().items()}
+    gpu = "GPU-5f2c1d7e-0000-4000-8000-000000000001"
+    payload = _fake_ipc_payload(state, gpu)
+    engine.update_from(WeightHandle(transport=Transport.CUDA_IPC, version=3, nbytes=0, payload=payload))
+    assert fake.calls == ["/pause_generation", "/update_weights_from_tensor", "/continue_generation"]
+    body = fake.bodies["/update_weights_from_tensor"][0]
+    assert len(body["serialized_named_tensors"]) == 1 and body["flush_cache"] is True and body["weight_version"] == "3"
+    assert list(fake.loaded) == list(state)
+    assert all(fake.loaded[n].shape == t.shape and fake.loaded[n].dtype == torch.bfloat16 for n, t in state.items())
+    sent = [next(iter(h.values())) for h in payload["ipc_handles"]]
+    assert [a[6] for a in fake.rebuilt] == [gpu] * len(state)  # the UUID, not the trainer's device index
+    assert [a[:6] + a[7:] for a in fake.rebuilt] == [tuple(a[:6]) + tuple(a[7:]) for a in sent]
+    assert engine.version == 3 and set(_generate(engine, [5, 6, 7], max_tokens=4).versions) == {3}
+
+
+def test_cuda_ipc_is_refused_for_an_sglang_server_on_several_gpus(served, fake, tiny_model):
+    from loomrl.trainer.weight_sync import WeightHandle
+
+    base = ["engine.kind=sglang", "engine.sglang.base_url=http://x:1", "runtime.mode=async",
+            "runtime.weight_transport=cuda_ipc"]
+    with pytest.raises(ConfigError, match=r"must then run on that one GPU \(engine.sglang.tp_size=2\)"):
+        load_config(None, [*base, "engine.sglang.tp_size=2"])
+    eng = SGLangEngine(SGLangConfig(base_url=served[0].url, tp_size=2, retries=1, retry_backoff_s=0.01))
+    try:
+        with pytest.raises(EngineFault, match="use weight_transport=broadcast"):
+            eng.update_from(WeightHandle(transport=Transport.CUDA_IPC, version=1, nbytes=0,
+                                         payload=_fake_ipc_payload({"w": torch.zeros(2)}, "GPU-x")))
+    finally:
+        eng.close()
+    assert "/update_weights_from_tensor" not in fake.calls

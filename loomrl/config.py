@@ -396,9 +396,11 @@ class RuntimeConfig(_Section):
     # benchmarks/weight_sync.py: shm ~6x faster than pickling through the queue for SmolLM2-135M). engine.kind=vllm
     # reads shm in its worker process. cuda_ipc: trainer and engine on one GPU, the weights never leave it
     # broadcast: over a process group of the trainer and the engine's workers (engine.kind=vllm in process, or
-    # sglang; NCCL between GPUs)
+    # sglang; NCCL between GPUs); on Ray (the only transport there besides Ray's object store, the default) from the
+    # trainer actor to the engine actors (ray.engine.count > 0; any engine kind; an engine actor that dies stops it)
     weight_transport: Literal["shm", "file", "queue", "cuda_ipc", "broadcast"] = "shm"
-    broadcast_host: str = "127.0.0.1"  # broadcast: the address the engine's workers reach the trainer process at
+    # broadcast, local: the address the engine's workers reach the trainer process at (Ray: the trainer's node's)
+    broadcast_host: str = "127.0.0.1"
     # a trainer that dies (async: its process or a rank; ray: its actors) is restarted from the latest
     # checkpoint this many times (0: the run stops and says to continue with --resume)
     max_trainer_restarts: int = Field(5, ge=0)
@@ -502,14 +504,23 @@ class RunConfig(_Section):
             raise ValueError(f"engine.{kind}.base_url lists {len(urls)} servers: one engine actor drives each, so "
                              f"set runtime.backend=ray and ray.engine.count={len(urls)}")
         transport = self.runtime.weight_transport
-        if transport in ("cuda_ipc", "broadcast") and (self.runtime.mode, self.runtime.backend) != ("async", "local"):
-            raise ValueError(f"runtime.weight_transport={transport} is for runtime.mode=async with "
-                             "runtime.backend=local (a trainer process beside the engine); sync runs share one model, "
-                             "and Ray runs send the weights through Ray's object store")
-        if transport == "broadcast" and (kind not in ("vllm", "sglang") or (kind == "vllm" and self.engine.vllm.base_url)):
-            raise ValueError("runtime.weight_transport=broadcast needs engine.kind=vllm in process (no "
-                             "engine.vllm.base_url) or engine.kind=sglang: their workers join the trainer's process "
-                             "group")
+        ray = self.runtime.backend == "ray"
+        if transport in ("cuda_ipc", "broadcast") and self.runtime.mode != "async":
+            raise ValueError(f"runtime.weight_transport={transport} needs runtime.mode=async (a trainer beside the "
+                             "engine; sync runs share one model)")
+        if transport == "cuda_ipc" and ray:
+            raise ValueError("runtime.weight_transport=cuda_ipc is for runtime.backend=local (a trainer process on the "
+                             "engine's GPU); Ray runs send the weights through Ray's object store, or broadcast them")
+        if transport == "broadcast" and ray and not self.ray.engine.count:
+            raise ValueError("runtime.weight_transport=broadcast on Ray needs engine actors (ray.engine.count > 0), "
+                             "whose processes join the trainer actor's process group")
+        if transport == "broadcast" and kind == "vllm" and self.engine.vllm.base_url:
+            raise ValueError("runtime.weight_transport=broadcast needs vLLM in process (no engine.vllm.base_url): its "
+                             "workers join the trainer's process group")
+        if transport == "broadcast" and not ray and kind not in ("vllm", "sglang"):
+            raise ValueError("runtime.weight_transport=broadcast on runtime.backend=local needs engine.kind=vllm or "
+                             "sglang, whose workers join the trainer's process group (the built-in engine receives "
+                             "a broadcast on Ray, in its engine actor)")
         if transport == "cuda_ipc" and kind == "sglang" and self.engine.sglang.tp_size != 1:
             raise ValueError(f"runtime.weight_transport=cuda_ipc maps the trainer's GPU memory into the SGLang server, "
                              f"which must then run on that one GPU (engine.sglang.tp_size={self.engine.sglang.tp_size}"

@@ -109,21 +109,35 @@ def test_the_model_config_carries_device_and_dtype():
 
 def test_cuda_ipc_weights_need_the_trainer_on_a_gpu_and_an_async_local_run(two_fake_gpus):
     """runtime.weight_transport=cuda_ipc maps the trainer's GPU memory in the engine's process: a CPU trainer, a sync
-    run (one shared model) and a Ray run (weights through the object store) are refused, naming the field."""
+    run (one shared model) and a Ray run (weights through the object store or a broadcast) are refused, naming the
+    field."""
     with pytest.raises(DeviceError, match=r"'runtime.weight_transport': cuda_ipc .* trainer.device is cpu"):
         load_config(None, ["runtime.mode=async", "runtime.weight_transport=cuda_ipc", "trainer.device=cpu"])
-    for other in (["runtime.mode=sync"], ["runtime.mode=async", "runtime.backend=ray"]):
-        with pytest.raises(ConfigError, match="runtime.weight_transport=cuda_ipc is for runtime.mode=async"):
-            load_config(None, [*other, "runtime.weight_transport=cuda_ipc"])
+    with pytest.raises(ConfigError, match="runtime.weight_transport=cuda_ipc needs runtime.mode=async"):
+        load_config(None, ["runtime.mode=sync", "runtime.weight_transport=cuda_ipc"])
+    with pytest.raises(ConfigError, match="runtime.weight_transport=cuda_ipc is for runtime.backend=local"):
+        load_config(None, ["runtime.mode=async", "runtime.backend=ray", "runtime.weight_transport=cuda_ipc"])
     cfg = load_config(None, ["runtime.mode=async", "runtime.weight_transport=cuda_ipc", "trainer.device=cuda:0",
                              "model.device=cuda:0"])
     assert cfg.runtime.weight_transport == "cuda_ipc"
 
 
-def test_broadcast_weights_need_vllm_in_process_and_an_async_local_run():
-    """runtime.weight_transport=broadcast: vLLM's workers join the trainer's process group, so the built-in engine,
-    a vLLM server (engine.vllm.base_url) and sync or Ray runs are refused, naming what to set."""
-    with pytest.raises(ConfigError, match="broadcast needs engine.kind=vllm in process"):
-        load_config(None, ["runtime.mode=async", "runtime.weight_transport=broadcast"])
-    with pytest.raises(ConfigError, match="broadcast is for runtime.mode=async"):
+
+
+def test_broadcast_weights_need_receivers_that_join_the_group_and_an_async_run():
+    """runtime.weight_transport=broadcast: the engine's processes join the trainer's process group. Locally vLLM's
+    workers or an SGLang server's do (the built-in engine and a vLLM server at engine.vllm.base_url are refused); on Ray
+    the engine actors do, any engine kind, so engine actors are needed; sync runs are refused. Each names what to set."""
+    async_ = ["runtime.mode=async", "runtime.weight_transport=broadcast"]
+    with pytest.raises(ConfigError, match="broadcast on runtime.backend=local needs engine.kind=vllm or sglang"):
+        load_config(None, async_)
+    with pytest.raises(ConfigError, match="broadcast needs runtime.mode=async"):
         load_config(None, ["runtime.mode=sync", "runtime.weight_transport=broadcast"])
+    with pytest.raises(ConfigError, match=r"broadcast on Ray needs engine actors \(ray.engine.count > 0\)"):
+        load_config(None, [*async_, "runtime.backend=ray"])
+    with pytest.raises(ConfigError, match="broadcast needs vLLM in process"):
+        load_config(None, [*async_, "engine.kind=vllm", "engine.vllm.base_url=http://x:1"])
+    cfg = load_config(None, [*async_, "runtime.backend=ray", "ray.engine.count=2"])
+    assert cfg.engine.kind == "builtin" and cfg.ray.engine.count == 2
+    sglang = ["engine.kind=sglang", "engine.sglang.base_url=http://x:1"]
+    assert load_config(None, [*async_, *sglang]).runtime.weight_transport == "broadcast"

@@ -6,7 +6,9 @@ engine). Without engine actors each rollout actor owns its engine (rollout/actor
 
 Routing: a rollout actor is bound to one engine actor (rollout actor i to engine i mod count) and a GRPO group runs
 on one rollout actor, so a program's turns and its group's shared prompt reach one engine and its prefix cache.
-Weights: the backend sends each published version to every engine actor (runtime/ray_backend.py publish), and a
+Weights: the backend sends each published version to every engine actor (runtime/ray_backend.py publish): an ObjectRef
+of the trainer's weights, or with runtime.weight_transport=broadcast a handle of the trainer actor's process group,
+which every engine's processes join (engine i as ranks 1 + i * n.., n its weight_receivers), and a
 group dispatched after a publish starts once its engine has loaded that version (EngineActor.ready, which loads
 it itself when the update was lost to a restart). Ray restarts an engine actor that
 died (ray.engine.max_restarts); the fresh one loads the latest published version before it serves (WeightBoard), so
@@ -18,41 +20,57 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from loomrl.actor_support import Placed
 from loomrl.config import RunConfig
 from loomrl.engine.base import Engine, EngineFault, EngineMetrics, GenerationRequest, GenerationResult, TakesTensors
-from loomrl.engine.factory import make_engine
+from loomrl.engine.factory import make_engine, weight_receivers
 from loomrl.model.loader import load_run_model
-
-if TYPE_CHECKING:
-    from loomrl.trainer.weight_sync import WeightHandle
+from loomrl.trainer.weight_group import Receiver, with_rank_offset
+from loomrl.trainer.weight_sync import Transport, WeightHandle
 
 
 class WeightGate:
     """Loads published versions into an engine one at a time, in the order they were sent (an asyncio lock is
-    FIFO, and `load` takes it before its first await); `ready` returns once the versions sent before it are in."""
+    FIFO, and `load` takes it before its first await); `ready` returns once the versions sent before it are in.
+    `rank_offset`: the first rank of this engine's processes in a broadcast's group; `device`: where a built-in
+    engine's model is (a broadcast it receives here lands there)."""
 
-    def __init__(self, engine: Engine, interrupt_on_update: bool):
+    def __init__(self, engine: Engine, interrupt_on_update: bool, *, rank_offset: int = 1,
+                 device: torch.device | None = None):
         self.engine = engine
         self.interrupt_on_update = interrupt_on_update
+        self.rank_offset = rank_offset
+        self.device = device or torch.device("cpu")
+        self.receiver = Receiver()  # broadcast into an engine that takes tensors
         self._lock = asyncio.Lock()  # bound to the actor's event loop when first waited on
 
     async def load(self, handle: WeightHandle) -> dict[str, float]:
-        """Fetch (transport "ray": an ObjectRef owned by the driver) and apply; returns the version and how long
-        fetching and applying took."""
+        """Fetch and apply: transport "ray", an ObjectRef owned by the driver; "broadcast", the trainer's group,
+        received by the engine's own processes when it opens the handle (vLLM, SGLang), else here. Returns the
+        version and how long fetching and applying took."""
         async with self._lock:
             t0 = time.perf_counter()
-            weights = await handle.payload
+            weights = None
+            if handle.transport is Transport.BROADCAST:
+                handle = dataclasses.replace(handle, payload=with_rank_offset(handle.payload, self.rank_offset))
+                if handle.transport not in self.engine.opens:
+                    weights = await asyncio.to_thread(self.receiver.receive_all, handle.payload, self.device)
+            else:
+                weights = await handle.payload
             t1 = time.perf_counter()
             if self.interrupt_on_update:
                 self.engine.interrupt()  # in-flight turns resume under the new weights (AgentLoop._generate)
-            await asyncio.to_thread(self.engine.update_weights, weights, handle.version)
+            if weights is None:
+                await asyncio.to_thread(self.engine.update_from, handle)
+            else:
+                await asyncio.to_thread(self.engine.update_weights, weights, handle.version)
         return {"version": handle.version, "load_s": t1 - t0, "apply_s": time.perf_counter() - t1}
 
     async def ready(self) -> None:
@@ -85,11 +103,18 @@ class EngineActor(Placed):
         torch.set_num_threads(cfg.engine.threads or max(1, int(cfg.ray.engine.num_cpus)))
         torch.manual_seed(cfg.seed)
         model, tokenizer = load_run_model(cfg.model, None)
-        self.engine = make_engine(cfg, model, tokenizer, 0, replica)
         latest = ray.get(board.latest.remote())
+        if latest is not None and latest.transport is Transport.BROADCAST:
+            raise RuntimeError(f"engine actor {replica} restarted, but with runtime.weight_transport=broadcast a fresh "
+                               "engine cannot get the run's current weights (each version is broadcast once, to a "
+                               "group of fixed members); continue with --resume, or use the default transport (Ray's "
+                               "object store), with which engine actors survive restarts")
+        self.engine = make_engine(cfg, model, tokenizer, 0, replica)
         if latest is not None:  # restarted after a crash: the run's current version before the first request
             self.engine.update_weights(ray.get(latest.payload), latest.version)
-        self.gate = WeightGate(self.engine, cfg.runtime.interrupt_on_update)
+        # broadcast: engine i's processes are ranks 1 + i * n.. of the trainer's group (n: weight_receivers)
+        self.gate = WeightGate(self.engine, cfg.runtime.interrupt_on_update,
+                               rank_offset=1 + replica * weight_receivers(cfg), device=next(model.parameters()).device)
 
     def info(self) -> tuple[int, int]:
         """(kv_budget, version)."""
@@ -106,7 +131,8 @@ class EngineActor(Placed):
         newest): an update sent while Ray was restarting this actor can fail after the fresh one read the board,
         and the engine would then serve an older version under newer dispatches (stale at consumption)."""
         await self.gate.ready()
-        if latest is not None and self.engine.version < latest.version:
+        # (a broadcast was sent once: it cannot be received again; with it, engine actors are not restarted)
+        if latest is not None and latest.transport is not Transport.BROADCAST and self.engine.version < latest.version:
             await self.gate.load(latest)
 
     def interrupt(self) -> None:

@@ -27,6 +27,17 @@ def serving_dtype(cfg: RunConfig) -> Any:
     return resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device, "model.device"))
 
 
+def weight_receivers(cfg: RunConfig) -> int:
+    """The processes of one engine that join a broadcast's group (runtime.weight_transport=broadcast): vLLM's workers
+    (one per tensor-parallel rank), an SGLang server's (engine.sglang.tp_size), or the one holding a built-in engine."""
+    e = cfg.engine
+    if e.kind == "vllm":
+        return e.vllm.tensor_parallel_size
+    if e.kind == "sglang":
+        return e.sglang.tp_size
+    return 1
+
+
 def make_engine(cfg: RunConfig, model: Any, tokenizer: Any, version: int, replica: int = 0) -> Engine:
     """The engine engine.kind names: the built-in one over `model` (sync runs share it with the trainer), a client
     of an SGLang server (`model` gives only the config.json written beside each weight update; `replica`: the

@@ -30,7 +30,7 @@ The contract, as SGLang's source has it:
   update) when it is an integer, else (before the first update, or a server that sends none) the engine's version
   when the request started.
 - Or, with runtime.weight_transport=broadcast, /init_weights_update_group {master_address, master_port,
-  rank_offset: 1, world_size, group_name, backend} once per trainer process (the server's workers join the
+  rank_offset (1, or this server's first rank when several engines share the group), world_size, group_name, backend} once per trainer process (the server's workers join the
   trainer's process group, ranks 1 + tp_rank), then per version /update_weights_from_distributed {names, dtypes,
   shapes, group_name, flush_cache, weight_version} while the trainer broadcasts each tensor (trainer/weight_group.py,
   wire "tensors"): NCCL between GPUs, nothing through a filesystem.
@@ -339,7 +339,7 @@ class SGLangEngine:
             self._pause()
             if self._group != group["name"]:  # a new trainer process: a new group (the server keeps the old one)
                 self._http.post("/init_weights_update_group", {
-                    "master_address": group["host"], "master_port": group["port"], "rank_offset": 1,
+                    "master_address": group["host"], "master_port": group["port"], "rank_offset": payload["rank_offset"],
                     "world_size": group["world_size"], "group_name": group["name"], "backend": group["backend"]},
                     self.cfg.update_timeout_s)
                 self._group = group["name"]

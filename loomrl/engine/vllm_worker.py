@@ -9,8 +9,8 @@ Worker.load_model create an InlineWeightEngine. AsyncLLM.update_weights hands it
   worker, through views of the mapping: the tensors cross no socket;
 - cuda_ipc: the trainer's CUDA IPC handles (runtime.weight_transport=cuda_ipc, pickled: msgpack cannot carry torch's
   rebuild arguments), mapped on this worker's GPU, as vLLM's own "ipc" engine does;
-- broadcast: the group's address and the version's layout; the worker joins the trainer's process group (rank 1 +
-  its tensor-parallel rank) on the first such update and receives the buckets the trainer broadcasts
+- broadcast: the group's address and the version's layout; the worker joins the trainer's process group (its
+  engine's first rank + its tensor-parallel rank) on the first such update and receives the buckets the trainer broadcasts
   (trainer/weight_group.py: gloo here, NCCL on GPUs), as vLLM's own "nccl" engine does.
 
 Why these choices (docs/research/vllm_cpu_0.32.md, section 5):
@@ -98,8 +98,9 @@ class InlineWeightEngine(WeightTransferEngine[InlineInit, InlineUpdate]):
                     # vLLM's loaders copy (and cast) out of the views; `names`: those the adapter checked
                     self.model.load_weights([(n, views[n]) for n in update_info.names])
             elif update_info.broadcast is not None:
-                # rank 1 + this worker's tensor-parallel rank; the group is joined on the first handle naming it
-                group = self.receiver.group_for(update_info.broadcast["group"], 1 + self.parallel_config.rank,
+                # the engine's first rank + this worker's tensor-parallel rank; joined on the first handle naming it
+                group = self.receiver.group_for(update_info.broadcast["group"],
+                                                update_info.broadcast["rank_offset"] + self.parallel_config.rank,
                                                 self.device)
                 wanted = set(update_info.names)  # every bucket is received: the others are in the collective too
                 for bucket in group.receive(update_info.broadcast):

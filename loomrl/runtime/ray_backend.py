@@ -13,7 +13,9 @@ and outlives a trainer that dies), and replaces what died:
 - an env actor dies: Ray restarts it with fresh sandboxes; the episodes whose sandboxes it held end
   env_error (agent.retry_on runs them again).
 - an engine actor dies (ray.engine.count > 0): Ray restarts it; it loads the latest published weights
-  (engine/actor.py WeightBoard) before serving, and the requests it was running end engine_error.
+  (engine/actor.py WeightBoard) before serving, and the requests it was running end engine_error. Not with
+  runtime.weight_transport=broadcast (each version goes once over the trainer actor's group): the run stops
+  (RunError) and --resume continues it.
 - a trainer actor dies (any rank): TrainerLost; the driver has fresh ones made from the run folder's
   latest checkpoint (which must be on a filesystem every node sees).
 
@@ -117,6 +119,9 @@ class RayBackend(Backend):
         self.pids: dict[str, list[int | None]] = {}  # reward / env actors' processes at the start
         self.placement: dict[str, Any] = {}  # where the first actors ran
         self.owns_ray = False
+        # runtime.weight_transport=broadcast: the trainer actor broadcasts each version to the engine actors (NCCL
+        # between GPUs), nothing through the object store; an engine actor that dies then stops the run
+        self.broadcast = cfg.runtime.weight_transport == "broadcast"
 
     # -- actors -------------------------------------------------------------------------------------
     def _actor(self, cls: type, spec: Placement, **options: Any) -> Any:
@@ -191,7 +196,8 @@ class RayBackend(Backend):
             raise
         if r.engine.count:
             self.board = self.ray.remote(WeightBoard).options(num_cpus=0).remote()
-            cls = self._actor(EngineActor, r.engine, max_concurrency=1000, max_restarts=r.engine.max_restarts)
+            cls = self._actor(EngineActor, r.engine, max_concurrency=1000,
+                              max_restarts=0 if self.broadcast else r.engine.max_restarts)
             self.engines = [cls.remote(self.cfg_json, self.board, i) for i in range(r.engine.count)]
         for name, actors in (("reward", self.reward_actors), ("env", self.env_actors), ("engine", self.engines)):
             where = await self._where(actors)
@@ -271,7 +277,8 @@ class RayBackend(Backend):
             except self.ray.exceptions.RayError as err:  # a follower died or failed while joining
                 raise TrainerLost(f"a trainer rank failed to start: {str(err).splitlines()[0]}") from None
         version, state, metrics = await self._call_trainer(self.trainer.state.remote())
-        self.step_weights = self.trainer.weights.remote()  # what publish(version) sends first
+        if not self.broadcast:
+            self.step_weights = self.trainer.weights.remote()  # what publish(version) sends first
         if "trainer" not in self.placement:
             self.placement.update(
                 trainer=(await self._where([self.trainer]))[0][0],
@@ -321,7 +328,10 @@ class RayBackend(Backend):
                                + "\n".join(str(err).splitlines()[-3:])) from None
 
     async def publish(self, version: int) -> None:
-        self.weights = WeightHandle(transport=Transport.RAY, version=version, nbytes=0, payload=self.step_weights)
+        if self.broadcast:  # the trainer actor broadcasts it to the engine actors' processes as they receive it
+            self.weights = await self._call_trainer(self.trainer.publish.remote(version))
+        else:
+            self.weights = WeightHandle(transport=Transport.RAY, version=version, nbytes=0, payload=self.step_weights)
         if self.engines:  # the engine actors load it (the board first: one restarted meanwhile reads it there)
             await self.board.post.remote(self.weights)
             self.syncs.extend(engine.update_weights.remote(self.weights) for engine in self.engines)
@@ -360,8 +370,21 @@ class RayBackend(Backend):
     async def _engine_ready(self, slot: WorkerSlot) -> None:
         """With engine actors: once the slot's engine has loaded the versions published so far (a dead engine
         actor's update is lost: its restart loads the board's latest, and `ready` loads one lost meanwhile)."""
-        if slot.engine is not None:
+        if slot.engine is None:
+            return
+        if not self.broadcast:
             await result_or(slot.engine.ready.remote(self.weights), self.cfg.ray.placement_timeout_s, None)
+            return
+        try:
+            await asyncio.wait_for(slot.engine.ready.remote(self.weights), self.cfg.ray.placement_timeout_s)
+        except self.ray.exceptions.RayActorError as err:
+            raise self._engine_lost(err) from None
+
+    def _engine_lost(self, err: BaseException) -> RunError:
+        return RunError("run error: an engine actor died, and with runtime.weight_transport=broadcast no fresh one can "
+                        "get the run's current weights (each version is broadcast once, to a group of fixed members): "
+                        f"{str(err).splitlines()[0]}; continue with --resume, or use the default transport (Ray's "
+                        "object store), with which engine actors survive restarts")
 
     async def evaluate(self, label: str) -> EvalRecord:
         slot = self.workers[0]
@@ -383,7 +406,9 @@ class RayBackend(Backend):
         for ref in done:
             try:
                 timings.append(self.ray.get(ref))
-            except self.ray.exceptions.RayActorError:  # that actor died: supervision replaces it
+            except self.ray.exceptions.RayActorError as err:  # that actor died: supervision replaces it
+                if self.broadcast and self.engines:
+                    raise self._engine_lost(err) from None
                 continue
             except self.ray.exceptions.RayError as err:  # a live engine could not load the trainer's weights:
                 # every actor gets the same ones, so retrying cannot help (and the engine refuses requests)

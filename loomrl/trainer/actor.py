@@ -12,8 +12,10 @@ from loomrl.actor_support import Placed
 from loomrl.config import RunConfig
 from loomrl.devices import trainer_device
 from loomrl.trainer.checkpoint import latest_checkpoint
+from loomrl.trainer.process import run_publisher
 from loomrl.trainer.ranks import Follower, RankGroup, RankLost, RankReport, RankWork
 from loomrl.trainer.service import TrainerService
+from loomrl.trainer.weight_sync import WeightHandle, WeightPublisher
 from loomrl.types import Trajectory
 
 
@@ -27,6 +29,12 @@ class TrainerActor(Placed):
         self.cfg, self.extra, self.ckpt = cfg, extra, latest_checkpoint(cfg.run_dir)
         # trainer.distributed: built once the ranks joined (join_ranks), sharded ranks shard it as they build it
         self.service = None if cfg.trainer.distributed else TrainerService.from_run(cfg, extra, self.ckpt)
+        self.publisher: WeightPublisher | None = None  # runtime.weight_transport=broadcast: this actor's group
+        if cfg.runtime.weight_transport == "broadcast":
+            import ray
+
+            # the engine actors' processes reach it at this node's address (a new trainer actor is a new group)
+            self.publisher = run_publisher(cfg, engines=cfg.ray.engine.count, host=ray.util.get_node_ip_address())
 
     def rendezvous(self) -> tuple[str, int, str | None]:
         """Where the other ranks meet this one (this node's address, a free port) and the checkpoint
@@ -61,7 +69,16 @@ class TrainerActor(Placed):
         owned by the caller, for the rollout actors to fetch); else (None, None)."""
         if not self.service.ready():
             return None, None
+        if self.publisher is not None:  # broadcast: the engines have received the last version before it changes
+            self.publisher.settle()
+            return self.service.train_step(), None
         return self.service.train_step(), self.weights()
+
+    def publish(self, version: int) -> WeightHandle:
+        """runtime.weight_transport=broadcast: the handle of `version` (the current weights), which this actor goes
+        on broadcasting to the engines' processes on a thread of its own once the call returns (settled by the next
+        step)."""
+        return self.publisher.publish(self.service.live_weights(), version)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The trainable weights of the current version. Returned (not ray.put here) so that the

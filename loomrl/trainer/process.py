@@ -30,7 +30,7 @@ import torch
 
 from loomrl.config import RunConfig
 from loomrl.devices import trainer_device
-from loomrl.engine.factory import serving_dtype
+from loomrl.engine.factory import serving_dtype, weight_receivers
 from loomrl.trainer.ranks import (
     Child,
     LocalFollowers,
@@ -40,7 +40,7 @@ from loomrl.trainer.ranks import (
     spawn_local_followers,
 )
 from loomrl.trainer.service import TrainerService
-from loomrl.trainer.weight_sync import WeightHandle, make_publisher
+from loomrl.trainer.weight_sync import WeightHandle, WeightPublisher, make_publisher
 from loomrl.types import Trajectory
 
 
@@ -177,6 +177,18 @@ class TrainerProcess:
             self.followers.stop()
 
 
+def run_publisher(cfg: RunConfig, *, engines: int, host: str) -> WeightPublisher:
+    """The trainer's publisher for cfg.runtime.weight_transport; broadcast: a group of rank 0 and the worker processes
+    of `engines` engines (weight_receivers each), reaching this process at `host`."""
+    transport, e = cfg.runtime.weight_transport, cfg.engine
+    sglang = e.kind == "sglang"  # its server receives tensor by tensor
+    return make_publisher(transport, keep=3, folder=cfg.run_dir / "weights" if transport == "file" else None,
+                          dtype=serving_dtype(cfg) if transport in ("cuda_ipc", "broadcast") else None,
+                          receivers=engines * weight_receivers(cfg), bucket_bytes=e.vllm.weight_bucket_bytes,
+                          host=host, timeout_s=(e.sglang if sglang else e.vllm).update_timeout_s,
+                          wire="tensors" if sglang else "buckets")
+
+
 def _trainer_main(cfg_json: str, extra: dict[str, Any], checkpoint: str, threads: int, inbox: Any, outbox: Any,
                   ranks: tuple | None) -> None:
     """Entry of the trainer process; `ranks`: the follower ranks' queues and port."""
@@ -194,15 +206,7 @@ def _trainer_main(cfg_json: str, extra: dict[str, Any], checkpoint: str, threads
                                    inboxes, outboxes)
             group.join("127.0.0.1", port)
         service = TrainerService.from_run(cfg, extra, Path(checkpoint) if checkpoint else None, ranks=group)
-        folder = cfg.run_dir / "weights" if cfg.runtime.weight_transport == "file" else None
-        transport, e = cfg.runtime.weight_transport, cfg.engine
-        sglang = e.kind == "sglang"  # its server receives tensor by tensor, from its tp_size workers
-        publisher = make_publisher(transport, keep=3, folder=folder,
-                                   dtype=serving_dtype(cfg) if transport in ("cuda_ipc", "broadcast") else None,
-                                   receivers=e.sglang.tp_size if sglang else e.vllm.tensor_parallel_size,
-                                   bucket_bytes=e.vllm.weight_bucket_bytes, host=cfg.runtime.broadcast_host,
-                                   timeout_s=(e.sglang if sglang else e.vllm).update_timeout_s,
-                                   wire="tensors" if sglang else "buckets")
+        publisher = run_publisher(cfg, engines=1, host=cfg.runtime.broadcast_host)
         outbox.put(Ready(service.version, service.received.state(),
                          publisher.publish(service.live_weights(), service.version), service.last_metrics))
         while not isinstance(msg := inbox.get(), Stop):

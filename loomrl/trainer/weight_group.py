@@ -1,7 +1,8 @@
 """A process group of the trainer and an engine's workers, over which each published version is broadcast
 (runtime.weight_transport=broadcast): NCCL when the tensors are on GPUs (trainer and engine on different GPUs), gloo
 when they are on CPUs (what the tests run). Rank 0 is the trainer's publisher; ranks 1.. are the engine's processes
-(vLLM's workers, one per tensor-parallel rank, or the rollout process for an engine that opens no handle).
+(vLLM's workers, one per tensor-parallel rank, an SGLang server's, or the process holding a built-in engine); with
+several engines (Ray engine actors) each engine's processes take the ranks from its payload's "rank_offset" on.
 
 How the two sides meet: the publisher opens the group on its first publish, under a name and a port of its own, and
 puts them in every handle (`GroupAddress`); a receiver joins when it sees a handle of a group it has not joined (a
@@ -150,11 +151,24 @@ class Receiver:
             self.group = WeightGroup(addr, rank, device)
         return self.group
 
+    def receive_all(self, payload: dict[str, Any], device: torch.device) -> dict[str, Tensor]:
+        """A whole version for an engine that takes tensors (the built-in one): joined as rank payload["rank_offset"],
+        every bucket received and copied out, by name."""
+        group = self.group_for(payload["group"], payload["rank_offset"], device)
+        return {name: t.clone() for bucket in group.receive(payload) for name, t in bucket}
+
+
+def with_rank_offset(payload: dict[str, Any], rank_offset: int) -> dict[str, Any]:
+    """A broadcast handle's payload for the engine whose processes are ranks rank_offset.. (engine actor i of a Ray run
+    whose engines have n receivers each: 1 + i * n)."""
+    return {**payload, "rank_offset": rank_offset}
+
 
 def describe(weights: dict[str, Tensor], dtype: torch.dtype | None, bucket_bytes: int,
              wire: str = "buckets") -> dict[str, Any]:
-    """names, dtypes (after the cast), shapes, bucket_bytes and wire ("buckets" or "tensors") of a version: what a
-    receiver needs."""
+    """names, dtypes (after the cast), shapes, bucket_bytes, wire ("buckets" or "tensors") and the engine's first rank
+    of a version: what a receiver needs."""
     return {"names": list(weights),
             "dtypes": [str(dtype or t.dtype).removeprefix("torch.") for t in weights.values()],
-            "shapes": [list(t.shape) for t in weights.values()], "bucket_bytes": bucket_bytes, "wire": wire}
+            "shapes": [list(t.shape) for t in weights.values()], "bucket_bytes": bucket_bytes, "wire": wire,
+            "rank_offset": 1}  # the engine's first rank (one engine: 1, after the publisher; with_rank_offset)

@@ -394,6 +394,105 @@ def test_an_engine_actor_loads_a_published_version_whose_update_was_lost_before_
     assert got["before"] == 0 and got["after"] == 3 and got["versions"] == [3] * len(got["versions"]), got
 
 
+_BROADCAST = """
+import asyncio, json, sys, ray, torch
+from loomrl.config import load_config
+from loomrl.engine.actor import EngineActor, WeightBoard
+from loomrl.engine.base import GenerationRequest, SamplingParams
+from loomrl.engine.factory import make_engine
+from loomrl.model.loader import load_run_model
+from loomrl.trainer.weight_sync import Transport, make_publisher
+
+ray.init(address=sys.argv[1])
+cfg = load_config(sys.argv[2], ["ray.engine.count=2", "runtime.weight_transport=broadcast", "runtime.backend=ray"])
+board = ray.remote(WeightBoard).options(num_cpus=0).remote()
+cls = ray.remote(EngineActor).options(num_cpus=0, resources={"engine": 0.5})
+engines = [cls.remote(cfg.model_dump_json(), board, i) for i in range(2)]
+model, tokenizer = load_run_model(cfg.model, None)
+publisher = make_publisher("broadcast", receivers=2, bucket_bytes=1 << 16, timeout_s=60)  # this script: the trainer
+request = GenerationRequest(prompt_ids=[1, 2, 3, 4], sampling=SamplingParams(max_tokens=8, temperature=0.0))  # greedy
+out = {"versions": []}
+for version in (1, 2):
+    g = torch.Generator().manual_seed(version)
+    weights = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
+    handle = publisher.publish(weights, version)
+    assert handle.transport is Transport.BROADCAST
+    timings = ray.get([e.update_weights.remote(handle) for e in engines], timeout=120)
+    publisher.settle()
+    reference = make_engine(cfg, model, tokenizer, 0)  # a local engine given the same weights directly
+    reference.update_weights(weights, version)
+    want = asyncio.run(reference.generate(request))
+    got = [ray.get(e.generate.remote(request)) for e in engines]
+    out["versions"].append([t["version"] for t in timings])
+    out[f"v{version}"] = [r.token_ids == want.token_ids and r.versions == [version] * len(r.token_ids) for r in got]
+    out[f"v{version}_differs_from_init"] = want.token_ids != asyncio.run(make_engine(cfg, load_run_model(cfg.model,
+                                                                                  None)[0], tokenizer, 0).generate(request)).token_ids
+    reference.close()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.ray
+def test_two_engine_actors_receive_broadcast_versions_exactly_over_one_group(cluster):
+    """runtime.weight_transport=broadcast on Ray: two engine actors (built-in engines) join one process group (gloo
+    here; NCCL between GPUs) as ranks 1 and 2 (rank_offset 1 + replica), and each version broadcast to them serves
+    exactly as an engine given the same weights directly, tagged with that version; the second version reuses the
+    group. Fails if the ranks collide (the rendezvous does not complete) or a bucket lands in the wrong place."""
+    out = subprocess.run([sys.executable, "-c", _BROADCAST, cluster["address"], str(RECIPE)], env=cluster["env"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["versions"] == [[1, 1], [2, 2]], got
+    assert got["v1"] == [True, True] and got["v2"] == [True, True], got
+    assert got["v1_differs_from_init"] and got["v2_differs_from_init"], got  # so equality says the update landed
+
+
+@pytest.mark.ray
+def test_a_broadcast_run_on_engine_actors_trains_and_an_engine_that_dies_stops_it_with_the_cause(cluster, tmp_path):
+    """A Ray run with runtime.weight_transport=broadcast: the trainer actor broadcasts every version to the engine
+    actor's process (nothing through the object store); the run trains, each trajectory's token versions rise and the
+    last step's groups carry trained versions. Then a second run whose engine actor is SIGKILLed after step 2 stops
+    with a RunError that says why (a fresh engine could not get the weights) and how to go on, instead of hanging in
+    the group or serving initial weights."""
+    steps = 4
+    common = ["checkpoint_every=0", "ray.engine.count=1", "ray.engine.num_cpus=0", "ray.engine.resources={engine: 1}",
+              "runtime.weight_transport=broadcast", "engine.vllm.update_timeout_s=60"]
+    proc = _train(cluster, tmp_path, "broadcast", f"trainer.total_steps={steps}", *common)
+    summary = _finish_with(proc, lambda: None, 400)
+    run_dir = tmp_path / "broadcast"
+    check_run(run_dir, summary, steps)
+    rows = read_trajectories(run_dir / "trajectories").to_pylist()
+    for row in rows:
+        versions = [v for v in row["versions"] if v >= 0]
+        assert versions == sorted(versions), (row["trajectory_id"], versions)
+    assert max(v for row in rows for v in row["versions"]) >= steps - 2, "the engine never served a broadcast version"
+
+    proc = _train(cluster, tmp_path, "broadcast-kill", "trainer.total_steps=12", *common)
+    killed = []
+
+    def kill_the_engine_after_step_2() -> None:
+        deadline = time.time() + 240
+        while not killed and time.time() < deadline and proc.poll() is None:
+            if len(read_ledger(tmp_path / "broadcast-kill")) >= 2:
+                for pid in [p for p in _tagged(cluster["tag"], cluster["tmp"]) if _title(p).startswith("ray::EngineActor")]:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_the_engine_after_step_2, daemon=True)
+    killer.start()
+    try:
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        killer.join(timeout=10)
+    assert killed, "the engine actor was not found to kill"
+    assert proc.returncode != 0, out[-3000:]
+    assert "an engine actor died, and with runtime.weight_transport=broadcast no fresh one can get" in out, out[-3000:]
+    assert "continue with --resume" in out
+
+
 @pytest.mark.ray
 def test_a_rollout_actor_that_cannot_start_stops_the_run_with_the_cause(cluster, tmp_path):
     """A constructor that raises (here: a reward function that does not exist) would raise in every

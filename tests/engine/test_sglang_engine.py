@@ -274,6 +274,14 @@ def fake_app(fake: FakeSGLang) -> FastAPI:
             dist.broadcast(out[name], src=0, group=pg)
         return out
 
+    def took(body: dict, tensors: dict[str, torch.Tensor]) -> None:
+        """An update's tensors loaded: the radix cache flushed (unless the request says not) and its version taken."""
+        fake.loaded = tensors
+        if body.get("flush_cache", True):
+            fake.sequences.clear()
+        if body.get("weight_version") is not None:
+            fake.weight_version = body["weight_version"]
+
     @app.post("/init_weights_update_group")
     async def init_group(request: Request):
         body, bad = await read(request, "/init_weights_update_group", INIT_GROUP_FIELDS, "InitWeightsUpdateGroupReqInput")
@@ -295,11 +303,7 @@ def fake_app(fake: FakeSGLang) -> FastAPI:
             return JSONResponse({"success": False, "message": f"Group {body['group_name']} not in "
                                  f"{list(fake.groups)}. Please call `init_weights_update_group` first."},
                                 status_code=400)
-        fake.loaded = await asyncio.to_thread(receive, body)
-        if body.get("flush_cache", True):
-            fake.sequences.clear()
-        if body.get("weight_version") is not None:
-            fake.weight_version = body["weight_version"]
+        took(body, await asyncio.to_thread(receive, body))
         return {"success": True, "message": "Succeeded to update parameter online."}
 
     @app.post("/update_weights_from_tensor")
@@ -310,11 +314,7 @@ def fake_app(fake: FakeSGLang) -> FastAPI:
             return bad
         # as ModelRunner.update_weights_from_tensor over HTTP: this TP rank's entry (tp_rank 0), deserialized as
         # SGLang's MultiprocessingSerializer does, then loaded
-        fake.loaded = dict(unpickle_named_tensors(body["serialized_named_tensors"][0], fake.rebuilt))
-        if body.get("flush_cache", True):
-            fake.sequences.clear()
-        if body.get("weight_version") is not None:
-            fake.weight_version = body["weight_version"]
+        took(body, dict(unpickle_named_tensors(body["serialized_named_tensors"][0], fake.rebuilt)))
         return {"success": True, "message": "Succeeded to update model weights."}
 
     return app

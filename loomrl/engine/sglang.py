@@ -30,8 +30,9 @@ The contract, as SGLang's source has it:
   update) when it is an integer, else (before the first update, or a server that sends none) the engine's version
   when the request started.
 - Or, with runtime.weight_transport=broadcast, /init_weights_update_group {master_address, master_port,
-  rank_offset (1, or this server's first rank when several engines share the group), world_size, group_name, backend} once per trainer process (the server's workers join the
-  trainer's process group, ranks 1 + tp_rank), then per version /update_weights_from_distributed {names, dtypes,
+  rank_offset, world_size, group_name, backend} once per trainer process (the server's workers join the trainer's
+  process group as ranks rank_offset + tp_rank: 1 +, or this server's first rank when several engine actors share
+  the group), then per version /update_weights_from_distributed {names, dtypes,
   shapes, group_name, flush_cache, weight_version} while the trainer broadcasts each tensor (trainer/weight_group.py,
   wire "tensors"): NCCL between GPUs, nothing through a filesystem.
 - Or, with runtime.weight_transport=cuda_ipc (trainer and server on one GPU), /update_weights_from_tensor

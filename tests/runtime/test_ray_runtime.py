@@ -425,8 +425,9 @@ for version in (1, 2):
     got = [ray.get(e.generate.remote(request)) for e in engines]
     out["versions"].append([t["version"] for t in timings])
     out[f"v{version}"] = [r.token_ids == want.token_ids and r.versions == [version] * len(r.token_ids) for r in got]
-    out[f"v{version}_differs_from_init"] = want.token_ids != asyncio.run(make_engine(cfg, load_run_model(cfg.model,
-                                                                                  None)[0], tokenizer, 0).generate(request)).token_ids
+    initial = make_engine(cfg, load_run_model(cfg.model, None)[0], tokenizer, 0)
+    out[f"v{version}_differs_from_init"] = want.token_ids != asyncio.run(initial.generate(request)).token_ids
+    initial.close()
     reference.close()
 print(json.dumps(out))
 """
@@ -474,7 +475,9 @@ def test_a_broadcast_run_on_engine_actors_trains_and_an_engine_that_dies_stops_i
         deadline = time.time() + 240
         while not killed and time.time() < deadline and proc.poll() is None:
             if len(read_ledger(tmp_path / "broadcast-kill")) >= 2:
-                for pid in [p for p in _tagged(cluster["tag"], cluster["tmp"]) if _title(p).startswith("ray::EngineActor")]:
+                for pid in _tagged(cluster["tag"], cluster["tmp"]):
+                    if not _title(pid).startswith("ray::EngineActor"):
+                        continue
                     os.kill(pid, signal.SIGKILL)
                     killed.append(pid)
             time.sleep(0.05)

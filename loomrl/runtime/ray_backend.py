@@ -48,7 +48,7 @@ from loomrl.runtime.driver import Backend, BackendReport, RolloutLost, RunError,
 from loomrl.trainer.actor import TrainerActor, TrainerRankActor
 from loomrl.trainer.ranks import RankLost
 from loomrl.trainer.service import PositionSet
-from loomrl.trainer.weight_sync import Transport, WeightHandle
+from loomrl.trainer.weight_sync import BroadcastFailed, Transport, WeightHandle
 from loomrl.types import EvalRecord, Trajectory
 
 log = logging.getLogger("loomrl")
@@ -300,7 +300,16 @@ class RayBackend(Backend):
 
     async def train_step(self) -> dict[str, Any] | None:
         metrics_ref, weights_ref = self.trainer.step.options(num_returns=2).remote()
-        metrics = await self._call_trainer(metrics_ref)
+        try:
+            metrics = await self._call_trainer(metrics_ref)
+        except self.ray.exceptions.RayTaskError as err:
+            if not isinstance(err.cause, BroadcastFailed):
+                raise
+            # the last version did not reach every engine actor: one that died is the usual cause
+            alive = [await result_or(engine.info.remote(), 30, None) is not None for engine in self.engines]
+            if not all(alive):
+                raise self._engine_lost(f"engine actor {alive.index(False)} is gone") from None
+            raise RunError(f"run error: {err.cause}") from None
         if metrics is not None:
             self.step_weights = weights_ref  # that step's weights, whatever the trainer does next
         return metrics
@@ -378,13 +387,14 @@ class RayBackend(Backend):
         try:
             await asyncio.wait_for(slot.engine.ready.remote(self.weights), self.cfg.ray.placement_timeout_s)
         except self.ray.exceptions.RayActorError as err:
-            raise self._engine_lost(err) from None
+            raise self._engine_lost(str(err).splitlines()[0]) from None
 
-    def _engine_lost(self, err: BaseException) -> RunError:
+    @staticmethod
+    def _engine_lost(why: str) -> RunError:
         return RunError("run error: an engine actor died, and with runtime.weight_transport=broadcast no fresh one can "
-                        "get the run's current weights (each version is broadcast once, to a group of fixed members): "
-                        f"{str(err).splitlines()[0]}; continue with --resume, or use the default transport (Ray's "
-                        "object store), with which engine actors survive restarts")
+                        f"get the run's current weights (each version is broadcast once, to a group of fixed members): "
+                        f"{why}; continue with --resume, or use the default transport (Ray's object store), with which "
+                        "engine actors survive restarts")
 
     async def evaluate(self, label: str) -> EvalRecord:
         slot = self.workers[0]
@@ -408,7 +418,7 @@ class RayBackend(Backend):
                 timings.append(self.ray.get(ref))
             except self.ray.exceptions.RayActorError as err:  # that actor died: supervision replaces it
                 if self.broadcast and self.engines:
-                    raise self._engine_lost(err) from None
+                    raise self._engine_lost(str(err).splitlines()[0]) from None
                 continue
             except self.ray.exceptions.RayError as err:  # a live engine could not load the trainer's weights:
                 # every actor gets the same ones, so retrying cannot help (and the engine refuses requests)

@@ -90,6 +90,10 @@ class StaleWeights(RuntimeError):
     the newer handle."""
 
 
+class BroadcastFailed(RuntimeError):
+    """A version's broadcast did not reach every receiver (one died, or never joined) within the timeout."""
+
+
 @dataclass(slots=True, kw_only=True)
 class WeightHandle:
     """What travels to the engines. `location`: segment name (shm) or file path (file); `payload`:
@@ -526,12 +530,12 @@ class BroadcastPublisher(WeightPublisher):
         if self._thread is not None:
             self._thread.join(self.address.timeout_s + 30)
             if self._thread.is_alive():
-                raise RuntimeError(f"weight sync: the broadcast of the last version did not end within "
-                                   f"{self.address.timeout_s:.0f}s (did the engine receive it?)")
+                raise BroadcastFailed(f"weight sync: the broadcast of the last version did not end within "
+                                      f"{self.address.timeout_s:.0f}s (did the engine receive it?)")
             self._thread = None
         if self._error is not None:
             err, self._error = self._error, None
-            raise RuntimeError(f"weight sync: broadcasting the weights failed: {type(err).__name__}: {err}") from err
+            raise BroadcastFailed(f"weight sync: broadcasting the weights failed: {type(err).__name__}: {err}") from err
 
     def close(self) -> None:
         if self._thread is not None:

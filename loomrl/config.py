@@ -303,6 +303,10 @@ class TrainerConfig(_Section):
     weight_decay: float = Field(0.0, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.99)
     warmup_steps: int = Field(0, ge=0)
+    # the learning rate after warmup (loomrl/trainer/trainer.py lr_factor): constant, or decayed over the rest of
+    # total_steps to lr x lr_min_ratio, along a half cosine or a straight line
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    lr_min_ratio: float = Field(0.0, ge=0.0, le=1.0)
     grad_clip: float = Field(1.0, gt=0.0)
     advantage: AdvantageKind = "grpo"  # loomrl/trainer/losses.py: the estimator
     loss: LossConfig = Field(default_factory=LossConfig)

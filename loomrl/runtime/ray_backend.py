@@ -387,14 +387,15 @@ class RayBackend(Backend):
         try:
             await asyncio.wait_for(slot.engine.ready.remote(self.weights), self.cfg.ray.placement_timeout_s)
         except self.ray.exceptions.RayActorError as err:
-            raise self._engine_lost(str(err).splitlines()[0]) from None
+            raise self._engine_lost(err) from None
 
     @staticmethod
-    def _engine_lost(why: str) -> RunError:
+    def _engine_lost(why: object) -> RunError:
+        """`why`: Ray's error (its first line is said) or a sentence."""
         return RunError("run error: an engine actor died, and with runtime.weight_transport=broadcast no fresh one can "
-                        f"get the run's current weights (each version is broadcast once, to a group of fixed members): "
-                        f"{why}; continue with --resume, or use the default transport (Ray's object store), with which "
-                        "engine actors survive restarts")
+                        "get the run's current weights (each version is broadcast once, to a group of fixed members): "
+                        f"{str(why).splitlines()[0]}; continue with --resume, or use the default transport (Ray's "
+                        "object store), with which engine actors survive restarts")
 
     async def evaluate(self, label: str) -> EvalRecord:
         slot = self.workers[0]
@@ -418,7 +419,7 @@ class RayBackend(Backend):
                 timings.append(self.ray.get(ref))
             except self.ray.exceptions.RayActorError as err:  # that actor died: supervision replaces it
                 if self.broadcast and self.engines:
-                    raise self._engine_lost(str(err).splitlines()[0]) from None
+                    raise self._engine_lost(err) from None
                 continue
             except self.ray.exceptions.RayError as err:  # a live engine could not load the trainer's weights:
                 # every actor gets the same ones, so retrying cannot help (and the engine refuses requests)

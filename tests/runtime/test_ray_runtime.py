@@ -514,7 +514,6 @@ def test_a_broadcast_run_on_engine_actors_trains_survives_its_trainer_and_stops_
         if proc.poll() is None:
             proc.kill()
         killer.join(timeout=10)
-    print(f"broadcast run, engine actor killed: {out.strip().splitlines()[-1][:400]}")
     assert killed, "the engine actor was not found to kill"
     assert proc.returncode != 0, out[-3000:]
     assert "an engine actor died, and with runtime.weight_transport=broadcast no fresh one can get" in out, out[-3000:]

@@ -252,7 +252,7 @@ class Gateway:
             finally:
                 session.program.phase = "acting"
             text, reason = oai.sampled_text(self.tokenizer, result, sampling.stop)
-            reply, reason = oai.assistant_message(text, reason, req.tools)
+            reply, reason = oai.assistant_message(text, reason, req.tools, self.renderer.messages)
             session.record(req.messages, prompt_ids, new_context, result, text, reply, reason)
         choice = {"index": 0, "message": reply, "finish_reason": reason,
                   "logprobs": oai.chat_logprobs(self.tokenizer, result, top=False) if req.logprobs else None}

@@ -9,16 +9,19 @@ How a continuation is rendered: the template is applied to the conversation with
 messages; the text difference is the new part. The sampled turn ends with the end-of-turn token (or
 was cut by max_tokens, in which case the end-of-turn token is appended); whatever the template puts
 after that token (the "glue", "\n" for ChatML) is prepended to the new part.
+
+Messages reach the template through `messages` (model/messages.py): OpenAI tool calls and tool results in the form
+this template can render.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from loomrl.model.messages import Message, TemplateMessages, renders_tool_calls
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
-
-Message = dict[str, Any]
 
 
 class ChatRenderer:
@@ -28,11 +31,15 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self.eos_token_id: int = tokenizer.eos_token_id
         self.eos_text: str = tokenizer.eos_token
+        self.messages = TemplateMessages(renders_tool_calls(lambda m: self._apply(m, None, False)))
         self._glue = self._find_glue()
 
-    def _template(self, messages: list[Message], tools: list[dict] | None, add_generation_prompt: bool) -> str:
+    def _apply(self, messages: list[Message], tools: list[dict] | None, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
+
+    def _template(self, messages: list[Message], tools: list[dict] | None, add_generation_prompt: bool) -> str:
+        return self._apply(self.messages.prepare(messages), tools, add_generation_prompt)
 
     def _find_glue(self) -> str:
         probe = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "MARKER"}]

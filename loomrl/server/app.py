@@ -103,7 +103,7 @@ class OpenAIServer:
         choices = []
         for r in outs:
             text, reason = oai.sampled_text(self.tokenizer, r, sampling.stop)
-            message, reason = oai.assistant_message(text, reason, req.tools)
+            message, reason = oai.assistant_message(text, reason, req.tools, self.renderer.messages)
             logprobs = oai.chat_logprobs(self.tokenizer, r, top=bool(req.top_logprobs)) if req.logprobs else None
             choice: dict[str, Any] = {"index": len(choices), "message": message, "finish_reason": reason,
                                       "logprobs": logprobs, "policy_versions": r.versions}

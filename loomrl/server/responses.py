@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from loomrl.engine.base import GenerationResult, SamplingParams
+from loomrl.model.messages import TemplateMessages
 from loomrl.model.tools import parse_tool_calls
 
 
@@ -122,9 +123,11 @@ def _tool_arg_names(tools: list[dict[str, Any]] | None) -> dict[str, str]:
     return out
 
 
-def assistant_message(text: str, reason: str, tools: list[dict[str, Any]] | None) -> tuple[dict[str, Any], str]:
+def assistant_message(text: str, reason: str, tools: list[dict[str, Any]] | None,
+                      template: TemplateMessages) -> tuple[dict[str, Any], str]:
     """The OpenAI assistant message for sampled `text` (tool calls parsed when tools were offered),
-    and the finish reason ("tool_calls" when it called any)."""
+    and the finish reason ("tool_calls" when it called any). `template` remembers the text behind the calls, so
+    that a template without tool support shows the model its own words when the agent sends the reply back."""
     message: dict[str, Any] = {"role": "assistant", "content": text}
     names = _tool_arg_names(tools)
     if tools:
@@ -137,4 +140,5 @@ def assistant_message(text: str, reason: str, tools: list[dict[str, Any]] | None
             ]
             message["content"] = None if text.strip().startswith(("<tool_call>",) + tuple(names)) else text
             reason = "tool_calls"
+            template.remember(message, text)
     return message, reason

@@ -25,6 +25,13 @@ class RolloutStatus(enum.StrEnum):
     ABORTED = "aborted"  # cancelled by the runtime (shutdown, interrupt)
 
 
+# Endings that say the episode could not be played out (the environment, the engine or the clock failed it), not how
+# well the policy did: such an episode has no reward and no success, never a 0 (training leaves it out, buffer/
+# filters.py; evaluation and the rollout metrics count it apart by status).
+UNSCORED = frozenset({RolloutStatus.ENV_ERROR, RolloutStatus.ENGINE_ERROR, RolloutStatus.TIMEOUT,
+                      RolloutStatus.ABORTED})
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:12]}"
 
@@ -157,6 +164,16 @@ class Trajectory(_TokenContext):
         """Its reward could not be computed (reward/pool.py marks it): stored, never trained."""
         return REWARD_FAILED in self.reward_components
 
+    @property
+    def scored(self) -> bool:
+        """It was played out and scored: its reward (and success) mean something."""
+        return self.status not in UNSCORED and not self.reward_failed
+
+    @property
+    def ending(self) -> str:
+        """How it ended, for counts: its status, or "reward_failed" when it could not be scored."""
+        return REWARD_FAILED if self.reward_failed else str(self.status)
+
     def all_turns(self) -> list[Turn]:
         """Every turn of the episode, across its context segments."""
         return [t for seg in self.segments for t in seg.turns] + self.turns
@@ -211,14 +228,22 @@ class Score:
 
 @dataclass(slots=True, frozen=True)
 class EvalRecord:
-    """Held-out success: the rate, its standard error, how many episodes and how they ended, over all
-    held-out tasks evaluated, and by split (`heldout`, `heldout_templates`: see env/registry.py)."""
+    """Held-out success: the rate and its standard error over the `n` episodes that were scored, how every episode
+    ended (`statuses`: Trajectory.ending, scored or not), the first error of one that was not, and the same by split
+    (`heldout`, `heldout_templates`: see env/registry.py). An episode that could not be played out counts in no
+    rate: it is neither a success nor a failure of the policy."""
 
     success: float
     n: int
     stderr: float
     statuses: dict[str, int]
     splits: dict[str, Score] = field(default_factory=dict)
+    first_error: str | None = None
+
+    @property
+    def unscored(self) -> dict[str, int]:
+        """The endings of episodes that were not scored, by how they ended."""
+        return {k: v for k, v in self.statuses.items() if k not in (RolloutStatus.COMPLETED, RolloutStatus.TRUNCATED)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EvalRecord:

@@ -22,9 +22,7 @@ import random
 from collections import Counter
 
 from loomrl.config import BufferConfig
-from loomrl.types import RolloutStatus, TrainingSample, Trajectory
-
-_NOT_POLICY_FAULT = (RolloutStatus.ENV_ERROR, RolloutStatus.ENGINE_ERROR, RolloutStatus.TIMEOUT, RolloutStatus.ABORTED)
+from loomrl.types import UNSCORED, RolloutStatus, TrainingSample, Trajectory
 
 
 def _sampled(t: Trajectory) -> list[int]:
@@ -54,7 +52,7 @@ def usable_group(group: list[Trajectory], cfg: BufferConfig | None = None) -> tu
     out["reward_failed"] = [t.trajectory_id for t in kept if t.reward_failed]
     kept = [t for t in kept if not t.reward_failed]
     if "complete" in cfg.filters:
-        bad = (*_NOT_POLICY_FAULT, RolloutStatus.TRUNCATED) if cfg.drop_truncated else _NOT_POLICY_FAULT
+        bad = UNSCORED | {RolloutStatus.TRUNCATED} if cfg.drop_truncated else UNSCORED
         out["incomplete"] = [t.trajectory_id for t in kept if t.status in bad]
         kept = [t for t in kept if t.status not in bad]
     if "repetitive" in cfg.filters:

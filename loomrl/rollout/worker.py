@@ -270,14 +270,15 @@ class RolloutWorker:
             return traj
 
         trajs = await gather_all([one(i, t) for i, t in enumerate(tasks)])
-        hits = [tr.final_answer == task.answer for tr, task in zip(trajs, tasks)]
-        by_split: dict[str, list[bool]] = {}
-        for hit, task in zip(hits, tasks):
-            by_split.setdefault(task.split, []).append(hit)
-        total = Score.of(hits)
+        by_split: dict[str, list[bool]] = {task.split: [] for task in tasks}  # a split whose episodes all failed: n=0
+        for tr, task in zip(trajs, tasks):
+            if tr.scored:  # one that could not be played out is no success and no failure
+                by_split[task.split].append(tr.final_answer == task.answer)
+        total = Score.of([hit for hits in by_split.values() for hit in hits])
         return EvalRecord(success=total.success, n=total.n, stderr=total.stderr,
-                          statuses=dict(Counter(str(tr.status) for tr in trajs)),
-                          splits={k: Score.of(v) for k, v in by_split.items()})
+                          statuses=dict(Counter(tr.ending for tr in trajs)),
+                          splits={k: Score.of(v) for k, v in by_split.items()},
+                          first_error=next((tr.error for tr in trajs if not tr.scored), None))
 
     def rollout_counts(self) -> dict[str, int]:
         """launched, and how each rollout ended: a trajectory status, or "cancelled" (in flight when an
@@ -310,17 +311,19 @@ class RolloutWorker:
 
 
 def group_summary(groups: list[list[Trajectory]]) -> dict[str, float]:
+    """The rollout metrics of the groups a step received: rewards over the trajectories that were scored only (one
+    that could not be played out has no reward, not a 0), and how every trajectory ended."""
     trajs = [t for g in groups for t in g]
     if not trajs:
         return {}
-    n = len(trajs)
-    out = {
-        "rollout/reward_mean": sum(t.total_reward for t in trajs) / n,
-        "rollout/correct_rate": sum(1 for t in trajs if t.reward_components.get("correct", 0) > 0) / n,
-        "rollout/turns_mean": sum(len(t.turns) for t in trajs) / n,
-        "rollout/tokens_mean": sum(len(t.token_ids) for t in trajs) / n,
-        "rollout/trajectories": n,
-    }
+    scored = [t for t in trajs if t.scored]
+    out = {"rollout/trajectories": len(trajs), "rollout/scored": len(scored),
+           "rollout/turns_mean": sum(len(t.turns) for t in trajs) / len(trajs),
+           "rollout/tokens_mean": sum(len(t.token_ids) for t in trajs) / len(trajs)}
+    if scored:
+        out["rollout/reward_mean"] = sum(t.total_reward for t in scored) / len(scored)
+        out["rollout/correct_rate"] = sum(1 for t in scored if t.reward_components.get("correct", 0) > 0) / len(scored)
     for status in RolloutStatus:
         out[f"rollout/status_{status.value}"] = sum(1 for t in trajs if t.status == status)
+    out["rollout/status_reward_failed"] = sum(1 for t in trajs if t.reward_failed)
     return out

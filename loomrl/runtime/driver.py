@@ -87,6 +87,9 @@ class RunSummary:
     # by held-out split (heldout: new numbers on training templates; heldout_templates: templates training
     # never used): n, success_before, stderr_before, success_after, stderr_after
     heldout_splits: dict[str, dict[str, float | int | None]]
+    # how the held-out episodes ended, before and after (EvalRecord.statuses): only completed and truncated ones count
+    # in a success rate
+    eval_ended: dict[str, dict[str, int]]
     steps: int
     run_dir: str
     wall_s: float
@@ -105,14 +108,34 @@ class RunSummary:
 
 
 def split_summary(before: EvalRecord | None, after: EvalRecord | None) -> dict[str, dict[str, float | int | None]]:
-    """Before and after scores of each held-out split, for the summary."""
+    """Before and after scores of each held-out split, for the summary (None where none of its episodes was scored)."""
     out: dict[str, dict[str, float | int | None]] = {}
     for label, record in (("before", before), ("after", after)):
         for split, score in (record.splits if record else {}).items():
             row = out.setdefault(split, {"n": score.n, "success_before": None, "stderr_before": None,
                                          "success_after": None, "stderr_after": None})
-            row[f"success_{label}"], row[f"stderr_{label}"] = round(score.success, 4), round(score.stderr, 4)
+            if score.n:
+                row[f"success_{label}"], row[f"stderr_{label}"] = round(score.success, 4), round(score.stderr, 4)
     return out
+
+
+def checked_eval(record: EvalRecord, label: str) -> EvalRecord:
+    """The record, unless none of its episodes could be scored: then the evaluation says nothing of the policy,
+    and the run stops with one line saying how they ended and the first error (never a success rate of 0)."""
+    if record.n == 0 and record.statuses:
+        ended = ", ".join(f"{k} {v}" for k, v in sorted(record.statuses.items()))
+        raise RunError(f"run error: evaluation {label}: none of the {sum(record.statuses.values())} held-out episodes "
+                       f"could be scored ({ended}); the first error: {record.first_error}")
+    return record
+
+
+def eval_line(record: EvalRecord) -> str:
+    """Held-out success over the scored episodes, by split, and how many were not scored, by status."""
+    unscored = record.unscored
+    failed = (f"; not scored: {sum(unscored.values())} (" + ", ".join(f"{k} {v}" for k, v in sorted(unscored.items()))
+              + ")") if unscored else ""
+    return (f"{record.success:.3f} ± {record.stderr:.3f} (n={record.n})"
+            + "".join(f"; {k} {v.success:.3f} ± {v.stderr:.3f} (n={v.n})" for k, v in record.splits.items()) + failed)
 
 
 class Backend(ABC):
@@ -393,7 +416,8 @@ class Driver:
         clock.update(started=now, train_s=0.0)
         recent.clear()
         bar.update(1)
-        bar.set_postfix(reward=f"{metrics.get('rollout/reward_mean', 0):.3f}")
+        if "rollout/reward_mean" in metrics:  # absent when no trajectory of the step's groups was scored
+            bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}")
 
     async def _steps(self, extra: dict[str, Any]) -> None:
         bar = progress(self.cfg.trainer.total_steps, f"train ({self.backend.label})", self.cfg.progress)
@@ -442,11 +466,12 @@ class Driver:
         else:
             log.warning("eval %s: the rollout worker kept dying; no result", label)
             return None
+        checked_eval(record, f"{label} training")
         by_split = {f"eval/{split}/{k}": v for split, score in record.splits.items() for k, v in asdict(score).items()}
+        ended = {f"eval/ended/{k}": v for k, v in record.statuses.items()}
         self.logger.log(step, {"eval/success": record.success, "eval/n": record.n, "eval/stderr": record.stderr,
-                               **by_split}, kind=f"eval_{label}")
-        log.info("held-out success %s: %.3f ± %.3f (n=%d)%s", label, record.success, record.stderr, record.n,
-                 "".join(f"; {k} {v.success:.3f} ± {v.stderr:.3f} (n={v.n})" for k, v in record.splits.items()))
+                               **by_split, **ended}, kind=f"eval_{label}")
+        log.info("held-out success %s: %s", label, eval_line(record))
         return record
 
     async def _run(self) -> tuple[EvalRecord | None, EvalRecord | None, BackendReport]:
@@ -486,6 +511,7 @@ class Driver:
             n_heldout=(after or before).n if (after or before) else 0,
             stderr_before=before and before.stderr, stderr_after=after and after.stderr,
             heldout_splits=split_summary(before, after),
+            eval_ended={label: r.statuses for label, r in (("before", before), ("after", after)) if r is not None},
             steps=self.version, run_dir=str(self.cfg.run_dir), wall_s=round(time.time() - self.wall_start, 1),
             rollouts=report.rollouts, trainer_restarts=self.trainer_restarts,
             positions_failed={str(k): v for k, v in self.gave_up.items()}, env_pool=report.env_pool,

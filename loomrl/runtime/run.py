@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from loomrl.config import RunConfig, save_resolved
-from loomrl.runtime.driver import Backend, Driver, RunError
+from loomrl.runtime.driver import Backend, Driver, RunError, checked_eval
 from loomrl.trainer.checkpoint import latest_checkpoint
 from loomrl.types import EvalRecord
 
@@ -72,4 +72,4 @@ def evaluate_checkpoint(cfg: RunConfig, checkpoint: Path) -> dict[str, Any]:
         finally:
             await backend.close()
 
-    return {"checkpoint": str(ckpt), **asdict(asyncio.run(run_eval()))}
+    return {"checkpoint": str(ckpt), **asdict(checked_eval(asyncio.run(run_eval()), f"of {ckpt}"))}

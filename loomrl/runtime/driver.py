@@ -46,6 +46,13 @@ from loomrl.types import EvalRecord, Trajectory
 log = logging.getLogger("loomrl")
 
 
+UNTRAINED_HINT = ("A group takes a gradient only when its rollouts' rewards differ: zero_variance means every rollout "
+                  "of each group scored the same (check that the reward, reward.function or the task's verifier, "
+                  "gives this policy some successes: `loomrl eval` on the recipe shows its held-out success), "
+                  "incomplete that too few of a group's rollouts could be scored (see rollout/status_* in "
+                  "metrics.jsonl).")
+
+
 class RunError(RuntimeError):
     """A run cannot start or continue; the message says why and what to do."""
 
@@ -91,6 +98,7 @@ class RunSummary:
     # in a success rate
     eval_ended: dict[str, dict[str, int]]
     steps: int
+    untrained_steps: int  # steps of this segment that took no gradient (every group left out)
     run_dir: str
     wall_s: float
     rollouts: dict[str, int]
@@ -231,6 +239,7 @@ class Driver:
         self.serials = itertools.count()
         self.abandoned: list[asyncio.Future] = []  # attempts cancelled at a trainer restart, awaited at the end
         self.trainer_restarts = 0
+        self.untrained_steps = 0  # steps of this segment whose groups all were left out (no gradient)
         self.stale = 0  # groups the trainer dropped as stale so far (they free their positions' place)
         self.positions: Iterator[int] = iter(())
         self.next_pos = 0
@@ -412,12 +421,24 @@ class Driver:
             "runtime/trainer_restarts": self.trainer_restarts, **group_summary(recent),
             **self.backend.step_metrics()})
         self.logger.log(self.version, metrics)
+        self._say_if_untrained(metrics)
         self.idle_s, self.launched, self.peak = 0.0, 0, len(self.inflight)
         clock.update(started=now, train_s=0.0)
         recent.clear()
         bar.update(1)
         if "rollout/reward_mean" in metrics:  # absent when no trajectory of the step's groups was scored
             bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}")
+
+    def _say_if_untrained(self, metrics: dict[str, Any]) -> None:
+        """Warn, at the first step that took no gradient, why (its groups' skip reasons); count such steps."""
+        if "train/loss" in metrics:
+            return
+        self.untrained_steps += 1
+        if self.untrained_steps > 1:
+            return
+        why = ", ".join(f"{k.split('/', 1)[1]} {v}" for k, v in metrics.items() if k.startswith("groups_skipped/"))
+        log.warning("step %d trained nothing: all %d of its groups were left out (%s). %s", self.version,
+                    metrics.get("groups", 0), why or "none buffered", UNTRAINED_HINT)
 
     async def _steps(self, extra: dict[str, Any]) -> None:
         bar = progress(self.cfg.trainer.total_steps, f"train ({self.backend.label})", self.cfg.progress)
@@ -506,13 +527,18 @@ class Driver:
             self.logger.close()
         acc = self.acc.settle(read_ledger(self.cfg.run_dir))
         log.info(ledger_line(acc))
+        if self.untrained_steps:
+            segment = self.version - (checkpoint_step(self.ckpt) if self.ckpt else 0)
+            log.warning("%s%d of the %d steps of this run trained nothing (every group left out). %s",
+                        "NOTHING WAS TRAINED: " if self.untrained_steps >= segment else "", self.untrained_steps,
+                        segment, UNTRAINED_HINT)
         summary = RunSummary(
             success_before=before and before.success, success_after=after and after.success,
             n_heldout=(after or before).n if (after or before) else 0,
             stderr_before=before and before.stderr, stderr_after=after and after.stderr,
             heldout_splits=split_summary(before, after),
             eval_ended={label: r.statuses for label, r in (("before", before), ("after", after)) if r is not None},
-            steps=self.version, run_dir=str(self.cfg.run_dir), wall_s=round(time.time() - self.wall_start, 1),
+            steps=self.version, untrained_steps=self.untrained_steps, run_dir=str(self.cfg.run_dir), wall_s=round(time.time() - self.wall_start, 1),
             rollouts=report.rollouts, trainer_restarts=self.trainer_restarts,
             positions_failed={str(k): v for k, v in self.gave_up.items()}, env_pool=report.env_pool,
             accounting=acc, extra=report.extra).as_dict()

@@ -136,7 +136,7 @@ class TrainerService:
         depth = len(self.buffer)
         groups, stale = self.buffer.take(self.cfg.trainer.groups_per_step, version)
         samples, trained, skipped = [], [], {}
-        groups_skipped = 0
+        groups_skipped, why_skipped = 0, Counter()
         idle_tokens = idle_seqs = idle_longest = 0  # of zero-variance groups: no gradient, but part of the mean
         for group in groups:
             usable, left_out, reason = usable_group(group, self.cfg.buffer)
@@ -145,6 +145,7 @@ class TrainerService:
             out = {i for ids in left_out.values() for i in ids}
             if reason:
                 groups_skipped += 1
+                why_skipped[reason] += 1
                 if reason == "zero_variance" and self.cfg.trainer.count_idle_groups:
                     kept = [t for t in group if t.trajectory_id not in out and any(t.all_turns())]
                     idle = samples_from_group(kept, self.cfg.trainer.advantage)
@@ -167,7 +168,8 @@ class TrainerService:
                 skipped.setdefault("balance", []).extend(sorted(before - after))
                 trained = [t for t in trained if t in after]
         metrics: dict[str, Any] = {"groups": len(groups), "groups_stale": len(stale), "groups_skipped": groups_skipped,
-                                   "buffer/depth": depth}  # backpressure: groups waiting when the step began
+                                   "buffer/depth": depth,  # backpressure: groups waiting when the step began
+                                   **{f"groups_skipped/{k}": v for k, v in why_skipped.items()}}
         waits = self.buffer.last_waits
         if waits:
             metrics["buffer/wait_s_mean"] = sum(waits) / len(waits)

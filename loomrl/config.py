@@ -475,6 +475,9 @@ class EvalConfig(_Section):
     before: bool = True
     after: bool = True
     temperature: float = Field(0.0, ge=0.0)
+    # Episodes evaluated at once (0: all of them, within runtime.max_inflight_trajectories). Black-box agents are
+    # programs of their own: on a small machine, hundreds at once share its cores and run past agent.trajectory_timeout_s.
+    max_inflight: int = Field(0, ge=0)
 
 
 class RunConfig(_Section):

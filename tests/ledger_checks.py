@@ -43,3 +43,12 @@ def check_run(run_dir: Path, summary: dict, steps: int) -> dict:
     assert fates == len(stored), "a stored trajectory has no fate (missing) or two"
     assert acc["launched"] == len(stored) + sum(acc["failed"].values()) + acc["cancelled"]
     return stored
+
+
+def add_counts(rollouts: dict[str, dict[str, int]]) -> dict[str, int]:
+    """summary.json's episode counts of training and evaluation together."""
+    out: dict[str, int] = {}
+    for counts in rollouts.values():
+        for k, v in counts.items():
+            out[k] = out.get(k, 0) + v
+    return out

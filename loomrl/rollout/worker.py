@@ -4,7 +4,8 @@ Position p of the run's data order maps to a training task through a per-epoch p
 the run seed, so the stream is reproducible and a resumed run can skip exactly the positions whose
 groups were already received by the trainer. Each trajectory gets a fresh env whose tool calls lease
 sandboxes from one EnvPool (pre-warmed, reset between uses, broken ones replaced); the reward pool
-scores it off the agent loop; `counts` says how many were launched and how each ended.
+scores it off the agent loop; `counts` says how many episodes were launched and how each ended, for training and for
+evaluation apart.
 """
 
 from __future__ import annotations
@@ -81,15 +82,20 @@ def group_slots(cfg: RunConfig) -> int:
     return max(1, cfg.runtime.max_inflight_trajectories // cfg.trainer.group_size)
 
 
+def eval_slots(cfg: RunConfig) -> int:
+    """Evaluation episodes in flight at once: eval.max_inflight and runtime.max_inflight_trajectories, where set."""
+    return min(c for c in (cfg.eval.max_inflight, cfg.runtime.max_inflight_trajectories, 1 << 30) if c)
+
+
 def rollout_concurrency(cfg: RunConfig) -> int:
     """Trajectories in flight at once on one rollout worker: the groups of a step (sync) or the
     admission window (async), or evaluation's episodes, within runtime.max_inflight_trajectories."""
     t = cfg.trainer
     train = t.groups_per_step * (1 + cfg.buffer.max_policy_lag if cfg.runtime.mode == "async" else 1) * t.group_size
-    cap = cfg.runtime.max_inflight_trajectories
-    if cap:
-        return max(min(train, group_slots(cfg) * t.group_size), min(cfg.eval.n_tasks, cap))
-    return max(train, cfg.eval.n_tasks)
+    evaluating = min(cfg.eval.n_tasks, eval_slots(cfg))
+    if cfg.runtime.max_inflight_trajectories:
+        return max(min(train, group_slots(cfg) * t.group_size), evaluating)
+    return max(train, evaluating)
 
 
 class RolloutWorker:
@@ -115,11 +121,13 @@ class RolloutWorker:
         self._servers: list[ServerThread] = []
         self._ready_lock = asyncio.Lock()
         self._ready = False
-        # max_inflight_trajectories' semaphores (groups, eval episodes); bound to the run's loop when first waited on
+        # slots for groups (runtime.max_inflight_trajectories) and eval episodes; bound to the run's loop on first wait
         cap = cfg.runtime.max_inflight_trajectories
-        self._caps = (asyncio.Semaphore(group_slots(cfg)), asyncio.Semaphore(cap)) if cap else None
+        self._group_slots = asyncio.Semaphore(group_slots(cfg)) if cap else None
+        self._eval_slots = asyncio.Semaphore(eval_slots(cfg))
         self.cap_wait_s = 0.0  # summed time groups waited for a slot under max_inflight_trajectories
-        self.counts: Counter[str] = Counter()
+        # episodes by purpose ("training", "evaluation"): launched, and how each ended
+        self.counts: dict[str, Counter[str]] = {"training": Counter(), "evaluation": Counter()}
         s = cfg.sampling
         # Seer orders the training rollouts' engine calls; evaluation episodes are single programs.
         self.priorities = (ProgramPriorities(cfg.agent.max_turns * s.max_tokens)
@@ -195,7 +203,8 @@ class RolloutWorker:
         return traj
 
     async def run_one(self, loop: AgentLoop, task: Task, group_id: str, position: int) -> Trajectory:
-        self.counts["launched"] += 1
+        counts = self.counts["evaluation" if loop is self.eval_loop else "training"]
+        counts["launched"] += 1
         try:
             a = self.cfg.agent
             errors: list[str] = []
@@ -209,20 +218,20 @@ class RolloutWorker:
                     traj.metadata.attempts = len(errors) + 1
                     traj.metadata.retry_errors = errors
                     traj = await self.reward_pool.score(traj, task)
-                    self.counts[str(traj.status)] += 1
+                    counts[str(traj.status)] += 1
                     if traj.reward_failed:  # outside the sum, like retried:<status>
-                        self.counts["reward_failed"] += 1
+                        counts["reward_failed"] += 1
                     return traj
                 # A failure the recipe retries (agent.retry_on): run the episode again after a backoff.
                 errors.append(f"{traj.status}: {traj.error}")
-                self.counts[f"retried:{traj.status}"] += 1
+                counts[f"retried:{traj.status}"] += 1
                 delay = a.retry_backoff_s * 2 ** (len(errors) - 1)
                 await asyncio.sleep(delay * (0.5 + self._retry_rng.random()))
         except asyncio.CancelledError:
-            self.counts["cancelled"] += 1  # still in flight when the run ended (async mode), or stopped
+            counts["cancelled"] += 1  # still in flight when the run ended (async mode), or stopped
             raise
         except BaseException as err:  # a failure outside the agent loop's own error handling
-            self.counts[f"failed:{type(err).__name__}"] += 1
+            counts[f"failed:{type(err).__name__}"] += 1
             raise
 
     async def _run_one(self, loop: AgentLoop, task: Task, group_id: str, position: int) -> Trajectory:
@@ -249,7 +258,7 @@ class RolloutWorker:
         task = self.task_at(position)
         group_id = f"group-{position:07d}"
         t0 = time.perf_counter()
-        async with self._caps[0] if self._caps else contextlib.nullcontext():
+        async with self._group_slots or contextlib.nullcontext():
             self.cap_wait_s += time.perf_counter() - t0
             try:
                 return await gather_all([self.run_one(self.train_loop, task, group_id, position)
@@ -263,7 +272,7 @@ class RolloutWorker:
         await self.ready()
 
         async def one(i: int, task: Task) -> Trajectory:
-            async with self._caps[1] if self._caps else contextlib.nullcontext():
+            async with self._eval_slots:
                 traj = await self.run_one(self.eval_loop, task, f"eval-{i:05d}", -1)
             if progress is not None:
                 progress.update(1)
@@ -280,12 +289,12 @@ class RolloutWorker:
                           splits={k: Score.of(v) for k, v in by_split.items()},
                           first_error=next((tr.error for tr in trajs if not tr.scored), None))
 
-    def rollout_counts(self) -> dict[str, int]:
-        """launched, and how each rollout ended: a trajectory status, or "cancelled" (in flight when an
-        async run finished); they add up once none is in flight. "retried:<status>" counts attempts
-        that failed and were run again (agent.retry_on), "reward_failed" the ones that could not be
+    def rollout_counts(self) -> dict[str, dict[str, int]]:
+        """Episodes by purpose ("training", "evaluation"): launched, and how each ended: a trajectory status, or
+        "cancelled" (in flight when an async run finished); they add up once none is in flight. "retried:<status>"
+        counts attempts that failed and were run again (agent.retry_on), "reward_failed" the ones that could not be
         scored (stored, not trained), both outside that sum."""
-        return dict(self.counts)
+        return {purpose: dict(counts) for purpose, counts in self.counts.items()}
 
     def program_metrics(self) -> dict[str, float]:
         """Black-box programs by phase and status (ThunderAgent's view), for the metrics log."""

@@ -38,6 +38,7 @@ from loomrl.config import RunConfig
 from loomrl.metrics import MetricsLogger
 from loomrl.rollout.worker import group_summary
 from loomrl.runtime.accounting import Accounting, ledger_line
+from loomrl.runtime.summary import FINISHED, Segment, append_segment, whole_run
 from loomrl.store import TrajectoryStore
 from loomrl.trainer.checkpoint import checkpoint_step, latest_checkpoint, load_state
 from loomrl.trainer.service import PositionSet, read_ledger
@@ -79,52 +80,9 @@ class TrainerState:
 class BackendReport:
     """What a backend tells the summary when it closes."""
 
-    rollouts: dict[str, int]  # episodes (eval included) by how they ended, as its rollout workers counted
+    rollouts: dict[str, dict[str, int]]  # episodes by purpose (training, evaluation) and how they ended
     env_pool: dict[str, float]  # the sandbox pools' metrics, teardown included
     extra: dict[str, Any] = field(default_factory=dict)  # its own section (e.g. "ray": restarts, placement)
-
-
-@dataclass(slots=True, kw_only=True)
-class RunSummary:
-    success_before: float | None
-    success_after: float | None
-    n_heldout: int
-    stderr_before: float | None
-    stderr_after: float | None
-    # by held-out split (heldout: new numbers on training templates; heldout_templates: templates training
-    # never used): n, success_before, stderr_before, success_after, stderr_after
-    heldout_splits: dict[str, dict[str, float | int | None]]
-    # how the held-out episodes ended, before and after (EvalRecord.statuses): only completed and truncated ones count
-    # in a success rate
-    eval_ended: dict[str, dict[str, int]]
-    steps: int
-    untrained_steps: int  # steps of this segment that took no gradient (every group left out)
-    run_dir: str
-    wall_s: float
-    rollouts: dict[str, int]
-    trainer_restarts: int
-    positions_failed: dict[str, str]  # position -> why it was given up
-    env_pool: dict[str, float]
-    accounting: dict[str, Any]  # accounting.Accounting.settle: training trajectories, by fate
-    extra: dict[str, Any]
-
-    def as_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out.update(out.pop("extra"))
-        out["env_pool"] = {k: round(v, 4) if isinstance(v, float) else v for k, v in self.env_pool.items()}
-        return out
-
-
-def split_summary(before: EvalRecord | None, after: EvalRecord | None) -> dict[str, dict[str, float | int | None]]:
-    """Before and after scores of each held-out split, for the summary (None where none of its episodes was scored)."""
-    out: dict[str, dict[str, float | int | None]] = {}
-    for label, record in (("before", before), ("after", after)):
-        for split, score in (record.splits if record else {}).items():
-            row = out.setdefault(split, {"n": score.n, "success_before": None, "stderr_before": None,
-                                         "success_after": None, "stderr_after": None})
-            if score.n:
-                row[f"success_{label}"], row[f"stderr_{label}"] = round(score.success, 4), round(score.stderr, 4)
-    return out
 
 
 def checked_eval(record: EvalRecord, label: str) -> EvalRecord:
@@ -246,6 +204,9 @@ class Driver:
         # per step: groups launched, the most in flight at once, seconds with none in flight
         self.launched = self.peak = 0
         self.idle_s, self.idle_since = 0.0, None
+        self.before: EvalRecord | None = None  # held-out success before training (restored on resume)
+        self.after: EvalRecord | None = None
+        self.report: BackendReport | None = None  # what the backend said when it closed
 
     # -- the trainer --------------------------------------------------------------------------------
     async def _start_trainer(self, extra: dict[str, Any]) -> TrainerState:
@@ -495,52 +456,65 @@ class Driver:
         log.info("held-out success %s: %s", label, eval_line(record))
         return record
 
-    async def _run(self) -> tuple[EvalRecord | None, EvalRecord | None, BackendReport]:
+    async def _run(self) -> None:
         extra = load_state(self.ckpt).get("extra", {}) if self.ckpt else {}
-        before = after = None
         try:
             await self.backend.start()
             if extra.get("eval_before") is not None:
-                before = EvalRecord.from_dict(extra["eval_before"])
+                self.before = EvalRecord.from_dict(extra["eval_before"])
             else:
-                before = await self._evaluate("before", 0)
-                if before is not None:
-                    extra["eval_before"] = asdict(before)
+                self.before = await self._evaluate("before", 0)
+                if self.before is not None:
+                    extra["eval_before"] = asdict(self.before)
             try:
                 await self._start_trainer(extra)
             except TrainerLost as err:
                 raise RunError(f"run error: the trainer failed to start:\n{err}") from None
             await self._steps(extra)
             await asyncio.gather(*self._end_inflight(), return_exceptions=True)
-            after = await self._evaluate("after", self.version)
+            self.after = await self._evaluate("after", self.version)
         finally:
             await asyncio.gather(*self._end_inflight(), *self.abandoned, return_exceptions=True)
             self.backend.stop_trainer()
-            report = await self.backend.close()
-        return before, after, report
+            self.report = await self.backend.close()
 
     def train(self) -> dict[str, Any]:
+        """Run this segment; the whole run's summary (also RUN/summary.json). However the segment ends, its record
+        is kept (summary.py) and the summary rewritten, before an error goes on up."""
+        ended = "interrupted"  # Ctrl-C, SIGTERM, a crash: anything the driver does not stop on purpose
         try:
-            before, after, report = asyncio.run(self._run())
+            asyncio.run(self._run())
+            ended = FINISHED
+        except RunError as err:
+            ended = f"stopped: {str(err).splitlines()[0]}"
+            raise
         finally:
             self.store.flush()
             self.logger.close()
-        acc = self.acc.settle(read_ledger(self.cfg.run_dir))
+            try:
+                summary = self._summarize(ended)
+            except Exception:
+                if ended == FINISHED:
+                    raise
+                log.exception("could not write the run's summary (the run's own error follows)")
+        return summary
+
+    def _summarize(self, ended: str) -> dict[str, Any]:
+        ledger = read_ledger(self.cfg.run_dir)
+        acc = self.acc.settle(ledger)
         log.info(ledger_line(acc))
+        start = checkpoint_step(self.ckpt) if self.ckpt else 0
         if self.untrained_steps:
-            segment = self.version - (checkpoint_step(self.ckpt) if self.ckpt else 0)
             log.warning("%s%d of the %d steps of this run trained nothing (every group left out). %s",
-                        "NOTHING WAS TRAINED: " if self.untrained_steps >= segment else "", self.untrained_steps,
-                        segment, UNTRAINED_HINT)
-        summary = RunSummary(
-            success_before=before and before.success, success_after=after and after.success,
-            n_heldout=(after or before).n if (after or before) else 0,
-            stderr_before=before and before.stderr, stderr_after=after and after.stderr,
-            heldout_splits=split_summary(before, after),
-            eval_ended={label: r.statuses for label, r in (("before", before), ("after", after)) if r is not None},
-            steps=self.version, untrained_steps=self.untrained_steps, run_dir=str(self.cfg.run_dir), wall_s=round(time.time() - self.wall_start, 1),
-            rollouts=report.rollouts, trainer_restarts=self.trainer_restarts,
-            positions_failed={str(k): v for k, v in self.gave_up.items()}, env_pool=report.env_pool,
-            accounting=acc, extra=report.extra).as_dict()
+                        "NOTHING WAS TRAINED: " if self.untrained_steps >= self.version - start else "",
+                        self.untrained_steps, self.version - start, UNTRAINED_HINT)
+        report = self.report or BackendReport(rollouts={}, env_pool={})
+        segment = Segment(from_step=start, to_step=self.version, ended=ended,
+                          wall_s=round(time.time() - self.wall_start, 1), rollouts=report.rollouts,
+                          trainer_restarts=self.trainer_restarts, untrained_steps=self.untrained_steps,
+                          positions_failed={str(k): v for k, v in self.gave_up.items()}, env_pool=report.env_pool,
+                          accounting=acc, extra=report.extra)
+        segments = append_segment(self.cfg.run_dir, segment)
+        summary = whole_run(self.cfg.run_dir, segments, self.before, self.after, self.version, ledger)
         (self.cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary

@@ -82,8 +82,12 @@ async def result_or(ref: Any, timeout_s: float, default: Any) -> Any:
 
 
 def add_into(into: dict[str, Any], values: dict[str, Any]) -> None:
+    """Sum counters (nested ones too, e.g. episodes by purpose) into `into`."""
     for k, v in values.items():
-        into[k] = into.get(k, 0) + v
+        if isinstance(v, dict):
+            add_into(into.setdefault(k, {}), v)
+        else:
+            into[k] = into.get(k, 0) + v
 
 
 @dataclass(slots=True, kw_only=True)
@@ -440,7 +444,7 @@ class RayBackend(Backend):
 
     async def _close(self) -> BackendReport:
         pool: dict[str, Any] = {}
-        rollouts: dict[str, int] = {}
+        rollouts: dict[str, Any] = {}
         for slot in self.workers:  # a dead or stuck actor counts nothing (and is killed anyway)
             counts, metrics = await result_or(slot.handle.close.remote(), 30, ({}, {}))
             add_into(rollouts, counts)

@@ -11,6 +11,7 @@ from typing import Any
 
 from loomrl.config import RunConfig, save_resolved
 from loomrl.runtime.driver import Backend, Driver, RunError, checked_eval
+from loomrl.runtime.summary import finished_at
 from loomrl.trainer.checkpoint import latest_checkpoint
 from loomrl.types import EvalRecord
 
@@ -22,6 +23,12 @@ def prepare_run_dir(cfg: RunConfig, resume: bool) -> Path | None:
     if resume:
         if ckpt is None:
             raise RunError(f"run error: --resume given but '{run_dir}' has no checkpoint; start without --resume")
+        done = finished_at(run_dir)
+        if done is not None and done >= cfg.trainer.total_steps:
+            raise RunError(f"run error: the run in '{run_dir}' is finished ({done} steps, trained and evaluated: "
+                           f"summary.json); to train it further, resume with a larger total, e.g. "
+                           f"trainer.total_steps={done * 2} --resume; to score a checkpoint, loomrl eval RECIPE "
+                           f"--checkpoint {run_dir}")
     elif ckpt is not None or (run_dir / "ledger.jsonl").exists():
         raise RunError(f"run error: '{run_dir}' already holds a run; pass --resume to continue it, or set name=... "
                        "for a new run")

@@ -165,7 +165,7 @@ def test_blackbox_example_trains_asynchronously(tmp_path):
         "reward.function=rewards_for_tests:parity_reward", "checkpoint_every=0"])
     summary = train(cfg)
     assert summary["steps"] == 2
-    counts = summary["rollouts"]
+    counts = summary["rollouts"]["training"]
     assert sum(v for k, v in counts.items() if k != "launched") == counts["launched"] >= 16, counts
     rows = read_trajectories(cfg.run_dir / "trajectories").to_pylist()
     white_box_columns = set(rows[0])  # the same store schema as white-box runs

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from ledger_checks import check_run
+from ledger_checks import add_counts, check_run
 from scripted_engine import ScriptedEngine
 
 from loomrl.config import load_config
@@ -202,10 +202,10 @@ def test_flaky_environment_run_completes_and_the_counts_add_up(tmp_path, tokeniz
     monkeypatch.setattr("loomrl.rollout.actor.make_engine", lambda cfg, model, tok, version: ScriptedEngine(
         tokenizer, ["calc(2 + 3)", "The answer is 5."]))
     summary = train(cfg)
-    counts = summary["rollouts"]
+    # train trajectories, and eval episodes before and after (4 in each of the two held-out splits), counted apart
+    assert {k: v["launched"] for k, v in summary["rollouts"].items()} == {"training": 2 * 2 * 4, "evaluation": 2 * 2 * 4}
+    counts = add_counts(summary["rollouts"])
     ended = {k: v for k, v in counts.items() if k != "launched"}
-    # train trajectories + eval episodes before and after (4 in each of the two held-out splits)
-    assert counts["launched"] == 2 * 2 * 4 + 2 * 2 * 4
     assert sum(ended.values()) == counts["launched"]  # every trajectory ended with a status
     assert ended.get("env_error", 0) > 0 and ended.get("timeout", 0) > 0 and ended.get("completed", 0) > 0
     pool = summary["env_pool"]
@@ -230,7 +230,7 @@ def test_flaky_environment_with_retries_reruns_failed_episodes_and_records_why(t
     monkeypatch.setattr("loomrl.rollout.actor.make_engine", lambda cfg, model, tok, version: ScriptedEngine(
         tokenizer, ["calc(2 + 3)", "The answer is 5."]))
     summary = train(cfg)
-    counts = summary["rollouts"]
+    counts = add_counts(summary["rollouts"])
     ended = {k: v for k, v in counts.items() if k != "launched" and not k.startswith("retried:")}
     retried = sum(v for k, v in counts.items() if k.startswith("retried:"))
     assert sum(ended.values()) == counts["launched"] == 2 * 2 * 4 + 2 * 2 * 4  # train + eval (2 splits x 4)
@@ -266,7 +266,7 @@ def test_engine_faults_end_episodes_as_engine_error_and_are_retried(tmp_path, mo
                "agent.retry_on=[engine_error]", "agent.max_retries=2", "agent.retry_backoff_s=0.01")
     summary = train(cfg)
     assert calls["n"] > 25 and summary["steps"] == 3
-    counts = summary["rollouts"]
+    counts = summary["rollouts"]["training"]
     assert counts.get("retried:engine_error", 0) >= 2 and "engine_error" not in counts, counts
     rows = read_trajectories(cfg.run_dir / "trajectories").to_pylist()
     again = [r for r in rows if r["attempts"] > 1]
@@ -284,8 +284,8 @@ def test_gym_and_codefix_environments_run_end_to_end(tmp_path):
                    "trainer.group_size=2", "eval.n_tasks=2", "env.n_train=8", "env.n_heldout=4",
                    "reward.function=null", "agent.max_turns=2", *extra)
         summary = train(cfg)
-        counts = summary["rollouts"]
-        assert counts["launched"] == 2 * 2 + 2 * 2  # train groups + eval before and after
+        assert {k: v["launched"] for k, v in summary["rollouts"].items()} == {"training": 2 * 2, "evaluation": 2 * 2}
+        counts = add_counts(summary["rollouts"])
         assert sum(v for k, v in counts.items() if k != "launched") == counts["launched"]
         rows = read_trajectories(cfg.run_dir / "trajectories").to_pylist()
         assert len(rows) == 4 and {r["task_id"].split("-")[0] for r in rows} == {name}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -65,7 +66,9 @@ def test_a_run_whose_evaluation_cannot_score_anything_stops_with_one_line(tmp_pa
     line = str(err.value)
     assert "\n" not in line and "evaluation before training: none of the 8 held-out episodes could be scored" in line
     assert "(engine_error 8)" in line and "no kernel for this model" in line
-    assert not (cfg.run_dir / "summary.json").exists()  # no success rate of 0 was written anywhere
+    summary = json.loads((cfg.run_dir / "summary.json").read_text())  # the segment's record says how it ended ...
+    assert summary["ended"].startswith("stopped: run error: evaluation before training")
+    assert summary["success_before"] is None and summary["steps"] == 0  # ... and no success rate of 0 is written
 
 
 def _traj(i: int, status: RolloutStatus, reward: float) -> Trajectory:

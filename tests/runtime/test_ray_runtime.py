@@ -220,7 +220,7 @@ def test_chaos_kills_actors_and_the_run_accounts_for_every_trajectory_once(clust
     assert placement["trainer_bundles"] == [{"trainer": 0.5}] * 2  # both ranks reserved in one placement group
     assert placement["reward"] == [placement["trainer"]] * 2
     assert killed.count("reward") == 2 and summary["ray"]["reward_restarts"] >= 1  # Ray restarted them
-    assert summary["rollouts"].get("reward_failed", 0) == 0  # ... and ran their calls again
+    assert summary["rollouts"]["training"].get("reward_failed", 0) == 0  # ... and ran their calls again
     assert "ledger: launched" in out
     check_run(run_dir, summary, steps)
     assert summary["accounting"]["failed"].get("actor_died", 0) > 0
@@ -237,7 +237,7 @@ def test_a_reward_actor_that_stays_dead_marks_trajectories_reward_failed_and_the
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-3000:]
     summary = json.loads(out.strip().splitlines()[-1])
-    assert summary["steps"] == 3 and summary["rollouts"]["reward_failed"] > 0
+    assert summary["steps"] == 3 and summary["rollouts"]["training"]["reward_failed"] > 0
     run_dir = tmp_path / "noreward"
     check_each_trajectory_once(run_dir, 3)
     assert summary["accounting"]["violations"] == []

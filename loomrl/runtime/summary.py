@@ -1,0 +1,141 @@
+"""The run's summary: one record per segment (the first `loomrl train` and each `--resume`), and `summary.json`, which
+covers the whole run.
+
+A segment ends `finished` (trained to trainer.total_steps and evaluated), `stopped: <why>` (a RunError) or
+`interrupted` (Ctrl-C, SIGTERM, a crash); each appends its record to `segments.jsonl` in the run folder, whatever
+the ending. `summary.json` is rewritten at the end of every segment from all of them:
+- held-out success before (restored from the checkpoint when resumed) and after (the last segment's evaluation);
+- `steps`: the policy version reached; `ledger`: what the model consumed over the whole run (ledger.jsonl);
+- summed over segments: wall time, episodes (`rollouts`, training and evaluation apart), trainer restarts, steps
+  that trained nothing, the sandbox pools' counters, and `accounting`: each segment settles the trajectories it
+  launched (launched = trained + skipped + stale + discarded + unconsumed + failed + cancelled, accounting.py), so the
+  sum holds the same identity; a trajectory left buffered by one segment and trained by the next counts as
+  unconsumed where it was launched;
+- `segments`: each segment's steps, ending, wall time and accounting.
+
+What it is not: the per-step history (metrics.jsonl) or the per-trajectory one (the trajectory store, the ledger).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from loomrl.types import EvalRecord
+
+SEGMENTS = "segments.jsonl"
+FINISHED = "finished"
+
+
+@dataclass(slots=True, kw_only=True)
+class Segment:
+    """What one `loomrl train` (or `--resume`) did, from the step it started at to the one it reached."""
+
+    from_step: int
+    to_step: int
+    ended: str  # "finished", "stopped: <why>" or "interrupted"
+    wall_s: float
+    rollouts: dict[str, dict[str, int]]  # episodes by purpose (training, evaluation) and how they ended
+    trainer_restarts: int
+    untrained_steps: int  # steps that took no gradient (every group left out)
+    positions_failed: dict[str, str]  # position -> why it was given up
+    env_pool: dict[str, float]
+    accounting: dict[str, Any]  # accounting.Accounting.settle: the trajectories this segment launched, by fate
+    extra: dict[str, Any]  # the backend's own section (e.g. "ray": restarts, placement)
+
+
+def read_segments(run_dir: Path) -> list[Segment]:
+    path = Path(run_dir) / SEGMENTS
+    if not path.is_file():
+        return []
+    return [Segment(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+
+
+def append_segment(run_dir: Path, segment: Segment) -> list[Segment]:
+    """Record a segment; every segment of the run so far, this one last."""
+    with (Path(run_dir) / SEGMENTS).open("a") as f:
+        f.write(json.dumps(asdict(segment)) + "\n")
+    return read_segments(run_dir)
+
+
+def finished_at(run_dir: Path) -> int | None:
+    """The step a run finished at (its last segment trained to its total and was evaluated), or None."""
+    segments = read_segments(run_dir)
+    if segments:
+        return segments[-1].to_step if segments[-1].ended == FINISHED else None
+    legacy = Path(run_dir) / "summary.json"  # a run from before segments were recorded: it wrote this on finishing
+    return json.loads(legacy.read_text()).get("steps") if legacy.is_file() else None
+
+
+def split_summary(before: EvalRecord | None, after: EvalRecord | None) -> dict[str, dict[str, float | int | None]]:
+    """Before and after scores of each held-out split (None where none of its episodes was scored)."""
+    out: dict[str, dict[str, float | int | None]] = {}
+    for label, record in (("before", before), ("after", after)):
+        for split, score in (record.splits if record else {}).items():
+            row = out.setdefault(split, {"n": score.n, "success_before": None, "stderr_before": None,
+                                         "success_after": None, "stderr_after": None})
+            if score.n:
+                row[f"success_{label}"], row[f"stderr_{label}"] = round(score.success, 4), round(score.stderr, 4)
+    return out
+
+
+def _add(into: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """Counters summed (nested ones too); `*_max` fields take the larger; lists joined."""
+    for k, v in values.items():
+        if isinstance(v, dict):
+            _add(into.setdefault(k, {}), v)
+        elif isinstance(v, list):
+            into[k] = [*into.get(k, []), *v]
+        elif k.endswith("_max"):
+            into[k] = max(into.get(k, v), v)
+        else:
+            into[k] = into.get(k, 0) + v
+    return into
+
+
+def ledger_totals(ledger: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the model consumed over the whole run: trajectories trained, skipped by reason, dropped as stale."""
+    skipped: dict[str, int] = {}
+    for entry in ledger:
+        _add(skipped, {reason: len(ids) for reason, ids in entry["skipped"].items()})
+    return {"steps": len(ledger), "trained": sum(len(e["trained"]) for e in ledger), "skipped": skipped,
+            "stale": sum(len(e["stale"]) for e in ledger)}
+
+
+def whole_run(run_dir: Path, segments: list[Segment], before: EvalRecord | None, after: EvalRecord | None,
+              steps: int, ledger: list[dict[str, Any]]) -> dict[str, Any]:
+    """summary.json: the run over all its segments (module docstring)."""
+    last = segments[-1]
+    accounting: dict[str, Any] = {}
+    for i, seg in enumerate(segments):
+        _add(accounting, {**seg.accounting, "violations": [f"segment {i + 1}: {v}" for v in seg.accounting.get(
+            "violations", [])]})
+    env_pool: dict[str, Any] = {}
+    rollouts: dict[str, Any] = {}
+    for seg in segments:
+        _add(env_pool, seg.env_pool)
+        _add(rollouts, seg.rollouts)
+    return {
+        "success_before": before and before.success, "success_after": after and after.success,
+        "n_heldout": (after or before).n if (after or before) else 0,
+        "stderr_before": before and before.stderr, "stderr_after": after and after.stderr,
+        # by held-out split (heldout: new numbers on training templates; heldout_templates: templates training never
+        # used): n, success_before, stderr_before, success_after, stderr_after
+        "heldout_splits": split_summary(before, after),
+        # how the held-out episodes ended (EvalRecord.statuses): only completed and truncated ones count in a rate
+        "eval_ended": {label: r.statuses for label, r in (("before", before), ("after", after)) if r is not None},
+        "steps": steps, "ended": last.ended, "run_dir": str(run_dir),
+        "wall_s": round(sum(s.wall_s for s in segments), 1),
+        "rollouts": rollouts,
+        "ledger": ledger_totals(ledger),
+        "accounting": accounting,
+        "trainer_restarts": sum(s.trainer_restarts for s in segments),
+        "untrained_steps": sum(s.untrained_steps for s in segments),
+        "positions_failed": last.positions_failed,  # earlier segments' failed positions ran again on resume
+        "env_pool": {k: round(v, 4) if isinstance(v, float) else v for k, v in env_pool.items()},
+        "segments": [{"from_step": s.from_step, "to_step": s.to_step, "ended": s.ended, "wall_s": s.wall_s,
+                      "accounting": s.accounting} for s in segments],
+        **last.extra,
+    }

@@ -146,6 +146,11 @@ class Trajectory(_TokenContext):
     trajectory_id: str
     group_id: str
     position: int = -1  # index of the task's group in the run's data order (for resume)
+    # the task as the rollout worker gave it (for reading the store): its prompt, the answer its verifier checks, its
+    # split (train, heldout, heldout_templates)
+    prompt: str = ""
+    answer: str = ""
+    split: str = ""
     turns: list[Turn] = field(default_factory=list)
     prompt_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # prompt + every turn's act and obs tokens
@@ -249,3 +254,11 @@ class EvalRecord:
     def from_dict(cls, d: dict[str, Any]) -> EvalRecord:
         """The inverse of dataclasses.asdict (a record saved in a checkpoint)."""
         return cls(**{**d, "splits": {k: Score(**v) for k, v in d.get("splits", {}).items()}})
+
+
+@dataclass(slots=True, kw_only=True)
+class Evaluation:
+    """An evaluation's score and its episodes (stored apart from training's: runtime/driver.py)."""
+
+    record: EvalRecord
+    episodes: list[Trajectory]

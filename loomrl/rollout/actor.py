@@ -22,7 +22,7 @@ from loomrl.model.loader import load_run_model, load_tokenizer
 from loomrl.reward.actor import RemoteRewardPool
 from loomrl.rollout.worker import RolloutWorker
 from loomrl.trainer.weight_sync import WeightHandle
-from loomrl.types import EvalRecord, Trajectory
+from loomrl.types import Evaluation, Trajectory
 
 
 class RolloutSide:
@@ -96,6 +96,6 @@ class RolloutActor(Placed, RolloutSide):
     async def wake(self) -> None:
         await asyncio.to_thread(self.engine.wake)
 
-    async def evaluate(self) -> EvalRecord:
+    async def evaluate(self) -> Evaluation:
         await self.gate.ready()  # the latest published weights first, as for run_group
         return await self.worker.evaluate(self.eval_tasks)

@@ -31,7 +31,7 @@ from loomrl.env.pool import Leases, sandbox_pool
 from loomrl.env.registry import env_family, sandbox_pool_size
 from loomrl.model.chat import ChatRenderer
 from loomrl.reward import RewardPool, import_reward
-from loomrl.types import EvalRecord, RewardFn, RolloutStatus, Score, Task, Trajectory
+from loomrl.types import EvalRecord, Evaluation, RewardFn, RolloutStatus, Score, Task, Trajectory
 
 
 async def gather_all(coros: list) -> list:
@@ -210,6 +210,7 @@ class RolloutWorker:
             errors: list[str] = []
             while True:
                 traj = await self._run_one(loop, task, group_id, position)
+                traj.prompt, traj.answer, traj.split = task.prompt, task.answer, task.split
                 if self._pool is not None and self._pool.failure is not None:
                     # The sandboxes cannot work here (the episode ended env_error with the same cause):
                     # every later episode would fail at once, so the run stops with the cause.
@@ -267,8 +268,8 @@ class RolloutWorker:
                 if self.priorities is not None:
                     self.priorities.forget(group_id)
 
-    async def evaluate(self, tasks: list[Task], progress=None) -> EvalRecord:
-        """Success rate on `tasks`, one episode each at the eval temperature (0 = greedy)."""
+    async def evaluate(self, tasks: list[Task], progress=None) -> Evaluation:
+        """Success rate on `tasks`, one episode each at the eval temperature (0 = greedy), and the episodes."""
         await self.ready()
 
         async def one(i: int, task: Task) -> Trajectory:
@@ -284,10 +285,11 @@ class RolloutWorker:
             if tr.scored:  # one that could not be played out is no success and no failure
                 by_split[task.split].append(tr.final_answer == task.answer)
         total = Score.of([hit for hits in by_split.values() for hit in hits])
-        return EvalRecord(success=total.success, n=total.n, stderr=total.stderr,
-                          statuses=dict(Counter(tr.ending for tr in trajs)),
-                          splits={k: Score.of(v) for k, v in by_split.items()},
-                          first_error=next((tr.error for tr in trajs if not tr.scored), None))
+        record = EvalRecord(success=total.success, n=total.n, stderr=total.stderr,
+                            statuses=dict(Counter(tr.ending for tr in trajs)),
+                            splits={k: Score.of(v) for k, v in by_split.items()},
+                            first_error=next((tr.error for tr in trajs if not tr.scored), None))
+        return Evaluation(record=record, episodes=trajs)
 
     def rollout_counts(self) -> dict[str, dict[str, int]]:
         """Episodes by purpose ("training", "evaluation"): launched, and how each ended: a trajectory status, or

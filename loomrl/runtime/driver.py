@@ -27,10 +27,12 @@ import contextlib
 import itertools
 import json
 import logging
+import shutil
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from loomrl.buffer.admission import admits, open_positions
@@ -42,7 +44,7 @@ from loomrl.runtime.summary import FINISHED, Segment, append_segment, whole_run
 from loomrl.store import TrajectoryStore
 from loomrl.trainer.checkpoint import checkpoint_step, latest_checkpoint, load_state
 from loomrl.trainer.service import PositionSet, read_ledger
-from loomrl.types import EvalRecord, Trajectory
+from loomrl.types import EvalRecord, Evaluation, Trajectory
 
 log = logging.getLogger("loomrl")
 
@@ -83,6 +85,14 @@ class BackendReport:
     rollouts: dict[str, dict[str, int]]  # episodes by purpose (training, evaluation) and how they ended
     env_pool: dict[str, float]  # the sandbox pools' metrics, teardown included
     extra: dict[str, Any] = field(default_factory=dict)  # its own section (e.g. "ray": restarts, placement)
+
+
+def store_episodes(episodes: list[Trajectory], folder: Path) -> None:
+    """An evaluation's episodes in a trajectory store of their own (one evaluated again starts it anew)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    store = TrajectoryStore(folder)
+    store.append(episodes)
+    store.flush()
 
 
 def checked_eval(record: EvalRecord, label: str) -> EvalRecord:
@@ -153,8 +163,8 @@ class Backend(ABC):
         """Bring the trainer's current weights (`version`) to every engine; later groups use them."""
 
     @abstractmethod
-    async def evaluate(self, label: str) -> EvalRecord:
-        """Held-out success with the latest published weights (RolloutLost: the worker died)."""
+    async def evaluate(self, label: str) -> Evaluation:
+        """Held-out success with the latest published weights, and its episodes (RolloutLost: the worker died)."""
 
     @abstractmethod
     def step_metrics(self) -> dict[str, float]:
@@ -443,12 +453,13 @@ class Driver:
             return None
         for _ in range(cfg.runtime.max_group_attempts):
             with contextlib.suppress(RolloutLost):  # the worker died: try again
-                record = await self.backend.evaluate(label)
+                evaluation = await self.backend.evaluate(label)
                 break
         else:
             log.warning("eval %s: the rollout worker kept dying; no result", label)
             return None
-        checked_eval(record, f"{label} training")
+        store_episodes(evaluation.episodes, self.cfg.run_dir / "evaluations" / f"{label}-step{step}")
+        record = checked_eval(evaluation.record, f"{label} training")
         by_split = {f"eval/{split}/{k}": v for split, score in record.splits.items() for k, v in asdict(score).items()}
         ended = {f"eval/ended/{k}": v for k, v in record.statuses.items()}
         self.logger.log(step, {"eval/success": record.success, "eval/n": record.n, "eval/stderr": record.stderr,

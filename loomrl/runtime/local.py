@@ -36,7 +36,7 @@ from loomrl.trainer.ranks import (
 )
 from loomrl.trainer.service import PositionSet, TrainerService
 from loomrl.trainer.weight_sync import WeightHandle, load_weights, sync_metrics
-from loomrl.types import EvalRecord, Trajectory
+from loomrl.types import Evaluation, Trajectory
 
 
 def async_threads(cfg: RunConfig) -> tuple[int, int]:
@@ -188,7 +188,7 @@ class LocalBackend(Backend):
     def dispatch(self, position: int) -> asyncio.Future:
         return asyncio.ensure_future(self.rollout.worker.run_group(position))
 
-    async def evaluate(self, label: str) -> EvalRecord:
+    async def evaluate(self, label: str) -> Evaluation:
         bar = progress(len(self.rollout.eval_tasks), f"eval {label}", self.cfg.progress)
         try:
             return await self.rollout.worker.evaluate(self.rollout.eval_tasks, progress=bar)

@@ -49,7 +49,7 @@ from loomrl.trainer.actor import TrainerActor, TrainerRankActor
 from loomrl.trainer.ranks import RankLost
 from loomrl.trainer.service import PositionSet
 from loomrl.trainer.weight_sync import BroadcastFailed, Transport, WeightHandle
-from loomrl.types import EvalRecord, Trajectory
+from loomrl.types import Evaluation, Trajectory
 
 log = logging.getLogger("loomrl")
 
@@ -401,7 +401,7 @@ class RayBackend(Backend):
                         f"{str(why).splitlines()[0]}; continue with --resume, or use the default transport (Ray's "
                         "object store), with which engine actors survive restarts")
 
-    async def evaluate(self, label: str) -> EvalRecord:
+    async def evaluate(self, label: str) -> Evaluation:
         slot = self.workers[0]
         incarnation = slot.incarnation
         try:

@@ -75,7 +75,7 @@ def evaluate_checkpoint(cfg: RunConfig, checkpoint: Path) -> dict[str, Any]:
     async def run_eval() -> EvalRecord:
         try:
             await backend.start()
-            return await backend.evaluate("checkpoint")
+            return (await backend.evaluate("checkpoint")).record
         finally:
             await backend.close()
 

@@ -1,5 +1,8 @@
 """TrajectoryStore: every finished trajectory, one parquet row each, append-only.
 
+A run keeps two kinds: training rollouts in `RUN/trajectories/`, evaluation episodes in `RUN/evaluations/<before|after>/`
+(each row with its task's prompt, answer and split).
+
 Rows are buffered and written as numbered part files (`part-000001.parquet`, ...), never rewritten,
 so a crash loses at most the unflushed rows and readers (`pyarrow.dataset`, `pandas.read_parquet` on
 the folder) always see complete files. Turns are stored as a JSON string column (their fields vary by
@@ -20,7 +23,8 @@ from loomrl.types import Trajectory
 
 # Columns copied from the trajectory, and from its metadata, as they are.
 _PLAIN = [("trajectory_id", pa.string()), ("task_id", pa.string()), ("group_id", pa.string()),
-          ("position", pa.int64()), ("error", pa.string()), ("total_reward", pa.float64()),
+          ("position", pa.int64()), ("prompt", pa.string()), ("answer", pa.string()), ("split", pa.string()),
+          ("error", pa.string()), ("total_reward", pa.float64()),
           ("final_answer", pa.string()), ("temperature", pa.float64()), ("token_ids", pa.list_(pa.int32()))]
 _METADATA = [("env_version", pa.string()), ("total_steps", pa.int32()), ("total_tokens", pa.int32()),
              ("wall_time", pa.float64()), ("truncated", pa.bool_()), ("env_errors", pa.int32()),

@@ -118,8 +118,14 @@ def test_sync_run(tmp_path):
     # the overall rate is the mean of the two (equal n)
     assert summary["success_after"] == pytest.approx(sum(s["success_after"] for s in splits.values()) / 2, abs=1e-4)
     rows = read_trajectories(cfg.run_dir / "trajectories").to_pylist()
-    assert len(rows) == 2 * 2 * 4  # steps x groups x group size (eval episodes are not stored)
+    assert len(rows) == 2 * 2 * 4  # steps x groups x group size (eval episodes are stored apart)
     assert {r["policy_version_min"] for r in rows} == {0, 1}  # sync: step k samples with version k
+    assert all(r["prompt"] and r["answer"] and r["split"] == "train" for r in rows)  # the task, readable
+    for label, version in (("before-step0", 0), ("after-step2", 2)):
+        episodes = read_trajectories(cfg.run_dir / "evaluations" / label).to_pylist()
+        assert len(episodes) == 8 and {r["policy_version_min"] for r in episodes} == {version}
+        assert sorted(r["split"] for r in episodes) == ["heldout"] * 4 + ["heldout_templates"] * 4
+        assert all(r["prompt"] and r["answer"] for r in episodes)
     assert json.loads((cfg.run_dir / "summary.json").read_text())["steps"] == 2
 
 

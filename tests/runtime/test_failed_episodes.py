@@ -43,7 +43,7 @@ def test_evaluation_scores_only_the_episodes_played_out(tmp_path, tokenizer):
         finally:
             await worker.aclose()
 
-    record = asyncio.run(evaluate())
+    record = asyncio.run(evaluate()).record
     crashed = record.statuses.get("env_error", 0)
     assert 0 < crashed < len(tasks) and record.statuses["completed"] == len(tasks) - crashed
     # every episode that was played out was right: a crash is not a wrong answer

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from loomrl.types import RolloutStatus, Task, Trajectory
+from loomrl.types import Task, Trajectory
 
 _CALL_ONLY = re.compile(r"^\s*calc\([^\n]*\)\s*$")
 _ANSWER_ONLY = re.compile(r"^\s*The answer is\s*-?[\d,]*\.?\d+\.?\s*$", re.IGNORECASE)
@@ -16,8 +16,6 @@ _ANSWER_ONLY = re.compile(r"^\s*The answer is\s*-?[\d,]*\.?\d+\.?\s*$", re.IGNOR
 
 def calculator_reward(traj: Trajectory, task: Task, *, correct: float = 1.0, format_weight: float = 0.1) -> dict[str, float]:
     """Components of the reward; the total is their sum."""
-    if traj.status in (RolloutStatus.ENV_ERROR, RolloutStatus.ENGINE_ERROR, RolloutStatus.TIMEOUT):
-        return {"correct": 0.0, "format": 0.0}  # the env failed; nothing to credit (and not trained on)
     is_correct = traj.final_answer is not None and traj.final_answer == task.answer
     well_formed = [bool(_CALL_ONLY.match(t.act) or _ANSWER_ONLY.match(t.act)) for t in traj.turns]
     fmt = sum(well_formed) / len(well_formed) if well_formed else 0.0

@@ -3,7 +3,8 @@
 Rollouts hand a trajectory over and go on; the agent loop never waits on a verifier. A reward
 function that raises (or, on Ray, a reward actor that keeps dying) does not crash the run: the
 trajectory is marked with the `reward_failed` component and the reason in its `error` (errors are
-data), and training leaves it out (buffer/filters.py): a missing reward is not a zero reward.
+data), and training leaves it out (buffer/filters.py): a missing reward is not a zero reward. Nor is a trajectory
+that could not be played out (types.UNSCORED: env_error, engine_error, timeout, aborted) scored at all.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import importlib
 from concurrent.futures import ThreadPoolExecutor
 
 from loomrl.config import ConfigError
-from loomrl.types import REWARD_FAILED, RewardFn, Task, Trajectory
+from loomrl.types import REWARD_FAILED, UNSCORED, RewardFn, Task, Trajectory
 
 
 def mark_reward_failed(traj: Trajectory, why: str) -> Trajectory:
@@ -44,6 +45,8 @@ class RewardPool:
         self.failed = 0
 
     def _score(self, traj: Trajectory, task: Task) -> Trajectory:
+        if traj.status in UNSCORED:  # not played out: no reward at all (stored as null, never trained)
+            return traj
         try:
             components = self.fn(traj, task)
         except Exception as err:  # noqa: BLE001

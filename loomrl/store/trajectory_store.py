@@ -53,6 +53,7 @@ def _tokens(ctx) -> dict:
 def _row(t: Trajectory) -> dict:
     return {
         **{name: getattr(t, name) for name, _ in _PLAIN},
+        "total_reward": t.total_reward if t.scored else None,  # not played out, or its reward failed: no reward
         **{name: getattr(t.metadata, name) for name, _ in _METADATA},
         **_tokens(t),
         "status": str(t.status),

@@ -86,3 +86,21 @@ def test_rollout_metrics_average_rewards_over_scored_trajectories_only():
     assert m["rollout/scored"] == 2 and m["rollout/trajectories"] == 5 and m["rollout/status_reward_failed"] == 1
     nothing = group_summary([[_traj(0, RolloutStatus.ENV_ERROR, 0.0)]])
     assert "rollout/reward_mean" not in nothing and nothing["rollout/scored"] == 0
+
+
+def test_the_store_keeps_no_reward_for_an_unscored_trajectory(tmp_path):
+    from loomrl.reward.pool import RewardPool
+    from loomrl.store import TrajectoryStore, read_trajectories
+    from loomrl.types import Task
+
+    calls = []
+    pool = RewardPool(lambda t, task: calls.append(t.trajectory_id) or {"correct": 0.0})
+    task = Task(task_id="t", prompt="p", answer="1")
+    trajs = [asyncio.run(pool.score(_traj(i, status, 0.0), task))
+             for i, status in enumerate([RolloutStatus.COMPLETED, RolloutStatus.TIMEOUT, RolloutStatus.ENV_ERROR])]
+    pool.close()
+    assert calls == ["tr0"]  # the reward function never sees what could not be played out
+    store = TrajectoryStore(tmp_path)
+    store.append(trajs)
+    store.flush()
+    assert [r["total_reward"] for r in read_trajectories(tmp_path).to_pylist()] == [0.0, None, None]

@@ -679,7 +679,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         base = Path(path).resolve().parent
         config.agent.files = [str(f if Path(f).is_absolute() else base / f) for f in config.agent.files]
     from loomrl.devices import check_run_devices  # imports torch: deferred until a config is loaded
+    from loomrl.env.registry import check_env_config  # imports config: deferred as well
 
+    check_env_config(config)  # env.families, env.sandbox_limits: refused here, not minutes later in a worker
     check_run_devices(config)
     if (config.engine.kind == "vllm" and not config.engine.vllm.base_url and config.runtime.backend == "local"
             and importlib.util.find_spec("vllm") is None):

@@ -1,0 +1,55 @@
+"""What a new user mistypes in the first hour, through the real `loomrl` command line: each mistake is refused
+with one line (no traceback) naming the field, the bad value and what to write instead, before any model is
+loaded; overrides may follow a flag."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from loomrl.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = str(ROOT / "examples" / "calculator_tiny.yaml")
+
+
+def _one_line(capsys, argv: list[str]) -> str:
+    """Run `loomrl argv`; it must exit 2 with exactly one line on stderr, which is returned."""
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_an_unknown_calculator_family_names_the_field_the_name_and_the_choices(capsys, tmp_path):
+    line = _one_line(capsys, ["train", RECIPE, "env.families=[distract_add, nope]", f"output_dir={tmp_path}"])
+    assert line == ("config error: env.families: unknown calculator family 'nope'; choose from add, add_add, "
+                    "add_sub, distract_add, distract_mul, distract_sub, div, expr, mul, mul_add, sub")
+    line = _one_line(capsys, ["train", RECIPE, "env.calculator.heldout_families=[add, plus]"])
+    assert line.startswith("config error: env.calculator.heldout_families: unknown calculator family 'plus'; ")
+
+
+def test_an_unknown_gym_game_names_env_families_and_the_games(capsys, tmp_path):
+    line = _one_line(capsys, ["train", RECIPE, "env.name=gym", "env.families=[chess]", f"output_dir={tmp_path}"])
+    assert line == ("config error: env.families: unknown gym game 'chess'; choose from blackjack, cliffwalking, "
+                    "frozenlake, frozenlake_random, taxi")
+
+
+@pytest.mark.parametrize(("backend", "known"), [
+    ("bwrap", "address_space_mb, cpu_s, disk_mb, file_size_mb, nproc, tmp_mb"),
+    ("process", "disk_mb"),
+    ("docker", "cpus, disk_mb, memory_mb, nproc, tmp_mb"),
+])
+def test_an_unknown_sandbox_limit_is_refused_at_load(capsys, backend, known):
+    line = _one_line(capsys, ["train", RECIPE, f"env.sandbox={backend}", "env.sandbox_limits.cpu_seconds=5"])
+    assert line == (f"config error: env.sandbox_limits: unknown key 'cpu_seconds' for the {backend} sandbox; "
+                    f"valid keys: {known}")
+
+
+def test_auto_sandbox_limits_are_checked_against_the_backend_auto_picks(capsys):
+    from loomrl.env.sandbox.factory import resolve_backend
+
+    line = _one_line(capsys, ["train", RECIPE, "env.sandbox_limits.disk_gb=1"])
+    assert line.startswith(f"config error: env.sandbox_limits: unknown key 'disk_gb' for the {resolve_backend('auto')} "
+                           f"sandbox (env.sandbox=auto picks {resolve_backend('auto')} here); valid keys: ")

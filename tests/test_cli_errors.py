@@ -36,6 +36,13 @@ def test_an_unknown_gym_game_names_env_families_and_the_games(capsys, tmp_path):
                     "frozenlake, frozenlake_random, taxi")
 
 
+def test_learning_rate_in_a_recipe_is_told_lr(capsys, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("trainer:\n  learning_rate: 1.0e-5\n")
+    line = _one_line(capsys, ["train", str(recipe)])
+    assert line == "config error: unknown field 'trainer.learning_rate'; did you mean 'lr'?"
+
+
 @pytest.mark.parametrize(("backend", "known"), [
     ("bwrap", "address_space_mb, cpu_s, disk_mb, file_size_mb, nproc, tmp_mb"),
     ("process", "disk_mb"),

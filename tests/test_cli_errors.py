@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from loomrl import cli
 from loomrl.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,3 +61,25 @@ def test_auto_sandbox_limits_are_checked_against_the_backend_auto_picks(capsys):
     line = _one_line(capsys, ["train", RECIPE, "env.sandbox_limits.disk_gb=1"])
     assert line.startswith(f"config error: env.sandbox_limits: unknown key 'disk_gb' for the {resolve_backend('auto')} "
                            f"sandbox (env.sandbox=auto picks {resolve_backend('auto')} here); valid keys: ")
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", RECIPE, "--resume", "trainer.lrr=1"],
+    ["train", RECIPE, "name=x", "--resume", "trainer.lrr=1"],
+    ["eval", RECIPE, "--checkpoint", "runs/x", "trainer.lrr=1"],
+    ["serve", RECIPE, "--port", "8001", "trainer.lrr=1"],
+])
+def test_overrides_after_a_flag_are_overrides(capsys, argv):
+    """The override after the flag reaches the config (its misspelling is what is reported), where argparse
+    said `unrecognized arguments`."""
+    assert _one_line(capsys, argv) == "config error: unknown field 'trainer.lrr'; did you mean 'lr'?"
+
+
+def test_overrides_keep_their_order_and_other_leftovers_are_refused(capsys):
+    args = cli._parse_args(["train", RECIPE, "trainer.lr=1", "--resume", "trainer.lr=2", "name=y"])
+    assert args.resume and args.overrides == ["trainer.lr=1", "trainer.lr=2", "name=y"]  # the last one wins
+    with pytest.raises(SystemExit):
+        cli._parse_args(["train", RECIPE, "--resume", "--bogus"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli._parse_args(["validate-tasks", "x=1"])  # no overrides there

@@ -4,6 +4,8 @@ loaded; overrides may follow a flag."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -83,3 +85,56 @@ def test_overrides_keep_their_order_and_other_leftovers_are_refused(capsys):
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli._parse_args(["validate-tasks", "x=1"])  # no overrides there
+
+
+def _import_reward_as_the_console_script(tmp_path: Path, spec: str) -> subprocess.CompletedProcess:
+    """Import `spec` the way `loomrl` (a console script in the venv's bin/) runs: sys.path[0] is the script's
+    folder, not the current directory (`python -m` and `python -c` would put the current directory there)."""
+    bin_dir, work = tmp_path / "bin", tmp_path / "work"
+    bin_dir.mkdir(parents=True)
+    work.mkdir()
+    (work / "my_rewards.py").write_text("def score(trajectory, task):\n    return {'correct': 1.0}\n")
+    launcher = bin_dir / "loomrl-reward"
+    launcher.write_text("import sys\nfrom loomrl.config import ConfigError\nfrom loomrl.reward.pool import import_reward\n"
+                        f"try:\n    print(import_reward({spec!r}).__name__)\nexcept ConfigError as err:\n"
+                        "    sys.exit(str(err))\n")
+    return subprocess.run([sys.executable, str(launcher)], cwd=work, capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+
+
+def test_a_reward_module_in_the_current_directory_imports_from_the_console_script(tmp_path):
+    run = _import_reward_as_the_console_script(tmp_path, "my_rewards:score")
+    assert run.returncode == 0 and run.stdout.strip() == "score", run.stderr
+
+
+def test_a_reward_function_that_does_not_import_says_where_it_was_looked_up(tmp_path):
+    run = _import_reward_as_the_console_script(tmp_path, "my_reward:score")
+    assert run.returncode == 1
+    line, = run.stderr.strip().splitlines()
+    work = tmp_path / "work"
+    assert line == (f"config error: reward.function=my_reward:score: no module named 'my_reward'; modules are "
+                    f"imported with the current directory ({work}) and PYTHONPATH ({ROOT}) on sys.path; give "
+                    "package.module:function, e.g. reward.function=my_rewards:score for a file my_rewards.py there "
+                    "defining score(trajectory, task)")
+    run = _import_reward_as_the_console_script(tmp_path / "b", "my_rewards:scor")
+    line, = run.stderr.strip().splitlines()
+    assert line.startswith(f"config error: reward.function=my_rewards:scor: module 'my_rewards' "
+                           f"({tmp_path / 'b' / 'work' / 'my_rewards.py'}) has no attribute 'scor'; modules are imported")
+
+
+def test_a_reward_module_that_fails_to_import_names_its_own_error(tmp_path, monkeypatch):
+    from loomrl.config import ConfigError
+    from loomrl.reward.pool import import_reward
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "broken_reward.py").write_text("def score(:\n")
+    (tmp_path / "needs_dep.py").write_text("import no_such_dependency_here\n")
+    with pytest.raises(ConfigError) as syntax:
+        import_reward("broken_reward:score")
+    assert str(syntax.value) == ("config error: reward.function=broken_reward:score: importing 'broken_reward' raised "
+                                 "SyntaxError: invalid syntax (broken_reward.py, line 1)")
+    with pytest.raises(ConfigError) as dep:
+        import_reward("needs_dep:score")
+    assert str(dep.value) == ("config error: reward.function=needs_dep:score: importing 'needs_dep' failed: No module "
+                              "named 'no_such_dependency_here' (an import inside it; install that package)")

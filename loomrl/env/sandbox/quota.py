@@ -6,8 +6,8 @@ sandbox's lifetime, so files persist between commands, host-side file access and
 a write past the quota fails with ENOSPC however fast it is. Its pages are memory, taken only as files
 fill it (at most `disk_mb` per sandbox; a pool's sandboxes are emptied between leases); inodes are
 capped at one per 4 KiB page, so empty files cannot take kernel memory without bound either. A mount
-left by a process that died without closing its sandboxes (SIGKILL) is removed by the next process that
-mounts one (`sweep_stale`).
+left by a process that died without closing its sandboxes (SIGKILL) is removed when the next sandbox
+is mounted on the machine (`sweep_stale`).
 
 Checked (the process and docker backends, or where the mount is refused): the workdir's size is polled
 while a command runs and measured when it ends (base.py); a write that finishes between two polls is
@@ -18,7 +18,6 @@ backend also caps each file at the quota (RLIMIT_FSIZE), so a single file cannot
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import re
 import shutil
@@ -67,9 +66,9 @@ def _alive(pid: int) -> bool:
     return True
 
 
-@functools.cache  # once per process: a mount leaked by a dead process stays leaked until a new one looks
 def sweep_stale() -> int:
-    """Unmount and remove sandbox workdirs mounted by processes that are gone; how many."""
+    """Unmount and remove sandbox workdirs mounted by processes that are gone; how many. Run before every mount
+    (reading the mount table costs well under a millisecond, the mount itself several)."""
     try:
         lines = Path("/proc/self/mountinfo").read_text().splitlines()
     except OSError:

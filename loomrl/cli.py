@@ -56,6 +56,20 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line. Overrides may come after a flag as well (`train CFG --resume k=v`): argparse fills a
+    positional list from one run of words only, and its parse_intermixed_args refuses subcommands, so the
+    words it leaves over join the overrides of train, eval and serve (parse_overrides names any that is not
+    KEY=VALUE); a leftover option is still refused."""
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and (args.command not in ("train", "eval", "serve") or any(x.startswith("-") for x in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def _sandbox_run(args) -> int:
     import asyncio
 
@@ -108,7 +122,7 @@ def _validate_tasks(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     for noisy in ("httpx", "transformers", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.ERROR)

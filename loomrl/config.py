@@ -632,6 +632,76 @@ RETIRED = {
 }
 
 
+def _all_fields(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every dotted field of `model`, sections and the fields inside them."""
+    out = []
+    for name, field in model.model_fields.items():
+        out.append(prefix + name)
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            out += _all_fields(field.annotation, f"{prefix}{name}.")
+    return out
+
+
+# What other frameworks call loomrl's fields (Hugging Face TrainingArguments and generate, TRL's GRPOConfig,
+# verl, OpenRLHF, vLLM's engine arguments): a recipe ported from one is told loomrl's name, which spelling
+# alone does not find (learning_rate is closer to lr_min_ratio than to lr). Keyed by the last part of the name,
+# wherever it is written; tests/test_config.py checks that every target exists.
+ALIASES = {
+    **dict.fromkeys(("learning_rate", "actor_learning_rate"), "trainer.lr"),
+    **dict.fromkeys(("max_grad_norm", "grad_norm", "clip_grad", "gradient_clipping"), "trainer.grad_clip"),
+    **dict.fromkeys(("max_steps", "num_steps", "total_training_steps", "train_steps"), "trainer.total_steps"),
+    **dict.fromkeys(("num_generations", "n_samples_per_prompt", "rollout_n"), "trainer.group_size"),
+    **dict.fromkeys(("per_device_train_batch_size", "ppo_micro_batch_size", "ppo_micro_batch_size_per_gpu",
+                     "micro_train_batch_size", "train_micro_batch_size_per_gpu"), "trainer.micro_batch_size"),
+    **dict.fromkeys(("gradient_checkpointing", "enable_gradient_checkpointing"), "trainer.activation_checkpointing"),
+    **dict.fromkeys(("lr_scheduler_type", "lr_scheduler", "warmup_style"), "trainer.lr_schedule"),
+    "min_lr_ratio": "trainer.lr_min_ratio",
+    **dict.fromkeys(("lr_warmup_steps", "num_warmup_steps"), "trainer.warmup_steps"),
+    **dict.fromkeys(("adam_beta1", "adam_beta2"), "trainer.betas"),
+    **dict.fromkeys(("bf16", "mixed_precision"), "trainer.precision"),
+    **dict.fromkeys(("adv_estimator", "advantage_estimator"), "trainer.advantage"),
+    **dict.fromkeys(("beta", "kl_loss_coef", "init_kl_coef"), "trainer.loss.kl_coef"),
+    **dict.fromkeys(("kl_loss_type", "kl_estimator"), "trainer.loss.kl"),
+    **dict.fromkeys(("epsilon", "clip_ratio", "eps_clip", "clip_ratio_low", "cliprange"), "trainer.loss.clip_low"),
+    **dict.fromkeys(("epsilon_high", "clip_ratio_high"), "trainer.loss.clip_high"),
+    "loss_agg_mode": "trainer.loss.aggregation",
+    **dict.fromkeys(("max_new_tokens", "max_completion_length", "response_length", "generate_max_len"),
+                    "sampling.max_tokens"),
+    **dict.fromkeys(("model_name_or_path", "model_path", "pretrain"), "model.path"),
+    **dict.fromkeys(("save_steps", "save_freq", "save_interval"), "checkpoint_every"),
+    "max_num_seqs": "engine.max_batch_size",
+    "enable_prefix_caching": "engine.prefix_cache",
+    **dict.fromkeys(("project_name", "experiment_name", "run_name"), "name"),
+}
+
+
+def _initials(name: str) -> str:
+    return "".join(word[0] for word in name.split("_") if word)
+
+
+def _did_you_mean(loc: tuple[Any, ...]) -> list[str]:
+    """Fields an unknown key at `loc` may have meant, named as the user would write them (a field of the same
+    section by its own name, another by its dotted one): another framework's name for one, an abbreviation
+    (learning_rate -> lr, mbs -> micro_batch_size), the same name in another section, then a near spelling."""
+    key, section = str(loc[-1]), ".".join(str(p) for p in loc[:-1])
+    known = _known_fields(RunConfig, loc)
+
+    def named(dotted: str) -> str:
+        inside = dotted.removeprefix(f"{section}.") if section else dotted
+        return inside if inside in known else dotted
+
+    if key in ALIASES:
+        return [named(ALIASES[key])]
+    abbreviated = [f for f in known if len(key) > 1 and (_initials(key) == f or _initials(f) == key)]
+    if abbreviated:
+        return abbreviated
+    dotted = ".".join(str(p) for p in loc)
+    elsewhere = [f for f in _all_fields(RunConfig) if f.rsplit(".", 1)[-1] == key and f != dotted]
+    if elsewhere:
+        return elsewhere
+    return difflib.get_close_matches(key, known, n=1)
+
+
 def _format_errors(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
@@ -644,9 +714,9 @@ def _format_errors(err: ValidationError) -> str:
             where = f"'{dotted}': " if dotted else ""  # a rule across sections has no one field
             lines.append(f"config error: {where}{e['msg'].removeprefix('Value error, ')}")
         elif e["type"] == "extra_forbidden":
-            known = _known_fields(RunConfig, loc)
-            close = difflib.get_close_matches(str(loc[-1]), known, n=1)
-            hint = f"did you mean '{close[0]}'?" if close else f"known fields: {', '.join(known)}"
+            close = _did_you_mean(loc)
+            hint = (f"did you mean {' or '.join(repr(c) for c in close)}?" if close
+                    else f"known fields: {', '.join(_known_fields(RunConfig, loc))}")
             lines.append(f"config error: unknown field '{dotted}'; {hint}")
         else:
             got = e.get("input")
@@ -682,7 +752,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         base = Path(path).resolve().parent
         config.agent.files = [str(f if Path(f).is_absolute() else base / f) for f in config.agent.files]
     from loomrl.devices import check_run_devices  # imports torch: deferred until a config is loaded
+    from loomrl.env.registry import check_env_config  # imports config: deferred as well
 
+    check_env_config(config)  # env.families, env.sandbox_limits: refused here, not minutes later in a worker
     check_run_devices(config)
     if (config.engine.kind == "vllm" and not config.engine.vllm.base_url and config.runtime.backend == "local"
             and importlib.util.find_spec("vllm") is None):

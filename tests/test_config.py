@@ -137,3 +137,28 @@ def test_a_vllm_engine_actor_asks_for_its_tensor_parallel_gpus():
     cfg = load_config(None, ["engine.kind=vllm", "runtime.mode=async", "runtime.backend=ray", "ray.engine.count=2",
                              "ray.engine.num_gpus=2", "engine.vllm.tensor_parallel_size=2"])
     assert cfg.ray.engine.num_gpus == 2
+
+
+def test_names_from_other_frameworks_suggest_loomrls():
+    """Spelling alone finds lr_min_ratio for learning_rate; the aliases and abbreviations find lr."""
+    def hint(override: str) -> str:
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [override])
+        return str(err.value).split("; ", 1)[1]
+
+    assert hint("trainer.learning_rate=1e-5") == "did you mean 'lr'?"
+    assert hint("learning_rate=1e-5") == "did you mean 'trainer.lr'?"  # another section: its dotted name
+    assert hint("trainer.num_generations=8") == "did you mean 'group_size'?"  # TRL
+    assert hint("trainer.beta=0.04") == "did you mean 'trainer.loss.kl_coef'?"  # TRL's KL coefficient
+    assert hint("sampling.max_new_tokens=64") == "did you mean 'max_tokens'?"
+    assert hint("trainer.mbs=4") == "did you mean 'micro_batch_size'?"  # an abbreviation
+    assert hint("trainer.temperature=0.7") == "did you mean 'sampling.temperature' or 'eval.temperature'?"
+    assert hint("trainer.lrr=1e-6") == "did you mean 'lr'?"  # spelling, as before
+
+
+def test_every_alias_names_a_field():
+    from loomrl.config import ALIASES, RunConfig, _all_fields
+
+    fields = set(_all_fields(RunConfig))
+    assert {alias: target for alias, target in ALIASES.items() if target not in fields} == {}
+    assert not set(ALIASES) & {f.rsplit(".", 1)[-1] for f in fields}  # an alias is never a real name

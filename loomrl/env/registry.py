@@ -43,6 +43,9 @@ class EnvFamily:
     # A black-box agent's final answer from its printed output or last message (None: the family takes
     # no black-box agents; config.load_config refuses them)
     answer_of: Callable[[str], str | None] | None = None
+    # Refuses, with a ConfigError of one line, what the config cannot check alone: the names env.families
+    # (and the family's own section) may list. Run at config load, before a model is loaded
+    check: Callable[[RunConfig], None] | None = None
 
 
 # -- the split by template, for every generated family -----------------------------------------------------
@@ -87,6 +90,13 @@ def _calc_splits(cfg: RunConfig) -> tuple[list[Task], list[Task]]:
     families = e.families or _CALC_FAMILIES
     return make_splits(families, e.calculator.heldout_families or families, e.n_train, e.n_heldout, e.seed,
                        e.heldout_template_share)
+
+
+def _calc_check(cfg: RunConfig) -> None:
+    from loomrl.env.tasks.calculator import check_families
+
+    check_families(cfg.env.families or [])
+    check_families(cfg.env.calculator.heldout_families or [], "env.calculator.heldout_families")
 
 
 def _calc_env(cfg: RunConfig, pool: EnvPool | None, rng: random.Random) -> Env:
@@ -175,11 +185,12 @@ def _task_attr(module: str, name: str) -> Any:
 
 FAMILIES: dict[str, EnvFamily] = {
     "calculator": EnvFamily("calculator", _calc_splits, _calc_env, _calc_reward, "call",
-                            lambda text: _task_attr("calculator", "parse_final_answer")(text)),
+                            lambda text: _task_attr("calculator", "parse_final_answer")(text), check=_calc_check),
     "codefix": EnvFamily("codefix", _codefix_splits, _codefix_env, lambda cfg: _task_attr("codefix", "codefix_reward"),
-                         "episode"),
+                         "episode", check=lambda cfg: _task_attr("codefix", "codefix_specs")(cfg.env.families)),
     "gym": EnvFamily("gym", _gym_splits, lambda cfg, pool, rng: _task_attr("gym_text", "GymTextEnv")(),
-                     lambda cfg: _task_attr("gym_text", "gym_reward"), None),
+                     lambda cfg: _task_attr("gym_text", "gym_reward"), None,
+                     check=lambda cfg: _task_attr("gym_text", "check_games")(cfg.env.families or [])),
 }
 
 
@@ -187,6 +198,26 @@ def env_family(name: str) -> EnvFamily:
     if name not in FAMILIES:
         raise ConfigError(f"config error: env.name: unknown environment {name!r}; choose from {sorted(FAMILIES)}")
     return FAMILIES[name]
+
+
+def check_env_config(cfg: RunConfig) -> None:
+    """The env section against what only the environment and the sandbox backend know (the names
+    env.families may list, the keys env.sandbox_limits may set): a ConfigError of one line, at load."""
+    family = env_family(cfg.env.name)
+    if family.check is not None:
+        family.check(cfg)
+    if cfg.env.sandbox_limits:
+        from loomrl.env.sandbox.factory import limit_keys, resolve_backend
+
+        # auto: the backend it picks on this machine (a Ray env actor's node may pick another; its
+        # sandboxes check their limits again when they are made)
+        backend = resolve_backend(cfg.env.sandbox)
+        known = limit_keys(backend)
+        unknown = [k for k in cfg.env.sandbox_limits if k not in known]
+        if unknown:
+            picked = f" (env.sandbox={cfg.env.sandbox} picks {backend} here)" if cfg.env.sandbox == "auto" else ""
+            raise ConfigError(f"config error: env.sandbox_limits: unknown key {', '.join(map(repr, unknown))} for the "
+                              f"{backend} sandbox{picked}; valid keys: {', '.join(known)}")
 
 
 def sandbox_pool_size(cfg: RunConfig, concurrency: int) -> int:

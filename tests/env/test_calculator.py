@@ -182,3 +182,12 @@ def test_crashing_or_hanging_tool_fails_the_step_and_its_sandbox_is_replaced(fau
         await pool.close()
 
     asyncio.run(go())
+
+
+def test_an_unknown_family_is_a_config_error_before_any_lookup():
+    """make_splits looked the names up (template_ids) before generate_tasks checked them: a KeyError."""
+    with pytest.raises(ConfigError) as err:
+        make_splits(["distract_add", "nope"], ["distract_add"], 10, 2, seed=0)
+    assert str(err.value).startswith("config error: env.families: unknown calculator family 'nope'; choose from add, ")
+    with pytest.raises(ConfigError, match="^config error: env.calculator.heldout_families: unknown calculator family"):
+        make_splits(["add"], ["add", "nope"], 10, 2, seed=0)

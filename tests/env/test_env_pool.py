@@ -18,6 +18,7 @@ import pytest
 from loomrl.env.pool import EnvPool, EnvPoolFailed, pool_size_for
 from loomrl.env.sandbox import SandboxError, make_sandbox
 from loomrl.env.sandbox.bwrap import bwrap_available
+from loomrl.env.sandbox.quota import unmount
 
 
 async def _prepare(sb):
@@ -76,7 +77,10 @@ def test_unhealthy_instance_is_replaced_before_hand_out():
         pool = await _pool(size=1).start()
         try:
             victim = pool._idle[0]
-            shutil.rmtree(victim.workdir)  # sabotage: the instance can no longer run anything in /work
+            # sabotage: the instance can no longer run anything in /work (a bwrap workdir is the mount point of
+            # its disk quota: unmounted first)
+            unmount(victim.workdir)
+            shutil.rmtree(victim.workdir)
             sb = await pool.acquire()
             assert sb is not victim and pool.metrics.health_failures == 1
             assert (await sb.exec(["/usr/bin/echo", "fine"], timeout=10)).stdout.strip() == "fine"

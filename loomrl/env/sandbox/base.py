@@ -6,14 +6,17 @@ adds what the pool that owns the instance uses (snapshot and reset).
 
 Backends: `bwrap` (isolating: see bwrap.py), `process` (isolates nothing; for development on machines
 without bubblewrap, and it says so loudly) and `docker` (for machines with a Docker engine).
-Disk: while a command runs, the workdir's size is polled and the command killed past the quota
-(`limits["disk_mb"]`), so a disk filler stops within one poll interval of the limit.
+Disk (`limits["disk_mb"]`, quota.py): where a backend mounts a size-limited filesystem as the workdir
+(bwrap), a write past the quota fails; elsewhere the workdir's size is polled while a command runs (the
+command killed past the quota) and measured after it. Either way a command that left the workdir full
+is reported as stopped at the quota (ExecResult.killed = "disk_quota").
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import shutil
 import signal
@@ -21,9 +24,12 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
+
+from loomrl.env.sandbox.quota import MB, DiskUse, dir_size, disk_use
 
 DISK_POLL_S = 0.05
 
@@ -39,7 +45,9 @@ class ExecResult:
     stderr: str
     timed_out: bool
     duration_s: float
-    killed: str | None = None  # "timeout" or "disk_quota" when the sandbox stopped the command
+    # "timeout" or "disk_quota" when the sandbox stopped the command, or the command filled the workdir's quota
+    # (its writes past it failed, or were measured when it ended); stderr ends with a [loomrl] line saying which
+    killed: str | None = None
 
 
 @dataclass(slots=True, kw_only=True)
@@ -97,24 +105,6 @@ def command_works(argv: list[str]) -> bool:
         return False
 
 
-def dir_size(path: Path) -> int:
-    """Bytes used by the files under `path` (symlinks not followed)."""
-    total = 0
-    stack = [str(path)]
-    while stack:
-        # a folder or file the command removes (or makes unreadable) meanwhile is skipped
-        with contextlib.suppress(OSError), os.scandir(stack.pop()) as entries:
-            for entry in entries:
-                try:
-                    if entry.is_dir(follow_symlinks=False):
-                        stack.append(entry.path)
-                    else:
-                        total += entry.stat(follow_symlinks=False).st_blocks * 512
-                except OSError:
-                    continue
-    return total
-
-
 class _SubprocessSandbox:
     """Shared machinery: a private workdir, process-group-killing exec, host-side files and snapshots."""
 
@@ -128,10 +118,12 @@ class _SubprocessSandbox:
             raise SandboxError(f"sandbox error: unknown limit(s) {unknown} for the {self.backend} backend "
                                f"(env.sandbox_limits, or --limit); known: {sorted(self.default_limits)}")
         self.limits = {**self.default_limits, **(limits or {})}
-        self._home = Path(tempfile.mkdtemp(prefix=f"loomrl-{self.backend}-", dir=root))
+        # the pid in the name: quota.sweep_stale finds mounts whose process is gone
+        self._home = Path(tempfile.mkdtemp(prefix=f"loomrl-{self.backend}-{os.getpid()}-", dir=root))
         os.chmod(self._home, 0o711)  # the sandbox's uid may traverse into its workdir, not list siblings
         self.workdir = self._home / "work"
         self.workdir.mkdir()
+        self._quota_fs = self._mount_quota()  # the workdir is a filesystem of the quota's size
         self._snapshot = self._home / "snapshot"  # outside the workdir: never visible inside
         self._running: set[int] = set()  # process groups of commands still running (close() kills them)
         self._closed = False
@@ -153,17 +145,46 @@ class _SubprocessSandbox:
     def _after_exec(self) -> None:
         """Called after every command (backends kill leftovers here)."""
 
+    def _mount_quota(self) -> bool:
+        """Make the (empty) workdir a filesystem of limits["disk_mb"]; whether it did (False: sizes are checked)."""
+        return False
+
+    def _unmount_quota(self) -> None:
+        """Undo _mount_quota (close)."""
+
+    def _preexec(self) -> Callable[[], None] | None:
+        """Run in the child before the command (the process backend sets its rlimits here); None: nothing."""
+        return None
+
+    def _disk(self) -> DiskUse:
+        return disk_use(self.workdir, self.limits.get("disk_mb", 0) * MB, self._quota_fs)
+
+    def _quota_note(self, before: DiskUse) -> str | None:
+        """The [loomrl] line for a command that filled the workdir's quota (None: it did not). A command that
+        only read or removed files in an already full workdir is not blamed for it."""
+        after = self._disk()
+        if not after.full or (after.bytes <= before.bytes and after.files <= before.files):
+            return None
+        mb = self.limits["disk_mb"]
+        if self._quota_fs:
+            return (f"[loomrl] disk quota: the command filled the workdir's {mb} MB (env.sandbox_limits.disk_mb); "
+                    "its writes past that failed")
+        return (f"[loomrl] disk quota: the command left the workdir at {after.bytes / MB:.1f} MB, at or over its "
+                f"{mb} MB (env.sandbox_limits.disk_mb); remove files or raise the quota")
+
     # -- commands ---------------------------------------------------------------------------------
     async def exec(self, argv: list[str], *, timeout: float, stdin: str | None = None,
                    env: dict[str, str] | None = None) -> ExecResult:
         if self._closed:
             raise SandboxError("sandbox is closed")
         start = time.perf_counter()
+        quota = self.limits.get("disk_mb", 0) * MB
+        before = self._disk() if quota else None
         proc = await self._spawn(argv, env or {}, stdin is not None)
         self._running.add(proc.pid)
         killed: str | None = None
         talk = asyncio.ensure_future(proc.communicate(stdin.encode() if stdin is not None else None))
-        quota = self.limits.get("disk_mb", 0) * 1024 * 1024
+        poll = quota and not self._quota_fs  # a mounted quota needs no polling: the filesystem refuses the writes
         exited_at: float | None = None
         try:
             while True:
@@ -180,7 +201,7 @@ class _SubprocessSandbox:
                         break
                 if now - start > timeout:
                     killed = "timeout"
-                elif quota and dir_size(self.workdir) > quota:
+                elif poll and dir_size(self.workdir) > quota:
                     killed = "disk_quota"
                 if killed:
                     self._kill(proc.pid)
@@ -193,7 +214,14 @@ class _SubprocessSandbox:
             self._running.discard(proc.pid)
             self._after_exec()
         if killed == "disk_quota":
-            err += f"\n[loomrl] killed: the workdir passed its disk quota of {self.limits['disk_mb']} MB".encode()
+            err += f"\n[loomrl] killed: the workdir passed its disk quota of {self.limits['disk_mb']} MB\n".encode()
+        elif killed is None and before is not None:
+            # after every command: a write that finished between two polls (or was refused by the mounted
+            # filesystem) still counts, whatever the command's own exit status says
+            note = self._quota_note(before)
+            if note:
+                killed = "disk_quota"
+                err += f"\n{note}\n".encode()
         return ExecResult(returncode=proc.returncode if proc.returncode is not None else -9,
                           stdout=out.decode(errors="replace"), stderr=err.decode(errors="replace"),
                           timed_out=killed == "timeout", duration_s=time.perf_counter() - start, killed=killed)
@@ -205,6 +233,7 @@ class _SubprocessSandbox:
         spawning = asyncio.ensure_future(asyncio.create_subprocess_exec(
             *self.wrap(argv, env),
             env=self.process_env(env),
+            preexec_fn=self._preexec(),
             cwd=self.workdir,  # the process backend runs the command itself: it must start in its workdir
             stdin=asyncio.subprocess.PIPE if with_stdin else asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
@@ -268,10 +297,16 @@ class _SubprocessSandbox:
 
     def write_file(self, path: str, data: str | bytes) -> None:
         target = self._inside(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if target.is_symlink():
-            target.unlink()
-        target.write_bytes(data.encode() if isinstance(data, str) else data)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if target.is_symlink():
+                target.unlink()
+            target.write_bytes(data.encode() if isinstance(data, str) else data)
+        except OSError as err:
+            if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise SandboxError(f"sandbox error: writing {path!r}: the workdir's disk quota of "
+                               f"{self.limits['disk_mb']} MB (env.sandbox_limits.disk_mb) is full") from None
         self._own(target)
 
     def read_file(self, path: str) -> str:
@@ -293,11 +328,20 @@ class _SubprocessSandbox:
         with self._state_lock:
             if self._closed:
                 raise SandboxError("sandbox is closed")
-            shutil.rmtree(self.workdir, ignore_errors=True)
-            if self._snapshot.exists():
-                shutil.copytree(self._snapshot, self.workdir, symlinks=True)
-            else:
+            # emptied, not removed: a mounted quota filesystem stays mounted for the sandbox's lifetime. A
+            # workdir the program replaced (the process backend lets it) is never followed, only replaced
+            if self.workdir.is_symlink() or not self.workdir.is_dir():
+                with contextlib.suppress(FileNotFoundError):
+                    self.workdir.unlink()
                 self.workdir.mkdir()
+            for entry in os.scandir(self.workdir):
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry.path)
+            if self._snapshot.exists():
+                shutil.copytree(self._snapshot, self.workdir, symlinks=True, dirs_exist_ok=True)
             self._prepare_workdir()
 
     def close(self) -> None:
@@ -308,6 +352,8 @@ class _SubprocessSandbox:
                 for pgid in list(self._running):
                     self._kill(pgid)
                 self._after_exec()
+                if self._quota_fs:
+                    self._unmount_quota()
                 shutil.rmtree(self._home, ignore_errors=True)
 
     @property

@@ -6,9 +6,10 @@ size-limited tmpfs /tmp, the sandbox's own workdir as the only writable place (/
 files, the environment cleared. The program runs as an unprivileged uid of its own (one per sandbox),
 with no capabilities (bounding set emptied, no_new_privs), so RLIMIT_NPROC holds per sandbox (the
 kernel never applies it to root) and sandboxes cannot read or signal each other; rlimits on CPU
-seconds, address space, processes and file size; a disk quota on the workdir enforced by polling
-(base.py). bwrap dies with its parent; the wall-clock timeout kills the whole process group; when a
-command ends, its pid namespace ends with it (bwrap's pid 1 goes, the kernel kills what is left) and
+seconds, address space, processes and file size; a disk quota on the workdir: a tmpfs of that size
+mounted for the sandbox's lifetime, so a write past it fails however fast it is (quota.py; where the
+mount is refused, sizes are checked instead, with a warning). bwrap dies with its parent; the
+wall-clock timeout kills the whole process group; when a command ends, its pid namespace ends with it (bwrap's pid 1 goes, the kernel kills what is left) and
 any process still owned by the sandbox's uid is killed as well, so no daemon survives a step.
 
 Privileges are dropped inside, after the mounts: bwrap itself runs as root and makes the mounts, then
@@ -26,13 +27,17 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import os
 import shutil
 import signal
 import threading
 from pathlib import Path
 
+from loomrl.env.sandbox import quota
 from loomrl.env.sandbox.base import SandboxError, _SubprocessSandbox, command_works
+
+log = logging.getLogger(__name__)
 
 # Each sandbox runs as its own uid: RLIMIT_NPROC counts processes per uid, so a shared uid would make
 # sandboxes share (and exhaust) one process budget; distinct uids also keep sandboxes from reading or
@@ -56,6 +61,18 @@ def bwrap_available() -> bool:
     if any(shutil.which(tool) is None for tool in ("bwrap", "setpriv", "prlimit")) or os.geteuid() != 0:
         return False  # the tools are missing, or we are not root (one uid per sandbox needs root to switch to it)
     return command_works(BwrapSandbox.command_for("/tmp", ["/usr/bin/true"], limits=DEFAULT_LIMITS, uid=_next_uid()))
+
+
+def _file_cap_mb(limits: dict[str, int]) -> int:
+    """No file larger than the disk quota either (disk_mb 0: no quota): where the workdir is not a filesystem
+    of the quota's size, a single fast write still stops there."""
+    return min(limits["file_size_mb"], limits["disk_mb"]) if limits["disk_mb"] > 0 else limits["file_size_mb"]
+
+
+@functools.cache
+def _warn_unmounted(why: str) -> None:
+    log.warning("bwrap sandbox: could not mount a tmpfs as the workdir (%s); its disk quota is checked by size "
+                "instead: a write that finishes between two checks passes it until the command ends", why)
 
 
 def _mount_points(destinations: list[str]) -> list[str]:
@@ -107,6 +124,17 @@ class BwrapSandbox(_SubprocessSandbox):
         os.chown(self.workdir, self.uid, self.uid)
         os.chmod(self.workdir, 0o700)
 
+    def _mount_quota(self) -> bool:
+        if self.limits["disk_mb"] <= 0:
+            return False
+        why = quota.mount_tmpfs(self.workdir, self.limits["disk_mb"], self.uid)
+        if why is not None:
+            _warn_unmounted(why)
+        return why is None
+
+    def _unmount_quota(self) -> None:
+        quota.unmount(self.workdir)
+
     def _own(self, path: Path) -> None:
         node = path
         while node != self.workdir and self.workdir in node.parents:
@@ -147,7 +175,7 @@ class BwrapSandbox(_SubprocessSandbox):
             f"--cpu={limits['cpu_s']}",
             f"--as={limits['address_space_mb'] * 1024 * 1024}",
             f"--nproc={limits['nproc']}",
-            f"--fsize={limits['file_size_mb'] * 1024 * 1024}",
+            f"--fsize={_file_cap_mb(limits) * 1024 * 1024}",
             *argv,
         ]  # fmt: skip
 

@@ -8,6 +8,20 @@ from loomrl.env.sandbox.bwrap import BwrapSandbox, bwrap_available
 from loomrl.env.sandbox.docker import DockerSandbox
 from loomrl.env.sandbox.process import ProcessSandbox
 
+_BACKENDS = {"bwrap": BwrapSandbox, "process": ProcessSandbox, "docker": DockerSandbox}
+
+
+def resolve_backend(backend: str) -> str:
+    """The backend `backend` names; `auto`: bwrap when it is installed and works here, else process."""
+    if backend == "auto":
+        return "bwrap" if bwrap_available() else "process"
+    return backend
+
+
+def limit_keys(backend: str) -> list[str]:
+    """The keys `limits` may set for `backend` (bwrap, process or docker), sorted."""
+    return sorted(_BACKENDS[backend].default_limits)
+
 
 def make_sandbox(backend: str = "auto", limits: dict[str, int] | None = None,
                  binds: dict[str, str] | None = None) -> PooledSandbox:
@@ -16,8 +30,7 @@ def make_sandbox(backend: str = "auto", limits: dict[str, int] | None = None,
     anyway, and the docker backend refuses them (mount them in the image instead)."""
     if binds and backend == "docker":
         raise SandboxError("sandbox error: extra binds are not supported by the docker backend")
-    if backend == "auto":
-        backend = "bwrap" if bwrap_available() else "process"
+    backend = resolve_backend(backend)
     if backend == "bwrap":
         if not bwrap_available():
             raise SandboxError("sandbox error: bubblewrap is not usable here; install it (apt-get install -y "

@@ -201,8 +201,17 @@ FAMILIES: dict[str, tuple[list[tuple[str, int, int]], list[tuple[str, str]]]] = 
 }
 
 
+def check_families(families: list[str], field: str = "env.families") -> None:
+    """Refuse names that are not calculator families: one line naming `field`, the bad names and the choices."""
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        raise ConfigError(f"config error: {field}: unknown calculator family {', '.join(map(repr, unknown))}; "
+                          f"choose from {', '.join(sorted(FAMILIES))}")
+
+
 def template_ids(families: list[str]) -> dict[str, list[str]]:
     """Each family's template ids, `family/index`."""
+    check_families(families)
     return {f: [f"{f}/{i}" for i in range(len(FAMILIES[f][1]))] for f in families}
 
 
@@ -227,9 +236,7 @@ def generate_tasks(families: list[str], n: int, seed: int, split: str, exclude: 
                    templates: dict[str, list[str]] | None = None) -> list[Task]:
     """`n` tasks cycling through `families`, reproducible from (seed, split); none in `exclude`. `templates`:
     the template ids each family may use (default: all); families with none are left out (all: no tasks)."""
-    unknown = [f for f in families if f not in FAMILIES]
-    if unknown:
-        raise ConfigError(f"config error: env.families: unknown family {unknown}; choose from {sorted(FAMILIES)}")
+    check_families(families)
     allowed = templates if templates is not None else template_ids(families)
     usable = [f for f in families if allowed.get(f)]
     if not usable:  # only a held-out-templates split can have none (a family keeps a training template)
@@ -257,6 +264,8 @@ def make_splits(families: list[str], heldout_families: list[str], n_train: int, 
                 heldout_template_share: float = 0.0) -> tuple[list[Task], list[Task]]:
     """Fixed train and held-out splits with no question in both; with `heldout_template_share`, also a
     `heldout_templates` split on templates training never uses (see registry.template_splits)."""
+    check_families(families)  # before any lookup by name: an unknown one is the user's typo, not a KeyError
+    check_families(heldout_families, "env.calculator.heldout_families")
     return template_splits(lambda split, n, templates, exclude: generate_tasks(
         families if split == "train" else heldout_families, n, seed, split, exclude, templates),
         template_ids(sorted(set(families) | set(heldout_families))), n_train, n_heldout, seed, heldout_template_share)

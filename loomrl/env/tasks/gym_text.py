@@ -147,9 +147,16 @@ GYM_GAMES: dict[str, GymGame] = {
 }
 
 
+def check_games(names: list[str]) -> None:
+    """Refuse names that are not games: one line naming env.families (where a recipe lists them) and the choices."""
+    unknown = [n for n in names if n not in GYM_GAMES]
+    if unknown:
+        raise ConfigError(f"config error: env.families: unknown gym game {', '.join(map(repr, unknown))}; "
+                          f"choose from {', '.join(sorted(GYM_GAMES))}")
+
+
 def _game(name: str) -> GymGame:
-    if name not in GYM_GAMES:
-        raise ConfigError(f"config error: env.games: unknown game {name!r}; choose from {sorted(GYM_GAMES)}")
+    check_games([name])
     return GYM_GAMES[name]
 
 
@@ -202,8 +209,7 @@ def parse_action(text: str, actions: Mapping[str, int]) -> tuple[str | None, str
 
 def generate_gym_tasks(games: list[str], n: int, seed: int, split: str, exclude: set[int] | None = None) -> list[Task]:
     """`n` tasks cycling through `games`, reproducible from (seed, split); no episode seed in `exclude`."""
-    for name in games:
-        _game(name)
+    check_games(games)
     rng = random.Random(f"{seed}:gym:{split}")
     used = set(exclude or ())
     tasks: list[Task] = []

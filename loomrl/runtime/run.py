@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from loomrl.config import RunConfig, save_resolved
+from loomrl.reward.pool import import_reward
 from loomrl.runtime.driver import Backend, Driver, RunError, checked_eval
 from loomrl.runtime.summary import finished_at
 from loomrl.trainer.checkpoint import latest_checkpoint
@@ -52,6 +53,8 @@ def train(cfg: RunConfig, resume: bool = False, wall_start: float | None = None,
     """Train as the config says; the summary (also RUN/summary.json). `backend`: one made by the
     caller (tests swap in a scripted engine this way), else the config's."""
     wall_start = wall_start or time.time()
+    if cfg.reward.function:  # a reward that cannot be imported stops here, before any model loads
+        import_reward(cfg.reward.function)
     ckpt = prepare_run_dir(cfg, resume)
     return Driver(cfg, backend or make_backend(cfg, ckpt), ckpt, wall_start).train()
 

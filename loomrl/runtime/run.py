@@ -11,7 +11,8 @@ from typing import Any
 
 from loomrl.config import RunConfig, save_resolved
 from loomrl.runtime.driver import Backend, Driver, RunError
-from loomrl.trainer.checkpoint import latest_checkpoint
+from loomrl.trainer.checkpoint import checkpoint_step, latest_checkpoint
+from loomrl.trainer.service import read_ledger
 from loomrl.types import EvalRecord
 
 
@@ -40,13 +41,28 @@ def make_backend(cfg: RunConfig, checkpoint: Path | None) -> Backend:
     return LocalBackend(cfg, checkpoint)
 
 
+class RunInterrupted(Exception):
+    """Ctrl-C stopped a run (the CLI turns SIGTERM and SIGHUP into Ctrl-C) after its cleanup ran: how far the
+    trainer got (its ledger's last step) and the checkpoint `--resume` would continue from (None: none yet)."""
+
+    def __init__(self, run_dir: Path, step: int, checkpoint_step: int | None):
+        super().__init__(f"run interrupted at step {step} ({run_dir})")
+        self.run_dir, self.step, self.checkpoint_step = run_dir, step, checkpoint_step
+
+
 def train(cfg: RunConfig, resume: bool = False, wall_start: float | None = None,
           backend: Backend | None = None) -> dict[str, Any]:
     """Train as the config says; the summary (also RUN/summary.json). `backend`: one made by the
-    caller (tests swap in a scripted engine this way), else the config's."""
+    caller (tests swap in a scripted engine this way), else the config's. RunInterrupted on Ctrl-C."""
     wall_start = wall_start or time.time()
     ckpt = prepare_run_dir(cfg, resume)
-    return Driver(cfg, backend or make_backend(cfg, ckpt), ckpt, wall_start).train()
+    try:
+        return Driver(cfg, backend or make_backend(cfg, ckpt), ckpt, wall_start).train()
+    except KeyboardInterrupt:  # the driver's finally has stopped the trainer and flushed the run folder
+        latest = latest_checkpoint(cfg.run_dir)
+        steps = [entry["step"] for entry in read_ledger(cfg.run_dir)]
+        raise RunInterrupted(cfg.run_dir, max(steps, default=0),
+                             None if latest is None else checkpoint_step(latest)) from None
 
 
 def resolve_checkpoint(path: Path) -> Path:

@@ -177,18 +177,11 @@ def main(argv: list[str] | None = None) -> int:
 
             print(json.dumps(evaluate_checkpoint(cfg, Path(args.checkpoint))), flush=True)
         elif args.command == "serve":
-            import uvicorn
-
-            from loomrl.engine.factory import make_engine
-            from loomrl.model.loader import load_run_model
             from loomrl.runtime.run import resolve_checkpoint
-            from loomrl.server.app import create_app
+            from loomrl.server.launch import serve
 
             ckpt = resolve_checkpoint(Path(args.checkpoint)) if args.checkpoint else None
-            model, tokenizer = load_run_model(cfg.model, ckpt)
-            engine = make_engine(cfg, model, tokenizer, 0)
-            app = create_app(engine, tokenizer, args.model_name or cfg.name)
-            uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+            serve(cfg, ckpt, args.host, args.port, args.model_name or cfg.name)
     except (ConfigError, ModelLoadError, SandboxError) as err:
         print(str(err), file=sys.stderr)
         return 2

@@ -46,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
                        "listed, written to the report, and left out of runs. Exit code 1 if any is invalid.")
     v.add_argument("--families", nargs="*", default=None, help="only these bug families (default: all)")
     v.add_argument("--backend", default="auto", choices=["auto", "bwrap", "process", "docker"])
-    v.add_argument("--report", default="task_validation.json", help="where to write the JSON report")
+    v.add_argument("--report", default=None, help="where to write the JSON report (default: "
+                   "task_validation.json in loomrl's cache folder, $LOOMRL_CACHE or ~/.cache/loomrl)")
     sb = sub.add_parser("sandbox", help="check the sandbox set-up", description="Sandbox tools.")
     sbsub = sb.add_subparsers(dest="sandbox_command", required=True)
     r = sbsub.add_parser("run", help="run one command in a fresh sandbox and print its output and exit code",
@@ -105,12 +106,15 @@ def _validate_tasks(args) -> int:
     specs = list(codefix_specs(args.families).values())
     with tqdm(total=len(specs), desc="validate", file=sys.stderr) as bar:
         report = asyncio.run(validate_codefix(specs, args.backend, progress=bar))
-    write_validation_report(report, Path(args.report))
+    from loomrl.model.loader import cache_root
+
+    path = Path(args.report) if args.report else cache_root() / "task_validation.json"
+    write_validation_report(report, path)
     bad = [r for r in report if not r["valid"]]
     for r in bad:
         print(f"INVALID {r['task_id']}: {r['detail']}")
     print(f"{len(report)} tasks: {len(report) - len(bad)} valid, {len(bad)} invalid (left out of runs); "
-          f"report: {args.report}")
+          f"report: {path}")
     return 1 if bad else 0
 
 

@@ -26,7 +26,8 @@ def _parser() -> argparse.ArgumentParser:
                        "Override any field with dotted KEY=VALUE pairs, e.g. trainer.lr=1e-6 runtime.mode=async.")
     t.add_argument("config", help="YAML recipe, e.g. examples/calculator_smollm2.yaml")
     t.add_argument("overrides", nargs="*", help="dotted overrides KEY=VALUE")
-    t.add_argument("--resume", action="store_true", help="continue the run in the recipe's run folder from its latest checkpoint")
+    t.add_argument("--resume", action="store_true", help="continue the run in output_dir/name from its latest checkpoint, with the "
+                   "config it ran with (its config.yaml) and these overrides on top")
     e = sub.add_parser("eval", help="held-out success of a checkpoint")
     e.add_argument("config", help="YAML recipe the checkpoint was trained with")
     e.add_argument("overrides", nargs="*", help="dotted overrides KEY=VALUE")
@@ -166,8 +167,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         if args.command == "train":
             start = float(os.environ.get("LOOMRL_WALL_START", time.time()))
-            from loomrl.runtime.run import RunInterrupted, train
+            from loomrl.runtime.run import RunInterrupted, resume_config, train
 
+            if args.resume:
+                cfg = resume_config(cfg, args.overrides)
             signals = _stop_as_ctrl_c()
             try:
                 summary = train(cfg, resume=args.resume, wall_start=start)

@@ -4,16 +4,19 @@ evaluation of a checkpoint."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from loomrl.config import RunConfig, save_resolved
+from loomrl.config import RunConfig, load_config, save_resolved
 from loomrl.runtime.driver import Backend, Driver, RunError
 from loomrl.trainer.checkpoint import checkpoint_step, latest_checkpoint
 from loomrl.trainer.service import read_ledger
 from loomrl.types import EvalRecord
+
+log = logging.getLogger("loomrl")
 
 
 def prepare_run_dir(cfg: RunConfig, resume: bool) -> Path | None:
@@ -28,7 +31,39 @@ def prepare_run_dir(cfg: RunConfig, resume: bool) -> Path | None:
                        "for a new run")
     run_dir.mkdir(parents=True, exist_ok=True)
     save_resolved(cfg, run_dir / "config.yaml")
+    if ckpt is None:
+        log.info("run folder %s", run_dir.resolve())
+    else:
+        log.info("run folder %s: resuming from its checkpoint of step %d", run_dir.resolve(), checkpoint_step(ckpt))
     return ckpt
+
+
+def resume_config(cfg: RunConfig, overrides: list[str]) -> RunConfig:
+    """What `--resume` continues with: the run folder's own config (config.yaml, the resolved config it last ran
+    with) and this command's `overrides` on top, so that a run resumed with fewer overrides than it started with
+    goes on as it was, not with the recipe's values (README: `name=try2 --resume`); `cfg` (the recipe and the
+    overrides) only says where the folder is. A folder without one: `cfg` itself."""
+    saved = cfg.run_dir / "config.yaml"
+    if not saved.is_file():
+        return cfg
+    resumed = load_config(saved, overrides)
+    # the folder is where it was found, even if it was moved since the run wrote its name into config.yaml
+    resumed = resumed.model_copy(update={"output_dir": cfg.output_dir, "name": cfg.name})
+    if changed := _differences(cfg.model_dump(mode="json"), resumed.model_dump(mode="json")):
+        log.info("resuming with the run's own %s, where it differs from the recipe: %s", saved, ", ".join(changed))
+    return resumed
+
+
+def _differences(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
+    """The dotted fields whose values differ between two config dumps, as field=b's value."""
+    out = []
+    for key in a.keys() | b.keys():
+        x, y = a.get(key), b.get(key)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out += _differences(x, y, f"{prefix}{key}.")
+        elif x != y:
+            out.append(f"{prefix}{key}={y}")
+    return sorted(out)
 
 
 def make_backend(cfg: RunConfig, checkpoint: Path | None) -> Backend:

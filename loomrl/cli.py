@@ -143,6 +143,8 @@ def _stop_as_ctrl_c() -> list[int]:
 def _stopped(stop: RunInterrupted, by: int, args: argparse.Namespace, cfg: RunConfig) -> str:
     """One line: which signal stopped the run, at which step, and the command that continues it."""
     what = f"run stopped by {signal.Signals(by).name} at step {stop.step} of {cfg.trainer.total_steps}"
+    if stop.step == 0:  # no ledger yet: the folder does not count as a run (runtime/run.py prepare_run_dir)
+        return f"{what}: nothing was trained; the same command starts it again"
     if stop.checkpoint_step is None:
         return (f"{what}, before its first checkpoint (checkpoint_every={cfg.checkpoint_every}): nothing to resume; "
                 f"to start over, delete {stop.run_dir} or choose another name=")

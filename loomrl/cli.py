@@ -7,16 +7,10 @@ import argparse
 import json
 import logging
 import os
-import shlex
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # heavy imports wait for the commands that need them
-    from loomrl.config import RunConfig
-    from loomrl.runtime.run import RunInterrupted
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -119,39 +113,6 @@ def _validate_tasks(args) -> int:
     return 1 if bad else 0
 
 
-def _stop_as_ctrl_c() -> list[int]:
-    """SIGTERM and SIGHUP (`kill PID`, a closed terminal) stop a run as Ctrl-C does: its cleanup stops the trainer
-    process, which frees its weights; ended outright, the run would leave that process behind. Returns the signals
-    received so far (none: not stopped, or by Ctrl-C itself)."""
-    got: list[int] = []
-
-    def handler(signum: int, frame: Any) -> None:
-        got.append(signum)
-        if len(got) > 1:  # stopping already (`timeout` sends twice): the cleanup must finish
-            return
-        ctrl_c = signal.getsignal(signal.SIGINT)
-        if callable(ctrl_c):  # asyncio's while the run's loop runs: it cancels the run, whose finally cleans up
-            ctrl_c(signal.SIGINT, frame)
-        else:  # SIGINT ignored (a background job of a script): raise what Ctrl-C would
-            raise KeyboardInterrupt
-
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, handler)
-    return got
-
-
-def _stopped(stop: RunInterrupted, by: int, args: argparse.Namespace, cfg: RunConfig) -> str:
-    """One line: which signal stopped the run, at which step, and the command that continues it."""
-    what = f"run stopped by {signal.Signals(by).name} at step {stop.step} of {cfg.trainer.total_steps}"
-    if stop.step == 0:  # no ledger yet: the folder does not count as a run (runtime/run.py prepare_run_dir)
-        return f"{what}: nothing was trained; the same command starts it again"
-    if stop.checkpoint_step is None:
-        return (f"{what}, before its first checkpoint (checkpoint_every={cfg.checkpoint_every}): nothing to resume; "
-                f"to start over, delete {stop.run_dir} or choose another name=")
-    command = shlex.join(["loomrl", "train", args.config, *args.overrides, "--resume"])
-    return f"{what}; continue from its latest checkpoint (step {stop.checkpoint_step}) with: {command}"
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
@@ -170,15 +131,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             start = float(os.environ.get("LOOMRL_WALL_START", time.time()))
             from loomrl.runtime.run import RunInterrupted, resume_config, train
+            from loomrl.runtime.stopping import stop_as_ctrl_c, stopped_line
 
             if args.resume:
                 cfg = resume_config(cfg, args.overrides)
-            signals = _stop_as_ctrl_c()
+            signals = stop_as_ctrl_c()
             try:
                 summary = train(cfg, resume=args.resume, wall_start=start)
             except RunInterrupted as stop:
                 by = signals[0] if signals else signal.SIGINT
-                print(_stopped(stop, by, args, cfg), file=sys.stderr, flush=True)
+                print(stopped_line(stop, by, ["loomrl", "train", args.config, *args.overrides], cfg), file=sys.stderr,
+                      flush=True)
                 return 128 + by
             print(json.dumps(summary), flush=True)
         elif args.command == "eval":

@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -19,7 +20,8 @@ def _parser() -> argparse.ArgumentParser:
                        "Override any field with dotted KEY=VALUE pairs, e.g. trainer.lr=1e-6 runtime.mode=async.")
     t.add_argument("config", help="YAML recipe, e.g. examples/calculator_smollm2.yaml")
     t.add_argument("overrides", nargs="*", help="dotted overrides KEY=VALUE")
-    t.add_argument("--resume", action="store_true", help="continue the run in the recipe's run folder from its latest checkpoint")
+    t.add_argument("--resume", action="store_true", help="continue the run in output_dir/name from its latest checkpoint, with the "
+                   "config it ran with (its config.yaml) and these overrides on top")
     e = sub.add_parser("eval", help="held-out success of a checkpoint")
     e.add_argument("config", help="YAML recipe the checkpoint was trained with")
     e.add_argument("overrides", nargs="*", help="dotted overrides KEY=VALUE")
@@ -39,7 +41,8 @@ def _parser() -> argparse.ArgumentParser:
                        "listed, written to the report, and left out of runs. Exit code 1 if any is invalid.")
     v.add_argument("--families", nargs="*", default=None, help="only these bug families (default: all)")
     v.add_argument("--backend", default="auto", choices=["auto", "bwrap", "process", "docker"])
-    v.add_argument("--report", default="task_validation.json", help="where to write the JSON report")
+    v.add_argument("--report", default=None, help="where to write the JSON report (default: "
+                   "task_validation.json in loomrl's cache folder, $LOOMRL_CACHE or ~/.cache/loomrl)")
     sb = sub.add_parser("sandbox", help="check the sandbox set-up", description="Sandbox tools.")
     sbsub = sb.add_subparsers(dest="sandbox_command", required=True)
     r = sbsub.add_parser("run", help="run one command in a fresh sandbox and print its output and exit code",
@@ -112,12 +115,15 @@ def _validate_tasks(args) -> int:
     specs = list(codefix_specs(args.families).values())
     with tqdm(total=len(specs), desc="validate", file=sys.stderr) as bar:
         report = asyncio.run(validate_codefix(specs, args.backend, progress=bar))
-    write_validation_report(report, Path(args.report))
+    from loomrl.model.loader import cache_root
+
+    path = Path(args.report) if args.report else cache_root() / "task_validation.json"
+    write_validation_report(report, path)
     bad = [r for r in report if not r["valid"]]
     for r in bad:
         print(f"INVALID {r['task_id']}: {r['detail']}")
     print(f"{len(report)} tasks: {len(report) - len(bad)} valid, {len(bad)} invalid (left out of runs); "
-          f"report: {args.report}")
+          f"report: {path}")
     return 1 if bad else 0
 
 
@@ -138,27 +144,30 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         if args.command == "train":
             start = float(os.environ.get("LOOMRL_WALL_START", time.time()))
-            from loomrl.runtime.run import train
+            from loomrl.runtime.run import RunInterrupted, resume_config, train
+            from loomrl.runtime.stopping import stop_as_ctrl_c, stopped_line
 
-            summary = train(cfg, resume=args.resume, wall_start=start)
+            if args.resume:
+                cfg = resume_config(cfg, args.overrides)
+            signals = stop_as_ctrl_c()
+            try:
+                summary = train(cfg, resume=args.resume, wall_start=start)
+            except RunInterrupted as stop:
+                by = signals[0] if signals else signal.SIGINT
+                print(stopped_line(stop, by, ["loomrl", "train", args.config, *args.overrides], cfg), file=sys.stderr,
+                      flush=True)
+                return 128 + by
             print(json.dumps(summary), flush=True)
         elif args.command == "eval":
             from loomrl.runtime.run import evaluate_checkpoint
 
             print(json.dumps(evaluate_checkpoint(cfg, Path(args.checkpoint))), flush=True)
         elif args.command == "serve":
-            import uvicorn
-
-            from loomrl.engine.factory import make_engine
-            from loomrl.model.loader import load_run_model
             from loomrl.runtime.run import resolve_checkpoint
-            from loomrl.server.app import create_app
+            from loomrl.server.launch import serve
 
             ckpt = resolve_checkpoint(Path(args.checkpoint)) if args.checkpoint else None
-            model, tokenizer = load_run_model(cfg.model, ckpt)
-            engine = make_engine(cfg, model, tokenizer, 0)
-            app = create_app(engine, tokenizer, args.model_name or cfg.name)
-            uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+            serve(cfg, ckpt, args.host, args.port, args.model_name or cfg.name)
     except (ConfigError, ModelLoadError, SandboxError) as err:
         print(str(err), file=sys.stderr)
         return 2

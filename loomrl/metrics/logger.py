@@ -1,5 +1,9 @@
 """MetricsLogger: one JSON object per line in metrics.jsonl, and the numeric values to TensorBoard.
 
+TensorBoard tags are the metric names, which carry their own namespace (`train/loss`, `rollout/reward_mean`,
+`eval/success`); a name without one is put under its record's kind (`groups` of a train record: `train/groups`).
+So held-out success before and after training is one curve, `eval/success`, at step 0 and the last step.
+
 A run that goes back to a checkpoint (--resume, or a trainer restarted after a crash) redoes the steps
 after it, so their numbers appear twice in the file. A `rollback` record marks where: `read_metrics`
 keeps only the train records that the final model's history went through (the file keeps them all).
@@ -32,7 +36,7 @@ class MetricsLogger:
         if self._tb is not None:
             for key, value in values.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                    self._tb.add_scalar(f"{kind}/{key}", value, step)
+                    self._tb.add_scalar(key if "/" in key else f"{kind}/{key}", value, step)
             self._tb.flush()
 
     def rollback(self, step: int, reason: str) -> None:

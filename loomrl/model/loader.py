@@ -63,11 +63,15 @@ def _cache_key(gguf: Path) -> str:
     return digest.hexdigest()[:12]
 
 
+def cache_root(configured: str | None = None) -> Path:
+    """loomrl's cache folder: `configured` (model.cache_dir), else $LOOMRL_CACHE, else ~/.cache/loomrl."""
+    return Path(configured or os.environ.get("LOOMRL_CACHE") or Path.home() / ".cache" / "loomrl")
+
+
 def _converted_dir(cfg: ModelConfig, gguf: Path) -> Path:
     """De-quantise a GGUF once into an HF folder (float32 safetensors + tokenizer) and reuse it."""
     key = _cache_key(gguf)
-    root = cfg.cache_dir or os.environ.get("LOOMRL_CACHE") or Path.home() / ".cache" / "loomrl"
-    out = Path(root) / f"{gguf.stem}-{key}"
+    out = cache_root(cfg.cache_dir) / f"{gguf.stem}-{key}"
     if (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file():
         return out
     import torch

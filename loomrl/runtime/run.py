@@ -4,17 +4,21 @@ evaluation of a checkpoint."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from loomrl.config import RunConfig, save_resolved
+from loomrl.config import RunConfig, load_config, save_resolved
 from loomrl.reward.pool import import_reward
 from loomrl.runtime.driver import Backend, Driver, RunError, checked_eval
 from loomrl.runtime.summary import finished_at
-from loomrl.trainer.checkpoint import latest_checkpoint
+from loomrl.trainer.checkpoint import checkpoint_step, latest_checkpoint
+from loomrl.trainer.service import read_ledger
 from loomrl.types import EvalRecord
+
+log = logging.getLogger("loomrl")
 
 
 def prepare_run_dir(cfg: RunConfig, resume: bool) -> Path | None:
@@ -35,7 +39,39 @@ def prepare_run_dir(cfg: RunConfig, resume: bool) -> Path | None:
                        "for a new run")
     run_dir.mkdir(parents=True, exist_ok=True)
     save_resolved(cfg, run_dir / "config.yaml")
+    if ckpt is None:
+        log.info("run folder %s", run_dir.resolve())
+    else:
+        log.info("run folder %s: resuming from its checkpoint of step %d", run_dir.resolve(), checkpoint_step(ckpt))
     return ckpt
+
+
+def resume_config(cfg: RunConfig, overrides: list[str]) -> RunConfig:
+    """What `--resume` continues with: the run folder's own config (config.yaml, the resolved config it last ran
+    with) and this command's `overrides` on top, so that a run resumed with fewer overrides than it started with
+    goes on as it was, not with the recipe's values (README: `name=try2 --resume`); `cfg` (the recipe and the
+    overrides) only says where the folder is. A folder without one: `cfg` itself."""
+    saved = cfg.run_dir / "config.yaml"
+    if not saved.is_file():
+        return cfg
+    resumed = load_config(saved, overrides)
+    # the folder is where it was found, even if it was moved since the run wrote its name into config.yaml
+    resumed = resumed.model_copy(update={"output_dir": cfg.output_dir, "name": cfg.name})
+    if changed := _differences(cfg.model_dump(mode="json"), resumed.model_dump(mode="json")):
+        log.info("resuming with the run's own %s, where it differs from the recipe: %s", saved, ", ".join(changed))
+    return resumed
+
+
+def _differences(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
+    """The dotted fields whose values differ between two config dumps, as field=b's value."""
+    out = []
+    for key in a.keys() | b.keys():
+        x, y = a.get(key), b.get(key)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out += _differences(x, y, f"{prefix}{key}.")
+        elif x != y:
+            out.append(f"{prefix}{key}={y}")
+    return sorted(out)
 
 
 def make_backend(cfg: RunConfig, checkpoint: Path | None) -> Backend:
@@ -48,15 +84,30 @@ def make_backend(cfg: RunConfig, checkpoint: Path | None) -> Backend:
     return LocalBackend(cfg, checkpoint)
 
 
+class RunInterrupted(Exception):
+    """Ctrl-C stopped a run (the CLI turns SIGTERM and SIGHUP into Ctrl-C) after its cleanup ran: how far the
+    trainer got (its ledger's last step) and the checkpoint `--resume` would continue from (None: none yet)."""
+
+    def __init__(self, run_dir: Path, step: int, checkpoint_step: int | None):
+        super().__init__(f"run interrupted at step {step} ({run_dir})")
+        self.run_dir, self.step, self.checkpoint_step = run_dir, step, checkpoint_step
+
+
 def train(cfg: RunConfig, resume: bool = False, wall_start: float | None = None,
           backend: Backend | None = None) -> dict[str, Any]:
     """Train as the config says; the summary (also RUN/summary.json). `backend`: one made by the
-    caller (tests swap in a scripted engine this way), else the config's."""
+    caller (tests swap in a scripted engine this way), else the config's. RunInterrupted on Ctrl-C."""
     wall_start = wall_start or time.time()
     if cfg.reward.function:  # a reward that cannot be imported stops here, before any model loads
         import_reward(cfg.reward.function)
     ckpt = prepare_run_dir(cfg, resume)
-    return Driver(cfg, backend or make_backend(cfg, ckpt), ckpt, wall_start).train()
+    try:
+        return Driver(cfg, backend or make_backend(cfg, ckpt), ckpt, wall_start).train()
+    except KeyboardInterrupt:  # the driver's finally has stopped the trainer and flushed the run folder
+        latest = latest_checkpoint(cfg.run_dir)
+        steps = [entry["step"] for entry in read_ledger(cfg.run_dir)]
+        raise RunInterrupted(cfg.run_dir, max(steps, default=0),
+                             None if latest is None else checkpoint_step(latest)) from None
 
 
 def resolve_checkpoint(path: Path) -> Path:

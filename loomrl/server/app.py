@@ -3,9 +3,12 @@
 
 Token ids and logprobs come back the way vLLM returns them: with `return_token_ids: true` a choice carries `token_ids`
 (sampled) and `prompt_token_ids`; loomrl adds `policy_versions` (the version of the weights that produced each token).
-Logprobs are those of the sampled tokens under the distribution actually sampled from; `top_logprobs` lists only the
-sampled token (the engine does not compute alternatives). `stream=true` answers server-sent events
-(responses.py stream_events: each choice's output in one chunk once it has finished).
+Logprobs are those of the sampled tokens under the distribution actually sampled from. The engines compute no
+alternatives, so each position's top logprobs hold one entry, the sampled token: `logprobs` 0 or 1 on
+/v1/completions and `top_logprobs` 0 or 1 on /v1/chat/completions are served (greedy, the sampled token is the most
+likely one; sampling, it need not be), and more is a 400 naming the field rather than a shorter list than asked for.
+`stream=true` answers server-sent events (responses.py stream_events: each choice's output in one chunk once it has
+finished).
 """
 
 from __future__ import annotations
@@ -54,9 +57,19 @@ class OpenAIServer:
         return None
 
     # -- endpoints --------------------------------------------------------------------------------
+    @staticmethod
+    def _one_alternative(field: str, asked: int | None):
+        """A 400 when a request asks for more top logprobs per position than the sampled token's, or None."""
+        if asked is None or asked <= 1:
+            return None
+        return oai.error_response(400, f"{field}={asked} asks for the {asked} most likely tokens at each position, but "
+                                  f"the engine computes only the sampled token's logprob: use {field}=1 for it", field)
+
     async def completions(self, req: CompletionRequest):
         if req.echo:
             return oai.error_response(400, "echo=true is not supported", "echo")
+        if (bad := self._one_alternative("logprobs", req.logprobs)) is not None:
+            return bad
         p = req.prompt
         if not isinstance(p, str) and not p:  # the request model has made any list homogeneous
             return oai.error_response(400, "prompt must be a non-empty string, list of token ids, or list of either", "prompt")
@@ -90,6 +103,8 @@ class OpenAIServer:
 
     async def chat(self, req: ChatCompletionRequest):
         if (bad := oai.bad_roles(req.messages)) is not None:
+            return bad
+        if (bad := self._one_alternative("top_logprobs", req.top_logprobs)) is not None:
             return bad
         try:
             prompt_ids = self.renderer.prompt_ids(req.messages, req.tools)

@@ -27,6 +27,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -197,11 +198,13 @@ class RankGroup(ABC):
 
 
 class Child:
-    """A process the training pool spawned (the trainer process, a follower rank): started on creation."""
+    """A process the training pool spawned (the trainer process, a follower rank): started on creation. It ends
+    when the process that spawned it does, however that one ended (`exit_with_parent`)."""
 
     def __init__(self, what: str, name: str, target: Callable[..., None], *args: Any):
         self.what = what
-        self.proc = mp.get_context("spawn").Process(target=target, name=name, daemon=True, args=args)
+        self.proc = mp.get_context("spawn").Process(target=_child_main, name=name, daemon=True,
+                                                    args=(os.getpid(), target, *args))
         self.proc.start()
 
     def dead(self) -> str | None:
@@ -341,18 +344,32 @@ def name_process(name: str) -> None:
         pass
 
 
+def exit_with_parent(parent: int, grace_s: float = 10.0) -> None:
+    """End this process once `parent` is gone, whatever ended it (SIGKILL included: nothing else would tell us). A
+    thread polls our parent pid, which changes when the parent dies (we are handed to init or a subreaper), then
+    sends this process SIGTERM, so that a process that handles it unwinds through its finally blocks (the trainer
+    process unlinks its weight segments there), and exits hard if that has not ended it in `grace_s`.
+    Not prctl(PR_SET_PDEATHSIG): it fires when the *thread* that spawned us ends, which need not be the process."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="loomrl-parent-watch").start()
+
+
+def _child_main(parent: int, target: Callable[..., None], *args: Any) -> None:
+    """Entry of every Child: watch the parent (pid passed in: it may be gone before this line runs), then work."""
+    exit_with_parent(parent)
+    target(*args)
+
+
 def _follower_main(cfg_json: str, ckpt: str | None, rank: int, world: int, port: int, threads: int,
                    inbox: Any, outbox: Any) -> None:
     name_process(f"loomrl-rank{rank}")
-    parent = os.getppid()
-
-    def orphaned() -> None:  # the run's process was killed: nothing will stop us otherwise
-        while True:
-            threading.Event().wait(1.0)
-            if os.getppid() != parent:
-                os._exit(1)
-
-    threading.Thread(target=orphaned, daemon=True).start()
     try:
         torch.set_num_threads(threads)
         cfg = RunConfig.model_validate_json(cfg_json)

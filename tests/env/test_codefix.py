@@ -176,3 +176,16 @@ def test_cli_validate_tasks_writes_a_report(tmp_path, capsys):
     assert "6 tasks: 6 valid, 0 invalid" in capsys.readouterr().out
     assert main(["validate-tasks", "--families", "nonesuch"]) == 2  # a clear config error
     assert "unknown codefix family ['nonesuch']" in capsys.readouterr().err
+
+
+def test_cli_validate_tasks_report_defaults_to_the_loomrl_cache_not_the_cwd(tmp_path, monkeypatch, capsys):
+    from loomrl.cli import main
+
+    cwd, cache = tmp_path / "cwd", tmp_path / "cache"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("LOOMRL_CACHE", str(cache))
+    assert main(["validate-tasks", "--families", "clamp"]) == 0
+    report = cache / "task_validation.json"
+    assert json.loads(report.read_text())["valid"] == 3 and not list(cwd.iterdir())
+    assert f"report: {report}" in capsys.readouterr().out

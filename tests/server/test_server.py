@@ -169,3 +169,83 @@ def test_health_models_and_metrics(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     text = httpx.get(f"{base}/metrics").text
     assert "loomrl_engine_generated_tokens_total" in text and "loomrl_policy_version" in text
+
+
+def test_more_logprobs_than_the_sampled_token_are_refused_by_name(server, client):
+    """The engines compute the sampled token's logprob only: asking for alternatives is a 400 naming the field,
+    not a silent list of one; one entry per position (the sampled token) is served."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="tiny", prompt="hello", max_tokens=3, logprobs=5)
+    assert refused.value.body["param"] == "logprobs" and "sampled token" in refused.value.body["message"]
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, logprobs=True, top_logprobs=3)
+    assert refused.value.body["param"] == "top_logprobs" and "sampled token" in refused.value.body["message"]
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, temperature=0.0,
+                                         logprobs=True, top_logprobs=1)
+    assert all([t.token for t in c.top_logprobs] == [c.token] for c in out.choices[0].logprobs.content)
+    out = client.completions.create(model="tiny", prompt="hello", max_tokens=3, temperature=0.0, logprobs=0)
+    lp = out.choices[0].logprobs
+    assert [list(d) for d in lp.top_logprobs] == [[t] for t in lp.tokens]  # vLLM's logprobs=0: the sampled token
+
+
+@pytest.fixture(scope="module")
+def served_checkpoint(tmp_path_factory, tiny_model, tokenizer):
+    """`loomrl serve --checkpoint` of a checkpoint saved at step 3, in a process of its own; (base URL, its stdout
+    lines as they come)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from loomrl.trainer.checkpoint import save_checkpoint
+
+    run_dir = tmp_path_factory.mktemp("served")
+    optimizer = torch.optim.AdamW(tiny_model.parameters())
+    save_checkpoint(run_dir, 3, model=tiny_model, tokenizer=tokenizer, optimizer=optimizer,
+                    scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), state={})
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    recipe = Path(__file__).resolve().parents[2] / "examples" / "calculator_tiny.yaml"
+    proc = subprocess.Popen([sys.executable, "-m", "loomrl.cli", "serve", str(recipe), "--checkpoint", str(run_dir),
+                             "--port", str(port), "--model-name", "tiny-ckpt"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=dict(os.environ))
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None and time.time() < deadline, "loomrl serve did not start"
+            try:
+                httpx.get(f"{base}/health")
+                break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        yield base, lines
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_a_served_checkpoint_reports_its_step_as_the_policy_version(served_checkpoint):
+    base, _ = served_checkpoint
+    assert httpx.get(f"{base}/health").json()["policy_version"] == 3
+    assert "loomrl_policy_version 3.0" in httpx.get(f"{base}/metrics").text
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
+    out = client.completions.create(model="tiny-ckpt", prompt="hello", max_tokens=4,
+                                    extra_body={"return_token_ids": True})
+    assert out.choices[0].model_extra["policy_versions"] == [3] * len(out.choices[0].model_extra["token_ids"])
+
+
+def test_serve_prints_one_line_once_listening(served_checkpoint):
+    base, lines = served_checkpoint
+    deadline = time.time() + 10  # the line is written before the first request can be answered; flushed at once
+    while not lines and time.time() < deadline:
+        time.sleep(0.1)
+    assert len(lines) == 1, lines
+    assert all(part in lines[0] for part in (f"{base}/v1", "tiny-ckpt", "engine builtin", "policy version 3")), lines

@@ -526,6 +526,8 @@ class Driver:
                           positions_failed={str(k): v for k, v in self.gave_up.items()}, env_pool=report.env_pool,
                           accounting=acc, extra=report.extra)
         segments = append_segment(self.cfg.run_dir, segment)
-        summary = whole_run(self.cfg.run_dir, segments, self.before, self.after, self.version, ledger)
+        # a step the trainer took and logged (ledger) before an interrupt reached the driver counts as taken
+        steps = max(self.version, max((entry["step"] for entry in ledger), default=0))
+        summary = whole_run(self.cfg.run_dir, segments, self.before, self.after, steps, ledger)
         (self.cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary

@@ -27,8 +27,6 @@ from loomrl.config import ConfigError
 # K/V for the running sequences, and a quarter more: the prefix cache then keeps the blocks of programs between turns
 # (waiting for a tool) while the others run, so their next turn does not recompute its prompt
 KV_HEADROOM = 1.25
-CHANGE = ("lower engine.vllm.kv_cache_memory_bytes (unset: sized from engine.max_batch_size x agent.max_context_tokens, "
-          "at most engine.vllm.cpu_kv_cache_share of the memory available at start), or run less beside it")
 
 
 def gib(n: float) -> str:
@@ -57,6 +55,12 @@ class KVCachePlan:
     def describe(self) -> str:
         return (f"K/V cache {gib(self.bytes * self.workers)} ({self.tokens} tokens, {self.source}) of "
                 f"{gib(self.memory.total)} RAM, {gib(self.memory.available)} available when vLLM started")
+
+    def lower(self) -> str:
+        """The setting that makes the cache smaller."""
+        if self.source in ("engine.vllm.kv_cache_memory_bytes", "VLLM_CPU_KVCACHE_SPACE"):
+            return f"lower {self.source}"
+        return "lower engine.max_batch_size or engine.vllm.cpu_kv_cache_share, or set engine.vllm.kv_cache_memory_bytes"
 
 
 def plan_kv_cache(*, per_token: int, block_size: int, max_model_len: int, max_num_seqs: int, context_tokens: int,
@@ -146,8 +150,9 @@ class Watch:
         kills = oom_kills()
         if kills is not None and self.oom_kills is not None and kills > self.oom_kills:
             how = f"was killed by the kernel's out-of-memory killer ({kills - self.oom_kills} kill(s) since it started)"
-        else:
-            how = ("was killed by a signal, with no error of its own (on a machine short of memory, the kernel's "
-                   "out-of-memory killer's SIGKILL)")
-        memory = f": its {self.kv.describe()}; {CHANGE}" if self.kv is not None else f"; {CHANGE}"
-        return f"vLLM's worker process (pid {gone[0]}) {how}{memory}"
+        else:  # SIGKILL leaves no error behind: what the out-of-memory killer sends
+            how = "was killed with no error of its own, as the kernel's out-of-memory killer kills"
+        if self.kv is None:  # a GPU's cache: the RAM it ran out of held the rest
+            return f"vLLM's worker process (pid {gone[0]}) {how}; free memory on this machine"
+        return (f"vLLM's worker process (pid {gone[0]}) {how}: its {self.kv.describe()}; {self.kv.lower()}, or run "
+                "less beside it")

@@ -421,7 +421,7 @@ def test_a_killed_worker_is_reported_with_its_memory_and_the_setting_to_lower(fr
         fresh.update_weights(dict(b.named_parameters()), 1)
     message = str(err.value)
     assert message.startswith(f"update_weights: version 1: vLLM's worker process (pid {worker.pid}) was killed")
-    assert "out-of-memory" in message and "K/V cache 0.6 MiB (640 tokens" in message and "GiB RAM" in message
-    assert "lower engine.vllm.kv_cache_memory_bytes" in message and "\n" not in message
+    assert "out-of-memory" in message and "K/V cache 0.6 MiB (640 tokens, sized from the run)" in message
+    assert "GiB RAM" in message and "lower engine.max_batch_size" in message and "\n" not in message
     with pytest.raises(EngineFault, match=r"vLLM failed the request: vLLM's worker process \(pid \d+\) was killed"):
         run_requests(fresh, [tokenizer.encode("after the kill")], max_tokens=4)

@@ -61,7 +61,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -139,6 +139,21 @@ def _import_vllm() -> None:
     import vllm.distributed.weight_transfer.base  # noqa: F401 - a vLLM without these is too old: its own error
     import vllm.engine.arg_utils  # noqa: F401
     import vllm.v1.engine.async_llm  # noqa: F401
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """os.environ with `values` set, restored after."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def token_versions(spans: list | None, n: int, fallback: int) -> list[int]:
@@ -350,11 +365,11 @@ class VLLMEngine(LoadState):
             self.kv_cache = self._plan_kv_cache(config, max_num_seqs, context_tokens)
             config.cache_config.kv_cache_memory_bytes = self.kv_cache.bytes
             log.info("vLLM: %s", self.kv_cache.describe())
-        os.environ[_FAILURE_FILE] = str(self._failure_file)  # inherited by EngineCore, then by its workers
-        os.environ[_FAILURE_FILE_OWNER] = str(os.getpid())
         oom = oom_kills()
-        llm = AsyncLLM.from_vllm_config(config, enable_log_requests=engine_args.enable_log_requests,
-                                        disable_log_stats=engine_args.disable_log_stats)  # blocks while vLLM starts
+        # inherited by EngineCore, which vLLM spawns here, then by its workers; not left set for later children
+        with _environ({_FAILURE_FILE: str(self._failure_file), _FAILURE_FILE_OWNER: str(os.getpid())}):
+            llm = AsyncLLM.from_vllm_config(config, enable_log_requests=engine_args.enable_log_requests,
+                                            disable_log_stats=engine_args.disable_log_stats)  # blocks while it starts
         try:
             self._watch = Watch(workers=list(await llm.collective_rpc("loomrl_pid")), failure_file=self._failure_file,
                                 oom_kills=oom, kv=self.kv_cache)

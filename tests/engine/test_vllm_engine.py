@@ -385,6 +385,21 @@ def test_a_model_vllm_cannot_run_fails_its_start_in_one_line():
     assert time.monotonic() - t0 < 20  # no engine started (that takes 25 s or more here)
 
 
+def test_a_model_vllm_loads_but_cannot_run_fails_its_start_with_the_workers_error(monkeypatch):
+    """Past the head-size check (made to pass here, so as to reach a failure only vLLM's worker sees): the adapter's
+    one-token first step at start fails in the worker, which writes the error it logs for the adapter
+    (engine/vllm_worker.py), and the start fails in one line carrying it, instead of the run's first request."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    monkeypatch.setattr(CPUAttentionBackend, "get_supported_head_sizes", classmethod(lambda cls: [16]))
+    model, tokenizer = load_model(ModelConfig(kind="tiny", tiny=TinyModelConfig(head_dim=16)))
+    with pytest.raises(ModelLoadError) as err:
+        make_engine(load_config(None, OVERRIDES), model, tokenizer, 0)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("engine.kind=vllm: vLLM cannot run the model LlamaForCausalLM")
+    assert ": RuntimeError: Unsupported CPU attention configuration: head_dim=16" in message  # the worker's error
+
+
 def test_a_workers_first_error_is_written_for_the_adapter(tmp_path, monkeypatch):
     """engine/vllm_worker.py, in a worker: the first exception vLLM logs (as its executor does, "WorkerProc hit an
     exception.") goes to the adapter's file as one line; a later one (the shutdown it causes) does not replace it."""

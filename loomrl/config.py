@@ -120,8 +120,13 @@ class VLLMConfig(_Section):
     # tokens per K/V block; None: vLLM's (128 on CPU, 16 on GPU). CPU needs a multiple of 32; only full blocks are
     # prefix-cached, so a prompt shorter than one block never hits the cache
     block_size: int | None = Field(None, gt=0)
-    # K/V cache size in bytes; None: vLLM sizes it (GPU: gpu_memory_utilization; CPU: VLLM_CPU_KVCACHE_SPACE GiB)
+    # K/V cache size in bytes (per tensor-parallel worker). None: on a GPU vLLM sizes it (gpu_memory_utilization); on
+    # the CPU loomrl does (engine/vllm_memory.py): engine.max_batch_size sequences of min(max_model_len,
+    # agent.max_context_tokens) tokens and a quarter more for the prefix cache, at most cpu_kv_cache_share of the memory
+    # available when vLLM starts (vLLM's own default there, 0.9 x RAM minus its worker's, starved the trainer). A cache
+    # that cannot hold one max_model_len sequence is refused at start. VLLM_CPU_KVCACHE_SPACE (GiB), when set, wins
     kv_cache_memory_bytes: int | None = Field(None, gt=0)
+    cpu_kv_cache_share: float = Field(0.5, gt=0.0, le=0.9)  # CPU, kv_cache_memory_bytes unset: the cap above
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)  # GPU only, and only without kv_cache_memory_bytes
     # True: no torch.compile / CUDA graphs. Measured on this CPU: start 20 s eager, 102 s compiled, no faster after;
     # on a GPU set false (CUDA graphs)

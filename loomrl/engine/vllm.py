@@ -26,6 +26,13 @@ The contract, and the vLLM settings that give it (docs/research/vllm_cpu_0.32.md
   ever runs a step on a half-loaded model, and a request that spans the update has its tokens tagged v then v+1.
   Names and shapes are checked against the served model first, so a mismatch is refused before vLLM is touched.
 
+Memory and failures (engine/vllm_memory.py): on the CPU the K/V cache is engine.vllm.kv_cache_memory_bytes, else sized
+from the run and bounded by the memory available (vLLM's own default took about 85% of RAM). A model vLLM cannot run
+fails the start with a ModelLoadError of one line: a head size vLLM's CPU attention lacks before any process starts,
+anything else at a one-token first step, with the error vLLM's worker logged. When the worker dies (killed, or an error
+it only logged), the calls that find it gone fail with one EngineFault line saying how, with the K/V cache beside the
+machine's RAM and the setting to lower.
+
 Metrics: requests, finished, prompt/prefill/reused tokens (num_cached_tokens), generated tokens, preemptions (vLLM's
 per-request count), interrupts (requests ended "interrupted"), faults (requests the engine failed) and busy_s (wall time
 with a request in flight). steps stays 0: AsyncLLM does not report its steps to the caller.
@@ -54,14 +61,14 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from loomrl.config import VLLM_MISSING, VLLMConfig
+from loomrl.config import VLLM_MISSING, ConfigError, VLLMConfig
 from loomrl.devices import dtype_named
 from loomrl.engine.base import (
     EngineFault,
@@ -71,13 +78,17 @@ from loomrl.engine.base import (
     SamplingParams,
     refuse_request,
 )
+from loomrl.engine.vllm_memory import KVCachePlan, Memory, Watch, first_failure, oom_kills, plan_kv_cache
 from loomrl.engine.vllm_weights import LoadState, checked_weights, parameter_shapes, to_wire, weight_buckets
+from loomrl.model.loader import ModelLoadError
 from loomrl.trainer.weight_sync import Transport, WeightHandle, shm_views
 
 log = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 900.0  # model load, profiling and warm-up (16-33 s for SmolLM2-135M on 2 CPU cores)
 _STREAM_INTERVAL = 8  # tokens per output vLLM sends a request's caller
+# engine/vllm_worker.py's FAILURE_FILE and FAILURE_FILE_OWNER (that module is for vLLM's workers to import)
+_FAILURE_FILE, _FAILURE_FILE_OWNER = "LOOMRL_VLLM_FAILURE_FILE", "LOOMRL_VLLM_FAILURE_FILE_OWNER"
 
 
 @dataclass(slots=True, kw_only=True)
@@ -85,6 +96,7 @@ class ServedModel:
     """What the adapter needs to know of the model vLLM serves."""
 
     folder: Path  # the Hugging Face folder vLLM loads (config, weights, tokenizer)
+    name: str  # what error messages call it: the folder, or the architecture saved to a temporary one
     shapes: dict[str, tuple[int, ...]]  # parameter names as the trainer sends them -> shapes
     aliases: frozenset[str]  # names that are another parameter (a tied lm_head.weight): dropped from updates
     owned: bool = False  # a temporary folder the engine removes when it closes
@@ -97,11 +109,12 @@ def served_model(model: Any, tokenizer: Any) -> ServedModel:
     source = Path(getattr(model.config, "_name_or_path", "") or ".")
     weights = list(source.glob("*.safetensors")) + list(source.glob("*.bin"))
     if (source / "config.json").is_file() and weights and (source / "tokenizer_config.json").is_file():
-        return ServedModel(folder=source, shapes=shapes, aliases=aliases)
+        return ServedModel(folder=source, name=str(source), shapes=shapes, aliases=aliases)
     folder = Path(tempfile.mkdtemp(prefix="loomrl-vllm-model-"))
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    return ServedModel(folder=folder, shapes=shapes, aliases=aliases, owned=True)
+    return ServedModel(folder=folder, name=f"{type(model).__name__} saved to {folder}", shapes=shapes, aliases=aliases,
+                       owned=True)
 
 
 def engine_dtype(name: str, model_dtype: str) -> str:
@@ -126,6 +139,21 @@ def _import_vllm() -> None:
     import vllm.distributed.weight_transfer.base  # noqa: F401 - a vLLM without these is too old: its own error
     import vllm.engine.arg_utils  # noqa: F401
     import vllm.v1.engine.async_llm  # noqa: F401
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """os.environ with `values` set, restored after."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def token_versions(spans: list | None, n: int, fallback: int) -> list[int]:
@@ -158,9 +186,15 @@ class VLLMEngine(LoadState):
     opens = frozenset({Transport.SHM, Transport.CUDA_IPC, Transport.BROADCAST})  # read in vLLM's worker (update_from)
 
     def __init__(self, cfg: VLLMConfig, model: ServedModel, *, dtype: str, seed: int = 0, max_num_seqs: int = 64,
-                 prefix_cache: bool = True, version: int = 0, sleep_mode: bool = False):
+                 prefix_cache: bool = True, version: int = 0, sleep_mode: bool = False,
+                 context_tokens: int | None = None):
         """`sleep_mode` (engine.sleep_while_training): vLLM's enable_sleep_mode on CUDA, where sleep frees the
-        memory (vLLM refuses it on platforms without sleep support, such as the CPU, where sleep only pauses)."""
+        memory (vLLM refuses it on platforms without sleep support, such as the CPU, where sleep only pauses).
+        `context_tokens` (agent.max_context_tokens): the longest prompt + output a request of the run has, which sizes
+        the K/V cache on the CPU (None: max_model_len).
+
+        Raises ConfigError when the K/V cache cannot fit this machine (engine/vllm_memory.py) and ModelLoadError, one
+        line with vLLM's reason, when vLLM cannot start or cannot run one step of the model."""
         try:
             _import_vllm()
         except BaseException:
@@ -171,6 +205,12 @@ class VLLMEngine(LoadState):
         self.model = model
         self.metrics = EngineMetrics()
         self.kv_budget = 0  # vLLM's max_model_len, read once it has started
+        self.kv_cache: KVCachePlan | None = None  # on the CPU: the K/V cache asked of vLLM, per worker
+        self.kv_cache_tokens = 0  # the K/V slots vLLM made (all its blocks), read once it has started
+        # the workers write the first error they log here (engine/vllm_worker.py); _death reads it
+        self._scratch = Path(tempfile.mkdtemp(prefix="loomrl-vllm-"))
+        self._watch: Watch | None = None
+        self._llm: Any = None
         self._dtype = dtype_named(dtype)
         self._version = version
         self._lock = threading.Lock()
@@ -195,14 +235,27 @@ class VLLMEngine(LoadState):
             args["enable_sleep_mode"] = True
         if cfg.cpu_reserved_cores is not None:  # read by vLLM's CPU worker when it starts (inherited by children)
             os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(cfg.cpu_reserved_cores)
+        args = {k: v for k, v in args.items() if v is not None}
         try:
-            self._llm = self._run(self._start({k: v for k, v in args.items() if v is not None}), _START_TIMEOUT_S)
+            self._llm = self._run(self._start(args, max_num_seqs, context_tokens), _START_TIMEOUT_S)
         except BaseException as err:
             self._stop_loop()
+            failure = first_failure(self._failure_file)
+            shutil.rmtree(self._scratch, ignore_errors=True)
             if model.owned:
                 shutil.rmtree(model.folder, ignore_errors=True)
-            raise EngineFault(f"vLLM did not start on {model.folder}: {type(err).__name__}: {err}") from err
+            if isinstance(err, ConfigError | ModelLoadError) or not isinstance(err, Exception):
+                raise
+            if isinstance(err, concurrent.futures.TimeoutError):
+                why = f"it did not start within {_START_TIMEOUT_S:.0f}s"
+            else:  # the worker's own error, which vLLM keeps in its log, else what reached this process
+                why = failure or f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+            raise ModelLoadError(f"engine.kind=vllm: vLLM cannot run the model {model.name}: {why}") from err
         self._control = self._run(self._make_lock(), 10.0)
+
+    @property
+    def _failure_file(self) -> Path:
+        return self._scratch / "worker-failure"
 
     # -- protocol ---------------------------------------------------------------------------------
     @property
@@ -253,11 +306,7 @@ class VLLMEngine(LoadState):
         self._apply([update], handle.version)
 
     def _apply(self, updates: Iterable[dict[str, Any]], version: int) -> None:
-        try:
-            self._run(self._load(updates, version), self.cfg.update_timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise EngineFault(f"update_weights: version {version} not applied after "
-                              f"{self.cfg.update_timeout_s:.0f}s") from None
+        self._call(self._load(updates, version), f"update_weights: version {version}")
 
     def interrupt(self) -> None:
         """Abort every in-flight request (they end "interrupted" with their partial output) and resume at once."""
@@ -277,13 +326,13 @@ class VLLMEngine(LoadState):
         the CPU vLLM's worker frees nothing (it logs that sleep mode is not supported): a pause."""
         if self._closed:
             raise EngineFault("sleep: the engine is closed")
-        self._run(self._sleep(), self.cfg.update_timeout_s)
+        self._call(self._sleep(), "sleep")
 
     def wake(self) -> None:
         """wake_up: the weights come back (those before sleep, until the next update) and requests run again."""
         if self._closed:
             raise EngineFault("wake: the engine is closed")
-        self._run(self._wake(), self.cfg.update_timeout_s)
+        self._call(self._wake(), "wake")
 
     def close(self) -> None:
         """Stop: in-flight requests fail with EngineFault, vLLM's processes end (about 5 s), the loop thread stops."""
@@ -297,24 +346,87 @@ class VLLMEngine(LoadState):
             log.warning("vLLM shutdown: %s: %s", type(err).__name__, err)
         self._stop_loop()
         self._calls.shutdown(wait=False)
+        shutil.rmtree(self._scratch, ignore_errors=True)
         if self.model.owned:
             shutil.rmtree(self.model.folder, ignore_errors=True)
 
     # -- on the loop ------------------------------------------------------------------------------
-    async def _start(self, args: dict[str, Any]) -> Any:
+    async def _start(self, args: dict[str, Any], max_num_seqs: int, context_tokens: int | None) -> Any:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))  # blocks this loop while vLLM starts
+        engine_args = AsyncEngineArgs(**args)
+        config = engine_args.create_engine_config(UsageContext.ENGINE_CONTEXT)  # vLLM resolves the model's shape
+        if current_platform.is_cpu():  # on a GPU, gpu_memory_utilization (vLLM measures the GPU)
+            self._check_cpu_attention(config)
+            self.kv_cache = self._plan_kv_cache(config, max_num_seqs, context_tokens)
+            config.cache_config.kv_cache_memory_bytes = self.kv_cache.bytes
+            log.info("vLLM: %s", self.kv_cache.describe())
+        oom = oom_kills()
+        # inherited by EngineCore, which vLLM spawns here, then by its workers; not left set for later children
+        with _environ({_FAILURE_FILE: str(self._failure_file), _FAILURE_FILE_OWNER: str(os.getpid())}):
+            llm = AsyncLLM.from_vllm_config(config, enable_log_requests=engine_args.enable_log_requests,
+                                            disable_log_stats=engine_args.disable_log_stats)  # blocks while it starts
         try:
+            self._watch = Watch(workers=list(await llm.collective_rpc("loomrl_pid")), failure_file=self._failure_file,
+                                oom_kills=oom, kv=self.kv_cache)
             await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
             await llm.update_weight_version(str(self._version))
+            await self._first_step(llm)
         except BaseException:
             llm.shutdown()
             raise
         self.kv_budget = llm.model_config.max_model_len
+        # the blocks vLLM made: its start-up handshake writes num_gpu_blocks into the config it was given
+        self.kv_cache_tokens = (config.cache_config.num_gpu_blocks or 0) * config.cache_config.block_size
         return llm
+
+    def _plan_kv_cache(self, config: Any, max_num_seqs: int, context_tokens: int | None) -> KVCachePlan:
+        """kv_cache_memory_bytes for vLLM's CPU worker: the user's, else sized from the run (engine/vllm_memory.py),
+        against the memory vLLM's worker will check it against (its NUMA node's, a cgroup's limit honoured)."""
+        from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
+        from vllm.utils.torch_utils import get_dtype_size, kv_cache_dtype_str_to_dtype
+
+        m, p, cache = config.model_config, config.parallel_config, config.cache_config
+        # vLLM's full-attention page: K and V, per layer, per KV head, of head_size elements in the cache's dtype
+        per_token = (2 * m.get_num_layers_by_block_type(p, "attention") * m.get_num_kv_heads(p) * m.get_head_size()
+                     * get_dtype_size(kv_cache_dtype_str_to_dtype(cache.cache_dtype, m)))
+        node = get_memory_node_info(get_allowed_cpu_list()[0].numa_node)
+        # VLLM_CPU_KVCACHE_SPACE (GiB), when set, has replaced the field in the config (vllm/platforms/cpu.py)
+        explicit_from = ("VLLM_CPU_KVCACHE_SPACE" if os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+                         else "engine.vllm.kv_cache_memory_bytes")
+        return plan_kv_cache(per_token=per_token, block_size=cache.block_size, max_model_len=m.max_model_len,
+                             max_num_seqs=max_num_seqs, context_tokens=context_tokens or m.max_model_len,
+                             share=self.cfg.cpu_kv_cache_share,
+                             memory=Memory(total=node.total_memory, available=node.available_memory),
+                             workers=p.tensor_parallel_size, explicit=cache.kv_cache_memory_bytes,
+                             explicit_from=explicit_from)
+
+    def _check_cpu_attention(self, config: Any) -> None:
+        """vLLM's CPU attention kernels take a few head sizes only; vLLM does not check them at start but fails the
+        first step (in its worker, whose traceback it logs), so the adapter checks before any process starts."""
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        head, sizes = config.model_config.get_head_size(), CPUAttentionBackend.get_supported_head_sizes()
+        if head not in sizes:
+            raise ModelLoadError(f"engine.kind=vllm: vLLM cannot run the model {self.model.name}: its head size is "
+                                 f"{head}, and vLLM's CPU attention takes {sizes} only (a tiny model: "
+                                 "model.tiny.head_dim=32; README, 'The vLLM engine')")
+
+    @staticmethod
+    async def _first_step(llm: Any) -> None:
+        """One greedy token from a one-token prompt, so that a model vLLM loads but cannot run fails the start (with
+        the reason its worker logged: engine/vllm_worker.py), not the run's first request (a few ms: a prompt shorter
+        than a block leaves nothing in the prefix cache)."""
+        from vllm import SamplingParams as VLLMSampling
+        from vllm.inputs import TokensPrompt
+
+        async for _ in llm.generate(TokensPrompt(prompt_token_ids=[0]), VLLMSampling(max_tokens=1, temperature=0.0),
+                                    f"loomrl-first-step-{uuid.uuid4().hex}"):
+            pass
 
     @staticmethod
     async def _make_lock() -> asyncio.Lock:
@@ -368,7 +480,7 @@ class VLLMEngine(LoadState):
             if not isinstance(err, VLLMClientError | ValueError | TypeError):  # not the request's fault
                 with self._lock:
                     self.metrics.faults += 1
-            raise EngineFault(f"vLLM failed the request: {type(err).__name__}: {err}") from err
+            raise EngineFault(f"vLLM failed the request: {self._death() or f'{type(err).__name__}: {err}'}") from err
         finally:
             self._tasks.discard(task)
             if not self._tasks:
@@ -465,6 +577,28 @@ class VLLMEngine(LoadState):
     # -- the loop thread --------------------------------------------------------------------------
     def _run(self, coro: Any, timeout: float) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def _call(self, coro: Any, what: str) -> None:
+        """A control call (update, sleep, wake) within engine.vllm.update_timeout_s; whatever vLLM raises becomes an
+        EngineFault, which says how vLLM's worker died when it did."""
+        try:
+            self._run(coro, self.cfg.update_timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise EngineFault(f"{what}: not done after {self.cfg.update_timeout_s:.0f}s") from None
+        except Exception as err:
+            death = self._death()
+            if death is not None:
+                raise EngineFault(f"{what}: {death}") from err
+            if self._watch is not None:
+                self._watch.forget()  # an error the engine lives through: not the cause of a later death
+            if isinstance(err, EngineFault):
+                raise
+            raise EngineFault(f"{what}: vLLM: {type(err).__name__}: {err}") from err
+
+    def _death(self) -> str | None:
+        """Why vLLM is gone (engine/vllm_memory.py: a killed worker, with its memory), None while it lives."""
+        llm = self._llm
+        return None if self._watch is None or llm is None else self._watch.death(llm.errored)
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)

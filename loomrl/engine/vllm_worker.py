@@ -26,6 +26,11 @@ Why these choices (docs/research/vllm_cpu_0.32.md, section 5):
 - A bucket that fails to load finishes the reload at once (the layers it never reached get their old tensors back),
   so the next update starts from a consistent model; the adapter refuses requests until an update succeeds.
 
+It also tells the adapter how a worker failed (engine/vllm_memory.py): `loomrl_pid` names this process, and the first
+error vLLM logs here with its exception is written to the file LOOMRL_VLLM_FAILURE_FILE names (the adapter sets it
+before vLLM starts; the worker inherits it), since vLLM sends its caller only "EngineDeadError: See stack trace
+(above)" and keeps the reason in this process's log.
+
 What it is not: a trainer-side engine (loomrl's publisher already holds the tensors: trainer/weight_sync.py) or a path
 across machines or GPUs (inline bytes go through EngineCore's sockets; NCCL would be the path between GPUs).
 """
@@ -33,6 +38,9 @@ across machines or GPUs (inline bytes go through EngineCore's sockets; NCCL woul
 from __future__ import annotations
 
 import base64
+import contextlib
+import logging
+import os
 import pickle
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +59,10 @@ from loomrl.trainer.weight_group import Receiver
 from loomrl.trainer.weight_sync import Transport, WeightHandle, ipc_tensors, shm_views
 
 BACKEND = "loomrl_inline"
+FAILURE_FILE = "LOOMRL_VLLM_FAILURE_FILE"  # environment variable: where a worker writes the first error it logs
+# environment variable: the adapter's process, which sets both and writes nothing (what vLLM logs there, such as
+# EngineDeadError, is a consequence of a worker's failure, never its cause)
+FAILURE_FILE_OWNER = "LOOMRL_VLLM_FAILURE_FILE_OWNER"
 
 
 @dataclass
@@ -126,7 +138,39 @@ class InlineWeightEngine(WeightTransferEngine[InlineInit, InlineUpdate]):
 
 
 class WorkerExtension:
-    """Mixed into vLLM's worker class; importing this module is its job (the registration below)."""
+    """Mixed into vLLM's worker class: importing this module registers the weight-transfer engine and the failure
+    log (below); `loomrl_pid` is called through collective_rpc."""
+
+    def loomrl_pid(self) -> int:
+        """This worker's process id: the adapter watches it, to tell a killed worker from one that failed."""
+        return os.getpid()
+
+
+class FirstFailure(logging.Handler):
+    """Writes the first exception vLLM logs in this process (e.g. "WorkerProc hit an exception.", with the error a
+    model step raised) to the file FAILURE_FILE names, as one line: "Type: message". Later ones are its consequences
+    (the engine shutting down), so an existing file is kept; the adapter removes it after a failure it handled."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        path = os.environ.get(FAILURE_FILE)
+        err = record.exc_info[1] if record.exc_info else None
+        if not path or err is None or os.environ.get(FAILURE_FILE_OWNER) == str(os.getpid()):
+            return
+        lines = str(err).strip().splitlines()
+        draft = f"{path}.{os.getpid()}"
+        try:
+            with open(draft, "w") as f:
+                f.write(f"{type(err).__name__}: {lines[0] if lines else ''}")
+            os.link(draft, path)  # whole or not at all; FileExistsError: a failure is already recorded
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(draft)
+
+
+if not any(isinstance(h, FirstFailure) for h in logging.getLogger("vllm").handlers):  # once per process
+    logging.getLogger("vllm").addHandler(FirstFailure(logging.ERROR))  # vLLM's loggers propagate to "vllm"
 
 
 if BACKEND not in WeightTransferEngineFactory._registry:  # imported once per worker; guard a second import

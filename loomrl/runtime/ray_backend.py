@@ -45,6 +45,7 @@ from loomrl.reward.actor import RewardActor
 from loomrl.rollout.actor import RolloutActor
 from loomrl.rollout.worker import rollout_concurrency
 from loomrl.runtime.driver import Backend, BackendReport, RolloutLost, RunError, TrainerLost, TrainerState
+from loomrl.runtime.ray_resources import local_cluster, reserves, run_asks, shortfall
 from loomrl.trainer.actor import TrainerActor, TrainerRankActor
 from loomrl.trainer.ranks import RankLost
 from loomrl.trainer.service import PositionSet
@@ -123,6 +124,8 @@ class RayBackend(Backend):
         self.pids: dict[str, list[int | None]] = {}  # reward / env actors' processes at the start
         self.placement: dict[str, Any] = {}  # where the first actors ran
         self.owns_ray = False
+        self.local_cluster = cfg.ray.address is None  # one loomrl starts here, and shuts down at the end
+        self.asks = run_asks(cfg, env_actors=env_family(cfg.env.name).sandbox_use is not None)
         # runtime.weight_transport=broadcast: the trainer actor broadcasts each version to the engine actors (NCCL
         # between GPUs), nothing through the object store; an engine actor that dies then stops the run
         self.broadcast = cfg.runtime.weight_transport == "broadcast"
@@ -142,16 +145,28 @@ class RayBackend(Backend):
             env["PYTHONPATH"] = os.environ["PYTHONPATH"]
         kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}, "log_to_driver": False,
                                   "configure_logging": False}
-        if r.address is None:  # a one-machine cluster offering the resources the config asks for
-            need: dict[str, float] = {}
-            for spec, n in [(r.rollout, r.rollout.count), (r.trainer, self.cfg.trainer.world_size),
-                            (r.reward, r.reward.count), (r.env, r.env.count), (r.engine, r.engine.count)]:
-                add_into(need, {k: v * n for k, v in spec.resources.items()})
-            kwargs.update(include_dashboard=False, resources=need or None)
+        if self.local_cluster:  # a one-machine cluster offering the CPUs and resources the run asks for
+            cpus, custom = local_cluster(self.asks, os.cpu_count() or 1)
+            if cpus > (os.cpu_count() or 1):
+                log.info("ray: the actors reserve %d CPUs; the one-machine cluster offers them on %d cores", cpus,
+                         os.cpu_count() or 1)
+            kwargs.update(include_dashboard=False, num_cpus=cpus, resources=custom or None)
         # "local": always a new one-machine cluster; plain None would join a cluster found running
         # (RAY_ADDRESS, or the last one started on this machine)
         self.ray.init(address=r.address or "local", **kwargs)
         self.owns_ray = True
+
+    def _cluster(self) -> str:
+        """The cluster as the user knows it, for messages."""
+        return "this machine's one-node Ray (started by loomrl)" if self.local_cluster else \
+            f"the Ray cluster at {self.cfg.ray.address}"
+
+    def _check_cluster(self) -> None:
+        """Stop at once when the cluster cannot hold the run's actors (runtime/ray_resources.py)."""
+        nodes = [n["Resources"] for n in self.ray.nodes() if n["Alive"]]
+        why = shortfall(self.asks, self.ray.cluster_resources(), nodes, self._cluster())
+        if why is not None:
+            raise RunError(why)
 
     def _new_rollout_actor(self) -> WorkerSlot:
         r = self.cfg.ray
@@ -187,6 +202,7 @@ class RayBackend(Backend):
 
     async def start(self) -> None:
         self._init_ray()
+        self._check_cluster()
         r = self.cfg.ray
         reward = self._actor(RewardActor, r.reward, max_concurrency=1000, max_restarts=r.reward.max_restarts,
                              max_task_retries=r.max_reward_attempts - 1)
@@ -243,7 +259,7 @@ class RayBackend(Backend):
         """A placement group with one bundle per trainer rank (ray.trainer_placement), so that all
         ranks are placed together or not at all; none when a rank asks for nothing to reserve."""
         spec, world = self.cfg.ray.trainer, self.cfg.trainer.world_size
-        bundle = {k: v for k, v in {"CPU": spec.num_cpus, "GPU": spec.num_gpus, **spec.resources}.items() if v}
+        bundle = reserves(spec)
         if not bundle:
             return
         from ray.util.placement_group import placement_group
@@ -252,9 +268,12 @@ class RayBackend(Backend):
         try:
             await asyncio.wait_for(self.trainer_group.ready(), timeout=self.cfg.ray.placement_timeout_s)
         except TimeoutError:
-            raise RunError(f"run error: the cluster cannot place {world} trainer rank(s) of {bundle} "
-                           f"({self.cfg.ray.trainer_placement}) within {self.cfg.ray.placement_timeout_s:.0f}s; "
-                           "check ray.trainer and the nodes' resources (`ray status`)") from None
+            # the cluster has enough in all (_check_cluster): other actors or jobs hold what the ranks need
+            total = self.ray.cluster_resources()
+            held = "; `ray status` on the cluster shows what is in use" if not self.local_cluster else ""
+            raise RunError(f"run error: {self._cluster()} could not place {world} trainer rank(s) of {bundle} "
+                           f"({self.cfg.ray.trainer_placement}) within {self.cfg.ray.placement_timeout_s:.0f}s, though "
+                           f"it has { {k: total.get(k, 0.0) for k in bundle} } in all; check ray.trainer{held}") from None
         self.placement["trainer_bundles"] = [bundle] * world
 
     def _trainer_options(self, rank: int) -> dict[str, Any]:

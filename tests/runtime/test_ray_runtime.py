@@ -535,16 +535,20 @@ def test_a_rollout_actor_that_cannot_start_stops_the_run_with_the_cause(cluster,
 
 @pytest.mark.ray
 def test_a_trainer_the_cluster_cannot_place_stops_the_run_with_what_is_missing(cluster, tmp_path):
-    """The trainer ranks are reserved as one placement group: asking for more than the cluster has
-    stops the run after ray.placement_timeout_s with the bundle it could not place."""
+    """Two trainer ranks of {trainer: 1} on a cluster with one: the run stops before any actor is made (it used to
+    wait ray.placement_timeout_s for the ranks' placement group), with what it asks, what the cluster has and the
+    setting to lower."""
+    t0 = time.time()
     proc = _train(cluster, tmp_path, "noplace", "trainer.total_steps=1", "trainer.world_size=2",
                   "ray.trainer.resources={trainer: 1}", "ray.trainer_placement=STRICT_PACK",
-                  "ray.placement_timeout_s=3")
+                  "ray.placement_timeout_s=60")
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 2, out[-3000:]
     said = [line for line in out.splitlines() if line.startswith("run error:")]
-    assert said == ["run error: the cluster cannot place 2 trainer rank(s) of {'trainer': 1.0} (STRICT_PACK) "
-                    "within 3s; check ray.trainer and the nodes' resources (`ray status`)"], out[-3000:]
+    assert said == ["run error: the run asks Ray for {rollout: 2, trainer: 2} in all (ray.rollout 2 x {rollout: 1}, "
+                    "ray.trainer 2 x {trainer: 1}), but the Ray cluster at " + cluster["address"] + " has "
+                    "{rollout: 2, trainer: 1}; lower ray.trainer.resources.trainer, or trainer.world_size"], out[-3000:]
+    assert time.time() - t0 < 50
 
 
 @pytest.mark.ray

@@ -1,0 +1,100 @@
+"""What a run asks of a Ray cluster, and whether the cluster has it: checked once, before any actor is made, so that
+a run the cluster cannot place stops at once with one line (what is asked, what the cluster has, the setting to
+change) instead of waiting ray.placement_timeout_s for a placement group that can never be ready.
+
+What is checked: the sum over all actors alive at once (rollout, trainer ranks, reward, env, engine) against the
+cluster's totals, each resource on its own; one actor's (or bundle's) ask against the largest node; a STRICT_PACK
+trainer's ranks together against one node. What is not: resources other jobs hold (the placement wait still covers
+those), and STRICT_SPREAD's one-node-per-rank rule.
+
+Nothing here imports ray: the backend passes the cluster's numbers in (ray.cluster_resources(), ray.nodes()).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from loomrl.config import Placement, RunConfig
+
+
+@dataclass(slots=True, kw_only=True)
+class Ask:
+    """`count` actors of one kind, each reserving `each` (Ray's names: CPU, GPU, custom resources)."""
+
+    setting: str  # the config section: ray.rollout, ray.trainer, ...
+    count: int
+    each: dict[str, float]
+    together: bool = False  # all `count` on one node (a STRICT_PACK placement group)
+
+
+def reserves(spec: Placement) -> dict[str, float]:
+    """What one actor of `spec` reserves, as Ray names it; zero amounts left out (Ray reserves nothing for them)."""
+    return {k: v for k, v in {"CPU": spec.num_cpus, "GPU": spec.num_gpus, **spec.resources}.items() if v}
+
+
+def run_asks(cfg: RunConfig, env_actors: bool) -> list[Ask]:
+    """The actors a Ray run keeps alive at once (runtime/ray_backend.py makes them); `env_actors`: whether the env
+    family uses sandboxes (else ray.env.count is ignored)."""
+    r = cfg.ray
+    return [Ask(setting="ray.rollout", count=r.rollout.count, each=reserves(r.rollout)),
+            Ask(setting="ray.trainer", count=cfg.trainer.world_size, each=reserves(r.trainer),
+                together=r.trainer_placement == "STRICT_PACK"),
+            Ask(setting="ray.reward", count=r.reward.count, each=reserves(r.reward)),
+            Ask(setting="ray.env", count=r.env.count if env_actors else 0, each=reserves(r.env)),
+            Ask(setting="ray.engine", count=r.engine.count, each=reserves(r.engine))]
+
+
+def total_ask(asks: list[Ask]) -> dict[str, float]:
+    """What all the asks reserve together."""
+    out: dict[str, float] = {}
+    for a in asks:
+        for k, v in a.each.items() if a.count else ():
+            out[k] = out.get(k, 0.0) + v * a.count
+    return out
+
+
+def local_cluster(asks: list[Ask], cores: int) -> tuple[int, dict[str, float]]:
+    """What a one-machine cluster loomrl starts offers: CPUs for every actor (at least the machine's cores; Ray's CPUs
+    are reservations, and actors run engine.threads / trainer.threads torch threads each) and the custom resources
+    asked for. GPUs are not offered beyond the machine's (Ray counts them; the check then says what is missing)."""
+    need = total_ask(asks)
+    return max(cores, math.ceil(need.get("CPU", 0.0))), {k: v for k, v in need.items() if k not in ("CPU", "GPU")}
+
+
+def _fmt(resources: dict[str, float]) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(resources.items())) + "}"
+
+
+def _change(asks: list[Ask], key: str) -> str:
+    """The fields to lower when the cluster lacks `key`: what each actor asks, or how many there are."""
+    field = {"CPU": "num_cpus", "GPU": "num_gpus"}.get(key, f"resources.{key}")
+    askers = [a for a in asks if key in a.each and a.count]
+    each = " or ".join(f"{a.setting}.{field}" for a in askers)
+    counts = " or ".join("trainer.world_size" if a.setting == "ray.trainer" else f"{a.setting}.count" for a in askers)
+    return f"lower {each}{' (0 shares the cores)' if key == 'CPU' else ''}, or {counts}"
+
+
+def shortfall(asks: list[Ask], total: dict[str, float], nodes: list[dict[str, float]], where: str) -> str | None:
+    """One line, when the cluster cannot place the run: what is asked, what `where` (the cluster, as a user would
+    call it) has, and which setting to change; None when it fits."""
+    eps = 1e-9
+    need = total_ask(asks)
+    short = {k: v for k, v in need.items() if v > total.get(k, 0.0) + eps}
+    if short:
+        by_kind = ", ".join(f"{a.setting} {a.count} x {_fmt(a.each)}" for a in asks if a.count and a.each)
+        has = _fmt({k: total.get(k, 0.0) for k in need})
+        change = "; ".join(_change(asks, k) for k in short)
+        return (f"run error: the run asks Ray for {_fmt(need)} in all ({by_kind}), but {where} has {has}; "
+                f"{change}")
+    for a in asks:
+        if not a.count or not a.each:
+            continue
+        one = {k: v * (a.count if a.together else 1) for k, v in a.each.items()}
+        if not any(all(v <= node.get(k, 0.0) + eps for k, v in one.items()) for node in nodes):
+            what = f"{a.count} ranks together (STRICT_PACK) need" if a.together else "one actor needs"
+            biggest = [_fmt({k: node.get(k, 0.0) for k in one}) for node in nodes]
+            return (f"run error: {a.setting}: {what} {_fmt(one)}, but no node of {where} has that (its nodes: "
+                    f"{', '.join(biggest)}); lower {a.setting}'s num_cpus, num_gpus or resources"
+                    + (", or use ray.trainer_placement=PACK" if a.together else ""))
+    return None

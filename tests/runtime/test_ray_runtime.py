@@ -107,13 +107,14 @@ def cluster():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _train(cluster, tmp_path, name: str, *overrides: str) -> subprocess.Popen:
+def _train(cluster, tmp_path, name: str, *overrides: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     args = [sys.executable, "-m", "loomrl.cli", "train", str(RECIPE), f"output_dir={tmp_path}", f"name={name}",
             "progress=false", "reward.function=rewards_for_tests:parity_reward", "eval.n_tasks=0",
             "runtime.backend=ray", f"ray.address={cluster['address']}", "ray.rollout.count=2",
             "ray.rollout.num_cpus=0", "ray.trainer.num_cpus=0",
             "ray.rollout.resources={rollout: 1}", "ray.trainer.resources={trainer: 1}", *overrides]
-    return subprocess.Popen(args, env=cluster["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(args, env={**cluster["env"], **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
 
 
 def _finish_with(proc: subprocess.Popen, chaos, timeout_s: float) -> dict:
@@ -522,14 +523,15 @@ def test_a_broadcast_run_on_engine_actors_trains_survives_its_trainer_and_stops_
 
 @pytest.mark.ray
 def test_a_rollout_actor_that_cannot_start_stops_the_run_with_the_cause(cluster, tmp_path):
-    """A constructor that raises (here: a reward function that does not exist) would raise in every
-    fresh actor: the run stops at once and says why, instead of replacing actors until its budget ends."""
+    """A constructor that raises (here: a reward module that imports where the run starts but not in the actors,
+    as one whose package the rollout nodes lack) would raise in every fresh actor: the run stops at once and says
+    why, instead of replacing actors until its budget ends."""
     t0 = time.time()
     proc = _train(cluster, tmp_path, "nostart", "trainer.total_steps=2",
-                  "reward.function=rewards_for_tests:no_such_reward")
+                  "reward.function=rewards_driver_only:parity_reward", env={"LOOMRL_TEST_DRIVER": "1"})
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0
-    assert "failed to start" in out and "no_such_reward" in out, out[-3000:]
+    assert "failed to start" in out and "no_such_package" in out, out[-3000:]
     assert time.time() - t0 < 120
 
 

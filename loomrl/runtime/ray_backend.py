@@ -251,7 +251,9 @@ class RayBackend(Backend):
         try:
             return await ref
         except self.ray.exceptions.RayActorError as err:
-            raise TrainerLost(str(err).splitlines()[0]) from None
+            # a constructor that raised: its cause is at the end of Ray's message, which begins with where it ran
+            lines = str(err).strip().splitlines()
+            raise TrainerLost("\n".join(lines[-3:]) if constructor_failed(err) else lines[0]) from None
         except RankLost as err:  # another trainer rank died or failed: all ranks restart
             raise TrainerLost(str(err).splitlines()[-1]) from None
 

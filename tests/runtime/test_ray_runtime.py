@@ -658,3 +658,19 @@ def test_fsdp_ranks_restart_together_from_their_sharded_checkpoint(cluster, tmp_
     assert (run_dir / "checkpoints" / f"step_{steps:06d}" / "optimizer").is_dir()  # written in parts
     check_run(run_dir, summary, steps)
     check_each_trajectory_once(run_dir, steps)
+
+
+@pytest.mark.ray
+def test_a_trainer_that_cannot_start_says_why(cluster, tmp_path):
+    """A model folder whose config names no architecture transformers knows: the trainer actor's constructor
+    raises, and the run stops with the constructor's own error, not only Ray's line saying where it ran."""
+    from loomrl.config import ModelConfig
+    from loomrl.model.loader import load_tokenizer
+
+    broken = tmp_path / "broken-model"
+    load_tokenizer(ModelConfig(kind="tiny")).save_pretrained(broken)  # the tokenizer loads; the model cannot
+    (broken / "config.json").write_text('{"model_type": "no_such_architecture"}')
+    proc = _train(cluster, tmp_path, "notrainer", "trainer.total_steps=2", "model.kind=hf", f"model.path={broken}")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 2 and "Traceback (most recent call last)" not in out.split("run error:")[-1]
+    assert "the trainer failed to start" in out and "no_such_architecture" in out.split("run error:")[-1], out[-3000:]

@@ -190,6 +190,14 @@ class CalculatorConfig(_Section):
     few_shot: Literal["none", "bare", "word", "distract"] = "word"  # worked examples shown before the task
 
 
+class GymConfig(_Section):
+    """env.name=gym only."""
+
+    # game: two moves of the same game, played on a real env, shown before the task (Blackjack: two one-move hands);
+    # SmolLM2-135M replies with no valid move without them (loomrl/env/tasks/gym_text.py)
+    few_shot: Literal["none", "game"] = "none"
+
+
 class EnvConfig(_Section):
     name: Literal["calculator", "codefix", "gym"] = "calculator"
     # task families: calculator (default add, sub, mul), codefix bug families, or gym games
@@ -212,6 +220,7 @@ class EnvConfig(_Section):
     sandbox_max_failures: int = Field(5, gt=0)
     tool_timeout_s: float = Field(5.0, gt=0.0)  # a tool call (calculator) or command (codefix) runs at most this
     calculator: CalculatorConfig = Field(default_factory=CalculatorConfig)
+    gym: GymConfig = Field(default_factory=GymConfig)
 
 
 class ContextConfig(_Section):
@@ -230,7 +239,8 @@ class AgentConfig(_Section):
     files: list[str] = Field(default_factory=list)  # blackbox: files copied into its workdir (recipe-relative)
     max_turns: int = Field(4, gt=0)  # blackbox: the call budget
     max_context_tokens: int = Field(1024, gt=0)
-    trajectory_timeout_s: float = Field(300.0, gt=0.0)  # blackbox: the program's wall-clock budget
+    # wall-clock budget of an episode (white-box: every turn, queueing for the engine included) or a black-box program
+    trajectory_timeout_s: float = Field(300.0, gt=0.0)
     context: ContextConfig = Field(default_factory=ContextConfig)  # whitebox only
     # blackbox: the program may report its own reward (POST /v1/reward); it is used instead of the
     # task's verifier. Only for tasks whose programs can be trusted to judge themselves.
@@ -482,6 +492,7 @@ class EvalConfig(_Section):
     temperature: float = Field(0.0, ge=0.0)
     # Episodes evaluated at once (0: all of them, within runtime.max_inflight_trajectories). Black-box agents are
     # programs of their own: on a small machine, hundreds at once share its cores and run past agent.trajectory_timeout_s.
+    # Long white-box episodes do too: 134 of 200 gym episodes of up to 12 turns, all in flight on 2 cores.
     max_inflight: int = Field(0, ge=0)
 
 

@@ -188,7 +188,8 @@ FAMILIES: dict[str, EnvFamily] = {
                             lambda text: _task_attr("calculator", "parse_final_answer")(text), check=_calc_check),
     "codefix": EnvFamily("codefix", _codefix_splits, _codefix_env, lambda cfg: _task_attr("codefix", "codefix_reward"),
                          "episode", check=lambda cfg: _task_attr("codefix", "codefix_specs")(cfg.env.families)),
-    "gym": EnvFamily("gym", _gym_splits, lambda cfg, pool, rng: _task_attr("gym_text", "GymTextEnv")(),
+    "gym": EnvFamily("gym", _gym_splits,
+                     lambda cfg, pool, rng: _task_attr("gym_text", "GymTextEnv")(few_shot=cfg.env.gym.few_shot),
                      lambda cfg: _task_attr("gym_text", "gym_reward"), None,
                      check=lambda cfg: _task_attr("gym_text", "check_games")(cfg.env.families or [])),
 }

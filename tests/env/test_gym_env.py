@@ -15,6 +15,7 @@ from loomrl.env.tasks.gym_text import (
     gym_reward,
     make_gym_splits,
     parse_action,
+    worked_example,
 )
 from loomrl.types import RolloutStatus, Task, Trajectory, Turn
 
@@ -189,6 +190,27 @@ def test_splits_are_disjoint_reproducible_and_match_reset():
     assert make_gym_splits(games, 12, 8, seed=6)[0][1].data != train[1].data
 
 
+@pytest.mark.parametrize("game", sorted(GYM_GAMES))
+def test_worked_example_is_a_real_game_shown_before_the_task(game):
+    """few_shot="game": state, move, the env's own next state, move; then the task's state, as without it."""
+    shots = worked_example(GYM_GAMES[game])
+    assert [m["role"] for m in shots] == ["user", "assistant", "user", "assistant"]
+    moves = [m["content"] for m in shots[1::2]]
+    assert all(parse_action(m, GYM_GAMES[game].actions)[0] for m in moves)
+    follows = shots[2]["content"]  # the env's answer to the first move, or (Blackjack) the next hand
+    assert follows.startswith(f"You played {moves[0][5:-1]}; reward ") or (game == "blackjack" and "sum is" in follows)
+    if game == "blackjack":
+        assert sorted(moves) == ["move(hit)", "move(stick)"]  # each action shown once
+    task = _task(game, episode_seed=3)
+    plain = asyncio.run(GymTextEnv().reset(task)).messages
+    shown = asyncio.run(GymTextEnv(few_shot="game").reset(task)).messages
+    assert shown == [plain[0], *shots, plain[1]]
+    if game.startswith("frozenlake"):  # a map of its own, so the fixed task map's route is not shown
+        assert shots[0]["content"].split("\nYou")[0] != plain[1]["content"].split("\nYou")[0]
+    if game == "taxi":  # the moves shown are the way on (a shortest delivery starts with them)
+        assert _taxi_route(GYM_GAMES["taxi"].example[0].seed)[:2] == ["east", "south"]
+
+
 def test_unknown_game_is_a_config_error():
     with pytest.raises(ConfigError) as err:
         generate_gym_tasks(["chess"], 1, 0, "train")
@@ -196,13 +218,31 @@ def test_unknown_game_is_a_config_error():
                               "cliffwalking, frozenlake, frozenlake_random, taxi")
 
 
-def test_gym_reward_reads_return_and_success():
+def test_gym_reward_reads_success():
     _, steps = _play(_task("cliffwalking"), ["up"] + ["right"] * 11 + ["down"])
     traj = Trajectory(task_id="t", trajectory_id="x", group_id="g",
                       turns=[Turn(reward_step=s.reward, done=s.done) for s in steps],
                       final_answer=steps[-1].info["final_answer"])
-    assert gym_reward(traj, _task("cliffwalking")) == {"correct": 1.0, "return": pytest.approx(-0.13)}
+    assert gym_reward(traj, _task("cliffwalking")) == {"correct": 1.0}  # the return (-13) is not rewarded
     traj.final_answer = None  # cut off by the agent loop before the game ended
-    assert gym_reward(traj, _task("cliffwalking"))["correct"] == 0.0
+    assert gym_reward(traj, _task("cliffwalking")) == {"correct": 0.0}
     traj.status = RolloutStatus.ENV_ERROR
-    assert gym_reward(traj, _task("cliffwalking")) == {"correct": 0.0, "return": 0.0}
+    assert gym_reward(traj, _task("cliffwalking")) == {"correct": 0.0}
+
+
+def test_forfeiting_never_scores_above_playing_and_losing():
+    """GRPO normalises rewards by the group's std, so a 0.01 "tie-breaker" is a full advantage in a group that all
+    failed. A game's return (Blackjack -1 for a loss, Taxi and CliffWalking -1 a step) must then not rank three
+    invalid replies, which never step the game, above playing it: SmolLM2 learned to forfeit blackjack (training
+    success 0.17 -> 0.03 in 3 steps) while the return was part of the reward."""
+    def total(task: Task, actions: list[str]) -> float:
+        _, steps = _play(task, actions)
+        traj = Trajectory(task_id="t", trajectory_id="x", group_id="g", final_answer=steps[-1].info["final_answer"],
+                          turns=[Turn(reward_step=s.reward, done=s.done) for s in steps])
+        return sum(gym_reward(traj, task).values())
+
+    lost = next(t for seed in range(50) if _play(t := _task("blackjack", seed), ["stick"])[1][-1].reward < 0)
+    forfeit = total(lost, ["no idea"] * 3)
+    assert forfeit <= total(lost, ["stick"])
+    taxi = _task("taxi", 3)
+    assert total(taxi, ["no idea"] * 3) <= total(taxi, ["north", "west", "no idea", "no idea", "no idea"])

@@ -19,10 +19,18 @@ actions are not tried, so what is played is always what the model put first. An 
 step the game and is answered with an error listing the legal actions; `max_invalid` (3) invalid replies
 in a row end the episode (info["invalid_limit"]).
 
+Worked examples (few_shot="game", off by default): before the task, two moves of the same game are shown as
+earlier chat turns (GymGame.example): a state, `move(...)`, the state that move led to, `move(...)`; for Blackjack
+two one-move hands. They are played on a real env, so their text is exactly what the env shows. A 135M model
+needs them to reply with an action at all: without them SmolLM2-135M-Instruct made no valid move in 200 greedy
+episodes (40 of each game) and in 188 of 200 sampled at temperature 1, and won none. The FrozenLake example is on a
+map of its own; CliffWalking has one start, so its example shows the first two moves of the task itself (up,
+right), as any example of that game would.
+
 Rewards: each step's reward is the game's own (FrozenLake 1 at the goal; Taxi -1 a step, +20 delivered,
 -10 bad pickup/dropoff; CliffWalking -1 a step, -100 into the cliff; Blackjack +1/0/-1), 0 for an
-invalid reply. Success: FrozenLake and CliffWalking reached the goal, Taxi delivered the passenger,
-Blackjack won. An episode ends when the game terminates or its step budget (GymGame.max_steps, enforced
+invalid reply; they are shown to the agent, and the reward is success alone (gym_reward says why). Success:
+FrozenLake and CliffWalking reached the goal, Taxi delivered the passenger, Blackjack won. An episode ends when the game terminates or its step budget (GymGame.max_steps, enforced
 by gymnasium's TimeLimit) runs out; its last info carries final_answer "success" or "failure", which
 the agent loop copies to Trajectory.final_answer for gym_reward.
 """
@@ -92,6 +100,15 @@ def _render_blackjack(env: gym.Env, obs: tuple[int, int, int]) -> str:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class WorkedGame:
+    """A worked example: the game started from `seed` (with `make_kwargs`, else the game's own), then `actions`."""
+
+    seed: int
+    actions: tuple[str, ...]
+    make_kwargs: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class GymGame:
     gym_id: str
     rules: str
@@ -102,6 +119,7 @@ class GymGame:
     # Given the last reward of a terminated episode; by default, won when it is positive.
     success: Callable[[float], bool] = lambda reward: reward > 0
     ansi: bool = True  # made with render_mode="ansi"
+    example: tuple[WorkedGame, ...] = ()  # shown before the task with few_shot="game", one after the other
 
     @property
     def legal(self) -> str:
@@ -113,7 +131,10 @@ _FROZENLAKE = GymGame(
     rules="You walk on a frozen lake from the start S to the goal G. F is safe ice; H is a hole, and stepping "
           "into it ends the game. @ marks where you are. Walking into the edge leaves you in place. The ice is "
           "not slippery: you always move where you choose. Reaching G gives reward 1; every other step gives 0.",
-    actions={"left": 0, "down": 1, "right": 2, "up": 3}, max_steps=20, render=_render_frozenlake)
+    actions={"left": 0, "down": 1, "right": 2, "up": 3}, max_steps=20, render=_render_frozenlake,
+    # a map of its own (not the fixed task map): down, then right, both onto safe ice
+    example=(WorkedGame(seed=0, actions=("down", "right"),
+                        make_kwargs={"desc": ["SFFF", "FFHF", "HFFF", "FHFG"], "is_slippery": False}),))
 
 GYM_GAMES: dict[str, GymGame] = {
     "frozenlake": _FROZENLAKE,
@@ -127,7 +148,9 @@ GYM_GAMES: dict[str, GymGame] = {
               "the destination and dropoff. Each step costs -1, delivering the passenger gives +20 and ends "
               "the game, and a pickup or dropoff at the wrong place costs -10.",
         actions={"south": 0, "north": 1, "east": 2, "west": 3, "pickup": 4, "dropoff": 5}, max_steps=40,
-        render=_render_taxi),
+        render=_render_taxi,
+        # the taxi at row 3, column 3 and the passenger at B (row 5, column 4): east, then south (the way on)
+        example=(WorkedGame(seed=1, actions=("east", "south")),)),
     "cliffwalking": GymGame(
         gym_id=_registered("CliffWalking-v1", "CliffWalking-v0"),
         rules="You walk on a 4x12 grid from the start at the bottom left to the goal T at the bottom right. "
@@ -135,7 +158,8 @@ GYM_GAMES: dict[str, GymGame] = {
               "sends you back to the start. Walking into the edge leaves you in place. Each step costs -1; "
               "the game ends when you reach T.",
         actions={"up": 0, "right": 1, "down": 2, "left": 3}, max_steps=30, render=_render_cliffwalking,
-        success=lambda reward: True),  # it terminates only at the goal (the cliff sends you back to the start)
+        success=lambda reward: True,  # it terminates only at the goal (the cliff sends you back to the start)
+        example=(WorkedGame(seed=0, actions=("up", "right")),)),
     "blackjack": GymGame(
         gym_id="Blackjack-v1",
         rules="You play one hand of blackjack against the dealer. Number cards count their value, face cards "
@@ -143,7 +167,11 @@ GYM_GAMES: dict[str, GymGame] = {
               "another card; going over 21 loses at once. stick ends your turn: the dealer then draws until "
               "reaching 17 or more, and whoever is closer to 21 wins. Win +1, draw 0, loss -1.",
         actions={"stick": 0, "hit": 1}, max_steps=10, render=_render_blackjack,
-        ansi=False),  # Blackjack renders only to pixels
+        ansi=False,  # Blackjack renders only to pixels
+        # two hands, each action once where it is the right play: stick on 20 against a 9, hit on 10 against a 10.
+        # SmolLM2 copies the last move shown whatever its hand: after one hand of hit-then-stick it chose hit
+        # with probability 0.12-0.15 for every sum from 6 to 20, after these two 0.36-0.51.
+        example=(WorkedGame(seed=41, actions=("stick",)), WorkedGame(seed=20, actions=("hit",)))),
 }
 
 
@@ -160,10 +188,11 @@ def _game(name: str) -> GymGame:
     return GYM_GAMES[name]
 
 
-def _start(game: GymGame, episode_seed: int) -> tuple[gym.Env, Any]:
+def _start(game: GymGame, episode_seed: int, make_kwargs: dict[str, Any] | None = None) -> tuple[gym.Env, Any]:
     """A fresh gymnasium env reset with the episode seed, and its first observation."""
+    kwargs = game.make_kwargs(episode_seed) if make_kwargs is None else make_kwargs
     env = gym.make(game.gym_id, render_mode="ansi" if game.ansi else None,
-                   max_episode_steps=game.max_steps, **game.make_kwargs(episode_seed))
+                   max_episode_steps=game.max_steps, **kwargs)
     obs, _ = env.reset(seed=episode_seed)
     return env, obs
 
@@ -178,6 +207,27 @@ def system_prompt(game: GymGame) -> str:
 
 def _state_message(game: GymGame, env: gym.Env, obs: Any) -> str:
     return f"{game.render(env, obs)}\nLegal actions: {game.legal}."
+
+
+def _after_move(game: GymGame, env: gym.Env, name: str, reward: float, obs: Any) -> str:
+    return f"You played {name}; reward {reward:g}.\n{_state_message(game, env, obs)}"
+
+
+def worked_example(game: GymGame) -> list[dict[str, str]]:
+    """The game's worked examples as chat turns: a state, a move, the state it led to, a move... (module docstring)."""
+    messages = []
+    for ex in game.example:
+        env, obs = _start(game, ex.seed, ex.make_kwargs)
+        messages.append(_user(_state_message(game, env, obs)))
+        for i, name in enumerate(ex.actions):
+            messages.append({"role": "assistant", "content": f"move({name})"})
+            if i + 1 < len(ex.actions):
+                obs, reward, terminated, truncated, _ = env.step(game.actions[name])
+                if terminated or truncated:
+                    raise ValueError(f"the worked example of {game.gym_id} ends before its move {i + 2}")
+                messages.append(_user(_after_move(game, env, name, float(reward), obs)))
+        env.close()
+    return messages
 
 
 def _normalize(word: str) -> str:
@@ -248,8 +298,9 @@ class GymTextEnv(Env):
 
     version = ENV_VERSION
 
-    def __init__(self, *, max_invalid: int = 3):
+    def __init__(self, *, max_invalid: int = 3, few_shot: str = "none"):
         self.max_invalid = max_invalid
+        self.few_shot = few_shot  # "none" or "game": a worked example of the game before the task
         self._env: gym.Env | None = None
         self._game: GymGame | None = None
         self._return = 0.0
@@ -260,7 +311,8 @@ class GymTextEnv(Env):
         self._game = _game(task.data["game"])
         self._env, obs = _start(self._game, int(task.data["episode_seed"]))
         self._return, self._invalid = 0.0, 0
-        return Observation(messages=[{"role": "system", "content": system_prompt(self._game)},
+        shots = worked_example(self._game) if self.few_shot == "game" else []
+        return Observation(messages=[{"role": "system", "content": system_prompt(self._game)}, *shots,
                                      _user(_state_message(self._game, self._env, obs))])
 
     async def step(self, action: str) -> StepResult:
@@ -278,7 +330,7 @@ class GymTextEnv(Env):
         if terminated or truncated:
             info["final_answer"] = SUCCESS if success else FAILURE
             return StepResult(observation=[], reward=reward, done=True, info=info)
-        text = f"You played {name}; reward {reward:g}.\n{_state_message(self._game, self._env, obs)}"
+        text = _after_move(self._game, self._env, name, reward, obs)
         return StepResult(observation=[_user(text)], reward=reward, info=info)
 
     def _invalid_step(self, error: str) -> StepResult:
@@ -303,18 +355,15 @@ class GymTextEnv(Env):
         self._env = None
 
 
-RETURN_WEIGHT = 0.01  # the game's return only breaks ties between equally (un)successful episodes
-
-
 def gym_reward(traj: Trajectory, task: Task) -> dict[str, float]:
-    """Reward components; the total is their sum.
+    """correct: 1.0 when the episode ended won, read from Trajectory.final_answer (the agent loop copies it from
+    the last step's info); a trajectory cut off before the game ended has none and scores 0.
 
-    correct: 1.0 when the episode ended won, read from Trajectory.final_answer (the agent loop copies
-    it from the last step's info); a trajectory cut off before the game ended has none and scores 0.
-    return: the sum of the turns' step rewards times RETURN_WEIGHT. Taxi and CliffWalking returns are
-    mostly negative and can reach -100s; unweighted they would swamp the success term.
+    The game's return is not part of the reward. It once was, weighted 0.01 to break ties, but GRPO divides by
+    the group's std, so in a group where nothing was won the tie-breaker was the whole signal, and it ranked
+    three invalid replies (no game step, return 0) above playing: a lost hand of Blackjack (-1), any move in Taxi
+    or CliffWalking (-1 a step). SmolLM2 learned to forfeit blackjack within three steps.
     """
     if traj.status in (RolloutStatus.ENV_ERROR, RolloutStatus.TIMEOUT):
-        return {"correct": 0.0, "return": 0.0}  # the env failed; nothing to credit (and not trained on)
-    return {"correct": 1.0 if traj.final_answer == task.answer else 0.0,
-            "return": RETURN_WEIGHT * float(sum(t.reward_step for t in traj.turns))}
+        return {"correct": 0.0}  # the env failed; nothing to credit (and not trained on)
+    return {"correct": 1.0 if traj.final_answer == task.answer else 0.0}

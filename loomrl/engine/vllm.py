@@ -78,6 +78,7 @@ from loomrl.engine.base import (
     SamplingParams,
     refuse_request,
 )
+from loomrl.engine.vllm_contract import check_vllm
 from loomrl.engine.vllm_memory import KVCachePlan, Memory, Watch, first_failure, oom_kills, plan_kv_cache
 from loomrl.engine.vllm_weights import LoadState, checked_weights, parameter_shapes, to_wire, weight_buckets
 from loomrl.model.loader import ModelLoadError
@@ -136,9 +137,7 @@ def _import_vllm() -> None:
         if err.name != "vllm":
             raise
         raise EngineFault(f"engine.kind=vllm: {VLLM_MISSING}") from None
-    import vllm.distributed.weight_transfer.base  # noqa: F401 - a vLLM without these is too old: its own error
-    import vllm.engine.arg_utils  # noqa: F401
-    import vllm.v1.engine.async_llm  # noqa: F401
+    check_vllm()  # every internal the adapter and its worker half use (engine/vllm_contract.py): imports them too
 
 
 @contextlib.contextmanager

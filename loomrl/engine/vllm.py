@@ -82,7 +82,8 @@ from loomrl.engine.vllm_contract import check_vllm
 from loomrl.engine.vllm_memory import KVCachePlan, Memory, Watch, first_failure, oom_kills, plan_kv_cache
 from loomrl.engine.vllm_weights import LoadState, checked_weights, parameter_shapes, to_wire, weight_buckets
 from loomrl.model.loader import ModelLoadError
-from loomrl.trainer.weight_sync import Transport, WeightHandle, shm_views
+from loomrl.weights.handle import Transport, WeightHandle
+from loomrl.weights.shm import shm_views
 
 log = logging.getLogger(__name__)
 
@@ -116,15 +117,6 @@ def served_model(model: Any, tokenizer: Any) -> ServedModel:
     tokenizer.save_pretrained(folder)
     return ServedModel(folder=folder, name=f"{type(model).__name__} saved to {folder}", shapes=shapes, aliases=aliases,
                        owned=True)
-
-
-def engine_dtype(name: str, model_dtype: str) -> str:
-    """engine.vllm.dtype resolved: auto is model.dtype when set, else bfloat16 with CUDA, float32 without."""
-    if name != "auto":
-        return name
-    if model_dtype != "auto":
-        return model_dtype
-    return "bfloat16" if torch.cuda.is_available() else "float32"
 
 
 def _import_vllm() -> None:

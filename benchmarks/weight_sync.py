@@ -1,4 +1,4 @@
-"""Weight sync transports (loomrl/trainer/weight_sync.py): how long new weights take to go from the
+"""Weight sync transports (loomrl/weights/): how long new weights take to go from the
 trainer to an engine in another process, per transport and model size.
 
 Sizes: the tests' tiny Llama (~3.2M parameters), a ~31M one, and SmolLM2-135M's shapes (~134M). The
@@ -45,13 +45,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, report  # noqa: E402
 
-from loomrl.trainer.weight_sync import (  # noqa: E402
-    Transport,
-    WeightHandle,
-    WeightPublisher,
-    load_weights,
-    make_publisher,
-)
+from loomrl.weights.handle import Transport, WeightHandle, WeightPublisher  # noqa: E402
+from loomrl.weights.transports import load_weights, make_publisher
 
 # Transfers left out of the medians: the shm publisher's segments (2 kept + 1 spare) are all made by
 # then, and later versions rewrite them, as in a run.

@@ -411,7 +411,7 @@ class RuntimeConfig(_Section):
     # rule (sync: a step's groups; async: the groups within buffer.max_policy_lag). Whole groups count.
     # backend=ray: per rollout actor.
     max_inflight_trajectories: int = Field(0, ge=0)
-    # async (local): how new weights go from the trainer process to the engine (trainer/weight_sync.py;
+    # async (local): how new weights go from the trainer process to the engine (weights/;
     # benchmarks/weight_sync.py: shm ~6x faster than pickling through the queue for SmolLM2-135M). engine.kind=vllm
     # reads shm in its worker process. cuda_ipc: trainer and engine on one GPU, the weights never leave it
     # broadcast: over a process group of the trainer and the engine's workers (engine.kind=vllm in process, or

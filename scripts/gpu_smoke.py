@@ -16,7 +16,7 @@ one failing part does not stop the others.
      logits it never holds
   e  tokens/s of (b)'s step and its model FLOPs utilisation (6 x parameters x tokens / time / peak)
   f  runtime.weight_transport=cuda_ipc: a trainer process publishes bf16 snapshots of 7B-layer-sized weights as
-     CUDA IPC handles (trainer/weight_sync.py IpcPublisher); this process maps them (load_weights), compared
+     CUDA IPC handles (weights/ IpcPublisher); this process maps them (load_weights), compared
      exactly, timed (GB/s); a version that left the window is freed in the publisher. CUDA only
 
 `--cpu` runs every part at toy sizes on the CPU, to check the script itself (its numbers say nothing
@@ -275,7 +275,7 @@ def part_d(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
 
 def _ipc_trainer(outbox: Any, inbox: Any, shapes: dict[str, tuple[int, ...]]) -> None:
     """The publishing side of part f, in a process of its own (CUDA IPC does not map memory of the same process)."""
-    from loomrl.trainer.weight_sync import make_publisher
+    from loomrl.weights.transports import make_publisher
 
     torch.cuda.set_device(0)
     publisher = make_publisher("cuda_ipc", keep=1, dtype=torch.bfloat16)
@@ -292,7 +292,7 @@ def _ipc_trainer(outbox: Any, inbox: Any, shapes: dict[str, tuple[int, ...]]) ->
 def part_f(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
     import multiprocessing as mp
 
-    from loomrl.trainer.weight_sync import load_weights  # imported on the CPU too: it needs no config layer
+    from loomrl.weights.transports import load_weights  # imported on the CPU too: it needs no config layer
 
     if device.type != "cuda":
         return {"skipped": "CUDA IPC needs a GPU"}

@@ -30,10 +30,11 @@ import torch
 from loomrl.actor_support import Placed
 from loomrl.config import RunConfig
 from loomrl.engine.base import Engine, EngineFault, EngineMetrics, GenerationRequest, GenerationResult, TakesTensors
-from loomrl.engine.factory import make_engine, weight_receivers
+from loomrl.engine.factory import make_engine
 from loomrl.model.loader import load_run_model
-from loomrl.trainer.weight_group import Receiver, with_rank_offset
-from loomrl.trainer.weight_sync import Transport, WeightHandle
+from loomrl.weights.group import Receiver, with_rank_offset
+from loomrl.weights.handle import Transport, WeightHandle
+from loomrl.weights.route import weight_receivers
 
 
 class WeightGate:

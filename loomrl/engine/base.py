@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from loomrl.trainer.weight_sync import Transport, WeightHandle
+    from loomrl.weights.handle import Transport, WeightHandle
 
 
 class EngineFault(RuntimeError):
@@ -118,14 +118,14 @@ class Engine(Protocol):
 
 
 class TakesTensors:
-    """For engines that open no weight handle: the runtime loads it (weight_sync.load_weights) and passes the
+    """For engines that open no weight handle: the runtime loads it (weights.transports.load_weights) and passes the
     tensors to update_weights."""
 
     opens: frozenset[Transport] = frozenset()
 
     def update_from(self, handle: WeightHandle) -> None:
         raise EngineFault(f"update_from: this engine opens no {handle.transport} handle; pass the tensors "
-                          "(weight_sync.load_weights) to update_weights")
+                          "(weights.transports.load_weights) to update_weights")
 
 
 def refuse_request(request: GenerationRequest, *, closed: bool, broken: str | None = None) -> None:

@@ -13,31 +13,6 @@ def server_of(base_url: str | list[str], replica: int) -> str:
     return base_url[replica % len(base_url)] if isinstance(base_url, list) else base_url
 
 
-def serving_dtype(cfg: RunConfig) -> Any:
-    """The torch dtype the engine serves in (weights published on the GPU, runtime.weight_transport=cuda_ipc, are
-    cast to it once, in the trainer: half the memory of float32 masters for a bfloat16 engine)."""
-    from loomrl.devices import dtype_named, resolve_device, resolve_dtype
-
-    if cfg.engine.kind == "vllm":
-        from loomrl.engine.vllm import engine_dtype
-
-        return dtype_named(engine_dtype(cfg.engine.vllm.dtype, cfg.model.dtype))
-    if cfg.engine.kind == "sglang":
-        return dtype_named(cfg.engine.sglang.weights_dtype)
-    return resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device, "model.device"))
-
-
-def weight_receivers(cfg: RunConfig) -> int:
-    """The processes of one engine that join a broadcast's group (runtime.weight_transport=broadcast): vLLM's workers
-    (one per tensor-parallel rank), an SGLang server's (engine.sglang.tp_size), or the one holding a built-in engine."""
-    e = cfg.engine
-    if e.kind == "vllm":
-        return e.vllm.tensor_parallel_size
-    if e.kind == "sglang":
-        return e.sglang.tp_size
-    return 1
-
-
 def make_engine(cfg: RunConfig, model: Any, tokenizer: Any, version: int, replica: int = 0) -> Engine:
     """The engine engine.kind names: the built-in one over `model` (sync runs share it with the trainer), a client
     of an SGLang server (`model` gives only the config.json written beside each weight update; `replica`: the
@@ -67,7 +42,8 @@ def make_engine(cfg: RunConfig, model: Any, tokenizer: Any, version: int, replic
         return VLLMHTTPEngine(mine, shapes=shapes, aliases=aliases, version=version,
                               dtype=None if e.vllm.dtype == "auto" else e.vllm.dtype)
     if e.kind == "vllm":
-        from loomrl.engine.vllm import VLLMEngine, engine_dtype, served_model
+        from loomrl.engine.vllm import VLLMEngine, served_model
+        from loomrl.weights.route import engine_dtype
 
         # agent.max_context_tokens bounds every request of a run (prompt + output): the K/V cache's sequence length
         return VLLMEngine(e.vllm, served_model(model, tokenizer), dtype=engine_dtype(e.vllm.dtype, cfg.model.dtype),

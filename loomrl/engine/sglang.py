@@ -33,7 +33,7 @@ The contract, as SGLang's source has it:
   rank_offset, world_size, group_name, backend} once per trainer process (the server's workers join the trainer's
   process group as ranks rank_offset + tp_rank: 1 +, or this server's first rank when several engine actors share
   the group), then per version /update_weights_from_distributed {names, dtypes,
-  shapes, group_name, flush_cache, weight_version} while the trainer broadcasts each tensor (trainer/weight_group.py,
+  shapes, group_name, flush_cache, weight_version} while the trainer broadcasts each tensor (weights/group.py,
   wire "tensors"): NCCL between GPUs, nothing through a filesystem.
 - Or, with runtime.weight_transport=cuda_ipc (trainer and server on one GPU), /update_weights_from_tensor
   {serialized_named_tensors: [one entry per TP rank], flush_cache, weight_version}: each entry is base64 of a pickled
@@ -72,7 +72,7 @@ from loomrl.engine.base import (
     refuse_request,
 )
 from loomrl.engine.http import ServerClient
-from loomrl.trainer.weight_sync import Transport, WeightHandle
+from loomrl.weights.handle import Transport, WeightHandle
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class _CudaRebuild:
 
 def tensor_update_entry(payload: dict[str, Any]) -> str:
     """One TP rank's serialized_named_tensors entry for /update_weights_from_tensor, from an ipc_payload
-    (trainer/weight_sync.py): the device index (argument 6 of rebuild_cuda_tensor) replaced by the GPU's UUID, which
+    (weights/ipc.py): the device index (argument 6 of rebuild_cuda_tensor) replaced by the GPU's UUID, which
     SGLang's patched rebuild maps to the server's own index of that GPU."""
     named = []
     for name, handle in zip(payload["names"], payload["ipc_handles"]):

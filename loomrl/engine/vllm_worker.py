@@ -11,7 +11,7 @@ Worker.load_model create an InlineWeightEngine. AsyncLLM.update_weights hands it
   rebuild arguments), mapped on this worker's GPU, as vLLM's own "ipc" engine does;
 - broadcast: the group's address and the version's layout; the worker joins the trainer's process group (its
   engine's first rank + its tensor-parallel rank) on the first such update and receives the buckets the trainer
-  broadcasts (trainer/weight_group.py: gloo here, NCCL on GPUs), as vLLM's own "nccl" engine does.
+  broadcasts (weights/group.py: gloo here, NCCL on GPUs), as vLLM's own "nccl" engine does.
 
 Why these choices (docs/research/vllm_cpu_0.32.md, section 5):
 - The tensors ride inside update_info as raw bytes (base64 strings over HTTP) with their dtype and shape
@@ -31,7 +31,7 @@ error vLLM logs here with its exception is written to the file LOOMRL_VLLM_FAILU
 before vLLM starts; the worker inherits it), since vLLM sends its caller only "EngineDeadError: See stack trace
 (above)" and keeps the reason in this process's log.
 
-What it is not: a trainer-side engine (loomrl's publisher already holds the tensors: trainer/weight_sync.py) or a path
+What it is not: a trainer-side engine (loomrl's publisher already holds the tensors: weights/) or a path
 across machines or GPUs (inline bytes go through EngineCore's sockets; NCCL would be the path between GPUs).
 """
 
@@ -55,8 +55,10 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
 from loomrl.engine.vllm_weights import from_wire
-from loomrl.trainer.weight_group import Receiver
-from loomrl.trainer.weight_sync import Transport, WeightHandle, ipc_tensors, shm_views
+from loomrl.weights.group import Receiver
+from loomrl.weights.handle import Transport, WeightHandle
+from loomrl.weights.ipc import ipc_tensors
+from loomrl.weights.shm import shm_views
 
 BACKEND = "loomrl_inline"
 FAILURE_FILE = "LOOMRL_VLLM_FAILURE_FILE"  # environment variable: where a worker writes the first error it logs
@@ -80,7 +82,7 @@ class InlineUpdate(WeightTransferUpdateInfo):
     segment: str = ""  # shm: the segment to read the tensors `names` from (dtypes, shapes and blobs stay empty)
     # shm, cuda_ipc and broadcast: `names` are the tensors the adapter checked (tied aliases left out), loaded alone
     version: int = -1  # shm: the version the segment must hold
-    ipc: str = ""  # cuda_ipc: base64 of the pickled ipc_payload (trainer/weight_sync.py)
+    ipc: str = ""  # cuda_ipc: base64 of the pickled ipc_payload (weights/ipc.py)
     broadcast: dict[str, Any] | None = None  # broadcast: the group's address and the version's names, dtypes, shapes
 
 

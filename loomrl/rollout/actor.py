@@ -21,8 +21,8 @@ from loomrl.model.chat import ChatRenderer
 from loomrl.model.loader import load_run_model, load_tokenizer
 from loomrl.reward.actor import RemoteRewardPool
 from loomrl.rollout.worker import RolloutWorker
-from loomrl.trainer.weight_sync import WeightHandle
 from loomrl.types import Evaluation, Trajectory
+from loomrl.weights.handle import WeightHandle
 
 
 class RolloutSide:

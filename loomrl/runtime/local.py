@@ -35,8 +35,9 @@ from loomrl.trainer.ranks import (
     spawn_local_followers,
 )
 from loomrl.trainer.service import PositionSet, TrainerService
-from loomrl.trainer.weight_sync import WeightHandle, load_weights, sync_metrics
 from loomrl.types import Evaluation, Trajectory
+from loomrl.weights.handle import WeightHandle, sync_metrics
+from loomrl.weights.transports import load_weights
 
 
 def async_threads(cfg: RunConfig) -> tuple[int, int]:

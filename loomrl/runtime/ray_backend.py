@@ -49,8 +49,8 @@ from loomrl.runtime.ray_resources import local_cluster, reserves, run_asks, shor
 from loomrl.trainer.actor import TrainerActor, TrainerRankActor
 from loomrl.trainer.ranks import RankLost
 from loomrl.trainer.service import PositionSet
-from loomrl.trainer.weight_sync import BroadcastFailed, Transport, WeightHandle
 from loomrl.types import Evaluation, Trajectory
+from loomrl.weights.handle import BroadcastFailed, Transport, WeightHandle
 
 log = logging.getLogger("loomrl")
 

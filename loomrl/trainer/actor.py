@@ -15,8 +15,8 @@ from loomrl.trainer.checkpoint import latest_checkpoint
 from loomrl.trainer.process import run_publisher
 from loomrl.trainer.ranks import Follower, RankGroup, RankLost, RankReport, RankWork
 from loomrl.trainer.service import TrainerService
-from loomrl.trainer.weight_sync import WeightHandle, WeightPublisher
 from loomrl.types import Trajectory
+from loomrl.weights.handle import WeightHandle, WeightPublisher
 
 
 class TrainerActor(Placed):

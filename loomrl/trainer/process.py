@@ -5,7 +5,7 @@ The channel carries dataclasses, not tuples: Group (one group and its data posit
 (train one step if a step's groups are buffered), Stop; answers are Ready (after start: the version,
 the positions received, the current weights), Stepped (metrics and the new weights, or nothing when no
 step was due) and Failed (the traceback). New weights travel as small handles (runtime.weight_transport,
-weight_sync.py); the trainer keeps its last versions readable until the client has read them.
+loomrl/weights/); the trainer keeps its last versions readable until the client has read them.
 
 A trainer that dies (or whose follower rank dies: in async mode the followers are the trainer's
 siblings, so the client sees them die) makes every pending call raise TrainerProcessDied with the reason.
@@ -30,7 +30,6 @@ import torch
 
 from loomrl.config import RunConfig
 from loomrl.devices import trainer_device
-from loomrl.engine.factory import serving_dtype, weight_receivers
 from loomrl.trainer.ranks import (
     Child,
     LocalFollowers,
@@ -40,8 +39,10 @@ from loomrl.trainer.ranks import (
     spawn_local_followers,
 )
 from loomrl.trainer.service import TrainerService
-from loomrl.trainer.weight_sync import WeightHandle, WeightPublisher, make_publisher
 from loomrl.types import Trajectory
+from loomrl.weights.handle import WeightHandle, WeightPublisher
+from loomrl.weights.route import serving_dtype, weight_receivers
+from loomrl.weights.transports import make_publisher
 
 
 @dataclass(slots=True, frozen=True)

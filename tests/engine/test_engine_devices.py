@@ -20,8 +20,8 @@ from loomrl.engine.builtin.engine import BuiltinEngine
 from loomrl.engine.builtin.runner import Chunk, ModelRunner
 from loomrl.model.loader import load_run_model
 from loomrl.trainer.trainer import Trainer
-from loomrl.trainer.weight_sync import load_weights, make_publisher
 from loomrl.types import TrainingSample
+from loomrl.weights.transports import load_weights, make_publisher
 
 TINY = ModelConfig(kind="tiny", tiny=TinyModelConfig(init_std=0.1, seed=3))
 

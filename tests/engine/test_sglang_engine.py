@@ -46,7 +46,7 @@ from loomrl.config import ConfigError, SGLangConfig, load_config
 from loomrl.engine.base import EngineFault, GenerationRequest, SamplingParams, generate_resuming
 from loomrl.engine.factory import make_engine
 from loomrl.engine.sglang import SGLangEngine
-from loomrl.trainer.weight_sync import Transport
+from loomrl.weights.handle import Transport
 
 GENERATE_FIELDS = {"rid", "text", "input_ids", "input_embeds", "sampling_params", "return_logprob", "logprob_start_len",
                    "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "stream", "log_metrics",
@@ -588,7 +588,7 @@ def test_loomrl_serve_answers_over_sglang(engine, fake, tokenizer):
 def _trainer_process(model_state: dict, handles: Any, done: Any) -> None:
     """The trainer side of the broadcast test, in a process of its own as in a run (a process registers a group
     under its name once: the fake server's side of it lives in the test's process)."""
-    from loomrl.trainer.weight_sync import make_publisher
+    from loomrl.weights.transports import make_publisher
 
     publisher = make_publisher("broadcast", dtype=torch.bfloat16, wire="tensors", timeout_s=60)
     try:
@@ -633,7 +633,7 @@ def test_a_broadcast_goes_to_the_servers_workers_over_the_group_they_join(engine
 
 
 def _fake_ipc_payload(state: dict[str, torch.Tensor], gpu: str) -> dict[str, Any]:
-    """An ipc_payload (trainer/weight_sync.py) as a trainer on GPU `gpu` writes it; no GPU here, so each tensor's
+    """An ipc_payload (weights/) as a trainer on GPU `gpu` writes it; no GPU here, so each tensor's
     rebuild arguments are made up in reduce_tensor's order (index 6: the trainer's device index, 0)."""
     handles = [{gpu: (torch.Tensor, t.shape, t.stride(), 0, torch.UntypedStorage, torch.bfloat16, 0,
                       f"ipc-{i}".encode(), t.numel() * 2, 0, False, b"ref", 0, b"event", True)}
@@ -648,7 +648,7 @@ def test_a_cuda_ipc_version_reaches_the_server_as_sglangs_serialized_named_tenso
     the GPU's UUID. CONTRACT TEST: no GPU here, so the IPC handles are made up and the fake's rebuild is a stand-in;
     what is checked is the wire (fields, an unpickler allowing torch and builtins only, rebuild_cuda_tensor's
     arguments), the pause/continue around it and the version. Not run against SGLang."""
-    from loomrl.trainer.weight_sync import WeightHandle
+    from loomrl.weights.handle import WeightHandle
 
     assert Transport.CUDA_IPC in engine.opens
     state = {n: t for n, t in tiny_model.state_dict().items()}
@@ -667,7 +667,7 @@ def test_a_cuda_ipc_version_reaches_the_server_as_sglangs_serialized_named_tenso
 
 
 def test_cuda_ipc_is_refused_for_an_sglang_server_on_several_gpus(served, fake, tiny_model):
-    from loomrl.trainer.weight_sync import WeightHandle
+    from loomrl.weights.handle import WeightHandle
 
     base = ["engine.kind=sglang", "engine.sglang.base_url=http://x:1", "runtime.mode=async",
             "runtime.weight_transport=cuda_ipc"]

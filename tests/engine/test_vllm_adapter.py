@@ -15,9 +15,10 @@ import pytest
 from loomrl.config import ConfigError, ModelConfig, TinyModelConfig, load_config
 from loomrl.engine.base import EngineFault
 from loomrl.engine.factory import make_engine
-from loomrl.engine.vllm import engine_dtype, served_model, token_versions
+from loomrl.engine.vllm import served_model, token_versions
 from loomrl.engine.vllm_weights import from_wire, to_wire
 from loomrl.model.loader import load_model
+from loomrl.weights.route import engine_dtype
 
 
 @pytest.fixture

@@ -26,7 +26,9 @@ from loomrl.engine.base import EngineFault, GenerationRequest, SamplingParams, g
 from loomrl.engine.builtin.engine import BuiltinEngine
 from loomrl.engine.factory import make_engine
 from loomrl.model.loader import ModelLoadError, load_model
-from loomrl.trainer.weight_sync import ShmPublisher, StaleWeights, make_publisher
+from loomrl.weights.handle import StaleWeights
+from loomrl.weights.shm import ShmPublisher
+from loomrl.weights.transports import make_publisher
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -313,7 +315,8 @@ def test_a_cuda_ipc_payload_is_vllms_ipc_layout_and_is_checked_before_vllm_sees_
     import torch.multiprocessing.reductions as reductions
     from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
 
-    from loomrl.trainer.weight_sync import Transport, WeightHandle, ipc_payload
+    from loomrl.weights.handle import Transport, WeightHandle
+    from loomrl.weights.ipc import ipc_payload
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(uuid="GPU-fake"))
     monkeypatch.setattr(reductions, "reduce_tensor", lambda t: (None, ("rebuild-args", tuple(t.shape))))

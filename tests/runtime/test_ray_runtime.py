@@ -366,7 +366,7 @@ from loomrl.config import load_config
 from loomrl.engine.actor import EngineActor, WeightBoard
 from loomrl.engine.base import GenerationRequest, SamplingParams
 from loomrl.model.loader import load_run_model
-from loomrl.trainer.weight_sync import Transport, WeightHandle
+from loomrl.weights.handle import Transport, WeightHandle
 
 ray.init(address=sys.argv[1])
 cfg = load_config(sys.argv[2], ["ray.engine.count=1"])
@@ -402,7 +402,8 @@ from loomrl.engine.actor import EngineActor, WeightBoard
 from loomrl.engine.base import GenerationRequest, SamplingParams
 from loomrl.engine.factory import make_engine
 from loomrl.model.loader import load_run_model
-from loomrl.trainer.weight_sync import Transport, make_publisher
+from loomrl.weights.handle import Transport
+from loomrl.weights.transports import make_publisher
 
 ray.init(address=sys.argv[1])
 cfg = load_config(sys.argv[2], ["ray.engine.count=2", "runtime.weight_transport=broadcast", "runtime.backend=ray"])

@@ -1,4 +1,4 @@
-"""Weight sync transports (loomrl/trainer/weight_sync.py): exact round trips with the version, snapshots
+"""Weight sync transports (loomrl/weights/): exact round trips with the version, snapshots
 at publish, whole versions only for a reader in another process while the trainer keeps publishing,
 and the freeing of old versions. Ray's transfer is the Ray backend's own (tests/runtime/test_ray_runtime.py)."""
 
@@ -12,14 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from loomrl.trainer.weight_sync import (
-    StaleWeights,
-    Transport,
-    WeightHandle,
-    load_weights,
-    make_publisher,
-    sync_metrics,
-)
+from loomrl.weights.handle import StaleWeights, Transport, WeightHandle, sync_metrics
+from loomrl.weights.transports import load_weights, make_publisher
 
 LOCAL = [Transport.QUEUE, Transport.SHM, Transport.FILE]
 
@@ -237,7 +231,7 @@ def test_ray_handles_have_no_publisher_and_no_loader_here():
 def _receive_versions(handles, out) -> None:
     """A receiving process (an engine's worker would be one): joins the group the handles name, receives each
     version bucket by bucket, copies it out (the views are of a buffer per bucket) and sends it back."""
-    from loomrl.trainer.weight_group import Receiver
+    from loomrl.weights.group import Receiver
 
     receiver = Receiver()
     for payload in iter(handles.get, None):
@@ -278,7 +272,7 @@ def test_broadcast_sends_whole_versions_in_the_engines_dtype_to_a_process_that_j
         handles.put(None)
         pub.close()
         child.join(30)
-    from loomrl.trainer.weight_group import plan_buckets
+    from loomrl.weights.group import plan_buckets
 
     meta = handle.payload
     assert len(plan_buckets(meta["names"], meta["dtypes"], meta["shapes"], 64)) >= 3

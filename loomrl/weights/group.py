@@ -15,7 +15,7 @@ server the wire is "tensors", one broadcast per tensor in its dtype: what /updat
 The group itself is made as torch's tcp:// rendezvous and _new_process_group_helper make one, which is what SGLang's
 /init_weights_update_group does (init_custom_process_group), so both engines join the same kind of group. The sender
 casts to the engine's dtype as it packs, reading the live parameters: the trainer must not step them until the
-broadcast is over (BroadcastPublisher.settle, in trainer/weight_sync.py).
+broadcast is over (BroadcastPublisher.settle, weights/broadcast.py).
 
 What it is not: a transport across trainer ranks (rank 0 holds the full weights, as for every transport) or fault
 tolerant (a receiver that dies mid-version leaves the sender to time out; the run then stops).

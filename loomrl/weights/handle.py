@@ -1,0 +1,119 @@
+"""What every weight transport shares: the handle that travels to the engines, the errors, and the publisher's base
+(strictly increasing versions, the window of versions still held, the timing). Transports: the modules beside this one."""
+
+from __future__ import annotations
+
+import enum
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+Tensor = torch.Tensor
+
+
+class Transport(enum.StrEnum):
+    QUEUE = "queue"
+    SHM = "shm"
+    FILE = "file"
+    CUDA_IPC = "cuda_ipc"
+    BROADCAST = "broadcast"
+    RAY = "ray"
+
+
+class StaleWeights(RuntimeError):
+    """The handle's version was freed (or its segment reused) because newer ones were published: load
+    the newer handle."""
+
+
+class BroadcastFailed(RuntimeError):
+    """A version's broadcast did not reach every receiver (one died, or never joined) within the timeout."""
+
+
+@dataclass(slots=True, kw_only=True)
+class WeightHandle:
+    """What travels to the engines. `location`: segment name (shm) or file path (file); `payload`:
+    the tensors themselves (queue) or an ObjectRef (ray)."""
+
+    transport: Transport
+    version: int
+    nbytes: int
+    location: str = ""
+    payload: Any = None
+    publish_s: float = 0.0  # time the publisher spent snapshotting this version
+
+
+class LoadedWeights(NamedTuple):
+    weights: dict[str, Tensor]  # owned by the caller: nothing else writes or frees them
+    version: int
+    load_s: float
+
+
+class WeightPublisher(ABC):
+    """What every transport shares: strictly increasing versions, the window of the last `keep` still
+    held (a version falling out of it goes to `_release`), and the timing of publish."""
+
+    transport: Transport
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self._last: int | None = None
+        self._held: deque[tuple[int, Any]] = deque()  # (version, what the transport holds for it)
+
+    def publish(self, weights: dict[str, Tensor], version: int) -> WeightHandle:
+        """Snapshot `weights` as `version` (the caller may keep training them in place right after)."""
+        if self._last is not None and version <= self._last:
+            raise ValueError(f"publish: version {version} is not above the last published one ({self._last})")
+        start = time.perf_counter()
+        resource, handle = self._snapshot(weights, version)
+        self._last = version
+        self._held.append((version, resource))
+        while len(self._held) > self.keep:
+            self._release(self._held.popleft()[1])
+        handle.publish_s = time.perf_counter() - start
+        return handle
+
+    def settle(self) -> None:  # noqa: B027 - a hook: only broadcast sends after publish returns
+        """Returns once nothing reads the weights published last (before the trainer changes them)."""
+
+    def close(self) -> None:
+        """Free every version still held."""
+        while self._held:
+            self._release(self._held.popleft()[1])
+
+    @abstractmethod
+    def _snapshot(self, weights: dict[str, Tensor], version: int) -> tuple[Any, WeightHandle]:
+        """Write `version` completely; returns what stays held for it and its handle."""
+
+    def _release(self, resource: Any) -> None:  # noqa: B027 - a hook: not every transport frees anything
+        """`resource` is out of the window (nothing to free by default)."""
+
+
+
+def copy_into(into: dict[str, Tensor], weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Copy `weights` into the tensors of `into` of the same names (cast to their dtype and device); `into`."""
+    missing = sorted(set(weights) - set(into))
+    if missing:
+        raise KeyError(f"weight sync: no destination for {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+    with torch.no_grad():
+        for name, src in weights.items():
+            dst = into[name]
+            if dst.shape != src.shape:  # copy_ would broadcast silently
+                raise ValueError(f"weight sync: {name} has shape {tuple(src.shape)}, the destination {tuple(dst.shape)}")
+            dst.copy_(src)  # cast to the destination's dtype and device (a bfloat16 engine from float32 masters)
+    return into
+
+
+def sync_metrics(handle: WeightHandle, loaded: LoadedWeights | None) -> dict[str, float]:
+    """Metrics of one transfer, for the step's log line (`loaded` None: the engine read the handle itself, its
+    load is part of applying)."""
+    return {"weight_sync/publish_s": handle.publish_s, "weight_sync/load_s": loaded.load_s if loaded else 0.0,
+            "weight_sync/bytes": float(handle.nbytes)}
+
+
+def nbytes(weights: dict[str, Tensor]) -> int:
+    """The bytes of `weights` in their own dtypes."""
+    return sum(t.numel() * t.element_size() for t in weights.values())

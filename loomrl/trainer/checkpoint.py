@@ -4,12 +4,14 @@
 Layout: RUN/checkpoints/step_000010/{model/, optimizer.pt, state.pt}; RUN/checkpoints/latest names the
 newest complete one. Sharded ranks (trainer.parallel=fsdp) write the AdamW state as a torch.distributed.checkpoint
 folder, optimizer/, each rank its own part (optimizer.pt then holds the scheduler only), and the model folder
-from the full weights rank 0 gathers after each step. Each checkpoint is written to a temporary folder and renamed into place, so a
+bucket by bucket as the ranks gather them (`write_model_folder`: safetensors shards and their index, as HF's
+save_pretrained writes a large model; no whole-model copy on any rank). Each checkpoint is written to a temporary folder and renamed into place, so a
 crash mid-save leaves the previous checkpoint intact.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 from collections.abc import Callable
@@ -18,6 +20,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from loomrl.weights.source import WeightSource
 
 
 def rng_state() -> dict[str, Any]:
@@ -35,18 +39,41 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
 
 
+def write_model_folder(folder: Path, model: torch.nn.Module, source: WeightSource) -> None:
+    """An HF model folder from `source` (the full parameters a bucket at a time): config (and generation config), one
+    safetensors file per bucket and the index from_pretrained reads. Tied weights appear once (named_parameters lists a
+    shared parameter once; from_pretrained ties them again)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(folder)
+    if model.can_generate() and model.generation_config is not None:  # as save_pretrained does
+        model.generation_config.save_pretrained(folder)
+    count = len(source.plan())
+    weight_map: dict[str, str] = {}
+    for i, bucket in enumerate(source.buckets(), start=1):
+        name = f"model-{i:05d}-of-{count:05d}.safetensors"
+        save_file({n: t.to("cpu").contiguous() for n, t in bucket}, str(folder / name), metadata={"format": "pt"})
+        weight_map.update({n: name for n, _ in bucket})
+    index = {"metadata": {"total_size": source.nbytes}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
 def save_checkpoint(run_dir: Path, step: int, *, model: torch.nn.Module, tokenizer: Any,
                     optimizer: torch.optim.Optimizer, scheduler: Any, state: dict[str, Any], keep: int = 2,
-                    weights: dict[str, torch.Tensor] | None = None, shards: Callable[[Path], None] | None = None) -> Path:
-    """`weights`: the model's full parameters when the model itself is sharded; `shards`: writes every rank's
-    part of the optimizer state into the folder it is given (a collective of all ranks)."""
+                    weights: WeightSource | None = None, shards: Callable[[Path], None] | None = None) -> Path:
+    """`weights`: the model's full parameters when the model itself is sharded (a collective of all ranks, read a
+    bucket at a time); `shards`: writes every rank's part of the optimizer state into the folder it is given (a
+    collective of all ranks)."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp_step_{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    # a copy: save_pretrained deletes the entries of tied (aliased) weights from the dict it is given
-    model.save_pretrained(tmp / "model", state_dict=None if weights is None else dict(weights))
+    if weights is None:
+        model.save_pretrained(tmp / "model")
+    else:
+        write_model_folder(tmp / "model", model, weights)
     tokenizer.save_pretrained(tmp / "model")
     blob = {"scheduler": scheduler.state_dict()}
     if shards is not None:

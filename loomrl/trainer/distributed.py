@@ -20,9 +20,11 @@ of communication with the backward pass (worth it on GPUs, little on CPU).
 
 Sharded ranks (trainer/fsdp.py, FSDP2; trainer.parallel=fsdp): parameters, gradients and AdamW state split over the
 ranks; FSDP reduces gradients inside every backward, so the ranks run one shared plan of micro-batches (Trainer pads
-the shorter ones). After each step every rank gathers the full parameters in turn and rank 0 keeps a copy on the CPU
-(`DataParallelTrainer.weights`: for the engines and the checkpoint's model folder); the optimizer state is
-checkpointed in parts with torch.distributed.checkpoint (fsdp.py). What is not here: elastic
+the shorter ones). Full parameters exist only a bucket at a time (`GatheredSource`): to publish a version or write the
+checkpoint's model folder every rank gathers one bucket's parameters (`full_tensor()`, on the ranks' device: NCCL on
+GPUs), rank 0 casts them to the engine's dtype there and hands them to the publisher, and the bucket is dropped before
+the next; no rank ever holds a whole-model copy, on the GPU or in host memory. The optimizer state is checkpointed in
+parts with torch.distributed.checkpoint (fsdp.py). What is not here: elastic
 membership. A rank that fails makes the others fail:
 the run's rank group (trainer/ranks.py) stops them all; elsewhere the process group's timeout does.
 """
@@ -31,13 +33,17 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from loomrl.trainer.trainer import StepStats, Trainer
 from loomrl.types import TrainingSample
+from loomrl.weights.source import Entry, TensorSpec, WeightSource
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -95,6 +101,43 @@ def param_checksum(params: list[torch.Tensor]) -> tuple[int, int]:
     return int(total), int(squares)
 
 
+@dataclass(slots=True, frozen=True)
+class Gather:
+    """What to gather from sharded ranks: every rank is told the same (RankWork.gather), so their collectives match."""
+
+    dtype: str | None  # the engine's, without "torch." (None: the parameters' own, float32 masters: a checkpoint)
+    bucket_bytes: int
+    everything: bool = False  # the frozen parameters too (the checkpoint's model folder), else the trained ones
+
+
+class GatheredSource(WeightSource):
+    """A sharded model's parameters, gathered a bucket at a time on every rank (one `full_tensor()` collective per
+    parameter, in the same order everywhere); `keep` (rank 0) casts each to the dtype asked on its device and hands it
+    on, the other ranks drop theirs. A parameter that is not a DTensor (world size 1 without sharding) is used as it
+    is."""
+
+    def __init__(self, model: torch.nn.Module, gather: Gather, *, keep: bool):
+        self.params = {n: p for n, p in model.named_parameters() if gather.everything or p.requires_grad}
+        if not self.params:
+            raise ValueError("weight sync: the model has no parameters to gather")
+        cast = getattr(torch, gather.dtype) if gather.dtype else None
+        specs = [TensorSpec(n, cast or p.dtype, tuple(p.shape)) for n, p in self.params.items()]  # global shapes
+        super().__init__(specs, gather.bucket_bytes, next(iter(self.params.values())).device)
+        self.keep = keep
+
+    def buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        with torch.no_grad():
+            for plan in self.plan():
+                bucket = [self._gather(e) for e in plan]
+                yield bucket
+                bucket.clear()  # freed before the next bucket is gathered (WeightSource.buckets)
+
+    def _gather(self, e: Entry) -> tuple[str, torch.Tensor]:
+        p = self.params[e.name].detach()
+        full = p.full_tensor() if isinstance(p, DTensor) else p  # a collective of every rank
+        return e.name, full.to(getattr(torch, e.dtype)) if self.keep else full[:0]  # not rank 0: dropped at once
+
+
 class DataParallelTrainer:
     """A Trainer whose steps are data-parallel over the default process group."""
 
@@ -106,9 +149,6 @@ class DataParallelTrainer:
         self.world_size = dist.get_world_size()
         # where the collectives' own tensors live: NCCL reduces CUDA tensors only
         self.device = next(trainer.model.parameters()).device
-        self.weights: dict[str, torch.Tensor] = {}  # sharded, rank 0: the full parameters, as of the last step
-        if trainer.sharded:
-            self._gather(everything=True)
 
     def train_step(self, samples: list[TrainingSample], *, idle_tokens: int = 0, idle_seqs: int = 0,
                    idle_longest: int = 0) -> StepStats:
@@ -136,18 +176,11 @@ class DataParallelTrainer:
         finally:
             t.cfg = cfg
             t.grad_hook = t.shared_plan = None
-        if t.sharded:
-            self._gather(everything=False)
         return self._global_stats(stats)
 
-    def _gather(self, everything: bool) -> None:
-        """Every rank gathers each parameter (the trainable ones; `everything`: the frozen ones too, once) in
-        the same order, a collective each; rank 0 keeps a CPU copy of it."""
-        for name, p in self.trainer.model.named_parameters():
-            if everything or p.requires_grad:
-                full = p.full_tensor().detach()
-                if self.rank == 0:
-                    self.weights[name] = full.to("cpu", copy=True)  # at world size 1 `full` is the shard itself
+    def gathered(self, gather: Gather) -> GatheredSource:
+        """The model's full parameters as `gather` asks, a bucket at a time (every rank must read it to the end)."""
+        return GatheredSource(self.trainer.model, gather, keep=self.rank == 0)
 
     def _most(self, n: int) -> int:
         m = torch.tensor([n], dtype=torch.int64, device=self.device)

@@ -184,10 +184,15 @@ def run_publisher(cfg: RunConfig, *, engines: int, host: str) -> WeightPublisher
     transport, e = cfg.runtime.weight_transport, cfg.engine
     sglang = e.kind == "sglang"  # its server receives tensor by tensor
     return make_publisher(transport, keep=3, folder=cfg.run_dir / "weights" if transport == "file" else None,
-                          dtype=serving_dtype(cfg) if transport in ("cuda_ipc", "broadcast") else None,
+                          dtype=serving_dtype(cfg),
                           receivers=engines * weight_receivers(cfg), bucket_bytes=e.vllm.weight_bucket_bytes,
                           host=host, timeout_s=(e.sglang if sglang else e.vllm).update_timeout_s,
                           wire="tensors" if sglang else "buckets")
+
+
+def publish(publisher: WeightPublisher, service: TrainerService) -> WeightHandle:
+    """The service's current version through `publisher`, in its dtype (the engine's) and bucket size."""
+    return publisher.publish(service.weight_source(publisher.dtype, publisher.bucket_bytes), service.version)
 
 
 def _trainer_main(cfg_json: str, extra: dict[str, Any], checkpoint: str, threads: int, inbox: Any, outbox: Any,
@@ -209,7 +214,7 @@ def _trainer_main(cfg_json: str, extra: dict[str, Any], checkpoint: str, threads
         service = TrainerService.from_run(cfg, extra, Path(checkpoint) if checkpoint else None, ranks=group)
         publisher = run_publisher(cfg, engines=1, host=cfg.runtime.broadcast_host)
         outbox.put(Ready(service.version, service.received.state(),
-                         publisher.publish(service.live_weights(), service.version), service.last_metrics))
+                         publish(publisher, service), service.last_metrics))
         while not isinstance(msg := inbox.get(), Stop):
             if isinstance(msg, Group):
                 service.receive(msg.position, msg.group)
@@ -218,7 +223,7 @@ def _trainer_main(cfg_json: str, extra: dict[str, Any], checkpoint: str, threads
             elif service.ready():
                 publisher.settle()  # nothing reads the weights any more (broadcast) when the step changes them
                 metrics = service.train_step()
-                outbox.put(Stepped(metrics, publisher.publish(service.live_weights(), service.version)))
+                outbox.put(Stepped(metrics, publish(publisher, service)))
             else:
                 outbox.put(Stepped(None, None))
     except BaseException:  # noqa: BLE001 - reported to the client, which restarts the trainer or stops

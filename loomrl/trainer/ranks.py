@@ -11,7 +11,8 @@ Every rank builds its trainer the same way (`build_trainer`) after the process g
 (trainer.parallel=fsdp) shard the model as they build it. After each step every follower answers with its step counter
 and a checksum of its parameters; rank 0 compares them with its own, so replicas that drifted apart stop the run
 instead of training on silently (sharded ranks hold different parts: no checksum). A checkpoint of sharded ranks is
-written by all of them (RankGroup.save_shards). A follower that dies, or a collective that fails, raises RankLost: the runtime restarts the
+written by all of them (RankGroup.save_shards), and every version they publish, like the checkpoint's model folder, is
+gathered by all of them a bucket at a time (RankGroup.gathered). A follower that dies, or a collective that fails, raises RankLost: the runtime restarts the
 whole trainer (all ranks) from the latest checkpoint, as it does when rank 0 dies.
 
 Launchers: local (`spawn_local_followers`: processes of this machine, gloo over loopback) and Ray
@@ -30,7 +31,7 @@ import threading
 import time
 import traceback
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -44,6 +45,7 @@ from loomrl.devices import trainer_device
 from loomrl.trainer.checkpoint import load_optimizer, load_state
 from loomrl.trainer.distributed import (
     DataParallelTrainer,
+    Gather,
     free_port,
     init_process_group,
     param_checksum,
@@ -53,6 +55,7 @@ from loomrl.trainer.forward import compute_dtype
 from loomrl.trainer.fsdp import fsdp_shard, load_sharded_optimizer, save_sharded_optimizer
 from loomrl.trainer.trainer import StepStats, Trainer, initial_policy
 from loomrl.types import TrainingSample
+from loomrl.weights.source import WeightSource
 
 # Bounds each collective of a step: the ranks' skew within one step, not the wait between steps.
 COLLECTIVE_TIMEOUT_S = 300.0
@@ -75,6 +78,7 @@ class RankWork:
     samples: list[TrainingSample] = field(default_factory=list)
     skip: bool = False  # a step without signal: advance the schedule only (Trainer.skip_step)
     save: str = ""  # instead: write this rank's part of the optimizer state into this folder (sharded ranks)
+    gather: Gather | None = None  # instead: take part in gathering the full parameters (sharded ranks: RankGroup.gathered)
 
 
 @dataclass(slots=True)
@@ -119,7 +123,10 @@ class Follower:
 
     def work(self, w: RankWork) -> RankReport:
         assert self.dp is not None, "Follower.join first"
-        if w.save:
+        if w.gather is not None:
+            for _ in self.dp.gathered(w.gather).buckets():  # rank 0 keeps them; this rank only takes part
+                pass
+        elif w.save:
             save_sharded_optimizer(self.dp.trainer, Path(w.save))
         elif w.skip:
             self.dp.trainer.skip_step()
@@ -168,6 +175,13 @@ class RankGroup(ABC):
         self.trainer.skip_step()
         self._check(self._collect())
 
+    def gathered(self, gather: Gather) -> WeightSource:
+        """The full parameters as `gather` asks, a bucket at a time on rank 0's device, gathered by every rank (the
+        followers are told when the source is read, and answer when it is read to the end). Read it once, to the end,
+        before the next step (a broadcast reads it on its own thread: settle first)."""
+        assert self.dp is not None, "RankGroup.attach first"
+        return _RankGathered(self, self.dp.gathered(gather), gather)
+
     def save_shards(self, folder: Path) -> None:
         """Every rank writes its part of the optimizer state into `folder` (a checkpoint of sharded ranks)."""
         self._send([RankWork(save=str(folder)) for _ in range(self.world_size - 1)])
@@ -192,6 +206,25 @@ class RankGroup(ABC):
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class _RankGathered(WeightSource):
+    """Rank 0's GatheredSource, with the followers told to take part as it is read."""
+
+    def __init__(self, ranks: RankGroup, local: WeightSource, gather: Gather):
+        super().__init__(local.specs, local.bucket_bytes, local.device)
+        self.ranks, self.local, self.gather = ranks, local, gather
+
+    def buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        ranks = self.ranks
+        ranks._send([RankWork(gather=self.gather) for _ in range(ranks.world_size - 1)])
+        try:
+            yield from self.local.buckets()
+        except RuntimeError as err:
+            if not collective_failed(err):
+                raise
+            raise RankLost(f"gathering the parameters from the trainer ranks failed: {err}") from err
+        ranks._check(ranks._collect())
 
 
 # ---------------------------------------------------------------- local processes

@@ -23,9 +23,14 @@ from loomrl.buffer.buffer import group_min_version
 from loomrl.buffer.filters import balance_samples
 from loomrl.config import RunConfig
 from loomrl.trainer.checkpoint import load_state, save_checkpoint, set_rng_state
+from loomrl.trainer.distributed import Gather
 from loomrl.trainer.grpo import samples_from_group
 from loomrl.trainer.ranks import RankGroup, build_trainer
 from loomrl.types import Trajectory
+from loomrl.weights.source import DictSource, WeightSource, dtype_name
+
+# The checkpoint's model folder is written a file per bucket of this size (HF's own default shard size is 5 GB).
+CHECKPOINT_BUCKET_BYTES = 2 << 30
 
 
 class PositionSet:
@@ -206,14 +211,17 @@ class TrainerService:
     def checkpoint(self) -> Path:
         state = {"buffer": self.buffer.state_dict(), "received": self.received.state(), "extra": self.extra,
                  "metrics": self.last_metrics}
-        sharded = self.ranks if self.trainer.sharded else None
+        ranks = self.ranks if self.trainer.sharded else None
+        model_folder = ranks.gathered(Gather(None, CHECKPOINT_BUCKET_BYTES, everything=True)) if ranks else None
         return save_checkpoint(self.run_dir, self.version, model=self.model, tokenizer=self.tokenizer,
                                optimizer=self.trainer.optimizer, scheduler=self.trainer.scheduler, state=state,
-                               weights=sharded and sharded.dp.weights, shards=sharded and sharded.save_shards)
+                               weights=model_folder, shards=ranks and ranks.save_shards)
 
-    def live_weights(self) -> dict[str, torch.Tensor]:
-        """The parameters that training changes (frozen ones never need resending), not copied: a
-        publisher copies them out before the next step changes them. Sharded: rank 0's gathered copy."""
-        sharded = self.trainer.sharded
-        return {n: self.ranks.dp.weights[n] if sharded else p.detach()
-                for n, p in self.model.named_parameters() if p.requires_grad}
+    def weight_source(self, dtype: torch.dtype | None, bucket_bytes: int) -> WeightSource:
+        """The parameters that training changes (frozen ones never need resending), in `dtype` (the engine's), a
+        bucket at a time: the live parameters, cast as they are read (no copy where the dtype matches: a publisher
+        copies them out before the next step changes them), or, sharded, gathered by every rank a bucket at a time."""
+        if self.trainer.sharded:
+            return self.ranks.gathered(Gather(dtype_name(dtype) if dtype else None, bucket_bytes))
+        return DictSource({n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}, dtype,
+                          bucket_bytes)

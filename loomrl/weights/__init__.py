@@ -11,7 +11,8 @@ a Ray actor call); `load_weights(handle)` turns it back into tensors there. Tran
   tensors' bytes, 64-byte aligned. The handle names the segment. Segments of versions out of the window are rewritten
   for later ones (a new segment costs several times the copy: the kernel allocates and zeroes every page), under flock
   so that no reader is mid-copy (see the section's comment).
-- "file": one safetensors file per version in a folder, written under a temporary name, fsynced,
+- "file": a folder per version holding a safetensors file per bucket (each naming the version and the bucket count,
+  so a reader that finds files missing knows the version is being freed), written under a temporary name, fsynced,
   then renamed into place (os.replace is atomic). Works across machines on a shared filesystem.
 - "cuda_ipc": the snapshot stays on the trainer's GPU, cast to the engine's dtype, and the handle carries a CUDA IPC
   handle per tensor (torch's reduce_tensor: vLLM's "ipc" layout, names / dtype_names / shapes / ipc_handles keyed by
@@ -36,11 +37,16 @@ segment rewritten) gets `StaleWeights` and should load the newer handle, which i
 published in version order). Segments are also unlinked when the publisher closes, and by Python's resource tracker if
 the publisher's process dies.
 
-Devices and dtypes: a snapshot is always in host memory (shm, files and queues carry CPU tensors; a trainer on a GPU
-is copied out once per version) and keeps the trainer's dtype (float32 masters); the engine casts to its model's dtype
-and device as it loads them (BuiltinEngine.update_weights, and `load_weights(into=)` here, copy with a cast).
+Devices, dtypes and buckets: a publisher reads a version from a `WeightSource` (source.py) a bucket at a time, already
+cast to the engine's dtype on the trainer's device (the publisher's `dtype`; a dict given to `publish` is cast so as it
+is read; a sharded trainer's source gathers each bucket from every rank, trainer/distributed.py GatheredSource). What a
+transport keeps is its own copy in that dtype: the shm segment (each bucket copied device to host into its place), the
+file's folder (a file per bucket), the queue's handle, the GPU snapshot of cuda_ipc; broadcast keeps nothing and sends
+each bucket from the trainer's device (NCCL on GPUs). No transport builds a whole-model copy in the trainer's float32.
+The engine still casts to its model's dtype and device as it loads (a no-op when the dtypes agree).
 
-The package: `handle.py` (the records and the publisher's base), one module per transport (`queue.py`, `shm.py`,
+The package: `handle.py` (the records and the publisher's base), `source.py` (what a version is read from, the bucket
+plan), one module per transport (`queue.py`, `shm.py`,
 `file.py`, `ipc.py`, `broadcast.py` over `group.py`), `transports.py` (`make_publisher`, `load_weights`) and `route.py`
 (what a run's config asks of the route: the engine's dtype, the receivers of a broadcast). The trainer and the engines
 both import it; it imports neither.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import threading
 import uuid
@@ -17,6 +16,7 @@ from loomrl.weights.handle import (
     WeightHandle,
     WeightPublisher,
 )
+from loomrl.weights.source import WeightSource
 
 Tensor = torch.Tensor
 
@@ -32,9 +32,7 @@ class BroadcastPublisher(WeightPublisher):
                  host: str = "127.0.0.1", wire: str = "buckets"):
         from loomrl.weights.group import GroupAddress, host_store
 
-        super().__init__(keep=1)
-        self.dtype = dtype
-        self.bucket_bytes = bucket_bytes
+        super().__init__(keep=1, dtype=dtype, bucket_bytes=bucket_bytes)
         self.wire = wire  # "tensors" for an SGLang server (group.py)
         self._store = host_store(host, receivers + 1, timeout_s)
         self.address = GroupAddress(host=host, port=self._store.port, world_size=receivers + 1, timeout_s=timeout_s,
@@ -43,29 +41,29 @@ class BroadcastPublisher(WeightPublisher):
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def _snapshot(self, weights: dict[str, Tensor], version: int) -> tuple[Any, WeightHandle]:
+    def _snapshot(self, source: WeightSource, version: int) -> tuple[Any, WeightHandle]:
         from loomrl.weights.group import describe
 
         self.settle()
-        backend = "nccl" if next(iter(weights.values())).is_cuda else "gloo"
+        backend = "nccl" if source.device.type == "cuda" else "gloo"
         if self._group is None:
             self.address.backend = backend  # the first version's tensors decide; later ones are on the same device
-        meta = describe(weights, self.dtype, self.bucket_bytes, self.wire)
-        self._thread = threading.Thread(target=self._send, args=(weights, meta), name="loomrl-weight-broadcast",
+        meta = describe(source, self.wire)
+        # The source is read on the thread: a sharded trainer's gathers (collectives of every trainer rank) run there,
+        # bucket by bucket, as the receivers take each one.
+        self._thread = threading.Thread(target=self._send, args=(source, meta), name="loomrl-weight-broadcast",
                                         daemon=True)  # a receiver that never comes must not hold the process
         self._thread.start()
-        nbytes = sum(math.prod(s) * getattr(torch, d).itemsize for d, s in zip(meta["dtypes"], meta["shapes"]))
-        return None, WeightHandle(transport=self.transport, version=version, nbytes=nbytes,
+        return None, WeightHandle(transport=self.transport, version=version, nbytes=source.nbytes,
                                   payload={"group": dataclasses.asdict(self.address), **meta})
 
-    def _send(self, weights: dict[str, Tensor], meta: dict[str, Any]) -> None:
+    def _send(self, source: WeightSource, meta: dict[str, Any]) -> None:
         from loomrl.weights.group import WeightGroup
 
         try:
             if self._group is None:
-                device = next(iter(weights.values())).device
-                self._group = WeightGroup(self.address, 0, device, store=self._store)
-            self._group.send(weights, meta)
+                self._group = WeightGroup(self.address, 0, source.device, store=self._store)
+            self._group.send(source, meta)
         except BaseException as err:  # noqa: BLE001 - raised by settle, in the trainer's thread
             self._error = err
 

@@ -17,20 +17,21 @@ The group itself is made as torch's tcp:// rendezvous and _new_process_group_hel
 casts to the engine's dtype as it packs, reading the live parameters: the trainer must not step them until the
 broadcast is over (BroadcastPublisher.settle, weights/broadcast.py).
 
-What it is not: a transport across trainer ranks (rank 0 holds the full weights, as for every transport) or fault
-tolerant (a receiver that dies mid-version leaves the sender to time out; the run then stops).
+What it is not: a transport across trainer ranks (a sharded trainer's ranks gather each bucket for rank 0 first:
+trainer/distributed.py GatheredSource, read on the publisher's thread) or fault tolerant (a receiver that dies mid-version leaves the sender to time out; the run then stops).
 """
 
 from __future__ import annotations
 
 import datetime
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from loomrl.weights.source import Entry, WeightSource, bucket_size, dtype_name, plan_buckets
 
 Tensor = torch.Tensor
 
@@ -45,34 +46,6 @@ class GroupAddress:
     name: str  # unique per publisher: a new trainer process is a new group
     timeout_s: float
     backend: str  # "nccl" (CUDA tensors) or "gloo" (CPU tensors): every rank's
-
-
-@dataclass(slots=True, frozen=True)
-class Entry:
-    name: str
-    dtype: str  # without "torch."
-    shape: tuple[int, ...]
-    offset: int  # bytes into its bucket
-    nbytes: int
-
-
-def plan_buckets(names: list[str], dtypes: list[str], shapes: list[list[int]], bucket_bytes: int) -> list[list[Entry]]:
-    """The version's tensors in order, cut into buckets of about `bucket_bytes` (a larger tensor is a bucket alone);
-    offsets 64-byte aligned, so each tensor's view is aligned."""
-    buckets: list[list[Entry]] = [[]]
-    size = 0
-    for name, dtype, shape in zip(names, dtypes, shapes):
-        nbytes = math.prod(shape) * getattr(torch, dtype).itemsize
-        if buckets[-1] and size + nbytes > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(Entry(name, dtype, tuple(shape), size, nbytes))
-        size = (size + nbytes + 63) // 64 * 64
-    return [b for b in buckets if b]
-
-
-def _bucket_size(bucket: list[Entry]) -> int:
-    return max(1, bucket[-1].offset + bucket[-1].nbytes)
 
 
 def host_store(host: str, world_size: int, timeout_s: float) -> Any:
@@ -106,20 +79,23 @@ class WeightGroup:
         opts.rootRank = 0
         self._pg.broadcast([flat], opts).wait()
 
-    def send(self, weights: dict[str, Tensor], meta: dict[str, Any]) -> None:
-        """Broadcast `weights` as `meta` (describe) says, cast to meta's dtypes: bucket by bucket, or tensor by
+    def send(self, source: WeightSource, meta: dict[str, Any]) -> None:
+        """Broadcast the version `source` gives, as `meta` (describe(source)) says: bucket by bucket, or tensor by
         tensor (wire "tensors": SGLang's /update_weights_from_distributed receives each tensor in its own call)."""
         if meta["wire"] == "tensors":
-            for name, dtype in zip(meta["names"], meta["dtypes"]):
-                self._broadcast(weights[name].detach().to(self.device, getattr(torch, dtype)).contiguous())
+            for bucket in source.buckets():
+                for i in range(len(bucket)):
+                    self._broadcast(bucket[i][1].to(self.device).contiguous())
             return
-        for bucket in plan_buckets(meta["names"], meta["dtypes"], meta["shapes"], meta["bucket_bytes"]):
-            flat = torch.empty(_bucket_size(bucket), dtype=torch.uint8, device=self.device)
-            with torch.no_grad():
-                for e in bucket:
-                    view = flat[e.offset:e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape)
-                    view.copy_(weights[e.name].detach())
-            self._broadcast(flat)
+        with torch.no_grad():
+            for plan, bucket in zip(source.plan(), source.buckets(), strict=True):
+                self._broadcast(self._pack(plan, bucket))
+
+    def _pack(self, plan: list[Entry], bucket: list[tuple[str, Tensor]]) -> Tensor:
+        flat = torch.empty(bucket_size(plan), dtype=torch.uint8, device=self.device)
+        for e, (_, t) in zip(plan, bucket, strict=True):
+            flat[e.offset:e.offset + e.nbytes].view(t.dtype).view(e.shape).copy_(t)
+        return flat
 
     def receive(self, meta: dict[str, Any]) -> Iterator[list[tuple[str, Tensor]]]:
         """The version `meta` describes, one bucket (or tensor) at a time: views of that bucket's buffer, to be
@@ -131,7 +107,7 @@ class WeightGroup:
                 yield [(name, t)]
             return
         for bucket in plan_buckets(meta["names"], meta["dtypes"], meta["shapes"], meta["bucket_bytes"]):
-            flat = torch.empty(_bucket_size(bucket), dtype=torch.uint8, device=self.device)
+            flat = torch.empty(bucket_size(bucket), dtype=torch.uint8, device=self.device)
             self._broadcast(flat)
             yield [(e.name, flat[e.offset:e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape))
                    for e in bucket]
@@ -164,11 +140,9 @@ def with_rank_offset(payload: dict[str, Any], rank_offset: int) -> dict[str, Any
     return {**payload, "rank_offset": rank_offset}
 
 
-def describe(weights: dict[str, Tensor], dtype: torch.dtype | None, bucket_bytes: int,
-             wire: str = "buckets") -> dict[str, Any]:
-    """names, dtypes (after the cast), shapes, bucket_bytes, wire ("buckets" or "tensors") and the engine's first rank
+def describe(source: WeightSource, wire: str = "buckets") -> dict[str, Any]:
+    """names, dtypes (as published), shapes, bucket_bytes, wire ("buckets" or "tensors") and the engine's first rank
     of a version: what a receiver needs."""
-    return {"names": list(weights),
-            "dtypes": [str(dtype or t.dtype).removeprefix("torch.") for t in weights.values()],
-            "shapes": [list(t.shape) for t in weights.values()], "bucket_bytes": bucket_bytes, "wire": wire,
+    return {"names": [s.name for s in source.specs], "dtypes": [dtype_name(s.dtype) for s in source.specs],
+            "shapes": [list(s.shape) for s in source.specs], "bucket_bytes": source.bucket_bytes, "wire": wire,
             "rank_offset": 1}  # the engine's first rank (one engine: 1, after the publisher; with_rank_offset)

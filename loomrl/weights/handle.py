@@ -12,6 +12,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from loomrl.weights.source import WeightSource, as_source
+
 Tensor = torch.Tensor
 
 
@@ -58,17 +60,23 @@ class WeightPublisher(ABC):
 
     transport: Transport
 
-    def __init__(self, keep: int):
+    def __init__(self, keep: int, *, dtype: torch.dtype | None = None, bucket_bytes: int = 64 << 20):
+        """`dtype`: the engine's, what every version is published in (None: the tensors' own); `bucket_bytes`: the
+        size of the runs the tensors are cast and copied in (weights/source.py)."""
         self.keep = keep
+        self.dtype = dtype
+        self.bucket_bytes = bucket_bytes
         self._last: int | None = None
         self._held: deque[tuple[int, Any]] = deque()  # (version, what the transport holds for it)
 
-    def publish(self, weights: dict[str, Tensor], version: int) -> WeightHandle:
-        """Snapshot `weights` as `version` (the caller may keep training them in place right after)."""
+    def publish(self, weights: dict[str, Tensor] | WeightSource, version: int) -> WeightHandle:
+        """Snapshot `weights` as `version` (the caller may keep training them in place right after, except under
+        broadcast: `settle` first). A dict is cast to this publisher's dtype bucket by bucket; a WeightSource (a
+        sharded trainer's, gathered a bucket at a time) comes in the dtype its maker asked for (`source_for`)."""
         if self._last is not None and version <= self._last:
             raise ValueError(f"publish: version {version} is not above the last published one ({self._last})")
         start = time.perf_counter()
-        resource, handle = self._snapshot(weights, version)
+        resource, handle = self._snapshot(as_source(weights, self.dtype, self.bucket_bytes), version)
         self._last = version
         self._held.append((version, resource))
         while len(self._held) > self.keep:
@@ -85,7 +93,7 @@ class WeightPublisher(ABC):
             self._release(self._held.popleft()[1])
 
     @abstractmethod
-    def _snapshot(self, weights: dict[str, Tensor], version: int) -> tuple[Any, WeightHandle]:
+    def _snapshot(self, source: WeightSource, version: int) -> tuple[Any, WeightHandle]:
         """Write `version` completely; returns what stays held for it and its handle."""
 
     def _release(self, resource: Any) -> None:  # noqa: B027 - a hook: not every transport frees anything

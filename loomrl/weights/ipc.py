@@ -12,6 +12,7 @@ from loomrl.weights.handle import (
     WeightPublisher,
     nbytes,
 )
+from loomrl.weights.source import WeightSource
 
 Tensor = torch.Tensor
 
@@ -56,19 +57,19 @@ def ipc_tensors(payload: dict[str, Any], device_index: int | None = None) -> dic
 class IpcPublisher(WeightPublisher):
     transport = Transport.CUDA_IPC
 
-    def __init__(self, *, keep: int = 2, dtype: torch.dtype | None = None):
+    def __init__(self, *, keep: int = 2, dtype: torch.dtype | None = None, bucket_bytes: int = 64 << 20):
         if not torch.cuda.is_available():
             raise RuntimeError("weight sync: runtime.weight_transport=cuda_ipc needs a CUDA GPU (use shm)")
-        super().__init__(keep)
-        self.dtype = dtype
+        super().__init__(keep, dtype=dtype, bucket_bytes=bucket_bytes)
 
-    def _snapshot(self, weights: dict[str, Tensor], version: int) -> tuple[Any, WeightHandle]:
-        off = [n for n, t in weights.items() if not t.is_cuda]
-        if off:
-            raise ValueError(f"weight sync: cuda_ipc publishes CUDA tensors; {off[:3]} are on "
-                             f"{weights[off[0]].device} (trainer.device must be a GPU)")
-        with torch.no_grad():
-            snap = {n: t.detach().to(dtype=self.dtype or t.dtype, copy=True).contiguous() for n, t in weights.items()}
+    def _snapshot(self, source: WeightSource, version: int) -> tuple[Any, WeightHandle]:
+        if source.device.type != "cuda":
+            raise ValueError(f"weight sync: cuda_ipc publishes CUDA tensors; the trainer's are on {source.device} "
+                             "(trainer.device must be a GPU)")
+        snap: dict[str, Tensor] = {}
+        with torch.no_grad():  # a copy per tensor, in the engine's dtype: the snapshot held for the window
+            for bucket in source.buckets():
+                snap.update({name: t.to(source.device, copy=True).contiguous() for name, t in bucket})
         torch.cuda.synchronize()  # the copies are complete before another process reads them
         return snap, WeightHandle(transport=self.transport, version=version, nbytes=nbytes(snap),
                                   payload=ipc_payload(snap))

@@ -12,6 +12,7 @@ from loomrl.weights.handle import (
     WeightPublisher,
     nbytes,
 )
+from loomrl.weights.source import WeightSource, host_copy
 
 Tensor = torch.Tensor
 
@@ -21,11 +22,11 @@ class QueuePublisher(WeightPublisher):
 
     transport = Transport.QUEUE
 
-    def __init__(self) -> None:
-        super().__init__(keep=1)
+    def __init__(self, *, dtype: torch.dtype | None = None, bucket_bytes: int = 64 << 20) -> None:
+        super().__init__(keep=1, dtype=dtype, bucket_bytes=bucket_bytes)
 
-    def _snapshot(self, weights: dict[str, Tensor], version: int) -> tuple[Any, WeightHandle]:
-        # A clone per version: torch pickles a storage when the queue's feeder thread gets to it,
+    def _snapshot(self, source: WeightSource, version: int) -> tuple[Any, WeightHandle]:
+        # A copy per version: torch pickles a storage when the queue's feeder thread gets to it,
         # later than put(), so sending live parameters could mix two versions.
-        payload = {name: t.detach().to("cpu", copy=True) for name, t in weights.items()}  # host memory
+        payload = host_copy(source)  # host memory, in the engine's dtype
         return None, WeightHandle(transport=self.transport, version=version, nbytes=nbytes(payload), payload=payload)

@@ -21,8 +21,8 @@ def engine_dtype(name: str, model_dtype: str) -> str:
 
 
 def serving_dtype(cfg: RunConfig) -> Any:
-    """The torch dtype the engine serves in (weights published on the GPU, runtime.weight_transport=cuda_ipc, are
-    cast to it once, in the trainer: half the memory of float32 masters for a bfloat16 engine)."""
+    """The torch dtype the engine serves in, which every version is published in (cast on the trainer's device a
+    bucket at a time: half the bytes of float32 masters for a bfloat16 engine, whatever the transport)."""
     from loomrl.devices import dtype_named, resolve_device, resolve_dtype
 
     if cfg.engine.kind == "vllm":

@@ -23,8 +23,8 @@ from loomrl.weights.handle import (
     WeightHandle,
     WeightPublisher,
     copy_into,
-    nbytes,
 )
+from loomrl.weights.source import WeightSource
 
 Tensor = torch.Tensor
 
@@ -99,18 +99,21 @@ def _free(seg: _Segment) -> None:
 class ShmPublisher(WeightPublisher):
     transport = Transport.SHM
 
-    def __init__(self, *, keep: int = 2, spares: int = 1):
-        super().__init__(keep)
+    def __init__(self, *, keep: int = 2, spares: int = 1, dtype: torch.dtype | None = None,
+                 bucket_bytes: int = 64 << 20):
+        super().__init__(keep, dtype=dtype, bucket_bytes=bucket_bytes)
         self._spares: list[_Segment] = []  # out of the window, to be rewritten
         self._max_spares = spares
         self._prefix = f"loomrl-w-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # no clash with a crashed run's leftovers
         self._count = 0
 
-    def _snapshot(self, weights: dict[str, Tensor], version: int) -> tuple[Any, WeightHandle]:
+    def _snapshot(self, source: WeightSource, version: int) -> tuple[Any, WeightHandle]:
+        # The layout comes from the specs, so the segment is sized before any tensor exists; each bucket is then copied
+        # (and cast, on the trainer's device) straight into its place: no other host copy of the version.
         entries, offset = [], 0
-        for name, t in weights.items():
-            entries.append([name, str(t.dtype), list(t.shape), offset])
-            offset = _align(offset + t.numel() * t.element_size())
+        for spec in source.specs:
+            entries.append([spec.name, str(spec.dtype), list(spec.shape), offset])
+            offset = _align(offset + spec.nbytes)
         header = json.dumps({"magic": _MAGIC, "version": version, "tensors": entries}).encode()
         data_start = _align(8 + len(header))
         size = max(data_start + offset, 1)
@@ -119,12 +122,12 @@ class ShmPublisher(WeightPublisher):
             self._count += 1
             seg = _create_segment(f"{self._prefix}-{self._count}", size)
         try:
-            self._write(seg, header, data_start, entries, weights)
+            self._write(seg, header, data_start, entries, source)
         except BaseException:
             _free(seg)
             raise
         fcntl.flock(seg.fd, fcntl.LOCK_UN)  # a rewritten spare: readers may look now
-        return seg, WeightHandle(transport=self.transport, version=version, nbytes=nbytes(weights), location=seg.name)
+        return seg, WeightHandle(transport=self.transport, version=version, nbytes=source.nbytes, location=seg.name)
 
     def _release(self, seg: _Segment) -> None:
         self._spares.append(seg)
@@ -146,12 +149,12 @@ class ShmPublisher(WeightPublisher):
         return None
 
     @staticmethod
-    def _write(seg: _Segment, header: bytes, data_start: int, entries: list, weights: dict[str, Tensor]) -> None:
+    def _write(seg: _Segment, header: bytes, data_start: int, entries: list, source: WeightSource) -> None:
         views = _views(seg.mem, data_start, entries)
         try:
             with torch.no_grad():
-                for name, t in weights.items():
-                    views[name].copy_(t.detach())
+                for bucket in source.buckets():
+                    _copy_bucket(views, bucket)
         finally:
             views.clear()  # no exported buffers may remain when the segment is closed
         seg.mem[8 : 8 + len(header)] = header
@@ -161,6 +164,11 @@ class ShmPublisher(WeightPublisher):
         super().close()
         while self._spares:
             _free(self._spares.pop())
+
+
+def _copy_bucket(views: dict[str, Tensor], bucket: list[tuple[str, Tensor]]) -> None:
+    for name, t in bucket:
+        views[name].copy_(t)  # device to host here when the trainer is on a GPU
 
 
 @contextlib.contextmanager

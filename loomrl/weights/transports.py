@@ -26,21 +26,22 @@ Tensor = torch.Tensor
 def make_publisher(transport: str, *, keep: int = 2, folder: str | Path | None = None,
                    dtype: torch.dtype | None = None, receivers: int = 1, bucket_bytes: int = 64 << 20,
                    timeout_s: float = 600.0, host: str = "127.0.0.1", wire: str = "buckets") -> WeightPublisher:
-    """A publisher for `transport`; `keep`: how many recent versions stay loadable; `folder`: file only; `dtype`:
-    cuda_ipc and broadcast, the engine's (None: the trainer's); broadcast: `receivers` (the engine's worker
-    processes), `bucket_bytes` per collective, `timeout_s` for the rendezvous and each version, `host` the address
-    receivers reach the publisher at, `wire` "buckets" or "tensors" (an SGLang server)."""
+    """A publisher for `transport`; `keep`: how many recent versions stay loadable; `folder`: file only; `dtype`: the
+    engine's, what every version is published in (None: the tensors' own); `bucket_bytes`: the runs the tensors are
+    cast, copied and (broadcast) sent in; broadcast: `receivers` (the engine's worker processes), `timeout_s` for the
+    rendezvous and each version, `host` the address receivers reach the publisher at, `wire` "buckets" or "tensors"
+    (an SGLang server)."""
     kind = Transport(transport)
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     if kind is Transport.QUEUE:
-        return QueuePublisher()
+        return QueuePublisher(dtype=dtype, bucket_bytes=bucket_bytes)
     if kind is Transport.SHM:
-        return ShmPublisher(keep=keep)
+        return ShmPublisher(keep=keep, dtype=dtype, bucket_bytes=bucket_bytes)
     if kind is Transport.FILE:
-        return FilePublisher(folder, keep=keep)
+        return FilePublisher(folder, keep=keep, dtype=dtype, bucket_bytes=bucket_bytes)
     if kind is Transport.CUDA_IPC:
-        return IpcPublisher(keep=keep, dtype=dtype)
+        return IpcPublisher(keep=keep, dtype=dtype, bucket_bytes=bucket_bytes)
     if kind is Transport.BROADCAST:
         return BroadcastPublisher(receivers=receivers, dtype=dtype, bucket_bytes=bucket_bytes, timeout_s=timeout_s,
                                   host=host, wire=wire)

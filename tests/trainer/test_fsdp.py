@@ -13,7 +13,7 @@ from dist_launch import launch_local
 
 from loomrl.config import ModelConfig, TrainerConfig
 from loomrl.model.loader import build_tiny_model
-from loomrl.trainer.distributed import DataParallelTrainer
+from loomrl.trainer.distributed import DataParallelTrainer, Gather
 from loomrl.trainer.fsdp import fsdp_shard
 from loomrl.trainer.trainer import Trainer
 from loomrl.types import TrainingSample
@@ -131,11 +131,16 @@ def _resume_rank(rank: int, world: int, run_dir: str, options: dict) -> tuple[li
     first = DataParallelTrainer(build_trainer(cfg, load_run_model(cfg.model, None)[0], None))
     got = steps(first, 2)
     t = first.trainer
+    everything = Gather(None, 1 << 12, everything=True)  # small buckets: the model folder is written in several files
     if rank == 0:
         save_checkpoint(cfg.run_dir, 2, model=t.model, tokenizer=tok, optimizer=t.optimizer, scheduler=t.scheduler,
-                        state={}, weights=first.weights, shards=lambda folder: save_sharded_optimizer(t, folder))
-        assert set(first.weights) == {n for n, _ in t.model.named_parameters()}  # the engines' copy kept whole
-    else:  # rank 0's save_checkpoint writes its part into this folder at the same time
+                        state={}, weights=first.gathered(everything),
+                        shards=lambda folder: save_sharded_optimizer(t, folder))
+        files = list((cfg.run_dir / "checkpoints" / "step_000002" / "model").glob("model-*.safetensors"))
+        assert len(files) > 2, files
+    else:  # rank 0's save_checkpoint gathers the model folder, then writes this rank's part into this folder
+        for _ in first.gathered(everything).buckets():
+            pass
         save_sharded_optimizer(t, cfg.run_dir / "checkpoints" / ".tmp_step_000002" / "optimizer")
     dist.barrier()  # renamed into place by rank 0
     ckpt = latest_checkpoint(cfg.run_dir)

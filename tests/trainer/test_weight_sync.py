@@ -220,6 +220,26 @@ def test_file_keeps_the_last_versions_and_frees_the_rest(tmp_path):
     assert not own.folder.exists()  # a folder it made itself goes
 
 
+def test_a_file_version_is_written_a_bucket_at_a_time_and_one_partly_freed_is_stale(tmp_path):
+    """runtime.weight_transport=file: a version is a folder with a file per bucket, in the engine's dtype; a reader
+    that finds some of its files gone (the publisher frees it file by file) gets StaleWeights, never part of it."""
+    weights = {f"w{i}": torch.full((64,), float(i)) for i in range(6)}  # 256 bytes each in float32
+    pub = make_publisher("file", folder=tmp_path / "w", dtype=torch.bfloat16, bucket_bytes=300)
+    try:
+        handle = pub.publish(weights, 1)
+        files = sorted(Path(handle.location).iterdir())
+        assert len(files) == 3  # two bfloat16 tensors (128 bytes each, aligned) per bucket
+        got = load_weights(handle).weights
+        assert {n: (t.dtype, float(t[0])) for n, t in got.items()} == {n: (torch.bfloat16, float(i))
+                                                                        for i, n in enumerate(weights)}
+        assert handle.nbytes == 6 * 64 * 2
+        files[1].unlink()
+        with pytest.raises(StaleWeights):
+            load_weights(handle)
+    finally:
+        pub.close()
+
+
 def test_ray_handles_have_no_publisher_and_no_loader_here():
     """The Ray backend's handle (payload: an ObjectRef) is awaited by the rollout actor, not loaded here."""
     with pytest.raises(ValueError, match="no publisher"):

@@ -14,6 +14,13 @@ the trainer actor's returned ObjectRef instead, with no publisher).
 - load_s: time inside load_weights() (for "ray": ray.get and the copy) in the reader;
 - total_s: from the start of publish to the reader's answer: handoff included (for "queue" that is
   where torch pickles every storage into shared memory).
+--fsdp: the sharded trainer's (trainer.parallel=fsdp) publish path for a model of --fsdp-params parameters on gloo
+ranks, three arms side by side, each in fresh processes: "old" (before issue 27: every parameter gathered and kept in
+a float32 host copy on rank 0, then published in float32), "new" (GatheredSource: a bucket at a time, cast to bfloat16
+as gathered, copied into the shm segment) and "gather" (the collectives alone: the time bound). Seconds per version
+and the peak resident set of rank 0 above its baseline (the segment it writes counts), against the target: the
+segment plus one bucket.
+
 Bound: a plain clone of the same tensors in this process (one memory copy), measured in the same run;
 efficiency = bound / total. A clone also pays for fresh pages (the kernel zeroes each one first), so
 the copy into preallocated tensors is printed too, with the efficiency against it: every transport
@@ -219,6 +226,140 @@ def measure_vllm(repeats: int) -> dict:
             "bucket_bytes": cfg.engine.vllm.weight_bucket_bytes}
 
 
+# -- --fsdp: the sharded trainer's publish path, before and after issue 27 ------------------------------------------
+
+
+def _rss_sampler(stop: Any, peak: list[int]) -> None:
+    """Samples this process's resident set (anonymous and shared pages: shm segments it wrote count) every 5 ms."""
+    while not stop.is_set():
+        with open("/proc/self/statm") as f:
+            peak[0] = max(peak[0], int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+        stop.wait(0.005)
+
+
+def _fsdp_rank(rank: int, world: int, port: int, arm: str, params: float, hidden: int, bucket_bytes: int,
+               out: Any) -> None:
+    """One trainer rank: a stack of hidden x hidden linear layers of `params` parameters in all, FSDP2-sharded over
+    `world` gloo ranks (materialised after sharding: each rank only ever holds its shard), then one version published
+    to shm the way `arm` says. Rank 0 reports seconds and its resident set's peak above the baseline."""
+    import threading
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from loomrl.trainer.distributed import Gather, GatheredSource, init_process_group
+    from loomrl.weights.source import WeightSource
+
+    torch.set_num_threads(1)
+    init_process_group(rank, world, master_port=port, timeout_s=1800)
+    layers = max(1, round(params / hidden**2))
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*(torch.nn.Linear(hidden, hidden, bias=False) for _ in range(layers)))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(rank)
+        for p in model.parameters():
+            p.to_local().normal_(generator=g)
+    dist.barrier()
+    publisher = make_publisher("shm", keep=1, dtype=None if arm == "old" else torch.bfloat16,
+                               bucket_bytes=bucket_bytes) if rank == 0 else None
+    peak, stop = [0], threading.Event()
+    with open("/proc/self/statm") as f:
+        base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    sampler = threading.Thread(target=_rss_sampler, args=(stop, peak), daemon=True)
+    sampler.start()
+    start = time.perf_counter()
+    if arm == "old":  # what trainer/distributed.py did before: every parameter gathered, rank 0 keeping a float32
+        # host copy of the whole model, then published (in the trainer's float32, as the transports then did)
+        weights = {}
+        for name, p in model.named_parameters():
+            full = p.full_tensor().detach()
+            if rank == 0:
+                weights[name] = full.to("cpu", copy=True)
+        handle = publisher.publish(weights, 1) if rank == 0 else None
+        del weights
+    else:
+        source: WeightSource = GatheredSource(model, Gather(None if arm == "gather" else "bfloat16", bucket_bytes),
+                                              keep=rank == 0)
+        if arm == "new" and rank == 0:
+            handle = publisher.publish(source, 1)
+        else:  # "gather": the collectives alone, the bound; followers take part in either
+            for _ in source.buckets():
+                pass
+            handle = None
+    seconds = time.perf_counter() - start
+    stop.set()
+    sampler.join()
+    dist.barrier()
+    if rank == 0:
+        out.put({"arm": arm, "seconds": seconds, "peak_above_base": peak[0] - base,
+                 "published_bytes": handle.nbytes if handle else 0,
+                 "params": sum(p.numel() for p in model.parameters()), "layers": layers})
+        publisher.close()
+    dist.destroy_process_group()
+
+
+def measure_fsdp(params: float, world: int, hidden: int, bucket_bytes: int, repeats: int) -> dict:
+    """Each arm in fresh processes (a resident set's peak is per process), arms interleaved, `repeats` times."""
+    from loomrl.trainer.distributed import free_port
+
+    ctx = mp.get_context("spawn")
+    # glibc raises its mmap threshold as large blocks are freed (up to 32 MB), after which freed parameter-sized blocks
+    # stay in the heap and a resident set measures the allocator's cache, not what is held: fixed at 1 MB here (read
+    # when each rank's process starts), so that memory freed is memory returned.
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
+    runs: dict[str, list[dict]] = {"gather": [], "old": [], "new": []}
+    for _ in range(repeats):
+        for arm in runs:
+            out = ctx.Queue()
+            port = free_port()
+            procs = [ctx.Process(target=_fsdp_rank, args=(r, world, port, arm, params, hidden, bucket_bytes, out))
+                     for r in range(world)]
+            for proc in procs:
+                proc.start()
+            runs[arm].append(out.get(timeout=3600))
+            for proc in procs:
+                proc.join(120)
+            print(f"  {arm}: {runs[arm][-1]['seconds']:.1f} s, peak {runs[arm][-1]['peak_above_base'] / 1e9:.2f} GB",
+                  file=sys.stderr, flush=True)
+    return {arm: {"seconds": statistics.median(r["seconds"] for r in rs),
+                  "peak_above_base": max(r["peak_above_base"] for r in rs),
+                  "published_bytes": rs[0]["published_bytes"], "params": rs[0]["params"], "layers": rs[0]["layers"]}
+            for arm, rs in runs.items()}
+
+
+def fsdp_report(args: argparse.Namespace) -> None:
+    r = measure_fsdp(args.fsdp_params, args.fsdp_world, args.fsdp_hidden, args.fsdp_bucket, args.repeats)
+    params = r["new"]["params"]
+    fp32 = params * 4
+    held = r["new"]["published_bytes"]  # the shm segment, bfloat16: what the transport itself holds
+    target = held + args.fsdp_bucket
+    ratio_s = r["old"]["seconds"] / r["new"]["seconds"]
+    ratio_mem = r["old"]["peak_above_base"] / r["new"]["peak_above_base"]
+    report({"name": "weight_sync_fsdp", "machine": machine(),
+            "weights": f"random float32 parameters of {params / 1e9:.2f}B in {r['new']['layers']} linear "
+                       f"layers of {args.fsdp_hidden}x{args.fsdp_hidden}, FSDP2-sharded over {args.fsdp_world} gloo "
+                       "ranks (processes of this machine), one version published to shm per run",
+            "repeats": args.repeats, "ratio_seconds": round(ratio_s, 2), "ratio_host_memory": round(ratio_mem, 2),
+            "ratio_over": "new (old / new)", "arms": r,
+            "details": [
+                f"gather only (every parameter's full_tensor, dropped; the bound): {r['gather']['seconds']:.1f} s, peak "
+                f"host memory above baseline {r['gather']['peak_above_base'] / 1e9:.2f} GB",
+                f"old (rank 0 keeps a float32 host copy, then publishes it in float32): {r['old']['seconds']:.1f} s, "
+                f"peak host memory above baseline {r['old']['peak_above_base'] / 1e9:.2f} GB "
+                f"(analytic: copy + segment = 2 x {fp32 / 1e9:.2f} GB)",
+                f"new (a bucket of {args.fsdp_bucket / 1e6:.0f} MB at a time, cast to bfloat16 as gathered, copied into "
+                f"the segment): {r['new']['seconds']:.1f} s, peak host memory above baseline "
+                f"{r['new']['peak_above_base'] / 1e9:.2f} GB (target: segment {held / 1e9:.2f} GB + one bucket = "
+                f"{target / 1e9:.2f} GB; efficiency {target / r['new']['peak_above_base']:.2f})",
+                f"seconds: old / new {ratio_s:.2f}, efficiency of new against the gather alone "
+                f"{r['gather']['seconds'] / r['new']['seconds']:.2f}; host memory: old / new {ratio_mem:.2f}"]},
+           args.json)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
@@ -230,8 +371,17 @@ def main() -> None:
                     help="torch threads of the trainer and the reader (0: torch's default). On a shared, busy "
                          "machine 1 is steadier: a descheduled OpenMP thread leaves the others spinning")
     ap.add_argument("--vllm", action="store_true", help="only the update of SmolLM2-135M into vLLM (engine.kind=vllm)")
+    ap.add_argument("--fsdp", action="store_true",
+                    help="only the sharded trainer's publish path, before and after (seconds, peak host memory)")
+    ap.add_argument("--fsdp-params", type=float, default=1.5e9)
+    ap.add_argument("--fsdp-hidden", type=int, default=4096)
+    ap.add_argument("--fsdp-world", type=int, default=2)
+    ap.add_argument("--fsdp-bucket", type=int, default=64 << 20)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.fsdp:
+        fsdp_report(args)
+        return
     if args.vllm:
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         r = measure_vllm(args.repeats)

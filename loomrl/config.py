@@ -548,6 +548,10 @@ class RunConfig(_Section):
             raise ValueError(f"runtime.weight_transport=cuda_ipc maps the trainer's GPU memory into the SGLang server, "
                              f"which must then run on that one GPU (engine.sglang.tp_size={self.engine.sglang.tp_size}"
                              "); use runtime.weight_transport=broadcast for a server on other GPUs")
+        if self.engine.sleep_while_training and self.runtime.weight_transport == "broadcast":
+            raise ValueError("engine.sleep_while_training (a trainer and an engine sharing GPUs) cannot use "
+                             "runtime.weight_transport=broadcast: NCCL puts no two ranks of a group on one GPU; use "
+                             "cuda_ipc (same GPU) or shm")
         if self.runtime.mode == "sync" and self.engine.kind == "sglang":
             raise ValueError("engine.kind=sglang needs runtime.mode=async (sync mode shares the trainer's model with "
                              "the engine; an SGLang server holds its own copy and loads each version from disk)")

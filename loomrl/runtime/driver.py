@@ -220,7 +220,16 @@ class Driver:
 
     # -- the trainer --------------------------------------------------------------------------------
     async def _start_trainer(self, extra: dict[str, Any]) -> TrainerState:
-        state = await self.backend.start_trainer(extra)
+        # Colocated: the engines started first and hold the GPU; they sleep while the trainer loads onto it, publishes
+        # its first version and moves its state to host memory (trainer/offload.py), then wake and load that version.
+        colocated = self.cfg.engine.sleep_while_training
+        if colocated:
+            await self.backend.sleep_engines()
+        try:
+            state = await self.backend.start_trainer(extra)
+        finally:
+            if colocated:
+                await self.backend.wake_engines()
         for pos in [p for p in self.sent if p not in state.received]:
             self.acc.discard(self.sent.pop(pos), "trainer_restart")
         # Attempts in flight may hold tokens of versions the restored trainer never had: cancelled

@@ -12,6 +12,7 @@ from loomrl.actor_support import Placed
 from loomrl.config import RunConfig
 from loomrl.devices import trainer_device
 from loomrl.trainer.checkpoint import latest_checkpoint
+from loomrl.trainer.offload import offload, onload
 from loomrl.trainer.process import run_publisher
 from loomrl.trainer.ranks import Follower, RankGroup, RankLost, RankReport, RankWork
 from loomrl.trainer.service import TrainerService
@@ -74,7 +75,16 @@ class TrainerActor(Placed):
         if self.publisher is not None:  # broadcast: the engines have received the last version before it changes
             self.publisher.settle()
             return self.service.train_step(), None
-        return self.service.train_step(), self.weights()
+        if not self.cfg.engine.sleep_while_training:
+            return self.service.train_step(), self.weights()
+        # colocated (trainer/offload.py): the engines sleep through this call; the state is on the GPU only for it
+        back = onload(self.service.trainer)
+        metrics = self.service.train_step()
+        weights = self._host_weights()
+        away = offload(self.service.trainer)
+        metrics.update({"colocate/onload_s": back.seconds, "colocate/offload_s": away.seconds,
+                        "colocate/offloaded_bytes": float(away.bytes)})
+        return metrics, weights
 
     def publish(self, version: int) -> WeightHandle:
         """runtime.weight_transport=broadcast: the handle of `version` (the current weights), which this actor goes
@@ -87,7 +97,14 @@ class TrainerActor(Placed):
         """The trainable weights of the current version, in the engine's dtype. Returned (not ray.put here) so that
         the object is owned by the caller and outlives this actor; Ray copies them as it returns. In host memory:
         rollout actors need not sit on a GPU, nor on this one. The one whole copy a Ray run makes (the object store
-        needs it), built a bucket at a time."""
+        needs it), built a bucket at a time. Colocated: the first call (the start's weights) also sends the trainer's
+        state to host memory, before any engine wakes."""
+        weights = self._host_weights()
+        if self.cfg.engine.sleep_while_training:
+            offload(self.service.trainer)
+        return weights
+
+    def _host_weights(self) -> dict[str, torch.Tensor]:
         return host_copy(self.service.weight_source(serving_dtype(self.cfg), self.cfg.engine.vllm.weight_bucket_bytes))
 
 

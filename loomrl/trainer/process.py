@@ -30,6 +30,7 @@ import torch
 
 from loomrl.config import RunConfig
 from loomrl.devices import trainer_device
+from loomrl.trainer.offload import offload, onload
 from loomrl.trainer.ranks import (
     Child,
     LocalFollowers,
@@ -195,6 +196,20 @@ def publish(publisher: WeightPublisher, service: TrainerService) -> WeightHandle
     return publisher.publish(service.weight_source(publisher.dtype, publisher.bucket_bytes), service.version)
 
 
+def colocated_step(service: TrainerService, publisher: WeightPublisher) -> tuple[dict[str, Any], WeightHandle]:
+    """A step beside a colocated engine, which sleeps meanwhile (the driver put it to sleep before asking): the
+    trainer's state back on the GPU, the step, the new version published (and, broadcast, sent), the state back to
+    host memory; the engine wakes and loads the version once this returns."""
+    back = onload(service.trainer)
+    metrics = service.train_step()
+    handle = publish(publisher, service)
+    publisher.settle()  # a broadcast reads the parameters: sent before they move
+    away = offload(service.trainer)
+    metrics.update({"colocate/onload_s": back.seconds, "colocate/offload_s": away.seconds,
+                    "colocate/offloaded_bytes": float(away.bytes)})
+    return metrics, handle
+
+
 def _trainer_main(cfg_json: str, extra: dict[str, Any], checkpoint: str, threads: int, inbox: Any, outbox: Any,
                   ranks: tuple | None) -> None:
     """Entry of the trainer process; `ranks`: the follower ranks' queues and port."""
@@ -213,8 +228,11 @@ def _trainer_main(cfg_json: str, extra: dict[str, Any], checkpoint: str, threads
             group.join("127.0.0.1", port)
         service = TrainerService.from_run(cfg, extra, Path(checkpoint) if checkpoint else None, ranks=group)
         publisher = run_publisher(cfg, engines=1, host=cfg.runtime.broadcast_host)
-        outbox.put(Ready(service.version, service.received.state(),
-                         publish(publisher, service), service.last_metrics))
+        colocated = cfg.engine.sleep_while_training  # the GPU is the engine's between steps (trainer/offload.py)
+        first = publish(publisher, service)
+        if colocated:
+            offload(service.trainer)
+        outbox.put(Ready(service.version, service.received.state(), first, service.last_metrics))
         while not isinstance(msg := inbox.get(), Stop):
             if isinstance(msg, Group):
                 service.receive(msg.position, msg.group)
@@ -222,8 +240,12 @@ def _trainer_main(cfg_json: str, extra: dict[str, Any], checkpoint: str, threads
                 outbox.put(IsReady(service.ready()))
             elif service.ready():
                 publisher.settle()  # nothing reads the weights any more (broadcast) when the step changes them
-                metrics = service.train_step()
-                outbox.put(Stepped(metrics, publish(publisher, service)))
+                if colocated:
+                    metrics, handle = colocated_step(service, publisher)
+                else:
+                    metrics = service.train_step()
+                    handle = publish(publisher, service)
+                outbox.put(Stepped(metrics, handle))
             else:
                 outbox.put(Stepped(None, None))
     except BaseException:  # noqa: BLE001 - reported to the client, which restarts the trainer or stops

@@ -47,7 +47,9 @@ def test_engines_sleep_through_each_training_step_and_only_then(tmp_path):
         backend = Recording(cfg, None)
         summary = train(cfg, backend=backend)
         assert summary["steps"] == 3
-        # the start's weights, then every step: sleep, train, wake, the new weights; never a sleep for a step that
-        # was not due (the driver asks the trainer first)
-        assert backend.calls == ["publish"] + ["sleep", "train", "wake", "publish"] * 3, (mode, backend.calls)
+        # the engine asleep while the trainer starts (loads, publishes, offloads its state), then the start's weights;
+        # then every step: sleep, train, wake, the new weights; never a sleep for a step that was not due (the driver
+        # asks the trainer first)
+        assert backend.calls == ["sleep", "wake", "publish"] + ["sleep", "train", "wake", "publish"] * 3, (
+            mode, backend.calls)
         check_run(cfg.run_dir, summary, 3)

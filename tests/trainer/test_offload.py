@@ -1,0 +1,102 @@
+"""Colocation's trainer half (trainer/offload.py): between steps the trainer's whole state leaves the GPU, and a step
+beside a sleeping engine runs onload -> train -> publish -> settle -> offload. This CPU machine has no second device to
+move to, so the state is moved to the meta device instead: what is left behind on the trainer's device is what an
+offload to the host would leave on the GPU (a missed optimizer state, a KL reference)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from loomrl.config import ModelConfig, RunConfig, TrainerConfig
+from loomrl.model.loader import build_tiny_model
+from loomrl.trainer import process
+from loomrl.trainer.distributed import DataParallelTrainer
+from loomrl.trainer.fsdp import fsdp_shard
+from loomrl.trainer.offload import Moved, move_state
+from loomrl.trainer.trainer import Trainer
+from tests.dist_launch import launch_local
+from tests.trainer.test_fsdp import _samples
+
+KL = {"loss": {"kind": "ppo_clip", "kl": "k3", "kl_coef": 0.1}}
+
+
+def _left_behind(trainer: Trainer) -> list[str]:
+    """Every tensor of the trainer's state that is not on the meta device."""
+    out = [f"param {n}" for n, p in trainer.model.named_parameters() if not p.is_meta]
+    out += [f"grad {n}" for n, p in trainer.model.named_parameters() if p.grad is not None]
+    if trainer.ref_model is not None:
+        out += [f"reference {n}" for n, p in trainer.ref_model.named_parameters() if not p.is_meta]
+    for i, state in enumerate(trainer.optimizer.state.values()):
+        out += [f"optimizer {i} {k}" for k, v in state.items() if k != "step" and not v.is_meta]
+    return out
+
+
+def test_offload_moves_every_parameter_optimizer_state_and_the_kl_reference(tokenizer):
+    vocab, eos = len(tokenizer), tokenizer.eos_token_id
+    trainer = Trainer(build_tiny_model(ModelConfig(kind="tiny"), vocab, eos), TrainerConfig(lr=1e-3, **KL))
+    trainer.train_step(copy.deepcopy(_samples(vocab)))  # AdamW's state exists, gradients are set
+    params = sum(p.numel() * 4 for p in trainer.model.parameters())
+    moved = move_state(trainer, torch.device("meta"))
+    assert _left_behind(trainer) == []
+    # the model, its KL reference (the same shapes) and AdamW's two moments per trained parameter
+    trained = sum(p.numel() * 4 for p in trainer.params)
+    assert moved.bytes == 2 * params + 2 * trained
+
+
+def _sharded_rank(rank: int, world: int, vocab: int, eos: int, samples: list) -> list[str]:
+    trainer = Trainer(build_tiny_model(ModelConfig(kind="tiny"), vocab, eos), TrainerConfig(lr=1e-3, **KL),
+                      shard=fsdp_shard)
+    DataParallelTrainer(trainer).train_step(copy.deepcopy(samples[:3] if rank == 0 else samples[3:]))
+    move_state(trainer, torch.device("meta"))
+    return _left_behind(trainer)
+
+
+def test_offload_of_fsdp_ranks_moves_every_shard(tokenizer):
+    vocab, eos = len(tokenizer), tokenizer.eos_token_id
+    for left in launch_local(_sharded_rank, 2, (vocab, eos, _samples(vocab)), timeout_s=300, threads=1):
+        assert left == []
+
+
+class _Publisher:
+    def __init__(self, calls: list[str]):
+        self.calls, self.dtype, self.bucket_bytes = calls, None, 1 << 20
+
+    def publish(self, source, version):
+        self.calls.append("publish")
+        return f"handle {version}"
+
+    def settle(self):
+        self.calls.append("settle")
+
+
+class _Service:
+    def __init__(self, calls: list[str]):
+        self.calls, self.trainer, self.version = calls, object(), 1
+
+    def train_step(self):
+        self.calls.append("train")
+        return {}
+
+    def weight_source(self, dtype, bucket_bytes):
+        return None
+
+
+def test_a_colocated_step_trains_publishes_and_sends_before_the_state_leaves(monkeypatch):
+    """The trainer process's step beside a sleeping engine (trainer/process.py colocated_step); the service and
+    publisher are recording stand-ins, the order is the real function's."""
+    calls: list[str] = []
+
+    monkeypatch.setattr(process, "onload", lambda trainer: calls.append("onload") or Moved(0, 0.0))
+    monkeypatch.setattr(process, "offload", lambda trainer: calls.append("offload") or Moved(8, 0.0))
+    metrics, handle = process.colocated_step(_Service(calls), _Publisher(calls))
+    assert calls == ["onload", "train", "publish", "settle", "offload"]
+    assert handle == "handle 1" and metrics["colocate/offloaded_bytes"] == 8.0
+
+
+def test_colocation_with_a_broadcast_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="NCCL puts no two ranks of a group on one GPU"):
+        RunConfig.model_validate({"engine": {"sleep_while_training": True, "kind": "vllm"},
+                                  "runtime": {"mode": "async", "weight_transport": "broadcast"}})

@@ -29,3 +29,9 @@ class Placed:
         import ray
 
         return ray.get_runtime_context().get_node_id(), os.getpid()
+
+    def gpu_ids(self) -> list[str]:
+        """The GPUs Ray gave this actor (its CUDA_VISIBLE_DEVICES); a fraction of one is that one."""
+        import ray
+
+        return [str(g) for g in ray.get_gpu_ids()]

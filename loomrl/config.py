@@ -548,6 +548,17 @@ class RunConfig(_Section):
             raise ValueError(f"runtime.weight_transport=cuda_ipc maps the trainer's GPU memory into the SGLang server, "
                              f"which must then run on that one GPU (engine.sglang.tp_size={self.engine.sglang.tp_size}"
                              "); use runtime.weight_transport=broadcast for a server on other GPUs")
+        r = self.ray
+        if self.runtime.backend == "ray" and self.engine.sleep_while_training and r.engine.count:
+            # colocated on Ray (runtime/ray_backend.py): engine actor i shares trainer rank i's GPU
+            if r.engine.count != self.trainer.world_size:
+                raise ValueError(f"engine.sleep_while_training on Ray puts engine actor i on trainer rank i's GPU: "
+                                 f"ray.engine.count ({r.engine.count}) must equal trainer.world_size "
+                                 f"({self.trainer.world_size})")
+            if r.engine.num_gpus + r.trainer.num_gpus > 1:
+                raise ValueError(f"engine.sleep_while_training on Ray: ray.engine.num_gpus ({r.engine.num_gpus:g}) + "
+                                 f"ray.trainer.num_gpus ({r.trainer.num_gpus:g}) is more than the one GPU they share "
+                                 "(e.g. 0.5 each)")
         if self.engine.sleep_while_training and self.runtime.weight_transport == "broadcast":
             raise ValueError("engine.sleep_while_training (a trainer and an engine sharing GPUs) cannot use "
                              "runtime.weight_transport=broadcast: NCCL puts no two ranks of a group on one GPU; use "
@@ -561,7 +572,8 @@ class RunConfig(_Section):
         if self.engine.kind == "vllm" and self.runtime.backend == "ray":  # the actors holding the engines
             spec, where = (self.ray.engine, "ray.engine") if self.ray.engine.count else (self.ray.rollout, "ray.rollout")
             tp = self.engine.vllm.tensor_parallel_size
-            if spec.num_gpus and spec.num_gpus != tp:
+            colocated = self.engine.sleep_while_training and spec.num_gpus < 1 and tp == 1  # a share of one GPU
+            if spec.num_gpus and spec.num_gpus != tp and not colocated:
                 raise ValueError(f"{where}.num_gpus={spec.num_gpus:g} but engine.vllm.tensor_parallel_size={tp}: each "
                                  f"actor's vLLM engine needs as many GPUs as its tensor-parallel size")
         return self

@@ -129,6 +129,9 @@ class RayBackend(Backend):
         # runtime.weight_transport=broadcast: the trainer actor broadcasts each version to the engine actors (NCCL
         # between GPUs), nothing through the object store; an engine actor that dies then stops the run
         self.broadcast = cfg.runtime.weight_transport == "broadcast"
+        # engine.sleep_while_training with engine actors: engine i and trainer rank i share bundle i of one placement
+        # group (a GPU each: fractional num_gpus), reserved before the engines start and kept across trainer restarts
+        self.colocated = cfg.engine.sleep_while_training and cfg.ray.engine.count > 0
 
     # -- actors -------------------------------------------------------------------------------------
     def _actor(self, cls: type, spec: Placement, **options: Any) -> Any:
@@ -216,9 +219,14 @@ class RayBackend(Backend):
             raise
         if r.engine.count:
             self.board = self.ray.remote(WeightBoard).options(num_cpus=0).remote()
-            cls = self._actor(EngineActor, r.engine, max_concurrency=1000,
-                              max_restarts=0 if self.broadcast else r.engine.max_restarts)
-            self.engines = [cls.remote(self.cfg_json, self.board, i) for i in range(r.engine.count)]
+            if self.colocated:
+                await self._reserve_trainer()
+            self.engines = [self._actor(EngineActor, r.engine, max_concurrency=1000,
+                                        max_restarts=0 if self.broadcast else r.engine.max_restarts,
+                                        **self._trainer_options(i)).remote(self.cfg_json, self.board, i)
+                            for i in range(r.engine.count)]
+            if self.colocated:
+                self.placement["engine_gpus"] = [await e.gpu_ids.remote() for e in self.engines]
         for name, actors in (("reward", self.reward_actors), ("env", self.env_actors), ("engine", self.engines)):
             where = await self._where(actors)
             self.placement[name] = [node for node, _ in where]
@@ -260,8 +268,13 @@ class RayBackend(Backend):
     async def _reserve_trainer(self) -> None:
         """A placement group with one bundle per trainer rank (ray.trainer_placement), so that all
         ranks are placed together or not at all; none when a rank asks for nothing to reserve."""
+        if self.trainer_group is not None:  # colocated: reserved with the engines, kept
+            return
         spec, world = self.cfg.ray.trainer, self.cfg.trainer.world_size
         bundle = reserves(spec)
+        if self.colocated:  # rank i and engine i in one bundle: Ray then gives both the same GPU
+            engine = reserves(self.cfg.ray.engine)
+            bundle = {k: bundle.get(k, 0.0) + engine.get(k, 0.0) for k in {*bundle, *engine}}
         if not bundle:
             return
         from ray.util.placement_group import placement_group
@@ -279,6 +292,7 @@ class RayBackend(Backend):
         self.placement["trainer_bundles"] = [bundle] * world
 
     def _trainer_options(self, rank: int) -> dict[str, Any]:
+        """Trainer rank `rank`'s (or, colocated, engine `rank`'s) bundle of the ranks' placement group."""
         if self.trainer_group is None:
             return {}
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -304,7 +318,11 @@ class RayBackend(Backend):
         version, state, metrics = await self._call_trainer(self.trainer.state.remote())
         if not self.broadcast:
             self.step_weights = self.trainer.weights.remote()  # what publish(version) sends first
+            if self.colocated:  # its state is in host memory once this is made: only then may the engines wake
+                await asyncio.to_thread(self.ray.wait, [self.step_weights], fetch_local=False)
         if "trainer" not in self.placement:
+            if self.colocated:
+                self.placement["trainer_gpus"] = [await a.gpu_ids.remote() for a in [self.trainer, *self.trainer_ranks]]
             self.placement.update(
                 trainer=(await self._where([self.trainer]))[0][0],
                 trainer_ranks=[node for node, _ in await self._where(self.trainer_ranks)],
@@ -316,7 +334,7 @@ class RayBackend(Backend):
             if actor is not None:
                 self._kill(actor)
         self.trainer, self.trainer_ranks = None, []
-        if self.trainer_group is not None:  # its reservation goes with it: a restart reserves anew
+        if self.trainer_group is not None and not self.colocated:  # its reservation goes with it: a restart reserves anew
             self.ray.util.remove_placement_group(self.trainer_group)
             self.trainer_group = None
 
@@ -460,6 +478,10 @@ class RayBackend(Backend):
         try:
             return await self._close()
         finally:
+            if self.trainer_group is not None:  # colocated: kept through the run (a user's cluster outlives it)
+                with contextlib.suppress(Exception):
+                    self.ray.util.remove_placement_group(self.trainer_group)
+                self.trainer_group = None
             if self.owns_ray:
                 self.ray.shutdown()
 

@@ -90,7 +90,8 @@ def cluster():
     common = ["--num-cpus=1", f"--temp-dir={tmp}", "--disable-usage-stats", "--node-ip-address=127.0.0.1"]
     try:
         t0 = time.time()
-        subprocess.run([RAY, "start", "--head", f"--port={port}", "--include-dashboard=false",
+        # two GPUs that do not exist (Ray only counts them; nothing runs on them): where colocated actors are placed
+        subprocess.run([RAY, "start", "--head", f"--port={port}", "--include-dashboard=false", "--num-gpus=2",
                         '--resources={"trainer": 1, "reward": 2, "sandbox": 1, "engine": 1}', *common], env=env, check=True, capture_output=True, timeout=120)
         subprocess.run([RAY, "start", f"--address=127.0.0.1:{port}", '--resources={"rollout": 2}', *common],
                        env=env, check=True, capture_output=True, timeout=120)
@@ -151,6 +152,26 @@ def test_two_node_run_places_trainer_and_rollouts_on_their_nodes(cluster, tmp_pa
     syncs = [m for m in read_metrics(run_dir) if m.get("kind") == "train" and "weight_sync/load_s" in m]
     assert syncs and all(m["weight_sync/load_s"] >= 0 and m["weight_sync/apply_s"] > 0 for m in syncs)
     print(f"two-node run: {time.time() - t0:.1f}s")
+
+
+@pytest.mark.ray
+def test_colocated_engine_and_trainer_ranks_share_a_gpu_each(cluster, tmp_path):
+    """engine.sleep_while_training on Ray: engine actor i and trainer rank i take half of the same GPU (one bundle of a
+    placement group each); the run trains, the engines sleeping through each step. The head node's two GPUs are
+    Ray's bookkeeping only (this machine has none): what is checked is where Ray put the actors."""
+    proc = _train(cluster, tmp_path, "coloc", "trainer.total_steps=2", "checkpoint_every=0", "runtime.mode=async",
+                  "trainer.world_size=2", "ray.trainer.resources={}", "ray.trainer.num_gpus=0.5",
+                  "ray.engine.count=2", "ray.engine.num_gpus=0.5", "ray.engine.num_cpus=0",
+                  "engine.sleep_while_training=true")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["steps"] == 2
+    placement = summary["ray"]["placement"]
+    engines, trainers = placement["engine_gpus"], placement["trainer_gpus"]
+    assert engines == trainers, placement  # rank i beside engine i
+    assert sorted(g for ids in engines for g in ids) == ["0", "1"], placement  # one GPU each, both used
+    check_run(tmp_path / "coloc", summary, 2)
 
 
 @pytest.mark.ray

@@ -457,7 +457,11 @@ class ActorSpec(Placement):
 class RayConfig(_Section):
     """runtime.backend=ray: where the actors go (runtime/ray_backend.py)."""
 
-    address: str | None = None  # "host:port" of a running cluster (`ray start --head`); None = start one here
+    # The cluster (runtime/ray_resources.py cluster_address): "local" starts a one-machine cluster here offering what
+    # the actors reserve, and shuts it down at the end; "auto" joins the one started on this machine (`ray start
+    # --head`); "host:port" (or "ray://host:port") joins that one. None: the RAY_ADDRESS environment variable when it is
+    # set (`ray job submit` sets it), else "local"
+    address: str | None = None
     rollout: ActorSpec = Field(default_factory=lambda: ActorSpec(count=2))  # engine + env pool + reward pool each
     # one actor per data-parallel rank (trainer.world_size), reserved together in a placement group
     # (trainer_placement: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD); restarts: runtime.max_trainer_restarts

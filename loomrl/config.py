@@ -128,9 +128,9 @@ class VLLMConfig(_Section):
     kv_cache_memory_bytes: int | None = Field(None, gt=0)
     cpu_kv_cache_share: float = Field(0.5, gt=0.0, le=0.9)  # CPU, kv_cache_memory_bytes unset: the cap above
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)  # GPU only, and only without kv_cache_memory_bytes
-    # True: no torch.compile / CUDA graphs. Measured on this CPU: start 20 s eager, 102 s compiled, no faster after;
-    # on a GPU set false (CUDA graphs)
-    enforce_eager: bool = True
+    # True: no torch.compile / CUDA graphs. None: per device (engine/vllm.py engine_args): true on the CPU (measured
+    # there: start 20 s eager, 102 s compiled, no faster after), false on CUDA (CUDA graphs for the decode steps)
+    enforce_eager: bool | None = None
     tensor_parallel_size: int = Field(1, gt=0)
     # CPU only: cores kept free of the worker's OpenMP threads (VLLM_CPU_NUM_OF_RESERVED_CPU); None: vLLM's default
     cpu_reserved_cores: int | None = Field(None, ge=0)
@@ -164,7 +164,8 @@ class EngineConfig(_Section):
     # vllm: vLLM's AsyncLLM in process (engine/vllm.py; pip install 'loomrl[vllm]'), or a vLLM server over HTTP
     # (engine.vllm.base_url; engine/vllm_http.py)
     kind: Literal["builtin", "sglang", "vllm"] = "builtin"
-    max_batch_size: int = Field(64, gt=0)  # running sequences at once
+    # running sequences at once; None: 64, except vLLM on CUDA: 256 (its max_num_seqs, engine/vllm.py engine_args)
+    max_batch_size: int | None = Field(None, gt=0)
     kv_budget_tokens: int = Field(65536, gt=0)  # K/V tokens held by running sequences + cache
     max_prefill_tokens: int = Field(4096, gt=0)  # prompt tokens computed per step
     prefix_cache: bool = True

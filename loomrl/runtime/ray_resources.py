@@ -64,6 +64,11 @@ def local_cluster(asks: list[Ask], cores: int) -> tuple[int, dict[str, float]]:
     return max(cores, math.ceil(need.get("CPU", 0.0))), {k: v for k, v in need.items() if k not in ("CPU", "GPU")}
 
 
+# The driver's environment variables every actor gets too (Ray's runtime_env), besides those of the `ray start` that
+# began its node
+FORWARDED_ENV = ("PYTHONPATH", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_DEBUG")
+
+
 def cluster_address(setting: str | None, environ: Mapping[str, str]) -> str:
     """The address ray.init gets for ray.address: "local" starts a one-machine cluster here; anything else joins a
     running one. Unset: RAY_ADDRESS when it is set (the cluster the user pointed at; `ray job submit` sets it for the
@@ -80,8 +85,9 @@ def ray_init_kwargs(address: str, asks: list[Ask], cores: int, environ: Mapping[
     whichever node it ran on. A one-machine cluster (address "local") offers what the actors reserve (local_cluster);
     one that is joined offers what its nodes were started with, and may not be given num_cpus or resources."""
     env = {"TOKENIZERS_PARALLELISM": "false"}
-    if environ.get("PYTHONPATH"):  # e.g. where a custom reward function lives
-        env["PYTHONPATH"] = environ["PYTHONPATH"]
+    # PYTHONPATH: e.g. where a custom reward function lives; the rest: which network interface the trainer ranks'
+    # and the weight broadcast's process groups use between nodes (README, "Running on a Ray cluster")
+    env.update({k: environ[k] for k in FORWARDED_ENV if environ.get(k)})
     kwargs: dict[str, Any] = {"address": address, "runtime_env": {"env_vars": env}, "log_to_driver": True,
                               "configure_logging": False}
     if address == "local":

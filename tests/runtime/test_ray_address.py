@@ -23,13 +23,15 @@ def test_a_cluster_the_user_started_is_joined_and_local_still_starts_one_here():
 def test_joining_passes_no_resources_and_local_offers_what_the_actors_reserve():
     """Ray refuses num_cpus / resources when it joins a cluster; ray.address=local used to be passed to ray.init bare,
     so the one-machine cluster it started offered os.cpu_count() CPUs, not the 3 the default actors reserve."""
-    env = {"PYTHONPATH": "/rewards"}
+    env = {"PYTHONPATH": "/rewards", "GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "^docker,lo", "HOME": "/h"}
     for address in ("auto", "10.0.0.1:6379"):
         kw = ray_init_kwargs(address, ASKS, cores=2, environ=env)
         assert kw["address"] == address and "num_cpus" not in kw and "resources" not in kw
     local = ray_init_kwargs("local", ASKS, cores=2, environ=env)
     assert (local["address"], local["num_cpus"], local["resources"]) == ("local", 3, None)
-    assert local["runtime_env"] == {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": "/rewards"}}
+    # the interfaces the process groups use between nodes reach every actor (README: Running on a Ray cluster)
+    assert local["runtime_env"] == {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": "/rewards",
+                                                 "GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "^docker,lo"}}
 
 
 def test_actor_output_reaches_the_driver():

@@ -128,9 +128,9 @@ class VLLMConfig(_Section):
     kv_cache_memory_bytes: int | None = Field(None, gt=0)
     cpu_kv_cache_share: float = Field(0.5, gt=0.0, le=0.9)  # CPU, kv_cache_memory_bytes unset: the cap above
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)  # GPU only, and only without kv_cache_memory_bytes
-    # True: no torch.compile / CUDA graphs. Measured on this CPU: start 20 s eager, 102 s compiled, no faster after;
-    # on a GPU set false (CUDA graphs)
-    enforce_eager: bool = True
+    # True: no torch.compile / CUDA graphs. None: per device (engine/vllm.py engine_args): true on the CPU (measured
+    # there: start 20 s eager, 102 s compiled, no faster after), false on CUDA (CUDA graphs for the decode steps)
+    enforce_eager: bool | None = None
     tensor_parallel_size: int = Field(1, gt=0)
     # CPU only: cores kept free of the worker's OpenMP threads (VLLM_CPU_NUM_OF_RESERVED_CPU); None: vLLM's default
     cpu_reserved_cores: int | None = Field(None, ge=0)
@@ -164,7 +164,8 @@ class EngineConfig(_Section):
     # vllm: vLLM's AsyncLLM in process (engine/vllm.py; pip install 'loomrl[vllm]'), or a vLLM server over HTTP
     # (engine.vllm.base_url; engine/vllm_http.py)
     kind: Literal["builtin", "sglang", "vllm"] = "builtin"
-    max_batch_size: int = Field(64, gt=0)  # running sequences at once
+    # running sequences at once; None: 64, except vLLM on CUDA: 256 (its max_num_seqs, engine/vllm.py engine_args)
+    max_batch_size: int | None = Field(None, gt=0)
     kv_budget_tokens: int = Field(65536, gt=0)  # K/V tokens held by running sequences + cache
     max_prefill_tokens: int = Field(4096, gt=0)  # prompt tokens computed per step
     prefix_cache: bool = True
@@ -457,7 +458,11 @@ class ActorSpec(Placement):
 class RayConfig(_Section):
     """runtime.backend=ray: where the actors go (runtime/ray_backend.py)."""
 
-    address: str | None = None  # "host:port" of a running cluster (`ray start --head`); None = start one here
+    # The cluster (runtime/ray_resources.py cluster_address): "local" starts a one-machine cluster here offering what
+    # the actors reserve, and shuts it down at the end; "auto" joins the one started on this machine (`ray start
+    # --head`); "host:port" (or "ray://host:port") joins that one. None: the RAY_ADDRESS environment variable when it is
+    # set (`ray job submit` sets it), else "local"
+    address: str | None = None
     rollout: ActorSpec = Field(default_factory=lambda: ActorSpec(count=2))  # engine + env pool + reward pool each
     # one actor per data-parallel rank (trainer.world_size), reserved together in a placement group
     # (trainer_placement: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD); restarts: runtime.max_trainer_restarts

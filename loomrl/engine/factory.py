@@ -7,6 +7,8 @@ from typing import Any
 from loomrl.config import RunConfig
 from loomrl.engine.base import Engine
 
+BUILTIN_MAX_RUNNING = 64  # engine.max_batch_size unset: the built-in engine's running sequences, on any device
+
 
 def server_of(base_url: str | list[str], replica: int) -> str:
     """The server engine actor `replica` drives when the config lists several (each its own), else the one."""
@@ -52,5 +54,5 @@ def make_engine(cfg: RunConfig, model: Any, tokenizer: Any, version: int, replic
     from loomrl.engine.builtin.engine import BuiltinEngine
 
     return BuiltinEngine(model, eos_token_id=tokenizer.eos_token_id, kv_budget_tokens=e.kv_budget_tokens,
-                         max_running=e.max_batch_size, max_prefill_tokens=e.max_prefill_tokens,
+                         max_running=e.max_batch_size or BUILTIN_MAX_RUNNING, max_prefill_tokens=e.max_prefill_tokens,
                          prefix_cache=e.prefix_cache, seed=cfg.seed, version=version, tokenizer=tokenizer)

@@ -171,12 +171,39 @@ def finish_reason(reason: str | None, stop_reason: Any, *, closed: bool, interru
     return reason
 
 
+# engine.max_batch_size unset: vLLM's max_num_seqs per device. CUDA: 256, vLLM's own default on a GPU of under 70 GiB
+# (vllm/engine/arg_utils.py get_batch_defaults; AsyncLLM's ENGINE_CONTEXT would get SchedulerConfig's 128): an RL step
+# keeps groups x samples in flight at once, and each decode step is a CUDA graph whatever the batch. CPU: 64, the
+# built-in engine's, which the CPU K/V cache plan sizes for (engine/vllm_memory.py).
+MAX_NUM_SEQS = {"cuda": 256, "cpu": 64}
+
+
+def engine_args(cfg: VLLMConfig, *, model: str, dtype: str, seed: int, max_num_seqs: int | None, prefix_cache: bool,
+                sleep_mode: bool, cuda: bool) -> dict[str, Any]:
+    """AsyncEngineArgs for this engine on this device (`cuda`: torch.cuda.is_available() where vLLM runs); settings
+    left unset (None) get the device's default: enforce_eager false on CUDA (CUDA graphs) and true on the CPU (no
+    torch.compile); max_num_seqs MAX_NUM_SEQS; sleep mode on CUDA only (vLLM refuses it elsewhere)."""
+    device = "cuda" if cuda else "cpu"
+    args = {**cfg.engine_args, "model": model, "dtype": dtype, "seed": seed,
+            "max_model_len": cfg.max_model_len, "block_size": cfg.block_size,
+            "kv_cache_memory_bytes": cfg.kv_cache_memory_bytes, "gpu_memory_utilization": cfg.gpu_memory_utilization,
+            "enforce_eager": not cuda if cfg.enforce_eager is None else cfg.enforce_eager,
+            "tensor_parallel_size": cfg.tensor_parallel_size,
+            "max_num_seqs": max_num_seqs or MAX_NUM_SEQS[device], "enable_prefix_caching": prefix_cache,
+            "logprobs_mode": "processed_logprobs", "scheduling_policy": "priority",
+            "worker_extension_cls": "loomrl.engine.vllm_worker.WorkerExtension",
+            "weight_transfer_config": {"backend": "loomrl_inline"}}
+    if sleep_mode and cuda:
+        args["enable_sleep_mode"] = True
+    return {k: v for k, v in args.items() if v is not None}
+
+
 class VLLMEngine(LoadState):
     """Engine protocol implementation over AsyncLLM; generate is awaited from asyncio, the rest is thread-safe."""
 
     opens = frozenset({Transport.SHM, Transport.CUDA_IPC, Transport.BROADCAST})  # read in vLLM's worker (update_from)
 
-    def __init__(self, cfg: VLLMConfig, model: ServedModel, *, dtype: str, seed: int = 0, max_num_seqs: int = 64,
+    def __init__(self, cfg: VLLMConfig, model: ServedModel, *, dtype: str, seed: int = 0, max_num_seqs: int | None = None,
                  prefix_cache: bool = True, version: int = 0, sleep_mode: bool = False,
                  context_tokens: int | None = None):
         """`sleep_mode` (engine.sleep_while_training): vLLM's enable_sleep_mode on CUDA, where sleep frees the
@@ -214,21 +241,12 @@ class VLLMEngine(LoadState):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="loomrl-vllm-loop", daemon=True)
         self._thread.start()
-        args = {**cfg.engine_args, "model": str(model.folder), "dtype": dtype, "seed": seed,
-                "max_model_len": cfg.max_model_len, "block_size": cfg.block_size,
-                "kv_cache_memory_bytes": cfg.kv_cache_memory_bytes, "gpu_memory_utilization": cfg.gpu_memory_utilization,
-                "enforce_eager": cfg.enforce_eager, "tensor_parallel_size": cfg.tensor_parallel_size,
-                "max_num_seqs": max_num_seqs, "enable_prefix_caching": prefix_cache,
-                "logprobs_mode": "processed_logprobs", "scheduling_policy": "priority",
-                "worker_extension_cls": "loomrl.engine.vllm_worker.WorkerExtension",
-                "weight_transfer_config": {"backend": "loomrl_inline"}}
-        if sleep_mode and torch.cuda.is_available():
-            args["enable_sleep_mode"] = True
+        args = engine_args(cfg, model=str(model.folder), dtype=dtype, seed=seed, max_num_seqs=max_num_seqs,
+                           prefix_cache=prefix_cache, sleep_mode=sleep_mode, cuda=torch.cuda.is_available())
         if cfg.cpu_reserved_cores is not None:  # read by vLLM's CPU worker when it starts (inherited by children)
             os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(cfg.cpu_reserved_cores)
-        args = {k: v for k, v in args.items() if v is not None}
         try:
-            self._llm = self._run(self._start(args, max_num_seqs, context_tokens), _START_TIMEOUT_S)
+            self._llm = self._run(self._start(args, args["max_num_seqs"], context_tokens), _START_TIMEOUT_S)
         except BaseException as err:
             self._stop_loop()
             failure = first_failure(self._failure_file)

@@ -45,7 +45,7 @@ from loomrl.reward.actor import RewardActor
 from loomrl.rollout.actor import RolloutActor
 from loomrl.rollout.worker import rollout_concurrency
 from loomrl.runtime.driver import Backend, BackendReport, RolloutLost, RunError, TrainerLost, TrainerState
-from loomrl.runtime.ray_resources import local_cluster, reserves, run_asks, shortfall
+from loomrl.runtime.ray_resources import cluster_address, ray_init_kwargs, reserves, run_asks, shortfall
 from loomrl.trainer.actor import TrainerActor, TrainerRankActor
 from loomrl.trainer.ranks import RankLost
 from loomrl.trainer.service import PositionSet
@@ -124,7 +124,8 @@ class RayBackend(Backend):
         self.pids: dict[str, list[int | None]] = {}  # reward / env actors' processes at the start
         self.placement: dict[str, Any] = {}  # where the first actors ran
         self.owns_ray = False
-        self.local_cluster = cfg.ray.address is None  # one loomrl starts here, and shuts down at the end
+        self.address = cluster_address(cfg.ray.address, os.environ)
+        self.local_cluster = self.address == "local"  # one loomrl starts here, and shuts down at the end
         self.asks = run_asks(cfg, env_actors=env_family(cfg.env.name).sandbox_use is not None)
         # runtime.weight_transport=broadcast: the trainer actor broadcasts each version to the engine actors (NCCL
         # between GPUs), nothing through the object store; an engine actor that dies then stops the run
@@ -139,30 +140,24 @@ class RayBackend(Backend):
                                             resources=spec.resources, **options)
 
     def _init_ray(self) -> None:
-        """Connect (ray.address) or start a local Ray; one we start we also shut down."""
+        """Join the cluster ray.address names (runtime/ray_resources.py cluster_address) or start a one-machine one;
+        one we start we also shut down."""
         if self.ray.is_initialized():
             return
-        r = self.cfg.ray
-        env = {"TOKENIZERS_PARALLELISM": "false"}
-        if os.environ.get("PYTHONPATH"):  # e.g. where a custom reward function lives
-            env["PYTHONPATH"] = os.environ["PYTHONPATH"]
-        kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}, "log_to_driver": False,
-                                  "configure_logging": False}
-        if self.local_cluster:  # a one-machine cluster offering the CPUs and resources the run asks for
-            cpus, custom = local_cluster(self.asks, os.cpu_count() or 1)
-            if cpus > (os.cpu_count() or 1):
-                log.info("ray: the actors reserve %d CPUs; the one-machine cluster offers them on %d cores", cpus,
-                         os.cpu_count() or 1)
-            kwargs.update(include_dashboard=False, num_cpus=cpus, resources=custom or None)
-        # "local": always a new one-machine cluster; plain None would join a cluster found running
-        # (RAY_ADDRESS, or the last one started on this machine)
-        self.ray.init(address=r.address or "local", **kwargs)
-        self.owns_ray = True
+        cores = os.cpu_count() or 1
+        kwargs = ray_init_kwargs(self.address, self.asks, cores, os.environ)
+        if self.local_cluster and kwargs["num_cpus"] > cores:
+            log.info("ray: the actors reserve %d CPUs; the one-machine cluster offers them on %d cores",
+                     kwargs["num_cpus"], cores)
+        self.ray.init(**kwargs)
+        self.owns_ray = True  # a joined cluster is only disconnected from (ray.shutdown leaves it running)
 
     def _cluster(self) -> str:
         """The cluster as the user knows it, for messages."""
-        return "this machine's one-node Ray (started by loomrl)" if self.local_cluster else \
-            f"the Ray cluster at {self.cfg.ray.address}"
+        if self.local_cluster:
+            return "this machine's one-node Ray (started by loomrl)"
+        return "the Ray cluster running on this machine" if self.address == "auto" else \
+            f"the Ray cluster at {self.address}"
 
     def _check_cluster(self) -> None:
         """Stop at once when the cluster cannot hold the run's actors (runtime/ray_resources.py)."""

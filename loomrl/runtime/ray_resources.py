@@ -13,7 +13,9 @@ Nothing here imports ray: the backend passes the cluster's numbers in (ray.clust
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from loomrl.config import Placement, RunConfig
 
@@ -60,6 +62,38 @@ def local_cluster(asks: list[Ask], cores: int) -> tuple[int, dict[str, float]]:
     asked for. GPUs are not offered beyond the machine's (Ray counts them; the check then says what is missing)."""
     need = total_ask(asks)
     return max(cores, math.ceil(need.get("CPU", 0.0))), {k: v for k, v in need.items() if k not in ("CPU", "GPU")}
+
+
+# The driver's environment variables every actor gets too (Ray's runtime_env), besides those of the `ray start` that
+# began its node
+FORWARDED_ENV = ("PYTHONPATH", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_DEBUG")
+
+
+def cluster_address(setting: str | None, environ: Mapping[str, str]) -> str:
+    """The address ray.init gets for ray.address: "local" starts a one-machine cluster here; anything else joins a
+    running one. Unset: RAY_ADDRESS when it is set (the cluster the user pointed at; `ray job submit` sets it for the
+    job), else "local". "auto": the cluster started on this machine (`ray start --head`), as Ray means it."""
+    if setting is not None:
+        return setting
+    return environ.get("RAY_ADDRESS") or "local"
+
+
+def ray_init_kwargs(address: str, asks: list[Ask], cores: int, environ: Mapping[str, str]) -> dict[str, Any]:
+    """ray.init's arguments. Every actor's stdout and stderr reach the driver (log_to_driver): an actor that fails or
+    hangs as it starts (a model that will not load, a GPU it cannot get, NCCL waiting for a peer) says so in the
+    driver's stderr, prefixed by Ray with the actor's class and pid, instead of only in the worker log files of
+    whichever node it ran on. A one-machine cluster (address "local") offers what the actors reserve (local_cluster);
+    one that is joined offers what its nodes were started with, and may not be given num_cpus or resources."""
+    env = {"TOKENIZERS_PARALLELISM": "false"}
+    # PYTHONPATH: e.g. where a custom reward function lives; the rest: which network interface the trainer ranks'
+    # and the weight broadcast's process groups use between nodes (README, "Running on a Ray cluster")
+    env.update({k: environ[k] for k in FORWARDED_ENV if environ.get(k)})
+    kwargs: dict[str, Any] = {"address": address, "runtime_env": {"env_vars": env}, "log_to_driver": True,
+                              "configure_logging": False}
+    if address == "local":
+        cpus, custom = local_cluster(asks, cores)
+        kwargs.update(include_dashboard=False, num_cpus=cpus, resources=custom or None)
+    return kwargs
 
 
 def _fmt(resources: dict[str, float]) -> str:

@@ -49,11 +49,10 @@ class TrainerActor(Placed):
         return ray.util.get_node_ip_address(), free_port(""), str(self.ckpt) if self.ckpt else None
 
     def join_ranks(self, followers: list[Any], addr: str, port: int) -> None:
-        """Rank 0 joins the process group of the follower actors (which join theirs concurrently), then
-        builds its trainer."""
+        """Rank 0 loads its model, joins the process group of the follower actors (which load theirs as they are made,
+        then join concurrently), then builds its trainer."""
         ranks = RayRankGroup(len(followers) + 1, trainer_device(self.cfg.trainer), followers)
-        ranks.join(addr, port)
-        self.service = TrainerService.from_run(self.cfg, self.extra, self.ckpt, ranks=ranks)
+        self.service = TrainerService.from_run(self.cfg, self.extra, self.ckpt, ranks=ranks, rendezvous=(addr, port))
 
     def state(self) -> tuple[int, dict[str, Any], dict[str, Any] | None]:
         """The policy version, the positions received and that step's metrics (as of the checkpoint it started from)."""

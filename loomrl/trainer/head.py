@@ -8,6 +8,14 @@ recomputes each chunk's logits, turns them into the gradient of the logits (soft
 and multiplies straight into the hidden rows' and the head's gradients. Peak extra memory: a few
 [chunk, V] float32 blocks, whatever N is; the price is the head's matmul once more in the backward.
 
+Chunk size and the backward's GEMMs depend on the device (`head_plan`). On the CPU, small blocks (128 rows) stay in
+cache and the head's gradient is one float32 GEMM per chunk. On CUDA every chunk is a pass over the head's weight and
+its float32 gradient ([V, H] each: 2.5 GB at 152k x 4096), so chunks are as large as a memory budget allows (thousands
+of rows, not 128: a 32k-token step of a 152k vocabulary in 20 passes, not 256), and each chunk's gradient GEMMs run in
+the compute dtype (bf16 tensor cores) on one cast of the logits' gradient, the head's then added into its float32
+accumulator (one rounding to bf16 per chunk, as autocast's dense backward rounds the whole gradient once). The CUDA
+plan has not run on a GPU here; its structure and numerics are tested on the CPU (tests/trainer/test_head.py).
+
 Numerics: the head's matmul runs in the head's dtype, or in the autocast dtype under
 trainer.precision (the same one in forward and backward); its output is upcast to float32 before the
 softcap, the temperature and the softmax; the head's gradient is accumulated in float32 over the
@@ -17,13 +25,40 @@ cap * tanh(logits / cap)) is applied here, with its derivative, when `softcap` i
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 Tensor = torch.Tensor
 
-# Rows per block: on CPU [128, 49k] blocks stay cache-friendly (one [U, 49k] block ran ~2x slower);
+# Rows per block on the CPU: [128, 49k] blocks stay cache-friendly (one [U, 49k] block ran ~2x slower);
 # 128 x 152k x 4 bytes = 78 MB for the largest vocabulary in use.
-DEFAULT_CHUNK = 128
+CPU_CHUNK = 128
+# On CUDA: as many rows as keep one float32 [chunk, V] block within CUDA_BLOCK_BYTES (the backward holds about three
+# such blocks at once: the capped logits, dz, and dz in the compute dtype), in multiples of CHUNK_ALIGN rows (whole
+# GEMM tiles), between CUDA_MIN_CHUNK and CUDA_MAX_CHUNK (past that the passes over the weight cost little next to
+# the GEMMs). 152k vocabulary: 1,664 rows; 49k: 5,376.
+CUDA_BLOCK_BYTES = 1 << 30
+CHUNK_ALIGN = 128
+CUDA_MIN_CHUNK, CUDA_MAX_CHUNK = 512, 8192
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class HeadPlan:
+    """How the chunked head runs on a device."""
+
+    chunk: int  # rows per block
+    # the backward's GEMMs on the logits' gradient cast to the compute dtype (under bf16 autocast: tensor cores);
+    # False: the head's gradient as a float32 GEMM (exact accumulation; the CPU's)
+    grads_in_compute_dtype: bool
+
+
+def head_plan(device: torch.device, vocab: int) -> HeadPlan:
+    """The chunk size and backward GEMMs for a head of `vocab` rows on `device`."""
+    if device.type != "cuda":
+        return HeadPlan(chunk=CPU_CHUNK, grads_in_compute_dtype=False)
+    rows = CUDA_BLOCK_BYTES // (4 * vocab) // CHUNK_ALIGN * CHUNK_ALIGN
+    return HeadPlan(chunk=min(CUDA_MAX_CHUNK, max(CUDA_MIN_CHUNK, rows)), grads_in_compute_dtype=True)
 
 
 def _capped(h: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None) -> Tensor:
@@ -38,10 +73,10 @@ class _ChunkedLogprob(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, rows: Tensor,
-                inv_temp: Tensor, chunk: int, softcap: float | None) -> Tensor:
+                inv_temp: Tensor, plan: HeadPlan, softcap: float | None) -> Tensor:
         # Under autocast (trainer.precision) the head's matmul runs in the autocast dtype, as it would
         # outside this function; forward and backward use the same one, so their logits agree.
-        device = hidden.device.type
+        device, chunk = hidden.device.type, plan.chunk
         ctx.compute_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
         w_c, b_c = weight.to(ctx.compute_dtype), bias.to(ctx.compute_dtype) if bias is not None else None
         lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
@@ -53,14 +88,16 @@ class _ChunkedLogprob(torch.autograd.Function):
             a, b = bounds[k], bounds[k + 1]
             out[a:b] = z[rows[a:b] - s, targets[a:b]] - lse[rows[a:b]]
         ctx.save_for_backward(hidden, weight, bias, targets, rows, inv_temp, lse)
-        ctx.chunk, ctx.softcap, ctx.bounds = chunk, softcap, bounds
+        ctx.plan, ctx.softcap, ctx.bounds = plan, softcap, bounds
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         hidden, weight, bias, targets, rows, inv_temp, lse = ctx.saved_tensors
-        chunk, softcap, bounds = ctx.chunk, ctx.softcap, ctx.bounds
-        compute = ctx.compute_dtype
+        plan, softcap, bounds = ctx.plan, ctx.softcap, ctx.bounds
+        chunk, compute = plan.chunk, ctx.compute_dtype
+        # the head's gradient in the compute dtype: only where that is not float32 already (then both paths agree)
+        low_w = plan.grads_in_compute_dtype and compute != torch.float32
         w_c, b_c = weight.to(compute), bias.to(compute) if bias is not None else None
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if need_h else None
@@ -79,9 +116,12 @@ class _ChunkedLogprob(torch.autograd.Function):
             dz.mul_(it)  # through the temperature
             if softcap is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
                 dz.mul_(1 - (capped / softcap) ** 2)
+            dz_c = dz.to(compute)  # one cast, for both GEMMs
             if need_h:
-                grad_h[s : s + chunk] = (dz.to(compute) @ w_c).to(hidden.dtype)
-            if need_w:
+                grad_h[s : s + chunk] = (dz_c @ w_c).to(hidden.dtype)
+            if need_w and low_w:  # [V, chunk] @ [chunk, H] on tensor cores, rounded once, summed in float32
+                grad_w += dz_c.t() @ h.to(compute)
+            elif need_w:
                 grad_w.addmm_(dz.t(), h.float())
             if need_b:
                 grad_b += dz.sum(0)
@@ -90,18 +130,21 @@ class _ChunkedLogprob(torch.autograd.Function):
 
 
 def chunked_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperatures: Tensor | None = None, *,
-                     rows: Tensor | None = None, bias: Tensor | None = None, chunk: int = DEFAULT_CHUNK,
-                     softcap: float | None = None) -> Tensor:
+                     rows: Tensor | None = None, bias: Tensor | None = None, chunk: int | None = None,
+                     plan: HeadPlan | None = None, softcap: float | None = None) -> Tensor:
     """float32 [T] logprob of targets[i] under softmax(head(hidden[rows[i]]) / temperatures[rows[i]]).
     `hidden` [R, H] and `weight` [V, H] (the LM head's); `rows` [T] (default: target i reads row i);
-    `temperatures` [R] (None or <= 0: 1, as greedy rows are scored at temperature 1). Memory: O(chunk x V)
-    beyond the inputs, not O(R x V)."""
+    `temperatures` [R] (None or <= 0: 1, as greedy rows are scored at temperature 1). `plan`: head_plan for hidden's
+    device unless given; `chunk` overrides its rows per block. Memory: O(chunk x V) beyond the inputs, not O(R x V)."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"chunked_logprobs: hidden {tuple(hidden.shape)} and head weight {tuple(weight.shape)} "
                          "must be [N, H] and [V, H]")
-    if chunk < 1:
-        raise ValueError(f"chunked_logprobs: chunk must be >= 1, got {chunk}")
     device = hidden.device
+    plan = plan or head_plan(device, weight.shape[0])
+    if chunk is not None:
+        plan = HeadPlan(chunk=chunk, grads_in_compute_dtype=plan.grads_in_compute_dtype)
+    if plan.chunk < 1:
+        raise ValueError(f"chunked_logprobs: chunk must be >= 1, got {plan.chunk}")
     targets = targets.to(device)
     rows = torch.arange(targets.shape[0], device=device) if rows is None else rows.to(device)
     if temperatures is None:
@@ -110,7 +153,7 @@ def chunked_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperatur
         t = temperatures.to(device=device, dtype=torch.float32)
         inv_temp = torch.where(t > 0, 1.0 / t.clamp_min(1e-12), torch.ones_like(t))
     order = torch.argsort(rows, stable=True)  # targets grouped by row: each chunk of rows takes a contiguous run
-    out = _ChunkedLogprob.apply(hidden, weight, bias, targets[order], rows[order], inv_temp, chunk, softcap)
+    out = _ChunkedLogprob.apply(hidden, weight, bias, targets[order], rows[order], inv_temp, plan, softcap)
     return out[torch.argsort(order)]
 
 

@@ -220,13 +220,14 @@ def _trainer_main(cfg_json: str, extra: dict[str, Any], checkpoint: str, threads
     try:
         cfg = RunConfig.model_validate_json(cfg_json)
         torch.set_num_threads(threads)
-        group = None
-        if ranks is not None:
+        group = rendezvous = None
+        if ranks is not None:  # joined once this rank's model is loaded (from_run), as the followers join theirs
             (inboxes, outboxes), port = ranks
             group = LocalRankGroup(cfg.trainer.world_size, trainer_device(cfg.trainer),
                                    inboxes, outboxes)
-            group.join("127.0.0.1", port)
-        service = TrainerService.from_run(cfg, extra, Path(checkpoint) if checkpoint else None, ranks=group)
+            rendezvous = ("127.0.0.1", port)
+        service = TrainerService.from_run(cfg, extra, Path(checkpoint) if checkpoint else None, ranks=group,
+                                          rendezvous=rendezvous)
         publisher = run_publisher(cfg, engines=1, host=cfg.runtime.broadcast_host)
         colocated = cfg.engine.sleep_while_training  # the GPU is the engine's between steps (trainer/offload.py)
         first = publish(publisher, service)

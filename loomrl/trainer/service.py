@@ -105,14 +105,20 @@ class TrainerService:
 
     @classmethod
     def from_run(cls, cfg: RunConfig, extra: dict[str, Any], checkpoint: Path | None,
-                 ranks: RankGroup | None = None) -> TrainerService:
+                 ranks: RankGroup | None = None, rendezvous: tuple[str, int] | None = None) -> TrainerService:
         """A trainer of its own (async or Ray) from `checkpoint` (the run folder's latest; None: the
         configured model), after repairing a ledger torn by a crash. `extra`: runtime facts the
-        checkpoint does not have yet (e.g. eval before)."""
+        checkpoint does not have yet (e.g. eval before). `ranks` (trainer.distributed), not joined yet: this rank joins
+        them at `rendezvous` (address, port) once its model is loaded, as the followers do (trainer/ranks.py Follower),
+        so that no rank waits in the rendezvous, bounded by its timeout, while another loads a large model."""
         from loomrl.model.loader import load_run_model
 
         repair_ledger_for_restart(cfg.run_dir, checkpoint)
         model, tokenizer = load_run_model(cfg.model, checkpoint, trainer=cfg.trainer)  # float32 on trainer.device
+        if ranks is not None:
+            if rendezvous is None:
+                raise ValueError("TrainerService.from_run: ranks need the rendezvous (address, port) to join them at")
+            ranks.join(*rendezvous)
         service = cls(cfg, model, tokenizer, resume_from=checkpoint, ranks=ranks)
         for k, v in extra.items():
             service.extra.setdefault(k, v)

@@ -241,3 +241,29 @@ def test_rank0_stops_waiting_for_a_follower_that_dies_before_it_joins(tokenizer,
     finally:
         followers.stop()
     assert time.monotonic() - start < 60
+
+
+def test_rank0_loads_its_model_before_it_joins_the_ranks(tmp_path):
+    """Every rank loads its model first, then meets the others (TrainerService.from_run joins after the load, as the
+    followers do). Rank 0 used to join first: followers still loading a large model left it in the rendezvous, and
+    it loaded its own only once they came. Here rank 0's model cannot load and no follower ever comes: it now fails at
+    once with the loader's error; it used to wait in the rendezvous for the follower (300 s)."""
+    import multiprocessing as mp
+
+    from loomrl.config import RunConfig
+    from loomrl.trainer.distributed import free_port
+    from loomrl.trainer.process import Failed, _trainer_main
+    from loomrl.trainer.ranks import Child
+
+    cfg = RunConfig.model_validate({"model": {"kind": "hf", "path": str(tmp_path / "no-such-model")},
+                                    "trainer": {"world_size": 2}, "output_dir": str(tmp_path)})
+    ctx = mp.get_context("spawn")
+    inbox, outbox, follower_in, follower_out = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
+    child = Child("trainer process", "loomrl-trainer", _trainer_main, cfg.model_dump_json(), {}, "", 1, inbox, outbox,
+                  (([follower_in], [follower_out]), free_port()))
+    try:
+        msg = outbox.get(timeout=60)
+    finally:
+        child.proc.kill()
+    assert isinstance(msg, Failed) and "no-such-model" in msg.error, msg
+    assert "init_process_group" not in msg.error  # it never reached the rendezvous

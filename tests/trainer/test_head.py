@@ -111,3 +111,38 @@ def test_rows_serving_several_targets_equal_repeated_rows():
                                rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(hidden.grad, want[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(weight.grad, want[1], rtol=1e-5, atol=1e-6)
+
+
+def test_the_plan_is_the_devices():
+    """CPU: 128-row blocks and a float32 head gradient (as measured there). CUDA: blocks as large as one float32
+    [chunk, V] block within CUDA_BLOCK_BYTES allows, whole 128-row tiles, and the gradient GEMMs in the compute
+    dtype. Both used to be the CPU's everywhere: 256 passes over a 152k x 4096 head and its float32 gradient for a
+    32k-token step, each a float32 GEMM of K=128."""
+    from loomrl.trainer.head import CPU_CHUNK, CUDA_BLOCK_BYTES, CUDA_MAX_CHUNK, HeadPlan, head_plan
+
+    assert head_plan(torch.device("cpu"), 151_936) == HeadPlan(chunk=CPU_CHUNK, grads_in_compute_dtype=False)
+    for vocab, rows in ((151_936, 1664), (49_152, 5376), (32_000, CUDA_MAX_CHUNK), (1_000_000, 512)):
+        plan = head_plan(torch.device("cuda", 0), vocab)  # a device name: no GPU needed to plan for one
+        assert plan == HeadPlan(chunk=rows, grads_in_compute_dtype=True), vocab
+        assert plan.chunk % 128 == 0 and (plan.chunk * vocab * 4 <= CUDA_BLOCK_BYTES or plan.chunk == 512)
+    assert -(-32_768 // head_plan(torch.device("cuda"), 151_936).chunk) == 20  # passes at 32k tokens (CPU: 256)
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_the_cuda_plans_backward_matches_dense_autocast(softcap):
+    """The CUDA plan's backward (dz cast once, the head's gradient as a compute-dtype GEMM added in float32), run on
+    the CPU under bf16 autocast, against the dense head under the same autocast, and against the float32 plan."""
+    from loomrl.trainer.head import HeadPlan
+
+    case = _case(n=64, h=32, v=257)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = _grads(dense_logprobs, *case, softcap=softcap)
+        cuda = _grads(chunked_logprobs, *case, plan=HeadPlan(chunk=16, grads_in_compute_dtype=True), softcap=softcap)
+        exact = _grads(chunked_logprobs, *case, plan=HeadPlan(chunk=16, grads_in_compute_dtype=False), softcap=softcap)
+    torch.testing.assert_close(cuda[0], exact[0], rtol=0, atol=0)  # the forward is the same
+    for w, g in zip(want, cuda):
+        assert g.dtype == torch.float32  # float32 parameters: float32 gradients
+        torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
+    # the head's gradient differs from the float32 GEMM's by bf16 rounding (a relative 2^-8), no more
+    assert float((cuda[2] - exact[2]).norm() / exact[2].norm()) < 1e-2
+    assert not torch.equal(cuda[2], exact[2])  # the compute-dtype GEMM did run

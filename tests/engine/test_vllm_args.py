@@ -1,0 +1,42 @@
+"""The AsyncEngineArgs the vLLM adapter gives vLLM on each device (engine/vllm.py engine_args), without vLLM: settings
+left unset get the device's defaults, CUDA graphs and a GPU-sized batch on CUDA, eager and the CPU batch on the CPU;
+what a user sets is passed as set. No GPU here: `cuda` is what the engine's process would read from torch."""
+
+from __future__ import annotations
+
+import sys
+
+from loomrl.config import EngineConfig
+from loomrl.engine.vllm import MAX_NUM_SEQS, engine_args
+
+
+def _args(settings: dict, *, cuda: bool, sleep: bool = False) -> dict:
+    e = EngineConfig.model_validate({"kind": "vllm", **settings})  # the engine section (a run checks vLLM is here)
+    return engine_args(e.vllm, model="/m", dtype="bfloat16", seed=3, max_num_seqs=e.max_batch_size,
+                       prefix_cache=e.prefix_cache, sleep_mode=sleep, cuda=cuda)
+
+
+def test_unset_settings_take_the_devices_defaults():
+    """Both used to be the CPU's on every device: enforce_eager=True (no CUDA graphs: every decode step a series of
+    kernel launches) and max_num_seqs=64 (a quarter of what vLLM itself runs on a GPU)."""
+    gpu, cpu = _args({}, cuda=True), _args({}, cuda=False)
+    assert (gpu["enforce_eager"], gpu["max_num_seqs"]) == (False, MAX_NUM_SEQS["cuda"]) == (False, 256)
+    assert (cpu["enforce_eager"], cpu["max_num_seqs"]) == (True, MAX_NUM_SEQS["cpu"]) == (True, 64)
+    for args in (gpu, cpu):  # the rest is loomrl's contract on both (engine/vllm.py's docstring)
+        assert args["logprobs_mode"] == "processed_logprobs" and args["scheduling_policy"] == "priority"
+        assert args["model"] == "/m" and args["dtype"] == "bfloat16" and args["seed"] == 3
+        assert "kv_cache_memory_bytes" not in args and "max_model_len" not in args  # unset: not passed (vLLM's)
+    assert "vllm" not in sys.modules  # resolved without importing vLLM
+
+
+def test_what_the_user_sets_wins_on_either_device():
+    for cuda in (True, False):
+        args = _args({"max_batch_size": 8, "vllm": {"enforce_eager": True,
+                                                    "engine_args": {"max_num_batched_tokens": 4096}}}, cuda=cuda)
+        assert (args["enforce_eager"], args["max_num_seqs"], args["max_num_batched_tokens"]) == (True, 8, 4096)
+    assert _args({"vllm": {"enforce_eager": False}}, cuda=False)["enforce_eager"] is False
+
+
+def test_sleep_mode_is_asked_on_cuda_only():
+    assert _args({}, cuda=True, sleep=True)["enable_sleep_mode"] is True
+    assert "enable_sleep_mode" not in _args({}, cuda=False, sleep=True)  # vLLM refuses it on the CPU

@@ -334,11 +334,15 @@ def part_b(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
     layers, out = args.layers, {}
     if not toy:  # one GPU holds the whole state the recipe's ranks split: as deep as it fits (Qwen2.5-7B: 28)
         gpu = torch.cuda.get_device_properties(device).total_memory
-        full = BYTES_PER_PARAM * _params(layers, toy) + MARGIN
-        while layers > 1 and BYTES_PER_PARAM * _params(layers, toy) + MARGIN > gpu:
+        one, two = _params(1, toy), _params(2, toy)
+
+        def need(n: int) -> int:  # parameters grow by one decoder layer's a layer
+            return BYTES_PER_PARAM * (one + (n - 1) * (two - one)) + MARGIN
+
+        full = need(layers)
+        while layers > 1 and need(layers) > gpu:
             layers -= 1
-        out = {"full_depth_predicted_gib": _gib(full), "gpu_gib": _gib(gpu), "predicted_gib": _gib(
-            BYTES_PER_PARAM * _params(layers, toy) + MARGIN)}
+        out = {"full_depth_predicted_gib": _gib(full), "gpu_gib": _gib(gpu), "predicted_gib": _gib(need(layers))}
     try:
         return {**out, **_trainer_steps(device, layers, toy)}
     except torch.cuda.OutOfMemoryError as err:  # reported; the state is freed outside this block (err holds it)

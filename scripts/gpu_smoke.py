@@ -1,48 +1,126 @@
-"""GPU smoke test of loomrl's training half, for any CUDA machine: `python scripts/gpu_smoke.py`.
+"""GPU smoke test of loomrl's training half at the shapes of examples/gpu/qwen2.5-7b-fsdp-8gpu.yaml, for any CUDA
+machine: `scripts/gpu_carry.sh` (here, with a network), then `python scripts/gpu_smoke.py` there.
 
-Needs torch and transformers only (a GPU machine may have nothing else, and no network): it imports
-loomrl's torch-level modules (the trainer's logprob paths, the chunked head, the FSDP2 sharding), none
-of which needs the config layer. Prints one JSON line; each part reports its numbers or its error, and
-one failing part does not stop the others.
+Needs torch, transformers and pyyaml on the machine, and pydantic, which a bare GPU machine may lack with no network to
+fetch it: the wheels `scripts/gpu_carry.sh` downloads into .gpu_wheels/ (carried with the checkout) are unpacked into a
+temp dir and put first on sys.path, each only when its package is not importable here or is older. Prints one JSON
+line; each part reports its numbers or its error (and `ok`), and one failing part does not stop the others.
 
-  a  a tiny random Qwen3 under bf16 autocast: dense and tree-merged logprobs against a float32
-     reference, finite gradients, the same loss and gradients with activation checkpointing on and off
-  b  FSDP2 at world size 1 on a random model shaped like Qwen2.5-7B: one training step over 8 samples
-     of 4k tokens (loomrl's sharded forward and chunked head, a policy-gradient surrogate loss, AdamW),
-     peak memory, seconds; a torch.distributed.checkpoint save and reload of the model, compared
-  c  tree-merged attention through FlexAttention (a block mask of the trie) against the SDPA segments:
-     logprobs and gradients (the CPU has no FlexAttention backward, so only a GPU checks the gradients)
-  d  one 32k-token sample through the chunked head (152k vocabulary): peak memory against the dense
-     logits it never holds
-  e  tokens/s of (b)'s step and its model FLOPs utilisation (6 x parameters x tokens / time / peak)
-  f  runtime.weight_transport=cuda_ipc: a trainer process publishes bf16 snapshots of 7B-layer-sized weights as
-     CUDA IPC handles (weights/ IpcPublisher); this process maps them (load_weights), compared
-     exactly, timed (GB/s); a version that left the window is freed in the publisher. CUDA only
+  a  a tiny random Qwen3 under bf16 autocast: dense and tree-merged logprobs against a float32 reference, finite
+     gradients, the same loss and gradients with activation checkpointing on and off
+  b  the real Trainer.train_step (trainer/trainer.py) with the recipe's trainer section, FSDP2 at world size 1, on a
+     random model shaped like Qwen2.5-7B: one rank's share of a step (samples of different lengths, dense micro-batches
+     of micro_batch_tokens padded to their longest, one padding micro-batch as a rank with fewer runs), the trainer's
+     own AdamW; two steps: peak allocated and reserved GiB, seconds. At half depth too if the full one runs out of
+     memory (one GPU holds all of the state that the recipe's ranks split)
+  c  FlexAttention over tree-merged micro-batches of different lengths at the 7B's attention shape: the first
+     against the SDPA segments (logprobs, gradients), then compiles and recompiles counted (torch._dynamo's
+     counters, the `recompiles` log) and whether the recompile limit was hit (FlexAttention then runs uncompiled)
+  d  16,384 rows (micro_batch_tokens) through the chunked head against a 152,064 vocabulary: peak GiB above the
+     inputs against the dense logits it never holds
+  e  tokens/s of (b)'s second step and its model FLOPs utilisation (6 x parameters x tokens / time / peak)
+  f  the cuda_ipc transport alone: a trainer process publishes bf16 snapshots of 7B-layer-sized weights as CUDA IPC
+     handles (weights/ IpcPublisher); this process maps them (load_weights), compared exactly, timed; CUDA only
+  g  the sharded optimizer checkpoint: a trainer of the 7B's width (2 layers: the full embeddings and head, the
+     largest tensors) takes a step, save_sharded_optimizer, its state zeroed, load_sharded_optimizer: bit-equal
+  h  the FSDP publish path (`publish_fsdp`: the gather of trainer/distributed.py, then a weights/ publisher) into a
+     receiver process on the GPU: two versions at the full depth, compared bit for bit in the engine's dtype, timed;
+     "broadcast", and "cuda_ipc" where there is a GPU
 
-`--cpu` runs every part at toy sizes on the CPU, to check the script itself (its numbers say nothing
-about a GPU). Budget: under 8 minutes on one H200.
+`--cpu` runs every part at toy sizes on the CPU, to check the script itself (its numbers say nothing about a GPU).
+Budget: under 8 minutes on one H200.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import random
-import shutil
-import socket
 import sys
 import tempfile
-import time
+import zipfile
 from pathlib import Path
-from typing import Any
 
-import torch
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "examples" / "gpu" / "qwen2.5-7b-fsdp-8gpu.yaml"
+_CARRIED = "LOOMRL_SMOKE_CARRIED"  # the unpacked wheels' dir, for this process's spawned children
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # loomrl from this checkout, uninstalled
+
+def carry_wheels(folder: Path) -> tuple[Path | None, list[str]]:
+    """Unpack the wheels of `folder` that fit this interpreter and whose package is missing here (or older) into a
+    temp dir, first on sys.path; returns (that dir, the wheels used). Binary wheels (pydantic-core) cannot be imported
+    from their zip, so all of them are unpacked alike. Must run before torch imports an older typing_extensions."""
+    import importlib.util
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.tags import sys_tags
+    from packaging.utils import parse_wheel_filename
+    from packaging.version import Version
+
+    def importable(module: str) -> bool:
+        try:
+            return importlib.util.find_spec(module) is not None
+        except ImportError:  # a finder that refuses it outright
+            return False
+
+    if not folder.is_dir():
+        return None, []
+    supported = set(sys_tags())
+    chosen = []
+    for wheel in sorted(folder.glob("*.whl")):
+        name, wheel_version, _, tags = parse_wheel_filename(wheel.name)
+        if not tags & supported:
+            continue  # another CPython's pydantic-core
+        with zipfile.ZipFile(wheel) as z:
+            tops = {n.split("/")[0].removesuffix(".py") for n in z.namelist() if ".dist-info/" not in n}
+        try:
+            newer = Version(version(name)) >= wheel_version
+        except PackageNotFoundError:
+            newer = False
+        if newer and all(importable(t) for t in tops):
+            continue
+        chosen.append(wheel)
+    if not chosen:
+        return None, []
+    target = Path(tempfile.mkdtemp(prefix="loomrl-wheels-"))
+    for wheel in chosen:
+        with zipfile.ZipFile(wheel) as z:
+            z.extractall(target)
+    sys.path.insert(0, str(target))
+    return target, [w.name for w in chosen]
+
+
+def _wheels_arg() -> Path:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--wheels", type=Path, default=ROOT / ".gpu_wheels")
+    return pre.parse_known_args()[0].wheels
+
+
+if os.environ.get(_CARRIED):  # a spawned child (part f, h): the parent unpacked them
+    sys.path.insert(0, os.environ[_CARRIED])
+    CARRIED: tuple[Path | None, list[str]] = (None, [])
+elif __name__ == "__main__":
+    CARRIED = carry_wheels(_wheels_arg())
+    if CARRIED[0] is not None:
+        os.environ[_CARRIED] = str(CARRIED[0])
+else:
+    CARRIED = (None, [])
+
+import gc  # noqa: E402 - after the wheels: torch must import the carried typing_extensions
+import json  # noqa: E402
+import logging  # noqa: E402
+import math  # noqa: E402
+import random  # noqa: E402
+import shutil  # noqa: E402
+import socket  # noqa: E402
+import time  # noqa: E402
+from functools import partial  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(ROOT))  # loomrl from this checkout, uninstalled
 
 from loomrl.trainer.forward import compute_context, enable_activation_checkpointing, token_logprobs  # noqa: E402
-from loomrl.trainer.fsdp import fsdp_shard  # noqa: E402
 from loomrl.trainer.head import chunked_logprobs  # noqa: E402
 from loomrl.trainer.tree import tree_token_logprobs  # noqa: E402
 from loomrl.types import TrainingSample  # noqa: E402
@@ -50,7 +128,8 @@ from loomrl.types import TrainingSample  # noqa: E402
 H200_BF16_PEAK_FLOPS = 989e12  # dense bf16, NVIDIA's H200 SXM figure; other GPUs: pass --peak-tflops
 
 
-def _samples(vocab: int, n: int, prompt: int, completion: int, seed: int = 0, vary: bool = True) -> list[TrainingSample]:
+def _samples(vocab: int, n: int, prompt: int, completion: int, seed: int = 0, vary: bool = True,
+             group: str = "g") -> list[TrainingSample]:
     """n samples sharing one prompt (a GRPO group), completions of different lengths (`vary`) or all as long."""
     rng = random.Random(seed)
     shared = [rng.randrange(vocab) for _ in range(prompt)]
@@ -59,7 +138,7 @@ def _samples(vocab: int, n: int, prompt: int, completion: int, seed: int = 0, va
         ids = shared + [rng.randrange(vocab) for _ in range(completion - vary * i * completion // (2 * n))]
         mask = [0] * prompt + [1] * (len(ids) - prompt)
         adv = 1.0 if i % 2 else -1.0
-        out.append(TrainingSample(trajectory_id=f"s{i}", group_id="g", token_ids=ids, loss_mask=mask,
+        out.append(TrainingSample(trajectory_id=f"{group}{i}", group_id=group, token_ids=ids, loss_mask=mask,
                                   behaviour_logprobs=[0.0] * len(ids), versions=[0] * len(ids),
                                   advantages=[adv * m for m in mask]))
     return out
@@ -84,6 +163,30 @@ def _reference_logprobs(model: torch.nn.Module, samples: list[TrainingSample], d
     return torch.cat(out)
 
 
+def _gib(n: float) -> float:
+    return round(n / 2**30, 3)
+
+
+def _peaks(device: torch.device) -> dict[str, float]:
+    if device.type != "cuda":
+        return {}
+    return {"peak_allocated_gib": _gib(torch.cuda.max_memory_allocated(device)),
+            "peak_reserved_gib": _gib(torch.cuda.max_memory_reserved(device))}
+
+
+def _reset_peaks(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _free(device: torch.device) -> None:
+    """What the last part held, given back (FSDP's modules hold reference cycles)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def part_a(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
@@ -99,7 +202,7 @@ def part_a(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
     bf16 = compute_context("bfloat16", device)
     out: dict[str, Any] = {}
 
-    def run(path, checkpointing: bool) -> tuple[float, torch.Tensor, list[torch.Tensor]]:
+    def run(path) -> tuple[float, torch.Tensor, list[torch.Tensor]]:
         model.zero_grad(set_to_none=True)
         with bf16():
             logps = path(model, samples, with_grad=True)
@@ -108,8 +211,8 @@ def part_a(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
         grads = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
         return float(loss.detach()), torch.cat([lp.detach() for lp in logps]), grads
 
-    loss_d, lp_d, g_d = run(token_logprobs, False)
-    loss_t, lp_t, g_t = run(tree_token_logprobs, False)
+    loss_d, lp_d, g_d = run(token_logprobs)
+    loss_t, lp_t, g_t = run(tree_token_logprobs)
     out["max_abs_dense_vs_fp32"] = float((lp_d - ref).abs().max())
     out["max_abs_tree_vs_fp32"] = float((lp_t - ref).abs().max())
     out["max_abs_dense_vs_tree"] = float((lp_d - lp_t).abs().max())
@@ -117,161 +220,254 @@ def part_a(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
     out["loss_dense"], out["loss_tree"] = loss_d, loss_t
     enable_activation_checkpointing(model)
     model.train()
-    loss_c, _, g_c = run(token_logprobs, True)
-    out["loss_checkpointing"] = loss_c
+    loss_c, _, g_c = run(token_logprobs)
     out["loss_rel_diff_checkpointing"] = abs(loss_c - loss_d) / max(abs(loss_d), 1e-12)
     out["grad_max_rel_diff_checkpointing"] = max(float((a - b).norm() / b.norm().clamp_min(1e-12))
                                                  for a, b in zip(g_c, g_d))
     out["ok"] = (out["grads_finite"] and out["max_abs_dense_vs_fp32"] < 0.1 and out["max_abs_tree_vs_fp32"] < 0.1
-                 and out["loss_rel_diff_checkpointing"] < 1e-2)
+                 and out["max_abs_dense_vs_tree"] < 0.05 and out["loss_rel_diff_checkpointing"] < 1e-2)
     return out
 
 
-def part_c(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
-    from transformers import AutoModelForCausalLM, Qwen3Config
+# -- the recipe's trainer -----------------------------------------------------------------------------------------
 
-    cfg = Qwen3Config(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096)
-    torch.manual_seed(0)
-    with device:
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-    samples = (_samples(cfg.vocab_size, 4, prompt=200, completion=120, seed=2)
-               + _samples(cfg.vocab_size, 3, prompt=64, completion=300, seed=3))
-    tokens = sum(sum(s.loss_mask) for s in samples)
+def _recipe() -> dict[str, Any]:
+    import yaml
 
-    def run(flex: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        model.zero_grad(set_to_none=True)
-        logps = tree_token_logprobs(model, samples, with_grad=True, flex=flex)
-        _surrogate(logps, samples, tokens).backward()
-        return torch.cat([lp.detach() for lp in logps]), [p.grad.detach().clone() for p in model.parameters()]
-
-    if device.type != "cuda":  # no FlexAttention backward on the CPU: the forward only
-        with torch.no_grad():
-            seg = torch.cat(tree_token_logprobs(model, samples, with_grad=False))
-            flex = torch.cat(tree_token_logprobs(model, samples, with_grad=False, flex=True))
-        return {"max_abs_logprob": float((seg - flex).abs().max()), "gradients": "not on the CPU"}
-    (seg, g_seg), (flex, g_flex) = run(False), run(True)
-    rel = max(float((a - b).norm() / b.norm().clamp_min(1e-12)) for a, b in zip(g_flex, g_seg))
-    out = {"max_abs_logprob": float((seg - flex).abs().max()), "grad_max_rel_diff": rel}
-    out["ok"] = out["max_abs_logprob"] < 1e-4 and rel < 1e-3
-    return out
+    return yaml.safe_load(RECIPE.read_text())
 
 
-def _qwen25_7b_like(layers: int) -> Any:
+def _model_config(layers: int, toy: bool) -> Any:
+    """Qwen2.5-7B's shape (7.62B parameters at 28 layers), or a toy of the same architecture for --cpu."""
     from transformers import Qwen2Config
 
-    return Qwen2Config(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=layers,
-                       num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
-                       tie_word_embeddings=False, rope_theta=1e6)
+    cfg = Qwen2Config(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=layers,
+                      num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+                      tie_word_embeddings=False, rope_theta=1e6)
+    if toy:  # the same code path at a size the CPU runs in seconds
+        cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size = 128, 256, 4096
+        cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 4, 2, 32
+    return cfg
 
 
-def _memory(device: torch.device) -> float | None:
-    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-
-
-def _fsdp_step(device: torch.device, layers: int, n: int, seq: int, ckpt_dir: Path) -> dict[str, Any]:
-    from torch.distributed.tensor import DTensor
+def build_trainer(device: torch.device, layers: int, toy: bool) -> tuple[Any, Any]:
+    """(Trainer, DataParallelTrainer) as a trainer rank builds them (trainer/ranks.py build_trainer): the recipe's
+    trainer section validated by loomrl.config, FSDP2 over the one-rank process group, gathers in the compute dtype."""
     from transformers import AutoModelForCausalLM
 
-    cfg = _qwen25_7b_like(layers)
-    if device.type != "cuda":  # toy size: the same code path
-        cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size = 128, 256, 4096
-        cfg.num_attention_heads, cfg.num_key_value_heads = 4, 2
+    from loomrl.config import TrainerConfig
+    from loomrl.trainer.distributed import DataParallelTrainer
+    from loomrl.trainer.forward import compute_dtype
+    from loomrl.trainer.fsdp import fsdp_shard
+    from loomrl.trainer.trainer import Trainer
+
+    cfg = TrainerConfig.model_validate(_recipe()["trainer"]).model_copy(update={"device": str(device)})
     torch.manual_seed(0)
     with device:
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-    params = sum(p.numel() for p in model.parameters())
-    enable_activation_checkpointing(model)
-    model.train()
-    forward = fsdp_shard(model, param_dtype=torch.bfloat16 if device.type == "cuda" else None)
-    # fused on CUDA: foreach would allocate temporaries the size of all the parameters at once
-    try:
-        opt, kind = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device.type == "cuda"), "fused"
-    except (RuntimeError, TypeError):  # a torch whose fused AdamW does not take DTensors
-        opt, kind = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=False), "per-tensor"
-    kind = kind if device.type == "cuda" else "default"
-    samples = _samples(cfg.vocab_size, n, prompt=seq // 4, completion=seq - seq // 4, seed=1, vary=False)
-    tokens = sum(len(s.token_ids) for s in samples)
-    loss_tokens = sum(sum(s.loss_mask) for s in samples)
-    ctx = compute_context("bfloat16" if device.type == "cuda" else "float32", device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    t0 = time.perf_counter()
-    for s in samples:  # one sample a micro-batch: activations of one 4k sequence at a time
-        with ctx():
-            loss = _surrogate(forward([s], False), [s], loss_tokens)
-        loss.backward()
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    step_s = time.perf_counter() - t0
-    grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    out = {"layers": layers, "params": params, "tokens": tokens, "step_s": step_s, "peak_gib": _memory(device),
-           "optimizer": kind, "grad_norm": grad_norm, "grad_norm_finite": bool(torch.isfinite(torch.tensor(grad_norm)))}
-    out.update(_dcp_roundtrip(model, ckpt_dir))
+        model = AutoModelForCausalLM.from_config(_model_config(layers, toy))  # float32: the masters
+    shard = partial(fsdp_shard, param_dtype=compute_dtype(cfg.precision, device))
+    trainer = Trainer(model, cfg, shard=shard)
+    return trainer, DataParallelTrainer(trainer)
+
+
+def _rank_share(vocab: int, toy: bool, seed: int) -> list[TrainingSample]:
+    """One rank's samples of the recipe's step (groups_per_step x group_size / world_size), each group a shared prompt
+    and completions of different lengths, up to agent.max_context_tokens long."""
+    recipe = _recipe()
+    t = recipe["trainer"]
+    n = math.ceil(t["groups_per_step"] * t["group_size"] / t["world_size"]) if not toy else 6
+    longest = recipe["agent"]["max_context_tokens"] if not toy else 96
+    size = t["group_size"] if not toy else 3
+    out: list[TrainingSample] = []
+    for g in range(math.ceil(n / size)):
+        prompt = longest // 4 + g * longest // 16
+        out += _samples(vocab, min(size, n - len(out)), prompt, longest - prompt, seed=seed + g, group=f"g{g}")
     return out
 
 
-def _dcp_roundtrip(model: torch.nn.Module, folder: Path) -> dict[str, Any]:
-    """The sharded model saved with torch.distributed.checkpoint, perturbed, reloaded: equal to what was saved."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+def _trainer_steps(device: torch.device, layers: int, toy: bool) -> dict[str, Any]:
+    trainer, dp = build_trainer(device, layers, toy)
+    params = sum(p.numel() for p in trainer.model.parameters())
+    real: list[int] = []
+    most = dp._most  # noqa: SLF001 - the shared plan: the most micro-batches of any rank
 
-    shutil.rmtree(folder, ignore_errors=True)
-    before = {k: v.full_tensor().float().sum().item() for k, v in get_model_state_dict(model).items()}
-    t0 = time.perf_counter()
-    dcp.save(get_model_state_dict(model), checkpoint_id=str(folder))
-    save_s = time.perf_counter() - t0
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(0.5)
-    state = get_model_state_dict(model)
-    t0 = time.perf_counter()
-    dcp.load(state, checkpoint_id=str(folder))
-    set_model_state_dict(model, state)
-    load_s = time.perf_counter() - t0
-    after = {k: v.full_tensor().float().sum().item() for k, v in get_model_state_dict(model).items()}
-    size = sum(f.stat().st_size for f in folder.iterdir())
-    shutil.rmtree(folder, ignore_errors=True)
-    return {"dcp_save_s": save_s, "dcp_load_s": load_s, "dcp_gib": size / 2**30, "dcp_equal": before == after}
+    def plan_with_padding(n: int) -> int:
+        """As on a rank with fewer micro-batches than another: one padding micro-batch (trains nothing) more."""
+        real.append(n)
+        return most(n) + 1
+
+    dp._most = plan_with_padding  # noqa: SLF001
+
+    out: dict[str, Any] = {"layers": layers, "params": params, "optimizer_foreach": trainer.optimizer.defaults["foreach"],
+                           "optimizer_fused": trainer.optimizer.defaults["fused"], "steps": []}
+    for step in range(2):
+        samples = _rank_share(trainer.model.config.vocab_size, toy, seed=10 * step)
+        _reset_peaks(device)
+        t0 = time.perf_counter()
+        stats = dp.train_step(samples)  # the trainer's step, then the gather for the engines (rank 0's copy)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        out["steps"].append({"seconds": round(time.perf_counter() - t0, 3), "train_s": round(stats.seconds, 3),
+                             "tokens": stats.tokens, "loss_tokens": stats.loss_tokens,
+                             "micro_batches": real[-1], "padding_micro_batches": 1, "grad_norm": stats.grad_norm,
+                             "loss": stats.loss, **_peaks(device)})
+    out["state_gib"] = _gib(16 * params)  # float32 masters, gradients, two AdamW moments
+    out["ok"] = all(math.isfinite(s["grad_norm"]) and math.isfinite(s["loss"]) for s in out["steps"])
+    return out
+
+
+def _params(layers: int, toy: bool) -> int:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(_model_config(layers, toy)).parameters())
+
+
+# Bytes per parameter of one rank's step: float32 masters, gradients and two AdamW moments (16), and the foreach
+# AdamW's temporaries (4: torch._foreach_sqrt of the second moments, one float32 copy of every parameter of the rank).
+# Plus a margin for activations, the root unit's gathered weights and gradients, the head's float32 gradient buffer.
+BYTES_PER_PARAM, MARGIN = 20, 16 * 2**30
 
 
 def part_b(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
-    ckpt = Path(args.scratch) / "dcp"
-    n, seq = (8, 4096) if device.type == "cuda" else (2, 128)
-    try:
-        return _fsdp_step(device, args.layers, n, seq, ckpt)
-    except torch.cuda.OutOfMemoryError as err:  # report it, then the same step at half the depth
-        first = {"layers": args.layers, "error": f"OutOfMemoryError: {str(err).splitlines()[0]}"}
-        torch.cuda.empty_cache()
-        return {"full_depth": first, **_fsdp_step(device, args.layers // 2, n, seq, ckpt)}
+    toy = device.type != "cuda"
+    layers, out = args.layers, {}
+    if not toy:  # one GPU holds the whole state the recipe's ranks split: as deep as it fits (Qwen2.5-7B: 28)
+        gpu = torch.cuda.get_device_properties(device).total_memory
+        one, two = _params(1, toy), _params(2, toy)
 
+        def need(n: int) -> int:  # parameters grow by one decoder layer's a layer
+            return BYTES_PER_PARAM * (one + (n - 1) * (two - one)) + MARGIN
+
+        full = need(layers)
+        while layers > 1 and need(layers) > gpu:
+            layers -= 1
+        out = {"full_depth_predicted_gib": _gib(full), "gpu_gib": _gib(gpu), "predicted_gib": _gib(need(layers))}
+    try:
+        return {**out, **_trainer_steps(device, layers, toy)}
+    except torch.cuda.OutOfMemoryError as err:  # reported; the state is freed outside this block (err holds it)
+        out["first_try"] = {"layers": layers, "error": f"OutOfMemoryError: {str(err).splitlines()[0]}"}
+    _free(device)
+    return {**out, **_trainer_steps(device, layers // 2, toy)}
+
+
+# -- FlexAttention ------------------------------------------------------------------------------------------------
+
+class _DynamoLog(logging.Handler):
+    """Collects torch._dynamo's recompile reasons (the `recompiles` log) and its recompile-limit warnings."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.recompiles: list[str] = []
+        self.limit_hits: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if msg.startswith("Recompiling function"):
+            self.recompiles.append(msg.splitlines()[0][:200])
+        elif "hit config." in msg and "recompile_limit" in msg:
+            self.limit_hits.append(msg.splitlines()[0][:200])
+
+
+def part_c(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
+    from torch._dynamo.utils import counters
+    from transformers import AutoModelForCausalLM
+
+    toy = device.type != "cuda"
+    cfg = _model_config(2, toy)
+    if not toy:
+        cfg.vocab_size = 32768  # the head is not what this part measures; the attention's shape is
+    torch.manual_seed(0)
+    with device:
+        model = AutoModelForCausalLM.from_config(cfg)
+    model.train()
+    ctx = compute_context("bfloat16" if not toy else "float32", device)
+    # micro-batches of different unique lengths: a GRPO group each (one prompt, 8 completions)
+    uniques = [1536, 2560, 4096, 6144, 8192] if not toy else [120, 200, 330]
+    batches = [_samples(cfg.vocab_size, 8, u // 4, (u - u // 4) // 8 + 8, seed=i, group=f"m{i}")
+               for i, u in enumerate(uniques)]
+
+    def run(batch: list[TrainingSample], flex: bool, grad: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        tokens = sum(sum(s.loss_mask) for s in batch)
+        with torch.set_grad_enabled(grad), ctx():
+            logps = tree_token_logprobs(model, batch, with_grad=grad, flex=flex)
+            loss = _surrogate(logps, batch, tokens)
+        if grad:
+            loss.backward()
+        return torch.cat([lp.detach() for lp in logps]), [p.grad.detach().clone() for p in model.parameters()
+                                                          if p.grad is not None]
+
+    out: dict[str, Any] = {"unique_tokens": uniques, "compiled": not toy}
+    grad = not toy  # the CPU has no FlexAttention backward: the forward only
+    seg, g_seg = run(batches[0], False, grad)
+    handler = _DynamoLog()
+    dynamo_log = logging.getLogger("torch._dynamo")
+    torch._logging.set_logs(recompiles=True)
+    dynamo_log.addHandler(handler)
+    graphs0 = counters["stats"]["unique_graphs"]
+    try:
+        times = []
+        for i, batch in enumerate(batches):
+            t0 = time.perf_counter()
+            flex, g_flex = run(batch, True, grad)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(round(time.perf_counter() - t0, 3))
+            if i == 0:
+                out["max_abs_logprob"] = float((seg - flex).abs().max())
+                if grad:
+                    out["grad_max_rel_diff"] = max(float((a - b).norm() / b.norm().clamp_min(1e-12))
+                                                   for a, b in zip(g_flex, g_seg))
+    finally:
+        dynamo_log.removeHandler(handler)
+        torch._logging.set_logs()
+    out.update(seconds=times, graphs_compiled=counters["stats"]["unique_graphs"] - graphs0,
+               recompiles=len(handler.recompiles), recompile_reasons=handler.recompiles[:4],
+               recompile_limit_hit=handler.limit_hits[:2])
+    # bf16 on the GPU (the trainer's compute dtype): two attention kernels agree to bf16's precision there
+    out["ok"] = (out["max_abs_logprob"] < (5e-2 if not toy else 1e-4) and out.get("grad_max_rel_diff", 0.0) < 5e-2
+                 and not handler.limit_hits)
+    return out
+
+
+# -- the chunked head ---------------------------------------------------------------------------------------------
 
 def part_d(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
-    rows, hidden, vocab = (32768, 3584, 152064) if device.type == "cuda" else (2048, 128, 32000)
+    rows = _recipe()["trainer"]["micro_batch_tokens"]
+    rows, hidden, vocab = (rows, 3584, 152064) if device.type == "cuda" else (2048, 128, 32000)
     torch.manual_seed(0)
     weight = (torch.randn(vocab, hidden, device=device) * 0.02).requires_grad_()
     h = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
     targets = torch.randint(0, vocab, (rows,), device=device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    _reset_peaks(device)
     t0 = time.perf_counter()
     with compute_context("bfloat16", device)():
         logp = chunked_logprobs(h, weight, targets)
     logp.sum().backward()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    out = {"rows": rows, "vocab": vocab, "seconds": time.perf_counter() - t0,
-           "dense_fp32_logits_gib": rows * vocab * 4 / 2**30, "finite": bool(torch.isfinite(logp).all())}
+    out: dict[str, Any] = {"rows": rows, "vocab": vocab, "seconds": round(time.perf_counter() - t0, 3),
+                           "dense_fp32_logits_gib": _gib(rows * vocab * 4),
+                           "finite": bool(torch.isfinite(logp).all() and torch.isfinite(weight.grad).all())}
     if device.type == "cuda":
-        out["peak_above_inputs_gib"] = (torch.cuda.max_memory_allocated(device) - base) / 2**30
+        out["peak_above_inputs_gib"] = _gib(torch.cuda.max_memory_allocated(device) - base)
+    out["ok"] = out["finite"]
     return out
 
+
+def part_e(b: dict[str, Any], peak_flops: float) -> dict[str, Any]:
+    if not b.get("steps"):
+        return {"error": "part b did not complete", "ok": False}
+    step = b["steps"][-1]  # the second: no first-call costs
+    tps = step["tokens"] / step["train_s"]
+    # 6 x N per token (forward + backward), not counting attention, the checkpointing's recompute or padding
+    return {"tokens_per_s": tps, "mfu": 6 * b["params"] * tps / peak_flops, "layers": b["layers"],
+            "peak_tflops_assumed": peak_flops / 1e12, "ok": tps > 0}
+
+
+# -- the cuda_ipc transport alone -------------------------------------------------------------------------------
 
 def _ipc_trainer(outbox: Any, inbox: Any, shapes: dict[str, tuple[int, ...]]) -> None:
     """The publishing side of part f, in a process of its own (CUDA IPC does not map memory of the same process)."""
@@ -292,11 +488,10 @@ def _ipc_trainer(outbox: Any, inbox: Any, shapes: dict[str, tuple[int, ...]]) ->
 def part_f(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
     import multiprocessing as mp
 
-    from loomrl.weights.transports import load_weights  # imported on the CPU too: it needs no config layer
+    from loomrl.weights.transports import load_weights
 
     if device.type != "cuda":
-        return {"skipped": "CUDA IPC needs a GPU"}
-
+        return {"skipped": "CUDA IPC needs a GPU", "ok": True}
     hidden, inter = 3584, 18944  # one Qwen2.5-7B decoder layer's projections
     shapes = {"q": (hidden, hidden), "k": (512, hidden), "v": (512, hidden), "o": (hidden, hidden),
               "gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
@@ -318,22 +513,157 @@ def part_f(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
                                   "dtype": str(next(iter(loaded.weights.values())).dtype), "seconds": seconds,
                                   "gb_s": handle.nbytes / seconds / 1e9, "bytes": handle.nbytes}
             inbox.put("done")
-        out["publisher_allocated_gib_after_v2"] = outbox.get(timeout=60) / 2**30  # one snapshot + v2's masters
+        out["publisher_allocated_gib_after_v2"] = _gib(outbox.get(timeout=60))  # one snapshot + v2's masters
         inbox.put("stop")
     finally:
         child.join(timeout=60)
         if child.is_alive():
             child.kill()
+    out["ok"] = out["v1"]["equal"] and out["v2"]["equal"]
     return out
 
 
-def part_e(b: dict[str, Any], peak_flops: float) -> dict[str, Any]:
-    if "step_s" not in b:
-        return {"error": "part b did not complete"}
-    tps = b["tokens"] / b["step_s"]
-    # 6 x N per token (forward + backward), not counting attention or the checkpointing's recompute
-    return {"tokens_per_s": tps, "mfu": 6 * b["params"] * tps / peak_flops, "layers": b["layers"],
-            "peak_tflops_assumed": peak_flops / 1e12}
+# -- the sharded optimizer checkpoint -----------------------------------------------------------------------------
+
+def _state_checksums(trainer: Any) -> dict[str, tuple[int, int]]:
+    """Bit-pattern checksums of this rank's part of every AdamW state tensor, by parameter name and key."""
+    from torch.distributed.tensor import DTensor
+
+    from loomrl.trainer.distributed import param_checksum
+
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    out = {}
+    for p, state in trainer.optimizer.state.items():
+        for key, value in state.items():
+            local = value.to_local() if isinstance(value, DTensor) else value
+            out[f"{names[id(p)]}.{key}"] = param_checksum([local.reshape(-1)])
+    return out
+
+
+def part_g(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
+    from loomrl.trainer.fsdp import load_sharded_optimizer, save_sharded_optimizer
+
+    toy = device.type != "cuda"
+    trainer, dp = build_trainer(device, 2, toy)
+    dp.train_step(_rank_share(trainer.model.config.vocab_size, toy, seed=3)[:8])
+    folder = Path(args.scratch) / "optimizer"
+    shutil.rmtree(folder, ignore_errors=True)
+    before = _state_checksums(trainer)
+    t0 = time.perf_counter()
+    save_sharded_optimizer(trainer, folder)
+    save_s = time.perf_counter() - t0
+    size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    with torch.no_grad():  # what a fresh rank has before it loads
+        for state in trainer.optimizer.state.values():
+            for value in state.values():
+                value.zero_()
+    t0 = time.perf_counter()
+    load_sharded_optimizer(trainer, folder)
+    load_s = time.perf_counter() - t0
+    after = _state_checksums(trainer)
+    stats = dp.train_step(_rank_share(trainer.model.config.vocab_size, toy, seed=4)[:8])  # and it still steps
+    shutil.rmtree(folder, ignore_errors=True)
+    equal = before == after and len(before) > 0
+    return {"tensors": len(before), "gib": _gib(size), "save_s": round(save_s, 3), "load_s": round(load_s, 3),
+            "equal": equal, "step_after_load_finite": math.isfinite(stats.grad_norm),
+            "ok": equal and math.isfinite(stats.grad_norm)}
+
+
+# -- the FSDP publish path into a receiver on the GPU -------------------------------------------------------------
+
+def publish_fsdp(dp: Any, publisher: Any, version: int) -> Any:
+    """The weights of a sharded trainer, as the trainer sends them today: every rank gathers each trainable
+    parameter (DataParallelTrainer._gather: rank 0 keeps a float32 copy in host memory, trainer/distributed.py), then
+    rank 0's copy goes to the publisher (the Ray trainer actor's publish, trainer/service.py live_weights).
+    The one place to re-point at a new publish path."""
+    dp._gather(everything=False)  # noqa: SLF001 - what DataParallelTrainer.train_step runs after each step
+    trainable = {n for n, p in dp.trainer.model.named_parameters() if p.requires_grad}
+    return publisher.publish({n: t for n, t in dp.weights.items() if n in trainable}, version)
+
+
+def _receiver(inbox: Any, outbox: Any, device: str) -> None:
+    """An engine's process: receives each version's handle, loads it on `device` and answers its checksums."""
+    from loomrl.trainer.distributed import param_checksum
+    from loomrl.weights.group import Receiver
+    from loomrl.weights.transports import load_weights
+
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    receiver = Receiver()
+    while (handle := inbox.get(timeout=600)) is not None:
+        try:
+            t0 = time.perf_counter()
+            if handle.transport == "broadcast":
+                weights = receiver.receive_all(handle.payload, torch.device(device))
+            else:
+                weights = {n: t.to(device) for n, t in load_weights(handle).weights.items()}
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+            outbox.put({"seconds": seconds, "device": str(next(iter(weights.values())).device),
+                        "dtype": str(next(iter(weights.values())).dtype),
+                        "checksums": {n: param_checksum([t]) for n, t in weights.items()}})
+            del weights
+        except Exception as err:  # noqa: BLE001 - answered, so that the parent reports it and does not wait
+            outbox.put({"error": f"{type(err).__name__}: {err}"[:500]})
+
+
+def _publish_versions(dp: Any, transport: str, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    import multiprocessing as mp
+
+    from loomrl.trainer.distributed import param_checksum
+    from loomrl.weights.transports import make_publisher
+
+    publisher = make_publisher(transport, keep=1, dtype=dtype, receivers=1, timeout_s=300)
+    ctx = mp.get_context("spawn")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_receiver, args=(inbox, outbox, str(device)), daemon=True)
+    child.start()
+    out: dict[str, Any] = {}
+    try:
+        for version in (1, 2):
+            with torch.no_grad():  # a new version: every trainable shard changed, as a step changes it
+                for p in dp.trainer.params:
+                    p.mul_(1.0 + 2.0**-6)
+            t0 = time.perf_counter()
+            handle = publish_fsdp(dp, publisher, version)
+            publish_s = time.perf_counter() - t0
+            inbox.put(handle)
+            got = outbox.get(timeout=600)
+            publisher.settle()
+            if "error" in got:
+                out[f"v{version}"] = got
+                break
+            want = {n: param_checksum([t.to(device, dtype)]) for n, t in dp.weights.items() if n in got["checksums"]}
+            out[f"v{version}"] = {"equal": want == got["checksums"] and len(want) > 0, "publish_s": round(publish_s, 3),
+                                  "receive_s": round(got["seconds"], 3), "gb": round(handle.nbytes / 1e9, 3),
+                                  "receiver": f"{got['device']} {got['dtype']}"}
+    finally:
+        inbox.put(None)
+        child.join(timeout=60)
+        if child.is_alive():
+            child.kill()
+        publisher.close()
+    out["ok"] = all(out.get(f"v{v}", {}).get("equal", False) for v in (1, 2))
+    return out
+
+
+def part_h(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
+    toy = device.type != "cuda"
+    _, dp = build_trainer(device, args.layers, toy)  # no step: AdamW's state is made at the first one
+    dtype = torch.bfloat16  # the recipe's model.dtype: the engine's
+    out: dict[str, Any] = {"calls": "DataParallelTrainer._gather + weights.make_publisher(...).publish"}
+    transports = ["broadcast", "cuda_ipc"] if device.type == "cuda" else ["broadcast"]
+    for transport in transports:
+        try:
+            out[transport] = _publish_versions(dp, transport, device, dtype)
+        except Exception as err:  # noqa: BLE001 - one transport's failure is reported beside the other's
+            out[transport] = {"error": f"{type(err).__name__}: {err}"[:500], "ok": False}
+    out["ok"] = out["broadcast"]["ok"]  # cuda_ipc from rank 0's host copy is refused today: reported, not required
+    return out
+
+
+PARTS = {"a": part_a, "b": part_b, "c": part_c, "d": part_d, "f": part_f, "g": part_g, "h": part_h}
 
 
 def main() -> None:
@@ -341,8 +671,10 @@ def main() -> None:
     ap.add_argument("--cpu", action="store_true", help="toy sizes on the CPU: checks the script, not a GPU")
     ap.add_argument("--layers", type=int, default=28, help="decoder layers of the 7B-shaped model (Qwen2.5-7B: 28)")
     ap.add_argument("--peak-tflops", type=float, default=H200_BF16_PEAK_FLOPS / 1e12)
-    ap.add_argument("--parts", default="abcdef")
-    ap.add_argument("--scratch", default=None, help="folder for the checkpoint of part b (default: a temp dir)")
+    ap.add_argument("--parts", default="abcdefgh")
+    ap.add_argument("--scratch", default=None, help="folder for part g's checkpoint (default: a temp dir)")
+    ap.add_argument("--wheels", type=Path, default=ROOT / ".gpu_wheels",
+                    help="wheels to import from when missing here (scripts/gpu_carry.sh fills it)")
     args = ap.parse_args()
     if not args.cpu and not torch.cuda.is_available():
         sys.exit("gpu_smoke: no CUDA device (torch.cuda.is_available() is False); --cpu checks the script itself")
@@ -360,8 +692,8 @@ def main() -> None:
     import transformers
 
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                              "torch": torch.__version__, "transformers": transformers.__version__}
-    parts = {"a": part_a, "b": part_b, "c": part_c, "d": part_d, "f": part_f}
+                              "torch": torch.__version__, "transformers": transformers.__version__,
+                              "carried_wheels": CARRIED[1]}
     t_all = time.perf_counter()
     for name in args.parts:
         t0 = time.perf_counter()
@@ -369,16 +701,17 @@ def main() -> None:
             result["e"] = part_e(result.get("b", {}), args.peak_tflops * 1e12)
             continue
         try:
-            result[name] = parts[name](device, args)
+            result[name] = PARTS[name](device, args)
         except Exception as err:  # noqa: BLE001 - reported in the JSON line; the other parts still run
-            result[name] = {"error": f"{type(err).__name__}: {err}"[:500]}
+            result[name] = {"error": f"{type(err).__name__}: {err}"[:500], "ok": False}
         result[name]["part_s"] = round(time.perf_counter() - t0, 2)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        _free(device)
     result["total_s"] = round(time.perf_counter() - t_all, 1)
     if own_scratch:
         shutil.rmtree(args.scratch, ignore_errors=True)
-    print(json.dumps(result))
+    if CARRIED[0] is not None:
+        shutil.rmtree(CARRIED[0], ignore_errors=True)
+    print(json.dumps(result), flush=True)
     os._exit(0)  # no process-group teardown to hang on
 
 

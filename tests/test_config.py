@@ -106,6 +106,23 @@ def test_every_recipe_in_examples_loads():
         load_config(recipe)
 
 
+
+def test_gpu_recipes_fill_one_8_gpu_node_with_vllm_engines():
+    """examples/gpu: vLLM engines (not the CPU-built built-in engine) and FSDP2 ranks, one GPU each, 8 in all, the
+    weights broadcast to the engine actors; each recipe says plainly that it has not run on a GPU."""
+    from pathlib import Path
+
+    recipes = sorted((Path(__file__).resolve().parents[1] / "examples" / "gpu").glob("*.yaml"))
+    assert len(recipes) >= 2
+    for recipe in recipes:
+        cfg = load_config(recipe)
+        assert cfg.engine.kind == "vllm" and cfg.trainer.parallel == "fsdp", recipe.name
+        gpus = cfg.trainer.world_size * cfg.ray.trainer.num_gpus + cfg.ray.engine.count * cfg.ray.engine.num_gpus
+        assert gpus == 8 and cfg.ray.rollout.num_gpus == 0, recipe.name
+        assert cfg.ray.rollout.count >= cfg.ray.engine.count, recipe.name  # rollout actor i uses engine i mod count
+        assert cfg.runtime.weight_transport == "broadcast", recipe.name
+        assert "NOTHING OF THIS RECIPE HAS RUN ON A GPU" in recipe.read_text(), recipe.name
+
 def test_fsdp_needs_async_mode():
     with pytest.raises(ConfigError, match="trainer.parallel=fsdp needs runtime.mode=async"):
         load_config(None, ["trainer.parallel=fsdp", "runtime.mode=sync"])

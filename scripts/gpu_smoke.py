@@ -23,8 +23,8 @@ line; each part reports its numbers or its error (and `ok`), and one failing par
      handles (weights/ IpcPublisher); this process maps them (load_weights), compared exactly, timed; CUDA only
   g  the sharded optimizer checkpoint: a trainer of the 7B's width (2 layers: the full embeddings and head, the
      largest tensors) takes a step, save_sharded_optimizer, its state zeroed, load_sharded_optimizer: bit-equal
-  h  the FSDP publish path (`publish_fsdp`: the gather of trainer/distributed.py, then a weights/ publisher) into a
-     receiver process on the GPU: two versions at the full depth, compared bit for bit in the engine's dtype, timed;
+  h  the FSDP publish path (`publish_fsdp`: the bucketed gather of trainer/distributed.py, then a weights/
+     publisher) into a receiver process on the GPU: two versions at the full depth, compared bit for bit in the engine's dtype, timed;
      "broadcast", and "cuda_ipc" where there is a GPU
 
 `--cpu` runs every part at toy sizes on the CPU, to check the script itself (its numbers say nothing about a GPU).
@@ -571,14 +571,21 @@ def part_g(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
 
 # -- the FSDP publish path into a receiver on the GPU -------------------------------------------------------------
 
-def publish_fsdp(dp: Any, publisher: Any, version: int) -> Any:
-    """The weights of a sharded trainer, as the trainer sends them today: every rank gathers each trainable
-    parameter (DataParallelTrainer._gather: rank 0 keeps a float32 copy in host memory, trainer/distributed.py), then
-    rank 0's copy goes to the publisher (the Ray trainer actor's publish, trainer/service.py live_weights).
-    The one place to re-point at a new publish path."""
-    dp._gather(everything=False)  # noqa: SLF001 - what DataParallelTrainer.train_step runs after each step
-    trainable = {n for n, p in dp.trainer.model.named_parameters() if p.requires_grad}
-    return publisher.publish({n: t for n, t in dp.weights.items() if n in trainable}, version)
+def publish_fsdp(dp: Any, publisher: Any, version: int, dtype: torch.dtype, bucket_bytes: int) -> Any:
+    """The weights of a sharded trainer, as the trainer sends them (trainer/process.py publish): every rank gathers
+    the trainable parameters a bucket at a time on its device (`DataParallelTrainer.gathered`, one `full_tensor()` per
+    parameter), rank 0 casts each to the engine's dtype and the publisher sends or maps the bucket; no float32 host
+    copy of the model is made."""
+    from loomrl.trainer.distributed import Gather
+    from loomrl.weights.source import dtype_name
+
+    return publisher.publish(dp.gathered(Gather(dtype_name(dtype), bucket_bytes)), version)
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
 
 
 def _receiver(inbox: Any, outbox: Any, device: str) -> None:
@@ -614,7 +621,8 @@ def _publish_versions(dp: Any, transport: str, device: torch.device, dtype: torc
     from loomrl.trainer.distributed import param_checksum
     from loomrl.weights.transports import make_publisher
 
-    publisher = make_publisher(transport, keep=1, dtype=dtype, receivers=1, timeout_s=300)
+    bucket_bytes = 256 << 20 if device.type == "cuda" else 1 << 20
+    publisher = make_publisher(transport, keep=1, dtype=dtype, receivers=1, timeout_s=300, bucket_bytes=bucket_bytes)
     ctx = mp.get_context("spawn")
     inbox, outbox = ctx.Queue(), ctx.Queue()
     child = ctx.Process(target=_receiver, args=(inbox, outbox, str(device)), daemon=True)
@@ -626,7 +634,7 @@ def _publish_versions(dp: Any, transport: str, device: torch.device, dtype: torc
                 for p in dp.trainer.params:
                     p.mul_(1.0 + 2.0**-6)
             t0 = time.perf_counter()
-            handle = publish_fsdp(dp, publisher, version)
+            handle = publish_fsdp(dp, publisher, version, dtype, bucket_bytes)
             publish_s = time.perf_counter() - t0
             inbox.put(handle)
             got = outbox.get(timeout=600)
@@ -634,7 +642,8 @@ def _publish_versions(dp: Any, transport: str, device: torch.device, dtype: torc
             if "error" in got:
                 out[f"v{version}"] = got
                 break
-            want = {n: param_checksum([t.to(device, dtype)]) for n, t in dp.weights.items() if n in got["checksums"]}
+            want = {n: param_checksum([_full(p).to(device, dtype)]) for n, p in dp.trainer.model.named_parameters()
+                    if n in got["checksums"]}
             out[f"v{version}"] = {"equal": want == got["checksums"] and len(want) > 0, "publish_s": round(publish_s, 3),
                                   "receive_s": round(got["seconds"], 3), "gb": round(handle.nbytes / 1e9, 3),
                                   "receiver": f"{got['device']} {got['dtype']}"}
@@ -652,14 +661,14 @@ def part_h(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
     toy = device.type != "cuda"
     _, dp = build_trainer(device, args.layers, toy)  # no step: AdamW's state is made at the first one
     dtype = torch.bfloat16  # the recipe's model.dtype: the engine's
-    out: dict[str, Any] = {"calls": "DataParallelTrainer._gather + weights.make_publisher(...).publish"}
+    out: dict[str, Any] = {"calls": "DataParallelTrainer.gathered + weights.make_publisher(...).publish"}
     transports = ["broadcast", "cuda_ipc"] if device.type == "cuda" else ["broadcast"]
     for transport in transports:
         try:
             out[transport] = _publish_versions(dp, transport, device, dtype)
         except Exception as err:  # noqa: BLE001 - one transport's failure is reported beside the other's
             out[transport] = {"error": f"{type(err).__name__}: {err}"[:500], "ok": False}
-    out["ok"] = out["broadcast"]["ok"]  # cuda_ipc from rank 0's host copy is refused today: reported, not required
+    out["ok"] = all(out[t]["ok"] for t in transports)
     return out
 
 

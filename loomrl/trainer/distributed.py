@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from loomrl.collectives import bounded_nccl
 from loomrl.trainer.trainer import StepStats, Trainer
 from loomrl.types import TrainingSample
 from loomrl.weights.source import Entry, TensorSpec, WeightSource
@@ -57,14 +58,18 @@ def free_port(host: str = "127.0.0.1") -> int:
 def init_process_group(rank: int, world_size: int, *, master_port: int, master_addr: str = "127.0.0.1",
                        device: torch.device | None = None, timeout_s: float = 60.0) -> None:
     """Join the default process group: NCCL when this rank trains on a CUDA `device` (made the current one, where
-    FSDP and NCCL put their buffers), else gloo; `timeout_s` bounds every collective, so a dead peer is an error."""
+    FSDP and NCCL put their buffers), else gloo; `timeout_s` bounds every collective, so a dead peer is an error
+    (on NCCL too: loomrl/collectives.py). NCCL's communicator is made here (`device_id`), not at the first
+    collective, so a rank that never comes fails the rendezvous rather than the first step."""
     os.environ["MASTER_ADDR"] = master_addr
     os.environ["MASTER_PORT"] = str(master_port)
-    backend = "gloo"
     if device is not None and device.type == "cuda":
         torch.cuda.set_device(device)
-        backend = "nccl"
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        bounded_nccl()
+        dist.init_process_group("nccl", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s),
+                                device_id=device)
+        return
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
 
 
 def shard_samples(samples: list[TrainingSample], world_size: int, *,

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from loomrl.collectives import collective_failed
 from loomrl.config import RunConfig
 from loomrl.devices import trainer_device
 from loomrl.trainer.checkpoint import load_optimizer, load_state
@@ -59,12 +60,6 @@ from loomrl.weights.source import WeightSource
 
 # Bounds each collective of a step: the ranks' skew within one step, not the wait between steps.
 COLLECTIVE_TIMEOUT_S = 300.0
-
-
-def collective_failed(err: BaseException) -> bool:
-    """Whether a torch.distributed call failed because of the process group (a peer that died or
-    timed out), as opposed to this rank's own error. gloo reports those as plain RuntimeErrors."""
-    return isinstance(err, dist.DistError) or "gloo" in str(err).lower()
 
 
 class RankLost(RuntimeError):

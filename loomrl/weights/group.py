@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from loomrl.collectives import bounded_nccl
 from loomrl.weights.source import Entry, WeightSource, bucket_size, dtype_name, plan_buckets
 
 Tensor = torch.Tensor
@@ -72,6 +73,8 @@ class WeightGroup:
         # SGLang's init_custom_process_group does on its side (/init_weights_update_group), so that one group
         # implementation serves vLLM's workers (ours) and an SGLang server alike.
         prefixed = dist.PrefixStore(f"tcp://{address.host}:{address.port}", store)
+        if address.backend == "nccl":  # a receiver that dies mid-version: an error at both ends, not a teardown
+            bounded_nccl()
         self._pg, _ = _new_process_group_helper(address.world_size, rank, [], address.backend, prefixed,
                                                 group_name=address.name, timeout=timeout)
     def _broadcast(self, flat: Tensor) -> None:

@@ -108,8 +108,9 @@ def test_every_recipe_in_examples_loads():
 
 
 def test_gpu_recipes_fill_one_8_gpu_node_with_vllm_engines():
-    """examples/gpu: vLLM engines (not the CPU-built built-in engine) and FSDP2 ranks, one GPU each, 8 in all, the
-    weights broadcast to the engine actors; each recipe says plainly that it has not run on a GPU."""
+    """examples/gpu: vLLM engines (not the CPU-built built-in engine) and FSDP2 ranks, 8 GPUs in all, the weights
+    broadcast to the engine actors on GPUs of their own, or colocated (engine i asleep on trainer rank i's GPU while
+    it steps); each recipe says plainly that it has not run on a GPU."""
     from pathlib import Path
 
     recipes = sorted((Path(__file__).resolve().parents[1] / "examples" / "gpu").glob("*.yaml"))
@@ -120,8 +121,13 @@ def test_gpu_recipes_fill_one_8_gpu_node_with_vllm_engines():
         gpus = cfg.trainer.world_size * cfg.ray.trainer.num_gpus + cfg.ray.engine.count * cfg.ray.engine.num_gpus
         assert gpus == 8 and cfg.ray.rollout.num_gpus == 0, recipe.name
         assert cfg.ray.rollout.count >= cfg.ray.engine.count, recipe.name  # rollout actor i uses engine i mod count
-        assert cfg.runtime.weight_transport == "broadcast", recipe.name
+        if cfg.engine.sleep_while_training:  # colocated: a share of each GPU, through Ray's object store
+            assert cfg.ray.engine.count == cfg.trainer.world_size == 8, recipe.name
+            assert cfg.runtime.weight_transport != "broadcast", recipe.name
+        else:
+            assert cfg.runtime.weight_transport == "broadcast", recipe.name
         assert "NOTHING OF THIS RECIPE HAS RUN ON A GPU" in recipe.read_text(), recipe.name
+    assert any(load_config(r).engine.sleep_while_training for r in recipes)  # a colocated one ships
 
 def test_fsdp_needs_async_mode():
     with pytest.raises(ConfigError, match="trainer.parallel=fsdp needs runtime.mode=async"):

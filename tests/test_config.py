@@ -106,7 +106,6 @@ def test_every_recipe_in_examples_loads():
         load_config(recipe)
 
 
-
 def test_gpu_recipes_fill_one_8_gpu_node_with_vllm_engines():
     """examples/gpu: vLLM engines (not the CPU-built built-in engine) and FSDP2 ranks, 8 GPUs in all, the weights
     broadcast to the engine actors on GPUs of their own, or colocated (engine i asleep on trainer rank i's GPU while

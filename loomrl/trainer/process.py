@@ -179,12 +179,19 @@ class TrainerProcess:
             self.followers.stop()
 
 
+KEEP_VERSIONS = 3  # versions an engine may still be loading when the trainer publishes the next
+
+
 def run_publisher(cfg: RunConfig, *, engines: int, host: str) -> WeightPublisher:
     """The trainer's publisher for cfg.runtime.weight_transport; broadcast: a group of rank 0 and the worker processes
     of `engines` engines (weight_receivers each), reaching this process at `host`."""
     transport, e = cfg.runtime.weight_transport, cfg.engine
     sglang = e.kind == "sglang"  # its server receives tensor by tensor
-    return make_publisher(transport, keep=3, folder=cfg.run_dir / "weights" if transport == "file" else None,
+    # cuda_ipc beside a colocated engine: each kept version is a snapshot on the GPU the engine generates on (15 GB
+    # at 7B in bf16). One is enough there: a version is published while the engine sleeps and loaded as it wakes,
+    # before the next step can publish another.
+    keep = 1 if transport == "cuda_ipc" and e.sleep_while_training else KEEP_VERSIONS
+    return make_publisher(transport, keep=keep, folder=cfg.run_dir / "weights" if transport == "file" else None,
                           dtype=serving_dtype(cfg),
                           receivers=engines * weight_receivers(cfg), bucket_bytes=e.vllm.weight_bucket_bytes,
                           host=host, timeout_s=(e.sglang if sglang else e.vllm).update_timeout_s,

@@ -100,3 +100,17 @@ def test_colocation_with_a_broadcast_is_refused_in_one_line():
     with pytest.raises(ValueError, match="NCCL puts no two ranks of a group on one GPU"):
         RunConfig.model_validate({"engine": {"sleep_while_training": True, "kind": "vllm"},
                                   "runtime": {"mode": "async", "weight_transport": "broadcast"}})
+
+
+def test_cuda_ipc_beside_a_colocated_engine_keeps_one_snapshot_on_the_gpu(monkeypatch):
+    """Each kept cuda_ipc version is a snapshot on the engine's GPU: colocated, one (it is loaded as the engine wakes,
+    before the next step publishes); otherwise the usual window. make_publisher is a recorder (cuda_ipc needs a GPU)."""
+    kept = []
+    monkeypatch.setattr(process, "make_publisher", lambda transport, **kw: kept.append((transport, kw["keep"])))
+    for colocated in (True, False):
+        cfg = RunConfig.model_validate({"engine": {"sleep_while_training": colocated},
+                                        "runtime": {"mode": "async", "weight_transport": "cuda_ipc"}})
+        process.run_publisher(cfg, engines=1, host="127.0.0.1")
+    cfg = RunConfig.model_validate({"engine": {"sleep_while_training": True}, "runtime": {"mode": "async"}})
+    process.run_publisher(cfg, engines=1, host="127.0.0.1")
+    assert kept == [("cuda_ipc", 1), ("cuda_ipc", process.KEEP_VERSIONS), ("shm", process.KEEP_VERSIONS)]

@@ -32,9 +32,17 @@ The contract, as SGLang's source has it:
 - Or, with runtime.weight_transport=broadcast, /init_weights_update_group {master_address, master_port,
   rank_offset, world_size, group_name, backend} once per trainer process (the server's workers join the trainer's
   process group as ranks rank_offset + tp_rank: 1 +, or this server's first rank when several engine actors share
-  the group), then per version /update_weights_from_distributed {names, dtypes,
-  shapes, group_name, flush_cache, weight_version} while the trainer broadcasts each tensor (weights/group.py,
-  wire "tensors"): NCCL between GPUs, nothing through a filesystem.
+  the group), then per version one /update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache}
+  per bucket (the trainer's plan: weights/source.py plan_buckets over the handle's names, dtypes, shapes and
+  bucket_bytes, engine.vllm.weight_bucket_bytes), the last with flush_cache true and weight_version. SGLang allocates
+  every tensor a call names before it receives (model_runner.update_weights_from_distributed), so one call for the
+  whole model needed a second copy of it on the server; a bucket per call needs one bucket. Per bucket: the adapter
+  posts the call (the server starts receiving), the trainer broadcasts that bucket's tensors one by one and reads the
+  next bucket only once they are received (weights/group.py, wire "tensors"), the call answers, the next is posted.
+  NCCL between GPUs, nothing through a filesystem; each call is bounded by update_timeout_s, the trainer's wait per
+  bucket by the same. (SGLang also takes load_format "flattened_bucket": one broadcast per call of the tensors
+  concatenated in one dtype. Not used: a server predating that field would ignore it and wait for tensors the trainer
+  never sends.)
 - Or, with runtime.weight_transport=cuda_ipc (trainer and server on one GPU), /update_weights_from_tensor
   {serialized_named_tensors: [one entry per TP rank], flush_cache, weight_version}: each entry is base64 of a pickled
   [(name, tensor)] list whose tensors rebuild from the trainer's CUDA IPC handles, the device named by its UUID (what
@@ -73,6 +81,7 @@ from loomrl.engine.base import (
 )
 from loomrl.engine.http import ServerClient
 from loomrl.weights.handle import Transport, WeightHandle
+from loomrl.weights.source import bucket_size, plan_buckets
 
 log = logging.getLogger(__name__)
 
@@ -356,10 +365,24 @@ class SGLangEngine:
                 "world_size": group["world_size"], "group_name": group["name"], "backend": group["backend"]},
                 self.cfg.update_timeout_s)
             self._group = group["name"]
-        self._http.post("/update_weights_from_distributed", {
-            "names": payload["names"], "dtypes": payload["dtypes"], "shapes": payload["shapes"],
-            "group_name": group["name"], "flush_cache": True, "weight_version": str(version)},
-            self.cfg.update_timeout_s)
+        # One call per bucket of the trainer's plan (the same plan_buckets over the same specs and bucket_bytes), the
+        # trainer broadcasting that bucket's tensors meanwhile: the server allocates every tensor a call names before
+        # receiving, so a call holds one bucket, not a second copy of the model. The last call flushes the radix cache
+        # and sets the version; until it answers the server stays paused, its weights partly new.
+        buckets = plan_buckets(payload["names"], payload["dtypes"], payload["shapes"], payload["bucket_bytes"])
+        for k, bucket in enumerate(buckets):
+            last = k == len(buckets) - 1
+            body: dict[str, Any] = {"names": [e.name for e in bucket], "dtypes": [e.dtype for e in bucket],
+                                    "shapes": [list(e.shape) for e in bucket], "group_name": group["name"],
+                                    "flush_cache": last}
+            if last:
+                body["weight_version"] = str(version)
+            try:
+                self._http.post("/update_weights_from_distributed", body, self.cfg.update_timeout_s)
+            except EngineFault as err:
+                raise EngineFault(f"version {version}, bucket {k + 1} of {len(buckets)} ({len(bucket)} tensors, "
+                                  f"{bucket_size(bucket)} bytes; engine.sglang.update_timeout_s="
+                                  f"{self.cfg.update_timeout_s:g}): {err}") from None
 
     def _from_tensor(self, entry: str, version: int) -> None:
         self._http.post("/update_weights_from_tensor", {

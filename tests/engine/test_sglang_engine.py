@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,9 @@ class FakeSGLang:
         self.released = False  # weights and KV cache given up (release_memory_occupation)
         self.groups: dict[str, Any] = {}  # group_name -> process group (init_weights_update_group)
         self.rebuilt: list[tuple] = []  # rebuild_cuda_tensor's arguments (update_weights_from_tensor)
+        self.received: list[tuple[list[str], float, float]] = []  # update_weights_from_distributed: names, start, end
+        self.held_bytes = 0  # the most tensor bytes one update_weights_from_distributed call allocated
+        self.receiving = False
 
 
 def _refuse_unknown(body: dict, known: set[str], what: str) -> JSONResponse | None:
@@ -264,19 +268,25 @@ def fake_app(fake: FakeSGLang) -> FastAPI:
         return pg
 
     def receive(body: dict) -> dict[str, torch.Tensor]:
-        """As ModelRunner.update_weights_from_distributed: one broadcast per tensor from rank 0, then loaded."""
+        """As ModelRunner.update_weights_from_distributed: every tensor the call names allocated first, one async
+        broadcast each from rank 0, all waited for, then loaded. Records the call's (names, start, end) and the most
+        bytes it held."""
         import torch.distributed as dist
 
+        start = time.monotonic()
         pg = fake.groups[body["group_name"]]
-        out = {}
-        for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
-            out[name] = torch.empty(shape, dtype=getattr(torch, dtype))
-            dist.broadcast(out[name], src=0, group=pg)
+        out = {name: torch.empty(shape, dtype=getattr(torch, dtype))
+               for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"])}
+        fake.held_bytes = max(fake.held_bytes, sum(t.numel() * t.element_size() for t in out.values()))
+        for work in [dist.broadcast(t, src=0, group=pg, async_op=True) for t in out.values()]:
+            work.wait()
+        fake.received.append((list(out), start, time.monotonic()))
         return out
 
     def took(body: dict, tensors: dict[str, torch.Tensor]) -> None:
-        """An update's tensors loaded: the radix cache flushed (unless the request says not) and its version taken."""
-        fake.loaded = tensors
+        """An update's tensors loaded into the model (a call may name some of them): the radix cache flushed (unless
+        the request says not: SGLang's default is to flush) and its version taken when it names one."""
+        fake.loaded.update(tensors)
         if body.get("flush_cache", True):
             fake.sequences.clear()
         if body.get("weight_version") is not None:
@@ -303,8 +313,17 @@ def fake_app(fake: FakeSGLang) -> FastAPI:
             return JSONResponse({"success": False, "message": f"Group {body['group_name']} not in "
                                  f"{list(fake.groups)}. Please call `init_weights_update_group` first."},
                                 status_code=400)
-        took(body, await asyncio.to_thread(receive, body))
-        return {"success": True, "message": "Succeeded to update parameter online."}
+        if fake.receiving:  # the adapter waits for each call's answer before the next
+            return JSONResponse({"success": False, "message": "two update calls at once"}, status_code=400)
+        fake.receiving = True
+        try:
+            took(body, await asyncio.to_thread(receive, body))
+        finally:
+            fake.receiving = False
+        message = "Succeeded to update parameter online."
+        if body.get("weight_version") is not None:
+            message += f" Weight version updated to {body['weight_version']}."
+        return {"success": True, "message": message}
 
     @app.post("/update_weights_from_tensor")
     async def update_from_tensor(request: Request):
@@ -585,51 +604,90 @@ def test_loomrl_serve_answers_over_sglang(engine, fake, tokenizer):
         server.stop()
 
 
+BUCKET_BYTES = 32 << 10  # the tiny model's 21 tensors (12.7 MB in bfloat16) in 8 buckets
+
+
 def _trainer_process(model_state: dict, handles: Any, done: Any) -> None:
     """The trainer side of the broadcast test, in a process of its own as in a run (a process registers a group
-    under its name once: the fake server's side of it lives in the test's process)."""
+    under its name once: the fake server's side of it lives in the test's process). Reports, per version, when each
+    bucket was read from the source (time.monotonic: one clock for every process of the machine)."""
+    from loomrl.weights.source import DictSource
     from loomrl.weights.transports import make_publisher
 
-    publisher = make_publisher("broadcast", dtype=torch.bfloat16, wire="tensors", timeout_s=60)
+    class Recorded(DictSource):
+        def buckets(self):
+            for bucket in super().buckets():
+                self.read.append(time.monotonic())
+                yield bucket
+
+    publisher = make_publisher("broadcast", dtype=torch.bfloat16, wire="tensors", timeout_s=60,
+                               bucket_bytes=BUCKET_BYTES)
     try:
         for version in (1, 2):
-            handles.put(publisher.publish({n: t + version for n, t in model_state.items()}, version))
+            source = Recorded({n: t + version for n, t in model_state.items()}, torch.bfloat16, BUCKET_BYTES)
+            source.read = []
+            handles.put(publisher.publish(source, version))
             publisher.settle()
-            done.put(version)
+            done.put((version, source.read))
     finally:
         publisher.close()
 
 
-def test_a_broadcast_goes_to_the_servers_workers_over_the_group_they_join(engine, fake, tiny_model):
+def test_a_broadcast_goes_to_the_servers_workers_bucket_by_bucket(engine, fake, tiny_model):
     """runtime.weight_transport=broadcast with SGLang: the trainer's publisher (another process) opens the group;
     the first version makes the adapter call /init_weights_update_group, which the fake answers as SGLang does, by
     joining with torch's own rendezvous and _new_process_group_helper (the real torch calls, so a group our side
-    builds differently would hang or fail here); then /update_weights_from_distributed receives every tensor, one
-    broadcast each, in the checkpoint dtype. The second version reuses the group; requests then carry its version."""
+    builds differently would hang or fail here). Then one /update_weights_from_distributed per bucket of the trainer's
+    plan (plan_buckets at its bucket size), each naming at most a bucket's bytes (a tensor larger than a bucket alone),
+    in lock-step with the trainer: the trainer reads bucket k+1 only once the server's call for bucket k is receiving,
+    and each call starts after the one before answered. Only the last call flushes the cache and sets the version. The
+    second version reuses the group; requests then carry its version."""
     import multiprocessing as mp
+
+    from loomrl.weights.source import bucket_size, plan_buckets
 
     assert Transport.BROADCAST in engine.opens
     state = {n: t.detach().clone() for n, t in tiny_model.state_dict().items()}
+    plan = plan_buckets(list(state), ["bfloat16"] * len(state), [list(t.shape) for t in state.values()], BUCKET_BYTES)
     ctx = mp.get_context("spawn")
     handles, done = ctx.Queue(), ctx.Queue()
     child = ctx.Process(target=_trainer_process, args=(state, handles, done), daemon=True)
     child.start()
+    reads = {}
     try:
         for version in (1, 2):
             engine.update_from(handles.get(timeout=120))
-            assert done.get(timeout=60) == version  # the trainer's broadcast ended: settle returned
+            got, reads[version] = done.get(timeout=60)  # the trainer's broadcast ended: settle returned
+            assert got == version
     finally:
         child.join(30)
     assert child.exitcode == 0
-    assert fake.calls.count("/init_weights_update_group") == 1 and fake.calls.count(
-        "/update_weights_from_distributed") == 2
-    assert fake.calls[:4] == ["/pause_generation", "/init_weights_update_group", "/update_weights_from_distributed",
-                              "/continue_generation"]
+    n = len(plan)
+    assert n == 8 and fake.calls.count("/init_weights_update_group") == 1
+    assert fake.calls[:3] == ["/pause_generation", "/init_weights_update_group", "/update_weights_from_distributed"]
+    assert fake.calls[2:2 + n + 1] == ["/update_weights_from_distributed"] * n + ["/continue_generation"]
+    bodies = fake.bodies["/update_weights_from_distributed"]
+    assert len(bodies) == 2 * n
+    for k, body in enumerate(bodies):
+        bucket = plan[k % n]
+        assert body["names"] == [e.name for e in bucket] and body["dtypes"] == ["bfloat16"] * len(bucket)
+        assert body["shapes"] == [list(e.shape) for e in bucket]
+        assert bucket_size(bucket) <= BUCKET_BYTES or len(bucket) == 1
+        last = k % n == n - 1
+        assert body["flush_cache"] is last and body.get("weight_version") == (str(k // n + 1) if last else None)
+    assert fake.held_bytes == max(bucket_size(b) for b in plan) < sum(e.nbytes for b in plan for e in b) / 2
+    for version in (1, 2):  # lock-step
+        calls, read = fake.received[(version - 1) * n:version * n], reads[version]
+        assert len(read) == n
+        for k in range(1, n):
+            assert read[k] > calls[k - 1][1], f"bucket {k + 1} read before the server's call for bucket {k} began"
+            assert calls[k][1] >= calls[k - 1][2]
     init = fake.bodies["/init_weights_update_group"][0]
     assert init["rank_offset"] == 1 and init["world_size"] == 2 and init["backend"] == "gloo"
     assert list(fake.loaded) == list(state)
     assert all(torch.equal(fake.loaded[n], (t + 2).to(torch.bfloat16)) for n, t in state.items())
-    assert engine.version == 2 and set(_generate(engine, [5, 6, 7], max_tokens=4).versions) == {2}
+    assert engine.version == 2 and fake.weight_version == "2"
+    assert set(_generate(engine, [5, 6, 7], max_tokens=4).versions) == {2}
 
 
 def _fake_ipc_payload(state: dict[str, torch.Tensor], gpu: str) -> dict[str, Any]:

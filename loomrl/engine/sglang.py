@@ -16,7 +16,10 @@ The contract, as SGLang's source has it:
   {output_ids, meta_info: {finish_reason: {type: stop|length|abort, ...}, output_token_logprobs: [[logprob,
   token_id, text], ...], weight_version, cached_tokens, ...}}. no_stop_trim keeps a matched stop token in
   output_ids (the detokenizer drops it otherwise); the token ids are read from the logprob triples, which are
-  never trimmed, and checked against output_ids where the server sends them.
+  never trimmed, and checked against output_ids where the server sends them. sampling_params also carries the
+  neutral penalties (engine/common.py NEUTRAL_PENALTIES: repetition_penalty 1.0, frequency and presence_penalty 0,
+  min_p 0): a field left unset takes the server's --preferred-sampling-params (often a model's generation_config, e.g.
+  Qwen's repetition_penalty 1.05), which would reshape a distribution the trainer does not model.
 - Logprobs (layers/sampler.py) are log softmax(logits / T), the temperature-scaled distribution, taken before
   top-k/top-p truncation; greedy requests (T = 0) get log softmax(logits). They equal the distribution sampled
   from when top_p = 1 and top_k = 0 (loomrl's defaults); with a truncation they are of the untruncated one.
@@ -79,6 +82,7 @@ from loomrl.engine.base import (
     GenerationResult,
     refuse_request,
 )
+from loomrl.engine.common import NEUTRAL_PENALTIES
 from loomrl.engine.http import ServerClient
 from loomrl.weights.handle import Transport, WeightHandle
 from loomrl.weights.source import bucket_size, plan_buckets
@@ -267,6 +271,7 @@ class SGLangEngine:
             "top_k": s.top_k if s.top_k > 0 else -1,  # SGLang: -1 = no top-k filter (0 is refused)
             "ignore_eos": s.ignore_eos,
             "no_stop_trim": True,  # keep a matched stop token in output_ids: token fidelity
+            **NEUTRAL_PENALTIES,  # not the server's --preferred-sampling-params / the model's generation_config
         }
         if s.stop_token_ids:
             sampling["stop_token_ids"] = list(s.stop_token_ids)

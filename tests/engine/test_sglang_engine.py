@@ -106,6 +106,8 @@ class FakeSGLang:
         self.released = False  # weights and KV cache given up (release_memory_occupation)
         self.groups: dict[str, Any] = {}  # group_name -> process group (init_weights_update_group)
         self.rebuilt: list[tuple] = []  # rebuild_cuda_tensor's arguments (update_weights_from_tensor)
+        self.preferred_sampling_params: dict | None = None  # --preferred-sampling-params (None: SGLang's default)
+        self.sampled: list[dict] = []  # each /generate's sampling params as the server applies them
         self.received: list[tuple[list[str], float, float]] = []  # update_weights_from_distributed: names, start, end
         self.held_bytes = 0  # the most tensor bytes one update_weights_from_distributed call allocated
         self.receiving = False
@@ -146,6 +148,8 @@ def fake_app(fake: FakeSGLang) -> FastAPI:
             fake.unavailable -= 1
             return PlainTextResponse("", status_code=503)
         sp, ids = body["sampling_params"], body["input_ids"]
+        # TokenizerManager._create_tokenized_object: the server's preferred_sampling_params under the request's own
+        fake.sampled.append({**(fake.preferred_sampling_params or {}), **sp})
         assert isinstance(ids, list) and all(isinstance(t, int) for t in ids) and isinstance(body["rid"], str)
         if not (sp.get("top_k", -1) == -1 or sp["top_k"] >= 1):
             return JSONResponse({"error": {"message": f"top_k must be -1 (disable) or at least 1, got {sp['top_k']}."}},
@@ -405,12 +409,21 @@ def _generate(engine, prompt, priority=0, **sampling):
 
 def test_generate_request_fields_and_parsing(engine, fake):
     prompt = [5, 6, 7]
+    # a server started with a model's generation_config as its preferred params (Qwen2.5's): every field the request
+    # leaves unset would take them, and a repetition penalty reshapes the distribution the trainer scores
+    fake.preferred_sampling_params = {"repetition_penalty": 1.05, "temperature": 0.7, "top_p": 0.8, "top_k": 20,
+                                      "min_p": 0.05, "presence_penalty": 0.5, "frequency_penalty": 0.1}
     out = _generate(engine, prompt, priority=3, max_tokens=6, temperature=0.7, top_p=0.9, seed=11)
     body = fake.bodies["/generate"][-1]
     assert body["input_ids"] == prompt and body["return_logprob"] is True and body["logprob_start_len"] == -1
     assert body["priority"] == 3 and body["rid"].startswith("loomrl-") and body["stream"] is False
     assert body["sampling_params"] == {"max_new_tokens": 6, "temperature": 0.7, "top_p": 0.9, "top_k": -1,
-                                       "ignore_eos": False, "no_stop_trim": True, "sampling_seed": 11}
+                                       "ignore_eos": False, "no_stop_trim": True, "sampling_seed": 11,
+                                       "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+                                       "min_p": 0.0}
+    applied = fake.sampled[-1]
+    assert (applied["repetition_penalty"], applied["frequency_penalty"], applied["presence_penalty"],
+            applied["min_p"], applied["top_k"], applied["top_p"]) == (1.0, 0.0, 0.0, 0.0, -1, 0.9)
     expected = fake_run(prompt, 6, "default")
     assert out.token_ids == expected and out.finish_reason == "length"
     assert out.logprobs == [fake_token(prompt + expected[:i], "default")[1] for i in range(6)]

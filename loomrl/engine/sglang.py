@@ -23,9 +23,15 @@ The contract, as SGLang's source has it:
 - Logprobs (layers/sampler.py) are log softmax(logits / T), the temperature-scaled distribution, taken before
   top-k/top-p truncation; greedy requests (T = 0) get log softmax(logits). They equal the distribution sampled
   from when top_p = 1 and top_k = 0 (loomrl's defaults); with a truncation they are of the untruncated one.
-- Sleep (engine.sleep_while_training): /pause_generation {mode: abort}, /release_memory_occupation {} (all tags:
-  weights and KV cache; the server must run with --enable-memory-saver); wake: /resume_memory_occupation {},
-  /continue_generation.
+- Connect (at construction): GET /get_server_info, which answers the server's ServerArgs; with
+  engine.sleep_while_training a server without enable_memory_saver is refused in one line (its release would free
+  nothing). enable_weights_cpu_backup decides the wake below.
+- Sleep (engine.sleep_while_training): /pause_generation {mode: abort}, /release_memory_occupation {tags: [kv_cache,
+  weights, cuda_graph]}. Wake: /resume_memory_occupation with the same tags, then the weights, THEN
+  /continue_generation: with --enable-weights-cpu-backup the resume restored them, so the adapter continues at once;
+  without it the memory comes back without its values, so the server stays paused (requests sent meanwhile wait
+  there, an interrupt() does not continue it) until the next update has loaded a whole version, which the run sends
+  after every wake (runtime/driver.py). The same hold follows a broadcast that failed after some of its buckets.
 - Weight updates: /pause_generation {mode: abort} ends every in-flight request with finish_reason abort and its
   partial output (new requests wait until /continue_generation), then /update_weights_from_disk {model_path,
   load_format, weight_version} and /flush_cache (the radix cache holds K/V of the old weights). No request spans
@@ -90,6 +96,8 @@ from loomrl.weights.source import bucket_size, plan_buckets
 log = logging.getLogger(__name__)
 
 _FINISH = {"stop": "stop", "length": "length"}
+# What sleep releases and wake resumes (sglang/srt/constants.py; weights_drafter, a speculative draft model's, stays)
+_MEMORY_TAGS = ["kv_cache", "weights", "cuda_graph"]
 
 
 def write_checkpoint(folder: Path, weights: dict[str, torch.Tensor], config: Any, dtype: torch.dtype) -> None:
@@ -141,7 +149,9 @@ def tensor_update_entry(payload: dict[str, Any]) -> str:
 class SGLangEngine:
     """Engine protocol implementation over HTTP; generate is awaited from asyncio, the rest is thread-safe."""
 
-    def __init__(self, cfg: SGLangConfig, *, version: int = 0, model_config: Any = None):
+    def __init__(self, cfg: SGLangConfig, *, version: int = 0, model_config: Any = None, sleep_mode: bool = False):
+        """Connects: reads the server's settings (/get_server_info) and refuses, with one line, a server that cannot
+        do what the run asks (`sleep_mode`, engine.sleep_while_training: --enable-memory-saver)."""
         if not cfg.base_url:
             raise EngineFault("engine.sglang.base_url is not set: the SGLang server's address is needed")
         self.cfg = cfg
@@ -154,10 +164,18 @@ class SGLangEngine:
         self._aborts = 0  # pauses with mode=abort sent so far: a request that saw one was interrupted by us
         self._closed = False
         self._group = ""  # the trainer's weight group the server has joined (broadcast)
+        # Why the server's weights are not ones to generate with (released at sleep without a CPU backup, or an update
+        # that failed half way), until the next complete update; while set the server is never continued.
+        self._weights_missing: str | None = None
         self._http = ServerClient("SGLang", self.base_url, retries=cfg.retries, backoff_s=cfg.retry_backoff_s)
         # One thread for control calls, in order: an interrupt() then an update_weights never interleave.
         self._control = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loomrl-sglang-control")
         self._calls = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loomrl-sglang-call")
+        try:
+            self._saver, self._backup = self._connect(sleep_mode)
+        except BaseException:
+            self.close()
+            raise
 
     # -- protocol ---------------------------------------------------------------------------------
     @property
@@ -245,13 +263,18 @@ class SGLangEngine:
 
     def sleep(self) -> None:
         """Pause (abort: in-flight requests end "interrupted"; new ones wait at the server), then
-        /release_memory_occupation (weights and KV cache; the server needs --enable-memory-saver)."""
+        /release_memory_occupation (weights, KV cache, CUDA graphs; the server needs --enable-memory-saver). Without
+        --enable-weights-cpu-backup the weights are gone until the next update."""
         if self._closed:
             raise EngineFault("sleep: the engine is closed")
+        if not self._saver:
+            raise EngineFault(self._no_saver())
         self._control.submit(self._release_memory).result()
 
     def wake(self) -> None:
-        """/resume_memory_occupation, then continue: the waiting requests run."""
+        """/resume_memory_occupation, then continue once the weights are there: at once with a CPU backup (the server
+        restored them), else after the next update (update_weights / update_from), which the run sends after every
+        wake; requests sent meanwhile wait at the server."""
         if self._closed:
             raise EngineFault("wake: the engine is closed")
         self._control.submit(self._resume_memory).result()
@@ -314,6 +337,23 @@ class SGLangEngine:
         return result, int(meta.get("cached_tokens") or 0)
 
     # -- control ----------------------------------------------------------------------------------
+    def _connect(self, sleep_mode: bool) -> tuple[bool, bool]:
+        """The server's --enable-memory-saver and --enable-weights-cpu-backup (/get_server_info answers its
+        ServerArgs); refuses a sleep_mode run on a server without the memory saver."""
+        info = self._http.get("/get_server_info", self.cfg.control_timeout_s).json()
+        saver, backup = bool(info.get("enable_memory_saver")), bool(info.get("enable_weights_cpu_backup"))
+        if sleep_mode and not saver:
+            raise EngineFault(self._no_saver())
+        if sleep_mode and not backup:
+            log.info("SGLang server %s has no --enable-weights-cpu-backup: after each wake it generates only once the "
+                     "next weight update has arrived", self.base_url)
+        return saver, backup
+
+    def _no_saver(self) -> str:
+        return (f"engine.sleep_while_training: the SGLang server at {self.base_url} runs without --enable-memory-saver, "
+                "so it cannot give its GPU memory to the trainer; restart it with --enable-memory-saver (and "
+                "--enable-weights-cpu-backup to keep its weights across a sleep)")
+
     def _interrupt(self) -> None:
         try:
             self._pause()
@@ -330,6 +370,9 @@ class SGLangEngine:
         self._http.post("/pause_generation", {"mode": "abort"}, self.cfg.control_timeout_s)
 
     def _continue(self) -> None:
+        if self._weights_missing:  # requests wait at the server until an update brings weights
+            log.info("SGLang server %s stays paused: %s", self.base_url, self._weights_missing)
+            return
         try:
             self._http.post("/continue_generation", {}, self.cfg.control_timeout_s)
         except EngineFault as err:
@@ -340,16 +383,18 @@ class SGLangEngine:
     def _release_memory(self) -> None:
         self._pause()
         try:
-            self._http.post("/release_memory_occupation", {}, self.cfg.update_timeout_s)
+            self._http.post("/release_memory_occupation", {"tags": _MEMORY_TAGS}, self.cfg.update_timeout_s)
         except EngineFault:
             self._continue()  # not released: serve on rather than stay paused
             raise
+        if not self._backup:
+            self._weights_missing = "its weights were released at sleep (no --enable-weights-cpu-backup)"
 
     def _resume_memory(self) -> None:
-        try:
-            self._http.post("/resume_memory_occupation", {}, self.cfg.update_timeout_s)
-        finally:
-            self._continue()
+        """Memory back, then continue if the weights are (a CPU backup restores them with the memory); a resume that
+        failed leaves the server paused: there is no memory to generate with."""
+        self._http.post("/resume_memory_occupation", {"tags": _MEMORY_TAGS}, self.cfg.update_timeout_s)
+        self._continue()
 
     def _paused_load(self, version: int, load: Callable[[], None]) -> None:
         """Pause (abort), `load` (the server's update calls), then serve as `version`; the server is never left paused,
@@ -357,6 +402,7 @@ class SGLangEngine:
         try:
             self._pause()
             load()
+            self._weights_missing = None
             with self._lock:
                 self._version = version
         finally:
@@ -385,6 +431,8 @@ class SGLangEngine:
             try:
                 self._http.post("/update_weights_from_distributed", body, self.cfg.update_timeout_s)
             except EngineFault as err:
+                if k:  # the server holds part of the new version: no generating with that
+                    self._weights_missing = f"version {version}'s update failed after {k} of {len(buckets)} buckets"
                 raise EngineFault(f"version {version}, bucket {k + 1} of {len(buckets)} ({len(bucket)} tensors, "
                                   f"{bucket_size(bucket)} bytes; engine.sglang.update_timeout_s="
                                   f"{self.cfg.update_timeout_s:g}): {err}") from None

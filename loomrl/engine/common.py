@@ -1,4 +1,5 @@
-"""Pieces both engines use: sampling with per-row parameters, and resolving a caller's future."""
+"""Pieces the engines share: sampling with per-row parameters, the neutral penalties the server clients send, and
+resolving a caller's future."""
 
 from __future__ import annotations
 
@@ -6,6 +7,13 @@ import concurrent.futures
 from typing import Any
 
 import torch
+
+# Sent with every request by the clients of a server (vLLM's, SGLang's), whose unset fields take the model's
+# generation_config or the server's preferred sampling params (Qwen's repetition_penalty 1.05, a min_p): those reshape
+# the distribution sampled from, which the trainer, scoring softmax(logits / T), does not model. Names as both servers
+# (and vLLM's SamplingParams) spell them; each value is the one that changes nothing.
+NEUTRAL_PENALTIES: dict[str, float] = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+                                       "min_p": 0.0}
 
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

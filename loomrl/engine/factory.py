@@ -27,14 +27,15 @@ def make_engine(cfg: RunConfig, model: Any, tokenizer: Any, version: int, replic
 
         s = e.sglang
         if not isinstance(s.base_url, list):
-            return SGLangEngine(s, version=version, model_config=model.config)
+            return SGLangEngine(s, version=version, model_config=model.config, sleep_mode=e.sleep_while_training)
         # one server per engine actor, each writing its versions into a folder of its own
         mine = {"base_url": server_of(s.base_url, replica)}
         if s.weights_dir:
             mine["weights_dir"] = f"{s.weights_dir}/server{replica}"
         if s.server_weights_dir:
             mine["server_weights_dir"] = f"{s.server_weights_dir}/server{replica}"
-        return SGLangEngine(s.model_copy(update=mine), version=version, model_config=model.config)
+        return SGLangEngine(s.model_copy(update=mine), version=version, model_config=model.config,
+                            sleep_mode=e.sleep_while_training)
     if e.kind == "vllm" and e.vllm.base_url:
         from loomrl.engine.vllm_http import VLLMHTTPEngine
         from loomrl.engine.vllm_weights import parameter_shapes

@@ -16,13 +16,22 @@ The contract, as SGLang's source has it:
   {output_ids, meta_info: {finish_reason: {type: stop|length|abort, ...}, output_token_logprobs: [[logprob,
   token_id, text], ...], weight_version, cached_tokens, ...}}. no_stop_trim keeps a matched stop token in
   output_ids (the detokenizer drops it otherwise); the token ids are read from the logprob triples, which are
-  never trimmed, and checked against output_ids where the server sends them.
+  never trimmed, and checked against output_ids where the server sends them. sampling_params also carries the
+  neutral penalties (engine/common.py NEUTRAL_PENALTIES: repetition_penalty 1.0, frequency and presence_penalty 0,
+  min_p 0): a field left unset takes the server's --preferred-sampling-params (often a model's generation_config, e.g.
+  Qwen's repetition_penalty 1.05), which would reshape a distribution the trainer does not model.
 - Logprobs (layers/sampler.py) are log softmax(logits / T), the temperature-scaled distribution, taken before
   top-k/top-p truncation; greedy requests (T = 0) get log softmax(logits). They equal the distribution sampled
   from when top_p = 1 and top_k = 0 (loomrl's defaults); with a truncation they are of the untruncated one.
-- Sleep (engine.sleep_while_training): /pause_generation {mode: abort}, /release_memory_occupation {} (all tags:
-  weights and KV cache; the server must run with --enable-memory-saver); wake: /resume_memory_occupation {},
-  /continue_generation.
+- Connect (at construction): GET /get_server_info, which answers the server's ServerArgs; with
+  engine.sleep_while_training a server without enable_memory_saver is refused in one line (its release would free
+  nothing). enable_weights_cpu_backup decides the wake below.
+- Sleep (engine.sleep_while_training): /pause_generation {mode: abort}, /release_memory_occupation {tags: [kv_cache,
+  weights, cuda_graph]}. Wake: /resume_memory_occupation with the same tags, then the weights, THEN
+  /continue_generation: with --enable-weights-cpu-backup the resume restored them, so the adapter continues at once;
+  without it the memory comes back without its values, so the server stays paused (requests sent meanwhile wait
+  there, an interrupt() does not continue it) until the next update has loaded a whole version, which the run sends
+  after every wake (runtime/driver.py). The same hold follows a broadcast that failed after some of its buckets.
 - Weight updates: /pause_generation {mode: abort} ends every in-flight request with finish_reason abort and its
   partial output (new requests wait until /continue_generation), then /update_weights_from_disk {model_path,
   load_format, weight_version} and /flush_cache (the radix cache holds K/V of the old weights). No request spans
@@ -32,9 +41,17 @@ The contract, as SGLang's source has it:
 - Or, with runtime.weight_transport=broadcast, /init_weights_update_group {master_address, master_port,
   rank_offset, world_size, group_name, backend} once per trainer process (the server's workers join the trainer's
   process group as ranks rank_offset + tp_rank: 1 +, or this server's first rank when several engine actors share
-  the group), then per version /update_weights_from_distributed {names, dtypes,
-  shapes, group_name, flush_cache, weight_version} while the trainer broadcasts each tensor (weights/group.py,
-  wire "tensors"): NCCL between GPUs, nothing through a filesystem.
+  the group), then per version one /update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache}
+  per bucket (the trainer's plan: weights/source.py plan_buckets over the handle's names, dtypes, shapes and
+  bucket_bytes, engine.vllm.weight_bucket_bytes), the last with flush_cache true and weight_version. SGLang allocates
+  every tensor a call names before it receives (model_runner.update_weights_from_distributed), so one call for the
+  whole model needed a second copy of it on the server; a bucket per call needs one bucket. Per bucket: the adapter
+  posts the call (the server starts receiving), the trainer broadcasts that bucket's tensors one by one and reads the
+  next bucket only once they are received (weights/group.py, wire "tensors"), the call answers, the next is posted.
+  NCCL between GPUs, nothing through a filesystem; each call is bounded by update_timeout_s, the trainer's wait per
+  bucket by the same. (SGLang also takes load_format "flattened_bucket": one broadcast per call of the tensors
+  concatenated in one dtype. Not used: a server predating that field would ignore it and wait for tensors the trainer
+  never sends.)
 - Or, with runtime.weight_transport=cuda_ipc (trainer and server on one GPU), /update_weights_from_tensor
   {serialized_named_tensors: [one entry per TP rank], flush_cache, weight_version}: each entry is base64 of a pickled
   [(name, tensor)] list whose tensors rebuild from the trainer's CUDA IPC handles, the device named by its UUID (what
@@ -71,12 +88,16 @@ from loomrl.engine.base import (
     GenerationResult,
     refuse_request,
 )
+from loomrl.engine.common import NEUTRAL_PENALTIES
 from loomrl.engine.http import ServerClient
 from loomrl.weights.handle import Transport, WeightHandle
+from loomrl.weights.source import bucket_size, plan_buckets
 
 log = logging.getLogger(__name__)
 
 _FINISH = {"stop": "stop", "length": "length"}
+# What sleep releases and wake resumes (sglang/srt/constants.py; weights_drafter, a speculative draft model's, stays)
+_MEMORY_TAGS = ["kv_cache", "weights", "cuda_graph"]
 
 
 def write_checkpoint(folder: Path, weights: dict[str, torch.Tensor], config: Any, dtype: torch.dtype) -> None:
@@ -128,7 +149,9 @@ def tensor_update_entry(payload: dict[str, Any]) -> str:
 class SGLangEngine:
     """Engine protocol implementation over HTTP; generate is awaited from asyncio, the rest is thread-safe."""
 
-    def __init__(self, cfg: SGLangConfig, *, version: int = 0, model_config: Any = None):
+    def __init__(self, cfg: SGLangConfig, *, version: int = 0, model_config: Any = None, sleep_mode: bool = False):
+        """Connects: reads the server's settings (/get_server_info) and refuses, with one line, a server that cannot
+        do what the run asks (`sleep_mode`, engine.sleep_while_training: --enable-memory-saver)."""
         if not cfg.base_url:
             raise EngineFault("engine.sglang.base_url is not set: the SGLang server's address is needed")
         self.cfg = cfg
@@ -141,10 +164,18 @@ class SGLangEngine:
         self._aborts = 0  # pauses with mode=abort sent so far: a request that saw one was interrupted by us
         self._closed = False
         self._group = ""  # the trainer's weight group the server has joined (broadcast)
+        # Why the server's weights are not ones to generate with (released at sleep without a CPU backup, or an update
+        # that failed half way), until the next complete update; while set the server is never continued.
+        self._weights_missing: str | None = None
         self._http = ServerClient("SGLang", self.base_url, retries=cfg.retries, backoff_s=cfg.retry_backoff_s)
         # One thread for control calls, in order: an interrupt() then an update_weights never interleave.
         self._control = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loomrl-sglang-control")
         self._calls = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loomrl-sglang-call")
+        try:
+            self._saver, self._backup = self._connect(sleep_mode)
+        except BaseException:
+            self.close()
+            raise
 
     # -- protocol ---------------------------------------------------------------------------------
     @property
@@ -232,13 +263,18 @@ class SGLangEngine:
 
     def sleep(self) -> None:
         """Pause (abort: in-flight requests end "interrupted"; new ones wait at the server), then
-        /release_memory_occupation (weights and KV cache; the server needs --enable-memory-saver)."""
+        /release_memory_occupation (weights, KV cache, CUDA graphs; the server needs --enable-memory-saver). Without
+        --enable-weights-cpu-backup the weights are gone until the next update."""
         if self._closed:
             raise EngineFault("sleep: the engine is closed")
+        if not self._saver:
+            raise EngineFault(self._no_saver())
         self._control.submit(self._release_memory).result()
 
     def wake(self) -> None:
-        """/resume_memory_occupation, then continue: the waiting requests run."""
+        """/resume_memory_occupation, then continue once the weights are there: at once with a CPU backup (the server
+        restored them), else after the next update (update_weights / update_from), which the run sends after every
+        wake; requests sent meanwhile wait at the server."""
         if self._closed:
             raise EngineFault("wake: the engine is closed")
         self._control.submit(self._resume_memory).result()
@@ -258,6 +294,7 @@ class SGLangEngine:
             "top_k": s.top_k if s.top_k > 0 else -1,  # SGLang: -1 = no top-k filter (0 is refused)
             "ignore_eos": s.ignore_eos,
             "no_stop_trim": True,  # keep a matched stop token in output_ids: token fidelity
+            **NEUTRAL_PENALTIES,  # not the server's --preferred-sampling-params / the model's generation_config
         }
         if s.stop_token_ids:
             sampling["stop_token_ids"] = list(s.stop_token_ids)
@@ -300,6 +337,23 @@ class SGLangEngine:
         return result, int(meta.get("cached_tokens") or 0)
 
     # -- control ----------------------------------------------------------------------------------
+    def _connect(self, sleep_mode: bool) -> tuple[bool, bool]:
+        """The server's --enable-memory-saver and --enable-weights-cpu-backup (/get_server_info answers its
+        ServerArgs); refuses a sleep_mode run on a server without the memory saver."""
+        info = self._http.get("/get_server_info", self.cfg.control_timeout_s).json()
+        saver, backup = bool(info.get("enable_memory_saver")), bool(info.get("enable_weights_cpu_backup"))
+        if sleep_mode and not saver:
+            raise EngineFault(self._no_saver())
+        if sleep_mode and not backup:
+            log.info("SGLang server %s has no --enable-weights-cpu-backup: after each wake it generates only once the "
+                     "next weight update has arrived", self.base_url)
+        return saver, backup
+
+    def _no_saver(self) -> str:
+        return (f"engine.sleep_while_training: the SGLang server at {self.base_url} runs without --enable-memory-saver, "
+                "so it cannot give its GPU memory to the trainer; restart it with --enable-memory-saver (and "
+                "--enable-weights-cpu-backup to keep its weights across a sleep)")
+
     def _interrupt(self) -> None:
         try:
             self._pause()
@@ -316,6 +370,9 @@ class SGLangEngine:
         self._http.post("/pause_generation", {"mode": "abort"}, self.cfg.control_timeout_s)
 
     def _continue(self) -> None:
+        if self._weights_missing:  # requests wait at the server until an update brings weights
+            log.info("SGLang server %s stays paused: %s", self.base_url, self._weights_missing)
+            return
         try:
             self._http.post("/continue_generation", {}, self.cfg.control_timeout_s)
         except EngineFault as err:
@@ -326,16 +383,18 @@ class SGLangEngine:
     def _release_memory(self) -> None:
         self._pause()
         try:
-            self._http.post("/release_memory_occupation", {}, self.cfg.update_timeout_s)
+            self._http.post("/release_memory_occupation", {"tags": _MEMORY_TAGS}, self.cfg.update_timeout_s)
         except EngineFault:
             self._continue()  # not released: serve on rather than stay paused
             raise
+        if not self._backup:
+            self._weights_missing = "its weights were released at sleep (no --enable-weights-cpu-backup)"
 
     def _resume_memory(self) -> None:
-        try:
-            self._http.post("/resume_memory_occupation", {}, self.cfg.update_timeout_s)
-        finally:
-            self._continue()
+        """Memory back, then continue if the weights are (a CPU backup restores them with the memory); a resume that
+        failed leaves the server paused: there is no memory to generate with."""
+        self._http.post("/resume_memory_occupation", {"tags": _MEMORY_TAGS}, self.cfg.update_timeout_s)
+        self._continue()
 
     def _paused_load(self, version: int, load: Callable[[], None]) -> None:
         """Pause (abort), `load` (the server's update calls), then serve as `version`; the server is never left paused,
@@ -343,6 +402,7 @@ class SGLangEngine:
         try:
             self._pause()
             load()
+            self._weights_missing = None
             with self._lock:
                 self._version = version
         finally:
@@ -356,10 +416,26 @@ class SGLangEngine:
                 "world_size": group["world_size"], "group_name": group["name"], "backend": group["backend"]},
                 self.cfg.update_timeout_s)
             self._group = group["name"]
-        self._http.post("/update_weights_from_distributed", {
-            "names": payload["names"], "dtypes": payload["dtypes"], "shapes": payload["shapes"],
-            "group_name": group["name"], "flush_cache": True, "weight_version": str(version)},
-            self.cfg.update_timeout_s)
+        # One call per bucket of the trainer's plan (the same plan_buckets over the same specs and bucket_bytes), the
+        # trainer broadcasting that bucket's tensors meanwhile: the server allocates every tensor a call names before
+        # receiving, so a call holds one bucket, not a second copy of the model. The last call flushes the radix cache
+        # and sets the version; until it answers the server stays paused, its weights partly new.
+        buckets = plan_buckets(payload["names"], payload["dtypes"], payload["shapes"], payload["bucket_bytes"])
+        for k, bucket in enumerate(buckets):
+            last = k == len(buckets) - 1
+            body: dict[str, Any] = {"names": [e.name for e in bucket], "dtypes": [e.dtype for e in bucket],
+                                    "shapes": [list(e.shape) for e in bucket], "group_name": group["name"],
+                                    "flush_cache": last}
+            if last:
+                body["weight_version"] = str(version)
+            try:
+                self._http.post("/update_weights_from_distributed", body, self.cfg.update_timeout_s)
+            except EngineFault as err:
+                if k:  # the server holds part of the new version: no generating with that
+                    self._weights_missing = f"version {version}'s update failed after {k} of {len(buckets)} buckets"
+                raise EngineFault(f"version {version}, bucket {k + 1} of {len(buckets)} ({len(bucket)} tensors, "
+                                  f"{bucket_size(bucket)} bytes; engine.sglang.update_timeout_s="
+                                  f"{self.cfg.update_timeout_s:g}): {err}") from None
 
     def _from_tensor(self, entry: str, version: int) -> None:
         self._http.post("/update_weights_from_tensor", {

@@ -66,6 +66,7 @@ from loomrl.engine.base import (
     TakesTensors,
     refuse_request,
 )
+from loomrl.engine.common import NEUTRAL_PENALTIES
 from loomrl.engine.http import ServerClient
 from loomrl.engine.vllm import finish_reason, token_versions
 from loomrl.engine.vllm_weights import LoadState, checked_weights, to_wire, weight_buckets
@@ -185,10 +186,9 @@ class VLLMHTTPEngine(TakesTensors, LoadState):
         s: SamplingParams = request.sampling
         # every field the contract depends on is sent, so the server's defaults (its model's generation_config)
         # change nothing; text is made only where stop strings need it
-        sampling = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": 0.0,
+        sampling = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, **NEUTRAL_PENALTIES,
                     "max_tokens": s.max_tokens, "stop_token_ids": list(s.stop_token_ids), "stop": list(s.stop),
-                    "seed": s.seed, "ignore_eos": s.ignore_eos, "logprobs": 0, "detokenize": bool(s.stop),
-                    "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+                    "seed": s.seed, "ignore_eos": s.ignore_eos, "logprobs": 0, "detokenize": bool(s.stop)}
         return {"request_id": f"loomrl-{uuid.uuid4().hex}", "token_ids": list(request.prompt_ids),
                 "sampling_params": sampling, "priority": request.priority, "stream": False}
 

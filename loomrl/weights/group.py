@@ -11,7 +11,11 @@ restarted trainer is a new group: the old one is dropped). The TCPStore rendezvo
 
 The wire: both sides cut the same buckets from the version's names, dtypes and shapes (`plan_buckets`); each bucket is
 one flat uint8 tensor of about `bucket_bytes`, so a version costs a few collectives, not one per tensor. For an SGLang
-server the wire is "tensors", one broadcast per tensor in its dtype: what /update_weights_from_distributed receives.
+server the wire is "tensors", one broadcast per tensor in its dtype: what /update_weights_from_distributed receives. The
+server takes one such call per bucket (engine/sglang.py; it allocates every tensor a call names before receiving, so a
+whole-model call would need a second copy of the model); the sender broadcasts a bucket's tensors and waits until they
+are received (the server's call for that bucket is running) before it reads the next bucket, so neither side holds more
+than a bucket. That wait is bounded by `timeout_s`, on NCCL too (where a broadcast returns before it completes).
 The group itself is made as torch's tcp:// rendezvous and _new_process_group_helper make one, which is what SGLang's
 /init_weights_update_group does (init_custom_process_group), so both engines join the same kind of group. The sender
 casts to the engine's dtype as it packs, reading the live parameters: the trainer must not step them until the
@@ -24,6 +28,7 @@ trainer/distributed.py GatheredSource, read on the publisher's thread) or fault 
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -77,18 +82,36 @@ class WeightGroup:
             bounded_nccl()
         self._pg, _ = _new_process_group_helper(address.world_size, rank, [], address.backend, prefixed,
                                                 group_name=address.name, timeout=timeout)
-    def _broadcast(self, flat: Tensor) -> None:
+
+    def _start(self, tensor: Tensor) -> Any:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self._pg.broadcast([flat], opts).wait()
+        return self._pg.broadcast([tensor], opts)
+
+    def _broadcast(self, flat: Tensor) -> None:
+        self._start(flat).wait()
+
+    def _received(self, works: list[Any], what: str) -> None:
+        """Returns once every broadcast in `works` has completed (every receiver has it), or raises TimeoutError after
+        timeout_s. Polled: an NCCL work's wait() only orders the stream, it does not wait for the receivers."""
+        deadline = time.monotonic() + self.address.timeout_s
+        for work in works:
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{what} was not received within {self.address.timeout_s:.0f}s (did the engine "
+                                       "ask for it?)")
+                time.sleep(0.001)
+            work.wait()  # raises what failed
 
     def send(self, source: WeightSource, meta: dict[str, Any]) -> None:
         """Broadcast the version `source` gives, as `meta` (describe(source)) says: bucket by bucket, or tensor by
-        tensor (wire "tensors": SGLang's /update_weights_from_distributed receives each tensor in its own call)."""
+        tensor (wire "tensors": SGLang's /update_weights_from_distributed, one call per bucket, each tensor broadcast on
+        its own; a bucket is received whole before the next is read)."""
         if meta["wire"] == "tensors":
-            for bucket in source.buckets():
-                for i in range(len(bucket)):
-                    self._broadcast(bucket[i][1].to(self.device).contiguous())
+            plans = source.plan()
+            for k, bucket in enumerate(source.buckets()):
+                works = [self._start(t.to(self.device).contiguous()) for _, t in bucket]  # each keeps its tensor alive
+                self._received(works, f"weight sync: bucket {k + 1} of {len(plans)} ({len(works)} tensors)")
             return
         with torch.no_grad():
             for plan, bucket in zip(source.plan(), source.buckets(), strict=True):

@@ -7,7 +7,8 @@ contract recorded below from SGLang's own source (github.com/sgl-project/sglang)
   /flush_cache (200 "Cache flushed..." or 400 while requests run), /update_weights_from_disk (200 or 400 with
   {success, message, num_paused_requests}; a given weight_version becomes the server's), /update_weights_from_tensor,
   /update_weights_from_distributed, /init_weights_update_group, /release_memory_occupation,
-  /resume_memory_occupation, /abort_request; /generate errors are {"error": {"message"}} with status 400.
+  /resume_memory_occupation, /abort_request, /get_server_info (the ServerArgs as a dict, the scheduler's info,
+  internal_states, version); /generate errors are {"error": {"message"}} with status 400.
 - python/sglang/srt/managers/io_struct.py: GenerateReqInput (rid, input_ids, sampling_params, return_logprob,
   logprob_start_len (-1: output tokens only), priority, stream, ...), PauseGenerationReqInput (mode: abort | retract
   | in_place; abort ends in-flight requests and returns them), ContinueGenerationReqInput, UpdateWeightFromDiskReqInput
@@ -16,6 +17,12 @@ contract recorded below from SGLang's own source (github.com/sgl-project/sglang)
   dtypes, shapes, group_name, flush_cache, weight_version), InitWeightsUpdateGroupReqInput (master_address,
   master_port, rank_offset, world_size, group_name, backend), Release/ResumeMemoryOccupationReqInput (tags),
   AbortReq (rid, abort_all).
+- python/sglang/srt/managers/scheduler_update_weights_mixin.py, constants.py: release/resume_memory_occupation with
+  tags (None or []: every type: kv_cache, weights, weights_drafter, cuda_graph); resuming a tag that is not released
+  fails. Through TorchMemorySaverAdapter, a no-op without --enable-memory-saver (nothing is released); the weights come
+  back with their values only with --enable-weights-cpu-backup (else the memory returns, the values do not).
+- python/sglang/srt/model_executor/model_runner.py update_weights_from_distributed: every tensor a call names is
+  allocated, then one async broadcast each from rank 0, all waited for, then loaded (flush_cache defaults to true).
 - python/sglang/srt/managers/tokenizer_manager.py: the answer {text, output_ids, meta_info: {id, finish_reason,
   prompt_tokens, completion_tokens, cached_tokens, weight_version, output_token_logprobs}}; an aborted request answers
   finish_reason {"type": "abort", "message"} with its partial output_ids; generate waits while the server is paused.
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +74,8 @@ FROM_TENSOR_FIELDS = {"rid", "serialized_named_tensors", "load_format", "flush_c
                       "weight_version", "disable_draft_model", "torch_empty_cache"}
 FROM_DISTRIBUTED_FIELDS = {"names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests",
                            "weight_version", "load_format"}
-MEMORY_FIELDS = {"rid", "tags"}  # Release/ResumeMemoryOccupationReqInput (tags None: weights and kv_cache)
+MEMORY_FIELDS = {"rid", "tags"}  # Release/ResumeMemoryOccupationReqInput (tags None: every type)
+MEMORY_TYPES = ["kv_cache", "weights", "weights_drafter", "cuda_graph"]  # constants.GPU_MEMORY_ALL_TYPES
 CONTROL = ("/pause_generation", "/continue_generation", "/flush_cache", "/update_weights_from_disk")
 TOO_LONG, SERVER_ABORT = 666, 667  # first prompt tokens the fake answers with an error / with an abort of its own
 
@@ -103,8 +112,19 @@ class FakeSGLang:
         self.sequences: list[list[int]] = []  # what the radix cache would hold
         self.loaded: dict[str, torch.Tensor] = {}
         self.released = False  # weights and KV cache given up (release_memory_occupation)
+        self.offloaded: set[str] = set()  # the scheduler's offload_tags
+        # the ServerArgs /get_server_info reports (SGLang's defaults: no memory saver, no CPU backup)
+        self.server_args = {"enable_memory_saver": False, "enable_weights_cpu_backup": False, "context_length": 4096,
+                            "weight_version": "default"}
+        self.weights_ok = True  # the weights hold values (not lost at a release without a CPU backup)
+        self.accepted: list[bool] = []  # per /generate that began generating: were the weights there
         self.groups: dict[str, Any] = {}  # group_name -> process group (init_weights_update_group)
         self.rebuilt: list[tuple] = []  # rebuild_cuda_tensor's arguments (update_weights_from_tensor)
+        self.preferred_sampling_params: dict | None = None  # --preferred-sampling-params (None: SGLang's default)
+        self.sampled: list[dict] = []  # each /generate's sampling params as the server applies them
+        self.received: list[tuple[list[str], float, float]] = []  # update_weights_from_distributed: names, start, end
+        self.held_bytes = 0  # the most tensor bytes one update_weights_from_distributed call allocated
+        self.receiving = False
 
 
 def _refuse_unknown(body: dict, known: set[str], what: str) -> JSONResponse | None:
@@ -142,6 +162,8 @@ def fake_app(fake: FakeSGLang) -> FastAPI:
             fake.unavailable -= 1
             return PlainTextResponse("", status_code=503)
         sp, ids = body["sampling_params"], body["input_ids"]
+        # TokenizerManager._create_tokenized_object: the server's preferred_sampling_params under the request's own
+        fake.sampled.append({**(fake.preferred_sampling_params or {}), **sp})
         assert isinstance(ids, list) and all(isinstance(t, int) for t in ids) and isinstance(body["rid"], str)
         if not (sp.get("top_k", -1) == -1 or sp["top_k"] >= 1):
             return JSONResponse({"error": {"message": f"top_k must be -1 (disable) or at least 1, got {sp['top_k']}."}},
@@ -150,6 +172,7 @@ def fake_app(fake: FakeSGLang) -> FastAPI:
             return JSONResponse({"error": {"message": f"The input ({len(ids)} tokens) is longer than the model's "
                                                       "context length (4 tokens)."}}, status_code=400)
         await wait_unpaused()  # TokenizerManager holds new requests while paused
+        fake.accepted.append(fake.weights_ok)
         cached = max((next((i for i, (a, b) in enumerate(zip(s, ids)) if a != b), min(len(s), len(ids)))
                       for s in fake.sequences), default=0)
         cached = min(cached, len(ids) - 1)
@@ -208,7 +231,13 @@ def fake_app(fake: FakeSGLang) -> FastAPI:
         if bad is not None:
             return bad
         assert fake.paused and not fake.inflight, "released with requests running"
-        fake.released = True
+        tags = body.get("tags") or MEMORY_TYPES
+        assert set(tags) <= set(MEMORY_TYPES), tags
+        fake.offloaded |= set(tags)
+        if fake.server_args["enable_memory_saver"]:  # else TorchMemorySaverAdapter is a no-op
+            fake.released = True
+            if "weights" in tags and not fake.server_args["enable_weights_cpu_backup"]:
+                fake.weights_ok = False
         return {}
 
     @app.post("/resume_memory_occupation")
@@ -216,8 +245,18 @@ def fake_app(fake: FakeSGLang) -> FastAPI:
         body, bad = await read(request, "/resume_memory_occupation", MEMORY_FIELDS, "ResumeMemoryOccupationReqInput")
         if bad is not None:
             return bad
-        fake.released = False
+        tags = body.get("tags") or MEMORY_TYPES
+        if set(tags) - fake.offloaded:  # offload_tags.remove(tag): a KeyError, answered 400
+            return JSONResponse({"error": {"message": repr(sorted(set(tags) - fake.offloaded))}}, status_code=400)
+        fake.offloaded -= set(tags)
+        fake.released = bool(fake.offloaded) and fake.released
         return {}
+
+    @app.get("/get_server_info")
+    async def server_info():
+        record("/get_server_info", None)
+        return {**fake.server_args, "weight_version": fake.weight_version, "internal_states": [{}],
+                "version": "0.5.4"}
 
     @app.post("/flush_cache")
     async def flush():
@@ -239,6 +278,7 @@ def fake_app(fake: FakeSGLang) -> FastAPI:
             return JSONResponse({"success": False, "message": f"Failed to get weights iterator: no safetensors "
                                  f"checkpoint in {folder}", "num_paused_requests": 0}, status_code=400)
         fake.loaded = load_file(str(folder / "model.safetensors"))
+        fake.weights_ok = True
         if body.get("weight_version") is not None:
             fake.weight_version = body["weight_version"]
         return {"success": True, "message": "Succeeded to update model weights. Weight version updated to "
@@ -264,19 +304,27 @@ def fake_app(fake: FakeSGLang) -> FastAPI:
         return pg
 
     def receive(body: dict) -> dict[str, torch.Tensor]:
-        """As ModelRunner.update_weights_from_distributed: one broadcast per tensor from rank 0, then loaded."""
+        """As ModelRunner.update_weights_from_distributed: every tensor the call names allocated first, one async
+        broadcast each from rank 0, all waited for, then loaded. Records the call's (names, start, end) and the most
+        bytes it held."""
         import torch.distributed as dist
 
+        start = time.monotonic()
         pg = fake.groups[body["group_name"]]
-        out = {}
-        for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
-            out[name] = torch.empty(shape, dtype=getattr(torch, dtype))
-            dist.broadcast(out[name], src=0, group=pg)
+        out = {name: torch.empty(shape, dtype=getattr(torch, dtype))
+               for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"])}
+        fake.held_bytes = max(fake.held_bytes, sum(t.numel() * t.element_size() for t in out.values()))
+        for work in [dist.broadcast(t, src=0, group=pg, async_op=True) for t in out.values()]:
+            work.wait()
+        fake.received.append((list(out), start, time.monotonic()))
         return out
 
     def took(body: dict, tensors: dict[str, torch.Tensor]) -> None:
-        """An update's tensors loaded: the radix cache flushed (unless the request says not) and its version taken."""
-        fake.loaded = tensors
+        """An update's tensors loaded into the model (a call may name some of them): the radix cache flushed (unless
+        the request says not: SGLang's default is to flush) and its version taken when it names one."""
+        fake.loaded.update(tensors)
+        if body.get("weight_version") is not None:  # the version's last call: every tensor loaded
+            fake.weights_ok = True
         if body.get("flush_cache", True):
             fake.sequences.clear()
         if body.get("weight_version") is not None:
@@ -303,8 +351,17 @@ def fake_app(fake: FakeSGLang) -> FastAPI:
             return JSONResponse({"success": False, "message": f"Group {body['group_name']} not in "
                                  f"{list(fake.groups)}. Please call `init_weights_update_group` first."},
                                 status_code=400)
-        took(body, await asyncio.to_thread(receive, body))
-        return {"success": True, "message": "Succeeded to update parameter online."}
+        if fake.receiving:  # the adapter waits for each call's answer before the next
+            return JSONResponse({"success": False, "message": "two update calls at once"}, status_code=400)
+        fake.receiving = True
+        try:
+            took(body, await asyncio.to_thread(receive, body))
+        finally:
+            fake.receiving = False
+        message = "Succeeded to update parameter online."
+        if body.get("weight_version") is not None:
+            message += f" Weight version updated to {body['weight_version']}."
+        return {"success": True, "message": message}
 
     @app.post("/update_weights_from_tensor")
     async def update_from_tensor(request: Request):
@@ -386,12 +443,21 @@ def _generate(engine, prompt, priority=0, **sampling):
 
 def test_generate_request_fields_and_parsing(engine, fake):
     prompt = [5, 6, 7]
+    # a server started with a model's generation_config as its preferred params (Qwen2.5's): every field the request
+    # leaves unset would take them, and a repetition penalty reshapes the distribution the trainer scores
+    fake.preferred_sampling_params = {"repetition_penalty": 1.05, "temperature": 0.7, "top_p": 0.8, "top_k": 20,
+                                      "min_p": 0.05, "presence_penalty": 0.5, "frequency_penalty": 0.1}
     out = _generate(engine, prompt, priority=3, max_tokens=6, temperature=0.7, top_p=0.9, seed=11)
     body = fake.bodies["/generate"][-1]
     assert body["input_ids"] == prompt and body["return_logprob"] is True and body["logprob_start_len"] == -1
     assert body["priority"] == 3 and body["rid"].startswith("loomrl-") and body["stream"] is False
     assert body["sampling_params"] == {"max_new_tokens": 6, "temperature": 0.7, "top_p": 0.9, "top_k": -1,
-                                       "ignore_eos": False, "no_stop_trim": True, "sampling_seed": 11}
+                                       "ignore_eos": False, "no_stop_trim": True, "sampling_seed": 11,
+                                       "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+                                       "min_p": 0.0}
+    applied = fake.sampled[-1]
+    assert (applied["repetition_penalty"], applied["frequency_penalty"], applied["presence_penalty"],
+            applied["min_p"], applied["top_k"], applied["top_p"]) == (1.0, 0.0, 0.0, 0.0, -1, 0.9)
     expected = fake_run(prompt, 6, "default")
     assert out.token_ids == expected and out.finish_reason == "length"
     assert out.logprobs == [fake_token(prompt + expected[:i], "default")[1] for i in range(6)]
@@ -489,10 +555,10 @@ def test_server_errors_are_engine_faults_with_the_servers_message(engine, fake, 
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    gone = SGLangEngine(SGLangConfig(base_url=f"http://127.0.0.1:{port}", retries=1, retry_backoff_s=0.01))
+    with pytest.raises(EngineFault, match=f"/get_server_info: cannot reach http://127.0.0.1:{port}"):
+        SGLangEngine(SGLangConfig(base_url=f"http://127.0.0.1:{port}", retries=1, retry_backoff_s=0.01))
+    gone = SGLangEngine(SGLangConfig(base_url=served[0].url, retries=1, retry_backoff_s=0.01))
     try:
-        with pytest.raises(EngineFault, match=f"cannot reach http://127.0.0.1:{port}"):
-            _generate(gone, [1, 2])
         with pytest.raises(EngineFault, match="engine.sglang.weights_dir is not set"):
             gone.update_weights({}, 1)
     finally:
@@ -503,14 +569,14 @@ def test_server_errors_are_engine_faults_with_the_servers_message(engine, fake, 
         gone.update_weights({}, 2)
 
 
-def test_config_refuses_sglang_without_a_server_and_make_engine_builds_it(tiny_model, tokenizer):
+def test_config_refuses_sglang_without_a_server_and_make_engine_builds_it(served, fake, tiny_model, tokenizer):
     with pytest.raises(ConfigError) as err:
         load_config(None, ["engine.kind=sglang", "runtime.mode=async"])
     assert str(err.value) == ("config error: engine.sglang.base_url: engine.kind=sglang needs the SGLang server's "
                               "address, e.g. engine.sglang.base_url=http://gpu-node:30000")
     with pytest.raises(ConfigError, match="engine.kind=sglang needs runtime.mode=async"):
         load_config(None, ["engine.kind=sglang", "engine.sglang.base_url=http://x:1"])
-    cfg = load_config(None, ["engine.kind=sglang", "engine.sglang.base_url=http://x:1", "runtime.mode=async",
+    cfg = load_config(None, ["engine.kind=sglang", f"engine.sglang.base_url={served[0].url}", "runtime.mode=async",
                              "engine.sglang.context_length=2048"])
     eng = make_engine(cfg, tiny_model, tokenizer, 3)
     try:
@@ -519,10 +585,19 @@ def test_config_refuses_sglang_without_a_server_and_make_engine_builds_it(tiny_m
         eng.close()
 
 
-def test_sleep_releases_the_memory_and_wake_serves_again(engine, fake):
-    """engine.sleep_while_training: sleep pauses (abort: the request in flight ends interrupted) and releases
-    the weights and KV cache; a request sent while asleep waits; wake resumes the memory and continues, and
+def _sleeping_engine(served, tmp_path, tiny_model) -> SGLangEngine:
+    """An engine for engine.sleep_while_training (sleep_mode), connected to the fake as it is now set up."""
+    return SGLangEngine(SGLangConfig(base_url=served[0].url, weights_dir=str(tmp_path / "weights"), retries=1,
+                                     retry_backoff_s=0.01), model_config=tiny_model.config, sleep_mode=True)
+
+
+def test_sleep_releases_the_memory_and_wake_serves_again(served, fake, tmp_path, tiny_model):
+    """engine.sleep_while_training on a server with --enable-memory-saver --enable-weights-cpu-backup: sleep pauses
+    (abort: the request in flight ends interrupted) and releases weights, KV cache and CUDA graphs; a request sent
+    while asleep waits; wake resumes the memory (the backup restores the weights) and continues, and
     generate_resuming completes the interrupted request."""
+    fake.server_args.update(enable_memory_saver=True, enable_weights_cpu_backup=True)
+    engine = _sleeping_engine(served, tmp_path, tiny_model)
     prompt = [3, 4, 5]
 
     async def scenario():
@@ -532,26 +607,77 @@ def test_sleep_releases_the_memory_and_wake_serves_again(engine, fake):
             await asyncio.sleep(0.01)
         await asyncio.to_thread(engine.sleep)
         assert fake.released and fake.paused
-        assert fake.bodies["/release_memory_occupation"] == [{}]
+        assert fake.bodies["/release_memory_occupation"] == [{"tags": ["kv_cache", "weights", "cuda_graph"]}]
         waiting = asyncio.ensure_future(_agenerate(engine, [7, 8], max_tokens=2))
         await asyncio.sleep(0.2)
         assert not waiting.done()  # held while the server sleeps
         await asyncio.to_thread(engine.wake)
         return await first, await waiting
 
-    (result, resumes), second = asyncio.run(scenario())
-    assert not fake.released and not fake.paused
+    try:
+        (result, resumes), second = asyncio.run(scenario())
+    finally:
+        engine.close()
+    assert not fake.released and not fake.paused and not fake.offloaded
+    assert fake.bodies["/resume_memory_occupation"] == [{"tags": ["kv_cache", "weights", "cuda_graph"]}]
     assert fake.calls.index("/release_memory_occupation") < fake.calls.index("/resume_memory_occupation")
     assert resumes == 1 and result.token_ids == fake_run(prompt, 5, "default")  # complete after the wake
     assert second.token_ids == fake_run([7, 8], 2, "default")
+    assert fake.accepted and all(fake.accepted)  # every request generated with weights
+
+
+def test_wake_without_a_cpu_backup_generates_only_after_the_next_update(served, fake, tmp_path, tiny_model):
+    """A server with --enable-memory-saver but no --enable-weights-cpu-backup loses its weights' values at sleep. The
+    wake then resumes the memory and holds generation (an interrupt meanwhile does not continue it either) until the
+    next update has loaded weights: the driver publishes after every wake. The fake records, for each /generate as
+    it begins, whether the weights were there."""
+    fake.server_args.update(enable_memory_saver=True)
+    engine = _sleeping_engine(served, tmp_path, tiny_model)
+
+    async def scenario():
+        await asyncio.to_thread(engine.sleep)
+        assert not fake.weights_ok
+        waiting = asyncio.ensure_future(_agenerate(engine, [7, 8], max_tokens=2))
+        await asyncio.to_thread(engine.wake)
+        engine.interrupt()  # a pause and continue: the continue must not happen without weights
+        await asyncio.sleep(0.3)
+        assert not waiting.done() and fake.paused and not fake.released  # memory back, still paused
+        await asyncio.to_thread(engine.update_weights, tiny_model.state_dict(), 1)
+        return await waiting
+
+    try:
+        out = asyncio.run(scenario())
+    finally:
+        engine.close()
+    assert out.token_ids == fake_run([7, 8], 2, "1") and out.versions == [1, 1]
+    assert fake.accepted == [True]
+    order = [c for c in fake.calls if c != "/pause_generation"]
+    assert order == ["/get_server_info", "/release_memory_occupation", "/resume_memory_occupation", "/generate",
+                     "/update_weights_from_disk", "/flush_cache", "/continue_generation"]  # /generate: sent, held
+
+
+def test_a_server_that_cannot_sleep_is_refused_at_connect(served, fake, tiny_model, tokenizer):
+    """engine.sleep_while_training with a server started without --enable-memory-saver: make_engine refuses it with
+    one line naming the flag (SGLang would answer release_memory_occupation and free nothing)."""
+    cfg = load_config(None, ["engine.kind=sglang", f"engine.sglang.base_url={served[0].url}", "runtime.mode=async",
+                             "engine.sleep_while_training=true", "runtime.weight_transport=shm"])
+    with pytest.raises(EngineFault) as err:
+        make_engine(cfg, tiny_model, tokenizer, 0)
+    assert str(err.value) == (f"engine.sleep_while_training: the SGLang server at {served[0].url} runs without "
+                              "--enable-memory-saver, so it cannot give its GPU memory to the trainer; restart it "
+                              "with --enable-memory-saver (and --enable-weights-cpu-backup to keep its weights across "
+                              "a sleep)")
+    assert fake.calls == ["/get_server_info"]  # nothing else was sent
+    fake.server_args["enable_memory_saver"] = True  # the same run on a server that can
+    make_engine(cfg, tiny_model, tokenizer, 0).close()
 
 
 async def _agenerate(engine, prompt, **sampling):
     return await engine.generate(GenerationRequest(prompt_ids=prompt, sampling=SamplingParams(**sampling)))
 
 
-def test_several_servers_are_one_per_engine_actor(tiny_model, tokenizer):
-    urls = ["http://a:1", "http://b:2"]
+def test_several_servers_are_one_per_engine_actor(served, fake, tiny_model, tokenizer):
+    urls = [served[0].url, served[0].url.replace("127.0.0.1", "localhost")]  # two names of the one fake server
     with pytest.raises(ConfigError, match="set runtime.backend=ray and ray.engine.count=2"):
         load_config(None, ["engine.kind=sglang", f"engine.sglang.base_url=[{', '.join(urls)}]", "runtime.mode=async"])
     cfg = load_config(None, ["engine.kind=sglang", f"engine.sglang.base_url=[{', '.join(urls)}]", "runtime.mode=async",
@@ -585,51 +711,91 @@ def test_loomrl_serve_answers_over_sglang(engine, fake, tokenizer):
         server.stop()
 
 
+BUCKET_BYTES = 32 << 10  # the tiny model's 21 tensors (12.7 MB in bfloat16) in 8 buckets
+
+
 def _trainer_process(model_state: dict, handles: Any, done: Any) -> None:
     """The trainer side of the broadcast test, in a process of its own as in a run (a process registers a group
-    under its name once: the fake server's side of it lives in the test's process)."""
+    under its name once: the fake server's side of it lives in the test's process). Reports, per version, when each
+    bucket was read from the source (time.monotonic: one clock for every process of the machine)."""
+    from loomrl.weights.source import DictSource
     from loomrl.weights.transports import make_publisher
 
-    publisher = make_publisher("broadcast", dtype=torch.bfloat16, wire="tensors", timeout_s=60)
+    class Recorded(DictSource):
+        def buckets(self):
+            for bucket in super().buckets():
+                self.read.append(time.monotonic())
+                yield bucket
+
+    publisher = make_publisher("broadcast", dtype=torch.bfloat16, wire="tensors", timeout_s=60,
+                               bucket_bytes=BUCKET_BYTES)
     try:
         for version in (1, 2):
-            handles.put(publisher.publish({n: t + version for n, t in model_state.items()}, version))
+            source = Recorded({n: t + version for n, t in model_state.items()}, torch.bfloat16, BUCKET_BYTES)
+            source.read = []
+            handles.put(publisher.publish(source, version))
             publisher.settle()
-            done.put(version)
+            done.put((version, source.read))
     finally:
         publisher.close()
 
 
-def test_a_broadcast_goes_to_the_servers_workers_over_the_group_they_join(engine, fake, tiny_model):
+def test_a_broadcast_goes_to_the_servers_workers_bucket_by_bucket(engine, fake, tiny_model):
     """runtime.weight_transport=broadcast with SGLang: the trainer's publisher (another process) opens the group;
     the first version makes the adapter call /init_weights_update_group, which the fake answers as SGLang does, by
     joining with torch's own rendezvous and _new_process_group_helper (the real torch calls, so a group our side
-    builds differently would hang or fail here); then /update_weights_from_distributed receives every tensor, one
-    broadcast each, in the checkpoint dtype. The second version reuses the group; requests then carry its version."""
+    builds differently would hang or fail here). Then one /update_weights_from_distributed per bucket of the trainer's
+    plan (plan_buckets at its bucket size), each naming at most a bucket's bytes (a tensor larger than a bucket alone),
+    in lock-step with the trainer: the trainer reads bucket k+1 only once the server's call for bucket k is receiving,
+    and each call starts after the one before answered. Only the last call flushes the cache and sets the version. The
+    second version reuses the group; requests then carry its version."""
     import multiprocessing as mp
+
+    from loomrl.weights.source import bucket_size, plan_buckets
 
     assert Transport.BROADCAST in engine.opens
     state = {n: t.detach().clone() for n, t in tiny_model.state_dict().items()}
+    plan = plan_buckets(list(state), ["bfloat16"] * len(state), [list(t.shape) for t in state.values()], BUCKET_BYTES)
     ctx = mp.get_context("spawn")
     handles, done = ctx.Queue(), ctx.Queue()
     child = ctx.Process(target=_trainer_process, args=(state, handles, done), daemon=True)
     child.start()
+    reads = {}
     try:
         for version in (1, 2):
             engine.update_from(handles.get(timeout=120))
-            assert done.get(timeout=60) == version  # the trainer's broadcast ended: settle returned
+            got, reads[version] = done.get(timeout=60)  # the trainer's broadcast ended: settle returned
+            assert got == version
     finally:
         child.join(30)
     assert child.exitcode == 0
-    assert fake.calls.count("/init_weights_update_group") == 1 and fake.calls.count(
-        "/update_weights_from_distributed") == 2
-    assert fake.calls[:4] == ["/pause_generation", "/init_weights_update_group", "/update_weights_from_distributed",
-                              "/continue_generation"]
+    n = len(plan)
+    assert n == 8 and fake.calls.count("/init_weights_update_group") == 1
+    assert fake.calls[:4] == ["/get_server_info", "/pause_generation", "/init_weights_update_group",
+                              "/update_weights_from_distributed"]
+    assert fake.calls[3:3 + n + 1] == ["/update_weights_from_distributed"] * n + ["/continue_generation"]
+    bodies = fake.bodies["/update_weights_from_distributed"]
+    assert len(bodies) == 2 * n
+    for k, body in enumerate(bodies):
+        bucket = plan[k % n]
+        assert body["names"] == [e.name for e in bucket] and body["dtypes"] == ["bfloat16"] * len(bucket)
+        assert body["shapes"] == [list(e.shape) for e in bucket]
+        assert bucket_size(bucket) <= BUCKET_BYTES or len(bucket) == 1
+        last = k % n == n - 1
+        assert body["flush_cache"] is last and body.get("weight_version") == (str(k // n + 1) if last else None)
+    assert fake.held_bytes == max(bucket_size(b) for b in plan) < sum(e.nbytes for b in plan for e in b) / 2
+    for version in (1, 2):  # lock-step
+        calls, read = fake.received[(version - 1) * n:version * n], reads[version]
+        assert len(read) == n
+        for k in range(1, n):
+            assert read[k] > calls[k - 1][1], f"bucket {k + 1} read before the server's call for bucket {k} began"
+            assert calls[k][1] >= calls[k - 1][2]
     init = fake.bodies["/init_weights_update_group"][0]
     assert init["rank_offset"] == 1 and init["world_size"] == 2 and init["backend"] == "gloo"
     assert list(fake.loaded) == list(state)
     assert all(torch.equal(fake.loaded[n], (t + 2).to(torch.bfloat16)) for n, t in state.items())
-    assert engine.version == 2 and set(_generate(engine, [5, 6, 7], max_tokens=4).versions) == {2}
+    assert engine.version == 2 and fake.weight_version == "2"
+    assert set(_generate(engine, [5, 6, 7], max_tokens=4).versions) == {2}
 
 
 def _fake_ipc_payload(state: dict[str, torch.Tensor], gpu: str) -> dict[str, Any]:
@@ -655,7 +821,8 @@ def test_a_cuda_ipc_version_reaches_the_server_as_sglangs_serialized_named_tenso
     gpu = "GPU-5f2c1d7e-0000-4000-8000-000000000001"
     payload = _fake_ipc_payload(state, gpu)
     engine.update_from(WeightHandle(transport=Transport.CUDA_IPC, version=3, nbytes=0, payload=payload))
-    assert fake.calls == ["/pause_generation", "/update_weights_from_tensor", "/continue_generation"]
+    assert fake.calls == ["/get_server_info", "/pause_generation", "/update_weights_from_tensor",
+                          "/continue_generation"]
     body = fake.bodies["/update_weights_from_tensor"][0]
     assert len(body["serialized_named_tensors"]) == 1 and body["flush_cache"] is True and body["weight_version"] == "3"
     assert list(fake.loaded) == list(state)

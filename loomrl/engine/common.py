@@ -1,11 +1,15 @@
-"""Pieces both engines use: sampling with per-row parameters, and resolving a caller's future."""
+"""Pieces the engines and their callers share: sampling with per-row parameters, resolving a caller's future, and
+confirming that a weight update took effect."""
 
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from loomrl.weights.fingerprint import Fingerprint
 
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -57,3 +61,13 @@ def deliver(fut: concurrent.futures.Future, result: Any = None, exception: BaseE
             fut.set_result(result)
     except concurrent.futures.InvalidStateError:
         pass
+
+
+def confirm_weights(engine: Any, label: str, version: int, expected: Fingerprint | None) -> int:
+    """After `engine` (named `label` in errors) applied `version`: raise WeightMismatch unless it serves that version
+    and its weights' fingerprint matches `expected`, the publisher's (weights/fingerprint.py check: what could not be
+    compared is logged, never skipped silently). Returns how many tensors were compared."""
+    from loomrl.weights.fingerprint import Fingerprint, check
+
+    actual = engine.weight_fingerprint(expected) if expected is not None and expected.sums else Fingerprint()
+    return check(label, version, expected, actual, engine.version)

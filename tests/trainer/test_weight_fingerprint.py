@@ -144,5 +144,7 @@ def test_a_broadcast_handle_carries_the_fingerprint_before_anything_is_sent(tiny
     try:
         handle = pub.publish(trained, 1)
         assert handle.fingerprint == fingerprint_of({n: t.bfloat16() for n, t in trained.items()})
+        with pytest.raises(RuntimeError, match="broadcasting the weights failed"):
+            pub.settle()  # nobody joined: the send ends at its timeout
     finally:
         pub.close()

@@ -72,6 +72,7 @@ from loomrl.engine.base import (
     refuse_request,
 )
 from loomrl.engine.http import ServerClient
+from loomrl.weights.fingerprint import Fingerprint
 from loomrl.weights.handle import Transport, WeightHandle
 
 log = logging.getLogger(__name__)
@@ -214,6 +215,11 @@ class SGLangEngine:
             raise EngineFault(f"update_from: an SGLang server reads broadcast and cuda_ipc handles, not "
                               f"{handle.transport}")
         self._control.submit(self._paused_load, handle.version, load).result()
+
+    def weight_fingerprint(self, expected: Fingerprint) -> Fingerprint:
+        """Nothing to compare: an SGLang server reports no checksum of its weights (the runtime logs that the
+        fingerprint is not checked; the version is)."""
+        return Fingerprint(unchecked="an SGLang server reports no checksum of its loaded weights")
 
     def interrupt(self) -> None:
         """Pause with mode=abort and continue, on the control thread: in-flight requests end "interrupted" soon."""

@@ -30,8 +30,10 @@ import torch
 from loomrl.actor_support import Placed
 from loomrl.config import RunConfig
 from loomrl.engine.base import Engine, EngineFault, EngineMetrics, GenerationRequest, GenerationResult, TakesTensors
+from loomrl.engine.common import confirm_weights
 from loomrl.engine.factory import make_engine
 from loomrl.model.loader import load_run_model
+from loomrl.weights.fingerprint import Fingerprint, fingerprint_of
 from loomrl.weights.group import Receiver, with_rank_offset
 from loomrl.weights.handle import Transport, WeightHandle
 from loomrl.weights.route import weight_receivers
@@ -41,11 +43,12 @@ class WeightGate:
     """Loads published versions into an engine one at a time, in the order they were sent (an asyncio lock is
     FIFO, and `load` takes it before its first await); `ready` returns once the versions sent before it are in.
     `rank_offset`: the first rank of this engine's processes in a broadcast's group; `device`: where a built-in
-    engine's model is (a broadcast it receives here lands there)."""
+    engine's model is (a broadcast it receives here lands there); `label`: the engine's name in a WeightMismatch."""
 
     def __init__(self, engine: Engine, interrupt_on_update: bool, *, rank_offset: int = 1,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, label: str = "engine"):
         self.engine = engine
+        self.label = label
         self.interrupt_on_update = interrupt_on_update
         self.rank_offset = rank_offset
         self.device = device or torch.device("cpu")
@@ -54,8 +57,10 @@ class WeightGate:
 
     async def load(self, handle: WeightHandle) -> dict[str, float]:
         """Fetch and apply: transport "ray", an ObjectRef owned by the driver; "broadcast", the trainer's group,
-        received by the engine's own processes when it opens the handle (vLLM, SGLang), else here. Returns the
-        version and how long fetching and applying took."""
+        received by the engine's own processes when it opens the handle (vLLM, SGLang), else here. Then confirmed
+        (engine/common.py confirm_weights): WeightMismatch, naming the engine, when it did not take effect: against
+        the publisher's fingerprint (broadcast), or, for "ray", that of the tensors the object store gave (Ray's own
+        transfer is not fingerprinted by the trainer). Returns the version and how long fetching and applying took."""
         async with self._lock:
             t0 = time.perf_counter()
             weights = None
@@ -72,7 +77,13 @@ class WeightGate:
                 await asyncio.to_thread(self.engine.update_from, handle)
             else:
                 await asyncio.to_thread(self.engine.update_weights, weights, handle.version)
-        return {"version": handle.version, "load_s": t1 - t0, "apply_s": time.perf_counter() - t1}
+            expected = handle.fingerprint
+            if expected is None and handle.transport is Transport.RAY:
+                expected = fingerprint_of(weights)
+            t2 = time.perf_counter()
+            checked = await asyncio.to_thread(confirm_weights, self.engine, self.label, handle.version, expected)
+        return {"version": handle.version, "load_s": t1 - t0, "apply_s": t2 - t1,
+                "confirm_s": time.perf_counter() - t2, "fingerprinted": checked}
 
     async def ready(self) -> None:
         async with self._lock:
@@ -111,7 +122,8 @@ class EngineActor(Placed):
             self.engine.update_weights(ray.get(latest.payload), latest.version)
         # broadcast: engine i's processes are ranks 1 + i * n.. of the trainer's group (n: weight_receivers)
         self.gate = WeightGate(self.engine, cfg.runtime.interrupt_on_update,
-                               rank_offset=1 + replica * weight_receivers(cfg), device=next(model.parameters()).device)
+                               rank_offset=1 + replica * weight_receivers(cfg), device=next(model.parameters()).device,
+                               label=f"{cfg.engine.kind} (engine actor {replica})")
 
     def info(self) -> tuple[int, int]:
         """(kv_budget, version)."""
@@ -204,6 +216,9 @@ class RemoteEngine(TakesTensors):
 
     def update_weights(self, weights: dict | None, version: int) -> None:
         raise RuntimeError("RemoteEngine.update_weights: weights go to the engine actors (RayBackend.publish)")
+
+    def weight_fingerprint(self, expected: Fingerprint) -> Fingerprint:
+        raise RuntimeError("RemoteEngine.weight_fingerprint: the engine actor confirms its weights (WeightGate.load)")
 
     def sleep(self) -> None:
         raise RuntimeError("RemoteEngine.sleep: the backend puts the engine actors to sleep (RayBackend.sleep_engines)")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from loomrl.weights.fingerprint import Fingerprint
     from loomrl.weights.handle import Transport, WeightHandle
 
 
@@ -93,6 +94,11 @@ class Engine(Protocol):
     def update_from(self, handle: WeightHandle) -> None:
         """update_weights for a published handle of a transport in `opens`, read by the engine itself (vLLM's
         worker maps a shm segment or CUDA IPC handles: no copy through this process)."""
+
+    def weight_fingerprint(self, expected: Fingerprint) -> Fingerprint:
+        """The fingerprint (weights/fingerprint.py) of the weights the engine serves, of the tensors `expected` names,
+        each in the dtype it was published in; its `unchecked` says why where some cannot be read (a server that
+        does not report its weights). Called after each update (engine/common.py confirm_weights)."""
 
     def interrupt(self) -> None:
         """End every in-flight request soon with finish_reason "interrupted" and its partial output

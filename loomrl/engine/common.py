@@ -1,10 +1,10 @@
-"""Pieces the engines share: sampling with per-row parameters, the neutral penalties the server clients send, and
-resolving a caller's future."""
+"""Pieces the engines and their callers share: sampling with per-row parameters, the neutral penalties the server
+clients send, resolving a caller's future, and confirming that a weight update took effect."""
 
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -14,6 +14,9 @@ import torch
 # (and vLLM's SamplingParams) spell them; each value is the one that changes nothing.
 NEUTRAL_PENALTIES: dict[str, float] = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
                                        "min_p": 0.0}
+
+if TYPE_CHECKING:
+    from loomrl.weights.fingerprint import Fingerprint
 
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -65,3 +68,13 @@ def deliver(fut: concurrent.futures.Future, result: Any = None, exception: BaseE
             fut.set_result(result)
     except concurrent.futures.InvalidStateError:
         pass
+
+
+def confirm_weights(engine: Any, label: str, version: int, expected: Fingerprint | None) -> int:
+    """After `engine` (named `label` in errors) applied `version`: raise WeightMismatch unless it serves that version
+    and its weights' fingerprint matches `expected`, the publisher's (weights/fingerprint.py check: what could not be
+    compared is logged, never skipped silently). Returns how many tensors were compared."""
+    from loomrl.weights.fingerprint import Fingerprint, check
+
+    actual = engine.weight_fingerprint(expected) if expected is not None and expected.sums else Fingerprint()
+    return check(label, version, expected, actual, engine.version)

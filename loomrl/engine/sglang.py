@@ -90,6 +90,7 @@ from loomrl.engine.base import (
 )
 from loomrl.engine.common import NEUTRAL_PENALTIES
 from loomrl.engine.http import ServerClient
+from loomrl.weights.fingerprint import Fingerprint
 from loomrl.weights.handle import Transport, WeightHandle
 from loomrl.weights.source import bucket_size, plan_buckets
 
@@ -245,6 +246,11 @@ class SGLangEngine:
             raise EngineFault(f"update_from: an SGLang server reads broadcast and cuda_ipc handles, not "
                               f"{handle.transport}")
         self._control.submit(self._paused_load, handle.version, load).result()
+
+    def weight_fingerprint(self, expected: Fingerprint) -> Fingerprint:
+        """Nothing to compare: an SGLang server reports no checksum of its weights (the runtime logs that the
+        fingerprint is not checked; the version is)."""
+        return Fingerprint(unchecked="an SGLang server reports no checksum of its loaded weights")
 
     def interrupt(self) -> None:
         """Pause with mode=abort and continue, on the control thread: in-flight requests end "interrupted" soon."""

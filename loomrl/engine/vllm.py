@@ -43,6 +43,10 @@ with a request in flight). steps stays 0: AsyncLLM does not report its steps to 
   over a process group they join on its first handle (runtime.weight_transport=broadcast: gloo here, NCCL on GPUs,
   which has not run).
 
+- weight_fingerprint: after each update the runtime checksums a few of the loaded tensors in vLLM's worker
+  (vllm_worker.py loomrl_fingerprint) against the trainer's; only those vLLM keeps under the published name and shape
+  are compared (embeddings, norms; on GPUs also o_proj and down_proj), the rest are logged as not checked.
+
 What it is not: a client of an external vLLM server (that is engine/vllm_http.py, engine.vllm.base_url) or Ray actors
 of its own (engine/actor.py). `release` does nothing: vLLM's prefix cache is keyed by token blocks.
 """
@@ -82,6 +86,7 @@ from loomrl.engine.vllm_contract import check_vllm
 from loomrl.engine.vllm_memory import KVCachePlan, Memory, Watch, first_failure, oom_kills, plan_kv_cache
 from loomrl.engine.vllm_weights import LoadState, checked_weights, parameter_shapes, to_wire, weight_buckets
 from loomrl.model.loader import ModelLoadError
+from loomrl.weights.fingerprint import Fingerprint, TensorSum
 from loomrl.weights.handle import Transport, WeightHandle
 from loomrl.weights.shm import shm_views
 
@@ -313,6 +318,16 @@ class VLLMEngine(LoadState):
             raise EngineFault(f"update_from: vLLM's worker does not read {handle.transport} handles (opens: "
                               f"{sorted(self.opens)})")
         self._apply([update], handle.version)
+
+    def weight_fingerprint(self, expected: Fingerprint) -> Fingerprint:
+        """The fingerprint of vLLM's loaded weights, from the worker that holds them (collective_rpc, tensor-parallel
+        rank 0: the others hold the same replicated tensors); names vLLM keeps in another layout are `unchecked`."""
+        if self._closed:
+            raise EngineFault("weight_fingerprint: the engine is closed")
+        wanted = {n: [s.dtype, list(s.shape)] for n, s in expected.sums.items()}
+        got = self._run(self._llm.collective_rpc("loomrl_fingerprint", args=(wanted,)), self.cfg.update_timeout_s)[0]
+        return Fingerprint(sums={n: TensorSum(wanted[n][0], tuple(wanted[n][1]), a, b)
+                                 for n, (a, b) in got["sums"].items()}, unchecked=got["unchecked"])
 
     def _apply(self, updates: Iterable[dict[str, Any]], version: int) -> None:
         self._call(self._load(updates, version), f"update_weights: version {version}")

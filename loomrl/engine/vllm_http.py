@@ -70,6 +70,7 @@ from loomrl.engine.common import NEUTRAL_PENALTIES
 from loomrl.engine.http import ServerClient
 from loomrl.engine.vllm import finish_reason, token_versions
 from loomrl.engine.vllm_weights import LoadState, checked_weights, to_wire, weight_buckets
+from loomrl.weights.fingerprint import Fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +144,11 @@ class VLLMHTTPEngine(TakesTensors, LoadState):
         except concurrent.futures.TimeoutError:
             raise EngineFault(f"update_weights: version {version} not applied after "
                               f"{self.cfg.update_timeout_s:.0f}s") from None
+
+    def weight_fingerprint(self, expected: Fingerprint) -> Fingerprint:
+        """Nothing to compare: a vLLM server reports no checksum of its weights (the runtime logs that the
+        fingerprint is not checked; the version is)."""
+        return Fingerprint(unchecked="a vLLM server reports no checksum of its loaded weights")
 
     def interrupt(self) -> None:
         """Abort every in-flight request (they end "interrupted" with their partial output) and resume at once."""

@@ -77,7 +77,7 @@ class RolloutActor(Placed, RolloutSide):
         # before the first group (the driver sends the trainer's current version to every new actor).
         super().__init__(cfg, None, reward_pool=RemoteRewardPool(reward_actors) if reward_actors else None,
                          env_pool=RemoteEnvPool(env_actors, owner) if env_actors else None, engine_actor=engine_actor)
-        self.gate = WeightGate(self.engine, cfg.runtime.interrupt_on_update)
+        self.gate = WeightGate(self.engine, cfg.runtime.interrupt_on_update, label=f"{cfg.engine.kind} ({owner or 'rollout actor'})")
 
     async def update_weights(self, handle: WeightHandle) -> dict[str, float]:
         """Load a published version into the engine; groups sent after this call wait for it.

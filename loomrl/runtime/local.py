@@ -5,7 +5,9 @@ on one event loop, each group an asyncio task. The trainer is
 - sync (hybrid, the seed's time-sharing): a TrainerService in this process sharing the engine's model
   object; it trains on the engine's thread (one OpenMP team per process), weights change in place;
 - async (disaggregated): a TrainerService in a process of its own (trainer/process.py); new weights
-  come back as handles (runtime.weight_transport) and are loaded into the engine between batches.
+  come back as handles (runtime.weight_transport) and are loaded into the engine between batches, which then
+  confirms them: the version it serves and its weights' fingerprint against the handle's (weights/fingerprint.py; a
+  mismatch stops the run). Sync mode moves no weights: the engine serves the trainer's own tensors.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from loomrl.config import RunConfig
 from loomrl.devices import trainer_device
 from loomrl.engine.base import Engine, EngineFault
+from loomrl.engine.common import confirm_weights
 from loomrl.rollout.actor import RolloutSide
 from loomrl.runtime.driver import Backend, BackendReport, RunError, TrainerLost, TrainerState, progress
 from loomrl.trainer.checkpoint import latest_checkpoint
@@ -36,6 +39,7 @@ from loomrl.trainer.ranks import (
 )
 from loomrl.trainer.service import PositionSet, TrainerService
 from loomrl.types import Evaluation, Trajectory
+from loomrl.weights.fingerprint import WeightMismatch
 from loomrl.weights.handle import WeightHandle, sync_metrics
 from loomrl.weights.transports import load_weights
 
@@ -183,7 +187,13 @@ class LocalBackend(Backend):
                 await asyncio.to_thread(engine.update_weights, loaded.weights, version)
         except EngineFault as err:  # the trainer's own weights: retrying cannot help
             raise RunError(f"run error: the engine could not load the weights of version {version}: {err}") from None
-        self.sync_metrics = {**sync_metrics(handle, loaded), "weight_sync/apply_s": time.perf_counter() - t0}
+        t1 = time.perf_counter()
+        try:  # the engine serves what the trainer published (weights/fingerprint.py)
+            checked = await asyncio.to_thread(confirm_weights, engine, self.cfg.engine.kind, version, handle.fingerprint)
+        except WeightMismatch as err:  # the same weights would go the same way again
+            raise RunError(f"run error: {err}") from err
+        self.sync_metrics = {**sync_metrics(handle, loaded), "weight_sync/apply_s": t1 - t0,
+                             "weight_sync/confirm_s": time.perf_counter() - t1, "weight_sync/fingerprinted": checked}
 
     # -- the rollout side ---------------------------------------------------------------------------
     def dispatch(self, position: int) -> asyncio.Future:

@@ -466,6 +466,8 @@ class RayBackend(Backend):
         if timings:
             out.update({"weight_sync/load_s": max(t["load_s"] for t in timings),
                         "weight_sync/apply_s": max(t["apply_s"] for t in timings),
+                        "weight_sync/confirm_s": max(t["confirm_s"] for t in timings),
+                        "weight_sync/fingerprinted": float(min(t["fingerprinted"] for t in timings)),
                         "weight_sync/transfers": float(len(timings))})
         return out
 

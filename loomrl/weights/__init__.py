@@ -45,8 +45,12 @@ file's folder (a file per bucket), the queue's handle, the GPU snapshot of cuda_
 each bucket from the trainer's device (NCCL on GPUs). No transport builds a whole-model copy in the trainer's float32.
 The engine still casts to its model's dtype and device as it loads (a no-op when the dtypes agree).
 
+Confirmation (fingerprint.py): the publisher checksums a few tensors of each version as its buckets pass and puts the
+`Fingerprint` in the handle; the engine, once it has applied the version, checksums its own copies of them, and a
+mismatch stops the run (`WeightMismatch`, naming the engine, the version and the tensors).
+
 The package: `handle.py` (the records and the publisher's base), `source.py` (what a version is read from, the bucket
-plan), one module per transport (`queue.py`, `shm.py`,
+plan), `fingerprint.py` (the checksum a version is confirmed by), one module per transport (`queue.py`, `shm.py`,
 `file.py`, `ipc.py`, `broadcast.py` over `group.py`), `transports.py` (`make_publisher`, `load_weights`) and `route.py`
 (what a run's config asks of the route: the engine's dtype, the receivers of a broadcast). The trainer and the engines
 both import it; it imports neither.

@@ -27,6 +27,7 @@ class BroadcastPublisher(WeightPublisher):
     engine, whose workers receive meanwhile; `settle` waits for it (bounded by timeout_s) and raises what failed."""
 
     transport = Transport.BROADCAST
+    sends_later = True
 
     def __init__(self, *, receivers: int, dtype: torch.dtype | None, bucket_bytes: int, timeout_s: float,
                  host: str = "127.0.0.1", wire: str = "buckets"):
@@ -42,6 +43,7 @@ class BroadcastPublisher(WeightPublisher):
         self._error: BaseException | None = None
 
     def _snapshot(self, source: WeightSource, version: int) -> tuple[Any, WeightHandle]:
+        from loomrl.weights.fingerprint import Tap
         from loomrl.weights.group import describe
 
         self.settle()
@@ -49,13 +51,15 @@ class BroadcastPublisher(WeightPublisher):
         if self._group is None:
             self.address.backend = backend  # the first version's tensors decide; later ones are on the same device
         meta = describe(source, self.wire)
+        # taken before the thread reads the source (publish's Tap is complete only once the send is)
+        fingerprint = source.ahead() if isinstance(source, Tap) else None
         # The source is read on the thread: a sharded trainer's gathers (collectives of every trainer rank) run there,
         # bucket by bucket, as the receivers take each one.
         self._thread = threading.Thread(target=self._send, args=(source, meta), name="loomrl-weight-broadcast",
                                         daemon=True)  # a receiver that never comes must not hold the process
         self._thread.start()
         return None, WeightHandle(transport=self.transport, version=version, nbytes=source.nbytes,
-                                  payload={"group": dataclasses.asdict(self.address), **meta})
+                                  payload={"group": dataclasses.asdict(self.address), **meta}, fingerprint=fingerprint)
 
     def _send(self, source: WeightSource, meta: dict[str, Any]) -> None:
         from loomrl.weights.group import WeightGroup

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from loomrl.weights.fingerprint import Fingerprint, Tap
 from loomrl.weights.source import WeightSource, as_source
 
 Tensor = torch.Tensor
@@ -46,6 +47,8 @@ class WeightHandle:
     location: str = ""
     payload: Any = None
     publish_s: float = 0.0  # time the publisher spent snapshotting this version
+    # checksums of a few tensors as published (weights/fingerprint.py); None: a handle no publisher made (ray)
+    fingerprint: Fingerprint | None = None
 
 
 class LoadedWeights(NamedTuple):
@@ -59,6 +62,7 @@ class WeightPublisher(ABC):
     held (a version falling out of it goes to `_release`), and the timing of publish."""
 
     transport: Transport
+    sends_later = False  # broadcast: the version is read after publish returns (its handle's fingerprint is its own)
 
     def __init__(self, keep: int, *, dtype: torch.dtype | None = None, bucket_bytes: int = 64 << 20):
         """`dtype`: the engine's, what every version is published in (None: the tensors' own); `bucket_bytes`: the
@@ -76,7 +80,10 @@ class WeightPublisher(ABC):
         if self._last is not None and version <= self._last:
             raise ValueError(f"publish: version {version} is not above the last published one ({self._last})")
         start = time.perf_counter()
-        resource, handle = self._snapshot(as_source(weights, self.dtype, self.bucket_bytes), version)
+        tap = Tap(as_source(weights, self.dtype, self.bucket_bytes))  # fingerprints the buckets as they are read
+        resource, handle = self._snapshot(tap, version)
+        if not self.sends_later:
+            handle.fingerprint = tap.fingerprint()
         self._last = version
         self._held.append((version, resource))
         while len(self._held) > self.keep:

@@ -443,3 +443,34 @@ def test_a_killed_worker_is_reported_with_its_memory_and_the_setting_to_lower(fr
     assert "GiB RAM" in message and "lower engine.max_batch_size" in message and "\n" not in message
     with pytest.raises(EngineFault, match=r"vLLM failed the request: vLLM's worker process \(pid \d+\) was killed"):
         run_requests(fresh, [tokenizer.encode("after the kill")], max_tokens=4)
+
+
+def test_vllms_worker_fingerprints_what_it_loaded(models, caplog):
+    """After an update the runtime compares the trainer's fingerprint with one vLLM's worker takes of its own weights
+    (collective_rpc loomrl_fingerprint): a version loaded whole is confirmed on the tensors vLLM keeps under their
+    published name and shape (on this CPU: the embedding and the norms), the rest are logged as not checked; a version
+    with one norm negated on the way (a test double of a faulty transport: the tensors handed to update_weights) stops
+    with the engine, the version and the tensor named. An engine of its own: it ends up with wrong weights."""
+    from loomrl.engine.common import confirm_weights
+    from loomrl.weights.fingerprint import WeightMismatch
+
+    a, b, tokenizer = models
+    eng = make_engine(load_config(None, OVERRIDES), a, tokenizer, 0)
+    pub = make_publisher("shm", dtype=torch.float32, bucket_bytes=2_000_000)
+    try:
+        handle = pub.publish({n: p.detach() for n, p in b.named_parameters()}, 1)
+        eng.update_from(handle)
+        with caplog.at_level("WARNING", logger="loomrl.weights.fingerprint"):
+            checked = confirm_weights(eng, "vllm", 1, handle.fingerprint)
+        assert checked >= 6  # embed_tokens, model.norm, two norms per layer (2 layers)
+        assert "weight fingerprint not checked for engine vllm on" in caplog.text and "qkv_proj" in caplog.text
+        handle = pub.publish({n: p.detach() for n, p in a.named_parameters()}, 2)
+        flipped = {n: p.detach().clone() for n, p in a.named_parameters()}
+        flipped["model.norm.weight"].neg_()
+        eng.update_weights(flipped, 2)
+        with pytest.raises(WeightMismatch, match=r"engine vllm did not load version 2 as published: 1 of \d+ "
+                                                 r"fingerprinted tensors differ \(model.norm.weight\)"):
+            confirm_weights(eng, "vllm", 2, handle.fingerprint)
+    finally:
+        pub.close()
+        eng.close()

@@ -328,6 +328,37 @@ def test_async_run_serves_a_bfloat16_engine_from_float32_masters(tmp_path):
     last = [stored[t]["policy_version_min"] for e in read_ledger(cfg.run_dir) if e["step"] == 3 for t in e["trained"]]
     assert all(v >= 1 for v in last)
     assert any(m["kind"] == "train" and m.get("weight_sync/apply_s", 0) > 0 for m in read_metrics(cfg.run_dir))
+    # every version the engine loaded was confirmed against the trainer's fingerprint (all 20 tensors of the model)
+    synced = [m for m in read_metrics(cfg.run_dir) if m["kind"] == "train" and "weight_sync/fingerprinted" in m]
+    assert synced and all(m["weight_sync/fingerprinted"] == 20 for m in synced)
+
+
+def test_an_update_that_did_not_take_effect_stops_the_run_naming_the_engine(tmp_path, monkeypatch):
+    """A weight sync that does not take effect never passes silently: here the shm transport's loader is wrapped by a
+    test double that negates one tensor of every version after the first (no real transport does; the trainer,
+    publisher, engine and run are real). Version 0 loads and is confirmed; version 1 stops the run with one line
+    naming the engine, the version and the tensor."""
+    import loomrl.runtime.local as local
+    from loomrl.runtime.driver import RunError
+    from loomrl.weights.fingerprint import WeightMismatch
+
+    real = local.load_weights
+
+    def flips_a_tensor(handle, into=None):
+        loaded = real(handle, into)
+        if handle.version >= 1:
+            loaded.weights["model.layers.0.mlp.down_proj.weight"].neg_()
+        return loaded
+
+    monkeypatch.setattr(local, "load_weights", flips_a_tensor)
+    cfg = _cfg(tmp_path, "name=flipped", "runtime.mode=async", "trainer.total_steps=2", "eval.n_tasks=0",
+               "checkpoint_every=0")
+    with pytest.raises(RunError, match=r"engine builtin did not load version 1 as published: 1 of 20 fingerprinted "
+                                       r"tensors differ \(model.layers.0.mlp.down_proj.weight\)") as err:
+        train(cfg)
+    assert isinstance(err.value.__cause__, WeightMismatch)
+    summary = json.loads((cfg.run_dir / "summary.json").read_text())
+    assert "did not load version 1" in json.dumps(summary)
 
 
 def test_resume_keeps_kl_reference_at_the_initial_policy(tmp_path):

@@ -13,7 +13,8 @@ Weights: `update_weights` is applied between steps, never within one; every toke
 that produced it. The prefix cache is cleared then (its K/V came from the old weights); running sequences keep their
 K/V, as vLLM's in-flight updates do. `interrupt()` ends every in-flight request at the next step boundary with
 finish_reason "interrupted" and its partial output; resubmitting prompt + partial tokens resumes it (re-prefilled under
-the current weights).
+the current weights). `weight_fingerprint` checksums the model's parameters (weights/fingerprint.py), with which the
+runtime confirms each update took effect.
 
 Supervision: the engine's worker thread never dies of an error. A step that raises fails the requests in flight
 (EngineFault, with the cause) and the engine serves the next ones with its state reset (KV freed, prefix cache cleared).
@@ -49,6 +50,7 @@ from loomrl.engine.builtin.prefix_cache import PrefixCache
 from loomrl.engine.builtin.runner import ModelRunner
 from loomrl.engine.builtin.scheduler import Batch, Scheduler, Seq
 from loomrl.engine.common import deliver, sample_tokens
+from loomrl.weights.fingerprint import Fingerprint, fingerprint_of
 
 
 class BuiltinEngine(TakesTensors):
@@ -115,6 +117,12 @@ class BuiltinEngine(TakesTensors):
             fut.result(timeout=timeout_s)
         except concurrent.futures.TimeoutError:
             raise EngineFault(f"update_weights: version {version} not applied after {timeout_s:.0f}s") from None
+
+    def weight_fingerprint(self, expected: Fingerprint) -> Fingerprint:
+        """The fingerprint of the model's parameters (what update_weights loads into), under the lock: no load runs
+        meanwhile. A published name the model lacks is left out (it reads as differing: the load never reached it)."""
+        with self._cond:
+            return fingerprint_of(dict(self.model.named_parameters()), expected)
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run `fn` on the engine's thread between two steps (the hybrid trainer borrows it).

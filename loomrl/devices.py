@@ -9,8 +9,11 @@ Dtypes (the design verl follows): the trainer's parameters, gradients and AdamW 
 trainer.device, whatever model.dtype says; its forward and backward compute in trainer.precision (autocast,
 trainer.py compute_context). `model.dtype` is the dtype the rollout engine's model is loaded and served in
 ("auto": float32 on the CPU, bfloat16 on CUDA); weights the trainer publishes are cast to it as the engine loads
-them. A sync run (runtime.mode=sync, local backend) trains the engine's own model object, so there the model is
-the trainer's: float32 on trainer.device (check_run_devices refuses a config asking otherwise).
+them. `model.device` is the built-in engine's only: vLLM and SGLang hold their weights in their own processes, and
+the processes that drive them a meta-device skeleton (model/loader.py load_engine_model). A trainer on the GPU vLLM
+runs on in this process is refused unless engine.sleep_while_training asks for colocation (check_shared_gpu).
+A sync run (runtime.mode=sync, local backend) trains the engine's own model object, so there the model is the
+trainer's: float32 on trainer.device (check_run_devices refuses a config asking otherwise).
 
 What this module is not: a loader (model/loader.py) or anything about several devices per process.
 """
@@ -144,6 +147,6 @@ def check_shared_gpu(cfg: RunConfig, trainer: torch.device) -> None:
     fix = "set engine.sleep_while_training=true (vLLM sleeps while the trainer steps)"
     if cfg.runtime.weight_transport != "cuda_ipc" and torch.cuda.device_count() >= tp + ranks:
         fix += f", or trainer.device=cuda:{tp} to give the trainer a GPU of its own"
-    raise DeviceError(f"config error: 'trainer.device': the trainer ({trainer}"
-                      f"{f' and its ranks to cuda:{trainer.index + ranks - 1}' if ranks > 1 else ''}) would share a GPU "
-                      f"with vLLM (engine.kind=vllm in this process, on {vllm}) without colocation; {fix}")
+    rank_gpus = f" and its ranks to cuda:{trainer.index + ranks - 1}" if ranks > 1 else ""
+    raise DeviceError(f"config error: 'trainer.device': the trainer ({trainer}{rank_gpus}) would share a GPU with vLLM "
+                      f"(engine.kind=vllm in this process, on {vllm}) without colocation; {fix}")

@@ -95,7 +95,8 @@ class WeightBoard:
 class EngineActor(Placed):
     """One inference engine (engine.kind) over the run's model on the node ray.engine places it, serving the rollout
     actors bound to it; `replica`: its index (with several SGLang or vLLM servers, the one it drives). Async actor: their
-    requests run at once, batched by the engine. Holds the weights only for the built-in engine (load_engine_model)."""
+    requests run at once, batched by the engine. It holds the model's weights only for the built-in engine
+    (model/loader.py load_engine_model)."""
 
     def __init__(self, cfg_json: str, board: Any, replica: int):
         import ray

@@ -63,7 +63,7 @@ class ModelConfig(_Section):
     tokenizer: str = "smollm2"  # "smollm2" or a folder with a Hugging Face tokenizer
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
     cache_dir: str | None = None  # where the converted GGUF is cached as an HF folder
-    device: Device = "auto"  # where the rollout engine's model lives
+    device: Device = "auto"  # where the built-in engine's model lives (vLLM and SGLang: in processes of their own)
     # the dtype the engine's model is loaded and served in (HF folders loaded in it, GGUF and tiny models cast);
     # auto: float32 on the CPU, bfloat16 on CUDA. A sync run serves the trainer's own model: float32 only. The
     # trainer keeps float32 weights whatever this says (trainer.precision is its compute dtype; loomrl/devices.py)

@@ -122,6 +122,39 @@ def test_cuda_ipc_weights_need_the_trainer_on_a_gpu_and_an_async_local_run(two_f
     assert cfg.runtime.weight_transport == "cuda_ipc"
 
 
+def test_a_trainer_on_vllms_gpu_needs_colocation(two_fake_gpus, monkeypatch):
+    """Locally vLLM in process runs on cuda:0 (to cuda:tp-1) and claims most of it, and trainer.device=auto is cuda:0
+    too: without engine.sleep_while_training that config stops in one line naming the fields to change (a GPU of the
+    trainer's own only where the machine has one). Asking for colocation, a trainer on another GPU, a vLLM server
+    elsewhere (its GPUs are its own flags') and a CPU machine pass. No GPU here: torch's CUDA queries are faked."""
+    from loomrl.config import build_config, parse_overrides
+    from loomrl.devices import check_run_devices
+
+    vllm = ["engine.kind=vllm", "runtime.mode=async"]
+    with pytest.raises(DeviceError) as err:
+        load_config(None, vllm)
+    msg = str(err.value)
+    assert len(msg.splitlines()) == 1 and msg == (
+        "config error: 'trainer.device': the trainer (cuda:0) would share a GPU with vLLM (engine.kind=vllm in this "
+        "process, on cuda:0) without colocation; set engine.sleep_while_training=true (vLLM sleeps while the trainer "
+        "steps), or trainer.device=cuda:1 to give the trainer a GPU of its own")
+    # its ranks count up from trainer.device: cuda:1 and cuda:2 clear vLLM's two GPUs, but there is no cuda:2 here
+    with pytest.raises(DeviceError, match=r"^config error: 'trainer.device': the trainer \(cuda:1 and its ranks to "
+                                          r"cuda:2\) would share a GPU with vLLM \(.* on cuda:0 to cuda:1\) without "
+                                          r"colocation; set engine.sleep_while_training=true \(vLLM sleeps while the "
+                                          r"trainer steps\)$"):
+        load_config(None, [*vllm, "trainer.device=cuda:1", "trainer.world_size=2", "trainer.parallel=fsdp",
+                           "engine.vllm.tensor_parallel_size=2"])
+    with pytest.raises(DeviceError, match=r"without colocation; set engine.sleep_while_training=true \(vLLM sleeps "
+                                          r"while the trainer steps\)$"):  # cuda_ipc: the trainer on vLLM's GPU
+        load_config(None, [*vllm, "runtime.weight_transport=cuda_ipc"])
+    for fine in (["engine.sleep_while_training=true"], ["trainer.device=cuda:1"], ["trainer.device=cpu"],
+                 ["engine.vllm.base_url=http://gpu-node:8000"]):
+        check_run_devices(build_config(parse_overrides([*vllm, *fine])))  # (load_config would ask for vLLM here)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU machine: trainer.device=auto is cpu
+    check_run_devices(build_config(parse_overrides(vllm)))
+
+
 
 
 def test_broadcast_weights_need_receivers_that_join_the_group_and_an_async_run():

@@ -32,7 +32,7 @@ from loomrl.config import RunConfig
 from loomrl.engine.base import Engine, EngineFault, EngineMetrics, GenerationRequest, GenerationResult, TakesTensors
 from loomrl.engine.common import confirm_weights
 from loomrl.engine.factory import make_engine
-from loomrl.model.loader import load_run_model
+from loomrl.model.loader import load_engine_model
 from loomrl.weights.fingerprint import Fingerprint, fingerprint_of
 from loomrl.weights.group import Receiver, with_rank_offset
 from loomrl.weights.handle import Transport, WeightHandle
@@ -106,7 +106,8 @@ class WeightBoard:
 class EngineActor(Placed):
     """One inference engine (engine.kind) over the run's model on the node ray.engine places it, serving the rollout
     actors bound to it; `replica`: its index (with several SGLang or vLLM servers, the one it drives). Async actor: their
-    requests run at once, batched by the engine."""
+    requests run at once, batched by the engine. It holds the model's weights only for the built-in engine
+    (model/loader.py load_engine_model)."""
 
     def __init__(self, cfg_json: str, board: Any, replica: int):
         import ray
@@ -114,15 +115,17 @@ class EngineActor(Placed):
         cfg = RunConfig.model_validate_json(cfg_json)
         torch.set_num_threads(cfg.engine.threads or max(1, int(cfg.ray.engine.num_cpus)))
         torch.manual_seed(cfg.seed)
-        model, tokenizer = load_run_model(cfg.model, None)
+        # weights only for the built-in engine; vLLM's and SGLang's own processes hold theirs (a skeleton here)
+        model, tokenizer = load_engine_model(cfg, None)
         self.engine = make_engine(cfg, model, tokenizer, 0, replica)
         # (never a broadcast handle: with broadcast, engine actors are not restarted, runtime/ray_backend.py)
         latest = ray.get(board.latest.remote())
         if latest is not None:  # restarted after a crash: the run's current version before the first request
             self.engine.update_weights(ray.get(latest.payload), latest.version)
         # broadcast: engine i's processes are ranks 1 + i * n.. of the trainer's group (n: weight_receivers)
+        device = next(model.parameters()).device if cfg.engine.kind == "builtin" else None  # else meta: not here
         self.gate = WeightGate(self.engine, cfg.runtime.interrupt_on_update,
-                               rank_offset=1 + replica * weight_receivers(cfg), device=next(model.parameters()).device,
+                               rank_offset=1 + replica * weight_receivers(cfg), device=device,
                                label=f"{cfg.engine.kind} (engine actor {replica})")
 
     def info(self) -> tuple[int, int]:

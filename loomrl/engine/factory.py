@@ -19,8 +19,9 @@ def make_engine(cfg: RunConfig, model: Any, tokenizer: Any, version: int, replic
     """The engine engine.kind names: the built-in one over `model` (sync runs share it with the trainer), a client
     of an SGLang server (`model` gives only the config.json written beside each weight update; `replica`: the
     engine actor's index, which picks its server when engine.sglang.base_url lists several), a client of a vLLM
-    server (engine.vllm.base_url), or vLLM's AsyncLLM over the folder `model` was loaded from (saved to a temporary
-    one when it has none)."""
+    server (engine.vllm.base_url; `model` gives the parameter names and shapes), or vLLM's AsyncLLM over the folder
+    `model` was loaded from (saved to a temporary one when it has none). All but the built-in one take a meta-device
+    skeleton (model/loader.py load_engine_model): they never read the weights of `model`."""
     e = cfg.engine
     if e.kind == "sglang":
         from loomrl.engine.sglang import SGLangEngine
@@ -46,10 +47,15 @@ def make_engine(cfg: RunConfig, model: Any, tokenizer: Any, version: int, replic
                               dtype=None if e.vllm.dtype == "auto" else e.vllm.dtype)
     if e.kind == "vllm":
         from loomrl.engine.vllm import VLLMEngine, served_model
+        from loomrl.model.loader import build_tiny_model
         from loomrl.weights.route import engine_dtype
 
+        def build() -> Any:  # a tiny model's skeleton has no folder: its weights are its seed's, saved for vLLM
+            return build_tiny_model(cfg.model, len(tokenizer), tokenizer.eos_token_id)
+
+        served = served_model(model, tokenizer, build if cfg.model.kind == "tiny" else None)
         # agent.max_context_tokens bounds every request of a run (prompt + output): the K/V cache's sequence length
-        return VLLMEngine(e.vllm, served_model(model, tokenizer), dtype=engine_dtype(e.vllm.dtype, cfg.model.dtype),
+        return VLLMEngine(e.vllm, served, dtype=engine_dtype(e.vllm.dtype, cfg.model.dtype),
                           seed=cfg.seed, max_num_seqs=e.max_batch_size, prefix_cache=e.prefix_cache, version=version,
                           sleep_mode=e.sleep_while_training, context_tokens=cfg.agent.max_context_tokens)
     from loomrl.engine.builtin.engine import BuiltinEngine

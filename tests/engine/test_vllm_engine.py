@@ -8,7 +8,10 @@ takes head sizes 32, 64, 80, ... only) and init_std 0.1 (a peaked distribution, 
 rounding of near-ties), with SmolLM2's real tokenizer; block_size 32, so that the longer prompts fill prefix-cache
 blocks. Two engines (about 25 s each to start on 2 cores) serve the whole module, in file order: `engine` starts on
 weights A and is updated to B, then closed; `fresh` starts on B, with one running slot and the K/V cache loomrl sizes,
-and its worker is killed by the last test."""
+and its worker is killed by the last test. `engine` is made as a run's rollout side makes it, from the model's
+meta-device skeleton (model/loader.py load_engine_model: A's weights are built from its seed only to be saved for
+vLLM), so every check against A is also one that the skeleton serves the trainer's weights; `fresh` from a loaded
+model (B), as a caller holding one does."""
 
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from loomrl.config import ModelConfig, TinyModelConfig, load_config
 from loomrl.engine.base import EngineFault, GenerationRequest, SamplingParams, generate_resuming
 from loomrl.engine.builtin.engine import BuiltinEngine
 from loomrl.engine.factory import make_engine
-from loomrl.model.loader import ModelLoadError, load_model
+from loomrl.model.loader import ModelLoadError, load_engine_model, load_model
 from loomrl.weights.handle import StaleWeights
 from loomrl.weights.shm import ShmPublisher
 from loomrl.weights.transports import make_publisher
@@ -51,8 +54,10 @@ def models():
 
 @pytest.fixture(scope="module")
 def engine(models):
-    a, _, tokenizer = models
-    eng = make_engine(load_config(None, OVERRIDES), a, tokenizer, 0)
+    cfg = load_config(None, OVERRIDES)
+    skeleton, tokenizer = load_engine_model(cfg, None)  # the rollout side's: no weights in this process
+    assert all(p.is_meta for p in skeleton.parameters())
+    eng = make_engine(cfg, skeleton, tokenizer, 0)
     yield eng
     eng.close()
 

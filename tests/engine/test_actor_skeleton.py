@@ -10,7 +10,8 @@ raise). What is faked, since the real thing cannot run here, and nothing else:
   suite's venv; test_vllm_engine.py starts the real one from a skeleton, in .venv-vllm);
 - vLLM over HTTP: VLLMHTTPEngine._connect, the first call to the server, answers as a server of max_model_len 2048
   would (no server here; test_vllm_http_engine.py runs a real one);
-- SGLang: nothing (its client contacts the server only when used; test_sglang_engine.py has a fake server);
+- SGLang: SGLangEngine._connect, its first call to the server (/get_server_info), answers as a server without the
+  memory saver or a CPU weight backup would (no server here; test_sglang_engine.py has a fake one);
 - EngineActor's one Ray call, reading the weight board at start: ray.get returns what it is given (starting a Ray
   cluster costs about 10 s on 2 cores, and the actor class is a plain class Ray wraps).
 """
@@ -63,7 +64,7 @@ def hf_folder(tmp_path_factory, tiny_model, tokenizer):
 @pytest.fixture
 def no_weights_here(monkeypatch):
     """Loading or building a model's weights in this process fails the test; vLLM and its server are faked (above)."""
-    from loomrl.engine import vllm, vllm_http
+    from loomrl.engine import sglang, vllm, vllm_http
     from loomrl.model import loader
 
     def refuse(*args, **kwargs):
@@ -73,6 +74,7 @@ def no_weights_here(monkeypatch):
     monkeypatch.setattr(loader, "build_tiny_model", refuse)
     monkeypatch.setattr(vllm, "VLLMEngine", RecordedVLLM)
     monkeypatch.setattr(vllm_http.VLLMHTTPEngine, "_connect", lambda self: 2048)
+    monkeypatch.setattr(sglang.SGLangEngine, "_connect", lambda self, sleep_mode: (False, False))
     RecordedVLLM.made.clear()
 
 

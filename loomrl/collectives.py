@@ -6,9 +6,12 @@ are queued on a CUDA stream, and a watchdog thread notices the timeout. What the
 TORCH_NCCL_ASYNC_ERROR_HANDLING's: torch's default (3) tears the whole process down with the watchdog's dump, after
 the timeout, so a dead rank or an engine that never joins the broadcast ends the run as a crash of the survivors,
 after minutes, saying only that a work item timed out. loomrl sets 2 unless the user set it: the watchdog aborts the
-NCCL communicator and the collective's caller gets a DistBackendError, which the trainer turns into one line
-(RankLost: restart from the checkpoint) and the publisher into a failed version (settle raises). Every group is made
-with a timeout (trainer/ranks.py COLLECTIVE_TIMEOUT_S; the broadcast's runtime timeout), so both ends are bounded.
+NCCL communicator (which also ends the kernels waiting on it) and leaves the process alone. The failure then shows
+where loomrl looks for it: the trainer's next collective on the aborted communicator raises a DistBackendError
+(RankLost: one line, restart from the checkpoint), and the weight group reads each broadcast's `exception()` once it
+completes (weights/group.py: wait() only logs it under 2), so neither the publisher nor an engine takes a bucket
+that never arrived. Every group is made with a timeout (trainer/ranks.py COLLECTIVE_TIMEOUT_S; the broadcast's
+runtime timeout), so both ends are bounded.
 
 The variable is read when a ProcessGroupNCCL is constructed (c10d ProcessGroupNCCL.cpp), so it is set just before
 each group is made, in the process that makes it (vLLM's workers too: WeightGroup runs there).

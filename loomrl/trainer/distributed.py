@@ -59,15 +59,15 @@ def init_process_group(rank: int, world_size: int, *, master_port: int, master_a
                        device: torch.device | None = None, timeout_s: float = 60.0) -> None:
     """Join the default process group: NCCL when this rank trains on a CUDA `device` (made the current one, where
     FSDP and NCCL put their buffers), else gloo; `timeout_s` bounds every collective, so a dead peer is an error
-    (on NCCL too: loomrl/collectives.py). NCCL's communicator is made here (`device_id`), not at the first
-    collective, so a rank that never comes fails the rendezvous rather than the first step."""
+    (on NCCL too: loomrl/collectives.py). No `device_id`: a default group bound to a device makes torch split every
+    later group's communicator from it, a collective of all trainer ranks, and the weight broadcast's group
+    (weights/group.py) is made by rank 0 alone."""
     os.environ["MASTER_ADDR"] = master_addr
     os.environ["MASTER_PORT"] = str(master_port)
     if device is not None and device.type == "cuda":
         torch.cuda.set_device(device)
         bounded_nccl()
-        dist.init_process_group("nccl", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s),
-                                device_id=device)
+        dist.init_process_group("nccl", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
         return
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
 

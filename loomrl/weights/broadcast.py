@@ -65,6 +65,8 @@ class BroadcastPublisher(WeightPublisher):
         from loomrl.weights.group import WeightGroup
 
         try:
+            if source.device.type == "cuda":  # this thread's current device is cuda:0 otherwise (NCCL's, the casts')
+                torch.cuda.set_device(source.device)
             if self._group is None:
                 self._group = WeightGroup(self.address, 0, source.device, store=self._store)
             self._group.send(source, meta)

@@ -27,6 +27,7 @@ trainer/distributed.py GatheredSource, read on the publisher's thread) or fault 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 from collections.abc import Iterator
@@ -60,6 +61,24 @@ def host_store(host: str, world_size: int, timeout_s: float) -> Any:
                          wait_for_workers=False)
 
 
+@contextlib.contextmanager
+def _unbound_default_group() -> Iterator[None]:
+    """While a weight group is made: a default group bound to a device (init_process_group(device_id=...), as vLLM's
+    workers do with VLLM_DISTRIBUTED_USE_SPLIT_GROUP) would make torch split the new group's NCCL communicator from
+    the default group's (distributed_c10d _new_process_group_helper, _get_split_source), a collective of every rank of
+    that group, which only this process calls: it would hang. Unbound, the new group makes a communicator of its
+    own."""
+    default = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+    bound = default.bound_device_id if default is not None else None
+    if bound is not None:
+        default.bound_device_id = None
+    try:
+        yield
+    finally:
+        if bound is not None:
+            default.bound_device_id = bound
+
+
 class WeightGroup:
     """One side's handle on the group: rank 0 sends (over `store`, its host_store), the others receive. Making it
     is the rendezvous: it returns once every rank has joined (or raises after timeout_s)."""
@@ -80,28 +99,33 @@ class WeightGroup:
         prefixed = dist.PrefixStore(f"tcp://{address.host}:{address.port}", store)
         if address.backend == "nccl":  # a receiver that dies mid-version: an error at both ends, not a teardown
             bounded_nccl()
-        self._pg, _ = _new_process_group_helper(address.world_size, rank, [], address.backend, prefixed,
-                                                group_name=address.name, timeout=timeout)
+        with _unbound_default_group():
+            self._pg, _ = _new_process_group_helper(address.world_size, rank, [], address.backend, prefixed,
+                                                    group_name=address.name, timeout=timeout)
 
     def _start(self, tensor: Tensor) -> Any:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         return self._pg.broadcast([tensor], opts)
 
-    def _broadcast(self, flat: Tensor) -> None:
-        self._start(flat).wait()
+    def _broadcast(self, tensor: Tensor, what: str) -> None:
+        self._received([self._start(tensor)], what)
 
     def _received(self, works: list[Any], what: str) -> None:
-        """Returns once every broadcast in `works` has completed (every receiver has it), or raises TimeoutError after
-        timeout_s. Polled: an NCCL work's wait() only orders the stream, it does not wait for the receivers."""
+        """Returns once every broadcast in `works` has completed (every receiver has it), or raises after timeout_s.
+        Polled: an NCCL work's wait() only orders the stream, it does not wait for the receivers. A work NCCL's
+        watchdog aborted (a peer died, loomrl/collectives.py) completes with its exception set, which wait() only logs
+        under TORCH_NCCL_ASYNC_ERROR_HANDLING=2: read here, so that neither end takes a bucket that never arrived."""
         deadline = time.monotonic() + self.address.timeout_s
         for work in works:
             while not work.is_completed():
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{what} was not received within {self.address.timeout_s:.0f}s (did the engine "
-                                       "ask for it?)")
+                    raise TimeoutError(f"{what} was not received within {self.address.timeout_s:.0f}s (did the other "
+                                       "end of the weight group stop?)")
                 time.sleep(0.001)
-            work.wait()  # raises what failed
+            work.wait()  # gloo raises what failed here
+            if (err := work.exception()) is not None:
+                raise RuntimeError(f"{what} failed: {err}")
 
     def send(self, source: WeightSource, meta: dict[str, Any]) -> None:
         """Broadcast the version `source` gives, as `meta` (describe(source)) says: bucket by bucket, or tensor by
@@ -114,8 +138,9 @@ class WeightGroup:
                 self._received(works, f"weight sync: bucket {k + 1} of {len(plans)} ({len(works)} tensors)")
             return
         with torch.no_grad():
-            for plan, bucket in zip(source.plan(), source.buckets(), strict=True):
-                self._broadcast(self._pack(plan, bucket))
+            plans = source.plan()
+            for k, (plan, bucket) in enumerate(zip(plans, source.buckets(), strict=True)):
+                self._broadcast(self._pack(plan, bucket), f"weight sync: bucket {k + 1} of {len(plans)}")
 
     def _pack(self, plan: list[Entry], bucket: list[tuple[str, Tensor]]) -> Tensor:
         flat = torch.empty(bucket_size(plan), dtype=torch.uint8, device=self.device)
@@ -129,12 +154,13 @@ class WeightGroup:
         if meta["wire"] == "tensors":
             for name, dtype, shape in zip(meta["names"], meta["dtypes"], meta["shapes"]):
                 t = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
-                self._broadcast(t)
+                self._broadcast(t, f"weight sync: tensor {name}")
                 yield [(name, t)]
             return
-        for bucket in plan_buckets(meta["names"], meta["dtypes"], meta["shapes"], meta["bucket_bytes"]):
+        plans = plan_buckets(meta["names"], meta["dtypes"], meta["shapes"], meta["bucket_bytes"])
+        for k, bucket in enumerate(plans):
             flat = torch.empty(bucket_size(bucket), dtype=torch.uint8, device=self.device)
-            self._broadcast(flat)
+            self._broadcast(flat, f"weight sync: bucket {k + 1} of {len(plans)}")
             yield [(e.name, flat[e.offset:e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape))
                    for e in bucket]
 

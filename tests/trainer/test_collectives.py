@@ -4,13 +4,14 @@ replaced by recorders (said at each test); what is checked is what loomrl passes
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from loomrl.collectives import ERROR_HANDLING_VAR, collective_failed
 
 
-def test_trainer_ranks_on_cuda_get_an_eager_nccl_group_that_raises(monkeypatch):
+def test_trainer_ranks_on_cuda_get_an_unbound_nccl_group_that_raises(monkeypatch):
     """Mocked: torch.cuda.set_device and dist.init_process_group (no GPU, no NCCL here)."""
     from loomrl.trainer import distributed
 
@@ -24,7 +25,8 @@ def test_trainer_ranks_on_cuda_get_an_eager_nccl_group_that_raises(monkeypatch):
     monkeypatch.setattr(dist, "init_process_group", init)
     distributed.init_process_group(1, 4, master_port=1234, device=torch.device("cuda", 1), timeout_s=30)
     assert seen["backend"] == "nccl" and seen["env"] == "2"  # abort the communicator, raise; no teardown
-    assert seen["device_id"] == torch.device("cuda", 1)  # the communicator is made at the rendezvous
+    # not bound to a device: torch would split the weight group's communicator from it, a collective rank 0 alone calls
+    assert "device_id" not in seen
     assert seen["timeout"].total_seconds() == 30
 
 
@@ -41,7 +43,7 @@ def test_a_value_the_user_set_is_kept_and_gloo_is_left_alone(monkeypatch):
     distributed.init_process_group(0, 2, master_port=1, device=torch.device("cuda", 0))
     monkeypatch.delenv(ERROR_HANDLING_VAR)
     distributed.init_process_group(0, 2, master_port=1, device=torch.device("cpu"))
-    assert calls == [("nccl", "1", True), ("gloo", None, False)]
+    assert calls == [("nccl", "1", False), ("gloo", None, False)]
 
 
 def test_the_weight_broadcast_group_on_nccl_raises_too(monkeypatch):
@@ -70,3 +72,51 @@ def test_which_errors_are_the_group_s():
     assert collective_failed(RuntimeError("NCCL error in: ProcessGroupNCCL.cpp, remote process exited"))
     assert not collective_failed(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     assert not collective_failed(ValueError("data-parallel step: no rank got a sampled token"))
+
+
+def test_the_weight_group_is_not_split_from_a_bound_default_group(monkeypatch, tmp_path):
+    """A default group bound to a device (vLLM's workers with VLLM_DISTRIBUTED_USE_SPLIT_GROUP) would make torch split
+    the weight group's communicator from it: a collective of ranks that never call it. A real one-rank gloo default
+    group, bound by hand; mocked: the group constructor, which records the binding it sees."""
+    from torch.distributed import distributed_c10d
+
+    from loomrl.weights.group import GroupAddress, WeightGroup, host_store
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdv'}", rank=0, world_size=1)
+    try:
+        default = distributed_c10d._get_default_group()
+        default.bound_device_id = torch.device("cpu", 0)
+        seen = []
+        monkeypatch.setattr(distributed_c10d, "_new_process_group_helper",
+                            lambda *a, **kw: seen.append(distributed_c10d._get_default_group().bound_device_id)
+                            or (None, None))
+        store = host_store("127.0.0.1", 1, 10)
+        WeightGroup(GroupAddress(host="127.0.0.1", port=store.port, world_size=1, name="t-bound", timeout_s=10,
+                                 backend="gloo"), 0, torch.device("cpu"), store=store)
+        assert seen == [None] and default.bound_device_id == torch.device("cpu", 0)  # unbound meanwhile, then restored
+        default.bound_device_id = None
+    finally:
+        dist.destroy_process_group()
+
+
+class _Work:
+    """A broadcast's work as NCCL leaves it after its watchdog aborted the communicator (TORCH_NCCL_ASYNC_ERROR_HANDLING
+    =2): completed, wait() returns (it only logs), the exception set. A stand-in: no NCCL here."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> bool:
+        return True
+
+    def exception(self):
+        return RuntimeError("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=BROADCAST)")
+
+
+def test_an_aborted_broadcast_is_an_error_at_either_end():
+    from loomrl.weights.group import GroupAddress, WeightGroup
+
+    group = WeightGroup.__new__(WeightGroup)  # no rendezvous: only the wait is tested
+    group.address = GroupAddress(host="h", port=1, world_size=2, name="n", timeout_s=5, backend="nccl")
+    with pytest.raises(RuntimeError, match="weight sync: bucket 3 of 9 failed: Watchdog caught"):
+        group._received([_Work()], "weight sync: bucket 3 of 9")

@@ -138,9 +138,12 @@ class GatheredSource(WeightSource):
                 bucket.clear()  # freed before the next bucket is gathered (WeightSource.buckets)
 
     def _gather(self, e: Entry) -> tuple[str, torch.Tensor]:
-        p = self.params[e.name].detach()
+        # Cast first: the cast is local to each rank's shard, so the all-gather moves (and every rank briefly holds)
+        # the parameter in the engine's dtype, half of float32's bytes for bf16; the values are the same either way.
+        p = self.params[e.name].detach().to(getattr(torch, e.dtype))
         full = p.full_tensor() if isinstance(p, DTensor) else p  # a collective of every rank
-        return e.name, full.to(getattr(torch, e.dtype)) if self.keep else full[:0]  # not rank 0: dropped at once
+        # not rank 0: a new empty tensor, so that the gathered one is freed now (a view would keep its storage)
+        return e.name, full if self.keep else torch.empty(0, dtype=full.dtype, device=full.device)
 
 
 class DataParallelTrainer:

@@ -8,6 +8,7 @@ import gc
 import weakref
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from loomrl.config import ModelConfig, TrainerConfig
 from loomrl.model.loader import build_tiny_model
@@ -49,7 +50,14 @@ def _rank(rank: int, world: int, vocab: int, eos: int, samples: list, run_dir: s
     dp = DataParallelTrainer(trainer)
     dp.train_step(copy.deepcopy(samples[:3] if rank == 0 else samples[3:]))  # the weights move off the initial ones
     gather = Gather("bfloat16", BUCKET)
-    out: dict = {}
+    out: dict = {"gathered": set()}
+    real_full_tensor = DTensor.full_tensor  # records the dtype each all-gather moves
+
+    def full_tensor(self, *args, **kwargs):
+        out["gathered"].add(self.dtype)
+        return real_full_tensor(self, *args, **kwargs)
+
+    DTensor.full_tensor = full_tensor
     if rank == 0:
         for transport in ("shm", "file", "queue"):
             source = _Watched(dp.gathered(gather))
@@ -66,6 +74,7 @@ def _rank(rank: int, world: int, vocab: int, eos: int, samples: list, run_dir: s
         for _ in range(3):
             for _ in dp.gathered(gather).buckets():
                 pass
+    DTensor.full_tensor = real_full_tensor
     # the reference, gathered whole here only: the trained parameters in the engine's dtype
     want = {n: p.full_tensor().detach().to(torch.bfloat16) for n, p in trainer.model.named_parameters()
             if p.requires_grad}
@@ -78,6 +87,8 @@ def test_the_fsdp_publish_path_sends_buckets_in_the_engines_dtype_and_holds_one_
     ranks = launch_local(_rank, 2, (vocab, eos, _samples(vocab), str(tmp_path)), timeout_s=300, threads=1)
     out = ranks[0]
     want = out["want"]
+    # cast on each rank's shard before the all-gather: bf16 moves, never the float32 masters
+    assert ranks[0]["gathered"] == ranks[1]["gathered"] == {torch.bfloat16}
     for transport in ("shm", "file", "queue"):
         seen = out[transport]
         assert len(seen["buckets"]) > 3, transport  # several buckets, not one whole-model copy

@@ -12,8 +12,7 @@ from loomrl.actor_support import Placed
 from loomrl.config import RunConfig
 from loomrl.devices import trainer_device
 from loomrl.trainer.checkpoint import latest_checkpoint
-from loomrl.trainer.offload import offload, onload
-from loomrl.trainer.process import run_publisher
+from loomrl.trainer.process import colocated_step, run_publisher
 from loomrl.trainer.ranks import Follower, RankGroup, RankLost, RankReport, RankWork
 from loomrl.trainer.service import TrainerService
 from loomrl.types import Trajectory
@@ -77,13 +76,7 @@ class TrainerActor(Placed):
         if not self.cfg.engine.sleep_while_training:
             return self.service.train_step(), self.weights()
         # colocated (trainer/offload.py): the engines sleep through this call; the state is on the GPU only for it
-        back = onload(self.service.trainer)
-        metrics = self.service.train_step()
-        weights = self._host_weights()
-        away = offload(self.service.trainer)
-        metrics.update({"colocate/onload_s": back.seconds, "colocate/offload_s": away.seconds,
-                        "colocate/offloaded_bytes": float(away.bytes)})
-        return metrics, weights
+        return colocated_step(self.service, self._host_weights)
 
     def publish(self, version: int) -> WeightHandle:
         """runtime.weight_transport=broadcast: the handle of `version` (the current weights), which this actor goes
@@ -100,7 +93,7 @@ class TrainerActor(Placed):
         state to host memory, before any engine wakes."""
         weights = self._host_weights()
         if self.cfg.engine.sleep_while_training:
-            offload(self.service.trainer)
+            self.service.offload()
         return weights
 
     def _host_weights(self) -> dict[str, torch.Tensor]:

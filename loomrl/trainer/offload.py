@@ -58,7 +58,7 @@ def move_state(trainer: Trainer, device: torch.device) -> Moved:
         for state in trainer.optimizer.state.values():
             for key, value in state.items():
                 if key != "step" and isinstance(value, torch.Tensor) and value.device != device:
-                    moved += value.numel() * value.element_size()
+                    moved += _local(value).numel() * value.element_size()  # this rank's shard of the state
                     state[key] = value.to(device, non_blocking=device.type == "cpu")
     if device.type == "cpu" and trainer.device.type == "cuda":
         torch.cuda.synchronize(trainer.device)  # the non-blocking copies have landed before the memory is reused

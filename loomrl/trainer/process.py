@@ -22,15 +22,16 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from loomrl.config import RunConfig
 from loomrl.devices import trainer_device
-from loomrl.trainer.offload import offload, onload
 from loomrl.trainer.ranks import (
     Child,
     LocalFollowers,
@@ -44,6 +45,8 @@ from loomrl.types import Trajectory
 from loomrl.weights.handle import WeightHandle, WeightPublisher
 from loomrl.weights.route import serving_dtype, weight_receivers
 from loomrl.weights.transports import make_publisher
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True, frozen=True)
@@ -203,18 +206,25 @@ def publish(publisher: WeightPublisher, service: TrainerService) -> WeightHandle
     return publisher.publish(service.weight_source(publisher.dtype, publisher.bucket_bytes), service.version)
 
 
-def colocated_step(service: TrainerService, publisher: WeightPublisher) -> tuple[dict[str, Any], WeightHandle]:
-    """A step beside a colocated engine, which sleeps meanwhile (the driver put it to sleep before asking): the
-    trainer's state back on the GPU, the step, the new version published (and, broadcast, sent), the state back to
-    host memory; the engine wakes and loads the version once this returns."""
-    back = onload(service.trainer)
+def colocated_step(service: TrainerService, publish: Callable[[], T]) -> tuple[dict[str, Any], T]:
+    """A step beside colocated engines, which sleep meanwhile (the driver put them to sleep before asking): every
+    rank's state back on its GPU, the step, the new version published by `publish` (done with the parameters when it
+    returns: a broadcast settled, a host copy made), every rank's state back to host memory; the engines wake and load
+    the version once this returns. The local trainer process's and the Ray trainer actor's."""
+    back = service.onload()
     metrics = service.train_step()
-    handle = publish(publisher, service)
-    publisher.settle()  # a broadcast reads the parameters: sent before they move
-    away = offload(service.trainer)
+    published = publish()
+    away = service.offload()
     metrics.update({"colocate/onload_s": back.seconds, "colocate/offload_s": away.seconds,
                     "colocate/offloaded_bytes": float(away.bytes)})
-    return metrics, handle
+    return metrics, published
+
+
+def publish_settled(publisher: WeightPublisher, service: TrainerService) -> WeightHandle:
+    """publish, then settle: a broadcast reads the parameters, sent before they move."""
+    handle = publish(publisher, service)
+    publisher.settle()
+    return handle
 
 
 def _trainer_main(cfg_json: str, extra: dict[str, Any], checkpoint: str, threads: int, inbox: Any, outbox: Any,
@@ -239,7 +249,7 @@ def _trainer_main(cfg_json: str, extra: dict[str, Any], checkpoint: str, threads
         colocated = cfg.engine.sleep_while_training  # the GPU is the engine's between steps (trainer/offload.py)
         first = publish(publisher, service)
         if colocated:
-            offload(service.trainer)
+            service.offload()
         outbox.put(Ready(service.version, service.received.state(), first, service.last_metrics))
         while not isinstance(msg := inbox.get(), Stop):
             if isinstance(msg, Group):
@@ -249,7 +259,7 @@ def _trainer_main(cfg_json: str, extra: dict[str, Any], checkpoint: str, threads
             elif service.ready():
                 publisher.settle()  # nothing reads the weights any more (broadcast) when the step changes them
                 if colocated:
-                    metrics, handle = colocated_step(service, publisher)
+                    metrics, handle = colocated_step(service, partial(publish_settled, publisher, service))
                 else:
                     metrics = service.train_step()
                     handle = publish(publisher, service)

@@ -54,6 +54,7 @@ from loomrl.trainer.distributed import (
 )
 from loomrl.trainer.forward import compute_dtype
 from loomrl.trainer.fsdp import fsdp_shard, load_sharded_optimizer, save_sharded_optimizer
+from loomrl.trainer.offload import Moved, offload, onload
 from loomrl.trainer.trainer import StepStats, Trainer, initial_policy
 from loomrl.types import TrainingSample
 from loomrl.weights.source import WeightSource
@@ -74,6 +75,7 @@ class RankWork:
     skip: bool = False  # a step without signal: advance the schedule only (Trainer.skip_step)
     save: str = ""  # instead: write this rank's part of the optimizer state into this folder (sharded ranks)
     gather: Gather | None = None  # instead: take part in gathering the full parameters (sharded ranks: RankGroup.gathered)
+    move: str = ""  # instead: "offload" or "onload" this rank's state (colocated engines: trainer/offload.py)
 
 
 @dataclass(slots=True)
@@ -121,6 +123,8 @@ class Follower:
         if w.gather is not None:
             for _ in self.dp.gathered(w.gather).buckets():  # rank 0 keeps them; this rank only takes part
                 pass
+        elif w.move:
+            (offload if w.move == "offload" else onload)(self.dp.trainer)
         elif w.save:
             save_sharded_optimizer(self.dp.trainer, Path(w.save))
         elif w.skip:
@@ -176,6 +180,21 @@ class RankGroup(ABC):
         before the next step (a broadcast reads it on its own thread: settle first)."""
         assert self.dp is not None, "RankGroup.attach first"
         return _RankGathered(self, self.dp.gathered(gather), gather)
+
+    def offload(self) -> Moved:
+        """Every rank's state to host memory, its GPU's cache emptied (a colocated engine wakes on each GPU next);
+        rank 0's account of what it moved."""
+        return self._move("offload", offload)
+
+    def onload(self) -> Moved:
+        """Every rank's state back on its GPU, for a step."""
+        return self._move("onload", onload)
+
+    def _move(self, move: str, local: Callable[[Trainer], Moved]) -> Moved:
+        self._send([RankWork(move=move) for _ in range(self.world_size - 1)])
+        moved = local(self.trainer)
+        self._check(self._collect())
+        return moved
 
     def save_shards(self, folder: Path) -> None:
         """Every rank writes its part of the optimizer state into `folder` (a checkpoint of sharded ranks)."""

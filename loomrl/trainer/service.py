@@ -25,6 +25,7 @@ from loomrl.config import RunConfig
 from loomrl.trainer.checkpoint import load_state, save_checkpoint, set_rng_state
 from loomrl.trainer.distributed import Gather
 from loomrl.trainer.grpo import samples_from_group
+from loomrl.trainer.offload import Moved, offload, onload
 from loomrl.trainer.ranks import RankGroup, build_trainer
 from loomrl.types import Trajectory
 from loomrl.weights.source import DictSource, WeightSource, dtype_name
@@ -222,6 +223,14 @@ class TrainerService:
         return save_checkpoint(self.run_dir, self.version, model=self.model, tokenizer=self.tokenizer,
                                optimizer=self.trainer.optimizer, scheduler=self.trainer.scheduler, state=state,
                                weights=model_folder, shards=ranks and ranks.save_shards)
+
+    def offload(self) -> Moved:
+        """The trainer's state to host memory on every rank (colocated engines: trainer/offload.py)."""
+        return self.ranks.offload() if self.ranks else offload(self.trainer)
+
+    def onload(self) -> Moved:
+        """The trainer's state back on every rank's GPU, for a step."""
+        return self.ranks.onload() if self.ranks else onload(self.trainer)
 
     def weight_source(self, dtype: torch.dtype | None, bucket_bytes: int) -> WeightSource:
         """The parameters that training changes (frozen ones never need resending), in `dtype` (the engine's), a

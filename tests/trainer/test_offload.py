@@ -83,15 +83,22 @@ class _Service:
     def weight_source(self, dtype, bucket_bytes):
         return None
 
+    def onload(self):
+        self.calls.append("onload")
+        return Moved(0, 0.0)
+
+    def offload(self):
+        self.calls.append("offload")
+        return Moved(8, 0.0)
+
 
 def test_a_colocated_step_trains_publishes_and_sends_before_the_state_leaves(monkeypatch):
     """The trainer process's step beside a sleeping engine (trainer/process.py colocated_step); the service and
     publisher are recording stand-ins, the order is the real function's."""
     calls: list[str] = []
 
-    monkeypatch.setattr(process, "onload", lambda trainer: calls.append("onload") or Moved(0, 0.0))
-    monkeypatch.setattr(process, "offload", lambda trainer: calls.append("offload") or Moved(8, 0.0))
-    metrics, handle = process.colocated_step(_Service(calls), _Publisher(calls))
+    service, publisher = _Service(calls), _Publisher(calls)
+    metrics, handle = process.colocated_step(service, lambda: process.publish_settled(publisher, service))
     assert calls == ["onload", "train", "publish", "settle", "offload"]
     assert handle == "handle 1" and metrics["colocate/offloaded_bytes"] == 8.0
 
@@ -114,3 +121,47 @@ def test_cuda_ipc_beside_a_colocated_engine_keeps_one_snapshot_on_the_gpu(monkey
     cfg = RunConfig.model_validate({"engine": {"sleep_while_training": True}, "runtime": {"mode": "async"}})
     process.run_publisher(cfg, engines=1, host="127.0.0.1")
     assert kept == [("cuda_ipc", 1), ("cuda_ipc", process.KEEP_VERSIONS), ("shm", process.KEEP_VERSIONS)]
+
+
+def test_every_rank_moves_its_state_not_only_rank_0(tokenizer, monkeypatch):
+    """Colocated engines wake on every trainer rank's GPU, so every rank offloads (RankGroup.offload / onload): rank 0
+    tells each follower, moves its own, and waits for their reports. Rank 0's group is real (LocalRankGroup over
+    queues); the follower is a real Follower driven by a thread here, its model on the CPU, where offload is a no-op:
+    the moves are recorded by stand-ins of offload and onload in trainer/ranks.py."""
+    import queue
+    import threading
+
+    from loomrl.trainer import ranks
+    from loomrl.trainer.ranks import Follower, LocalRankGroup
+
+    moves: list[tuple[str, str]] = []
+    monkeypatch.setattr(ranks, "offload", lambda trainer: moves.append(("offload", trainer.name)) or Moved(4, 0.0))
+    monkeypatch.setattr(ranks, "onload", lambda trainer: moves.append(("onload", trainer.name)) or Moved(0, 0.0))
+
+    def trainer(name: str) -> Trainer:
+        t = Trainer(build_tiny_model(ModelConfig(kind="tiny"), len(tokenizer), tokenizer.eos_token_id),
+                    TrainerConfig(lr=1e-3))
+        t.name = name
+        return t
+
+    rank0, inbox, outbox = trainer("rank 0"), queue.Queue(), queue.Queue()
+    follower = Follower.__new__(Follower)  # no process group: only its dispatch of the work is exercised
+    follower.dp = type("DP", (), {"trainer": trainer("rank 1")})()
+    follower.dp.trainer.model.load_state_dict(rank0.model.state_dict())  # replicas agree (RankGroup._check)
+
+    def serve() -> None:
+        while (work := inbox.get()) is not None:
+            outbox.put(("report", follower.work(work)))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    group = LocalRankGroup(2, torch.device("cpu"), [inbox], [outbox])
+    group.trainer = rank0
+    try:
+        assert group.offload().bytes == 4 and group.onload().bytes == 0
+    finally:
+        inbox.put(None)
+        thread.join(10)
+    assert sorted(moves) == sorted([("offload", "rank 0"), ("offload", "rank 1"), ("onload", "rank 0"),
+                                    ("onload", "rank 1")])
+    assert moves.index(("offload", "rank 1")) < moves.index(("onload", "rank 0"))  # each move waits for every rank

@@ -45,7 +45,14 @@ from loomrl.reward.actor import RewardActor
 from loomrl.rollout.actor import RolloutActor
 from loomrl.rollout.worker import rollout_concurrency
 from loomrl.runtime.driver import Backend, BackendReport, RolloutLost, RunError, TrainerLost, TrainerState
-from loomrl.runtime.ray_resources import cluster_address, ray_init_kwargs, reserves, run_asks, shortfall
+from loomrl.runtime.ray_resources import (
+    cluster_address,
+    colocation_mismatch,
+    ray_init_kwargs,
+    reserves,
+    run_asks,
+    shortfall,
+)
 from loomrl.trainer.actor import TrainerActor, TrainerRankActor
 from loomrl.trainer.ranks import RankLost
 from loomrl.trainer.service import PositionSet
@@ -318,6 +325,8 @@ class RayBackend(Backend):
         if "trainer" not in self.placement:
             if self.colocated:
                 self.placement["trainer_gpus"] = [await a.gpu_ids.remote() for a in [self.trainer, *self.trainer_ranks]]
+                if why := colocation_mismatch(self.placement["engine_gpus"], self.placement["trainer_gpus"]):
+                    raise RunError(f"run error: engine.sleep_while_training on Ray: {why} (check `ray status`)")
             self.placement.update(
                 trainer=(await self._where([self.trainer]))[0][0],
                 trainer_ranks=[node for node, _ in await self._where(self.trainer_ranks)],

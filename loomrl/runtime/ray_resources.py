@@ -96,6 +96,20 @@ def ray_init_kwargs(address: str, asks: list[Ask], cores: int, environ: Mapping[
     return kwargs
 
 
+def colocation_mismatch(engine_gpus: list[list[str]], trainer_gpus: list[list[str]]) -> str | None:
+    """Why colocated actors are not where they must be (engine i and trainer rank i on one GPU, that GPU theirs
+    alone), else None. Ray places them by bundle and fractions, which it only books: checked on the GPU ids Ray gave
+    each actor, so that a placement bug (Ray has had bundle-index ones) stops the run instead of two engines or two
+    ranks sharing a GPU that only one of each fits."""
+    for i, (engine, trainer) in enumerate(zip(engine_gpus, trainer_gpus, strict=True)):
+        if len(engine) != 1 or engine != trainer:
+            return f"engine actor {i} got GPU {engine} and trainer rank {i} GPU {trainer}; they must share one"
+    used = [ids[0] for ids in engine_gpus]
+    if len(set(used)) != len(used):
+        return f"the colocated engines got GPUs {used}: two on one GPU"
+    return None
+
+
 def _fmt(resources: dict[str, float]) -> str:
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(resources.items())) + "}"
 

@@ -47,3 +47,13 @@ def test_an_actor_larger_than_any_node_and_strict_pack_ranks_are_told_per_node()
     assert said.startswith("run error: ray.trainer: 2 ranks together (STRICT_PACK) need {GPU: 2}")
     assert said.endswith("or use ray.trainer_placement=PACK")
     assert shortfall([Ask(setting="ray.trainer", count=2, each={"GPU": 1.0})], {"GPU": 2.0}, nodes, "c") is None
+
+
+def test_colocated_actors_on_the_wrong_gpus_are_named():
+    from loomrl.runtime.ray_resources import colocation_mismatch
+
+    assert colocation_mismatch([["0"], ["1"]], [["0"], ["1"]]) is None
+    assert colocation_mismatch([["0"], ["1"]], [["1"], ["0"]]) == (
+        "engine actor 0 got GPU ['0'] and trainer rank 0 GPU ['1']; they must share one")
+    assert colocation_mismatch([["0"], ["0"]], [["0"], ["0"]]) == "the colocated engines got GPUs ['0', '0']: two on one GPU"
+    assert colocation_mismatch([[]], [[]]) is not None  # no GPU at all is not colocation

@@ -24,8 +24,8 @@ line; each part reports its numbers or its error (and `ok`), and one failing par
   g  the sharded optimizer checkpoint: a trainer of the 7B's width (2 layers: the full embeddings and head, the
      largest tensors) takes a step, save_sharded_optimizer, its state zeroed, load_sharded_optimizer: bit-equal
   h  the FSDP publish path (`publish_fsdp`: the bucketed gather of trainer/distributed.py, then a weights/
-     publisher) into a receiver process on the GPU: two versions at the full depth, compared bit for bit in the engine's dtype, timed;
-     "broadcast", and "cuda_ipc" where there is a GPU
+     publisher) into a receiver process on the GPU: two versions at the full depth, compared bit for bit in the
+     engine's dtype, timed; "broadcast" (on CUDA into a second GPU, skipped on a one-GPU machine) and "cuda_ipc"
 
 `--cpu` runs every part at toy sizes on the CPU, to check the script itself (its numbers say nothing about a GPU).
 Budget: under 8 minutes on one H200.
@@ -625,7 +625,10 @@ def _publish_versions(dp: Any, transport: str, device: torch.device, dtype: torc
     publisher = make_publisher(transport, keep=1, dtype=dtype, receivers=1, timeout_s=300, bucket_bytes=bucket_bytes)
     ctx = mp.get_context("spawn")
     inbox, outbox = ctx.Queue(), ctx.Queue()
-    child = ctx.Process(target=_receiver, args=(inbox, outbox, str(device)), daemon=True)
+    # NCCL puts no two ranks of a group on one GPU: a broadcast's receiver is on the next one (part_h skips it on a
+    # one-GPU machine); a cuda_ipc receiver maps the trainer's memory, so it is on the same GPU
+    receiver = torch.device("cuda", device.index + 1) if transport == "broadcast" and device.type == "cuda" else device
+    child = ctx.Process(target=_receiver, args=(inbox, outbox, str(receiver)), daemon=True)
     child.start()
     out: dict[str, Any] = {}
     try:
@@ -664,6 +667,9 @@ def part_h(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"calls": "DataParallelTrainer.gathered + weights.make_publisher(...).publish"}
     transports = ["broadcast", "cuda_ipc"] if device.type == "cuda" else ["broadcast"]
     for transport in transports:
+        if transport == "broadcast" and device.type == "cuda" and torch.cuda.device_count() < device.index + 2:
+            out[transport] = {"skipped": "NCCL needs the receiver on a second GPU (one rank per GPU)", "ok": True}
+            continue
         try:
             out[transport] = _publish_versions(dp, transport, device, dtype)
         except Exception as err:  # noqa: BLE001 - one transport's failure is reported beside the other's

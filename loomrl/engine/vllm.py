@@ -197,28 +197,39 @@ def finish_reason(reason: str | None, stop_reason: Any, *, closed: bool, interru
     return reason
 
 
-# engine.max_batch_size unset: vLLM's max_num_seqs per device. CUDA: 256, vLLM's own default on a GPU of under 70 GiB
-# (vllm/engine/arg_utils.py get_batch_defaults; AsyncLLM's ENGINE_CONTEXT would get SchedulerConfig's 128): an RL step
-# keeps groups x samples in flight at once, and each decode step is a CUDA graph whatever the batch. CPU: 64, the
-# built-in engine's, which the CPU K/V cache plan sizes for (engine/vllm_memory.py).
+# engine.max_batch_size unset: vLLM's max_num_seqs per device. AsyncLLM's UsageContext.ENGINE_CONTEXT is in none of
+# the device tiers of vllm/engine/arg_utils.py get_batch_defaults (0.32), so vLLM would fall back to SchedulerConfig's
+# 128 sequences and 2048 batched tokens. Those tiers, for its LLM class / OpenAI server: under 70 GiB or an A100, 256 /
+# 256 sequences and 8192 / 2048 tokens; 70 GiB or more (H100, H200), 1024 sequences and 16384 / 8192 tokens; 160 GiB or
+# more (B200), 1024 and 16384 / 16384; the CPU, 256 / 128 and 4096 / 2048 per worker. CUDA: 256 sequences on every GPU
+# (an RL step keeps groups x samples in flight at once, and each decode step is a CUDA graph whatever the batch; more
+# with engine.max_batch_size) and 16384 batched tokens, the large GPUs' tier (an RL step sends many long prompts at
+# once: with 2048 tokens a step their prefill takes eight times the steps). CPU: 64 sequences, the built-in engine's,
+# which the CPU K/V cache plan sizes for (engine/vllm_memory.py), and vLLM's 2048 tokens.
 MAX_NUM_SEQS = {"cuda": 256, "cpu": 64}
+MAX_NUM_BATCHED_TOKENS_CUDA = 16384
 
 
 def engine_args(cfg: VLLMConfig, *, model: str, dtype: str, seed: int, max_num_seqs: int | None, prefix_cache: bool,
                 sleep_mode: bool, cuda: bool) -> dict[str, Any]:
     """AsyncEngineArgs for this engine on this device (`cuda`: torch.cuda.is_available() where vLLM runs); settings
     left unset (None) get the device's default: enforce_eager false on CUDA (CUDA graphs) and true on the CPU (no
-    torch.compile); max_num_seqs MAX_NUM_SEQS; sleep mode on CUDA only (vLLM refuses it elsewhere)."""
+    torch.compile); max_num_seqs MAX_NUM_SEQS; max_num_batched_tokens MAX_NUM_BATCHED_TOKENS_CUDA on CUDA (at least
+    max_num_seqs and max_model_len, which vLLM requires), vLLM's on the CPU; sleep mode on CUDA only (vLLM refuses it
+    elsewhere)."""
     device = "cuda" if cuda else "cpu"
+    seqs = max_num_seqs or MAX_NUM_SEQS[device]
     args = {**cfg.engine_args, "model": model, "dtype": dtype, "seed": seed,
             "max_model_len": cfg.max_model_len, "block_size": cfg.block_size,
             "kv_cache_memory_bytes": cfg.kv_cache_memory_bytes, "gpu_memory_utilization": cfg.gpu_memory_utilization,
             "enforce_eager": not cuda if cfg.enforce_eager is None else cfg.enforce_eager,
             "tensor_parallel_size": cfg.tensor_parallel_size,
-            "max_num_seqs": max_num_seqs or MAX_NUM_SEQS[device], "enable_prefix_caching": prefix_cache,
+            "max_num_seqs": seqs, "enable_prefix_caching": prefix_cache,
             "logprobs_mode": "processed_logprobs", "scheduling_policy": "priority",
             "worker_extension_cls": "loomrl.engine.vllm_worker.WorkerExtension",
             "weight_transfer_config": {"backend": "loomrl_inline"}}
+    if cuda and cfg.engine_args.get("max_num_batched_tokens") is None:
+        args["max_num_batched_tokens"] = max(MAX_NUM_BATCHED_TOKENS_CUDA, seqs, cfg.max_model_len or 0)
     if sleep_mode and cuda:
         args["enable_sleep_mode"] = True
     return {k: v for k, v in args.items() if v is not None}

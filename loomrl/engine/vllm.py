@@ -384,7 +384,7 @@ class VLLMEngine(LoadState):
 
     def sleep(self) -> None:
         """vLLM's sleep(level=1, mode=abort): in-flight requests end "interrupted" (generate_resuming resumes them
-        after wake), new ones wait; on CUDA (sleep_mode) the weights go to host memory and the KV cache is freed. On
+        once the update after wake has loaded), new ones wait; on CUDA (sleep_mode) the weights go to host memory and the KV cache is freed. On
         the CPU vLLM's worker frees nothing (it logs that sleep mode is not supported): a pause."""
         if self._closed:
             raise EngineFault("sleep: the engine is closed")

@@ -642,10 +642,10 @@ class VLLMEngine(LoadState):
 
         async with self._control:
             self._end_hold()
-            if "weights" in self._asleep:  # an update without a wake: the weights' memory back first
-                await self._wake_up({"weights"})
-            await self._llm.pause_generation(mode="keep", clear_cache=False)
-            try:
+            try:  # whatever fails, the finally below ends a wake's hold
+                if "weights" in self._asleep:  # an update without a wake: the weights' memory back first
+                    await self._wake_up({"weights"})
+                await self._llm.pause_generation(mode="keep", clear_cache=False)
                 with self._loading(version):
                     await self._llm.start_weight_update()
                     try:

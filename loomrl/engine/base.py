@@ -117,7 +117,9 @@ class Engine(Protocol):
         after wake), new ones wait. Engines with nothing to free (the built-in one) do nothing."""
 
     def wake(self) -> None:
-        """Take the memory back and serve again (the weights are those before sleep until the next update)."""
+        """Take the memory back and serve again: at once on the weights held before sleep, or (in-process vLLM;
+        SGLang without a CPU backup) once the next update, which the run sends after every wake, has loaded;
+        requests wait till then."""
 
     def close(self) -> None:
         """Stop; requests after this fail with EngineFault."""

@@ -37,6 +37,17 @@ Metrics: requests, finished, prompt/prefill/reused tokens (num_cached_tokens), g
 per-request count), interrupts (requests ended "interrupted"), faults (requests the engine failed) and busy_s (wall time
 with a request in flight). steps stays 0: AsyncLLM does not report its steps to the caller.
 
+- Sleep and wake (engine.sleep_while_training): sleep is sleep(level=1, mode="abort"): in-flight requests end
+  "interrupted", new ones wait; on CUDA (enable_sleep_mode) the weights go to host memory and the K/V cache is freed.
+  wake() takes back the weights' memory only (wake_up(tags=["weights"])) and leaves the engine paused: vLLM resumes
+  scheduling only once every tag is awake (EngineCore.wake_up), so no step runs on the old weights, and requests sent
+  meanwhile wait. The next update (which the run sends after every wake: runtime/driver.py) loads the new version,
+  then takes back the K/V cache (wake_up(tags=["kv_cache"]), which resumes vLLM's scheduler), then resumes: the order
+  vLLM's own snapshot server restores in (vllm/snapshot/server.py). No update within engine.vllm.update_timeout_s of
+  the wake: the K/V cache comes back and the engine serves the weights it has, with a warning. On the CPU vLLM's
+  worker frees and restores nothing but its executor keeps the same tags, so the same order runs there (a pause).
+  `control_calls` records the calls made into vLLM (sleep, wake:<tag>, load:<version>, resume) for tests to read.
+
 - update_from(handle): the same update for a handle vLLM's worker opens itself (`opens`): a trainer's shm segment,
   read through views of its mapping (no bytes through EngineCore's sockets), CUDA IPC handles mapped on the worker's
   GPU (runtime.weight_transport=cuda_ipc; not run on a GPU), or a broadcast the workers receive from the trainer
@@ -55,6 +66,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import concurrent.futures
 import contextlib
 import logging
@@ -91,6 +103,8 @@ from loomrl.weights.handle import Transport, WeightHandle
 from loomrl.weights.shm import shm_views
 
 log = logging.getLogger(__name__)
+
+_SLEEP_TAGS = frozenset({"weights", "kv_cache"})  # what vLLM's sleep(level>=1) puts to sleep (vllm/v1/executor)
 
 _START_TIMEOUT_S = 900.0  # model load, profiling and warm-up (16-33 s for SmolLM2-135M on 2 CPU cores)
 _STREAM_INTERVAL = 8  # tokens per output vLLM sends a request's caller
@@ -183,28 +197,39 @@ def finish_reason(reason: str | None, stop_reason: Any, *, closed: bool, interru
     return reason
 
 
-# engine.max_batch_size unset: vLLM's max_num_seqs per device. CUDA: 256, vLLM's own default on a GPU of under 70 GiB
-# (vllm/engine/arg_utils.py get_batch_defaults; AsyncLLM's ENGINE_CONTEXT would get SchedulerConfig's 128): an RL step
-# keeps groups x samples in flight at once, and each decode step is a CUDA graph whatever the batch. CPU: 64, the
-# built-in engine's, which the CPU K/V cache plan sizes for (engine/vllm_memory.py).
+# engine.max_batch_size unset: vLLM's max_num_seqs per device. AsyncLLM's UsageContext.ENGINE_CONTEXT is in none of
+# the device tiers of vllm/engine/arg_utils.py get_batch_defaults (0.32), so vLLM would fall back to SchedulerConfig's
+# 128 sequences and 2048 batched tokens. Those tiers, for its LLM class / OpenAI server: under 70 GiB or an A100, 256 /
+# 256 sequences and 8192 / 2048 tokens; 70 GiB or more (H100, H200), 1024 sequences and 16384 / 8192 tokens; 160 GiB or
+# more (B200), 1024 and 16384 / 16384; the CPU, 256 / 128 and 4096 / 2048 per worker. CUDA: 256 sequences on every GPU
+# (an RL step keeps groups x samples in flight at once, and each decode step is a CUDA graph whatever the batch; more
+# with engine.max_batch_size) and 16384 batched tokens, the large GPUs' tier (an RL step sends many long prompts at
+# once: with 2048 tokens a step their prefill takes eight times the steps). CPU: 64 sequences, the built-in engine's,
+# which the CPU K/V cache plan sizes for (engine/vllm_memory.py), and vLLM's 2048 tokens.
 MAX_NUM_SEQS = {"cuda": 256, "cpu": 64}
+MAX_NUM_BATCHED_TOKENS_CUDA = 16384
 
 
 def engine_args(cfg: VLLMConfig, *, model: str, dtype: str, seed: int, max_num_seqs: int | None, prefix_cache: bool,
                 sleep_mode: bool, cuda: bool) -> dict[str, Any]:
     """AsyncEngineArgs for this engine on this device (`cuda`: torch.cuda.is_available() where vLLM runs); settings
     left unset (None) get the device's default: enforce_eager false on CUDA (CUDA graphs) and true on the CPU (no
-    torch.compile); max_num_seqs MAX_NUM_SEQS; sleep mode on CUDA only (vLLM refuses it elsewhere)."""
+    torch.compile); max_num_seqs MAX_NUM_SEQS; max_num_batched_tokens MAX_NUM_BATCHED_TOKENS_CUDA on CUDA (at least
+    max_num_seqs and max_model_len, which vLLM requires), vLLM's on the CPU; sleep mode on CUDA only (vLLM refuses it
+    elsewhere)."""
     device = "cuda" if cuda else "cpu"
+    seqs = max_num_seqs or MAX_NUM_SEQS[device]
     args = {**cfg.engine_args, "model": model, "dtype": dtype, "seed": seed,
             "max_model_len": cfg.max_model_len, "block_size": cfg.block_size,
             "kv_cache_memory_bytes": cfg.kv_cache_memory_bytes, "gpu_memory_utilization": cfg.gpu_memory_utilization,
             "enforce_eager": not cuda if cfg.enforce_eager is None else cfg.enforce_eager,
             "tensor_parallel_size": cfg.tensor_parallel_size,
-            "max_num_seqs": max_num_seqs or MAX_NUM_SEQS[device], "enable_prefix_caching": prefix_cache,
+            "max_num_seqs": seqs, "enable_prefix_caching": prefix_cache,
             "logprobs_mode": "processed_logprobs", "scheduling_policy": "priority",
             "worker_extension_cls": "loomrl.engine.vllm_worker.WorkerExtension",
             "weight_transfer_config": {"backend": "loomrl_inline"}}
+    if cuda and cfg.engine_args.get("max_num_batched_tokens") is None:
+        args["max_num_batched_tokens"] = max(MAX_NUM_BATCHED_TOKENS_CUDA, seqs, cfg.max_model_len or 0)
     if sleep_mode and cuda:
         args["enable_sleep_mode"] = True
     return {k: v for k, v in args.items() if v is not None}
@@ -248,6 +273,12 @@ class VLLMEngine(LoadState):
         self._broken: str | None = None  # why the last weight load failed inside vLLM
         self._interrupts_begun = self._interrupts_done = 0  # a request aborted after it saw begun move was ours
         self._tasks: set[asyncio.Task] = set()  # the generate calls in flight (on the loop)
+        # vLLM's sleep tags still asleep (changed on the loop, under _control): after sleep both; after wake
+        # kv_cache only, until the next update (or the hold's end) takes it back and generation resumes
+        self._asleep: frozenset[str] = frozenset()
+        self._hold: asyncio.TimerHandle | None = None  # the end of a wake's hold for an update
+        self._hold_end: asyncio.Task | None = None
+        self.control_calls: collections.deque[str] = collections.deque(maxlen=64)  # newest last
         self._busy_since = 0.0
         self._calls = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loomrl-vllm-call")
         self._loop = asyncio.new_event_loop()
@@ -353,14 +384,16 @@ class VLLMEngine(LoadState):
 
     def sleep(self) -> None:
         """vLLM's sleep(level=1, mode=abort): in-flight requests end "interrupted" (generate_resuming resumes them
-        after wake), new ones wait; on CUDA (sleep_mode) the weights go to host memory and the KV cache is freed. On
+        once the update after wake has loaded), new ones wait; on CUDA (sleep_mode) the weights go to host memory and the KV cache is freed. On
         the CPU vLLM's worker frees nothing (it logs that sleep mode is not supported): a pause."""
         if self._closed:
             raise EngineFault("sleep: the engine is closed")
         self._call(self._sleep(), "sleep")
 
     def wake(self) -> None:
-        """wake_up: the weights come back (those before sleep, until the next update) and requests run again."""
+        """wake_up(tags=["weights"]): the weights' memory comes back and the engine stays paused (requests wait) until
+        the next update has loaded, which then takes back the K/V cache and resumes; without an update within
+        engine.vllm.update_timeout_s it resumes on the weights it has."""
         if self._closed:
             raise EngineFault("wake: the engine is closed")
         self._call(self._wake(), "wake")
@@ -549,24 +582,70 @@ class VLLMEngine(LoadState):
 
     async def _sleep(self) -> None:
         async with self._control:
+            self._end_hold()
+            if "weights" in self._asleep:  # asleep already
+                return
+            if self._asleep:  # woken without an update since: whole again first (vLLM sleeps all tags at once;
+                # requests held since the wake may take a step on the old weights before the sleep aborts them)
+                await self._wake_up(self._asleep)
             self._interrupts_begun += 1  # the requests sleep aborts are ours: "interrupted"
             try:
                 await self._llm.sleep(level=1, mode="abort")
+                self._asleep = _SLEEP_TAGS
+                self.control_calls.append("sleep")
             finally:
                 self._interrupts_done = self._interrupts_begun
 
     async def _wake(self) -> None:
         async with self._control:
-            await self._llm.wake_up()
-            await self._resume()  # wake_up unpauses; resuming an engine that runs is a no-op
+            if "weights" not in self._asleep:  # not asleep: nothing to take back
+                await self._resume()
+                return
+            await self._wake_up({"weights"})  # vLLM's scheduler stays paused while the K/V cache sleeps
+            self._hold = asyncio.get_running_loop().call_later(self.cfg.update_timeout_s, self._hold_expired)
+
+    async def _wake_up(self, tags: Iterable[str]) -> None:
+        """wake_up(tags): vLLM resumes its scheduler itself once no tag is left asleep (EngineCore.wake_up)."""
+        tags = sorted(tags)
+        await self._llm.wake_up(tags=tags)
+        self._asleep -= set(tags)
+        self.control_calls.append(f"wake:{','.join(tags)}")
+
+    def _end_hold(self) -> None:
+        if self._hold is not None:
+            self._hold.cancel()
+            self._hold = None
+
+    def _hold_expired(self) -> None:
+        self._hold = None
+        self._hold_end = asyncio.ensure_future(self._wake_without_update())
+
+    async def _wake_without_update(self) -> None:
+        """The end of a hold no update ended: the K/V cache back, and the weights vLLM has serve."""
+        async with self._control:
+            if self._asleep != {"kv_cache"} or self._closed:  # an update or a sleep came first
+                return
+            log.warning("vLLM woke and no weight update came within engine.vllm.update_timeout_s (%.0fs): serving "
+                        "version %d", self.cfg.update_timeout_s, self._version)
+            try:
+                await self._wake_up(self._asleep)
+            except Exception as err:  # noqa: BLE001 - nobody waits for this: record it; the next update tries again
+                log.warning("wake_up(kv_cache) failed: %s: %s", type(err).__name__, err)
+                with self._lock:
+                    self.metrics.faults += 1
+                return
+            await self._resume()
 
     async def _load(self, updates: Iterable[dict[str, Any]], version: int) -> None:
         """One update: `updates`, the update_info of each vLLM update_weights call (vllm_worker.py's kinds)."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         async with self._control:
-            await self._llm.pause_generation(mode="keep", clear_cache=False)
-            try:
+            self._end_hold()
+            try:  # whatever fails, the finally below ends a wake's hold
+                if "weights" in self._asleep:  # an update without a wake: the weights' memory back first
+                    await self._wake_up({"weights"})
+                await self._llm.pause_generation(mode="keep", clear_cache=False)
                 with self._loading(version):
                     await self._llm.start_weight_update()
                     try:
@@ -581,18 +660,27 @@ class VLLMEngine(LoadState):
                     await self._llm.finish_weight_update(weight_version=str(version))
                     if not await self._llm.reset_prefix_cache(reset_running_requests=True):
                         raise RuntimeError("reset_prefix_cache refused to drop the old weights' K/V")
+                    self.control_calls.append(f"load:{version}")
             finally:
+                if self._asleep:  # after a wake: the K/V cache only now, once the new weights are in
+                    await self._wake_up(self._asleep)
                 await self._resume()
 
     async def _resume(self) -> None:
+        """resume_generation, unless some of vLLM's memory is asleep: a step then would run on memory that is not
+        there (vLLM's resume_scheduler does not check), so the engine stays paused until the wake that ends it."""
+        if self._asleep:
+            return
         try:
             await self._llm.resume_generation()
+            self.control_calls.append("resume")
         except Exception as err:  # noqa: BLE001
             log.warning("resume_generation failed (the engine may stay paused): %s: %s", type(err).__name__, err)
             with self._lock:
                 self.metrics.faults += 1
 
     async def _shutdown(self) -> None:
+        self._end_hold()
         if self._tasks:
             try:
                 await self._llm.pause_generation(mode="abort", clear_cache=False)  # in-flight requests end now

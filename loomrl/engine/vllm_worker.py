@@ -151,8 +151,8 @@ class WorkerExtension:
         """Checksums (weights/fingerprint.py tensor_sum) of this worker's parameters named in `wanted` ({name: [dtype,
         shape]} as published): {"sums": {name: [sum, weighted]}, "unchecked": why the others could not be read}. A
         parameter counts only with the published name and shape (a vocabulary padded for vLLM's kernels is cut back);
-        fused ones (qkv_proj, gate_up_proj), those sharded across tensor-parallel ranks and those packed away on the
-        CPU (linear weights: the parameter is left empty) are not read."""
+        fused ones (qkv_proj, gate_up_proj), those sharded across tensor-parallel ranks, those vLLM quantized (another
+        dtype) and those packed away on the CPU (linear weights: the parameter is left empty) are not read."""
         from loomrl.weights.fingerprint import tensor_sum
 
         params = dict(self.model_runner.get_model().named_parameters())
@@ -161,13 +161,14 @@ class WorkerExtension:
             p, shape = params.get(name), tuple(shape)
             if p is not None and p.dim() == len(shape) > 0 and tuple(p.shape[1:]) == shape[1:] and p.shape[0] > shape[0]:
                 p = p[: shape[0]]  # VocabParallelEmbedding pads the vocabulary; the rows past it were never loaded
-            if p is None or tuple(p.shape) != shape:
+            # another dtype: vLLM quantized it (fp8 keeps o_proj.weight under its name, transposed), not a mismatch
+            if p is None or tuple(p.shape) != shape or p.dtype != getattr(torch, dtype):
                 other.append(name)
                 continue
             s = tensor_sum(p, getattr(torch, dtype))
             sums[name] = [s.sum, s.weighted]
         why = (f"vLLM holds them in another layout: fused (qkv_proj, gate_up_proj), sharded across tensor-parallel "
-               f"ranks or packed for the CPU (e.g. {other[0]})") if other else ""
+               f"ranks, quantized or packed for the CPU (e.g. {other[0]})") if other else ""
         return {"sums": sums, "unchecked": why}
 
 

@@ -100,7 +100,8 @@ def colocation_mismatch(engine_gpus: list[list[str]], trainer_gpus: list[list[st
     """Why colocated actors are not where they must be (engine i and trainer rank i on one GPU, that GPU theirs
     alone), else None. Ray places them by bundle and fractions, which it only books: checked on the GPU ids Ray gave
     each actor, so that a placement bug (Ray has had bundle-index ones) stops the run instead of two engines or two
-    ranks sharing a GPU that only one of each fits."""
+    ranks sharing a GPU that only one of each fits. Ids are "node/index" (actor_support.py gpu_ids): an index names a
+    GPU only within its node."""
     for i, (engine, trainer) in enumerate(zip(engine_gpus, trainer_gpus, strict=True)):
         if len(engine) != 1 or engine != trainer:
             return f"engine actor {i} got GPU {engine} and trainer rank {i} GPU {trainer}; they must share one"

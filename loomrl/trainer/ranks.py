@@ -192,8 +192,11 @@ class RankGroup(ABC):
 
     def _move(self, move: str, local: Callable[[Trainer], Moved]) -> Moved:
         self._send([RankWork(move=move) for _ in range(self.world_size - 1)])
-        moved = local(self.trainer)
-        self._check(self._collect())
+        try:
+            moved = local(self.trainer)
+        finally:  # the followers' reports are read even when rank 0's own move failed (none left for the next call)
+            reports = self._collect()
+        self._check(reports)
         return moved
 
     def save_shards(self, folder: Path) -> None:

@@ -79,9 +79,13 @@ def _unbound_default_group() -> Iterator[None]:
             default.bound_device_id = bound
 
 
+WATCHDOG_MARGIN = datetime.timedelta(seconds=120)  # the group's own timeout past loomrl's deadline (WeightGroup)
+
+
 class WeightGroup:
     """One side's handle on the group: rank 0 sends (over `store`, its host_store), the others receive. Making it
-    is the rendezvous: it returns once every rank has joined (or raises after timeout_s)."""
+    meets the other ranks in the store (raising after timeout_s); NCCL makes its communicator at the first broadcast,
+    bounded like every bucket by `_received`'s deadline."""
 
     def __init__(self, address: GroupAddress, rank: int, device: torch.device, store: Any = None):
         from torch.distributed.distributed_c10d import _new_process_group_helper
@@ -99,9 +103,13 @@ class WeightGroup:
         prefixed = dist.PrefixStore(f"tcp://{address.host}:{address.port}", store)
         if address.backend == "nccl":  # a receiver that dies mid-version: an error at both ends, not a teardown
             bounded_nccl()
+        # The group's own timeout (NCCL's watchdog) outlasts loomrl's per-bucket deadline (`_received`), so a bucket
+        # that is late is this code's TimeoutError first, and the group is aborted here then: the watchdog's copy of a
+        # work keeps its exception to itself (ProcessGroupNCCL workMetaList_), and after its abort the work reads as
+        # completed with none, so a late bucket must never be left to the watchdog.
         with _unbound_default_group():
             self._pg, _ = _new_process_group_helper(address.world_size, rank, [], address.backend, prefixed,
-                                                    group_name=address.name, timeout=timeout)
+                                                    group_name=address.name, timeout=timeout + WATCHDOG_MARGIN)
 
     def _start(self, tensor: Tensor) -> Any:
         opts = dist.BroadcastOptions()
@@ -109,23 +117,29 @@ class WeightGroup:
         return self._pg.broadcast([tensor], opts)
 
     def _broadcast(self, tensor: Tensor, what: str) -> None:
-        self._received([self._start(tensor)], what)
+        deadline = time.monotonic() + self.address.timeout_s  # from before the enqueue, as the watchdog counts
+        self._received([self._start(tensor)], what, deadline)
 
-    def _received(self, works: list[Any], what: str) -> None:
-        """Returns once every broadcast in `works` has completed (every receiver has it), or raises after timeout_s.
-        Polled: an NCCL work's wait() only orders the stream, it does not wait for the receivers. A work NCCL's
-        watchdog aborted (a peer died, loomrl/collectives.py) completes with its exception set, which wait() only logs
-        under TORCH_NCCL_ASYNC_ERROR_HANDLING=2: read here, so that neither end takes a bucket that never arrived."""
-        deadline = time.monotonic() + self.address.timeout_s
+    def _received(self, works: list[Any], what: str, deadline: float) -> None:
+        """Returns once every broadcast in `works` has completed (every receiver has it), or raises by `deadline`.
+        Polled: an NCCL work's wait() only orders the stream, it does not wait for the receivers. Late: the group is
+        aborted (its kernels end) and TimeoutError raised; failed: what the work reports (a peer's error NCCL saw)."""
         for work in works:
             while not work.is_completed():
                 if time.monotonic() > deadline:
+                    self._abort()
                     raise TimeoutError(f"{what} was not received within {self.address.timeout_s:.0f}s (did the other "
-                                       "end of the weight group stop?)")
+                                       "end of the weight group stop?); the group is aborted")
                 time.sleep(0.001)
-            work.wait()  # gloo raises what failed here
+            work.wait()  # raises what failed (gloo; NCCL: an error the poll above found)
             if (err := work.exception()) is not None:
                 raise RuntimeError(f"{what} failed: {err}")
+
+    def _abort(self) -> None:
+        """End the group's pending collectives (NCCL: its communicator), so that nothing waits on a bucket that will
+        not come and no later version queues behind it; the run stops on the error (a new trainer, a new group)."""
+        with contextlib.suppress(Exception):  # already failed or torn down: nothing left to end
+            self._pg.abort()
 
     def send(self, source: WeightSource, meta: dict[str, Any]) -> None:
         """Broadcast the version `source` gives, as `meta` (describe(source)) says: bucket by bucket, or tensor by
@@ -134,8 +148,9 @@ class WeightGroup:
         if meta["wire"] == "tensors":
             plans = source.plan()
             for k, bucket in enumerate(source.buckets()):
+                deadline = time.monotonic() + self.address.timeout_s
                 works = [self._start(t.to(self.device).contiguous()) for _, t in bucket]  # each keeps its tensor alive
-                self._received(works, f"weight sync: bucket {k + 1} of {len(plans)} ({len(works)} tensors)")
+                self._received(works, f"weight sync: bucket {k + 1} of {len(plans)} ({len(works)} tensors)", deadline)
             return
         with torch.no_grad():
             plans = source.plan()

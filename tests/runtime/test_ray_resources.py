@@ -52,8 +52,11 @@ def test_an_actor_larger_than_any_node_and_strict_pack_ranks_are_told_per_node()
 def test_colocated_actors_on_the_wrong_gpus_are_named():
     from loomrl.runtime.ray_resources import colocation_mismatch
 
-    assert colocation_mismatch([["0"], ["1"]], [["0"], ["1"]]) is None
-    assert colocation_mismatch([["0"], ["1"]], [["1"], ["0"]]) == (
-        "engine actor 0 got GPU ['0'] and trainer rank 0 GPU ['1']; they must share one")
-    assert colocation_mismatch([["0"], ["0"]], [["0"], ["0"]]) == "the colocated engines got GPUs ['0', '0']: two on one GPU"
+    assert colocation_mismatch([["a/0"], ["a/1"]], [["a/0"], ["a/1"]]) is None
+    assert colocation_mismatch([["a/0"], ["a/1"]], [["a/1"], ["a/0"]]) == (
+        "engine actor 0 got GPU ['a/0'] and trainer rank 0 GPU ['a/1']; they must share one")
+    assert colocation_mismatch([["a/0"], ["a/0"]], [["a/0"], ["a/0"]]) == (
+        "the colocated engines got GPUs ['a/0', 'a/0']: two on one GPU")
+    assert colocation_mismatch([["a/0"], ["b/0"]], [["a/0"], ["b/0"]]) is None  # GPU 0 of two nodes: two GPUs
+    assert colocation_mismatch([["a/3"]], [["b/3"]]) is not None  # the same index on another node is another GPU
     assert colocation_mismatch([[]], [[]]) is not None  # no GPU at all is not colocation

@@ -170,7 +170,7 @@ def test_colocated_engine_and_trainer_ranks_share_a_gpu_each(cluster, tmp_path):
     placement = summary["ray"]["placement"]
     engines, trainers = placement["engine_gpus"], placement["trainer_gpus"]
     assert engines == trainers, placement  # rank i beside engine i
-    assert sorted(g for ids in engines for g in ids) == ["0", "1"], placement  # one GPU each, both used
+    assert sorted(g.split("/")[1] for ids in engines for g in ids) == ["0", "1"], placement  # one GPU each, both used
     check_run(tmp_path / "coloc", summary, 2)
 
 

@@ -4,6 +4,8 @@ replaced by recorders (said at each test); what is checked is what loomrl passes
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -54,16 +56,18 @@ def test_the_weight_broadcast_group_on_nccl_raises_too(monkeypatch):
 
     from loomrl.weights.group import GroupAddress, WeightGroup, host_store
 
-    seen = []
+    seen, timeouts = [], []
     monkeypatch.delenv(ERROR_HANDLING_VAR, raising=False)
-    monkeypatch.setattr(distributed_c10d, "_new_process_group_helper",
-                        lambda *a, **kw: seen.append((a[3], os.environ.get(ERROR_HANDLING_VAR))) or (None, None))
     store = host_store("127.0.0.1", 1, 10)
+    monkeypatch.setattr(distributed_c10d, "_new_process_group_helper",
+                        lambda *a, **kw: seen.append((a[3], os.environ.get(ERROR_HANDLING_VAR)))
+                        or timeouts.append(kw["timeout"].total_seconds()) or (None, None))
     for backend in ("gloo", "nccl"):
         address = GroupAddress(host="127.0.0.1", port=store.port, world_size=1, name=f"t-{backend}", timeout_s=10,
                                backend=backend)
         WeightGroup(address, 0, torch.device("cpu"), store=store)
     assert seen == [("gloo", None), ("nccl", "2")]
+    assert timeouts == [130, 130]  # past loomrl's own deadline (10 s): the watchdog never acts first
 
 
 def test_which_errors_are_the_group_s():
@@ -119,4 +123,32 @@ def test_an_aborted_broadcast_is_an_error_at_either_end():
     group = WeightGroup.__new__(WeightGroup)  # no rendezvous: only the wait is tested
     group.address = GroupAddress(host="h", port=1, world_size=2, name="n", timeout_s=5, backend="nccl")
     with pytest.raises(RuntimeError, match="weight sync: bucket 3 of 9 failed: Watchdog caught"):
-        group._received([_Work()], "weight sync: bucket 3 of 9")
+        group._received([_Work()], "weight sync: bucket 3 of 9", time.monotonic() + 5)
+
+
+class _Late(_Work):
+    """A broadcast that never completes (a receiver gone), and the group's abort, recorded."""
+
+    def __init__(self, log: list[str]):
+        self.log = log
+
+    def is_completed(self) -> bool:
+        return False
+
+    def abort(self) -> None:
+        self.log.append("abort")
+
+
+def test_a_late_bucket_aborts_the_group_at_loomrls_deadline_not_the_watchdogs():
+    """NCCL's watchdog keeps a timed-out work's exception on its own copy; after its abort the work reads as completed
+    without one. So the weight group's own timeout is longer (WATCHDOG_MARGIN) and loomrl's deadline aborts it first."""
+    from loomrl.weights.group import GroupAddress, WeightGroup
+
+    log: list[str] = []
+    group = WeightGroup.__new__(WeightGroup)
+    group.address = GroupAddress(host="h", port=1, world_size=2, name="n", timeout_s=0.2, backend="nccl")
+    group._pg = _Late(log)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="bucket 1 of 2 was not received within 0s .* the group is aborted"):
+        group._received([_Late(log)], "weight sync: bucket 1 of 2", time.monotonic() + 0.2)
+    assert log == ["abort"] and time.monotonic() - start < 5

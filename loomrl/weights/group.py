@@ -103,13 +103,15 @@ class WeightGroup:
         prefixed = dist.PrefixStore(f"tcp://{address.host}:{address.port}", store)
         if address.backend == "nccl":  # a receiver that dies mid-version: an error at both ends, not a teardown
             bounded_nccl()
-        # The group's own timeout (NCCL's watchdog) outlasts loomrl's per-bucket deadline (`_received`), so a bucket
+        # NCCL: the group's own timeout (its watchdog's) outlasts loomrl's per-bucket deadline (`_received`), so a bucket
         # that is late is this code's TimeoutError first, and the group is aborted here then: the watchdog's copy of a
         # work keeps its exception to itself (ProcessGroupNCCL workMetaList_), and after its abort the work reads as
         # completed with none, so a late bucket must never be left to the watchdog.
         with _unbound_default_group():
             self._pg, _ = _new_process_group_helper(address.world_size, rank, [], address.backend, prefixed,
-                                                    group_name=address.name, timeout=timeout + WATCHDOG_MARGIN)
+                                                    group_name=address.name,
+                                                    timeout=timeout + WATCHDOG_MARGIN if address.backend == "nccl"
+                                                    else timeout)  # gloo raises in the caller, and meets by it
 
     def _start(self, tensor: Tensor) -> Any:
         opts = dist.BroadcastOptions()

@@ -437,7 +437,8 @@ request = GenerationRequest(prompt_ids=[1, 2, 3, 4], sampling=SamplingParams(max
 out = {"versions": []}
 for version in (1, 2):
     g = torch.Generator().manual_seed(version)
-    weights = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
+    # the parameters as a trainer publishes them (tied ones once: a different lm_head would not be this model)
+    weights = {k: v.detach() + 0.05 * torch.randn(v.shape, generator=g) for k, v in model.named_parameters()}
     handle = publisher.publish(weights, version)
     assert handle.transport is Transport.BROADCAST
     timings = ray.get([e.update_weights.remote(handle) for e in engines], timeout=120)

@@ -120,9 +120,10 @@ class BuiltinEngine(TakesTensors):
 
     def weight_fingerprint(self, expected: Fingerprint) -> Fingerprint:
         """The fingerprint of the model's parameters (what update_weights loads into), under the lock: no load runs
-        meanwhile. A published name the model lacks is left out (it reads as differing: the load never reached it)."""
+        meanwhile. A published name the model lacks is left out (it reads as differing: the load never reached it).
+        Tied names are each readable (lm_head.weight, the embeddings' alias), as a state dict publishes them."""
         with self._cond:
-            return fingerprint_of(dict(self.model.named_parameters()), expected)
+            return fingerprint_of(dict(self.model.named_parameters(remove_duplicate=False)), expected)
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run `fn` on the engine's thread between two steps (the hybrid trainer borrows it).

@@ -127,6 +127,10 @@ class RayBackend(Backend):
         self.weights: WeightHandle | None = None  # the latest published version
         self.step_weights: Any = None  # ObjectRef of the trainer's newest weights, not yet published
         self.syncs: list = []  # update_weights calls not yet read for the metrics
+        # broadcast: which trainer actor (its start's count) sent each sync's version; a load of a version whose
+        # trainer died mid-broadcast fails, and the fresh trainer's next version supersedes it
+        self.trainer_starts = 0
+        self.sync_sender: dict[Any, int] = {}
         self.rollout_restarts = 0
         self.pids: dict[str, list[int | None]] = {}  # reward / env actors' processes at the start
         self.placement: dict[str, Any] = {}  # where the first actors ran
@@ -304,6 +308,7 @@ class RayBackend(Backend):
 
     async def start_trainer(self, extra: dict[str, Any]) -> TrainerState:
         spec, world = self.cfg.ray.trainer, self.cfg.trainer.world_size
+        self.trainer_starts += 1
         await self._reserve_trainer()
         self.trainer = self._actor(TrainerActor, spec, max_restarts=0,
                                    **self._trainer_options(0)).remote(self.cfg_json, extra)
@@ -390,7 +395,9 @@ class RayBackend(Backend):
             self.weights = WeightHandle(transport=Transport.RAY, version=version, nbytes=0, payload=self.step_weights)
         if self.engines:  # the engine actors load it (the board first: one restarted meanwhile reads it there)
             await self.board.post.remote(self.weights)
-            self.syncs.extend(engine.update_weights.remote(self.weights) for engine in self.engines)
+            refs = [engine.update_weights.remote(self.weights) for engine in self.engines]
+            self.sync_sender.update(dict.fromkeys(refs, self.trainer_starts))
+            self.syncs.extend(refs)
             return
         for slot in self.workers:
             self.syncs.append(slot.handle.update_weights.remote(self.weights))
@@ -462,6 +469,7 @@ class RayBackend(Backend):
         done, self.syncs = self.ray.wait(self.syncs, num_returns=len(self.syncs), timeout=0)
         timings = []
         for ref in done:
+            sender = self.sync_sender.pop(ref, self.trainer_starts)
             try:
                 timings.append(self.ray.get(ref))
             except self.ray.exceptions.RayActorError as err:  # that actor died: supervision replaces it
@@ -469,6 +477,10 @@ class RayBackend(Backend):
                     raise self._engine_lost(err) from None
                 continue
             except self.ray.exceptions.RayError as err:  # a live engine could not load the trainer's weights:
+                if self.broadcast and sender < self.trainer_starts:  # its trainer died mid-broadcast; the fresh
+                    log.info("ray: a version whose trainer actor died while broadcasting it was not loaded (the new "
+                             "trainer's next version replaces it): %s", str(err).splitlines()[-1][:200])
+                    continue
                 # every actor gets the same ones, so retrying cannot help (and the engine refuses requests)
                 raise RunError("run error: a rollout actor's engine could not load the trainer's weights:\n"
                                + "\n".join(str(err).splitlines()[-3:])) from None

@@ -60,3 +60,35 @@ def test_colocated_actors_on_the_wrong_gpus_are_named():
     assert colocation_mismatch([["a/0"], ["b/0"]], [["a/0"], ["b/0"]]) is None  # GPU 0 of two nodes: two GPUs
     assert colocation_mismatch([["a/3"]], [["b/3"]]) is not None  # the same index on another node is another GPU
     assert colocation_mismatch([[]], [[]]) is not None  # no GPU at all is not colocation
+
+
+def test_a_broadcast_load_whose_trainer_died_is_superseded_not_a_run_error():
+    """runtime.weight_transport=broadcast: a trainer actor killed mid-broadcast fails its receivers' load ("Connection
+    closed by peer"); the fresh trainer's next version replaces it, so the run goes on. The same failure of the live
+    trainer's version stops the run. Ray is replaced by a stand-in of the three calls step_metrics makes (wait, get,
+    its exception classes): what is tested is the backend's decision, not Ray."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from loomrl.runtime.driver import RunError
+    from loomrl.runtime.ray_backend import RayBackend
+
+    class RayError(Exception):
+        pass
+
+    class RayActorError(RayError):
+        pass
+
+    def get(ref):
+        raise RayError("RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:18870")
+
+    backend = RayBackend.__new__(RayBackend)  # no cluster: only step_metrics's bookkeeping
+    backend.ray = SimpleNamespace(wait=lambda refs, num_returns, timeout: (list(refs), []), get=get,
+                                  exceptions=SimpleNamespace(RayError=RayError, RayActorError=RayActorError))
+    backend.broadcast, backend.engines, backend.rollout_restarts = True, [object()], 0
+    backend.trainer_starts, backend.sync_sender, backend.syncs = 2, {"sent by trainer 1": 1}, ["sent by trainer 1"]
+    assert backend.step_metrics() == {"ray/rollout_restarts": 0.0}  # superseded: logged, not raised
+    backend.sync_sender, backend.syncs = {"sent by trainer 2": 2}, ["sent by trainer 2"]
+    with pytest.raises(RunError, match="could not load the trainer's weights"):
+        backend.step_metrics()

@@ -46,6 +46,9 @@ class Task:
     split: str = "train"
     family: str = ""
     data: dict[str, Any] = field(default_factory=dict)
+    # The opening chat messages when the task brings its own (a dataset's system prompt, few-shot turns and prompt
+    # messages: loomrl/data/); None: the environment builds them from `prompt`. `prompt` is then the last user text.
+    messages: list[dict[str, Any]] | None = None
 
 
 @dataclass(slots=True, kw_only=True)

@@ -5,8 +5,8 @@ tokenizer), the calculator environment, trainer.groups_per_step=8 x group_size=8
 step, at most --slots (64) environments in use at once in either arm. Everything is real (the driver,
 the built-in engine, the GRPO trainer, the env pool, the trajectory store) except one thing:
 
-  SIMULATED: every env step first waits a lognormal time (env.calculator.step_latency_s = mean, default 0.5 s;
-  env.calculator.step_latency_sigma = sigma of the underlying normal, default 0.5), standing in for a slow tool
+  SIMULATED: every env step first waits a lognormal time (env.args.step_latency_s = mean, default 0.5 s;
+  env.args.step_latency_sigma = sigma of the underlying normal, default 0.5), standing in for a slow tool
   or remote environment. A random model rarely calls the tool, so most episodes end at their first env
   step (the number of turns is printed).
 
@@ -146,7 +146,7 @@ def run_arm(args, mode: str, out_dir: str, tag: str) -> dict:
         f"name=b1-{mode}-{tag}", f"output_dir={out_dir}", f"seed={args.seed}", "progress=false",
         "checkpoint_every=0", "model.kind=tiny", f"sampling.max_tokens={args.max_tokens}",
         f"agent.max_turns={args.max_turns}", "agent.max_context_tokens=512",
-        f"env.calculator.step_latency_s={args.latency}", f"env.calculator.step_latency_sigma={args.sigma}", "env.n_train=256",
+        f"env.args.step_latency_s={args.latency}", f"env.args.step_latency_sigma={args.sigma}", "env.n_train=256",
         "env.n_heldout=16", "eval.n_tasks=0", "eval.before=false", "eval.after=false",
         f"trainer.groups_per_step={args.groups}", f"trainer.group_size={args.group_size}",
         f"trainer.total_steps={args.steps}", "trainer.micro_batch_size=16", "trainer.lr=1e-4",

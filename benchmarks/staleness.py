@@ -72,8 +72,8 @@ def no_reward(traj, task) -> dict[str, float]:
 def _overrides(out: Path, name: str, args) -> list[str]:
     return [f"output_dir={out}", f"name={name}", "progress=false", "seed=0", f"trainer.total_steps={args.steps}",
             f"trainer.groups_per_step={args.groups}", f"trainer.group_size={args.group_size}", f"trainer.lr={args.lr}", f"model.tiny.init_std={args.init_std}",
-            "sampling.max_tokens=6", "agent.max_turns=1", f"env.n_train={args.prompts}", f"env.calculator.step_latency_s={args.latency}",
-            f"env.calculator.step_latency_sigma={args.sigma}", "eval.n_tasks=0", "checkpoint_every=0"]
+            "sampling.max_tokens=6", "agent.max_turns=1", f"env.n_train={args.prompts}", f"env.args.step_latency_s={args.latency}",
+            f"env.args.step_latency_sigma={args.sigma}", "eval.n_tasks=0", "checkpoint_every=0"]
 
 
 def make_target(out: Path, args) -> tuple[Path, float]:

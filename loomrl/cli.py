@@ -109,8 +109,7 @@ def _validate_tasks(args) -> int:
 
     from tqdm import tqdm
 
-    from loomrl.env.registry import validate_codefix, write_validation_report
-    from loomrl.env.tasks.codefix import codefix_specs
+    from loomrl.env.tasks.codefix import codefix_specs, validate_codefix, write_validation_report
 
     specs = list(codefix_specs(args.families).values())
     with tqdm(total=len(specs), desc="validate", file=sys.stderr) as bar:

@@ -178,29 +178,13 @@ class EngineConfig(_Section):
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
 
-class CalculatorConfig(_Section):
-    """env.name=calculator only."""
-
-    heldout_families: list[str] | None = None  # default: the same as env.families
-    crash_rate: float = Field(0.0, ge=0.0, le=1.0)  # fault injection: a tool call crashes its process
-    hang_rate: float = Field(0.0, ge=0.0, le=1.0)  # fault injection: a tool call hangs until its timeout
-    # simulated environment latency (benchmarks): every env step first waits a lognormal time with this
-    # mean and sigma (of the underlying normal); 0 = none. Declared wherever a result uses it.
-    step_latency_s: float = Field(0.0, ge=0.0)
-    step_latency_sigma: float = Field(0.5, ge=0.0)
-    few_shot: Literal["none", "bare", "word", "distract"] = "word"  # worked examples shown before the task
-
-
-class GymConfig(_Section):
-    """env.name=gym only."""
-
-    # game: two moves of the same game, played on a real env, shown before the task (Blackjack: two one-move hands);
-    # SmolLM2-135M replies with no valid move without them (loomrl/env/tasks/gym_text.py)
-    few_shot: Literal["none", "game"] = "none"
-
-
 class EnvConfig(_Section):
-    name: Literal["calculator", "codefix", "gym"] = "calculator"
+    # The environment (loomrl/env/api.py, docs/environments.md): a built-in one (calculator, codefix, gym, chat), an
+    # installed plugin (a `loomrl.envs` entry point), package.module:Factory, or verifiers:<environment id>
+    name: str = "calculator"
+    # the environment's own settings, validated by its own model at load (calculator: few_shot, crash_rate, ...;
+    # gym: few_shot); a wrong field stops with one line naming env.args.<field>
+    args: dict[str, Any] = Field(default_factory=dict)
     # task families: calculator (default add, sub, mul), codefix bug families, or gym games
     # (FrozenLake, Taxi, CliffWalking, Blackjack); None = the environment's default (codefix, gym: all)
     families: list[str] | None = None
@@ -220,8 +204,6 @@ class EnvConfig(_Section):
     # stops with the sandbox's own error (a backend that cannot work here must not hang the run)
     sandbox_max_failures: int = Field(5, gt=0)
     tool_timeout_s: float = Field(5.0, gt=0.0)  # a tool call (calculator) or command (codefix) runs at most this
-    calculator: CalculatorConfig = Field(default_factory=CalculatorConfig)
-    gym: GymConfig = Field(default_factory=GymConfig)
 
 
 class ContextConfig(_Section):
@@ -260,8 +242,6 @@ class RewardConfig(_Section):
     # "module:function" of a custom reward (trajectory, task) -> {component: value}; default: the
     # calculator's exact-answer + format reward.
     function: str | None = None
-    correct: float = 1.0
-    format_weight: float = Field(0.1, ge=0.0)
     workers: int = Field(2, gt=0)
 
 
@@ -651,8 +631,11 @@ def _known_fields(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
 _MOVED = {
     **{f"ray.{k}": f"runtime.{k} (the driver retries on every backend)" for k in ("max_group_attempts", "retry_backoff_s")},
     "ray.max_trainer_restarts": "runtime.max_trainer_restarts (one setting for every backend)",
-    **{f"env.{k}": f"env.calculator.{k} (calculator only)"
+    **{f"env.{k}": f"env.args.{k} (env.name=calculator's own settings)"
        for k in ("heldout_families", "crash_rate", "hang_rate", "step_latency_s", "step_latency_sigma", "few_shot")},
+    **{f"reward.{k}": f"env.args.{k} (env.name=calculator's own reward settings)" for k in ("correct", "format_weight")},
+    **{f"env.{name}": "env.args (an environment's own settings live there: env.args.<field>, e.g. env.args.few_shot)"
+       for name in ("calculator", "gym")},
     "trainer.clip_eps": "trainer.loss.clip_low",
     **{f"trainer.{k}": f"trainer.loss.{k}"
        for k in ("clip_high", "is_level", "is_variant", "is_cap", "kl", "kl_coef", "aggregation", "norm_constant")},
@@ -789,7 +772,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         base = Path(path).resolve().parent
         config.agent.files = [str(f if Path(f).is_absolute() else base / f) for f in config.agent.files]
     from loomrl.devices import check_run_devices  # imports torch: deferred until a config is loaded
-    from loomrl.env.registry import check_env_config  # imports config: deferred as well
+    from loomrl.env.api import environment_for  # imports config: deferred as well
+    from loomrl.env.registry import check_env_config
 
     check_env_config(config)  # env.families, env.sandbox_limits: refused here, not minutes later in a worker
     check_run_devices(config)
@@ -807,9 +791,10 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if not config.agent.command:
             raise ConfigError("config error: agent.command: a black-box agent needs the program to run, "
                               "e.g. [python3, agent.py]")
-        if config.env.name != "calculator":
-            raise ConfigError("config error: agent.kind=blackbox works with env.name=calculator so far (its verifier "
-                              "reads the program's final answer)")
+        if not environment_for(config).takes_blackbox:
+            raise ConfigError(f"config error: agent.kind=blackbox: env.name={config.env.name} takes no black-box "
+                              "agents (its Environment has no answer_of to read a program's final answer; the "
+                              "calculator has one)")
         if config.runtime.backend == "ray" and config.ray.env.count:
             raise ConfigError("config error: ray.env.count: a black-box agent reaches the gateway through a "
                               "socket mounted into its sandbox, so its sandboxes must run on the rollout actor's "

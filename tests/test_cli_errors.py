@@ -29,8 +29,8 @@ def test_an_unknown_calculator_family_names_the_field_the_name_and_the_choices(c
     line = _one_line(capsys, ["train", RECIPE, "env.families=[distract_add, nope]", f"output_dir={tmp_path}"])
     assert line == ("config error: env.families: unknown calculator family 'nope'; choose from add, add_add, "
                     "add_sub, distract_add, distract_mul, distract_sub, div, expr, mul, mul_add, sub")
-    line = _one_line(capsys, ["train", RECIPE, "env.calculator.heldout_families=[add, plus]"])
-    assert line.startswith("config error: env.calculator.heldout_families: unknown calculator family 'plus'; ")
+    line = _one_line(capsys, ["train", RECIPE, "env.args.heldout_families=[add, plus]"])
+    assert line.startswith("config error: env.args.heldout_families: unknown calculator family 'plus'; ")
 
 
 def test_an_unknown_gym_game_names_env_families_and_the_games(capsys, tmp_path):

@@ -74,9 +74,13 @@ def test_moved_ray_and_runtime_fields_name_their_new_place():
     with pytest.raises(ConfigError, match="'trainer.clip_eps' moved: use trainer.loss.clip_low"):
         load_config(None, ["trainer.clip_eps=0.3"])
     assert load_config(None, ["trainer.loss.kind=gspo"]).trainer.loss.kind == "gspo"
-    with pytest.raises(ConfigError, match="'env.crash_rate' moved: use env.calculator.crash_rate"):
+    with pytest.raises(ConfigError, match="'env.crash_rate' moved: use env.args.crash_rate"):
         load_config(None, ["env.crash_rate=0.3"])
-    assert load_config(None, ["env.calculator.crash_rate=0.3"]).env.calculator.crash_rate == 0.3
+    with pytest.raises(ConfigError, match="'env.calculator' moved: use env.args"):
+        load_config(None, ["env.calculator.crash_rate=0.3"])
+    with pytest.raises(ConfigError, match="'reward.format_weight' moved: use env.args.format_weight"):
+        load_config(None, ["reward.format_weight=0"])
+    assert load_config(None, ["env.args.crash_rate=0.3"]).env.args == {"crash_rate": 0.3}
     cfg = load_config(None, ["ray.rollout.count=4", "ray.rollout.num_gpus=0.5", "ray.trainer.num_gpus=1",
                              "runtime.max_trainer_restarts=1"])
     assert (cfg.ray.rollout.count, cfg.ray.rollout.num_gpus, cfg.ray.trainer.num_gpus) == (4, 0.5, 1.0)

@@ -18,20 +18,20 @@ from loomrl.config import RunConfig, TrainerConfig
 from loomrl.engine.actor import RemoteEngine, WeightGate
 from loomrl.engine.base import Engine
 from loomrl.engine.factory import make_engine
-from loomrl.env.registry import env_family
+from loomrl.env.registry import tasks_for
 from loomrl.env.remote import RemoteEnvPool
 from loomrl.model.chat import ChatRenderer
 from loomrl.model.loader import load_engine_model, load_tokenizer
 from loomrl.reward.actor import RemoteRewardPool
 from loomrl.rollout.worker import RolloutWorker
-from loomrl.types import Evaluation, Trajectory
+from loomrl.types import Evaluation, Task, Trajectory
 from loomrl.weights.handle import WeightHandle
 
 
 class RolloutSide:
     """A RolloutWorker, its engine over the run's model (`checkpoint`'s, else model config's: see
     load_engine_model; `trainer`: loaded as the trainer's, for a sync run; for vLLM and SGLang a skeleton without
-    weights) and the env family's splits; `eval_tasks`: the held-out tasks an evaluation runs.
+    weights) and the run's task splits (registry.tasks_for); `eval_tasks`: the held-out tasks an evaluation runs.
     `pools`: the worker's reward_pool and env_pool."""
 
     def __init__(self, cfg: RunConfig, checkpoint: Path | None, *, trainer: TrainerConfig | None = None,
@@ -41,10 +41,12 @@ class RolloutSide:
         # and a family may run one of its own to build its tasks (codefix validates its corpus in local
         # sandboxes, once per process).
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            train_tasks, heldout = pool.submit(env_family(cfg.env.name).splits, cfg).result()
+            train_tasks, heldout = pool.submit(tasks_for, cfg).result()
         # the first eval.n_tasks of each held-out split (heldout, heldout_templates: see env/registry.py)
-        splits = dict.fromkeys(t.split for t in heldout)
-        self.eval_tasks = [t for s in splits for t in [t for t in heldout if t.split == s][: cfg.eval.n_tasks]]
+        by_split: dict[str, list[Task]] = {}
+        for t in heldout:
+            by_split.setdefault(t.split, []).append(t)
+        self.eval_tasks = [t for tasks in by_split.values() for t in tasks[: cfg.eval.n_tasks]]
         torch.manual_seed(cfg.seed)
         if engine_actor is not None:  # the engine is an actor of its own (ray.engine.count > 0): tokenizer only
             self.model, self.tokenizer = None, load_tokenizer(cfg.model)

@@ -18,6 +18,7 @@ import shutil
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict
 
 from loomrl.agent.blackbox import BlackBoxRunner, read_agent_files
@@ -27,8 +28,9 @@ from loomrl.agent.loop import AgentLoop
 from loomrl.agent.priorities import ProgramPriorities
 from loomrl.config import RunConfig
 from loomrl.engine.base import Engine, SamplingParams
+from loomrl.env.api import EpisodeContext, environment_for
 from loomrl.env.pool import Leases, sandbox_pool
-from loomrl.env.registry import env_family, sandbox_pool_size
+from loomrl.env.registry import sandbox_pool_size
 from loomrl.model.chat import ChatRenderer
 from loomrl.reward import RewardPool, import_reward
 from loomrl.types import EvalRecord, Evaluation, RewardFn, RolloutStatus, Score, Task, Trajectory
@@ -66,9 +68,9 @@ class DataOrder:
 
 
 def reward_fn_for(cfg: RunConfig) -> RewardFn:
-    """The run's reward function: reward.function, else the environment family's verifier (for a
+    """The run's reward function: reward.function, else the environment's own reward (for a
     black-box agent with agent.reward_from_agent, what the program reported when it did)."""
-    reward_fn = import_reward(cfg.reward.function) if cfg.reward.function else env_family(cfg.env.name).reward(cfg)
+    reward_fn = import_reward(cfg.reward.function) if cfg.reward.function else environment_for(cfg).reward
     if cfg.agent.kind == "blackbox" and cfg.agent.reward_from_agent:
         verifier = reward_fn
 
@@ -99,7 +101,7 @@ def rollout_concurrency(cfg: RunConfig) -> int:
 
 
 class RolloutWorker:
-    def __init__(self, cfg: RunConfig, engine: Engine, renderer: ChatRenderer, train_tasks: list[Task],
+    def __init__(self, cfg: RunConfig, engine: Engine, renderer: ChatRenderer, train_tasks: Sequence[Task],
                  reward_pool: RewardPool | None = None, env_pool: Leases | None = None):
         """`reward_pool`: where trajectories are scored (default: threads of this process; on Ray
         it may be the reward actors, reward/actor.py RemoteRewardPool). `env_pool`: where white-box
@@ -110,7 +112,7 @@ class RolloutWorker:
         self.renderer = renderer
         self.train_tasks = train_tasks
         self.order = DataOrder(len(train_tasks), cfg.seed)
-        self.family = env_family(cfg.env.name)
+        self.environment = environment_for(cfg)
         self.reward_pool = reward_pool or RewardPool(reward_fn_for(cfg), workers=cfg.reward.workers)
         self._env_rng = random.Random(f"{cfg.seed}:env")
         self._retry_rng = random.Random(f"{cfg.seed}:retry")
@@ -150,7 +152,7 @@ class RolloutWorker:
     async def env_pool(self, binds: dict[str, str] | None = None) -> Leases | None:
         """The sandbox pool, made and pre-warmed on first use (inside the run's event loop); None for
         environments that need no sandbox."""
-        use = "episode" if self.cfg.agent.kind == "blackbox" else self.family.sandbox_use
+        use = "episode" if self.cfg.agent.kind == "blackbox" else self.environment.sandbox
         if use is None:
             return None
         if self._pool is None:
@@ -191,8 +193,8 @@ class RolloutWorker:
                           max_wall_s=a.trajectory_timeout_s))
 
     async def _run_blackbox(self, loop: AgentLoop, task: Task, group_id: str, position: int) -> Trajectory:
-        answer_of = self.family.answer_of
-        assert answer_of is not None, "config.load_config refuses black-box agents for this env"
+        assert self.environment.takes_blackbox, "config.load_config refuses black-box agents for this env"
+        answer_of = self.environment.answer_of
         assert self._blackbox is not None, "ready() starts it"
         run = await self._blackbox.run(task, group_id=group_id, position=position, sampling=loop.sampling)
         traj = run.trajectory
@@ -239,9 +241,11 @@ class RolloutWorker:
         if self.cfg.agent.kind == "blackbox":
             traj = await self._run_blackbox(loop, task, group_id, position)
         else:
-            env = self.family.make_env(self.cfg, await self.env_pool(), random.Random(self._env_rng.random()))
+            env = self.environment.episode(EpisodeContext(pool=await self.env_pool(), rng=random.Random(
+                self._env_rng.random()), tool_timeout_s=self.cfg.env.tool_timeout_s))
             try:
                 traj = await loop.run(env, task, group_id=group_id, position=position)
+                traj.metadata.env_version = self.environment.version  # the environment's, whichever Env ran it
                 if traj.status == RolloutStatus.TRUNCATED:
                     try:  # e.g. codefix: run the tests on what the agent left
                         answer = await env.finalize()
@@ -283,7 +287,7 @@ class RolloutWorker:
         by_split: dict[str, list[bool]] = {task.split: [] for task in tasks}  # a split whose episodes all failed: n=0
         for tr, task in zip(trajs, tasks):
             if tr.scored:  # one that could not be played out is no success and no failure
-                by_split[task.split].append(tr.final_answer == task.answer)
+                by_split[task.split].append(self.environment.success(tr, task))
         total = Score.of([hit for hits in by_split.values() for hit in hits])
         record = EvalRecord(success=total.success, n=total.n, stderr=total.stderr,
                             statuses=dict(Counter(tr.ending for tr in trajs)),

@@ -38,7 +38,7 @@ from loomrl.actor_support import actor_error_line, constructor_failed
 from loomrl.config import Placement, RunConfig
 from loomrl.engine.actor import EngineActor, WeightBoard
 from loomrl.engine.base import EngineMetrics
-from loomrl.env.registry import env_family
+from loomrl.env.api import environment_for
 from loomrl.env.remote import EnvActor
 from loomrl.env.sandbox import SandboxError
 from loomrl.reward.actor import RewardActor
@@ -137,7 +137,7 @@ class RayBackend(Backend):
         self.owns_ray = False
         self.address = cluster_address(cfg.ray.address, os.environ)
         self.local_cluster = self.address == "local"  # one loomrl starts here, and shuts down at the end
-        self.asks = run_asks(cfg, env_actors=env_family(cfg.env.name).sandbox_use is not None)
+        self.asks = run_asks(cfg, env_actors=environment_for(cfg).sandbox is not None)
         # runtime.weight_transport=broadcast: the trainer actor broadcasts each version to the engine actors (NCCL
         # between GPUs), nothing through the object store; an engine actor that dies then stops the run
         self.broadcast = cfg.runtime.weight_transport == "broadcast"
@@ -193,7 +193,7 @@ class RayBackend(Backend):
         r = self.cfg.ray
         if not r.env.count:
             return []
-        if env_family(self.cfg.env.name).sandbox_use is None:
+        if environment_for(self.cfg).sandbox is None:
             log.warning("ray.env.count=%d ignored: env %s uses no sandbox", r.env.count, self.cfg.env.name)
             return []
         share = math.ceil(rollout_concurrency(self.cfg) * r.rollout.count / r.env.count)

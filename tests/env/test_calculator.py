@@ -189,5 +189,5 @@ def test_an_unknown_family_is_a_config_error_before_any_lookup():
     with pytest.raises(ConfigError) as err:
         make_splits(["distract_add", "nope"], ["distract_add"], 10, 2, seed=0)
     assert str(err.value).startswith("config error: env.families: unknown calculator family 'nope'; choose from add, ")
-    with pytest.raises(ConfigError, match="^config error: env.calculator.heldout_families: unknown calculator family"):
+    with pytest.raises(ConfigError, match="^config error: env.args.heldout_families: unknown calculator family"):
         make_splits(["add"], ["add", "nope"], 10, 2, seed=0)

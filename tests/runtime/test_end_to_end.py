@@ -136,7 +136,7 @@ def test_crashing_tool_is_recorded_on_its_trajectory_and_siblings_finish(tmp_pat
     from loomrl.model.chat import ChatRenderer
     from loomrl.rollout.worker import RolloutWorker
 
-    cfg = _cfg(tmp_path, "env.calculator.crash_rate=0.5", "trainer.group_size=8", "reward.function=null")
+    cfg = _cfg(tmp_path, "env.args.crash_rate=0.5", "trainer.group_size=8", "reward.function=null")
     train, _ = make_splits(cfg.env.families, cfg.env.families, 10, 2, cfg.env.seed)
     task = train[0]
     engine = ScriptedEngine(tokenizer, [f"calc({task.data['expression']})", f"The answer is {task.answer}."])
@@ -204,7 +204,7 @@ def test_flaky_environment_run_completes_and_the_counts_add_up(tmp_path, tokeniz
     """Tools crash or hang at configured rates during a real (sync) run with real sandboxes; the scripted
     engine makes every trajectory call the tool, since the random tiny model never would."""
     cfg = _cfg(tmp_path, "name=flaky", "runtime.mode=sync", "trainer.total_steps=2", "eval.n_tasks=4",
-               "env.calculator.crash_rate=0.3", "env.calculator.hang_rate=0.3", "env.tool_timeout_s=0.5", "reward.function=null")
+               "env.args.crash_rate=0.3", "env.args.hang_rate=0.3", "env.tool_timeout_s=0.5", "reward.function=null")
     monkeypatch.setattr("loomrl.rollout.actor.make_engine", lambda cfg, model, tok, version: ScriptedEngine(
         tokenizer, ["calc(2 + 3)", "The answer is 5."]))
     summary = train(cfg)
@@ -231,7 +231,7 @@ def test_flaky_environment_with_retries_reruns_failed_episodes_and_records_why(t
     """agent.retry_on: episodes that end env_error or timeout are run again (bounded, with backoff);
     the kept attempt names the earlier failures; the counts still add up."""
     cfg = _cfg(tmp_path, "name=retry", "runtime.mode=sync", "trainer.total_steps=2", "eval.n_tasks=4",
-               "env.calculator.crash_rate=0.3", "env.calculator.hang_rate=0.3", "env.tool_timeout_s=0.5", "reward.function=null",
+               "env.args.crash_rate=0.3", "env.args.hang_rate=0.3", "env.tool_timeout_s=0.5", "reward.function=null",
                "agent.retry_on=[env_error, timeout]", "agent.max_retries=3", "agent.retry_backoff_s=0.01")
     monkeypatch.setattr("loomrl.rollout.actor.make_engine", lambda cfg, model, tok, version: ScriptedEngine(
         tokenizer, ["calc(2 + 3)", "The answer is 5."]))

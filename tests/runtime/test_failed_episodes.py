@@ -31,7 +31,7 @@ def _cfg(tmp_path, *overrides):
 def test_evaluation_scores_only_the_episodes_played_out(tmp_path, tokenizer):
     from loomrl.env.tasks.calculator import make_splits
 
-    cfg = _cfg(tmp_path, "env.calculator.crash_rate=0.5")
+    cfg = _cfg(tmp_path, "env.args.crash_rate=0.5")
     _, heldout = make_splits(cfg.env.families, cfg.env.families, 10, 16, cfg.env.seed)
     tasks = [dataclasses.replace(t, answer="5") for t in heldout]  # the scripted policy answers 5, always right
     engine = ScriptedEngine(tokenizer, ["calc(2 + 3)", "The answer is 5."])

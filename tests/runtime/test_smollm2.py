@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_one_sync_step_with_crashing_tools_completes_and_records_them(tmp_path):
     cfg = load_config(ROOT / "examples" / "calculator_smollm2.yaml", [
         f"output_dir={tmp_path}", "name=flaky", "progress=false", "trainer.total_steps=1",
-        "trainer.groups_per_step=4", "env.calculator.crash_rate=0.3", "eval.n_tasks=0", "trainer.freeze_layers=20",
+        "trainer.groups_per_step=4", "env.args.crash_rate=0.3", "eval.n_tasks=0", "trainer.freeze_layers=20",
     ])
     summary = train(cfg)
     assert summary["steps"] == 1

@@ -21,13 +21,18 @@ import asyncio
 import math
 import random
 import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from loomrl.config import ConfigError
+from loomrl.env.api import Environment, EpisodeContext, TaskSetup, opening_messages
 from loomrl.env.base import Env, EnvCrash, Observation, StepResult, ToolTimeout
-from loomrl.env.pool import EnvPool
+from loomrl.env.pool import Leases
 from loomrl.env.registry import template_splits
 from loomrl.model.tools import parse_tool_calls
-from loomrl.types import Task
+from loomrl.reward.calculator import calculator_reward
+from loomrl.types import Task, Trajectory
 
 ENV_VERSION = "calculator-v1"
 
@@ -265,7 +270,7 @@ def make_splits(families: list[str], heldout_families: list[str], n_train: int, 
     """Fixed train and held-out splits with no question in both; with `heldout_template_share`, also a
     `heldout_templates` split on templates training never uses (see registry.template_splits)."""
     check_families(families)  # before any lookup by name: an unknown one is the user's typo, not a KeyError
-    check_families(heldout_families, "env.calculator.heldout_families")
+    check_families(heldout_families, "env.args.heldout_families")
     return template_splits(lambda split, n, templates, exclude: generate_tasks(
         families if split == "train" else heldout_families, n, seed, split, exclude, templates),
         template_ids(sorted(set(families) | set(heldout_families))), n_train, n_heldout, seed, heldout_template_share)
@@ -287,7 +292,7 @@ class CalculatorEnv(Env):
     version = ENV_VERSION
     tools = TOOLS
 
-    def __init__(self, pool: EnvPool, *, tool_timeout_s: float = 5.0, crash_rate: float = 0.0,
+    def __init__(self, pool: Leases, *, tool_timeout_s: float = 5.0, crash_rate: float = 0.0,
                  hang_rate: float = 0.0, few_shot: str = "word", rng: random.Random | None = None,
                  step_latency_s: float = 0.0, step_latency_sigma: float = 0.5):
         self.pool = pool
@@ -300,13 +305,12 @@ class CalculatorEnv(Env):
         self.rng = rng or random.Random()
 
     async def reset(self, task: Task) -> Observation:
-        messages: list[dict] = [{"role": "system", "content": SYSTEM_PROMPT}]
+        shots: list[dict] = []
         for question, expr, result in FEW_SHOT[self.few_shot]:
-            messages += [{"role": "user", "content": question}, {"role": "assistant", "content": f"calc({expr})"},
-                         {"role": "user", "content": f"Result: {result}"},
-                         {"role": "assistant", "content": f"The answer is {result}."}]
-        messages.append({"role": "user", "content": task.prompt})
-        return Observation(messages=messages, tools=None)
+            shots += [{"role": "user", "content": question}, {"role": "assistant", "content": f"calc({expr})"},
+                      {"role": "user", "content": f"Result: {result}"},
+                      {"role": "assistant", "content": f"The answer is {result}."}]
+        return Observation(messages=opening_messages(task, SYSTEM_PROMPT, shots), tools=None)
 
     async def run_tool(self, expression: str) -> str:
         fault = []
@@ -339,3 +343,56 @@ class CalculatorEnv(Env):
             return StepResult(observation=[{"role": "user", "content": f"Result: {output}"}], info=info)
         # A final answer, or neither a call nor an answer: the episode ends either way.
         return StepResult(observation=[], done=True, info={"final_answer": answer})
+
+
+# -- the environment, on the public API (env/api.py) --------------------------------------------------------------
+DEFAULT_FAMILIES = ["add", "sub", "mul"]
+
+
+class CalculatorArgs(BaseModel):
+    """env.args of env.name=calculator."""
+
+    model_config = ConfigDict(extra="forbid")
+    heldout_families: list[str] | None = None  # default: the same as env.families
+    crash_rate: float = Field(0.0, ge=0.0, le=1.0)  # fault injection: a tool call crashes its process
+    hang_rate: float = Field(0.0, ge=0.0, le=1.0)  # fault injection: a tool call hangs until its timeout
+    # simulated environment latency (benchmarks): every env step first waits a lognormal time with this
+    # mean and sigma (of the underlying normal); 0 = none. Declared wherever a result uses it.
+    step_latency_s: float = Field(0.0, ge=0.0)
+    step_latency_sigma: float = Field(0.5, ge=0.0)
+    few_shot: Literal["none", "bare", "word", "distract"] = "word"  # worked examples shown before the task
+    correct: float = 1.0  # the reward of a correct final answer
+    format_weight: float = Field(0.1, ge=0.0)  # weight of the format term (reward/calculator.py)
+
+
+class CalculatorEnvironment(Environment):
+    """Arithmetic word problems with a calculator tool that runs in a pool sandbox, one lease per call."""
+
+    Args = CalculatorArgs
+    version = ENV_VERSION
+    sandbox = "call"
+
+    def __init__(self, args: CalculatorArgs):
+        self.args = args
+
+    def check(self, setup: TaskSetup) -> None:
+        check_families(setup.families or [])
+        check_families(self.args.heldout_families or [], "env.args.heldout_families")
+
+    def tasks(self, setup: TaskSetup) -> tuple[list[Task], list[Task]]:
+        families = setup.families or DEFAULT_FAMILIES
+        return make_splits(families, self.args.heldout_families or families, setup.n_train, setup.n_heldout,
+                           setup.seed, setup.heldout_template_share)
+
+    def episode(self, ctx: EpisodeContext) -> Env:
+        a = self.args
+        assert ctx.pool is not None, "sandbox = 'call': the run gives a pool"
+        return CalculatorEnv(ctx.pool, tool_timeout_s=ctx.tool_timeout_s, crash_rate=a.crash_rate,
+                             hang_rate=a.hang_rate, few_shot=a.few_shot, rng=ctx.rng, step_latency_s=a.step_latency_s,
+                             step_latency_sigma=a.step_latency_sigma)
+
+    def reward(self, traj: Trajectory, task: Task) -> dict[str, float]:
+        return calculator_reward(traj, task, correct=self.args.correct, format_weight=self.args.format_weight)
+
+    def answer_of(self, text: str) -> str | None:
+        return parse_final_answer(text)

@@ -18,17 +18,24 @@ tools withheld, the repository under src/, a broken module planted next to the p
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
+import logging
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from loomrl.config import ConfigError
+from loomrl.env.api import Environment, EpisodeContext, TaskSetup
 from loomrl.env.base import Env, Observation, StepResult
-from loomrl.env.pool import EnvPool
+from loomrl.env.pool import EnvPool, Leases, pool_size_for
 from loomrl.env.sandbox import Sandbox, SandboxError
 from loomrl.env.tasks.codefix_types import CodefixTask
 from loomrl.model.tools import parse_tool_calls
 from loomrl.types import Task
+
+log = logging.getLogger(__name__)
 
 ENV_VERSION = "codefix-v1"
 TEST_DIR = "tests_hidden"
@@ -89,7 +96,7 @@ class CodefixEnv(Env):
 
     version = ENV_VERSION
 
-    def __init__(self, pool: EnvPool, specs: dict[str, CodefixTask], *, command_timeout_s: float = 10.0,
+    def __init__(self, pool: Leases, specs: dict[str, CodefixTask], *, command_timeout_s: float = 10.0,
                  test_timeout_s: float = 60.0, max_output_chars: int = 2000):
         self.pool = pool
         self.specs = specs
@@ -311,3 +318,65 @@ def codefix_splits(specs: dict[str, CodefixTask], n_heldout: int, seed: int) -> 
 def codefix_reward(traj, task: Task) -> dict[str, float]:
     """1 when the hidden tests passed at the end of the episode, else 0."""
     return {"tests_pass": 1.0 if traj.final_answer == PASSED else 0.0}
+
+
+# -- validation in sandboxes (before a run, and `loomrl validate-tasks`) --------------------------------------------
+async def validate_codefix(specs: list[CodefixTask], backend: str = "auto", limits: dict[str, int] | None = None,
+                           progress=None) -> list[dict[str, Any]]:
+    """Validate codefix tasks in real sandboxes: one record per task (task_id, valid, golden_passes,
+    noop_fails, detail)."""
+    from loomrl.env.sandbox import make_sandbox
+
+    pool = await EnvPool(lambda: make_sandbox(backend, limits=limits), size=pool_size_for(4), prewarm=4).start()
+    try:
+        results = await validate_tasks(specs, pool, progress=progress)
+    finally:
+        await pool.close()
+    return [{"task_id": r.task_id, "valid": r.valid, **dataclasses.asdict(r)} for r in results]
+
+
+def write_validation_report(report: list[dict[str, Any]], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    valid = sum(r["valid"] for r in report)
+    path.write_text(json.dumps({"valid": valid, "invalid": len(report) - valid, "tasks": report}, indent=2))
+
+
+# -- the environment, on the public API (env/api.py) --------------------------------------------------------------
+class CodefixEnvironment(Environment):
+    """SWE-style bug fixing; an episode holds one pool sandbox throughout. Tasks are validated (golden patch passes,
+    untouched repository fails) before a run; invalid ones are left out with a warning."""
+
+    version = ENV_VERSION
+    sandbox = "episode"
+
+    def __init__(self) -> None:
+        self._validated: dict[tuple, set[str]] = {}
+        self._specs: dict[str, CodefixTask] | None = None  # every shipped task, by id (made on first use)
+
+    def check(self, setup: TaskSetup) -> None:
+        codefix_specs(setup.families)
+
+    def _valid_specs(self, setup: TaskSetup) -> dict[str, CodefixTask]:
+        specs = codefix_specs(setup.families)
+        key = (setup.sandbox, tuple(sorted(setup.sandbox_limits.items())), tuple(sorted(specs)))
+        if key not in self._validated:
+            report = asyncio.run(validate_codefix(list(specs.values()), setup.sandbox, setup.sandbox_limits))
+            self._validated[key] = {r["task_id"] for r in report if r["valid"]}
+            bad = [r for r in report if not r["valid"]]
+            if bad:
+                log.warning("codefix: %d invalid task(s) left out: %s", len(bad),
+                            "; ".join(f"{r['task_id']}: {r['detail']}" for r in bad))
+        return {k: v for k, v in specs.items() if k in self._validated[key]}
+
+    def tasks(self, setup: TaskSetup) -> tuple[list[Task], list[Task]]:
+        return codefix_splits(self._valid_specs(setup), setup.n_heldout, setup.seed)
+
+    def episode(self, ctx: EpisodeContext) -> Env:
+        assert ctx.pool is not None, "sandbox = 'episode': the run gives a pool"
+        # every shipped task: an episode is only ever given one of the valid tasks tasks() returned
+        if self._specs is None:
+            self._specs = codefix_specs(None)
+        return CodefixEnv(ctx.pool, self._specs, command_timeout_s=ctx.tool_timeout_s)
+
+    def reward(self, traj, task: Task) -> dict[str, float]:
+        return codefix_reward(traj, task)

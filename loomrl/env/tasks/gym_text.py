@@ -42,12 +42,14 @@ import random
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import gymnasium as gym
 from gymnasium.envs.toy_text.frozen_lake import generate_random_map
+from pydantic import BaseModel, ConfigDict
 
 from loomrl.config import ConfigError
+from loomrl.env.api import Environment, EpisodeContext, TaskSetup
 from loomrl.env.base import Env, Observation, StepResult
 from loomrl.model.tools import parse_tool_calls
 from loomrl.types import RolloutStatus, Task, Trajectory
@@ -367,3 +369,35 @@ def gym_reward(traj: Trajectory, task: Task) -> dict[str, float]:
     if traj.status in (RolloutStatus.ENV_ERROR, RolloutStatus.TIMEOUT):
         return {"correct": 0.0}  # the env failed; nothing to credit (and not trained on)
     return {"correct": 1.0 if traj.final_answer == task.answer else 0.0}
+
+
+# -- the environment, on the public API (env/api.py) --------------------------------------------------------------
+class GymArgs(BaseModel):
+    """env.args of env.name=gym."""
+
+    model_config = ConfigDict(extra="forbid")
+    # game: two moves of the same game, played on a real env, shown before the task (Blackjack: two one-move hands);
+    # SmolLM2-135M replies with no valid move without them (see this module's doc)
+    few_shot: Literal["none", "game"] = "none"
+
+
+class GymEnvironment(Environment):
+    """Gymnasium toy-text games as multi-turn text; in-process, no sandbox."""
+
+    Args = GymArgs
+    version = ENV_VERSION
+
+    def __init__(self, args: GymArgs):
+        self.args = args
+
+    def check(self, setup: TaskSetup) -> None:
+        check_games(setup.families or [])
+
+    def tasks(self, setup: TaskSetup) -> tuple[list[Task], list[Task]]:
+        return make_gym_splits(setup.families or list(GYM_GAMES), setup.n_train, setup.n_heldout, setup.seed)
+
+    def episode(self, ctx: EpisodeContext) -> Env:
+        return GymTextEnv(few_shot=self.args.few_shot)
+
+    def reward(self, traj: Trajectory, task: Task) -> dict[str, float]:
+        return gym_reward(traj, task)

@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal, get_args
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from loomrl.data.config import DataConfig  # noqa: E402 - its own module imports nothing of loomrl
+
 
 class ConfigError(ValueError):
     """A bad recipe or override; the message is meant to be shown to the user as it is."""
@@ -491,6 +493,8 @@ class RunConfig(_Section):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
+    # a dataset of tasks (loomrl/data/, docs/data.md): replaces the environment's own tasks
+    data: DataConfig | None = None
     agent: AgentConfig = Field(default_factory=AgentConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     buffer: BufferConfig = Field(default_factory=BufferConfig)
@@ -767,6 +771,17 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         data = loaded or {}
     data = _merge(data, parse_overrides(overrides or []))
     config = build_config(data)
+    if path is not None and config.data is not None:
+        # data files are named relative to the recipe's folder, like agent files; absolute from here on (Ray actors,
+        # the saved config)
+        base = Path(path).resolve().parent
+        d = config.data
+        for name in ("path", "heldout_path"):
+            value = getattr(d, name)
+            if value is not None:
+                items = [value] if isinstance(value, str) else value
+                items = [str(v if Path(v).is_absolute() else base / v) for v in items]
+                setattr(d, name, items[0] if isinstance(value, str) else items)
     if path is not None and config.agent.files:
         # agent files are named relative to the recipe's folder; keep them absolute from here on
         base = Path(path).resolve().parent

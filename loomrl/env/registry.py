@@ -51,6 +51,10 @@ def template_splits(generate: Callable[[str, int, dict[str, list[str]], set[str]
 
 def tasks_for(cfg: RunConfig) -> tuple[Sequence[Task], Sequence[Task]]:
     """The run's (train, held-out) tasks: the recipe's `data:` section when it has one, else the environment's own."""
+    if cfg.data is not None:
+        from loomrl.data import load_splits  # datasets: loaded only by runs that read a dataset
+
+        return load_splits(cfg.data, seed=cfg.env.seed, n_heldout=cfg.env.n_heldout)
     splits = environment_for(cfg).tasks(TaskSetup.of(cfg))
     if splits is None:
         raise ConfigError(f"config error: data: env.name={cfg.env.name} brings no tasks of its own; add a data: section "
@@ -63,7 +67,14 @@ def check_env_config(cfg: RunConfig) -> None:
     env.families may list, the keys env.sandbox_limits may set): a ConfigError of one line, at load."""
     environment = environment_for(cfg)  # env.name and env.args: refused here when wrong
     environment.check(TaskSetup.of(cfg))
-    if not environment.brings_tasks:
+    if cfg.data is not None:  # read at load: a missing file, column or split stops here, in one line
+        from loomrl.data import DataError, load_splits
+
+        try:
+            load_splits(cfg.data, seed=cfg.env.seed, n_heldout=cfg.env.n_heldout)
+        except DataError as err:
+            raise ConfigError(str(err)) from None
+    if cfg.data is None and not environment.brings_tasks:
         raise ConfigError(f"config error: data: env.name={cfg.env.name} brings no tasks of its own; add a data: section "
                           "naming your dataset, e.g. data: {path: train.parquet} (docs/data.md)")
     if cfg.env.sandbox_limits:

@@ -1,0 +1,51 @@
+"""The `data:` section of a recipe: a dataset the user brings (loomrl/data/loader.py reads it; docs/data.md)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class DataConfig(BaseModel):
+    # loomrl.config imports this module: it must not import loomrl.config back (its _Section has the same rules)
+    model_config = ConfigDict(extra="forbid")
+
+    # local files: a path, a glob, or a list of them (parquet, JSONL/JSON, CSV, Arrow); relative to the recipe's folder
+    path: str | list[str] | None = None
+    # a separate held-out file (same forms as path); else the held-out split comes from split_column or the seed
+    heldout_path: str | list[str] | None = None
+    # a Hugging Face hub dataset, read ONLY from the local cache (nothing is downloaded at run time)
+    hub: str | None = None
+    hub_config: str | None = None
+    hub_split: str = "train"
+    hub_heldout_split: str | None = None
+    format: Literal["auto", "parquet", "json", "csv", "arrow"] = "auto"  # auto: from each file's extension
+    # verl: verl's parquet layout as it is (prompt messages, reward_model.ground_truth, data_source, extra_info);
+    # auto: verl when the file has `prompt` and `reward_model` columns, else the column mapping below
+    layout: Literal["auto", "columns", "verl"] = "auto"
+    prompt: str = "prompt"  # the prompt's column: a string, or a list of chat messages ({role, content})
+    # a format string over the row's columns that makes the prompt instead, e.g. "Solve: {question}"
+    prompt_template: str | None = None
+    answer: str | None = None  # the answer's column, dotted into structs; default "answer" (verl: reward_model.ground_truth)
+    id: str | None = None  # a column of task ids (default: the file's name and the row)
+    family: str | None = None  # a column of task families (default: none; verl: data_source)
+    system_prompt: str | None = None  # prepended unless the prompt's messages start with a system message
+    # worked examples before the prompt: {prompt, answer} pairs (a user and an assistant turn each) or chat messages
+    few_shot: list[dict[str, Any]] = Field(default_factory=list)
+    # held-out split from a column: rows whose split_column is in heldout_values are held out, train_values trained on
+    split_column: str | None = None
+    train_values: list[str] = Field(default_factory=lambda: ["train"])
+    heldout_values: list[str] = Field(default_factory=lambda: ["test", "heldout", "validation", "val"])
+    # else held out from the seed: this many rows (default: env.n_heldout, at most a fifth of the rows)
+    heldout_size: int | None = Field(None, gt=0)
+    max_rows: int | None = Field(None, gt=0)  # use only the first max_rows rows of each split
+    # rows that cannot be used (null or empty prompt, null answer): stop naming the first (false) or leave them out
+    # with a count (true)
+    skip_malformed: bool = False
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataConfig:
+        if (self.path is None) == (self.hub is None):
+            raise ValueError("data: give exactly one of data.path (local files) or data.hub (a cached hub dataset)")
+        return self

@@ -1,0 +1,297 @@
+"""Datasets users bring, read through Hugging Face `datasets` into tasks, lazily.
+
+Files are read with `datasets.Dataset.from_parquet/from_json/from_csv/from_file`: each is converted once into an Arrow
+file in loomrl's cache folder and memory-mapped, so a worker holds no Python copy of the rows and a row becomes a Task
+only when the run asks for it (`TaskSource.__getitem__`). Measured by benchmarks/data_loading.py.
+
+Checks, each a DataError of one line naming the file, the row and the column and what to do: no file matches; a
+format that cannot be told from the name; a column the mapping names is missing; a split is empty; a row cannot be
+used (its prompt or answer is null or empty). The last is checked for every row up front over the two columns alone
+(Arrow compute, no Python loop), so that a bad row stops the run at start, not an hour in; with data.skip_malformed
+such rows are left out and counted instead (the good rows' indices are kept as one integer array).
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from loomrl.data.config import DataConfig
+from loomrl.types import Task
+
+log = logging.getLogger(__name__)
+_FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
+
+
+class DataError(ValueError):
+    """A dataset that cannot be used as configured: one line saying where and what to do."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Columns:
+    prompt: str | None  # None: the prompt comes from data.prompt_template
+    answer: list[str]  # a dotted path into the row
+    id: str | None
+    family: str | None
+
+
+def _files(spec: str | list[str], base_dir: Path | None) -> list[str]:
+    out = []
+    for item in [spec] if isinstance(spec, str) else spec:
+        pattern = item if os.path.isabs(item) or base_dir is None else str(base_dir / item)
+        matched = sorted(glob.glob(pattern))
+        if not matched:
+            raise DataError(f"data error: no file matches {pattern!r} (data.path is relative to the recipe's folder)")
+        out += matched
+    return out
+
+
+def _cache_dir() -> str:
+    from loomrl.model.loader import cache_root
+
+    return str(cache_root() / "datasets")
+
+
+def _read_files(files: list[str], fmt: str):
+    import datasets
+
+    datasets.disable_progress_bars()
+    parts = []
+    for f in files:
+        kind = fmt if fmt != "auto" else _FORMATS.get(Path(f).suffix.lower())
+        if kind is None:
+            raise DataError(f"data error: {f}: cannot tell the format from the name; set data.format to parquet, json, "
+                            "csv or arrow")
+        try:
+            if kind == "arrow":
+                ds = datasets.Dataset.from_file(f)
+            else:
+                reader = {"parquet": datasets.Dataset.from_parquet, "json": datasets.Dataset.from_json,
+                          "csv": datasets.Dataset.from_csv}[kind]
+                ds = reader(f, cache_dir=_cache_dir(), keep_in_memory=False)
+        except Exception as err:  # noqa: BLE001 - a file datasets cannot read: say which and why, in one line
+            raise DataError(f"data error: {f}: cannot read it as {kind}: {type(err).__name__}: "
+                            f"{' '.join(str(err).split())[:300]}") from None
+        parts.append((f, ds))
+    return parts
+
+
+def _read_hub(cfg: DataConfig, split: str):
+    import datasets
+
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # nothing is downloaded at run time
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        ds = datasets.load_dataset(cfg.hub, cfg.hub_config, split=split)
+    except Exception as err:  # noqa: BLE001
+        raise DataError(f"data error: data.hub={cfg.hub} (split {split!r}) is not in the local Hugging Face cache or "
+                        f"cannot be read offline: {type(err).__name__}: {' '.join(str(err).split())[:200]}; download "
+                        "it beforehand or give data.path") from None
+    return [(f"hub:{cfg.hub}[{split}]", ds)]
+
+
+def _columns(cfg: DataConfig, names: list[str], where: str) -> _Columns:
+    verl = cfg.layout == "verl" or (cfg.layout == "auto" and "prompt" in names and "reward_model" in names)
+    answer = cfg.answer or ("reward_model.ground_truth" if verl else "answer")
+    family = cfg.family or ("data_source" if verl and "data_source" in names else None)
+    wanted = {"data.answer": answer.split(".")[0], "data.id": cfg.id, "data.family": family}
+    if cfg.prompt_template is None:
+        wanted["data.prompt"] = cfg.prompt
+    for setting, column in wanted.items():
+        if column is not None and column not in names:
+            raise DataError(f"data error: {where}: no column {column!r} ({setting}); the columns are "
+                            f"{', '.join(names)}; set {setting}=<column>")
+    return _Columns(prompt=None if cfg.prompt_template else cfg.prompt, answer=answer.split("."), id=cfg.id,
+                    family=family)
+
+
+def _column(table: pa.Table, path: list[str]) -> pa.ChunkedArray:
+    col = table.column(path[0])
+    for name in path[1:]:
+        col = pc.struct_field(col, name)
+    return col
+
+
+def _unusable(table: pa.Table, cols: _Columns) -> tuple[np.ndarray, list[str]]:
+    """A mask of rows that cannot be used, and for each test the column it names."""
+    bad = np.zeros(table.num_rows, dtype=bool)
+    why = np.full(table.num_rows, "", dtype=object)
+    checks = [(cols.answer, "answer")] + ([([cols.prompt], "prompt")] if cols.prompt else [])
+    for path, what in checks:
+        try:
+            col = _column(table, path)
+        except (KeyError, pa.ArrowInvalid, pa.ArrowTypeError) as err:
+            raise DataError(f"data error: no field {'.'.join(path)!r} (data.{what}): {err}") from None
+        empty = pc.is_null(col)
+        if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+            empty = pc.or_(empty, pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(col)), 0))
+        elif pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
+            empty = pc.or_(empty, pc.equal(pc.list_value_length(col), 0))
+        mask = np.asarray(pc.fill_null(empty, True).to_numpy(zero_copy_only=False), dtype=bool)
+        why[mask & ~bad] = f"{'.'.join(path)!r} is null or empty"
+        bad |= mask
+    return bad, why
+
+
+class TaskSource(Sequence[Task]):
+    """The tasks of one split of a dataset, made from its rows on demand (a Sequence: len and index)."""
+
+    def __init__(self, cfg: DataConfig, parts: list[tuple[str, Any]], rows: tuple[np.ndarray, np.ndarray], split: str,
+                 cols: _Columns):
+        self.cfg, self.split, self.cols = cfg, split, cols
+        self._parts = parts
+        # (file, row) of each task as two integer arrays: 12 bytes a task however wide the rows
+        self._part, self._row = rows
+        self.skipped = 0
+
+    def __len__(self) -> int:
+        return len(self._row)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        part, row = int(self._part[i]), int(self._row[i])
+        name, ds = self._parts[part]
+        return self._task(ds[row], name, row)
+
+    def _task(self, row: dict[str, Any], name: str, index: int) -> Task:
+        cfg, cols = self.cfg, self.cols
+        where = f"{name} row {index}"
+        if cols.prompt is None:
+            try:
+                prompt: Any = cfg.prompt_template.format(**row)  # type: ignore[union-attr]
+            except (KeyError, IndexError, ValueError) as err:
+                raise DataError(f"data error: {where}: data.prompt_template: {err!r} (the columns are "
+                                f"{', '.join(row)})") from None
+        else:
+            prompt = row[cols.prompt]
+        if isinstance(prompt, str):
+            messages = [{"role": "user", "content": prompt}]
+        elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) and isinstance(m.get("content"), str)
+                                                         and m.get("role") in ("system", "user", "assistant")
+                                                         for m in prompt):
+            messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
+        else:
+            raise DataError(f"data error: {where}: column {cols.prompt!r} is neither a string nor a list of "
+                            "{role, content} messages; fix the row, set data.prompt to another column, or "
+                            "data.skip_malformed=true")
+        answer: Any = row
+        for key in cols.answer:
+            answer = answer.get(key) if isinstance(answer, dict) else None
+        opening = _few_shot(cfg.few_shot)
+        if messages[0]["role"] == "system":
+            opening, messages = [messages[0], *opening], messages[1:]
+        elif cfg.system_prompt:
+            opening = [{"role": "system", "content": cfg.system_prompt}, *opening]
+        skip = {cols.prompt, cols.answer[0] if len(cols.answer) == 1 else None}
+        return Task(task_id=str(row[cols.id]) if cols.id else f"{Path(name).stem}-{index}",
+                    prompt=next((m["content"] for m in reversed(messages) if m["role"] == "user"), ""),
+                    answer=str(answer), split=self.split, family=str(row[cols.family]) if cols.family else "",
+                    data={k: v for k, v in row.items() if k not in skip}, messages=[*opening, *messages])
+
+
+def _few_shot(shots: list[dict[str, Any]]) -> list[dict[str, str]]:
+    out = []
+    for i, shot in enumerate(shots):
+        if "role" in shot:
+            out.append({"role": str(shot["role"]), "content": str(shot.get("content", ""))})
+        elif "prompt" in shot and "answer" in shot:
+            out += [{"role": "user", "content": str(shot["prompt"])}, {"role": "assistant", "content": str(shot["answer"])}]
+        else:
+            raise DataError(f"data error: data.few_shot[{i}]: give {{prompt, answer}} or a chat message {{role, content}}")
+    return out
+
+
+Rows = tuple[np.ndarray, np.ndarray]  # (file index, row index) per task
+
+
+def _usable_rows(cfg: DataConfig, parts: list[tuple[str, Any]], cols: _Columns) -> tuple[Rows, int]:
+    part_ids, row_ids, skipped = [], [], 0
+    for p, (name, ds) in enumerate(parts):
+        bad, why = _unusable(ds.data.table, cols)
+        if bad.any() and not cfg.skip_malformed:
+            first = int(np.argmax(bad))
+            raise DataError(f"data error: {name} row {first}: column {why[first]}; fix the row or set "
+                            f"data.skip_malformed=true to leave such rows out ({int(bad.sum())} in this file)")
+        skipped += int(bad.sum())
+        good = np.flatnonzero(~bad).astype(np.int64)
+        row_ids.append(good)
+        part_ids.append(np.full(len(good), p, dtype=np.int32))
+    return (np.concatenate(part_ids), np.concatenate(row_ids)), skipped
+
+
+def _take(rows: Rows, keep: np.ndarray) -> Rows:
+    return rows[0][keep], rows[1][keep]
+
+
+def _split_values(parts: list[tuple[str, Any]], rows: Rows, column: str) -> np.ndarray:
+    out = np.empty(len(rows[1]), dtype=object)
+    for p, (_, ds) in enumerate(parts):
+        here = rows[0] == p
+        col = ds.data.table.column(column).take(pa.array(rows[1][here]))
+        out[here] = np.asarray([str(v) for v in col.to_pylist()], dtype=object)
+    return out
+
+
+def load_splits(cfg: DataConfig, *, seed: int, base_dir: Path | None = None,
+                n_heldout: int = 200) -> tuple[TaskSource, TaskSource]:
+    """(train, held-out) tasks of the dataset `cfg` names (see the module's doc). `n_heldout`: the held-out size when
+    neither a held-out file, a split column nor data.heldout_size says (at most a fifth of the rows)."""
+    if cfg.hub is not None:
+        parts = _read_hub(cfg, cfg.hub_split)
+        held_parts = _read_hub(cfg, cfg.hub_heldout_split) if cfg.hub_heldout_split else None
+    else:
+        parts = _read_files(_files(cfg.path, base_dir), cfg.format)  # type: ignore[arg-type]
+        held_parts = _read_files(_files(cfg.heldout_path, base_dir), cfg.format) if cfg.heldout_path else None
+    names = list(parts[0][1].column_names)
+    cols = _columns(cfg, names, parts[0][0])
+    for name, ds in parts[1:] + (held_parts or []):
+        _columns(cfg, list(ds.column_names), name)
+    rows, skipped = _usable_rows(cfg, parts, cols)
+    where = ", ".join(name for name, _ in parts)
+    if held_parts is not None:
+        held_rows, held_skipped = _usable_rows(cfg, held_parts, cols)
+        train, held = (TaskSource(cfg, parts, rows, "train", cols), TaskSource(cfg, held_parts, held_rows,
+                                                                               "heldout", cols))
+        skipped += held_skipped
+    elif cfg.split_column is not None:
+        if cfg.split_column not in names:
+            raise DataError(f"data error: {where}: no column {cfg.split_column!r} (data.split_column); the columns "
+                            f"are {', '.join(names)}")
+        values = _split_values(parts, rows, cfg.split_column)
+        train = TaskSource(cfg, parts, _take(rows, np.isin(values, cfg.train_values)), "train", cols)
+        held = TaskSource(cfg, parts, _take(rows, np.isin(values, cfg.heldout_values)), "heldout", cols)
+        found = sorted(set(values))[:10]
+        for source, setting in ((train, "train_values"), (held, "heldout_values")):
+            if not len(source):
+                raise DataError(f"data error: {where}: no row has {cfg.split_column} in data.{setting} "
+                                f"{getattr(cfg, setting)}; the column holds {found}")
+    else:  # held out from the seed: a fixed random subset, the rest trained on
+        n = len(rows[1])
+        k = cfg.heldout_size or min(n_heldout, n // 5)
+        rng = np.random.default_rng(random.Random(f"{seed}:data:heldout").getrandbits(64))
+        held_mask = np.zeros(n, dtype=bool)
+        held_mask[rng.choice(n, size=min(k, n), replace=False)] = True
+        train = TaskSource(cfg, parts, _take(rows, ~held_mask), "train", cols)
+        held = TaskSource(cfg, parts, _take(rows, held_mask), "heldout", cols)
+    if cfg.max_rows is not None:
+        for source in (train, held):
+            source._part, source._row = source._part[: cfg.max_rows], source._row[: cfg.max_rows]
+    for source, what in ((train, "training"), (held, "held-out")):
+        if not len(source):
+            raise DataError(f"data error: {where}: the {what} split is empty ({len(rows[1])} usable rows, {skipped} "
+                            "left out); add rows or change the split settings")
+    if skipped:
+        log.warning("data: %d malformed row(s) left out (data.skip_malformed)", skipped)
+    train.skipped = skipped
+    return train, held

@@ -122,25 +122,25 @@ def _column(table: pa.Table, path: list[str]) -> pa.ChunkedArray:
     return col
 
 
-def _unusable(table: pa.Table, cols: _Columns) -> tuple[np.ndarray, list[str]]:
-    """A mask of rows that cannot be used, and for each test the column it names."""
+def _unusable(table: pa.Table, cols: _Columns) -> tuple[np.ndarray, list[tuple[np.ndarray, str]]]:
+    """A mask of rows that cannot be used, and each check's own mask with what it says of a row. Arrow compute over
+    the two columns, chunk by chunk, copying no strings (a regex match, not a trimmed copy of the column)."""
     bad = np.zeros(table.num_rows, dtype=bool)
-    why = np.full(table.num_rows, "", dtype=object)
-    checks = [(cols.answer, "answer")] + ([([cols.prompt], "prompt")] if cols.prompt else [])
-    for path, what in checks:
+    checks = []
+    for path, what in [(cols.answer, "answer")] + ([([cols.prompt], "prompt")] if cols.prompt else []):
         try:
             col = _column(table, path)
         except (KeyError, pa.ArrowInvalid, pa.ArrowTypeError) as err:
             raise DataError(f"data error: no field {'.'.join(path)!r} (data.{what}): {err}") from None
         empty = pc.is_null(col)
         if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
-            empty = pc.or_(empty, pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(col)), 0))
+            empty = pc.or_(empty, pc.match_substring_regex(col, pattern=r"^\s*$"))
         elif pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
             empty = pc.or_(empty, pc.equal(pc.list_value_length(col), 0))
         mask = np.asarray(pc.fill_null(empty, True).to_numpy(zero_copy_only=False), dtype=bool)
-        why[mask & ~bad] = f"{'.'.join(path)!r} is null or empty"
+        checks.append((mask, f"{'.'.join(path)!r} is null or empty"))
         bad |= mask
-    return bad, why
+    return bad, checks
 
 
 class TaskSource(Sequence[Task]):
@@ -218,10 +218,11 @@ Rows = tuple[np.ndarray, np.ndarray]  # (file index, row index) per task
 def _usable_rows(cfg: DataConfig, parts: list[tuple[str, Any]], cols: _Columns) -> tuple[Rows, int]:
     part_ids, row_ids, skipped = [], [], 0
     for p, (name, ds) in enumerate(parts):
-        bad, why = _unusable(ds.data.table, cols)
+        bad, checks = _unusable(ds.data.table, cols)
         if bad.any() and not cfg.skip_malformed:
             first = int(np.argmax(bad))
-            raise DataError(f"data error: {name} row {first}: column {why[first]}; fix the row or set "
+            why = next(says for mask, says in checks if mask[first])
+            raise DataError(f"data error: {name} row {first}: column {why}; fix the row or set "
                             f"data.skip_malformed=true to leave such rows out ({int(bad.sum())} in this file)")
         skipped += int(bad.sum())
         good = np.flatnonzero(~bad).astype(np.int64)

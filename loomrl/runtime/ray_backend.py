@@ -156,7 +156,7 @@ class RayBackend(Backend):
         if self.ray.is_initialized():
             return
         cores = os.cpu_count() or 1
-        kwargs = ray_init_kwargs(self.address, self.asks, cores, os.environ)
+        kwargs = ray_init_kwargs(self.address, self.asks, cores, os.environ, cwd=os.getcwd())
         if self.local_cluster and kwargs["num_cpus"] > cores:
             log.info("ray: the actors reserve %d CPUs; the one-machine cluster offers them on %d cores",
                      kwargs["num_cpus"], cores)

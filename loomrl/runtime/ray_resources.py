@@ -13,6 +13,7 @@ Nothing here imports ray: the backend passes the cluster's numbers in (ray.clust
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -78,7 +79,8 @@ def cluster_address(setting: str | None, environ: Mapping[str, str]) -> str:
     return environ.get("RAY_ADDRESS") or "local"
 
 
-def ray_init_kwargs(address: str, asks: list[Ask], cores: int, environ: Mapping[str, str]) -> dict[str, Any]:
+def ray_init_kwargs(address: str, asks: list[Ask], cores: int, environ: Mapping[str, str],
+                    cwd: str | None = None) -> dict[str, Any]:
     """ray.init's arguments. Every actor's stdout and stderr reach the driver (log_to_driver): an actor that fails or
     hangs as it starts (a model that will not load, a GPU it cannot get, NCCL waiting for a peer) says so in the
     driver's stderr, prefixed by Ray with the actor's class and pid, instead of only in the worker log files of
@@ -88,6 +90,9 @@ def ray_init_kwargs(address: str, asks: list[Ask], cores: int, environ: Mapping[
     # PYTHONPATH: e.g. where a custom reward function lives; the rest: which network interface the trainer ranks'
     # and the weight broadcast's process groups use between nodes (README, "Running on a Ray cluster")
     env.update({k: environ[k] for k in FORWARDED_ENV if environ.get(k)})
+    if cwd:  # the driver finds a recipe's module:attribute names (env.name, reward.function) from its current
+        # directory (loomrl/plugins.py); actors start elsewhere, so it goes on their PYTHONPATH, after the user's
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), cwd) if p)
     kwargs: dict[str, Any] = {"address": address, "runtime_env": {"env_vars": env}, "log_to_driver": True,
                               "configure_logging": False}
     if address == "local":

@@ -32,6 +32,9 @@ def test_joining_passes_no_resources_and_local_offers_what_the_actors_reserve():
     # the interfaces the process groups use between nodes reach every actor (README: Running on a Ray cluster)
     assert local["runtime_env"] == {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": "/rewards",
                                                  "GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "^docker,lo"}}
+    # a recipe's module:Factory or module:function is found from the driver's current directory, so are the actors'
+    assert ray_init_kwargs("local", ASKS, cores=2, environ=env, cwd="/proj")["runtime_env"]["env_vars"][
+        "PYTHONPATH"] == "/rewards:/proj"
 
 
 def test_actor_output_reaches_the_driver():

@@ -86,11 +86,21 @@ def _read_files(files: list[str], fmt: str):
     return parts
 
 
+def _offline() -> None:
+    """Nothing is downloaded at run time. datasets and huggingface_hub read these variables when they are first
+    imported (an import before this one, e.g. by transformers, already has), so their flags are set as well."""
+    os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
+    import datasets.config
+    import huggingface_hub.constants
+
+    datasets.config.HF_DATASETS_OFFLINE = True
+    huggingface_hub.constants.HF_HUB_OFFLINE = True
+
+
 def _read_hub(cfg: DataConfig, split: str):
     import datasets
 
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # nothing is downloaded at run time
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    _offline()
     try:
         ds = datasets.load_dataset(cfg.hub, cfg.hub_config, split=split)
     except Exception as err:  # noqa: BLE001

@@ -116,6 +116,18 @@ def test_bad_inputs_name_the_file_row_and_column(tmp_path):
         load_config(None, ["env.name=chat"])
 
 
+def test_a_hub_dataset_not_in_the_cache_is_one_line_without_touching_the_network():
+    """Nothing is downloaded at run time: offline, at once. (A hub dataset that is cached cannot be made here, with no
+    hub to fetch one from: that path is not tested.)"""
+    import time
+
+    t0 = time.perf_counter()
+    with pytest.raises(DataError, match=r"^data error: data.hub=nobody/no-such-dataset \(split 'train'\) is not in the "
+                                        r"local Hugging Face cache .*give data.path$"):
+        load_splits(DataConfig(hub="nobody/no-such-dataset"), seed=0)
+    assert time.perf_counter() - t0 < 10, "it retried the network"
+
+
 def test_a_large_file_is_read_lazily(tmp_path):
     n = 200_000
     f = _parquet(tmp_path / "big.parquet", [{"prompt": f"p{i}", "answer": str(i)} for i in range(n)])

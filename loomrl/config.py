@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import math
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
@@ -240,11 +241,38 @@ class AgentConfig(_Section):
     retry_backoff_s: float = Field(0.5, ge=0.0)
 
 
+class RewardTermConfig(_Section):
+    """One of reward.functions."""
+
+    function: str  # "package.module:function", loomrl's (trajectory, task) or TRL's (prompts, completions, **columns)
+    weight: float = 1.0  # of its components in the total (each component is stored and logged unweighted)
+    name: str | None = None  # a TRL-style function's component name (default: the function's own name)
+
+    @model_validator(mode="after")
+    def _finite(self) -> RewardTermConfig:
+        if not math.isfinite(self.weight):
+            raise ValueError(f"weight: {self.weight} is not a finite number")
+        return self
+
+
 class RewardConfig(_Section):
-    # "module:function" of a custom reward (trajectory, task) -> {component: value}; default: the
-    # calculator's exact-answer + format reward.
+    # "module:function" of a custom reward, loomrl's (trajectory, task) -> {component: value} or TRL's
+    # (prompts, completions, **columns) -> [float | None] (docs/rewards.md); default: the environment's own reward
     function: str | None = None
+    # several reward functions, each with a weight: the total is their weighted sum (None: that function has no
+    # opinion on the trajectory, left out, never a 0). Replaces function and the environment's reward.
+    functions: list[RewardTermConfig] = Field(default_factory=list)
     workers: int = Field(2, gt=0)
+    # a reward call runs at most this long: one that raises or runs past it marks its trajectory reward_failed
+    # (stored, never trained) and the run goes on
+    timeout_s: float = Field(30.0, gt=0.0)
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> RewardConfig:
+        if self.function and self.functions:
+            raise ValueError("give reward.function or reward.functions, not both (reward.functions takes one "
+                             "function with a weight too)")
+        return self
 
 
 class BufferConfig(_Section):

@@ -22,7 +22,7 @@ class RewardActor(Placed):
         from loomrl.rollout.worker import reward_fn_for
 
         cfg = RunConfig.model_validate_json(cfg_json)
-        self.pool = RewardPool(reward_fn_for(cfg), workers=cfg.reward.workers)
+        self.pool = RewardPool(reward_fn_for(cfg), workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
 
     async def score(self, traj: Trajectory, task: Task) -> Trajectory:
         return await self.pool.score(traj, task)

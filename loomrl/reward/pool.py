@@ -10,13 +10,15 @@ that could not be played out (types.UNSCORED: env_error, engine_error, timeout, 
 from __future__ import annotations
 
 import asyncio
-import importlib
-import os
-import sys
+import logging
 from concurrent.futures import ThreadPoolExecutor
 
-from loomrl.config import ConfigError
+from loomrl.config import ConfigError, RunConfig
+from loomrl.plugins import import_object
+from loomrl.reward.terms import CombinedReward, RewardTerm, is_trl_style
 from loomrl.types import REWARD_FAILED, UNSCORED, RewardFn, Task, Trajectory
+
+log = logging.getLogger(__name__)
 
 
 def mark_reward_failed(traj: Trajectory, why: str) -> Trajectory:
@@ -26,65 +28,71 @@ def mark_reward_failed(traj: Trajectory, why: str) -> Trajectory:
     return traj
 
 
-def _on_sys_path(folder: str) -> None:
-    """Put `folder` on sys.path (last: a file there never shadows an installed module) unless it is there.
-    `python -m loomrl` has the current directory on sys.path already, the `loomrl` console script does not."""
-    if folder not in {os.path.abspath(p) for p in sys.path}:
-        sys.path.append(folder)
+def import_reward(spec: str, field: str = "reward.function") -> RewardFn:
+    """A reward function from "package.module:function" (loomrl/plugins.py: a ConfigError of one line on failure)."""
+    return import_object(spec, field, f"{field}=my_rewards:score for a file my_rewards.py there defining "
+                                      "score(trajectory, task) or score(prompts, completions, **kwargs)")
 
 
-def import_reward(spec: str) -> RewardFn:
-    """Load a reward function from "package.module:function", looked up on sys.path with the current directory
-    and PYTHONPATH on it; every failure is a ConfigError of one line saying what failed and where it looked."""
-    cwd = os.getcwd()
-    _on_sys_path(cwd)
-    module_name, _, attr = spec.partition(":")
-    looked = (f"modules are imported with the current directory ({cwd}) and PYTHONPATH "
-              f"({os.environ.get('PYTHONPATH') or 'unset'}) on sys.path; give package.module:function, e.g. "
-              f"reward.function=my_rewards:score for a file my_rewards.py there defining score(trajectory, task)")
-    if not module_name or not attr:
-        raise ConfigError(f"config error: reward.function: expected 'package.module:function', got {spec!r}; {looked}")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        if err.name is not None and (module_name == err.name or module_name.startswith(f"{err.name}.")):
-            raise ConfigError(f"config error: reward.function={spec}: no module named {err.name!r}; {looked}") from None
-        raise ConfigError(f"config error: reward.function={spec}: importing {module_name!r} failed: {err} (an import "
-                          f"inside it; install that package)") from None
-    except Exception as err:  # its own code failed (a SyntaxError, an exception at import time)
-        raise ConfigError(f"config error: reward.function={spec}: importing {module_name!r} raised "
-                          f"{type(err).__name__}: {' | '.join(str(err).splitlines())}") from None
-    try:
-        fn = getattr(module, attr)
-    except AttributeError:
-        where = module.__spec__.origin if module.__spec__ and module.__spec__.origin else "a namespace package"
-        raise ConfigError(f"config error: reward.function={spec}: module {module_name!r} ({where}) has no "
-                          f"attribute {attr!r}; {looked}") from None
-    if not callable(fn):
-        raise ConfigError(f"config error: reward.function={spec}: {attr!r} in {module_name!r} is not callable")
-    return fn
+def load_terms(cfg: RunConfig) -> list[RewardTerm]:
+    """reward.functions (or reward.function alone), imported: a ConfigError of one line naming the one that fails."""
+    specs = ([(t.function, t.weight, t.name, f"reward.functions[{i}].function")
+              for i, t in enumerate(cfg.reward.functions)]
+             or [(cfg.reward.function, 1.0, None, "reward.function")])
+    terms = []
+    for spec, weight, name, field in specs:
+        fn = import_reward(spec, field)
+        terms.append(RewardTerm(name=name or getattr(fn, "__name__", spec.rpartition(":")[2]), fn=fn, weight=weight,
+                                trl=is_trl_style(fn)))
+    names = [t.name for t in terms if t.trl]
+    if len(names) != len(set(names)):
+        raise ConfigError(f"config error: reward.functions: two TRL-style functions named {names}; give each a name")
+    return terms
 
 
 class RewardPool:
-    def __init__(self, fn: RewardFn, workers: int = 2):
-        self.fn = fn
-        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="loomrl-reward")
-        self.failed = 0
+    """Scores trajectories on `workers` threads, each call bounded by `timeout_s`. Python cannot stop a thread: a call
+    past its timeout marks its trajectory reward_failed at once and is abandoned, and the pool goes on with fresh
+    threads (a new executor), so hung calls never starve the ones after them; each abandoned thread is counted and
+    logged (`hung`) and ends when its function returns, if it ever does."""
 
-    def _score(self, traj: Trajectory, task: Task) -> Trajectory:
+    def __init__(self, fn: RewardFn | CombinedReward, workers: int = 2, timeout_s: float | None = None):
+        self.fn = fn
+        self.workers = workers
+        self.timeout_s = timeout_s
+        self._executor = self._new_executor()
+        self.failed = 0
+        self.hung = 0
+
+    def _new_executor(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="loomrl-reward")
+
+    def _compute(self, traj: Trajectory, task: Task) -> tuple[dict[str, float], float]:
+        if isinstance(self.fn, CombinedReward):  # weighted terms: its own total
+            return self.fn.scored(traj, task)
+        components = self.fn(traj, task)
+        return components, float(sum(components.values()))
+
+    async def score(self, traj: Trajectory, task: Task) -> Trajectory:
         if traj.status in UNSCORED:  # not played out: no reward at all (stored as null, never trained)
             return traj
+        call = asyncio.get_running_loop().run_in_executor(self._executor, self._compute, traj, task)
         try:
-            components = self.fn(traj, task)
-        except Exception as err:  # noqa: BLE001
+            components, total = await asyncio.wait_for(call, self.timeout_s)
+        except TimeoutError:
+            self.failed += 1
+            self.hung += 1
+            self._executor.shutdown(wait=False)  # its hung thread is abandoned; later calls get fresh ones
+            self._executor = self._new_executor()
+            log.warning("a reward function ran past reward.timeout_s=%gs; its trajectory is reward_failed (%d "
+                        "abandoned reward thread(s) so far)", self.timeout_s, self.hung)
+            return mark_reward_failed(traj, f"the reward function ran past reward.timeout_s={self.timeout_s:g}s")
+        except Exception as err:  # noqa: BLE001 - errors are data: a missing reward is not a zero reward
             self.failed += 1
             return mark_reward_failed(traj, f"{type(err).__name__}: {err}")
         traj.reward_components = components
-        traj.total_reward = float(sum(components.values()))
+        traj.total_reward = total
         return traj
 
-    async def score(self, traj: Trajectory, task: Task) -> Trajectory:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._score, traj, task)
-
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
+        self._executor.shutdown(wait=self.hung == 0)  # never wait on an abandoned thread

@@ -33,6 +33,8 @@ from loomrl.env.pool import Leases, sandbox_pool
 from loomrl.env.registry import sandbox_pool_size
 from loomrl.model.chat import ChatRenderer
 from loomrl.reward import RewardPool, import_reward
+from loomrl.reward.pool import load_terms
+from loomrl.reward.terms import CombinedReward, is_trl_style
 from loomrl.types import EvalRecord, Evaluation, RewardFn, RolloutStatus, Score, Task, Trajectory
 
 
@@ -67,10 +69,16 @@ class DataOrder:
         return self._perms[epoch][offset]
 
 
-def reward_fn_for(cfg: RunConfig) -> RewardFn:
-    """The run's reward function: reward.function, else the environment's own reward (for a
+def reward_fn_for(cfg: RunConfig) -> RewardFn | CombinedReward:
+    """The run's reward: reward.functions (weighted), reward.function, else the environment's own reward (for a
     black-box agent with agent.reward_from_agent, what the program reported when it did)."""
-    reward_fn = import_reward(cfg.reward.function) if cfg.reward.function else environment_for(cfg).reward
+    reward_fn: RewardFn | CombinedReward
+    if cfg.reward.functions:
+        reward_fn = CombinedReward(load_terms(cfg))
+    elif cfg.reward.function:
+        reward_fn = CombinedReward(load_terms(cfg)) if is_trl_style(fn := import_reward(cfg.reward.function)) else fn
+    else:
+        reward_fn = environment_for(cfg).reward
     if cfg.agent.kind == "blackbox" and cfg.agent.reward_from_agent:
         verifier = reward_fn
 
@@ -113,7 +121,8 @@ class RolloutWorker:
         self.train_tasks = train_tasks
         self.order = DataOrder(len(train_tasks), cfg.seed)
         self.environment = environment_for(cfg)
-        self.reward_pool = reward_pool or RewardPool(reward_fn_for(cfg), workers=cfg.reward.workers)
+        self.reward_pool = reward_pool or RewardPool(reward_fn_for(cfg), workers=cfg.reward.workers,
+                                                         timeout_s=cfg.reward.timeout_s)
         self._env_rng = random.Random(f"{cfg.seed}:env")
         self._retry_rng = random.Random(f"{cfg.seed}:retry")
         self._pool: Leases | None = env_pool
@@ -337,6 +346,11 @@ def group_summary(groups: list[list[Trajectory]]) -> dict[str, float]:
            "rollout/tokens_mean": sum(len(t.token_ids) for t in trajs) / len(trajs)}
     if scored:
         out["rollout/reward_mean"] = sum(t.total_reward for t in scored) / len(scored)
+        components: dict[str, list[float]] = {}
+        for t in scored:  # each over the trajectories it had an opinion on (a TRL-style None is no value, not 0)
+            for name, value in t.reward_components.items():
+                components.setdefault(name, []).append(value)
+        out.update({f"reward/{name}": sum(v) / len(v) for name, v in components.items()})
         out["rollout/correct_rate"] = sum(1 for t in scored if t.reward_components.get("correct", 0) > 0) / len(scored)
     for status in RolloutStatus:
         out[f"rollout/status_{status.value}"] = sum(1 for t in trajs if t.status == status)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from loomrl.config import RunConfig, load_config, save_resolved
-from loomrl.reward.pool import import_reward
+from loomrl.reward.pool import load_terms
 from loomrl.runtime.driver import Backend, Driver, RunError, checked_eval
 from loomrl.runtime.summary import finished_at
 from loomrl.trainer.checkpoint import checkpoint_step, latest_checkpoint
@@ -98,8 +98,8 @@ def train(cfg: RunConfig, resume: bool = False, wall_start: float | None = None,
     """Train as the config says; the summary (also RUN/summary.json). `backend`: one made by the
     caller (tests swap in a scripted engine this way), else the config's. RunInterrupted on Ctrl-C."""
     wall_start = wall_start or time.time()
-    if cfg.reward.function:  # a reward that cannot be imported stops here, before any model loads
-        import_reward(cfg.reward.function)
+    if cfg.reward.function or cfg.reward.functions:  # a reward that cannot be imported stops here, before any model
+        load_terms(cfg)
     ckpt = prepare_run_dir(cfg, resume)
     try:
         return Driver(cfg, backend or make_backend(cfg, ckpt), ckpt, wall_start).train()

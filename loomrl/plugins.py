@@ -20,16 +20,17 @@ def _on_sys_path(folder: str) -> None:
         sys.path.append(folder)
 
 
-def import_object(spec: str, field: str, example: str) -> Any:
+def import_object(spec: str, field: str, example: str, what: str = "attribute") -> Any:
     """The attribute `spec` ("package.module:attribute") names, for the recipe setting `field`; `example` shows a
-    correct value (e.g. "reward.function=my_rewards:score for a file my_rewards.py there defining score(...)")."""
+    correct value (e.g. "reward.function=my_rewards:score for a file my_rewards.py there defining score(...)"); `what` the
+    kind of thing named (function, Factory)."""
     cwd = os.getcwd()
     _on_sys_path(cwd)
     module_name, _, attr = spec.partition(":")
     looked = (f"modules are imported with the current directory ({cwd}) and PYTHONPATH "
-              f"({os.environ.get('PYTHONPATH') or 'unset'}) on sys.path; give package.module:attribute, e.g. {example}")
+              f"({os.environ.get('PYTHONPATH') or 'unset'}) on sys.path; give package.module:{what}, e.g. {example}")
     if not module_name or not attr:
-        raise ConfigError(f"config error: {field}: expected 'package.module:attribute', got {spec!r}; {looked}")
+        raise ConfigError(f"config error: {field}: expected 'package.module:{what}', got {spec!r}; {looked}")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:

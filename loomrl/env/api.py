@@ -201,7 +201,7 @@ def resolve_factory(name: str) -> tuple[Callable[..., Any], dict[str, Any]]:
         raise ConfigError(f"config error: env.name: unknown environment {name!r}; choose a built-in or installed one "
                           f"({', '.join(known)}), {'/'.join(f'{a}:<id>' for a in ADAPTERS)}, or "
                           "package.module:Factory for your own (docs/environments.md)")
-    return import_object(name, "env.name", "env.name=my_env:MyEnvironment for a file my_env.py there"), {}
+    return import_object(name, "env.name", "env.name=my_env:MyEnvironment for a file my_env.py there", "Factory"), {}
 
 
 _made: dict[str, Environment] = {}

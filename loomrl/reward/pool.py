@@ -31,7 +31,7 @@ def mark_reward_failed(traj: Trajectory, why: str) -> Trajectory:
 def import_reward(spec: str, field: str = "reward.function") -> RewardFn:
     """A reward function from "package.module:function" (loomrl/plugins.py: a ConfigError of one line on failure)."""
     return import_object(spec, field, f"{field}=my_rewards:score for a file my_rewards.py there defining "
-                                      "score(trajectory, task) or score(prompts, completions, **kwargs)")
+                                      "score(trajectory, task) or score(prompts, completions, **kwargs)", "function")
 
 
 def load_terms(cfg: RunConfig) -> list[RewardTerm]:

@@ -234,6 +234,9 @@ class VerifiersEpisode(Env):
 
     # -- loomrl's side: the agent loop calls these ----------------------------------------------------------------
     async def reset(self, task: Task) -> Observation:
+        if "vf" not in task.data:
+            raise EnvCrash(f"task {task.task_id} is not a verifiers task: a verifiers environment brings its own "
+                           "tasks (remove the recipe's data: section)")
         self._run = asyncio.create_task(self._drive(self.protocol.task(task.data["vf"])))
         event = await self._events.get()
         if isinstance(event, _Ended):

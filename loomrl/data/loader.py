@@ -98,16 +98,26 @@ def _offline() -> None:
 
 
 def _read_hub(cfg: DataConfig, split: str):
+    """A hub dataset from the local Hugging Face cache: the snapshot huggingface_hub keeps (found with
+    local_files_only, never fetched), read as a local folder by `datasets`, which finds its data files by the repo's
+    own conventions (the README's configs, data/<split>-* files)."""
     import datasets
+    from huggingface_hub import snapshot_download
 
     _offline()
+    where = f"hub:{cfg.hub}[{split}]"
     try:
-        ds = datasets.load_dataset(cfg.hub, cfg.hub_config, split=split)
+        folder = snapshot_download(cfg.hub, repo_type="dataset", local_files_only=True)
+    except Exception as err:  # noqa: BLE001 - not cached, in whatever way huggingface_hub says it
+        raise DataError(f"data error: data.hub={cfg.hub} is not in the local Hugging Face cache "
+                        f"({type(err).__name__}); download it beforehand (e.g. huggingface-cli download {cfg.hub} "
+                        "--repo-type dataset) or give data.path") from None
+    try:
+        ds = datasets.load_dataset(folder, cfg.hub_config, split=split, cache_dir=_cache_dir())
     except Exception as err:  # noqa: BLE001
-        raise DataError(f"data error: data.hub={cfg.hub} (split {split!r}) is not in the local Hugging Face cache or "
-                        f"cannot be read offline: {type(err).__name__}: {' '.join(str(err).split())[:200]}; download "
-                        "it beforehand or give data.path") from None
-    return [(f"hub:{cfg.hub}[{split}]", ds)]
+        raise DataError(f"data error: {where}: cannot read the cached snapshot {folder}: {type(err).__name__}: "
+                        f"{' '.join(str(err).split())[:200]}; check data.hub_config and data.hub_split") from None
+    return [(where, ds)]
 
 
 def _columns(cfg: DataConfig, names: list[str], where: str) -> _Columns:

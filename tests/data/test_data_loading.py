@@ -116,16 +116,26 @@ def test_bad_inputs_name_the_file_row_and_column(tmp_path):
         load_config(None, ["env.name=chat"])
 
 
-def test_a_hub_dataset_not_in_the_cache_is_one_line_without_touching_the_network():
-    """Nothing is downloaded at run time: offline, at once. (A hub dataset that is cached cannot be made here, with no
-    hub to fetch one from: that path is not tested.)"""
+def test_a_hub_dataset_is_read_from_the_local_cache_only(tmp_path, monkeypatch):
+    """Nothing is downloaded at run time. A cached dataset is laid out as huggingface_hub keeps a snapshot (no hub
+    here to fetch one from); one that is not cached is one line, at once, without trying the network."""
     import time
 
+    import huggingface_hub.constants
+
+    snapshot = tmp_path / "hub" / "datasets--me--tiny" / "snapshots" / "abc123"
+    (snapshot / "data").mkdir(parents=True)
+    (tmp_path / "hub" / "datasets--me--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "datasets--me--tiny" / "refs" / "main").write_text("abc123")
+    pq.write_table(pa.Table.from_pylist(ROWS), snapshot / "data" / "train-00000-of-00001.parquet")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    train, held = load_splits(DataConfig(hub="me/tiny", prompt="question", split_column="split"), seed=0)
+    assert (len(train), len(held)) == (15, 5) and held[0].answer == "1"
     t0 = time.perf_counter()
-    with pytest.raises(DataError, match=r"^data error: data.hub=nobody/no-such-dataset \(split 'train'\) is not in the "
-                                        r"local Hugging Face cache .*give data.path$"):
+    with pytest.raises(DataError, match=r"^data error: data.hub=nobody/no-such-dataset is not in the local Hugging Face "
+                                        r"cache .*give data.path$"):
         load_splits(DataConfig(hub="nobody/no-such-dataset"), seed=0)
-    assert time.perf_counter() - t0 < 10, "it retried the network"
+    assert time.perf_counter() - t0 < 10, "it tried the network"
 
 
 def test_a_large_file_is_read_lazily(tmp_path):

@@ -47,6 +47,15 @@ def no_opinion(completions, **kwargs):
     return [None for _ in completions]
 
 
+def nan_reward(completions, **kwargs):
+    """NaN: no opinion, as TRL's nansum reads it."""
+    return [float("nan") for _ in completions]
+
+
+def says_one(completions, **kwargs):
+    return ["1.0" for _ in completions]
+
+
 async def judged(prompts, completions, **kwargs):
     """An async reward function (TRL awaits them: an LLM judge)."""
     return [0.5 for _ in completions]

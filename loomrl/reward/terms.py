@@ -108,8 +108,8 @@ def trl_arguments(traj: Trajectory, task: Task, max_steps: int = 0) -> dict[str,
     ids = [i for c in traj.contexts() for i, s in zip(c.token_ids, c.sampled_mask()) if s]
     columns = {"answer": task.answer, **task.data}
     state = TrainerState(global_step=max(traj.metadata.policy_version_max, 0), max_steps=max_steps)
-    return {"prompts": [prompt], "completions": [completion], "completion_ids": [ids],
-            **{k: [v] for k, v in columns.items()}, "trainer_state": state, "log_extra": _ignored, "log_metric": _ignored}
+    return {**{k: [v] for k, v in columns.items()}, "prompts": [prompt], "completions": [completion],
+            "completion_ids": [ids], "trainer_state": state, "log_extra": _ignored, "log_metric": _ignored}
 
 
 def evaluate(term: RewardTerm, traj: Trajectory, task: Task, max_steps: int = 0) -> dict[str, float | None]:
@@ -122,7 +122,9 @@ def evaluate(term: RewardTerm, traj: Trajectory, task: Task, max_steps: int = 0)
             got = f"a list of {len(values)}" if isinstance(values, (list, tuple)) else type(values).__name__
             raise NotAReward(f"{term.name} returned {got}; a TRL-style reward function returns one value per "
                             "completion (a list of 1 here)")
-        out = {term.name: values[0]}
+        value = values[0]
+        # TRL turns None into NaN and nansums: a NaN is no opinion there too
+        out = {term.name: None if isinstance(value, float) and math.isnan(value) else value}
     else:
         out = term.fn(traj, task)
         if not isinstance(out, dict):

@@ -99,7 +99,7 @@ def test_none_is_no_opinion_and_all_none_is_no_reward():
                              (_traj(), Task(task_id="t", prompt="q", answer="42", data={"level": 2})))
     assert level1.reward_components == {"exact_answer": 1.0} and level1.total_reward == 1.0 and level1.scored
     assert level2.reward_components == {"exact_answer": 1.0, "only_level_two": 1.0} and level2.total_reward == 4.0
-    none, = _scored(_pool(("no_opinion", 1.0), ("only_level_two", 1.0)),
+    none, = _scored(_pool(("no_opinion", 1.0), ("only_level_two", 1.0), ("nan_reward", 1.0)),
                     (_traj(), Task(task_id="t", prompt="q", answer="42", data={"level": 1})))
     assert none.reward_failed and not none.scored
     assert none.error == "reward failed: every reward function returned None (no opinion)"

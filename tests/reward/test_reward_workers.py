@@ -44,6 +44,7 @@ def _score(pool: RewardPool, traj: Trajectory, task: Task = TASK) -> tuple[Traje
                  "completion (a list of 1 here)"),
     ("not_a_list", "reward failed: not_a_list returned float; a TRL-style reward function returns one value per "
                    "completion (a list of 1 here)"),
+    ("says_one", "reward failed: says_one returned str '1.0' for says_one, not a number"),
 ])
 def test_a_function_that_raises_or_returns_no_reward_fails_its_trajectory_alone(function, error):
     pool = _pool("exact_answer", function)

@@ -12,8 +12,8 @@ A task that brought chat messages (a dataset's, Task.messages) is conversational
 messages and `c` the episode's messages after them, every assistant turn and every tool or user message the environment
 answered with, in order (`[{"role": "assistant", "content": ...}]` for one reply, TRL's form); otherwise `p` is the
 prompt's text and `c` the assistant turns' text, joined by newlines. An assistant turn's content is its text as the
-agent loop split it, any `<think>...</think>` put back in front of the rest (the exact sampled tokens are
-`completion_ids`).
+agent loop split it, any `<think>...</think>` put back in front of the rest. `completion_ids` are the exact token ids
+after the opening prompt, as TRL's: the sampled ones and the environment's answers between them.
 
 None is "no opinion" (TRL: a math reward on a code task): that component is left out of the total and out of its
 mean, never a 0; a trajectory that every function left without an opinion has no reward (reward_failed, never
@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from loomrl.types import Task, Trajectory
+from loomrl.types import Task, Trajectory, Turn
 
 
 class NoOpinion(Exception):
@@ -105,11 +105,18 @@ def trl_arguments(traj: Trajectory, task: Task, max_steps: int = 0) -> dict[str,
     else:
         prompt = task.prompt
         completion = "\n".join(_turn_text(t.think, t.act) for t in traj.all_turns())
-    ids = [i for c in traj.contexts() for i, s in zip(c.token_ids, c.sampled_mask()) if s]
+    # as TRL's: every token after the opening prompt, the environment's answers between the replies too
+    ids = [i for c in traj.contexts() for i in _after_prompt(c.token_ids, c.turns)]
     columns = {"answer": task.answer, **task.data}
     state = TrainerState(global_step=max(traj.metadata.policy_version_max, 0), max_steps=max_steps)
     return {**{k: [v] for k, v in columns.items()}, "prompts": [prompt], "completions": [completion],
             "completion_ids": [ids], "trainer_state": state, "log_extra": _ignored, "log_metric": _ignored}
+
+
+def _after_prompt(token_ids: list[int], turns: list[Turn]) -> list[int]:
+    """A context's tokens from its first reply to its last reply or answer (the turns' spans)."""
+    spans = [s for t in turns for s in (t.act_span, t.obs_span) if s is not None]
+    return token_ids[min(s.start for s in spans) : max(s.end for s in spans)] if spans else []
 
 
 def evaluate(term: RewardTerm, traj: Trajectory, task: Task, max_steps: int = 0) -> dict[str, float | None]:

@@ -69,7 +69,7 @@ def test_trl_functions_get_what_trl_passes_plain_and_chat(tmp_path):
          "tool_calls": [{"type": "function", "function": {"name": "lookup", "arguments": {"q": "x"}}}]},
         {"role": "tool", "content": "41", "name": "lookup"},
         {"role": "assistant", "content": "The answer is 42."}]]
-    assert call["completion_ids"] == [[7, 9]]  # the sampled tokens, not the tool's
+    assert call["completion_ids"] == [[7, 8, 9]]  # after the prompt, the tool's answer (8) too, as TRL's
     assert call["answer"] == [42]  # a dataset's own answer column, as it is, over Task.answer
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
-import math
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
@@ -245,14 +244,9 @@ class RewardTermConfig(_Section):
     """One of reward.functions."""
 
     function: str  # "package.module:function", loomrl's (trajectory, task) or TRL's (prompts, completions, **columns)
-    weight: float = 1.0  # of its components in the total (each component is stored and logged unweighted)
+    # of its components in the total (each component is stored and logged unweighted); negative for a penalty
+    weight: float = Field(1.0, allow_inf_nan=False)
     name: str | None = None  # a TRL-style function's component name (default: the function's own name)
-
-    @model_validator(mode="after")
-    def _finite(self) -> RewardTermConfig:
-        if not math.isfinite(self.weight):
-            raise ValueError(f"weight: {self.weight} is not a finite number")
-        return self
 
 
 class RewardConfig(_Section):

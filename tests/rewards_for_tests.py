@@ -1,6 +1,6 @@
 """Reward functions for end-to-end tests on a random tiny model (which never solves a task, so the
 calculator reward would be 0 everywhere and GRPO would have no signal to train on): the smoke recipe's parity
-reward, and one whose process dies."""
+reward, and one that kills its reward actor."""
 
 from __future__ import annotations
 
@@ -10,13 +10,15 @@ from loomrl.types import Task, Trajectory
 _calls = 0
 
 
-def reward_that_kills_its_process(traj: Trajectory, task: Task) -> dict[str, float]:
-    """parity_reward, except that the 6th call in a process ends that process (a reward worker that
-    dies, e.g. from a verifier's segfault or the OOM killer)."""
+def reward_that_kills_its_actor(traj: Trajectory, task: Task) -> dict[str, float]:
+    """parity_reward, except that the 6th call in a reward worker process kills the process that runs its reward pool
+    (its parent: on Ray, the reward actor), as the OOM killer or a lost node would. (A reward function that kills its
+    own process fails only its trajectory: tests/reward/test_reward_workers.py.)"""
     global _calls
     _calls += 1
     if _calls == 6:
         import os
+        import signal
 
-        os._exit(1)
+        os.kill(os.getppid(), signal.SIGKILL)
     return parity_reward(traj, task)

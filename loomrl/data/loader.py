@@ -213,7 +213,9 @@ class TaskSource(Sequence[Task]):
             opening, messages = [messages[0], *opening], messages[1:]
         elif cfg.system_prompt:
             opening = [{"role": "system", "content": cfg.system_prompt}, *opening]
-        skip = {cols.prompt, cols.answer[0] if len(cols.answer) == 1 else None}
+        # every column but the prompt's, the answer's too, as TRL passes a dataset's columns to reward functions: one
+        # written for TRL reads its answer by the column's own name (its accuracy_reward reads `solution`)
+        skip = {cols.prompt}
         return Task(task_id=str(row[cols.id]) if cols.id else f"{Path(name).stem}-{index}",
                     prompt=next((m["content"] for m in reversed(messages) if m["role"] == "user"), ""),
                     answer=str(answer), split=self.split, family=str(row[cols.family]) if cols.family else "",

@@ -1,8 +1,10 @@
-"""RewardPool: scores finished trajectories on worker threads, off the rollout path.
+"""RewardPool: scores finished trajectories off the rollout path, each call bounded by reward.timeout_s.
 
-Rollouts hand a trajectory over and go on; the agent loop never waits on a verifier. A reward
-function that raises (or, on Ray, a reward actor that keeps dying) does not crash the run: the
-trajectory is marked with the `reward_failed` component and the reason in its `error` (errors are
+Rollouts hand a trajectory over and go on; the agent loop never waits on a verifier. The recipe's reward functions
+(reward.function, reward.functions: a CombinedReward) run in reward worker processes (reward/workers.py: a hung one is
+killed); an environment's own reward (loomrl's verifiers) runs on threads of this process. A reward function that
+raises, returns what is not a reward, or runs past the timeout (or, on Ray, a reward actor that keeps dying) does not
+crash the run: the trajectory is marked with the `reward_failed` component and the reason in its `error` (errors are
 data), and training leaves it out (buffer/filters.py): a missing reward is not a zero reward. Nor is a trajectory
 that could not be played out (types.UNSCORED: env_error, engine_error, timeout, aborted) scored at all.
 """
@@ -15,7 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from loomrl.config import ConfigError, RunConfig
 from loomrl.plugins import import_object
-from loomrl.reward.terms import CombinedReward, RewardTerm, is_trl_style
+from loomrl.reward.terms import CombinedReward, NoOpinion, RewardTerm, is_trl_style
+from loomrl.reward.workers import RewardError, RewardWorkers
 from loomrl.types import REWARD_FAILED, UNSCORED, RewardFn, Task, Trajectory
 
 log = logging.getLogger(__name__)
@@ -42,8 +45,8 @@ def load_terms(cfg: RunConfig) -> list[RewardTerm]:
     terms = []
     for spec, weight, name, field in specs:
         fn = import_reward(spec, field)
-        terms.append(RewardTerm(name=name or getattr(fn, "__name__", spec.rpartition(":")[2]), fn=fn, weight=weight,
-                                trl=is_trl_style(fn)))
+        terms.append(RewardTerm(name=name or getattr(fn, "__name__", spec.rpartition(":")[2]), spec=spec, fn=fn,
+                                weight=weight, trl=is_trl_style(fn)))
     names = [t.name for t in terms if t.trl]
     if len(names) != len(set(names)):
         raise ConfigError(f"config error: reward.functions: two TRL-style functions named {names}; give each a name")
@@ -51,42 +54,43 @@ def load_terms(cfg: RunConfig) -> list[RewardTerm]:
 
 
 class RewardPool:
-    """Scores trajectories on `workers` threads, each call bounded by `timeout_s`. Python cannot stop a thread: a call
-    past its timeout marks its trajectory reward_failed at once and is abandoned, and the pool goes on with fresh
-    threads (a new executor), so hung calls never starve the ones after them; each abandoned thread is counted and
-    logged (`hung`) and ends when its function returns, if it ever does."""
+    """Scores trajectories, `workers` at a time, each call bounded by `timeout_s`. A CombinedReward (the recipe's
+    functions) runs in `workers` reward worker processes (reward/workers.py: past the timeout the worker is killed and
+    replaced). A plain RewardFn (an environment's own reward) runs on `workers` threads: Python cannot stop a thread,
+    so a call past its timeout marks its trajectory reward_failed at once and is abandoned, and the pool goes on with
+    fresh threads (a new executor); each abandoned thread is counted (`hung`) and ends when its function returns."""
 
     def __init__(self, fn: RewardFn | CombinedReward, workers: int = 2, timeout_s: float | None = None):
         self.fn = fn
         self.workers = workers
         self.timeout_s = timeout_s
         self._executor = self._new_executor()
+        # the recipe's functions and the worker processes that run them
+        self._combined = (fn, RewardWorkers(fn.terms, workers, timeout_s, fn.max_steps)) \
+            if isinstance(fn, CombinedReward) else None
         self.failed = 0
         self.hung = 0
 
     def _new_executor(self) -> ThreadPoolExecutor:
         return ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="loomrl-reward")
 
-    def _compute(self, traj: Trajectory, task: Task) -> tuple[dict[str, float], float]:
-        if isinstance(self.fn, CombinedReward):  # weighted terms: its own total
-            return self.fn.scored(traj, task)
-        components = self.fn(traj, task)
-        return components, float(sum(components.values()))
-
     async def score(self, traj: Trajectory, task: Task) -> Trajectory:
         if traj.status in UNSCORED:  # not played out: no reward at all (stored as null, never trained)
             return traj
-        call = asyncio.get_running_loop().run_in_executor(self._executor, self._compute, traj, task)
+        if self._combined is not None:
+            return await self._score_in_workers(*self._combined, traj, task)
+        call = asyncio.get_running_loop().run_in_executor(self._executor, self.fn, traj, task)
         try:
-            components, total = await asyncio.wait_for(call, self.timeout_s)
+            components = await asyncio.wait_for(call, self.timeout_s)
+            total = float(sum(components.values()))
         except TimeoutError:
             self.failed += 1
             self.hung += 1
             self._executor.shutdown(wait=False)  # its hung thread is abandoned; later calls get fresh ones
             self._executor = self._new_executor()
-            log.warning("a reward function ran past reward.timeout_s=%gs; its trajectory is reward_failed (%d "
-                        "abandoned reward thread(s) so far)", self.timeout_s, self.hung)
-            return mark_reward_failed(traj, f"the reward function ran past reward.timeout_s={self.timeout_s:g}s")
+            log.warning("the reward ran past reward.timeout_s=%gs; its trajectory is reward_failed (%d abandoned "
+                        "reward thread(s) so far)", self.timeout_s, self.hung)
+            return mark_reward_failed(traj, f"the reward ran past reward.timeout_s={self.timeout_s:g}s")
         except Exception as err:  # noqa: BLE001 - errors are data: a missing reward is not a zero reward
             self.failed += 1
             return mark_reward_failed(traj, f"{type(err).__name__}: {err}")
@@ -94,5 +98,31 @@ class RewardPool:
         traj.total_reward = total
         return traj
 
+    async def _score_in_workers(self, fn: CombinedReward, processes: RewardWorkers, traj: Trajectory,
+                                task: Task) -> Trajectory:
+        if fn.keep_reported and traj.reward_components:  # a black-box agent's own reward (agent.reward_from_agent)
+            traj.total_reward = float(sum(traj.reward_components.values()))
+            return traj
+        # the thread only waits on a worker's pipe, never longer than the timeout per function
+        call = asyncio.get_running_loop().run_in_executor(self._executor, processes.evaluate, traj, task)
+        try:
+            components, total = fn.combine(await call)
+        except (RewardError, NoOpinion) as err:
+            self.failed += 1
+            return mark_reward_failed(traj, str(err))
+        except Exception as err:  # noqa: BLE001 - errors are data: a missing reward is not a zero reward
+            self.failed += 1
+            return mark_reward_failed(traj, f"{type(err).__name__}: {err}")
+        traj.reward_components = components
+        traj.total_reward = total
+        return traj
+
+    @property
+    def restarts(self) -> int:
+        """Reward worker processes killed (past the timeout) or found dead, and replaced."""
+        return self._combined[1].restarts if self._combined is not None else 0
+
     def close(self) -> None:
+        if self._combined is not None:
+            self._combined[1].close()
         self._executor.shutdown(wait=self.hung == 0)  # never wait on an abandoned thread

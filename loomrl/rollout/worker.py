@@ -32,9 +32,8 @@ from loomrl.env.api import EpisodeContext, environment_for
 from loomrl.env.pool import Leases, sandbox_pool
 from loomrl.env.registry import sandbox_pool_size
 from loomrl.model.chat import ChatRenderer
-from loomrl.reward import RewardPool, import_reward
-from loomrl.reward.pool import load_terms
-from loomrl.reward.terms import CombinedReward, is_trl_style
+from loomrl.reward.pool import RewardPool, load_terms
+from loomrl.reward.terms import CombinedReward
 from loomrl.types import EvalRecord, Evaluation, RewardFn, RolloutStatus, Score, Task, Trajectory
 
 
@@ -70,16 +69,14 @@ class DataOrder:
 
 
 def reward_fn_for(cfg: RunConfig) -> RewardFn | CombinedReward:
-    """The run's reward: reward.functions (weighted), reward.function, else the environment's own reward (for a
-    black-box agent with agent.reward_from_agent, what the program reported when it did)."""
-    reward_fn: RewardFn | CombinedReward
-    if cfg.reward.functions:
-        reward_fn = CombinedReward(load_terms(cfg))
-    elif cfg.reward.function:
-        reward_fn = CombinedReward(load_terms(cfg)) if is_trl_style(fn := import_reward(cfg.reward.function)) else fn
-    else:
-        reward_fn = environment_for(cfg).reward
-    if cfg.agent.kind == "blackbox" and cfg.agent.reward_from_agent:
+    """The run's reward: the recipe's reward.functions or reward.function (weighted, run in reward worker processes),
+    else the environment's own reward. For a black-box agent with agent.reward_from_agent, what the program reported
+    when it did."""
+    reported = cfg.agent.kind == "blackbox" and cfg.agent.reward_from_agent
+    if cfg.reward.functions or cfg.reward.function:
+        return CombinedReward(load_terms(cfg), max_steps=cfg.trainer.total_steps, keep_reported=reported)
+    reward_fn = environment_for(cfg).reward
+    if reported:
         verifier = reward_fn
 
         def reward_fn(t: Trajectory, task: Task) -> dict[str, float]:

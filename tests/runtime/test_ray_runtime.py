@@ -250,11 +250,11 @@ def test_chaos_kills_actors_and_the_run_accounts_for_every_trajectory_once(clust
 
 @pytest.mark.ray
 def test_a_reward_actor_that_stays_dead_marks_trajectories_reward_failed_and_the_run_goes_on(cluster, tmp_path):
-    """One reward actor whose reward function ends its process on the 6th call, with Ray's restarts
+    """One reward actor whose reward function kills the actor on the 6th call, with Ray's restarts
     off: the scoring calls fail, their trajectories are stored as reward_failed with the reason and
     left out of training (skipped: reward_failed), and the run completes."""
     proc = _train(cluster, tmp_path, "noreward", "trainer.total_steps=3", "checkpoint_every=0",
-                  "reward.function=rewards_for_tests:reward_that_kills_its_process", "ray.reward.count=1",
+                  "reward.function=rewards_for_tests:reward_that_kills_its_actor", "ray.reward.count=1",
                   "ray.reward.num_cpus=0", "ray.reward.resources={reward: 1}", "ray.reward.max_restarts=0")
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-3000:]

@@ -81,6 +81,10 @@ class Turn:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
     context_events: list[dict[str, Any]] = field(default_factory=list)
+    # this turn's own reward terms, weighted (the per-turn process terms: a failed tool call, a malformed call, a
+    # repeated action): already part of the trajectory's total_reward, kept here to place them at their turn
+    # (Trajectory.turn_rewards, per-turn credit)
+    reward_terms: dict[str, float] = field(default_factory=dict)
 
 
 class _TokenContext:
@@ -189,6 +193,17 @@ class Trajectory(_TokenContext):
     def all_turns(self) -> list[Turn]:
         """Every turn of the episode, across its context segments."""
         return [t for seg in self.segments for t in seg.turns] + self.turns
+
+    def turn_rewards(self) -> list[float]:
+        """total_reward spread over all_turns(): each turn its own terms (Turn.reward_terms), the last turn also the
+        rest (the outcome: what the environment's and the recipe's rewards said of the whole episode). They sum to
+        total_reward; [] for an episode without a turn."""
+        turns = self.all_turns()
+        if not turns:
+            return []
+        own = [float(sum(t.reward_terms.values())) for t in turns]
+        own[-1] += self.total_reward - sum(own)
+        return own
 
     def contexts(self) -> list[ContextSegment | Trajectory]:
         """Every context of the episode, each with token_ids, sampled_mask(), token_logprobs() and

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from loomrl.config import ConfigError, RunConfig
 from loomrl.plugins import import_object
+from loomrl.reward.composite import Composite
 from loomrl.reward.terms import CombinedReward, NoOpinion, RewardTerm, is_trl_style
 from loomrl.reward.workers import RewardError, RewardWorkers
 from loomrl.types import REWARD_FAILED, UNSCORED, RewardFn, Task, Trajectory
@@ -60,8 +61,12 @@ class RewardPool:
     so a call past its timeout marks its trajectory reward_failed at once and is abandoned, and the pool goes on with
     fresh threads (a new executor); each abandoned thread is counted (`hung`) and ends when its function returns."""
 
-    def __init__(self, fn: RewardFn | CombinedReward, workers: int = 2, timeout_s: float | None = None):
+    def __init__(self, fn: RewardFn | CombinedReward, workers: int = 2, timeout_s: float | None = None,
+                 composite: Composite | None = None):
+        """`composite`: reward.terms (weights, gates, the built-in process terms); default: every component counts
+        with weight 1 (a reward function's own weight apart)."""
         self.fn = fn
+        self.composite = composite or Composite()
         self.workers = workers
         self.timeout_s = timeout_s
         self._executor = self._new_executor()
@@ -82,7 +87,6 @@ class RewardPool:
         call = asyncio.get_running_loop().run_in_executor(self._executor, self.fn, traj, task)
         try:
             components = await asyncio.wait_for(call, self.timeout_s)
-            total = float(sum(components.values()))
         except TimeoutError:
             self.failed += 1
             self.hung += 1
@@ -94,28 +98,23 @@ class RewardPool:
         except Exception as err:  # noqa: BLE001 - errors are data: a missing reward is not a zero reward
             self.failed += 1
             return mark_reward_failed(traj, f"{type(err).__name__}: {err}")
-        traj.reward_components = components
-        traj.total_reward = total
-        return traj
+        return self.composite.score(traj, components)
 
     async def _score_in_workers(self, fn: CombinedReward, processes: RewardWorkers, traj: Trajectory,
                                 task: Task) -> Trajectory:
         if fn.keep_reported and traj.reward_components:  # a black-box agent's own reward (agent.reward_from_agent)
-            traj.total_reward = float(sum(traj.reward_components.values()))
-            return traj
+            return self.composite.score(traj, traj.reward_components)
         # the thread only waits on a worker's pipe, never longer than the timeout per function
         call = asyncio.get_running_loop().run_in_executor(self._executor, processes.evaluate, traj, task)
         try:
-            components, total = fn.combine(await call)
+            components, weights = fn.combine(await call)
         except (RewardError, NoOpinion) as err:
             self.failed += 1
             return mark_reward_failed(traj, str(err))
         except Exception as err:  # noqa: BLE001 - errors are data: a missing reward is not a zero reward
             self.failed += 1
             return mark_reward_failed(traj, f"{type(err).__name__}: {err}")
-        traj.reward_components = components
-        traj.total_reward = total
-        return traj
+        return self.composite.score(traj, components, weights)
 
     @property
     def restarts(self) -> int:

@@ -340,7 +340,7 @@ class TrainerConfig(_Section):
     # that a group whose rewards barely differ, e.g. only by a small format credit, does not get full-size
     # advantages), none (Dr. GRPO's and RLOO's); unset: the estimator's own (OWN_NORM)
     advantage_norm: AdvantageNorm | None = None
-    # std_floor's floor in units of reward_range: 0.2 is below the std of a group of up to 24 with one full-range
+    # std_floor's floor in units of reward_range: 0.2 is below the std of a group of up to 23 with one full-range
     # success (reward_range x sqrt(G - 1) / G), so GRPO's scale of groups that differ in outcome is kept
     std_floor: float = Field(0.2, gt=0.0)
     # the spread of episode returns a task can give, best minus worst (the calculator's: 1.0 for a correct answer,

@@ -292,3 +292,40 @@ def test_turn_credit_trains_groups_whose_returns_are_equal_but_whose_turns_diffe
     assert turns[0][0] == pytest.approx(0.0) and turns[0][1] == pytest.approx(0.1 / 0.2)  # x's turn 1 was better
     identical = [episode("x", [{"tool_error": -0.1}, {}], 1.0), episode("y", [{"tool_error": -0.1}, {}], 1.0)]
     assert usable_group(identical, credit="turn")[2] == "zero_variance"
+
+
+# ---------------------------------------------------------------- through the trainer service
+
+
+@pytest.mark.parametrize("tree_merge", ["off", "on"])
+def test_turn_credit_through_the_service_with_and_without_tree_merge(tmp_path, tiny_model, tokenizer, tree_merge):
+    """The real TrainerService and Trainer on the hand group: the step's metrics show the floor and the fallback,
+    and one step moves the weights the same with tree merge on as off (per-token advantages reach the loss either
+    way)."""
+    import copy
+
+    from loomrl.trainer.service import TrainerService
+
+    def step(merge: str, name: str):
+        cfg = load_config(None, [f"output_dir={tmp_path}", f"name={name}", "model.kind=tiny", "trainer.groups_per_step=1",
+                                 "trainer.credit=turn", "trainer.advantage_norm=std_floor", "trainer.std_floor=0.6",
+                                 f"trainer.tree_merge={merge}", "trainer.lr=1e-3", "trainer.micro_batch_size=8"])
+        cfg.run_dir.mkdir(parents=True)
+        model = copy.deepcopy(tiny_model)
+        service = TrainerService(cfg, model, tokenizer)
+        service.receive(0, hand_group())
+        return service.train_step(), model
+
+    metrics, model = step(tree_merge, f"turn-{tree_merge}")
+    # the pooled returns' std (0.49) is under the floor (0.6): |A| = |A_none| / 0.6, a mean over equal 3-token turns
+    assert metrics["advantage/groups_floored"] == 1 and metrics["advantage/fallback_turns"] == 1
+    assert metrics["advantage/scale_mean"] == pytest.approx(0.6)
+    by_hand = [0.6, 0.5, 0.7, 1.0 - 0.8 / 3, 0.5, 0.1 + 1.9 / 3, 1.0, 0.6]
+    assert metrics["advantage/abs_mean"] == pytest.approx(sum(by_hand) / 8 / 0.6)
+    assert metrics["train/loss_tokens"] == 3 * 8
+    if tree_merge == "on":
+        assert metrics["train/tree_ratio"] > 1.0  # the group's shared prompt was merged
+        _, dense = step("off", "turn-dense")
+        assert any(not torch.equal(p, q) for p, q in zip(dense.parameters(), tiny_model.parameters()))  # it moved
+        for (name, p), q in zip(model.named_parameters(), dense.parameters()):
+            assert torch.allclose(p, q, atol=1e-6), name

@@ -407,6 +407,10 @@ class TrainerConfig(_Section):
         if self.advantage == "dr_grpo" and self.advantage_norm not in (None, "none"):
             raise ValueError(f"trainer.advantage_norm={self.advantage_norm} contradicts trainer.advantage=dr_grpo (Dr. "
                              "GRPO is GRPO without the division); use trainer.advantage=grpo with that advantage_norm")
+        if self.credit == "turn" and self.loss.kind == "gspo":
+            # gspo_loss takes one advantage per sequence, the mean of its tokens': the turns' own would be averaged away
+            raise ValueError("trainer.credit=turn does not work with trainer.loss.kind=gspo (GSPO gives a sequence one "
+                             "advantage, the mean of its turns'); use ppo_clip, decoupled_ppo or cispo, or credit=outcome")
         depth_first = (self.tree_merge != "off" and self.tree_token_budget is not None
                        and self.tree_merge_memory == "depth_first")
         if self.activation_checkpointing and depth_first:

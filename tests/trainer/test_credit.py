@@ -279,6 +279,8 @@ def test_config_fields_resolve_and_name_a_contradiction():
         load_config(None, ["trainer.advantage=dr_grpo", "trainer.advantage_norm=std_floor"])
     with pytest.raises(ConfigError, match="credit"):
         load_config(None, ["trainer.credit=step"])
+    with pytest.raises(ConfigError, match="trainer.credit=turn does not work with trainer.loss.kind=gspo"):
+        load_config(None, ["trainer.credit=turn", "trainer.loss.kind=gspo"])
     with pytest.raises(ConfigError, match="std_floor"):
         load_config(None, ["trainer.std_floor=0"])
 

@@ -318,6 +318,11 @@ class BufferConfig(_Section):
 
 # The choices of trainer.loss and trainer.advantage; loomrl/trainer/losses.py checks its arguments against them.
 AdvantageKind = Literal["grpo", "dr_grpo", "rloo"]
+# trainer.advantage_norm and trainer.credit (loomrl/trainer/credit.py)
+AdvantageNorm = Literal["std", "std_floor", "none"]
+CreditKind = Literal["outcome", "turn"]
+# each estimator's own division, used when trainer.advantage_norm is unset
+OWN_NORM: dict[str, AdvantageNorm] = {"grpo": "std", "dr_grpo": "none", "rloo": "none"}
 LossKind = Literal["ppo_clip", "gspo", "decoupled_ppo", "cispo"]
 ISLevel = Literal["none", "token", "sequence", "chunk"]
 ISVariant = Literal["none", "truncated", "masked"]
@@ -352,7 +357,22 @@ class TrainerConfig(_Section):
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     lr_min_ratio: float = Field(0.0, ge=0.0, le=1.0)
     grad_clip: float = Field(1.0, gt=0.0)
-    advantage: AdvantageKind = "grpo"  # loomrl/trainer/losses.py: the estimator
+    # Advantages (loomrl/trainer/credit.py; docs/training.md "Advantages and per-turn credit"). `advantage` is the
+    # estimator: its baseline (grpo, dr_grpo: the group's mean; rloo: the mean of the others) and its own division
+    advantage: AdvantageKind = "grpo"
+    # what a group's centred returns are divided by: std (GRPO's), std_floor (max(std, std_floor x reward_range), so
+    # that a group whose rewards barely differ, e.g. only by a small format credit, does not get full-size
+    # advantages), none (Dr. GRPO's and RLOO's); unset: the estimator's own (OWN_NORM)
+    advantage_norm: AdvantageNorm | None = None
+    # std_floor's floor in units of reward_range: 0.2 is below the std of a group of up to 23 with one full-range
+    # success (reward_range x sqrt(G - 1) / G), so GRPO's scale of groups that differ in outcome is kept
+    std_floor: float = Field(0.2, gt=0.0)
+    # the spread of episode returns a task can give, best minus worst (the calculator's: 1.0 for a correct answer,
+    # plus 0.1 format credit, minus 0: 1.1; 1.0 is close enough). Not a multiplier of the rewards
+    reward_range: float = Field(1.0, gt=0.0)
+    # outcome: every sampled token of an episode carries its return's advantage; turn: each turn's tokens carry its
+    # return-to-go's (Trajectory.turn_rewards) against the other episodes' at that turn
+    credit: CreditKind = "outcome"
     loss: LossConfig = Field(default_factory=LossConfig)
     # zero-variance groups are not trained (no gradient) but count in the loss denominators, so that a
     # step with few informative groups takes a proportionally smaller step; False: mean over trained only
@@ -408,6 +428,13 @@ class TrainerConfig(_Section):
 
     @model_validator(mode="after")
     def _supported_combinations(self) -> TrainerConfig:
+        if self.advantage == "dr_grpo" and self.advantage_norm not in (None, "none"):
+            raise ValueError(f"trainer.advantage_norm={self.advantage_norm} contradicts trainer.advantage=dr_grpo (Dr. "
+                             "GRPO is GRPO without the division); use trainer.advantage=grpo with that advantage_norm")
+        if self.credit == "turn" and self.loss.kind == "gspo":
+            # gspo_loss takes one advantage per sequence, the mean of its tokens': the turns' own would be averaged away
+            raise ValueError("trainer.credit=turn does not work with trainer.loss.kind=gspo (GSPO gives a sequence one "
+                             "advantage, the mean of its turns'); use ppo_clip, decoupled_ppo or cispo, or credit=outcome")
         depth_first = (self.tree_merge != "off" and self.tree_token_budget is not None
                        and self.tree_merge_memory == "depth_first")
         if self.activation_checkpointing and depth_first:
@@ -730,6 +757,7 @@ ALIASES = {
     **dict.fromkeys(("adam_beta1", "adam_beta2"), "trainer.betas"),
     **dict.fromkeys(("bf16", "mixed_precision"), "trainer.precision"),
     **dict.fromkeys(("adv_estimator", "advantage_estimator"), "trainer.advantage"),
+    **dict.fromkeys(("norm_adv_by_std_in_grpo", "scale_rewards"), "trainer.advantage_norm"),
     **dict.fromkeys(("beta", "kl_loss_coef", "init_kl_coef"), "trainer.loss.kl_coef"),
     **dict.fromkeys(("kl_loss_type", "kl_estimator"), "trainer.loss.kl"),
     **dict.fromkeys(("epsilon", "clip_ratio", "eps_clip", "clip_ratio_low", "cliprange"), "trainer.loss.clip_low"),

@@ -11,7 +11,9 @@ trajectory left out is counted by reason in the ledger, and stays in the traject
 - reward failed (always): a trajectory whose reward function raised (or whose reward worker kept
   dying) has no reward; it is left out rather than trained as if it had scored zero.
 - zero variance (always): a group whose rewards are all equal has zero advantage everywhere; training
-  on it costs a forward/backward for no gradient, so it is skipped.
+  on it costs a forward/backward for no gradient, so it is skipped. Under per-turn credit (`trainer.credit: turn`)
+  the rewards compared are each episode's per-turn rewards (Trajectory.turn_rewards): episodes with the same return
+  may still differ turn by turn, and then their turns' advantages do.
 - balance (batch level, `balance_samples`): when positive-advantage samples outnumber negative ones (or
   the reverse) by more than `max_ratio`, the majority is subsampled (seeded) to that ratio.
 """
@@ -21,7 +23,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from loomrl.config import BufferConfig
+from loomrl.config import BufferConfig, CreditKind
 from loomrl.types import UNSCORED, RolloutStatus, TrainingSample, Trajectory
 
 
@@ -42,10 +44,11 @@ def _jaccard(a: set, b: set) -> float:
     return len(a & b) / len(a | b) if a or b else 1.0
 
 
-def usable_group(group: list[Trajectory], cfg: BufferConfig | None = None) -> tuple[list[Trajectory], dict[str, list[str]], str | None]:
+def usable_group(group: list[Trajectory], cfg: BufferConfig | None = None, credit: CreditKind = "outcome",
+                 ) -> tuple[list[Trajectory], dict[str, list[str]], str | None]:
     """The trainable part of a group under the buffer's filters (buffer.filters, drop_truncated, ngram,
     max_repeats, duplicate_threshold), the trajectory ids left out by reason, and why nothing of the
-    group can be trained (None when something can)."""
+    group can be trained (None when something can). `credit` (trainer.credit) says which rewards must differ."""
     cfg = cfg or BufferConfig()
     out: dict[str, list[str]] = {}
     kept = [t for t in group if any(t.all_turns())]
@@ -71,9 +74,15 @@ def usable_group(group: list[Trajectory], cfg: BufferConfig | None = None) -> tu
     out = {k: v for k, v in out.items() if v}
     if len(kept) < 2:
         return [], out, "incomplete"
-    if len({round(t.total_reward, 9) for t in kept}) == 1:
+    if len({_rewards_key(t, credit) for t in kept}) == 1:
         return [], out, "zero_variance"
     return kept, out, None
+
+
+def _rewards_key(t: Trajectory, credit: CreditKind) -> tuple[float, ...]:
+    """What must differ between a group's trajectories for any of their advantages to be non-zero."""
+    rewards = t.turn_rewards() if credit == "turn" else [t.total_reward]
+    return tuple(round(r, 9) for r in rewards)
 
 
 def balance_samples(samples: list[TrainingSample], max_ratio: float, seed: int = 0) -> tuple[list[TrainingSample], int]:

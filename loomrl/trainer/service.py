@@ -23,11 +23,12 @@ from loomrl.buffer.buffer import group_min_version
 from loomrl.buffer.filters import balance_samples
 from loomrl.config import RunConfig
 from loomrl.trainer.checkpoint import load_state, save_checkpoint, set_rng_state
+from loomrl.trainer.credit import AdvantageRule, GroupCredit, group_credit
 from loomrl.trainer.distributed import Gather
-from loomrl.trainer.grpo import samples_from_group
+from loomrl.trainer.grpo import samples_from_credit, samples_from_group
 from loomrl.trainer.offload import Moved, offload, onload
 from loomrl.trainer.ranks import RankGroup, build_trainer
-from loomrl.types import Trajectory
+from loomrl.types import TrainingSample, Trajectory
 from loomrl.weights.source import DictSource, WeightSource, dtype_name
 
 # The checkpoint's model folder is written a file per bucket of this size (HF's own default shard size is 5 GB).
@@ -72,6 +73,21 @@ def repair_ledger_for_restart(run_dir: Path, checkpoint: Path | None) -> None:
         ledger.write_text(text[: text.rfind("\n") + 1])
     if checkpoint is None and ledger.exists():
         ledger.unlink()
+
+
+def advantage_metrics(samples: list[TrainingSample], credits: list[GroupCredit], rule: AdvantageRule,
+                      ) -> dict[str, float]:
+    """What the advantage options did this step: the mean |advantage| over the sampled tokens trained (after the
+    balance filter and the lag decay), the trained groups' mean scale (what their centred returns were divided by),
+    how many of them the std floor set, and under turn credit how many turns fell back to the others' returns."""
+    trained = [abs(a) for s in samples for a, m in zip(s.advantages, s.loss_mask) if m]
+    out = {"advantage/abs_mean": sum(trained) / len(trained) if trained else 0.0,
+           "advantage/scale_mean": sum(c.scale for c in credits) / len(credits) if credits else 0.0}
+    if rule.norm == "std_floor":
+        out["advantage/groups_floored"] = sum(c.floored for c in credits)
+    if rule.credit == "turn":
+        out["advantage/fallback_turns"] = sum(c.fallback_turns for c in credits)
+    return out
 
 
 class TrainerService:
@@ -149,9 +165,11 @@ class TrainerService:
         groups, stale = self.buffer.take(self.cfg.trainer.groups_per_step, version)
         samples, trained, skipped = [], [], {}
         groups_skipped, why_skipped = 0, Counter()
+        rule = AdvantageRule.of(self.cfg.trainer)
+        credits = []  # of the trained groups, for the advantage/ metrics
         idle_tokens = idle_seqs = idle_longest = 0  # of zero-variance groups: no gradient, but part of the mean
         for group in groups:
-            usable, left_out, reason = usable_group(group, self.cfg.buffer)
+            usable, left_out, reason = usable_group(group, self.cfg.buffer, rule.credit)
             for why, ids in left_out.items():
                 skipped.setdefault(why, []).extend(ids)
             out = {i for ids in left_out.values() for i in ids}
@@ -160,13 +178,14 @@ class TrainerService:
                 why_skipped[reason] += 1
                 if reason == "zero_variance" and self.cfg.trainer.count_idle_groups:
                     kept = [t for t in group if t.trajectory_id not in out and any(t.all_turns())]
-                    idle = samples_from_group(kept, self.cfg.trainer.advantage)
+                    idle = samples_from_group(kept, rule)
                     idle_tokens += sum(sum(s.loss_mask) for s in idle)
                     idle_seqs += len(idle)
                     idle_longest = max([idle_longest, *(sum(s.loss_mask) for s in idle)])
                 skipped.setdefault(reason, []).extend(t.trajectory_id for t in group if t.trajectory_id not in out)
                 continue
-            samples.extend(samples_from_group(usable, self.cfg.trainer.advantage))
+            credits.append(group_credit(usable, rule))
+            samples.extend(samples_from_credit(usable, credits[-1]))
             trained.extend(t.trajectory_id for t in usable)
             accounted = {t.trajectory_id for t in usable} | out
             unaccounted = [t.trajectory_id for t in group if t.trajectory_id not in accounted]
@@ -198,6 +217,7 @@ class TrainerService:
                     sample.advantages = [a * w for a in sample.advantages]
                     metrics["samples_downweighted"] = metrics.get("samples_downweighted", 0) + 1
         if samples:
+            metrics.update(advantage_metrics(samples, credits, rule))
             step = self.ranks.train_step if self.ranks else self.trainer.train_step
             stats = step(samples, idle_tokens=idle_tokens, idle_seqs=idle_seqs, idle_longest=idle_longest)
             metrics["train/idle_tokens"] = idle_tokens

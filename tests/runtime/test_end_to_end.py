@@ -424,3 +424,16 @@ def test_a_tiny_qwen3_trains_end_to_end_with_tree_merge(tmp_path):
     assert end.config.model_type == "qwen3"
     moved = max(float((a - b).abs().max()) for a, b in zip(start.parameters(), end.parameters()))
     assert moved > 0 and all(torch.isfinite(p).all() for p in end.parameters())
+
+
+def test_turn_credit_with_a_std_floor_trains_end_to_end(tmp_path):
+    """trainer.credit=turn and advantage_norm=std_floor through a whole sync run with tree merge: every step with
+    signal logs what the advantages did, and the ledger adds up."""
+    cfg = _cfg(tmp_path, "name=credit", "runtime.mode=sync", "trainer.total_steps=2", "eval.n_tasks=0",
+               "checkpoint_every=2", "trainer.credit=turn", "trainer.advantage_norm=std_floor", "trainer.tree_merge='on'")
+    summary = train(cfg)
+    assert summary["steps"] == 2
+    check_run(cfg.run_dir, summary, 2)
+    trained = [r for r in read_metrics(cfg.run_dir) if r["kind"] == "train" and "train/loss" in r]
+    assert trained and all(r["advantage/abs_mean"] > 0 and r["advantage/scale_mean"] > 0 for r in trained)
+    assert all({"advantage/groups_floored", "advantage/fallback_turns"} <= set(r) for r in trained)

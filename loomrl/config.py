@@ -17,6 +17,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from loomrl.data.config import DataConfig  # noqa: E402 - its own module imports nothing of loomrl
+from loomrl.reward.judge_config import JudgeConfig  # imports nothing of loomrl either
 
 
 class ConfigError(ValueError):
@@ -260,6 +261,9 @@ class RewardConfig(_Section):
     # a reward call runs at most this long: one that raises or runs past it marks its trajectory reward_failed
     # (stored, never trained) and the run goes on
     timeout_s: float = Field(30.0, gt=0.0)
+    # an LLM judge over an OpenAI-compatible endpoint (reward/judge.py, docs/rewards.md "LLM judge"): its score is the
+    # `judge` component, added after the others; None: no judge
+    judge: JudgeConfig | None = None
 
     @model_validator(mode="after")
     def _one_kind(self) -> RewardConfig:
@@ -649,7 +653,8 @@ def _known_fields(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
         field = getattr(current, "model_fields", {}).get(part)
         if field is None:
             return []
-        current = field.annotation
+        # an optional section (data, reward.judge): `X | None`, whose fields are X's
+        current = next((a for a in get_args(field.annotation) if hasattr(a, "model_fields")), field.annotation)
     return list(getattr(current, "model_fields", {}))
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from loomrl.actor_support import Placed, constructor_failed
 from loomrl.config import RunConfig
+from loomrl.reward.judge import judge_for
 from loomrl.reward.pool import RewardPool, mark_reward_failed
 from loomrl.types import Task, Trajectory
 
@@ -22,7 +23,8 @@ class RewardActor(Placed):
         from loomrl.rollout.worker import reward_fn_for
 
         cfg = RunConfig.model_validate_json(cfg_json)
-        self.pool = RewardPool(reward_fn_for(cfg), workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
+        self.pool = RewardPool(reward_fn_for(cfg), workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s,
+                               judge=judge_for(cfg.reward.judge))
 
     async def score(self, traj: Trajectory, task: Task) -> Trajectory:
         return await self.pool.score(traj, task)
@@ -49,6 +51,10 @@ class RemoteRewardPool:
                 raise
             self.failed += 1
             return mark_reward_failed(traj, f"reward actor {i}: {type(err).__name__}: {str(err).splitlines()[0]}")
+
+    def metrics(self) -> dict[str, float]:
+        """{}: the reward actors' own counters (an LLM judge's among them) stay in the actors for now."""
+        return {}
 
     def close(self) -> None:
         pass  # the driver owns the reward actors

@@ -32,6 +32,7 @@ from loomrl.env.api import EpisodeContext, environment_for
 from loomrl.env.pool import Leases, sandbox_pool
 from loomrl.env.registry import sandbox_pool_size
 from loomrl.model.chat import ChatRenderer
+from loomrl.reward.judge import judge_for
 from loomrl.reward.pool import RewardPool, load_terms
 from loomrl.reward.terms import CombinedReward
 from loomrl.types import EvalRecord, Evaluation, RewardFn, RolloutStatus, Score, Task, Trajectory
@@ -119,7 +120,7 @@ class RolloutWorker:
         self.order = DataOrder(len(train_tasks), cfg.seed)
         self.environment = environment_for(cfg)
         self.reward_pool = reward_pool or RewardPool(reward_fn_for(cfg), workers=cfg.reward.workers,
-                                                         timeout_s=cfg.reward.timeout_s)
+                                                         timeout_s=cfg.reward.timeout_s, judge=judge_for(cfg.reward.judge))
         self._env_rng = random.Random(f"{cfg.seed}:env")
         self._retry_rng = random.Random(f"{cfg.seed}:retry")
         self._pool: Leases | None = env_pool
@@ -317,6 +318,10 @@ class RolloutWorker:
             out[f"programs/{p['phase']}"] += 1
             out[f"programs/{p['status']}"] += 1
         return {k: float(v) for k, v in out.items()}
+
+    def reward_metrics(self) -> dict[str, float]:
+        """The reward pool's counters so far (the LLM judge's: judge/calls, judge/cost_usd, ...)."""
+        return self.reward_pool.metrics()
 
     def pool_metrics(self) -> dict[str, float]:
         return asdict(self._pool.metrics) if self._pool is not None else {}

@@ -199,8 +199,15 @@ def _judge_review(args, items: list) -> list:
     temperature = args.judge_temperature if args.judge_temperature is not None else (0.7 if shared else 0.0)
     judges = [JudgeClient(base_url=args.judge_url, model=models[i % len(models)], api_key_env=args.judge_api_key_env,
                           field="--judge-api-key-env") for i in range(n)]
+    async def run(bar) -> list:
+        try:
+            return await review_tasks(items, judges, temperature=temperature, progress=bar)
+        finally:
+            for judge in judges:
+                await judge.aclose()
+
     with tqdm(total=len(items), desc="review", file=sys.stderr) as bar:
-        return asyncio.run(review_tasks(items, judges, temperature=temperature, progress=bar))
+        return asyncio.run(run(bar))
 
 
 def main(argv: list[str] | None = None) -> int:

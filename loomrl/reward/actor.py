@@ -56,5 +56,8 @@ class RemoteRewardPool:
         """{}: the reward actors' own counters (an LLM judge's among them) stay in the actors for now."""
         return {}
 
+    async def aclose(self) -> None:
+        pass  # the driver owns the reward actors
+
     def close(self) -> None:
         pass  # the driver owns the reward actors

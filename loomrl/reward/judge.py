@@ -76,6 +76,9 @@ class Judge:
     def metrics(self) -> JudgeMetrics:
         return self.client.metrics
 
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
     def wants(self, task: Task) -> bool:
         """Whether trajectories of `task` are judged: training ones, and evaluation's with reward.judge.heldout."""
         return task.split == "train" or self.cfg.heldout

@@ -106,6 +106,13 @@ class JudgeClient:
                                        timeout=self.timeout_s)
             self._slots = asyncio.Semaphore(self.max_concurrency)
 
+    async def aclose(self) -> None:
+        """Closes the HTTP client's connections (on the loop that made them: left open, they are closed when the
+        client is collected, after that loop may have closed, and httpx logs an error)."""
+        if self._loop is asyncio.get_running_loop():
+            await self._client.close()
+            self._loop = None
+
     async def complete(self, messages: list[dict[str, Any]], *, max_tokens: int, temperature: float,
                        seed: int | None = None) -> str:
         """The reply's text ("" when it has none); JudgeUnavailable when no reply came."""
@@ -117,12 +124,15 @@ class JudgeClient:
                 async with self._slots:
                     await self.limiter.wait()
                     return await self._request(messages, max_tokens, temperature, seed)
-            except (openai.APIConnectionError, openai.APIStatusError, TimeoutError) as err:
+            except (openai.APIError, TimeoutError) as err:
                 status = err.status_code if isinstance(err, openai.APIStatusError) else None
                 why = _describe(err, self.timeout_s)
-                if status is not None and status < 500 and status not in RETRIED_STATUS:
+                retried = isinstance(err, (openai.APIConnectionError, TimeoutError)) or (
+                    status is not None and (status >= 500 or status in RETRIED_STATUS))
+                if not retried:  # another 4xx, or a 200 that is no chat completion: asking again cannot help
                     self.metrics.failures += 1
-                    raise JudgeUnavailable(f"{self.base_url} refused the request: {why}") from None
+                    what = "refused the request" if status is not None else "gave no chat completion"
+                    raise JudgeUnavailable(f"{self.base_url} {what}: {why}") from None
                 if attempt == self.max_retries:
                     self.metrics.failures += 1
                     raise JudgeUnavailable(f"no reply from {self.base_url} after {attempt + 1} attempt(s); the last: "
@@ -154,11 +164,11 @@ class JudgeClient:
             self._inflight -= 1
             if self._inflight == 0:
                 m.busy_s += time.perf_counter() - self._busy_since
-        if out.usage is not None:
-            m.prompt_tokens += out.usage.prompt_tokens
-            m.completion_tokens += out.usage.completion_tokens
-            m.cost_usd += (out.usage.prompt_tokens * self.prices.prompt
-                           + out.usage.completion_tokens * self.prices.completion) / 1e6
+        if out.usage is not None:  # a server that reports none costs nothing we can count
+            prompt, completion = out.usage.prompt_tokens or 0, out.usage.completion_tokens or 0
+            m.prompt_tokens += prompt
+            m.completion_tokens += completion
+            m.cost_usd += (prompt * self.prices.prompt + completion * self.prices.completion) / 1e6
         return (out.choices[0].message.content or "") if out.choices else ""
 
 

@@ -140,6 +140,9 @@ class RewardPool:
         except JudgeUnavailable as err:
             self.failed += 1
             return mark_reward_failed(traj, f"judge: {err}")
+        except Exception as err:  # noqa: BLE001 - errors are data: a missing grade is not a zero grade
+            self.failed += 1
+            return mark_reward_failed(traj, f"judge: {type(err).__name__}: {err}")
         if verdict.score is None:
             note = f"judge: no score in its reply ({verdict.why}): {verdict.reply[:300]!r}"
             if judge.cfg.on_parse_failure == "reward_failed":
@@ -159,6 +162,12 @@ class RewardPool:
     def restarts(self) -> int:
         """Reward worker processes killed (past the timeout) or found dead, and replaced."""
         return self._combined[1].restarts if self._combined is not None else 0
+
+    async def aclose(self) -> None:
+        """close(), and the judge's connections first (they belong to the running loop)."""
+        if self.judge is not None:
+            await self.judge.aclose()
+        self.close()
 
     def close(self) -> None:
         if self._combined is not None:

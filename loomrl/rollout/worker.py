@@ -327,7 +327,7 @@ class RolloutWorker:
         return asdict(self._pool.metrics) if self._pool is not None else {}
 
     async def aclose(self) -> None:
-        self.reward_pool.close()
+        await self.reward_pool.aclose()
         for server in self._servers:
             server.stop()
         if self._gateway_dir:

@@ -63,7 +63,7 @@ async def score_all(pool: RewardPool, trajs: list[Trajectory]) -> list[Trajector
     try:
         return list(await asyncio.gather(*(pool.score(t, TASK) for t in trajs)))
     finally:
-        pool.close()
+        await pool.aclose()
 
 
 # -- a real `loomrl serve` of SmolLM2 ---------------------------------------------------------------------------------
@@ -311,3 +311,24 @@ def test_a_run_logs_the_judges_metrics_per_step(stand_in, tmp_path):
     assert all(m["judge/cost_usd"] == pytest.approx(m["judge/calls"] * (100 * 1.0 + 4 * 2.0) / 1e6) for m in steps)
     rows = [r for r in read_trajectories(cfg.run_dir / "trajectories").to_pylist() if r["split"] == "train"]
     assert rows and all(json.loads(r["reward_components"])["judge"] == 0.4 for r in rows if r["reward_components"])
+
+
+def test_config_errors_name_the_field(tmp_path, monkeypatch):
+    from loomrl.config import ConfigError, load_config
+
+    judge = ["reward.judge.base_url=http://127.0.0.1:1/v1", "reward.judge.model=m"]
+    for override, message in [
+            ("reward.judge.scale=[10, 0]", "'reward.judge': reward.judge.scale: [10.0, 0.0] is not [low, high]"),
+            ("reward.judge.rubric='Grade {answer}'", "reward.judge.rubric: unknown field(s) ['answer']"),
+            ("reward.judge.rubric='Grade it'", "reward.judge.rubric: it never shows the judge the trajectory"),
+            ("reward.judge.max_concurency=2", "unknown field 'reward.judge.max_concurency'; did you mean "
+                                              "'max_concurrency'?")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(None, [*judge, override])
+    rubric = tmp_path / "rubric.txt"
+    rubric.write_text("Task: {prompt}\nAnswer: {response}\nScore: {low}-{high}")
+    cfg = load_config(None, [*judge, f"reward.judge.rubric={rubric}"]).reward.judge
+    assert cfg.rubric == rubric.read_text()  # read at load: the resolved config keeps the text
+    monkeypatch.delenv("NO_SUCH_KEY", raising=False)
+    with pytest.raises(ConfigError, match="reward.judge.api_key_env: the environment variable NO_SUCH_KEY is not set"):
+        Judge(cfg.model_copy(update={"api_key_env": "NO_SUCH_KEY"}))

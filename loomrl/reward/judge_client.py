@@ -1,8 +1,9 @@
 """JudgeClient: chat completions from an OpenAI-compatible endpoint, within limits, for LLM judges (reward/judge.py,
 reward/task_review.py).
 
-What it holds to: at most `max_concurrency` requests in flight; request starts at least 1/requests_per_s apart (a
-token bucket of one token: no burst, so the rate holds over any window); each request bounded by `timeout_s`; a
+What it holds to: at most `max_concurrency` requests in flight; request starts at least 1/requests_per_s apart, in
+arrival order (a token bucket of one token, each start timed from when the one before it went: no burst, even after
+the event loop stalled, so the rate holds over any window); each request bounded by `timeout_s`; a
 request that failed for the server's sake (connection refused or reset, timeout, 5xx, 408, 409, 429) sent again up to
 `max_retries` times, `retry_backoff_s` x 2^k apart, outside the concurrency slot; then JudgeUnavailable, which the
 caller records on its trajectory (never a 0). Every request, retry and token is counted (JudgeMetrics), with its cost
@@ -54,20 +55,22 @@ class JudgeMetrics:
 
 
 class RateLimiter:
-    """Starts at least 1/rate apart, in arrival order: each caller takes the next free slot, then sleeps until it."""
+    """Starts at least 1/rate apart, in arrival order: each caller waits for the one before it, then until 1/rate after
+    that one went (as it resumed, not as it was scheduled: a loop that stalled does not release a burst after)."""
 
     def __init__(self, rate: float | None):
         self.interval = 1.0 / rate if rate else 0.0
-        self._next = 0.0
+        self._last = -float("inf")
+        self._turn = asyncio.Lock()  # binds to the loop that first waits on it: one RateLimiter per loop
 
     async def wait(self) -> None:
         if not self.interval:
             return
-        now = time.monotonic()
-        slot = max(now, self._next)
-        self._next = slot + self.interval  # taken before the sleep: no await between reading and writing it
-        if slot > now:
-            await asyncio.sleep(slot - now)
+        async with self._turn:  # FIFO: the waiters go in the order they came
+            delay = self._last + self.interval - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            self._last = time.monotonic()
 
 
 class JudgeClient:
@@ -90,7 +93,7 @@ class JudgeClient:
         self.max_concurrency, self.max_retries = max_concurrency, max_retries
         self.retry_backoff_s, self.timeout_s = retry_backoff_s, timeout_s
         self.prices = prices or JudgePrices()
-        self.limiter = RateLimiter(requests_per_s)
+        self.requests_per_s = requests_per_s
         self.metrics = JudgeMetrics()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._inflight = 0
@@ -105,6 +108,7 @@ class JudgeClient:
             self._client = AsyncOpenAI(base_url=self.base_url, api_key=self._key, max_retries=0,
                                        timeout=self.timeout_s)
             self._slots = asyncio.Semaphore(self.max_concurrency)
+            self._limiter = RateLimiter(self.requests_per_s)
 
     async def aclose(self) -> None:
         """Closes the HTTP client's connections (on the loop that made them: left open, they are closed when the
@@ -122,7 +126,7 @@ class JudgeClient:
         for attempt in range(self.max_retries + 1):
             try:
                 async with self._slots:
-                    await self.limiter.wait()
+                    await self._limiter.wait()
                     return await self._request(messages, max_tokens, temperature, seed)
             except (openai.APIError, TimeoutError) as err:
                 status = err.status_code if isinstance(err, openai.APIStatusError) else None

@@ -238,12 +238,19 @@ def test_concurrency_and_rate_limits_hold_under_a_burst(stand_in):
     url = with_behaviour(delay_s=0.15)
     cfg = JudgeConfig(base_url=url, model="m", max_concurrency=3, requests_per_s=25.0, weight=0.5)
     pool = RewardPool(outcome, judge=Judge(cfg))
-    trajs = asyncio.run(score_all(pool, [trajectory(f"{i} apples", i) for i in range(24)]))  # 24 distinct, at once
+
+    async def burst() -> list[Trajectory]:
+        await pool.score(trajectory("warm-up", -1), TASK)  # the client's first request (lazy imports, a connection)
+        state["b"] = Behaviour(delay_s=0.15)
+        return await score_all(pool, [trajectory(f"{i} apples", i) for i in range(24)])  # 24 distinct, at once
+
+    trajs = asyncio.run(burst())
     b = state["b"]
     assert len(b.arrivals) == 24 and b.max_inflight == 3  # reached, never passed
-    gaps = [later - earlier for earlier, later in zip(b.arrivals, b.arrivals[1:])]
-    assert min(gaps) > 0.04 - 0.01  # 1/requests_per_s apart, less the HTTP jitter
+    gaps = sorted(later - earlier for earlier, later in zip(b.arrivals, b.arrivals[1:]))
+    assert gaps[1] > 0.04 - 0.01  # 1/requests_per_s apart, less the HTTP jitter (one gap may take a loop stall's)
     assert 23 / (b.arrivals[-1] - b.arrivals[0]) <= 25.0 * 1.02
+    assert max(sum(t <= a < t + 0.2 for a in b.arrivals) for t in b.arrivals) <= 0.2 * 25.0 + 2  # in any 0.2 s
     assert all(t.reward_components["judge"] == 0.7 and t.total_reward == pytest.approx(
         t.reward_components["correct"] + 0.35) for t in trajs)
 

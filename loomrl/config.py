@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from loomrl.data.config import DataConfig  # noqa: E402 - its own module imports nothing of loomrl
+from loomrl.reward.composite import PROCESS_TERMS, Gate  # noqa: E402 - imports loomrl.types only
 from loomrl.reward.judge_config import JudgeConfig  # imports nothing of loomrl either
 
 
@@ -250,6 +251,21 @@ class RewardTermConfig(_Section):
     name: str | None = None  # a TRL-style function's component name (default: the function's own name)
 
 
+class TermConfig(_Section):
+    """One of reward.terms: how a component of the reward counts in the total (loomrl/reward/composite.py)."""
+
+    weight: float = Field(1.0, allow_inf_nan=False)  # multiplies the component in the total; negative: a penalty
+    # when it counts: a component's name (`correct`: when correct > 0), `not correct`, or `correct >= 0.5`
+    gate: str | None = None
+
+    @field_validator("gate")
+    @classmethod
+    def _readable(cls, gate: str | None) -> str | None:
+        if gate is not None:
+            Gate.parse(gate)  # a ValueError that says how to write one
+        return gate
+
+
 class RewardConfig(_Section):
     # "module:function" of a custom reward, loomrl's (trajectory, task) -> {component: value} or TRL's
     # (prompts, completions, **columns) -> [float | None] (docs/rewards.md); default: the environment's own reward
@@ -257,6 +273,10 @@ class RewardConfig(_Section):
     # several reward functions, each with a weight: the total is their weighted sum (None: that function has no
     # opinion on the trajectory, left out, never a 0). Replaces function and the environment's reward.
     functions: list[RewardTermConfig] = Field(default_factory=list)
+    # named terms, each with a weight and a gate: any component of the reward (the environment's, a function's, the
+    # judge's) and the built-in ones, computed only when named here: the process terms tool_error, malformed_call,
+    # repeated_action, language_mixing (per turn; give a negative weight) and completion_time (against the group)
+    terms: dict[str, TermConfig] = Field(default_factory=dict)
     workers: int = Field(2, gt=0)
     # a reward call runs at most this long: one that raises or runs past it marks its trajectory reward_failed
     # (stored, never trained) and the run goes on
@@ -270,6 +290,10 @@ class RewardConfig(_Section):
         if self.function and self.functions:
             raise ValueError("give reward.function or reward.functions, not both (reward.functions takes one "
                              "function with a weight too)")
+        for name, term in self.terms.items():
+            if name in PROCESS_TERMS and term.weight > 0:
+                raise ValueError(f"terms.{name}.weight: {name} counts the turns that went wrong: a penalty, give it a "
+                                 f"negative weight (e.g. -0.1), not {term.weight:g}")
         return self
 
 

@@ -2,7 +2,8 @@
 
 `reset(task)` gives the opening messages and tool schemas; `step(action_text)` gives the messages to
 append (tool results), a step reward, whether the episode is over, and info: `final_answer`, `tool_calls` (the turn's
-records) and `record` (what the environment's own reward reads later, kept as Trajectory.env_record).
+records: {name, arguments, error, ...}, `error` when the call could not be parsed, `tool_error` when it was well formed
+and the tool could not carry it out; reward/process.py counts both) and `record` (what the environment's own reward reads later, kept as Trajectory.env_record).
 An Env signals a broken environment by raising EnvCrash or ToolTimeout: the agent loop turns these
 into a trajectory status (`env_error`, `timeout`) and never lets them reach sibling rollouts.
 """

@@ -190,7 +190,8 @@ class ToolEnv(Env):
                 record["output"] = output
             except ToolError as err:
                 output = f"Error: {err}"
-                record["error"] = str(err)
+                if not call.error:  # the call was well formed; the tool could not carry it out
+                    record["tool_error"] = str(err)
             messages.append({"role": "tool", "name": call.name or "unknown", "content": output})
             records.append(record)
         return StepResult(observation=messages, info={"tool_calls": records})

@@ -8,8 +8,7 @@ from typing import Any
 
 from loomrl.actor_support import Placed, constructor_failed
 from loomrl.config import RunConfig
-from loomrl.reward.judge import judge_for
-from loomrl.reward.pool import RewardPool, mark_reward_failed
+from loomrl.reward.pool import mark_reward_failed
 from loomrl.types import Task, Trajectory
 
 
@@ -20,11 +19,10 @@ class RewardActor(Placed):
     (max_task_retries); calls that still fail reach RemoteRewardPool as errors."""
 
     def __init__(self, cfg_json: str):
-        from loomrl.rollout.worker import reward_fn_for
+        from loomrl.rollout.worker import reward_pool_for
 
         cfg = RunConfig.model_validate_json(cfg_json)
-        self.pool = RewardPool(reward_fn_for(cfg), workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s,
-                               judge=judge_for(cfg.reward.judge))
+        self.pool = reward_pool_for(cfg)
 
     async def score(self, traj: Trajectory, task: Task) -> Trajectory:
         return await self.pool.score(traj, task)

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from loomrl.config import ConfigError, RunConfig
 from loomrl.plugins import import_object
+from loomrl.reward.composite import Composite
 from loomrl.reward.judge import Judge, JudgeUnavailable
 from loomrl.reward.terms import CombinedReward, NoOpinion, RewardTerm, is_trl_style
 from loomrl.reward.workers import RewardError, RewardWorkers
@@ -67,9 +68,13 @@ class RewardPool:
     fresh threads (a new executor); each abandoned thread is counted (`hung`) and ends when its function returns."""
 
     def __init__(self, fn: RewardFn | CombinedReward, workers: int = 2, timeout_s: float | None = None,
-                 judge: Judge | None = None):
+                 composite: Composite | None = None, judge: Judge | None = None):
+        """`composite`: reward.terms (weights, gates, the built-in process terms); default: every component counts
+        with weight 1 (a reward function's own weight apart). `judge`: reward.judge, graded after the other
+        components (_add_judge)."""
         self.fn = fn
-        self.judge = judge  # reward.judge: graded after the other components (_add_judge)
+        self.composite = composite or Composite()
+        self.judge = judge
         self.workers = workers
         self.timeout_s = timeout_s
         self._executor = self._new_executor()
@@ -96,7 +101,6 @@ class RewardPool:
         call = asyncio.get_running_loop().run_in_executor(self._executor, self.fn, traj, task)
         try:
             components = await asyncio.wait_for(call, self.timeout_s)
-            total = float(sum(components.values()))
         except TimeoutError:
             self.failed += 1
             self.hung += 1
@@ -108,28 +112,23 @@ class RewardPool:
         except Exception as err:  # noqa: BLE001 - errors are data: a missing reward is not a zero reward
             self.failed += 1
             return mark_reward_failed(traj, f"{type(err).__name__}: {err}")
-        traj.reward_components = components
-        traj.total_reward = total
-        return traj
+        return self.composite.score(traj, components)
 
     async def _score_in_workers(self, fn: CombinedReward, processes: RewardWorkers, traj: Trajectory,
                                 task: Task) -> Trajectory:
         if fn.keep_reported and traj.reward_components:  # a black-box agent's own reward (agent.reward_from_agent)
-            traj.total_reward = float(sum(traj.reward_components.values()))
-            return traj
+            return self.composite.score(traj, traj.reward_components)
         # the thread only waits on a worker's pipe, never longer than the timeout per function
         call = asyncio.get_running_loop().run_in_executor(self._executor, processes.evaluate, traj, task)
         try:
-            components, total = fn.combine(await call)
+            components, weights = fn.combine(await call)
         except (RewardError, NoOpinion) as err:
             self.failed += 1
             return mark_reward_failed(traj, str(err))
         except Exception as err:  # noqa: BLE001 - errors are data: a missing reward is not a zero reward
             self.failed += 1
             return mark_reward_failed(traj, f"{type(err).__name__}: {err}")
-        traj.reward_components = components
-        traj.total_reward = total
-        return traj
+        return self.composite.score(traj, components, weights)
 
     async def _add_judge(self, judge: Judge, traj: Trajectory, task: Task) -> Trajectory:
         """The judge's normalised score as the `judge` component, weighted into the total. No reply: reward_failed.
@@ -150,9 +149,7 @@ class RewardPool:
                 return mark_reward_failed(traj, note)
             traj.error = f"{traj.error}; {note}" if traj.error else note
             return traj
-        traj.reward_components["judge"] = verdict.score
-        traj.total_reward += judge.cfg.weight * verdict.score
-        return traj
+        return self.composite.add(traj, "judge", verdict.score, judge.cfg.weight)
 
     def metrics(self) -> dict[str, float]:
         """The judge's counters so far (judge/<name>: reward/judge_client.py JudgeMetrics); {} without a judge."""

@@ -165,10 +165,11 @@ class CombinedReward:
         self.max_steps = max_steps
         self.keep_reported = keep_reported
 
-    def combine(self, values: list[dict[str, float | None]]) -> tuple[dict[str, float], float]:
-        """(components, total) from each term's evaluate(); NoOpinion when every value is None."""
+    def combine(self, values: list[dict[str, float | None]]) -> tuple[dict[str, float], dict[str, float]]:
+        """(components, each one's weight) from each term's evaluate(); NoOpinion when every value is None. The total
+        is their weighted sum, gated by reward.terms (reward/composite.py)."""
         parts = [(name, value, term.weight) for term, out in zip(self.terms, values)
                  for name, value in out.items() if value is not None]
         if not parts:
             raise NoOpinion("every reward function returned None (no opinion)")
-        return {name: value for name, value, _ in parts}, sum(value * weight for _, value, weight in parts)
+        return {name: value for name, value, _ in parts}, {name: weight for name, _, weight in parts}

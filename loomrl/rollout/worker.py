@@ -32,6 +32,7 @@ from loomrl.env.api import EpisodeContext, environment_for
 from loomrl.env.pool import Leases, sandbox_pool
 from loomrl.env.registry import sandbox_pool_size
 from loomrl.model.chat import ChatRenderer
+from loomrl.reward.composite import Composite
 from loomrl.reward.judge import judge_for
 from loomrl.reward.pool import RewardPool, load_terms
 from loomrl.reward.terms import CombinedReward
@@ -85,6 +86,13 @@ def reward_fn_for(cfg: RunConfig) -> RewardFn | CombinedReward:
     return reward_fn
 
 
+def reward_pool_for(cfg: RunConfig) -> RewardPool:
+    """The run's reward pool in this process: its reward (reward_fn_for), reward.terms, the judge (reward.judge),
+    workers and timeout."""
+    return RewardPool(reward_fn_for(cfg), workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s,
+                      composite=Composite.from_config(cfg.reward.terms), judge=judge_for(cfg.reward.judge))
+
+
 def group_slots(cfg: RunConfig) -> int:
     """Groups in flight at once under runtime.max_inflight_trajectories (at least one: a group is never split)."""
     return max(1, cfg.runtime.max_inflight_trajectories // cfg.trainer.group_size)
@@ -119,8 +127,8 @@ class RolloutWorker:
         self.train_tasks = train_tasks
         self.order = DataOrder(len(train_tasks), cfg.seed)
         self.environment = environment_for(cfg)
-        self.reward_pool = reward_pool or RewardPool(reward_fn_for(cfg), workers=cfg.reward.workers,
-                                                         timeout_s=cfg.reward.timeout_s, judge=judge_for(cfg.reward.judge))
+        self.reward_pool = reward_pool or reward_pool_for(cfg)
+        self.composite = Composite.from_config(cfg.reward.terms)  # the group terms (completion_time)
         self._env_rng = random.Random(f"{cfg.seed}:env")
         self._retry_rng = random.Random(f"{cfg.seed}:retry")
         self._pool: Leases | None = env_pool
@@ -273,8 +281,10 @@ class RolloutWorker:
         async with self._group_slots or contextlib.nullcontext():
             self.cap_wait_s += time.perf_counter() - t0
             try:
-                return await gather_all([self.run_one(self.train_loop, task, group_id, position)
-                                         for _ in range(self.cfg.trainer.group_size)])
+                group = await gather_all([self.run_one(self.train_loop, task, group_id, position)
+                                          for _ in range(self.cfg.trainer.group_size)])
+                self.composite.score_group(group)
+                return group
             finally:
                 if self.priorities is not None:
                     self.priorities.forget(group_id)

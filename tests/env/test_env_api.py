@@ -90,14 +90,14 @@ def test_tool_calls_that_raise_hang_or_are_wrong_answer_the_agent_and_are_record
     out = [(s.observation[0]["content"], s.info["tool_calls"][0]) for s, _ in results.values()]
     assert out[0][0] == "7" and out[0][1]["output"] == "7" and out[0][1]["error"] is None
     assert out[1][0] == "7"  # the plain form of a one-argument tool
-    assert out[2][0] == "Error: lookup raised KeyError: 'zz'" and out[2][1]["error"]
+    assert out[2][0] == "Error: lookup raised KeyError: 'zz'" and out[2][1]["tool_error"] and not out[2][1]["error"]
     assert out[3][0].startswith("Error: add: bad argument x: Input should be a valid integer")
     assert out[4][0].startswith("Error: add: bad argument z: Extra inputs are not permitted")
     assert out[5][0].startswith("Error: no tool named 'nope'; the tools are lookup, add, explode")
     assert out[6][0] == "Error: explode raised RuntimeError: boom"
     assert out[7][0] == "Error: stall ran past its 0.3 s timeout"
     assert out[8][0] == "Error: stall_sync ran past its 0.3 s timeout"
-    assert out[9][0].startswith("Error: malformed tool call")
+    assert out[9][0].startswith("Error: malformed tool call") and out[9][1]["error"] and "tool_error" not in out[9][1]
     stall_s = list(results.values())[7][1]
     assert stall_s < 2.0, f"the hung tool held the episode {stall_s:.1f} s"
 

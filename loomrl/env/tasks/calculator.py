@@ -340,6 +340,8 @@ class CalculatorEnv(Env):
                 return StepResult(observation=[{"role": "user", "content": f"Error: {call.error}"}], info=info)
             output = await self.run_tool(call.arguments.get("expression", ""))
             info["tool_output"] = output
+            if output.startswith("Error:"):  # a well-formed call the tool could not evaluate
+                info["tool_calls"][0]["tool_error"] = output
             return StepResult(observation=[{"role": "user", "content": f"Result: {output}"}], info=info)
         # A final answer, or neither a call nor an answer: the episode ends either way.
         return StepResult(observation=[], done=True, info={"final_answer": answer})

@@ -163,6 +163,8 @@ class CodefixEnv(Env):
             output = f"Error: unknown tool {call.name!r}; available: {', '.join(sorted(allowed))}"
         else:
             output = await self._run_tool(call.name, call.arguments)
+        if not call.error and output.startswith("Error:"):  # well formed, but the tool could not carry it out
+            info["tool_calls"][0]["tool_error"] = output
         info["tool_output"] = output
         return StepResult(observation=[{"role": "tool", "content": output}], info=info)
 

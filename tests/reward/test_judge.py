@@ -312,10 +312,12 @@ def test_a_run_logs_the_judges_metrics_per_step(stand_in, tmp_path):
         f"output_dir={tmp_path}", "progress=false", "trainer.total_steps=2", "eval.n_tasks=1", "eval.before=false",
         f"reward.judge={{base_url: '{url}', model: m, show: final_answer, prices: {{prompt: 1.0, completion: 2.0}}}}"])
     train(cfg)
-    steps = [m for m in read_metrics(cfg.run_dir) if m["kind"] == "train" and "rollout/reward_mean" in m]
-    assert steps and all(m["judge/calls"] + m["judge/cache_hits"] > 0 and m["reward/judge"] == pytest.approx(0.4)
-                         for m in steps)
-    assert all(m["judge/cost_usd"] == pytest.approx(m["judge/calls"] * (100 * 1.0 + 4 * 2.0) / 1e6) for m in steps)
+    records = [m for m in read_metrics(cfg.run_dir) if m["kind"] == "train"]
+    steps = [m for m in records if "rollout/reward_mean" in m]
+    assert steps and all(m["reward/judge"] == pytest.approx(0.4) for m in steps)
+    # each step logs what the judge did since the last one (async: a step's groups may all have been judged before)
+    assert sum(m["judge/calls"] for m in records) > 0 and sum(m["judge/cache_hits"] for m in records) > 0
+    assert all(m["judge/cost_usd"] == pytest.approx(m["judge/calls"] * (100 * 1.0 + 4 * 2.0) / 1e6) for m in records)
     rows = [r for r in read_trajectories(cfg.run_dir / "trajectories").to_pylist() if r["split"] == "train"]
     assert rows and all(json.loads(r["reward_components"])["judge"] == 0.4 for r in rows if r["reward_components"])
 

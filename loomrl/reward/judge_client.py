@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.util
 import logging
 import os
 import time
@@ -80,12 +81,15 @@ class JudgeClient:
     def __init__(self, *, base_url: str, model: str, api_key_env: str | None = None, max_concurrency: int = 8,
                  requests_per_s: float | None = None, max_retries: int = 3, retry_backoff_s: float = 0.5,
                  timeout_s: float = 60.0, prices: JudgePrices | None = None, field: str = "reward.judge.api_key_env"):
+        from loomrl.config import ConfigError
+
+        if importlib.util.find_spec("openai") is None:
+            raise ConfigError("config error: an LLM judge (reward.judge, validate-tasks --judge) needs the openai "
+                              "client; run `pip install 'loomrl[judge]'`")
         key = "unused"  # openai refuses an empty key; a local server ignores it
         if api_key_env is not None:
             key = os.environ.get(api_key_env, "")
             if not key:
-                from loomrl.config import ConfigError
-
                 raise ConfigError(f"config error: {field}: the environment variable {api_key_env} is not set; "
                                   f"export it with the judge endpoint's API key (or leave {field} out for a server "
                                   "that needs none)")

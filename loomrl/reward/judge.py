@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from loomrl.reward.judge_config import JudgeConfig
 from loomrl.types import Task, Trajectory
 
 __all__ = ["Judge", "JudgeUnavailable", "Verdict", "judge_for", "parse_score"]
+
+log = logging.getLogger(__name__)
 
 SCORE = re.compile(r"score\s*[:=]\s*\**\s*(-?\d+(?:\.\d+)?)", re.IGNORECASE)  # "Score: 7", "score = 7.5", "**Score:** 7"
 
@@ -125,6 +128,10 @@ class Judge:
         verdict = parse_score(reply, self.cfg.scale)
         if verdict.score is None:
             self.metrics.parse_failures += 1
+            n = self.metrics.parse_failures
+            if n & (n - 1) == 0:  # the 1st, 2nd, 4th...: a rubric the judge does not follow shows at once
+                log.warning("LLM judge: no score in a reply (%s): %r (%d of %d replies so far)", verdict.why,
+                            reply[:200], n, self.metrics.calls)
         return verdict
 
     def _settle(self, key: str, future: asyncio.Future[Verdict]) -> None:

@@ -138,18 +138,24 @@ class JudgeClient:
                 retried = isinstance(err, (openai.APIConnectionError, TimeoutError)) or (
                     status is not None and (status >= 500 or status in RETRIED_STATUS))
                 if not retried:  # another 4xx, or a 200 that is no chat completion: asking again cannot help
-                    self.metrics.failures += 1
                     what = "refused the request" if status is not None else "gave no chat completion"
-                    raise JudgeUnavailable(f"{self.base_url} {what}: {why}") from None
+                    raise self._failed(f"{self.base_url} {what}: {why}") from None
                 if attempt == self.max_retries:
-                    self.metrics.failures += 1
-                    raise JudgeUnavailable(f"no reply from {self.base_url} after {attempt + 1} attempt(s); the last: "
-                                           f"{why}") from None
+                    raise self._failed(f"no reply from {self.base_url} after {attempt + 1} attempt(s); the last: "
+                                       f"{why}") from None
                 self.metrics.retries += 1
                 delay = self.retry_backoff_s * 2 ** attempt
                 log.debug("judge request failed (%s); again in %.2fs", why, delay)
                 await asyncio.sleep(delay)
         raise AssertionError("unreachable: the loop returns or raises")
+
+    def _failed(self, why: str) -> JudgeUnavailable:
+        """Counted, and said in the log at the 1st, 2nd, 4th, 8th... failure (a judge that is down fails them all)."""
+        self.metrics.failures += 1
+        n = self.metrics.failures
+        if n & (n - 1) == 0:
+            log.warning("LLM judge: %s (%d judgement(s) failed so far; their trajectories are reward_failed)", why, n)
+        return JudgeUnavailable(why)
 
     async def _request(self, messages: list[dict[str, Any]], max_tokens: int, temperature: float,
                        seed: int | None) -> str:

@@ -678,7 +678,8 @@ def _known_fields(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
         if field is None:
             return []
         # an optional section (data, reward.judge): `X | None`, whose fields are X's
-        current = next((a for a in get_args(field.annotation) if hasattr(a, "model_fields")), field.annotation)
+        current = next((a for a in get_args(field.annotation) if isinstance(a, type) and issubclass(a, BaseModel)),
+                       field.annotation)
     return list(getattr(current, "model_fields", {}))
 
 

@@ -37,12 +37,27 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--model-name", default=None, help="the model id clients send (default: the recipe's name)")
     v = sub.add_parser("validate-tasks", help="check codefix tasks: golden patch passes, untouched repo fails",
                        description="Validate the codefix tasks in real sandboxes: ground truth (the golden patch "
-                       "passes every hidden test) and no-op (the untouched repository fails). Invalid tasks are "
+                       "passes every hidden test) and no-op (the untouched repository fails); with --judge, also a "
+                       "review of each task by several LLM judges (any environment's tasks). Invalid tasks are "
                        "listed, written to the report, and left out of runs. Exit code 1 if any is invalid.")
     v.add_argument("--families", nargs="*", default=None, help="only these bug families (default: all)")
     v.add_argument("--backend", default="auto", choices=["auto", "bwrap", "process", "docker"])
     v.add_argument("--report", default=None, help="where to write the JSON report (default: "
                    "task_validation.json in loomrl's cache folder, $LOOMRL_CACHE or ~/.cache/loomrl)")
+    v.add_argument("--env", default="codefix", help="whose tasks: codefix (sandbox checks, and the judges' review "
+                   "with --judge) or any other environment's training tasks (the judges' review only; needs --judge)")
+    v.add_argument("--limit", type=int, default=None, help="only the first N tasks")
+    v.add_argument("--judge", action="store_true", help="also have each task reviewed by several LLM judges (ROLL): "
+                   "well-posed, solvable, its answer right; a task passes when a strict majority say yes")
+    v.add_argument("--judge-url", default=None, help="the judges' OpenAI-compatible base URL, e.g. "
+                   "http://127.0.0.1:8000/v1 (`loomrl serve`)")
+    v.add_argument("--judge-model", action="append", default=[], help="a judge's model id (repeatable: judge i uses "
+                   "the i-th, round robin)")
+    v.add_argument("--judges", type=int, default=None, help="how many judges (default: the models given, or 3 of one "
+                   "model, each sampling with its own seed)")
+    v.add_argument("--judge-temperature", type=float, default=None, help="the judges' sampling temperature "
+                   "(default: 0.7 when a model serves several judges, so that they differ; else 0)")
+    v.add_argument("--judge-api-key-env", default=None, help="the environment variable holding the API key")
     sb = sub.add_parser("sandbox", help="check the sandbox set-up", description="Sandbox tools.")
     sbsub = sb.add_subparsers(dest="sandbox_command", required=True)
     r = sbsub.add_parser("run", help="run one command in a fresh sandbox and print its output and exit code",
@@ -105,25 +120,94 @@ def _sandbox_run(args) -> int:
 
 
 def _validate_tasks(args) -> int:
-    import asyncio
+    from loomrl.config import ConfigError
+    from loomrl.env.tasks.codefix import write_validation_report
 
-    from tqdm import tqdm
-
-    from loomrl.env.tasks.codefix import codefix_specs, validate_codefix, write_validation_report
-
-    specs = list(codefix_specs(args.families).values())
-    with tqdm(total=len(specs), desc="validate", file=sys.stderr) as bar:
-        report = asyncio.run(validate_codefix(specs, args.backend, progress=bar))
+    if args.judge and not (args.judge_url and args.judge_model):
+        raise ConfigError("validate-tasks --judge: give the judges' endpoint and model, e.g. --judge-url "
+                          "http://127.0.0.1:8000/v1 --judge-model judge")
+    if args.env != "codefix" and not args.judge:
+        raise ConfigError(f"validate-tasks --env {args.env}: only codefix tasks have sandbox checks; add --judge to have "
+                          "the tasks reviewed by LLM judges")
+    if args.env == "codefix":
+        report, items = _validate_codefix(args)
+    else:
+        report, items = [], _env_review_items(args.env, args.limit)
+    if args.judge:
+        reviews = _judge_review(args, items)
+        by_id = {r["task_id"]: r for r in report}
+        for review in reviews:
+            record = by_id.get(review.task_id) or {"task_id": review.task_id, "valid": True}
+            if review.task_id not in by_id:
+                report.append(record)
+            record["review"] = review.as_dict()
+            record["valid"] = record["valid"] and review.passed
+            print(f"{'PASS' if review.passed else 'FAIL'} {review.task_id}: judges yes {review.yes}, no {review.no}, "
+                  f"abstain {review.abstain}")
     from loomrl.model.loader import cache_root
 
     path = Path(args.report) if args.report else cache_root() / "task_validation.json"
     write_validation_report(report, path)
     bad = [r for r in report if not r["valid"]]
     for r in bad:
-        print(f"INVALID {r['task_id']}: {r['detail']}")
+        why = r.get("detail") or ""
+        if "review" in r and not r["review"]["passed"]:
+            why = f"{why}; " if why else ""
+            why += f"judges: {r['review']['yes']} of {len(r['review']['votes'])} said yes"
+        print(f"INVALID {r['task_id']}: {why}")
     print(f"{len(report)} tasks: {len(report) - len(bad)} valid, {len(bad)} invalid (left out of runs); "
           f"report: {path}")
     return 1 if bad else 0
+
+
+def _validate_codefix(args) -> tuple[list[dict], list]:
+    """The sandbox checks of the codefix tasks (golden patch passes, no-op fails), and the tasks as judges see them."""
+    import asyncio
+
+    from tqdm import tqdm
+
+    from loomrl.env.tasks.codefix import codefix_specs, validate_codefix
+    from loomrl.reward.task_review import codefix_items
+
+    specs = list(codefix_specs(args.families).values())[:args.limit]
+    with tqdm(total=len(specs), desc="validate", file=sys.stderr) as bar:
+        report = asyncio.run(validate_codefix(specs, args.backend, progress=bar))
+    return report, codefix_items(specs)
+
+
+def _env_review_items(env: str, limit: int | None) -> list:
+    """Any environment's training tasks (its own, per its default settings), as judges see them."""
+    from loomrl.config import load_config
+    from loomrl.env.registry import tasks_for
+    from loomrl.reward.task_review import ReviewItem
+
+    train, _ = tasks_for(load_config(None, [f"env.name={env}"]))
+    return [ReviewItem(task_id=t.task_id, prompt=t.prompt, reference=t.answer) for t in list(train)[:limit]]
+
+
+def _judge_review(args, items: list) -> list:
+    import asyncio
+
+    from tqdm import tqdm
+
+    from loomrl.reward.judge_client import JudgeClient
+    from loomrl.reward.task_review import review_tasks
+
+    models = args.judge_model
+    n = args.judges or (len(models) if len(models) > 1 else 3)
+    shared = n > len(set(models))  # a model serving several judges: they differ only by their seeds' samples
+    temperature = args.judge_temperature if args.judge_temperature is not None else (0.7 if shared else 0.0)
+    judges = [JudgeClient(base_url=args.judge_url, model=models[i % len(models)], api_key_env=args.judge_api_key_env,
+                          field="--judge-api-key-env") for i in range(n)]
+    async def run(bar) -> list:
+        try:
+            return await review_tasks(items, judges, temperature=temperature, progress=bar)
+        finally:
+            for judge in judges:
+                await judge.aclose()
+
+    with tqdm(total=len(items), desc="review", file=sys.stderr) as bar:
+        return asyncio.run(run(bar))
 
 
 def main(argv: list[str] | None = None) -> int:

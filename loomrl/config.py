@@ -18,6 +18,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from loomrl.data.config import DataConfig  # noqa: E402 - its own module imports nothing of loomrl
 from loomrl.reward.composite import PROCESS_TERMS, Gate  # noqa: E402 - imports loomrl.types only
+from loomrl.reward.judge_config import JudgeConfig  # imports nothing of loomrl either
 
 
 class ConfigError(ValueError):
@@ -280,6 +281,9 @@ class RewardConfig(_Section):
     # a reward call runs at most this long: one that raises or runs past it marks its trajectory reward_failed
     # (stored, never trained) and the run goes on
     timeout_s: float = Field(30.0, gt=0.0)
+    # an LLM judge over an OpenAI-compatible endpoint (reward/judge.py, docs/rewards.md "LLM judge"): its score is the
+    # `judge` component, added after the others; None: no judge
+    judge: JudgeConfig | None = None
 
     @model_validator(mode="after")
     def _one_kind(self) -> RewardConfig:
@@ -700,7 +704,9 @@ def _known_fields(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
         field = getattr(current, "model_fields", {}).get(part)
         if field is None:
             return []
-        current = field.annotation
+        # an optional section (data, reward.judge): `X | None`, whose fields are X's
+        current = next((a for a in get_args(field.annotation) if isinstance(a, type) and issubclass(a, BaseModel)),
+                       field.annotation)
     return list(getattr(current, "model_fields", {}))
 
 

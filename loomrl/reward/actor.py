@@ -50,5 +50,12 @@ class RemoteRewardPool:
             self.failed += 1
             return mark_reward_failed(traj, f"reward actor {i}: {type(err).__name__}: {str(err).splitlines()[0]}")
 
+    def metrics(self) -> dict[str, float]:
+        """{}: the reward actors' own counters (an LLM judge's among them) stay in the actors for now."""
+        return {}
+
+    async def aclose(self) -> None:
+        pass  # the driver owns the reward actors
+
     def close(self) -> None:
         pass  # the driver owns the reward actors

@@ -7,6 +7,11 @@ raises, returns what is not a reward, or runs past the timeout (or, on Ray, a re
 crash the run: the trajectory is marked with the `reward_failed` component and the reason in its `error` (errors are
 data), and training leaves it out (buffer/filters.py): a missing reward is not a zero reward. Nor is a trajectory
 that could not be played out (types.UNSCORED: env_error, engine_error, timeout, aborted) scored at all.
+
+With reward.judge an LLM judge grades each trajectory after the other components (_add_judge): on this event loop, not
+in the worker processes (it waits on HTTP, within its own limits and timeout: reward/judge_client.py). Its score is the
+`judge` component; a judge with no reply makes the trajectory reward_failed, one whose reply has no score leaves it
+without a `judge` component (or reward_failed, per reward.judge.on_parse_failure): never a 0.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from loomrl.config import ConfigError, RunConfig
 from loomrl.plugins import import_object
 from loomrl.reward.composite import Composite
+from loomrl.reward.judge import Judge, JudgeUnavailable
 from loomrl.reward.terms import CombinedReward, NoOpinion, RewardTerm, is_trl_style
 from loomrl.reward.workers import RewardError, RewardWorkers
 from loomrl.types import REWARD_FAILED, UNSCORED, RewardFn, Task, Trajectory
@@ -62,11 +68,13 @@ class RewardPool:
     fresh threads (a new executor); each abandoned thread is counted (`hung`) and ends when its function returns."""
 
     def __init__(self, fn: RewardFn | CombinedReward, workers: int = 2, timeout_s: float | None = None,
-                 composite: Composite | None = None):
+                 composite: Composite | None = None, judge: Judge | None = None):
         """`composite`: reward.terms (weights, gates, the built-in process terms); default: every component counts
-        with weight 1 (a reward function's own weight apart)."""
+        with weight 1 (a reward function's own weight apart). `judge`: reward.judge, graded after the other
+        components (_add_judge)."""
         self.fn = fn
         self.composite = composite or Composite()
+        self.judge = judge
         self.workers = workers
         self.timeout_s = timeout_s
         self._executor = self._new_executor()
@@ -80,6 +88,12 @@ class RewardPool:
         return ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="loomrl-reward")
 
     async def score(self, traj: Trajectory, task: Task) -> Trajectory:
+        traj = await self._score(traj, task)
+        if self.judge is not None and traj.scored and self.judge.wants(task):
+            traj = await self._add_judge(self.judge, traj, task)
+        return traj
+
+    async def _score(self, traj: Trajectory, task: Task) -> Trajectory:
         if traj.status in UNSCORED:  # not played out: no reward at all (stored as null, never trained)
             return traj
         if self._combined is not None:
@@ -116,10 +130,41 @@ class RewardPool:
             return mark_reward_failed(traj, f"{type(err).__name__}: {err}")
         return self.composite.score(traj, components, weights)
 
+    async def _add_judge(self, judge: Judge, traj: Trajectory, task: Task) -> Trajectory:
+        """The judge's normalised score as the `judge` component, weighted into the total. No reply: reward_failed.
+        A reply without a score: no `judge` component and the reply in `error` (or reward_failed, per
+        reward.judge.on_parse_failure). Never a 0 for a judgement that did not happen."""
+        try:
+            verdict = await judge.grade(traj, task)
+        except JudgeUnavailable as err:
+            self.failed += 1
+            return mark_reward_failed(traj, f"judge: {err}")
+        except Exception as err:  # noqa: BLE001 - errors are data: a missing grade is not a zero grade
+            self.failed += 1
+            return mark_reward_failed(traj, f"judge: {type(err).__name__}: {err}")
+        if verdict.score is None:
+            note = f"judge: no score in its reply ({verdict.why}): {verdict.reply[:300]!r}"
+            if judge.cfg.on_parse_failure == "reward_failed":
+                self.failed += 1
+                return mark_reward_failed(traj, note)
+            traj.error = f"{traj.error}; {note}" if traj.error else note
+            return traj
+        return self.composite.add(traj, "judge", verdict.score, judge.cfg.weight)
+
+    def metrics(self) -> dict[str, float]:
+        """The judge's counters so far (judge/<name>: reward/judge_client.py JudgeMetrics); {} without a judge."""
+        return self.judge.metrics.as_dict() if self.judge is not None else {}
+
     @property
     def restarts(self) -> int:
         """Reward worker processes killed (past the timeout) or found dead, and replaced."""
         return self._combined[1].restarts if self._combined is not None else 0
+
+    async def aclose(self) -> None:
+        """close(), and the judge's connections first (they belong to the running loop)."""
+        if self.judge is not None:
+            await self.judge.aclose()
+        self.close()
 
     def close(self) -> None:
         if self._combined is not None:

@@ -33,6 +33,7 @@ from loomrl.env.pool import Leases, sandbox_pool
 from loomrl.env.registry import sandbox_pool_size
 from loomrl.model.chat import ChatRenderer
 from loomrl.reward.composite import Composite
+from loomrl.reward.judge import judge_for
 from loomrl.reward.pool import RewardPool, load_terms
 from loomrl.reward.terms import CombinedReward
 from loomrl.types import EvalRecord, Evaluation, RewardFn, RolloutStatus, Score, Task, Trajectory
@@ -86,9 +87,10 @@ def reward_fn_for(cfg: RunConfig) -> RewardFn | CombinedReward:
 
 
 def reward_pool_for(cfg: RunConfig) -> RewardPool:
-    """The run's reward pool in this process: its reward (reward_fn_for), reward.terms, workers and timeout."""
+    """The run's reward pool in this process: its reward (reward_fn_for), reward.terms, the judge (reward.judge),
+    workers and timeout."""
     return RewardPool(reward_fn_for(cfg), workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s,
-                      composite=Composite.from_config(cfg.reward.terms))
+                      composite=Composite.from_config(cfg.reward.terms), judge=judge_for(cfg.reward.judge))
 
 
 def group_slots(cfg: RunConfig) -> int:
@@ -327,11 +329,15 @@ class RolloutWorker:
             out[f"programs/{p['status']}"] += 1
         return {k: float(v) for k, v in out.items()}
 
+    def reward_metrics(self) -> dict[str, float]:
+        """The reward pool's counters so far (the LLM judge's: judge/calls, judge/cost_usd, ...)."""
+        return self.reward_pool.metrics()
+
     def pool_metrics(self) -> dict[str, float]:
         return asdict(self._pool.metrics) if self._pool is not None else {}
 
     async def aclose(self) -> None:
-        self.reward_pool.close()
+        await self.reward_pool.aclose()
         for server in self._servers:
             server.stop()
         if self._gateway_dir:

@@ -81,6 +81,7 @@ class LocalBackend(Backend):
         self.trainer: TrainerProcess | None = None  # async: the client of the trainer process
         self.weights: WeightHandle | None = None  # async: the trainer's latest weights, not yet loaded
         self.sync_metrics: dict[str, float] = {}
+        self.reward_last: dict[str, float] = {}  # the reward pool's counters at the last step (judge/...)
         self.rollout: RolloutSide | None = None
 
     async def start(self) -> None:
@@ -207,8 +208,11 @@ class LocalBackend(Backend):
             bar.close()  # before an error's message, not after it
 
     def step_metrics(self) -> dict[str, float]:
+        reward = self.rollout.worker.reward_metrics()  # counters since the start: this step's share is the change
         out = {**self.delta.take(), **self.sync_metrics, **self.rollout.worker.program_metrics(),
-               **{f"env_pool/{k}": v for k, v in self.rollout.worker.pool_metrics().items()}}
+               **{f"env_pool/{k}": v for k, v in self.rollout.worker.pool_metrics().items()},
+               **{k: v - self.reward_last.get(k, 0.0) for k, v in reward.items()}}
+        self.reward_last = reward
         if self.cfg.runtime.max_inflight_trajectories:
             out["rollout/cap_wait_s_total"] = self.rollout.worker.cap_wait_s
         self.sync_metrics = {}

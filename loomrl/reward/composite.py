@@ -129,14 +129,6 @@ class Composite:
         traj.total_reward = float(total)
         return traj
 
-    def add(self, traj: Trajectory, name: str, value: float, weight: float = 1.0) -> Trajectory:
-        """A component computed after score() (the LLM judge's, which waits for the others): stored raw, and weight x
-        its term's weight (0 where its gate is closed) x value added to the total. Gates of other terms were decided
-        in score(), before it existed: a gate on it is closed for them."""
-        traj.reward_components[name] = value
-        traj.total_reward += weight * self._factor(name, traj.reward_components) * value
-        return traj
-
     def score_group(self, group: list[Trajectory]) -> None:
         """The group terms (completion_time), once the group's trajectories are all scored: each scored one gets the
         raw component, and its weighted value is added to its total."""

@@ -8,7 +8,8 @@ crash the run: the trajectory is marked with the `reward_failed` component and t
 data), and training leaves it out (buffer/filters.py): a missing reward is not a zero reward. Nor is a trajectory
 that could not be played out (types.UNSCORED: env_error, engine_error, timeout, aborted) scored at all.
 
-With reward.judge an LLM judge grades each trajectory after the other components (_add_judge): on this event loop, not
+With reward.judge an LLM judge grades each trajectory once the other components are in (_add_judge), before the total
+(so that a term's gate may read `judge`): on this event loop, not
 in the worker processes (it waits on HTTP, within its own limits and timeout: reward/judge_client.py). Its score is the
 `judge` component; a judge with no reply makes the trajectory reward_failed, one whose reply has no score leaves it
 without a `judge` component (or reward_failed, per reward.judge.on_parse_failure): never a 0.
@@ -88,19 +89,25 @@ class RewardPool:
         return ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="loomrl-reward")
 
     async def score(self, traj: Trajectory, task: Task) -> Trajectory:
-        traj = await self._score(traj, task)
-        if self.judge is not None and traj.scored and self.judge.wants(task):
-            traj = await self._add_judge(self.judge, traj, task)
-        return traj
-
-    async def _score(self, traj: Trajectory, task: Task) -> Trajectory:
         if traj.status in UNSCORED:  # not played out: no reward at all (stored as null, never trained)
             return traj
+        got = await self._components(traj, task)
+        if got is None:  # marked reward_failed
+            return traj
+        components, weights = got
+        if self.judge is not None and self.judge.wants(task):
+            if not await self._add_judge(self.judge, traj, task, components, weights):
+                return traj
+        return self.composite.score(traj, components, weights)
+
+    async def _components(self, traj: Trajectory, task: Task) -> tuple[dict[str, float], dict[str, float]] | None:
+        """The reward's components and each one's weight where it has one (a reward function's); None when the
+        trajectory could not be scored (then it is marked reward_failed)."""
         if self._combined is not None:
-            return await self._score_in_workers(*self._combined, traj, task)
+            return await self._from_workers(*self._combined, traj, task)
         call = asyncio.get_running_loop().run_in_executor(self._executor, self.fn, traj, task)
         try:
-            components = await asyncio.wait_for(call, self.timeout_s)
+            return await asyncio.wait_for(call, self.timeout_s), {}
         except TimeoutError:
             self.failed += 1
             self.hung += 1
@@ -108,48 +115,55 @@ class RewardPool:
             self._executor = self._new_executor()
             log.warning("the reward ran past reward.timeout_s=%gs; its trajectory is reward_failed (%d abandoned "
                         "reward thread(s) so far)", self.timeout_s, self.hung)
-            return mark_reward_failed(traj, f"the reward ran past reward.timeout_s={self.timeout_s:g}s")
+            mark_reward_failed(traj, f"the reward ran past reward.timeout_s={self.timeout_s:g}s")
         except Exception as err:  # noqa: BLE001 - errors are data: a missing reward is not a zero reward
             self.failed += 1
-            return mark_reward_failed(traj, f"{type(err).__name__}: {err}")
-        return self.composite.score(traj, components)
+            mark_reward_failed(traj, f"{type(err).__name__}: {err}")
+        return None
 
-    async def _score_in_workers(self, fn: CombinedReward, processes: RewardWorkers, traj: Trajectory,
-                                task: Task) -> Trajectory:
+    async def _from_workers(self, fn: CombinedReward, processes: RewardWorkers, traj: Trajectory,
+                            task: Task) -> tuple[dict[str, float], dict[str, float]] | None:
         if fn.keep_reported and traj.reward_components:  # a black-box agent's own reward (agent.reward_from_agent)
-            return self.composite.score(traj, traj.reward_components)
+            return dict(traj.reward_components), {}
         # the thread only waits on a worker's pipe, never longer than the timeout per function
         call = asyncio.get_running_loop().run_in_executor(self._executor, processes.evaluate, traj, task)
         try:
-            components, weights = fn.combine(await call)
+            return fn.combine(await call)
         except (RewardError, NoOpinion) as err:
             self.failed += 1
-            return mark_reward_failed(traj, str(err))
+            mark_reward_failed(traj, str(err))
         except Exception as err:  # noqa: BLE001 - errors are data: a missing reward is not a zero reward
             self.failed += 1
-            return mark_reward_failed(traj, f"{type(err).__name__}: {err}")
-        return self.composite.score(traj, components, weights)
+            mark_reward_failed(traj, f"{type(err).__name__}: {err}")
+        return None
 
-    async def _add_judge(self, judge: Judge, traj: Trajectory, task: Task) -> Trajectory:
-        """The judge's normalised score as the `judge` component, weighted into the total. No reply: reward_failed.
-        A reply without a score: no `judge` component and the reply in `error` (or reward_failed, per
-        reward.judge.on_parse_failure). Never a 0 for a judgement that did not happen."""
+    async def _add_judge(self, judge: Judge, traj: Trajectory, task: Task, components: dict[str, float],
+                         weights: dict[str, float]) -> bool:
+        """The judge's normalised score as the `judge` component (weight reward.judge.weight, and its reward.terms
+        entry's on top), before the total, so that other terms' gates may read it. No reply: reward_failed. A reply
+        without a score: no `judge` component and the reply in `error` (or reward_failed, per
+        reward.judge.on_parse_failure). Never a 0 for a judgement that did not happen. False when marked failed."""
         try:
             verdict = await judge.grade(traj, task)
         except JudgeUnavailable as err:
             self.failed += 1
-            return mark_reward_failed(traj, f"judge: {err}")
+            mark_reward_failed(traj, f"judge: {err}")
+            return False
         except Exception as err:  # noqa: BLE001 - errors are data: a missing grade is not a zero grade
             self.failed += 1
-            return mark_reward_failed(traj, f"judge: {type(err).__name__}: {err}")
+            mark_reward_failed(traj, f"judge: {type(err).__name__}: {err}")
+            return False
         if verdict.score is None:
             note = f"judge: no score in its reply ({verdict.why}): {verdict.reply[:300]!r}"
             if judge.cfg.on_parse_failure == "reward_failed":
                 self.failed += 1
-                return mark_reward_failed(traj, note)
+                mark_reward_failed(traj, note)
+                return False
             traj.error = f"{traj.error}; {note}" if traj.error else note
-            return traj
-        return self.composite.add(traj, "judge", verdict.score, judge.cfg.weight)
+            return True
+        components["judge"] = verdict.score
+        weights["judge"] = judge.cfg.weight
+        return True
 
     def metrics(self) -> dict[str, float]:
         """The judge's counters so far (judge/<name>: reward/judge_client.py JudgeMetrics); {} without a judge."""

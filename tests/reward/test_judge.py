@@ -353,3 +353,8 @@ def test_reward_terms_weigh_and_gate_the_judge(stand_in):
     right, wrong = asyncio.run(score_all(pool, [trajectory("It is 7.", 0), trajectory("It is 8.", 1)]))
     assert right.reward_components == {"correct": 1.0, "judge": 0.7} and right.total_reward == pytest.approx(1.7)
     assert wrong.reward_components == {"correct": 0.0, "judge": 0.7} and wrong.total_reward == 0.0  # gate closed
+    # the judge grades before the total: another term's gate may read it
+    by_judge = Composite({"correct": Term("correct", gate=Gate.parse("judge >= 0.75"))})
+    pool = RewardPool(outcome, composite=by_judge, judge=Judge(JudgeConfig(base_url=url, model="m")))
+    right, = asyncio.run(score_all(pool, [trajectory("It is 7.", 0)]))
+    assert right.total_reward == pytest.approx(0.7)  # correct's gate closed at 0.7; the judge's 0.7 counts

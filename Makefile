@@ -10,7 +10,7 @@ PYTHON ?= python3
 # does not share .venv. About 3.6 GiB.
 VLLM_VENV ?= .venv-vllm
 
-.PHONY: demo test test-vllm lint install sandbox clean
+.PHONY: demo test test-vllm lint install sandbox chromium clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -54,7 +54,12 @@ sandbox:
 	@command -v bwrap >/dev/null 2>&1 || { (apt-get update -qq && apt-get install -y -qq bubblewrap) >/dev/null 2>&1 \
 	  || echo "warning: could not install bubblewrap; tool code will run unisolated"; }
 
-test: install $(VENV)/.ray $(VENV)/.envs sandbox
+# Debian's chromium: tests/viewer load `loomrl view`'s page in it, headless (playwright drives it; no browser download).
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null 2>&1 \
+	  || echo "warning: could not install chromium; the viewer's browser tests (tests/viewer) will be skipped"; }
+
+test: install $(VENV)/.ray $(VENV)/.envs sandbox chromium
 	$(VENV)/bin/ruff check loomrl tests examples
 	$(PY) -m pytest -q -m 'not vllm'
 	$(MAKE) --no-print-directory test-vllm

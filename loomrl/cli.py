@@ -58,6 +58,14 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--judge-temperature", type=float, default=None, help="the judges' sampling temperature "
                    "(default: 0.7 when a model serves several judges, so that they differ; else 0)")
     v.add_argument("--judge-api-key-env", default=None, help="the environment variable holding the API key")
+    w = sub.add_parser("view", help="a web page of runs: curves, pools, timeline, trajectories (live while training)",
+                       description="Serve a dashboard of one or more run folders (output_dir/name) at "
+                       "http://HOST:PORT: curves of every run overlaid, the pools, each group's timeline, and the "
+                       "trajectory viewer. It follows the folders, so a run still training shows its new steps.")
+    w.add_argument("runs", nargs="+", metavar="RUN", help="run folders, e.g. runs/calculator-smollm2-20261201-120000")
+    w.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: reachable from other "
+                   "machines; the viewer has no login)")
+    w.add_argument("--port", type=int, default=8765)
     sb = sub.add_parser("sandbox", help="check the sandbox set-up", description="Sandbox tools.")
     sbsub = sb.add_subparsers(dest="sandbox_command", required=True)
     r = sbsub.add_parser("run", help="run one command in a fresh sandbox and print its output and exit code",
@@ -117,6 +125,18 @@ def _sandbox_run(args) -> int:
     why = f", killed: {res.killed}" if res.killed else ""
     print(f"[loomrl sandbox: backend {box.backend}, exit code {res.returncode}{why}, {res.duration_s:.2f}s]", flush=True)
     return 124 if res.killed else (res.returncode if res.returncode >= 0 else 128 - res.returncode)
+
+
+def _view(args) -> int:
+    from loomrl.view.run_folder import RunFolderError
+    from loomrl.view.serve import serve_view
+
+    try:
+        serve_view([Path(r) for r in args.runs], args.host, args.port)
+    except RunFolderError as err:
+        print(str(err), file=sys.stderr)
+        return 2
+    return 0
 
 
 def _validate_tasks(args) -> int:
@@ -224,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
             return _sandbox_run(args)
         if args.command == "validate-tasks":
             return _validate_tasks(args)
+        if args.command == "view":
+            return _view(args)
         cfg = load_config(args.config, args.overrides)
         if args.command == "train":
             start = float(os.environ.get("LOOMRL_WALL_START", time.time()))

@@ -40,6 +40,7 @@ from loomrl.config import RunConfig
 from loomrl.metrics import MetricsLogger
 from loomrl.rollout.worker import group_summary
 from loomrl.runtime.accounting import Accounting, ledger_line
+from loomrl.runtime.group_log import GroupLog
 from loomrl.runtime.summary import FINISHED, Segment, append_segment, whole_run
 from loomrl.store import TrajectoryStore
 from loomrl.trainer.checkpoint import checkpoint_step, latest_checkpoint, load_state
@@ -194,6 +195,7 @@ class Driver:
         if checkpoint is not None:
             self.logger.rollback(checkpoint_step(checkpoint), "resume")
         self.store = TrajectoryStore(cfg.run_dir / "trajectories")
+        self.group_log = GroupLog(cfg.run_dir)  # each group's lifecycle, for `loomrl view`'s timeline
         self.acc = Accounting()
         self.B, self.G = cfg.trainer.groups_per_step, cfg.trainer.group_size
         self.lag = 0 if cfg.runtime.mode == "sync" else cfg.buffer.max_policy_lag
@@ -271,6 +273,7 @@ class Driver:
         self.live[pos] = a.serial
         self.attempts[pos] = self.attempts.get(pos, 0) + 1
         self.inflight[self.backend.dispatch(pos)] = a
+        self.group_log.launched(a.serial, self.version)
         self.acc.launched += self.G
         self.launched += 1
         if self.idle_since is not None:
@@ -293,6 +296,7 @@ class Driver:
 
     def _lost(self, a: Attempt, err: RolloutLost) -> None:
         self.acc.failed["actor_died"] += self.G  # the group's trajectories died with their worker
+        self.group_log.ended(a.serial, a.position, self.attempts.get(a.position, 1), "lost")
         if self.live.get(a.position) != a.serial:
             return  # superseded (trainer restart): the position runs again anyway
         del self.live[a.position]
@@ -312,15 +316,19 @@ class Driver:
         """Store a returned group; send it to the trainer unless it was superseded."""
         ids = [t.trajectory_id for t in group]
         self._keep(group)  # stored first: whatever happens next, it is on disk
+        attempt = self.attempts.get(a.position, 1)
         if self.live.get(a.position) != a.serial:
             self.acc.discard(ids, "trainer_restart")
+            self.group_log.ended(a.serial, a.position, attempt, "superseded", group)
             return False
         del self.live[a.position]
         if max((t.metadata.policy_version_max for t in group), default=-1) > self.version:
             # sampled by weights the trainer no longer has (a rollback raced this group): never train it
             self.acc.discard(ids, "newer_than_trainer")
             self.gave_up[a.position] = "newer_than_trainer"
+            self.group_log.ended(a.serial, a.position, attempt, "superseded", group)
             return False
+        self.group_log.ended(a.serial, a.position, attempt, "arrived", group)
         self.sent[a.position] = ids
         await self.backend.receive(a.position, group)
         return True
@@ -452,6 +460,8 @@ class Driver:
         finished = [f for f in self.inflight if f.done() and not f.cancelled() and f.exception() is None]
         for fut in finished:
             self._keep(fut.result())
+            a = self.inflight[fut]
+            self.group_log.ended(a.serial, a.position, self.attempts.get(a.position, 1), "unconsumed", fut.result())
         cancelled = [self._cancel(f) for f in self.inflight if f not in finished]
         self.inflight.clear()
         return cancelled

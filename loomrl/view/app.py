@@ -1,0 +1,159 @@
+"""The viewer's HTTP app: a JSON API over run folders and the static page that draws it.
+
+Endpoints (all GET; `run` is a run's key from /api/runs):
+  /api/runs                                    the runs: name, folder, config essentials, summary once ended
+  /api/metrics?run=&since=N                    metrics.jsonl records from line N on, and the next N (the page polls)
+  /api/steps?run=                              per ledger step: trained, skipped by reason, stale; pending count
+  /api/groups?run=&store=&step=&status=&task=&min_reward=&max_reward=&limit=
+                                               group cards (groups.py); step=-1: groups not consumed yet
+  /api/trajectory?run=&id=&store=              one trajectory: turns, tool calls, per-token ids/text/mask/logprob/
+                                               version/advantage, its ledger fate
+  /api/timeline?run=                           each group's lifecycle (groups.jsonl) with the step that consumed it
+What it is not: a writer (it never changes a run folder) or a tracker across machines (it reads local folders).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Query
+from fastapi.responses import FileResponse, Response
+from fastapi.staticfiles import StaticFiles
+
+from loomrl.view.groups import GroupFilter, advantage_rule, advantages, filtered_groups
+from loomrl.view.run_folder import TRAINING_STORE, RunFolder, RunFolderError
+from loomrl.view.tokens import TokenText
+
+STATIC = Path(__file__).parent / "static"
+
+
+class Runs:
+    """The runs the viewer was given, by key (the folder's name; a second folder of the same name gets `name~2`)."""
+
+    def __init__(self, paths: list[Path]):
+        self.by_key: dict[str, RunFolder] = {}
+        self.tokens: dict[str, TokenText] = {}
+        for path in paths:
+            run = RunFolder(path)
+            key, n = run.name, 1
+            while key in self.by_key:
+                n += 1
+                key = f"{run.name}~{n}"
+            self.by_key[key] = run
+
+    def get(self, key: str) -> RunFolder:
+        if key not in self.by_key:
+            raise HTTPException(404, f"no run '{key}'; the viewer has {sorted(self.by_key)}")
+        return self.by_key[key]
+
+    def token_text(self, key: str) -> TokenText:
+        if key not in self.tokens:
+            run = self.get(key)
+            self.tokens[key] = TokenText(run.path, run.config())
+        return self.tokens[key]
+
+
+def _essentials(config: dict[str, Any]) -> dict[str, Any]:
+    model, trainer, runtime, env = (config.get(k) or {} for k in ("model", "trainer", "runtime", "env"))
+    return {"model": model.get("path") or model.get("kind"), "env": env.get("name"), "mode": runtime.get("mode"),
+            "total_steps": trainer.get("total_steps"), "group_size": trainer.get("group_size"),
+            "groups_per_step": trainer.get("groups_per_step"), "advantage_rule": advantage_rule(config)}
+
+
+def create_app(paths: list[Path]) -> FastAPI:
+    runs = Runs([Path(p) for p in paths])
+    app = FastAPI(title="loomrl view", docs_url=None, redoc_url=None)
+
+    def store(run: RunFolder, name: str):
+        try:
+            return run.store(name)
+        except RunFolderError as err:
+            raise HTTPException(404, str(err)) from None
+
+    @app.get("/api/runs")
+    def api_runs() -> list[dict[str, Any]]:
+        out = []
+        for key, run in runs.by_key.items():
+            config = run.config()
+            out.append({"key": key, "name": run.name, "path": str(run.path), "config": _essentials(config),
+                        "summary": run.summary(), "live": run.live(), "stores": run.store_names()})
+        return out
+
+    @app.get("/api/metrics")
+    def api_metrics(run: str, since: int = Query(0, ge=0)) -> dict[str, Any]:
+        records = runs.get(run).metrics.read()
+        return {"records": records[since:], "next": len(records)}
+
+    @app.get("/api/steps")
+    def api_steps(run: str) -> dict[str, Any]:
+        folder = runs.get(run)
+        steps = [{"step": e["step"], "trained": len(e.get("trained", [])),
+                  "skipped": {k: len(v) for k, v in e.get("skipped", {}).items()}, "stale": len(e.get("stale", []))}
+                 for e in folder.ledger.read()]
+        fates = folder.fates()
+        pending = sum(1 for r in folder.store().rows() if r.trajectory_id not in fates)
+        return {"steps": steps, "pending": pending, "stored": len(folder.store().rows())}
+
+    @app.get("/api/groups")
+    def api_groups(run: str, store_name: str = Query(TRAINING_STORE, alias="store"), step: int | None = None,
+                   status: str | None = None, task: str | None = None, min_reward: float | None = None,
+                   max_reward: float | None = None, limit: int = Query(64, ge=1, le=1000)) -> dict[str, Any]:
+        folder = runs.get(run)
+        rows = store(folder, store_name).rows()
+        fates = folder.fates() if store_name == TRAINING_STORE else {}
+        flt = GroupFilter(step=step, status=status, task=task, min_reward=min_reward, max_reward=max_reward)
+        groups = filtered_groups(rows, fates, flt)
+        runs.token_text(run).warm()  # a trajectory is likely opened next
+        return {"groups": groups[:limit], "total": len(groups), "advantage_rule": advantage_rule(folder.config())}
+
+    @app.get("/api/trajectory")
+    def api_trajectory(run: str, id: str, store_name: str = Query(TRAINING_STORE, alias="store")) -> dict[str, Any]:
+        folder = runs.get(run)
+        index = store(folder, store_name)
+        record = index.read(id)
+        if record is None:
+            raise HTTPException(404, f"run {run}: no trajectory '{id}' in its store '{store_name}'")
+        group = [r for r in index.rows() if r.group_id == record["group_id"]]
+        adv = dict(zip((r.trajectory_id for r in group), advantages([r.total_reward for r in group]))).get(id)
+        fate = folder.fates().get(id) if store_name == TRAINING_STORE else None
+        text = runs.token_text(run)
+        contexts = [*record.get("segments", []), {"reason": "", **{k: record[k] for k in (
+            "token_ids", "loss_mask", "logprobs", "versions", "turns", "prompt_len")}}]
+        for ctx in contexts:
+            ctx["pieces"] = text.pieces(ctx["token_ids"])
+        return {
+            "trajectory": {k: v for k, v in record.items() if k not in (
+                "token_ids", "loss_mask", "logprobs", "versions", "turns", "segments", "prompt_len")},
+            "contexts": contexts,  # earlier context segments first, the current one last
+            "advantage": adv, "advantage_source": "computed (see the group card)" if adv is not None else "",
+            "tokenizer": text.reason or "decoded with the run's tokenizer",
+            "logprob_gap": "not recorded: the store keeps the engine's logprobs only",
+            "fate": None if fate is None else {"step": fate.step, "fate": fate.fate, "reason": fate.reason},
+        }
+
+    @app.get("/api/timeline")
+    def api_timeline(run: str) -> dict[str, Any]:
+        folder = runs.get(run)
+        events = folder.group_events.read()
+        fates = folder.fates()
+        out = []
+        for e in events:
+            ids = e.get("trajectory_ids", [])
+            consumed = [fates[t] for t in ids if t in fates]
+            out.append({**{k: v for k, v in e.items() if k != "trajectory_ids"},
+                        "step": consumed[0].step if consumed else None,
+                        "fate": consumed[0].fate if consumed else "pending"})
+        recorded = (folder.path / "groups.jsonl").is_file()
+        return {"groups": out, "recorded": recorded}
+
+    @app.get("/")
+    def index() -> FileResponse:
+        return FileResponse(STATIC / "index.html")
+
+    @app.get("/favicon.ico")
+    def favicon() -> Response:
+        return Response(status_code=204)  # none: without this route a browser logs a 404 on every page
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    return app

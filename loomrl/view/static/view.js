@@ -1,0 +1,350 @@
+// loomrl view: the page. Plain JavaScript over the JSON API (loomrl/view/app.py); charts are uPlot (vendored).
+// State lives in `view` (window.loomrlView), so that tests can read what the charts hold.
+"use strict";
+
+const PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f"];
+const POLL_MS = Number(new URLSearchParams(location.search).get("poll") || 2000);
+
+// A chart: a title and the metric names it draws (a string: that name; a RegExp: every name it matches), per run.
+const CURVES = [
+  { id: "reward", title: "reward (train, mean over scored rollouts)", keys: ["rollout/reward_mean"] },
+  { id: "success", title: "success: train correct rate, held-out (eval/…) by split", keys: ["rollout/correct_rate", /^eval\/(?:[^/]+\/)?success$/] },
+  { id: "terms", title: "reward terms (mean)", keys: [/^reward\/[^/]+$/] },
+  { id: "loss", title: "loss", keys: ["train/loss"] },
+  { id: "kl", title: "KL (approx, policy vs sampler)", keys: ["train/approx_kl", "train/kl"] },
+  { id: "entropy", title: "entropy", keys: ["train/entropy"] },
+  { id: "grad_norm", title: "grad norm", keys: ["train/grad_norm"] },
+  { id: "lag", title: "policy lag (steps, max and histogram)", keys: ["staleness_max", /^staleness\/lag_\d+$/] },
+  { id: "tps", title: "tokens/s (generated per step second; trained per train second)", keys: ["derived/generated_tokens_per_s", "derived/trained_tokens_per_s"] },
+  { id: "step_time", title: "step time split (s): rollout, train, rollout idle (waiting)", keys: ["time/step_s", "time/rollout_s", "time/train_s", "time/rollout_idle_s"] },
+];
+const POOLS = [
+  { id: "engine_busy", title: "engine busy time (s per step)", keys: ["engine/busy_s"] },
+  { id: "queue", title: "queue depth: groups buffered when the step began; buffer wait (s)", keys: ["buffer/depth", "buffer/wait_s_mean", "buffer/wait_s_max"] },
+  { id: "inflight", title: "groups in flight", keys: ["admission/inflight_groups", "admission/inflight_groups_max", "admission/launched_groups"] },
+  { id: "prefix", title: "prefix-cache hit rate", keys: ["engine/prefix_hit_rate"] },
+  { id: "env_health", title: "env pool health: created, destroyed, kills, failures", keys: [/^env_pool\/(created|destroyed|kills|health_failures|create_failures|reset_failures)$/] },
+  { id: "env_wait", title: "env pool acquire waits; concurrency cap waits (s)", keys: [/^env_pool\/acquire_wait_s_(total|max)$/, "rollout/cap_wait_s_total"] },
+  { id: "reward_latency", title: "reward latency (s)", keys: [/^reward(_pool)?\/.*(latency|_s_|wait)/] },
+  { id: "judge", title: "judge", keys: [/^judge\//] },
+  { id: "endings", title: "rollouts by ending (failures by status)", keys: [/^rollout\/status_/] },
+  { id: "restarts", title: "retries and restarts", keys: ["runtime/trainer_restarts", /retr(y|ies)/, "groups_stale", "groups_skipped"] },
+];
+
+const view = window.loomrlView = { runs: [], charts: {}, polls: 0 };
+
+async function api(path, params) {
+  const url = path + "?" + new URLSearchParams(Object.entries(params || {}).filter(([, v]) => v !== "" && v != null));
+  const r = await fetch(url);
+  if (!r.ok) throw new Error(`${url}: ${r.status} ${await r.text()}`);
+  return r.json();
+}
+
+function el(tag, attrs, ...children) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (k === "style") e.style.cssText = v; else if (k.startsWith("on")) e.addEventListener(k.slice(2), v); else e.setAttribute(k, v);
+  }
+  for (const c of children) e.append(c instanceof Node ? c : document.createTextNode(c == null ? "" : String(c)));
+  return e;
+}
+
+const fmt = (v, d = 3) => v == null ? "–" : (Math.abs(v) >= 1000 || (v !== 0 && Math.abs(v) < 1e-3) ? v.toExponential(2) : v.toFixed(d));
+
+// -- metrics ------------------------------------------------------------------------------------------------------
+function derive(r) {  // rates the run does not log as such
+  if (r.kind === "train") {
+    if (r["engine/generated_tokens"] != null && r["time/step_s"]) r["derived/generated_tokens_per_s"] = r["engine/generated_tokens"] / r["time/step_s"];
+    if (r["train/tokens"] != null && r["train/seconds"]) r["derived/trained_tokens_per_s"] = r["train/tokens"] / r["train/seconds"];
+  }
+  return r;
+}
+
+function addRecords(run, records) {
+  for (const r of records) {
+    if (r.kind === "rollback") {  // the run went back to a checkpoint: later train records were undone
+      run.records = run.records.filter(x => !(x.kind === "train" && x.step > r.step));
+    } else run.records.push(derive(r));
+  }
+}
+
+function seriesOf(chart) {  // [{run, key}] present in the runs' records, in a stable order
+  const out = [];
+  view.runs.forEach((run, ri) => {
+    const names = new Set();
+    for (const r of run.records) for (const k of Object.keys(r)) if (typeof r[k] === "number") names.add(k);
+    const found = [];
+    for (const key of chart.keys) {
+      if (typeof key === "string") { if (names.has(key)) found.push(key); }
+      else for (const n of [...names].sort()) if (key.test(n) && !found.includes(n)) found.push(n);
+    }
+    for (const k of found) out.push({ run, ri, key: k });
+  });
+  return out;
+}
+
+function chartData(series) {
+  const steps = new Set();
+  const maps = series.map(({ run, key }) => {
+    const m = new Map();
+    for (const r of run.records) if (typeof r[key] === "number") { m.set(r.step, r[key]); steps.add(r.step); }
+    return m;
+  });
+  const xs = [...steps].sort((a, b) => a - b);
+  return [xs, ...maps.map(m => xs.map(x => m.has(x) ? m.get(x) : null))];
+}
+
+function drawCharts(defs, containerId) {
+  const box = document.getElementById(containerId);
+  if (!box.offsetParent) return;  // hidden tab: drawn when shown
+  const multi = view.runs.length > 1;
+  for (const def of defs) {
+    let card = document.getElementById("chart-" + def.id);
+    if (!card) {
+      card = el("div", { class: "chart", id: "chart-" + def.id }, el("h3", {}, def.title), el("div", { class: "plot" }));
+      box.append(card);
+    }
+    const plot = card.querySelector(".plot");
+    const series = seriesOf(def);
+    const sig = series.map(s => s.ri + ":" + s.key).join("|");
+    const data = chartData(series);
+    const old = view.charts[def.id];
+    if (!series.length) {
+      if (old) { old.uplot.destroy(); delete view.charts[def.id]; }
+      plot.replaceChildren(el("div", { class: "empty" }, "not logged by " + (multi ? "these runs" : "this run")));
+      continue;
+    }
+    if (old && old.sig === sig) { old.uplot.setData(data); continue; }
+    if (old) old.uplot.destroy();
+    plot.replaceChildren();
+    const keys = [...new Set(series.map(s => s.key))];
+    const opts = {
+      width: Math.max(300, plot.clientWidth || 400), height: 190,
+      scales: { x: { time: false } },
+      axes: [{}, { size: 60, values: (u, vals) => vals.map(v => v == null ? "" : Math.abs(v) >= 1e4 || (v !== 0 && Math.abs(v) < 1e-2) ? v.toExponential(1) : +v.toPrecision(3)) }],
+      legend: { live: true },
+      series: [{ label: "step" }, ...series.map(s => ({
+        label: (multi ? s.run.key + " · " : "") + s.key, spanGaps: true, width: 1.5,
+        stroke: PALETTE[(multi ? s.ri * keys.length + keys.indexOf(s.key) : keys.indexOf(s.key)) % PALETTE.length],
+        dash: multi && s.ri > 0 ? [6, 3] : undefined, points: { show: true, size: 4 },
+      }))],
+    };
+    view.charts[def.id] = { sig, uplot: new uPlot(opts, data, plot) };
+  }
+}
+
+function redraw() {
+  drawCharts(CURVES, "charts-curves");
+  drawCharts(POOLS, "charts-pools");
+  if (document.getElementById("tab-timeline").classList.contains("on")) drawTimeline();
+}
+
+async function poll() {
+  let changed = false;
+  for (const run of view.runs) {
+    try {
+      const m = await api("/api/metrics", { run: run.key, since: run.next });
+      if (m.next < run.next) { run.records = []; run.next = 0; continue; }  // the file was rewritten: read again
+      if (m.records.length) { addRecords(run, m.records); changed = true; }
+      run.next = m.next;
+    } catch (e) { console.warn(e); }
+  }
+  view.polls += 1;
+  if (changed) redraw();
+  const live = view.runs.filter(r => r.live).map(r => r.key);
+  document.getElementById("live").textContent = live.length ? "following: " + live.join(", ") : "";
+}
+
+// -- timeline -----------------------------------------------------------------------------------------------------
+async function drawTimeline() {
+  const run = view.runs[0];
+  const t = await api("/api/timeline", { run: run.key });
+  const note = document.getElementById("timeline-note");
+  const box = document.getElementById("timeline");
+  if (!t.recorded) {
+    note.textContent = `${run.key}: no groups.jsonl (a run made before loomrl recorded group lifecycles); no timeline.`;
+    box.replaceChildren();
+    return;
+  }
+  const stepTime = new Map(run.records.filter(r => r.kind === "train").map(r => [r.step, r.time]));
+  const groups = t.groups.slice(-200);
+  const starts = groups.map(g => g.launched).filter(x => x != null);
+  const t0 = Math.min(...starts), t1 = Math.max(...groups.map(g => stepTime.get(g.step) || g.finished));
+  const x = s => (100 * (s - t0) / Math.max(t1 - t0, 1e-9)).toFixed(3) + "%";
+  const w = (a, b) => (100 * Math.max(b - a, 0) / Math.max(t1 - t0, 1e-9)).toFixed(3) + "%";
+  note.textContent = `${run.key}: the last ${groups.length} group attempts, ${(t1 - t0).toFixed(1)} s. Coloured: generating ` +
+    "(admitted → scored), its colour the policy version it was admitted at, labelled with the versions its tokens came from; " +
+    "grey: scored, waiting for the trainer; the end mark: trained (green) or left out (orange) at the step named.";
+  box.replaceChildren(...groups.map(g => {
+    const lane = el("div", { class: "lane" });
+    if (g.launched != null) {
+      lane.append(el("div", { class: "seg", title: `generating ${(g.finished - g.launched).toFixed(2)} s`,
+        style: `left:${x(g.launched)};width:${w(g.launched, g.finished)};background:hsl(${(g.version_at_launch * 67) % 360},55%,45%)` },
+      `v${g.policy_version_min}–${g.policy_version_max}`));
+    }
+    const end = stepTime.get(g.step);
+    if (end != null) {
+      lane.append(el("div", { class: "seg", title: "waiting for the trainer", style: `left:${x(g.finished)};width:${w(g.finished, end)};background:#bbb` }));
+      lane.append(el("div", { class: "seg", title: `${g.fate} at step ${g.step}`,
+        style: `left:${x(end)};width:4px;background:${g.fate === "trained" ? "#17803d" : "#d9822b"}` }));
+    }
+    const what = g.step != null ? `${g.fate} @${g.step}` : g.ended;
+    return el("div", { class: "lane-row" }, el("span", { class: "lane-label" }, `pos ${g.position}#${g.attempt} ${what}`), lane);
+  }));
+}
+
+// -- trajectories -------------------------------------------------------------------------------------------------
+const $ = id => document.getElementById(id);
+
+async function fillSteps() {
+  const run = $("f-run").value, store = $("f-store").value;
+  const sel = $("f-step");
+  const keep = sel.value;
+  sel.replaceChildren(el("option", { value: "" }, "all"));
+  if (store !== "trajectories") { sel.disabled = true; return; }
+  sel.disabled = false;
+  const s = await api("/api/steps", { run });
+  for (const st of s.steps) {
+    const skipped = Object.entries(st.skipped).map(([k, v]) => `${k} ${v}`).join(", ");
+    sel.append(el("option", { value: st.step }, `step ${st.step}: trained ${st.trained}` + (skipped ? `, left out ${skipped}` : "") + (st.stale ? `, stale ${st.stale}` : "")));
+  }
+  sel.append(el("option", { value: "-1" }, `not consumed yet (${s.pending})`));
+  if ([...sel.options].some(o => o.value === keep)) sel.value = keep;
+}
+
+function fateLine(m) {
+  if (m.fate === "trained") return `trained at step ${m.fate_step}`;
+  if (m.fate === "skipped" || m.fate === "stale") return `left out at step ${m.fate_step}: ${m.fate_reason || m.fate}`;
+  return "not in the ledger: waiting in the buffer, or the run ended before a step took it";
+}
+
+async function showGroups() {
+  const params = { run: $("f-run").value, store: $("f-store").value, step: $("f-step").value, status: $("f-status").value,
+    task: $("f-task").value, min_reward: $("f-min").value, max_reward: $("f-max").value };
+  const g = await api("/api/groups", params);
+  $("f-count").textContent = `${g.total} groups` + (g.total > g.groups.length ? `, first ${g.groups.length} shown` : "");
+  $("adv-note").textContent = "advantage: " + (g.groups[0] ? g.groups[0].advantage_source : "") + `. This run's rule: ${g.advantage_rule}.`;
+  $("groups").replaceChildren(...g.groups.map(card => el("div", { class: "group", "data-group": card.group_id },
+    el("h4", {}, `${card.task_id} · ${card.group_id} · mean ${fmt(card.reward_mean)}` + (card.step != null ? ` · step ${card.step}` : "")),
+    ...card.members.map(m => {
+      const terms = Object.entries(m.terms).map(([k, v]) => `${k} ${fmt(v)}`).join(", ");
+      return el("div", { class: "member", "data-id": m.trajectory_id, title: fateLine(m), onclick: () => openTrajectory(m.trajectory_id) },
+        el("span", {}, `r ${fmt(m.reward)}  A ${fmt(m.advantage, 2)}`),
+        el("span", { class: "fate-" + m.fate }, `${m.status} · ${m.fate}`),
+        el("span", { class: "terms" }, (terms || "no terms") + ` · v${m.versions[0]}–${m.versions[1]} · ${m.n_turns} turns, ${m.total_tokens} tok`));
+    }))));
+}
+
+const COLOURS = {
+  mask: { legend: "blue: sampled by the policy (loss mask 1); plain: prompt and observations (mask 0)",
+    of: (c, i) => c.loss_mask[i] ? "#cfe2ff" : "" },
+  logprob: { legend: "sampled tokens by their probability under the sampler: red low → green high",
+    of: (c, i) => c.loss_mask[i] ? `hsl(${Math.round(120 * Math.exp(c.logprobs[i]))},70%,78%)` : "" },
+  version: { legend: "sampled tokens by the policy version that sampled them (hue per version)",
+    of: (c, i) => c.versions[i] >= 0 ? `hsl(${(c.versions[i] * 67) % 360},60%,80%)` : "" },
+  advantage: { legend: "sampled tokens by the trajectory's advantage: green positive, red negative",
+    of: (c, i, adv) => c.loss_mask[i] && adv != null ? `hsla(${adv >= 0 ? 120 : 0},70%,60%,${Math.min(Math.abs(adv) / 2, 1).toFixed(2)})` : "" },
+};
+
+function tokensOf(ctx, mode, adv) {
+  const box = el("div", { class: "tokens" });
+  const colour = COLOURS[mode].of;
+  const spans = ctx.token_ids.map((id, i) => {
+    const s = el("span", { class: "tok", "data-i": i,
+      title: `#${i} id ${id} · mask ${ctx.loss_mask[i]} · logprob ${fmt(ctx.logprobs[i])} · version ${ctx.versions[i]}` },
+    ctx.pieces ? ctx.pieces[i] : `[${id}]`);
+    const bg = colour(ctx, i, adv);
+    if (bg) s.style.background = bg;
+    return s;
+  });
+  box.append(...spans);
+  return box;
+}
+
+function turnsOf(turns) {
+  return turns.map((t, i) => el("div", { class: "turn" },
+    el("b", {}, `turn ${i + 1}` + (t.finish_reason ? ` (${t.finish_reason})` : "") + (Object.keys(t.reward_terms || {}).length ? ` terms ${JSON.stringify(t.reward_terms)}` : "")),
+    t.think ? el("div", { class: "muted" }, t.think) : "",
+    el("div", {}, t.act),
+    ...(t.tool_calls || []).map(c => el("div", { class: "call" }, "tool call: " + JSON.stringify(c))),
+    t.obs ? el("div", { class: "obs" }, t.obs) : "",
+    t.error ? el("div", { class: "fate-skipped" }, "error: " + t.error) : ""));
+}
+
+async function openTrajectory(id) {
+  document.querySelectorAll(".member.open").forEach(m => m.classList.remove("open"));
+  document.querySelector(`.member[data-id="${id}"]`)?.classList.add("open");
+  const d = await api("/api/trajectory", { run: $("f-run").value, id, store: $("f-store").value });
+  const t = d.trajectory;
+  const box = $("trajectory");
+  box.classList.add("on");
+  const fate = d.fate ? fateLine({ fate: d.fate.fate, fate_step: d.fate.step, fate_reason: d.fate.reason })
+    : ($("f-store").value === "trajectories" ? fateLine({ fate: "pending" }) : "an evaluation episode: never trained");
+  const mode = el("select", { id: "colour-by" }, ...Object.keys(COLOURS).map(k => el("option", { value: k }, k)));
+  mode.value = view.colourBy || "mask";
+  const render = () => {
+    view.colourBy = mode.value;
+    legend.textContent = COLOURS[mode.value].legend + ". " + d.tokenizer + ". Engine-vs-trainer logprob gap: " + d.logprob_gap + ".";
+    tokens.replaceChildren(...d.contexts.map(c => el("div", {}, c.reason ? el("div", { class: "muted" }, `earlier context (${c.reason})`) : "", tokensOf(c, mode.value, d.advantage))));
+  };
+  mode.addEventListener("change", render);
+  const legend = el("div", { class: "legend" });
+  const tokens = el("div", { id: "token-view" });
+  box.replaceChildren(
+    el("h3", {}, `${t.trajectory_id} · ${t.task_id} · ${t.status} · reward ${fmt(t.total_reward)} · advantage ${fmt(d.advantage, 3)}`),
+    el("div", { class: "ledger" }, "ledger: " + fate),
+    el("div", { class: "muted" }, `terms ${JSON.stringify(t.reward_components)} · answer ${t.answer} · final answer ${t.final_answer ?? "–"}` +
+      ` · versions ${t.policy_version_min}–${t.policy_version_max} · attempts ${t.attempts}` + (t.error ? ` · error ${t.error}` : "")),
+    el("h4", {}, "turns"), ...d.contexts.flatMap(c => turnsOf(c.turns)),
+    el("h4", {}, "tokens, coloured by ", mode), legend, tokens);
+  render();
+}
+
+async function initTrajectories() {
+  $("f-run").replaceChildren(...view.runs.map(r => el("option", { value: r.key }, r.key)));
+  const stores = () => {
+    const run = view.runs.find(r => r.key === $("f-run").value);
+    $("f-store").replaceChildren(...run.stores.map(s => el("option", { value: s }, s)));
+  };
+  stores();
+  $("f-run").addEventListener("change", async () => { stores(); await fillSteps(); showGroups(); });
+  $("f-store").addEventListener("change", async () => { await fillSteps(); showGroups(); });
+  $("f-step").addEventListener("change", showGroups);
+  $("f-apply").addEventListener("click", showGroups);
+  await fillSteps();
+  const steps = [...$("f-step").options].map(o => o.value).filter(v => v !== "" && v !== "-1");
+  if (steps.length) $("f-step").value = steps[steps.length - 1];  // the latest step first
+  await showGroups();
+}
+
+// -- start --------------------------------------------------------------------------------------------------------
+function showTab(name) {
+  document.querySelectorAll("nav button").forEach(b => b.classList.toggle("on", b.dataset.tab === name));
+  document.querySelectorAll(".tab").forEach(t => t.classList.toggle("on", t.id === "tab-" + name));
+  if (name === "trajectories" && !view.trajectoriesReady) { view.trajectoriesReady = true; initTrajectories(); }
+  redraw();
+}
+
+async function start() {
+  const runs = await api("/api/runs");
+  view.runs = runs.map((r, i) => ({ ...r, records: [], next: 0, color: PALETTE[i % PALETTE.length] }));
+  $("runs").replaceChildren(...view.runs.map(r => el("span", { class: "run-chip", style: `background:${r.color}`,
+    title: `${r.path}\n${JSON.stringify(r.config)}` }, r.key)));
+  document.querySelectorAll("nav button").forEach(b => b.addEventListener("click", () => showTab(b.dataset.tab)));
+  await poll();
+  redraw();
+  view.ready = true;
+  const tick = async () => {
+    await poll();
+    if (view.polls % 5 === 0) {  // a run that ends writes summary.json: it is no longer followed live
+      const fresh = await api("/api/runs");
+      for (const r of fresh) { const run = view.runs.find(x => x.key === r.key); if (run) { run.live = r.live; run.stores = r.stores; } }
+    }
+    setTimeout(tick, POLL_MS);
+  };
+  setTimeout(tick, POLL_MS);
+  const tab = new URLSearchParams(location.search).get("tab");
+  if (tab) showTab(tab);
+}
+
+start();

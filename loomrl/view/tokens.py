@@ -1,0 +1,60 @@
+"""TokenText: token ids as the text pieces the run's tokenizer gives them, for the trajectory viewer.
+
+The tokenizer is the one the run saved with its checkpoints (RUN/checkpoints/<step>/model), else the one its
+config.yaml names (model.kind tiny / smollm2 / gguf / hf: loomrl/model/loader.py), loaded once per run on first use
+in a thread of its own. When neither can be loaded (a run folder copied without its checkpoints, a model not on this
+machine) the viewer shows the ids and says why: `reason`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("loomrl.view")
+
+
+class TokenText:
+    def __init__(self, run_dir: Path, config: dict[str, Any]):
+        self.run_dir = run_dir
+        self.config = config
+        self.reason = ""  # why there is no tokenizer, once loading failed
+        self._tokenizer: Any = None
+        self._lock = threading.Lock()
+        self._tried = False
+
+    def _load(self) -> Any:
+        from transformers import AutoTokenizer
+
+        saved = sorted((self.run_dir / "checkpoints").glob("step_*/model/tokenizer_config.json"))
+        if saved:
+            return AutoTokenizer.from_pretrained(saved[-1].parent)
+        from loomrl.config import load_config
+        from loomrl.model.loader import load_tokenizer
+
+        return load_tokenizer(load_config(str(self.run_dir / "config.yaml"), []).model)
+
+    def tokenizer(self) -> Any:
+        with self._lock:
+            if not self._tried:
+                self._tried = True
+                try:
+                    self._tokenizer = self._load()
+                except Exception as err:  # any loader failure leaves the viewer usable, with ids
+                    self.reason = f"no tokenizer for {self.run_dir.name} ({type(err).__name__}: {err}); showing ids"
+                    log.warning("%s", self.reason)
+            return self._tokenizer
+
+    def warm(self) -> None:
+        """Load the tokenizer in the background (importing transformers takes seconds), before a trajectory asks."""
+        if not self._tried:
+            threading.Thread(target=self.tokenizer, name="loomrl-view-tokenizer", daemon=True).start()
+
+    def pieces(self, ids: list[int]) -> list[str] | None:
+        """Each id's own text (byte-level pieces decoded one by one), or None without a tokenizer."""
+        tok = self.tokenizer()
+        if tok is None:
+            return None
+        return [tok.decode([i]) for i in ids]

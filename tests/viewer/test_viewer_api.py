@@ -1,0 +1,159 @@
+"""The viewer's JSON API on a real short run folder (conftest.py: the tiny recipe, sync, 2 steps), through FastAPI's
+test client: what each endpoint says agrees with the run's own files (metrics.jsonl, ledger.jsonl, the store)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pyarrow.parquet as pq
+import pytest
+from fastapi.testclient import TestClient
+
+from loomrl.trainer.service import read_ledger
+from loomrl.view.app import create_app
+from loomrl.view.run_folder import JsonLines, RunFolder, RunFolderError
+
+
+@pytest.fixture(scope="module")
+def client(run_dir):
+    return TestClient(create_app([run_dir]))
+
+
+def test_runs_lists_the_run_with_its_config_and_summary(client, run_dir):
+    (run,) = client.get("/api/runs").json()
+    assert run["key"] == run_dir.name and run["path"] == str(run_dir)
+    assert run["config"]["total_steps"] == 2 and run["config"]["mode"] == "sync"
+    assert run["summary"]["steps"] == 2 and run["live"] is False
+    assert run["stores"][0] == "trajectories" and any(s.startswith("evaluations/before") for s in run["stores"])
+
+
+def test_metrics_are_served_from_a_line_on(client, run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    whole = client.get("/api/metrics", params={"run": run_dir.name}).json()
+    assert whole["next"] == len(lines) and [r["kind"] for r in whole["records"]].count("train") == 2
+    tail = client.get("/api/metrics", params={"run": run_dir.name, "since": 2}).json()
+    assert tail["records"] == whole["records"][2:] and tail["next"] == len(lines)
+
+
+def test_a_line_still_being_written_waits_for_its_newline(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2')
+    reader = JsonLines(path)
+    assert reader.read() == [{"step": 1}]
+    with path.open("a") as f:
+        f.write(', "x": 1}\n')
+    assert reader.read() == [{"step": 1}, {"step": 2, "x": 1}]
+
+
+def test_steps_agree_with_the_ledger(client, run_dir):
+    ledger = read_ledger(run_dir)
+    steps = client.get("/api/steps", params={"run": run_dir.name}).json()
+    assert [s["step"] for s in steps["steps"]] == [e["step"] for e in ledger]
+    for s, e in zip(steps["steps"], ledger):
+        assert s["trained"] == len(e["trained"]) and s["skipped"] == {k: len(v) for k, v in e["skipped"].items()}
+    assert steps["stored"] == 2 * 2 * 4  # steps x groups_per_step x group_size, all consumed
+    assert steps["pending"] == 0
+
+
+def test_a_steps_groups_carry_rewards_advantages_and_the_ledgers_fate(client, run_dir):
+    entry = read_ledger(run_dir)[0]
+    body = client.get("/api/groups", params={"run": run_dir.name, "step": 1}).json()
+    assert body["total"] == 2 and "grpo" in body["advantage_rule"]
+    ids = {m["trajectory_id"] for g in body["groups"] for m in g["members"]}
+    assert ids == set(entry["trained"]) | {t for v in entry["skipped"].values() for t in v}
+    for group in body["groups"]:
+        assert len(group["members"]) == 4 and group["step"] == 1 and "GRPO" in group["advantage_source"]
+        advs = [m["advantage"] for m in group["members"]]
+        assert abs(sum(advs)) < 1e-6  # centred on the group's mean
+        for m in group["members"]:
+            assert m["fate_step"] == 1 and m["fate"] in ("trained", "skipped")
+            assert m["terms"] and m["reward"] == pytest.approx(sum(m["terms"].values()))
+            if m["fate"] == "skipped":
+                assert m["fate_reason"] in entry["skipped"]
+
+
+def test_filters_by_reward_status_and_task(client, run_dir):
+    groups = client.get("/api/groups", params={"run": run_dir.name}).json()["groups"]
+    some = groups[0]["members"][0]
+    by_task = client.get("/api/groups", params={"run": run_dir.name, "task": some["task_id"]}).json()["groups"]
+    assert {g["task_id"] for g in by_task} == {some["task_id"]}
+    high = client.get("/api/groups", params={"run": run_dir.name, "min_reward": 0.5}).json()["groups"]
+    assert all(any(m["reward"] >= 0.5 for m in g["members"]) for g in high)
+    assert client.get("/api/groups", params={"run": run_dir.name, "status": "timeout"}).json()["total"] == 0
+    assert client.get("/api/groups", params={"run": run_dir.name, "step": -1}).json()["total"] == 0  # all consumed
+
+
+def test_a_trajectory_opens_with_turns_tokens_and_its_ledger_line(client, run_dir):
+    entry = read_ledger(run_dir)[0]
+    tid = entry["trained"][0]
+    body = client.get("/api/trajectory", params={"run": run_dir.name, "id": tid}).json()
+    assert body["trajectory"]["trajectory_id"] == tid
+    assert body["fate"] == {"step": 1, "fate": "trained", "reason": ""}
+    (ctx,) = body["contexts"]
+    n = len(ctx["token_ids"])
+    assert n > 0 and len(ctx["loss_mask"]) == len(ctx["logprobs"]) == len(ctx["versions"]) == n
+    assert sum(ctx["loss_mask"]) > 0 and ctx["turns"] and ctx["turns"][0]["act"]
+    assert body["tokenizer"] == "decoded with the run's tokenizer" and len(ctx["pieces"]) == n
+    sampled = "".join(p for p, m in zip(ctx["pieces"], ctx["loss_mask"]) if m)
+    assert ctx["turns"][0]["act"].strip() in sampled
+    assert body["advantage"] is not None
+
+
+def test_an_evaluation_episode_opens_from_its_own_store(client, run_dir):
+    store = next(s for s in client.get("/api/runs").json()[0]["stores"] if s.startswith("evaluations/"))
+    groups = client.get("/api/groups", params={"run": run_dir.name, "store": store}).json()["groups"]
+    tid = groups[0]["members"][0]["trajectory_id"]
+    body = client.get("/api/trajectory", params={"run": run_dir.name, "id": tid, "store": store}).json()
+    assert body["trajectory"]["split"].startswith("heldout") and body["fate"] is None
+
+
+def test_the_timeline_joins_group_lifecycles_to_the_steps_that_consumed_them(client, run_dir):
+    body = client.get("/api/timeline", params={"run": run_dir.name}).json()
+    assert body["recorded"] and len(body["groups"]) == 4
+    for g in body["groups"]:
+        assert g["ended"] == "arrived" and g["launched"] <= g["finished"]
+        assert g["step"] in (1, 2) and g["fate"] in ("trained", "skipped")
+        assert g["version_at_launch"] == g["step"] - 1  # sync: a step's groups are sampled by the version before it
+
+
+def test_unknown_names_are_404_with_what_there_is(client, run_dir):
+    r = client.get("/api/metrics", params={"run": "nope"})
+    assert r.status_code == 404 and run_dir.name in r.json()["detail"]
+    r = client.get("/api/trajectory", params={"run": run_dir.name, "id": "traj-nope"})
+    assert r.status_code == 404 and "traj-nope" in r.json()["detail"]
+    r = client.get("/api/groups", params={"run": run_dir.name, "store": "evaluations/x"})
+    assert r.status_code == 404 and "trajectories" in r.json()["detail"]
+
+
+def test_a_folder_that_is_no_run_is_refused_with_what_to_give(tmp_path, run_dir):
+    with pytest.raises(RunFolderError, match="give a run folder"):
+        RunFolder(run_dir.parent)
+    with pytest.raises(RunFolderError, match="not a folder"):
+        RunFolder(tmp_path / "missing")
+
+
+def test_a_live_runs_new_parts_and_metrics_are_picked_up(tmp_path, run_dir):
+    live = tmp_path / run_dir.name
+    shutil.copytree(run_dir, live)
+    (live / "summary.json").unlink()  # as if still training
+    client = TestClient(create_app([live]))
+    assert client.get("/api/runs").json()[0]["live"] is True
+    before = client.get("/api/steps", params={"run": live.name}).json()
+    part = sorted((live / "trajectories").glob("part-*.parquet"))[-1]
+    table = pq.read_table(part)
+    ids = [f"traj-new{i:04d}" for i in range(table.num_rows)]
+    table = table.set_column(table.schema.get_field_index("trajectory_id"), "trajectory_id", [ids])
+    table = table.set_column(table.schema.get_field_index("group_id"), "group_id",
+                             [[f"group-new{i // 4}" for i in range(table.num_rows)]])
+    pq.write_table(table, live / "trajectories" / "part-999999.parquet")
+    after = client.get("/api/steps", params={"run": live.name}).json()
+    assert after["stored"] == before["stored"] + table.num_rows and after["pending"] == table.num_rows
+    pending = client.get("/api/groups", params={"run": live.name, "step": -1}).json()
+    assert pending["total"] == table.num_rows // 4
+    assert all(m["fate"] == "pending" for g in pending["groups"] for m in g["members"])
+    n = client.get("/api/metrics", params={"run": live.name}).json()["next"]
+    with (live / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"kind": "train", "step": 3, "time": 0.0, "rollout/reward_mean": 0.5}) + "\n")
+    more = client.get("/api/metrics", params={"run": live.name, "since": n}).json()
+    assert [r["step"] for r in more["records"]] == [3] and more["next"] == n + 1

@@ -26,6 +26,9 @@ from loomrl.view.run_folder import TRAINING_STORE, RunFolder, RunFolderError
 from loomrl.view.tokens import TokenText
 
 STATIC = Path(__file__).parent / "static"
+# How long a trajectory waits for its run's tokenizer to load (transformers' import alone takes seconds) before it
+# answers with ids; the page asks again for the text.
+TOKENIZER_WAIT_S = 1.0
 
 
 class Runs:
@@ -118,16 +121,19 @@ def create_app(paths: list[Path]) -> FastAPI:
         adv = dict(zip((r.trajectory_id for r in group), advantages([r.total_reward for r in group]))).get(id)
         fate = folder.fates().get(id) if store_name == TRAINING_STORE else None
         text = runs.token_text(run)
+        loading = not text.ready(TOKENIZER_WAIT_S)
         contexts = [*record.get("segments", []), {"reason": "", **{k: record[k] for k in (
             "token_ids", "loss_mask", "logprobs", "versions", "turns", "prompt_len")}}]
         for ctx in contexts:
-            ctx["pieces"] = text.pieces(ctx["token_ids"])
+            ctx["pieces"] = None if loading else text.pieces(ctx["token_ids"])
         return {
             "trajectory": {k: v for k, v in record.items() if k not in (
                 "token_ids", "loss_mask", "logprobs", "versions", "turns", "segments", "prompt_len")},
             "contexts": contexts,  # earlier context segments first, the current one last
             "advantage": adv, "advantage_source": "computed (see the group card)" if adv is not None else "",
-            "tokenizer": text.reason or "decoded with the run's tokenizer",
+            "tokenizer": ("the run's tokenizer is still loading: ids for now" if loading
+                          else text.reason or "decoded with the run's tokenizer"),
+            "tokenizer_loading": loading,
             "logprob_gap": "not recorded: the store keeps the engine's logprobs only",
             "fate": None if fate is None else {"step": fate.step, "fate": fate.fate, "reason": fate.reason},
         }

@@ -24,6 +24,7 @@ class TokenText:
         self._tokenizer: Any = None
         self._lock = threading.Lock()
         self._tried = False
+        self._loaded = threading.Event()
 
     def _load(self) -> Any:
         from transformers import AutoTokenizer
@@ -45,12 +46,20 @@ class TokenText:
                 except Exception as err:  # any loader failure leaves the viewer usable, with ids
                     self.reason = f"no tokenizer for {self.run_dir.name} ({type(err).__name__}: {err}); showing ids"
                     log.warning("%s", self.reason)
+                self._loaded.set()
             return self._tokenizer
 
     def warm(self) -> None:
         """Load the tokenizer in the background (importing transformers takes seconds), before a trajectory asks."""
         if not self._tried:
             threading.Thread(target=self.tokenizer, name="loomrl-view-tokenizer", daemon=True).start()
+
+    def ready(self, wait_s: float) -> bool:
+        """Whether the tokenizer has been loaded (or has failed to), waiting at most `wait_s` for a load under way:
+        a trajectory opened while it loads answers with ids at once rather than after the seconds transformers
+        takes to import (the page asks again)."""
+        self.warm()
+        return self._loaded.wait(wait_s)
 
     def pieces(self, ids: list[int]) -> list[str] | None:
         """Each id's own text (byte-level pieces decoded one by one), or None without a tokenizer."""

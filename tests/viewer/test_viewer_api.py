@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import pyarrow.parquet as pq
 import pytest
@@ -87,7 +88,10 @@ def test_filters_by_reward_status_and_task(client, run_dir):
 def test_a_trajectory_opens_with_turns_tokens_and_its_ledger_line(client, run_dir):
     entry = read_ledger(run_dir)[0]
     tid = entry["trained"][0]
-    body = client.get("/api/trajectory", params={"run": run_dir.name, "id": tid}).json()
+    deadline = time.monotonic() + 60
+    while (body := client.get("/api/trajectory", params={"run": run_dir.name, "id": tid}).json())["tokenizer_loading"]:
+        assert body["contexts"][0]["pieces"] is None and "loading" in body["tokenizer"]  # ids at once meanwhile
+        assert time.monotonic() < deadline, "the run's tokenizer did not load in 60 s"
     assert body["trajectory"]["trajectory_id"] == tid
     assert body["fate"] == {"step": 1, "fate": "trained", "reason": ""}
     (ctx,) = body["contexts"]

@@ -65,7 +65,9 @@ def test_opening_a_group_shows_its_trajectories_with_coloured_tokens(page):
     hues = page.evaluate("[...document.querySelectorAll('#token-view .tok')].map(t => t.style.background)"
                          ".filter(b => b)")
     assert len(hues) == coloured and all(b.startswith("rgb") for b in hues)  # hsl() as the browser computes it
-    assert page.locator("#token-view .tok").first.inner_text() != ""  # decoded text, not only ids
+    page.wait_for_function("document.querySelector('.legend').textContent.includes('decoded with the run')",
+                           timeout=60_000)  # ids first while the tokenizer loads, then the text
+    assert not page.locator("#token-view .tok").first.inner_text().startswith("[")
     page.click("nav button[data-tab=timeline]")
     page.wait_for_selector("#timeline .lane")
     assert page.locator("#timeline .lane-row").count() == 4

@@ -272,6 +272,7 @@ function turnsOf(turns) {
 }
 
 async function openTrajectory(id) {
+  view.openId = id;
   document.querySelectorAll(".member.open").forEach(m => m.classList.remove("open"));
   document.querySelector(`.member[data-id="${id}"]`)?.classList.add("open");
   const d = await api("/api/trajectory", { run: $("f-run").value, id, store: $("f-store").value });
@@ -298,6 +299,7 @@ async function openTrajectory(id) {
     el("h4", {}, "turns"), ...d.contexts.flatMap(c => turnsOf(c.turns)),
     el("h4", {}, "tokens, coloured by ", mode), legend, tokens);
   render();
+  if (d.tokenizer_loading && view.openId === id) setTimeout(() => view.openId === id && openTrajectory(id), 1500);
 }
 
 async function initTrajectories() {

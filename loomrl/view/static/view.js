@@ -5,10 +5,11 @@
 const PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f"];
 const POLL_MS = Number(new URLSearchParams(location.search).get("poll") || 2000);
 
-// A chart: a title and the metric names it draws (a string: that name; a RegExp: every name it matches), per run.
+// A chart: a title and the metric names it draws (a string: that name; a RegExp: every name it matches), per run;
+// `range`: a fixed y range (rates), so that a run at 0 throughout does not get an axis of its own making.
 const CURVES = [
   { id: "reward", title: "reward (train, mean over scored rollouts)", keys: ["rollout/reward_mean"] },
-  { id: "success", title: "success: train correct rate, held-out (eval/…) by split", keys: ["rollout/correct_rate", /^eval\/(?:[^/]+\/)?success$/] },
+  { id: "success", title: "success: train correct rate, held-out (eval/…) by split", keys: ["rollout/correct_rate", /^eval\/(?:[^/]+\/)?success$/], range: [0, 1] },
   { id: "terms", title: "reward terms (mean)", keys: [/^reward\/[^/]+$/] },
   { id: "loss", title: "loss", keys: ["train/loss"] },
   { id: "kl", title: "KL (approx, policy vs sampler)", keys: ["train/approx_kl", "train/kl"] },
@@ -120,7 +121,7 @@ function drawCharts(defs, containerId) {
     const keys = [...new Set(series.map(s => s.key))];
     const opts = {
       width: Math.max(300, plot.clientWidth || 400), height: 190,
-      scales: { x: { time: false } },
+      scales: { x: { time: false }, ...(def.range ? { y: { range: def.range } } : {}) },
       axes: [{}, { size: 60, values: (u, vals) => vals.map(v => v == null ? "" : Math.abs(v) >= 1e4 || (v !== 0 && Math.abs(v) < 1e-2) ? v.toExponential(1) : +v.toPrecision(3)) }],
       legend: { live: true },
       series: [{ label: "step" }, ...series.map(s => ({

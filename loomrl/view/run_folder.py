@@ -82,10 +82,11 @@ class RunFolder:
         self._stores: dict[str, StoreIndex] = {}
         self._fates: dict[str, Fate] = {}
         self._ledger_seen = 0
+        self._lock = threading.Lock()  # the app answers requests on a thread pool
 
     def config(self) -> dict[str, Any]:
         path = self.path / "config.yaml"
-        return yaml.safe_load(path.read_text()) or {} if path.is_file() else {}
+        return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
 
     def summary(self) -> dict[str, Any] | None:
         """summary.json: written when a segment of the run ends (None: the run has not ended yet)."""
@@ -117,17 +118,18 @@ class RunFolder:
 
     def fates(self) -> dict[str, Fate]:
         """trajectory_id -> what the trainer did with it, from the ledger (read incrementally)."""
-        ledger = self.ledger.read()
-        if len(ledger) < self._ledger_seen:
-            self._fates, self._ledger_seen = {}, 0
-        for entry in ledger[self._ledger_seen:]:
-            step = entry["step"]
-            for tid in entry.get("trained", []):
-                self._fates[tid] = Fate(step=step, fate="trained")
-            for reason, ids in entry.get("skipped", {}).items():
-                for tid in ids:
-                    self._fates[tid] = Fate(step=step, fate="skipped", reason=reason)
-            for tid in entry.get("stale", []):
-                self._fates[tid] = Fate(step=step, fate="stale", reason="older than buffer.max_policy_lag allows")
-        self._ledger_seen = len(ledger)
-        return self._fates
+        with self._lock:
+            ledger = self.ledger.read()
+            if len(ledger) < self._ledger_seen:  # cut by a resume: joined anew
+                self._fates, self._ledger_seen = {}, 0
+            for entry in ledger[self._ledger_seen:]:
+                step = entry["step"]
+                for tid in entry.get("trained", []):
+                    self._fates[tid] = Fate(step=step, fate="trained")
+                for reason, ids in entry.get("skipped", {}).items():
+                    for tid in ids:
+                        self._fates[tid] = Fate(step=step, fate="skipped", reason=reason)
+                for tid in entry.get("stale", []):
+                    self._fates[tid] = Fate(step=step, fate="stale", reason="older than buffer.max_policy_lag allows")
+            self._ledger_seen = len(ledger)
+            return self._fates

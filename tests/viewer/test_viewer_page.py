@@ -5,6 +5,7 @@ trajectory with coloured tokens, and the page of a run that is training gains po
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -100,3 +101,16 @@ def test_a_live_runs_page_gains_points_while_it_trains(browser, tmp_path):
     finally:
         train.terminate()
         train.wait(timeout=30)
+
+
+def test_several_runs_are_overlaid_on_each_chart(browser, run_dir, tmp_path):
+    other = tmp_path / run_dir.name  # the same name from another folder: keyed apart
+    shutil.copytree(run_dir, other)
+    with Viewer([run_dir, other]) as viewer:
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        page.goto(viewer.url + "/")
+        page.wait_for_function("window.loomrlView && loomrlView.ready && loomrlView.charts.reward")
+        labels = page.evaluate("loomrlView.charts.reward.uplot.series.slice(1).map(s => s.label)")
+        assert labels == [f"{run_dir.name} · rollout/reward_mean", f"{run_dir.name}~2 · rollout/reward_mean"]
+        assert page.evaluate(POINTS)["reward"] == [2, 2]
+        page.close()

@@ -158,7 +158,7 @@ async function poll() {
 
 // -- timeline -----------------------------------------------------------------------------------------------------
 async function drawTimeline() {
-  const run = view.runs[0];
+  const run = view.runs.find(r => r.key === $("t-run").value) || view.runs[0];
   const t = await api("/api/timeline", { run: run.key });
   const note = document.getElementById("timeline-note");
   const box = document.getElementById("timeline");
@@ -334,6 +334,8 @@ async function start() {
   $("runs").replaceChildren(...view.runs.map(r => el("span", { class: "run-chip", style: `background:${r.color}`,
     title: `${r.path}\n${JSON.stringify(r.config)}` }, r.key)));
   document.querySelectorAll("nav button").forEach(b => b.addEventListener("click", () => showTab(b.dataset.tab)));
+  $("t-run").replaceChildren(...view.runs.map(r => el("option", { value: r.key }, r.key)));
+  $("t-run").addEventListener("change", drawTimeline);
   await poll();
   redraw();
   view.ready = true;

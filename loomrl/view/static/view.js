@@ -201,10 +201,13 @@ async function fillSteps() {
   const run = $("f-run").value, store = $("f-store").value;
   const sel = $("f-step");
   const keep = sel.value;
-  sel.replaceChildren(el("option", { value: "" }, "all"));
-  if (store !== "trajectories") { sel.disabled = true; return; }
-  sel.disabled = false;
+  if (store !== "trajectories") { sel.replaceChildren(el("option", { value: "" }, "all")); sel.disabled = true; return; }
   const s = await api("/api/steps", { run });
+  const sig = `${run}:${s.steps.length}:${s.pending}`;
+  if (sel.dataset.sig === sig && !sel.disabled) return;  // unchanged: an open list is left alone
+  sel.dataset.sig = sig;
+  sel.disabled = false;
+  sel.replaceChildren(el("option", { value: "" }, "all"));
   for (const st of s.steps) {
     const skipped = Object.entries(st.skipped).map(([k, v]) => `${k} ${v}`).join(", ");
     sel.append(el("option", { value: st.step }, `step ${st.step}: trained ${st.trained}` + (skipped ? `, left out ${skipped}` : "") + (st.stale ? `, stale ${st.stale}` : "")));
@@ -341,6 +344,8 @@ async function start() {
   view.ready = true;
   const tick = async () => {
     await poll();
+    const following = view.runs.some(r => r.live);
+    if (following && view.trajectoriesReady && $("tab-trajectories").classList.contains("on")) await fillSteps();  // new steps
     if (view.polls % 5 === 0) {  // a run that ends writes summary.json: it is no longer followed live
       const fresh = await api("/api/runs");
       for (const r of fresh) { const run = view.runs.find(x => x.key === r.key); if (run) { run.live = r.live; run.stores = r.stores; } }

@@ -3,7 +3,7 @@
     .venv/bin/python scripts/viewer_screenshot.py RUN [--out docs/images] [--chromium /usr/bin/chromium]
 
 Writes viewer_curves.png (the dashboard), viewer_trajectory.png (a group opened into a trajectory, tokens coloured
-by loss mask) and viewer_timeline.png. Needs playwright (the dev extra) and Debian's chromium (`make chromium`).
+by logprob) and viewer_timeline.png. Needs playwright (the dev extra) and Debian's chromium (`make chromium`).
 """
 
 from __future__ import annotations
@@ -33,11 +33,12 @@ def main() -> None:
         page.screenshot(path=str(args.out / "viewer_curves.png"), full_page=True)
         page.goto(viewer.url + "/?tab=trajectories")
         page.wait_for_selector(".group .member")
-        page.locator(".member").first.click()
+        page.locator(".member:has(.fate-trained)").first.click()  # a trained one: its advantage is not 0
         page.wait_for_function("document.querySelector('.legend') && "
                                "document.querySelector('.legend').textContent.includes('decoded with the run')",
                                timeout=120_000)
-        page.screenshot(path=str(args.out / "viewer_trajectory.png"), full_page=False)
+        page.select_option("#colour-by", "logprob")
+        page.screenshot(path=str(args.out / "viewer_trajectory.png"), full_page=True)
         page.click("nav button[data-tab=timeline]")
         page.wait_for_selector("#timeline .lane")
         page.screenshot(path=str(args.out / "viewer_timeline.png"), full_page=False)

@@ -30,8 +30,9 @@ class WandbConfig(_Section):
     project: str = Field("loomrl", min_length=1)
     entity: str | None = None  # W&B's default: the logged-in user's
     # offline: everything under dir/wandb/, uploaded later with `wandb sync`; online needs `wandb login` and the
-    # network; disabled: no W&B at all (a recipe can keep its section)
-    mode: Literal["online", "offline", "disabled"] = "online"
+    # network; disabled: no W&B at all (a recipe can keep its section). None: W&B's own choice, WANDB_MODE or online
+    # (a cluster's nodes without network often set WANDB_MODE=offline; a mode given here wins over it)
+    mode: Literal["online", "offline", "disabled"] | None = None
     dir: str | None = None  # where wandb/ goes; None: the run folder
     name: str | None = None  # the W&B run's display name; None: the run's name
     tags: list[str] = Field(default_factory=list)

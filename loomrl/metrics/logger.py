@@ -68,7 +68,7 @@ def open_metrics(run_dir: Path, config: MetricsConfig, *, run_name: str = "run",
             from loomrl.metrics.prometheus import PrometheusSink
 
             sinks.append(PrometheusSink(config.prometheus, run_name))
-        if config.wandb is not None and config.wandb.mode != "disabled":
+        if config.wandb is not None and config.wandb.mode != "disabled":  # disabled: wandb need not be installed
             from loomrl.metrics.wandb import WandbSink
 
             sinks.append(WandbSink(config.wandb, run_dir, run_name, run_config or {}))

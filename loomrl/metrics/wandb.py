@@ -15,6 +15,7 @@ wandb is imported here only, when a run has metrics.wandb.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -39,21 +40,22 @@ class WandbSink:
         id_file = Path(run_dir) / ID_FILE
         run_id = id_file.read_text().strip() if id_file.is_file() else None
         root = Path(config.dir) if config.dir else Path(run_dir)
+        mode = config.mode or os.environ.get("WANDB_MODE", "online")
         root.mkdir(parents=True, exist_ok=True)
         try:
             self._run = wandb.init(
                 project=config.project, entity=config.entity, name=config.name or run_name, tags=config.tags,
                 config=dict(run_config), dir=str(root), mode=config.mode, id=run_id,
                 # offline, W&B ignores `resume` (and says so): the id alone names the run `wandb sync` continues
-                resume="allow" if run_id and config.mode == "online" else None,
+                resume="allow" if run_id and mode == "online" else None,
                 # loomrl's output stays the terminal's (W&B's stdout capture would wrap it); a second run in one
                 # process (tests, a notebook) is a run of its own
                 settings=wandb.Settings(console="off", reinit="create_new"))
         except Exception as err:  # noqa: BLE001 - wandb's own errors (login, network) name no field of ours
             hint = " (no network? metrics.wandb.mode=offline logs to files, for `wandb sync` later)" \
-                if config.mode == "online" else ""
+                if mode == "online" else ""
             raise SinkError(f"metrics.wandb: wandb.init failed: {err}{hint}") from None
-        if config.mode != "disabled":
+        if not self._run.disabled:
             id_file.write_text(self._run.id + "\n")
         self._run.define_metric(STEP, hidden=True)
         self._run.define_metric("*", step_metric=STEP)

@@ -24,7 +24,7 @@ from loomrl.metrics import MetricsLogger, open_metrics, read_metrics
 from loomrl.metrics.config import MetricsConfig, PrometheusConfig, WandbConfig
 from loomrl.metrics.jsonl import JsonlSink
 from loomrl.metrics.prometheus import PrometheusSink, gauge_name
-from loomrl.metrics.sink import Values
+from loomrl.metrics.sink import SinkError, Values
 
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "calculator_tiny.yaml"
 
@@ -82,7 +82,7 @@ def test_a_busy_prometheus_port_stops_the_run_before_it_starts_and_names_the_fie
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        with pytest.raises(RuntimeError, match=r"metrics.prometheus: cannot serve on 127.0.0.1:\d+ .*"
+        with pytest.raises(SinkError, match=r"metrics.prometheus: cannot serve on 127.0.0.1:\d+ .*"
                                                r"metrics.prometheus.port"):
             open_metrics(tmp_path, MetricsConfig(prometheus=PrometheusConfig(port=busy.getsockname()[1])))
 
@@ -229,7 +229,8 @@ def offline_wandb(monkeypatch):
 def test_the_wandb_sink_logs_every_number_against_the_training_step(tmp_path, offline_wandb):
     from loomrl.metrics.wandb import ID_FILE, WandbSink
 
-    sink = WandbSink(WandbConfig(mode="offline", tags=["unit"]), tmp_path, "unit-run", {"trainer": {"lr": 0.1}})
+    # no metrics.wandb.mode: W&B's own choice, WANDB_MODE=offline here
+    sink = WandbSink(WandbConfig(tags=["unit"]), tmp_path, "unit-run", {"trainer": {"lr": 0.1}})
     log_all(sink)
     sink.close()
     run = wandb_run(tmp_path)
@@ -241,6 +242,12 @@ def test_the_wandb_sink_logs_every_number_against_the_training_step(tmp_path, of
                            {"train/loss": 0.25, "train/groups": 2, "step": 2},
                            {"train/loss": 0.125, "train/groups": 2, "step": 2},
                            {"eval/success": 0.75, "eval/n": 4, "step": 2}]
+
+
+def test_wandb_online_without_a_login_stops_the_run_before_it_starts_and_says_offline_works(tmp_path, offline_wandb):
+    with pytest.raises(SinkError, match=r"^metrics.wandb: wandb.init failed: .*No API key.* metrics.wandb.mode=offline"):
+        open_metrics(tmp_path, MetricsConfig(wandb=WandbConfig(mode="online")))
+    assert not (tmp_path / "wandb_run_id").exists()
 
 
 def test_a_tiny_training_run_leaves_an_offline_wandb_run_holding_its_metrics(tmp_path, offline_wandb):

@@ -155,8 +155,10 @@ def test_the_metrics_section_names_its_bad_fields():
         load_config(None, ["metrics.prometheus.port=70000"])
     with pytest.raises(ConfigError, match=r"unknown field 'metrics.wandb.projct'; did you mean 'project'"):
         load_config(None, ["metrics.wandb.projct=x"])
-    cfg = load_config(None, ["metrics.wandb.project=p", "metrics.wandb.tags=[a, b]", "metrics.tensorboard=false"])
-    assert cfg.metrics.wandb == WandbConfig(project="p", tags=["a", "b"]) and not cfg.metrics.tensorboard
+    cfg = load_config(None, ["metrics.wandb.project=p", "metrics.wandb.tags=[a, b]", "metrics.wandb.mode=disabled",
+                             "metrics.tensorboard=false"])  # disabled: loads without wandb installed too
+    assert cfg.metrics.wandb == WandbConfig(project="p", tags=["a", "b"], mode="disabled")
+    assert not cfg.metrics.tensorboard
 
 
 def test_metrics_wandb_without_wandb_installed_is_one_line_naming_the_field_and_the_extra(monkeypatch):

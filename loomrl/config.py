@@ -17,6 +17,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from loomrl.data.config import DataConfig  # noqa: E402 - its own module imports nothing of loomrl
+from loomrl.metrics.config import WANDB_MISSING, MetricsConfig  # imports no sink
 from loomrl.reward.composite import PROCESS_TERMS, Gate  # noqa: E402 - imports loomrl.types only
 from loomrl.reward.judge_config import JudgeConfig  # imports nothing of loomrl either
 
@@ -579,6 +580,8 @@ class RunConfig(_Section):
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    # where metric records go besides metrics.jsonl: TensorBoard, Prometheus, W&B (loomrl/metrics/, docs/metrics.md)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     @model_validator(mode="after")
     def _needs_async(self) -> RunConfig:
@@ -876,6 +879,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             and importlib.util.find_spec("vllm") is None):
         # Ray runs: their rollout actors' nodes need vLLM, not the driver's; the engine says the same there
         raise ConfigError(f"config error: engine.kind=vllm: {VLLM_MISSING}")
+    wandb = config.metrics.wandb
+    if wandb is not None and wandb.mode != "disabled" and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"config error: metrics.wandb: {WANDB_MISSING}")
     if config.engine.kind == "sglang" and not config.engine.sglang.base_url:
         raise ConfigError("config error: engine.sglang.base_url: engine.kind=sglang needs the SGLang server's address, "
                           "e.g. engine.sglang.base_url=http://gpu-node:30000")

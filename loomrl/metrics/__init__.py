@@ -1,5 +1,5 @@
-"""Metric sinks: metrics.jsonl and TensorBoard event files in the run folder."""
+"""Metric sinks: metrics.jsonl always; TensorBoard, Prometheus and W&B as the `metrics:` section says."""
 
-from loomrl.metrics.logger import MetricsLogger
+from loomrl.metrics.logger import MetricsLogger, open_metrics, read_metrics
 
-__all__ = ["MetricsLogger"]
+__all__ = ["MetricsLogger", "open_metrics", "read_metrics"]

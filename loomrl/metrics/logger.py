@@ -1,43 +1,36 @@
-"""MetricsLogger: one JSON object per line in metrics.jsonl, and the numeric values to TensorBoard.
+"""MetricsLogger: the fan-out that sends each metric record to every sink a run has (`open_metrics`).
 
-TensorBoard tags are the metric names, which carry their own namespace (`train/loss`, `rollout/reward_mean`,
-`eval/success`); a name without one is put under its record's kind (`groups` of a train record: `train/groups`).
-So held-out success before and after training is one curve, `eval/success`, at step 0 and the last step.
-
-A run that goes back to a checkpoint (--resume, or a trainer restarted after a crash) redoes the steps
-after it, so their numbers appear twice in the file. A `rollback` record marks where: `read_metrics`
-keeps only the train records that the final model's history went through (the file keeps them all).
+Sinks (sink.MetricSink): metrics.jsonl always (jsonl.py: the run's own record, read by `read_metrics`), and as
+`metrics:` says (config.py) TensorBoard (on by default), Prometheus and W&B. A sink that cannot start stops the run
+before it trains (SinkError: what the recipe asked for is not there). One that fails while the run goes on (W&B
+raises, a disk fills) is warned about once; the run and the other sinks go on, and it is tried again with the next
+record, so that one bad moment does not cost it the rest of the run. Its failures are counted and said at the end.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import time
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from loomrl.metrics.config import MetricsConfig
+from loomrl.metrics.jsonl import JsonlSink, read_metrics
+from loomrl.metrics.sink import MetricSink, Values
+
+log = logging.getLogger("loomrl")
+
+__all__ = ["MetricsLogger", "open_metrics", "read_metrics"]
+
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, tensorboard: bool = True):
-        self.path = Path(run_dir) / "metrics.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a")
-        self._tb = None
-        if tensorboard:
-            from tensorboardX import SummaryWriter
+    def __init__(self, sinks: Sequence[MetricSink]):
+        self.sinks = list(sinks)
+        self.failures: dict[str, int] = {}  # sink name -> calls that raised
 
-            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
-
-    def log(self, step: int, values: dict[str, Any], kind: str = "train") -> None:
-        record = {"kind": kind, "step": step, "time": time.time(), **values}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-        if self._tb is not None:
-            for key, value in values.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                    self._tb.add_scalar(key if "/" in key else f"{kind}/{key}", value, step)
-            self._tb.flush()
+    def log(self, step: int, values: Values, kind: str = "train") -> None:
+        for sink in self.sinks:
+            self._guarded(sink, lambda s: s.log(step, kind, values))
 
     def rollback(self, step: int, reason: str) -> None:
         """The run continues from the checkpoint of `step`: train records of later steps logged so far
@@ -45,25 +38,42 @@ class MetricsLogger:
         self.log(step, {"reason": reason}, kind="rollback")
 
     def close(self) -> None:
-        self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        for sink in self.sinks:
+            self._guarded(sink, lambda s: s.close())
+        for name, n in self.failures.items():
+            log.warning("metrics: %s failed %d time(s) in this run; its records are incomplete (metrics.jsonl "
+                        "has them all)", name, n)
+
+    def _guarded(self, sink: MetricSink, call: Callable[[MetricSink], None]) -> None:
+        try:
+            call(sink)
+        except Exception:  # noqa: BLE001 - a dashboard's failure is not the run's
+            n = self.failures[sink.name] = self.failures.get(sink.name, 0) + 1
+            if n == 1:
+                log.warning("metrics: %s failed; the run and the other sinks go on (further failures are "
+                            "counted, not shown)", sink.name, exc_info=True)
 
 
-def read_metrics(run_dir: Path, *, superseded: bool = False) -> list[dict[str, Any]]:
-    """The records of metrics.jsonl in order; without `superseded`, train records undone by a later
-    rollback (steps past the checkpoint the run went back to) are left out."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if superseded:
-        return records
-    kept, floor = [], math.inf  # the lowest step a later rollback went back to
-    for r in reversed(records):
-        if r.get("kind") == "rollback":
-            floor = min(floor, r["step"])
-        elif r.get("kind") == "train" and r.get("step", 0) > floor:
-            continue
-        kept.append(r)
-    return kept[::-1]
+def open_metrics(run_dir: Path, config: MetricsConfig, *, run_name: str = "run",
+                 run_config: Mapping[str, Any] | None = None) -> MetricsLogger:
+    """The sinks `config` asks for, opened (SinkError if one cannot start: those opened so far are closed)."""
+    sinks: list[MetricSink] = []
+    try:
+        sinks.append(JsonlSink(run_dir))
+        if config.tensorboard:
+            from loomrl.metrics.tensorboard import TensorBoardSink
+
+            sinks.append(TensorBoardSink(run_dir))
+        if config.prometheus is not None:
+            from loomrl.metrics.prometheus import PrometheusSink
+
+            sinks.append(PrometheusSink(config.prometheus, run_name))
+        if config.wandb is not None and config.wandb.mode != "disabled":  # disabled: wandb need not be installed
+            from loomrl.metrics.wandb import WandbSink
+
+            sinks.append(WandbSink(config.wandb, run_dir, run_name, run_config or {}))
+    except BaseException:
+        for sink in sinks:
+            sink.close()
+        raise
+    return MetricsLogger(sinks)

@@ -37,7 +37,8 @@ from typing import Any
 
 from loomrl.buffer.admission import admits, open_positions
 from loomrl.config import RunConfig
-from loomrl.metrics import MetricsLogger
+from loomrl.metrics import open_metrics
+from loomrl.metrics.sink import SinkError
 from loomrl.rollout.worker import group_summary
 from loomrl.runtime.accounting import Accounting, ledger_line
 from loomrl.runtime.group_log import GroupLog
@@ -191,7 +192,11 @@ def progress(total: int, desc: str, enabled: bool):
 class Driver:
     def __init__(self, cfg: RunConfig, backend: Backend, checkpoint, wall_start: float):
         self.cfg, self.backend, self.ckpt, self.wall_start = cfg, backend, checkpoint, wall_start
-        self.logger = MetricsLogger(cfg.run_dir)
+        try:  # the driver logs every record, on the local and the Ray backend alike
+            self.logger = open_metrics(cfg.run_dir, cfg.metrics, run_name=cfg.name,
+                                       run_config=cfg.model_dump(mode="json"))
+        except SinkError as err:
+            raise RunError(f"run error: {err}") from None
         if checkpoint is not None:
             self.logger.rollback(checkpoint_step(checkpoint), "resume")
         self.store = TrajectoryStore(cfg.run_dir / "trajectories")

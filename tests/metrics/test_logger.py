@@ -1,4 +1,4 @@
-"""MetricsLogger's TensorBoard tags, read back from the event file it wrote."""
+"""The default sinks' output: TensorBoard tags read back from the event file, metrics.jsonl's keys."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import struct
 
 from tensorboardX.proto.event_pb2 import Event
 
-from loomrl.metrics.logger import MetricsLogger, read_metrics
+from loomrl.metrics import open_metrics, read_metrics
+from loomrl.metrics.config import MetricsConfig
 
 
 def _scalars(folder) -> dict[str, list[tuple[int, float]]]:
@@ -25,7 +26,7 @@ def _scalars(folder) -> dict[str, list[tuple[int, float]]]:
 
 
 def test_tags_are_the_metric_names_and_the_jsonl_keeps_its_keys(tmp_path):
-    logger = MetricsLogger(tmp_path)
+    logger = open_metrics(tmp_path, MetricsConfig())
     logger.log(0, {"eval/success": 0.25, "eval/heldout/success": 0.5}, kind="eval_before")
     logger.log(1, {"train/loss": 0.5, "rollout/reward_mean": 0.125, "groups": 2})
     logger.log(2, {"eval/success": 0.75}, kind="eval_after")

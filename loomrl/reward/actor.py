@@ -27,6 +27,10 @@ class RewardActor(Placed):
     async def score(self, traj: Trajectory, task: Task) -> Trajectory:
         return await self.pool.score(traj, task)
 
+    def metrics(self) -> dict[str, float]:
+        """Its pool's counters so far (an LLM judge's): the driver reads them each step (runtime/ray_backend.py)."""
+        return self.pool.metrics()
+
 
 class RemoteRewardPool:
     """RewardPool's interface over the reward actors (round robin). A call that fails even after Ray's
@@ -51,7 +55,8 @@ class RemoteRewardPool:
             return mark_reward_failed(traj, f"reward actor {i}: {type(err).__name__}: {str(err).splitlines()[0]}")
 
     def metrics(self) -> dict[str, float]:
-        """{}: the reward actors' own counters (an LLM judge's among them) stay in the actors for now."""
+        """{}: the reward actors' own counters (an LLM judge's among them) are read by the driver from the actors
+        themselves (RayBackend._reward_metrics), not through each rollout actor."""
         return {}
 
     async def aclose(self) -> None:

@@ -60,6 +60,10 @@ class RolloutSide:
             self.engine.close()
             raise
 
+    def reward_metrics(self) -> dict[str, float]:
+        """Its reward pool's counters so far (an LLM judge's): the Ray driver reads them each step."""
+        return self.worker.reward_metrics()
+
     async def close(self) -> tuple[dict[str, int], dict[str, Any]]:
         """Tear down sandboxes and the engine; returns the episode counts and the env pool's metrics (read
         after the pool closed: they count every instance's teardown)."""

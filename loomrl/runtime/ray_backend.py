@@ -98,6 +98,15 @@ def add_into(into: dict[str, Any], values: dict[str, Any]) -> None:
             into[k] = into.get(k, 0) + v
 
 
+def add_counter_changes(out: dict[str, float], last: dict[str, float], now: dict[str, float]) -> dict[str, float]:
+    """`out` plus each counter's change from `last` to `now`; a counter below its last value was reset (its actor
+    restarted): its whole value is the change."""
+    for name, value in now.items():
+        change = value - last.get(name, 0.0)
+        out[name] = out.get(name, 0.0) + (change if change >= 0 else value)
+    return out
+
+
 @dataclass(slots=True, kw_only=True)
 class WorkerSlot:
     handle: Any
@@ -132,6 +141,10 @@ class RayBackend(Backend):
         self.trainer_starts = 0
         self.sync_sender: dict[Any, int] = {}
         self.rollout_restarts = 0
+        # the reward pools' counters (an LLM judge's: judge/*), which live in the actors that score: asked at each
+        # step, read at a later one (never waited on); the last snapshot per actor, for the change since
+        self.reward_asks: dict[int, Any] = {}
+        self.reward_seen: dict[int, dict[str, float]] = {}
         self.pids: dict[str, list[int | None]] = {}  # reward / env actors' processes at the start
         self.placement: dict[str, Any] = {}  # where the first actors ran
         self.owns_ray = False
@@ -460,10 +473,36 @@ class RayBackend(Backend):
         except self.ray.exceptions.RayActorError as err:
             raise self._worker_died(0, incarnation, err) from None
 
+    def _reward_metrics(self) -> dict[str, float]:
+        """The change since the last read of the reward pools' counters (judge/calls, judge/cost_usd, ...), summed
+        over the actors that score: the reward actors (ray.reward.count), else the rollout actors. Each is asked at
+        every step and read once it has answered, so a step's counts may be logged a step later; an actor that was
+        restarted starts again from 0, which is read as a fresh start, not a negative change."""
+        if self.cfg.reward.judge is None:  # the only counters there are, for now
+            return {}
+        out: dict[str, float] = {}
+        for key, ref in list(self.reward_asks.items()):
+            done, _ = self.ray.wait([ref], timeout=0)
+            if not done:
+                continue
+            del self.reward_asks[key]
+            try:
+                now = self.ray.get(ref)
+            except self.ray.exceptions.RayError:  # that actor died; its replacement is asked next time
+                continue
+            out = add_counter_changes(out, self.reward_seen.get(key, {}), now)
+            self.reward_seen[key] = now
+        sources = ([a.metrics for a in self.reward_actors] if self.reward_actors
+                   else [slot.handle.reward_metrics for slot in self.workers])
+        for key, method in enumerate(sources):
+            if key not in self.reward_asks:
+                self.reward_asks[key] = method.remote()
+        return out
+
     def step_metrics(self) -> dict[str, float]:
         """The slowest finished weight transfer to a rollout actor since the last step (fetch from the
         object store, apply in the engine); transfers still running are reported later."""
-        out = {"ray/rollout_restarts": float(self.rollout_restarts)}
+        out = {"ray/rollout_restarts": float(self.rollout_restarts), **self._reward_metrics()}
         if not self.syncs:
             return out
         done, self.syncs = self.ray.wait(self.syncs, num_returns=len(self.syncs), timeout=0)

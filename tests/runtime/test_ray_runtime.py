@@ -274,6 +274,66 @@ def test_a_reward_actor_that_stays_dead_marks_trajectories_reward_failed_and_the
     assert not trained & set(skipped)
 
 
+def _stand_in_judge() -> tuple[str, list[int], object]:
+    """A stand-in for a judge model whose reply the test must control: an OpenAI-style /v1/chat/completions that
+    always says "Score: 7" and reports 10 + 2 tokens, counting its requests. (The judge against a real `loomrl serve`
+    is tested in tests/reward/test_judge.py.)"""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    requests: list[int] = []
+
+    class Judge(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers["Content-Length"]))
+            requests.append(1)
+            body = json.dumps({"id": "j", "object": "chat.completion", "created": 0, "model": "m",
+                               "choices": [{"index": 0, "finish_reason": "stop",
+                                            "message": {"role": "assistant", "content": "Score: 7"}}],
+                               "usage": {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Judge)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}/v1", requests, server
+
+
+@pytest.mark.ray
+def test_the_judges_counts_reach_the_step_metrics_from_the_actors(cluster, tmp_path):
+    """reward.judge on Ray: the judge runs in the rollout actors' reward pools; the driver reads their counters each
+    step, so judge/calls, tokens and cost are logged, and they add up to what the judge was asked."""
+    from loomrl.metrics.logger import read_metrics
+
+    url, requests, server = _stand_in_judge()
+    try:
+        proc = _train(cluster, tmp_path, "judged", "trainer.total_steps=3", "checkpoint_every=0",
+                      f"reward.judge={{base_url: '{url}', model: m, cache: false, "
+                      "prices: {prompt: 1.0, completion: 2.0}}")
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        server.shutdown()
+    assert proc.returncode == 0, out[-3000:]
+    train = [m for m in read_metrics(tmp_path / "judged") if m["kind"] == "train"]
+    calls = sum(m.get("judge/calls", 0) for m in train)
+    assert calls > 0 and any("judge/calls" in m for m in train), train
+    # read a step late at most: what the last step had not yet read stays in the actors
+    assert calls <= len(requests)
+    # a snapshot may catch a call in flight: counted as a call, its tokens not yet in (they come at a later step)
+    prompt = sum(m.get("judge/prompt_tokens", 0) for m in train)
+    completion = sum(m.get("judge/completion_tokens", 0) for m in train)
+    assert 0 < prompt <= 10 * calls and completion == prompt / 5
+    assert sum(m.get("judge/cost_usd", 0) for m in train) == pytest.approx((prompt * 1.0 + completion * 2.0) / 1e6)
+    rows = read_trajectories(tmp_path / "judged" / "trajectories").to_pylist()
+    assert rows and all(json.loads(r["reward_components"]).get("judge") == 0.7 for r in rows if r["total_reward"]
+                        is not None)
+
+
 @pytest.mark.ray
 def test_env_actors_run_the_sandboxes_on_their_node_and_survive_a_kill(cluster, tmp_path):
     """env.name=codefix (every episode leases a sandbox, writes a repository into it and runs the

@@ -87,6 +87,7 @@ def test_a_broadcast_load_whose_trainer_died_is_superseded_not_a_run_error():
     backend.ray = SimpleNamespace(wait=lambda refs, num_returns, timeout: (list(refs), []), get=get,
                                   exceptions=SimpleNamespace(RayError=RayError, RayActorError=RayActorError))
     backend.broadcast, backend.engines, backend.rollout_restarts = True, [object()], 0
+    backend.cfg = SimpleNamespace(reward=SimpleNamespace(judge=None))  # no judge: no reward counters to read
     backend.trainer_starts, backend.sync_sender, backend.syncs = 2, {"sent by trainer 1": 1}, ["sent by trainer 1"]
     assert backend.step_metrics() == {"ray/rollout_restarts": 0.0}  # superseded: logged, not raised
     backend.sync_sender, backend.syncs = {"sent by trainer 2": 2}, ["sent by trainer 2"]

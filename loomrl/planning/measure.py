@@ -86,6 +86,7 @@ class RunMeasurements:
     env_reset: Spread
     reward: Spread
     trajectory: Spread  # wall seconds per training trajectory
+    trajectory_times: tuple[float, ...]  # each training trajectory's wall seconds, sorted (predict.py's long tail)
     sandbox_starts_per_s: float
     staleness_mean: float  # policy lag of the groups trained
 
@@ -186,5 +187,6 @@ def measure_run(run_dir: Path) -> RunMeasurements:
         env_reset=Spread.of([r.get("reset_s") or 0.0 for r in rows]),
         reward=Spread.of([r.get("reward_s") or 0.0 for r in rows]),
         trajectory=Spread.of([r["wall_time"] for r in rows]),
+        trajectory_times=tuple(sorted(r["wall_time"] for r in rows)),
         sandbox_starts_per_s=summary.get("env_pool", {}).get("created", 0) / max(float(summary.get("wall_s", 0)), 1e-9),
         staleness_mean=sum(k * v for k, v in lags.items()) / lag_n if lag_n else 0.0)

@@ -7,13 +7,15 @@ The model, per training step of N = groups_per_step x group_size trajectories, C
     per turn on the engine   g(B) = k x tokens_per_turn x step_s(B)      step_s(B) = base + per_seq x B (DecodeFit)
     engine batch             B    = C x turns x g / trajectory time       (a fixed point: who is generating now)
     trajectory time          t    = reset + turns x (g(B) + env_step) + reward
-    sync step                rollout = ceil(groups / group slots) x t x rho;  step = rollout + train + other
+    sync step                rollout = (waves - 1) x (t + tail(group_size)) + t + tail(last wave's trajectories)
+                             x rho, waves = ceil(groups / group slots);  step = rollout + train + other
     async step               step = max(N x t / C, train) x rho          (rollouts overlap training)
     evaluation pass          ceil(episodes / slots) x t_eval x rho_eval
     wall                     fixed + steps x step + passes x evaluation pass
 
-k anchors the engine's per-turn time to the turns the run measured (queueing, prefill); rho, rho_eval and `other` are
-the measured run's ratio of its own times to the model's (its long tail: a group waits for its slowest member), and
+tail(n) is the expected longest of n trajectories past the mean, drawn from the run's own trajectory times (a group
+waits for its slowest member, a step for its slowest group). k anchors the engine's per-turn time to the turns the run measured (queueing, prefill); rho, rho_eval and `other` are
+the measured run's ratio of its own times to the model's (what the model leaves out), and
 `fixed` its start-up and checkpoints, all carried over unchanged. What it is not: a simulator; it holds when the
 other configuration stays in the regime the run measured (the same machine, model, environment and lengths).
 """
@@ -104,12 +106,30 @@ def _trajectory(m: RunMeasurements, inflight: int, turns: float, k: float) -> tu
     return batch, gen, fixed + turns * (gen + env)
 
 
+def tail(times: tuple[float, ...], n: int) -> float:
+    """The expected longest of n draws from `times` (sorted) past their mean: E[max] = sum of x_(j) x ((j/N)^n -
+    ((j-1)/N)^n) over the order statistics, minus the mean."""
+    if not times or n <= 1:
+        return 0.0
+    count = len(times)
+    top = sum(x * ((j / count) ** n - ((j - 1) / count) ** n) for j, x in enumerate(times, start=1))
+    return top - sum(times) / count
+
+
+def _waves(t: float, times: tuple[float, ...], units: int, slots: int, unit_size: int) -> float:
+    """Seconds until `units` of `unit_size` trajectories each have passed through `slots` slots: full waves at a
+    unit's expected time (its slowest member), the last wave at its slowest trajectory's."""
+    waves = math.ceil(units / slots)
+    last = units - (waves - 1) * slots
+    return (waves - 1) * (t + tail(times, unit_size)) + t + tail(times, last * unit_size)
+
+
 def _eval_pass(m: RunMeasurements, shape: Shape, k: float) -> float:
     if not m.eval_episodes:
         return 0.0
     slots = min(c for c in (m.eval_inflight, shape.max_inflight, m.eval_episodes) if c)
     _, _, t = _trajectory(m, slots, m.eval_turns or m.turns, k)
-    return math.ceil(m.eval_episodes / slots) * t
+    return _waves(t, m.trajectory_times, m.eval_episodes, slots, 1)
 
 
 def _raw(m: RunMeasurements, shape: Shape, k: float) -> tuple[float, float, float, float, float, float]:
@@ -119,7 +139,7 @@ def _raw(m: RunMeasurements, shape: Shape, k: float) -> tuple[float, float, floa
     per_step = shape.groups_per_step * shape.group_size
     train = m.train_s * per_step / (m.groups_per_step * m.group_size)  # the trainer's time grows with its tokens
     if shape.mode == "sync":
-        rollout = math.ceil(shape.groups_per_step / shape.window_groups) * t
+        rollout = _waves(t, m.trajectory_times, shape.groups_per_step, shape.window_groups, shape.group_size)
     else:
         rollout = per_step * t / inflight
     return inflight, batch, gen, t, rollout, train

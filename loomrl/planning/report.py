@@ -104,5 +104,6 @@ def plan_table(p) -> str:
 def plan_json(p) -> dict[str, Any]:
     m = asdict(p.measured)
     m["run_dir"] = str(p.measured.run_dir)
+    del m["trajectory_times"]  # one number per trajectory: the spread says it
     return {"measured": m, "own": asdict(p.own), "target": asdict(p.target), "capacity": asdict(p.capacity),
             "per_1000_groups": {"wall_s": p.groups_1000_wall_s, "gpu_hours": p.groups_1000_gpu_hours}}

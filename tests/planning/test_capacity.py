@@ -36,3 +36,15 @@ def test_no_environment_latency_needs_one_worker_per_batch_slot_and_a_fraction_r
 def test_the_engine_time_must_be_positive():
     with pytest.raises(ValueError, match="gen_step_s"):
         required_envs(CapacityInputs(env_step_s=1.0, gen_step_s=0.0))
+
+
+def test_the_long_tail_is_the_expected_longest_of_n_past_the_mean():
+    from loomrl.planning.predict import tail
+
+    # by hand: two draws from {1, 2}: max is 1 with probability 1/4, else 2 -> 1.75, mean 1.5
+    assert tail((1.0, 2.0), 2) == pytest.approx(0.25)
+    assert tail((1.0, 2.0), 1) == 0.0 and tail((), 5) == 0.0
+    times = (0.0, 1.0, 2.0, 3.0)
+    assert tail(times, 3) == pytest.approx(3 * (1 - (3 / 4) ** 3) + 2 * ((3 / 4) ** 3 - (2 / 4) ** 3)
+                                           + 1 * ((2 / 4) ** 3 - (1 / 4) ** 3) - 1.5)
+    assert tail(times, 50) == pytest.approx(1.5, abs=1e-5)  # many draws: the longest is the maximum

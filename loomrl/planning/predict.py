@@ -94,15 +94,22 @@ def _gen_scale(m: RunMeasurements) -> float:
     return m.gen_turn.mean / model if model > 0 and m.gen_turn.mean > 0 else 1.0
 
 
+def _gen(m: RunMeasurements, k: float, batch: float) -> float:
+    """Seconds per turn on the engine at `batch`; an engine that counts no steps (a vLLM server over HTTP) gives no
+    decode line, and the measured per-turn time is used at every batch."""
+    model = m.tokens_per_turn * m.decode.step_s(batch)
+    return k * model if model > 0 else m.gen_turn.mean
+
+
 def _trajectory(m: RunMeasurements, inflight: int, turns: float, k: float) -> tuple[float, float, float]:
     """(engine batch, seconds per turn on the engine, trajectory seconds) with `inflight` trajectories in flight."""
     env, fixed = m.env_step.mean, m.env_reset.mean + m.reward.mean
     batch = float(inflight)
     for _ in range(100):  # the fixed point converges fast: g grows with B, B shrinks as g's share does
-        gen = k * m.tokens_per_turn * m.decode.step_s(batch)
+        gen = _gen(m, k, batch)
         t = fixed + turns * (gen + env)
         batch = 0.5 * batch + 0.5 * max(1.0, inflight * turns * gen / t) if t > 0 else 1.0
-    gen = k * m.tokens_per_turn * m.decode.step_s(batch)
+    gen = _gen(m, k, batch)
     return batch, gen, fixed + turns * (gen + env)
 
 
@@ -183,7 +190,7 @@ def _predict(m: RunMeasurements, shape: Shape, k: float) -> Prediction:
 def plan(m: RunMeasurements, target: Shape, gpus: int = 1) -> Plan:
     """The measured run's own prediction, the target's, and the section 4.3 capacity from the measured latencies."""
     k = _gen_scale(m)
-    gen_at_limit = k * m.tokens_per_turn * m.decode.step_s(m.engine_max_batch)
+    gen_at_limit = _gen(m, k, m.engine_max_batch)
     capacity = required_envs(CapacityInputs(env_step_s=m.env_step.mean, gen_step_s=max(gen_at_limit, 1e-9),
                                             turns=max(m.turns, 1.0), engine_batch=m.engine_max_batch,
                                             reset_s=m.env_reset.mean))

@@ -4,10 +4,14 @@ capacity.py and predict.py."""
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loomrl.planning.capacity import CapacityPlan
 from loomrl.planning.cost import CostEstimate, round_like_seed
+
+if TYPE_CHECKING:
+    from loomrl.planning.measure import Spread
+    from loomrl.planning.predict import Plan
 
 
 def _span(values: list[float]) -> str:
@@ -60,11 +64,11 @@ def cost_json(estimates: list[CostEstimate], rule: CapacityPlan | None) -> dict[
             "capacity": asdict(rule) if rule is not None else None}
 
 
-def _spread(s) -> str:
+def _spread(s: Spread) -> str:
     return f"mean {s.mean:.3f}s  p50 {s.p50:.3f}s  p90 {s.p90:.3f}s  max {s.max:.3f}s  (n={s.n})"
 
 
-def plan_table(p) -> str:
+def plan_table(p: Plan) -> str:
     """`loomrl plan`'s report: what the run measured, then the prediction for the target configuration."""
     m, own, t = p.measured, p.own, p.target
     d = m.decode
@@ -101,7 +105,7 @@ def plan_table(p) -> str:
     return "\n".join(lines)
 
 
-def plan_json(p) -> dict[str, Any]:
+def plan_json(p: Plan) -> dict[str, Any]:
     m = asdict(p.measured)
     m["run_dir"] = str(p.measured.run_dir)
     del m["trajectory_times"]  # one number per trajectory: the spread says it

@@ -1,8 +1,9 @@
 """What a finished run measured about itself, for `loomrl plan`: read from its folder, never re-run.
 
-- the engine: per-step deltas of engine/busy_s, engine/steps and engine/generated_tokens (metrics.jsonl) give an
-  engine step's duration at the mean batch of that interval (generated tokens / steps); a line through those points
-  is decode time against batch size;
+- the engine: decode time against batch size, a least-squares line through every decode-only engine step of the run
+  (the engine/decode_* sums of metrics.jsonl: steps, rows, rows squared, seconds, rows x seconds); an engine that
+  does not fill them (vLLM, SGLang) gives each training step's engine/busy_s over engine/steps at that interval's
+  mean batch (engine/generated_tokens / engine/steps) as the points;
 - the environment: each turn's env.step and generation seconds (Turn.env_s, Turn.gen_s), each trajectory's
   env.reset and reward seconds (reset_s, reward_s), its turns and sampled tokens (trajectories/part-*.parquet);
 - sandbox starts: env_pool/created over the run's wall time (summary.json);
@@ -103,23 +104,38 @@ def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _line(n: float, sx: float, sxx: float, sy: float, sxy: float, mean_step: float, batch_mean: float
+          ) -> tuple[float, float]:
+    """(base, slope) of the least-squares line y = base + slope x from its sums; the slope kept between flat
+    (memory-bound: a step costs the same at any batch) and proportional (compute-bound), flat when x barely varies."""
+    spread = n * sxx - sx * sx
+    if n < 2 or spread <= 1e-9 * max(n * sxx, 1.0):
+        return mean_step, 0.0
+    slope = (n * sxy - sx * sy) / spread
+    slope = min(max(slope, 0.0), mean_step / max(batch_mean, 1.0))
+    return max(mean_step - slope * batch_mean, 0.0), slope
+
+
 def _decode_fit(train: list[dict]) -> DecodeFit:
-    pts = [(r["engine/generated_tokens"] / r["engine/steps"], r["engine/busy_s"] / r["engine/steps"])
-           for r in train if r.get("engine/steps") and r.get("engine/busy_s")]
-    busy = sum(r.get("engine/busy_s", 0.0) for r in train)
-    tokens = sum(r.get("engine/generated_tokens", 0) for r in train)
-    steps = sum(r.get("engine/steps", 0) for r in train)
-    batch_mean = tokens / steps if steps else 1.0
-    mean_step = busy / steps if steps else 0.0
-    xs = [b for b, _ in pts]
-    if len(pts) >= 2 and max(xs) - min(xs) > 0.5:
-        mx, my = statistics.fmean(xs), statistics.fmean(y for _, y in pts)
-        slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x in xs)
-        slope = min(max(slope, 0.0), mean_step / max(batch_mean, 1.0))  # between memory-bound and compute-bound
-        base = max(mean_step - slope * batch_mean, 0.0)
-    else:  # one batch size seen: assume memory-bound decode, a step's time independent of its batch
-        slope, base = 0.0, mean_step
-    return DecodeFit(base_s=base, per_seq_s=slope, points=len(pts), batch_mean=batch_mean,
+    def total(key: str) -> float:
+        return sum(r.get(key, 0) for r in train)
+
+    busy, tokens, steps = total("engine/busy_s"), total("engine/generated_tokens"), total("engine/steps")
+    n = total("engine/decode_steps")
+    if n:  # every decode step of the run
+        batch_mean, mean_step = total("engine/decode_rows") / n, total("engine/decode_s") / n
+        base, slope = _line(n, total("engine/decode_rows"), total("engine/decode_rows_sq"), total("engine/decode_s"),
+                            total("engine/decode_rows_s"), mean_step, batch_mean)
+        points = int(n)
+    else:  # one point per training step: its engine seconds per step at its mean batch
+        pts = [(r["engine/generated_tokens"] / r["engine/steps"], r["engine/busy_s"] / r["engine/steps"])
+               for r in train if r.get("engine/steps") and r.get("engine/busy_s")]
+        batch_mean = tokens / steps if steps else 1.0
+        mean_step = busy / steps if steps else 0.0
+        base, slope = _line(len(pts), sum(x for x, _ in pts), sum(x * x for x, _ in pts), sum(y for _, y in pts),
+                            sum(x * y for x, y in pts), mean_step, batch_mean)
+        points = len(pts)
+    return DecodeFit(base_s=base, per_seq_s=slope, points=points, batch_mean=batch_mean,
                      tokens_per_s=tokens / busy if busy else 0.0)
 
 

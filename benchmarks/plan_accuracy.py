@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's loomrl, as the arms' `-m loomrl` use
 from _common import machine, report  # noqa: E402
 
 from loomrl.planning.measure import measure_run  # noqa: E402

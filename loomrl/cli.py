@@ -79,7 +79,118 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--file", action="append", default=[], metavar="PATH",
                    help="copy a host file into the workdir first (repeatable)")
     r.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command and its arguments")
+    _cost_parser(sub)
+    _plan_parser(sub)
     return p
+
+
+def _number(kind: type, low: float, strict: bool):
+    """An argparse type: a number above `low` (or at least it); argparse's error names the flag."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}") from None
+        if value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low:g}, got {text}")
+        return value
+    return parse
+
+
+_POSITIVE, _COUNT, _NONNEG = _number(float, 0, True), _number(int, 0, True), _number(float, 0, False)
+
+
+def _rate_range(text: str) -> tuple[float, float]:
+    """A tokens/s figure or a LOW-HIGH range of them (the seed's training 2000-5000)."""
+    low, sep, high = text.partition("-")
+    ends = (_POSITIVE(low), _POSITIVE(high)) if sep else (_POSITIVE(text),) * 2
+    if ends[0] > ends[1]:
+        raise argparse.ArgumentTypeError(f"range {text!r} runs high to low; write LOW-HIGH")
+    return ends
+
+
+def _cost_parser(sub) -> None:
+    c = sub.add_parser("estimate-cost", help="estimate a run's tokens, hours, GPU-hours and $ before it starts",
+                       description="The cost model of docs/planning.md: rollout tokens = tasks x rollouts per task x "
+                       "turns x tokens per turn; training tokens = rollout tokens x epochs; hours from throughputs; "
+                       "environments = sandboxes x hours x price; and the environments that keep the engine busy. "
+                       "Defaults: the worked example (5k tasks x 4 x 20 turns x 500 tokens, 5k tokens/s on 8 GPUs, "
+                       "training 2k-5k tokens/s).")
+    c.add_argument("--tasks", type=_COUNT, default=5000)
+    c.add_argument("--rollouts-per-task", type=_COUNT, default=4)
+    c.add_argument("--turns", type=_POSITIVE, default=20.0, help="mean turns per trajectory")
+    c.add_argument("--tokens-per-turn", type=_POSITIVE, default=500.0, help="mean tokens per turn (think, act, observe)")
+    c.add_argument("--inference-tokens-per-s", type=_POSITIVE, default=5000.0, help="the rollout engines' throughput, "
+                   "all GPUs together")
+    c.add_argument("--gpus", type=_COUNT, default=8, help="inference GPUs")
+    c.add_argument("--train-tokens-per-s", type=_rate_range, default=(2000.0, 5000.0), metavar="N or LOW-HIGH",
+                   help="training throughput, or a range of it (the table then gives both ends)")
+    c.add_argument("--train-gpus", type=_COUNT, default=None, help="training GPUs (default: --gpus)")
+    c.add_argument("--epochs", type=_POSITIVE, default=1.0)
+    c.add_argument("--sandboxes", type=_number(int, 0, False), default=0, help="concurrent sandboxes")
+    c.add_argument("--sandbox-hours", type=_NONNEG, default=None, help="how long they run (default: the rollout's "
+                   "wall hours; the seed's week: 168)")
+    c.add_argument("--sandbox-price", type=_NONNEG, default=0.0, help="$ per sandbox-hour")
+    c.add_argument("--gpu-price", type=_NONNEG, default=0.0, help="$ per GPU-hour")
+    c.add_argument("--env-step-s", type=_NONNEG, default=None, help="section 4.3: the environment's latency per step "
+                   "(the rule is printed when given; the seed's example: 5 with --gen-step-s 0.2)")
+    c.add_argument("--gen-step-s", type=_POSITIVE, default=None, help="section 4.3: the engine's time per step for a "
+                   "request (default: --engine-batch x --tokens-per-turn / --inference-tokens-per-s)")
+    c.add_argument("--engine-batch", type=_COUNT, default=1, help="section 4.3: requests the engine serves at once")
+    c.add_argument("--reset-s", type=_NONNEG, default=0.0, help="section 4.3: an environment's reset")
+    c.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+
+def _plan_parser(sub) -> None:
+    pl = sub.add_parser("plan", help="capacity and wall time from a finished run's own measurements",
+                        description="Calibrate the cost model from a finished run (metrics.jsonl, trajectories, "
+                        "config.yaml): decode speed against batch size, environment step and reset latency, reward "
+                        "latency, trainer tokens/s. Prints the environments that keep the engine busy, the pool size, "
+                        "expected staleness, wall time and GPU-hours per 1,000 groups and the bottleneck; the flags "
+                        "predict another configuration of the same run (docs/planning.md).")
+    pl.add_argument("run", help="a run folder (output_dir/name)")
+    pl.add_argument("--max-inflight", type=_number(int, 0, False), default=None,
+                    help="predict with this runtime.max_inflight_trajectories (0: no cap)")
+    pl.add_argument("--groups-per-step", type=_COUNT, default=None, help="predict with this trainer.groups_per_step")
+    pl.add_argument("--group-size", type=_COUNT, default=None, help="predict with this trainer.group_size")
+    pl.add_argument("--steps", type=_COUNT, default=None, help="predict a run of this many steps (trainer.total_steps)")
+    pl.add_argument("--mode", choices=["sync", "async"], default=None, help="predict with this runtime.mode")
+    pl.add_argument("--max-policy-lag", type=_number(int, 0, False), default=None, help="predict with this "
+                    "buffer.max_policy_lag (async)")
+    pl.add_argument("--gpus", type=_COUNT, default=1, help="GPUs the run holds, for GPU-hours (default 1)")
+    pl.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+
+def _estimate_cost(args) -> int:
+    from loomrl.planning.capacity import CapacityInputs, required_envs
+    from loomrl.planning.cost import CostInputs, estimate_cost
+    from loomrl.planning.report import cost_json, cost_table
+
+    estimates = [estimate_cost(CostInputs(
+        tasks=args.tasks, rollouts_per_task=args.rollouts_per_task, turns=args.turns, tokens_per_turn=args.tokens_per_turn,
+        inference_tokens_per_s=args.inference_tokens_per_s, inference_gpus=args.gpus, train_tokens_per_s=rate,
+        train_gpus=args.train_gpus or args.gpus, epochs=args.epochs, sandboxes=args.sandboxes,
+        sandbox_hours=args.sandbox_hours, sandbox_price_per_hour=args.sandbox_price, gpu_price_per_hour=args.gpu_price))
+        for rate in sorted(set(args.train_tokens_per_s), reverse=True)]  # the fast end first
+    gen = args.gen_step_s or args.engine_batch * args.tokens_per_turn / args.inference_tokens_per_s
+    rule = None if args.env_step_s is None else required_envs(CapacityInputs(
+        env_step_s=args.env_step_s, gen_step_s=gen, turns=args.turns, engine_batch=args.engine_batch,
+        reset_s=args.reset_s))
+    print(json.dumps(cost_json(estimates, rule)) if args.json else cost_table(estimates, rule), flush=True)
+    return 0
+
+
+def _plan(args) -> int:
+    from loomrl.planning.measure import measure_run
+    from loomrl.planning.predict import Shape, plan
+    from loomrl.planning.report import plan_json, plan_table
+
+    measured = measure_run(Path(args.run))
+    target = Shape.of(measured, max_inflight=args.max_inflight, groups_per_step=args.groups_per_step,
+                      group_size=args.group_size, steps=args.steps, mode=args.mode, max_policy_lag=args.max_policy_lag)
+    result = plan(measured, target, gpus=args.gpus)
+    print(json.dumps(plan_json(result)) if args.json else plan_table(result), flush=True)
+    return 0
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -238,8 +349,13 @@ def main(argv: list[str] | None = None) -> int:
     from loomrl.config import ConfigError, load_config
     from loomrl.env.sandbox import SandboxError
     from loomrl.model.loader import ModelLoadError
+    from loomrl.planning.measure import NotARun
 
     try:
+        if args.command == "estimate-cost":
+            return _estimate_cost(args)
+        if args.command == "plan":
+            return _plan(args)
         if args.command == "sandbox":
             return _sandbox_run(args)
         if args.command == "validate-tasks":
@@ -273,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
 
             ckpt = resolve_checkpoint(Path(args.checkpoint)) if args.checkpoint else None
             serve(cfg, ckpt, args.host, args.port, args.model_name or cfg.name)
-    except (ConfigError, ModelLoadError, SandboxError) as err:
+    except (ConfigError, ModelLoadError, SandboxError, NotARun) as err:
         print(str(err), file=sys.stderr)
         return 2
     except Exception as err:  # RunError and friends carry their own message

@@ -85,6 +85,9 @@ class Turn:
     # repeated action): already part of the trajectory's total_reward, kept here to place them at their turn
     # (Trajectory.turn_rewards, per-turn credit)
     reward_terms: dict[str, float] = field(default_factory=dict)
+    # seconds this turn's generation took (queueing in the engine included) and its env.step (what `loomrl plan` reads)
+    gen_s: float = 0.0
+    env_s: float = 0.0
 
 
 class _TokenContext:
@@ -140,6 +143,8 @@ class TrajectoryMetadata:
     policy_version_max: int = -1
     attempts: int = 1  # > 1: earlier attempts failed for the environment's sake and were retried
     retry_errors: list[str] = field(default_factory=list)  # why each earlier attempt failed
+    reset_s: float = 0.0  # seconds env.reset took (a sandbox leased and set up), of the last attempt
+    reward_s: float = 0.0  # seconds the reward pool took to score it (loomrl plan's reward latency)
 
 
 REWARD_FAILED = "reward_failed"  # the component of a trajectory whose reward could not be computed

@@ -95,7 +95,9 @@ class AgentLoop:
         return traj
 
     async def _run_turns(self, env: Env, task: Task, traj: Trajectory, deadline: float) -> None:
+        t0 = time.perf_counter()
         obs = await asyncio.wait_for(env.reset(task), max(deadline - time.perf_counter(), 0.001))
+        traj.metadata.reset_s = time.perf_counter() - t0
         opening = list(obs.messages)
         messages = list(opening)
         ids = self.renderer.prompt_ids(messages, obs.tools)
@@ -112,13 +114,17 @@ class AgentLoop:
             if time.perf_counter() > deadline:
                 raise TimeoutError(f"trajectory ran past {self.trajectory_timeout_s}s")
             params = replace(self.sampling, max_tokens=min(self.sampling.max_tokens, budget))
+            t0 = time.perf_counter()
             result = await self._generate(list(traj.token_ids), params, traj.trajectory_id, traj.group_id)
+            t1 = time.perf_counter()
             text = self.renderer.decode(result.token_ids)
             think, act = _split_think(text)
-            turn = add_turn(traj, result, think=think, act=act, finish_reason=result.finish_reason)
+            turn = add_turn(traj, result, think=think, act=act, finish_reason=result.finish_reason, gen_s=t1 - t0)
             messages.append({"role": "assistant", "content": text})
             closed = result.finish_reason == "stop"
+            t2 = time.perf_counter()
             step = await asyncio.wait_for(env.step(text), max(deadline - time.perf_counter(), 0.001))
+            turn.env_s = time.perf_counter() - t2
             turn.reward_step = step.reward
             turn.done = step.done
             turn.tool_calls = step.info.get("tool_calls", [])

@@ -67,6 +67,20 @@ class EngineMetrics:
     interrupts: int = 0
     faults: int = 0  # steps that raised: their requests failed, the engine reset and served on
     busy_s: float = 0.0
+    # decode-only steps (every row one token), summed for `loomrl plan`'s line of step seconds against batch rows
+    # (planning/measure.py): steps, rows, rows squared, seconds, rows x seconds. The built-in engine fills them.
+    decode_steps: int = 0
+    decode_rows: int = 0
+    decode_rows_sq: int = 0
+    decode_s: float = 0.0
+    decode_rows_s: float = 0.0
+
+    def add_decode_step(self, rows: int, seconds: float) -> None:
+        self.decode_steps += 1
+        self.decode_rows += rows
+        self.decode_rows_sq += rows * rows
+        self.decode_s += seconds
+        self.decode_rows_s += rows * seconds
 
     @property
     def hit_rate(self) -> float:

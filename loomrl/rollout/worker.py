@@ -235,7 +235,9 @@ class RolloutWorker:
                 if str(traj.status) not in a.retry_on or len(errors) >= a.max_retries:
                     traj.metadata.attempts = len(errors) + 1
                     traj.metadata.retry_errors = errors
+                    t0 = time.perf_counter()
                     traj = await self.reward_pool.score(traj, task)
+                    traj.metadata.reward_s = time.perf_counter() - t0
                     counts[str(traj.status)] += 1
                     if traj.reward_failed:  # outside the sum, like retried:<status>
                         counts["reward_failed"] += 1

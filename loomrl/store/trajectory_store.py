@@ -28,7 +28,8 @@ _PLAIN = [("trajectory_id", pa.string()), ("task_id", pa.string()), ("group_id",
           ("final_answer", pa.string()), ("temperature", pa.float64()), ("token_ids", pa.list_(pa.int32()))]
 _METADATA = [("env_version", pa.string()), ("total_steps", pa.int32()), ("total_tokens", pa.int32()),
              ("wall_time", pa.float64()), ("truncated", pa.bool_()), ("env_errors", pa.int32()),
-             ("policy_version_min", pa.int32()), ("policy_version_max", pa.int32()), ("attempts", pa.int32())]
+             ("policy_version_min", pa.int32()), ("policy_version_max", pa.int32()), ("attempts", pa.int32()),
+             ("reset_s", pa.float64()), ("reward_s", pa.float64())]
 SCHEMA = pa.schema([
     *_PLAIN, *_METADATA,
     ("status", pa.string()),

@@ -225,6 +225,8 @@ class BuiltinEngine(TakesTensors):
                 logits = self.runner.forward(batch.chunks)
                 self.metrics.steps += 1
                 self._postprocess(batch, logits, version)
+                if all(len(c.tokens) == 1 for c in batch.chunks):
+                    self.metrics.add_decode_step(len(batch.chunks), time.perf_counter() - t0)
             self.metrics.busy_s += time.perf_counter() - t0
 
     def _apply_weights_locked(self) -> None:

@@ -80,7 +80,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -107,6 +107,7 @@ log = logging.getLogger(__name__)
 _SLEEP_TAGS = frozenset({"weights", "kv_cache"})  # what vLLM's sleep(level>=1) puts to sleep (vllm/v1/executor)
 
 _START_TIMEOUT_S = 900.0  # model load, profiling and warm-up (16-33 s for SmolLM2-135M on 2 CPU cores)
+_DEATH_POLL_S = 1.0  # how often a control call's wait looks for a dead vLLM worker
 _STREAM_INTERVAL = 8  # tokens per output vLLM sends a request's caller
 # engine/vllm_worker.py's FAILURE_FILE and FAILURE_FILE_OWNER (that module is for vLLM's workers to import)
 _FAILURE_FILE, _FAILURE_FILE_OWNER = "LOOMRL_VLLM_FAILURE_FILE", "LOOMRL_VLLM_FAILURE_FILE_OWNER"
@@ -699,20 +700,37 @@ class VLLMEngine(LoadState):
 
     def _call(self, coro: Any, what: str) -> None:
         """A control call (update, sleep, wake) within engine.vllm.update_timeout_s; whatever vLLM raises becomes an
-        EngineFault, which says how vLLM's worker died when it did."""
-        try:
-            self._run(coro, self.cfg.update_timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise EngineFault(f"{what}: not done after {self.cfg.update_timeout_s:.0f}s") from None
-        except Exception as err:
+        EngineFault, which says how vLLM's worker died when it did. The wait looks for a dead worker every
+        _DEATH_POLL_S: when a worker dies while the engine core hands a control call to its executor, vLLM's core
+        dies on an AssertionError and the call's future is never answered (seen in CI: 600 s of waiting)."""
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        deadline = time.monotonic() + self.cfg.update_timeout_s
+        while True:
+            try:
+                future.result(max(0.0, min(_DEATH_POLL_S, deadline - time.monotonic())))
+                return
+            except concurrent.futures.TimeoutError:
+                pass
+            except Exception as err:
+                self._failed(err, what)
             death = self._death()
             if death is not None:
-                raise EngineFault(f"{what}: {death}") from err
-            if self._watch is not None:
-                self._watch.forget()  # an error the engine lives through: not the cause of a later death
-            if isinstance(err, EngineFault):
-                raise
-            raise EngineFault(f"{what}: vLLM: {type(err).__name__}: {err}") from err
+                future.cancel()
+                raise EngineFault(f"{what}: {death}")
+            if time.monotonic() >= deadline:
+                future.cancel()
+                raise EngineFault(f"{what}: not done after {self.cfg.update_timeout_s:.0f}s")
+
+    def _failed(self, err: Exception, what: str) -> NoReturn:
+        """Raise what a failed control call means: vLLM's death when it died, else its error as an EngineFault."""
+        death = self._death()
+        if death is not None:
+            raise EngineFault(f"{what}: {death}") from err
+        if self._watch is not None:
+            self._watch.forget()  # an error the engine lives through: not the cause of a later death
+        if isinstance(err, EngineFault):
+            raise err
+        raise EngineFault(f"{what}: vLLM: {type(err).__name__}: {err}") from err
 
     def _death(self) -> str | None:
         """Why vLLM is gone (engine/vllm_memory.py: a killed worker, with its memory), None while it lives."""

@@ -1,0 +1,265 @@
+"""The driver over a scripted in-memory backend: admission under lag, retries and give-up, a trainer restart that
+discards what it must, eval, and the accounting identity, in milliseconds (no model, no process, no engine).
+
+The backend is a test double of the whole rollout and trainer side (what cannot run in milliseconds): rollouts
+finish after a short asyncio sleep with rewards that differ within a group, the trainer takes a step when it holds
+groups_per_step groups, writes the ledger line a real TrainerService writes (trainer/service.py), and "checkpoints"
+in memory (its version, the positions it received, its buffer). Its script says which attempts die (RolloutLost) and
+at which step the trainer dies (TrainerLost). What the driver decides is real: runtime/driver.py runs unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from loomrl.config import load_config
+from loomrl.runtime.driver import Backend, BackendReport, Driver, RolloutLost, RunError, TrainerLost, TrainerState
+from loomrl.trainer.service import PositionSet, read_ledger
+from loomrl.types import EvalRecord, Evaluation, Trajectory, TrajectoryMetadata
+
+
+@dataclass
+class Checkpoint:
+    version: int
+    received: PositionSet
+    buffer: list[tuple[int, list[Trajectory]]]
+
+
+@dataclass
+class Script:
+    """What goes wrong: `dies(position, attempt)` says whether that rollout attempt's worker dies; `trainer_dies_at`:
+    the steps whose train_step loses the trainer (each once); `rollout_s` and `train_s`: how long each takes."""
+
+    dies: Callable[[int, int], bool] = lambda position, attempt: False
+    trainer_dies_at: set[int] = field(default_factory=set)
+    rollout_s: Callable[[int], float] = lambda position: 0.001
+    train_s: float = 0.001
+    checkpoint_every: int = 2
+    eval_success: float | None = 0.5  # None: no held-out episode could be scored
+
+
+class ScriptedBackend(Backend):
+    label = "scripted"
+
+    def __init__(self, cfg, script: Script):
+        self.cfg, self.script = cfg, script
+        self.B, self.G = cfg.trainer.groups_per_step, cfg.trainer.group_size
+        self.published = -1
+        self.version = 0
+        self.received = PositionSet()
+        self.buffer: list[tuple[int, list[Trajectory]]] = []
+        self.checkpoint = Checkpoint(0, PositionSet(), [])
+        self.attempts: dict[int, int] = {}
+        self.dispatched: list[tuple[int, int, float]] = []  # (position, version published then, loop time)
+        self.trainer_starts = 0
+        self.sent: dict[int, list[str]] = {}  # position -> ids received by the trainer now running
+        self.lost: list[str] = []  # ids a dead trainer had received after its checkpoint: never to be trained
+        self.calls: list[str] = []
+
+    # the rollout side
+    async def start(self) -> None:
+        self.calls.append("start")
+
+    def dispatch(self, position: int) -> asyncio.Future:
+        attempt = self.attempts[position] = self.attempts.get(position, 0) + 1
+        self.dispatched.append((position, self.published, asyncio.get_running_loop().time()))
+        return asyncio.ensure_future(self._rollout(position, attempt, self.published))
+
+    async def _rollout(self, position: int, attempt: int, version: int) -> list[Trajectory]:
+        await asyncio.sleep(self.script.rollout_s(position))
+        if self.script.dies(position, attempt):
+            raise RolloutLost(f"rollout worker died running position {position}")
+        return [Trajectory(task_id=f"t{position}", trajectory_id=f"p{position}a{attempt}m{i}",
+                           group_id=f"p{position}a{attempt}", position=position, total_reward=float(i % 2),
+                           metadata=TrajectoryMetadata(policy_version_min=version, policy_version_max=version))
+                for i in range(self.G)]
+
+    async def evaluate(self, label: str) -> Evaluation:
+        self.calls.append(f"evaluate:{label}:{self.published}")
+        if self.script.eval_success is None:
+            record = EvalRecord(success=0.0, n=0, stderr=0.0, statuses={"env_error": 4}, first_error="sandbox gone")
+        else:
+            record = EvalRecord(success=self.script.eval_success, n=4, stderr=0.25, statuses={"completed": 4})
+        return Evaluation(record=record, episodes=[])
+
+    async def sleep_engines(self) -> None:
+        self.calls.append("sleep")
+
+    async def wake_engines(self) -> None:
+        self.calls.append("wake")
+
+    async def publish(self, version: int) -> None:
+        self.published = version
+        self.calls.append(f"publish:{version}")
+
+    def step_metrics(self) -> dict[str, float]:
+        return {"scripted/published": float(self.published)}
+
+    async def close(self) -> BackendReport:
+        return BackendReport(rollouts={}, env_pool={})
+
+    # the trainer
+    async def start_trainer(self, extra: dict[str, Any]) -> TrainerState:
+        self.trainer_starts += 1
+        ckpt = self.checkpoint  # what TrainerService does on resume: the checkpoint's state, the ledger cut to it
+        self.version, self.received = ckpt.version, PositionSet(**ckpt.received.state())
+        self.buffer = list(ckpt.buffer)
+        self.sent = {}
+        ledger = [e for e in read_ledger(self.cfg.run_dir) if e["step"] <= ckpt.version]
+        (self.cfg.run_dir / "ledger.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ledger))
+        return TrainerState(version=self.version, received=PositionSet(**self.received.state()))
+
+    def stop_trainer(self) -> None:
+        self.calls.append("stop_trainer")
+
+    async def receive(self, position: int, group: list[Trajectory]) -> None:
+        self.received.add(position)
+        self.buffer.append((position, group))
+        self.sent[position] = [t.trajectory_id for t in group]
+
+    async def trainer_ready(self) -> bool:
+        return len(self.buffer) >= self.B
+
+    async def train_step(self) -> dict[str, Any] | None:
+        if len(self.buffer) < self.B:
+            return None
+        await asyncio.sleep(self.script.train_s)
+        step = self.version + 1
+        if step in self.script.trainer_dies_at:
+            self.script.trainer_dies_at.discard(step)
+            self.lost += [t for p, ids in self.sent.items() if p not in self.checkpoint.received for t in ids]
+            raise TrainerLost(f"trainer died at step {step}")
+        taken, self.buffer = self.buffer[:self.B], self.buffer[self.B:]
+        lag = max(step - 1 - min(t.metadata.policy_version_min for _, g in taken for t in g), 0)
+        self.version = step
+        with (self.cfg.run_dir / "ledger.jsonl").open("a") as f:
+            f.write(json.dumps({"step": step, "trained": [t.trajectory_id for _, g in taken for t in g],
+                                "skipped": {}, "stale": []}) + "\n")
+        if step % self.script.checkpoint_every == 0:
+            self.checkpoint = Checkpoint(step, PositionSet(**self.received.state()), list(self.buffer))
+        return {"groups": self.B, "groups_stale": 0, "train/loss": 0.1, "policy_lag_max": lag}
+
+
+def config(tmp_path, *overrides: str):
+    cfg = load_config(None, [f"output_dir={tmp_path}", "name=scripted", "progress=false", "model.kind=tiny",
+                             "trainer.groups_per_step=2", "trainer.group_size=4", "trainer.total_steps=6",
+                             "runtime.retry_backoff_s=0.01", "eval.n_tasks=4", *overrides])
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    return cfg
+
+
+def run(cfg, script: Script) -> tuple[dict[str, Any], ScriptedBackend]:
+    backend = ScriptedBackend(cfg, script)
+    summary = Driver(cfg, backend, None, 0.0).train()
+    return summary, backend
+
+
+def fates(acc: dict[str, Any]) -> int:
+    return sum(sum(v.values()) if isinstance(v, dict) else v for k, v in acc.items()
+               if k not in ("launched", "violations"))
+
+
+def assert_each_step_once(cfg, steps: int) -> list[str]:
+    ledger = read_ledger(cfg.run_dir)
+    assert [e["step"] for e in ledger] == list(range(1, steps + 1))
+    trained = [t for e in ledger for t in e["trained"]]
+    assert len(trained) == len(set(trained)), "a trajectory was trained twice"
+    positions = [t.split("a")[0] for t in trained]
+    assert all(positions.count(p) == 4 for p in positions), "a position was trained twice (or in part)"
+    return trained
+
+
+def test_a_sync_run_trains_every_step_once_and_every_trajectory_has_one_fate(tmp_path):
+    cfg = config(tmp_path, "runtime.mode=sync")
+    summary, backend = run(cfg, Script())
+    trained = assert_each_step_once(cfg, 6)
+    acc = summary["accounting"]
+    assert acc["violations"] == [] and acc["launched"] == fates(acc) == 6 * 2 * 4 == len(trained)
+    # sync: a step's groups are all sampled by the current policy (lag 0), never past the last step
+    assert all(p // 2 == v for p, v, _ in backend.dispatched)
+    assert backend.calls[:3] == ["start", "evaluate:before:-1", "publish:0"]
+    assert backend.calls[-2:] == ["evaluate:after:6", "stop_trainer"]
+    assert summary["success_before"] == summary["success_after"] == 0.5
+
+
+@pytest.mark.parametrize("lag", [1, 2])
+def test_admission_launches_exactly_as_far_ahead_as_the_lag_allows(tmp_path, lag):
+    """Fast rollouts, a slow trainer: the rule p // groups_per_step - version <= max_lag holds at every dispatch,
+    and is reached (admission is not tighter than the rule), and nothing past the last step is launched."""
+    cfg = config(tmp_path, "runtime.mode=async", f"buffer.max_policy_lag={lag}", "trainer.total_steps=8")
+    summary, backend = run(cfg, Script(train_s=0.02))
+    assert_each_step_once(cfg, 8)
+    ahead = [p // 2 - v for p, v, _ in backend.dispatched]
+    assert max(ahead) == lag and all(a <= lag for a in ahead)
+    assert sorted(p for p, _, _ in backend.dispatched) == list(range(16))
+    acc = summary["accounting"]
+    assert acc["violations"] == [] and acc["launched"] == fates(acc) == 64 and acc["trained"] == 64
+
+
+def test_a_lost_rollout_runs_again_after_its_backoff_and_a_position_that_keeps_dying_is_given_up(tmp_path):
+    """Position 1 dies on every attempt: tried runtime.max_group_attempts (3) times, 0.01 s x 2^k apart, then
+    recorded as failed; position 2 dies once and is trained from its second attempt; every trajectory launched has
+    one fate (the dead ones `failed: actor_died`); the step that lost position 1 takes the next position instead."""
+    cfg = config(tmp_path, "runtime.mode=sync", "runtime.retry_backoff_s=0.05")
+    script = Script(dies=lambda p, a: p == 1 or (p == 2 and a == 1))
+    summary, backend = run(cfg, script)
+    assert backend.attempts[1] == 3 and backend.attempts[2] == 2
+    times = [t for p, _, t in backend.dispatched if p == 1]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert gaps[0] >= 0.05 and gaps[1] >= 0.1  # the backoff doubles
+    assert list(summary["positions_failed"]) == ["1"] and "(3 attempts)" in summary["positions_failed"]["1"]
+    trained = assert_each_step_once(cfg, 6)
+    assert not any(t.startswith("p1a") for t in trained) and any(t.startswith("p2a2") for t in trained)
+    acc = summary["accounting"]
+    assert acc["failed"] == {"actor_died": 4 * 4}  # 3 attempts of position 1, 1 of position 2
+    assert acc["violations"] == [] and acc["launched"] == fates(acc)
+
+
+def test_a_lost_trainer_restarts_from_its_checkpoint_and_what_it_had_not_kept_is_discarded_and_run_again(tmp_path):
+    """The trainer dies at step 3 (its checkpoint is step 2) while positions 6 and 7 are still generating: the
+    driver restarts it (one restart), discards the groups it had sent past the checkpoint, cancels what was in flight,
+    runs those positions again with the restored weights; the ledger names each step once and every trajectory
+    launched has one fate."""
+    cfg = config(tmp_path, "runtime.mode=async", "buffer.max_policy_lag=1")
+    summary, backend = run(cfg, Script(trainer_dies_at={3}, train_s=0.01,
+                                       rollout_s=lambda p: 0.05 if p in (6, 7) else 0.001))
+    assert backend.trainer_starts == 2 and backend.lost
+    trained = assert_each_step_once(cfg, 6)
+    acc = summary["accounting"]
+    assert acc["discarded"]["trainer_restart"] >= len(backend.lost)
+    assert not set(backend.lost) & set(trained)
+    assert acc["cancelled"] >= 2 * 4  # positions 6 and 7, in flight when the trainer died
+    assert acc["violations"] == [] and acc["launched"] == fates(acc)
+    assert len(trained) == acc["trained"] == 6 * 2 * 4
+    versions: dict[int, list[int]] = {}
+    for p, v, _ in backend.dispatched:
+        versions.setdefault(p, []).append(v)
+    assert versions[6][-1] == versions[7][-1] == 2  # run again with the restored (step 2) weights
+
+
+def test_a_trainer_that_keeps_dying_stops_the_run_with_its_error_and_the_way_to_resume(tmp_path):
+    cfg = config(tmp_path, "runtime.mode=sync", "runtime.max_trainer_restarts=1")
+    with pytest.raises(RunError, match=r"the trainer failed:\ntrainer died at step 2\n.*--resume"):
+        run(cfg, Script(trainer_dies_at=_always({2}), checkpoint_every=100))
+    summary = json.loads((cfg.run_dir / "summary.json").read_text())
+    assert summary["accounting"]["violations"] == []
+
+
+def test_an_evaluation_with_no_scored_episode_stops_the_run_and_never_reads_as_zero(tmp_path):
+    cfg = config(tmp_path, "runtime.mode=sync")
+    with pytest.raises(RunError, match=r"evaluation before training: none of the 4 held-out episodes could be "
+                                       r"scored \(env_error 4\); the first error: sandbox gone"):
+        run(cfg, Script(eval_success=None))
+
+
+class _always(set):
+    """A set of steps the trainer dies at every time (discard does nothing)."""
+
+    def discard(self, element) -> None:
+        pass

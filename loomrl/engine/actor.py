@@ -32,6 +32,7 @@ from loomrl.config import RunConfig
 from loomrl.engine.base import Engine, EngineFault, EngineMetrics, GenerationRequest, GenerationResult, TakesTensors
 from loomrl.engine.common import confirm_weights
 from loomrl.engine.factory import make_engine
+from loomrl.engine.readings import Reading, read_engine
 from loomrl.model.loader import load_engine_model
 from loomrl.weights.fingerprint import Fingerprint, fingerprint_of
 from loomrl.weights.group import Receiver, with_rank_offset
@@ -159,8 +160,9 @@ class EngineActor(Placed):
     async def wake(self) -> None:
         await asyncio.to_thread(self.engine.wake)
 
-    def metrics(self) -> EngineMetrics:
-        return self.engine.metrics
+    def reading(self) -> Reading:
+        """The engine's counters now (engine/readings.py), taken here: their up_s is by this process's clock."""
+        return read_engine(self.engine.metrics)
 
     def close(self) -> EngineMetrics:
         self.engine.close()

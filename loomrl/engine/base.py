@@ -8,6 +8,7 @@ declares everything the runtime, the gateway and the server call on an engine: n
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
@@ -54,7 +55,9 @@ class GenerationResult:
 
 @dataclass(slots=True)
 class EngineMetrics:
-    """An engine's counters since it started (the step metrics report their differences)."""
+    """An engine's counters since it started (the step metrics report their differences: engine/readings.py). A
+    counter an engine cannot measure is None, never 0, and its step metric is left out: the engines that measure
+    busy_s and queue_s create the record with them at 0.0."""
 
     steps: int = 0
     requests: int = 0
@@ -66,7 +69,10 @@ class EngineMetrics:
     preemptions: int = 0
     interrupts: int = 0
     faults: int = 0  # steps that raised: their requests failed, the engine reset and served on
-    busy_s: float = 0.0
+    busy_s: float | None = None  # seconds spent computing (the built-in engine: its forward passes and sampling)
+    # request-seconds spent waiting for admission to the running batch: the time integral of the queue's depth, so
+    # that its change over an interval, divided by the interval, is the interval's mean queue depth (Little's law)
+    queue_s: float | None = None
     # decode-only steps (every row one token), summed for `loomrl plan`'s line of step seconds against batch rows
     # (planning/measure.py): steps, rows, rows squared, seconds, rows x seconds. The built-in engine fills them.
     decode_steps: int = 0
@@ -74,6 +80,7 @@ class EngineMetrics:
     decode_rows_sq: int = 0
     decode_s: float = 0.0
     decode_rows_s: float = 0.0
+    started: float = field(default_factory=time.monotonic)  # this process's clock when the engine started (up_s)
 
     def add_decode_step(self, rows: int, seconds: float) -> None:
         self.decode_steps += 1

@@ -34,8 +34,12 @@ it only logged), the calls that find it gone fail with one EngineFault line sayi
 machine's RAM and the setting to lower.
 
 Metrics: requests, finished, prompt/prefill/reused tokens (num_cached_tokens), generated tokens, preemptions (vLLM's
-per-request count), interrupts (requests ended "interrupted"), faults (requests the engine failed) and busy_s (wall time
-with a request in flight). steps stays 0: AsyncLLM does not report its steps to the caller.
+per-request count), interrupts (requests ended "interrupted"), faults (requests the engine failed), busy_s and queue_s.
+busy_s is the wall time with a request in flight, counted as outputs arrive: vLLM's stats give no forward-pass time
+(IterationStats has only the time each output batch came back), and with a request in flight its EngineCore steps
+without pause. queue_s, the time integral of the requests waiting for admission, comes from vLLM's own scheduler stats:
+a stat logger of ours (_QueueLogger) passed to AsyncLLM reads SchedulerStats.num_waiting_reqs at each step's stats.
+steps stays 0: AsyncLLM does not report its steps to the caller.
 
 - Sleep and wake (engine.sleep_while_training): sleep is sleep(level=1, mode="abort"): in-flight requests end
   "interrupted", new ones wait; on CUDA (enable_sleep_mode) the weights go to host memory and the K/V cache is freed.
@@ -259,7 +263,7 @@ class VLLMEngine(LoadState):
             raise
         self.cfg = cfg
         self.model = model
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(busy_s=0.0, queue_s=0.0)
         self.kv_budget = 0  # vLLM's max_model_len, read once it has started
         self.kv_cache: KVCachePlan | None = None  # on the CPU: the K/V cache asked of vLLM, per worker
         self.kv_cache_tokens = 0  # the K/V slots vLLM made (all its blocks), read once it has started
@@ -434,7 +438,8 @@ class VLLMEngine(LoadState):
         # inherited by EngineCore, which vLLM spawns here, then by its workers; not left set for later children
         with _environ({_FAILURE_FILE: str(self._failure_file), _FAILURE_FILE_OWNER: str(os.getpid())}):
             llm = AsyncLLM.from_vllm_config(config, enable_log_requests=engine_args.enable_log_requests,
-                                            disable_log_stats=engine_args.disable_log_stats)  # blocks while it starts
+                                            disable_log_stats=engine_args.disable_log_stats,
+                                            stat_loggers=[self._queue_logger()])  # blocks while it starts
         try:
             self._watch = Watch(workers=list(await llm.collective_rpc("loomrl_pid")), failure_file=self._failure_file,
                                 oom_kills=oom, kv=self.kv_cache)
@@ -448,6 +453,31 @@ class VLLMEngine(LoadState):
         # the blocks vLLM made: its start-up handshake writes num_gpu_blocks into the config it was given
         self.kv_cache_tokens = (config.cache_config.num_gpu_blocks or 0) * config.cache_config.block_size
         return llm
+
+    def _queue_logger(self) -> Callable[..., Any]:
+        """A factory of vLLM stat loggers (AsyncLLM's stat_loggers) that add to metrics.queue_s. vLLM calls record()
+        on this process's loop with each step's SchedulerStats; the depth it reports holds until the next one."""
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        metrics, lock = self.metrics, self._lock
+
+        class _QueueLogger(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0):
+                self.at, self.depth = time.monotonic(), 0
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                       engine_idx: int = 0) -> None:
+                now = time.monotonic()
+                with lock:
+                    metrics.queue_s += self.depth * (now - self.at)
+                self.at = now
+                if scheduler_stats is not None:  # waiting, and waiting but held back (blocked, deferred)
+                    self.depth = scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return _QueueLogger
 
     def _plan_kv_cache(self, config: Any, max_num_seqs: int, context_tokens: int | None) -> KVCachePlan:
         """kv_cache_memory_bytes for vLLM's CPU worker: the user's, else sized from the run (engine/vllm_memory.py),
@@ -513,9 +543,8 @@ class VLLMEngine(LoadState):
         from vllm.inputs import TokensPrompt
 
         task = asyncio.current_task()
+        self._count_busy()
         self._tasks.add(task)
-        if len(self._tasks) == 1:
-            self._busy_since = time.perf_counter()
         version, interrupts = self._version, self._interrupts_done
         ids: list[int] = []
         logprobs: list[float] = []
@@ -530,6 +559,7 @@ class VLLMEngine(LoadState):
                 logprobs += [d[t].logprob for d, t in zip(c.logprobs or [], new)]
                 with self._lock:
                     self.metrics.generated_tokens += len(new)
+                self._count_busy()  # as outputs come, so that a reading lags by one output at most
                 final = out
             if final is None:
                 raise EngineFault("vLLM ended the request without an output")
@@ -547,9 +577,16 @@ class VLLMEngine(LoadState):
                     self.metrics.faults += 1
             raise EngineFault(f"vLLM failed the request: {self._death() or f'{type(err).__name__}: {err}'}") from err
         finally:
+            self._count_busy()
             self._tasks.discard(task)
-            if not self._tasks:
-                self.metrics.busy_s += time.perf_counter() - self._busy_since
+
+    def _count_busy(self) -> None:
+        """Add the time since the last count to busy_s if a request was in flight through it (on the loop)."""
+        now = time.perf_counter()
+        if self._tasks:
+            with self._lock:
+                self.metrics.busy_s += now - self._busy_since
+        self._busy_since = now
 
     def _result(self, request: GenerationRequest, final: Any, ids: list[int], logprobs: list[float], version: int, *,
                 interrupted: bool) -> GenerationResult:

@@ -88,7 +88,7 @@ class VLLMHTTPEngine(TakesTensors, LoadState):
             raise EngineFault("engine.vllm.base_url is not set: the vLLM server's address is needed")
         self.cfg = cfg
         self.shapes, self.aliases = shapes, aliases
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(busy_s=0.0)  # busy: a request in flight (the server reports no step times)
         self._dtype = dtype_named(dtype) if dtype else None  # set from the server's when None
         self._version = version
         self._lock = threading.Lock()

@@ -18,6 +18,7 @@ from loomrl.config import RunConfig, TrainerConfig
 from loomrl.engine.actor import RemoteEngine, WeightGate
 from loomrl.engine.base import Engine
 from loomrl.engine.factory import make_engine
+from loomrl.engine.readings import Reading, read_engine
 from loomrl.env.registry import tasks_for
 from loomrl.env.remote import RemoteEnvPool
 from loomrl.model.chat import ChatRenderer
@@ -63,6 +64,11 @@ class RolloutSide:
     def reward_metrics(self) -> dict[str, float]:
         """Its reward pool's counters so far (an LLM judge's): the Ray driver reads them each step."""
         return self.worker.reward_metrics()
+
+    def engine_reading(self) -> Reading:
+        """Its engine's counters now (engine/readings.py): the Ray driver reads them each step. With an engine actor,
+        the client's counts (the driver reads the engine actors instead)."""
+        return read_engine(self.engine.metrics)
 
     async def close(self) -> tuple[dict[str, int], dict[str, Any]]:
         """Tear down sandboxes and the engine; returns the episode counts and the env pool's metrics (read

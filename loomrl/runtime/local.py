@@ -13,7 +13,6 @@ on one event loop, each group an asyncio task. The trainer is
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import time
 from pathlib import Path
@@ -23,8 +22,9 @@ import torch
 
 from loomrl.config import RunConfig
 from loomrl.devices import trainer_device
-from loomrl.engine.base import Engine, EngineFault
+from loomrl.engine.base import EngineFault
 from loomrl.engine.common import confirm_weights
+from loomrl.engine.readings import EngineDelta
 from loomrl.rollout.actor import RolloutSide
 from loomrl.runtime.driver import Backend, BackendReport, RunError, TrainerLost, TrainerState, progress
 from loomrl.trainer.checkpoint import latest_checkpoint
@@ -53,23 +53,6 @@ def async_threads(cfg: RunConfig) -> tuple[int, int]:
     return engine, trainer
 
 
-class EngineDelta:
-    """The engine's counters since the last call, for the step's metrics line (busy time: how much of
-    the step the engine computed; the rest it waited for tools, the trainer or admission)."""
-
-    def __init__(self, engine: Engine):
-        self.metrics = engine.metrics
-        self.last = dataclasses.asdict(self.metrics)
-
-    def take(self) -> dict[str, float]:
-        now = dataclasses.asdict(self.metrics)
-        d = {k: now[k] - self.last[k] for k in now}
-        self.last = now
-        out = {f"engine/{k}": v for k, v in d.items() if k != "reused_tokens"}
-        out["engine/prefix_hit_rate"] = d["reused_tokens"] / d["prompt_tokens"] if d["prompt_tokens"] else 0.0
-        return out
-
-
 class LocalBackend(Backend):
     def __init__(self, cfg: RunConfig, checkpoint: Path | None):
         self.cfg, self.ckpt = cfg, checkpoint
@@ -93,7 +76,7 @@ class LocalBackend(Backend):
         # sync: the engine serves the trainer's own model (float32 on trainer.device; config.load_config refused
         # any other model.dtype or model.device), so it is loaded as the trainer's
         self.rollout = RolloutSide(cfg, self.ckpt, trainer=cfg.trainer if self.sync else None)
-        self.delta = EngineDelta(self.rollout.engine)
+        self.delta = EngineDelta(self.rollout.engine.metrics)  # busy time, queue, prefix hits: engine/readings.py
 
     # -- the trainer --------------------------------------------------------------------------------
     async def start_trainer(self, extra: dict[str, Any]) -> TrainerState:

@@ -38,6 +38,7 @@ from loomrl.actor_support import actor_error_line, constructor_failed
 from loomrl.config import Placement, RunConfig
 from loomrl.engine.actor import EngineActor, WeightBoard
 from loomrl.engine.base import EngineMetrics
+from loomrl.engine.readings import Reading, counter_changes, engine_step_metrics
 from loomrl.env.api import environment_for
 from loomrl.env.remote import EnvActor
 from loomrl.env.sandbox import SandboxError
@@ -107,6 +108,35 @@ def add_counter_changes(out: dict[str, float], last: dict[str, float], now: dict
     return out
 
 
+class Polled:
+    """Counters that live in actors, read without waiting: each actor (by its index) is asked at every step and read
+    at a later one, once it has answered; an actor that died answers nothing and its replacement is asked next time."""
+
+    def __init__(self, ray: Any):
+        self.ray = ray
+        self.asks: dict[int, Any] = {}
+
+    def answers(self) -> list[tuple[int, Any]]:
+        """(index, answer) of the actors that have answered since the last call."""
+        out = []
+        for key, ref in list(self.asks.items()):
+            done, _ = self.ray.wait([ref], timeout=0)
+            if not done:
+                continue
+            del self.asks[key]
+            try:
+                out.append((key, self.ray.get(ref)))
+            except self.ray.exceptions.RayError:  # that actor died; its replacement is asked next time
+                continue
+        return out
+
+    def ask(self, methods: list[Any]) -> None:
+        """Ask each actor method (index: its place in `methods`) that has no question outstanding."""
+        for key, method in enumerate(methods):
+            if key not in self.asks:
+                self.asks[key] = method.remote()
+
+
 @dataclass(slots=True, kw_only=True)
 class WorkerSlot:
     handle: Any
@@ -141,10 +171,13 @@ class RayBackend(Backend):
         self.trainer_starts = 0
         self.sync_sender: dict[Any, int] = {}
         self.rollout_restarts = 0
-        # the reward pools' counters (an LLM judge's: judge/*), which live in the actors that score: asked at each
-        # step, read at a later one (never waited on); the last snapshot per actor, for the change since
-        self.reward_asks: dict[int, Any] = {}
+        # the reward pools' counters (an LLM judge's: judge/*), which live in the actors that score, and the engines'
+        # (engine/readings.py), which live in the engine actors, else the rollout actors: asked at each step, read at
+        # a later one (never waited on); the last reading per actor, for the change since
+        self.reward_polled = Polled(self.ray)
         self.reward_seen: dict[int, dict[str, float]] = {}
+        self.engine_polled = Polled(self.ray)
+        self.engine_seen: dict[int, Reading] = {}
         self.pids: dict[str, list[int | None]] = {}  # reward / env actors' processes at the start
         self.placement: dict[str, Any] = {}  # where the first actors ran
         self.owns_ray = False
@@ -481,28 +514,30 @@ class RayBackend(Backend):
         if self.cfg.reward.judge is None:  # the only counters there are, for now
             return {}
         out: dict[str, float] = {}
-        for key, ref in list(self.reward_asks.items()):
-            done, _ = self.ray.wait([ref], timeout=0)
-            if not done:
-                continue
-            del self.reward_asks[key]
-            try:
-                now = self.ray.get(ref)
-            except self.ray.exceptions.RayError:  # that actor died; its replacement is asked next time
-                continue
+        for key, now in self.reward_polled.answers():
             out = add_counter_changes(out, self.reward_seen.get(key, {}), now)
             self.reward_seen[key] = now
-        sources = ([a.metrics for a in self.reward_actors] if self.reward_actors
-                   else [slot.handle.reward_metrics for slot in self.workers])
-        for key, method in enumerate(sources):
-            if key not in self.reward_asks:
-                self.reward_asks[key] = method.remote()
+        self.reward_polled.ask([a.metrics for a in self.reward_actors] if self.reward_actors
+                               else [slot.handle.reward_metrics for slot in self.workers])
         return out
+
+    def _engine_metrics(self) -> dict[str, float]:
+        """The engines' step metrics (engine/readings.py) from the readings that arrived since the last step, each
+        against its engine's previous one: the engine actors (ray.engine.count), else each rollout actor's own engine.
+        A reading may arrive a step late (it then counts in the step it arrived in); a restarted engine counts from
+        its start."""
+        changes = []
+        for key, now in self.engine_polled.answers():
+            changes.append(counter_changes(self.engine_seen.get(key), now))
+            self.engine_seen[key] = now
+        self.engine_polled.ask([e.reading for e in self.engines] if self.engines
+                               else [slot.handle.engine_reading for slot in self.workers])
+        return engine_step_metrics(changes)
 
     def step_metrics(self) -> dict[str, float]:
         """The slowest finished weight transfer to a rollout actor since the last step (fetch from the
         object store, apply in the engine); transfers still running are reported later."""
-        out = {"ray/rollout_restarts": float(self.rollout_restarts), **self._reward_metrics()}
+        out = {"ray/rollout_restarts": float(self.rollout_restarts), **self._reward_metrics(), **self._engine_metrics()}
         if not self.syncs:
             return out
         done, self.syncs = self.ray.wait(self.syncs, num_returns=len(self.syncs), timeout=0)
@@ -556,7 +591,9 @@ class RayBackend(Backend):
                                          ("engine", self.engines))}
         engines: dict[str, Any] = {}  # the engine actors' counters (since their last start)
         for engine in self.engines:
-            add_into(engines, dataclasses.asdict(await result_or(engine.close.remote(), 60, EngineMetrics())))
+            counters = dataclasses.asdict(await result_or(engine.close.remote(), 60, EngineMetrics()))
+            del counters["started"]  # a clock reading, not a count
+            add_into(engines, {k: v for k, v in counters.items() if v is not None})  # None: not measured
         # an env actor that died meanwhile took its sandboxes with it
         reclaimed = sum([await result_or(ref, 30, 0) for ref in self.reclaims])
         env_pool: dict[str, Any] = {}  # the env actors' own pools (ray.env.count > 0)

@@ -28,6 +28,7 @@ from loomrl.config import ModelConfig, TinyModelConfig, load_config
 from loomrl.engine.base import EngineFault, GenerationRequest, SamplingParams, generate_resuming
 from loomrl.engine.builtin.engine import BuiltinEngine
 from loomrl.engine.factory import make_engine
+from loomrl.engine.readings import EngineDelta
 from loomrl.model.loader import ModelLoadError, load_engine_model, load_model
 from loomrl.weights.handle import StaleWeights
 from loomrl.weights.shm import ShmPublisher
@@ -219,6 +220,22 @@ def test_waiting_requests_are_admitted_by_priority_then_arrival(fresh, models):
 
     asyncio.run(go())
     assert order == ["first", "a-high", "d-high", "b-mid", "c-mid", "late-low"]
+
+
+def test_the_step_metrics_come_from_vllms_scheduler_stats_and_cached_tokens(fresh, models):
+    """engine/readings.py over vLLM: queue_s from vLLM's own SchedulerStats (the adapter's stat logger), busy_s while
+    requests are in flight, prefix hits from num_cached_tokens. One running slot: of three requests sent at once, two
+    wait; the long prompt sent again is served from the cache but for its last, partial block."""
+    _, _, tokenizer = models
+    prompts = _prompts(tokenizer)[:3]
+    delta = EngineDelta(fresh.metrics)
+    time.sleep(0.2)  # idle: part of the interval, not of the busy time
+    run_requests(fresh, prompts, temperature=0.0, max_tokens=24, ignore_eos=True)
+    m = delta.take()
+    assert m["engine/queue_depth"] > 0.3 and 0 < m["engine/busy_frac"] < 1
+    run_requests(fresh, [prompts[2]], temperature=0.0, max_tokens=4, ignore_eos=True)
+    m = delta.take()
+    assert m["engine/prefix_hit_rate"] > 0.5 and m["engine/queue_depth"] < 0.1  # alone: nothing waited
 
 
 def test_refused_updates_load_nothing_and_the_engine_serves_on(engine, models):

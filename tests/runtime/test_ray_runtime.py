@@ -151,6 +151,10 @@ def test_two_node_run_places_trainer_and_rollouts_on_their_nodes(cluster, tmp_pa
 
     syncs = [m for m in read_metrics(run_dir) if m.get("kind") == "train" and "weight_sync/load_s" in m]
     assert syncs and all(m["weight_sync/load_s"] >= 0 and m["weight_sync/apply_s"] > 0 for m in syncs)
+    # the rollout actors' own engines are read each step (engine/readings.py), their readings a step late at most
+    engine = [m for m in read_metrics(run_dir) if m.get("kind") == "train" and "engine/busy_frac" in m]
+    assert engine and all(0 <= m["engine/busy_frac"] <= 1 and m["engine/queue_depth"] >= 0 for m in engine), engine
+    assert any(m["engine/busy_frac"] > 0 for m in engine) and sum(m["engine/requests"] for m in engine) > 0
     print(f"two-node run: {time.time() - t0:.1f}s")
 
 
@@ -428,6 +432,12 @@ def test_an_engine_actor_serves_both_rollout_actors_from_another_node_and_surviv
     assert len(placement["engine"]) == 1 and placement["engine"][0] not in placement["rollout"], placement
     assert len(killed) == 1 and ray_report["engine_restarts"] == 1, ray_report
     assert ray_report["engines"]["requests"] > 0  # the restarted engine served the rest of the run
+    # the engine actor is read each step, not the rollout actors' clients; its restart counts from its start
+    from loomrl.metrics.logger import read_metrics
+
+    engine = [m for m in read_metrics(run_dir) if m.get("kind") == "train" and "engine/busy_frac" in m]
+    assert engine and all(0 <= m["engine/busy_frac"] <= 1 and m["engine/requests"] >= 0 for m in engine), engine
+    assert any(m["engine/busy_frac"] > 0 for m in engine)
     check_run(run_dir, summary, steps)
     assert not summary["accounting"]["failed"], summary["accounting"]  # positions are then the admission's own
     for row in read_trajectories(run_dir / "trajectories").to_pylist():

@@ -119,6 +119,44 @@ def test_the_timeline_joins_group_lifecycles_to_the_steps_that_consumed_them(cli
         assert g["ended"] == "arrived" and g["launched"] <= g["finished"]
         assert g["step"] in (1, 2) and g["fate"] in ("trained", "skipped")
         assert g["version_at_launch"] == g["step"] - 1  # sync: a step's groups are sampled by the version before it
+        # where the time went: the slowest member's split, recorded from its trajectory (runtime/group_log.py)
+        split = g["slowest"]
+        assert set(split) == {"reset_s", "gen_s", "env_s", "reward_s"} and split["gen_s"] > 0
+        assert sum(split.values()) <= g["finished"] - g["launched"] + 0.05  # within the group's own lifetime
+
+
+def test_a_group_lines_split_is_its_slowest_members(run_dir):
+    from loomrl.store.trajectory_store import read_trajectories
+
+    def split(row):  # from the stored row: its metadata's reset and reward seconds, its turns' gen_s and env_s
+        turns = [t for seg in json.loads(row["segments"]) for t in seg["turns"]] + json.loads(row["turns"])
+        return {"reset_s": row["reset_s"], "gen_s": sum(t["gen_s"] for t in turns),
+                "env_s": sum(t["env_s"] for t in turns), "reward_s": row["reward_s"]}
+
+    stored = {r["trajectory_id"]: split(r) for r in read_trajectories(run_dir / "trajectories").to_pylist()}
+    for line in map(json.loads, (run_dir / "groups.jsonl").read_text().splitlines()):
+        members = [stored[i] for i in line["trajectory_ids"]]
+        assert len(members) == 4 and line["slowest"] == max(members, key=lambda m: sum(m.values()))
+        assert any(m != line["slowest"] for m in members)  # a real choice: the members' times differ
+
+
+def test_engine_metrics_are_logged_per_step(client, run_dir):
+    train = [r for r in client.get("/api/metrics", params={"run": run_dir.name}).json()["records"]
+             if r["kind"] == "train"]
+    for r in train:  # the built-in engine measures all three (engine/readings.py)
+        assert 0 < r["engine/busy_frac"] <= 1
+        assert r["engine/queue_depth"] >= 0
+        assert 0 <= r["engine/prefix_hit_rate"] <= 1
+
+
+def test_a_timeline_line_without_the_split_is_served_as_it_is(tmp_path, run_dir):
+    old = tmp_path / run_dir.name
+    shutil.copytree(run_dir, old)
+    lines = [json.loads(x) for x in (old / "groups.jsonl").read_text().splitlines()]
+    (old / "groups.jsonl").write_text("".join(json.dumps({k: v for k, v in x.items() if k != "slowest"}) + "\n"
+                                              for x in lines))
+    body = TestClient(create_app([old])).get("/api/timeline", params={"run": old.name}).json()
+    assert len(body["groups"]) == len(lines) and all("slowest" not in g for g in body["groups"])
 
 
 def test_unknown_names_are_404_with_what_there_is(client, run_dir):

@@ -46,6 +46,8 @@ def test_the_dashboard_of_a_real_run_draws_curves_with_data_points(page):
     page.wait_for_function("loomrlView.charts.engine_busy && loomrlView.charts.env_health")
     pools = page.evaluate(POINTS)
     assert all(n == 2 for n in pools["engine_busy"]) and all(n == 2 for n in pools["endings"])
+    for chart in ("engine_busy_frac", "engine_queue", "prefix"):  # the engine's own metrics (engine/readings.py)
+        assert pools[chart] == [2], (chart, pools)
     assert page.errors == []
 
 
@@ -72,6 +74,12 @@ def test_opening_a_group_shows_its_trajectories_with_coloured_tokens(page):
     page.click("nav button[data-tab=timeline]")
     page.wait_for_selector("#timeline .lane")
     assert page.locator("#timeline .lane-row").count() == 4
+    # each bar split by its slowest member's time: generating, waiting on tools, scoring (groups.jsonl's `slowest`)
+    for part in ("generating", "waiting on tools", "scoring"):
+        assert page.locator(f'#timeline .seg[data-part="{part}"]').count() == 4, part
+    widths = page.evaluate("[...document.querySelectorAll('#timeline .seg[data-part=generating]')]"
+                           ".map(s => s.getBoundingClientRect().width)")
+    assert all(w > 0 for w in widths)
     assert page.errors == []
 
 

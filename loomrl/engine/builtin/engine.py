@@ -64,7 +64,7 @@ class BuiltinEngine(TakesTensors):
         self.eos_token_id = eos_token_id
         self.cache = PrefixCache() if prefix_cache else None
         self.tokenizer = tokenizer  # only needed for stop strings
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(busy_s=0.0, queue_s=0.0)  # the scheduler measures the queue
         self.kv_budget = kv_budget_tokens  # the protocol's: the server refuses requests that cannot fit
         self.sched = Scheduler(self.runner, self.cache, self.metrics, kv_budget=kv_budget_tokens,
                                max_running=max_running, max_prefill_tokens=max_prefill_tokens)
@@ -221,13 +221,20 @@ class BuiltinEngine(TakesTensors):
             t0 = time.perf_counter()
             with self._cond:
                 batch, version = self.sched.schedule(), self._version
+            done = []
             if batch.chunks:
                 logits = self.runner.forward(batch.chunks)
                 self.metrics.steps += 1
-                self._postprocess(batch, logits, version)
+                done = self._postprocess(batch, logits, version)
                 if all(len(c.tokens) == 1 for c in batch.chunks):
                     self.metrics.add_decode_step(len(batch.chunks), time.perf_counter() - t0)
-            self.metrics.busy_s += time.perf_counter() - t0
+            self.metrics.busy_s += time.perf_counter() - t0  # counted before a caller hears of its result
+            if done:
+                with self._cond:
+                    for seq, reason in done:
+                        if seq in self.sched.running:
+                            self.sched.running.remove(seq)
+                        self._finish(seq, reason)
 
     def _apply_weights_locked(self) -> None:
         pending, self._pending_weights = self._pending_weights, None
@@ -252,14 +259,15 @@ class BuiltinEngine(TakesTensors):
         deliver(fut)
 
     # -- one step's postprocessing ------------------------------------------------------------------
-    def _postprocess(self, batch: Batch, logits: torch.Tensor, version: int) -> None:
+    def _postprocess(self, batch: Batch, logits: torch.Tensor, version: int) -> list[tuple[Seq, str]]:
+        """Cache new prompts, sample; returns the sequences this step finished, with why (the caller finishes them)."""
         if self.cache is not None:
             with self._cond:  # release() may touch the tree from another thread
                 for seq in batch.running:  # newly prefilled prompts serve their siblings from the next step on
                     if seq.kv is not None and seq.kv.length == len(seq.prompt) and not seq.out_tokens:
                         self.cache.insert(seq.prompt, seq.kv, seq.request.program_id)
         if not batch.samples:
-            return
+            return []
         rows = torch.tensor([i for i, _ in batch.samples], dtype=torch.long, device=logits.device)
         seqs = [s for _, s in batch.samples]
         # drawn on the CPU from each request's own generator (seeded requests reproduce on any device)
@@ -273,12 +281,7 @@ class BuiltinEngine(TakesTensors):
             self.metrics.generated_tokens += 1
             if reason := self._stop_reason(seq, tok):
                 done.append((seq, reason))
-        if done:
-            with self._cond:
-                for seq, reason in done:
-                    if seq in self.sched.running:
-                        self.sched.running.remove(seq)
-                    self._finish(seq, reason)
+        return done
 
     def _stop_reason(self, seq: Seq, tok: int) -> str | None:
         sp = seq.request.sampling

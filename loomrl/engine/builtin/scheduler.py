@@ -10,6 +10,7 @@ within max_prefill_tokens. The engine calls `schedule()` under its lock; nothing
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -57,9 +58,19 @@ class Scheduler:
         self.kv_budget, self.max_running, self.max_prefill_tokens = kv_budget, max_running, max_prefill_tokens
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
+        self._queue_at = time.monotonic()  # when queue_s was last brought up to date
+
+    def _count_queue(self) -> None:
+        """Add the waiting requests times the seconds since the last count to metrics.queue_s (the queue depth's time
+        integral). Called before every change to `waiting` and at every schedule, so a reading lags by one step at
+        most: a queue that waits unchanged through a long step is counted when the next one is scheduled."""
+        now = time.monotonic()
+        self.metrics.queue_s += len(self.waiting) * (now - self._queue_at)
+        self._queue_at = now
 
     def add(self, seq: Seq) -> None:
         """Queue after every waiting request of the same or a lower priority (FIFO among equals)."""
+        self._count_queue()
         at = len(self.waiting)
         while at and self.waiting[at - 1].request.priority > seq.request.priority:
             at -= 1
@@ -67,12 +78,14 @@ class Scheduler:
 
     def drain(self) -> list[Seq]:
         """Every sequence in flight, running and waiting, removed from the scheduler."""
+        self._count_queue()
         out = [*self.running, *self.waiting]
         self.running.clear()
         self.waiting.clear()
         return out
 
     def schedule(self) -> Batch:
+        self._count_queue()  # _admit and _preempt_if_needed change `waiting` at this instant
         self._admit()
         self._preempt_if_needed()
         chunks, samples, budget = [], [], self.max_prefill_tokens

@@ -20,10 +20,12 @@ const CURVES = [
   { id: "step_time", title: "step time split (s): rollout, train, rollout idle (waiting)", keys: ["time/step_s", "time/rollout_s", "time/train_s", "time/rollout_idle_s"] },
 ];
 const POOLS = [
+  { id: "engine_busy_frac", title: "engine busy: share of the step's wall time computing", keys: ["engine/busy_frac"], range: [0, 1] },
   { id: "engine_busy", title: "engine busy time (s per step)", keys: ["engine/busy_s"] },
+  { id: "engine_queue", title: "engine queue: requests waiting for admission (the step's mean)", keys: ["engine/queue_depth"] },
   { id: "queue", title: "queue depth: groups buffered when the step began; buffer wait (s)", keys: ["buffer/depth", "buffer/wait_s_mean", "buffer/wait_s_max"] },
   { id: "inflight", title: "groups in flight", keys: ["admission/inflight_groups", "admission/inflight_groups_max", "admission/launched_groups"] },
-  { id: "prefix", title: "prefix-cache hit rate", keys: ["engine/prefix_hit_rate"] },
+  { id: "prefix", title: "prefix-cache hit rate (share of prompt tokens)", keys: ["engine/prefix_hit_rate"], range: [0, 1] },
   { id: "env_health", title: "env pool health: created, destroyed, kills, failures", keys: [/^env_pool\/(created|destroyed|kills|health_failures|create_failures|reset_failures)$/] },
   { id: "env_wait", title: "env pool acquire waits; concurrency cap waits (s)", keys: [/^env_pool\/acquire_wait_s_(total|max)$/, "rollout/cap_wait_s_total"] },
   { id: "reward_latency", title: "reward latency (s)", keys: [/^reward(_pool)?\/.*(latency|_s_|wait)/] },
@@ -173,16 +175,14 @@ async function drawTimeline() {
   const t0 = Math.min(...starts), t1 = Math.max(...groups.map(g => stepTime.get(g.step) || g.finished));
   const x = s => (100 * (s - t0) / Math.max(t1 - t0, 1e-9)).toFixed(3) + "%";
   const w = (a, b) => (100 * Math.max(b - a, 0) / Math.max(t1 - t0, 1e-9)).toFixed(3) + "%";
-  note.textContent = `${run.key}: the last ${groups.length} group attempts, ${(t1 - t0).toFixed(1)} s. Coloured: generating ` +
-    "(admitted → scored), its colour the policy version it was admitted at, labelled with the versions its tokens came from; " +
-    "grey: scored, waiting for the trainer; the end mark: trained (green) or left out (orange) at the step named.";
+  note.textContent = `${run.key}: the last ${groups.length} group attempts, ${(t1 - t0).toFixed(1)} s. Coloured: admitted → scored, ` +
+    "its colour the policy version it was admitted at, labelled with the versions its tokens came from; where the run records " +
+    "it, split by its slowest member's time into generating (the version's colour), waiting on tools (env reset and tool " +
+    "calls, amber) and scoring (purple), the rest (light) other waits; grey: scored, waiting for the trainer; the end mark: " +
+    "trained (green) or left out (orange) at the step named.";
   box.replaceChildren(...groups.map(g => {
     const lane = el("div", { class: "lane" });
-    if (g.launched != null) {
-      lane.append(el("div", { class: "seg", title: `generating ${(g.finished - g.launched).toFixed(2)} s`,
-        style: `left:${x(g.launched)};width:${w(g.launched, g.finished)};background:hsl(${(g.version_at_launch * 67) % 360},55%,45%)` },
-      `v${g.policy_version_min}–${g.policy_version_max}`));
-    }
+    if (g.launched != null) lane.append(...lifeSegments(g, x, w));
     const end = stepTime.get(g.step);
     if (end != null) {
       lane.append(el("div", { class: "seg", title: "waiting for the trainer", style: `left:${x(g.finished)};width:${w(g.finished, end)};background:#bbb` }));
@@ -192,6 +192,32 @@ async function drawTimeline() {
     const what = g.step != null ? `${g.fate} @${g.step}` : g.ended;
     return el("div", { class: "lane-row" }, el("span", { class: "lane-label" }, `pos ${g.position}#${g.attempt} ${what}`), lane);
   }));
+}
+
+// A group's admitted → scored bar: whole, or (groups.jsonl lines with `slowest`, runtime/group_log.py) split in
+// proportion to its slowest member's generation, tool (env reset + steps) and scoring seconds, the rest drawn as other
+// waits; parts that add up to more than the bar (clocks differ a little) are scaled to fit it.
+function lifeSegments(g, x, w) {
+  const hue = `hsl(${(g.version_at_launch * 67) % 360},55%,45%)`;
+  const label = `v${g.policy_version_min}–${g.policy_version_max}`;
+  const span = g.finished - g.launched;
+  const s = g.slowest;
+  if (!s) return [el("div", { class: "seg", title: `generating ${span.toFixed(2)} s`, style: `left:${x(g.launched)};width:${w(g.launched, g.finished)};background:${hue}` }, label)];
+  const parts = [["generating", s.gen_s, hue], ["waiting on tools", s.reset_s + s.env_s, "#d9a42b"], ["scoring", s.reward_s, "#8e5bb5"]];
+  const scale = Math.min(1, span / Math.max(parts.reduce((a, p) => a + p[1], 0), 1e-9));
+  const why = `slowest member: generating ${s.gen_s.toFixed(2)} s, tools ${s.env_s.toFixed(2)} s, env reset ${s.reset_s.toFixed(2)} s, ` +
+    `scoring ${s.reward_s.toFixed(2)} s, of ${span.toFixed(2)} s`;
+  const out = [];
+  let at = g.launched;
+  for (const [what, secs, colour] of parts) {
+    const end = at + secs * scale;
+    out.push(el("div", { class: "seg", "data-part": what, title: `${what} ${secs.toFixed(2)} s (${why})`,
+      style: `left:${x(at)};width:${w(at, end)};background:${colour}` }, what === "generating" ? label : ""));
+    at = end;
+  }
+  if (at < g.finished) out.push(el("div", { class: "seg", "data-part": "other", title: `other waits ${(g.finished - at).toFixed(2)} s (${why})`,
+    style: `left:${x(at)};width:${w(at, g.finished)};background:${hue};opacity:0.35` }));
+  return out;
 }
 
 // -- trajectories -------------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ local and the Ray tests)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from loomrl.store import read_trajectories
@@ -25,6 +26,11 @@ def check_each_trajectory_once(run_dir: Path, steps: int) -> tuple[list[str], li
     for t in consumed:
         by_position.setdefault(stored[t]["position"], set()).add(stored[t]["group_id"])
     assert all(len(g) == 1 for g in by_position.values()), "a data position was consumed twice"
+    # train_records.jsonl (the viewer's) is cut with the ledger on every resume and restart: a line per trained one
+    path = run_dir / "train_records.jsonl"
+    records = [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+    assert sorted((r["step"], r["trajectory_id"]) for r in records) == \
+        sorted((e["step"], t) for e in ledger for t in e["trained"]), "train_records.jsonl disagrees with the ledger"
     return trained, consumed, stored
 
 

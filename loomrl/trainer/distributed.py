@@ -225,11 +225,14 @@ class DataParallelTrainer:
         lt = float(s.loss_tokens)
         forwarded = s.tokens / s.tree_ratio if s.tree_ratio else float(s.tokens)
         v = torch.tensor([s.loss, s.clip_frac * lt, s.ratio_mean * lt, s.approx_kl * lt, s.ess * lt, lt,
-                          float(s.tokens), forwarded, float(s.attn_pairs_dense), float(s.attn_pairs)],
-                         dtype=torch.float64, device=self.device)
+                          float(s.tokens), forwarded, float(s.attn_pairs_dense), float(s.attn_pairs),
+                          s.entropy * lt, s.logprob_gap_mean * lt], dtype=torch.float64, device=self.device)
         dist.all_reduce(v)
-        loss, clip, ratio, kl, ess, g_lt, tokens, g_forwarded, pairs_dense, pairs = v.tolist()
+        gap_max = torch.tensor([s.logprob_gap_max], dtype=torch.float64, device=self.device)
+        dist.all_reduce(gap_max, op=dist.ReduceOp.MAX)
+        loss, clip, ratio, kl, ess, g_lt, tokens, g_forwarded, pairs_dense, pairs, ent, gap = v.tolist()
         return StepStats(loss=loss, grad_norm=s.grad_norm, clip_frac=clip / g_lt, ratio_mean=ratio / g_lt,
                          approx_kl=kl / g_lt, tokens=int(tokens), loss_tokens=int(g_lt), seconds=s.seconds,
                          lr=s.lr, ess=ess / g_lt, tree_ratio=tokens / max(g_forwarded, 1.0),
-                         attn_pairs_dense=int(pairs_dense), attn_pairs=int(pairs))
+                         attn_pairs_dense=int(pairs_dense), attn_pairs=int(pairs), entropy=ent / g_lt,
+                         logprob_gap_mean=gap / g_lt, logprob_gap_max=float(gap_max), gaps=s.gaps)  # gaps: this rank's

@@ -7,17 +7,20 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import transformers
 
-from loomrl.trainer.head import head_logprobs
+from loomrl.trainer.head import Entropies, head_logprobs
 from loomrl.trainer.tree import decoder_and_head, sampled_positions, tree_token_logprobs
 from loomrl.types import TrainingSample
 
 
-def token_logprobs(model: torch.nn.Module, samples: list[TrainingSample], *, with_grad: bool) -> list[torch.Tensor]:
-    """Logprob of each sample's loss-masked tokens under `model` (at the sample's temperature)."""
+def token_logprobs(model: torch.nn.Module, samples: list[TrainingSample], *, with_grad: bool,
+                   entropy: Entropies | None = None) -> list[torch.Tensor]:
+    """Logprob of each sample's loss-masked tokens under `model` (at the sample's temperature); `entropy`: the
+    distributions' entropies at those tokens (detached, all samples' in one tensor) are added to it (head.py)."""
     base, _ = decoder_and_head(model)
     device = next(model.parameters()).device
     width = max(len(s.token_ids) for s in samples)
@@ -33,7 +36,7 @@ def token_logprobs(model: torch.nn.Module, samples: list[TrainingSample], *, wit
                          device=device)
     with torch.set_grad_enabled(with_grad):
         hidden = base(input_ids=ids, attention_mask=attn).last_hidden_state  # [B, T, H]
-        logp = head_logprobs(model, hidden[at[:, 0], at[:, 1] - 1], ids[at[:, 0], at[:, 1]], temps)
+        logp = head_logprobs(model, hidden[at[:, 0], at[:, 1] - 1], ids[at[:, 0], at[:, 1]], temps, entropy=entropy)
     return list(torch.split(logp, [len(ts) for ts in targets]))
 
 
@@ -52,21 +55,27 @@ def compute_context(precision: str, device: torch.device) -> Callable[[], contex
     return lambda: torch.autocast(device.type, dtype=dtype)
 
 
-Logprobs = Callable[[list[TrainingSample], bool], list[torch.Tensor]]  # (micro-batch, merged) -> per sample
+class Logprobs(Protocol):
+    """A micro-batch forward: (micro-batch, merged, entropy sink) -> per sample, the logprobs of its loss-masked
+    tokens; with `entropy` given, the micro-batch's per-token entropies (detached) are added to it."""
+
+    def __call__(self, batch: list[TrainingSample], merged: bool,
+                 entropy: Entropies | None = None) -> list[torch.Tensor]: ...
 
 
 def forward_of(model: torch.nn.Module, *, flex: bool = False) -> Logprobs:
     """The micro-batch forward of a model held whole by this process (`flex`: tree attention through FlexAttention)."""
-    return lambda batch, merged: logprobs_of(model, batch, merged, with_grad=torch.is_grad_enabled(), flex=flex)
+    return lambda batch, merged, entropy=None: logprobs_of(model, batch, merged, with_grad=torch.is_grad_enabled(),
+                                                           flex=flex, entropy=entropy)
 
 
 def logprobs_of(model: torch.nn.Module, batch: list[TrainingSample], merged: bool, *, with_grad: bool,
-                flex: bool = False) -> list[torch.Tensor]:
+                flex: bool = False, entropy: Entropies | None = None) -> list[torch.Tensor]:
     """Per sample of `batch`, the logprobs of its loss-masked tokens; `merged`: over the batch's prefix tree
-    (`flex`: its attention through FlexAttention)."""
+    (`flex`: its attention through FlexAttention); `entropy`: as token_logprobs."""
     if merged:
-        return tree_token_logprobs(model, batch, with_grad=with_grad, flex=flex)
-    return token_logprobs(model, batch, with_grad=with_grad)
+        return tree_token_logprobs(model, batch, with_grad=with_grad, flex=flex, entropy=entropy)
+    return token_logprobs(model, batch, with_grad=with_grad, entropy=entropy)
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:

@@ -15,6 +15,7 @@ import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from loomrl.trainer.forward import Logprobs, logprobs_of
+from loomrl.trainer.head import Entropies
 from loomrl.trainer.tree import decoder_and_head
 from loomrl.types import TrainingSample
 
@@ -32,11 +33,12 @@ class _ShardedForward(torch.nn.Module):
         super().__init__()
         self.model, self.flex = model, flex
 
-    def forward(self, batch: list[TrainingSample], merged: bool) -> list[torch.Tensor]:
+    def forward(self, batch: list[TrainingSample], merged: bool,
+                entropy: Entropies | None = None) -> list[torch.Tensor]:
         # clones, not split views: FSDP hooks its pre-backward into the outputs, which an in-place op on a
-        # view would drop
+        # view would drop (the entropies, detached, need no hook)
         return [lp.clone() for lp in logprobs_of(self.model, batch, merged, with_grad=torch.is_grad_enabled(),
-                                               flex=self.flex)]
+                                               flex=self.flex, entropy=entropy)]
 
 
 @contextmanager

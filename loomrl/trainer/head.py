@@ -21,6 +21,11 @@ trainer.precision (the same one in forward and backward); its output is upcast t
 softcap, the temperature and the softmax; the head's gradient is accumulated in float32 over the
 chunks and cast once at the end. Final-logit soft-capping (Gemma 2:
 cap * tanh(logits / cap)) is applied here, with its derivative, when `softcap` is given.
+
+Entropy (the trainer's `train/entropy`): when asked, the forward also gives each target's entropy
+H = lse - sum(softmax(z) * z), of the same temperature-scaled (and capped) distribution whose logprob it returns, from
+the block's logits it already holds: one more exp over each [chunk, V] block, no extra forward, no memory beyond N
+floats. It is detached (the loss has no entropy term).
 """
 
 from __future__ import annotations
@@ -41,6 +46,24 @@ CPU_CHUNK = 128
 CUDA_BLOCK_BYTES = 1 << 30
 CHUNK_ALIGN = 128
 CUDA_MIN_CHUNK, CUDA_MAX_CHUNK = 512, 8192
+
+
+class Entropies:
+    """Where a forward puts the per-token entropies it computes (detached, float32), a tensor per head pass.
+    A plain class, not a list or a dataclass: FSDP rebuilds the lists and dataclasses in its forward's inputs (to
+    cast and move their tensors), so appends would go to its copy; an object it does not know it passes as it is."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self) -> None:
+        self.parts: list[Tensor] = []
+
+    def add(self, entropy: Tensor) -> None:
+        self.parts.append(entropy.detach())
+
+    def all(self) -> Tensor:
+        """Every token's entropy, in the order they were added ([0] when none was)."""
+        return torch.cat(self.parts).float().cpu() if self.parts else torch.zeros(0)  # one copy off the device
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
@@ -73,7 +96,7 @@ class _ChunkedLogprob(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, rows: Tensor,
-                inv_temp: Tensor, plan: HeadPlan, softcap: float | None) -> Tensor:
+                inv_temp: Tensor, plan: HeadPlan, softcap: float | None, want_entropy: bool) -> tuple[Tensor, Tensor]:
         # Under autocast (trainer.precision) the head's matmul runs in the autocast dtype, as it would
         # outside this function; forward and backward use the same one, so their logits agree.
         device, chunk = hidden.device.type, plan.chunk
@@ -81,18 +104,23 @@ class _ChunkedLogprob(torch.autograd.Function):
         w_c, b_c = weight.to(ctx.compute_dtype), bias.to(ctx.compute_dtype) if bias is not None else None
         lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         out = torch.empty(targets.shape[0], dtype=torch.float32, device=hidden.device)
+        ent = torch.empty(hidden.shape[0] if want_entropy else 0, dtype=torch.float32, device=hidden.device)  # per row
         bounds = torch.searchsorted(rows, torch.arange(0, hidden.shape[0] + chunk, chunk, device=rows.device)).tolist()
         for k, s in enumerate(range(0, hidden.shape[0], chunk)):
             z = _capped(hidden[s : s + chunk], w_c, b_c, softcap) * inv_temp[s : s + chunk, None]
             lse[s : s + chunk] = torch.logsumexp(z, dim=-1)
             a, b = bounds[k], bounds[k + 1]
             out[a:b] = z[rows[a:b] - s, targets[a:b]] - lse[rows[a:b]]
+            if want_entropy:  # H = lse - E_p[z]; p = exp(z - lse)
+                ent[s : s + chunk] = lse[s : s + chunk] - (torch.exp(z - lse[s : s + chunk, None]) * z).sum(-1)
         ctx.save_for_backward(hidden, weight, bias, targets, rows, inv_temp, lse)
         ctx.plan, ctx.softcap, ctx.bounds = plan, softcap, bounds
-        return out
+        ent = ent[rows] if want_entropy else ent  # per target
+        ctx.mark_non_differentiable(ent)
+        return out, ent
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor):
+    def backward(ctx, grad_out: Tensor, _grad_entropy: Tensor | None = None):
         hidden, weight, bias, targets, rows, inv_temp, lse = ctx.saved_tensors
         plan, softcap, bounds = ctx.plan, ctx.softcap, ctx.bounds
         chunk, compute = plan.chunk, ctx.compute_dtype
@@ -126,16 +154,18 @@ class _ChunkedLogprob(torch.autograd.Function):
             if need_b:
                 grad_b += dz.sum(0)
         return (grad_h, grad_w.to(weight.dtype) if need_w else None, grad_b.to(bias.dtype) if need_b else None,
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def chunked_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperatures: Tensor | None = None, *,
                      rows: Tensor | None = None, bias: Tensor | None = None, chunk: int | None = None,
-                     plan: HeadPlan | None = None, softcap: float | None = None) -> Tensor:
+                     plan: HeadPlan | None = None, softcap: float | None = None,
+                     entropy: Entropies | None = None) -> Tensor:
     """float32 [T] logprob of targets[i] under softmax(head(hidden[rows[i]]) / temperatures[rows[i]]).
     `hidden` [R, H] and `weight` [V, H] (the LM head's); `rows` [T] (default: target i reads row i);
     `temperatures` [R] (None or <= 0: 1, as greedy rows are scored at temperature 1). `plan`: head_plan for hidden's
-    device unless given; `chunk` overrides its rows per block. Memory: O(chunk x V) beyond the inputs, not O(R x V)."""
+    device unless given; `chunk` overrides its rows per block. Memory: O(chunk x V) beyond the inputs, not O(R x V).
+    `entropy`: when given, the float32 [T] entropy of target i's distribution is added to it."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"chunked_logprobs: hidden {tuple(hidden.shape)} and head weight {tuple(weight.shape)} "
                          "must be [N, H] and [V, H]")
@@ -153,13 +183,17 @@ def chunked_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperatur
         t = temperatures.to(device=device, dtype=torch.float32)
         inv_temp = torch.where(t > 0, 1.0 / t.clamp_min(1e-12), torch.ones_like(t))
     order = torch.argsort(rows, stable=True)  # targets grouped by row: each chunk of rows takes a contiguous run
-    out = _ChunkedLogprob.apply(hidden, weight, bias, targets[order], rows[order], inv_temp, plan, softcap)
-    return out[torch.argsort(order)]
+    out, ent = _ChunkedLogprob.apply(hidden, weight, bias, targets[order], rows[order], inv_temp, plan, softcap,
+                                     entropy is not None)
+    back = torch.argsort(order)
+    if entropy is not None:
+        entropy.add(ent[back])
+    return out[back]
 
 
 def head_logprobs(model: torch.nn.Module, hidden: Tensor, targets: Tensor, temperatures: Tensor, *,
-                  rows: Tensor | None = None) -> Tensor:
+                  rows: Tensor | None = None, entropy: Entropies | None = None) -> Tensor:
     """chunked_logprobs through `model`'s own output head, with its final-logit soft-capping (Gemma 2)."""
     head = model.get_output_embeddings()
     return chunked_logprobs(hidden, head.weight, targets, temperatures, rows=rows, bias=head.bias,
-                            softcap=getattr(model.config, "final_logit_softcapping", None))
+                            softcap=getattr(model.config, "final_logit_softcapping", None), entropy=entropy)

@@ -82,10 +82,11 @@ class RankWork:
 class RankReport:
     step: int
     checksum: tuple[int, int] | None  # None: sharded ranks (each holds other parts)
+    gaps: list[list[float] | None] = field(default_factory=list)  # a step's: StepStats.gaps of this rank's samples
 
     @classmethod
-    def of(cls, trainer: Trainer) -> RankReport:
-        return cls(trainer.step, None if trainer.sharded else param_checksum(trainer.params))
+    def of(cls, trainer: Trainer, gaps: list[list[float] | None] | None = None) -> RankReport:
+        return cls(trainer.step, None if trainer.sharded else param_checksum(trainer.params), gaps or [])
 
 
 def build_trainer(cfg: RunConfig, model: torch.nn.Module, ckpt: Path | None) -> Trainer:
@@ -130,7 +131,7 @@ class Follower:
         elif w.skip:
             self.dp.trainer.skip_step()
         else:
-            self.dp.train_step(w.samples)
+            return RankReport.of(self.dp.trainer, self.dp.train_step(w.samples).gaps)
         return RankReport.of(self.dp.trainer)
 
 
@@ -166,7 +167,14 @@ class RankGroup(ABC):
             # A peer died or timed out. The runtime stops every rank (a follower may still wait in a
             # collective, so no report is awaited here).
             raise RankLost(f"a collective of the data-parallel step failed: {err}") from err
-        self._check(self._collect())
+        reports = self._collect()
+        self._check(reports)
+        # the per-sample gaps back in the order of `samples` (the shards hold the same objects; a follower's come
+        # in the order of its shard)
+        gap_of = {id(x): g for x, g in zip(shards[0], stats.gaps)}
+        for shard, report in zip(shards[1:], reports):
+            gap_of.update({id(x): g for x, g in zip(shard, report.gaps)})
+        stats.gaps = [gap_of.get(id(x)) for x in samples]
         return stats
 
     def skip_step(self) -> None:

@@ -4,7 +4,8 @@ way it is fed groups with their data positions and answers with new weights and 
 
 Ledger (RUN/ledger.jsonl): one line per training step naming every trajectory it consumed, by fate
 (trained, skipped with reason, dropped as stale). On resume the lines after the checkpoint's step are
-cut, so the ledger always equals what the saved model has seen.
+cut, so the ledger always equals what the saved model has seen. Next to it, RUN/train_records.jsonl (records.py):
+per trajectory trained, the advantages it was trained with and its engine-vs-trainer logprob gap per token.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from loomrl.trainer.distributed import Gather
 from loomrl.trainer.grpo import samples_from_credit, samples_from_group
 from loomrl.trainer.offload import Moved, offload, onload
 from loomrl.trainer.ranks import RankGroup, build_trainer
+from loomrl.trainer.records import append_records, cut_records, train_records
 from loomrl.types import TrainingSample, Trajectory
 from loomrl.weights.source import DictSource, WeightSource, dtype_name
 
@@ -119,6 +120,7 @@ class TrainerService:
             set_rng_state(state["rng"])
             kept = [e for e in read_ledger(self.run_dir) if e["step"] <= state["step"]]
             self.ledger_path.write_text("".join(json.dumps(e) + "\n" for e in kept))
+            cut_records(self.run_dir, state["step"])
 
     @classmethod
     def from_run(cls, cfg: RunConfig, extra: dict[str, Any], checkpoint: Path | None,
@@ -131,6 +133,8 @@ class TrainerService:
         from loomrl.model.loader import load_run_model
 
         repair_ledger_for_restart(cfg.run_dir, checkpoint)
+        if checkpoint is None:  # the model starts over: so do its records (a resume cuts them in __init__)
+            cut_records(cfg.run_dir, None)
         model, tokenizer = load_run_model(cfg.model, checkpoint, trainer=cfg.trainer)  # float32 on trainer.device
         if ranks is not None:
             if rendezvous is None:
@@ -164,6 +168,7 @@ class TrainerService:
         depth = len(self.buffer)
         groups, stale = self.buffer.take(self.cfg.trainer.groups_per_step, version)
         samples, trained, skipped = [], [], {}
+        trained_trajs: list[Trajectory] = []  # of the usable groups, for the train records
         groups_skipped, why_skipped = 0, Counter()
         rule = AdvantageRule.of(self.cfg.trainer)
         credits = []  # of the trained groups, for the advantage/ metrics
@@ -187,6 +192,7 @@ class TrainerService:
             credits.append(group_credit(usable, rule))
             samples.extend(samples_from_credit(usable, credits[-1]))
             trained.extend(t.trajectory_id for t in usable)
+            trained_trajs.extend(usable)
             accounted = {t.trajectory_id for t in usable} | out
             unaccounted = [t.trajectory_id for t in group if t.trajectory_id not in accounted]
             if unaccounted:  # no turn at all
@@ -221,7 +227,7 @@ class TrainerService:
             step = self.ranks.train_step if self.ranks else self.trainer.train_step
             stats = step(samples, idle_tokens=idle_tokens, idle_seqs=idle_seqs, idle_longest=idle_longest)
             metrics["train/idle_tokens"] = idle_tokens
-            metrics.update({f"train/{k}": v for k, v in asdict(stats).items()})
+            metrics.update({f"train/{k}": v for k, v in stats.metrics().items()})
         else:  # a step with no signal still consumes its groups and advances the schedule
             (self.ranks or self.trainer).skip_step()
         metrics["staleness_max"] = max(staleness) if staleness else 0
@@ -229,6 +235,10 @@ class TrainerService:
                  "stale": [t.trajectory_id for g in stale for t in g]}
         with self.ledger_path.open("a") as f:
             f.write(json.dumps(entry) + "\n")
+        if samples:
+            kept = set(trained)  # the balance filter may have left some out
+            append_records(self.run_dir, train_records(self.version, [t for t in trained_trajs if t.trajectory_id in kept],
+                                                       samples, stats.gaps))
         every = self.cfg.checkpoint_every
         if (every and self.version % every == 0) or self.done:
             self.last_metrics = metrics

@@ -20,7 +20,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from functools import partial
 from pathlib import Path
 
@@ -31,6 +31,7 @@ from loomrl.config import RunConfig, TrainerConfig
 from loomrl.devices import place, trainer_device
 from loomrl.trainer.forward import Logprobs, compute_context, enable_activation_checkpointing, forward_of
 from loomrl.trainer.fsdp import whole_for_pass
+from loomrl.trainer.head import Entropies
 from loomrl.trainer.losses import policy_loss
 from loomrl.trainer.tree import (
     compression_ratio,
@@ -74,6 +75,21 @@ class StepStats:
     tree_ratio: float = 1.0  # tokens of the step / tokens forwarded (tree merge computes shared ones once)
     attn_pairs_dense: int = 0  # attention (query, key) pairs of the step's samples, each on its own
     attn_pairs: int = 0  # ... of the forwards actually run (fewer with tree merge)
+    # mean entropy (nats) of the policy's temperature-scaled distribution at the trained tokens, from the training
+    # forward's own logits (trainer/head.py)
+    entropy: float = 0.0
+    # |trainer logprob - engine logprob| of the trained tokens: the trainer's under the weights before this step's
+    # update (every micro-batch's forward runs before the one optimizer step), the engine's as sampled. It mixes the
+    # engines' numerics with policy lag: a token sampled by an older version differs by that version's change too.
+    logprob_gap_mean: float = 0.0
+    logprob_gap_max: float = 0.0
+    # per sample given to train_step (same order), the gap of each of its loss-masked tokens; None: trained on
+    # another rank that did not report it. Not a metric: the service writes it to RUN/train_records.jsonl.
+    gaps: list[list[float] | None] = field(default_factory=list)
+
+    def metrics(self) -> dict[str, float]:
+        """The step's scalar metrics (every field but the per-sample gaps)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "gaps"}
 
 
 def freeze_bottom(model: torch.nn.Module, n_layers: int) -> None:
@@ -185,6 +201,8 @@ class Trainer:
         loss_sum = 0.0
         stats_sum: dict[str, float] = {}
         seq_offset = chunk_offset = 0
+        entropy = Entropies()  # the training forwards' per-token entropies
+        gap_of: dict[int, torch.Tensor] = {}  # id(sample) -> |trainer - engine| logprob of its trained tokens
 
         def micro_batch_loss(b: int, logps: list[torch.Tensor]) -> torch.Tensor | None:
             """The loss of micro-batch b given its samples' logprobs (None: no sampled tokens)."""
@@ -208,6 +226,10 @@ class Trainer:
                     chunk_ids.append(c)
             seq_offset += len(parts)
             chunk_offset = c + 1
+            # before any update of this step: the trainer's view of the tokens the engine sampled
+            gaps = (torch.cat([logp for _, _, logp in parts]).detach().float() - behaviour).abs()
+            for (_, s, _), g in zip(parts, torch.split(gaps, [len(ts) for ts in idx])):
+                gap_of[id(s)] = g
             loss, stats = policy_loss(
                 loss_cfg, torch.cat([logp for _, _, logp in parts]), behaviour, adv, seq_ids,
                 chunk_ids=torch.tensor(chunk_ids, **on),
@@ -224,11 +246,12 @@ class Trainer:
             whole = whole_for_pass(self.forward, [_PADDING]) if self.sharded else contextlib.nullcontext()
             with self.autocast(), whole:
                 if real:  # the rest (the shared plan's padding) are left out: nothing to share inside the pass
-                    loss_sum = depth_first_backward(self.model, batches[:real], micro_batch_loss).loss
+                    loss_sum = depth_first_backward(self.model, batches[:real], micro_batch_loss,
+                                                    entropy=entropy).loss
         else:
             for b, chunk in enumerate(batches):
-                with self.autocast():
-                    loss = micro_batch_loss(b, self.forward(chunk, merged[b]))
+                with self.autocast():  # the padding's entropy is not the policy's at any trained token
+                    loss = micro_batch_loss(b, self.forward(chunk, merged[b], entropy if b < real else None))
                 if loss is not None:
                     recompute_merged = merged[b] and cfg.activation_checkpointing
                     with tree_attention(self.model) if recompute_merged else contextlib.nullcontext():
@@ -244,12 +267,18 @@ class Trainer:
         self.step += 1
         self.model.eval()
         mean = {key: v / max(total_loss_tokens, 1) for key, v in stats_sum.items()}  # per sampled token
+        ent = entropy.all()
+        gap = torch.cat(list(gap_of.values())).cpu() if gap_of else torch.zeros(0)  # one copy off the device
+        per_sample = dict(zip(gap_of, (g.tolist() for g in torch.split(gap, [g.numel() for g in gap_of.values()]))))
         return StepStats(
             loss=loss_sum, grad_norm=grad_norm, clip_frac=mean.get("clip_frac", 0.0),
             ratio_mean=mean.get("ratio_mean", 0.0), approx_kl=mean.get("approx_kl", 0.0), ess=mean.get("ess", 1.0),
             tokens=sum(len(s.token_ids) for s in samples), loss_tokens=total_loss_tokens,
             seconds=time.perf_counter() - start, lr=self.scheduler.get_last_lr()[0], tree_ratio=tree_ratio,
-            attn_pairs_dense=sum(pairs_dense), attn_pairs=sum(pairs))
+            attn_pairs_dense=sum(pairs_dense), attn_pairs=sum(pairs),
+            entropy=float(ent.mean()) if ent.numel() else 0.0, logprob_gap_mean=float(gap.mean()) if gap.numel() else 0.0,
+            logprob_gap_max=float(gap.max()) if gap.numel() else 0.0,
+            gaps=[per_sample.get(id(s), []) for s in samples])
 
     def skip_step(self) -> None:
         """A step whose groups carried no signal: it consumes them and advances the learning-rate

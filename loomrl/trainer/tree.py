@@ -64,7 +64,7 @@ from typing import Any
 import torch
 
 from loomrl.tokens import common_prefix_len
-from loomrl.trainer.head import head_logprobs
+from loomrl.trainer.head import Entropies, head_logprobs
 from loomrl.types import TrainingSample
 
 TREE_ATTENTION = "loomrl_tree"  # the name the segment attention is registered under in transformers
@@ -358,18 +358,18 @@ def sampled_positions(sample: TrainingSample) -> list[int]:
 
 
 def tree_token_logprobs(model: torch.nn.Module, samples: list[TrainingSample], *, with_grad: bool,
-                        flex: bool = False) -> list[torch.Tensor]:
+                        flex: bool = False, entropy: Entropies | None = None) -> list[torch.Tensor]:
     """Same result as trainer.token_logprobs (per sample, the logprobs of its loss-masked tokens at
-    its temperature), computed over the samples' prefix tree."""
+    its temperature, and with `entropy` their entropies), computed over the samples' prefix tree."""
     tree = pack_tree([s.token_ids for s in samples])
     with torch.set_grad_enabled(with_grad):
-        return _sample_logprobs(model, tree_hidden(model, tree, flex=flex), samples, tree.sample_nodes)
+        return _sample_logprobs(model, tree_hidden(model, tree, flex=flex), samples, tree.sample_nodes, entropy)
 
 
 def _sample_logprobs(model: torch.nn.Module, hidden: torch.Tensor, samples: Sequence[TrainingSample],
-                     rows_of: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+                     rows_of: Sequence[Sequence[int]], entropy: Entropies | None = None) -> list[torch.Tensor]:
     """Per sample, the logprobs of its loss-masked tokens, read from `hidden` [R, H], whose row
-    rows_of[i][t] holds sample i's token t."""
+    rows_of[i][t] holds sample i's token t; `entropy`: their entropies are added to it (head.py)."""
     # One logit row per distinct (row of token t-1, temperature divisor); each target picks one entry.
     rows: dict[tuple[int, float], int] = {}
     row_of, tokens, counts = [], [], []
@@ -386,7 +386,7 @@ def _sample_logprobs(model: torch.nn.Module, hidden: torch.Tensor, samples: Sequ
     nodes = torch.tensor([node for node, _ in rows], dtype=torch.long, **on)
     divisors = torch.tensor([d for _, d in rows], dtype=torch.float32, **on)
     logp = head_logprobs(model, hidden[nodes], torch.tensor(tokens, dtype=torch.long, **on), divisors,
-                         rows=torch.tensor(row_of, dtype=torch.long, **on))
+                         rows=torch.tensor(row_of, dtype=torch.long, **on), entropy=entropy)
     return list(torch.split(logp, counts))
 
 
@@ -441,11 +441,13 @@ def _part_hidden(model: torch.nn.Module, tree: PackedTree, alive: list[_Trunk], 
 
 
 def depth_first_backward(model: torch.nn.Module, batches: Sequence[Sequence[TrainingSample]],
-                         loss_fn: Callable[[int, list[torch.Tensor]], torch.Tensor | None]) -> DepthFirstResult:
+                         loss_fn: Callable[[int, list[torch.Tensor]], torch.Tensor | None], *,
+                         entropy: Entropies | None = None) -> DepthFirstResult:
     """Forward and backward `batches` (sub-tries: consecutive runs of the lexicographically sorted
     samples, as `plan_tries` cuts them) over their common prefix tree, each node computed once.
     loss_fn(k, logprobs of batch k's samples) -> the batch's loss (None: nothing to train); its
-    gradient is accumulated into the parameters' .grad. See the module docstring."""
+    gradient is accumulated into the parameters' .grad. `entropy`: each batch's per-token entropies are appended to
+    it. See the module docstring."""
     _check_supported(model)
     samples = [s for b in batches for s in b]
     batch_of = [k for k, b in enumerate(batches) for _ in b]
@@ -482,7 +484,7 @@ def depth_first_backward(model: torch.nn.Module, batches: Sequence[Sequence[Trai
         table = torch.cat([*(t.leaves[0] for t in alive), hidden])  # [R, H]
         first = sum(len(b) for b in batches[:k])
         logps = _sample_logprobs(model, table, batch, [[row[n] for n in tree.sample_nodes[first + i]]
-                                                       for i in range(len(batch))])
+                                                       for i in range(len(batch))], entropy)
         loss = loss_fn(k, logps)
         if loss is not None:
             if loss.requires_grad:

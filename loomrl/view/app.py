@@ -7,7 +7,8 @@ Endpoints (all GET; `run` is a run's key from /api/runs):
   /api/groups?run=&store=&step=&status=&task=&min_reward=&max_reward=&limit=
                                                group cards (groups.py); step=-1: groups not consumed yet
   /api/trajectory?run=&id=&store=              one trajectory: turns, tool calls, per-token ids/text/mask/logprob/
-                                               version/advantage, its ledger fate
+                                               version (and gap, when recorded), its advantage (as trained when
+                                               train_records.jsonl has it, else computed), its ledger fate
   /api/timeline?run=                           each group's lifecycle (groups.jsonl) with the step that consumed it
 What it is not: a writer (it never changes a run folder) or a tracker across machines (it reads local folders).
 """
@@ -21,9 +22,16 @@ from fastapi import FastAPI, HTTPException, Query
 from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
 
-from loomrl.view.groups import GroupFilter, advantage_rule, advantages, filtered_groups
+from loomrl.view.groups import (
+    GroupFilter,
+    advantage_rule,
+    advantages,
+    filtered_groups,
+    recorded_advantage,
+    trained_source,
+)
 from loomrl.view.run_folder import TRAINING_STORE, RunFolder, RunFolderError
-from loomrl.view.tokens import TokenText
+from loomrl.view.tokens import TokenText, token_gaps
 
 STATIC = Path(__file__).parent / "static"
 # How long a trajectory waits for its run's tokenizer to load (transformers' import alone takes seconds) before it
@@ -105,8 +113,9 @@ def create_app(paths: list[Path]) -> FastAPI:
         folder = runs.get(run)
         rows = store(folder, store_name).rows()
         fates = folder.fates() if store_name == TRAINING_STORE else {}
+        records = folder.records() if store_name == TRAINING_STORE else {}
         flt = GroupFilter(step=step, status=status, task=task, min_reward=min_reward, max_reward=max_reward)
-        groups = filtered_groups(rows, fates, flt)
+        groups = filtered_groups(rows, fates, flt, records)
         runs.token_text(run).warm()  # a trajectory is likely opened next
         return {"groups": groups[:limit], "total": len(groups), "advantage_rule": advantage_rule(folder.config())}
 
@@ -120,21 +129,34 @@ def create_app(paths: list[Path]) -> FastAPI:
         group = [r for r in index.rows() if r.group_id == record["group_id"]]
         adv = dict(zip((r.trajectory_id for r in group), advantages([r.total_reward for r in group]))).get(id)
         fate = folder.fates().get(id) if store_name == TRAINING_STORE else None
+        trained = folder.records().get(id) if store_name == TRAINING_STORE else None
         text = runs.token_text(run)
         loading = not text.ready(TOKENIZER_WAIT_S)
         contexts = [*record.get("segments", []), {"reason": "", **{k: record[k] for k in (
             "token_ids", "loss_mask", "logprobs", "versions", "turns", "prompt_len")}}]
-        for ctx in contexts:
+        recorded_gaps = trained["gaps"] if trained is not None else []
+        for k, ctx in enumerate(contexts):
             ctx["pieces"] = None if loading else text.pieces(ctx["token_ids"])
+            ctx["gap"] = token_gaps(ctx["loss_mask"], recorded_gaps[k] if k < len(recorded_gaps) else None)
+        if trained is not None:
+            adv, source = recorded_advantage(trained), trained_source(trained["step"])
+            gap = (f"recorded at step {trained['step']}: |trainer - engine| logprob per sampled token, the trainer's "
+                   "before that step's update (colour by gap)")
+        else:
+            source = "computed (see the group card)" if adv is not None else ""
+            gap = ("none: an evaluation episode is never trained" if store_name != TRAINING_STORE
+                   else "not recorded: the run has no train_records.jsonl (written by runs since the viewer showed it)"
+                   if not folder.records() else "not recorded: this trajectory was not trained")
         return {
             "trajectory": {k: v for k, v in record.items() if k not in (
                 "token_ids", "loss_mask", "logprobs", "versions", "turns", "segments", "prompt_len")},
             "contexts": contexts,  # earlier context segments first, the current one last
-            "advantage": adv, "advantage_source": "computed (see the group card)" if adv is not None else "",
+            "advantage": adv, "advantage_source": source,
+            "advantages": trained["advantages"] if trained is not None else None,  # per turn, as trained
             "tokenizer": ("the run's tokenizer is still loading: ids for now" if loading
                           else text.reason or "decoded with the run's tokenizer"),
             "tokenizer_loading": loading,
-            "logprob_gap": "not recorded: the store keeps the engine's logprobs only",
+            "logprob_gap": gap,
             "fate": None if fate is None else {"step": fate.step, "fate": fate.fate, "reason": fate.reason},
         }
 

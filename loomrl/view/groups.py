@@ -1,11 +1,14 @@
 """Group cards: a step's groups side by side, each member with its reward, terms, advantage, status and fate.
 
-Advantages are not in the trajectory store (the trainer computes them from rewards at its step and keeps no copy), so
-the viewer computes the outcome advantage the way GRPO does (trainer/credit.py with advantage=grpo,
+A member the trainer trained has the advantages it was trained with in RUN/train_records.jsonl (trainer/records.py:
+per turn, after credit assignment and lag decay): the card shows those, `advantage_source` "as trained (step N)"; the
+member's `advantage` is its first trained turn's (all of them under outcome credit), `advantages` every turn's.
+Members without a record (skipped or stale ones, pending ones, runs from before records were written, evaluation
+episodes) get the outcome advantage computed the way GRPO does (trainer/credit.py with advantage=grpo,
 advantage_norm=std, credit=outcome): over the group's scored members, (r - mean) / (population std + 1e-6); members
-that were not scored get none. Each card says so (`advantage_source`). A run trained with another rule (rloo,
-std_floor, turn credit) differs from this number; the card then names the run's rule next to it.
-What it is not: the trainer's own advantage per token (lag decay, turn credit), which it does not record.
+that were not scored get none. The source says which (per member and per card). A run trained with another rule (rloo,
+std_floor, turn credit) differs from the computed number; the card then names the run's rule next to it.
+What it is not: the trainer's per-token values (the trajectory view lays the record's per-turn ones on the tokens).
 """
 
 from __future__ import annotations
@@ -22,6 +25,15 @@ EPS = 1e-6  # trainer/credit.py EPS: std + EPS, so a group whose rewards are all
 ADVANTAGE_SOURCE = "computed as GRPO does: (r - group mean) / (group std + 1e-6) over the scored members; not recorded"
 
 
+def trained_source(step: int) -> str:
+    return f"as trained (step {step})"
+
+
+def recorded_advantage(record: dict[str, Any]) -> float | None:
+    """A train record's advantage of its first trained turn (every turn's under outcome credit)."""
+    return next((a for a in record.get("advantages", []) if a is not None), None)
+
+
 @dataclass(slots=True, kw_only=True)
 class Member:
     trajectory_id: str
@@ -31,6 +43,8 @@ class Member:
     reward: float | None
     terms: dict[str, float]
     advantage: float | None
+    advantage_source: str  # trained (a train record's) | computed (GRPO's, see the module docstring) | "" (none)
+    advantages: list[float | None] | None  # per turn, as trained (None: no record)
     versions: tuple[int, int]
     n_turns: int
     total_tokens: int
@@ -68,8 +82,10 @@ def advantage_rule(config: dict[str, Any]) -> str:
             f"credit={trainer.get('credit', 'outcome')}")
 
 
-def group_cards(rows: list[IndexRow], fates: dict[str, Fate]) -> list[GroupCard]:
-    """The rows' groups in store order, each with its members."""
+def group_cards(rows: list[IndexRow], fates: dict[str, Fate],
+                records: dict[str, dict[str, Any]] | None = None) -> list[GroupCard]:
+    """The rows' groups in store order, each with its members; `records`: the run's train records by trajectory."""
+    records = records or {}
     by_group: dict[str, list[IndexRow]] = {}
     for row in rows:
         by_group.setdefault(row.group_id, []).append(row)
@@ -79,16 +95,27 @@ def group_cards(rows: list[IndexRow], fates: dict[str, Fate]) -> list[GroupCard]
         steps = {fates[m.trajectory_id].step for m in members if m.trajectory_id in fates}
         card = GroupCard(group_id=gid, task_id=members[0].task_id, position=members[0].position,
                          step=min(steps) if steps else None)
+        trained_steps = set()
         for m, adv in zip(members, advs):
             fate = fates.get(m.trajectory_id)
+            record = records.get(m.trajectory_id)
+            if record is not None:
+                adv = recorded_advantage(record)
+                trained_steps.add(record["step"])
             card.members.append(Member(
                 trajectory_id=m.trajectory_id, task_id=m.task_id, split=m.split, status=m.status, reward=m.total_reward,
                 terms=json.loads(m.reward_components), advantage=adv,
+                advantage_source="trained" if record is not None else "computed" if adv is not None else "",
+                advantages=record["advantages"] if record is not None else None,
                 versions=(m.policy_version_min, m.policy_version_max), n_turns=m.n_turns, total_tokens=m.total_tokens,
                 error=m.error, fate=fate.fate if fate else "pending", fate_step=fate.step if fate else None,
                 fate_reason=fate.reason if fate else ""))
         scored = [m.total_reward for m in members if m.total_reward is not None]
         card.reward_mean = sum(scored) / len(scored) if scored else None
+        if trained_steps:
+            trained = trained_source(min(trained_steps))
+            computed = [x for x in card.members if x.advantage_source == "computed"]
+            card.advantage_source = trained if not computed else f"{trained} where recorded; others {ADVANTAGE_SOURCE}"
         cards.append(card)
     return cards
 
@@ -116,7 +143,8 @@ class GroupFilter:
         return not (self.max_reward is not None and (r is None or r > self.max_reward))
 
 
-def filtered_groups(rows: list[IndexRow], fates: dict[str, Fate], flt: GroupFilter) -> list[dict[str, Any]]:
+def filtered_groups(rows: list[IndexRow], fates: dict[str, Fate], flt: GroupFilter,
+                    records: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """The groups with a member passing `flt`, whole (a group is only read with all of its members)."""
     keep = {r.group_id for r in rows if flt.keeps(r, fates.get(r.trajectory_id))}
-    return [asdict(c) for c in group_cards([r for r in rows if r.group_id in keep], fates)]
+    return [asdict(c) for c in group_cards([r for r in rows if r.group_id in keep], fates, records)]

@@ -1,8 +1,9 @@
 """RunFolder: one run folder as the viewer follows it, while the run writes it and after.
 
 What it reads: metrics.jsonl (from a byte offset: only the lines appended since the last read), ledger.jsonl (which
-step trained each trajectory, or why it was left out), groups.jsonl (each group's lifecycle, runtime/group_log.py),
-summary.json, config.yaml, and the trajectory stores (store_index.py). Every file may be missing or growing: a run
+step trained each trajectory, or why it was left out), train_records.jsonl (per trajectory trained, its advantages
+and logprob gaps as the trainer had them: trainer/records.py), groups.jsonl (each group's lifecycle,
+runtime/group_log.py), summary.json, config.yaml, and the trajectory stores (store_index.py). Every file may be missing or growing: a run
 that has just started has none of them, a live one appends; a line still being written (no newline yet) waits for
 the next read.
 What it is not: a reader of the trainer's state (checkpoints) or a writer of anything.
@@ -79,9 +80,12 @@ class RunFolder:
         self.metrics = JsonLines(self.path / "metrics.jsonl")
         self.ledger = JsonLines(self.path / "ledger.jsonl")
         self.group_events = JsonLines(self.path / "groups.jsonl")
+        self.train_records = JsonLines(self.path / "train_records.jsonl")
         self._stores: dict[str, StoreIndex] = {}
         self._fates: dict[str, Fate] = {}
         self._ledger_seen = 0
+        self._records: dict[str, dict[str, Any]] = {}
+        self._records_seen = 0
         self._lock = threading.Lock()  # the app answers requests on a thread pool
 
     def config(self) -> dict[str, Any]:
@@ -133,3 +137,15 @@ class RunFolder:
                     self._fates[tid] = Fate(step=step, fate="stale", reason="older than buffer.max_policy_lag allows")
             self._ledger_seen = len(ledger)
             return self._fates
+
+    def records(self) -> dict[str, dict[str, Any]]:
+        """trajectory_id -> its train record (trainer/records.py: step, advantages per turn, gaps per context); empty
+        for a run from before they were written."""
+        with self._lock:
+            records = self.train_records.read()
+            if len(records) < self._records_seen:  # cut by a resume: joined anew
+                self._records, self._records_seen = {}, 0
+            for r in records[self._records_seen:]:
+                self._records[r["trajectory_id"]] = r
+            self._records_seen = len(records)
+            return self._records

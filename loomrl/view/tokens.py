@@ -1,4 +1,5 @@
-"""TokenText: token ids as the text pieces the run's tokenizer gives them, for the trajectory viewer.
+"""TokenText: token ids as the text pieces the run's tokenizer gives them, for the trajectory viewer; and
+`token_gaps`, a train record's logprob gaps laid on a context's tokens (the page's `gap` colouring).
 
 The tokenizer is the one the run saved with its checkpoints (RUN/checkpoints/<step>/model), else the one its
 config.yaml names (model.kind tiny / smollm2 / gguf / hf: loomrl/model/loader.py), loaded once per run on first use
@@ -14,6 +15,23 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("loomrl.view")
+
+
+def token_gaps(loss_mask: list[int], gaps: list[float] | None) -> list[float | None] | None:
+    """Per token of a context, its recorded |trainer - engine| logprob gap (None where not trained), or None without
+    a record. The record has one gap per loss-masked token t >= 1 in order (trainer/tree.py sampled_positions: the
+    first token has no position to be predicted from); a record that does not fit the context is not shown."""
+    if gaps is None:
+        return None
+    trained = [t for t in range(1, len(loss_mask)) if loss_mask[t]]
+    if len(trained) != len(gaps):
+        log.warning("a train record has %d gaps for a context with %d trained tokens; not shown", len(gaps),
+                    len(trained))
+        return None
+    out: list[float | None] = [None] * len(loss_mask)
+    for t, g in zip(trained, gaps):
+        out[t] = g
+    return out
 
 
 class TokenText:

@@ -5,6 +5,7 @@ failing or silent rank ends the run with an error instead of a hang."""
 from __future__ import annotations
 
 import copy
+import json
 import random
 import time
 from pathlib import Path
@@ -217,9 +218,15 @@ def test_a_sync_run_with_two_ranks_takes_the_steps_of_one(tmp_path):
         assert train(cfg)["steps"] == 3
         norms = [m["train/grad_norm"] for m in read_metrics(cfg.run_dir) if "train/grad_norm" in m]
         weights = load_file(str(next((latest_checkpoint(cfg.run_dir) / "model").glob("*.safetensors"))))
-        runs[world] = norms, weights
-    (norms1, w1), (norms2, w2) = runs[1], runs[2]
+        entropy = [m["train/entropy"] for m in read_metrics(cfg.run_dir) if "train/entropy" in m]
+        records = [json.loads(x) for x in (cfg.run_dir / "train_records.jsonl").read_text().splitlines()]
+        runs[world] = norms, weights, entropy, records
+    (norms1, w1, ent1, rec1), (norms2, w2, ent2, rec2) = runs[1], runs[2]
     assert norms1 and norms2 == pytest.approx(norms1, rel=1e-4)
+    assert ent1 and ent2 == pytest.approx(ent1, rel=1e-4)  # the step's mean over both ranks' tokens
+    # rank 1's per-token gaps come back in its report: every trained context has them, as with one rank
+    assert rec2 and all(g is not None for r in rec2 for g in r["gaps"])
+    assert sorted(len(g) for r in rec2 for g in r["gaps"]) == sorted(len(g) for r in rec1 for g in r["gaps"])
     for name, want in w1.items():
         assert _rel(w2[name].float(), want.float()) < 1e-5, name
 

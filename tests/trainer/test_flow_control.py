@@ -3,6 +3,7 @@ histogram, drops beyond the lag counted by reason, and exp(-lambda * lag) down-w
 
 from __future__ import annotations
 
+import json
 import math
 
 from loomrl.config import load_config
@@ -41,6 +42,14 @@ def test_consumption_metrics_drops_and_lag_decay(tmp_path, tiny_model, tokenizer
     assert math.isclose(max(by_group["lag1"].advantages, key=abs), fresh * math.exp(-0.5))
     assert math.isclose(max(by_group["lag2"].advantages, key=abs), fresh * math.exp(-1.0))
     assert metrics["samples_downweighted"] == 4  # two samples in each of the two lagging groups
+    # the train records (the viewer's "as trained") carry the decayed advantages, which GRPO's formula alone would not
+    records = {r["trajectory_id"]: r for r in map(json.loads, (cfg.run_dir / "train_records.jsonl").read_text()
+                                                 .splitlines())}
+    assert set(records) == {s.trajectory_id for s in seen}
+    for tag, decay in (("fresh", 1.0), ("lag1", math.exp(-0.5)), ("lag2", math.exp(-1.0))):
+        for i, sign in ((0, -1), (1, 1)):
+            (adv,) = records[f"{tag}-{i}"]["advantages"]
+            assert records[f"{tag}-{i}"]["step"] == service.version and math.isclose(adv, sign * abs(fresh) * decay)
 
 
 def _stats():

@@ -1,5 +1,5 @@
-"""FSDP2 (fully_shard over gloo, CPU) trainer ranks against one process: the same losses, grad norms and
-weights after 3 steps, on an uneven split and with a rank that gets no sample; tree merge on and off, in
+"""FSDP2 (fully_shard over gloo, CPU) trainer ranks against one process: the same losses, grad norms, entropies,
+logprob gaps and weights after 3 steps, on an uneven split and with a rank that gets no sample; tree merge on and off, in
 sub-tries and depth-first; the KL reference sharded too."""
 
 from __future__ import annotations
@@ -62,8 +62,14 @@ def _rank(rank: int, world: int, vocab: int, eos: int, samples: list[TrainingSam
             shard = samples[:split] if rank == 0 else samples[split:]
             stats = [dp.train_step(copy.deepcopy(shard)) for _ in range(STEPS)]
             weights = {n: p.full_tensor().detach().clone() for n, p in trainer.model.named_parameters()}
-            out.append(([s.loss for s in stats], [s.grad_norm for s in stats], weights))
+            out.append(([s.loss for s in stats], [s.grad_norm for s in stats], weights, _recorded(stats)))
     return out
+
+
+def _recorded(stats: list) -> list[tuple[float, float, float]]:
+    """What a step records for the viewer: the mean entropy and the logprob gap's mean and max (through FSDP's root
+    forward, whose inputs it rebuilds: the entropies must still reach the trainer)."""
+    return [(s.entropy, s.logprob_gap_mean, s.logprob_gap_max) for s in stats]
 
 
 def _rel(a: float, b: float) -> float:
@@ -83,15 +89,18 @@ def test_two_fsdp_ranks_equal_one_process(tokenizer):
             trainer = Trainer(_model(vocab, eos), _cfg(options))
             stats = [trainer.train_step(copy.deepcopy(samples)) for _ in range(STEPS)]
             refs.append(([s.loss for s in stats], [s.grad_norm for s in stats],
-                         {n: p.detach().clone() for n, p in trainer.model.named_parameters()}))
+                         {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, _recorded(stats)))
     finally:
         torch.set_num_threads(threads)
     k = 0
     for c, options in enumerate(CASES):
-        losses, norms, weights = refs[c]
+        losses, norms, weights, recorded = refs[c]
+        assert all(e > 1.0 and 0 < g <= m for e, g, m in recorded)
         for split in splits:
             for r in ranks:
-                got_losses, got_norms, got_weights = r[k]
+                got_losses, got_norms, got_weights, got_recorded = r[k]
+                for got, want in zip(got_recorded, recorded):
+                    assert got == pytest.approx(want, rel=1e-4), (options, split)
                 # relative to the run's loss scale: a step's loss can come close to 0 (the terms cancel)
                 scale = max(abs(x) for x in losses)
                 for a, b in zip(got_losses, losses):

@@ -4,6 +4,7 @@ test client: what each endpoint says agrees with the run's own files (metrics.js
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 
@@ -64,7 +65,9 @@ def test_a_steps_groups_carry_rewards_advantages_and_the_ledgers_fate(client, ru
     ids = {m["trajectory_id"] for g in body["groups"] for m in g["members"]}
     assert ids == set(entry["trained"]) | {t for v in entry["skipped"].values() for t in v}
     for group in body["groups"]:
-        assert len(group["members"]) == 4 and group["step"] == 1 and "GRPO" in group["advantage_source"]
+        assert len(group["members"]) == 4 and group["step"] == 1
+        trained = any(m["fate"] == "trained" for m in group["members"])  # else computed, as GRPO does
+        assert group["advantage_source"] == "as trained (step 1)" if trained else "GRPO" in group["advantage_source"]
         advs = [m["advantage"] for m in group["members"]]
         assert abs(sum(advs)) < 1e-6  # centred on the group's mean
         for m in group["members"]:
@@ -199,3 +202,83 @@ def test_a_live_runs_new_parts_and_metrics_are_picked_up(tmp_path, run_dir):
         f.write(json.dumps({"kind": "train", "step": 3, "time": 0.0, "rollout/reward_mean": 0.5}) + "\n")
     more = client.get("/api/metrics", params={"run": live.name, "since": n}).json()
     assert [r["step"] for r in more["records"]] == [3] and more["next"] == n + 1
+
+
+def _records(run_dir) -> dict[str, dict]:
+    lines = (run_dir / "train_records.jsonl").read_text().splitlines()
+    return {r["trajectory_id"]: r for r in map(json.loads, lines)}
+
+
+def test_each_step_logs_the_policys_entropy_and_the_logprob_gap(run_dir):
+    train = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in train if r["kind"] == "train"]
+    assert len(train) == 2
+    for r in train:
+        assert 0 < r["train/entropy"] <= math.log(49152) + 1e-3  # nats, at most uniform over the vocabulary
+        # sync: the engine sampled with the weights the trainer starts the step from, so they agree up to numerics
+        # (float32 on both sides here: about 1e-6; a token read at the wrong position would be off by nats)
+        assert 0 <= r["train/logprob_gap_mean"] <= r["train/logprob_gap_max"] < 1e-3
+
+
+def test_trained_members_show_the_advantage_they_were_trained_with(client, run_dir):
+    records = _records(run_dir)
+    ledger = read_ledger(run_dir)
+    assert set(records) == {t for e in ledger for t in e["trained"]}
+    assert all(records[t]["step"] == e["step"] for e in ledger for t in e["trained"])
+    body = client.get("/api/groups", params={"run": run_dir.name, "step": 1}).json()
+    trained = [m for g in body["groups"] for m in g["members"] if m["fate"] == "trained"]
+    assert trained
+    for group in body["groups"]:
+        if any(m["fate"] == "trained" for m in group["members"]):
+            assert group["advantage_source"].startswith("as trained (step 1)")
+    for m in trained:
+        rec = records[m["trajectory_id"]]
+        assert m["advantage_source"] == "trained" and m["advantages"] == rec["advantages"]
+        assert m["advantage"] == rec["advantages"][0]
+    # the tiny recipe trains with GRPO's outcome credit and no lag decay: what the trainer used is GRPO's number
+    for group in body["groups"]:
+        rewards = [m["reward"] for m in group["members"]]
+        mean = sum(rewards) / len(rewards)
+        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+        for m in group["members"]:
+            if m["fate"] == "trained":
+                assert m["advantage"] == pytest.approx((m["reward"] - mean) / (std + 1e-6), abs=1e-5)
+
+
+def test_a_trajectory_shows_its_record_and_falls_back_without_one(tmp_path, run_dir):
+    copy = tmp_path / run_dir.name
+    shutil.copytree(run_dir, copy)
+    records = _records(copy)
+    tid = next(iter(records))
+    rec = records[tid]
+    (gaps,) = rec["gaps"]  # one context
+    rec["advantages"] = [123.0 + k for k in range(len(rec["advantages"]))]  # no rule computes this: read, not derived
+    rec["gaps"] = [[round(0.001 * (k + 1), 4) for k in range(len(gaps))]]
+    (copy / "train_records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records.values()))
+    client = TestClient(create_app([copy]))
+    member = next(m for g in client.get("/api/groups", params={"run": copy.name}).json()["groups"]
+                  for m in g["members"] if m["trajectory_id"] == tid)
+    assert member["advantage"] == 123.0 and member["advantage_source"] == "trained"
+    body = client.get("/api/trajectory", params={"run": copy.name, "id": tid}).json()
+    assert body["advantage"] == 123.0 and body["advantage_source"] == "as trained (step 1)"
+    assert body["advantages"] == rec["advantages"] and body["logprob_gap"].startswith("recorded at step 1")
+    (ctx,) = body["contexts"]
+    trained = [t for t in range(1, len(ctx["loss_mask"])) if ctx["loss_mask"][t]]
+    assert len(ctx["gap"]) == len(ctx["token_ids"]) and [ctx["gap"][t] for t in trained] == rec["gaps"][0]
+    assert all(g is None for t, g in enumerate(ctx["gap"]) if t not in trained)
+
+    (copy / "train_records.jsonl").unlink()  # a run from before the records: GRPO's number, said to be computed
+    client = TestClient(create_app([copy]))
+    card = next(g for g in client.get("/api/groups", params={"run": copy.name}).json()["groups"]
+                if any(m["trajectory_id"] == tid for m in g["members"]))
+    assert "GRPO" in card["advantage_source"] and not card["advantage_source"].startswith("as trained")
+    body = client.get("/api/trajectory", params={"run": copy.name, "id": tid}).json()
+    assert body["advantage"] == pytest.approx(member_advantage_computed(card, tid))
+    assert body["advantage_source"] == "computed (see the group card)" and body["advantages"] is None
+    assert body["contexts"][0]["gap"] is None and body["logprob_gap"].startswith("not recorded")
+
+
+def member_advantage_computed(card: dict, tid: str) -> float:
+    m = next(m for m in card["members"] if m["trajectory_id"] == tid)
+    assert m["advantage_source"] == "computed"
+    return m["advantage"]

@@ -1,6 +1,7 @@
 """The viewer's page in a real headless chromium (Debian's, driven by playwright) served by a real uvicorn: the
 dashboard of a real short run draws its curves (read back from uPlot's own data), a step's groups open into a
-trajectory with coloured tokens, and the page of a run that is training gains points as the run logs steps."""
+trajectory with coloured tokens (by the trainer's recorded logprob gap too), and the page of a run that is training
+gains points as the run logs steps."""
 
 from __future__ import annotations
 
@@ -37,11 +38,10 @@ def test_the_dashboard_of_a_real_run_draws_curves_with_data_points(page):
     page.goto(page.viewer_url + "/")
     page.wait_for_function("window.loomrlView && loomrlView.ready")
     points = page.evaluate(POINTS)
-    for chart in ("reward", "loss", "kl", "grad_norm", "lag", "tps"):
+    for chart in ("reward", "loss", "kl", "entropy", "grad_norm", "lag", "tps"):
         assert points[chart] and all(n == 2 for n in points[chart]), (chart, points)  # one per training step
     assert len(points["step_time"]) == 4 and all(n == 2 for n in points["step_time"])
     assert len(points["success"]) >= 3 and sum(points["success"]) >= 2 + 2  # train rate, eval before and after
-    assert page.locator("#chart-entropy .empty").inner_text() == "not logged by this run"
     page.click("nav button[data-tab=pools]")
     page.wait_for_function("loomrlView.charts.engine_busy && loomrlView.charts.env_health")
     pools = page.evaluate(POINTS)
@@ -68,6 +68,13 @@ def test_opening_a_group_shows_its_trajectories_with_coloured_tokens(page):
     hues = page.evaluate("[...document.querySelectorAll('#token-view .tok')].map(t => t.style.background)"
                          ".filter(b => b)")
     assert len(hues) == coloured and all(b.startswith("rgb") for b in hues)  # hsl() as the browser computes it
+    # a trained member has a train record: the gap colouring is offered, on its sampled tokens
+    page.locator(".member[title^='trained']").first.click()
+    page.wait_for_function("[...document.querySelectorAll('#colour-by option')].some(o => o.value === 'gap')")
+    page.select_option("#colour-by", "gap")
+    page.wait_for_function("document.querySelector('.legend').textContent.includes('trainer − engine')")
+    tokens = page.evaluate("[...document.querySelectorAll('#token-view .tok')].map(t => !!t.style.background)")
+    assert 0 < sum(tokens) < len(tokens)  # the trained tokens, not the prompt
     page.wait_for_function("document.querySelector('.legend').textContent.includes('decoded with the run')",
                            timeout=60_000)  # ids first while the tokenizer loads, then the text
     assert not page.locator("#token-view .tok").first.inner_text().startswith("[")

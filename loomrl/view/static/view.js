@@ -274,6 +274,9 @@ const COLOURS = {
     of: (c, i) => c.versions[i] >= 0 ? `hsl(${(c.versions[i] * 67) % 360},60%,80%)` : "" },
   advantage: { legend: "sampled tokens by the trajectory's advantage: green positive, red negative",
     of: (c, i, adv) => c.loss_mask[i] && adv != null ? `hsla(${adv >= 0 ? 120 : 0},70%,60%,${Math.min(Math.abs(adv) / 2, 1).toFixed(2)})` : "" },
+  // only offered when the trajectory has a train record (c.gap: per token, null where not trained)
+  gap: { legend: "sampled tokens by |trainer − engine| logprob as trained: green 0 → red ≥ 0.5 nats", needs: "gap",
+    of: (c, i) => c.gap && c.gap[i] != null ? `hsl(${Math.round(120 * Math.max(0, 1 - c.gap[i] / 0.5))},70%,72%)` : "" },
 };
 
 function tokensOf(ctx, mode, adv) {
@@ -281,7 +284,8 @@ function tokensOf(ctx, mode, adv) {
   const colour = COLOURS[mode].of;
   const spans = ctx.token_ids.map((id, i) => {
     const s = el("span", { class: "tok", "data-i": i,
-      title: `#${i} id ${id} · mask ${ctx.loss_mask[i]} · logprob ${fmt(ctx.logprobs[i])} · version ${ctx.versions[i]}` },
+      title: `#${i} id ${id} · mask ${ctx.loss_mask[i]} · logprob ${fmt(ctx.logprobs[i])} · version ${ctx.versions[i]}` +
+        (ctx.gap && ctx.gap[i] != null ? ` · gap ${fmt(ctx.gap[i], 4)}` : "") },
     ctx.pieces ? ctx.pieces[i] : `[${id}]`);
     const bg = colour(ctx, i, adv);
     if (bg) s.style.background = bg;
@@ -311,8 +315,9 @@ async function openTrajectory(id) {
   box.classList.add("on");
   const fate = d.fate ? fateLine({ fate: d.fate.fate, fate_step: d.fate.step, fate_reason: d.fate.reason })
     : ($("f-store").value === "trajectories" ? fateLine({ fate: "pending" }) : "an evaluation episode: never trained");
-  const mode = el("select", { id: "colour-by" }, ...Object.keys(COLOURS).map(k => el("option", { value: k }, k)));
-  mode.value = view.colourBy || "mask";
+  const offered = Object.keys(COLOURS).filter(k => !COLOURS[k].needs || d.contexts.some(c => c[COLOURS[k].needs]));
+  const mode = el("select", { id: "colour-by" }, ...offered.map(k => el("option", { value: k }, k)));
+  mode.value = offered.includes(view.colourBy) ? view.colourBy : "mask";
   const render = () => {
     view.colourBy = mode.value;
     legend.textContent = COLOURS[mode.value].legend + ". " + d.tokenizer + ". Engine-vs-trainer logprob gap: " + d.logprob_gap + ".";
@@ -322,7 +327,8 @@ async function openTrajectory(id) {
   const legend = el("div", { class: "legend" });
   const tokens = el("div", { id: "token-view" });
   box.replaceChildren(
-    el("h3", {}, `${t.trajectory_id} · ${t.task_id} · ${t.status} · reward ${fmt(t.total_reward)} · advantage ${fmt(d.advantage, 3)}`),
+    el("h3", {}, `${t.trajectory_id} · ${t.task_id} · ${t.status} · reward ${fmt(t.total_reward)} · advantage ${fmt(d.advantage, 3)}` +
+      (d.advantage_source ? ` (${d.advantage_source})` : "")),
     el("div", { class: "ledger" }, "ledger: " + fate),
     el("div", { class: "muted" }, `terms ${JSON.stringify(t.reward_components)} · answer ${t.answer} · final answer ${t.final_answer ?? "–"}` +
       ` · versions ${t.policy_version_min}–${t.policy_version_max} · attempts ${t.attempts}` + (t.error ? ` · error ${t.error}` : "")),

@@ -155,7 +155,26 @@ def test_two_node_run_places_trainer_and_rollouts_on_their_nodes(cluster, tmp_pa
     engine = [m for m in read_metrics(run_dir) if m.get("kind") == "train" and "engine/busy_frac" in m]
     assert engine and all(0 <= m["engine/busy_frac"] <= 1 and m["engine/queue_depth"] >= 0 for m in engine), engine
     assert any(m["engine/busy_frac"] > 0 for m in engine) and sum(m["engine/requests"] for m in engine) > 0
+    _the_viewer_reads_it(run_dir, steps=3)
     print(f"two-node run: {time.time() - t0:.1f}s")
+
+
+def _the_viewer_reads_it(run_dir, steps: int) -> None:
+    """`loomrl view` on a Ray run folder: the trainer actor's records (entropy, advantages as trained, per-token
+    gaps) and the driver's group lines reach the same API a local run's do."""
+    from fastapi.testclient import TestClient
+
+    from loomrl.view.app import create_app
+
+    client = TestClient(create_app([run_dir]))
+    curves = client.get("/api/metrics", params={"run": run_dir.name}).json()["records"]
+    assert sum(1 for m in curves if m.get("kind") == "train" and m.get("train/entropy", 0) > 0) == steps
+    timeline = client.get("/api/timeline", params={"run": run_dir.name}).json()
+    assert timeline["recorded"] and all(g["slowest"]["gen_s"] > 0 for g in timeline["groups"] if g["slowest"])
+    trained = [t for e in read_ledger(run_dir) for t in e["trained"]]
+    body = client.get("/api/trajectory", params={"run": run_dir.name, "id": trained[0]}).json()
+    assert body["advantage_source"].startswith("as trained (step") and body["logprob_gap"].startswith("recorded")
+    assert any(g is not None for ctx in body["contexts"] for g in ctx["gap"] or [])
 
 
 @pytest.mark.ray

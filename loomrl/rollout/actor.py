@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import PreTrainedModel
 
 from loomrl.actor_support import Placed
 from loomrl.config import RunConfig, TrainerConfig
@@ -49,6 +50,7 @@ class RolloutSide:
             by_split.setdefault(t.split, []).append(t)
         self.eval_tasks = [t for tasks in by_split.values() for t in tasks[: cfg.eval.n_tasks]]
         torch.manual_seed(cfg.seed)
+        self.model: PreTrainedModel | None  # None beside an engine actor
         if engine_actor is not None:  # the engine is an actor of its own (ray.engine.count > 0): tokenizer only
             self.model, self.tokenizer = None, load_tokenizer(cfg.model)
             self.engine: Engine = RemoteEngine(engine_actor, cfg.ray.engine_restart_wait_s)
@@ -70,7 +72,7 @@ class RolloutSide:
         the client's counts (the driver reads the engine actors instead)."""
         return read_engine(self.engine.metrics)
 
-    async def close(self) -> tuple[dict[str, int], dict[str, Any]]:
+    async def close(self) -> tuple[dict[str, dict[str, int]], dict[str, float]]:
         """Tear down sandboxes and the engine; returns the episode counts and the env pool's metrics (read
         after the pool closed: they count every instance's teardown)."""
         await self.worker.aclose()

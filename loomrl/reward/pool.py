@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 from loomrl.config import ConfigError, RunConfig
 from loomrl.plugins import import_object
@@ -63,6 +64,17 @@ def load_terms(cfg: RunConfig) -> list[RewardTerm]:
     if len(names) != len(set(names)):
         raise ConfigError(f"config error: reward.functions: two TRL-style functions named {names}; give each a name")
     return terms
+
+
+class Scorer(Protocol):
+    """What a rollout worker scores trajectories on: a RewardPool in its process, or reward/actor.py's
+    RemoteRewardPool over the reward actors."""
+
+    async def score(self, traj: Trajectory, task: Task) -> Trajectory: ...
+
+    def metrics(self) -> dict[str, float]: ...
+
+    async def aclose(self) -> None: ...
 
 
 class RewardPool:

@@ -14,7 +14,7 @@ def constructor_failed(err: BaseException) -> bool:
 
 def actor_error_line(err: BaseException) -> str:
     """The message of the exception an actor raised (Ray wraps it in a traceback)."""
-    import ray
+    import ray.exceptions
 
     if isinstance(err, ray.exceptions.RayTaskError) and err.cause is not None:
         err = err.cause

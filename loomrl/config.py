@@ -298,6 +298,13 @@ class RewardConfig(_Section):
         return self
 
 
+BatchFilter = Literal["complete", "repetitive", "near_duplicate"]  # buffer.filters
+
+
+def _default_filters() -> list[BatchFilter]:
+    return ["complete"]
+
+
 class BufferConfig(_Section):
     max_policy_lag: int = Field(1, ge=0)  # groups staler than this are dropped (counted) at consumption
     # stale-but-admitted samples weigh exp(-lag_decay * lag) (lag = trainer version - oldest token version)
@@ -313,7 +320,7 @@ class BufferConfig(_Section):
             raise ValueError("buffer.window: the window sampler needs a width, e.g. buffer.window=4")
         return self
     # filters before a batch (loomrl/buffer/filters.py): complete, repetitive, near_duplicate
-    filters: list[Literal["complete", "repetitive", "near_duplicate"]] = Field(default_factory=lambda: ["complete"])
+    filters: list[BatchFilter] = Field(default_factory=_default_filters)
     drop_truncated: bool = False  # complete: also leave out trajectories cut by the turn/context budget
     ngram: int = Field(4, gt=0)  # repetitive, near_duplicate: n-gram size over sampled tokens
     max_repeats: int = Field(8, gt=0)  # repetitive: most repeats of one n-gram allowed

@@ -280,7 +280,9 @@ class EvalRecord:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EvalRecord:
         """The inverse of dataclasses.asdict (a record saved in a checkpoint)."""
-        return cls(**{**d, "splits": {k: Score(**v) for k, v in d.get("splits", {}).items()}})
+        fields = dict(d)
+        fields["splits"] = {k: Score(**v) for k, v in d.get("splits", {}).items()}
+        return cls(**fields)
 
 
 @dataclass(slots=True, kw_only=True)

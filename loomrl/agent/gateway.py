@@ -336,8 +336,9 @@ class ServerThread:
             with socket.socket() as sock:
                 sock.bind(("127.0.0.1", 0))
                 self.port = sock.getsockname()[1]
-        where = {"uds": uds} if uds is not None else {"host": "127.0.0.1", "port": self.port}
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **where))
+        config = (uvicorn.Config(app, log_level="warning", uds=uds) if uds is not None
+                  else uvicorn.Config(app, log_level="warning", host="127.0.0.1", port=self.port))
+        self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="loomrl-gateway", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + 30

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
+import pyarrow.compute as pc  # functions made at import time from Arrow's registry: declared nowhere (ty: ignore)
 
 from loomrl.data.config import DataConfig
 from loomrl.types import Task
@@ -104,10 +104,13 @@ def _read_hub(cfg: DataConfig, split: str):
     import datasets
     from huggingface_hub import snapshot_download
 
+    hub = cfg.hub
+    if hub is None:  # load_splits reads the hub only when data.hub is given
+        raise DataError("data error: data.hub is not given")
     _offline()
-    where = f"hub:{cfg.hub}[{split}]"
+    where = f"hub:{hub}[{split}]"
     try:
-        folder = snapshot_download(cfg.hub, repo_type="dataset", local_files_only=True)
+        folder = snapshot_download(hub, repo_type="dataset", local_files_only=True)
     except Exception as err:  # noqa: BLE001 - not cached, in whatever way huggingface_hub says it
         raise DataError(f"data error: data.hub={cfg.hub} is not in the local Hugging Face cache "
                         f"({type(err).__name__}); download it beforehand (e.g. huggingface-cli download {cfg.hub} "
@@ -138,7 +141,7 @@ def _columns(cfg: DataConfig, names: list[str], where: str) -> _Columns:
 def _column(table: pa.Table, path: list[str]) -> pa.ChunkedArray:
     col = table.column(path[0])
     for name in path[1:]:
-        col = pc.struct_field(col, name)
+        col = pc.struct_field(col, name)  # ty: ignore[missing-attribute]
     return col
 
 
@@ -152,11 +155,11 @@ def _unusable(table: pa.Table, cols: _Columns) -> tuple[np.ndarray, list[tuple[n
             col = _column(table, path)
         except (KeyError, pa.ArrowInvalid, pa.ArrowTypeError) as err:
             raise DataError(f"data error: no field {'.'.join(path)!r} (data.{what}): {err}") from None
-        empty = pc.is_null(col)
+        empty = pc.is_null(col)  # ty: ignore[missing-attribute]
         if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
-            empty = pc.or_(empty, pc.match_substring_regex(col, pattern=r"^\s*$"))
+            empty = pc.or_(empty, pc.match_substring_regex(col, pattern=r"^\s*$"))  # ty: ignore[missing-attribute]
         elif pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
-            empty = pc.or_(empty, pc.equal(pc.list_value_length(col), 0))
+            empty = pc.or_(empty, pc.equal(pc.list_value_length(col), 0))  # ty: ignore[missing-attribute]
         mask = np.asarray(pc.fill_null(empty, True).to_numpy(zero_copy_only=False), dtype=bool)
         checks.append((mask, f"{'.'.join(path)!r} is null or empty"))
         bad |= mask
@@ -188,8 +191,11 @@ class TaskSource(Sequence[Task]):
         cfg, cols = self.cfg, self.cols
         where = f"{name} row {index}"
         if cols.prompt is None:
+            template = cfg.prompt_template
+            if template is None:  # _columns leaves no prompt column only where a template is given
+                raise DataError(f"data error: {where}: neither data.prompt nor data.prompt_template is given")
             try:
-                prompt: Any = cfg.prompt_template.format(**row)  # type: ignore[union-attr]
+                prompt: Any = template.format(**row)
             except (KeyError, IndexError, ValueError) as err:
                 raise DataError(f"data error: {where}: data.prompt_template: {err!r} (the columns are "
                                 f"{', '.join(row)})") from None
@@ -273,8 +279,10 @@ def load_splits(cfg: DataConfig, *, seed: int, base_dir: Path | None = None,
     if cfg.hub is not None:
         parts = _read_hub(cfg, cfg.hub_split)
         held_parts = _read_hub(cfg, cfg.hub_heldout_split) if cfg.hub_heldout_split else None
+    elif cfg.path is None:  # DataConfig refuses it: exactly one of path and hub
+        raise DataError("data error: give data.path (local files) or data.hub (a cached hub dataset)")
     else:
-        parts = _read_files(_files(cfg.path, base_dir), cfg.format)  # type: ignore[arg-type]
+        parts = _read_files(_files(cfg.path, base_dir), cfg.format)
         held_parts = _read_files(_files(cfg.heldout_path, base_dir), cfg.format) if cfg.heldout_path else None
     names = list(parts[0][1].column_names)
     cols = _columns(cfg, names, parts[0][0])

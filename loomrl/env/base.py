@@ -51,6 +51,8 @@ class Env(Protocol):
         """The final answer of an episode cut short by its turn or context budget (codefix: run the
         hidden tests on what the agent left), or None when the environment has nothing to add (by
         default: a cut-short episode is judged on its last answer, if it gave one)."""
+        return None  # a body, not only a docstring: else the default is abstract to type checkers
 
     async def close(self) -> None:
         """Release what the episode holds (by default nothing)."""
+        return None

@@ -29,7 +29,7 @@ import time
 import weakref
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -125,7 +125,7 @@ class Leases(ABC):
         driver owns and closes the env actors)."""
 
     @asynccontextmanager
-    async def lease(self, cleanup: list[Callable[[Sandbox], Any]] | None = None) -> AsyncIterator[Sandbox]:
+    async def lease(self, cleanup: list[Callable[[Sandbox], Any]] | None = None) -> AsyncGenerator[Sandbox, None]:
         """`async with pool.lease() as sb:` an exception or cancellation inside marks the instance
         broken; `cleanup` hooks run before the release in every case (their errors are logged)."""
         sb = await self.acquire()

@@ -7,7 +7,7 @@ import asyncio
 import itertools
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Generator
 from contextlib import contextmanager, suppress
 from dataclasses import asdict
 from pathlib import Path
@@ -138,10 +138,10 @@ class RemoteSandbox:
 
 
 @contextmanager
-def _env_worker_errors() -> Iterator[None]:
+def _env_worker_errors() -> Generator[None, None, None]:
     """A dead env actor is a dead sandbox to the environment code: SandboxError, with the reason (the
     env actor's own SandboxError passes as it is)."""
-    import ray
+    import ray.exceptions
 
     try:
         yield

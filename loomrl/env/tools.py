@@ -52,6 +52,15 @@ def tool(fn: Callable[..., Any] | None = None, *, sandbox: bool = False, timeout
     return mark(fn) if fn is not None else mark
 
 
+def callable_name(fn: Callable[..., Any]) -> str:
+    """The name a function or method is known by (a tool's name): a callable without one (a partial, a callable
+    object) is refused, clearly."""
+    name = getattr(fn, "__name__", None)
+    if not isinstance(name, str):
+        raise ConfigError(f"{fn!r} has no __name__: a tool is a function or a method")
+    return name
+
+
 def _schema_source(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn` as the model sees it: without `self` (a bound method already has none) and without `sandbox`."""
     sig = inspect.signature(fn)
@@ -60,11 +69,12 @@ def _schema_source(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     def view(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a schema view is never called")
-    view.__name__, view.__doc__ = fn.__name__, fn.__doc__
+    view.__name__, view.__doc__ = callable_name(fn), fn.__doc__
     hints = dict(getattr(fn, "__annotations__", {}))
     hints.pop(SANDBOX_PARAM, None)
     view.__annotations__ = hints
-    view.__signature__ = sig.replace(parameters=[p for p in sig.parameters.values() if p.name != SANDBOX_PARAM])
+    # what inspect.signature (and so get_json_schema) reads; functions do not declare it
+    view.__dict__["__signature__"] = sig.replace(parameters=[p for p in sig.parameters.values() if p.name != SANDBOX_PARAM])
     return view
 
 
@@ -76,7 +86,7 @@ def _arguments_model(fn: Callable[..., Any]) -> type[BaseModel]:
         if p.name in (SANDBOX_PARAM, "self") or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             continue
         fields[p.name] = (hints.get(p.name, Any), ... if p.default is p.empty else p.default)
-    return create_model(f"{fn.__name__}_arguments", __config__=ConfigDict(extra="forbid"), **fields)
+    return create_model(f"{callable_name(fn)}_arguments", __config__=ConfigDict(extra="forbid"), **fields)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +103,7 @@ class Tool:
     @classmethod
     def of(cls, fn: Callable[..., Any], options: ToolOptions | None = None) -> Tool:
         options = options or getattr(fn, _MARK, None) or ToolOptions()
-        name = fn.__name__
+        name = callable_name(fn)
         if options.sandbox and SANDBOX_PARAM not in inspect.signature(fn).parameters:
             raise ConfigError(f"tool {name!r}: a sandbox tool takes the leased sandbox as a parameter named "
                               f"{SANDBOX_PARAM!r}")

@@ -139,7 +139,7 @@ def _eval_pass(m: RunMeasurements, shape: Shape, k: float) -> float:
     return _waves(t, m.trajectory_times, m.eval_episodes, slots, 1)
 
 
-def _raw(m: RunMeasurements, shape: Shape, k: float) -> tuple[float, float, float, float, float, float]:
+def _raw(m: RunMeasurements, shape: Shape, k: float) -> tuple[int, float, float, float, float, float]:
     """The uncalibrated model: (inflight, batch, gen per turn, trajectory s, rollout s, train s) of one step."""
     inflight = shape.window_groups * shape.group_size
     batch, gen, t = _trajectory(m, inflight, m.turns, k)

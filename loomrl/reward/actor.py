@@ -43,7 +43,7 @@ class RemoteRewardPool:
         self.failed = 0
 
     async def score(self, traj: Trajectory, task: Task) -> Trajectory:
-        import ray
+        import ray.exceptions
 
         i = next(self._next)
         try:

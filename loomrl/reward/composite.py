@@ -25,6 +25,7 @@ import operator
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from loomrl.reward.process import CHECKS
 from loomrl.types import Trajectory
@@ -68,6 +69,16 @@ class Gate:
         return f"{'not ' if self.negate else ''}{self.component} {self.op} {self.threshold:g}"
 
 
+class TermSpec(Protocol):
+    """One of reward.terms as Composite.from_config reads it (config.TermConfig meets it)."""
+
+    @property
+    def weight(self) -> float: ...
+
+    @property
+    def gate(self) -> str | None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Term:
     name: str
@@ -84,10 +95,9 @@ class Composite:
         self._warned: set[tuple[str, str]] = set()
 
     @classmethod
-    def from_config(cls, terms: Mapping[str, object]) -> Composite:
+    def from_config(cls, terms: Mapping[str, TermSpec]) -> Composite:
         """From reward.terms (config.TermConfig: weight, gate), already validated."""
-        return cls({name: Term(name, t.weight, Gate.parse(t.gate) if t.gate else None)  # type: ignore[attr-defined]
-                    for name, t in terms.items()})
+        return cls({name: Term(name, t.weight, Gate.parse(t.gate) if t.gate else None) for name, t in terms.items()})
 
     def _factor(self, name: str, components: Mapping[str, float]) -> float:
         """The term's weight, or 0 where its gate is closed."""

@@ -23,11 +23,14 @@ import logging
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from loomrl.reward.judge_client import JudgeClient, JudgeMetrics, JudgeUnavailable
 from loomrl.reward.judge_config import JudgeConfig
 from loomrl.types import Task, Trajectory
+
+if TYPE_CHECKING:  # openai is the judge extra's
+    from openai.types.chat import ChatCompletionMessageParam
 
 __all__ = ["Judge", "JudgeUnavailable", "Verdict", "judge_for", "parse_score"]
 
@@ -71,9 +74,10 @@ class Judge:
         self._loop: asyncio.AbstractEventLoop | None = None
         low, high = cfg.scale
         self._bounds = {"low": _number(low), "high": _number(high)}
-        self._shots = [m for ex in cfg.examples for m in (
-            {"role": "user", "content": self._render(ex.prompt, ex.reference, ex.response)},
-            {"role": "assistant", "content": f"Score: {_number(ex.score)}"})]
+        self._shots: list[ChatCompletionMessageParam] = []
+        for ex in cfg.examples:
+            self._shots.extend([{"role": "user", "content": self._render(ex.prompt, ex.reference, ex.response)},
+                                {"role": "assistant", "content": f"Score: {_number(ex.score)}"}])
 
     @property
     def metrics(self) -> JudgeMetrics:
@@ -86,7 +90,7 @@ class Judge:
         """Whether trajectories of `task` are judged: training ones, and evaluation's with reward.judge.heldout."""
         return task.split == "train" or self.cfg.heldout
 
-    def messages(self, traj: Trajectory, task: Task) -> list[dict[str, Any]]:
+    def messages(self, traj: Trajectory, task: Task) -> list[ChatCompletionMessageParam]:
         """What the judge is sent for `traj`: the worked examples, then the rubric over this trajectory."""
         return [*self._shots, {"role": "user", "content": self._render(task.prompt, task.answer, self.response(traj))}]
 
@@ -122,7 +126,7 @@ class Judge:
             self.metrics.cache_hits += 1
         return await asyncio.shield(shared)
 
-    async def _ask(self, messages: list[dict[str, Any]]) -> Verdict:
+    async def _ask(self, messages: list[ChatCompletionMessageParam]) -> Verdict:
         self.metrics.calls += 1
         reply = await self.client.complete(messages, max_tokens=self.cfg.max_tokens, temperature=self.cfg.temperature)
         verdict = parse_score(reply, self.cfg.scale)
@@ -141,7 +145,7 @@ class Judge:
             if len(self._done) > self.cfg.cache_size:
                 self._done.popitem(last=False)
 
-    def _key(self, messages: list[dict[str, Any]]) -> str:
+    def _key(self, messages: list[ChatCompletionMessageParam]) -> str:
         c = self.cfg
         return hashlib.sha256(json.dumps([c.base_url, c.model, c.temperature, c.max_tokens, messages],
                                          sort_keys=True).encode()).hexdigest()

@@ -22,9 +22,12 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from loomrl.reward.judge_config import JudgePrices
+
+if TYPE_CHECKING:  # openai is the judge extra's: imported where a request is made
+    from openai.types.chat import ChatCompletionMessageParam
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +124,7 @@ class JudgeClient:
             await self._client.close()
             self._loop = None
 
-    async def complete(self, messages: list[dict[str, Any]], *, max_tokens: int, temperature: float,
+    async def complete(self, messages: list[ChatCompletionMessageParam], *, max_tokens: int, temperature: float,
                        seed: int | None = None) -> str:
         """The reply's text ("" when it has none); JudgeUnavailable when no reply came."""
         import openai
@@ -157,7 +160,7 @@ class JudgeClient:
             log.warning("LLM judge: %s (%d judgement(s) failed so far; their trajectories are reward_failed)", why, n)
         return JudgeUnavailable(why)
 
-    async def _request(self, messages: list[dict[str, Any]], max_tokens: int, temperature: float,
+    async def _request(self, messages: list[ChatCompletionMessageParam], max_tokens: int, temperature: float,
                        seed: int | None) -> str:
         import openai
 
@@ -168,9 +171,12 @@ class JudgeClient:
         self._inflight += 1
         try:
             async with asyncio.timeout(self.timeout_s):  # the whole request, however the server trickles it
-                out = await self._client.chat.completions.create(
-                    model=self.model, messages=messages, max_tokens=max_tokens, temperature=temperature,
-                    **({"seed": seed} if seed is not None else {}))
+                create = self._client.chat.completions.create
+                # no seed: none sent (openai>=1.40 has no one "omitted" value across its versions)
+                out = await (create(model=self.model, messages=messages, max_tokens=max_tokens, temperature=temperature)
+                             if seed is None else
+                             create(model=self.model, messages=messages, max_tokens=max_tokens, temperature=temperature,
+                                    seed=seed))
         except (TimeoutError, openai.APITimeoutError):  # ours, or the HTTP client's own
             m.timeouts += 1
             raise

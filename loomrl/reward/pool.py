@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 from loomrl.config import ConfigError, RunConfig
 from loomrl.plugins import import_object
@@ -47,9 +48,13 @@ def import_reward(spec: str, field: str = "reward.function") -> RewardFn:
 
 def load_terms(cfg: RunConfig) -> list[RewardTerm]:
     """reward.functions (or reward.function alone), imported: a ConfigError of one line naming the one that fails."""
-    specs = ([(t.function, t.weight, t.name, f"reward.functions[{i}].function")
-              for i, t in enumerate(cfg.reward.functions)]
-             or [(cfg.reward.function, 1.0, None, "reward.function")])
+    single = cfg.reward.function
+    specs = [(t.function, t.weight, t.name, f"reward.functions[{i}].function")
+             for i, t in enumerate(cfg.reward.functions)]
+    if not specs:
+        if single is None:  # callers check first that the config names a reward function
+            raise ConfigError("config error: reward.function or reward.functions: no reward function to load")
+        specs = [(single, 1.0, None, "reward.function")]
     terms = []
     for spec, weight, name, field in specs:
         fn = import_reward(spec, field)
@@ -59,6 +64,17 @@ def load_terms(cfg: RunConfig) -> list[RewardTerm]:
     if len(names) != len(set(names)):
         raise ConfigError(f"config error: reward.functions: two TRL-style functions named {names}; give each a name")
     return terms
+
+
+class Scorer(Protocol):
+    """What a rollout worker scores trajectories on: a RewardPool in its process, or reward/actor.py's
+    RemoteRewardPool over the reward actors."""
+
+    async def score(self, traj: Trajectory, task: Task) -> Trajectory: ...
+
+    def metrics(self) -> dict[str, float]: ...
+
+    async def aclose(self) -> None: ...
 
 
 class RewardPool:
@@ -105,7 +121,10 @@ class RewardPool:
         trajectory could not be scored (then it is marked reward_failed)."""
         if self._combined is not None:
             return await self._from_workers(*self._combined, traj, task)
-        call = asyncio.get_running_loop().run_in_executor(self._executor, self.fn, traj, task)
+        fn = self.fn
+        if isinstance(fn, CombinedReward):  # _combined is set for one: __init__
+            raise RuntimeError("a CombinedReward is scored in its worker processes, not on a thread")
+        call = asyncio.get_running_loop().run_in_executor(self._executor, fn, traj, task)
         try:
             return await asyncio.wait_for(call, self.timeout_s), {}
         except TimeoutError:

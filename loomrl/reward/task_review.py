@@ -17,9 +17,12 @@ import difflib
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loomrl.reward.judge_client import JudgeClient, JudgeUnavailable
+
+if TYPE_CHECKING:  # openai is the judge extra's
+    from openai.types.chat import ChatCompletionMessageParam
 
 VERDICT = re.compile(r"verdict\s*[:=]\s*\**\s*(yes|no)\b", re.IGNORECASE)
 
@@ -71,10 +74,11 @@ def parse_verdict(reply: str) -> str:
     return found.group(1).lower() if found else "abstain"
 
 
-def review_messages(item: ReviewItem) -> list[dict[str, str]]:
-    shots = [m for prompt, ref, verdict in EXAMPLES for m in (
-        {"role": "user", "content": REVIEW_PROMPT.format(prompt=prompt, reference=ref)},
-        {"role": "assistant", "content": f"Verdict: {verdict}"})]
+def review_messages(item: ReviewItem) -> list[ChatCompletionMessageParam]:
+    shots: list[ChatCompletionMessageParam] = []
+    for prompt, ref, verdict in EXAMPLES:
+        shots.extend([{"role": "user", "content": REVIEW_PROMPT.format(prompt=prompt, reference=ref)},
+                      {"role": "assistant", "content": f"Verdict: {verdict}"}])
     return [*shots, {"role": "user", "content": REVIEW_PROMPT.format(prompt=item.prompt, reference=item.reference)}]
 
 

@@ -67,8 +67,8 @@ class _Worker:
         self.ready = False
         self.dead = False
 
-    def answer(self, timeout_s: float) -> tuple[str, Any] | None:
-        """The child's next message, or None if none came within timeout_s; EOFError if it died."""
+    def answer(self, timeout_s: float | None) -> tuple[str, Any] | None:
+        """The child's next message, or None if none came within timeout_s (None: it waits); EOFError if it died."""
         if not self.recv.poll(timeout_s):
             return None
         return self.recv.recv()
@@ -92,11 +92,12 @@ class _Worker:
 
 
 class RewardWorkers:
-    """`n` worker processes running `terms`, each call of each function bounded by `timeout_s`. evaluate() blocks and
+    """`n` worker processes running `terms`, each call of each function bounded by `timeout_s` (None: unbounded, as
+    RewardPool's; a worker's start stays bounded by START_TIMEOUT_S). evaluate() blocks and
     is thread-safe: at most `n` callers at once (RewardPool's n threads), each on a worker of its own. Workers start
     on first use."""
 
-    def __init__(self, terms: list[RewardTerm], n: int, timeout_s: float, max_steps: int = 0):
+    def __init__(self, terms: list[RewardTerm], n: int, timeout_s: float | None, max_steps: int = 0):
         self.terms = terms
         self.timeout_s = timeout_s
         self.max_steps = max_steps
@@ -165,7 +166,7 @@ class RewardWorkers:
 
     def _expect_ready(self, worker: _Worker) -> None:
         try:
-            message = worker.answer(max(START_TIMEOUT_S, self.timeout_s))
+            message = worker.answer(max(START_TIMEOUT_S, self.timeout_s or 0.0))
         except (EOFError, OSError):
             message = ("error", f"it exited with code {worker.proc.wait()} before it was ready")
         if message is None:

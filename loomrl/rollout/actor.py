@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import PreTrainedModel
 
 from loomrl.actor_support import Placed
 from loomrl.config import RunConfig, TrainerConfig
@@ -19,11 +20,13 @@ from loomrl.engine.actor import RemoteEngine, WeightGate
 from loomrl.engine.base import Engine
 from loomrl.engine.factory import make_engine
 from loomrl.engine.readings import Reading, read_engine
+from loomrl.env.pool import Leases
 from loomrl.env.registry import tasks_for
 from loomrl.env.remote import RemoteEnvPool
 from loomrl.model.chat import ChatRenderer
 from loomrl.model.loader import load_engine_model, load_tokenizer
 from loomrl.reward.actor import RemoteRewardPool
+from loomrl.reward.pool import Scorer
 from loomrl.rollout.worker import RolloutWorker
 from loomrl.types import Evaluation, Task, Trajectory
 from loomrl.weights.handle import WeightHandle
@@ -33,10 +36,10 @@ class RolloutSide:
     """A RolloutWorker, its engine over the run's model (`checkpoint`'s, else model config's: see
     load_engine_model; `trainer`: loaded as the trainer's, for a sync run; for vLLM and SGLang a skeleton without
     weights) and the run's task splits (registry.tasks_for); `eval_tasks`: the held-out tasks an evaluation runs.
-    `pools`: the worker's reward_pool and env_pool."""
+    `reward_pool`, `env_pool`: the worker's (RolloutWorker; on Ray, the reward and env actors' clients)."""
 
     def __init__(self, cfg: RunConfig, checkpoint: Path | None, *, trainer: TrainerConfig | None = None,
-                 engine_actor: Any = None, **pools: Any):
+                 engine_actor: Any = None, reward_pool: Scorer | None = None, env_pool: Leases | None = None):
         self.cfg = cfg
         # On a thread: this may run inside an event loop (a Ray actor's constructor, LocalBackend.start),
         # and a family may run one of its own to build its tasks (codefix validates its corpus in local
@@ -49,6 +52,7 @@ class RolloutSide:
             by_split.setdefault(t.split, []).append(t)
         self.eval_tasks = [t for tasks in by_split.values() for t in tasks[: cfg.eval.n_tasks]]
         torch.manual_seed(cfg.seed)
+        self.model: PreTrainedModel | None  # None beside an engine actor
         if engine_actor is not None:  # the engine is an actor of its own (ray.engine.count > 0): tokenizer only
             self.model, self.tokenizer = None, load_tokenizer(cfg.model)
             self.engine: Engine = RemoteEngine(engine_actor, cfg.ray.engine_restart_wait_s)
@@ -56,7 +60,8 @@ class RolloutSide:
             self.model, self.tokenizer = load_engine_model(cfg, checkpoint, trainer=trainer)
             self.engine = make_engine(cfg, self.model, self.tokenizer, 0)
         try:
-            self.worker = RolloutWorker(cfg, self.engine, ChatRenderer(self.tokenizer), train_tasks, **pools)
+            self.worker = RolloutWorker(cfg, self.engine, ChatRenderer(self.tokenizer), train_tasks,
+                                        reward_pool=reward_pool, env_pool=env_pool)
         except BaseException:  # e.g. reward.function does not import: no engine thread left behind
             self.engine.close()
             raise
@@ -70,7 +75,7 @@ class RolloutSide:
         the client's counts (the driver reads the engine actors instead)."""
         return read_engine(self.engine.metrics)
 
-    async def close(self) -> tuple[dict[str, int], dict[str, Any]]:
+    async def close(self) -> tuple[dict[str, dict[str, int]], dict[str, float]]:
         """Tear down sandboxes and the engine; returns the episode counts and the env pool's metrics (read
         after the pool closed: they count every instance's teardown)."""
         await self.worker.aclose()

@@ -34,7 +34,7 @@ from loomrl.env.registry import sandbox_pool_size
 from loomrl.model.chat import ChatRenderer
 from loomrl.reward.composite import Composite
 from loomrl.reward.judge import judge_for
-from loomrl.reward.pool import RewardPool, load_terms
+from loomrl.reward.pool import RewardPool, Scorer, load_terms
 from loomrl.reward.terms import CombinedReward
 from loomrl.types import EvalRecord, Evaluation, RewardFn, RolloutStatus, Score, Task, Trajectory
 
@@ -116,7 +116,7 @@ def rollout_concurrency(cfg: RunConfig) -> int:
 
 class RolloutWorker:
     def __init__(self, cfg: RunConfig, engine: Engine, renderer: ChatRenderer, train_tasks: Sequence[Task],
-                 reward_pool: RewardPool | None = None, env_pool: Leases | None = None):
+                 reward_pool: Scorer | None = None, env_pool: Leases | None = None):
         """`reward_pool`: where trajectories are scored (default: threads of this process; on Ray
         it may be the reward actors, reward/actor.py RemoteRewardPool). `env_pool`: where white-box
         environments lease sandboxes (default: an EnvPool of this process, made on first use; on
@@ -127,7 +127,7 @@ class RolloutWorker:
         self.train_tasks = train_tasks
         self.order = DataOrder(len(train_tasks), cfg.seed)
         self.environment = environment_for(cfg)
-        self.reward_pool = reward_pool or reward_pool_for(cfg)
+        self.reward_pool: Scorer = reward_pool or reward_pool_for(cfg)
         self.composite = Composite.from_config(cfg.reward.terms)  # the group terms (completion_time)
         self._env_rng = random.Random(f"{cfg.seed}:env")
         self._retry_rng = random.Random(f"{cfg.seed}:retry")

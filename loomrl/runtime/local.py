@@ -67,6 +67,18 @@ class LocalBackend(Backend):
         self.reward_last: dict[str, float] = {}  # the reward pool's counters at the last step (judge/...)
         self.rollout: RolloutSide | None = None
 
+    def _side(self) -> RolloutSide:
+        """The rollout side; start() makes it, and every call on the rollout side comes after."""
+        if self.rollout is None:
+            raise RuntimeError("LocalBackend: the rollout side is used before start()")
+        return self.rollout
+
+    def _process(self) -> TrainerProcess:
+        """The async trainer's process; start_trainer() makes it, stop_trainer() ends it."""
+        if self.trainer is None:
+            raise RuntimeError("LocalBackend: the trainer process is used before start_trainer() or after stop_trainer()")
+        return self.trainer
+
     async def start(self) -> None:
         cfg = self.cfg
         if not self.sync:
@@ -75,16 +87,17 @@ class LocalBackend(Backend):
             torch.set_num_threads(cfg.trainer.threads)
         # sync: the engine serves the trainer's own model (float32 on trainer.device; config.load_config refused
         # any other model.dtype or model.device), so it is loaded as the trainer's
-        self.rollout = RolloutSide(cfg, self.ckpt, trainer=cfg.trainer if self.sync else None)
-        self.delta = EngineDelta(self.rollout.engine.metrics)  # busy time, queue, prefix hits: engine/readings.py
+        rollout = self.rollout = RolloutSide(cfg, self.ckpt, trainer=cfg.trainer if self.sync else None)
+        self.delta = EngineDelta(rollout.engine.metrics)  # busy time, queue, prefix hits: engine/readings.py
 
     # -- the trainer --------------------------------------------------------------------------------
     async def start_trainer(self, extra: dict[str, Any]) -> TrainerState:
         if self.sync:
             return self._start_sync_trainer(extra)
-        self.trainer = TrainerProcess(self.cfg, extra, latest_checkpoint(self.cfg.run_dir), async_threads(self.cfg)[1])
+        trainer = self.trainer = TrainerProcess(self.cfg, extra, latest_checkpoint(self.cfg.run_dir),
+                                                async_threads(self.cfg)[1])
         try:
-            ready = await self.trainer.start()
+            ready = await trainer.start()
         except TrainerProcessDied as err:
             raise TrainerLost(str(err)) from None
         self.weights = ready.weights
@@ -99,7 +112,10 @@ class LocalBackend(Backend):
             ranks = LocalRankGroup(cfg.trainer.world_size, trainer_device(cfg.trainer),
                                    *self.followers.channels(), dead=self.followers.dead)
             join_watching(ranks, self.followers)
-        service = self.service = TrainerService(cfg, self.rollout.model, self.rollout.tokenizer,
+        rollout = self._side()
+        if rollout.model is None:  # only an engine actor (Ray) leaves the rollout side without a model
+            raise RuntimeError("LocalBackend: the sync trainer needs the rollout side's model, and it has none")
+        service = self.service = TrainerService(cfg, rollout.model, rollout.tokenizer,
                                                 resume_from=self.ckpt, ranks=ranks)
         service.extra.update(extra)
         return TrainerState(service.version, service.received, service.last_metrics)
@@ -119,18 +135,18 @@ class LocalBackend(Backend):
         if self.service is not None:
             self.service.receive(position, group)
         else:
-            self.trainer.send(position, group)
+            self._process().send(position, group)
 
     async def train_step(self) -> dict[str, Any] | None:
         if self.service is not None:
             if not self.service.ready():
                 return None
             try:  # on the engine's thread: one OpenMP team per process
-                return await asyncio.wrap_future(self.rollout.engine.call(self.service.train_step))
+                return await asyncio.wrap_future(self._side().engine.call(self.service.train_step))
             except RankLost as err:
                 raise RunError(f"run error: {err}; continue with the same command and --resume") from None
         try:
-            stepped = await self.trainer.step()
+            stepped = await self._process().step()
         except TrainerProcessDied as err:
             raise TrainerLost(str(err)) from None
         if stepped.metrics is not None:
@@ -141,22 +157,24 @@ class LocalBackend(Backend):
         if self.service is not None:
             return self.service.ready()
         try:
-            return await self.trainer.ready()
+            return await self._process().ready()
         except TrainerProcessDied as err:
             raise TrainerLost(str(err)) from None
 
     async def sleep_engines(self) -> None:
-        await asyncio.to_thread(self.rollout.engine.sleep)
+        await asyncio.to_thread(self._side().engine.sleep)
 
     async def wake_engines(self) -> None:
-        await asyncio.to_thread(self.rollout.engine.wake)
+        await asyncio.to_thread(self._side().engine.wake)
 
     async def publish(self, version: int) -> None:
+        engine = self._side().engine
         if self.sync:  # the weights changed in place (shared model)
-            self.rollout.engine.update_weights(None, version)
+            engine.update_weights(None, version)
             return
         handle, self.weights = self.weights, None
-        engine = self.rollout.engine
+        if handle is None:  # start_trainer and every train_step with metrics leave a handle to publish
+            raise RuntimeError(f"LocalBackend: version {version} is published without new weights from the trainer")
         # Off the event loop: rollouts go on, and the trainer's next step request goes out meanwhile. An engine
         # that opens the handle itself (vLLM's worker: shm, cuda_ipc) reads it where its model is.
         opens = handle.transport in engine.opens
@@ -181,23 +199,25 @@ class LocalBackend(Backend):
 
     # -- the rollout side ---------------------------------------------------------------------------
     def dispatch(self, position: int) -> asyncio.Future:
-        return asyncio.ensure_future(self.rollout.worker.run_group(position))
+        return asyncio.ensure_future(self._side().worker.run_group(position))
 
     async def evaluate(self, label: str) -> Evaluation:
-        bar = progress(len(self.rollout.eval_tasks), f"eval {label}", self.cfg.progress)
+        rollout = self._side()
+        bar = progress(len(rollout.eval_tasks), f"eval {label}", self.cfg.progress)
         try:
-            return await self.rollout.worker.evaluate(self.rollout.eval_tasks, progress=bar)
+            return await rollout.worker.evaluate(rollout.eval_tasks, progress=bar)
         finally:
             bar.close()  # before an error's message, not after it
 
     def step_metrics(self) -> dict[str, float]:
-        reward = self.rollout.worker.reward_metrics()  # counters since the start: this step's share is the change
-        out = {**self.delta.take(), **self.sync_metrics, **self.rollout.worker.program_metrics(),
-               **{f"env_pool/{k}": v for k, v in self.rollout.worker.pool_metrics().items()},
+        worker = self._side().worker
+        reward = worker.reward_metrics()  # counters since the start: this step's share is the change
+        out = {**self.delta.take(), **self.sync_metrics, **worker.program_metrics(),
+               **{f"env_pool/{k}": v for k, v in worker.pool_metrics().items()},
                **{k: v - self.reward_last.get(k, 0.0) for k, v in reward.items()}}
         self.reward_last = reward
         if self.cfg.runtime.max_inflight_trajectories:
-            out["rollout/cap_wait_s_total"] = self.rollout.worker.cap_wait_s
+            out["rollout/cap_wait_s_total"] = worker.cap_wait_s
         self.sync_metrics = {}
         return out
 

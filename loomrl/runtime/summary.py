@@ -108,6 +108,7 @@ def whole_run(run_dir: Path, segments: list[Segment], before: EvalRecord | None,
               steps: int, ledger: list[dict[str, Any]]) -> dict[str, Any]:
     """summary.json: the run over all its segments (module docstring)."""
     last = segments[-1]
+    latest = after or before  # n_heldout: the latest evaluation's count
     accounting: dict[str, Any] = {}
     for i, seg in enumerate(segments):
         _add(accounting, {**seg.accounting, "violations": [f"segment {i + 1}: {v}" for v in seg.accounting.get(
@@ -119,7 +120,7 @@ def whole_run(run_dir: Path, segments: list[Segment], before: EvalRecord | None,
         _add(rollouts, seg.rollouts)
     return {
         "success_before": before and before.success, "success_after": after and after.success,
-        "n_heldout": (after or before).n if (after or before) else 0,
+        "n_heldout": latest.n if latest is not None else 0,
         "stderr_before": before and before.stderr, "stderr_after": after and after.stderr,
         # by held-out split (heldout: new numbers on training templates; heldout_templates: templates training never
         # used): n, success_before, stderr_before, success_after, stderr_after

@@ -132,7 +132,7 @@ def create_app(paths: list[Path]) -> FastAPI:
         trained = folder.records().get(id) if store_name == TRAINING_STORE else None
         text = runs.token_text(run)
         loading = not text.ready(TOKENIZER_WAIT_S)
-        contexts = [*record.get("segments", []), {"reason": "", **{k: record[k] for k in (
+        contexts: list[dict[str, Any]] = [*record.get("segments", []), {"reason": "", **{k: record[k] for k in (
             "token_ids", "loss_mask", "logprobs", "versions", "turns", "prompt_len")}}]
         recorded_gaps = trained["gaps"] if trained is not None else []
         for k, ctx in enumerate(contexts):

@@ -55,6 +55,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from loomrl.config import ConfigError
 from loomrl.env.api import Environment, EpisodeContext, TaskSetup
+from loomrl.env.tools import callable_name
 from loomrl.types import Task, Trajectory
 
 if TYPE_CHECKING:
@@ -197,7 +198,7 @@ class VerifiersEnvironment(Environment):
             for fn in task.hooks(attr):
                 param = inspect.signature(fn).parameters.get("runtime")
                 if param is not None and param.default is inspect.Parameter.empty:
-                    raise self._refuse(f"{attr} {fn.__name__!r} (it reads the rollout's runtime box)")
+                    raise self._refuse(f"{attr} {callable_name(fn)!r} (it reads the rollout's runtime box)")
         for fn in task.hooks("stop"):
             try:
                 hook_boundary(fn, allow_trace=True)
@@ -212,7 +213,7 @@ class VerifiersEnvironment(Environment):
         if data.image is not None:
             raise self._refuse(f"task {data.idx}'s container image {data.image!r}")
         if not isinstance(data.prompt, str | None) and any(
-                not isinstance(m.content, str) and any(p.type != "text" for p in m.content) for m in data.prompt):
+                isinstance(m.content, list) and any(p.type != "text" for p in m.content) for m in data.prompt):
             raise self._refuse(f"task {data.idx}'s multimodal prompt (images)")
 
     def check(self, setup: TaskSetup) -> None:
@@ -227,12 +228,13 @@ class VerifiersEnvironment(Environment):
         import verifiers.v1 as vf
 
         taskset = self.protocol.env.taskset
-        if self.args.heldout_args is None:
+        heldout_args = self.args.heldout_args
+        if heldout_args is None:
             drawn = self._draw(taskset, setup.n_heldout + setup.n_train, setup.seed)
             heldout, train = drawn[: setup.n_heldout], drawn[setup.n_heldout :]
         else:
             config = taskset.config.model_dump()
-            own = self._loaded(lambda: type(taskset.config).model_validate({**config, **self.args.heldout_args}),
+            own = self._loaded(lambda: type(taskset.config).model_validate({**config, **heldout_args}),
                                "heldout_args")
             heldout = self._draw(self._loaded(lambda: vf.load_taskset(own), "heldout_args"), setup.n_heldout,
                                  setup.seed)
@@ -275,7 +277,11 @@ class VerifiersEnvironment(Environment):
             raise ValueError("the episode left no verifiers trace (no step ran)")
         data = record["trace"]["task"]
         task_ = self.protocol.task(data["data"], data["type"])
-        trace = vf.Trace[type(task_.data), state_cls(type(task_)), vf.AgentConfig].model_validate(record["trace"])
+        # pydantic's generic model parametrized at run time by the task's own types (verifiers' cli/replay.py does
+        # the same): ty reads any subscript of a generic class as a type expression, where calls are not allowed
+        data_t, state_t = type(task_.data), state_cls(type(task_))
+        trace = vf.Trace[data_t, state_t, vf.AgentConfig].model_validate(  # ty: ignore[invalid-type-form]
+            record["trace"])
         trace.state = state_cls(type(task_)).model_validate(record["state"])
         if trace.stop_condition is None:
             trace.stop("max_turns")  # loomrl cut it short (agent.max_turns or max_context_tokens)
@@ -297,15 +303,17 @@ def _calls_from(traj: Trajectory, trace: vf.Trace) -> None:
     import verifiers.v1 as vf
 
     replies = [i for i, node in enumerate(trace.nodes) if node.sampled]
-    turns = [t for t in traj.all_turns() if t.act_span is not None
+    turns = [(t, t.act_span) for t in traj.all_turns() if t.act_span is not None
              and not any(e.get("action") == "summary_written" for e in t.context_events)]
     if trace.calls or len(replies) != len(turns):
         return
-    trace.calls = [vf.ModelCall(node=i, finish_reason="tool_calls" if trace.nodes[i].message.tool_calls
-                                else "length" if t.finish_reason == "length" else "stop",
-                                usage=vf.Usage(prompt_tokens=t.act_span.start,
-                                               completion_tokens=t.act_span.end - t.act_span.start))
-                   for i, t in zip(replies, turns)]
+    calls = []
+    for i, (t, span) in zip(replies, turns):
+        message = trace.nodes[i].message  # a sampled node's: the assistant's reply
+        calls.append(vf.ModelCall(node=i, finish_reason="tool_calls" if isinstance(message, vf.AssistantMessage)
+                                  and message.tool_calls else "length" if t.finish_reason == "length" else "stop",
+                                  usage=vf.Usage(prompt_tokens=span.start, completion_tokens=span.end - span.start)))
+    trace.calls = calls
 
 
 def _verifiers(name: str) -> Any:

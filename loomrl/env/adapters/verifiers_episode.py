@@ -31,9 +31,9 @@ import contextlib
 import json
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import verifiers.v1 as vf
 from verifiers.v1.dialects.chat import parse_message
@@ -202,7 +202,7 @@ class _Seat:
         return chat.trace
 
     @contextlib.asynccontextmanager
-    async def interaction(self, task: vf.Task, **borrowed: Any) -> AsyncIterator[_Chat]:
+    async def interaction(self, task: vf.Task, **borrowed: Any) -> AsyncGenerator[_Chat, None]:
         lent = [name for name, value in borrowed.items() if value is not None]
         if lent:
             raise NotImplementedError(f"agent.run/interaction({', '.join(lent)}=...): borrowed runtimes and tool "
@@ -254,7 +254,7 @@ class VerifiersEpisode(Env):
         if stopped:
             trace.stop(stopped)
         elif reply.tool_calls:
-            results = []
+            results: list[vf.Message] = []
             for call, (arguments, error) in zip(reply.tool_calls, calls):
                 output = error or await self._call(call.name, arguments)
                 records.append({"id": call.id, "name": call.name, "arguments": arguments, "output": output,
@@ -313,7 +313,9 @@ class VerifiersEpisode(Env):
     # -- the machinery --------------------------------------------------------------------------------------------
     async def _drive(self, task: vf.Task) -> None:
         env, seat = self.protocol.env, _Seat(self)
-        agents = vf.Agents(env.config, lambda name, spec: seat)
+        # cast: verifiers bounds Agents' factory by vf.Agent, yet an Env's run() only calls an agent's run(),
+        # interaction() and trainable, which the seat plays (module docstring)
+        agents = vf.Agents(env.config, lambda name, spec: cast(vf.Agent, seat))
         try:
             await env.setup(agents)
             await env.run(task, agents)

@@ -28,12 +28,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import verifiers.v1 as vf
+from mcp.server.mcpserver import Context
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.server.mcpserver.tools import Tool as McpTool
 from verifiers.v1.harnesses.utils.mcp import mcp_content_to_chat_content
 from verifiers.v1.mcp.server import _call_state  # the context variable a Toolset's `self.state` reads
 from verifiers.v1.runtimes import SubprocessConfig
 from verifiers.v1.utils.decorators import discover_decorated
+
+from loomrl.env.tools import callable_name
 
 
 def refusal(toolset: object) -> str | None:
@@ -71,7 +74,7 @@ def bind(toolsets: Sequence[vf.Toolset]) -> dict[str, BoundTool]:
     for server in toolsets:
         prefix = server.server_name
         for fn in discover_decorated(server, "tool"):
-            raw = getattr(fn, "tool_name", None) or fn.__name__
+            raw = getattr(fn, "tool_name", None) or callable_name(fn)
             name = f"{prefix}_{raw}" if prefix else raw
             if name in out:
                 raise ValueError(f"two tools are named {name!r}; give one server a distinct TOOL_PREFIX")
@@ -88,7 +91,7 @@ async def call(tool: BoundTool, arguments: dict[str, Any], trace: vf.Trace, time
     state = (server._state_adapter.validate_json(trace.state.model_dump_json()) if syncs else vf.State())
     token = _call_state.set(state)
     try:
-        result = await asyncio.wait_for(tool.mcp.run(arguments, None, convert_result=True), timeout_s)
+        result = await asyncio.wait_for(tool.mcp.run(arguments, Context(), convert_result=True), timeout_s)
     except TimeoutError:
         return f"Error executing tool {tool.mcp.name}: it ran past its {timeout_s:g} s timeout"
     except ToolError as err:  # MCP's own wording of a tool that raised or got bad arguments

@@ -42,9 +42,10 @@ import random
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import gymnasium as gym
+from gymnasium.envs.toy_text import CliffWalkingEnv, FrozenLakeEnv, TaxiEnv
 from gymnasium.envs.toy_text.frozen_lake import generate_random_map
 from pydantic import BaseModel, ConfigDict
 
@@ -70,19 +71,33 @@ def _registered(*ids: str) -> str:
     return next((i for i in ids if i in gym.registry), ids[-1])
 
 
+_Toy = TypeVar("_Toy", bound=gym.Env)
+
+
+def _unwrapped(env: gym.Env, kind: type[_Toy]) -> _Toy:
+    """The game under `env`'s wrappers, as the renderer of `kind` reads it."""
+    game = env.unwrapped
+    if not isinstance(game, kind):
+        raise TypeError(f"a {kind.__name__} renderer got a {type(game).__name__}")
+    return game
+
+
 def _grid_lines(env: gym.Env) -> str:
     """The ansi render with the highlighted cell as "@", colours stripped, the last-action line dropped."""
-    text = _ANSI.sub("", _HIGHLIGHT.sub("@", env.render()))
+    frame = env.render()
+    if not isinstance(frame, str):  # grid games are made with render_mode="ansi" (GymGame.ansi)
+        raise TypeError(f"an ansi render is text, got {type(frame).__name__}")
+    text = _ANSI.sub("", _HIGHLIGHT.sub("@", frame))
     return "\n".join(line for line in text.splitlines() if line.strip() and not _LAST_ACTION.match(line))
 
 
 def _render_frozenlake(env: gym.Env, obs: int) -> str:
-    row, col = divmod(obs, env.unwrapped.ncol)
+    row, col = divmod(obs, _unwrapped(env, FrozenLakeEnv).ncol)
     return f"{_grid_lines(env)}\nYou (@) are at row {row + 1}, column {col + 1}."
 
 
 def _render_taxi(env: gym.Env, obs: int) -> str:
-    row, col, passenger, destination = env.unwrapped.decode(obs)
+    row, col, passenger, destination = _unwrapped(env, TaxiEnv).decode(obs)
     where = "is in the taxi" if passenger == 4 else f"is waiting at {_TAXI_STOPS[passenger]}"
     return (f"{_grid_lines(env)}\nThe taxi (@) is at row {row + 1}, column {col + 1}. "
             f"The passenger {where}. The destination is {_TAXI_STOPS[destination]}.")
@@ -90,7 +105,7 @@ def _render_taxi(env: gym.Env, obs: int) -> str:
 
 def _render_cliffwalking(env: gym.Env, obs: int) -> str:
     # This render marks the agent with "x" and no colour, so "@" is swapped in for the same legend.
-    row, col = divmod(obs, env.unwrapped.shape[1])
+    row, col = divmod(obs, _unwrapped(env, CliffWalkingEnv).shape[1])
     return f"{_grid_lines(env).replace('x', '@')}\nYou (@) are at row {row + 1}, column {col + 1}."
 
 
@@ -322,7 +337,7 @@ class GymTextEnv(Env):
             raise RuntimeError("step() before reset()")
         name, error = parse_action(action, self._game.actions)
         if name is None:
-            return self._invalid_step(error or "")
+            return self._invalid_step(self._game, error or "")
         self._invalid = 0
         obs, reward, terminated, truncated, _ = self._env.step(self._game.actions[name])
         reward = float(reward)
@@ -335,15 +350,15 @@ class GymTextEnv(Env):
         text = _after_move(self._game, self._env, name, reward, obs)
         return StepResult(observation=[_user(text)], reward=reward, info=info)
 
-    def _invalid_step(self, error: str) -> StepResult:
+    def _invalid_step(self, game: GymGame, error: str) -> StepResult:
         self._invalid += 1
         left = self.max_invalid - self._invalid
         info = self._info(None, invalid=True, success=False, truncated=False)
         if left <= 0:
             info.update(invalid_limit=True, final_answer=FAILURE)
             return StepResult(observation=[], done=True, info=info)
-        text = (f"Invalid reply: {error}. Reply with exactly one action, e.g. move({next(iter(self._game.actions))}). "
-                f"Legal actions: {self._game.legal}. ({left} more invalid {'reply' if left == 1 else 'replies'} "
+        text = (f"Invalid reply: {error}. Reply with exactly one action, e.g. move({next(iter(game.actions))}). "
+                f"Legal actions: {game.legal}. ({left} more invalid {'reply' if left == 1 else 'replies'} "
                 f"in a row will end the game.)")
         return StepResult(observation=[_user(text)], info=info)
 

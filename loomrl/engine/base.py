@@ -96,7 +96,7 @@ class EngineMetrics:
         self.busy_s += seconds
 
     def add_queue(self, request_seconds: float) -> None:
-        """Count `request_seconds` of waiting; only an engine that measures queue_s (created it at 0.0) may call this."""
+        """Count `request_seconds` of waiting; only an engine that measures queue_s (created it at 0.0) may."""
         if self.queue_s is None:
             raise ValueError("EngineMetrics.add_queue: queue_s is not measured (create the record with queue_s=0.0)")
         self.queue_s += request_seconds

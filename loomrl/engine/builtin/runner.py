@@ -280,7 +280,8 @@ class ModelRunner:
             c.kv.reserve(c.kv.length + n)
         dev = self.device
         ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.long, device=dev)
-        positions = torch.tensor([p for s, n in zip(starts, lengths) for p in range(s, s + n)], dtype=torch.long, device=dev)
+        positions = torch.tensor([p for s, n in zip(starts, lengths) for p in range(s, s + n)], dtype=torch.long,
+                                 device=dev)
         N, H, KH, D = ids.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         group = H // KH
         h = self.base.embed_tokens(ids)  # [N, hidden]
@@ -293,7 +294,8 @@ class ModelRunner:
         if any(c.kv.pool is None for c in chunks):
             raise ValueError("ModelRunner.forward: every chunk's kv must come from new_kv() (a pool slot)")
         # Where each new token's K/V goes in the pool.
-        slot_of = torch.tensor([c.kv.slot for c, n in zip(chunks, lengths) for _ in range(n)], dtype=torch.long, device=dev)
+        slot_of = torch.tensor([c.kv.slot for c, n in zip(chunks, lengths) for _ in range(n)], dtype=torch.long,
+                               device=dev)
 
         decode = [i for i, n in enumerate(lengths) if n == 1]
         prefill = [i for i, n in enumerate(lengths) if n > 1]

@@ -91,7 +91,8 @@ class Scheduler:
         chunks, samples, budget = [], [], self.max_prefill_tokens
         for seq in self.running:
             if seq.kv is None:  # admission gives every running sequence its K/V; _release takes it back
-                raise RuntimeError(f"Scheduler.schedule: a running sequence (program {seq.request.program_id!r}) has no K/V")
+                raise RuntimeError(f"Scheduler.schedule: a running sequence (program {seq.request.program_id!r}) "
+                                   "has no K/V")
             pending = seq.pending_prompt()
             if pending:  # still prefilling: a chunk of its prompt
                 if budget <= 0:

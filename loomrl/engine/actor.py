@@ -80,6 +80,8 @@ class WeightGate:
                 await asyncio.to_thread(self.engine.update_weights, weights, handle.version)
             expected = handle.fingerprint
             if expected is None and handle.transport is Transport.RAY:
+                if weights is None:  # a "ray" payload is the published tensors themselves
+                    raise ValueError(f"{self.label}: the ray weight handle of version {handle.version} held no tensors")
                 expected = fingerprint_of(weights)
             t2 = time.perf_counter()
             checked = await asyncio.to_thread(confirm_weights, self.engine, self.label, handle.version, expected)
@@ -192,6 +194,7 @@ class RemoteEngine(TakesTensors):
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         import ray
+        import ray.exceptions
 
         if self._closed:
             raise EngineFault("engine: closed")

@@ -89,6 +89,18 @@ class EngineMetrics:
         self.decode_s += seconds
         self.decode_rows_s += rows * seconds
 
+    def add_busy(self, seconds: float) -> None:
+        """Count `seconds` of computing; only an engine that measures busy_s (created it at 0.0) may call this."""
+        if self.busy_s is None:
+            raise ValueError("EngineMetrics.add_busy: busy_s is not measured (create the record with busy_s=0.0)")
+        self.busy_s += seconds
+
+    def add_queue(self, request_seconds: float) -> None:
+        """Count `request_seconds` of waiting; only an engine that measures queue_s (created it at 0.0) may."""
+        if self.queue_s is None:
+            raise ValueError("EngineMetrics.add_queue: queue_s is not measured (create the record with queue_s=0.0)")
+        self.queue_s += request_seconds
+
     @property
     def hit_rate(self) -> float:
         return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0

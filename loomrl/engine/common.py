@@ -42,12 +42,12 @@ def sample_tokens(logits: torch.Tensor, params: list, uniforms: torch.Tensor) ->
     Sampling is by inverse CDF with the caller's uniforms [B] in [0, 1) (one per row, so a seeded
     request draws from its own generator whatever else shares the batch): one cumsum and one
     search for all rows, where a torch.multinomial call per row cost ~1 ms each at a 49k vocabulary."""
-    on = {"device": logits.device}
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, **on)
+    dev = logits.device
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
     greedy = temps <= 0
     scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
-    top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, **on)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, **on)
+    top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
     uniforms = uniforms.to(logits.device)
     if bool(((top_k > 0) | (top_p < 1.0)).any()):
         scaled = filter_logits(scaled, top_k, top_p)

@@ -22,14 +22,15 @@ Reading = dict[str, float | None]  # EngineMetrics' counters (None: not measured
 def read_engine(metrics: EngineMetrics) -> Reading:
     """The counters now, with up_s. Taken in the engine's process (its clock is the one `started` is of)."""
     out: Reading = dataclasses.asdict(metrics)
-    out["up_s"] = time.monotonic() - out.pop("started")
+    del out["started"]
+    out["up_s"] = time.monotonic() - metrics.started
     return out
 
 
 def counter_changes(last: Reading | None, now: Reading) -> Reading:
     """Each counter's change from `last` to `now` (None where the engine does not measure it). An engine that was
     restarted since (its up_s went back) counts from 0 again: its whole reading is the change."""
-    if last is None or now["up_s"] < (last["up_s"] or 0.0):
+    if last is None or (now["up_s"] or 0.0) < (last["up_s"] or 0.0):
         last = {}
     return {k: None if v is None else v - (last.get(k) or 0) for k, v in now.items()}
 
@@ -48,20 +49,20 @@ def engine_step_metrics(changes: list[Reading]) -> dict[str, float]:
     for name in changes[0]:
         if name in ("up_s", "reused_tokens"):  # reused_tokens: as prefix_hit_rate
             continue
-        values = [c[name] for c in changes if c.get(name) is not None]
+        values = [v for c in changes if (v := c.get(name)) is not None]
         if values:
             out[f"engine/{name}"] = sum(values)
-    timed = [c for c in changes if (c["up_s"] or 0.0) > 0]
-    busy = [(c["busy_s"], c["up_s"]) for c in timed if c.get("busy_s") is not None]
+    timed = [(c, up) for c in changes if (up := c["up_s"] or 0.0) > 0]
+    busy = [(b, up) for c, up in timed if (b := c.get("busy_s")) is not None]
     if busy:
         # capped: an engine that adds busy time when a request ends (vLLM over HTTP) can credit a step with time that
         # began in the step before
         out["engine/busy_frac"] = min(1.0, sum(b for b, _ in busy) / sum(u for _, u in busy))
-    queue = [c["queue_s"] / c["up_s"] for c in timed if c.get("queue_s") is not None]
+    queue = [q / up for c, up in timed if (q := c.get("queue_s")) is not None]
     if queue:
         out["engine/queue_depth"] = sum(queue)
     prompt = sum(c.get("prompt_tokens") or 0 for c in changes)
-    reused = [c["reused_tokens"] for c in changes if c.get("reused_tokens") is not None]
+    reused = [r for c in changes if (r := c.get("reused_tokens")) is not None]
     if prompt and reused:
         out["engine/prefix_hit_rate"] = sum(reused) / prompt
     return out

@@ -108,7 +108,7 @@ def write_checkpoint(folder: Path, weights: dict[str, torch.Tensor], config: Any
     from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {}
-    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    seen: set[tuple[int, int | torch.SymInt, tuple[int, ...]]] = set()
     for name, t in weights.items():
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
         if key in seen:
@@ -155,6 +155,8 @@ class SGLangEngine:
         do what the run asks (`sleep_mode`, engine.sleep_while_training: --enable-memory-saver)."""
         if not cfg.base_url:
             raise EngineFault("engine.sglang.base_url is not set: the SGLang server's address is needed")
+        if not isinstance(cfg.base_url, str):  # engine/factory.py picks this engine's server from a list
+            raise EngineFault("SGLangEngine: engine.sglang.base_url must be one server's address here, not a list")
         self.cfg = cfg
         self.base_url = cfg.base_url.rstrip("/")
         self.model_config = model_config  # written as config.json beside each checkpoint

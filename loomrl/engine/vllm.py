@@ -81,7 +81,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -164,7 +164,7 @@ def _import_vllm() -> None:
 
 
 @contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
+def _environ(values: dict[str, str]) -> Generator[None, None, None]:
     """os.environ with `values` set, restored after."""
     before = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
@@ -369,7 +369,7 @@ class VLLMEngine(LoadState):
             raise EngineFault("weight_fingerprint: the engine is closed")
         wanted = {n: [s.dtype, list(s.shape)] for n, s in expected.sums.items()}
         got = self._run(self._llm.collective_rpc("loomrl_fingerprint", args=(wanted,)), self.cfg.update_timeout_s)[0]
-        return Fingerprint(sums={n: TensorSum(wanted[n][0], tuple(wanted[n][1]), a, b)
+        return Fingerprint(sums={n: TensorSum(expected.sums[n].dtype, tuple(expected.sums[n].shape), a, b)
                                  for n, (a, b) in got["sums"].items()}, unchecked=got["unchecked"])
 
     def _apply(self, updates: Iterable[dict[str, Any]], version: int) -> None:
@@ -543,6 +543,8 @@ class VLLMEngine(LoadState):
         from vllm.inputs import TokensPrompt
 
         task = asyncio.current_task()
+        if task is None:  # a coroutine awaited on the loop runs in a task
+            raise RuntimeError("VLLMEngine._generate: not running in an asyncio task")
         self._count_busy()
         self._tasks.add(task)
         version, interrupts = self._version, self._interrupts_done
@@ -585,7 +587,7 @@ class VLLMEngine(LoadState):
         now = time.perf_counter()
         if self._tasks:
             with self._lock:
-                self.metrics.busy_s += now - self._busy_since
+                self.metrics.add_busy(now - self._busy_since)
         self._busy_since = now
 
     def _result(self, request: GenerationRequest, final: Any, ids: list[int], logprobs: list[float], version: int, *,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from dataclasses import dataclass
+from typing import Any
 
 from loomrl.config import ConfigError
 
@@ -83,9 +84,10 @@ ABSTRACT = ("vllm.distributed.weight_transfer.base:WeightTransferEngine",
                        "shutdown"}))
 
 
-def _lookup(target: str) -> object:
+def _lookup(target: str) -> Any:
+    """The object at `target` ("module:attr.attr"): whatever vLLM has there, so Any."""
     module_name, _, path = target.partition(":")
-    obj: object = importlib.import_module(module_name)
+    obj: Any = importlib.import_module(module_name)
     for part in path.split("."):
         obj = getattr(obj, part)
     return obj
@@ -93,8 +95,10 @@ def _lookup(target: str) -> object:
 
 def _accepts(obj: object, keywords: tuple[str, ...]) -> list[str]:
     """The keywords among `keywords` that `obj`'s signature does not take (none when it takes **kwargs)."""
+    if not callable(obj):  # nothing to call, so no keywords to check
+        return []
     try:
-        params = inspect.signature(obj).parameters  # type: ignore[arg-type]
+        params = inspect.signature(obj).parameters
     except (TypeError, ValueError):  # a builtin or C type without a signature: nothing to check
         return []
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):

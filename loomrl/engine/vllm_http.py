@@ -86,6 +86,8 @@ class VLLMHTTPEngine(TakesTensors, LoadState):
         dtype on the wire; None: the server's model dtype."""
         if not cfg.base_url:
             raise EngineFault("engine.vllm.base_url is not set: the vLLM server's address is needed")
+        if not isinstance(cfg.base_url, str):  # engine/factory.py picks this engine's server from a list
+            raise EngineFault("VLLMHTTPEngine: engine.vllm.base_url must be one server's address here, not a list")
         self.cfg = cfg
         self.shapes, self.aliases = shapes, aliases
         self.metrics = EngineMetrics(busy_s=0.0)  # busy: a request in flight (the server reports no step times)
@@ -127,7 +129,7 @@ class VLLMHTTPEngine(TakesTensors, LoadState):
             with self._lock:
                 self._in_flight -= 1
                 if not self._in_flight:
-                    self.metrics.busy_s += time.perf_counter() - self._busy_since
+                    self.metrics.add_busy(time.perf_counter() - self._busy_since)
 
     def update_weights(self, weights: dict | None, version: int) -> None:
         """Load `weights` (cast to the server's dtype) between two steps and tag later tokens `version`; returns once
@@ -281,13 +283,16 @@ class VLLMHTTPEngine(TakesTensors, LoadState):
             self._resume()  # wake_up unpauses; resuming a server that runs is a no-op
 
     def _load(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
+        dtype = self._dtype
+        if dtype is None:  # given, or read from the server when connecting (__init__)
+            raise EngineFault("vLLM over HTTP: the weights' dtype is unknown (the server was never connected to)")
         post, t = self._http.post, self.cfg.update_timeout_s
         post("/pause", None, self.cfg.control_timeout_s, params={"mode": "keep"})
         try:
             with self._loading(version):
                 post("/start_weight_update", None, t)
                 try:
-                    for bucket in weight_buckets(named, self._dtype, self.cfg.weight_bucket_bytes):
+                    for bucket in weight_buckets(named, dtype, self.cfg.weight_bucket_bytes):
                         post("/update_weights", {"update_info": to_wire(bucket, text=True)}, t)
                 except Exception:
                     # the worker's reload has finished on a failed bucket (vllm_worker.py); this closes the update

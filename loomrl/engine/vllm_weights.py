@@ -15,7 +15,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import torch
@@ -32,7 +32,7 @@ class LoadState:
     _broken: str | None
 
     @contextlib.contextmanager
-    def _loading(self, version: int) -> Iterator[None]:
+    def _loading(self, version: int) -> Generator[None, None, None]:
         """Around one load: when it completes `version` serves and the engine is whole again; when it fails the
         engine is broken (it refuses requests until a complete update succeeds) and the error an EngineFault."""
         try:

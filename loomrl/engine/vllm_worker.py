@@ -143,6 +143,8 @@ class WorkerExtension:
     """Mixed into vLLM's worker class: importing this module registers the weight-transfer engine and the failure
     log (below); `loomrl_pid` is called through collective_rpc."""
 
+    model_runner: Any  # vLLM's worker class, which this one is mixed into, sets it
+
     def loomrl_pid(self) -> int:
         """This worker's process id: the adapter watches it, to tell a killed worker from one that failed."""
         return os.getpid()

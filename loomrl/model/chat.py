@@ -35,8 +35,11 @@ class ChatRenderer:
         self._glue = self._find_glue()
 
     def _apply(self, messages: list[Message], tools: list[dict] | None, add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+        text = self.tokenizer.apply_chat_template(messages, tools=[*tools] if tools is not None else None,
+                                                  tokenize=False, add_generation_prompt=add_generation_prompt)
+        if not isinstance(text, str):  # tokenize=False renders text
+            raise TypeError(f"the tokenizer's apply_chat_template(tokenize=False) returned a {type(text).__name__}")
+        return text
 
     def _template(self, messages: list[Message], tools: list[dict] | None, add_generation_prompt: bool) -> str:
         return self._apply(self.messages.prepare(messages), tools, add_generation_prompt)
@@ -72,4 +75,7 @@ class ChatRenderer:
 
     def decode(self, ids: list[int]) -> str:
         """Text of sampled ids for display and parsing only (never re-encoded for training)."""
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if not isinstance(text, str):  # one sequence of ids decodes to one text
+            raise TypeError(f"the tokenizer's decode returned a {type(text).__name__}")
+        return text

@@ -84,6 +84,8 @@ def _converted_dir(cfg: ModelConfig, gguf: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if tokenizer is None:
+        raise ModelLoadError(f"model error: no tokenizer could be read from '{gguf}'")
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # A GGUF-loaded model refuses save_pretrained; rebuild a plain float32 model from its weights.
     config = model.config
@@ -120,7 +122,10 @@ def _hf_folder(cfg: ModelConfig) -> Path:
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(_hf_folder(cfg))
+    folder = _hf_folder(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if tokenizer is None:
+        raise ModelLoadError(f"model error: no tokenizer could be loaded from '{folder}'")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

@@ -65,6 +65,15 @@ class OpenAIServer:
         return oai.error_response(400, f"{field}={asked} asks for the {asked} most likely tokens at each position, but "
                                   f"the engine computes only the sampled token's logprob: use {field}=1 for it", field)
 
+    def _prompt_ids(self, p: str | list[int] | list[str] | list[list[int]]) -> list[list[int]]:
+        """Each prompt's token ids: `p` is one prompt (a string, or token ids) or a non-empty list of them (the
+        request model has made any list homogeneous, so the isinstance filters below drop nothing)."""
+        if isinstance(p, str):
+            return [self.renderer.encode_text(p)]
+        if isinstance(p[0], int):  # one prompt's token ids
+            return [[t for t in p if isinstance(t, int)]]
+        return [self.renderer.encode_text(x) if isinstance(x, str) else list(x) for x in p if not isinstance(x, int)]
+
     async def completions(self, req: CompletionRequest):
         if req.echo:
             return oai.error_response(400, "echo=true is not supported", "echo")
@@ -73,8 +82,7 @@ class OpenAIServer:
         p = req.prompt
         if not isinstance(p, str) and not p:  # the request model has made any list homogeneous
             return oai.error_response(400, "prompt must be a non-empty string, list of token ids, or list of either", "prompt")
-        single = isinstance(p, str) or isinstance(p[0], int)
-        prompts = [self.renderer.encode_text(x) if isinstance(x, str) else list(x) for x in ([p] if single else p)]
+        prompts = self._prompt_ids(p)
         vocab = len(self.tokenizer)
         if any(not x or any(t < 0 or t >= vocab for t in x) for x in prompts):
             return oai.error_response(400, f"prompt token ids must be non-empty and in [0, {vocab})", "prompt")

@@ -30,7 +30,8 @@ class TrainerActor(Placed):
         torch.set_num_threads(cfg.trainer.threads or max(1, int(cfg.ray.trainer.num_cpus)))  # as reserved
         self.cfg, self.extra, self.ckpt = cfg, extra, latest_checkpoint(cfg.run_dir)
         # trainer.distributed: built once the ranks joined (join_ranks), sharded ranks shard it as they build it
-        self.service = None if cfg.trainer.distributed else TrainerService.from_run(cfg, extra, self.ckpt)
+        self.service: TrainerService | None = (
+            None if cfg.trainer.distributed else TrainerService.from_run(cfg, extra, self.ckpt))
         self.publisher: WeightPublisher | None = None  # runtime.weight_transport=broadcast: this actor's group
         if cfg.runtime.weight_transport == "broadcast":
             import ray
@@ -55,35 +56,38 @@ class TrainerActor(Placed):
 
     def state(self) -> tuple[int, dict[str, Any], dict[str, Any] | None]:
         """The policy version, the positions received and that step's metrics (as of the checkpoint it started from)."""
-        return self.service.version, self.service.received.state(), self.service.last_metrics
+        service = self._trainer()
+        return service.version, service.received.state(), service.last_metrics
 
     def receive(self, position: int, group: list[Trajectory]) -> None:
-        self.service.receive(position, group)
+        self._trainer().receive(position, group)
 
     def ready(self) -> bool:
         """Whether a step's groups are buffered (step would train)."""
-        return self.service.ready()
+        return self._trainer().ready()
 
     def step(self) -> tuple[dict[str, Any] | None, dict[str, torch.Tensor] | None]:
         """One training step when a step's groups are buffered (and the run is not done): its metrics
         and the new weights (called with num_returns=2, so that the weights stay in the object store,
         owned by the caller, for the rollout actors to fetch); else (None, None)."""
-        if not self.service.ready():
+        if not self._trainer().ready():
             return None, None
         if self.publisher is not None:  # broadcast: the engines have received the last version before it changes
             self.publisher.settle()
-            return self.service.train_step(), None
+            return self._trainer().train_step(), None
         if not self.cfg.engine.sleep_while_training:
-            return self.service.train_step(), self.weights()
+            return self._trainer().train_step(), self.weights()
         # colocated (trainer/offload.py): the engines sleep through this call; the state is on the GPU only for it
-        return colocated_step(self.service, self._host_weights)
+        return colocated_step(self._trainer(), self._host_weights)
 
     def publish(self, version: int) -> WeightHandle:
         """runtime.weight_transport=broadcast: the handle of `version` (the current weights), which this actor goes
         on broadcasting to the engines' processes on a thread of its own once the call returns (settled by the next
         step)."""
-        return self.publisher.publish(self.service.weight_source(self.publisher.dtype, self.publisher.bucket_bytes),
-                                      version)
+        publisher = self.publisher
+        if publisher is None:
+            raise RuntimeError("TrainerActor.publish: runtime.weight_transport is not broadcast (no publisher)")
+        return publisher.publish(self._trainer().weight_source(publisher.dtype, publisher.bucket_bytes), version)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The trainable weights of the current version, in the engine's dtype. Returned (not ray.put here) so that
@@ -93,11 +97,18 @@ class TrainerActor(Placed):
         state to host memory, before any engine wakes."""
         weights = self._host_weights()
         if self.cfg.engine.sleep_while_training:
-            self.service.offload()
+            self._trainer().offload()
         return weights
 
+    def _trainer(self) -> TrainerService:
+        """The service; with trainer.distributed, built once the ranks joined (join_ranks)."""
+        if self.service is None:
+            raise RuntimeError("TrainerActor: the trainer is not built yet (trainer.distributed: join_ranks first)")
+        return self.service
+
     def _host_weights(self) -> dict[str, torch.Tensor]:
-        return host_copy(self.service.weight_source(serving_dtype(self.cfg), self.cfg.engine.vllm.weight_bucket_bytes))
+        source = self._trainer().weight_source(serving_dtype(self.cfg), self.cfg.engine.vllm.weight_bucket_bytes)
+        return host_copy(source)
 
 
 class TrainerRankActor(Placed):
@@ -128,6 +139,7 @@ class RayRankGroup(RankGroup):
 
     def _collect(self) -> list[RankReport]:
         import ray
+        import ray.exceptions
 
         reports = []
         for rank, ref in enumerate(self.refs, start=1):

@@ -16,12 +16,15 @@ import random
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from loomrl.weights.source import WeightSource
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def rng_state() -> dict[str, Any]:
@@ -39,7 +42,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
 
 
-def write_model_folder(folder: Path, model: torch.nn.Module, source: WeightSource) -> None:
+def write_model_folder(folder: Path, model: PreTrainedModel, source: WeightSource) -> None:
     """An HF model folder from `source` (the full parameters a bucket at a time): config (and generation config), one
     safetensors file per bucket and the index from_pretrained reads. Tied weights appear once (named_parameters lists a
     shared parameter once; from_pretrained ties them again)."""
@@ -59,7 +62,7 @@ def write_model_folder(folder: Path, model: torch.nn.Module, source: WeightSourc
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def save_checkpoint(run_dir: Path, step: int, *, model: torch.nn.Module, tokenizer: Any,
+def save_checkpoint(run_dir: Path, step: int, *, model: PreTrainedModel, tokenizer: Any,
                     optimizer: torch.optim.Optimizer, scheduler: Any, state: dict[str, Any], keep: int = 2,
                     weights: WeightSource | None = None, shards: Callable[[Path], None] | None = None) -> Path:
     """`weights`: the model's full parameters when the model itself is sharded (a collective of all ranks, read a

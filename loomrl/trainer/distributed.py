@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -94,7 +94,7 @@ def shard_samples(samples: list[TrainingSample], world_size: int, *,
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def param_checksum(params: list[torch.Tensor]) -> tuple[int, int]:
+def param_checksum(params: Sequence[torch.Tensor]) -> tuple[int, int]:
     """(sum, sum of squares) of the parameters' bit patterns read as integers, in int64 arithmetic (which wraps: still
     exact and order-free). Equal on bit-identical replicas whatever the thread count (a float sum is not: its rounding
     depends on the reduction order), and almost surely different on replicas that differ in any bit."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import transformers
@@ -16,8 +16,11 @@ from loomrl.trainer.head import Entropies, head_logprobs
 from loomrl.trainer.tree import decoder_and_head, sampled_positions, tree_token_logprobs
 from loomrl.types import TrainingSample
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
-def token_logprobs(model: torch.nn.Module, samples: list[TrainingSample], *, with_grad: bool,
+
+def token_logprobs(model: PreTrainedModel, samples: list[TrainingSample], *, with_grad: bool,
                    entropy: Entropies | None = None) -> list[torch.Tensor]:
     """Logprob of each sample's loss-masked tokens under `model` (at the sample's temperature); `entropy`: the
     distributions' entropies at those tokens (detached, all samples' in one tensor) are added to it (head.py)."""
@@ -63,13 +66,13 @@ class Logprobs(Protocol):
                  entropy: Entropies | None = None) -> list[torch.Tensor]: ...
 
 
-def forward_of(model: torch.nn.Module, *, flex: bool = False) -> Logprobs:
+def forward_of(model: PreTrainedModel, *, flex: bool = False) -> Logprobs:
     """The micro-batch forward of a model held whole by this process (`flex`: tree attention through FlexAttention)."""
     return lambda batch, merged, entropy=None: logprobs_of(model, batch, merged, with_grad=torch.is_grad_enabled(),
                                                            flex=flex, entropy=entropy)
 
 
-def logprobs_of(model: torch.nn.Module, batch: list[TrainingSample], merged: bool, *, with_grad: bool,
+def logprobs_of(model: PreTrainedModel, batch: list[TrainingSample], merged: bool, *, with_grad: bool,
                 flex: bool = False, entropy: Entropies | None = None) -> list[torch.Tensor]:
     """Per sample of `batch`, the logprobs of its loss-masked tokens; `merged`: over the batch's prefix tree
     (`flex`: its attention through FlexAttention); `entropy`: as token_logprobs."""
@@ -78,7 +81,7 @@ def logprobs_of(model: torch.nn.Module, batch: list[TrainingSample], merged: boo
     return token_logprobs(model, batch, with_grad=with_grad, entropy=entropy)
 
 
-def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+def enable_activation_checkpointing(model: PreTrainedModel) -> None:
     """transformers' per-decoder-layer checkpointing, non-reentrant (safe with keyword arguments). transformers 5
     renamed the call (the old name warns there); 4.x has only the old one."""
     kwargs = {"use_reentrant": False}

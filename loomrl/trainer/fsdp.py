@@ -6,20 +6,22 @@ in parts are here too. Nothing here reads the run's config (scripts/gpu_smoke.py
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from loomrl.trainer.forward import Logprobs, logprobs_of
 from loomrl.trainer.head import Entropies
-from loomrl.trainer.tree import decoder_and_head
+from loomrl.trainer.tree import decoder_layers
 from loomrl.types import TrainingSample
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from loomrl.trainer.trainer import Trainer
 
 
@@ -29,7 +31,7 @@ class _ShardedForward(torch.nn.Module):
     the whole forward, which reads the head's weight directly (trainer/head.py), and their gradients
     are reduced after its backward."""
 
-    def __init__(self, model: torch.nn.Module, flex: bool):
+    def __init__(self, model: PreTrainedModel, flex: bool):
         super().__init__()
         self.model, self.flex = model, flex
 
@@ -42,7 +44,7 @@ class _ShardedForward(torch.nn.Module):
 
 
 @contextmanager
-def whole_for_pass(root: FSDPModule, padding: list[TrainingSample]) -> Iterator[None]:
+def whole_for_pass(root: Logprobs, padding: list[TrainingSample]) -> Generator[None, None, None]:
     """Run a pass whose forwards and backwards differ in number and order between the ranks (the depth-first tree
     pass: each rank's trie is its own), which FSDP's per-unit all-gathers and reduce-scatters cannot follow. Every
     unit is gathered once, on entry (the same all-gathers on every rank; through a no-grad forward of `padding`, a
@@ -52,6 +54,8 @@ def whole_for_pass(root: FSDPModule, padding: list[TrainingSample]) -> Iterator[
     reduce-scatters the accumulated gradients, the same collectives on every rank.
     The cost: through the pass each rank holds the whole parameters (in the gather dtype) and whole float32
     gradients, as DDP would; the float32 masters and the AdamW state stay sharded."""
+    if not isinstance(root, FSDPModule) or not isinstance(root, torch.nn.Module):
+        raise TypeError("whole_for_pass: the forward is not a module sharded by fsdp_shard")
     switches = (root.set_requires_gradient_sync, root.set_reshard_after_forward, root.set_reshard_after_backward)
     for switch in switches:
         switch(False)  # recursive: every unit
@@ -73,7 +77,7 @@ def save_sharded_optimizer(trainer: Trainer, folder: Path) -> None:
     from torch.distributed.checkpoint import save
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    save(get_optimizer_state_dict(trainer.forward, trainer.optimizer), checkpoint_id=str(folder))
+    save(get_optimizer_state_dict(_sharded_root(trainer), trainer.optimizer), checkpoint_id=str(folder))
 
 
 def load_sharded_optimizer(trainer: Trainer, folder: Path) -> None:
@@ -81,12 +85,20 @@ def load_sharded_optimizer(trainer: Trainer, folder: Path) -> None:
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-    state = get_optimizer_state_dict(trainer.forward, trainer.optimizer)
+    root = _sharded_root(trainer)
+    state = get_optimizer_state_dict(root, trainer.optimizer)
     load(state, checkpoint_id=str(folder))
-    set_optimizer_state_dict(trainer.forward, trainer.optimizer, state)
+    set_optimizer_state_dict(root, trainer.optimizer, state)
 
 
-def fsdp_shard(model: torch.nn.Module, param_dtype: torch.dtype | None = None, *, flex: bool = False,
+def _sharded_root(trainer: Trainer) -> torch.nn.Module:
+    """The trainer's forward, which a sharded trainer (Trainer(shard=fsdp_shard)) holds as the FSDP root module."""
+    if not isinstance(trainer.forward, torch.nn.Module):
+        raise TypeError("the trainer's forward is not a module sharded by fsdp_shard (a trainer without shard=)")
+    return trainer.forward
+
+
+def fsdp_shard(model: PreTrainedModel, param_dtype: torch.dtype | None = None, *, flex: bool = False,
                offload: bool = False) -> Logprobs:
     """Shard `model` over the default process group with FSDP2 (fully_shard): every decoder layer a
     unit, the rest at the root. Gradients are summed over the ranks, not averaged: the loss of each rank
@@ -98,10 +110,11 @@ def fsdp_shard(model: torch.nn.Module, param_dtype: torch.dtype | None = None, *
     reference: trainer.kl_reference_offload). Returns the sharded forward (Trainer(shard=))."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     device = next(model.parameters()).device
-    where = {"offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda")} if offload else {}
-    units = [fully_shard(layer, mp_policy=policy, **where) for layer in decoder_and_head(model)[0].layers]
-    root = fully_shard(_ShardedForward(model, flex), mp_policy=policy, **where)
-    for unit in [*units, root]:
+    where = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()  # fully_shard's default
+    units = [fully_shard(layer, mp_policy=policy, offload_policy=where) for layer in decoder_layers(model)]
+    root = _ShardedForward(model, flex)
+    units.append(fully_shard(root, mp_policy=policy, offload_policy=where))  # in place: `root` is what it returns
+    for unit in units:
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
     return root

@@ -5,12 +5,13 @@ under turn credit). The losses themselves live in losses.py.
 
 from __future__ import annotations
 
+from loomrl.config import AdvantageKind
 from loomrl.trainer.credit import AdvantageRule, GroupCredit, group_credit
 from loomrl.trainer.losses import compute_advantages
 from loomrl.types import TrainingSample, Trajectory
 
 
-def group_advantages(rewards: list[float], kind: str = "grpo") -> list[float]:
+def group_advantages(rewards: list[float], kind: AdvantageKind = "grpo") -> list[float]:
     return [float(a) for a in compute_advantages(kind, [float(r) for r in rewards])]
 
 

@@ -31,8 +31,12 @@ floats. It is detached (the loss has no entropy term).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 Tensor = torch.Tensor
 
@@ -120,7 +124,11 @@ class _ChunkedLogprob(torch.autograd.Function):
         return out, ent
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor, _grad_entropy: Tensor | None = None):
+    def backward(ctx, *grad_outputs: Tensor | None):
+        # one gradient per output of forward: the logprobs', then the (non-differentiable) entropies'
+        grad_out = grad_outputs[0]
+        if grad_out is None:
+            raise RuntimeError("_ChunkedLogprob.backward: no gradient for the logprobs")
         hidden, weight, bias, targets, rows, inv_temp, lse = ctx.saved_tensors
         plan, softcap, bounds = ctx.plan, ctx.softcap, ctx.bounds
         chunk, compute = plan.chunk, ctx.compute_dtype
@@ -145,16 +153,16 @@ class _ChunkedLogprob(torch.autograd.Function):
             if softcap is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
                 dz.mul_(1 - (capped / softcap) ** 2)
             dz_c = dz.to(compute)  # one cast, for both GEMMs
-            if need_h:
+            if grad_h is not None:  # need_h
                 grad_h[s : s + chunk] = (dz_c @ w_c).to(hidden.dtype)
-            if need_w and low_w:  # [V, chunk] @ [chunk, H] on tensor cores, rounded once, summed in float32
+            if grad_w is not None and low_w:  # [V, chunk] @ [chunk, H] on tensor cores, rounded once, summed in float32
                 grad_w += dz_c.t() @ h.to(compute)
-            elif need_w:
+            elif grad_w is not None:
                 grad_w.addmm_(dz.t(), h.float())
-            if need_b:
+            if grad_b is not None:  # need_b
                 grad_b += dz.sum(0)
-        return (grad_h, grad_w.to(weight.dtype) if need_w else None, grad_b.to(bias.dtype) if need_b else None,
-                None, None, None, None, None, None)
+        return (grad_h, grad_w.to(weight.dtype) if grad_w is not None else None,
+                grad_b.to(bias.dtype) if grad_b is not None else None, None, None, None, None, None, None)
 
 
 def chunked_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperatures: Tensor | None = None, *,
@@ -191,7 +199,7 @@ def chunked_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperatur
     return out[back]
 
 
-def head_logprobs(model: torch.nn.Module, hidden: Tensor, targets: Tensor, temperatures: Tensor, *,
+def head_logprobs(model: PreTrainedModel, hidden: Tensor, targets: Tensor, temperatures: Tensor, *,
                   rows: Tensor | None = None, entropy: Entropies | None = None) -> Tensor:
     """chunked_logprobs through `model`'s own output head, with its final-logit soft-capping (Gemma 2)."""
     head = model.get_output_embeddings()

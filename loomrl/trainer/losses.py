@@ -343,7 +343,7 @@ def policy_loss(cfg: LossConfig, logp: Tensor, old_logp: Tensor, advantages: Ten
     if weights is not None:
         per_token = per_token * weights
     stats.update(is_stats)
-    if kl is not None:
+    if kl is not None and ref_logp is not None:  # ref_logp is checked above: never None with kl set
         kl_t = kl_penalty(logp, ref_logp, kl)
         per_token = per_token + cfg.kl_coef * kl_t
         stats["kl_ref"] = kl_t.detach().mean()

@@ -35,7 +35,7 @@ def _modules(trainer: Trainer) -> list[torch.nn.Module]:
     """The modules whose parameters are the trainer's state: the sharded roots under FSDP (their `to` moves the shards
     and keeps FSDP's records of them), else the models."""
     trained = trainer.forward if trainer.sharded else trainer.model
-    out = [trained] if isinstance(trained, torch.nn.Module) else [trainer.model]
+    out: list[torch.nn.Module] = [trained] if isinstance(trained, torch.nn.Module) else [trainer.model]
     if trainer.ref_model is not None and not trainer.cfg.kl_reference_offload:
         ref = trainer.ref_forward if trainer.sharded else trainer.ref_model
         out.append(ref if isinstance(ref, torch.nn.Module) else trainer.ref_model)

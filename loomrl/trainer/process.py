@@ -126,6 +126,10 @@ class TrainerProcess:
 
     def _pump(self, loop: asyncio.AbstractEventLoop) -> None:
         """Trainer process -> asyncio, on a thread so that the event loop never blocks."""
+        child = self.child
+        if child is None:  # start() makes the process before it starts this thread
+            raise RuntimeError("the trainer process's pump started before the process")
+
         def deliver(msg: Any) -> None:
             with contextlib.suppress(RuntimeError):  # the event loop has closed: nobody is waiting any more
                 loop.call_soon_threadsafe(self.answers.put_nowait, msg)
@@ -136,9 +140,9 @@ class TrainerProcess:
             except queue.Empty:
                 if self.stopping:
                     return
-                why = self.child.dead() or (self.followers.dead() if self.followers else None)
+                why = child.dead() or (self.followers.dead() if self.followers else None)
                 if why:  # rank 0 may be waiting on a dead follower in a collective: stop it too
-                    self.child.proc.kill()
+                    child.proc.kill()
                     deliver(Failed(why))
                     return
                 continue

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -58,6 +58,9 @@ from loomrl.trainer.offload import Moved, offload, onload
 from loomrl.trainer.trainer import StepStats, Trainer, initial_policy
 from loomrl.types import TrainingSample
 from loomrl.weights.source import WeightSource
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # Bounds each collective of a step: the ranks' skew within one step, not the wait between steps.
 COLLECTIVE_TIMEOUT_S = 300.0
@@ -89,7 +92,7 @@ class RankReport:
         return cls(trainer.step, None if trainer.sharded else param_checksum(trainer.params), gaps or [])
 
 
-def build_trainer(cfg: RunConfig, model: torch.nn.Module, ckpt: Path | None) -> Trainer:
+def build_trainer(cfg: RunConfig, model: PreTrainedModel, ckpt: Path | None) -> Trainer:
     """Every rank's trainer (and a lone one's): sharded with trainer.parallel=fsdp (the process group is up by
     then), with `ckpt`'s optimizer state and step when it resumes."""
     sharded = cfg.trainer.parallel == "fsdp"
@@ -269,7 +272,10 @@ class Child:
         """Why it ended (negative exit code: the signal that killed it), or None while it runs; reaps it."""
         if self.proc.is_alive():
             return None
-        if (code := self.proc.exitcode) >= 0:
+        code = self.proc.exitcode
+        if code is None:  # started in __init__, so not alive means ended, with an exit code
+            raise RuntimeError(f"{self.what}: its process has neither run nor ended")
+        if code >= 0:
             return f"{self.what} exited with code {code}"
         name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
         return f"{self.what} died from signal {name}" + (" (killed: out of memory, or by an operator)"

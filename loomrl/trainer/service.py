@@ -14,7 +14,7 @@ import json
 import math
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +31,9 @@ from loomrl.trainer.ranks import RankGroup, build_trainer
 from loomrl.trainer.records import append_records, cut_records, train_records
 from loomrl.types import TrainingSample, Trajectory
 from loomrl.weights.source import DictSource, WeightSource, dtype_name
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # The checkpoint's model folder is written a file per bucket of this size (HF's own default shard size is 5 GB).
 CHECKPOINT_BUCKET_BYTES = 2 << 30
@@ -92,7 +95,7 @@ def advantage_metrics(samples: list[TrainingSample], credits: list[GroupCredit],
 
 
 class TrainerService:
-    def __init__(self, cfg: RunConfig, model: torch.nn.Module, tokenizer: Any, resume_from: Path | None = None,
+    def __init__(self, cfg: RunConfig, model: PreTrainedModel, tokenizer: Any, resume_from: Path | None = None,
                  ranks: RankGroup | None = None):
         """`ranks` (trainer.distributed): the other ranks, in the process group already."""
         self.cfg = cfg
@@ -252,7 +255,7 @@ class TrainerService:
         model_folder = ranks.gathered(Gather(None, CHECKPOINT_BUCKET_BYTES, everything=True)) if ranks else None
         return save_checkpoint(self.run_dir, self.version, model=self.model, tokenizer=self.tokenizer,
                                optimizer=self.trainer.optimizer, scheduler=self.trainer.scheduler, state=state,
-                               weights=model_folder, shards=ranks and ranks.save_shards)
+                               weights=model_folder, shards=ranks.save_shards if ranks else None)
 
     def offload(self) -> Moved:
         """The trainer's state to host memory on every rank (colocated engines: trainer/offload.py)."""
@@ -267,6 +270,8 @@ class TrainerService:
         bucket at a time: the live parameters, cast as they are read (no copy where the dtype matches: a publisher
         copies them out before the next step changes them), or, sharded, gathered by every rank a bucket at a time."""
         if self.trainer.sharded:
+            if self.ranks is None:  # a sharded trainer is built by its rank group (ranks.py)
+                raise RuntimeError("TrainerService.weight_source: a sharded trainer without its rank group")
             return self.ranks.gathered(Gather(dtype_name(dtype) if dtype else None, bucket_bytes))
         return DictSource({n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}, dtype,
                           bucket_bytes)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -35,9 +36,10 @@ from loomrl.trainer.head import Entropies
 from loomrl.trainer.losses import policy_loss
 from loomrl.trainer.tree import (
     compression_ratio,
-    decoder_and_head,
+    decoder_layers,
     dense_attention_pairs,
     depth_first_backward,
+    input_embedding_weight,
     plan_tries,
     sampled_positions,
     tree_attention,
@@ -45,6 +47,9 @@ from loomrl.trainer.tree import (
     unique_tokens,
 )
 from loomrl.types import TrainingSample
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def lr_factor(cfg: TrainerConfig, step: int) -> float:
@@ -92,13 +97,12 @@ class StepStats:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "gaps"}
 
 
-def freeze_bottom(model: torch.nn.Module, n_layers: int) -> None:
+def freeze_bottom(model: PreTrainedModel, n_layers: int) -> None:
     """Fix the input embeddings and the bottom `n_layers` transformer blocks (tied head included)."""
     if n_layers <= 0:
         return
-    base, _ = decoder_and_head(model)
-    base.get_input_embeddings().weight.requires_grad_(False)
-    for layer in base.layers[:n_layers]:
+    input_embedding_weight(model).requires_grad_(False)
+    for layer in decoder_layers(model)[:n_layers]:
         for p in layer.parameters():
             p.requires_grad_(False)
 
@@ -110,7 +114,7 @@ _PADDING = TrainingSample(trajectory_id="padding", group_id="padding", token_ids
 
 
 class Trainer:
-    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, initial_model: torch.nn.Module | None = None,
+    def __init__(self, model: PreTrainedModel, cfg: TrainerConfig, initial_model: PreTrainedModel | None = None,
                  *, shard: Callable[..., Logprobs] | None = None):
         """`initial_model`: the policy the run started from, KL's reference; default: a copy of `model`
         (right for a fresh run; a resumed one must pass it, or the reference would be the checkpoint).
@@ -214,10 +218,11 @@ class Trainer:
             if not parts:
                 return None
             idx = [sampled_positions(s) for _, s, _ in parts]
-            on = {"device": self.device}
-            behaviour = torch.tensor([s.behaviour_logprobs[t] for (_, s, _), ts in zip(parts, idx) for t in ts], **on)
-            adv = torch.tensor([s.advantages[t] for (_, s, _), ts in zip(parts, idx) for t in ts], **on)
-            seq_ids = torch.tensor([seq_offset + k for k, ts in enumerate(idx) for _ in ts], **on)
+            dev = self.device
+            behaviour = torch.tensor([s.behaviour_logprobs[t] for (_, s, _), ts in zip(parts, idx) for t in ts],
+                                     device=dev)
+            adv = torch.tensor([s.advantages[t] for (_, s, _), ts in zip(parts, idx) for t in ts], device=dev)
+            seq_ids = torch.tensor([seq_offset + k for k, ts in enumerate(idx) for _ in ts], device=dev)
             # A chunk is one turn: a run of sampled tokens between two environment interactions.
             chunk_ids, c = [], chunk_offset - 1
             for ts in idx:
@@ -232,7 +237,7 @@ class Trainer:
                 gap_of[id(s)] = g
             loss, stats = policy_loss(
                 loss_cfg, torch.cat([logp for _, _, logp in parts]), behaviour, adv, seq_ids,
-                chunk_ids=torch.tensor(chunk_ids, **on),
+                chunk_ids=torch.tensor(chunk_ids, device=dev),
                 prox_logp=torch.cat([prox[b][i] for i, _, _ in parts]) if prox is not None else None,
                 ref_logp=torch.cat([ref[b][i] for i, _, _ in parts]) if ref is not None else None,
                 num_seqs=len(samples) + idle_seqs)
@@ -274,7 +279,7 @@ class Trainer:
             loss=loss_sum, grad_norm=grad_norm, clip_frac=mean.get("clip_frac", 0.0),
             ratio_mean=mean.get("ratio_mean", 0.0), approx_kl=mean.get("approx_kl", 0.0), ess=mean.get("ess", 1.0),
             tokens=sum(len(s.token_ids) for s in samples), loss_tokens=total_loss_tokens,
-            seconds=time.perf_counter() - start, lr=self.scheduler.get_last_lr()[0], tree_ratio=tree_ratio,
+            seconds=time.perf_counter() - start, lr=float(self.scheduler.get_last_lr()[0]), tree_ratio=tree_ratio,
             attn_pairs_dense=sum(pairs_dense), attn_pairs=sum(pairs),
             entropy=float(ent.mean()) if ent.numel() else 0.0, logprob_gap_mean=float(gap.mean()) if gap.numel() else 0.0,
             logprob_gap_max=float(gap.max()) if gap.numel() else 0.0,
@@ -331,7 +336,7 @@ class Trainer:
             return [forward(b, m) for b, m in zip(batches, merged)]
 
 
-def initial_policy(cfg: RunConfig, resume_from: Path | None) -> torch.nn.Module | None:
+def initial_policy(cfg: RunConfig, resume_from: Path | None) -> PreTrainedModel | None:
     """KL's reference when resuming: the run's starting model (cfg.model), not the checkpoint's."""
     t = cfg.trainer
     if resume_from is None or t.loss.kl is None or t.loss.kl_coef <= 0:

@@ -56,16 +56,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from loomrl.tokens import common_prefix_len
 from loomrl.trainer.head import Entropies, head_logprobs
 from loomrl.types import TrainingSample
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 TREE_ATTENTION = "loomrl_tree"  # the name the segment attention is registered under in transformers
 
@@ -248,7 +251,9 @@ def _compiled_flex_attention() -> Callable[..., torch.Tensor]:
     """FlexAttention compiled (once per process): uncompiled it materialises every score."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention)
+    # cast: torch's stub gives every overload of flex_attention the return type of all of them (a tuple too), even
+    # return_lse=False's, which returns the attention output alone
+    return cast("Callable[..., torch.Tensor]", torch.compile(flex_attention))
 
 
 def _plan(segments: list[Segment], device: torch.device, first: int = 0) -> _SegmentPlan:
@@ -300,7 +305,7 @@ def _segment_attention(module, query, key, value, attention_mask, dropout=0.0, s
     return out.transpose(1, 2).contiguous(), None
 
 
-def _check_supported(model: torch.nn.Module) -> None:
+def _check_supported(model: PreTrainedModel) -> None:
     config = model.config
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         raise ValueError("tree merge: sliding-window attention is not supported (the tree mask would replace it)")
@@ -308,14 +313,14 @@ def _check_supported(model: torch.nn.Module) -> None:
         raise ValueError("tree merge: soft-capped attention is not supported")
 
 
-def tree_attention(model: torch.nn.Module) -> contextlib.AbstractContextManager:
+def tree_attention(model: PreTrainedModel) -> contextlib.AbstractContextManager:
     """The tree attention switched on, for a backward that recomputes checkpointed layers of a merged forward
     (trainer.activation_checkpointing): the recompute then runs the attention the forward ran, with the same plan."""
     return _attention_implementation(model, TREE_ATTENTION)
 
 
 @contextmanager
-def _attention_implementation(model: torch.nn.Module, name: str) -> Iterator[None]:
+def _attention_implementation(model: PreTrainedModel, name: str) -> Generator[None, None, None]:
     from transformers import AttentionInterface
 
     if name not in AttentionInterface._global_mapping:
@@ -328,18 +333,35 @@ def _attention_implementation(model: torch.nn.Module, name: str) -> Iterator[Non
         model.set_attn_implementation(before)
 
 
-def _device(model: torch.nn.Module) -> torch.device:
+def _device(model: PreTrainedModel) -> torch.device:
     """Where the model's inputs go: its input embedding's device."""
-    return decoder_and_head(model)[0].get_input_embeddings().weight.device
+    return input_embedding_weight(model).device
 
 
-def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+def decoder_and_head(model: PreTrainedModel) -> tuple[PreTrainedModel, torch.nn.Module]:
     """A causal LM's decoder stack (hidden states out) and its LM head."""
     base = getattr(model, "model", None) or model.get_decoder()
     return base, model.get_output_embeddings()
 
 
-def tree_hidden(model: torch.nn.Module, tree: PackedTree, *, flex: bool = False) -> torch.Tensor:
+def decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
+    """The transformer blocks of a causal LM's decoder stack, bottom first."""
+    layers = decoder_and_head(model)[0].layers
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise TypeError(f"{type(model).__name__}: its decoder's `layers` is a {type(layers).__name__}, not a "
+                        "ModuleList")
+    return layers
+
+
+def input_embedding_weight(model: PreTrainedModel) -> torch.Tensor:
+    """The weight of a causal LM's input embedding."""
+    weight = decoder_and_head(model)[0].get_input_embeddings().weight
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{type(model).__name__}: its input embedding has no weight tensor")
+    return weight
+
+
+def tree_hidden(model: PreTrainedModel, tree: PackedTree, *, flex: bool = False) -> torch.Tensor:
     """Last hidden state of every packed token, [N, H]: one forward of the decoder over the trie (`flex`: its
     attention through FlexAttention)."""
     _check_supported(model)
@@ -357,7 +379,7 @@ def sampled_positions(sample: TrainingSample) -> list[int]:
     return [t for t in range(1, len(sample.token_ids)) if sample.loss_mask[t]]
 
 
-def tree_token_logprobs(model: torch.nn.Module, samples: list[TrainingSample], *, with_grad: bool,
+def tree_token_logprobs(model: PreTrainedModel, samples: list[TrainingSample], *, with_grad: bool,
                         flex: bool = False, entropy: Entropies | None = None) -> list[torch.Tensor]:
     """Same result as trainer.token_logprobs (per sample, the logprobs of its loss-masked tokens at
     its temperature, and with `entropy` their entropies), computed over the samples' prefix tree."""
@@ -366,7 +388,7 @@ def tree_token_logprobs(model: torch.nn.Module, samples: list[TrainingSample], *
         return _sample_logprobs(model, tree_hidden(model, tree, flex=flex), samples, tree.sample_nodes, entropy)
 
 
-def _sample_logprobs(model: torch.nn.Module, hidden: torch.Tensor, samples: Sequence[TrainingSample],
+def _sample_logprobs(model: PreTrainedModel, hidden: torch.Tensor, samples: Sequence[TrainingSample],
                      rows_of: Sequence[Sequence[int]], entropy: Entropies | None = None) -> list[torch.Tensor]:
     """Per sample, the logprobs of its loss-masked tokens, read from `hidden` [R, H], whose row
     rows_of[i][t] holds sample i's token t; `entropy`: their entropies are added to it (head.py)."""
@@ -382,11 +404,11 @@ def _sample_logprobs(model: torch.nn.Module, hidden: torch.Tensor, samples: Sequ
         counts.append(len(targets))
     if not rows:
         return [hidden.new_zeros(0) for _ in samples]
-    on = {"device": hidden.device}
-    nodes = torch.tensor([node for node, _ in rows], dtype=torch.long, **on)
-    divisors = torch.tensor([d for _, d in rows], dtype=torch.float32, **on)
-    logp = head_logprobs(model, hidden[nodes], torch.tensor(tokens, dtype=torch.long, **on), divisors,
-                         rows=torch.tensor(row_of, dtype=torch.long, **on), entropy=entropy)
+    dev = hidden.device
+    nodes = torch.tensor([node for node, _ in rows], dtype=torch.long, device=dev)
+    divisors = torch.tensor([d for _, d in rows], dtype=torch.float32, device=dev)
+    logp = head_logprobs(model, hidden[nodes], torch.tensor(tokens, dtype=torch.long, device=dev), divisors,
+                         rows=torch.tensor(row_of, dtype=torch.long, device=dev), entropy=entropy)
     return list(torch.split(logp, counts))
 
 
@@ -416,7 +438,7 @@ class _Trunk:
     leaves: list[torch.Tensor]  # the same, detached: what later forwards and the LM head read
 
 
-def _part_hidden(model: torch.nn.Module, tree: PackedTree, alive: list[_Trunk], nodes: list[int],
+def _part_hidden(model: PreTrainedModel, tree: PackedTree, alive: list[_Trunk], nodes: list[int],
                  capture: Capture | None, result: DepthFirstResult) -> torch.Tensor:
     """Hidden states [n, H] of packed `nodes` (parents first), each attending to its ancestors among the alive trunks'
     nodes (through their K/V leaves) and among `nodes`; the forward's token counts go to `result`."""
@@ -440,7 +462,7 @@ def _part_hidden(model: torch.nn.Module, tree: PackedTree, alive: list[_Trunk], 
         return base(input_ids=ids, position_ids=pos, tree_plan=plan).last_hidden_state[0]
 
 
-def depth_first_backward(model: torch.nn.Module, batches: Sequence[Sequence[TrainingSample]],
+def depth_first_backward(model: PreTrainedModel, batches: Sequence[Sequence[TrainingSample]],
                          loss_fn: Callable[[int, list[torch.Tensor]], torch.Tensor | None], *,
                          entropy: Entropies | None = None) -> DepthFirstResult:
     """Forward and backward `batches` (sub-tries: consecutive runs of the lexicographically sorted
@@ -465,7 +487,7 @@ def depth_first_backward(model: torch.nn.Module, batches: Sequence[Sequence[Trai
     starting: dict[int, list[tuple[int, list[int]]]] = {}
     for (lo, hi), nodes in sorted(shared.items(), key=lambda kv: (kv[0][0], -kv[0][1])):
         starting.setdefault(lo, []).append((hi, nodes))
-    width, dtype = model.config.hidden_size, decoder_and_head(model)[0].get_input_embeddings().weight.dtype
+    width, dtype = model.config.hidden_size, input_embedding_weight(model).dtype
     result = DepthFirstResult(logprobs=[], loss=0.0, forward_tokens=[], alive_tokens=[])
     alive: list[_Trunk] = []
     for k, batch in enumerate(batches):

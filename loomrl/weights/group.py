@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +62,7 @@ def host_store(host: str, world_size: int, timeout_s: float) -> Any:
 
 
 @contextlib.contextmanager
-def _unbound_default_group() -> Iterator[None]:
+def _unbound_default_group() -> Generator[None, None, None]:
     """While a weight group is made: a default group bound to a device (init_process_group(device_id=...), as vLLM's
     workers do with VLLM_DISTRIBUTED_USE_SPLIT_GROUP) would make torch split the new group's NCCL communicator from
     the default group's (distributed_c10d _new_process_group_helper, _get_split_source), a collective of every rank of
@@ -70,13 +70,14 @@ def _unbound_default_group() -> Iterator[None]:
     own."""
     default = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
     bound = default.bound_device_id if default is not None else None
-    if bound is not None:
-        default.bound_device_id = None
+    if default is None or bound is None:
+        yield
+        return
+    default.bound_device_id = None
     try:
         yield
     finally:
-        if bound is not None:
-            default.bound_device_id = bound
+        default.bound_device_id = bound
 
 
 WATCHDOG_MARGIN = datetime.timedelta(seconds=120)  # the group's own timeout past loomrl's deadline (WeightGroup)
@@ -88,7 +89,7 @@ class WeightGroup:
     bounded like every bucket by `_received`'s deadline."""
 
     def __init__(self, address: GroupAddress, rank: int, device: torch.device, store: Any = None):
-        from torch.distributed.distributed_c10d import _new_process_group_helper
+        from torch.distributed.distributed_c10d import GroupName, _new_process_group_helper
 
         self.address = address
         self.rank = rank
@@ -109,7 +110,7 @@ class WeightGroup:
         # completed with none, so a late bucket must never be left to the watchdog.
         with _unbound_default_group():
             self._pg, _ = _new_process_group_helper(address.world_size, rank, [], address.backend, prefixed,
-                                                    group_name=address.name,
+                                                    group_name=GroupName(address.name),
                                                     timeout=timeout + WATCHDOG_MARGIN if address.backend == "nccl"
                                                     else timeout)  # gloo raises in the caller, and meets by it
 

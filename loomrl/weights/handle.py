@@ -103,8 +103,8 @@ class WeightPublisher(ABC):
     def _snapshot(self, source: WeightSource, version: int) -> tuple[Any, WeightHandle]:
         """Write `version` completely; returns what stays held for it and its handle."""
 
-    def _release(self, resource: Any) -> None:  # noqa: B027 - a hook: not every transport frees anything
-        """`resource` is out of the window (nothing to free by default)."""
+    def _release(self, resource: Any, /) -> None:  # noqa: B027 - a hook: not every transport frees anything
+        """`resource` is out of the window (nothing to free by default). Positional: each transport names its own."""
 
 
 

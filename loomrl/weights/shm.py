@@ -10,7 +10,7 @@ import math
 import mmap
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from typing import Any
@@ -172,7 +172,7 @@ def _copy_bucket(views: dict[str, Tensor], bucket: list[tuple[str, Tensor]]) -> 
 
 
 @contextlib.contextmanager
-def shm_views(handle: WeightHandle) -> Iterator[dict[str, Tensor]]:
+def shm_views(handle: WeightHandle) -> Generator[dict[str, Tensor], None, None]:
     """The segment's tensors as views (no copy), valid inside the block, during which the publisher cannot rewrite
     the segment (a shared flock). Used by `load_weights` and, inside vLLM's worker, by engine/vllm_worker.py."""
     try:

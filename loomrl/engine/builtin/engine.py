@@ -34,7 +34,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -52,11 +52,14 @@ from loomrl.engine.builtin.scheduler import Batch, Scheduler, Seq
 from loomrl.engine.common import deliver, sample_tokens
 from loomrl.weights.fingerprint import Fingerprint, fingerprint_of
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 
 class BuiltinEngine(TakesTensors):
     """Engine protocol implementation; thread-safe, awaited from asyncio."""
 
-    def __init__(self, model: torch.nn.Module, *, eos_token_id: int, kv_budget_tokens: int = 65536,
+    def __init__(self, model: PreTrainedModel, *, eos_token_id: int, kv_budget_tokens: int = 65536,
                  max_running: int = 64, max_prefill_tokens: int = 4096, prefix_cache: bool = True,
                  seed: int = 0, version: int = 0, tokenizer=None):
         self.runner = ModelRunner(model)
@@ -228,7 +231,7 @@ class BuiltinEngine(TakesTensors):
                 done = self._postprocess(batch, logits, version)
                 if all(len(c.tokens) == 1 for c in batch.chunks):
                     self.metrics.add_decode_step(len(batch.chunks), time.perf_counter() - t0)
-            self.metrics.busy_s += time.perf_counter() - t0  # counted before a caller hears of its result
+            self.metrics.add_busy(time.perf_counter() - t0)  # counted before a caller hears of its result
             if done:
                 with self._cond:
                     for seq, reason in done:

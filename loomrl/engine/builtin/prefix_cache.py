@@ -106,18 +106,24 @@ class PrefixCache:
         node.entry_program = None
         # Prune childless non-entry nodes upward, then refresh donors on the path.
         while node is not self.root and not node.children and node.entry_program is None:
-            parent = node.parent
+            parent = self._parent(node)
             del parent.children[node.edge[0]]
             node = parent
         while node is not self.root:
+            parent = self._parent(node)
             node.kv = self._any_donor(node)
-            if len(node.children) == 1 and node.entry_program is None and node.parent is not None:
+            if len(node.children) == 1 and node.entry_program is None:
                 (only,) = node.children.values()  # merge a pass-through node into its child
                 only.edge = node.edge + only.edge
-                only.parent = node.parent
-                node.parent.children[node.edge[0]] = only
-                node = only
-            node = node.parent
+                only.parent = parent
+                parent.children[node.edge[0]] = only
+            node = parent
+
+    def _parent(self, node: _Node) -> _Node:
+        """The parent of a node other than the root (the only node without one)."""
+        if node.parent is None:
+            raise RuntimeError("PrefixCache: a node other than the root has no parent")
+        return node.parent
 
     def _any_donor(self, node: _Node) -> SequenceKV | None:
         if node.entry_program is not None:

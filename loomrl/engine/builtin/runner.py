@@ -28,9 +28,13 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class UnsupportedModel(ValueError):
@@ -187,6 +191,8 @@ class _Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return _PACKER[1](x, self.packed, self.bias, "none", [], "")
+        if self.weight is None:  # __init__ keeps the plain weight whenever it does not pack it
+            raise RuntimeError("_Linear: neither a packed nor a plain weight")
         return F.linear(x, self.weight, self.bias)
 
 
@@ -210,7 +216,7 @@ class _LayerWeights:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: PreTrainedModel):
         base = getattr(model, "model", None)
         if base is None or not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
             raise UnsupportedModel(f"builtin engine: {type(model).__name__} is not a Llama-family causal LM")
@@ -272,40 +278,42 @@ class ModelRunner:
         starts = [c.kv.length for c in chunks]
         for c, n in zip(chunks, lengths):
             c.kv.reserve(c.kv.length + n)
-        on = {"device": self.device}
-        ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.long, **on)
-        positions = torch.tensor([p for s, n in zip(starts, lengths) for p in range(s, s + n)], dtype=torch.long, **on)
+        dev = self.device
+        ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.long, device=dev)
+        positions = torch.tensor([p for s, n in zip(starts, lengths) for p in range(s, s + n)], dtype=torch.long,
+                                 device=dev)
         N, H, KH, D = ids.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         group = H // KH
         h = self.base.embed_tokens(ids)  # [N, hidden]
         cos, sin = self.base.rotary_emb(h, positions.unsqueeze(0))  # [1, N, D]
         cos = cos[0].unsqueeze(1)  # [N, 1, D]
         # rotate_half(x) * sin == roll(x, D/2) * (sin with its first half negated)
-        sin = (sin[0] * torch.tensor([-1.0] * (D // 2) + [1.0] * (D // 2), dtype=sin.dtype, **on)).unsqueeze(1)
+        sin = (sin[0] * torch.tensor([-1.0] * (D // 2) + [1.0] * (D // 2), dtype=sin.dtype, device=dev)).unsqueeze(1)
 
         offsets = [0, *itertools.accumulate(lengths)]
         if any(c.kv.pool is None for c in chunks):
             raise ValueError("ModelRunner.forward: every chunk's kv must come from new_kv() (a pool slot)")
         # Where each new token's K/V goes in the pool.
-        slot_of = torch.tensor([c.kv.slot for c, n in zip(chunks, lengths) for _ in range(n)], dtype=torch.long, **on)
+        slot_of = torch.tensor([c.kv.slot for c, n in zip(chunks, lengths) for _ in range(n)], dtype=torch.long,
+                               device=dev)
 
         decode = [i for i, n in enumerate(lengths) if n == 1]
         prefill = [i for i, n in enumerate(lengths) if n > 1]
         if decode:
-            dec_rows = torch.tensor([offsets[i] for i in decode], dtype=torch.long, **on)
+            dec_rows = torch.tensor([offsets[i] for i in decode], dtype=torch.long, device=dev)
             slots = [chunks[i].kv.slot for i in decode]
-            dec_slots = torch.tensor(slots, dtype=torch.long, **on)
+            dec_slots = torch.tensor(slots, dtype=torch.long, device=dev)
             n_slots = max(slots) + 1
             lens = [1] * n_slots  # non-decoding slots: attend to one position
             for i, slot in zip(decode, slots):
                 lens[slot] = starts[i] + 1
             span = max(lens)
-            dec_len = torch.tensor(lens, dtype=torch.long, **on)
-            dec_mask = torch.zeros(n_slots, span, dtype=self.dtype, **on).masked_fill_(
-                torch.arange(span, **on)[None, :] >= dec_len[:, None], float("-inf")).view(n_slots, 1, 1, span)
+            dec_len = torch.tensor(lens, dtype=torch.long, device=dev)
+            dec_mask = torch.zeros(n_slots, span, dtype=self.dtype, device=dev).masked_fill_(
+                torch.arange(span, device=dev)[None, :] >= dec_len[:, None], float("-inf")).view(n_slots, 1, 1, span)
         pre_plan = [
             (offsets[i], offsets[i + 1], starts[i], chunks[i].kv.slot,
-             torch.ones(lengths[i], starts[i] + lengths[i], dtype=torch.bool, **on).tril(diagonal=starts[i]))
+             torch.ones(lengths[i], starts[i] + lengths[i], dtype=torch.bool, device=dev).tril(diagonal=starts[i]))
             for i in prefill
         ]
         pool = self.pool.data
@@ -342,6 +350,6 @@ class ModelRunner:
             h = h + w.down(self.base.layers[li].mlp.act_fn(gate) * up)
         for c, n in zip(chunks, lengths):
             c.kv.length += n
-        last = torch.tensor([o - 1 for o in offsets[1:]], dtype=torch.long, **on)
+        last = torch.tensor([o - 1 for o in offsets[1:]], dtype=torch.long, device=dev)
         hl = F.rms_norm(h[last], (h.shape[-1],), self.base.norm.weight.detach(), self.base.norm.variance_epsilon)
         return self.head(hl).float()

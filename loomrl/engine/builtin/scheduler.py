@@ -65,7 +65,7 @@ class Scheduler:
         integral). Called before every change to `waiting` and at every schedule, so a reading lags by one step at
         most: a queue that waits unchanged through a long step is counted when the next one is scheduled."""
         now = time.monotonic()
-        self.metrics.queue_s += len(self.waiting) * (now - self._queue_at)
+        self.metrics.add_queue(len(self.waiting) * (now - self._queue_at))
         self._queue_at = now
 
     def add(self, seq: Seq) -> None:
@@ -90,6 +90,9 @@ class Scheduler:
         self._preempt_if_needed()
         chunks, samples, budget = [], [], self.max_prefill_tokens
         for seq in self.running:
+            if seq.kv is None:  # admission gives every running sequence its K/V; _release takes it back
+                raise RuntimeError(f"Scheduler.schedule: a running sequence (program {seq.request.program_id!r}) "
+                                   "has no K/V")
             pending = seq.pending_prompt()
             if pending:  # still prefilling: a chunk of its prompt
                 if budget <= 0:

@@ -10,7 +10,7 @@ PYTHON ?= python3
 # does not share .venv. About 3.6 GiB.
 VLLM_VENV ?= .venv-vllm
 
-.PHONY: demo test test-vllm lint install sandbox chromium clean
+.PHONY: demo test test-fast test-vllm lint install sandbox chromium clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -60,8 +60,7 @@ chromium:
 	@command -v chromium >/dev/null 2>&1 || { (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null 2>&1 \
 	  || echo "warning: could not install chromium; the viewer's browser tests (tests/viewer) will be skipped"; }
 
-test: install $(VENV)/.ray $(VENV)/.envs sandbox chromium
-	$(VENV)/bin/ruff check loomrl tests examples
+test: lint sandbox chromium
 	$(PY) -m pytest -q -m 'not vllm'
 	$(MAKE) --no-print-directory test-vllm
 
@@ -70,8 +69,16 @@ test: install $(VENV)/.ray $(VENV)/.envs sandbox chromium
 test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm
 
-lint: install
+# ruff, then ty on the package (with the optional packages installed, so that their imports resolve; vLLM and SGLang,
+# which .venv never holds, are allowed unresolved in pyproject.toml [tool.ty])
+lint: install $(VENV)/.ray $(VENV)/.envs
 	$(VENV)/bin/ruff check loomrl tests examples
+	$(VENV)/bin/ty check --python $(VENV) loomrl
+
+# Unit tests and the driver over scripted parts (tests/runtime/test_driver.py): no test marked slow, ray, browser,
+# vllm or integration (one that starts processes, servers or training runs). Under 2 minutes here; `make test` runs all.
+test-fast: install
+	$(PY) -m pytest -q -p no:cacheprovider -m 'not slow and not ray and not browser and not vllm and not integration'
 
 demo:
 	@start=$$(date +%s); \

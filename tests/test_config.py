@@ -99,6 +99,7 @@ def test_gpus_are_asked_for_with_num_gpus_not_as_a_custom_resource():
         load_config(None, ["ray.rollout.count=0"])
 
 
+@pytest.mark.integration
 def test_every_recipe_in_examples_loads():
     """The shipped recipes (the GPU one included, whose Ray backend defers the device check to its actors)
     use only current field names and valid values."""

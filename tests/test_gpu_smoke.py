@@ -21,6 +21,10 @@ CARRIED = ("pydantic", "pydantic_core", "annotated_types", "typing_inspection") 
 # site-packages, so that only the script's unpacked wheels can provide them.
 HIDE = f"""
 import importlib.machinery, sys
+
+import pytest
+
+pytestmark = pytest.mark.integration  # starts processes, servers or training runs: not in `make test-fast`
 HIDDEN = {set(CARRIED)!r}
 SITE = [p for p in sys.path if "site-packages" in p]
 

@@ -22,7 +22,10 @@ from loomrl.trainer.grpo import samples_from_group
 from loomrl.types import Task
 
 pytest.importorskip("openai")
-pytestmark = pytest.mark.skipif(not bwrap_available(), reason="bubblewrap not installed (make test installs it)")
+pytestmark = [
+    pytest.mark.integration,  # starts processes, servers or training runs: not in `make test-fast`
+    pytest.mark.skipif(not bwrap_available(), reason="bubblewrap not installed (make test installs it)"),
+]
 ROOT = Path(__file__).resolve().parents[2]
 
 # A ReAct agent that also prints, as its last line, the token ids the gateway says it sampled.

@@ -7,6 +7,8 @@ import pytest
 
 from loomrl.agent.priorities import ProgramPriorities
 
+pytestmark = pytest.mark.integration  # starts processes, servers or training runs: not in `make test-fast`
+
 
 def test_probe_goes_first_then_longest_estimate_first():
     p = ProgramPriorities(budget_tokens=96)

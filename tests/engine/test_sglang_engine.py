@@ -740,6 +740,7 @@ def _trainer_process(model_state: dict, handles: Any, done: Any) -> None:
         publisher.close()
 
 
+@pytest.mark.integration
 def test_a_broadcast_goes_to_the_servers_workers_bucket_by_bucket(engine, fake, tiny_model):
     """runtime.weight_transport=broadcast with SGLang: the trainer's publisher (another process) opens the group;
     the first version makes the adapter call /init_weights_update_group, which the fake answers as SGLang does, by

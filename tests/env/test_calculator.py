@@ -75,6 +75,7 @@ def test_generator_is_reproducible_from_the_seed():
     assert prompts(11) != prompts(12)
 
 
+@pytest.mark.integration
 def test_every_template_is_solved_by_one_tool_call():
     """Each template of each family, drawn several times: the expression is one `a op b` on two numbers
     of the question, and the real tool, in a real sandbox, returns the answer from that one call."""

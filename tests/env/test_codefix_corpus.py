@@ -15,6 +15,8 @@ import pytest
 
 from loomrl.env.tasks.codefix_corpus import codefix_tasks
 
+pytestmark = pytest.mark.integration  # starts processes, servers or training runs: not in `make test-fast`
+
 TASKS = codefix_tasks()
 ALLOWED_PERTURBATIONS = {"env", "disable_tools", "layout", "broken_dependency"}
 

@@ -19,6 +19,8 @@ from loomrl.config import ConfigError, load_config  # noqa: E402
 from loomrl.env.api import EpisodeContext, TaskSetup, make_environment, resolve_factory  # noqa: E402
 from loomrl.types import Trajectory  # noqa: E402
 
+pytestmark = pytest.mark.integration  # starts processes, servers or training runs: not in `make test-fast`
+
 SETUP = TaskSetup(families=None, n_train=40, n_heldout=10, seed=0, heldout_template_share=0.0, sandbox="process")
 
 

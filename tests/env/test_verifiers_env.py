@@ -27,6 +27,8 @@ from loomrl.env.api import EpisodeContext, TaskSetup, make_environment, resolve_
 from loomrl.model.chat import ChatRenderer  # noqa: E402
 from loomrl.types import RolloutStatus  # noqa: E402
 
+pytestmark = pytest.mark.integration  # starts processes, servers or training runs: not in `make test-fast`
+
 ROOT = Path(__file__).resolve().parents[2]
 PATHS = [str(ROOT / "tests" / "verifiers_envs" / "vf_wordcount")]
 SETUP = TaskSetup(families=None, n_train=6, n_heldout=4, seed=0, heldout_template_share=0.0, sandbox="process")

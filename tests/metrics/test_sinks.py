@@ -267,6 +267,7 @@ def test_wandb_online_without_a_login_stops_the_run_before_it_starts_and_says_of
     assert not (tmp_path / "wandb_run_id").exists()
 
 
+@pytest.mark.integration
 def test_a_tiny_training_run_leaves_an_offline_wandb_run_holding_its_metrics(tmp_path, offline_wandb):
     from loomrl.metrics.wandb import ID_FILE
     from loomrl.runtime.run import train

@@ -157,6 +157,7 @@ def test_reward_terms_through_the_config_and_the_pool():
     assert bad.turns[0].reward_terms == {"malformed_call": -0.05}
 
 
+@pytest.mark.integration
 def test_a_run_stores_and_logs_every_term(tmp_path):
     """A tiny run (a random model; its reward the parity of the first token, as in the smoke recipe) with the process
     terms and completion_time: each stored trajectory carries every term raw, its turns their penalties, and each

@@ -32,6 +32,8 @@ from loomrl.reward.judge_config import JudgeConfig, JudgeExample
 from loomrl.reward.pool import RewardPool
 from loomrl.types import REWARD_FAILED, Task, Trajectory, Turn
 
+pytestmark = pytest.mark.integration  # starts processes, servers or training runs: not in `make test-fast`
+
 ROOT = Path(__file__).resolve().parents[2]
 TASK = Task(task_id="calc-1", prompt="Tom has 3 apples and buys 4 more. His sister has 9 pears. How many apples "
             "does Tom have?", answer="7")

@@ -13,6 +13,8 @@ from loomrl.metrics.logger import read_metrics
 from loomrl.runtime.run import train
 from loomrl.store import read_trajectories
 
+pytestmark = pytest.mark.integration  # starts processes, servers or training runs: not in `make test-fast`
+
 ROOT = Path(__file__).resolve().parents[2]
 M = "trl_rewards_for_tests"
 

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from ledger_checks import check_run
 
 from loomrl.config import load_config
 from loomrl.runtime.local import LocalBackend
 from loomrl.runtime.run import train
+
+pytestmark = pytest.mark.integration  # starts processes, servers or training runs: not in `make test-fast`
 
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "calculator_tiny.yaml"
 

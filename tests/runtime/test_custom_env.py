@@ -6,11 +6,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from ledger_checks import check_run
 
 from loomrl.config import load_config
 from loomrl.runtime.run import train
 from loomrl.store import read_trajectories
+
+pytestmark = pytest.mark.integration  # starts processes, servers or training runs: not in `make test-fast`
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["model.kind=tiny", "progress=false", "trainer.total_steps=2", "trainer.groups_per_step=2",

@@ -21,6 +21,8 @@ from loomrl.runtime.run import train
 from loomrl.store import read_trajectories
 from loomrl.trainer.service import read_ledger
 
+pytestmark = pytest.mark.integration  # starts processes, servers or training runs: not in `make test-fast`
+
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "examples" / "calculator_tiny.yaml"
 

@@ -10,6 +10,8 @@ import pytest
 from loomrl.config import load_config
 from loomrl.runtime.run import train
 
+pytestmark = pytest.mark.integration  # starts processes, servers or training runs: not in `make test-fast`
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 

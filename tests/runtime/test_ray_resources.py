@@ -72,7 +72,7 @@ def test_a_broadcast_load_whose_trainer_died_is_superseded_not_a_run_error():
     import pytest
 
     from loomrl.runtime.driver import RunError
-    from loomrl.runtime.ray_backend import RayBackend
+    from loomrl.runtime.ray_backend import Polled, RayBackend
 
     class RayError(Exception):
         pass
@@ -84,9 +84,11 @@ def test_a_broadcast_load_whose_trainer_died_is_superseded_not_a_run_error():
         raise RayError("RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:18870")
 
     backend = RayBackend.__new__(RayBackend)  # no cluster: only step_metrics's bookkeeping
-    backend.ray = SimpleNamespace(wait=lambda refs, num_returns, timeout: (list(refs), []), get=get,
+    backend.ray = SimpleNamespace(wait=lambda refs, num_returns=1, timeout=None: (list(refs), []), get=get,
                                   exceptions=SimpleNamespace(RayError=RayError, RayActorError=RayActorError))
-    backend.broadcast, backend.engines, backend.rollout_restarts = True, [object()], 0
+    engine = SimpleNamespace(reading=SimpleNamespace(remote=lambda: "a reading's ref"))  # its reading fails: none
+    backend.broadcast, backend.engines, backend.rollout_restarts = True, [engine], 0
+    backend.engine_polled, backend.engine_seen = Polled(backend.ray), {}
     backend.cfg = SimpleNamespace(reward=SimpleNamespace(judge=None))  # no judge: no reward counters to read
     backend.trainer_starts, backend.sync_sender, backend.syncs = 2, {"sent by trainer 1": 1}, ["sent by trainer 1"]
     assert backend.step_metrics() == {"ray/rollout_restarts": 0.0}  # superseded: logged, not raised

@@ -715,6 +715,7 @@ def test_a_dead_env_actor_is_a_sandbox_error_to_the_environment(monkeypatch):
         _get("a ref")
 
 
+@pytest.mark.integration
 def test_ray_backend_without_ray_says_how_to_install_it(tmp_path):
     """With ray not importable, `runtime.backend=ray` stops with the install command, no traceback."""
     code = ("import sys; sys.modules['ray'] = None; from loomrl.cli import main; "

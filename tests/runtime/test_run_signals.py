@@ -13,7 +13,11 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from loomrl.trainer.service import read_ledger
+
+pytestmark = pytest.mark.integration  # starts processes, servers or training runs: not in `make test-fast`
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "examples" / "calculator_tiny.yaml"

@@ -8,10 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from loomrl.config import load_config
 from loomrl.runtime.run import train
 from loomrl.runtime.summary import read_segments
 from loomrl.trainer.service import read_ledger
+
+pytestmark = pytest.mark.integration  # starts processes, servers or training runs: not in `make test-fast`
 
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "calculator_tiny.yaml"
 

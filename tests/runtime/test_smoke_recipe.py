@@ -6,9 +6,13 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import pytest
+
 from loomrl.config import load_config
 from loomrl.metrics.logger import read_metrics
 from loomrl.runtime.run import train
+
+pytestmark = pytest.mark.integration  # starts processes, servers or training runs: not in `make test-fast`
 
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "calculator_tiny.yaml"
 

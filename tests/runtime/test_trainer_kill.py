@@ -17,6 +17,8 @@ from ledger_checks import check_each_trajectory_once, check_run
 
 from loomrl.trainer.service import read_ledger
 
+pytestmark = pytest.mark.integration  # starts processes, servers or training runs: not in `make test-fast`
+
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "examples" / "calculator_tiny.yaml"
 

@@ -13,6 +13,8 @@ import pytest
 from loomrl.engine.builtin.engine import BuiltinEngine
 from loomrl.server.app import create_app
 
+pytestmark = pytest.mark.integration  # starts processes, servers or training runs: not in `make test-fast`
+
 openai = pytest.importorskip("openai")
 
 

@@ -22,6 +22,8 @@ from loomrl.trainer.forward import token_logprobs
 from loomrl.trainer.trainer import Trainer
 from loomrl.types import TrainingSample
 
+pytestmark = pytest.mark.integration  # starts processes, servers or training runs: not in `make test-fast`
+
 # (trainer options, idle tokens and sequences of the step) per case; micro-batches of 2 give the ranks
 # different numbers of backward passes (2 and 3), the case DDP cannot take.
 CASES = [

@@ -18,6 +18,8 @@ from loomrl.trainer.fsdp import fsdp_shard
 from loomrl.trainer.trainer import Trainer
 from loomrl.types import TrainingSample
 
+pytestmark = pytest.mark.integration  # starts processes, servers or training runs: not in `make test-fast`
+
 STEPS = 3
 CASES = [{}, {"tree_merge": "on"},
          # the depth-first tree pass: each rank's trie (and so its forwards and backwards) differs, with no

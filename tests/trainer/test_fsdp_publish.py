@@ -7,6 +7,7 @@ import copy
 import gc
 import weakref
 
+import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -19,6 +20,8 @@ from loomrl.weights.source import WeightSource
 from loomrl.weights.transports import load_weights, make_publisher
 from tests.dist_launch import launch_local
 from tests.trainer.test_fsdp import _samples
+
+pytestmark = pytest.mark.integration  # starts processes, servers or training runs: not in `make test-fast`
 
 BUCKET = 4096  # bytes: the tiny model is cut into many buckets
 

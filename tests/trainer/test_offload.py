@@ -54,6 +54,7 @@ def _sharded_rank(rank: int, world: int, vocab: int, eos: int, samples: list) ->
     return _left_behind(trainer)
 
 
+@pytest.mark.integration
 def test_offload_of_fsdp_ranks_moves_every_shard(tokenizer):
     vocab, eos = len(tokenizer), tokenizer.eos_token_id
     for left in launch_local(_sharded_rank, 2, (vocab, eos, _samples(vocab)), timeout_s=300, threads=1):

@@ -424,6 +424,7 @@ def test_activation_checkpointing_gives_the_same_gradients(tokenizer, merge):
                       tree_merge_memory="depth_first")
 
 
+@pytest.mark.integration
 def test_bfloat16_training_stays_near_float32_for_five_steps(tokenizer):
     """trainer.precision=bfloat16 (autocast; float32 weights, gradients, AdamW state and loss) against
     float32, 5 steps on CPU. Stated tolerance: each step's loss within 1% relative and every weight

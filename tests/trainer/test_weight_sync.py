@@ -101,6 +101,7 @@ def _reader(transport: str, handles, acks, results) -> None:
 
 
 @pytest.mark.parametrize("transport", LOCAL)
+@pytest.mark.integration
 def test_a_reader_in_another_process_gets_whole_versions(transport, tmp_path):
     ctx = mp.get_context("spawn")
     handles, acks, results = ctx.Queue(), ctx.Queue(), ctx.Queue()

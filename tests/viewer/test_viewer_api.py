@@ -16,6 +16,8 @@ from loomrl.trainer.service import read_ledger
 from loomrl.view.app import create_app
 from loomrl.view.run_folder import JsonLines, RunFolder, RunFolderError
 
+pytestmark = pytest.mark.integration  # starts processes, servers or training runs: not in `make test-fast`
+
 
 @pytest.fixture(scope="module")
 def client(run_dir):

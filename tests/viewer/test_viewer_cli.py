@@ -10,7 +10,10 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from conftest import free_port
+
+pytestmark = pytest.mark.integration  # starts processes, servers or training runs: not in `make test-fast`
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -65,9 +65,13 @@ def append_records(run_dir: Path, records: list[TrainRecord]) -> None:
 
 
 def cut_records(run_dir: Path, step: int | None) -> None:
-    """Keep the records of steps <= `step` (None: none): a resume from that checkpoint, or a restart without one.
-    A last line torn by a kill goes too (its step is after any checkpoint: records are written before it)."""
-    path = Path(run_dir) / TRAIN_RECORDS
+    """Keep the records of steps <= `step` (None: none): a resume from that checkpoint, or a restart without one."""
+    cut_to_step(Path(run_dir) / TRAIN_RECORDS, step)
+
+
+def cut_to_step(path: Path, step: int | None) -> None:
+    """A step-keyed JSONL file (these records, the ledger) cut back to the lines of steps <= `step`; None removes it.
+    A last line torn by a kill goes too (its step is after any checkpoint: the lines are written before it)."""
     if not path.is_file():
         return
     if step is None:

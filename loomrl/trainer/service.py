@@ -28,7 +28,7 @@ from loomrl.trainer.distributed import Gather
 from loomrl.trainer.grpo import samples_from_credit, samples_from_group
 from loomrl.trainer.offload import Moved, offload, onload
 from loomrl.trainer.ranks import RankGroup, build_trainer
-from loomrl.trainer.records import append_records, cut_records, train_records
+from loomrl.trainer.records import append_records, cut_records, cut_to_step, train_records
 from loomrl.types import TrainingSample, Trajectory
 from loomrl.weights.source import DictSource, WeightSource, dtype_name
 
@@ -67,16 +67,12 @@ def read_ledger(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def repair_ledger_for_restart(run_dir: Path, checkpoint: Path | None) -> None:
-    """Before a trainer restarts after a crash: drop a last line torn by the kill (that step was logged
-    before its checkpoint was written, so the checkpoint resumed from is older and the step is undone
-    anyway), and with no checkpoint at all drop the ledger (the model starts over). Resuming from a
-    checkpoint cuts the later lines itself (TrainerService)."""
-    ledger = Path(run_dir) / "ledger.jsonl"
-    text = ledger.read_text() if ledger.exists() else ""
-    if text and not text.endswith("\n"):
-        ledger.write_text(text[: text.rfind("\n") + 1])
-    if checkpoint is None and ledger.exists():
-        ledger.unlink()
+    """Before a trainer restarts after a crash with no checkpoint: the model starts over, and so do its ledger and
+    train records. From a checkpoint, TrainerService cuts both back to its step (a last line torn by the kill with
+    them: that step was logged before its checkpoint was written, so it is undone anyway)."""
+    if checkpoint is None:
+        cut_to_step(Path(run_dir) / "ledger.jsonl", None)
+        cut_records(run_dir, None)
 
 
 def advantage_metrics(samples: list[TrainingSample], credits: list[GroupCredit], rule: AdvantageRule,
@@ -121,8 +117,7 @@ class TrainerService:
             self.extra = state.get("extra", {})
             self.last_metrics = state.get("metrics")
             set_rng_state(state["rng"])
-            kept = [e for e in read_ledger(self.run_dir) if e["step"] <= state["step"]]
-            self.ledger_path.write_text("".join(json.dumps(e) + "\n" for e in kept))
+            cut_to_step(self.ledger_path, state["step"])
             cut_records(self.run_dir, state["step"])
 
     @classmethod
@@ -136,8 +131,6 @@ class TrainerService:
         from loomrl.model.loader import load_run_model
 
         repair_ledger_for_restart(cfg.run_dir, checkpoint)
-        if checkpoint is None:  # the model starts over: so do its records (a resume cuts them in __init__)
-            cut_records(cfg.run_dir, None)
         model, tokenizer = load_run_model(cfg.model, checkpoint, trainer=cfg.trainer)  # float32 on trainer.device
         if ranks is not None:
             if rendezvous is None:

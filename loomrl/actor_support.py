@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 
+from loomrl.errors import error_line
+
 
 def constructor_failed(err: BaseException) -> bool:
     """Whether a Ray actor error says the actor's constructor raised (every fresh one would too)."""
@@ -18,7 +20,7 @@ def actor_error_line(err: BaseException) -> str:
 
     if isinstance(err, ray.exceptions.RayTaskError) and err.cause is not None:
         err = err.cause
-    return str(err).strip().splitlines()[-1]
+    return error_line(err, end=True)
 
 
 class Placed:

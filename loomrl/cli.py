@@ -393,10 +393,13 @@ def main(argv: list[str] | None = None) -> int:
         print(str(err), file=sys.stderr)
         return 2
     except Exception as err:  # RunError and friends carry their own message
-        from loomrl.runtime.driver import RunError
+        from loomrl.runtime.failures import CannotStart, RunError
 
         if isinstance(err, RunError):
             print(str(err), file=sys.stderr)
+            return 2
+        if isinstance(err, CannotStart):  # the run folder or checkpoint a command was given, before any run
+            print(f"error: {err}", file=sys.stderr)
             return 2
         raise
     return 0

@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from loomrl.config import ConfigError
+from loomrl.errors import folded
 
 
 def _on_sys_path(folder: str) -> None:
@@ -40,7 +41,7 @@ def import_object(spec: str, field: str, example: str, what: str = "attribute") 
                           f"inside it; install that package)") from None
     except Exception as err:  # its own code failed (a SyntaxError, an exception at import time)
         raise ConfigError(f"config error: {field}={spec}: importing {module_name!r} raised "
-                          f"{type(err).__name__}: {' | '.join(str(err).splitlines())}") from None
+                          f"{type(err).__name__}: {folded(str(err))}") from None
     obj: Any = module
     for part in attr.split("."):  # module:Class.factory works too
         try:

@@ -33,6 +33,7 @@ from loomrl.engine.base import Engine, EngineFault, EngineMetrics, GenerationReq
 from loomrl.engine.common import confirm_weights
 from loomrl.engine.factory import make_engine
 from loomrl.engine.readings import Reading, read_engine
+from loomrl.errors import error_line
 from loomrl.model.loader import load_engine_model
 from loomrl.weights.fingerprint import Fingerprint, fingerprint_of
 from loomrl.weights.group import Receiver, with_rank_offset
@@ -210,13 +211,13 @@ class RemoteEngine(TakesTensors):
                 if time.monotonic() > deadline:
                     m.faults += 1
                     raise EngineFault(f"engine actor unavailable for {self.restart_wait_s:.0f}s "
-                                      f"(ray.engine_restart_wait_s): {str(err).splitlines()[0]}") from None
+                                      f"(ray.engine_restart_wait_s): {error_line(err)}") from None
                 await asyncio.sleep(0.5)
             except ray.exceptions.RayActorError as err:  # died mid-request (Ray restarts it for the next ones)
                 m.faults += 1
-                raise EngineFault(f"engine actor died: {str(err).splitlines()[0]}") from None
+                raise EngineFault(f"engine actor died: {error_line(err)}") from None
             except ray.exceptions.RayTaskError as err:  # what the engine raised, as a local engine would raise it
-                raise (err.cause or EngineFault(f"engine actor: {str(err).strip().splitlines()[-1]}")) from None
+                raise (err.cause or EngineFault(f"engine actor: {error_line(err, end=True)}")) from None
         m.finished += 1
         m.generated_tokens += len(result.token_ids)
         self._version = max([self._version, *result.versions])

@@ -101,6 +101,7 @@ from loomrl.engine.base import (
 from loomrl.engine.vllm_contract import check_vllm
 from loomrl.engine.vllm_memory import KVCachePlan, Memory, Watch, first_failure, oom_kills, plan_kv_cache
 from loomrl.engine.vllm_weights import LoadState, checked_weights, parameter_shapes, to_wire, weight_buckets
+from loomrl.errors import named_line
 from loomrl.model.loader import ModelLoadError
 from loomrl.weights.fingerprint import Fingerprint, TensorSum
 from loomrl.weights.handle import Transport, WeightHandle
@@ -306,7 +307,7 @@ class VLLMEngine(LoadState):
             if isinstance(err, concurrent.futures.TimeoutError):
                 why = f"it did not start within {_START_TIMEOUT_S:.0f}s"
             else:  # the worker's own error, which vLLM keeps in its log, else what reached this process
-                why = failure or f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+                why = failure or named_line(err)
             raise ModelLoadError(f"engine.kind=vllm: vLLM cannot run the model {model.name}: {why}") from err
         self._control = self._run(self._make_lock(), 10.0)
 

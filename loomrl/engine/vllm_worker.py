@@ -55,6 +55,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
 from loomrl.engine.vllm_weights import from_wire
+from loomrl.errors import named_line
 from loomrl.weights.group import Receiver
 from loomrl.weights.handle import Transport, WeightHandle
 from loomrl.weights.ipc import ipc_tensors
@@ -184,11 +185,10 @@ class FirstFailure(logging.Handler):
         err = record.exc_info[1] if record.exc_info else None
         if not path or err is None or os.environ.get(FAILURE_FILE_OWNER) == str(os.getpid()):
             return
-        lines = str(err).strip().splitlines()
         draft = f"{path}.{os.getpid()}"
         try:
             with open(draft, "w") as f:
-                f.write(f"{type(err).__name__}: {lines[0] if lines else ''}")
+                f.write(named_line(err))
             os.link(draft, path)  # whole or not at all; FileExistsError: a failure is already recorded
         except OSError:
             pass

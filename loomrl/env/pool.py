@@ -34,8 +34,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from loomrl.env.sandbox.base import Health, PooledSandbox, Sandbox, SandboxError, one_line
+from loomrl.env.sandbox.base import Health, PooledSandbox, Sandbox, SandboxError
 from loomrl.env.sandbox.factory import make_sandbox
+from loomrl.errors import folded
 
 if TYPE_CHECKING:
     from loomrl.config import EnvConfig
@@ -242,7 +243,7 @@ class EnvPool(Leases):
                 self._failures_in_a_row = 0
                 break
             self.metrics.health_failures += 1
-            log.warning("env pool: instance failed its health check (%s); replacing it", one_line(health.detail, 200))
+            log.warning("env pool: instance failed its health check (%s); replacing it", folded(health.detail, 200))
             await asyncio.to_thread(self._destroy_sync, sb)
             await self._failed("health check", health.detail)
             self._spawn_replacement()
@@ -260,7 +261,7 @@ class EnvPool(Leases):
         self._failures_in_a_row += 1
         if self._failures_in_a_row >= self.max_failures and self.failure is None:
             self.failure = EnvPoolFailed(f"sandbox error: {self._failures_in_a_row} sandboxes in a row failed "
-                                         f"({what}): {one_line(detail)}. Fix: {self.fix}")
+                                         f"({what}): {folded(detail)}. Fix: {self.fix}")
             async with self._changed:
                 self._changed.notify_all()
 

@@ -18,6 +18,7 @@ from loomrl.config import RunConfig
 from loomrl.env.pool import EnvPool, EnvPoolFailed, Leases, PoolMetrics, sandbox_pool
 from loomrl.env.registry import sandbox_pool_size
 from loomrl.env.sandbox.base import ExecResult, Health, Sandbox, SandboxError
+from loomrl.errors import named_line
 
 
 class EnvActor(Placed):
@@ -148,7 +149,7 @@ def _env_worker_errors() -> Generator[None, None, None]:
     except SandboxError:
         raise
     except ray.exceptions.RayError as err:
-        raise SandboxError(f"env worker failed: {type(err).__name__}: {str(err).splitlines()[0]}") from None
+        raise SandboxError(f"env worker failed: {named_line(err)}") from None
 
 
 def _get(ref: Any) -> Any:

@@ -8,6 +8,7 @@ from typing import Any
 
 from loomrl.actor_support import Placed, constructor_failed
 from loomrl.config import RunConfig
+from loomrl.errors import named_line
 from loomrl.reward.pool import mark_reward_failed
 from loomrl.types import Task, Trajectory
 
@@ -52,7 +53,7 @@ class RemoteRewardPool:
             if constructor_failed(err):  # a reward setup that cannot work: fail the rollout, and so the run
                 raise
             self.failed += 1
-            return mark_reward_failed(traj, f"reward actor {i}: {type(err).__name__}: {str(err).splitlines()[0]}")
+            return mark_reward_failed(traj, f"reward actor {i}: {named_line(err)}")
 
     def metrics(self) -> dict[str, float]:
         """{}: the reward actors' own counters (an LLM judge's among them) are read by the driver from the actors

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from loomrl.errors import error_line, named_line
 from loomrl.reward.judge_config import JudgePrices
 
 if TYPE_CHECKING:  # openai is the judge extra's: imported where a request is made
@@ -198,7 +199,6 @@ def _describe(err: Exception, timeout_s: float) -> str:
 
     if isinstance(err, (TimeoutError, openai.APITimeoutError)):
         return f"timed out after timeout_s={timeout_s:g}s"
-    text = (str(err).splitlines() or [type(err).__name__])[0][:200]
     if isinstance(err, openai.APIStatusError):
-        return f"HTTP {err.status_code}: {text}"
-    return f"{type(err).__name__}: {text}"
+        return f"HTTP {err.status_code}: {error_line(err)[:200]}"
+    return named_line(err, 200)

@@ -7,14 +7,17 @@ The driver owns what a run decides:
 - data positions: a resumed or restarted run goes on from the positions its trainer has not received;
 - retries: an attempt whose rollout worker died (RolloutLost) runs again after
   runtime.retry_backoff_s x 2^k, at most runtime.max_group_attempts times in all, then the position is
-  recorded as failed;
+  recorded as failed; rollout workers replaced more than ray.rollout.max_restarts times stop the run;
 - the trainer-restart policy: a trainer that dies (TrainerLost) is restarted from the run folder's
   latest checkpoint at most runtime.max_trainer_restarts times; groups it received after that
   checkpoint, and attempts still in flight, may hold tokens of versions the restored model never had:
   the first are discarded (reason trainer_restart), the others cancelled, and their positions run
   again with the restored weights;
 - step metrics, eval before and after, the summary, and the accounting identity (accounting.py):
-  every trajectory launched ends in exactly one fate, checked against the ledger at the end.
+  every trajectory launched ends in exactly one fate, checked against the ledger at the end;
+- what stops the run: backends report failures as typed facts (runtime/failures.py) and only the driver turns one
+  into RunError: an engine that cannot serve the run's weights, a part that cannot start, a trainer past its
+  restarts or one that cannot be restarted.
 
 A backend (Backend below) runs attempts, feeds the trainer and moves weights: runtime/local.py (this
 process + a trainer process, or one process in sync mode) and runtime/ray_backend.py (actors).
@@ -23,25 +26,25 @@ process + a trainer process, or one process in sync mode) and runtime/ray_backen
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import logging
 import shutil
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loomrl.buffer.admission import admits, open_positions
 from loomrl.config import RunConfig
+from loomrl.errors import error_line
 from loomrl.metrics import open_metrics
 from loomrl.metrics.sink import SinkError
 from loomrl.rollout.worker import group_summary
 from loomrl.runtime.accounting import Accounting, ledger_line
+from loomrl.runtime.failures import CannotStart, EngineLost, Fact, RolloutLost, RunError, TrainerLost
 from loomrl.runtime.group_log import GroupLog
+from loomrl.runtime.positions import PositionBook, StepWindow
 from loomrl.runtime.summary import FINISHED, Segment, append_segment, whole_run
 from loomrl.store import TrajectoryStore
 from loomrl.trainer.checkpoint import checkpoint_step, latest_checkpoint, load_state
@@ -58,16 +61,13 @@ UNTRAINED_HINT = ("A group takes a gradient only when its rollouts' rewards diff
                   "metrics.jsonl).")
 
 
-class RunError(RuntimeError):
-    """A run cannot start or continue; the message says why and what to do."""
-
-
-class TrainerLost(Exception):
-    """The trainer (or one of its ranks) died or failed; the driver restarts it or stops the run."""
-
-
-class RolloutLost(Exception):
-    """The rollout worker that ran an attempt died (the backend has replaced it); the driver retries."""
+def stop_message(fact: Fact) -> str:
+    """The one line (or lines) a run stops with when a fact reaches the top of the driver."""
+    if isinstance(fact, TrainerLost):
+        return f"run error: {fact}; continue with the same command and --resume"
+    if isinstance(fact, (CannotStart, EngineLost, RolloutLost)):
+        return f"run error: {fact}"
+    return f"run error: {type(fact).__name__}: {fact}"
 
 
 @dataclass(slots=True, frozen=True)
@@ -118,7 +118,9 @@ def eval_line(record: EvalRecord) -> str:
 
 class Backend(ABC):
     """Placement and transport of a run: where groups are generated and trained, how they and the
-    weights travel. Every method that talks to the trainer raises TrainerLost when it is gone."""
+    weights travel. Failures are raised as facts (runtime/failures.py), never as RunError: every method that
+    talks to the trainer raises TrainerLost when it is gone, an engine that cannot serve the weights EngineLost,
+    a part that cannot start CannotStart."""
 
     label: str  # for the progress bar
 
@@ -206,21 +208,14 @@ class Driver:
         self.lag = 0 if cfg.runtime.mode == "sync" else cfg.buffer.max_policy_lag
         self.version = 0
         self.inflight: dict[asyncio.Future, Attempt] = {}
-        self.live: dict[int, int] = {}  # position -> serial of its live attempt
-        self.attempts: dict[int, int] = {}
-        self.retry_at: dict[int, float] = {}  # position -> when to dispatch it again
-        self.gave_up: dict[int, str] = {}  # position -> why
-        self.sent: dict[int, list[str]] = {}  # position -> ids sent to the trainer since it started
+        # one record per data position (attempts, retries, given up, ids sent) and the admission rule: positions.py
+        self.book = PositionBook(self.B, self.lag, cfg.trainer.total_steps)
+        self.window = StepWindow()  # this step's clock and counters
         self.serials = itertools.count()
         self.abandoned: list[asyncio.Future] = []  # attempts cancelled at a trainer restart, awaited at the end
         self.trainer_restarts = 0
+        self.rollout_replacements = 0  # rollout workers the backend replaced (RolloutLost.replaced)
         self.untrained_steps = 0  # steps of this segment whose groups all were left out (no gradient)
-        self.stale = 0  # groups the trainer dropped as stale so far (they free their positions' place)
-        self.positions: Iterator[int] = iter(())
-        self.next_pos = 0
-        # per step: groups launched, the most in flight at once, seconds with none in flight
-        self.launched = self.peak = 0
-        self.idle_s, self.idle_since = 0.0, None
         self.before: EvalRecord | None = None  # held-out success before training (restored on resume)
         self.after: EvalRecord | None = None
         self.report: BackendReport | None = None  # what the backend said when it closed
@@ -237,18 +232,15 @@ class Driver:
         finally:
             if colocated:
                 await self.backend.wake_engines()
-        for pos in [p for p in self.sent if p not in state.received]:
-            self.acc.discard(self.sent.pop(pos), "trainer_restart")
-        # Attempts in flight may hold tokens of versions the restored trainer never had: cancelled
-        # (ones that already finished are discarded as they are settled); their positions run again.
+        # Groups sent to a trainer that no longer holds them are discarded; attempts in flight may hold tokens of
+        # versions the restored trainer never had: cancelled (ones that already finished are discarded as they are
+        # settled); every position it has not received runs again, in order.
+        for ids in self.book.restart(state.received):
+            self.acc.discard(ids, "trainer_restart")
         for fut in [f for f in self.inflight if not f.done()]:
             del self.inflight[fut]
             self.abandoned.append(self._cancel(fut))
-        for by_position in (self.live, self.retry_at, self.attempts, self.gave_up):
-            by_position.clear()
         self.version = state.version
-        self.positions = (p for p in itertools.count() if p not in state.received)  # not received yet, in order
-        self.next_pos = next(self.positions)
         await self.backend.publish(self.version)
         return state
 
@@ -262,7 +254,7 @@ class Driver:
             raise RunError(f"run error: the trainer failed:\n{err}\nThe run folder '{self.cfg.run_dir}' keeps "
                            f"everything up to the last checkpoint ({where}); continue with the same command and "
                            "--resume") from None
-        log.warning("the trainer failed (%s); restarting it (%d of %d), %s", str(err).splitlines()[-1],
+        log.warning("the trainer failed (%s); restarting it (%d of %d), %s", error_line(err, end=True),
                     self.trainer_restarts, limit, where)
         self.backend.stop_trainer()
         reported = self.version
@@ -275,42 +267,39 @@ class Driver:
     # -- attempts -----------------------------------------------------------------------------------
     def _dispatch(self, pos: int) -> None:
         a = Attempt(pos, next(self.serials))
-        self.live[pos] = a.serial
-        self.attempts[pos] = self.attempts.get(pos, 0) + 1
+        self.book.dispatched(pos, a.serial)
         self.inflight[self.backend.dispatch(pos)] = a
         self.group_log.launched(a.serial, self.version)
         self.acc.launched += self.G
-        self.launched += 1
-        if self.idle_since is not None:
-            self.idle_s += time.perf_counter() - self.idle_since
-            self.idle_since = None
+        self.window.launch()
 
     def _admit(self) -> None:
-        for pos in [p for p, t in self.retry_at.items() if t <= time.monotonic()]:
-            del self.retry_at[pos]
+        for pos in self.book.due():
             self._dispatch(pos)
-        # admission counts positions that will deliver a group: ones given up on free their place;
-        # nothing past the last step's positions (it would only be cancelled at the end), counting
-        # the groups the trainer dropped as stale (each step takes fresh ones in their place)
-        while (admits(self.next_pos - len(self.gave_up), version=self.version, groups_per_step=self.B,
-                      max_lag=self.lag)
-               and (self.next_pos - len(self.gave_up) - self.stale) // self.B < self.cfg.trainer.total_steps):
-            self._dispatch(self.next_pos)
-            self.next_pos = next(self.positions)
-        self.peak = max(self.peak, len(self.inflight))
+        while self.book.admits_next(self.version):  # the rule: positions.py, buffer/admission.py
+            self._dispatch(self.book.take_next())
+        self.window.in_flight(len(self.inflight))
+
+    def _replaced(self, err: RolloutLost) -> None:
+        """Count a rollout worker the backend replaced; past ray.rollout.max_restarts (e.g. an actor that dies as it
+        starts, every time) the run stops."""
+        if not err.replaced:
+            return
+        self.rollout_replacements += 1
+        if self.rollout_replacements > self.cfg.ray.rollout.max_restarts:
+            raise RunError(f"run error: rollout workers died {self.rollout_replacements} times (last: {err}); see the "
+                           "logs of the rollout nodes (ray.rollout.max_restarts), then continue with --resume")
 
     def _lost(self, a: Attempt, err: RolloutLost) -> None:
         self.acc.failed["actor_died"] += self.G  # the group's trajectories died with their worker
-        self.group_log.ended(a.serial, a.position, self.attempts.get(a.position, 1), "lost")
-        if self.live.get(a.position) != a.serial:
+        self.group_log.ended(a.serial, a.position, self.book.attempts(a.position), "lost")
+        self._replaced(err)  # counted first: a run this stops still gives each trajectory its fate
+        if not self.book.is_live(a.position, a.serial):
             return  # superseded (trainer restart): the position runs again anyway
-        del self.live[a.position]
-        k = self.attempts[a.position]
-        if k < self.cfg.runtime.max_group_attempts:
-            self.retry_at[a.position] = time.monotonic() + self.cfg.runtime.retry_backoff_s * 2 ** (k - 1)
-        else:
-            self.gave_up[a.position] = f"{err} ({k} attempts)"
-            log.warning("position %d failed %d times; recorded as failed", a.position, k)
+        rt = self.cfg.runtime
+        if not self.book.lost(a.position, max_attempts=rt.max_group_attempts, backoff_s=rt.retry_backoff_s,
+                              why=str(err)):
+            log.warning("position %d failed %d times; recorded as failed", a.position, self.book.attempts(a.position))
 
     def _keep(self, group: list[Trajectory]) -> None:
         """Count and store a returned group (the trainer may or may not get it)."""
@@ -321,20 +310,20 @@ class Driver:
         """Store a returned group; send it to the trainer unless it was superseded."""
         ids = [t.trajectory_id for t in group]
         self._keep(group)  # stored first: whatever happens next, it is on disk
-        attempt = self.attempts.get(a.position, 1)
-        if self.live.get(a.position) != a.serial:
+        attempt = self.book.attempts(a.position)
+        if not self.book.is_live(a.position, a.serial):
             self.acc.discard(ids, "trainer_restart")
             self.group_log.ended(a.serial, a.position, attempt, "superseded", group)
             return False
-        del self.live[a.position]
+        self.book.arrived(a.position)
         if max((t.metadata.policy_version_max for t in group), default=-1) > self.version:
             # sampled by weights the trainer no longer has (a rollback raced this group): never train it
             self.acc.discard(ids, "newer_than_trainer")
-            self.gave_up[a.position] = "newer_than_trainer"
+            self.book.give_up(a.position, "newer_than_trainer")
             self.group_log.ended(a.serial, a.position, attempt, "superseded", group)
             return False
         self.group_log.ended(a.serial, a.position, attempt, "arrived", group)
-        self.sent[a.position] = ids
+        self.book.sent(a.position, ids)
         await self.backend.receive(a.position, group)
         return True
 
@@ -344,17 +333,18 @@ class Driver:
             err = fut.exception()
             if isinstance(err, RolloutLost):
                 self._lost(a, err)
-            elif err is not None:
+            elif err is not None:  # the run stops (a fact the driver turns into RunError, or a bug)
+                self.acc.failed["rollout_error"] += self.G
+                self.group_log.ended(a.serial, a.position, self.book.attempts(a.position), "lost")
                 raise err
             elif await self._arrived(a, fut.result()):
                 recent.append(fut.result())
-        if not self.inflight and self.idle_since is None:
-            self.idle_since = time.perf_counter()
+        self.window.in_flight(len(self.inflight))
 
     # -- the loop -----------------------------------------------------------------------------------
     async def _wait(self) -> set[asyncio.Future]:
         """The attempts that ended (none: a retry is due)."""
-        due = max(0.0, min(self.retry_at.values()) - time.monotonic()) if self.retry_at else None
+        due = self.book.next_retry_in()
         if not self.inflight:
             if due is None:
                 raise RunError(f"run error: nothing in flight at version {self.version} and nothing to retry; "
@@ -364,7 +354,7 @@ class Driver:
         done, _ = await asyncio.wait(list(self.inflight), timeout=due, return_when=asyncio.FIRST_COMPLETED)
         return done
 
-    async def _train(self, recent: list, clock: dict[str, float], bar) -> None:
+    async def _train(self, recent: list, bar) -> None:
         """Every step the trainer can take now: train, publish the weights, log the step. The next
         step is asked for before the weights travel, so that the trainer works while engines load them."""
         total = self.cfg.trainer.total_steps
@@ -386,37 +376,28 @@ class Driver:
                     metrics, step = await step, None
                 if metrics is None:
                     return
-                clock["train_s"] += time.perf_counter() - t0
+                self.window.train_s += time.perf_counter() - t0
                 self.version += 1
-                self.stale += metrics.get("groups_stale", 0)
+                self.book.stale += metrics.get("groups_stale", 0)  # each frees its position's place
                 # the next step is asked for before the weights travel (lag 0: its groups are not launched yet)
                 if self.version < total and self.lag > 0 and not colocated:
                     step = asyncio.ensure_future(self.backend.train_step())
                 await self.backend.publish(self.version)
-                self._log_step(metrics, recent, clock, bar)
+                self._log_step(metrics, recent, bar)
                 self._admit()  # what the new version admits generates while the next step trains
         finally:
             if step is not None:  # an error ends the run or restarts the trainer: its answer is not needed
                 step.cancel()
 
-    def _log_step(self, metrics: dict[str, Any], recent: list, clock: dict[str, float], bar) -> None:
-        now = time.perf_counter()
-        if self.idle_since is not None:
-            self.idle_s, self.idle_since = self.idle_s + now - self.idle_since, now
-        step_s = now - clock["started"]
+    def _log_step(self, metrics: dict[str, Any], recent: list, bar) -> None:
         metrics.update({
-            "time/step_s": step_s, "time/train_s": clock["train_s"], "time/rollout_s": step_s - clock["train_s"],
-            "time/rollout_idle_s": self.idle_s, "admission/launched_groups": self.launched,
-            "admission/inflight_groups_max": self.peak, "admission/inflight_groups": len(self.inflight),
+            **self.window.close(len(self.inflight)),
             # positions the rule still admits before the next weight update
-            "admission/open_positions": open_positions(self.next_pos - len(self.gave_up), version=self.version,
-                                                       groups_per_step=self.B, max_lag=self.lag),
+            "admission/open_positions": self.book.open(self.version),
             "runtime/trainer_restarts": self.trainer_restarts, **group_summary(recent),
             **self.backend.step_metrics()})
         self.logger.log(self.version, metrics)
         self._say_if_untrained(metrics)
-        self.idle_s, self.launched, self.peak = 0.0, 0, len(self.inflight)
-        clock.update(started=now, train_s=0.0)
         recent.clear()
         bar.update(1)
         if "rollout/reward_mean" in metrics:  # absent when no trajectory of the step's groups was scored
@@ -437,7 +418,7 @@ class Driver:
         bar = progress(self.cfg.trainer.total_steps, f"train ({self.backend.label})", self.cfg.progress)
         bar.update(self.version)
         recent: list = []
-        clock = {"started": time.perf_counter(), "train_s": 0.0}
+        self.window = StepWindow()
         lost: TrainerLost | None = None
         try:
             while self.version < self.cfg.trainer.total_steps:
@@ -449,8 +430,10 @@ class Driver:
                         bar.refresh()
                     self._admit()
                     await self._settle(await self._wait(), recent)
-                    await self._train(recent, clock, bar)
+                    await self._train(recent, bar)
                 except TrainerLost as err:
+                    if not err.restartable:
+                        raise
                     lost = err
         finally:
             bar.close()  # before an error's message, not after it
@@ -466,7 +449,7 @@ class Driver:
         for fut in finished:
             self._keep(fut.result())
             a = self.inflight[fut]
-            self.group_log.ended(a.serial, a.position, self.attempts.get(a.position, 1), "unconsumed", fut.result())
+            self.group_log.ended(a.serial, a.position, self.book.attempts(a.position), "unconsumed", fut.result())
         cancelled = [self._cancel(f) for f in self.inflight if f not in finished]
         self.inflight.clear()
         return cancelled
@@ -476,9 +459,11 @@ class Driver:
         if not cfg.eval.n_tasks or not (cfg.eval.before if label == "before" else cfg.eval.after):
             return None
         for _ in range(cfg.runtime.max_group_attempts):
-            with contextlib.suppress(RolloutLost):  # the worker died: try again
+            try:
                 evaluation = await self.backend.evaluate(label)
                 break
+            except RolloutLost as err:  # the worker died: try again
+                self._replaced(err)
         else:
             log.warning("eval %s: the rollout worker kept dying; no result", label)
             return None
@@ -518,10 +503,13 @@ class Driver:
         is kept (summary.py) and the summary rewritten, before an error goes on up."""
         ended = "interrupted"  # Ctrl-C, SIGTERM, a crash: anything the driver does not stop on purpose
         try:
-            asyncio.run(self._run())
+            try:
+                asyncio.run(self._run())
+            except Fact as fact:  # what no rule above handles stops the run (the fact's own cause kept, if any)
+                raise RunError(stop_message(fact)) from fact.__cause__
             ended = FINISHED
         except RunError as err:
-            ended = f"stopped: {str(err).splitlines()[0]}"
+            ended = f"stopped: {error_line(err)}"
             raise
         finally:
             self.store.flush()
@@ -547,7 +535,7 @@ class Driver:
         segment = Segment(from_step=start, to_step=self.version, ended=ended,
                           wall_s=round(time.time() - self.wall_start, 1), rollouts=report.rollouts,
                           trainer_restarts=self.trainer_restarts, untrained_steps=self.untrained_steps,
-                          positions_failed={str(k): v for k, v in self.gave_up.items()}, env_pool=report.env_pool,
+                          positions_failed={str(k): v for k, v in self.book.given_up().items()}, env_pool=report.env_pool,
                           accounting=acc, extra=report.extra)
         segments = append_segment(self.cfg.run_dir, segment)
         # a step the trainer took and logged (ledger) before an interrupt reached the driver counts as taken

@@ -26,7 +26,8 @@ from loomrl.engine.base import EngineFault
 from loomrl.engine.common import confirm_weights
 from loomrl.engine.readings import EngineDelta
 from loomrl.rollout.actor import RolloutSide
-from loomrl.runtime.driver import Backend, BackendReport, RunError, TrainerLost, TrainerState, progress
+from loomrl.runtime.driver import Backend, BackendReport, TrainerState, progress
+from loomrl.runtime.failures import EngineLost, TrainerLost
 from loomrl.trainer.checkpoint import latest_checkpoint
 from loomrl.trainer.process import TrainerProcess, TrainerProcessDied
 from loomrl.trainer.ranks import (
@@ -143,8 +144,8 @@ class LocalBackend(Backend):
                 return None
             try:  # on the engine's thread: one OpenMP team per process
                 return await asyncio.wrap_future(self._side().engine.call(self.service.train_step))
-            except RankLost as err:
-                raise RunError(f"run error: {err}; continue with the same command and --resume") from None
+            except RankLost as err:  # the sync trainer shares the engine's model: no fresh one can take over
+                raise TrainerLost(str(err), restartable=False) from None
         try:
             stepped = await self._process().step()
         except TrainerProcessDied as err:
@@ -188,12 +189,12 @@ class LocalBackend(Backend):
             else:
                 await asyncio.to_thread(engine.update_weights, loaded.weights, version)
         except EngineFault as err:  # the trainer's own weights: retrying cannot help
-            raise RunError(f"run error: the engine could not load the weights of version {version}: {err}") from None
+            raise EngineLost(f"the engine could not load the weights of version {version}: {err}") from None
         t1 = time.perf_counter()
         try:  # the engine serves what the trainer published (weights/fingerprint.py)
             checked = await asyncio.to_thread(confirm_weights, engine, self.cfg.engine.kind, version, handle.fingerprint)
         except WeightMismatch as err:  # the same weights would go the same way again
-            raise RunError(f"run error: {err}") from err
+            raise EngineLost(str(err)) from err
         self.sync_metrics = {**sync_metrics(handle, loaded), "weight_sync/apply_s": t1 - t0,
                              "weight_sync/confirm_s": time.perf_counter() - t1, "weight_sync/fingerprinted": checked}
 

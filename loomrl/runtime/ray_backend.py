@@ -15,7 +15,7 @@ and outlives a trainer that dies), and replaces what died:
 - an engine actor dies (ray.engine.count > 0): Ray restarts it; it loads the latest published weights
   (engine/actor.py WeightBoard) before serving, and the requests it was running end engine_error. Not with
   runtime.weight_transport=broadcast (each version goes once over the trainer actor's group): the run stops
-  (RunError) and --resume continues it.
+  (EngineLost: the driver stops it) and --resume continues it.
 - a trainer actor dies (any rank): TrainerLost; the driver has fresh ones made from the run folder's
   latest checkpoint (which must be on a filesystem every node sees).
 
@@ -42,10 +42,12 @@ from loomrl.engine.readings import Reading, counter_changes, engine_step_metrics
 from loomrl.env.api import environment_for
 from loomrl.env.remote import EnvActor
 from loomrl.env.sandbox import SandboxError
+from loomrl.errors import error_line, error_tail
 from loomrl.reward.actor import RewardActor
 from loomrl.rollout.actor import RolloutActor
 from loomrl.rollout.worker import rollout_concurrency
-from loomrl.runtime.driver import Backend, BackendReport, RolloutLost, RunError, TrainerLost, TrainerState
+from loomrl.runtime.driver import Backend, BackendReport, TrainerState
+from loomrl.runtime.failures import CannotStart, EngineLost, RolloutLost, TrainerLost
 from loomrl.runtime.ray_resources import (
     cluster_address,
     colocation_mismatch,
@@ -67,7 +69,7 @@ def import_ray():
     try:
         import ray
     except ImportError:
-        raise RunError("run error: runtime.backend=ray needs the ray package; install it with "
+        raise CannotStart("runtime.backend=ray needs the ray package; install it with "
                        "pip install -e '.[ray]' (or set runtime.backend=local)") from None
     return ray
 
@@ -76,10 +78,9 @@ def fail_if_cannot_start(err: BaseException, what: str) -> None:
     """An actor whose constructor raised: every fresh one would too, so the run stops with the cause;
     sandboxes that cannot work (EnvPoolFailed in an actor) likewise, in one line."""
     if constructor_failed(err):
-        raise RunError(f"run error: {what} failed to start (its constructor raised):\n"
-                       + "\n".join(str(err).splitlines()[-3:])) from None
+        raise CannotStart(f"{what} failed to start (its constructor raised):\n{error_tail(err)}") from None
     if isinstance(err, SandboxError):
-        raise RunError(f"run error: {actor_error_line(err)}") from None
+        raise CannotStart(actor_error_line(err)) from None
 
 
 async def result_or(ref: Any, timeout_s: float, default: Any) -> Any:
@@ -221,7 +222,7 @@ class RayBackend(Backend):
         nodes = [n["Resources"] for n in self.ray.nodes() if n["Alive"]]
         why = shortfall(self.asks, self.ray.cluster_resources(), nodes, self._cluster())
         if why is not None:
-            raise RunError(why)
+            raise CannotStart(why)
 
     def _new_rollout_actor(self) -> WorkerSlot:
         r = self.cfg.ray
@@ -286,12 +287,10 @@ class RayBackend(Backend):
         self.workers = [self._new_rollout_actor() for _ in range(r.rollout.count)]
 
     def _replace_worker(self, i: int, why: str) -> None:
+        """A fresh actor in a dead one's place (the driver counts replacements against ray.rollout.max_restarts)."""
         slot = self.workers[i]
         self._kill(slot.handle)
         self.rollout_restarts += 1
-        if self.rollout_restarts > self.cfg.ray.rollout.max_restarts:  # e.g. an actor that dies as it starts
-            raise RunError(f"run error: rollout actors died {self.rollout_restarts} times (last: {why}); see the "
-                           "Ray logs of the rollout nodes, then continue with --resume")
         log.warning("rollout actor %d died (%s); starting a fresh one", i, why)
         for env in self.env_actors:  # its sandboxes are destroyed and replaced, not leaked
             self.reclaims.append(env.release_owner.remote(slot.owner))
@@ -301,9 +300,10 @@ class RayBackend(Backend):
     def _worker_died(self, i: int, incarnation: int, err: BaseException) -> RolloutLost:
         fail_if_cannot_start(err, "a rollout actor")
         why = f"actor_died: {type(err).__name__}"
-        if self.workers[i].incarnation == incarnation:
+        replaced = self.workers[i].incarnation == incarnation  # the first attempt to see this death replaces it
+        if replaced:
             self._replace_worker(i, why)
-        return RolloutLost(why)
+        return RolloutLost(why, replaced=replaced)
 
     # -- the trainer --------------------------------------------------------------------------------
     async def _call_trainer(self, ref: Any) -> Any:
@@ -312,10 +312,9 @@ class RayBackend(Backend):
             return await ref
         except self.ray.exceptions.RayActorError as err:
             # a constructor that raised: its cause is at the end of Ray's message, which begins with where it ran
-            lines = str(err).strip().splitlines()
-            raise TrainerLost("\n".join(lines[-3:]) if constructor_failed(err) else lines[0]) from None
+            raise TrainerLost(error_tail(err) if constructor_failed(err) else error_line(err)) from None
         except RankLost as err:  # another trainer rank died or failed: all ranks restart
-            raise TrainerLost(str(err).splitlines()[-1]) from None
+            raise TrainerLost(error_line(err, end=True)) from None
 
     async def _reserve_trainer(self) -> None:
         """A placement group with one bundle per trainer rank (ray.trainer_placement), so that all
@@ -338,7 +337,7 @@ class RayBackend(Backend):
             # the cluster has enough in all (_check_cluster): other actors or jobs hold what the ranks need
             total = self.ray.cluster_resources()
             held = "; `ray status` on the cluster shows what is in use" if not self.local_cluster else ""
-            raise RunError(f"run error: {self._cluster()} could not place {world} trainer rank(s) of {bundle} "
+            raise CannotStart(f"{self._cluster()} could not place {world} trainer rank(s) of {bundle} "
                            f"({self.cfg.ray.trainer_placement}) within {self.cfg.ray.placement_timeout_s:.0f}s, though "
                            f"it has { {k: total.get(k, 0.0) for k in bundle} } in all; check ray.trainer{held}") from None
         self.placement["trainer_bundles"] = [bundle] * world
@@ -367,7 +366,7 @@ class RayBackend(Backend):
                 joined = self.trainer.join_ranks.remote(self.trainer_ranks, addr, port)
                 await asyncio.gather(self._call_trainer(joined), *joins)
             except self.ray.exceptions.RayError as err:  # a follower died or failed while joining
-                raise TrainerLost(f"a trainer rank failed to start: {str(err).splitlines()[0]}") from None
+                raise TrainerLost(f"a trainer rank failed to start: {error_line(err)}") from None
         version, state, metrics = await self._call_trainer(self.trainer.state.remote())
         if not self.broadcast:
             self.step_weights = self.trainer.weights.remote()  # what publish(version) sends first
@@ -377,7 +376,7 @@ class RayBackend(Backend):
             if self.colocated:
                 self.placement["trainer_gpus"] = [await a.gpu_ids.remote() for a in [self.trainer, *self.trainer_ranks]]
                 if why := colocation_mismatch(self.placement["engine_gpus"], self.placement["trainer_gpus"]):
-                    raise RunError(f"run error: engine.sleep_while_training on Ray: {why} (check `ray status`)")
+                    raise CannotStart(f"engine.sleep_while_training on Ray: {why} (check `ray status`)")
             self.placement.update(
                 trainer=(await self._where([self.trainer]))[0][0],
                 trainer_ranks=[node for node, _ in await self._where(self.trainer_ranks)],
@@ -407,7 +406,7 @@ class RayBackend(Backend):
             alive = [await result_or(engine.info.remote(), 30, None) is not None for engine in self.engines]
             if not all(alive):
                 raise self._engine_lost(f"engine actor {alive.index(False)} is gone") from None
-            raise RunError(f"run error: {err.cause}") from None
+            raise EngineLost(str(err.cause)) from None
         if metrics is not None:
             self.step_weights = weights_ref  # that step's weights, whatever the trainer does next
         return metrics
@@ -431,8 +430,8 @@ class RayBackend(Backend):
             except self.ray.exceptions.RayActorError:
                 continue
             except self.ray.exceptions.RayError as err:
-                raise RunError("run error: an engine could not sleep or wake (engine.sleep_while_training):\n"
-                               + "\n".join(str(err).splitlines()[-3:])) from None
+                raise EngineLost("an engine could not sleep or wake (engine.sleep_while_training):\n"
+                                 + error_tail(err)) from None
 
     async def publish(self, version: int) -> None:
         if self.broadcast:  # the trainer actor broadcasts it to the engine actors' processes as they receive it
@@ -490,11 +489,11 @@ class RayBackend(Backend):
             raise self._engine_lost(err) from None
 
     @staticmethod
-    def _engine_lost(why: object) -> RunError:
+    def _engine_lost(why: object) -> EngineLost:
         """`why`: Ray's error (its first line is said) or a sentence."""
-        return RunError("run error: an engine actor died, and with runtime.weight_transport=broadcast no fresh one can "
+        return EngineLost("an engine actor died, and with runtime.weight_transport=broadcast no fresh one can "
                         "get the run's current weights (each version is broadcast once, to a group of fixed members): "
-                        f"{str(why).splitlines()[0]}; continue with --resume, or use the default transport (Ray's "
+                        f"{error_line(str(why))}; continue with --resume, or use the default transport (Ray's "
                         "object store), with which engine actors survive restarts")
 
     async def evaluate(self, label: str) -> Evaluation:
@@ -553,11 +552,11 @@ class RayBackend(Backend):
             except self.ray.exceptions.RayError as err:  # a live engine could not load the trainer's weights:
                 if self.broadcast and sender < self.trainer_starts:  # its trainer died mid-broadcast; the fresh
                     log.info("ray: a version whose trainer actor died while broadcasting it was not loaded (the new "
-                             "trainer's next version replaces it): %s", str(err).splitlines()[-1][:200])
+                             "trainer's next version replaces it): %s", error_line(err, end=True)[:200])
                     continue
                 # every actor gets the same ones, so retrying cannot help (and the engine refuses requests)
-                raise RunError("run error: a rollout actor's engine could not load the trainer's weights:\n"
-                               + "\n".join(str(err).splitlines()[-3:])) from None
+                raise EngineLost("a rollout actor's engine could not load the trainer's weights:\n"
+                                 + error_tail(err)) from None
         if timings:
             out.update({"weight_sync/load_s": max(t["load_s"] for t in timings),
                         "weight_sync/apply_s": max(t["apply_s"] for t in timings),

@@ -139,7 +139,7 @@ def shortfall(asks: list[Ask], total: dict[str, float], nodes: list[dict[str, fl
         by_kind = ", ".join(f"{a.setting} {a.count} x {_fmt(a.each)}" for a in asks if a.count and a.each)
         has = _fmt({k: total.get(k, 0.0) for k in need})
         change = "; ".join(_change(asks, k) for k in short)
-        return (f"run error: the run asks Ray for {_fmt(need)} in all ({by_kind}), but {where} has {has}; "
+        return (f"the run asks Ray for {_fmt(need)} in all ({by_kind}), but {where} has {has}; "
                 f"{change}")
     for a in asks:
         if not a.count or not a.each:
@@ -148,7 +148,7 @@ def shortfall(asks: list[Ask], total: dict[str, float], nodes: list[dict[str, fl
         if not any(all(v <= node.get(k, 0.0) + eps for k, v in one.items()) for node in nodes):
             what = f"{a.count} ranks together (STRICT_PACK) need" if a.together else "one actor needs"
             biggest = [_fmt({k: node.get(k, 0.0) for k in one}) for node in nodes]
-            return (f"run error: {a.setting}: {what} {_fmt(one)}, but no node of {where} has that (its nodes: "
+            return (f"{a.setting}: {what} {_fmt(one)}, but no node of {where} has that (its nodes: "
                     f"{', '.join(biggest)}); lower {a.setting}'s num_cpus, num_gpus or resources"
                     + (", or use ray.trainer_placement=PACK" if a.together else ""))
     return None

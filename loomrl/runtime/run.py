@@ -12,7 +12,8 @@ from typing import Any
 
 from loomrl.config import RunConfig, load_config, save_resolved
 from loomrl.reward.pool import load_terms
-from loomrl.runtime.driver import Backend, Driver, RunError, checked_eval
+from loomrl.runtime.driver import Backend, Driver, checked_eval
+from loomrl.runtime.failures import CannotStart
 from loomrl.runtime.summary import finished_at
 from loomrl.trainer.checkpoint import checkpoint_step, latest_checkpoint
 from loomrl.trainer.service import read_ledger
@@ -22,21 +23,22 @@ log = logging.getLogger("loomrl")
 
 
 def prepare_run_dir(cfg: RunConfig, resume: bool) -> Path | None:
-    """Create the run folder (or find the checkpoint to resume); returns the checkpoint or None."""
+    """Create the run folder (or find the checkpoint to resume); returns the checkpoint or None. CannotStart when the
+    folder and --resume disagree."""
     run_dir = cfg.run_dir
     ckpt = latest_checkpoint(run_dir)
     if resume:
         if ckpt is None:
-            raise RunError(f"run error: --resume given but '{run_dir}' has no checkpoint; start without --resume")
+            raise CannotStart(f"--resume given but '{run_dir}' has no checkpoint; start without --resume")
         done = finished_at(run_dir)
         if done is not None and done >= cfg.trainer.total_steps:
-            raise RunError(f"run error: the run in '{run_dir}' is finished ({done} steps, trained and evaluated: "
-                           f"summary.json); to train it further, resume with a larger total, e.g. "
-                           f"trainer.total_steps={done * 2} --resume; to score a checkpoint, loomrl eval RECIPE "
-                           f"--checkpoint {run_dir}")
+            raise CannotStart(f"the run in '{run_dir}' is finished ({done} steps, trained and evaluated: "
+                              f"summary.json); to train it further, resume with a larger total, e.g. "
+                              f"trainer.total_steps={done * 2} --resume; to score a checkpoint, loomrl eval RECIPE "
+                              f"--checkpoint {run_dir}")
     elif ckpt is not None or (run_dir / "ledger.jsonl").exists():
-        raise RunError(f"run error: '{run_dir}' already holds a run; pass --resume to continue it, or set name=... "
-                       "for a new run")
+        raise CannotStart(f"'{run_dir}' already holds a run; pass --resume to continue it, or set name=... "
+                          "for a new run")
     run_dir.mkdir(parents=True, exist_ok=True)
     save_resolved(cfg, run_dir / "config.yaml")
     if ckpt is None:
@@ -111,10 +113,10 @@ def train(cfg: RunConfig, resume: bool = False, wall_start: float | None = None,
 
 
 def resolve_checkpoint(path: Path) -> Path:
-    """A checkpoint folder, or a run folder's latest checkpoint."""
+    """A checkpoint folder, or a run folder's latest checkpoint (CannotStart: neither)."""
     ckpt = path if (path / "model").is_dir() else latest_checkpoint(path)
     if ckpt is None:
-        raise RunError(f"error: '{path}' is neither a checkpoint folder nor a run folder with one")
+        raise CannotStart(f"'{path}' is neither a checkpoint folder nor a run folder with one")
     return ckpt
 
 

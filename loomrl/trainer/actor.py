@@ -11,6 +11,7 @@ import torch
 from loomrl.actor_support import Placed
 from loomrl.config import RunConfig
 from loomrl.devices import trainer_device
+from loomrl.errors import error_line
 from loomrl.trainer.checkpoint import latest_checkpoint
 from loomrl.trainer.process import colocated_step, run_publisher
 from loomrl.trainer.ranks import Follower, RankGroup, RankLost, RankReport, RankWork
@@ -146,7 +147,7 @@ class RayRankGroup(RankGroup):
             try:
                 reports.append(ray.get(ref))
             except ray.exceptions.RayActorError as err:
-                raise RankLost(f"trainer rank {rank} died: {str(err).splitlines()[0]}") from None
+                raise RankLost(f"trainer rank {rank} died: {error_line(err)}") from None
             except ray.exceptions.RayTaskError as err:
                 raise RankLost(f"trainer rank {rank} failed: {err}") from None
         return reports

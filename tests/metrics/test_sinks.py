@@ -88,7 +88,7 @@ def test_a_busy_prometheus_port_stops_the_run_before_it_starts_and_names_the_fie
 
 
 def test_a_run_whose_sink_cannot_start_stops_before_it_trains_with_one_run_error(tmp_path):
-    from loomrl.runtime.driver import RunError
+    from loomrl.runtime.failures import RunError
     from loomrl.runtime.run import train
 
     with socket.socket() as busy:

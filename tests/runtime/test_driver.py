@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 from loomrl.config import load_config
-from loomrl.runtime.driver import Backend, BackendReport, Driver, RolloutLost, RunError, TrainerLost, TrainerState
+from loomrl.runtime.driver import Backend, BackendReport, Driver, TrainerState
+from loomrl.runtime.failures import CannotStart, EngineLost, RolloutLost, RunError, TrainerLost
 from loomrl.trainer.service import PositionSet, read_ledger
 from loomrl.types import EvalRecord, Evaluation, Trajectory, TrajectoryMetadata
 
@@ -42,6 +43,11 @@ class Script:
     train_s: float = 0.001
     checkpoint_every: int = 2
     eval_success: float | None = 0.5  # None: no held-out episode could be scored
+    replaces: bool = False  # each lost attempt's worker was replaced (RolloutLost.replaced)
+    trainer_restartable: bool = True  # TrainerLost.restartable
+    engine_lost_at: int | None = None  # the version whose publish loses the engine (EngineLost)
+    cannot_start: str | None = None  # the rollout side's start raises CannotStart with this
+    stale_at: dict[int, int] = field(default_factory=dict)  # step -> groups its trainer drops as stale first
 
 
 class ScriptedBackend(Backend):
@@ -65,6 +71,8 @@ class ScriptedBackend(Backend):
     # the rollout side
     async def start(self) -> None:
         self.calls.append("start")
+        if self.script.cannot_start is not None:
+            raise CannotStart(self.script.cannot_start)
 
     def dispatch(self, position: int) -> asyncio.Future:
         attempt = self.attempts[position] = self.attempts.get(position, 0) + 1
@@ -74,7 +82,7 @@ class ScriptedBackend(Backend):
     async def _rollout(self, position: int, attempt: int, version: int) -> list[Trajectory]:
         await asyncio.sleep(self.script.rollout_s(position))
         if self.script.dies(position, attempt):
-            raise RolloutLost(f"rollout worker died running position {position}")
+            raise RolloutLost(f"rollout worker died running position {position}", replaced=self.script.replaces)
         return [Trajectory(task_id=f"t{position}", trajectory_id=f"p{position}a{attempt}m{i}",
                            group_id=f"p{position}a{attempt}", position=position, total_reward=float(i % 2),
                            metadata=TrajectoryMetadata(policy_version_min=version, policy_version_max=version))
@@ -95,6 +103,8 @@ class ScriptedBackend(Backend):
         self.calls.append("wake")
 
     async def publish(self, version: int) -> None:
+        if version == self.script.engine_lost_at:
+            raise EngineLost(f"the engine could not load the weights of version {version}")
         self.published = version
         self.calls.append(f"publish:{version}")
 
@@ -134,16 +144,19 @@ class ScriptedBackend(Backend):
         if step in self.script.trainer_dies_at:
             self.script.trainer_dies_at.discard(step)
             self.lost += [t for p, ids in self.sent.items() if p not in self.checkpoint.received for t in ids]
-            raise TrainerLost(f"trainer died at step {step}")
-        taken, self.buffer = self.buffer[:self.B], self.buffer[self.B:]
+            raise TrainerLost(f"trainer died at step {step}", restartable=self.script.trainer_restartable)
+        # as buffer/buffer.py takes: groups in order until groups_per_step fresh ones, the stale ones dropped on the way
+        taken, stale = [], []
+        while len(taken) < self.B and self.buffer:
+            (stale if len(stale) < self.script.stale_at.get(step, 0) else taken).append(self.buffer.pop(0))
         lag = max(step - 1 - min(t.metadata.policy_version_min for _, g in taken for t in g), 0)
         self.version = step
         with (self.cfg.run_dir / "ledger.jsonl").open("a") as f:
             f.write(json.dumps({"step": step, "trained": [t.trajectory_id for _, g in taken for t in g],
-                                "skipped": {}, "stale": []}) + "\n")
+                                "skipped": {}, "stale": [t.trajectory_id for _, g in stale for t in g]}) + "\n")
         if step % self.script.checkpoint_every == 0:
             self.checkpoint = Checkpoint(step, PositionSet(**self.received.state()), list(self.buffer))
-        return {"groups": self.B, "groups_stale": 0, "train/loss": 0.1, "policy_lag_max": lag}
+        return {"groups": len(taken), "groups_stale": len(stale), "train/loss": 0.1, "policy_lag_max": lag}
 
 
 def config(tmp_path, *overrides: str):
@@ -202,6 +215,18 @@ def test_admission_launches_exactly_as_far_ahead_as_the_lag_allows(tmp_path, lag
     assert acc["violations"] == [] and acc["launched"] == fates(acc) == 64 and acc["trained"] == 64
 
 
+def test_groups_dropped_as_stale_let_as_many_fresh_positions_in(tmp_path):
+    """The trainer drops a group as stale at step 2 and at step 4: admission launches one more position for each, so
+    every step still trains, and the run does not wait for groups nobody launched."""
+    cfg = config(tmp_path, "runtime.mode=async", "buffer.max_policy_lag=1")
+    summary, backend = run(cfg, Script(stale_at={2: 1, 4: 1}))
+    ledger = read_ledger(cfg.run_dir)
+    assert [e["step"] for e in ledger] == list(range(1, 7)) and sum(len(e["stale"]) for e in ledger) == 2 * 4
+    assert sorted(p for p, _, _ in backend.dispatched) == list(range(6 * 2 + 2))
+    acc = summary["accounting"]
+    assert acc["violations"] == [] and acc["launched"] == fates(acc) and acc["stale"] == 2 * 4
+
+
 def test_a_lost_rollout_runs_again_after_its_backoff_and_a_position_that_keeps_dying_is_given_up(tmp_path):
     """Position 1 dies on every attempt: tried runtime.max_group_attempts (3) times, 0.01 s x 2^k apart, then
     recorded as failed; position 2 dies once and is trained from its second attempt; every trajectory launched has
@@ -256,6 +281,45 @@ def test_an_evaluation_with_no_scored_episode_stops_the_run_and_never_reads_as_z
     with pytest.raises(RunError, match=r"evaluation before training: none of the 4 held-out episodes could be "
                                        r"scored \(env_error 4\); the first error: sandbox gone"):
         run(cfg, Script(eval_success=None))
+
+
+def test_rollout_workers_replaced_past_their_budget_stop_the_run(tmp_path):
+    """Every attempt of position 1 kills its worker, which the backend replaces: with ray.rollout.max_restarts=1 the
+    second replacement stops the run (the driver counts them, not the backend), before the retry budget is spent."""
+    cfg = config(tmp_path, "runtime.mode=sync", "ray.rollout.max_restarts=1", "runtime.max_group_attempts=5")
+    with pytest.raises(RunError, match=r"^run error: rollout workers died 2 times \(last: rollout worker died running "
+                                       r"position 1\).*ray.rollout.max_restarts.*--resume"):
+        run(cfg, Script(dies=lambda p, a: p == 1, replaces=True))
+    summary = json.loads((cfg.run_dir / "summary.json").read_text())
+    assert summary["segments"][-1]["ended"].startswith("stopped: run error: rollout workers died 2 times")
+    assert summary["accounting"]["violations"] == []
+
+
+def test_a_trainer_that_cannot_be_restarted_stops_the_run_at_once(tmp_path):
+    """The sync trainer shares the engine's model (TrainerLost.restartable false): no restart is tried, whatever
+    runtime.max_trainer_restarts allows."""
+    cfg = config(tmp_path, "runtime.mode=sync", "runtime.max_trainer_restarts=3")
+    script = Script(trainer_dies_at={2}, trainer_restartable=False)
+    backend = ScriptedBackend(cfg, script)
+    with pytest.raises(RunError, match=r"^run error: trainer died at step 2; continue with the same command and "
+                                       r"--resume$"):
+        Driver(cfg, backend, None, 0.0).train()
+    assert backend.trainer_starts == 1 and backend.calls[-1] == "stop_trainer"
+
+
+@pytest.mark.parametrize(("script", "said"), [
+    (Script(engine_lost_at=2), "run error: the engine could not load the weights of version 2"),
+    (Script(cannot_start="runtime.backend=ray needs the ray package"), "run error: runtime.backend=ray needs the ray "
+                                                                        "package"),
+])
+def test_an_engine_lost_or_a_part_that_cannot_start_stops_the_run_with_its_message(tmp_path, script, said):
+    cfg = config(tmp_path, "runtime.mode=sync")
+    with pytest.raises(RunError) as err:
+        run(cfg, script)
+    assert str(err.value) == said
+    summary = json.loads((cfg.run_dir / "summary.json").read_text())
+    assert summary["segments"][-1]["ended"] == f"stopped: {said}"
+    assert summary["accounting"]["violations"] == []
 
 
 class _always(set):

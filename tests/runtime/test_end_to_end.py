@@ -341,7 +341,7 @@ def test_an_update_that_did_not_take_effect_stops_the_run_naming_the_engine(tmp_
     publisher, engine and run are real). Version 0 loads and is confirmed; version 1 stops the run with one line
     naming the engine, the version and the tensor."""
     import loomrl.runtime.local as local
-    from loomrl.runtime.driver import RunError
+    from loomrl.runtime.failures import RunError
     from loomrl.weights.fingerprint import WeightMismatch
 
     real = local.load_weights

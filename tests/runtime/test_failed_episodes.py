@@ -17,7 +17,7 @@ from loomrl.config import load_config
 from loomrl.engine.base import EngineFault
 from loomrl.model.chat import ChatRenderer
 from loomrl.rollout.worker import RolloutWorker, group_summary
-from loomrl.runtime.driver import RunError
+from loomrl.runtime.failures import RunError
 from loomrl.runtime.run import train
 from loomrl.types import RolloutStatus, Trajectory
 

@@ -28,7 +28,7 @@ def test_the_default_run_asks_three_cpus_and_the_local_cluster_offers_them_on_tw
 
 def test_a_cluster_short_of_a_resource_is_told_in_one_line_with_what_to_lower():
     said = shortfall(DEFAULTS, {"CPU": 2.0, "memory": 1e9}, [{"CPU": 2.0}], "the Ray cluster at h:1")
-    assert said == ("run error: the run asks Ray for {CPU: 3} in all (ray.rollout 2 x {CPU: 1}, ray.trainer 1 x "
+    assert said == ("the run asks Ray for {CPU: 3} in all (ray.rollout 2 x {CPU: 1}, ray.trainer 1 x "
                     "{CPU: 1}), but the Ray cluster at h:1 has {CPU: 2}; lower ray.rollout.num_cpus or "
                     "ray.trainer.num_cpus (0 shares the cores), or ray.rollout.count or trainer.world_size")
     gpu = [Ask(setting="ray.trainer", count=1, each={"CPU": 1.0, "GPU": 1.0})]
@@ -40,11 +40,11 @@ def test_an_actor_larger_than_any_node_and_strict_pack_ranks_are_told_per_node()
     nodes = [{"CPU": 4.0, "GPU": 1.0}, {"CPU": 4.0, "GPU": 1.0}]
     big = [Ask(setting="ray.engine", count=1, each={"GPU": 2.0})]
     assert shortfall(big, {"CPU": 8.0, "GPU": 2.0}, nodes, "the cluster") == (
-        "run error: ray.engine: one actor needs {GPU: 2}, but no node of the cluster has that (its nodes: {GPU: 1}, "
+        "ray.engine: one actor needs {GPU: 2}, but no node of the cluster has that (its nodes: {GPU: 1}, "
         "{GPU: 1}); lower ray.engine's num_cpus, num_gpus or resources")
     packed = [Ask(setting="ray.trainer", count=2, each={"GPU": 1.0}, together=True)]
     said = shortfall(packed, {"CPU": 8.0, "GPU": 2.0}, nodes, "the cluster")
-    assert said.startswith("run error: ray.trainer: 2 ranks together (STRICT_PACK) need {GPU: 2}")
+    assert said.startswith("ray.trainer: 2 ranks together (STRICT_PACK) need {GPU: 2}")
     assert said.endswith("or use ray.trainer_placement=PACK")
     assert shortfall([Ask(setting="ray.trainer", count=2, each={"GPU": 1.0})], {"GPU": 2.0}, nodes, "c") is None
 
@@ -71,7 +71,7 @@ def test_a_broadcast_load_whose_trainer_died_is_superseded_not_a_run_error():
 
     import pytest
 
-    from loomrl.runtime.driver import RunError
+    from loomrl.runtime.failures import EngineLost
     from loomrl.runtime.ray_backend import Polled, RayBackend
 
     class RayError(Exception):
@@ -93,5 +93,5 @@ def test_a_broadcast_load_whose_trainer_died_is_superseded_not_a_run_error():
     backend.trainer_starts, backend.sync_sender, backend.syncs = 2, {"sent by trainer 1": 1}, ["sent by trainer 1"]
     assert backend.step_metrics() == {"ray/rollout_restarts": 0.0}  # superseded: logged, not raised
     backend.sync_sender, backend.syncs = {"sent by trainer 2": 2}, ["sent by trainer 2"]
-    with pytest.raises(RunError, match="could not load the trainer's weights"):
+    with pytest.raises(EngineLost, match="could not load the trainer's weights"):
         backend.step_metrics()

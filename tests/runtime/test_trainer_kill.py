@@ -148,7 +148,7 @@ def test_a_trainer_that_dies_between_checkpoint_and_report_loses_no_metrics(tmp_
 
     from loomrl.config import load_config
     from loomrl.metrics.logger import read_metrics
-    from loomrl.runtime.driver import TrainerLost
+    from loomrl.runtime.failures import TrainerLost
     from loomrl.runtime.local import LocalBackend
     from loomrl.runtime.run import train
 

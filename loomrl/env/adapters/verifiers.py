@@ -56,6 +56,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from loomrl.config import ConfigError
 from loomrl.env.api import Environment, EpisodeContext, TaskSetup
 from loomrl.env.tools import callable_name
+from loomrl.errors import folded
 from loomrl.types import Task, Trajectory
 
 if TYPE_CHECKING:
@@ -128,7 +129,7 @@ class VerifiersEnvironment(Environment):
                               f"env.name={self.name}") from None
         except Exception as err:  # noqa: BLE001 - the environment's own code: one line, whatever it raised
             raise ConfigError(f"config error: env.name={self.name}: loading the verifiers environment raised "
-                              f"{type(err).__name__}: {' | '.join(str(err).splitlines())}") from None
+                              f"{type(err).__name__}: {folded(str(err))}") from None
 
     def _protocol(self, vf: Any, config: vf.EnvConfig) -> Protocol:
         from verifiers.v1.configs.agent import agent_config_fields

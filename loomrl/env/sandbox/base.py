@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Protocol
 
 from loomrl.env.sandbox.quota import MB, DiskUse, dir_size, disk_use
+from loomrl.errors import folded
 
 DISK_POLL_S = 0.05
 
@@ -54,12 +55,6 @@ class ExecResult:
 class Health:
     ok: bool
     detail: str = ""  # why not: the trivial command's exit status and its own stderr (e.g. bwrap's message)
-
-
-def one_line(text: str, limit: int = 400) -> str:
-    """Error output folded onto one line (the end kept: that is where the cause usually is)."""
-    flat = " | ".join(line.strip() for line in text.strip().splitlines() if line.strip())
-    return flat if len(flat) <= limit else "..." + flat[-limit:]
 
 
 class Sandbox(Protocol):
@@ -282,7 +277,7 @@ class _SubprocessSandbox:
             return Health(ok=True)
         why = f"killed ({res.killed}) after {res.duration_s:.1f}s" if res.killed else f"exit status {res.returncode}"
         return Health(ok=False, detail=f"`echo loomrl-ok` in the sandbox failed ({why}): "
-                                       f"{one_line(res.stderr or res.stdout) or 'no output'}")
+                                       f"{folded(res.stderr or res.stdout) or 'no output'}")
 
     # -- files --------------------------------------------------------------------------------------
     def _inside(self, path: str) -> Path:

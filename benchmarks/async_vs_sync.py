@@ -61,9 +61,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, median, report  # noqa: E402
 
 from loomrl.config import load_config  # noqa: E402
+from loomrl.rollout import actor as rollout_actor  # noqa: E402
 from loomrl.rollout.worker import RolloutWorker  # noqa: E402
-from loomrl.runtime import local  # noqa: E402
-from loomrl.runtime.local import LocalBackend, async_threads  # noqa: E402
+from loomrl.runtime.local import LocalRollouts, async_threads, local_parts  # noqa: E402
+from loomrl.runtime.parts import Parts  # noqa: E402
 from loomrl.runtime.run import train  # noqa: E402
 
 
@@ -124,15 +125,16 @@ class SlotWorker(RolloutWorker):
         return group
 
 
-class BenchBackend(LocalBackend):
-    """LocalBackend that adds cumulative engine and env-slot counters to every step's metrics record
+class BenchRollouts(LocalRollouts):
+    """The local rollout side, adding cumulative engine and env-slot counters to every step's metrics record
     (the runtime logs the engine's counters per step, not summed)."""
 
     def step_metrics(self):
-        m = self.engine.metrics
-        extra = {"bench/engine_busy_s": m.busy_s, "bench/generated_tokens": m.generated_tokens,
+        side = self.side()
+        m = side.engine.metrics
+        extra = {"bench/engine_busy_s": m.busy_s or 0.0, "bench/generated_tokens": m.generated_tokens,
                  "bench/cpu_self_s": time.process_time(), "bench/cpu_trainer_s": trainer_cpu_s()}
-        worker = self.worker
+        worker = side.worker
         if isinstance(worker, SlotWorker):
             extra.update({"bench/group_done": worker.group_done, "bench/slot_s": worker.slot_s,
                           "bench/episodes": worker.episodes, "bench/turns": worker.turns,
@@ -154,9 +156,13 @@ def run_arm(args, mode: str, out_dir: str, tag: str) -> dict:
     ]
     cfg = load_config(None, overrides)
     SlotWorker.slots = args.slots
-    local.RolloutWorker = SlotWorker  # the runtime builds its rollout worker from this name
+    rollout_actor.RolloutWorker = SlotWorker  # the rollout side builds its worker from this name
+
+    def bench_parts(cfg, checkpoint) -> Parts:  # the real local parts, with the counting rollout side
+        return local_parts(cfg, checkpoint, BenchRollouts(cfg, checkpoint))
+
     t0 = time.time()
-    summary = train(cfg, backend=BenchBackend(cfg, None))
+    summary = train(cfg, parts=bench_parts)
     wall = time.time() - t0
     records = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = sorted((r for r in records if r.get("kind") == "train"), key=lambda r: r["step"])

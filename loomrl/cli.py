@@ -275,7 +275,7 @@ def _validate_tasks(args) -> int:
             record["valid"] = record["valid"] and review.passed
             print(f"{'PASS' if review.passed else 'FAIL'} {review.task_id}: judges yes {review.yes}, no {review.no}, "
                   f"abstain {review.abstain}")
-    from loomrl.model.loader import cache_root
+    from loomrl.cache_dir import cache_root
 
     path = Path(args.report) if args.report else cache_root() / "task_validation.json"
     write_validation_report(report, path)
@@ -309,10 +309,10 @@ def _validate_codefix(args) -> tuple[list[dict], list]:
 def _env_review_items(env: str, limit: int | None) -> list:
     """Any environment's training tasks (its own, per its default settings), as judges see them."""
     from loomrl.config import load_config
-    from loomrl.env.registry import tasks_for
+    from loomrl.env.registry import prepared_tasks
     from loomrl.reward.task_review import ReviewItem
 
-    train, _ = tasks_for(load_config(None, [f"env.name={env}"]))
+    train, _ = prepared_tasks(load_config(None, [f"env.name={env}"]))
     return [ReviewItem(task_id=t.task_id, prompt=t.prompt, reference=t.answer) for t in list(train)[:limit]]
 
 

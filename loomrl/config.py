@@ -590,23 +590,44 @@ class RunConfig(_Section):
     # where metric records go besides metrics.jsonl: TensorBoard, Prometheus, W&B (loomrl/metrics/, docs/metrics.md)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
+    # Cross-section rules, one validator per concern (pydantic runs them in this order), so that RunConfig(...) built in
+    # code and load_config agree.
     @model_validator(mode="after")
-    def _needs_async(self) -> RunConfig:
-        # sync mode serves the engine from the trainer's own model object and changes its weights in place
-        if self.runtime.mode == "sync" and self.trainer.parallel == "fsdp":  # FSDP shards that object
+    def _sync_shares_one_model(self) -> RunConfig:
+        """Sync mode serves the engine from the trainer's own model object and changes its weights in place: nothing
+        that shards that object, holds its own copy or sends weights across."""
+        if self.runtime.mode != "sync":
+            return self
+        if self.trainer.parallel == "fsdp":  # FSDP shards that object
             raise ValueError("trainer.parallel=fsdp needs runtime.mode=async (sync mode shares the trainer's model "
                              "with the engine)")
+        transport = self.runtime.weight_transport
+        if transport in ("cuda_ipc", "broadcast"):
+            raise ValueError(f"runtime.weight_transport={transport} needs runtime.mode=async (a trainer beside the "
+                             "engine; sync runs share one model)")
+        if self.engine.kind == "sglang":
+            raise ValueError("engine.kind=sglang needs runtime.mode=async (sync mode shares the trainer's model with "
+                             "the engine; an SGLang server holds its own copy and loads each version from disk)")
+        if self.engine.kind == "vllm":
+            raise ValueError("engine.kind=vllm needs runtime.mode=async (sync mode shares the trainer's model with "
+                             "the engine; vLLM holds its own copy in its worker process and loads each version sent)")
+        return self
+
+    @model_validator(mode="after")
+    def _one_actor_per_engine_server(self) -> RunConfig:
         kind = self.engine.kind
         urls = {"sglang": self.engine.sglang.base_url, "vllm": self.engine.vllm.base_url}.get(kind)
         if isinstance(urls, list) and len(urls) > 1 and (self.runtime.backend != "ray" or
                                                          self.ray.engine.count != len(urls)):
             raise ValueError(f"engine.{kind}.base_url lists {len(urls)} servers: one engine actor drives each, so "
                              f"set runtime.backend=ray and ray.engine.count={len(urls)}")
-        transport = self.runtime.weight_transport
+        return self
+
+    @model_validator(mode="after")
+    def _weight_transport_fits(self) -> RunConfig:
+        """runtime.weight_transport against the backend and the engine that receive it."""
+        transport, kind = self.runtime.weight_transport, self.engine.kind
         ray = self.runtime.backend == "ray"
-        if transport in ("cuda_ipc", "broadcast") and self.runtime.mode != "async":
-            raise ValueError(f"runtime.weight_transport={transport} needs runtime.mode=async (a trainer beside the "
-                             "engine; sync runs share one model)")
         if transport == "cuda_ipc" and ray:
             raise ValueError("runtime.weight_transport=cuda_ipc is for runtime.backend=local (a trainer process on the "
                              "engine's GPU); Ray runs send the weights through Ray's object store, or broadcast them")
@@ -624,8 +645,15 @@ class RunConfig(_Section):
             raise ValueError(f"runtime.weight_transport=cuda_ipc maps the trainer's GPU memory into the SGLang server, "
                              f"which must then run on that one GPU (engine.sglang.tp_size={self.engine.sglang.tp_size}"
                              "); use runtime.weight_transport=broadcast for a server on other GPUs")
+        return self
+
+    @model_validator(mode="after")
+    def _colocation_fits(self) -> RunConfig:
+        """engine.sleep_while_training: a trainer and an engine sharing GPUs."""
+        if not self.engine.sleep_while_training:
+            return self
         r = self.ray
-        if self.runtime.backend == "ray" and self.engine.sleep_while_training and r.engine.count:
+        if self.runtime.backend == "ray" and r.engine.count:
             # colocated on Ray (runtime/ray_backend.py): engine actor i shares trainer rank i's GPU
             if r.engine.count != self.trainer.world_size:
                 raise ValueError(f"engine.sleep_while_training on Ray puts engine actor i on trainer rank i's GPU: "
@@ -635,16 +663,14 @@ class RunConfig(_Section):
                 raise ValueError(f"engine.sleep_while_training on Ray: ray.engine.num_gpus ({r.engine.num_gpus:g}) + "
                                  f"ray.trainer.num_gpus ({r.trainer.num_gpus:g}) is more than the one GPU they share "
                                  "(e.g. 0.5 each)")
-        if self.engine.sleep_while_training and self.runtime.weight_transport == "broadcast":
+        if self.runtime.weight_transport == "broadcast":
             raise ValueError("engine.sleep_while_training (a trainer and an engine sharing GPUs) cannot use "
                              "runtime.weight_transport=broadcast: NCCL puts no two ranks of a group on one GPU; use "
                              "cuda_ipc (same GPU) or shm")
-        if self.runtime.mode == "sync" and self.engine.kind == "sglang":
-            raise ValueError("engine.kind=sglang needs runtime.mode=async (sync mode shares the trainer's model with "
-                             "the engine; an SGLang server holds its own copy and loads each version from disk)")
-        if self.runtime.mode == "sync" and self.engine.kind == "vllm":
-            raise ValueError("engine.kind=vllm needs runtime.mode=async (sync mode shares the trainer's model with "
-                             "the engine; vLLM holds its own copy in its worker process and loads each version sent)")
+        return self
+
+    @model_validator(mode="after")
+    def _vllm_actors_hold_their_gpus(self) -> RunConfig:
         if self.engine.kind == "vllm" and self.runtime.backend == "ray":  # the actors holding the engines
             spec, where = (self.ray.engine, "ray.engine") if self.ray.engine.count else (self.ray.rollout, "ray.rollout")
             tp = self.engine.vllm.tensor_parallel_size

@@ -42,7 +42,7 @@ def check_sampled_logprobs(engine, model, prompts: list[list[int]], atol: float)
     """T=0.7, top_p=0.9, seeded: the same ids twice, and each logprob that of softmax(logits / T) renormalised over
     the top-p set (vLLM's processed_logprobs) from a float32 forward of `model`, not of the raw or the untruncated
     distribution (some tokens' logprobs differ between the two, so the comparison tells them apart)."""
-    from loomrl.engine.common import filter_logits
+    from loomrl.engine.builtin.sampling import filter_logits
 
     runs = [run_requests(engine, prompts, temperature=0.7, top_p=0.9, max_tokens=32, seed=11, ignore_eos=True)
             for _ in "ab"]

@@ -37,9 +37,9 @@ class Buffer:
     def __len__(self) -> int:
         return len(self._groups)
 
-    def ready(self) -> int:
+    def takeable(self) -> int:
         """How many groups a take() could return now (the window may hold finished ones back)."""
-        return self._sampler.ready()
+        return self._sampler.takeable()
 
     def put(self, group: list[Trajectory], position: int | None = None, skip: Callable[[int], bool] | None = None) -> None:
         """A finished group at `position` (default: its trajectories' position, else the next one).

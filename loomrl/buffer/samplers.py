@@ -61,7 +61,7 @@ class Sampler(Protocol[G]):
     def submitted(self, index: int) -> None: ...
     def finished(self, index: int, group: G) -> None: ...
     def take(self, n: int) -> list[tuple[int, G]]: ...
-    def ready(self) -> int: ...
+    def takeable(self) -> int: ...
     def __len__(self) -> int: ...
 
 
@@ -86,7 +86,7 @@ class RuleSampler(Generic[G]):
         return len(self._waiting)
 
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.name} waiting={len(self)} ready={self.ready()}>"
+        return f"<{type(self).__name__} {self.name} waiting={len(self)} takeable={self.takeable()}>"
 
     def submitted(self, index: int) -> None:
         if not isinstance(index, int) or isinstance(index, bool) or index < 0:
@@ -119,7 +119,7 @@ class RuleSampler(Generic[G]):
             out.append((index, group))
         return out
 
-    def ready(self) -> int:
+    def takeable(self) -> int:
         # take() can move the head up to the oldest unfinished rank (the frontier), never past it.
         frontier = min(self._running.values(), default=self._n_submitted)
         return sum(rank < frontier + self.window for rank in self._waiting)

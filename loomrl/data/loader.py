@@ -57,7 +57,7 @@ def _files(spec: str | list[str], base_dir: Path | None) -> list[str]:
 
 
 def _cache_dir() -> str:
-    from loomrl.model.loader import cache_root
+    from loomrl.cache_dir import cache_root
 
     return str(cache_root() / "datasets")
 

@@ -9,7 +9,7 @@ on one rollout actor, so a program's turns and its group's shared prompt reach o
 Weights: the backend sends each published version to every engine actor (runtime/ray_backend.py publish): an ObjectRef
 of the trainer's weights, or with runtime.weight_transport=broadcast a handle of the trainer actor's process group,
 which every engine's processes join (engine i as ranks 1 + i * n.., n its weight_receivers), and a
-group dispatched after a publish starts once its engine has loaded that version (EngineActor.ready, which loads
+group dispatched after a publish starts once its engine has loaded that version (EngineActor.catch_up, which loads
 it itself when the update was lost to a restart). Ray restarts an engine actor that
 died (ray.engine.max_restarts); the fresh one loads the latest published version before it serves (WeightBoard), so
 that no token is tagged with a version its weights are not. The calls it was running fail as EngineFault (the
@@ -30,12 +30,11 @@ import torch
 from loomrl.actor_support import Placed
 from loomrl.config import RunConfig
 from loomrl.engine.base import Engine, EngineFault, EngineMetrics, GenerationRequest, GenerationResult, TakesTensors
-from loomrl.engine.common import confirm_weights
 from loomrl.engine.factory import make_engine
 from loomrl.engine.readings import Reading, read_engine
 from loomrl.errors import error_line
 from loomrl.model.loader import load_engine_model
-from loomrl.weights.fingerprint import Fingerprint, fingerprint_of
+from loomrl.weights.fingerprint import Fingerprint, confirm_weights, fingerprint_of
 from loomrl.weights.group import Receiver, with_rank_offset
 from loomrl.weights.handle import Transport, WeightHandle
 from loomrl.weights.route import weight_receivers
@@ -43,7 +42,7 @@ from loomrl.weights.route import weight_receivers
 
 class WeightGate:
     """Loads published versions into an engine one at a time, in the order they were sent (an asyncio lock is
-    FIFO, and `load` takes it before its first await); `ready` returns once the versions sent before it are in.
+    FIFO, and `load` takes it before its first await); `settled` returns once the versions sent before it are in.
     `rank_offset`: the first rank of this engine's processes in a broadcast's group; `device`: where a built-in
     engine's model is (a broadcast it receives here lands there); `label`: the engine's name in a WeightMismatch."""
 
@@ -60,7 +59,7 @@ class WeightGate:
     async def load(self, handle: WeightHandle) -> dict[str, float]:
         """Fetch and apply: transport "ray", an ObjectRef owned by the driver; "broadcast", the trainer's group,
         received by the engine's own processes when it opens the handle (vLLM, SGLang), else here. Then confirmed
-        (engine/common.py confirm_weights): WeightMismatch, naming the engine, when it did not take effect: against
+        (weights/fingerprint.py confirm_weights): WeightMismatch, naming the engine, when it did not take effect: against
         the publisher's fingerprint (broadcast), or, for "ray", that of the tensors the object store gave (Ray's own
         transfer is not fingerprinted by the trainer). Returns the version and how long fetching and applying took."""
         async with self._lock:
@@ -89,7 +88,7 @@ class WeightGate:
         return {"version": handle.version, "load_s": t1 - t0, "apply_s": t2 - t1,
                 "confirm_s": time.perf_counter() - t2, "fingerprinted": checked}
 
-    async def ready(self) -> None:
+    async def settled(self) -> None:
         async with self._lock:
             pass
 
@@ -142,11 +141,11 @@ class EngineActor(Placed):
     async def update_weights(self, handle: WeightHandle) -> dict[str, float]:
         return await self.gate.load(handle)
 
-    async def ready(self, latest: WeightHandle | None) -> None:
+    async def catch_up(self, latest: WeightHandle | None) -> None:
         """Returns once the versions sent before this call are loaded and the engine has `latest` (the backend's
         newest): an update sent while Ray was restarting this actor can fail after the fresh one read the board,
         and the engine would then serve an older version under newer dispatches (stale at consumption)."""
-        await self.gate.ready()
+        await self.gate.settled()
         # (a broadcast was sent once: it cannot be received again; with it, engine actors are not restarted)
         if latest is not None and latest.transport is not Transport.BROADCAST and self.engine.version < latest.version:
             await self.gate.load(latest)
@@ -224,16 +223,16 @@ class RemoteEngine(TakesTensors):
         return result
 
     def update_weights(self, weights: dict | None, version: int) -> None:
-        raise RuntimeError("RemoteEngine.update_weights: weights go to the engine actors (RayBackend.publish)")
+        raise RuntimeError("RemoteEngine.update_weights: weights go to the engine actors (runtime/ray_backend.py ActorRoute.publish)")
 
     def weight_fingerprint(self, expected: Fingerprint) -> Fingerprint:
         raise RuntimeError("RemoteEngine.weight_fingerprint: the engine actor confirms its weights (WeightGate.load)")
 
     def sleep(self) -> None:
-        raise RuntimeError("RemoteEngine.sleep: the backend puts the engine actors to sleep (RayBackend.sleep_engines)")
+        raise RuntimeError("RemoteEngine.sleep: the backend puts the engine actors to sleep (runtime/ray_backend.py ActorRollouts.sleep)")
 
     def wake(self) -> None:
-        raise RuntimeError("RemoteEngine.wake: the backend wakes the engine actors (RayBackend.wake_engines)")
+        raise RuntimeError("RemoteEngine.wake: the backend wakes the engine actors (runtime/ray_backend.py ActorRollouts.wake)")
 
     def interrupt(self) -> None:
         self.actor.interrupt.remote()

@@ -131,7 +131,7 @@ class Engine(Protocol):
     def weight_fingerprint(self, expected: Fingerprint) -> Fingerprint:
         """The fingerprint (weights/fingerprint.py) of the weights the engine serves, of the tensors `expected` names,
         each in the dtype it was published in; its `unchecked` says why where some cannot be read (a server that
-        does not report its weights). Called after each update (engine/common.py confirm_weights)."""
+        does not report its weights). Called after each update (weights/fingerprint.py confirm_weights)."""
 
     def interrupt(self) -> None:
         """End every in-flight request soon with finish_reason "interrupted" and its partial output

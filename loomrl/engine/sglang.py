@@ -17,7 +17,7 @@ The contract, as SGLang's source has it:
   token_id, text], ...], weight_version, cached_tokens, ...}}. no_stop_trim keeps a matched stop token in
   output_ids (the detokenizer drops it otherwise); the token ids are read from the logprob triples, which are
   never trimmed, and checked against output_ids where the server sends them. sampling_params also carries the
-  neutral penalties (engine/common.py NEUTRAL_PENALTIES: repetition_penalty 1.0, frequency and presence_penalty 0,
+  neutral penalties (engine/neutral.py NEUTRAL_PENALTIES: repetition_penalty 1.0, frequency and presence_penalty 0,
   min_p 0): a field left unset takes the server's --preferred-sampling-params (often a model's generation_config, e.g.
   Qwen's repetition_penalty 1.05), which would reshape a distribution the trainer does not model.
 - Logprobs (layers/sampler.py) are log softmax(logits / T), the temperature-scaled distribution, taken before
@@ -88,8 +88,8 @@ from loomrl.engine.base import (
     GenerationResult,
     refuse_request,
 )
-from loomrl.engine.common import NEUTRAL_PENALTIES
 from loomrl.engine.http import ServerClient
+from loomrl.engine.neutral import NEUTRAL_PENALTIES
 from loomrl.weights.fingerprint import Fingerprint
 from loomrl.weights.handle import Transport, WeightHandle
 from loomrl.weights.source import bucket_size, plan_buckets

@@ -66,8 +66,8 @@ from loomrl.engine.base import (
     TakesTensors,
     refuse_request,
 )
-from loomrl.engine.common import NEUTRAL_PENALTIES
 from loomrl.engine.http import ServerClient
+from loomrl.engine.neutral import NEUTRAL_PENALTIES
 from loomrl.engine.vllm import finish_reason, token_versions
 from loomrl.engine.vllm_weights import LoadState, checked_weights, to_wire, weight_buckets
 from loomrl.weights.fingerprint import Fingerprint

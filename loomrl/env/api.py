@@ -89,6 +89,11 @@ class Environment:
     version: str = "1"  # recorded on every trajectory (metadata.env_version)
     sandbox: SandboxUse = None
 
+    async def start(self, setup: TaskSetup) -> None:
+        """The explicit start-up step, run once per process before `tasks` (env/registry.py prepared_tasks: by the
+        rollout side as it starts): what preparing the tasks needs sandboxes or the network for (codefix validates its
+        tasks here). Keep the result on the environment, cached where it is costly; `tasks` then only reads."""
+
     def tasks(self, setup: TaskSetup) -> tuple[Sequence[Task], Sequence[Task]] | None:
         """(train, held-out) tasks, or None when the environment brings none: the recipe's `data:` section then
         supplies them (a recipe with neither stops at load). Held-out tasks carry their split name in Task.split."""

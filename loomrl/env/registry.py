@@ -8,6 +8,7 @@ Generated families (tasks drawn from templates) split by template as well as by 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 from collections.abc import Callable, Sequence
@@ -49,8 +50,16 @@ def template_splits(generate: Callable[[str, int, dict[str, list[str]], set[str]
     return train, heldout + new
 
 
+def prepared_tasks(cfg: RunConfig) -> tuple[Sequence[Task], Sequence[Task]]:
+    """The environment's start-up step (Environment.start, e.g. codefix's validation in sandboxes), then the run's
+    task splits. Runs its own event loop: call it where none runs (RolloutSide calls it on a thread)."""
+    asyncio.run(environment_for(cfg).start(TaskSetup.of(cfg)))
+    return tasks_for(cfg)
+
+
 def tasks_for(cfg: RunConfig) -> tuple[Sequence[Task], Sequence[Task]]:
-    """The run's (train, held-out) tasks: the recipe's `data:` section when it has one, else the environment's own."""
+    """The run's (train, held-out) tasks: the recipe's `data:` section when it has one, else the environment's own
+    (after its start-up step: prepared_tasks)."""
     if cfg.data is not None:
         from loomrl.data import load_splits  # datasets: loaded only by runs that read a dataset
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from loomrl.cache_dir import cache_root
 from loomrl.config import ModelConfig, RunConfig, TrainerConfig
 
 if TYPE_CHECKING:
@@ -67,11 +67,6 @@ def _cache_key(gguf: Path) -> str:
         digest = hashlib.file_digest(f, "sha1")
     digest.update(transformers.__version__.encode())
     return digest.hexdigest()[:12]
-
-
-def cache_root(configured: str | None = None) -> Path:
-    """loomrl's cache folder: `configured` (model.cache_dir), else $LOOMRL_CACHE, else ~/.cache/loomrl."""
-    return Path(configured or os.environ.get("LOOMRL_CACHE") or Path.home() / ".cache" / "loomrl")
 
 
 def _converted_dir(cfg: ModelConfig, gguf: Path) -> Path:

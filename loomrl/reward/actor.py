@@ -57,7 +57,7 @@ class RemoteRewardPool:
 
     def metrics(self) -> dict[str, float]:
         """{}: the reward actors' own counters (an LLM judge's among them) are read by the driver from the actors
-        themselves (RayBackend._reward_metrics), not through each rollout actor."""
+        themselves (runtime/ray_backend.py ActorRollouts._reward_metrics), not through each rollout actor."""
         return {}
 
     async def aclose(self) -> None:

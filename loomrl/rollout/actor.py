@@ -21,7 +21,7 @@ from loomrl.engine.base import Engine
 from loomrl.engine.factory import make_engine
 from loomrl.engine.readings import Reading, read_engine
 from loomrl.env.pool import Leases
-from loomrl.env.registry import tasks_for
+from loomrl.env.registry import prepared_tasks
 from loomrl.env.remote import RemoteEnvPool
 from loomrl.model.chat import ChatRenderer
 from loomrl.model.loader import load_engine_model, load_tokenizer
@@ -35,17 +35,17 @@ from loomrl.weights.handle import WeightHandle
 class RolloutSide:
     """A RolloutWorker, its engine over the run's model (`checkpoint`'s, else model config's: see
     load_engine_model; `trainer`: loaded as the trainer's, for a sync run; for vLLM and SGLang a skeleton without
-    weights) and the run's task splits (registry.tasks_for); `eval_tasks`: the held-out tasks an evaluation runs.
+    weights) and the run's task splits (registry.prepared_tasks); `eval_tasks`: the held-out tasks an evaluation runs.
     `reward_pool`, `env_pool`: the worker's (RolloutWorker; on Ray, the reward and env actors' clients)."""
 
     def __init__(self, cfg: RunConfig, checkpoint: Path | None, *, trainer: TrainerConfig | None = None,
                  engine_actor: Any = None, reward_pool: Scorer | None = None, env_pool: Leases | None = None):
         self.cfg = cfg
-        # On a thread: this may run inside an event loop (a Ray actor's constructor, LocalBackend.start),
-        # and a family may run one of its own to build its tasks (codefix validates its corpus in local
-        # sandboxes, once per process).
+        # On a thread: this may run inside an event loop (a Ray actor's constructor, LocalRollouts.start), and the
+        # environment's start-up step runs one of its own (codefix validates its corpus in local sandboxes, or reads
+        # the validation it cached).
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            train_tasks, heldout = pool.submit(tasks_for, cfg).result()
+            train_tasks, heldout = pool.submit(prepared_tasks, cfg).result()
         # the first eval.n_tasks of each held-out split (heldout, heldout_templates: see env/registry.py)
         by_split: dict[str, list[Task]] = {}
         for t in heldout:
@@ -107,8 +107,8 @@ class RolloutActor(Placed, RolloutSide):
 
     async def run_group(self, position: int) -> list[Trajectory]:
         # An update sent before this group (e.g. the rollback after a trainer restart) lands first
-        # (with an engine actor, the backend waits for its engine's: RayBackend._attempt)
-        await self.gate.ready()
+        # (with an engine actor, the backend waits for its engine's: ActorRollouts._attempt)
+        await self.gate.settled()
         return await self.worker.run_group(position)
 
     async def sleep(self) -> None:
@@ -118,5 +118,5 @@ class RolloutActor(Placed, RolloutSide):
         await asyncio.to_thread(self.engine.wake)
 
     async def evaluate(self) -> Evaluation:
-        await self.gate.ready()  # the latest published weights first, as for run_group
+        await self.gate.settled()  # the latest published weights first, as for run_group
         return await self.worker.evaluate(self.eval_tasks)

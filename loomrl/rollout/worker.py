@@ -136,8 +136,8 @@ class RolloutWorker:
         self._gateway: Gateway | None = None
         self._gateway_dir = ""
         self._servers: list[ServerThread] = []
-        self._ready_lock = asyncio.Lock()
-        self._ready = False
+        self._prepare_lock = asyncio.Lock()
+        self._prepared = False
         # slots for groups (runtime.max_inflight_trajectories) and eval episodes; bound to the run's loop on first wait
         cap = cfg.runtime.max_inflight_trajectories
         self._group_slots = asyncio.Semaphore(group_slots(cfg)) if cap else None
@@ -175,18 +175,18 @@ class RolloutWorker:
             await self._pool.start()
         return self._pool
 
-    async def ready(self) -> None:
+    async def prepare(self) -> None:
         """Start what episodes need (the env pool, pre-warmed; for black-box agents the gateway too)
         before the first one runs: a sandbox backend that cannot work stops the run here, before any
         rollout, and the episodes of the first groups all start together, after it, instead of the
         first one waiting on the pool's start-up while its siblings go ahead."""
-        async with self._ready_lock:
-            if not self._ready:
+        async with self._prepare_lock:
+            if not self._prepared:
                 if self.cfg.agent.kind == "blackbox":
                     self._blackbox = await self._start_blackbox()
                 else:
                     await self.env_pool()
-                self._ready = True
+                self._prepared = True
 
     async def _start_blackbox(self) -> BlackBoxRunner:
         """The gateway (served on a unix socket for sandboxes and on loopback TCP for the process
@@ -210,7 +210,7 @@ class RolloutWorker:
     async def _run_blackbox(self, loop: AgentLoop, task: Task, group_id: str, position: int) -> Trajectory:
         assert self.environment.takes_blackbox, "config.load_config refuses black-box agents for this env"
         answer_of = self.environment.answer_of
-        assert self._blackbox is not None, "ready() starts it"
+        assert self._blackbox is not None, "prepare() starts it"
         run = await self._blackbox.run(task, group_id=group_id, position=position, sampling=loop.sampling)
         traj = run.trajectory
         if traj.status in (RolloutStatus.COMPLETED, RolloutStatus.TRUNCATED):
@@ -276,7 +276,7 @@ class RolloutWorker:
         return traj
 
     async def run_group(self, position: int) -> list[Trajectory]:
-        await self.ready()
+        await self.prepare()
         task = self.task_at(position)
         group_id = f"group-{position:07d}"
         t0 = time.perf_counter()
@@ -293,7 +293,7 @@ class RolloutWorker:
 
     async def evaluate(self, tasks: list[Task], progress=None) -> Evaluation:
         """Success rate on `tasks`, one episode each at the eval temperature (0 = greedy), and the episodes."""
-        await self.ready()
+        await self.prepare()
 
         async def one(i: int, task: Task) -> Trajectory:
             async with self._eval_slots:

@@ -1,4 +1,5 @@
-"""The driver: one loop for every run, over a backend that holds only placement and transport.
+"""The driver: one loop for every run, over three parts that hold only placement and transport (runtime/parts.py:
+Rollouts, Trainer, WeightRoute).
 
 The driver owns what a run decides:
 - admission (bounded staleness, buffer/admission.py): the group at data position p is launched only
@@ -15,12 +16,12 @@ The driver owns what a run decides:
   again with the restored weights;
 - step metrics, eval before and after, the summary, and the accounting identity (accounting.py):
   every trajectory launched ends in exactly one fate, checked against the ledger at the end;
-- what stops the run: backends report failures as typed facts (runtime/failures.py) and only the driver turns one
+- what stops the run: the parts report failures as typed facts (runtime/failures.py) and only the driver turns one
   into RunError: an engine that cannot serve the run's weights, a part that cannot start, a trainer past its
   restarts or one that cannot be restarted.
 
-A backend (Backend below) runs attempts, feeds the trainer and moves weights: runtime/local.py (this
-process + a trainer process, or one process in sync mode) and runtime/ray_backend.py (actors).
+The parts run attempts, train and move weights: runtime/local.py (this process, and a trainer process in async
+mode) and runtime/ray_backend.py (actors); runtime/run.py make_parts composes them once per run.
 """
 
 from __future__ import annotations
@@ -31,8 +32,7 @@ import json
 import logging
 import shutil
 import time
-from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +44,13 @@ from loomrl.rollout.worker import group_summary
 from loomrl.runtime.accounting import Accounting, ledger_line
 from loomrl.runtime.failures import CannotStart, EngineLost, Fact, RolloutLost, RunError, TrainerLost
 from loomrl.runtime.group_log import GroupLog
+from loomrl.runtime.parts import Parts, RolloutReport, TrainerState
 from loomrl.runtime.positions import PositionBook, StepWindow
 from loomrl.runtime.summary import FINISHED, Segment, append_segment, whole_run
 from loomrl.store import TrajectoryStore
 from loomrl.trainer.checkpoint import checkpoint_step, latest_checkpoint, load_state
-from loomrl.trainer.service import PositionSet, read_ledger
-from loomrl.types import EvalRecord, Evaluation, Trajectory
+from loomrl.trainer.service import read_ledger
+from loomrl.types import EvalRecord, Trajectory
 
 log = logging.getLogger("loomrl")
 
@@ -68,25 +69,6 @@ def stop_message(fact: Fact) -> str:
     if isinstance(fact, (CannotStart, EngineLost, RolloutLost)):
         return f"run error: {fact}"
     return f"run error: {type(fact).__name__}: {fact}"
-
-
-@dataclass(slots=True, frozen=True)
-class TrainerState:
-    """What a (re)started trainer holds: its policy version, the data positions it has received, and
-    the metrics of the step its checkpoint was taken at."""
-
-    version: int
-    received: PositionSet
-    metrics: dict[str, Any] | None = None
-
-
-@dataclass(slots=True, kw_only=True)
-class BackendReport:
-    """What a backend tells the summary when it closes."""
-
-    rollouts: dict[str, dict[str, int]]  # episodes by purpose (training, evaluation) and how they ended
-    env_pool: dict[str, float]  # the sandbox pools' metrics, teardown included
-    extra: dict[str, Any] = field(default_factory=dict)  # its own section (e.g. "ray": restarts, placement)
 
 
 def store_episodes(episodes: list[Trajectory], folder: Path) -> None:
@@ -116,69 +98,6 @@ def eval_line(record: EvalRecord) -> str:
             + "".join(f"; {k} {v.success:.3f} ± {v.stderr:.3f} (n={v.n})" for k, v in record.splits.items()) + failed)
 
 
-class Backend(ABC):
-    """Placement and transport of a run: where groups are generated and trained, how they and the
-    weights travel. Failures are raised as facts (runtime/failures.py), never as RunError: every method that
-    talks to the trainer raises TrainerLost when it is gone, an engine that cannot serve the weights EngineLost,
-    a part that cannot start CannotStart."""
-
-    label: str  # for the progress bar
-
-    @abstractmethod
-    async def start(self) -> None:
-        """Start the rollout side (engines, pools, actors), ready to evaluate and dispatch."""
-
-    @abstractmethod
-    async def start_trainer(self, extra: dict[str, Any]) -> TrainerState:
-        """A trainer from the run folder's latest checkpoint (none: the configured model)."""
-
-    @abstractmethod
-    def stop_trainer(self) -> None:
-        """Stop the trainer (every rank), dead or alive."""
-
-    @abstractmethod
-    def dispatch(self, position: int) -> asyncio.Future:
-        """Start generating the group at `position`; the future gives the scored group, or raises
-        RolloutLost when the worker running it died. Cancelling the future gives the attempt up
-        (the backend stops the work behind it)."""
-
-    @abstractmethod
-    async def receive(self, position: int, group: list[Trajectory]) -> None:
-        """Hand a group to the trainer."""
-
-    @abstractmethod
-    async def train_step(self) -> dict[str, Any] | None:
-        """One training step's metrics, or None when the trainer has no step's groups buffered."""
-
-    @abstractmethod
-    async def trainer_ready(self) -> bool:
-        """Whether the trainer has a step's groups buffered (train_step would train)."""
-
-    @abstractmethod
-    async def sleep_engines(self) -> None:
-        """Every engine gives its accelerator memory to the trainer (Engine.sleep)."""
-
-    @abstractmethod
-    async def wake_engines(self) -> None:
-        """Every engine takes it back (Engine.wake)."""
-
-    @abstractmethod
-    async def publish(self, version: int) -> None:
-        """Bring the trainer's current weights (`version`) to every engine; later groups use them."""
-
-    @abstractmethod
-    async def evaluate(self, label: str) -> Evaluation:
-        """Held-out success with the latest published weights, and its episodes (RolloutLost: the worker died)."""
-
-    @abstractmethod
-    def step_metrics(self) -> dict[str, float]:
-        """The backend's own metrics since the last call (engine, weight transfers, pools, restarts)."""
-
-    @abstractmethod
-    async def close(self) -> BackendReport:
-        """Stop everything; what the rollout side counted."""
-
-
 @dataclass(slots=True)
 class Attempt:
     position: int
@@ -192,8 +111,9 @@ def progress(total: int, desc: str, enabled: bool):
 
 
 class Driver:
-    def __init__(self, cfg: RunConfig, backend: Backend, checkpoint, wall_start: float):
-        self.cfg, self.backend, self.ckpt, self.wall_start = cfg, backend, checkpoint, wall_start
+    def __init__(self, cfg: RunConfig, parts: Parts, checkpoint, wall_start: float):
+        self.cfg, self.ckpt, self.wall_start = cfg, checkpoint, wall_start
+        self.rollouts, self.trainer, self.weights = parts.rollouts, parts.trainer, parts.weights
         try:  # the driver logs every record, on the local and the Ray backend alike
             self.logger = open_metrics(cfg.run_dir, cfg.metrics, run_name=cfg.name,
                                        run_config=cfg.model_dump(mode="json"))
@@ -214,11 +134,11 @@ class Driver:
         self.serials = itertools.count()
         self.abandoned: list[asyncio.Future] = []  # attempts cancelled at a trainer restart, awaited at the end
         self.trainer_restarts = 0
-        self.rollout_replacements = 0  # rollout workers the backend replaced (RolloutLost.replaced)
+        self.rollout_replacements = 0  # rollout workers replaced (RolloutLost.replaced)
         self.untrained_steps = 0  # steps of this segment whose groups all were left out (no gradient)
         self.before: EvalRecord | None = None  # held-out success before training (restored on resume)
         self.after: EvalRecord | None = None
-        self.report: BackendReport | None = None  # what the backend said when it closed
+        self.report: RolloutReport | None = None  # what the rollout side said when it closed
 
     # -- the trainer --------------------------------------------------------------------------------
     async def _start_trainer(self, extra: dict[str, Any]) -> TrainerState:
@@ -226,12 +146,12 @@ class Driver:
         # its first version and moves its state to host memory (trainer/offload.py), then wake and load that version.
         colocated = self.cfg.engine.sleep_while_training
         if colocated:
-            await self.backend.sleep_engines()
+            await self.rollouts.sleep()
         try:
-            state = await self.backend.start_trainer(extra)
+            state = await self.trainer.start(extra)
         finally:
             if colocated:
-                await self.backend.wake_engines()
+                await self.rollouts.wake()
         # Groups sent to a trainer that no longer holds them are discarded; attempts in flight may hold tokens of
         # versions the restored trainer never had: cancelled (ones that already finished are discarded as they are
         # settled); every position it has not received runs again, in order.
@@ -241,7 +161,7 @@ class Driver:
             del self.inflight[fut]
             self.abandoned.append(self._cancel(fut))
         self.version = state.version
-        await self.backend.publish(self.version)
+        await self.weights.publish(self.version)
         return state
 
     async def _restart_trainer(self, err: TrainerLost, extra: dict[str, Any]) -> None:
@@ -256,7 +176,7 @@ class Driver:
                            "--resume") from None
         log.warning("the trainer failed (%s); restarting it (%d of %d), %s", error_line(err, end=True),
                     self.trainer_restarts, limit, where)
-        self.backend.stop_trainer()
+        self.trainer.stop()
         reported = self.version
         state = await self._start_trainer(extra)
         self.logger.rollback(self.version, "trainer_restart")
@@ -268,7 +188,7 @@ class Driver:
     def _dispatch(self, pos: int) -> None:
         a = Attempt(pos, next(self.serials))
         self.book.dispatched(pos, a.serial)
-        self.inflight[self.backend.dispatch(pos)] = a
+        self.inflight[self.rollouts.dispatch(pos)] = a
         self.group_log.launched(a.serial, self.version)
         self.acc.launched += self.G
         self.window.launch()
@@ -281,7 +201,7 @@ class Driver:
         self.window.in_flight(len(self.inflight))
 
     def _replaced(self, err: RolloutLost) -> None:
-        """Count a rollout worker the backend replaced; past ray.rollout.max_restarts (e.g. an actor that dies as it
+        """Count a rollout worker the rollout side replaced; past ray.rollout.max_restarts (e.g. an actor that dies as it
         starts, every time) the run stops."""
         if not err.replaced:
             return
@@ -324,7 +244,7 @@ class Driver:
             return False
         self.group_log.ended(a.serial, a.position, attempt, "arrived", group)
         self.book.sent(a.position, ids)
-        await self.backend.receive(a.position, group)
+        await self.trainer.receive(a.position, group)
         return True
 
     async def _settle(self, done: set[asyncio.Future], recent: list) -> None:
@@ -354,7 +274,7 @@ class Driver:
         done, _ = await asyncio.wait(list(self.inflight), timeout=due, return_when=asyncio.FIRST_COMPLETED)
         return done
 
-    async def _train(self, recent: list, bar) -> None:
+    async def _take_steps(self, recent: list, bar) -> None:
         """Every step the trainer can take now: train, publish the weights, log the step. The next
         step is asked for before the weights travel, so that the trainer works while engines load them."""
         total = self.cfg.trainer.total_steps
@@ -364,15 +284,15 @@ class Driver:
             while self.version < total:
                 t0 = time.perf_counter()
                 if colocated:
-                    if not await self.backend.trainer_ready():
+                    if not await self.trainer.has_step():
                         return
-                    await self.backend.sleep_engines()
+                    await self.rollouts.sleep()
                     try:
-                        metrics = await self.backend.train_step()
+                        metrics = await self.trainer.train_step()
                     finally:
-                        await self.backend.wake_engines()
+                        await self.rollouts.wake()
                 else:
-                    step = step or asyncio.ensure_future(self.backend.train_step())
+                    step = step or asyncio.ensure_future(self.trainer.train_step())
                     metrics, step = await step, None
                 if metrics is None:
                     return
@@ -381,8 +301,8 @@ class Driver:
                 self.book.stale += metrics.get("groups_stale", 0)  # each frees its position's place
                 # the next step is asked for before the weights travel (lag 0: its groups are not launched yet)
                 if self.version < total and self.lag > 0 and not colocated:
-                    step = asyncio.ensure_future(self.backend.train_step())
-                await self.backend.publish(self.version)
+                    step = asyncio.ensure_future(self.trainer.train_step())
+                await self.weights.publish(self.version)
                 self._log_step(metrics, recent, bar)
                 self._admit()  # what the new version admits generates while the next step trains
         finally:
@@ -395,7 +315,7 @@ class Driver:
             # positions the rule still admits before the next weight update
             "admission/open_positions": self.book.open(self.version),
             "runtime/trainer_restarts": self.trainer_restarts, **group_summary(recent),
-            **self.backend.step_metrics()})
+            **self.rollouts.step_metrics(), **self.weights.step_metrics()})
         self.logger.log(self.version, metrics)
         self._say_if_untrained(metrics)
         recent.clear()
@@ -414,8 +334,8 @@ class Driver:
         log.warning("step %d trained nothing: all %d of its groups were left out (%s). %s", self.version,
                     metrics.get("groups", 0), why or "none buffered", UNTRAINED_HINT)
 
-    async def _steps(self, extra: dict[str, Any]) -> None:
-        bar = progress(self.cfg.trainer.total_steps, f"train ({self.backend.label})", self.cfg.progress)
+    async def _loop(self, extra: dict[str, Any]) -> None:
+        bar = progress(self.cfg.trainer.total_steps, f"train ({self.rollouts.label})", self.cfg.progress)
         bar.update(self.version)
         recent: list = []
         self.window = StepWindow()
@@ -430,7 +350,7 @@ class Driver:
                         bar.refresh()
                     self._admit()
                     await self._settle(await self._wait(), recent)
-                    await self._train(recent, bar)
+                    await self._take_steps(recent, bar)
                 except TrainerLost as err:
                     if not err.restartable:
                         raise
@@ -460,7 +380,7 @@ class Driver:
             return None
         for _ in range(cfg.runtime.max_group_attempts):
             try:
-                evaluation = await self.backend.evaluate(label)
+                evaluation = await self.rollouts.evaluate(label)
                 break
             except RolloutLost as err:  # the worker died: try again
                 self._replaced(err)
@@ -476,10 +396,10 @@ class Driver:
         log.info("held-out success %s: %s", label, eval_line(record))
         return record
 
-    async def _run(self) -> None:
+    async def _segment(self) -> None:
         extra = load_state(self.ckpt).get("extra", {}) if self.ckpt else {}
         try:
-            await self.backend.start()
+            await self.rollouts.start()
             if extra.get("eval_before") is not None:
                 self.before = EvalRecord.from_dict(extra["eval_before"])
             else:
@@ -490,21 +410,21 @@ class Driver:
                 await self._start_trainer(extra)
             except TrainerLost as err:
                 raise RunError(f"run error: the trainer failed to start:\n{err}") from None
-            await self._steps(extra)
+            await self._loop(extra)
             await asyncio.gather(*self._end_inflight(), return_exceptions=True)
             self.after = await self._evaluate("after", self.version)
         finally:
             await asyncio.gather(*self._end_inflight(), *self.abandoned, return_exceptions=True)
-            self.backend.stop_trainer()
-            self.report = await self.backend.close()
+            self.trainer.stop()
+            self.report = await self.rollouts.close()
 
-    def train(self) -> dict[str, Any]:
+    def run(self) -> dict[str, Any]:
         """Run this segment; the whole run's summary (also RUN/summary.json). However the segment ends, its record
         is kept (summary.py) and the summary rewritten, before an error goes on up."""
         ended = "interrupted"  # Ctrl-C, SIGTERM, a crash: anything the driver does not stop on purpose
         try:
             try:
-                asyncio.run(self._run())
+                asyncio.run(self._segment())
             except Fact as fact:  # what no rule above handles stops the run (the fact's own cause kept, if any)
                 raise RunError(stop_message(fact)) from fact.__cause__
             ended = FINISHED
@@ -531,7 +451,7 @@ class Driver:
             log.warning("%s%d of the %d steps of this run trained nothing (every group left out). %s",
                         "NOTHING WAS TRAINED: " if self.untrained_steps >= self.version - start else "",
                         self.untrained_steps, self.version - start, UNTRAINED_HINT)
-        report = self.report or BackendReport(rollouts={}, env_pool={})
+        report = self.report or RolloutReport(rollouts={}, env_pool={})
         segment = Segment(from_step=start, to_step=self.version, ended=ended,
                           wall_s=round(time.time() - self.wall_start, 1), rollouts=report.rollouts,
                           trainer_restarts=self.trainer_restarts, untrained_steps=self.untrained_steps,

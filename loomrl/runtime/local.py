@@ -1,20 +1,23 @@
-"""The local backend (runtime.backend=local): one machine, one command, no servers to start.
+"""The local parts (runtime.backend=local): one machine, one command, no servers to start.
 
-The rollout side is one RolloutSide (rollout/actor.py) in this process: an engine and many agent loops
-on one event loop, each group an asyncio task. The trainer is
-- sync (hybrid, the seed's time-sharing): a TrainerService in this process sharing the engine's model
-  object; it trains on the engine's thread (one OpenMP team per process), weights change in place;
-- async (disaggregated): a TrainerService in a process of its own (trainer/process.py); new weights
-  come back as handles (runtime.weight_transport) and are loaded into the engine between batches, which then
-  confirms them: the version it serves and its weights' fingerprint against the handle's (weights/fingerprint.py; a
-  mismatch stops the run). Sync mode moves no weights: the engine serves the trainer's own tensors.
+The rollout side (LocalRollouts) is one RolloutSide (rollout/actor.py) in this process: an engine and many agent
+loops on one event loop, each group an asyncio task. The trainer is
+- sync (hybrid, the seed's time-sharing): InProcessTrainer, a TrainerService in this process sharing the engine's
+  model object; it trains on the engine's thread (one OpenMP team per process), and the weights change in place
+  (InPlace: nothing moves);
+- async (disaggregated): ProcessTrainer, a TrainerService in a process of its own (trainer/process.py); new weights
+  come back as handles (runtime.weight_transport) and HandleRoute loads them into the engine between batches, which
+  then confirms them: the version it serves and its weights' fingerprint against the handle's
+  (weights/fingerprint.py; a mismatch is EngineLost, which stops the run).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +26,12 @@ import torch
 from loomrl.config import RunConfig
 from loomrl.devices import trainer_device
 from loomrl.engine.base import EngineFault
-from loomrl.engine.common import confirm_weights
+from loomrl.engine.builtin.engine import BuiltinEngine
 from loomrl.engine.readings import EngineDelta
 from loomrl.rollout.actor import RolloutSide
-from loomrl.runtime.driver import Backend, BackendReport, TrainerState, progress
+from loomrl.runtime.driver import progress
 from loomrl.runtime.failures import EngineLost, TrainerLost
+from loomrl.runtime.parts import Parts, RolloutReport, Rollouts, Trainer, TrainerState, WeightRoute
 from loomrl.trainer.checkpoint import latest_checkpoint
 from loomrl.trainer.process import TrainerProcess, TrainerProcessDied
 from loomrl.trainer.ranks import (
@@ -40,7 +44,7 @@ from loomrl.trainer.ranks import (
 )
 from loomrl.trainer.service import PositionSet, TrainerService
 from loomrl.types import Evaluation, Trajectory
-from loomrl.weights.fingerprint import WeightMismatch
+from loomrl.weights.fingerprint import WeightMismatch, confirm_weights
 from loomrl.weights.handle import WeightHandle, sync_metrics
 from loomrl.weights.transports import load_weights
 
@@ -54,31 +58,22 @@ def async_threads(cfg: RunConfig) -> tuple[int, int]:
     return engine, trainer
 
 
-class LocalBackend(Backend):
+class LocalRollouts(Rollouts):
+    """The rollout side in this process."""
+
     def __init__(self, cfg: RunConfig, checkpoint: Path | None):
         self.cfg, self.ckpt = cfg, checkpoint
         self.sync = cfg.runtime.mode == "sync"
         self.label = cfg.runtime.mode
         self.threads = torch.get_num_threads()  # given back at close: a library call leaves it as it was
-        self.service: TrainerService | None = None  # sync: the trainer, in this process
-        self.followers: LocalFollowers | None = None  # sync, trainer.world_size > 1
-        self.trainer: TrainerProcess | None = None  # async: the client of the trainer process
-        self.weights: WeightHandle | None = None  # async: the trainer's latest weights, not yet loaded
-        self.sync_metrics: dict[str, float] = {}
         self.reward_last: dict[str, float] = {}  # the reward pool's counters at the last step (judge/...)
         self.rollout: RolloutSide | None = None
 
-    def _side(self) -> RolloutSide:
-        """The rollout side; start() makes it, and every call on the rollout side comes after."""
+    def side(self) -> RolloutSide:
+        """The rollout side; start() makes it, and every call on it (and on its engine) comes after."""
         if self.rollout is None:
-            raise RuntimeError("LocalBackend: the rollout side is used before start()")
+            raise RuntimeError("LocalRollouts: the rollout side is used before start()")
         return self.rollout
-
-    def _process(self) -> TrainerProcess:
-        """The async trainer's process; start_trainer() makes it, stop_trainer() ends it."""
-        if self.trainer is None:
-            raise RuntimeError("LocalBackend: the trainer process is used before start_trainer() or after stop_trainer()")
-        return self.trainer
 
     async def start(self) -> None:
         cfg = self.cfg
@@ -91,21 +86,59 @@ class LocalBackend(Backend):
         rollout = self.rollout = RolloutSide(cfg, self.ckpt, trainer=cfg.trainer if self.sync else None)
         self.delta = EngineDelta(rollout.engine.metrics)  # busy time, queue, prefix hits: engine/readings.py
 
-    # -- the trainer --------------------------------------------------------------------------------
-    async def start_trainer(self, extra: dict[str, Any]) -> TrainerState:
-        if self.sync:
-            return self._start_sync_trainer(extra)
-        trainer = self.trainer = TrainerProcess(self.cfg, extra, latest_checkpoint(self.cfg.run_dir),
-                                                async_threads(self.cfg)[1])
-        try:
-            ready = await trainer.start()
-        except TrainerProcessDied as err:
-            raise TrainerLost(str(err)) from None
-        self.weights = ready.weights
-        return TrainerState(ready.version, PositionSet(**ready.received), ready.metrics)
+    def dispatch(self, position: int) -> asyncio.Future:
+        return asyncio.ensure_future(self.side().worker.run_group(position))
 
-    def _start_sync_trainer(self, extra: dict[str, Any]) -> TrainerState:
-        """The sync trainer shares the engine's model; it is never restarted (a failure stops the run)."""
+    async def evaluate(self, label: str) -> Evaluation:
+        rollout = self.side()
+        bar = progress(len(rollout.eval_tasks), f"eval {label}", self.cfg.progress)
+        try:
+            return await rollout.worker.evaluate(rollout.eval_tasks, progress=bar)
+        finally:
+            bar.close()  # before an error's message, not after it
+
+    async def sleep(self) -> None:
+        await asyncio.to_thread(self.side().engine.sleep)
+
+    async def wake(self) -> None:
+        await asyncio.to_thread(self.side().engine.wake)
+
+    def step_metrics(self) -> dict[str, float]:
+        worker = self.side().worker
+        reward = worker.reward_metrics()  # counters since the start: this step's share is the change
+        out = {**self.delta.take(), **worker.program_metrics(),
+               **{f"env_pool/{k}": v for k, v in worker.pool_metrics().items()},
+               **{k: v - self.reward_last.get(k, 0.0) for k, v in reward.items()}}
+        self.reward_last = reward
+        if self.cfg.runtime.max_inflight_trajectories:
+            out["rollout/cap_wait_s_total"] = worker.cap_wait_s
+        return out
+
+    async def close(self) -> RolloutReport:
+        try:
+            rollouts, env_pool = await self.rollout.close() if self.rollout is not None else ({}, {})
+        finally:
+            torch.set_num_threads(self.threads)
+        return RolloutReport(rollouts=rollouts, env_pool=env_pool)
+
+
+class InProcessTrainer(Trainer):
+    """Sync mode: a TrainerService in this process sharing the rollout side's model. It is never restarted (a
+    failure stops the run: TrainerLost, not restartable)."""
+
+    def __init__(self, cfg: RunConfig, checkpoint: Path | None, rollouts: LocalRollouts):
+        self.cfg, self.ckpt, self.rollouts = cfg, checkpoint, rollouts
+        self.service: TrainerService | None = None
+        self.followers: LocalFollowers | None = None  # trainer.world_size > 1
+        self.on_engine_thread: Callable[[Callable[[], Any]], concurrent.futures.Future] | None = None
+        self.own_thread: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def _service(self) -> TrainerService:
+        if self.service is None:
+            raise RuntimeError("InProcessTrainer: used before start()")
+        return self.service
+
+    async def start(self, extra: dict[str, Any]) -> TrainerState:
         cfg = self.cfg
         ranks = None
         if cfg.trainer.world_size > 1:  # this process is rank 0; a dead follower stops the run (--resume)
@@ -113,18 +146,26 @@ class LocalBackend(Backend):
             ranks = LocalRankGroup(cfg.trainer.world_size, trainer_device(cfg.trainer),
                                    *self.followers.channels(), dead=self.followers.dead)
             join_watching(ranks, self.followers)
-        rollout = self._side()
+        rollout = self.rollouts.side()
         if rollout.model is None:  # only an engine actor (Ray) leaves the rollout side without a model
-            raise RuntimeError("LocalBackend: the sync trainer needs the rollout side's model, and it has none")
-        service = self.service = TrainerService(cfg, rollout.model, rollout.tokenizer,
-                                                resume_from=self.ckpt, ranks=ranks)
+            raise RuntimeError("InProcessTrainer: the sync trainer needs the rollout side's model, and it has none")
+        # The built-in engine runs all torch work of the process on its thread, between two of its steps (one OpenMP
+        # team per process); an engine that runs none of its own (a test's scripted one) leaves a thread of ours.
+        engine = rollout.engine
+        if isinstance(engine, BuiltinEngine):
+            self.on_engine_thread = engine.call
+        else:
+            pool = self.own_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer")
+            self.on_engine_thread = lambda fn: pool.submit(fn)
+        service = self.service = TrainerService(cfg, rollout.model, rollout.tokenizer, resume_from=self.ckpt,
+                                                ranks=ranks)
         service.extra.update(extra)
         return TrainerState(service.version, service.received, service.last_metrics)
 
-    def stop_trainer(self) -> None:
-        if self.trainer is not None:
-            self.trainer.stop()
-            self.trainer = None
+    def stop(self) -> None:
+        if self.own_thread is not None:
+            self.own_thread.shutdown(wait=True)
+            self.own_thread = None
         if self.followers is not None:
             self.followers.stop()
             self.followers = None
@@ -133,19 +174,65 @@ class LocalBackend(Backend):
             self.service.ranks = None
 
     async def receive(self, position: int, group: list[Trajectory]) -> None:
-        if self.service is not None:
-            self.service.receive(position, group)
-        else:
-            self._process().send(position, group)
+        self._service().receive(position, group)
+
+    async def has_step(self) -> bool:
+        return self._service().has_step()
 
     async def train_step(self) -> dict[str, Any] | None:
-        if self.service is not None:
-            if not self.service.ready():
-                return None
-            try:  # on the engine's thread: one OpenMP team per process
-                return await asyncio.wrap_future(self._side().engine.call(self.service.train_step))
-            except RankLost as err:  # the sync trainer shares the engine's model: no fresh one can take over
-                raise TrainerLost(str(err), restartable=False) from None
+        service = self._service()
+        if not service.has_step() or self.on_engine_thread is None:
+            return None
+        try:
+            return await asyncio.wrap_future(self.on_engine_thread(service.train_step))
+        except RankLost as err:  # it shares the engine's model: no fresh one can take over
+            raise TrainerLost(str(err), restartable=False) from None
+
+
+class ProcessTrainer(Trainer):
+    """Async mode: a TrainerService in a process of its own; each version's weights come back as a handle, which
+    HandleRoute takes (take_weights)."""
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.process: TrainerProcess | None = None
+        self.weights: WeightHandle | None = None  # the newest version's handle, not yet published
+
+    def _process(self) -> TrainerProcess:
+        if self.process is None:
+            raise RuntimeError("ProcessTrainer: used before start() or after stop()")
+        return self.process
+
+    def take_weights(self) -> WeightHandle | None:
+        """The newest version's handle (None: none since the last take)."""
+        handle, self.weights = self.weights, None
+        return handle
+
+    async def start(self, extra: dict[str, Any]) -> TrainerState:
+        process = self.process = TrainerProcess(self.cfg, extra, latest_checkpoint(self.cfg.run_dir),
+                                                async_threads(self.cfg)[1])
+        try:
+            started = await process.start()
+        except TrainerProcessDied as err:
+            raise TrainerLost(str(err)) from None
+        self.weights = started.weights
+        return TrainerState(started.version, PositionSet(**started.received), started.metrics)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+            self.process = None
+
+    async def receive(self, position: int, group: list[Trajectory]) -> None:
+        self._process().send(position, group)
+
+    async def has_step(self) -> bool:
+        try:
+            return await self._process().has_step()
+        except TrainerProcessDied as err:
+            raise TrainerLost(str(err)) from None
+
+    async def train_step(self) -> dict[str, Any] | None:
         try:
             stepped = await self._process().step()
         except TrainerProcessDied as err:
@@ -154,30 +241,35 @@ class LocalBackend(Backend):
             self.weights = stepped.weights
         return stepped.metrics
 
-    async def trainer_ready(self) -> bool:
-        if self.service is not None:
-            return self.service.ready()
-        try:
-            return await self._process().ready()
-        except TrainerProcessDied as err:
-            raise TrainerLost(str(err)) from None
 
-    async def sleep_engines(self) -> None:
-        await asyncio.to_thread(self._side().engine.sleep)
+class InPlace(WeightRoute):
+    """Sync mode moves no weights: the engine serves the trainer's own tensors, changed in place; it is told the
+    version."""
 
-    async def wake_engines(self) -> None:
-        await asyncio.to_thread(self._side().engine.wake)
+    def __init__(self, rollouts: LocalRollouts):
+        self.rollouts = rollouts
 
     async def publish(self, version: int) -> None:
-        engine = self._side().engine
-        if self.sync:  # the weights changed in place (shared model)
-            engine.update_weights(None, version)
-            return
-        handle, self.weights = self.weights, None
-        if handle is None:  # start_trainer and every train_step with metrics leave a handle to publish
-            raise RuntimeError(f"LocalBackend: version {version} is published without new weights from the trainer")
-        # Off the event loop: rollouts go on, and the trainer's next step request goes out meanwhile. An engine
-        # that opens the handle itself (vLLM's worker: shm, cuda_ipc) reads it where its model is.
+        self.rollouts.side().engine.update_weights(None, version)
+
+    def step_metrics(self) -> dict[str, float]:
+        return {}
+
+
+class HandleRoute(WeightRoute):
+    """Async mode: the trainer process's newest handle (runtime.weight_transport) loaded into this process's engine
+    (or opened by the engine itself where its model lives: vLLM's worker for shm and cuda_ipc), then confirmed."""
+
+    def __init__(self, cfg: RunConfig, rollouts: LocalRollouts, trainer: ProcessTrainer):
+        self.cfg, self.rollouts, self.trainer = cfg, rollouts, trainer
+        self.metrics: dict[str, float] = {}
+
+    async def publish(self, version: int) -> None:
+        engine = self.rollouts.side().engine
+        handle = self.trainer.take_weights()
+        if handle is None:  # start and every train_step with metrics leave a handle to publish
+            raise RuntimeError(f"HandleRoute: version {version} is published without new weights from the trainer")
+        # Off the event loop: rollouts go on, and the trainer's next step request goes out meanwhile.
         opens = handle.transport in engine.opens
         loaded = None if opens else await asyncio.to_thread(load_weights, handle)
         if self.cfg.runtime.interrupt_on_update:
@@ -195,36 +287,20 @@ class LocalBackend(Backend):
             checked = await asyncio.to_thread(confirm_weights, engine, self.cfg.engine.kind, version, handle.fingerprint)
         except WeightMismatch as err:  # the same weights would go the same way again
             raise EngineLost(str(err)) from err
-        self.sync_metrics = {**sync_metrics(handle, loaded), "weight_sync/apply_s": t1 - t0,
-                             "weight_sync/confirm_s": time.perf_counter() - t1, "weight_sync/fingerprinted": checked}
-
-    # -- the rollout side ---------------------------------------------------------------------------
-    def dispatch(self, position: int) -> asyncio.Future:
-        return asyncio.ensure_future(self._side().worker.run_group(position))
-
-    async def evaluate(self, label: str) -> Evaluation:
-        rollout = self._side()
-        bar = progress(len(rollout.eval_tasks), f"eval {label}", self.cfg.progress)
-        try:
-            return await rollout.worker.evaluate(rollout.eval_tasks, progress=bar)
-        finally:
-            bar.close()  # before an error's message, not after it
+        self.metrics = {**sync_metrics(handle, loaded), "weight_sync/apply_s": t1 - t0,
+                        "weight_sync/confirm_s": time.perf_counter() - t1, "weight_sync/fingerprinted": checked}
 
     def step_metrics(self) -> dict[str, float]:
-        worker = self._side().worker
-        reward = worker.reward_metrics()  # counters since the start: this step's share is the change
-        out = {**self.delta.take(), **self.sync_metrics, **worker.program_metrics(),
-               **{f"env_pool/{k}": v for k, v in worker.pool_metrics().items()},
-               **{k: v - self.reward_last.get(k, 0.0) for k, v in reward.items()}}
-        self.reward_last = reward
-        if self.cfg.runtime.max_inflight_trajectories:
-            out["rollout/cap_wait_s_total"] = worker.cap_wait_s
-        self.sync_metrics = {}
+        out, self.metrics = self.metrics, {}
         return out
 
-    async def close(self) -> BackendReport:
-        try:
-            rollouts, env_pool = await self.rollout.close() if self.rollout is not None else ({}, {})
-        finally:
-            torch.set_num_threads(self.threads)
-        return BackendReport(rollouts=rollouts, env_pool=env_pool)
+
+def local_parts(cfg: RunConfig, checkpoint: Path | None, rollouts: LocalRollouts | None = None) -> Parts:
+    """The local run's parts for its mode: sync, a trainer in this process and weights in place; async, a trainer
+    process and handles over runtime.weight_transport. `rollouts`: a rollout side of the caller's (a benchmark's that
+    counts more), else the plain one."""
+    rollouts = rollouts or LocalRollouts(cfg, checkpoint)
+    if cfg.runtime.mode == "sync":
+        return Parts(rollouts, InProcessTrainer(cfg, checkpoint, rollouts), InPlace(rollouts))
+    trainer = ProcessTrainer(cfg)
+    return Parts(rollouts, trainer, HandleRoute(cfg, rollouts, trainer))

@@ -1,9 +1,10 @@
-"""The Ray backend (runtime.backend=ray): rollout actors (engine + agent loops), trainer actors (rank 0
-and, with trainer.world_size > 1, the other data-parallel ranks), and optionally reward actors and env
-actors (sandboxes), each placed by its own resources across a Ray cluster. The driver
-(runtime/driver.py) decides what runs and what a failure means; this file places actors, moves groups
-and weights (transport "ray": the trainer returns its weights, so the object belongs to the driver
-and outlives a trainer that dies), and replaces what died:
+"""The Ray parts (runtime.backend=ray): ActorRollouts (rollout actors, each an engine + agent loops, and optionally
+reward, env and engine actors), ActorTrainer (trainer actors: rank 0 and, with trainer.world_size > 1, the other
+data-parallel ranks) and a weight route (ObjectStoreRoute, or BroadcastRoute with runtime.weight_transport=broadcast),
+each actor placed by its own resources across a Ray cluster; RayCluster is what they share (the connection, the
+placement, the latest published version). The driver (runtime/driver.py) decides what runs and what a failure means;
+these parts place actors, move groups and weights (transport "ray": the trainer returns its weights, so the object
+belongs to the driver and outlives a trainer that dies), and replace what died:
 - a rollout actor dies (its engine dies with it, and its own env pool and reward pool when it has
   them): a fresh actor takes its place with the current weights and its attempts end RolloutLost
   (the driver retries them). Sandboxes it had leased from env actors are destroyed and replaced. One
@@ -46,8 +47,8 @@ from loomrl.errors import error_line, error_tail
 from loomrl.reward.actor import RewardActor
 from loomrl.rollout.actor import RolloutActor
 from loomrl.rollout.worker import rollout_concurrency
-from loomrl.runtime.driver import Backend, BackendReport, TrainerState
 from loomrl.runtime.failures import CannotStart, EngineLost, RolloutLost, TrainerLost
+from loomrl.runtime.parts import Parts, RolloutReport, Rollouts, Trainer, TrainerState, WeightRoute
 from loomrl.runtime.ray_resources import (
     cluster_address,
     colocation_mismatch,
@@ -147,31 +148,143 @@ class WorkerSlot:
     engine: Any = None  # the engine actor it generates on (ray.engine.count > 0)
 
 
-class RayBackend(Backend):
-    label = "ray"
+class RayCluster:
+    """What the Ray parts share: the connection to the cluster (joined or started here), the trainer ranks' placement
+    group (colocated: reserved with the engines, kept across trainer restarts), where the actors ran, the latest
+    published version and the weight loads not yet read for the metrics."""
 
     def __init__(self, cfg: RunConfig):
         self.ray = import_ray()
         self.cfg = cfg
         self.cfg_json = cfg.model_dump_json()
+        self.owns_ray = False
+        self.address = cluster_address(cfg.ray.address, os.environ)
+        self.local_cluster = self.address == "local"  # one loomrl starts here, and shuts down at the end
+        self.asks = run_asks(cfg, env_actors=environment_for(cfg).sandbox is not None)
+        # engine.sleep_while_training with engine actors: engine i and trainer rank i share bundle i of one placement
+        # group (a GPU each: fractional num_gpus), reserved before the engines start and kept across trainer restarts
+        self.colocated = cfg.engine.sleep_while_training and cfg.ray.engine.count > 0
+        self.trainer_group: Any = None  # the trainer ranks' placement group
+        self.placement: dict[str, Any] = {}  # where the first actors ran
+        self.weights: WeightHandle | None = None  # the latest published version
+        self.syncs: list = []  # update_weights calls not yet read for the metrics
+        # broadcast: which trainer actor (its start's count) sent each sync's version; a load of a version whose
+        # trainer died mid-broadcast fails, and the fresh trainer's next version supersedes it
+        self.trainer_starts = 0
+        self.sync_sender: dict[Any, int] = {}
+
+    def actor(self, cls: type, spec: Placement, **options: Any) -> Any:
+        return self.ray.remote(cls).options(num_cpus=spec.num_cpus, num_gpus=spec.num_gpus or None,
+                                            resources=spec.resources, **options)
+
+    def connect(self) -> None:
+        """Join the cluster ray.address names (runtime/ray_resources.py cluster_address) or start a one-machine one;
+        one we start we also shut down. CannotStart when the cluster cannot hold the run's actors."""
+        if not self.ray.is_initialized():
+            cores = os.cpu_count() or 1
+            kwargs = ray_init_kwargs(self.address, self.asks, cores, os.environ, cwd=os.getcwd())
+            if self.local_cluster and kwargs["num_cpus"] > cores:
+                log.info("ray: the actors reserve %d CPUs; the one-machine cluster offers them on %d cores",
+                         kwargs["num_cpus"], cores)
+            self.ray.init(**kwargs)
+            self.owns_ray = True  # a joined cluster is only disconnected from (ray.shutdown leaves it running)
+        nodes = [n["Resources"] for n in self.ray.nodes() if n["Alive"]]
+        why = shortfall(self.asks, self.ray.cluster_resources(), nodes, self.label())
+        if why is not None:
+            raise CannotStart(why)
+
+    def label(self) -> str:
+        """The cluster as the user knows it, for messages."""
+        if self.local_cluster:
+            return "this machine's one-node Ray (started by loomrl)"
+        return "the Ray cluster running on this machine" if self.address == "auto" else \
+            f"the Ray cluster at {self.address}"
+
+    async def where(self, actors: list[Any]) -> list[tuple[str | None, int | None]]:
+        return [tuple(await result_or(actor.where.remote(), 30, (None, None))) for actor in actors]
+
+    def kill(self, actor: Any) -> None:
+        with contextlib.suppress(Exception):  # already gone
+            self.ray.kill(actor, no_restart=True)
+
+    async def reserve_trainer(self) -> None:
+        """A placement group with one bundle per trainer rank (ray.trainer_placement), so that all ranks are placed
+        together or not at all; none when a rank asks for nothing to reserve. Colocated: each bundle holds engine i
+        too (Ray then gives both the same GPU)."""
+        if self.trainer_group is not None:  # colocated: reserved with the engines, kept
+            return
+        spec, world = self.cfg.ray.trainer, self.cfg.trainer.world_size
+        bundle = reserves(spec)
+        if self.colocated:
+            engine = reserves(self.cfg.ray.engine)
+            bundle = {k: bundle.get(k, 0.0) + engine.get(k, 0.0) for k in {*bundle, *engine}}
+        if not bundle:
+            return
+        from ray.util.placement_group import placement_group
+
+        self.trainer_group = placement_group([bundle] * world, strategy=self.cfg.ray.trainer_placement)
+        try:
+            await asyncio.wait_for(self.trainer_group.ready(), timeout=self.cfg.ray.placement_timeout_s)
+        except TimeoutError:
+            # the cluster has enough in all (connect): other actors or jobs hold what the ranks need
+            total = self.ray.cluster_resources()
+            held = "; `ray status` on the cluster shows what is in use" if not self.local_cluster else ""
+            raise CannotStart(f"{self.label()} could not place {world} trainer rank(s) of {bundle} "
+                              f"({self.cfg.ray.trainer_placement}) within {self.cfg.ray.placement_timeout_s:.0f}s, "
+                              f"though it has { {k: total.get(k, 0.0) for k in bundle} } in all; check "
+                              f"ray.trainer{held}") from None
+        self.placement["trainer_bundles"] = [bundle] * world
+
+    def release_trainer(self) -> None:
+        """The ranks' reservation goes with them (a restart reserves anew), unless it is shared with the engines."""
+        if self.trainer_group is not None and not self.colocated:
+            self.ray.util.remove_placement_group(self.trainer_group)
+            self.trainer_group = None
+
+    def trainer_options(self, rank: int) -> dict[str, Any]:
+        """Trainer rank `rank`'s (or, colocated, engine `rank`'s) bundle of the ranks' placement group."""
+        if self.trainer_group is None:
+            return {}
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.trainer_group,
+                                                                        placement_group_bundle_index=rank)}
+
+    def shutdown(self) -> None:
+        if self.trainer_group is not None:  # colocated: kept through the run (a user's cluster outlives it)
+            with contextlib.suppress(Exception):
+                self.ray.util.remove_placement_group(self.trainer_group)
+            self.trainer_group = None
+        if self.owns_ray:
+            self.ray.shutdown()
+
+
+def engine_lost(why: object) -> EngineLost:
+    """An engine actor died with runtime.weight_transport=broadcast. `why`: Ray's error (its first line is said) or a
+    sentence."""
+    return EngineLost("an engine actor died, and with runtime.weight_transport=broadcast no fresh one can "
+                      "get the run's current weights (each version is broadcast once, to a group of fixed members): "
+                      f"{error_line(str(why))}; continue with --resume, or use the default transport (Ray's "
+                      "object store), with which engine actors survive restarts")
+
+
+class ActorRollouts(Rollouts):
+    """Rollout actors (and the reward, env and engine actors they share), replaced when they die."""
+
+    label = "ray"
+
+    def __init__(self, cluster: RayCluster):
+        self.cluster, self.cfg, self.ray = cluster, cluster.cfg, cluster.ray
         self.workers: list[WorkerSlot] = []
-        self.trainer: Any = None  # rank 0
-        self.trainer_ranks: list[Any] = []  # ranks 1.. (trainer.world_size > 1)
-        self.trainer_group: Any = None  # the ranks' placement group
         self.reward_actors: list[Any] = []  # ray.reward.count, shared by the rollout actors
         self.env_actors: list[Any] = []  # ray.env.count, shared by the rollout actors
         self.engines: list[Any] = []  # ray.engine.count engine actors, shared by the rollout actors
         self.board: Any = None  # the latest published version, for engine actors Ray restarts
         self.owners = 0  # rollout actors made so far
         self.reclaims: list[Any] = []  # release_owner calls: sandboxes of dead rollout actors reclaimed
-        self.weights: WeightHandle | None = None  # the latest published version
-        self.step_weights: Any = None  # ObjectRef of the trainer's newest weights, not yet published
-        self.syncs: list = []  # update_weights calls not yet read for the metrics
-        # broadcast: which trainer actor (its start's count) sent each sync's version; a load of a version whose
-        # trainer died mid-broadcast fails, and the fresh trainer's next version supersedes it
-        self.trainer_starts = 0
-        self.sync_sender: dict[Any, int] = {}
         self.rollout_restarts = 0
+        # each version goes once over the trainer actor's group: an engine actor that dies then stops the run
+        self.broadcast = self.cfg.runtime.weight_transport == "broadcast"
         # the reward pools' counters (an LLM judge's: judge/*), which live in the actors that score, and the engines'
         # (engine/readings.py), which live in the engine actors, else the rollout actors: asked at each step, read at
         # a later one (never waited on); the last reading per actor, for the change since
@@ -180,59 +293,20 @@ class RayBackend(Backend):
         self.engine_polled = Polled(self.ray)
         self.engine_seen: dict[int, Reading] = {}
         self.pids: dict[str, list[int | None]] = {}  # reward / env actors' processes at the start
-        self.placement: dict[str, Any] = {}  # where the first actors ran
-        self.owns_ray = False
-        self.address = cluster_address(cfg.ray.address, os.environ)
-        self.local_cluster = self.address == "local"  # one loomrl starts here, and shuts down at the end
-        self.asks = run_asks(cfg, env_actors=environment_for(cfg).sandbox is not None)
-        # runtime.weight_transport=broadcast: the trainer actor broadcasts each version to the engine actors (NCCL
-        # between GPUs), nothing through the object store; an engine actor that dies then stops the run
-        self.broadcast = cfg.runtime.weight_transport == "broadcast"
-        # engine.sleep_while_training with engine actors: engine i and trainer rank i share bundle i of one placement
-        # group (a GPU each: fractional num_gpus), reserved before the engines start and kept across trainer restarts
-        self.colocated = cfg.engine.sleep_while_training and cfg.ray.engine.count > 0
 
-    # -- actors -------------------------------------------------------------------------------------
-    def _actor(self, cls: type, spec: Placement, **options: Any) -> Any:
-        return self.ray.remote(cls).options(num_cpus=spec.num_cpus, num_gpus=spec.num_gpus or None,
-                                            resources=spec.resources, **options)
-
-    def _init_ray(self) -> None:
-        """Join the cluster ray.address names (runtime/ray_resources.py cluster_address) or start a one-machine one;
-        one we start we also shut down."""
-        if self.ray.is_initialized():
-            return
-        cores = os.cpu_count() or 1
-        kwargs = ray_init_kwargs(self.address, self.asks, cores, os.environ, cwd=os.getcwd())
-        if self.local_cluster and kwargs["num_cpus"] > cores:
-            log.info("ray: the actors reserve %d CPUs; the one-machine cluster offers them on %d cores",
-                     kwargs["num_cpus"], cores)
-        self.ray.init(**kwargs)
-        self.owns_ray = True  # a joined cluster is only disconnected from (ray.shutdown leaves it running)
-
-    def _cluster(self) -> str:
-        """The cluster as the user knows it, for messages."""
-        if self.local_cluster:
-            return "this machine's one-node Ray (started by loomrl)"
-        return "the Ray cluster running on this machine" if self.address == "auto" else \
-            f"the Ray cluster at {self.address}"
-
-    def _check_cluster(self) -> None:
-        """Stop at once when the cluster cannot hold the run's actors (runtime/ray_resources.py)."""
-        nodes = [n["Resources"] for n in self.ray.nodes() if n["Alive"]]
-        why = shortfall(self.asks, self.ray.cluster_resources(), nodes, self._cluster())
-        if why is not None:
-            raise CannotStart(why)
+    def targets(self) -> list[Any]:
+        """What loads each version: the engine actors, else the rollout actors' own engines."""
+        return self.engines or [s.handle for s in self.workers]
 
     def _new_rollout_actor(self) -> WorkerSlot:
-        r = self.cfg.ray
+        r, cluster = self.cfg.ray, self.cluster
         self.owners += 1  # names this incarnation in the env actors' lease tables
         owner = f"rollout-{self.owners}"
-        cls = self._actor(RolloutActor, r.rollout, max_restarts=0, max_concurrency=1000)
+        cls = cluster.actor(RolloutActor, r.rollout, max_restarts=0, max_concurrency=1000)
         engine = self.engines[(self.owners - 1) % len(self.engines)] if self.engines else None
-        actor = cls.remote(self.cfg_json, self.reward_actors, self.env_actors, owner, engine)
-        if self.weights is not None and engine is None:
-            self.syncs.append(actor.update_weights.remote(self.weights))
+        actor = cls.remote(cluster.cfg_json, self.reward_actors, self.env_actors, owner, engine)
+        if cluster.weights is not None and engine is None:  # a fresh actor's engine gets the current version
+            cluster.syncs.append(actor.update_weights.remote(cluster.weights))
         return WorkerSlot(handle=actor, owner=owner, engine=engine)
 
     def _new_env_actors(self) -> list[Any]:
@@ -246,23 +320,15 @@ class RayBackend(Backend):
         share = math.ceil(rollout_concurrency(self.cfg) * r.rollout.count / r.env.count)
         # Concurrency: every waiting acquire holds a slot, and releases must still get in (else a full
         # pool could never be given back to): room for all of them, with margin.
-        cls = self._actor(EnvActor, r.env, max_concurrency=max(1000, 4 * share), max_restarts=r.env.max_restarts)
-        return [cls.remote(self.cfg_json, share) for _ in range(r.env.count)]
-
-    async def _where(self, actors: list[Any]) -> list[tuple[str | None, int | None]]:
-        return [tuple(await result_or(actor.where.remote(), 30, (None, None))) for actor in actors]
-
-    def _kill(self, actor: Any) -> None:
-        with contextlib.suppress(Exception):  # already gone
-            self.ray.kill(actor, no_restart=True)
+        cls = self.cluster.actor(EnvActor, r.env, max_concurrency=max(1000, 4 * share), max_restarts=r.env.max_restarts)
+        return [cls.remote(self.cluster.cfg_json, share) for _ in range(r.env.count)]
 
     async def start(self) -> None:
-        self._init_ray()
-        self._check_cluster()
-        r = self.cfg.ray
-        reward = self._actor(RewardActor, r.reward, max_concurrency=1000, max_restarts=r.reward.max_restarts,
-                             max_task_retries=r.max_reward_attempts - 1)
-        self.reward_actors = [reward.remote(self.cfg_json) for _ in range(r.reward.count)]
+        cluster, r = self.cluster, self.cfg.ray
+        cluster.connect()
+        reward = cluster.actor(RewardActor, r.reward, max_concurrency=1000, max_restarts=r.reward.max_restarts,
+                               max_task_retries=r.max_reward_attempts - 1)
+        self.reward_actors = [reward.remote(cluster.cfg_json) for _ in range(r.reward.count)]
         self.env_actors = self._new_env_actors()
         try:
             for env in self.env_actors:  # pre-warm the sandboxes before the first rollout
@@ -272,24 +338,24 @@ class RayBackend(Backend):
             raise
         if r.engine.count:
             self.board = self.ray.remote(WeightBoard).options(num_cpus=0).remote()
-            if self.colocated:
-                await self._reserve_trainer()
-            self.engines = [self._actor(EngineActor, r.engine, max_concurrency=1000,
-                                        max_restarts=0 if self.broadcast else r.engine.max_restarts,
-                                        **self._trainer_options(i)).remote(self.cfg_json, self.board, i)
+            if cluster.colocated:
+                await cluster.reserve_trainer()
+            self.engines = [cluster.actor(EngineActor, r.engine, max_concurrency=1000,
+                                          max_restarts=0 if self.broadcast else r.engine.max_restarts,
+                                          **cluster.trainer_options(i)).remote(cluster.cfg_json, self.board, i)
                             for i in range(r.engine.count)]
-            if self.colocated:
-                self.placement["engine_gpus"] = [await e.gpu_ids.remote() for e in self.engines]
+            if cluster.colocated:
+                cluster.placement["engine_gpus"] = [await e.gpu_ids.remote() for e in self.engines]
         for name, actors in (("reward", self.reward_actors), ("env", self.env_actors), ("engine", self.engines)):
-            where = await self._where(actors)
-            self.placement[name] = [node for node, _ in where]
+            where = await cluster.where(actors)
+            cluster.placement[name] = [node for node, _ in where]
             self.pids[name] = [pid for _, pid in where]
         self.workers = [self._new_rollout_actor() for _ in range(r.rollout.count)]
 
     def _replace_worker(self, i: int, why: str) -> None:
         """A fresh actor in a dead one's place (the driver counts replacements against ray.rollout.max_restarts)."""
         slot = self.workers[i]
-        self._kill(slot.handle)
+        self.cluster.kill(slot.handle)
         self.rollout_restarts += 1
         log.warning("rollout actor %d died (%s); starting a fresh one", i, why)
         for env in self.env_actors:  # its sandboxes are destroyed and replaced, not leaked
@@ -305,149 +371,6 @@ class RayBackend(Backend):
             self._replace_worker(i, why)
         return RolloutLost(why, replaced=replaced)
 
-    # -- the trainer --------------------------------------------------------------------------------
-    async def _call_trainer(self, ref: Any) -> Any:
-        """The result of a call on the trainer actor; TrainerLost when any trainer rank is gone."""
-        try:
-            return await ref
-        except self.ray.exceptions.RayActorError as err:
-            # a constructor that raised: its cause is at the end of Ray's message, which begins with where it ran
-            raise TrainerLost(error_tail(err) if constructor_failed(err) else error_line(err)) from None
-        except RankLost as err:  # another trainer rank died or failed: all ranks restart
-            raise TrainerLost(error_line(err, end=True)) from None
-
-    async def _reserve_trainer(self) -> None:
-        """A placement group with one bundle per trainer rank (ray.trainer_placement), so that all
-        ranks are placed together or not at all; none when a rank asks for nothing to reserve."""
-        if self.trainer_group is not None:  # colocated: reserved with the engines, kept
-            return
-        spec, world = self.cfg.ray.trainer, self.cfg.trainer.world_size
-        bundle = reserves(spec)
-        if self.colocated:  # rank i and engine i in one bundle: Ray then gives both the same GPU
-            engine = reserves(self.cfg.ray.engine)
-            bundle = {k: bundle.get(k, 0.0) + engine.get(k, 0.0) for k in {*bundle, *engine}}
-        if not bundle:
-            return
-        from ray.util.placement_group import placement_group
-
-        self.trainer_group = placement_group([bundle] * world, strategy=self.cfg.ray.trainer_placement)
-        try:
-            await asyncio.wait_for(self.trainer_group.ready(), timeout=self.cfg.ray.placement_timeout_s)
-        except TimeoutError:
-            # the cluster has enough in all (_check_cluster): other actors or jobs hold what the ranks need
-            total = self.ray.cluster_resources()
-            held = "; `ray status` on the cluster shows what is in use" if not self.local_cluster else ""
-            raise CannotStart(f"{self._cluster()} could not place {world} trainer rank(s) of {bundle} "
-                           f"({self.cfg.ray.trainer_placement}) within {self.cfg.ray.placement_timeout_s:.0f}s, though "
-                           f"it has { {k: total.get(k, 0.0) for k in bundle} } in all; check ray.trainer{held}") from None
-        self.placement["trainer_bundles"] = [bundle] * world
-
-    def _trainer_options(self, rank: int) -> dict[str, Any]:
-        """Trainer rank `rank`'s (or, colocated, engine `rank`'s) bundle of the ranks' placement group."""
-        if self.trainer_group is None:
-            return {}
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.trainer_group,
-                                                                        placement_group_bundle_index=rank)}
-
-    async def start_trainer(self, extra: dict[str, Any]) -> TrainerState:
-        spec, world = self.cfg.ray.trainer, self.cfg.trainer.world_size
-        self.trainer_starts += 1
-        await self._reserve_trainer()
-        self.trainer = self._actor(TrainerActor, spec, max_restarts=0,
-                                   **self._trainer_options(0)).remote(self.cfg_json, extra)
-        if self.cfg.trainer.distributed:  # follower rank actors from rank 0's checkpoint, all in one process group
-            addr, port, ckpt = await self._call_trainer(self.trainer.rendezvous.remote())
-            self.trainer_ranks = [self._actor(TrainerRankActor, spec, max_restarts=0, **self._trainer_options(rank))
-                                  .remote(self.cfg_json, ckpt) for rank in range(1, world)]
-            joins = [f.join.remote(rank, world, addr, port) for rank, f in enumerate(self.trainer_ranks, start=1)]
-            try:
-                joined = self.trainer.join_ranks.remote(self.trainer_ranks, addr, port)
-                await asyncio.gather(self._call_trainer(joined), *joins)
-            except self.ray.exceptions.RayError as err:  # a follower died or failed while joining
-                raise TrainerLost(f"a trainer rank failed to start: {error_line(err)}") from None
-        version, state, metrics = await self._call_trainer(self.trainer.state.remote())
-        if not self.broadcast:
-            self.step_weights = self.trainer.weights.remote()  # what publish(version) sends first
-            if self.colocated:  # its state is in host memory once this is made: only then may the engines wake
-                await asyncio.to_thread(self.ray.wait, [self.step_weights], fetch_local=False)
-        if "trainer" not in self.placement:
-            if self.colocated:
-                self.placement["trainer_gpus"] = [await a.gpu_ids.remote() for a in [self.trainer, *self.trainer_ranks]]
-                if why := colocation_mismatch(self.placement["engine_gpus"], self.placement["trainer_gpus"]):
-                    raise CannotStart(f"engine.sleep_while_training on Ray: {why} (check `ray status`)")
-            self.placement.update(
-                trainer=(await self._where([self.trainer]))[0][0],
-                trainer_ranks=[node for node, _ in await self._where(self.trainer_ranks)],
-                rollout=[node for node, _ in await self._where([s.handle for s in self.workers])])
-        return TrainerState(version, PositionSet(**state), metrics)
-
-    def stop_trainer(self) -> None:
-        for actor in [self.trainer, *self.trainer_ranks]:
-            if actor is not None:
-                self._kill(actor)
-        self.trainer, self.trainer_ranks = None, []
-        if self.trainer_group is not None and not self.colocated:  # its reservation goes with it: a restart reserves anew
-            self.ray.util.remove_placement_group(self.trainer_group)
-            self.trainer_group = None
-
-    async def receive(self, position: int, group: list[Trajectory]) -> None:
-        await self._call_trainer(self.trainer.receive.remote(position, group))
-
-    async def train_step(self) -> dict[str, Any] | None:
-        metrics_ref, weights_ref = self.trainer.step.options(num_returns=2).remote()
-        try:
-            metrics = await self._call_trainer(metrics_ref)
-        except self.ray.exceptions.RayTaskError as err:
-            if not isinstance(err.cause, BroadcastFailed):
-                raise
-            # the last version did not reach every engine actor: one that died is the usual cause
-            alive = [await result_or(engine.info.remote(), 30, None) is not None for engine in self.engines]
-            if not all(alive):
-                raise self._engine_lost(f"engine actor {alive.index(False)} is gone") from None
-            raise EngineLost(str(err.cause)) from None
-        if metrics is not None:
-            self.step_weights = weights_ref  # that step's weights, whatever the trainer does next
-        return metrics
-
-    async def trainer_ready(self) -> bool:
-        return await self._call_trainer(self.trainer.ready.remote())
-
-    async def sleep_engines(self) -> None:
-        await self._on_engines([actor.sleep.remote() for actor in self.engines or [s.handle for s in self.workers]])
-
-    async def wake_engines(self) -> None:
-        await self._on_engines([actor.wake.remote() for actor in self.engines or [s.handle for s in self.workers]])
-
-    async def _on_engines(self, calls: list[Any]) -> None:
-        """Engine.sleep or wake on every engine (the engine actors', else the rollout actors' own): one that died
-        meanwhile is left to the supervision (a fresh engine is awake); one that failed stops the run (a trainer
-        step next to an engine that kept its memory would run out of it)."""
-        for ref in calls:
-            try:
-                await ref
-            except self.ray.exceptions.RayActorError:
-                continue
-            except self.ray.exceptions.RayError as err:
-                raise EngineLost("an engine could not sleep or wake (engine.sleep_while_training):\n"
-                                 + error_tail(err)) from None
-
-    async def publish(self, version: int) -> None:
-        if self.broadcast:  # the trainer actor broadcasts it to the engine actors' processes as they receive it
-            self.weights = await self._call_trainer(self.trainer.publish.remote(version))
-        else:
-            self.weights = WeightHandle(transport=Transport.RAY, version=version, nbytes=0, payload=self.step_weights)
-        if self.engines:  # the engine actors load it (the board first: one restarted meanwhile reads it there)
-            await self.board.post.remote(self.weights)
-            refs = [engine.update_weights.remote(self.weights) for engine in self.engines]
-            self.sync_sender.update(dict.fromkeys(refs, self.trainer_starts))
-            self.syncs.extend(refs)
-            return
-        for slot in self.workers:
-            self.syncs.append(slot.handle.update_weights.remote(self.weights))
-
-    # -- the rollout side ---------------------------------------------------------------------------
     def dispatch(self, position: int) -> asyncio.Future:
         return asyncio.ensure_future(self._attempt(position))
 
@@ -458,7 +381,7 @@ class RayBackend(Backend):
         slot.load += 1
         ref = None
         try:
-            await self._engine_ready(slot)
+            await self._engine_caught_up(slot)
             ref = slot.handle.run_group.remote(position)
             return await ref
         except asyncio.CancelledError:
@@ -475,35 +398,47 @@ class RayBackend(Backend):
             if slot.incarnation == incarnation:
                 slot.load -= 1
 
-    async def _engine_ready(self, slot: WorkerSlot) -> None:
+    async def _engine_caught_up(self, slot: WorkerSlot) -> None:
         """With engine actors: once the slot's engine has loaded the versions published so far (a dead engine
-        actor's update is lost: its restart loads the board's latest, and `ready` loads one lost meanwhile)."""
+        actor's update is lost: its restart loads the board's latest, and `catch_up` loads one lost meanwhile)."""
         if slot.engine is None:
             return
+        latest, timeout_s = self.cluster.weights, self.cfg.ray.placement_timeout_s
         if not self.broadcast:
-            await result_or(slot.engine.ready.remote(self.weights), self.cfg.ray.placement_timeout_s, None)
+            await result_or(slot.engine.catch_up.remote(latest), timeout_s, None)
             return
         try:
-            await asyncio.wait_for(slot.engine.ready.remote(self.weights), self.cfg.ray.placement_timeout_s)
+            await asyncio.wait_for(slot.engine.catch_up.remote(latest), timeout_s)
         except self.ray.exceptions.RayActorError as err:
-            raise self._engine_lost(err) from None
-
-    @staticmethod
-    def _engine_lost(why: object) -> EngineLost:
-        """`why`: Ray's error (its first line is said) or a sentence."""
-        return EngineLost("an engine actor died, and with runtime.weight_transport=broadcast no fresh one can "
-                        "get the run's current weights (each version is broadcast once, to a group of fixed members): "
-                        f"{error_line(str(why))}; continue with --resume, or use the default transport (Ray's "
-                        "object store), with which engine actors survive restarts")
+            raise engine_lost(err) from None
 
     async def evaluate(self, label: str) -> Evaluation:
         slot = self.workers[0]
         incarnation = slot.incarnation
         try:
-            await self._engine_ready(slot)
+            await self._engine_caught_up(slot)
             return await slot.handle.evaluate.remote()
         except self.ray.exceptions.RayActorError as err:
             raise self._worker_died(0, incarnation, err) from None
+
+    async def sleep(self) -> None:
+        await self._on_engines([actor.sleep.remote() for actor in self.targets()])
+
+    async def wake(self) -> None:
+        await self._on_engines([actor.wake.remote() for actor in self.targets()])
+
+    async def _on_engines(self, calls: list[Any]) -> None:
+        """Engine.sleep or wake on every engine (the engine actors', else the rollout actors' own): one that died
+        meanwhile is left to the supervision (a fresh engine is awake); one that failed is EngineLost (a trainer
+        step next to an engine that kept its memory would run out of it)."""
+        for ref in calls:
+            try:
+                await ref
+            except self.ray.exceptions.RayActorError:
+                continue
+            except self.ray.exceptions.RayError as err:
+                raise EngineLost("an engine could not sleep or wake (engine.sleep_while_training):\n"
+                                 + error_tail(err)) from None
 
     def _reward_metrics(self) -> dict[str, float]:
         """The change since the last read of the reward pools' counters (judge/calls, judge/cost_usd, ...), summed
@@ -534,58 +469,26 @@ class RayBackend(Backend):
         return engine_step_metrics(changes)
 
     def step_metrics(self) -> dict[str, float]:
-        """The slowest finished weight transfer to a rollout actor since the last step (fetch from the
-        object store, apply in the engine); transfers still running are reported later."""
-        out = {"ray/rollout_restarts": float(self.rollout_restarts), **self._reward_metrics(), **self._engine_metrics()}
-        if not self.syncs:
-            return out
-        done, self.syncs = self.ray.wait(self.syncs, num_returns=len(self.syncs), timeout=0)
-        timings = []
-        for ref in done:
-            sender = self.sync_sender.pop(ref, self.trainer_starts)
-            try:
-                timings.append(self.ray.get(ref))
-            except self.ray.exceptions.RayActorError as err:  # that actor died: supervision replaces it
-                if self.broadcast and self.engines:
-                    raise self._engine_lost(err) from None
-                continue
-            except self.ray.exceptions.RayError as err:  # a live engine could not load the trainer's weights:
-                if self.broadcast and sender < self.trainer_starts:  # its trainer died mid-broadcast; the fresh
-                    log.info("ray: a version whose trainer actor died while broadcasting it was not loaded (the new "
-                             "trainer's next version replaces it): %s", error_line(err, end=True)[:200])
-                    continue
-                # every actor gets the same ones, so retrying cannot help (and the engine refuses requests)
-                raise EngineLost("a rollout actor's engine could not load the trainer's weights:\n"
-                                 + error_tail(err)) from None
-        if timings:
-            out.update({"weight_sync/load_s": max(t["load_s"] for t in timings),
-                        "weight_sync/apply_s": max(t["apply_s"] for t in timings),
-                        "weight_sync/confirm_s": max(t["confirm_s"] for t in timings),
-                        "weight_sync/fingerprinted": float(min(t["fingerprinted"] for t in timings)),
-                        "weight_sync/transfers": float(len(timings))})
-        return out
+        return {"ray/rollout_restarts": float(self.rollout_restarts), **self._reward_metrics(),
+                **self._engine_metrics()}
 
-    async def close(self) -> BackendReport:
+    async def close(self) -> RolloutReport:
         try:
             return await self._close()
         finally:
-            if self.trainer_group is not None:  # colocated: kept through the run (a user's cluster outlives it)
-                with contextlib.suppress(Exception):
-                    self.ray.util.remove_placement_group(self.trainer_group)
-                self.trainer_group = None
-            if self.owns_ray:
-                self.ray.shutdown()
+            self.cluster.shutdown()
 
-    async def _close(self) -> BackendReport:
+    async def _close(self) -> RolloutReport:
+        cluster = self.cluster
         pool: dict[str, Any] = {}
         rollouts: dict[str, Any] = {}
         for slot in self.workers:  # a dead or stuck actor counts nothing (and is killed anyway)
             counts, metrics = await result_or(slot.handle.close.remote(), 30, ({}, {}))
             add_into(rollouts, counts)
             add_into(pool, metrics)
-            self._kill(slot.handle)
+            cluster.kill(slot.handle)
         # Ray restarts reward and env actors itself: a new process id means at least one restart
-        restarts = {name: sum(a != b for a, (_, b) in zip(self.pids.get(name, []), await self._where(actors)))
+        restarts = {name: sum(a != b for a, (_, b) in zip(self.pids.get(name, []), await cluster.where(actors)))
                     for name, actors in (("reward", self.reward_actors), ("env", self.env_actors),
                                          ("engine", self.engines))}
         engines: dict[str, Any] = {}  # the engine actors' counters (since their last start)
@@ -600,9 +503,191 @@ class RayBackend(Backend):
             add_into(env_pool, await result_or(env.close.remote(), 60, {}))
         for actor in [*self.reward_actors, *self.env_actors, *self.engines, self.board]:
             if actor is not None:
-                self._kill(actor)
+                cluster.kill(actor)
         # rollouts: as the rollout actors alive at the end counted them (a dead actor's counts die with it)
-        return BackendReport(rollouts=rollouts, env_pool=env_pool if self.env_actors else pool, extra={"ray": {
+        return RolloutReport(rollouts=rollouts, env_pool=env_pool if self.env_actors else pool, extra={"ray": {
             "rollout_restarts": self.rollout_restarts, "reward_restarts": restarts["reward"],
-            "env_restarts": restarts["env"], "env_leases_reclaimed": reclaimed, "placement": self.placement,
+            "env_restarts": restarts["env"], "env_leases_reclaimed": reclaimed, "placement": cluster.placement,
             **({"engine_restarts": restarts["engine"], "engines": engines} if self.engines else {})}})
+
+
+class ActorTrainer(Trainer):
+    """Trainer actors: rank 0 and, with trainer.world_size > 1, the follower ranks, placed together."""
+
+    def __init__(self, cluster: RayCluster, rollouts: ActorRollouts):
+        self.cluster, self.cfg, self.ray, self.rollouts = cluster, cluster.cfg, cluster.ray, rollouts
+        self.trainer: Any = None  # rank 0
+        self.trainer_ranks: list[Any] = []  # ranks 1.. (trainer.world_size > 1)
+        self.step_weights: Any = None  # ObjectRef of the trainer's newest weights, not yet published
+        self.broadcast = self.cfg.runtime.weight_transport == "broadcast"
+
+    def actor(self) -> Any:
+        """Rank 0's actor (start() makes it)."""
+        if self.trainer is None:
+            raise RuntimeError("ActorTrainer: used before start() or after stop()")
+        return self.trainer
+
+    async def call(self, ref: Any) -> Any:
+        """The result of a call on a trainer actor; TrainerLost when any trainer rank is gone."""
+        try:
+            return await ref
+        except self.ray.exceptions.RayActorError as err:
+            # a constructor that raised: its cause is at the end of Ray's message, which begins with where it ran
+            raise TrainerLost(error_tail(err) if constructor_failed(err) else error_line(err)) from None
+        except RankLost as err:  # another trainer rank died or failed: all ranks restart
+            raise TrainerLost(error_line(err, end=True)) from None
+
+    async def start(self, extra: dict[str, Any]) -> TrainerState:
+        cluster, spec, world = self.cluster, self.cfg.ray.trainer, self.cfg.trainer.world_size
+        cluster.trainer_starts += 1
+        await cluster.reserve_trainer()
+        trainer = self.trainer = cluster.actor(TrainerActor, spec, max_restarts=0,
+                                               **cluster.trainer_options(0)).remote(cluster.cfg_json, extra)
+        if self.cfg.trainer.distributed:  # follower rank actors from rank 0's checkpoint, all in one process group
+            addr, port, ckpt = await self.call(trainer.rendezvous.remote())
+            self.trainer_ranks = [cluster.actor(TrainerRankActor, spec, max_restarts=0, **cluster.trainer_options(rank))
+                                  .remote(cluster.cfg_json, ckpt) for rank in range(1, world)]
+            joins = [f.join.remote(rank, world, addr, port) for rank, f in enumerate(self.trainer_ranks, start=1)]
+            try:
+                joined = trainer.join_ranks.remote(self.trainer_ranks, addr, port)
+                await asyncio.gather(self.call(joined), *joins)
+            except self.ray.exceptions.RayError as err:  # a follower died or failed while joining
+                raise TrainerLost(f"a trainer rank failed to start: {error_line(err)}") from None
+        version, state, metrics = await self.call(trainer.state.remote())
+        if not self.broadcast:
+            self.step_weights = trainer.weights.remote()  # what publish(version) sends first
+            if cluster.colocated:  # its state is in host memory once this is made: only then may the engines wake
+                await asyncio.to_thread(self.ray.wait, [self.step_weights], fetch_local=False)
+        placement = cluster.placement
+        if "trainer" not in placement:
+            if cluster.colocated:
+                placement["trainer_gpus"] = [await a.gpu_ids.remote() for a in [trainer, *self.trainer_ranks]]
+                if why := colocation_mismatch(placement["engine_gpus"], placement["trainer_gpus"]):
+                    raise CannotStart(f"engine.sleep_while_training on Ray: {why} (check `ray status`)")
+            placement.update(
+                trainer=(await cluster.where([trainer]))[0][0],
+                trainer_ranks=[node for node, _ in await cluster.where(self.trainer_ranks)],
+                rollout=[node for node, _ in await cluster.where([s.handle for s in self.rollouts.workers])])
+        return TrainerState(version, PositionSet(**state), metrics)
+
+    def stop(self) -> None:
+        for actor in [self.trainer, *self.trainer_ranks]:
+            if actor is not None:
+                self.cluster.kill(actor)
+        self.trainer, self.trainer_ranks = None, []
+        self.cluster.release_trainer()
+
+    async def receive(self, position: int, group: list[Trajectory]) -> None:
+        await self.call(self.actor().receive.remote(position, group))
+
+    async def has_step(self) -> bool:
+        return await self.call(self.actor().has_step.remote())
+
+    async def train_step(self) -> dict[str, Any] | None:
+        metrics_ref, weights_ref = self.actor().step.options(num_returns=2).remote()
+        try:
+            metrics = await self.call(metrics_ref)
+        except self.ray.exceptions.RayTaskError as err:
+            if not isinstance(err.cause, BroadcastFailed):
+                raise
+            # the last version did not reach every engine actor: one that died is the usual cause
+            alive = [await result_or(engine.info.remote(), 30, None) is not None for engine in self.rollouts.engines]
+            if not all(alive):
+                raise engine_lost(f"engine actor {alive.index(False)} is gone") from None
+            raise EngineLost(str(err.cause)) from None
+        if metrics is not None:
+            self.step_weights = weights_ref  # that step's weights, whatever the trainer does next
+        return metrics
+
+
+class ActorRoute(WeightRoute):
+    """A version to every engine: the engine actors (the board first: one restarted meanwhile reads it there), else
+    every rollout actor. How the version travels is the subclass's; its loads are read for the metrics without
+    waiting, a step later if need be."""
+
+    def __init__(self, cluster: RayCluster, rollouts: ActorRollouts, trainer: ActorTrainer):
+        self.cluster, self.ray, self.rollouts, self.trainer = cluster, cluster.ray, rollouts, trainer
+
+    async def handle(self, version: int) -> WeightHandle:
+        raise NotImplementedError
+
+    async def publish(self, version: int) -> None:
+        cluster = self.cluster
+        cluster.weights = await self.handle(version)
+        if self.rollouts.engines:
+            await self.rollouts.board.post.remote(cluster.weights)
+            refs = [engine.update_weights.remote(cluster.weights) for engine in self.rollouts.engines]
+            cluster.sync_sender.update(dict.fromkeys(refs, cluster.trainer_starts))
+            cluster.syncs.extend(refs)
+            return
+        for slot in self.rollouts.workers:
+            cluster.syncs.append(slot.handle.update_weights.remote(cluster.weights))
+
+    def load_died(self, err: BaseException) -> None:
+        """The actor loading a version died: supervision replaces it (a fresh one loads the latest)."""
+
+    def load_failed(self, err: BaseException, sender: int) -> None:
+        """A live engine could not load a version: every engine gets the same ones, so retrying cannot help (and the
+        engine refuses requests)."""
+        raise EngineLost("a rollout actor's engine could not load the trainer's weights:\n" + error_tail(err)) from None
+
+    def step_metrics(self) -> dict[str, float]:
+        """The slowest finished weight transfer since the last step (fetch, apply in the engine, confirm); transfers
+        still running are reported later."""
+        cluster = self.cluster
+        if not cluster.syncs:
+            return {}
+        done, cluster.syncs = self.ray.wait(cluster.syncs, num_returns=len(cluster.syncs), timeout=0)
+        timings = []
+        for ref in done:
+            sender = cluster.sync_sender.pop(ref, cluster.trainer_starts)
+            try:
+                timings.append(self.ray.get(ref))
+            except self.ray.exceptions.RayActorError as err:
+                self.load_died(err)
+            except self.ray.exceptions.RayError as err:
+                self.load_failed(err, sender)
+        if not timings:
+            return {}
+        return {"weight_sync/load_s": max(t["load_s"] for t in timings),
+                "weight_sync/apply_s": max(t["apply_s"] for t in timings),
+                "weight_sync/confirm_s": max(t["confirm_s"] for t in timings),
+                "weight_sync/fingerprinted": float(min(t["fingerprinted"] for t in timings)),
+                "weight_sync/transfers": float(len(timings))}
+
+
+class ObjectStoreRoute(ActorRoute):
+    """Transport "ray": the trainer returned the version's weights as an object the driver owns (it outlives a
+    trainer that dies); each engine fetches it from Ray's object store."""
+
+    async def handle(self, version: int) -> WeightHandle:
+        return WeightHandle(transport=Transport.RAY, version=version, nbytes=0, payload=self.trainer.step_weights)
+
+
+class BroadcastRoute(ActorRoute):
+    """runtime.weight_transport=broadcast: the trainer actor broadcasts each version over its process group to the
+    engine actors' processes as they receive it (NCCL between GPUs); nothing goes through the object store, and an
+    engine actor that dies cannot be given the current version again."""
+
+    async def handle(self, version: int) -> WeightHandle:
+        return await self.trainer.call(self.trainer.actor().publish.remote(version))
+
+    def load_died(self, err: BaseException) -> None:
+        if self.rollouts.engines:
+            raise engine_lost(err) from None
+
+    def load_failed(self, err: BaseException, sender: int) -> None:
+        if sender < self.cluster.trainer_starts:  # its trainer died mid-broadcast; the fresh trainer's next version
+            log.info("ray: a version whose trainer actor died while broadcasting it was not loaded (the new "
+                     "trainer's next version replaces it): %s", error_line(err, end=True)[:200])
+            return
+        super().load_failed(err, sender)
+
+
+def ray_parts(cfg: RunConfig) -> Parts:
+    """The Ray run's parts: actor rollouts, actor trainer, and the route runtime.weight_transport names."""
+    cluster = RayCluster(cfg)
+    rollouts = ActorRollouts(cluster)
+    trainer = ActorTrainer(cluster, rollouts)
+    route = BroadcastRoute if cfg.runtime.weight_transport == "broadcast" else ObjectStoreRoute
+    return Parts(rollouts, trainer, route(cluster, rollouts, trainer))

@@ -1,19 +1,21 @@
-"""Wiring: a run folder, a backend for the config (runtime.backend), the driver over it; and held-out
-evaluation of a checkpoint."""
+"""Wiring: a run folder, the parts for the config (runtime.backend, runtime.mode, runtime.weight_transport), the driver
+over them; and held-out evaluation of a checkpoint."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from loomrl.config import RunConfig, load_config, save_resolved
 from loomrl.reward.pool import load_terms
-from loomrl.runtime.driver import Backend, Driver, checked_eval
+from loomrl.runtime.driver import Driver, checked_eval
 from loomrl.runtime.failures import CannotStart
+from loomrl.runtime.parts import Parts
 from loomrl.runtime.summary import finished_at
 from loomrl.trainer.checkpoint import checkpoint_step, latest_checkpoint
 from loomrl.trainer.service import read_ledger
@@ -76,14 +78,15 @@ def _differences(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list
     return sorted(out)
 
 
-def make_backend(cfg: RunConfig, checkpoint: Path | None) -> Backend:
+def make_parts(cfg: RunConfig, checkpoint: Path | None) -> Parts:
+    """The run's rollouts, trainer and weight route, composed once from its config (runtime/parts.py)."""
     if cfg.runtime.backend == "ray":
-        from loomrl.runtime.ray_backend import RayBackend
+        from loomrl.runtime.ray_backend import ray_parts
 
-        return RayBackend(cfg)
-    from loomrl.runtime.local import LocalBackend
+        return ray_parts(cfg)
+    from loomrl.runtime.local import local_parts
 
-    return LocalBackend(cfg, checkpoint)
+    return local_parts(cfg, checkpoint)
 
 
 class RunInterrupted(Exception):
@@ -96,15 +99,15 @@ class RunInterrupted(Exception):
 
 
 def train(cfg: RunConfig, resume: bool = False, wall_start: float | None = None,
-          backend: Backend | None = None) -> dict[str, Any]:
-    """Train as the config says; the summary (also RUN/summary.json). `backend`: one made by the
-    caller (tests swap in a scripted engine this way), else the config's. RunInterrupted on Ctrl-C."""
+          parts: Callable[[RunConfig, Path | None], Parts] = make_parts) -> dict[str, Any]:
+    """Train as the config says; the summary (also RUN/summary.json). `parts`: what composes the run's parts from the
+    config and the checkpoint it resumes from (tests wrap the real ones this way). RunInterrupted on Ctrl-C."""
     wall_start = wall_start or time.time()
     if cfg.reward.function or cfg.reward.functions:  # a reward that cannot be imported stops here, before any model
         load_terms(cfg)
     ckpt = prepare_run_dir(cfg, resume)
     try:
-        return Driver(cfg, backend or make_backend(cfg, ckpt), ckpt, wall_start).train()
+        return Driver(cfg, parts(cfg, ckpt), ckpt, wall_start).run()
     except KeyboardInterrupt:  # the driver's finally has stopped the trainer and flushed the run folder
         latest = latest_checkpoint(cfg.run_dir)
         steps = [entry["step"] for entry in read_ledger(cfg.run_dir)]
@@ -123,16 +126,16 @@ def resolve_checkpoint(path: Path) -> Path:
 def evaluate_checkpoint(cfg: RunConfig, checkpoint: Path) -> dict[str, Any]:
     """Held-out success of a checkpoint folder (or a run folder: its latest checkpoint), on the local
     backend's rollout side."""
-    from loomrl.runtime.local import LocalBackend
+    from loomrl.runtime.local import LocalRollouts
 
     ckpt = resolve_checkpoint(checkpoint)
-    backend = LocalBackend(cfg, ckpt)
+    rollouts = LocalRollouts(cfg, ckpt)
 
     async def run_eval() -> EvalRecord:
         try:
-            await backend.start()
-            return (await backend.evaluate("checkpoint")).record
+            await rollouts.start()
+            return (await rollouts.evaluate("checkpoint")).record
         finally:
-            await backend.close()
+            await rollouts.close()
 
     return {"checkpoint": str(ckpt), **asdict(checked_eval(asyncio.run(run_eval()), f"of {ckpt}"))}

@@ -63,15 +63,15 @@ class TrainerActor(Placed):
     def receive(self, position: int, group: list[Trajectory]) -> None:
         self._trainer().receive(position, group)
 
-    def ready(self) -> bool:
+    def has_step(self) -> bool:
         """Whether a step's groups are buffered (step would train)."""
-        return self._trainer().ready()
+        return self._trainer().has_step()
 
     def step(self) -> tuple[dict[str, Any] | None, dict[str, torch.Tensor] | None]:
         """One training step when a step's groups are buffered (and the run is not done): its metrics
         and the new weights (called with num_returns=2, so that the weights stay in the object store,
         owned by the caller, for the rollout actors to fetch); else (None, None)."""
-        if not self._trainer().ready():
+        if not self._trainer().has_step():
             return None, None
         if self.publisher is not None:  # broadcast: the engines have received the last version before it changes
             self.publisher.settle()

@@ -2,7 +2,7 @@
 requests on a pair of queues, and the client the local backend drives it with.
 
 The channel carries dataclasses, not tuples: Group (one group and its data position), StepRequest
-(train one step if a step's groups are buffered), Stop; answers are Ready (after start: the version,
+(train one step if a step's groups are buffered), Stop; answers are Started (after start: the version,
 the positions received, the current weights), Stepped (metrics and the new weights, or nothing when no
 step was due) and Failed (the traceback). New weights travel as small handles (runtime.weight_transport,
 loomrl/weights/); the trainer keeps its last versions readable until the client has read them.
@@ -66,17 +66,17 @@ class Stop:
 
 
 @dataclass(slots=True, frozen=True)
-class ReadyQuery:
-    """Whether a step's groups are buffered (answered IsReady; engine.sleep_while_training asks first)."""
+class HasStepQuery:
+    """Whether a step's groups are buffered (answered HasStep; engine.sleep_while_training asks first)."""
 
 
 @dataclass(slots=True, frozen=True)
-class IsReady:
-    ready: bool
+class HasStep:
+    has_step: bool
 
 
 @dataclass(slots=True, frozen=True)
-class Ready:
+class Started:
     version: int
     received: dict[str, Any]  # PositionSet.state()
     weights: WeightHandle
@@ -111,7 +111,7 @@ class TrainerProcess:
         self.answers: asyncio.Queue = asyncio.Queue()
         self.stopping = False  # set by stop(): the process ending then is no failure
 
-    async def start(self) -> Ready:
+    async def start(self) -> Started:
         cfg = self.cfg
         # trainer.distributed: the follower ranks are the trainer's siblings, so that this process
         # sees them die (and stops the whole trainer, which then restarts) and cleans them up.
@@ -122,7 +122,7 @@ class TrainerProcess:
                            str(self.checkpoint or ""), self.threads, self.inbox, self.outbox, ranks)
         loop = asyncio.get_running_loop()
         threading.Thread(target=self._pump, args=(loop,), daemon=True, name="loomrl-trainer-pump").start()
-        return await self._answer(Ready)
+        return await self._answer(Started)
 
     def _pump(self, loop: asyncio.AbstractEventLoop) -> None:
         """Trainer process -> asyncio, on a thread so that the event loop never blocks."""
@@ -172,9 +172,9 @@ class TrainerProcess:
         self.inbox.put(StepRequest())
         return await self._answer(Stepped)
 
-    async def ready(self) -> bool:
-        self.inbox.put(ReadyQuery())
-        return (await self._answer(IsReady)).ready
+    async def has_step(self) -> bool:
+        self.inbox.put(HasStepQuery())
+        return (await self._answer(HasStep)).has_step
 
     def stop(self) -> None:
         """Stop the process (and its followers); a process that does not stop in time is killed."""
@@ -254,13 +254,13 @@ def _trainer_main(cfg_json: str, extra: dict[str, Any], checkpoint: str, threads
         first = publish(publisher, service)
         if colocated:
             service.offload()
-        outbox.put(Ready(service.version, service.received.state(), first, service.last_metrics))
+        outbox.put(Started(service.version, service.received.state(), first, service.last_metrics))
         while not isinstance(msg := inbox.get(), Stop):
             if isinstance(msg, Group):
                 service.receive(msg.position, msg.group)
-            elif isinstance(msg, ReadyQuery):
-                outbox.put(IsReady(service.ready()))
-            elif service.ready():
+            elif isinstance(msg, HasStepQuery):
+                outbox.put(HasStep(service.has_step()))
+            elif service.has_step():
                 publisher.settle()  # nothing reads the weights any more (broadcast) when the step changes them
                 if colocated:
                     metrics, handle = colocated_step(service, partial(publish_settled, publisher, service))

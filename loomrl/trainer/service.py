@@ -155,8 +155,8 @@ class TrainerService:
         self.buffer.put(group, position, skip=lambda p: p in self.received)  # received before: consumed already
         self.received.add(position)
 
-    def ready(self) -> bool:
-        return not self.done and self.buffer.ready() >= self.cfg.trainer.groups_per_step
+    def has_step(self) -> bool:
+        return not self.done and self.buffer.takeable() >= self.cfg.trainer.groups_per_step
 
     def train_step(self) -> dict[str, Any]:
         """Consume one step's groups, update the policy (when any group has signal), log the ledger."""

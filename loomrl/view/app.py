@@ -131,7 +131,7 @@ def create_app(paths: list[Path]) -> FastAPI:
         fate = folder.fates().get(id) if store_name == TRAINING_STORE else None
         trained = folder.records().get(id) if store_name == TRAINING_STORE else None
         text = runs.token_text(run)
-        loading = not text.ready(TOKENIZER_WAIT_S)
+        loading = not text.loaded(TOKENIZER_WAIT_S)
         contexts: list[dict[str, Any]] = [*record.get("segments", []), {"reason": "", **{k: record[k] for k in (
             "token_ids", "loss_mask", "logprobs", "versions", "turns", "prompt_len")}}]
         recorded_gaps = trained["gaps"] if trained is not None else []

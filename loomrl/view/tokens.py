@@ -72,7 +72,7 @@ class TokenText:
         if not self._tried:
             threading.Thread(target=self.tokenizer, name="loomrl-view-tokenizer", daemon=True).start()
 
-    def ready(self, wait_s: float) -> bool:
+    def loaded(self, wait_s: float) -> bool:
         """Whether the tokenizer has been loaded (or has failed to), waiting at most `wait_s` for a load under way:
         a trajectory opened while it loads answers with ids at once rather than after the seconds transformers
         takes to import (the page asks again)."""

@@ -14,7 +14,7 @@ the device or the order they were read in, and any other values almost surely ch
 Where it is taken: the publisher taps the buckets it sends (`Tap`, no copy of its own; weights/handle.py) and puts the
 `Fingerprint` in the handle; a broadcast (sent after publish returns) is fingerprinted from the trainer's whole
 tensors when it has them (a replicated trainer), else its handle says why not. The engine computes its own over its
-loaded weights (Engine.weight_fingerprint) and `check` compares the two (engine/common.py confirm_weights).
+loaded weights (Engine.weight_fingerprint) and `check` compares the two (confirm_weights below).
 
 What it is not: a proof that every element arrived (a sample of tensors, a sample of elements: it catches a version
 that was not applied, in whole or a tensor at a time, not one flipped bit), nor a check of what an engine derives from
@@ -28,7 +28,7 @@ import math
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -184,3 +184,11 @@ def _once(engine: str, line: str) -> None:
     if (engine, line) not in _said:
         _said.add((engine, line))
         log.warning(line)
+
+
+def confirm_weights(engine: Any, label: str, version: int, expected: Fingerprint | None) -> int:
+    """After `engine` (named `label` in errors) applied `version`: raise WeightMismatch unless it serves that version
+    and its weights' fingerprint matches `expected`, the publisher's (weights/fingerprint.py check: what could not be
+    compared is logged, never skipped silently). Returns how many tensors were compared."""
+    actual = engine.weight_fingerprint(expected) if expected is not None and expected.sums else Fingerprint()
+    return check(label, version, expected, actual, engine.version)

@@ -93,7 +93,7 @@ def run_events(sampler, n_groups: int, events, gaps: bool = False) -> tuple[list
             sampler.finished(index[x], x)
         else:
             order += [rank_of[i] for i, _ in sampler.take(x)]
-        readies.append(sampler.ready())
+        readies.append(sampler.takeable())
     return order, readies
 
 
@@ -124,15 +124,15 @@ def test_window_hand_made():
         s.submitted(r)
     for r in (1, 2, 3):
         s.finished(r, f"g{r}")
-    assert s.ready() == 1 and len(s) == 3  # only 1 is inside [0, 2); 2 and 3 wait
+    assert s.takeable() == 1 and len(s) == 3  # only 1 is inside [0, 2); 2 and 3 wait
     assert s.take(5) == [(1, "g1")]
-    assert s.ready() == 0
+    assert s.takeable() == 0
     s.finished(0, "g0")  # the head: the window moves to [2, 4)
-    assert s.ready() == 3
+    assert s.takeable() == 3
     assert s.take(5) == [(0, "g0"), (2, "g2"), (3, "g3")]
-    assert s.ready() == 0 and len(s) == 0
+    assert s.takeable() == 0 and len(s) == 0
     s.finished(5, "g5")  # the window is [4, 6): 5 may overtake 4
-    assert s.ready() == 1 and s.take(2) == [(5, "g5")]
+    assert s.takeable() == 1 and s.take(2) == [(5, "g5")]
 
 
 def test_window_hand_made_ready_inside():
@@ -143,7 +143,7 @@ def test_window_hand_made_ready_inside():
         s.finished(r, r)
     assert [i for i, _ in s.take(4)] == [0, 1, 2, 3]
     s.finished(5, 5)
-    assert s.ready() == 1  # window [4, 6)
+    assert s.takeable() == 1  # window [4, 6)
     assert s.take(1) == [(5, 5)]
     s.finished(4, 4)
     assert s.take(1) == [(4, 4)]
@@ -159,9 +159,9 @@ def test_window_advances_only_when_its_oldest_is_taken():
     s.finished(3, 3)
     s.finished(4, 4)
     # 1 and 2 were taken, but the head 0 was not: the window stays [0, 3), so 3 and 4 wait
-    assert s.ready() == 0 and s.take(10) == [] and len(s) == 2
+    assert s.takeable() == 0 and s.take(10) == [] and len(s) == 2
     s.finished(0, 0)
-    assert s.ready() == 3
+    assert s.takeable() == 3
     assert [i for i, _ in s.take(10)] == [0, 3, 4]
 
 
@@ -267,12 +267,12 @@ def test_nothing_lost_or_duplicated_and_ready_is_exact(name, seed):
         else:
             taken += sampler.take(x)
         assert len(sampler) == finished - len(taken)
-        ready = sampler.ready()
+        ready = sampler.takeable()
         assert ready == len(copy.deepcopy(sampler).take(10**9))  # ready() is what take would return now
     taken += sampler.take(10**9)
     assert sorted(i for i, _ in taken) == index
     assert all(g == ("group", i) for i, g in taken)
-    assert len(sampler) == 0 and sampler.ready() == 0 and sampler.take(3) == []
+    assert len(sampler) == 0 and sampler.takeable() == 0 and sampler.take(3) == []
 
 
 def test_groups_of_trajectories():

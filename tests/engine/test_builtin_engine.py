@@ -15,7 +15,7 @@ from loomrl.engine.base import GenerationRequest, SamplingParams
 from loomrl.engine.builtin.engine import BuiltinEngine
 from loomrl.engine.builtin.prefix_cache import PrefixCache
 from loomrl.engine.builtin.runner import Chunk, ModelRunner
-from loomrl.engine.common import filter_logits
+from loomrl.engine.builtin.sampling import filter_logits
 from loomrl.model.loader import build_tiny_model
 
 
@@ -209,7 +209,7 @@ def test_call_runs_on_the_engine_thread_between_steps(engine):
 
 
 def test_sampling_follows_the_filtered_distribution():
-    from loomrl.engine.common import sample_tokens
+    from loomrl.engine.builtin.sampling import sample_tokens
 
     n = 20000
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf"), 0.5]]).repeat(n, 1)

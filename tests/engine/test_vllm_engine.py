@@ -510,8 +510,7 @@ def test_vllms_worker_fingerprints_what_it_loaded(models, caplog):
     published name and shape (on this CPU: the embedding and the norms), the rest are logged as not checked; a version
     with one norm negated on the way (a test double of a faulty transport: the tensors handed to update_weights) stops
     with the engine, the version and the tensor named. An engine of its own: it ends up with wrong weights."""
-    from loomrl.engine.common import confirm_weights
-    from loomrl.weights.fingerprint import WeightMismatch
+    from loomrl.weights.fingerprint import WeightMismatch, confirm_weights
 
     a, b, tokenizer = models
     eng = make_engine(load_config(None, OVERRIDES), a, tokenizer, 0)

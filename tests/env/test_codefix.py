@@ -189,3 +189,35 @@ def test_cli_validate_tasks_report_defaults_to_the_loomrl_cache_not_the_cwd(tmp_
     report = cache / "task_validation.json"
     assert json.loads(report.read_text())["valid"] == 3 and not list(cwd.iterdir())
     assert f"report: {report}" in capsys.readouterr().out
+
+
+def test_validation_is_a_start_up_step_whose_result_is_cached_by_what_decides_it(tmp_path, monkeypatch):
+    """CodefixEnvironment.start validates the tasks in real sandboxes once and keeps the report in loomrl's cache
+    folder; a fresh environment (another run, another rollout actor) reads it there instead of validating again,
+    unless what decides the result changed (here the sandbox limits); `tasks` only reads, and refuses before start."""
+    from loomrl.env.api import TaskSetup
+    from loomrl.env.tasks import codefix
+
+    monkeypatch.setenv("LOOMRL_CACHE", str(tmp_path))
+    setup = TaskSetup(families=["clamp"], n_train=3, n_heldout=1, seed=0, heldout_template_share=0.0, sandbox="auto")
+    first = codefix.CodefixEnvironment()
+    with pytest.raises(RuntimeError, match="before start"):
+        first.tasks(setup)
+    asyncio.run(first.start(setup))
+    [cached] = (tmp_path / "codefix-validation").iterdir()
+    assert json.loads(cached.read_text())["valid"] == 3
+
+    async def no_sandboxes(*args, **kwargs):
+        raise AssertionError("validated again")
+
+    monkeypatch.setattr(codefix, "validate_codefix", no_sandboxes)
+    second = codefix.CodefixEnvironment()
+    asyncio.run(second.start(setup))
+    assert second.tasks(setup) == first.tasks(setup) and len(first.tasks(setup)[1]) == 1
+    limited = TaskSetup(**{**{f: getattr(setup, f) for f in setup.__dataclass_fields__},
+                           "sandbox_limits": {"cpu_seconds": 30}})
+    with pytest.raises(AssertionError, match="validated again"):
+        asyncio.run(second.start(limited))
+    cached.write_text("{not json")  # a report that cannot be read is made again
+    with pytest.raises(AssertionError, match="validated again"):
+        asyncio.run(codefix.CodefixEnvironment().start(setup))

@@ -19,8 +19,9 @@ from typing import Any
 import pytest
 
 from loomrl.config import load_config
-from loomrl.runtime.driver import Backend, BackendReport, Driver, TrainerState
+from loomrl.runtime.driver import Driver
 from loomrl.runtime.failures import CannotStart, EngineLost, RolloutLost, RunError, TrainerLost
+from loomrl.runtime.parts import Parts, RolloutReport, Rollouts, Trainer, TrainerState, WeightRoute
 from loomrl.trainer.service import PositionSet, read_ledger
 from loomrl.types import EvalRecord, Evaluation, Trajectory, TrajectoryMetadata
 
@@ -50,8 +51,8 @@ class Script:
     stale_at: dict[int, int] = field(default_factory=dict)  # step -> groups its trainer drops as stale first
 
 
-class ScriptedBackend(Backend):
-    label = "scripted"
+class ScriptedBackend:
+    """The whole scripted side in one object; the three parts the driver sees (below) are views of it."""
 
     def __init__(self, cfg, script: Script):
         self.cfg, self.script = cfg, script
@@ -111,8 +112,8 @@ class ScriptedBackend(Backend):
     def step_metrics(self) -> dict[str, float]:
         return {"scripted/published": float(self.published)}
 
-    async def close(self) -> BackendReport:
-        return BackendReport(rollouts={}, env_pool={})
+    async def close(self) -> RolloutReport:
+        return RolloutReport(rollouts={}, env_pool={})
 
     # the trainer
     async def start_trainer(self, extra: dict[str, Any]) -> TrainerState:
@@ -133,7 +134,7 @@ class ScriptedBackend(Backend):
         self.buffer.append((position, group))
         self.sent[position] = [t.trajectory_id for t in group]
 
-    async def trainer_ready(self) -> bool:
+    async def trainer_has_step(self) -> bool:
         return len(self.buffer) >= self.B
 
     async def train_step(self) -> dict[str, Any] | None:
@@ -159,6 +160,69 @@ class ScriptedBackend(Backend):
         return {"groups": len(taken), "groups_stale": len(stale), "train/loss": 0.1, "policy_lag_max": lag}
 
 
+class ScriptedRollouts(Rollouts):
+    label = "scripted"
+
+    def __init__(self, backend: ScriptedBackend):
+        self.b = backend
+
+    async def start(self) -> None:
+        await self.b.start()
+
+    def dispatch(self, position: int) -> asyncio.Future:
+        return self.b.dispatch(position)
+
+    async def evaluate(self, label: str) -> Evaluation:
+        return await self.b.evaluate(label)
+
+    async def sleep(self) -> None:
+        await self.b.sleep_engines()
+
+    async def wake(self) -> None:
+        await self.b.wake_engines()
+
+    def step_metrics(self) -> dict[str, float]:
+        return self.b.step_metrics()
+
+    async def close(self) -> RolloutReport:
+        return await self.b.close()
+
+
+class ScriptedTrainer(Trainer):
+    def __init__(self, backend: ScriptedBackend):
+        self.b = backend
+
+    async def start(self, extra: dict[str, Any]) -> TrainerState:
+        return await self.b.start_trainer(extra)
+
+    def stop(self) -> None:
+        self.b.stop_trainer()
+
+    async def receive(self, position: int, group: list[Trajectory]) -> None:
+        await self.b.receive(position, group)
+
+    async def has_step(self) -> bool:
+        return await self.b.trainer_has_step()
+
+    async def train_step(self) -> dict[str, Any] | None:
+        return await self.b.train_step()
+
+
+class ScriptedRoute(WeightRoute):
+    def __init__(self, backend: ScriptedBackend):
+        self.b = backend
+
+    async def publish(self, version: int) -> None:
+        await self.b.publish(version)
+
+    def step_metrics(self) -> dict[str, float]:
+        return {}
+
+
+def parts(backend: ScriptedBackend) -> Parts:
+    return Parts(ScriptedRollouts(backend), ScriptedTrainer(backend), ScriptedRoute(backend))
+
+
 def config(tmp_path, *overrides: str):
     cfg = load_config(None, [f"output_dir={tmp_path}", "name=scripted", "progress=false", "model.kind=tiny",
                              "trainer.groups_per_step=2", "trainer.group_size=4", "trainer.total_steps=6",
@@ -169,7 +233,7 @@ def config(tmp_path, *overrides: str):
 
 def run(cfg, script: Script) -> tuple[dict[str, Any], ScriptedBackend]:
     backend = ScriptedBackend(cfg, script)
-    summary = Driver(cfg, backend, None, 0.0).train()
+    summary = Driver(cfg, parts(backend), None, 0.0).run()
     return summary, backend
 
 
@@ -303,7 +367,7 @@ def test_a_trainer_that_cannot_be_restarted_stops_the_run_at_once(tmp_path):
     backend = ScriptedBackend(cfg, script)
     with pytest.raises(RunError, match=r"^run error: trainer died at step 2; continue with the same command and "
                                        r"--resume$"):
-        Driver(cfg, backend, None, 0.0).train()
+        Driver(cfg, parts(backend), None, 0.0).run()
     assert backend.trainer_starts == 1 and backend.calls[-1] == "stop_trainer"
 
 

@@ -1,6 +1,6 @@
 """An actor's stderr reaches the driver while it starts (ray.init's log_to_driver, runtime/ray_resources.py): one whose
 constructor fails, and one that hangs in it, are seen from the driver's terminal, not only in the worker log files of
-the node it ran on. A real one-machine Ray cluster started as loomrl starts it (RayBackend._init_ray), in a process of
+the node it ran on. A real one-machine Ray cluster started as loomrl starts it (RayCluster.connect), in a process of
 its own whose stderr the test reads (about 15 s here)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.ray
 DRIVER = textwrap.dedent("""
     import sys, time
     from loomrl.config import Placement, load_config
-    from loomrl.runtime.ray_backend import RayBackend
+    from loomrl.runtime.ray_backend import RayCluster
 
     class Broken:
         def __init__(self):
@@ -36,11 +36,11 @@ DRIVER = textwrap.dedent("""
         def ping(self):
             return 1
 
-    backend = RayBackend(load_config(None, ["runtime.backend=ray", "ray.rollout.count=1"]))
-    backend._init_ray()
-    ray = backend.ray
-    broken = backend._actor(Broken, Placement(num_cpus=0)).remote()
-    stuck = backend._actor(Stuck, Placement(num_cpus=0)).remote()
+    cluster = RayCluster(load_config(None, ["runtime.backend=ray", "ray.rollout.count=1"]))
+    cluster.connect()
+    ray = cluster.ray
+    broken = cluster.actor(Broken, Placement(num_cpus=0)).remote()
+    stuck = cluster.actor(Stuck, Placement(num_cpus=0)).remote()
     try:
         ray.get(broken.ping.remote(), timeout=120)
     except ray.exceptions.RayActorError:

@@ -72,7 +72,7 @@ def test_a_broadcast_load_whose_trainer_died_is_superseded_not_a_run_error():
     import pytest
 
     from loomrl.runtime.failures import EngineLost
-    from loomrl.runtime.ray_backend import Polled, RayBackend
+    from loomrl.runtime.ray_backend import BroadcastRoute
 
     class RayError(Exception):
         pass
@@ -83,15 +83,13 @@ def test_a_broadcast_load_whose_trainer_died_is_superseded_not_a_run_error():
     def get(ref):
         raise RayError("RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:18870")
 
-    backend = RayBackend.__new__(RayBackend)  # no cluster: only step_metrics's bookkeeping
-    backend.ray = SimpleNamespace(wait=lambda refs, num_returns=1, timeout=None: (list(refs), []), get=get,
-                                  exceptions=SimpleNamespace(RayError=RayError, RayActorError=RayActorError))
-    engine = SimpleNamespace(reading=SimpleNamespace(remote=lambda: "a reading's ref"))  # its reading fails: none
-    backend.broadcast, backend.engines, backend.rollout_restarts = True, [engine], 0
-    backend.engine_polled, backend.engine_seen = Polled(backend.ray), {}
-    backend.cfg = SimpleNamespace(reward=SimpleNamespace(judge=None))  # no judge: no reward counters to read
-    backend.trainer_starts, backend.sync_sender, backend.syncs = 2, {"sent by trainer 1": 1}, ["sent by trainer 1"]
-    assert backend.step_metrics() == {"ray/rollout_restarts": 0.0}  # superseded: logged, not raised
-    backend.sync_sender, backend.syncs = {"sent by trainer 2": 2}, ["sent by trainer 2"]
+    ray = SimpleNamespace(wait=lambda refs, num_returns=1, timeout=None: (list(refs), []), get=get,
+                          exceptions=SimpleNamespace(RayError=RayError, RayActorError=RayActorError))
+    # no cluster: only the route's bookkeeping of the loads it sent (RayCluster's fields it reads)
+    cluster = SimpleNamespace(ray=ray, trainer_starts=2, sync_sender={"sent by trainer 1": 1},
+                              syncs=["sent by trainer 1"])
+    route = BroadcastRoute(cluster, SimpleNamespace(engines=["an engine actor"]), None)  # type: ignore[arg-type]
+    assert route.step_metrics() == {}  # superseded: logged, not raised
+    cluster.sync_sender, cluster.syncs = {"sent by trainer 2": 2}, ["sent by trainer 2"]
     with pytest.raises(EngineLost, match="could not load the trainer's weights"):
-        backend.step_metrics()
+        route.step_metrics()

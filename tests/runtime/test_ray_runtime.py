@@ -486,7 +486,7 @@ model, _ = load_run_model(cfg.model, None)
 weights = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
 handle = WeightHandle(transport=Transport.RAY, version=3, nbytes=0, payload=ray.put(weights))
 before = ray.get(engine.info.remote())[1]
-ray.get(engine.ready.remote(handle))  # no update_weights call: the one the driver sent was lost
+ray.get(engine.catch_up.remote(handle))  # no update_weights call: the one the driver sent was lost
 request = GenerationRequest(prompt_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=4))
 result = ray.get(engine.generate.remote(request))
 print(json.dumps({"before": before, "after": ray.get(engine.info.remote())[1], "versions": result.versions}))

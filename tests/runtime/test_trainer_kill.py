@@ -143,16 +143,17 @@ def test_a_trainer_that_dies_between_checkpoint_and_report_loses_no_metrics(tmp_
     checkpoints step 2 (and before the driver reads its answer) the process is SIGKILLed, so that the
     driver never sees step 2's metrics. The restarted trainer starts at version 2 from that checkpoint
     and hands the step's metrics back with it: every train row is there once, and the run adds up.
-    (The kill is injected by wrapping the real backend's train_step; trainer, run and kill are real.)"""
+    (The kill is injected by wrapping the real trainer's train_step; trainer, run and kill are real.)"""
     from ledger_checks import check_run
 
     from loomrl.config import load_config
     from loomrl.metrics.logger import read_metrics
     from loomrl.runtime.failures import TrainerLost
-    from loomrl.runtime.local import LocalBackend
+    from loomrl.runtime.local import HandleRoute, LocalRollouts, ProcessTrainer
+    from loomrl.runtime.parts import Parts
     from loomrl.runtime.run import train
 
-    class DiesAfterCheckpoint(LocalBackend):
+    class DiesAfterCheckpoint(ProcessTrainer):
         killed = False
 
         async def train_step(self):
@@ -161,16 +162,21 @@ def test_a_trainer_that_dies_between_checkpoint_and_report_loses_no_metrics(tmp_
                 ckpt = self.cfg.run_dir / "checkpoints" / "step_000002"
                 if ckpt.is_dir():  # the step that wrote it: its answer is lost with the process
                     self.killed = True
-                    os.kill(self.trainer.child.proc.pid, signal.SIGKILL)
+                    os.kill(self._process().child.proc.pid, signal.SIGKILL)
                     raise TrainerLost("trainer process died from signal SIGKILL (injected after its checkpoint)")
             return metrics
 
     cfg = load_config(RECIPE, [f"output_dir={tmp_path}", "name=window", "progress=false", "eval.n_tasks=0",
                                "reward.function=rewards_for_tests:parity_reward", "trainer.total_steps=4",
                                "checkpoint_every=2", "runtime.mode=async"])
-    backend = DiesAfterCheckpoint(cfg, None)
-    summary = train(cfg, backend=backend)
-    assert backend.killed and summary["steps"] == 4 and summary["trainer_restarts"] == 1
+    trainer = DiesAfterCheckpoint(cfg)
+
+    def parts(cfg, checkpoint):  # the real local parts, with the trainer that gets killed
+        rollouts = LocalRollouts(cfg, checkpoint)
+        return Parts(rollouts, trainer, HandleRoute(cfg, rollouts, trainer))
+
+    summary = train(cfg, parts=parts)
+    assert trainer.killed and summary["steps"] == 4 and summary["trainer_restarts"] == 1
     rows = [r for r in read_metrics(cfg.run_dir) if r["kind"] == "train"]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     recovered = [r for r in rows if r.get("runtime/metrics_from_checkpoint")]

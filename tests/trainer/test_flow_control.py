@@ -68,9 +68,9 @@ def test_window_sampler_holds_later_groups_until_the_oldest_is_in(tmp_path, tiny
     service.trainer.train_step = lambda samples, **_: seen.append({s.group_id for s in samples}) or _stats()
     service.receive(1, group("p1", 0))
     service.receive(2, group("p2", 0))
-    assert not service.ready()  # position 0 is still running: the window [0, 2) holds p1, and p2 is outside
+    assert not service.has_step()  # position 0 is still running: the window [0, 2) holds p1, and p2 is outside
     service.receive(0, group("p0", 0))
-    assert service.ready()
+    assert service.has_step()
     service.train_step()
     assert seen == [{"p0", "p1"}]  # the window's oldest first, then what finished inside it
     service.receive(3, group("p3", 0))

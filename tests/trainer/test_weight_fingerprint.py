@@ -13,9 +13,8 @@ import torch
 
 from loomrl.config import ModelConfig
 from loomrl.engine.builtin.engine import BuiltinEngine
-from loomrl.engine.common import confirm_weights
 from loomrl.model.loader import load_model
-from loomrl.weights.fingerprint import WeightMismatch, fingerprint_of, pick
+from loomrl.weights.fingerprint import WeightMismatch, confirm_weights, fingerprint_of, pick
 from loomrl.weights.handle import Transport, WeightHandle, nbytes
 from loomrl.weights.queue import QueuePublisher
 from loomrl.weights.source import WeightSource

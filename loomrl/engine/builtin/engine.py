@@ -48,12 +48,23 @@ from loomrl.engine.base import (
 )
 from loomrl.engine.builtin.prefix_cache import PrefixCache
 from loomrl.engine.builtin.runner import ModelRunner
+from loomrl.engine.builtin.sampling import sample_tokens
 from loomrl.engine.builtin.scheduler import Batch, Scheduler, Seq
-from loomrl.engine.common import deliver, sample_tokens
 from loomrl.weights.fingerprint import Fingerprint, fingerprint_of
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+
+def deliver(fut: concurrent.futures.Future, result: Any = None, exception: BaseException | None = None) -> None:
+    """Resolve a caller's future unless the caller has gone (cancelled) meanwhile."""
+    try:
+        if exception is not None:
+            fut.set_exception(exception)
+        else:
+            fut.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass
 
 
 class BuiltinEngine(TakesTensors):

@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import logging
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loomrl.cache_dir import cache_root
 from loomrl.config import ConfigError
 from loomrl.env.api import Environment, EpisodeContext, TaskSetup
 from loomrl.env.base import Env, Observation, StepResult
@@ -337,10 +340,33 @@ async def validate_codefix(specs: list[CodefixTask], backend: str = "auto", limi
     return [{"task_id": r.task_id, "valid": r.valid, **dataclasses.asdict(r)} for r in results]
 
 
+def validation_key(specs: dict[str, CodefixTask], sandbox: str, limits: dict[str, int]) -> str:
+    """What decides a validation: the tasks' contents, the environment's version, the sandbox backend this machine
+    picks for `sandbox` (auto resolved) and its limits."""
+    from loomrl.env.sandbox.factory import resolve_backend
+
+    digest = hashlib.sha256()
+    payload = {"env": ENV_VERSION, "backend": resolve_backend(sandbox), "limits": sorted(limits.items()),
+               "tasks": [dataclasses.asdict(specs[k]) for k in sorted(specs)]}
+    digest.update(json.dumps(payload, sort_keys=True, default=str).encode())
+    return digest.hexdigest()[:16]
+
+
+def read_cached_report(path: Path) -> list[dict[str, Any]] | None:
+    """A validation report written by write_validation_report, or None when there is none (or it cannot be read: it
+    is made again)."""
+    try:
+        return json.loads(path.read_text())["tasks"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def write_validation_report(report: list[dict[str, Any]], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     valid = sum(r["valid"] for r in report)
-    path.write_text(json.dumps({"valid": valid, "invalid": len(report) - valid, "tasks": report}, indent=2))
+    draft = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # whole or not at all: rollout actors may write at once
+    draft.write_text(json.dumps({"valid": valid, "invalid": len(report) - valid, "tasks": report}, indent=2))
+    os.replace(draft, path)
 
 
 # -- the environment, on the public API (env/api.py) --------------------------------------------------------------
@@ -352,26 +378,41 @@ class CodefixEnvironment(Environment):
     sandbox = "episode"
 
     def __init__(self) -> None:
-        self._validated: dict[tuple, set[str]] = {}
+        self._validated: dict[str, set[str]] = {}  # validation key -> the valid task ids
         self._specs: dict[str, CodefixTask] | None = None  # every shipped task, by id (made on first use)
 
     def check(self, setup: TaskSetup) -> None:
         codefix_specs(setup.families)
 
-    def _valid_specs(self, setup: TaskSetup) -> dict[str, CodefixTask]:
+    async def start(self, setup: TaskSetup) -> None:
+        """Validate the tasks in sandboxes (golden patch passes, untouched repository fails), or read the result from
+        loomrl's cache folder, where it is kept by what decides it: the tasks' contents, the sandbox backend this
+        machine picks and its limits."""
         specs = codefix_specs(setup.families)
-        key = (setup.sandbox, tuple(sorted(setup.sandbox_limits.items())), tuple(sorted(specs)))
-        if key not in self._validated:
-            report = asyncio.run(validate_codefix(list(specs.values()), setup.sandbox, setup.sandbox_limits))
-            self._validated[key] = {r["task_id"] for r in report if r["valid"]}
-            bad = [r for r in report if not r["valid"]]
-            if bad:
-                log.warning("codefix: %d invalid task(s) left out: %s", len(bad),
-                            "; ".join(f"{r['task_id']}: {r['detail']}" for r in bad))
-        return {k: v for k, v in specs.items() if k in self._validated[key]}
+        key = validation_key(specs, setup.sandbox, setup.sandbox_limits)
+        if key in self._validated:
+            return
+        path = cache_root() / "codefix-validation" / f"{key}.json"
+        report = read_cached_report(path)
+        if report is None:
+            report = await validate_codefix(list(specs.values()), setup.sandbox, setup.sandbox_limits)
+            write_validation_report(report, path)
+        else:
+            log.info("codefix: task validation read from %s", path)
+        self._validated[key] = {r["task_id"] for r in report if r["valid"]}
+        bad = [r for r in report if not r["valid"]]
+        if bad:
+            log.warning("codefix: %d invalid task(s) left out: %s", len(bad),
+                        "; ".join(f"{r['task_id']}: {r['detail']}" for r in bad))
 
     def tasks(self, setup: TaskSetup) -> tuple[list[Task], list[Task]]:
-        return codefix_splits(self._valid_specs(setup), setup.n_heldout, setup.seed)
+        specs = codefix_specs(setup.families)
+        key = validation_key(specs, setup.sandbox, setup.sandbox_limits)
+        if key not in self._validated:
+            raise RuntimeError("CodefixEnvironment.tasks before start(): the tasks are validated in start "
+                               "(env/registry.py prepared_tasks runs it)")
+        valid = {k: v for k, v in specs.items() if k in self._validated[key]}
+        return codefix_splits(valid, setup.n_heldout, setup.seed)
 
     def episode(self, ctx: EpisodeContext) -> Env:
         assert ctx.pool is not None, "sandbox = 'episode': the run gives a pool"

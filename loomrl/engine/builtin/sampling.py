@@ -1,22 +1,8 @@
-"""Pieces the engines and their callers share: sampling with per-row parameters, the neutral penalties the server
-clients send, resolving a caller's future, and confirming that a weight update took effect."""
+"""The built-in engine's sampling: per-row temperature, top-k and top-p over a batch of logits, one token each."""
 
 from __future__ import annotations
 
-import concurrent.futures
-from typing import TYPE_CHECKING, Any
-
 import torch
-
-# Sent with every request by the clients of a server (vLLM's, SGLang's), whose unset fields take the model's
-# generation_config or the server's preferred sampling params (Qwen's repetition_penalty 1.05, a min_p): those reshape
-# the distribution sampled from, which the trainer, scoring softmax(logits / T), does not model. Names as both servers
-# (and vLLM's SamplingParams) spell them; each value is the one that changes nothing.
-NEUTRAL_PENALTIES: dict[str, float] = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-                                       "min_p": 0.0}
-
-if TYPE_CHECKING:
-    from loomrl.weights.fingerprint import Fingerprint
 
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -57,24 +43,3 @@ def sample_tokens(logits: torch.Tensor, params: list, uniforms: torch.Tensor) ->
     drawn = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
     chosen = torch.where(greedy, scaled.argmax(dim=-1), drawn.clamp_(max=logits.shape[1] - 1))
     return chosen, logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
-
-
-def deliver(fut: concurrent.futures.Future, result: Any = None, exception: BaseException | None = None) -> None:
-    """Resolve a caller's future unless the caller has gone (cancelled) meanwhile."""
-    try:
-        if exception is not None:
-            fut.set_exception(exception)
-        else:
-            fut.set_result(result)
-    except concurrent.futures.InvalidStateError:
-        pass
-
-
-def confirm_weights(engine: Any, label: str, version: int, expected: Fingerprint | None) -> int:
-    """After `engine` (named `label` in errors) applied `version`: raise WeightMismatch unless it serves that version
-    and its weights' fingerprint matches `expected`, the publisher's (weights/fingerprint.py check: what could not be
-    compared is logged, never skipped silently). Returns how many tensors were compared."""
-    from loomrl.weights.fingerprint import Fingerprint, check
-
-    actual = engine.weight_fingerprint(expected) if expected is not None and expected.sums else Fingerprint()
-    return check(label, version, expected, actual, engine.version)

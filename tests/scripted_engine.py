@@ -31,13 +31,6 @@ class ScriptedEngine:
     def interrupt(self):
         pass  # every turn is answered at once: nothing is ever in flight to interrupt
 
-    def call(self, fn):
-        import concurrent.futures
-
-        fut = concurrent.futures.Future()
-        fut.set_result(fn())
-        return fut
-
     def release(self, program_id):
         pass
 

@@ -19,10 +19,8 @@ agent loop's engine_error: agent.retry_on may run them again).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -184,7 +182,6 @@ class RemoteEngine(TakesTensors):
         self.restart_wait_s = restart_wait_s
         self.kv_budget, self._version = ray.get(actor.info.remote())
         self.metrics = EngineMetrics()
-        self._threads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loomrl-remote-engine")
         self._closed = False
 
     @property
@@ -237,13 +234,9 @@ class RemoteEngine(TakesTensors):
     def interrupt(self) -> None:
         self.actor.interrupt.remote()
 
-    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
-        return self._threads.submit(fn)  # no engine runs here: a thread of its own
-
     def release(self, program_id: str) -> None:
         self.actor.release.remote(program_id)
 
     def close(self) -> None:
         """This client only: the backend closes the engine actors."""
         self._closed = True
-        self._threads.shutdown(wait=False)

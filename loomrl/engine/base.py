@@ -7,11 +7,9 @@ declares everything the runtime, the gateway and the server call on an engine: n
 
 from __future__ import annotations
 
-import concurrent.futures
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from loomrl.weights.fingerprint import Fingerprint
@@ -136,10 +134,6 @@ class Engine(Protocol):
     def interrupt(self) -> None:
         """End every in-flight request soon with finish_reason "interrupted" and its partial output
         (generate_resuming resumes it): used when new weights arrive (runtime.interrupt_on_update)."""
-
-    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
-        """Run `fn` where the engine runs its own work, between two of its steps (the hybrid trainer
-        trains there: one thread for all torch work of the process)."""
 
     def release(self, program_id: str) -> None:
         """The program has ended; the engine may drop anything it kept for it."""

@@ -173,7 +173,6 @@ class SGLangEngine:
         self._http = ServerClient("SGLang", self.base_url, retries=cfg.retries, backoff_s=cfg.retry_backoff_s)
         # One thread for control calls, in order: an interrupt() then an update_weights never interleave.
         self._control = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loomrl-sglang-control")
-        self._calls = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loomrl-sglang-call")
         try:
             self._saver, self._backup = self._connect(sleep_mode)
         except BaseException:
@@ -262,10 +261,6 @@ class SGLangEngine:
             self.metrics.interrupts += 1
         self._control.submit(self._interrupt)
 
-    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
-        """Run `fn` on the engine's one worker thread (the model runs on the server, not here)."""
-        return self._calls.submit(fn)
-
     def release(self, program_id: str) -> None:
         """Nothing to do: SGLang's radix cache is keyed by token prefixes, not programs, and evicts on its own."""
 
@@ -290,7 +285,6 @@ class SGLangEngine:
     def close(self) -> None:
         self._closed = True
         self._control.shutdown(wait=True, cancel_futures=True)
-        self._calls.shutdown(wait=False)
         self._http.close()
 
     # -- the wire format --------------------------------------------------------------------------

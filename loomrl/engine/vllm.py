@@ -286,7 +286,6 @@ class VLLMEngine(LoadState):
         self._hold_end: asyncio.Task | None = None
         self.control_calls: collections.deque[str] = collections.deque(maxlen=64)  # newest last
         self._busy_since = 0.0
-        self._calls = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loomrl-vllm-call")
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="loomrl-vllm-loop", daemon=True)
         self._thread.start()
@@ -381,10 +380,6 @@ class VLLMEngine(LoadState):
         if not self._closed:
             asyncio.run_coroutine_threadsafe(self._interrupt(), self._loop)
 
-    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
-        """Run `fn` on the adapter's one worker thread (the model runs in vLLM's worker process, not here)."""
-        return self._calls.submit(fn)
-
     def release(self, program_id: str) -> None:
         """Nothing to do: vLLM's prefix cache is keyed by token blocks, not programs, and evicts on its own."""
 
@@ -415,7 +410,6 @@ class VLLMEngine(LoadState):
         except Exception as err:  # noqa: BLE001 - closing goes on whatever vLLM says
             log.warning("vLLM shutdown: %s: %s", type(err).__name__, err)
         self._stop_loop()
-        self._calls.shutdown(wait=False)
         shutil.rmtree(self._scratch, ignore_errors=True)
         if self.model.owned:
             shutil.rmtree(self.model.folder, ignore_errors=True)

@@ -50,7 +50,6 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -102,7 +101,6 @@ class VLLMHTTPEngine(TakesTensors, LoadState):
         self._http = ServerClient("vLLM", cfg.base_url, retries=cfg.retries, backoff_s=cfg.retry_backoff_s)
         # One thread for control calls, in order: an interrupt() then an update_weights never interleave.
         self._control = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loomrl-vllm-http-control")
-        self._calls = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loomrl-vllm-http-call")
         try:
             self.kv_budget = self._connect()
         except BaseException:
@@ -157,10 +155,6 @@ class VLLMHTTPEngine(TakesTensors, LoadState):
         if not self._closed:
             self._control.submit(self._interrupt)
 
-    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
-        """Run `fn` on the engine's one worker thread (the model runs on the server, not here)."""
-        return self._calls.submit(fn)
-
     def release(self, program_id: str) -> None:
         """Nothing to do: vLLM's prefix cache is keyed by token blocks, not programs, and evicts on its own."""
 
@@ -184,7 +178,6 @@ class VLLMHTTPEngine(TakesTensors, LoadState):
                 return
             self._closed = True
         self._control.shutdown(wait=True, cancel_futures=True)
-        self._calls.shutdown(wait=False)
         self._http.close()
 
     # -- the wire format --------------------------------------------------------------------------

@@ -74,6 +74,7 @@ test-vllm: $(VLLM_VENV)/.installed
 lint: install $(VENV)/.ray $(VENV)/.envs
 	$(VENV)/bin/ruff check loomrl tests examples
 	$(VENV)/bin/ty check --python $(VENV) loomrl
+	$(VENV)/bin/lint-imports --no-cache
 
 # Unit tests and the driver over scripted parts (tests/runtime/test_driver.py): no test marked slow, ray, browser,
 # vllm or integration (one that starts processes, servers or training runs). Under 2 minutes here; `make test` runs all.

@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, report  # noqa: E402
 
 from loomrl.config import load_config  # noqa: E402
+from loomrl.config.judge import JudgeConfig, JudgeExample  # noqa: E402
 from loomrl.reward.judge import Judge  # noqa: E402
-from loomrl.reward.judge_config import JudgeConfig, JudgeExample  # noqa: E402
 from loomrl.types import Task, Trajectory  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -362,7 +362,11 @@ def main(argv: list[str] | None = None) -> int:
             return _validate_tasks(args)
         if args.command == "view":
             return _view(args)
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides)  # train checks it against this machine (runtime/run.py)
+        if args.command != "train":
+            from loomrl.runtime.checks import check_config
+
+            check_config(cfg)
         if args.command == "train":
             start = float(os.environ.get("LOOMRL_WALL_START", time.time()))
             from loomrl.runtime.run import RunInterrupted, resume_config, train
@@ -385,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(evaluate_checkpoint(cfg, Path(args.checkpoint))), flush=True)
         elif args.command == "serve":
             from loomrl.runtime.run import resolve_checkpoint
-            from loomrl.server.launch import serve
+            from loomrl.runtime.serve import serve
 
             ckpt = resolve_checkpoint(Path(args.checkpoint)) if args.checkpoint else None
             serve(cfg, ckpt, args.host, args.port, args.model_name or cfg.name)

@@ -103,7 +103,7 @@ def place(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> t
 def check_run_devices(cfg: RunConfig) -> None:
     """Refuse, at config time, devices this machine lacks, a trainer on vLLM's GPU without colocation, and a sync
     run whose engine model could not be the trainer's. Ray runs are checked where their actors load the model (the
-    driver may have no GPU); their GPUs are Ray's to share out (config.py checks ray.*.num_gpus)."""
+    driver may have no GPU); their GPUs are Ray's to share out (loomrl/config/ checks ray.*.num_gpus)."""
     if cfg.runtime.backend != "local":
         return
     model = resolve_device(cfg.model.device, "model.device")

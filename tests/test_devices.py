@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loomrl.config import ConfigError, ModelConfig, load_config
+from loomrl.config import ConfigError, ModelConfig
 from loomrl.devices import DeviceError, place, resolve_device, resolve_dtype
+from loomrl.runtime.checks import load_checked
 
 
 @pytest.fixture
@@ -20,7 +21,7 @@ def two_fake_gpus(monkeypatch):
 
 
 def test_defaults_on_the_cpu_are_float32_on_cpu():
-    cfg = load_config(None, [])
+    cfg = load_checked(None, [])
     assert (cfg.model.device, cfg.model.dtype, cfg.trainer.device) == ("auto", "auto", "auto")
     device = resolve_device(cfg.model.device, "model.device")
     assert device == torch.device("cpu") and resolve_dtype(cfg.model.dtype, device) == torch.float32
@@ -31,7 +32,7 @@ def test_defaults_on_the_cpu_are_float32_on_cpu():
 def test_a_cuda_device_is_refused_where_there_is_none(override):
     field = override.split("=")[0]
     with pytest.raises(DeviceError) as err:
-        load_config(None, [override])
+        load_checked(None, [override])
     msg = str(err.value)
     assert isinstance(err.value, ConfigError) and len(msg.splitlines()) == 1
     assert f"'{field}'" in msg and "not available here" in msg and f"set {field}=cpu or {field}=auto" in msg
@@ -41,7 +42,7 @@ def test_a_cuda_device_is_refused_where_there_is_none(override):
 def test_a_ray_run_checks_devices_where_the_model_is_loaded():
     """The driver of a Ray run may have no GPU while its actors do: the config loads, and loading the model on a
     machine without CUDA refuses it with the same line."""
-    cfg = load_config(None, ["runtime.backend=ray", "model.device=cuda", "model.kind=tiny"])
+    cfg = load_checked(None, ["runtime.backend=ray", "model.device=cuda", "model.kind=tiny"])
     with pytest.raises(DeviceError, match="'model.device': cuda is not available here"):
         from loomrl.model.loader import load_model
 
@@ -51,7 +52,7 @@ def test_a_ray_run_checks_devices_where_the_model_is_loaded():
 def test_a_device_name_that_is_none_is_refused():
     for bad in ("gpu", "cuda:x", "mps"):
         with pytest.raises(ConfigError, match=r"'trainer.device': '.*' is not a device; use auto, cpu, cuda or cuda:N"):
-            load_config(None, [f"trainer.device={bad}"])
+            load_checked(None, [f"trainer.device={bad}"])
 
 
 def test_resolution_with_gpus_and_a_missing_index(two_fake_gpus):
@@ -66,21 +67,21 @@ def test_resolution_with_gpus_and_a_missing_index(two_fake_gpus):
 def test_a_sync_run_refuses_an_engine_dtype_of_its_own():
     for dtype in ("bfloat16", "float16"):
         with pytest.raises(DeviceError) as err:
-            load_config(None, ["runtime.mode=sync", f"model.dtype={dtype}"])
+            load_checked(None, ["runtime.mode=sync", f"model.dtype={dtype}"])
         msg = str(err.value)
         assert len(msg.splitlines()) == 1 and "'model.dtype'" in msg and "set model.dtype=float32" in msg
     for ok in (["runtime.mode=sync", "model.dtype=float32"], ["runtime.mode=async", "model.dtype=bfloat16"],
                ["runtime.mode=sync", "runtime.backend=ray", "model.dtype=bfloat16"]):  # Ray: no shared model
-        load_config(None, ok)
+        load_checked(None, ok)
 
 
 def test_a_sync_run_refuses_two_devices(two_fake_gpus):
     with pytest.raises(DeviceError) as err:
-        load_config(None, ["runtime.mode=sync", "model.device=cuda:1", "trainer.device=auto"])
+        load_checked(None, ["runtime.mode=sync", "model.device=cuda:1", "trainer.device=auto"])
     msg = str(err.value)
     assert len(msg.splitlines()) == 1 and "'model.device'" in msg and "must equal trainer.device (cuda:0)" in msg
-    load_config(None, ["runtime.mode=sync", "model.device=cuda", "trainer.device=cuda:0"])  # one device, two names
-    load_config(None, ["runtime.mode=async", "model.device=cuda:1", "trainer.device=cuda:0"])
+    load_checked(None, ["runtime.mode=sync", "model.device=cuda", "trainer.device=cuda:0"])  # one device, two names
+    load_checked(None, ["runtime.mode=async", "model.device=cuda:1", "trainer.device=cuda:0"])
 
 
 def test_place_casts_parameters_and_keeps_rotary_frequencies_and_ties(tiny_model):
@@ -112,12 +113,12 @@ def test_cuda_ipc_weights_need_the_trainer_on_a_gpu_and_an_async_local_run(two_f
     run (one shared model) and a Ray run (weights through the object store or a broadcast) are refused, naming the
     field."""
     with pytest.raises(DeviceError, match=r"'runtime.weight_transport': cuda_ipc .* trainer.device is cpu"):
-        load_config(None, ["runtime.mode=async", "runtime.weight_transport=cuda_ipc", "trainer.device=cpu"])
+        load_checked(None, ["runtime.mode=async", "runtime.weight_transport=cuda_ipc", "trainer.device=cpu"])
     with pytest.raises(ConfigError, match="runtime.weight_transport=cuda_ipc needs runtime.mode=async"):
-        load_config(None, ["runtime.mode=sync", "runtime.weight_transport=cuda_ipc"])
+        load_checked(None, ["runtime.mode=sync", "runtime.weight_transport=cuda_ipc"])
     with pytest.raises(ConfigError, match="runtime.weight_transport=cuda_ipc is for runtime.backend=local"):
-        load_config(None, ["runtime.mode=async", "runtime.backend=ray", "runtime.weight_transport=cuda_ipc"])
-    cfg = load_config(None, ["runtime.mode=async", "runtime.weight_transport=cuda_ipc", "trainer.device=cuda:0",
+        load_checked(None, ["runtime.mode=async", "runtime.backend=ray", "runtime.weight_transport=cuda_ipc"])
+    cfg = load_checked(None, ["runtime.mode=async", "runtime.weight_transport=cuda_ipc", "trainer.device=cuda:0",
                              "model.device=cuda:0"])
     assert cfg.runtime.weight_transport == "cuda_ipc"
 
@@ -132,7 +133,7 @@ def test_a_trainer_on_vllms_gpu_needs_colocation(two_fake_gpus, monkeypatch):
 
     vllm = ["engine.kind=vllm", "runtime.mode=async"]
     with pytest.raises(DeviceError) as err:
-        load_config(None, vllm)
+        load_checked(None, vllm)
     msg = str(err.value)
     assert len(msg.splitlines()) == 1 and msg == (
         "config error: 'trainer.device': the trainer (cuda:0) would share a GPU with vLLM (engine.kind=vllm in this "
@@ -143,14 +144,14 @@ def test_a_trainer_on_vllms_gpu_needs_colocation(two_fake_gpus, monkeypatch):
                                           r"cuda:2\) would share a GPU with vLLM \(.* on cuda:0 to cuda:1\) without "
                                           r"colocation; set engine.sleep_while_training=true \(vLLM sleeps while the "
                                           r"trainer steps\)$"):
-        load_config(None, [*vllm, "trainer.device=cuda:1", "trainer.world_size=2", "trainer.parallel=fsdp",
+        load_checked(None, [*vllm, "trainer.device=cuda:1", "trainer.world_size=2", "trainer.parallel=fsdp",
                            "engine.vllm.tensor_parallel_size=2"])
     with pytest.raises(DeviceError, match=r"without colocation; set engine.sleep_while_training=true \(vLLM sleeps "
                                           r"while the trainer steps\)$"):  # cuda_ipc: the trainer on vLLM's GPU
-        load_config(None, [*vllm, "runtime.weight_transport=cuda_ipc"])
+        load_checked(None, [*vllm, "runtime.weight_transport=cuda_ipc"])
     for fine in (["engine.sleep_while_training=true"], ["trainer.device=cuda:1"], ["trainer.device=cpu"],
                  ["engine.vllm.base_url=http://gpu-node:8000"]):
-        check_run_devices(build_config(parse_overrides([*vllm, *fine])))  # (load_config would ask for vLLM here)
+        check_run_devices(build_config(parse_overrides([*vllm, *fine])))  # (load_checked would ask for vLLM here)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU machine: trainer.device=auto is cpu
     check_run_devices(build_config(parse_overrides(vllm)))
 
@@ -164,14 +165,14 @@ def test_broadcast_weights_need_receivers_that_join_the_group_and_an_async_run()
     set."""
     async_ = ["runtime.mode=async", "runtime.weight_transport=broadcast"]
     with pytest.raises(ConfigError, match="broadcast on runtime.backend=local needs engine.kind=vllm or sglang"):
-        load_config(None, async_)
+        load_checked(None, async_)
     with pytest.raises(ConfigError, match="broadcast needs runtime.mode=async"):
-        load_config(None, ["runtime.mode=sync", "runtime.weight_transport=broadcast"])
+        load_checked(None, ["runtime.mode=sync", "runtime.weight_transport=broadcast"])
     with pytest.raises(ConfigError, match=r"broadcast on Ray needs engine actors \(ray.engine.count > 0\)"):
-        load_config(None, [*async_, "runtime.backend=ray"])
+        load_checked(None, [*async_, "runtime.backend=ray"])
     with pytest.raises(ConfigError, match="broadcast needs vLLM in process"):
-        load_config(None, [*async_, "engine.kind=vllm", "engine.vllm.base_url=http://x:1"])
-    cfg = load_config(None, [*async_, "runtime.backend=ray", "ray.engine.count=2"])
+        load_checked(None, [*async_, "engine.kind=vllm", "engine.vllm.base_url=http://x:1"])
+    cfg = load_checked(None, [*async_, "runtime.backend=ray", "ray.engine.count=2"])
     assert cfg.engine.kind == "builtin" and cfg.ray.engine.count == 2
     sglang = ["engine.kind=sglang", "engine.sglang.base_url=http://x:1"]
-    assert load_config(None, [*async_, *sglang]).runtime.weight_transport == "broadcast"
+    assert load_checked(None, [*async_, *sglang]).runtime.weight_transport == "broadcast"

@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc  # functions made at import time from Arrow's registry: declared nowhere (ty: ignore)
 
-from loomrl.data.config import DataConfig
+from loomrl.config.data import DataConfig
 from loomrl.types import Task
 
 log = logging.getLogger(__name__)

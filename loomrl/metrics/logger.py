@@ -1,7 +1,7 @@
 """MetricsLogger: the fan-out that sends each metric record to every sink a run has (`open_metrics`).
 
 Sinks (sink.MetricSink): metrics.jsonl always (jsonl.py: the run's own record, read by `read_metrics`), and as
-`metrics:` says (config.py) TensorBoard (on by default), Prometheus and W&B. A sink that cannot start stops the run
+`metrics:` says (loomrl/config/metrics.py) TensorBoard (on by default), Prometheus and W&B. A sink that cannot start stops the run
 before it trains (SinkError: what the recipe asked for is not there). One that fails while the run goes on (W&B
 raises, a disk fills) is warned about once; the run and the other sinks go on, and it is tried again with the next
 record, so that one bad moment does not cost it the rest of the run. Its failures are counted and said at the end.
@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from loomrl.metrics.config import MetricsConfig
+from loomrl.config.metrics import MetricsConfig
 from loomrl.metrics.jsonl import JsonlSink, read_metrics
 from loomrl.metrics.sink import MetricSink, Values
 

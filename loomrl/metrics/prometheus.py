@@ -13,7 +13,7 @@ import logging
 import re
 import threading
 
-from loomrl.metrics.config import PrometheusConfig
+from loomrl.config.metrics import PrometheusConfig
 from loomrl.metrics.sink import SinkError, Values, numeric
 
 log = logging.getLogger("loomrl")

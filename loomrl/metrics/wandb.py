@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from loomrl.metrics.config import WANDB_MISSING, WandbConfig
+from loomrl.config.metrics import WANDB_MISSING, WandbConfig
 from loomrl.metrics.sink import SinkError, Values, numeric
 
 log = logging.getLogger("loomrl")

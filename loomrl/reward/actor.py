@@ -1,36 +1,15 @@
-"""The reward pool's Ray half: reward actors (ray.reward.count > 0) and RewardPool's interface
-over them, for rollout actors that score remotely."""
+"""The reward pool's Ray half, client side: RewardPool's interface over the reward actors (ray.reward.count > 0;
+rollout/reward_actor.py), for rollout actors that score remotely."""
 
 from __future__ import annotations
 
 import itertools
 from typing import Any
 
-from loomrl.actor_support import Placed, constructor_failed
-from loomrl.config import RunConfig
+from loomrl.actor_support import constructor_failed
 from loomrl.errors import named_line
 from loomrl.reward.pool import mark_reward_failed
 from loomrl.types import Task, Trajectory
-
-
-class RewardActor(Placed):
-    """A reward worker (ray.reward.count > 0): the run's reward function on its own threads, on
-    whatever node ray.reward.resources picks, shared by every rollout actor. Stateless, so Ray itself
-    restarts it when it dies (max_restarts) and retries the calls it was running on the fresh one
-    (max_task_retries); calls that still fail reach RemoteRewardPool as errors."""
-
-    def __init__(self, cfg_json: str):
-        from loomrl.rollout.worker import reward_pool_for
-
-        cfg = RunConfig.model_validate_json(cfg_json)
-        self.pool = reward_pool_for(cfg)
-
-    async def score(self, traj: Trajectory, task: Task) -> Trajectory:
-        return await self.pool.score(traj, task)
-
-    def metrics(self) -> dict[str, float]:
-        """Its pool's counters so far (an LLM judge's): the driver reads them each step (runtime/ray_backend.py)."""
-        return self.pool.metrics()
 
 
 class RemoteRewardPool:

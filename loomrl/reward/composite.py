@@ -21,53 +21,18 @@ multiplies in as well.
 from __future__ import annotations
 
 import logging
-import operator
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from loomrl.config.terms import PROCESS_TERMS, Gate
 from loomrl.reward.process import CHECKS
 from loomrl.types import Trajectory
 
 log = logging.getLogger(__name__)
 
-PROCESS_TERMS = tuple(CHECKS)
 GROUP_TERMS = ("completion_time",)
 BUILTIN_TERMS = (*PROCESS_TERMS, *GROUP_TERMS)
-
-_GATE = re.compile(r"^\s*(not\s+)?([A-Za-z_][\w./-]*)\s*(?:(>=|<=|>|<|==|!=)\s*(-?\d+(?:\.\d+)?(?:e-?\d+)?))?\s*$")
-_OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le, "==": operator.eq,
-        "!=": operator.ne}
-
-
-@dataclass(frozen=True, slots=True)
-class Gate:
-    """When a term counts: `component op threshold`, perhaps negated."""
-
-    component: str
-    op: str = ">"
-    threshold: float = 0.0
-    negate: bool = False
-
-    @classmethod
-    def parse(cls, text: str) -> Gate:
-        m = _GATE.match(text)
-        if not m:
-            raise ValueError(f"cannot read the gate {text!r}: write a component's name (`correct`: counts when "
-                             "correct > 0), `not correct`, or a comparison such as `correct >= 0.5`")
-        negate, name, op, threshold = m.groups()
-        return cls(component=name, op=op or ">", threshold=float(threshold or 0.0), negate=bool(negate))
-
-    def open(self, components: Mapping[str, float]) -> bool | None:
-        """Whether the term counts; None when the trajectory has no such component (then it does not)."""
-        if self.component not in components:
-            return None
-        return _OPS[self.op](components[self.component], self.threshold) != self.negate
-
-    def __str__(self) -> str:
-        return f"{'not ' if self.negate else ''}{self.component} {self.op} {self.threshold:g}"
-
 
 class TermSpec(Protocol):
     """One of reward.terms as Composite.from_config reads it (config.TermConfig meets it)."""

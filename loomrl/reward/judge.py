@@ -25,8 +25,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from loomrl.config.judge import JudgeConfig
 from loomrl.reward.judge_client import JudgeClient, JudgeMetrics, JudgeUnavailable
-from loomrl.reward.judge_config import JudgeConfig
 from loomrl.types import Task, Trajectory
 
 if TYPE_CHECKING:  # openai is the judge extra's

@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from loomrl.config.judge import JudgePrices
 from loomrl.errors import error_line, named_line
-from loomrl.reward.judge_config import JudgePrices
 
 if TYPE_CHECKING:  # openai is the judge extra's: imported where a request is made
     from openai.types.chat import ChatCompletionMessageParam

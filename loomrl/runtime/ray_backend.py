@@ -44,8 +44,8 @@ from loomrl.env.api import environment_for
 from loomrl.env.remote import EnvActor
 from loomrl.env.sandbox import SandboxError
 from loomrl.errors import error_line, error_tail
-from loomrl.reward.actor import RewardActor
 from loomrl.rollout.actor import RolloutActor
+from loomrl.rollout.reward_actor import RewardActor
 from loomrl.rollout.worker import rollout_concurrency
 from loomrl.runtime.failures import CannotStart, EngineLost, RolloutLost, TrainerLost
 from loomrl.runtime.parts import Parts, RolloutReport, Rollouts, Trainer, TrainerState, WeightRoute

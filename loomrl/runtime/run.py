@@ -13,6 +13,7 @@ from typing import Any
 
 from loomrl.config import RunConfig, load_config, save_resolved
 from loomrl.reward.pool import load_terms
+from loomrl.runtime.checks import check_config
 from loomrl.runtime.driver import Driver, checked_eval
 from loomrl.runtime.failures import CannotStart
 from loomrl.runtime.parts import Parts
@@ -103,6 +104,7 @@ def train(cfg: RunConfig, resume: bool = False, wall_start: float | None = None,
     """Train as the config says; the summary (also RUN/summary.json). `parts`: what composes the run's parts from the
     config and the checkpoint it resumes from (tests wrap the real ones this way). RunInterrupted on Ctrl-C."""
     wall_start = wall_start or time.time()
+    check_config(cfg)  # this machine and the environment (runtime/checks.py), before any model loads
     if cfg.reward.function or cfg.reward.functions:  # a reward that cannot be imported stops here, before any model
         load_terms(cfg)
     ckpt = prepare_run_dir(cfg, resume)

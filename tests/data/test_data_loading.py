@@ -12,8 +12,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from loomrl.config import ConfigError, load_config
+from loomrl.config import ConfigError
 from loomrl.data import DataConfig, DataError, load_splits
+from loomrl.runtime.checks import load_checked
 
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = [{"question": f"What is {i} + 1?", "answer": str(i + 1), "split": "test" if i % 4 == 0 else "train",
@@ -75,7 +76,7 @@ def test_verl_layout_read_as_it_is(tmp_path):
     assert t.messages == rows[4]["prompt"] and t.data["extra_info"]["index"] == 4
     assert len(held) == 3 and held[0].split == "heldout"
     # the shipped example in verl's layout, through its recipe: paths relative to the recipe's folder
-    cfg = load_config(ROOT / "examples" / "word_problems" / "train.yaml")
+    cfg = load_checked(ROOT / "examples" / "word_problems" / "train.yaml")
     from loomrl.env.registry import tasks_for
 
     train, held = tasks_for(cfg)
@@ -111,9 +112,9 @@ def test_bad_inputs_name_the_file_row_and_column(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("env: {name: chat}\ndata: {path: bad.parquet, prompt: question}\n")
     with pytest.raises(ConfigError, match=r"^data error: .*bad.parquet row 7: column 'answer'"):
-        load_config(recipe)
+        load_checked(recipe)
     with pytest.raises(ConfigError, match="env.name=chat brings no tasks of its own; add a data: section"):
-        load_config(None, ["env.name=chat"])
+        load_checked(None, ["env.name=chat"])
 
 
 def test_a_hub_dataset_is_read_from_the_local_cache_only(tmp_path, monkeypatch):

@@ -12,12 +12,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from loomrl.config import ConfigError, ModelConfig, TinyModelConfig, load_config
+from loomrl.config import ConfigError, ModelConfig, TinyModelConfig
 from loomrl.engine.base import EngineFault
 from loomrl.engine.factory import make_engine
 from loomrl.engine.vllm import served_model, token_versions
 from loomrl.engine.vllm_weights import from_wire, to_wire
 from loomrl.model.loader import load_model
+from loomrl.runtime.checks import load_checked
 from loomrl.weights.route import engine_dtype
 
 
@@ -29,8 +30,8 @@ def no_vllm(monkeypatch):
 def test_without_vllm_the_config_and_the_engine_name_the_install_command(no_vllm, tiny_model, tokenizer,
                                                                          monkeypatch):
     with pytest.raises(ConfigError, match=r"engine.kind=vllm: vLLM is not installed; run `pip install 'loomrl\[vllm\]'`"):
-        load_config(None, ["engine.kind=vllm", "runtime.mode=async"])
-    cfg = load_config(None, ["engine.kind=vllm", "runtime.mode=async", "runtime.backend=ray"])  # checked on the actors
+        load_checked(None, ["engine.kind=vllm", "runtime.mode=async"])
+    cfg = load_checked(None, ["engine.kind=vllm", "runtime.mode=async", "runtime.backend=ray"])  # checked on the actors
     made: list[str] = []
     real = tempfile.mkdtemp
     monkeypatch.setattr(tempfile, "mkdtemp", lambda **kw: made.append(real(**kw)) or made[-1])
@@ -41,11 +42,11 @@ def test_without_vllm_the_config_and_the_engine_name_the_install_command(no_vllm
 
 def test_config_refuses_sync_mode_and_engine_args_loomrl_sets(no_vllm):
     with pytest.raises(ConfigError, match="engine.kind=vllm needs runtime.mode=async"):
-        load_config(None, ["engine.kind=vllm", "runtime.backend=ray"])
+        load_checked(None, ["engine.kind=vllm", "runtime.backend=ray"])
     with pytest.raises(ConfigError, match=r"may not set \['logprobs_mode'\]"):
-        load_config(None, ["engine.kind=vllm", "runtime.mode=async", "runtime.backend=ray",
+        load_checked(None, ["engine.kind=vllm", "runtime.mode=async", "runtime.backend=ray",
                            "engine.vllm.engine_args.logprobs_mode=raw_logprobs"])
-    cfg = load_config(None, ["engine.kind=vllm", "runtime.mode=async", "runtime.backend=ray",
+    cfg = load_checked(None, ["engine.kind=vllm", "runtime.mode=async", "runtime.backend=ray",
                              "engine.vllm.engine_args.max_num_batched_tokens=8192", "engine.vllm.block_size=32"])
     assert cfg.engine.vllm.engine_args == {"max_num_batched_tokens": 8192} and cfg.engine.vllm.block_size == 32
 
@@ -126,21 +127,21 @@ def test_with_a_base_url_the_http_engine_needs_no_local_vllm(no_vllm, tiny_model
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again: nothing listens there
-    cfg = load_config(None, ["engine.kind=vllm", "runtime.mode=async", f"engine.vllm.base_url=http://127.0.0.1:{port}",
+    cfg = load_checked(None, ["engine.kind=vllm", "runtime.mode=async", f"engine.vllm.base_url=http://127.0.0.1:{port}",
                              "engine.vllm.retries=1", "engine.vllm.retry_backoff_s=0.01"])
     with pytest.raises(EngineFault, match=rf"vLLM /health: cannot reach http://127.0.0.1:{port}"):
         make_engine(cfg, tiny_model, tokenizer, 0)
 
 
 def test_several_vllm_servers_are_one_per_engine_actor():
-    from loomrl.config import ConfigError, load_config
+    from loomrl.config import ConfigError
     from loomrl.engine.factory import server_of
 
     urls = ["http://a:8000", "http://b:8000"]
     listed = f"engine.vllm.base_url=[{', '.join(urls)}]"
     with pytest.raises(ConfigError, match="engine.vllm.base_url lists 2 servers: .* ray.engine.count=2"):
-        load_config(None, ["engine.kind=vllm", "runtime.mode=async", listed])
-    cfg = load_config(None, ["engine.kind=vllm", "runtime.mode=async", listed, "runtime.backend=ray",
+        load_checked(None, ["engine.kind=vllm", "runtime.mode=async", listed])
+    cfg = load_checked(None, ["engine.kind=vllm", "runtime.mode=async", listed, "runtime.backend=ray",
                              "ray.engine.count=2"])
     assert [server_of(cfg.engine.vllm.base_url, r) for r in range(3)] == [urls[0], urls[1], urls[0]]
     assert server_of("http://one:1", 5) == "http://one:1"

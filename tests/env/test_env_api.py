@@ -11,11 +11,12 @@ import time
 
 import pytest
 
-from loomrl.config import ConfigError, load_config
+from loomrl.config import ConfigError
 from loomrl.env import EnvCrash, EpisodeContext, Tool, ToolEnv, tool
 from loomrl.env.api import environment_for, resolve_factory
 from loomrl.env.pool import EnvPool
 from loomrl.env.sandbox import make_sandbox
+from loomrl.runtime.checks import load_checked
 from loomrl.types import Task
 
 FACTORY = "custom_envs_for_tests:make_lookup"
@@ -26,7 +27,7 @@ def _ctx(pool=None, timeout=2.0) -> EpisodeContext:
 
 
 def _episode(pool=None):
-    cfg = load_config(None, [f"env.name={FACTORY}", "env.args.table={k: 7}"])
+    cfg = load_checked(None, [f"env.name={FACTORY}", "env.args.table={k: 7}"])
     return environment_for(cfg).episode(_ctx(pool))
 
 
@@ -126,13 +127,13 @@ def test_a_sandbox_tool_runs_in_a_pool_sandbox_and_a_dead_pool_is_an_env_crash()
 
 
 def test_env_args_are_checked_by_the_plugins_own_model():
-    cfg = load_config(None, [f"env.name={FACTORY}", "env.args.mode=loud"])
+    cfg = load_checked(None, [f"env.name={FACTORY}", "env.args.mode=loud"])
     assert environment_for(cfg).args.mode == "loud"
     with pytest.raises(ConfigError, match=r"^config error: 'env.args.mode': Input should be 'plain' or 'loud'"):
-        load_config(None, [f"env.name={FACTORY}", "env.args.mode=quiet"])
+        load_checked(None, [f"env.name={FACTORY}", "env.args.mode=quiet"])
     with pytest.raises(ConfigError, match=r"^config error: unknown field 'env.args.colour' for env.name="
                                           r"custom_envs_for_tests:make_lookup; known fields: table, mode$"):
-        load_config(None, [f"env.name={FACTORY}", "env.args.colour=red"])
+        load_checked(None, [f"env.name={FACTORY}", "env.args.colour=red"])
 
 
 def test_bad_factories_and_names_stop_in_one_line():
@@ -145,10 +146,10 @@ def test_bad_factories_and_names_stop_in_one_line():
     }
     for name, message in cases.items():
         with pytest.raises(ConfigError) as err:
-            load_config(None, [f"env.name={name}"])
+            load_checked(None, [f"env.name={name}"])
         assert message in str(err.value) and "\n" not in str(err.value), (name, str(err.value))
     with pytest.raises(ConfigError, match="env.name=gym takes no black-box agents"):
-        load_config(None, ["env.name=gym", "agent.kind=blackbox", "agent.command=[python3, a.py]"])
+        load_checked(None, ["env.name=gym", "agent.kind=blackbox", "agent.command=[python3, a.py]"])
 
 
 def test_an_installed_plugin_is_found_by_its_entry_point(tmp_path, monkeypatch):
@@ -159,7 +160,7 @@ def test_an_installed_plugin_is_found_by_its_entry_point(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     factory, extra = resolve_factory("lookup")
     assert factory.__name__ == "make_lookup" and extra == {}
-    cfg = load_config(None, ["env.name=lookup", "env.args.table={x: 5}"])
+    cfg = load_checked(None, ["env.name=lookup", "env.args.table={x: 5}"])
     train, held = environment_for(cfg).tasks(__import__("loomrl.env.api", fromlist=["TaskSetup"]).TaskSetup.of(cfg))
     assert train[0].answer == "5" and held[0].split == "heldout"
     assert "custom_envs_for_tests" in sys.modules

@@ -6,8 +6,8 @@ import struct
 
 from tensorboardX.proto.event_pb2 import Event
 
+from loomrl.config.metrics import MetricsConfig
 from loomrl.metrics import open_metrics, read_metrics
-from loomrl.metrics.config import MetricsConfig
 
 
 def _scalars(folder) -> dict[str, list[tuple[int, float]]]:

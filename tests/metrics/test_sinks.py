@@ -19,12 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from loomrl.config import ConfigError, build_config, load_config
+from loomrl.config import ConfigError, build_config
+from loomrl.config.metrics import MetricsConfig, PrometheusConfig, WandbConfig
 from loomrl.metrics import MetricsLogger, open_metrics, read_metrics
-from loomrl.metrics.config import MetricsConfig, PrometheusConfig, WandbConfig
 from loomrl.metrics.jsonl import JsonlSink
 from loomrl.metrics.prometheus import PrometheusSink, gauge_name
 from loomrl.metrics.sink import SinkError, Values
+from loomrl.runtime.checks import load_checked
 
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "calculator_tiny.yaml"
 
@@ -94,7 +95,7 @@ def test_a_run_whose_sink_cannot_start_stops_before_it_trains_with_one_run_error
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        cfg = load_config(RECIPE, [f"output_dir={tmp_path}", "progress=false",
+        cfg = load_checked(RECIPE, [f"output_dir={tmp_path}", "progress=false",
                                    f"metrics.prometheus.port={busy.getsockname()[1]}"])
         with pytest.raises(RunError, match=r"^run error: metrics.prometheus: cannot serve on"):
             train(cfg)
@@ -150,12 +151,12 @@ def test_the_metrics_section_names_its_bad_fields():
     cfg = build_config({})
     assert cfg.metrics.tensorboard and cfg.metrics.prometheus is None and cfg.metrics.wandb is None
     with pytest.raises(ConfigError, match=r"'metrics.wandb.mode': Input should be 'online', 'offline' or 'disabled'"):
-        load_config(None, ["metrics.wandb.mode=ofline"])
+        load_checked(None, ["metrics.wandb.mode=ofline"])
     with pytest.raises(ConfigError, match=r"'metrics.prometheus.port': Input should be less than or equal to 65535"):
-        load_config(None, ["metrics.prometheus.port=70000"])
+        load_checked(None, ["metrics.prometheus.port=70000"])
     with pytest.raises(ConfigError, match=r"unknown field 'metrics.wandb.projct'; did you mean 'project'"):
-        load_config(None, ["metrics.wandb.projct=x"])
-    cfg = load_config(None, ["metrics.wandb.project=p", "metrics.wandb.tags=[a, b]", "metrics.wandb.mode=disabled",
+        load_checked(None, ["metrics.wandb.projct=x"])
+    cfg = load_checked(None, ["metrics.wandb.project=p", "metrics.wandb.tags=[a, b]", "metrics.wandb.mode=disabled",
                              "metrics.tensorboard=false"])  # disabled: loads without wandb installed too
     assert cfg.metrics.wandb == WandbConfig(project="p", tags=["a", "b"], mode="disabled")
     assert not cfg.metrics.tensorboard
@@ -167,10 +168,10 @@ def test_metrics_wandb_without_wandb_installed_is_one_line_naming_the_field_and_
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
     with pytest.raises(ConfigError) as err:
-        load_config(None, ["metrics.wandb.mode=offline"])
+        load_checked(None, ["metrics.wandb.mode=offline"])
     assert str(err.value) == ("config error: metrics.wandb: W&B logging needs the wandb package: "
                               "pip install 'loomrl[wandb]' (or remove metrics.wandb)")
-    load_config(None, ["metrics.wandb.mode=disabled"])  # a recipe may keep its section switched off
+    load_checked(None, ["metrics.wandb.mode=disabled"])  # a recipe may keep its section switched off
 
 
 # -- W&B, offline ---------------------------------------------------------------------------------------------------
@@ -275,7 +276,7 @@ def test_a_tiny_training_run_leaves_an_offline_wandb_run_holding_its_metrics(tmp
     overrides = [f"output_dir={tmp_path}", "progress=false", "runtime.mode=sync", "trainer.total_steps=2",
                  "checkpoint_every=1", "metrics.wandb.mode=offline", "metrics.wandb.project=loomrl-tests",
                  "metrics.wandb.tags=[tiny]"]
-    cfg = load_config(RECIPE, overrides)
+    cfg = load_checked(RECIPE, overrides)
     train(cfg)
     run = wandb_run(cfg.run_dir)
     assert run["ids"] == [(cfg.run_dir / ID_FILE).read_text().strip()]
@@ -294,7 +295,7 @@ def test_a_tiny_training_run_leaves_an_offline_wandb_run_holding_its_metrics(tmp
         (0, False, True), (1, True, False), (2, True, False), (2, False, True)]
 
     # resumed: the same W&B run id goes on, in a second offline-run folder (`wandb sync` uploads both, in order)
-    more = load_config(RECIPE, [*overrides, "trainer.total_steps=3"])
+    more = load_checked(RECIPE, [*overrides, "trainer.total_steps=3"])
     train(more, resume=True)
     resumed = wandb_run(cfg.run_dir)
     assert resumed["ids"] == run["ids"] * 2

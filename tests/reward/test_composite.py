@@ -197,3 +197,12 @@ def test_config_errors_name_the_field(override, said):
     with pytest.raises(ConfigError) as err:
         load_config("examples/calculator_smollm2.yaml", [override])
     assert said in str(err.value) and len(str(err.value).splitlines()) == 1, str(err.value)
+
+
+def test_the_process_terms_a_recipe_may_name_are_the_ones_computed():
+    """config/terms.py names the process terms (the config package imports no reward code); reward/process.py computes
+    them: the two lists must agree, in order."""
+    from loomrl.config.terms import PROCESS_TERMS
+    from loomrl.reward.process import CHECKS
+
+    assert tuple(CHECKS) == PROCESS_TERMS

@@ -27,8 +27,8 @@ from fastapi import FastAPI, Request  # module level: the app's annotations are 
 from fastapi.responses import JSONResponse
 
 from loomrl import cli
+from loomrl.config.judge import JudgeConfig, JudgeExample
 from loomrl.reward.judge import Judge, parse_score
-from loomrl.reward.judge_config import JudgeConfig, JudgeExample
 from loomrl.reward.pool import RewardPool
 from loomrl.types import REWARD_FAILED, Task, Trajectory, Turn
 

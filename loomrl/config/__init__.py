@@ -8,7 +8,6 @@ written to the run folder by the runtime (`save_resolved`).
 from __future__ import annotations
 
 import difflib
-import importlib.util
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
@@ -16,10 +15,11 @@ from typing import Annotated, Any, Literal, get_args
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from loomrl.data.config import DataConfig  # noqa: E402 - its own module imports nothing of loomrl
-from loomrl.metrics.config import WANDB_MISSING, MetricsConfig  # imports no sink
-from loomrl.reward.composite import PROCESS_TERMS, Gate  # noqa: E402 - imports loomrl.types only
-from loomrl.reward.judge_config import JudgeConfig  # imports nothing of loomrl either
+# the sections kept in modules of their own (each imports nothing of loomrl outside this package)
+from loomrl.config.data import DataConfig
+from loomrl.config.judge import JudgeConfig
+from loomrl.config.metrics import MetricsConfig
+from loomrl.config.terms import PROCESS_TERMS, Gate
 
 
 class ConfigError(ValueError):
@@ -670,6 +670,24 @@ class RunConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _engine_server_named(self) -> RunConfig:
+        if self.engine.kind == "sglang" and not self.engine.sglang.base_url:
+            raise ValueError("engine.sglang.base_url: engine.kind=sglang needs the SGLang server's address, e.g. "
+                             "engine.sglang.base_url=http://gpu-node:30000")
+        return self
+
+    @model_validator(mode="after")
+    def _blackbox_agent_runs(self) -> RunConfig:
+        if self.agent.kind != "blackbox":
+            return self
+        if not self.agent.command:
+            raise ValueError("agent.command: a black-box agent needs the program to run, e.g. [python3, agent.py]")
+        if self.runtime.backend == "ray" and self.ray.env.count:
+            raise ValueError("ray.env.count: a black-box agent reaches the gateway through a socket mounted into its "
+                             "sandbox, so its sandboxes must run on the rollout actor's node; set ray.env.count=0")
+        return self
+
+    @model_validator(mode="after")
     def _vllm_actors_hold_their_gpus(self) -> RunConfig:
         if self.engine.kind == "vllm" and self.runtime.backend == "ray":  # the actors holding the engines
             spec, where = (self.ray.engine, "ray.engine") if self.ray.engine.count else (self.ray.rollout, "ray.rollout")
@@ -902,37 +920,6 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         # agent files are named relative to the recipe's folder; keep them absolute from here on
         base = Path(path).resolve().parent
         config.agent.files = [str(f if Path(f).is_absolute() else base / f) for f in config.agent.files]
-    from loomrl.devices import check_run_devices  # imports torch: deferred until a config is loaded
-    from loomrl.env.api import environment_for  # imports config: deferred as well
-    from loomrl.env.registry import check_env_config
-
-    check_env_config(config)  # env.families, env.sandbox_limits: refused here, not minutes later in a worker
-    check_run_devices(config)
-    if (config.engine.kind == "vllm" and not config.engine.vllm.base_url and config.runtime.backend == "local"
-            and importlib.util.find_spec("vllm") is None):
-        # Ray runs: their rollout actors' nodes need vLLM, not the driver's; the engine says the same there
-        raise ConfigError(f"config error: engine.kind=vllm: {VLLM_MISSING}")
-    wandb = config.metrics.wandb
-    if wandb is not None and wandb.mode != "disabled" and importlib.util.find_spec("wandb") is None:
-        raise ConfigError(f"config error: metrics.wandb: {WANDB_MISSING}")
-    if config.engine.kind == "sglang" and not config.engine.sglang.base_url:
-        raise ConfigError("config error: engine.sglang.base_url: engine.kind=sglang needs the SGLang server's address, "
-                          "e.g. engine.sglang.base_url=http://gpu-node:30000")
-    for f in config.agent.files:
-        if not Path(f).is_file():
-            raise ConfigError(f"config error: agent.files: {f!r} is not a file (paths are relative to the recipe)")
-    if config.agent.kind == "blackbox":
-        if not config.agent.command:
-            raise ConfigError("config error: agent.command: a black-box agent needs the program to run, "
-                              "e.g. [python3, agent.py]")
-        if not environment_for(config).takes_blackbox:
-            raise ConfigError(f"config error: agent.kind=blackbox: env.name={config.env.name} takes no black-box "
-                              "agents (its Environment has no answer_of to read a program's final answer; the "
-                              "calculator has one)")
-        if config.runtime.backend == "ray" and config.ray.env.count:
-            raise ConfigError("config error: ray.env.count: a black-box agent reaches the gateway through a "
-                              "socket mounted into its sandbox, so its sandboxes must run on the rollout actor's "
-                              "node; set ray.env.count=0")
     return config
 
 

@@ -5,7 +5,7 @@
       prometheus: {port: 9464}       # gauges at http://127.0.0.1:9464/metrics while the run trains
       wandb: {project: my-project, mode: offline}   # pip install 'loomrl[wandb]'
 
-It imports nothing of loomrl, so loomrl/config.py can hold it without importing any sink.
+It imports nothing of loomrl: the config package holds it without importing any sink (loomrl/metrics/ has them).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class DataConfig(BaseModel):
-    # loomrl.config imports this module: it must not import loomrl.config back (its _Section has the same rules)
+    # loomrl.config (the package's __init__) imports this module: it must not import it back (_Section's rules, again)
     model_config = ConfigDict(extra="forbid")
 
     # local files: a path, a glob, or a list of them (parquet, JSONL/JSON, CSV, Arrow); relative to the recipe's folder

@@ -1,7 +1,8 @@
 """The `reward.judge:` section of a recipe: an LLM judge over an OpenAI-compatible endpoint (reward/judge.py).
 
-Kept beside its component, as data/config.py is: loomrl.config imports this module, so it imports nothing of loomrl
-(its rules are loomrl.config._Section's: unknown fields refused, assignments validated)."""
+A module of the config package (its sections sit below every component, so that no component's import leads back up);
+it imports nothing of loomrl (its rules are loomrl.config._Section's: unknown fields refused, assignments
+validated)."""
 
 from __future__ import annotations
 

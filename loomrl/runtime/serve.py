@@ -1,5 +1,5 @@
 """`loomrl serve`: the recipe's engine over a checkpoint's weights (or the recipe's model) behind the OpenAI-compatible
-app (app.py), under uvicorn. The engine's policy version is the checkpoint's step, so /health, /metrics and every
+app (server/app.py), under uvicorn. The engine's policy version is the checkpoint's step, so /health, /metrics and every
 token's `policy_versions` name the weights served (0: the recipe's model, untrained). Once the socket listens, one line
 on stdout says where (URL, model name, engine, policy version); uvicorn itself logs warnings only.
 

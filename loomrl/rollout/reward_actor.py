@@ -1,0 +1,28 @@
+"""Reward actors (ray.reward.count > 0): the run's reward pool in an actor of its own, which rollout actors score on
+through reward/actor.py RemoteRewardPool. Here, beside the rollout worker, because the pool is the run's (its reward,
+terms and judge: rollout/worker.py reward_pool_for), which the environment's reward is part of."""
+
+from __future__ import annotations
+
+from loomrl.actor_support import Placed
+from loomrl.config import RunConfig
+from loomrl.rollout.worker import reward_pool_for
+from loomrl.types import Task, Trajectory
+
+
+class RewardActor(Placed):
+    """A reward worker (ray.reward.count > 0): the run's reward function on its own threads, on
+    whatever node ray.reward.resources picks, shared by every rollout actor. Stateless, so Ray itself
+    restarts it when it dies (max_restarts) and retries the calls it was running on the fresh one
+    (max_task_retries); calls that still fail reach RemoteRewardPool as errors."""
+
+    def __init__(self, cfg_json: str):
+        cfg = RunConfig.model_validate_json(cfg_json)
+        self.pool = reward_pool_for(cfg)
+
+    async def score(self, traj: Trajectory, task: Task) -> Trajectory:
+        return await self.pool.score(traj, task)
+
+    def metrics(self) -> dict[str, float]:
+        """Its pool's counters so far (an LLM judge's): the driver reads them each step (runtime/ray_backend.py)."""
+        return self.pool.metrics()

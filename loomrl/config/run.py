@@ -1,0 +1,160 @@
+"""RunConfig: a whole recipe, its sections and every rule across them (a validator each, so that RunConfig(...) built in code and load_config agree)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, model_validator
+
+from loomrl.config.agent import AgentConfig
+from loomrl.config.base import Section
+from loomrl.config.buffer import BufferConfig
+from loomrl.config.data import DataConfig
+from loomrl.config.engine import EngineConfig
+from loomrl.config.env import EnvConfig
+from loomrl.config.eval import EvalConfig
+from loomrl.config.metrics import MetricsConfig
+from loomrl.config.model import ModelConfig, SamplingConfig
+from loomrl.config.reward import RewardConfig
+from loomrl.config.runtime import RayConfig, RuntimeConfig
+from loomrl.config.trainer import TrainerConfig
+
+
+class RunConfig(Section):
+    name: str = "run"
+    """the run's name: its folder is output_dir/name"""
+    output_dir: str = "runs"
+    """where run folders go"""
+    seed: int = 0
+    """seeds sampling, the model's initialisation and the data order (env.seed seeds the tasks themselves)"""
+    checkpoint_every: int = Field(5, ge=0)
+    """save a checkpoint every this many steps (0: only at the end); --resume continues from the latest"""
+    progress: bool = True
+    """show progress bars (train, eval) on stderr"""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    data: DataConfig | None = None
+    """a dataset of tasks (loomrl/data/, docs/data.md): replaces the environment's own tasks"""
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    buffer: BufferConfig = Field(default_factory=BufferConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    """where metric records go besides metrics.jsonl: TensorBoard, Prometheus, W&B (loomrl/metrics/, docs/metrics.md)"""
+
+    # Cross-section rules, one validator per concern (pydantic runs them in this order), so that RunConfig(...) built in
+    # code and load_config agree.
+    @model_validator(mode="after")
+    def _sync_shares_one_model(self) -> RunConfig:
+        """Sync mode serves the engine from the trainer's own model object and changes its weights in place: nothing
+        that shards that object, holds its own copy or sends weights across."""
+        if self.runtime.mode != "sync":
+            return self
+        if self.trainer.parallel == "fsdp":  # FSDP shards that object
+            raise ValueError("trainer.parallel=fsdp needs runtime.mode=async (sync mode shares the trainer's model "
+                             "with the engine)")
+        transport = self.runtime.weight_transport
+        if transport in ("cuda_ipc", "broadcast"):
+            raise ValueError(f"runtime.weight_transport={transport} needs runtime.mode=async (a trainer beside the "
+                             "engine; sync runs share one model)")
+        if self.engine.kind == "sglang":
+            raise ValueError("engine.kind=sglang needs runtime.mode=async (sync mode shares the trainer's model with "
+                             "the engine; an SGLang server holds its own copy and loads each version from disk)")
+        if self.engine.kind == "vllm":
+            raise ValueError("engine.kind=vllm needs runtime.mode=async (sync mode shares the trainer's model with "
+                             "the engine; vLLM holds its own copy in its worker process and loads each version sent)")
+        return self
+
+    @model_validator(mode="after")
+    def _one_actor_per_engine_server(self) -> RunConfig:
+        kind = self.engine.kind
+        urls = {"sglang": self.engine.sglang.base_url, "vllm": self.engine.vllm.base_url}.get(kind)
+        if isinstance(urls, list) and len(urls) > 1 and (self.runtime.backend != "ray" or
+                                                         self.ray.engine.count != len(urls)):
+            raise ValueError(f"engine.{kind}.base_url lists {len(urls)} servers: one engine actor drives each, so "
+                             f"set runtime.backend=ray and ray.engine.count={len(urls)}")
+        return self
+
+    @model_validator(mode="after")
+    def _weight_transport_fits(self) -> RunConfig:
+        """runtime.weight_transport against the backend and the engine that receive it."""
+        transport, kind = self.runtime.weight_transport, self.engine.kind
+        ray = self.runtime.backend == "ray"
+        if transport == "cuda_ipc" and ray:
+            raise ValueError("runtime.weight_transport=cuda_ipc is for runtime.backend=local (a trainer process on the "
+                             "engine's GPU); Ray runs send the weights through Ray's object store, or broadcast them")
+        if transport == "broadcast" and ray and not self.ray.engine.count:
+            raise ValueError("runtime.weight_transport=broadcast on Ray needs engine actors (ray.engine.count > 0), "
+                             "whose processes join the trainer actor's process group")
+        if transport == "broadcast" and kind == "vllm" and self.engine.vllm.base_url:
+            raise ValueError("runtime.weight_transport=broadcast needs vLLM in process (no engine.vllm.base_url): its "
+                             "workers join the trainer's process group")
+        if transport == "broadcast" and not ray and kind not in ("vllm", "sglang"):
+            raise ValueError("runtime.weight_transport=broadcast on runtime.backend=local needs engine.kind=vllm or "
+                             "sglang, whose workers join the trainer's process group (the built-in engine receives "
+                             "a broadcast on Ray, in its engine actor)")
+        if transport == "cuda_ipc" and kind == "sglang" and self.engine.sglang.tp_size != 1:
+            raise ValueError(f"runtime.weight_transport=cuda_ipc maps the trainer's GPU memory into the SGLang server, "
+                             f"which must then run on that one GPU (engine.sglang.tp_size={self.engine.sglang.tp_size}"
+                             "); use runtime.weight_transport=broadcast for a server on other GPUs")
+        return self
+
+    @model_validator(mode="after")
+    def _colocation_fits(self) -> RunConfig:
+        """engine.sleep_while_training: a trainer and an engine sharing GPUs."""
+        if not self.engine.sleep_while_training:
+            return self
+        r = self.ray
+        if self.runtime.backend == "ray" and r.engine.count:
+            # colocated on Ray (runtime/ray_backend.py): engine actor i shares trainer rank i's GPU
+            if r.engine.count != self.trainer.world_size:
+                raise ValueError(f"engine.sleep_while_training on Ray puts engine actor i on trainer rank i's GPU: "
+                                 f"ray.engine.count ({r.engine.count}) must equal trainer.world_size "
+                                 f"({self.trainer.world_size})")
+            if r.engine.num_gpus + r.trainer.num_gpus > 1:
+                raise ValueError(f"engine.sleep_while_training on Ray: ray.engine.num_gpus ({r.engine.num_gpus:g}) + "
+                                 f"ray.trainer.num_gpus ({r.trainer.num_gpus:g}) is more than the one GPU they share "
+                                 "(e.g. 0.5 each)")
+        if self.runtime.weight_transport == "broadcast":
+            raise ValueError("engine.sleep_while_training (a trainer and an engine sharing GPUs) cannot use "
+                             "runtime.weight_transport=broadcast: NCCL puts no two ranks of a group on one GPU; use "
+                             "cuda_ipc (same GPU) or shm")
+        return self
+
+    @model_validator(mode="after")
+    def _engine_server_named(self) -> RunConfig:
+        if self.engine.kind == "sglang" and not self.engine.sglang.base_url:
+            raise ValueError("engine.sglang.base_url: engine.kind=sglang needs the SGLang server's address, e.g. "
+                             "engine.sglang.base_url=http://gpu-node:30000")
+        return self
+
+    @model_validator(mode="after")
+    def _blackbox_agent_runs(self) -> RunConfig:
+        if self.agent.kind != "blackbox":
+            return self
+        if not self.agent.command:
+            raise ValueError("agent.command: a black-box agent needs the program to run, e.g. [python3, agent.py]")
+        if self.runtime.backend == "ray" and self.ray.env.count:
+            raise ValueError("ray.env.count: a black-box agent reaches the gateway through a socket mounted into its "
+                             "sandbox, so its sandboxes must run on the rollout actor's node; set ray.env.count=0")
+        return self
+
+    @model_validator(mode="after")
+    def _vllm_actors_hold_their_gpus(self) -> RunConfig:
+        if self.engine.kind == "vllm" and self.runtime.backend == "ray":  # the actors holding the engines
+            spec, where = (self.ray.engine, "ray.engine") if self.ray.engine.count else (self.ray.rollout, "ray.rollout")
+            tp = self.engine.vllm.tensor_parallel_size
+            colocated = self.engine.sleep_while_training and spec.num_gpus < 1 and tp == 1  # a share of one GPU
+            if spec.num_gpus and spec.num_gpus != tp and not colocated:
+                raise ValueError(f"{where}.num_gpus={spec.num_gpus:g} but engine.vllm.tensor_parallel_size={tp}: each "
+                                 f"actor's vLLM engine needs as many GPUs as its tensor-parallel size")
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.name

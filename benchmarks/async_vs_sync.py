@@ -58,7 +58,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, median, report  # noqa: E402
+from _common import QUICK_NOTE, bound_tolerance, divide, efficiency, machine, median, report  # noqa: E402
 
 from loomrl.config import load_config  # noqa: E402
 from loomrl.rollout import actor as rollout_actor  # noqa: E402
@@ -218,8 +218,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="interleaved sync/async pairs (default 1: one run "
                     "each, to keep the benchmark short; medians when more)")
     ap.add_argument("--keep", action="store_true", help="keep the run folders (printed)")
+    ap.add_argument("--quick", action="store_true", help="the same path at the smallest size: a smoke run in seconds")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.quick:
+        args.steps, args.groups, args.group_size, args.max_tokens, args.max_turns = 3, 2, 4, 8, 2
+        args.latency, args.repeats = 0.1, 1
     logging.basicConfig(level=logging.WARNING)
     out_dir = tempfile.mkdtemp(prefix="loomrl-b1-")
     per_step = args.groups * args.group_size
@@ -245,10 +249,10 @@ def main() -> None:
     C = max(G_a, T_a)
     limits = {"env": E, "window": W, "cpu": C}
     binding = max(limits, key=limits.get)
-    bound = S / limits[binding]
+    bound = divide(S, limits[binding], f"bound S / {binding} limit")
     sync_rate, async_rate = med(syncs, "steps_per_s"), med(asyncs, "steps_per_s")
-    ratio = async_rate / sync_rate
-    efficiency = ratio / bound
+    ratio = divide(async_rate, sync_rate, "async steps/s / sync steps/s")
+    eff = efficiency(ratio, bound, "async_vs_sync", bound_tolerance(args.quick))
     eng_t, tr_t = async_threads(load_config(None, ["runtime.mode=async"]))
     cores = os.cpu_count()
     details = [
@@ -281,6 +285,8 @@ def main() -> None:
         details.append(f"repeat {i + 1}: sync {s['steps_per_s']:.3f} steps/s ({s['wall_s']:.0f} s wall), async "
                        f"{a['steps_per_s']:.3f} steps/s ({a['wall_s']:.0f} s wall), ratio "
                        f"{a['steps_per_s'] / s['steps_per_s']:.2f}")
+    if args.quick:
+        details.append(QUICK_NOTE)
     report({
         "name": "async_vs_sync",
         "machine": machine(),
@@ -291,7 +297,7 @@ def main() -> None:
         "async_steps_per_s": round(async_rate, 4),
         "ratio": round(ratio, 3),
         "bound": round(bound, 3),
-        "efficiency": round(efficiency, 3),
+        "efficiency": round(eff, 3),
         "anchors": "AReaL 2.77x, ROLL Flash 2.72x (agentic)",
         "limits_s": {k: round(v, 4) for k, v in limits.items()},
         "arms": {"sync": {"steps_per_s": round(sync_rate, 4), "runs": [_rounded(a) for a in syncs]},

@@ -59,8 +59,11 @@ def child(mode: str, path: str, cache: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=1_000_000)
+    ap.add_argument("--quick", action="store_true", help="the same path at the smallest size: a smoke run in seconds")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.quick:
+        args.rows = 10_000
     import pyarrow as pa
     import pyarrow.parquet as pq
 

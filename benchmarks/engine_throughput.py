@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, median, report  # noqa: E402
+from _common import QUICK_NOTE, bound_tolerance, divide, efficiency, machine, median, report  # noqa: E402
 
 from loomrl.config import ModelConfig  # noqa: E402
 from loomrl.engine.base import GenerationRequest, SamplingParams  # noqa: E402
@@ -90,15 +90,17 @@ class WorkCounter:
 
 
 def run_builtin(engine, work: WorkCounter, prompts, observations, turns, new_tokens):
-    """One pass of the workload on `engine` (its prefix cache cleared first); (tokens, seconds, metrics)."""
-    from loomrl.engine.base import EngineMetrics
+    """One pass of the workload on `engine` (its prefix cache cleared first); (tokens, seconds, the engine's counter
+    changes over the pass: engine/readings.py)."""
+    from loomrl.engine.readings import counter_changes, read_engine
 
     def reset():
         engine.cache.clear()
-        engine.metrics = EngineMetrics()
         work.tokens = work.rows = 0
+        # the counters only grow (the scheduler keeps the record it was given): the pass's are changes from here
+        return read_engine(engine.metrics)
 
-    engine.call(reset).result()
+    before = engine.call(reset).result()
 
     async def program(i: int) -> int:
         ctx = list(prompts[i])
@@ -118,7 +120,7 @@ def run_builtin(engine, work: WorkCounter, prompts, observations, turns, new_tok
     asyncio.run(all_programs_warm(engine, prompts[0]))
     t0 = time.perf_counter()
     made = asyncio.run(all_programs())
-    return made, time.perf_counter() - t0, engine.metrics
+    return made, time.perf_counter() - t0, counter_changes(before, read_engine(engine.metrics))
 
 
 async def all_programs_warm(engine, prompt):
@@ -249,8 +251,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="arms run interleaved this many times; medians reported")
     ap.add_argument("--arms", default="builtin,transformers,vllm-cpu",
                     help=f"comma-separated subset of {','.join(ARMS)}")
+    ap.add_argument("--quick", action="store_true", help="the same path at the smallest size: a smoke run in seconds")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.quick:
+        args.programs, args.turns, args.new_tokens, args.obs_tokens, args.repeats = 4, 2, 8, 8, 1
 
     cfg = ModelConfig(kind=args.model)
     model, tokenizer = load_model(cfg)
@@ -278,7 +283,7 @@ def main() -> None:
         if "builtin" in chosen:
             made, secs, stats = run_builtin(engine, work, prompts, observations, args.turns, args.new_tokens)
             runs.setdefault("builtin", []).append(made / secs)
-            hit = stats.hit_rate
+            hit = divide(stats["reused_tokens"], stats["prompt_tokens"], "builtin reused prompt tokens / prompt tokens")
             if roofline is None:
                 # Matmul-only roofline: the projection FLOPs this run needed (prefix-cached work
                 # excluded) at the kernels' best measured FLOP/s; attention and memory traffic ignored,
@@ -340,8 +345,13 @@ def main() -> None:
         details.append(f"builtin prefix-cache hit rate {hit:.2f}")
     others = {k: v for k, v in arms.items() if k not in ("builtin", "loomrl-vllm")}
     best = max(others, key=others.get) if others else None
-    ratio = arms["builtin"] / others[best] if best and "builtin" in arms else None
-    bound = roofline / others[best] if best and roofline else None
+    ratio = divide(arms["builtin"], others[best], f"builtin / {best} tok/s") if best and "builtin" in arms else None
+    bound = divide(roofline, others[best], f"roofline / {best} tok/s") if best and roofline else None
+    eff = efficiency(ratio, bound, "engine_throughput", bound_tolerance(args.quick)) if ratio and bound else None
+    if adapter_ratio:  # the adapter can only add work to bare vLLM: bound 1.0
+        efficiency(adapter_ratio, 1.0, "engine_throughput adapter", bound_tolerance(args.quick))
+    if args.quick:
+        details.append(QUICK_NOTE)
     report({
         "name": "engine_throughput",
         "machine": machine(),
@@ -350,7 +360,7 @@ def main() -> None:
         "ratio": round(ratio, 3) if ratio else None,
         "ratio_over": best,
         "bound": round(bound, 3) if bound else None,
-        "efficiency": round(ratio / bound, 3) if ratio and bound else None,
+        "efficiency": round(eff, 3) if eff else None,
         "adapter_ratio": round(adapter_ratio, 3) if adapter_ratio else None,
         "adapter_cost": round(1 - adapter_ratio, 3) if adapter_ratio else None,
         "arms": {k: round(v, 1) for k, v in arms.items()},

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, report  # noqa: E402
+from _common import bound_tolerance, divide, efficiency, machine, report  # noqa: E402
 
 from loomrl.config import load_config  # noqa: E402
 from loomrl.config.judge import JudgeConfig, JudgeExample  # noqa: E402
@@ -131,15 +131,20 @@ def judge_step(groups: list[tuple[Task, list[Trajectory]]], **cfg) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--groups", type=int, default=None, help="groups (default: the recipe's groups_per_step)")
+    ap.add_argument("--quick", action="store_true", help="the same path at the smallest size: one group")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.quick:
+        args.groups = 1
     n_groups = args.groups or load_config(RECIPE).trainer.groups_per_step
     groups, gen_wall = sample_groups(n_groups)
     arms = {"no_cache": judge_step(groups, cache=False), "cache": judge_step(groups),
             "cache_final_answer": judge_step(groups, show="final_answer")}
     off, on, ans = arms["no_cache"], arms["cache"], arms["cache_final_answer"]
-    ratio = off["calls"] / on["calls"]
-    bound = on["trajectories"] / on["distinct"]
+    ratio = divide(off["calls"], on["calls"], "no_cache calls / cache calls")
+    bound = divide(on["trajectories"], on["distinct"], "trajectories / distinct contents")
+    # counts, not timings: no noise to allow for, so the strict tolerance even in --quick mode
+    eff = efficiency(ratio, bound, "judge_cost", bound_tolerance(False))
     per_group = [len({t.turns[-1].act if t.turns else "" for t in trajs}) for _, trajs in groups]
     details = [f"{name}: {a['calls']} calls ({a['cache_hits']} cache hits) for {a['trajectories']} trajectories, "
                f"{a['prompt_tokens']} prompt + {a['completion_tokens']} completion tokens, ${a['cost_usd']:.6f}, "
@@ -152,7 +157,7 @@ def main() -> None:
             "workload": f"{n_groups} groups x 16 of {RECIPE.name} (SmolLM2, temperature 1.0), judged by loomrl serve "
                         "SmolLM2 (max_concurrency 8, 6-token replies)",
             "ratio": round(ratio, 3), "ratio_over": "no_cache calls / cache calls (show=final_reply)",
-            "bound": round(bound, 3), "efficiency": round(ratio / bound, 3),
+            "bound": round(bound, 3), "efficiency": round(eff, 3),
             "wall_ratio": round(off["wall_s"] / on["wall_s"], 3), "arms": arms, "details": details}, args.json)
 
 

@@ -43,11 +43,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, median, report  # noqa: E402
+from _common import QUICK_NOTE, bound_tolerance, divide, efficiency, machine, median, report  # noqa: E402
 from dispatcher import RolloutDispatcher, RolloutGroup, ScheduleReport  # noqa: E402
 
 from loomrl.config import ModelConfig  # noqa: E402
-from loomrl.engine.base import EngineMetrics, GenerationRequest, SamplingParams  # noqa: E402
+from loomrl.engine.base import GenerationRequest, SamplingParams  # noqa: E402
 from loomrl.engine.builtin.engine import BuiltinEngine  # noqa: E402
 from loomrl.model.loader import load_model  # noqa: E402
 
@@ -91,28 +91,30 @@ def make_groups(tokenizer, lengths: list[list[int]], seed: int) -> list[RolloutG
     return groups
 
 
-def reset(engine: BuiltinEngine) -> None:
-    """Fresh metrics and an empty prefix cache, so no arm is served by an earlier arm's K/V."""
+def reset(engine: BuiltinEngine) -> int:
+    """An empty prefix cache, so no arm is served by an earlier arm's K/V; returns the engine's step count now. (The
+    counters only grow: a run's steps are the change from this count. Replacing engine.metrics instead would leave
+    the scheduler counting into the record it was given at start.)"""
     def on_engine_thread():
         if engine.cache is not None:
             engine.cache.clear()
-        engine.metrics = EngineMetrics()
+        return engine.metrics.steps
 
-    engine.call(on_engine_thread).result()
+    return engine.call(on_engine_thread).result()
 
 
 def run_arm(engine: BuiltinEngine, arm: Arm, groups: list[RolloutGroup], concurrency: int,
             chunk_tokens: int) -> tuple[ScheduleReport, int]:
-    reset(engine)
+    steps_before = reset(engine)
     dispatcher = RolloutDispatcher(engine, concurrency=concurrency, policy=arm.policy,  # type: ignore[arg-type]
                                    chunk_tokens=chunk_tokens if arm.chunk else None)
     result = asyncio.run(dispatcher.run(groups))
-    return result, engine.metrics.steps
+    return result, engine.metrics.steps - steps_before
 
 
 def step_seconds(engine: BuiltinEngine, groups: list[RolloutGroup], concurrency: int, tokens: int) -> float:
     """Seconds per engine step with `concurrency` requests of `tokens` tokens decoding together."""
-    reset(engine)
+    steps_before = reset(engine)
 
     async def together():
         await asyncio.gather(*[engine.generate(GenerationRequest(
@@ -124,7 +126,7 @@ def step_seconds(engine: BuiltinEngine, groups: list[RolloutGroup], concurrency:
     secs = time.perf_counter() - t0
     for i in range(concurrency):
         engine.release(f"calib{i}")
-    return secs / max(engine.metrics.steps, 1)
+    return secs / max(engine.metrics.steps - steps_before, 1)
 
 
 def main() -> None:
@@ -143,8 +145,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=None, help="arms run interleaved this many times; medians. "
                     "default 3 (tiny), 1 (smollm2)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="the same path at the smallest size: a smoke run in seconds")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.quick:
+        args.model, args.groups, args.group_size, args.concurrency = "tiny", 4, 4, 4
+        args.median_len, args.max_len, args.chunk_tokens, args.repeats = 8, 32, 8, 1
     for key, value in DEFAULTS[args.model].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -198,7 +204,8 @@ def main() -> None:
     best_time = max(total * t_c / c, longest * t_1)
     best = max((a.name for a in ARMS if a.name != "barrier"), key=lambda k: arms[k]["ratio"])
     ratio = arms[best]["ratio"]
-    bound = wall["barrier"] / best_time
+    bound = divide(wall["barrier"], best_time, "barrier wall / best makespan")
+    eff = efficiency(ratio, bound, "long_tail", bound_tolerance(args.quick))
     details.append(f"replay bound: best makespan = max(total {total} x t(C) {t_c * 1e3:.2f} ms / C {c}, longest "
                    f"{longest} x t(1) {t_1 * 1e3:.2f} ms) = max({total * t_c / c:.2f}s, {longest * t_1:.2f}s) = "
                    f"{best_time:.2f}s (t measured: {c} requests, then 1, x {args.calib_tokens} tokens, fastest of {args.repeats}); "
@@ -208,6 +215,8 @@ def main() -> None:
     details.append(f"in engine steps (what a decode-bound accelerator pays, a step costing about the same at any "
                    f"occupancy): best arm {best} {barrier_steps / arms[best]['steps']:.2f}x fewer steps than barrier, "
                    f"bound barrier {barrier_steps:.0f} / minimum {min_steps} = {barrier_steps / min_steps:.2f}")
+    if args.quick:
+        details.append(QUICK_NOTE)
     report({
         "name": "long_tail",
         "machine": machine(),
@@ -217,7 +226,7 @@ def main() -> None:
         "ratio": round(ratio, 3),
         "ratio_of": f"{best} over barrier",
         "bound": round(bound, 3),
-        "efficiency": round(ratio / bound, 3),
+        "efficiency": round(eff, 3),
         "arms": arms,
         "details": details,
     }, args.json)

@@ -69,8 +69,11 @@ def main() -> None:
     ap.add_argument("--cap-a", type=int, default=16)
     ap.add_argument("--cap-b", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="the same path at the smallest size: a smoke run in seconds")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.quick:
+        args.steps, args.latency = 2, 0.1
     with tempfile.TemporaryDirectory(prefix="plan-accuracy-") as tmp:
         out = Path(tmp)
         a = run_arm(out, "A", args.cap_a, args)

@@ -5,13 +5,15 @@
   between turns under the program id).
 
 Bound: if a fraction h of prompt tokens is served from the cache and prefill adds a fraction f of the
-cache-off run's time, the best possible speed-up is 1 / (1 - h * f). h comes from the cache-on run.
+cache-off run's time, the best possible speed-up is 1 / (1 - h * f). h comes from the cache-on run: reused / prompt
+tokens, the changes of the engine's own counters (engine.metrics, which its scheduler counts into) over the pass.
 f = (off - warm) / off, where warm is the same workload run a second time on the cache-on engine,
 whose cache then holds every prompt (the same seeds give the same tokens): what is left is the decode
 work. (The cache-off run's requests replayed with max_tokens=1, the prefill alone, take longer than
 what prefill adds to the run: decode tokens ride along in the prefill steps almost free, because a
 decode step's cost is mostly streaming the weights. That replay-based fraction is printed too.)
-efficiency = measured ratio / bound. Nothing is simulated.
+efficiency = measured ratio / bound, checked by _common.efficiency (a ratio above its bound exits). Nothing is
+simulated. --quick: the same path at smoke-test sizes (figures not results).
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, report  # noqa: E402
+from _common import QUICK_NOTE, bound_tolerance, divide, efficiency, machine, report  # noqa: E402
 
 from loomrl.config import ModelConfig  # noqa: E402
 from loomrl.engine.base import GenerationRequest, SamplingParams  # noqa: E402
 from loomrl.engine.builtin.engine import BuiltinEngine  # noqa: E402
+from loomrl.engine.readings import counter_changes, read_engine  # noqa: E402
 from loomrl.model.loader import load_model  # noqa: E402
 
 SYSTEM = ("You are a careful assistant that solves arithmetic word problems with a calculator tool. "
@@ -79,18 +82,21 @@ def run(model, tokenizer, programs, new_tokens: int, cache: bool, replay: list |
             await asyncio.gather(*[program(*p) for p in programs])
 
     asyncio.run(engine.generate(GenerationRequest(prompt_ids=programs[0][1][:8], sampling=SamplingParams(max_tokens=2))))
-    times, metrics = [], None
+    times, counts = [], None
     for _ in range(passes):
-        engine.metrics = type(engine.metrics)()
+        # The scheduler counts prompt, reused and prefill tokens into the record it was given at start, so a pass's
+        # counts are the changes of that record across the pass (replacing engine.metrics would leave the scheduler
+        # counting into the old record, and this pass would read a hit rate of 0).
+        before = read_engine(engine.metrics)
         t0 = time.perf_counter()
         asyncio.run(everything())
         times.append(time.perf_counter() - t0)
-        metrics = metrics or engine.metrics
+        counts = counts or counter_changes(before, read_engine(engine.metrics))
     engine.close()
-    return times, metrics, made
+    return times, counts, made
 
 
-def measure(name, model, tokenizer, programs, new_tokens, repeats):
+def measure(name, model, tokenizer, programs, new_tokens, repeats, tolerance):
     ons, offs, pres, warms = [], [], [], []
     for _ in range(repeats):
         (off_s,), _, reqs = run(model, tokenizer, programs, new_tokens, cache=False)
@@ -102,15 +108,17 @@ def measure(name, model, tokenizer, programs, new_tokens, repeats):
         warms.append(warm_s)
     from statistics import median
 
-    ratio = median(offs) / median(ons)
-    h = on_m.hit_rate
+    ratio = divide(median(offs), median(ons), f"{name}: cache-off seconds / cache-on seconds")
+    h = divide(on_m["reused_tokens"], on_m["prompt_tokens"], f"{name}: reused prompt tokens / prompt tokens")
     f = min(max(1.0 - median(warms) / median(offs), 0.0), 1.0)
-    bound = 1.0 / (1.0 - h * f)
+    bound = divide(1.0, 1.0 - h * f, f"{name}: bound 1 / (1 - h * f)")
     return {
-        "workload": name, "ratio": ratio, "bound": bound, "efficiency": ratio / bound, "hit_rate": h,
+        "workload": name, "ratio": ratio, "bound": bound,
+        "efficiency": efficiency(ratio, bound, f"prefix_cache {name}", tolerance),
+        "hit_rate": h,
         "prefill_fraction": f, "prefill_alone_fraction": min(median(pres) / median(offs), 1.0),
         "seconds_on": median(ons), "seconds_off": median(offs), "seconds_warm": median(warms),
-        "reused_tokens": on_m.reused_tokens, "prefill_tokens_on": on_m.prefill_tokens,
+        "reused_tokens": on_m["reused_tokens"], "prefill_tokens_on": on_m["prefill_tokens"],
     }
 
 
@@ -125,14 +133,18 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--obs-tokens", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="the same path at the smallest size: a smoke run in seconds")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.quick:
+        args.groups, args.group_size, args.prompt_len = 2, 4, 64
+        args.programs, args.turns, args.new_tokens, args.obs_tokens, args.repeats = 2, 2, 4, 16, 1
     model, tokenizer = load_model(ModelConfig(kind=args.model))
     rows = [
         measure("grpo", model, tokenizer, grpo_programs(tokenizer, args.groups, args.group_size, args.prompt_len),
-                args.new_tokens, args.repeats),
+                args.new_tokens, args.repeats, bound_tolerance(args.quick)),
         measure("multiturn", model, tokenizer, multiturn_programs(tokenizer, args.programs, args.turns, args.obs_tokens),
-                args.new_tokens, args.repeats),
+                args.new_tokens, args.repeats, bound_tolerance(args.quick)),
     ]
     details = [
         f"{r['workload']}: off {r['seconds_off']:.1f}s, on {r['seconds_on']:.1f}s, ratio {r['ratio']:.2f}, hit rate "
@@ -141,6 +153,8 @@ def main() -> None:
         f"efficiency {r['efficiency']:.2f}"
         for r in rows
     ]
+    if args.quick:
+        details.append(QUICK_NOTE)
     worst = min(rows, key=lambda r: r["efficiency"])
     report({
         "name": "prefix_cache",

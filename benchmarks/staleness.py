@@ -44,7 +44,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, median, report  # noqa: E402
+from _common import QUICK_NOTE, bound_tolerance, divide, efficiency, machine, median, report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -162,8 +162,11 @@ def main() -> None:
     ap.add_argument("--target-mass", type=float, default=0.4, help="initial probability of the rewarded set")
     ap.add_argument("--latency", type=float, default=0.3, help="mean simulated env step latency (s)")
     ap.add_argument("--sigma", type=float, default=0.5, help="lognormal sigma of the env latency")
+    ap.add_argument("--quick", action="store_true", help="the same path at the smallest size: a smoke run in seconds")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.quick:
+        args.lags, args.steps, args.groups, args.group_size, args.latency = "0,1", 3, 2, 4, 0.1
     lags = [int(x) for x in args.lags.split(",")]
     out = Path(tempfile.mkdtemp(prefix="loomrl-staleness-"))
     rows = []
@@ -180,8 +183,9 @@ def main() -> None:
     T = base["train_s"]
     R = max(base["step_s"] - T, 1e-9)
     C = base["rollout_cpu_s"]
-    bound = (R + T) / max(R / (lags[-1] + 1), T, C)
-    ratio = top["steps_per_s"] / base["steps_per_s"]
+    bound = divide(R + T, max(R / (lags[-1] + 1), T, C), "bound (R + T) / max(R / (L + 1), T, C)")
+    ratio = divide(top["steps_per_s"], base["steps_per_s"], f"steps/s at lag {lags[-1]} / at lag {lags[0]}")
+    eff = efficiency(ratio, bound, "staleness", bound_tolerance(args.quick))
     details = [f"lag {r['lag']} {r['loss']}: {r['steps_per_s']:.3f} steps/s ({r['steps_per_s'] / base['steps_per_s']:.2f}x "
                f"lag {lags[0]}), reward first step {r['reward_first']:.3f}, last half {r['reward_late']:.3f}, "
                f"steps to {args.reach} (3-step mean): {r['steps_to'] if r['steps_to'] is not None else 'not reached'}"
@@ -194,6 +198,8 @@ def main() -> None:
                    f"(initial probability of the set {p0:.3f}); learning = mean rollout reward over the last half")
     details.append(f"simulated: every env step waits a lognormal time, mean {args.latency}s, sigma {args.sigma}; "
                    "model, engine, sandboxes and training are real (tiny random model, 2 cores)")
+    if args.quick:
+        details.append(QUICK_NOTE)
     report({
         "name": "staleness",
         "machine": machine(),
@@ -201,7 +207,7 @@ def main() -> None:
         "ratio": round(ratio, 3),
         "ratio_of": f"steps/s at lag {lags[-1]} over lag {lags[0]} (ppo_clip)",
         "bound": round(bound, 3),
-        "efficiency": round(ratio / bound, 3),
+        "efficiency": round(eff, 3),
         "arms": {f"lag{r['lag']}-{r['loss']}": {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
                  for r in rows},
         "details": details,

@@ -137,9 +137,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2", choices=["smollm2", "tiny", "tiny152k"])
     ap.add_argument("--tokens", default="512,1024,2048", help="comma-separated sampled tokens per step")
+    ap.add_argument("--quick", action="store_true", help="the same path at the smallest size: a smoke run in seconds")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.quick:
+        args.model, args.tokens = "tiny", "64"
     if args.child:
         print(json.dumps(_arm(**json.loads(args.child), model_kind=args.model)), flush=True)
         return

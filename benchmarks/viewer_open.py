@@ -19,6 +19,7 @@ Target (issue 30): open in under 2 s. Nothing here is simulated but the trajecto
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import random
 import shutil
@@ -157,15 +158,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trajectories", type=int, default=10_000)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="the same path at the smallest size: a smoke run in seconds")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.quick:
+        args.trajectories, args.repeats = 200, 1
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         run = build_run(Path(tmp), args.trajectories)
         built_s = time.perf_counter() - t0
         size_mb = sum(p.stat().st_size for p in run.rglob("*") if p.is_file()) / 2**20
         parts = len(list((run / "trajectories").glob("part-*.parquet")))
-        chromium = CHROMIUM if Path(CHROMIUM).is_file() else "-"
+        # the page arm needs both the browser and playwright's driver; without either it is skipped, and says so
+        missing = [what for what, there in (("playwright", importlib.util.find_spec("playwright") is not None),
+                                            (f"browser at {CHROMIUM}", Path(CHROMIUM).is_file())) if not there]
+        chromium = "-" if missing else CHROMIUM
         runs = []
         for i in range(args.repeats):
             result = {}
@@ -189,7 +196,8 @@ def main() -> None:
         "details": [f"built the run folder in {built_s:.1f} s",
                     *(f"repeat {i + 1}: " + ", ".join(f"{k} {r[k]:.3f}" for k in keys) +
                       f", import+start {r['import_and_start_s']:.2f}" for i, r in enumerate(runs)),
-                    "medians: " + ", ".join(f"{k} {v:.3f} s" for k, v in med.items())],
+                    "medians: " + ", ".join(f"{k} {v:.3f} s" for k, v in med.items()),
+                    *([f"chromium arm skipped: no {' and no '.join(missing)}"] if missing else [])],
     }
     report(result, args.json)
 

@@ -13,6 +13,10 @@ import zipfile
 from importlib.metadata import distribution
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.integration  # starts processes, servers or training runs: not in `make test-fast`
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_smoke.py"
 CARRIED = ("pydantic", "pydantic_core", "annotated_types", "typing_inspection")  # gpu_carry.sh's, less typing_extensions
@@ -22,9 +26,6 @@ CARRIED = ("pydantic", "pydantic_core", "annotated_types", "typing_inspection") 
 HIDE = f"""
 import importlib.machinery, sys
 
-import pytest
-
-pytestmark = pytest.mark.integration  # starts processes, servers or training runs: not in `make test-fast`
 HIDDEN = {set(CARRIED)!r}
 SITE = [p for p in sys.path if "site-packages" in p]
 

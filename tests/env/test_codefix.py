@@ -78,6 +78,7 @@ def test_unfixed_repository_fails_and_a_reply_without_a_tool_call_ends_the_episo
     assert "FAILED" in steps[0].info["test_output"]
 
 
+@pytest.mark.integration  # starts processes: not in `make test-fast`
 def test_hidden_tests_are_invisible_while_the_agent_acts():
     _, steps, *_ = episode([
         f"bash(grep -rl {MARKER} / 2>/dev/null; find / -name 'test_clamp*' 2>/dev/null; ls -a)",
@@ -107,6 +108,7 @@ def test_perturbations_env_vars_disabled_tools_src_layout_broken_dependency():
     assert steps[4].reward == 1.0  # solvable under every perturbation
 
 
+@pytest.mark.integration  # starts processes: not in `make test-fast`
 def test_command_timeout_retires_the_sandbox():
     _, steps, _, metrics, _ = episode(["bash(sleep 30)", call("submit")])
     assert "killed (timeout" in steps[0].observation[0]["content"]

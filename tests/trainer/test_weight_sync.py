@@ -261,6 +261,7 @@ def _receive_versions(handles, out) -> None:
         out.put(got)
 
 
+@pytest.mark.integration  # starts processes: not in `make test-fast`
 def test_broadcast_sends_whole_versions_in_the_engines_dtype_to_a_process_that_joins_its_group():
     """runtime.weight_transport=broadcast on the CPU (gloo; NCCL on GPUs): the publisher returns the handle at once
     and sends on its own thread; a receiver in another process joins on the first handle and gets every version
@@ -299,6 +300,7 @@ def test_broadcast_sends_whole_versions_in_the_engines_dtype_to_a_process_that_j
     assert len(plan_buckets(meta["names"], meta["dtypes"], meta["shapes"], 64)) >= 3
 
 
+@pytest.mark.integration  # starts processes: not in `make test-fast`
 def test_a_broadcast_nobody_receives_fails_at_settle_within_its_timeout():
     pub = make_publisher("broadcast", timeout_s=2)
     try:

@@ -38,6 +38,10 @@ class PositionBook:
     next_position: int = 0  # the first position never dispatched
     stale: int = 0  # groups the trainer dropped as stale so far
     _order: Iterator[int] = field(default_factory=lambda: iter(()))
+    # indexes over `records`, so that the loop's every turn (admission, the next retry) costs what is pending, not
+    # the run's length: the positions waiting for a retry, and how many were given up
+    _retrying: set[int] = field(default_factory=set)
+    _given_up: int = 0
 
     def __getitem__(self, position: int) -> Position:
         return self.records.setdefault(position, Position())
@@ -45,7 +49,7 @@ class PositionBook:
     # -- admission -----------------------------------------------------------------------------------
     def _delivering(self) -> int:
         """The next position's place among those that will deliver a group (given-up ones free theirs)."""
-        return self.next_position - sum(r.gave_up is not None for r in self.records.values())
+        return self.next_position - self._given_up
 
     def admits_next(self, version: int) -> bool:
         """Whether the rule lets the next position be launched while the engines hold `version`."""
@@ -67,6 +71,7 @@ class PositionBook:
         record = self[position]
         record.attempts += 1
         record.live, record.retry_at = serial, None
+        self._retrying.discard(position)
 
     def is_live(self, position: int, serial: int) -> bool:
         """Whether the attempt `serial` is the position's live one (not superseded by a trainer restart)."""
@@ -84,15 +89,18 @@ class PositionBook:
         record.live = None
         if record.attempts < max_attempts:
             record.retry_at = time.monotonic() + backoff_s * 2 ** (record.attempts - 1)
+            self._retrying.add(position)
             return True
-        record.gave_up = f"{why} ({record.attempts} attempts)"
+        self.give_up(position, f"{why} ({record.attempts} attempts)")
         return False
 
     def arrived(self, position: int) -> None:
         self[position].live = None
 
     def give_up(self, position: int, why: str) -> None:
-        self[position].gave_up = why
+        record = self[position]
+        self._given_up += record.gave_up is None
+        record.gave_up = why
 
     def sent(self, position: int, ids: list[str]) -> None:
         self[position].sent = ids
@@ -100,14 +108,15 @@ class PositionBook:
     def due(self) -> list[int]:
         """Positions whose retry is due now (their retry time is cleared)."""
         now = time.monotonic()
-        out = [p for p, r in self.records.items() if r.retry_at is not None and r.retry_at <= now]
+        out = sorted(p for p in self._retrying if (self.records[p].retry_at or now) <= now)
         for p in out:
             self.records[p].retry_at = None
+        self._retrying.difference_update(out)
         return out
 
     def next_retry_in(self) -> float | None:
         """Seconds until the next retry is due (None: none waits)."""
-        times = [r.retry_at for r in self.records.values() if r.retry_at is not None]
+        times = [t for p in self._retrying if (t := self.records[p].retry_at) is not None]
         return max(0.0, min(times) - time.monotonic()) if times else None
 
     def given_up(self) -> dict[int, str]:
@@ -127,6 +136,7 @@ class PositionBook:
             else:
                 lost.append(r.sent)
         self.records = kept
+        self._retrying, self._given_up = set(), 0
         self._order = (p for p in itertools.count() if p not in received)
         self.next_position = next(self._order)
         return lost

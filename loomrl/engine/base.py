@@ -38,6 +38,7 @@ class GenerationRequest:
     prompt_ids: list[int]
     sampling: SamplingParams
     program_id: str = ""  # the agent program (trajectory) this call belongs to
+    group_id: str = ""  # its GRPO group: siblings answer the same prompt (the built-in engine drafts from them)
     # Waiting requests are admitted lowest first, equal ones in arrival order (vLLM's priority
     # scheduling uses the same convention). Engines without a queue of their own ignore it.
     priority: int = 0
@@ -78,6 +79,13 @@ class EngineMetrics:
     decode_rows_sq: int = 0
     decode_s: float = 0.0
     decode_rows_s: float = 0.0
+    # speculative decoding (the built-in engine's engine.speculation): draft tokens verified, those accepted, seconds
+    # spent drafting, and decoding sequence-steps with the tokens they emitted (tokens per sequence per step)
+    draft_tokens: int | None = None
+    accepted_tokens: int | None = None
+    draft_s: float | None = None
+    decode_seq_steps: int | None = None
+    decode_seq_tokens: int | None = None
     started: float = field(default_factory=time.monotonic)  # this process's clock when the engine started (up_s)
 
     def add_decode_step(self, rows: int, seconds: float) -> None:
@@ -179,7 +187,8 @@ MAX_IDLE_RESUMES = 100
 
 
 async def generate_resuming(engine: Engine, prompt_ids: list[int], params: SamplingParams,
-                            program_id: str = "", priority: int = 0) -> tuple[GenerationResult, int]:
+                            program_id: str = "", priority: int = 0,
+                            group_id: str = "") -> tuple[GenerationResult, int]:
     """Generate; a request interrupted by a weight update (AReaL's interruptible rollout) resumes from its partial
     output, re-prefilled under the new weights. The tokens keep the versions that sampled them, so staleness stays
     exact per token. Returns the whole result and how many times it resumed."""
@@ -187,7 +196,7 @@ async def generate_resuming(engine: Engine, prompt_ids: list[int], params: Sampl
     resumed = idle = 0
     while True:
         result = await engine.generate(GenerationRequest(
-            prompt_ids=prompt_ids + out.token_ids, program_id=program_id, priority=priority,
+            prompt_ids=prompt_ids + out.token_ids, program_id=program_id, group_id=group_id, priority=priority,
             sampling=replace(params, max_tokens=params.max_tokens - len(out.token_ids))))
         out.token_ids += result.token_ids
         out.logprobs += result.logprobs

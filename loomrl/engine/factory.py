@@ -62,4 +62,5 @@ def make_engine(cfg: RunConfig, model: Any, tokenizer: Any, version: int, replic
 
     return BuiltinEngine(model, eos_token_id=tokenizer.eos_token_id, kv_budget_tokens=e.kv_budget_tokens,
                          max_running=e.max_batch_size or BUILTIN_MAX_RUNNING, max_prefill_tokens=e.max_prefill_tokens,
-                         prefix_cache=e.prefix_cache, seed=cfg.seed, version=version, tokenizer=tokenizer)
+                         prefix_cache=e.prefix_cache, seed=cfg.seed, version=version, tokenizer=tokenizer,
+                         speculation=e.speculation)

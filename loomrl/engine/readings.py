@@ -42,7 +42,9 @@ def engine_step_metrics(changes: list[Reading]) -> dict[str, float]:
     - engine/busy_frac: the share of the step's wall time the engines computed (busy_s over up_s, pooled);
     - engine/queue_depth: requests waiting for admission to a running batch, the step's time-weighted mean, summed
       over the engines (queue_s over up_s, each engine's);
-    - engine/prefix_hit_rate: the share of the step's prompt tokens served from a prefix cache."""
+    - engine/prefix_hit_rate: the share of the step's prompt tokens served from a prefix cache;
+    - engine/acceptance: the share of draft tokens accepted (speculation; left out of a step that drafted none);
+    - engine/tokens_per_seq_step: tokens a decoding sequence emitted per engine step (1 without speculation)."""
     out: dict[str, float] = {}
     if not changes:
         return out
@@ -61,6 +63,12 @@ def engine_step_metrics(changes: list[Reading]) -> dict[str, float]:
     queue = [q / up for c, up in timed if (q := c.get("queue_s")) is not None]
     if queue:
         out["engine/queue_depth"] = sum(queue)
+    drafted = [d for c in changes if (d := c.get("draft_tokens")) is not None]
+    if drafted and sum(drafted):
+        out["engine/acceptance"] = sum(c.get("accepted_tokens") or 0 for c in changes) / sum(drafted)
+    seq_steps = sum(c.get("decode_seq_steps") or 0 for c in changes)
+    if seq_steps:
+        out["engine/tokens_per_seq_step"] = sum(c.get("decode_seq_tokens") or 0 for c in changes) / seq_steps
     prompt = sum(c.get("prompt_tokens") or 0 for c in changes)
     reused = [r for c in changes if (r := c.get("reused_tokens")) is not None]
     if prompt and reused:

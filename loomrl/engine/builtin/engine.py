@@ -24,6 +24,11 @@ of waiting for ever.
 
 Logprobs are of the distribution sampled from: softmax(logits / T) after top-k/top-p; for greedy requests (T = 0), of
 softmax(logits).
+
+Speculation (engine.speculation, off by default): a decoding sequence may feed draft tokens from its group's suffix index
+(drafter.py) with its last token; the step's forward computes their logits and speculation.py's `verify` emits 1 to
+k + 1 tokens with the distribution, logprobs and versions of decoding one token at a time. The K/V of rejected drafts
+is dropped by rewinding the sequence's length. The indexes are dropped at every weight update.
 """
 
 from __future__ import annotations
@@ -46,14 +51,17 @@ from loomrl.engine.base import (
     TakesTensors,
     refuse_request,
 )
+from loomrl.engine.builtin.drafter import GroupDrafter
 from loomrl.engine.builtin.prefix_cache import PrefixCache
 from loomrl.engine.builtin.runner import ModelRunner
-from loomrl.engine.builtin.sampling import sample_tokens
 from loomrl.engine.builtin.scheduler import Batch, Scheduler, Seq
+from loomrl.engine.builtin.speculation import DraftPolicy, StepCost, verify
 from loomrl.weights.fingerprint import Fingerprint, fingerprint_of
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+    from loomrl.config.engine import SpeculationConfig
 
 
 def deliver(fut: concurrent.futures.Future, result: Any = None, exception: BaseException | None = None) -> None:
@@ -72,16 +80,24 @@ class BuiltinEngine(TakesTensors):
 
     def __init__(self, model: PreTrainedModel, *, eos_token_id: int, kv_budget_tokens: int = 65536,
                  max_running: int = 64, max_prefill_tokens: int = 4096, prefix_cache: bool = True,
-                 seed: int = 0, version: int = 0, tokenizer=None):
+                 seed: int = 0, version: int = 0, tokenizer=None, speculation: SpeculationConfig | None = None):
         self.runner = ModelRunner(model)
         self.model = model
         self.eos_token_id = eos_token_id
         self.cache = PrefixCache() if prefix_cache else None
         self.tokenizer = tokenizer  # only needed for stop strings
-        self.metrics = EngineMetrics(busy_s=0.0, queue_s=0.0)  # the scheduler measures the queue
+        self.metrics = EngineMetrics(busy_s=0.0, queue_s=0.0,  # the scheduler measures the queue
+                                     draft_tokens=0, accepted_tokens=0, draft_s=0.0, decode_seq_steps=0,
+                                     decode_seq_tokens=0)
         self.kv_budget = kv_budget_tokens  # the protocol's: the server refuses requests that cannot fit
+        spec = speculation is not None and speculation.enabled
+        self.drafter = GroupDrafter(min_match=speculation.min_match, max_match=speculation.max_match) \
+            if speculation is not None and spec else None
+        self.step_cost = StepCost()
         self.sched = Scheduler(self.runner, self.cache, self.metrics, kv_budget=kv_budget_tokens,
-                               max_running=max_running, max_prefill_tokens=max_prefill_tokens)
+                               max_running=max_running, max_prefill_tokens=max_prefill_tokens,
+                               drafter=self.drafter, policy=DraftPolicy(self.step_cost) if spec else None,
+                               max_draft=speculation.max_draft if speculation is not None and spec else 0)
         self._version = version
         self._generator = torch.Generator().manual_seed(seed)
         self._pending_weights: tuple[dict | None, int, concurrent.futures.Future] | None = None
@@ -240,8 +256,10 @@ class BuiltinEngine(TakesTensors):
                 logits = self.runner.forward(batch.chunks)
                 self.metrics.steps += 1
                 done = self._postprocess(batch, logits, version)
-                if all(len(c.tokens) == 1 for c in batch.chunks):
-                    self.metrics.add_decode_step(len(batch.chunks), time.perf_counter() - t0)
+                if not batch.prefill_tokens:  # a decode step: its seconds against its rows (tokens, drafts included)
+                    rows, seconds = sum(len(c.tokens) for c in batch.chunks), time.perf_counter() - t0
+                    self.metrics.add_decode_step(rows, seconds)
+                    self.step_cost.add(rows, seconds)
             self.metrics.add_busy(time.perf_counter() - t0)  # counted before a caller hears of its result
             if done:
                 with self._cond:
@@ -269,6 +287,8 @@ class BuiltinEngine(TakesTensors):
         self._broken = None
         if self.cache is not None:
             self.cache.clear()  # cached K/V was computed by the old weights
+        if self.drafter is not None:
+            self.drafter.drop()  # what siblings sampled from the old weights
         self._version = version
         deliver(fut)
 
@@ -282,19 +302,37 @@ class BuiltinEngine(TakesTensors):
                         self.cache.insert(seq.prompt, seq.kv, seq.request.program_id)
         if not batch.samples:
             return []
-        rows = torch.tensor([i for i, _ in batch.samples], dtype=torch.long, device=logits.device)
-        seqs = [s for _, s in batch.samples]
+        seqs = [s.seq for s in batch.samples]
         # drawn on the CPU from each request's own generator (seeded requests reproduce on any device)
-        uniforms = torch.cat([torch.rand(1, generator=seq.generator or self._generator, device="cpu") for seq in seqs])
-        tokens, logps = sample_tokens(logits[rows], [s.request.sampling for s in seqs], uniforms)
+        emitted = verify(logits, [s.request.sampling for s in seqs], [s.draft for s in batch.samples],
+                         [s.generator or self._generator for s in seqs])
+        m = self.metrics
         done = []
-        for seq, tok, lp in zip(seqs, tokens.tolist(), logps.tolist()):
-            seq.out_tokens.append(tok)
-            seq.out_logprobs.append(lp)
-            seq.out_versions.append(version)
-            self.metrics.generated_tokens += 1
-            if reason := self._stop_reason(seq, tok):
-                done.append((seq, reason))
+        for sample, out in zip(batch.samples, emitted):
+            seq, kept = sample.seq, 0
+            reason = None
+            for tok, lp in zip(out.tokens, out.logprobs):
+                seq.out_tokens.append(tok)
+                seq.out_logprobs.append(lp)
+                seq.out_versions.append(version)
+                kept += 1
+                if reason := self._stop_reason(seq, tok):
+                    done.append((seq, reason))
+                    break
+            m.generated_tokens += kept
+            if seq.kv is not None:  # K/V is kept for the fed tokens up to the last emitted one (not its own)
+                seq.kv.length -= len(sample.draft) - (kept - 1)
+            if sample.decoding:
+                m.decode_seq_steps = (m.decode_seq_steps or 0) + 1
+                m.decode_seq_tokens = (m.decode_seq_tokens or 0) + kept
+            if sample.draft:
+                m.draft_tokens = (m.draft_tokens or 0) + len(sample.draft)
+                m.accepted_tokens = (m.accepted_tokens or 0) + out.accepted
+                seq.acceptance.update(len(sample.draft), out.accepted)
+            if self.drafter is not None and reason is None:
+                self.drafter.extend(seq.uid, seq.out_tokens[-kept:])
+        if batch.draft_s:
+            m.draft_s = (m.draft_s or 0.0) + batch.draft_s
         return done
 
     def _stop_reason(self, seq: Seq, tok: int) -> str | None:

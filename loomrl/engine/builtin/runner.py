@@ -151,10 +151,13 @@ class SequenceKV:
 
 @dataclass(slots=True)
 class Chunk:
-    """New tokens of one sequence in this forward pass; they follow kv.length cached tokens."""
+    """New tokens of one sequence in this forward pass; they follow kv.length cached tokens. `logits`: how many of its
+    last positions' logits the pass returns (1: the next token's; 1 + k: a decode token and k drafts to verify; 0: a
+    prefill chunk that samples nothing yet)."""
 
     kv: SequenceKV
     tokens: list[int]
+    logits: int = 1
 
 
 def _packer():
@@ -172,6 +175,8 @@ def _packer():
 
 _PACKER = _packer()
 _PACK_BATCH_HINT = 32  # oneDNN picks its blocking for this many rows; measured fine from 8 to 200 rows
+# Chunks up to this many tokens attend batched over the pool (decode tokens, drafts being verified); longer ones alone.
+SHORT_CHUNK = 16
 
 
 class _Linear:
@@ -273,7 +278,8 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
-        """Run the new tokens of every chunk; store their K/V; return last-token logits [len(chunks), V]."""
+        """Run the new tokens of every chunk and store their K/V; return the logits of each chunk's last `logits`
+        positions, in chunk order: [sum of logits, V]."""
         lengths = [len(c.tokens) for c in chunks]
         starts = [c.kv.length for c in chunks]
         for c, n in zip(chunks, lengths):
@@ -297,20 +303,29 @@ class ModelRunner:
         slot_of = torch.tensor([c.kv.slot for c, n in zip(chunks, lengths) for _ in range(n)], dtype=torch.long,
                                device=dev)
 
-        decode = [i for i, n in enumerate(lengths) if n == 1]
-        prefill = [i for i, n in enumerate(lengths) if n > 1]
-        if decode:
-            dec_rows = torch.tensor([offsets[i] for i in decode], dtype=torch.long, device=dev)
-            slots = [chunks[i].kv.slot for i in decode]
-            dec_slots = torch.tensor(slots, dtype=torch.long, device=dev)
+        # Short chunks (decode tokens, a decode token with drafts to verify, short prompt tails) attend in one batched
+        # matmul per layer over the pool, a query block of T rows per slot; longer ones (prefill) one call each.
+        short = [i for i, n in enumerate(lengths) if n <= SHORT_CHUNK]
+        prefill = [i for i, n in enumerate(lengths) if n > SHORT_CHUNK]
+        if short:
+            T = max(lengths[i] for i in short)
+            slots = [chunks[i].kv.slot for i in short]
             n_slots = max(slots) + 1
-            lens = [1] * n_slots  # non-decoding slots: attend to one position
-            for i, slot in zip(decode, slots):
-                lens[slot] = starts[i] + 1
-            span = max(lens)
-            dec_len = torch.tensor(lens, dtype=torch.long, device=dev)
-            dec_mask = torch.zeros(n_slots, span, dtype=self.dtype, device=dev).masked_fill_(
-                torch.arange(span, device=dev)[None, :] >= dec_len[:, None], float("-inf")).view(n_slots, 1, 1, span)
+            q_rows = torch.tensor([offsets[i] + t for i in short for t in range(lengths[i])], dtype=torch.long,
+                                  device=dev)
+            q_slot = torch.tensor([chunks[i].kv.slot for i in short for _ in range(lengths[i])], dtype=torch.long,
+                                  device=dev)
+            q_t = torch.tensor([t for i in short for t in range(lengths[i])], dtype=torch.long, device=dev)
+            # Query row t of a slot sees the slot's positions < limit[slot, t] (causal within the chunk); rows and
+            # slots without a query see position 0 only (their output is never read).
+            limit = [[1] * T for _ in range(n_slots)]
+            for i, slot in zip(short, slots):
+                limit[slot] = [starts[i] + min(t, lengths[i] - 1) + 1 for t in range(T)]
+            span = max(max(row) for row in limit)
+            lim = torch.tensor(limit, dtype=torch.long, device=dev)  # [S, T]
+            short_mask = torch.zeros(n_slots, T, span, dtype=self.dtype, device=dev).masked_fill_(
+                torch.arange(span, device=dev)[None, None, :] >= lim[:, :, None], float("-inf"),
+            ).view(n_slots, 1, 1, T, span)
         pre_plan = [
             (offsets[i], offsets[i + 1], starts[i], chunks[i].kv.slot,
              torch.ones(lengths[i], starts[i] + lengths[i], dtype=torch.bool, device=dev).tril(diagonal=starts[i]))
@@ -329,14 +344,15 @@ class ModelRunner:
             layer_kv = pool[li]  # [2, slots, KH, cap, D]
             layer_kv[:, slot_of, :, positions] = torch.stack((k, v), dim=1)
             out = h.new_empty(N, H, D)
-            if decode:
-                qd = h.new_zeros(n_slots, H, D)
-                qd[dec_slots] = q[dec_rows]
+            if short:
+                qs = h.new_zeros(n_slots, H, T, D)
+                qs[q_slot, :, q_t] = q[q_rows]
                 keys = layer_kv[0, :n_slots, :, :span]  # [S, KH, span, D]
                 values = layer_kv[1, :n_slots, :, :span]
-                scores = torch.matmul(qd.view(n_slots, KH, group, D), keys.transpose(-1, -2))
-                probs = torch.softmax(scores.mul_(self.scaling).add_(dec_mask), dim=-1)
-                out[dec_rows] = torch.matmul(probs, values).view(n_slots, H, D)[dec_slots]
+                scores = torch.matmul(qs.view(n_slots, KH, group * T, D), keys.transpose(-1, -2))
+                scores = scores.mul_(self.scaling).view(n_slots, KH, group, T, span).add_(short_mask)
+                probs = torch.softmax(scores, dim=-1).view(n_slots, KH, group * T, span)
+                out[q_rows] = torch.matmul(probs, values).view(n_slots, H, T, D)[q_slot, :, q_t]
             for a, b, s, slot, mask in pre_plan:
                 end = s + b - a
                 # 4-D inputs: with 3-D ones torch falls back to its slow "math" attention on CPU.
@@ -350,6 +366,7 @@ class ModelRunner:
             h = h + w.down(self.base.layers[li].mlp.act_fn(gate) * up)
         for c, n in zip(chunks, lengths):
             c.kv.length += n
-        last = torch.tensor([o - 1 for o in offsets[1:]], dtype=torch.long, device=dev)
-        hl = F.rms_norm(h[last], (h.shape[-1],), self.base.norm.weight.detach(), self.base.norm.variance_epsilon)
+        rows = torch.tensor([p for c, end in zip(chunks, offsets[1:]) for p in range(end - c.logits, end)],
+                            dtype=torch.long, device=dev)
+        hl = F.rms_norm(h[rows], (h.shape[-1],), self.base.norm.weight.detach(), self.base.norm.variance_epsilon)
         return self.head(hl).float()

@@ -4,12 +4,15 @@ A KV budget (tokens) bounds what running sequences and the prefix cache hold tog
 prefix cache gives up least-recently-used entries first, and when running sequences outgrow the budget the most recently
 admitted one is preempted (its KV dropped; it requeues with its sampled tokens and is recomputed later, its result
 unchanged). A step's batch mixes the decode tokens of all running sequences with prefill chunks of newly admitted ones,
-within max_prefill_tokens. The engine calls `schedule()` under its lock; nothing here runs the model.
+within max_prefill_tokens. With speculation (a GroupDrafter and a DraftPolicy), a decoding sequence's chunk is its
+last token followed by the draft tokens the policy lets it verify. The engine calls `schedule()` under its lock;
+nothing here runs the model.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -17,8 +20,10 @@ from dataclasses import dataclass, field
 import torch
 
 from loomrl.engine.base import EngineMetrics, GenerationRequest
+from loomrl.engine.builtin.drafter import GroupDrafter
 from loomrl.engine.builtin.prefix_cache import PrefixCache
 from loomrl.engine.builtin.runner import Chunk, ModelRunner, SequenceKV
+from loomrl.engine.builtin.speculation import Acceptance, DraftPolicy
 from loomrl.tokens import common_prefix_len
 
 
@@ -33,6 +38,13 @@ class Seq:
     out_logprobs: list[float] = field(default_factory=list)
     out_versions: list[int] = field(default_factory=list)
     admitted_at: int = 0
+    uid: int = 0  # the scheduler's number for it (the drafter's key)
+    acceptance: Acceptance = field(default_factory=Acceptance)
+
+    @property
+    def group(self) -> str:
+        """Whose tokens its drafts come from: its GRPO group, else its program, else itself."""
+        return self.request.group_id or self.request.program_id or f"seq-{self.uid}"
 
     def kv_tokens(self) -> list[int]:
         """Token ids in KV order: the (possibly re-prefilled) prompt, then tokens sampled since."""
@@ -43,18 +55,33 @@ class Seq:
 
 
 @dataclass(slots=True)
+class Sample:
+    """A sequence that samples from this step: its chunk returns 1 + len(draft) rows of logits."""
+
+    seq: Seq
+    draft: list[int]
+    decoding: bool  # False: its prompt's last chunk (it samples its first token)
+
+
+@dataclass(slots=True)
 class Batch:
-    """One step's work: the chunks to run, and which chunk's last row each sampling sequence reads."""
+    """One step's work: the chunks to run, and the sequences that sample from it in chunk order (a chunk that
+    finishes no prompt and decodes nothing returns no logits)."""
 
     running: list[Seq]
     chunks: list[Chunk]
-    samples: list[tuple[int, Seq]]
+    samples: list[Sample]
+    prefill_tokens: int = 0
+    draft_s: float = 0.0  # seconds spent drafting
 
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, cache: PrefixCache | None, metrics: EngineMetrics, *,
-                 kv_budget: int, max_running: int, max_prefill_tokens: int):
+                 kv_budget: int, max_running: int, max_prefill_tokens: int,
+                 drafter: GroupDrafter | None = None, policy: DraftPolicy | None = None, max_draft: int = 0):
         self.runner, self.cache, self.metrics = runner, cache, metrics
+        self.drafter, self.policy, self.max_draft = drafter, policy, max_draft
+        self._uids = itertools.count(1)
         self.kv_budget, self.max_running, self.max_prefill_tokens = kv_budget, max_running, max_prefill_tokens
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
@@ -71,6 +98,7 @@ class Scheduler:
     def add(self, seq: Seq) -> None:
         """Queue after every waiting request of the same or a lower priority (FIFO among equals)."""
         self._count_queue()
+        seq.uid = next(self._uids)
         at = len(self.waiting)
         while at and self.waiting[at - 1].request.priority > seq.request.priority:
             at -= 1
@@ -89,6 +117,7 @@ class Scheduler:
         self._admit()
         self._preempt_if_needed()
         chunks, samples, budget = [], [], self.max_prefill_tokens
+        decoding: list[Seq] = []
         for seq in self.running:
             if seq.kv is None:  # admission gives every running sequence its K/V; _release takes it back
                 raise RuntimeError(f"Scheduler.schedule: a running sequence (program {seq.request.program_id!r}) "
@@ -99,17 +128,41 @@ class Scheduler:
                     continue
                 part = pending[:budget]
                 budget -= len(part)
-                chunks.append(Chunk(seq.kv, part))
-                if len(part) == len(pending):
-                    samples.append((len(chunks) - 1, seq))
-            else:  # decoding: feed the last sampled token
-                chunks.append(Chunk(seq.kv, [seq.out_tokens[-1]]))
-                samples.append((len(chunks) - 1, seq))
-        return Batch(list(self.running), chunks, samples)
+                done = len(part) == len(pending)
+                chunks.append(Chunk(seq.kv, part, logits=1 if done else 0))
+                if done:
+                    samples.append(Sample(seq, [], decoding=False))
+            else:
+                decoding.append(seq)
+        t0 = time.perf_counter()
+        drafts = self._drafts(decoding, emitted=len(samples) + len(decoding),
+                              tokens=len(decoding) + self.max_prefill_tokens - budget)
+        for seq, draft in zip(decoding, drafts):  # decoding: the last sampled token, then the drafts to verify
+            assert seq.kv is not None  # checked above
+            chunks.append(Chunk(seq.kv, [seq.out_tokens[-1], *draft], logits=1 + len(draft)))
+            samples.append(Sample(seq, draft, decoding=True))
+        return Batch(list(self.running), chunks, samples, prefill_tokens=self.max_prefill_tokens - budget,
+                     draft_s=time.perf_counter() - t0 if self.drafter else 0.0)
+
+    def _drafts(self, decoding: list[Seq], emitted: int, tokens: int) -> list[list[int]]:
+        """Each decoding sequence's draft tokens for this step ([] without speculation)."""
+        if self.drafter is None or self.policy is None:
+            return [[] for _ in decoding]
+        proposals = []
+        for seq in decoding:
+            if not self.drafter.knows(seq.uid):  # first decode step, or its group was dropped (new weights)
+                self.drafter.join(seq.uid, seq.group, list(seq.request.prompt_ids), seq.out_tokens)
+            # at most max_tokens in all: the last emitted token is drawn after the drafts
+            room = seq.request.sampling.max_tokens - len(seq.out_tokens) - 1
+            proposals.append(self.drafter.draft(seq.uid, min(self.max_draft, room)))
+        take = self.policy.allocate(emitted, tokens, [(len(p), s.acceptance.rate) for p, s in zip(proposals, decoding)])
+        return [p[:k] for p, k in zip(proposals, take)]
 
     def retire(self, seq: Seq) -> None:
         """A sequence leaves the batch: its pool slot is freed; K/V the prefix cache may hold (its
         prompt is inserted once prefilled) is first copied out of the pool."""
+        if self.drafter is not None:
+            self.drafter.leave(seq.uid)
         if seq.kv is not None:
             if self.cache is not None:
                 seq.kv.detach()
@@ -144,7 +197,9 @@ class Scheduler:
             hit, donor = (0, None)
             if self.cache is not None:
                 hit, donor = self.cache.match(seq.prompt[:-1])  # the last token must be computed
-                shared = max((common_prefix_len(seq.prompt, a.prompt) for a in admitted), default=0)
+                # what a sibling admitted now would leave in the cache: all but its prompt's last token at most
+                shared = min(max((common_prefix_len(seq.prompt, a.prompt) for a in admitted), default=0),
+                             len(seq.prompt) - 1)
                 if shared > hit and shared >= 8 and shared >= len(seq.prompt) // 4:
                     deferred.append(seq)
                     continue

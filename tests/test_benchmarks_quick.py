@@ -34,6 +34,7 @@ KEY_LINES = {
     "env_pipeline": "efficiency: ",
     "judge_cost": "efficiency: ",
     "long_tail": "efficiency: ",
+    "peer_trl": "start weights (both arms): held-out success ",
     "plan_accuracy": "wall_error_a_predicts_b: ",
     "prefix_cache": "efficiency: ",
     "staleness": "efficiency: ",
@@ -60,6 +61,11 @@ def test_quick_mode(script: str) -> None:
     if script == "prefix_cache":  # the bug this guards against: counters read from a record nobody counted into
         rates = [float(x) for x in re.findall(r"hit rate ([0-9.]+)", proc.stdout)]
         assert len(rates) == 2 and all(r > 0.3 for r in rates), rates
+    if script == "peer_trl":  # the loomrl arm always runs; the TRL arm runs where .venv-trl is, else says it did not
+        assert "loomrl: " in proc.stdout and " s/step" in proc.stdout, proc.stdout[-3000:]
+        trl_ran = (ROOT / ".venv-trl" / "bin" / "python").is_file()
+        assert ("TRL arm SKIPPED" in proc.stdout) != trl_ran, proc.stdout[-3000:]
+        assert ("loomrl faster by" in proc.stdout) == trl_ran, proc.stdout[-3000:]
     if script == "engine_throughput":
         rate = float(re.search(r"builtin prefix-cache hit rate ([0-9.]+)", proc.stdout).group(1))
         assert rate > 0.3, rate

@@ -68,7 +68,7 @@ def gemm_peak_flops(runner) -> float:
 
 class WorkCounter:
     """Counts the built-in runner's work by wrapping its forward: tokens through the layers, rows (one per
-    chunk: its last token) through the output head; prefix-cached tokens never reach forward."""
+    logits row of a chunk: a decode token, a draft, a prompt's last token) through the output head; prefix-cached tokens never reach forward."""
 
     def __init__(self, runner):
         self.runner, self.tokens, self.rows = runner, 0, 0
@@ -77,7 +77,7 @@ class WorkCounter:
         def counted(chunks):
             logits = forward(chunks)
             self.tokens += sum(len(c.tokens) for c in chunks)
-            self.rows += len(chunks)
+            self.rows += sum(c.logits for c in chunks)
             return logits
 
         runner.forward = counted

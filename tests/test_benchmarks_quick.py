@@ -37,6 +37,7 @@ KEY_LINES = {
     "peer_trl": "start weights (both arms): held-out success ",
     "plan_accuracy": "wall_error_a_predicts_b: ",
     "prefix_cache": "efficiency: ",
+    "speculative": "fit c(n) = ",
     "staleness": "efficiency: ",
     "trainer_memory": "name: trainer_memory",
     "tree_training": "efficiency: ",

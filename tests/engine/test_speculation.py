@@ -319,3 +319,34 @@ def test_speculation_counts_what_it_does(peaked):
     _, off = _run(model, tokenizer, requests)
     assert "engine/acceptance" not in engine_step_metrics([counter_changes(None, read_engine(off))])
     assert off.draft_tokens == 0 and off.decode_seq_steps == off.decode_seq_tokens == 16 * 15
+
+
+def test_speculation_switches_on_and_off_on_one_engine(tiny_model, tokenizer):
+    """set_speculation (benchmarks/speculative.py compares both arms on one engine): the same greedy tokens either way,
+    drafts only while it is on."""
+    engine = BuiltinEngine(tiny_model, eos_token_id=tokenizer.eos_token_id)
+    requests = _groups(_prompts(tokenizer, 3), 4, temperature=0.0, max_tokens=30, ignore_eos=True)
+
+    async def go():
+        return await asyncio.gather(*[engine.generate(r) for r in requests])
+
+    try:
+        off = asyncio.run(go())
+        assert engine.metrics.draft_tokens == 0
+        engine.set_speculation(SPEC)
+        on = asyncio.run(go())
+        drafted = engine.metrics.draft_tokens
+        assert drafted > 0
+        engine.set_speculation(None)
+        again = asyncio.run(go())
+        assert engine.metrics.draft_tokens == drafted
+    finally:
+        engine.close()
+    assert [r.token_ids for r in off] == [r.token_ids for r in on] == [r.token_ids for r in again]
+
+
+def test_no_draft_is_looked_up_where_none_could_pay():
+    compute_bound = _policy(0.0, 0.001)
+    assert not compute_bound.worth_drafting(8, 8, best_rate=0.99)
+    assert _policy(0.05, 0.0001).worth_drafting(8, 8, best_rate=0.5)
+    assert DraftPolicy(StepCost()).worth_drafting(64, 64, best_rate=0.1)  # cost not yet known: try

@@ -90,14 +90,11 @@ class BuiltinEngine(TakesTensors):
                                      draft_tokens=0, accepted_tokens=0, draft_s=0.0, decode_seq_steps=0,
                                      decode_seq_tokens=0)
         self.kv_budget = kv_budget_tokens  # the protocol's: the server refuses requests that cannot fit
-        spec = speculation is not None and speculation.enabled
-        self.drafter = GroupDrafter(min_match=speculation.min_match, max_match=speculation.max_match) \
-            if speculation is not None and spec else None
-        self.step_cost = StepCost()
+        self.step_cost = StepCost()  # the engine's decode step seconds against tokens: what drafts cost
         self.sched = Scheduler(self.runner, self.cache, self.metrics, kv_budget=kv_budget_tokens,
-                               max_running=max_running, max_prefill_tokens=max_prefill_tokens,
-                               drafter=self.drafter, policy=DraftPolicy(self.step_cost) if spec else None,
-                               max_draft=speculation.max_draft if speculation is not None and spec else 0)
+                               max_running=max_running, max_prefill_tokens=max_prefill_tokens)
+        self.drafter: GroupDrafter | None = None
+        self._speculate(speculation)
         self._version = version
         self._generator = torch.Generator().manual_seed(seed)
         self._pending_weights: tuple[dict | None, int, concurrent.futures.Future] | None = None
@@ -166,6 +163,20 @@ class BuiltinEngine(TakesTensors):
             self._calls.append((fn, fut))
             self._cond.notify()
         return fut
+
+    def set_speculation(self, speculation: SpeculationConfig | None) -> None:
+        """Switch speculation on (or off, with None or enabled=False) from the next step; the running sequences go on
+        either way (benchmarks/speculative.py compares both on one engine: a second engine's thread would bring a
+        second OpenMP team, slower, see `call`)."""
+        self.call(lambda: self._speculate(speculation)).result()
+
+    def _speculate(self, speculation: SpeculationConfig | None) -> None:
+        on = speculation is not None and speculation.enabled
+        self.drafter = GroupDrafter(min_match=speculation.min_match, max_match=speculation.max_match) \
+            if speculation is not None and on else None
+        self.sched.drafter = self.drafter
+        self.sched.policy = DraftPolicy(self.step_cost) if on else None
+        self.sched.max_draft = speculation.max_draft if speculation is not None and on else 0
 
     def interrupt(self) -> None:
         """End all in-flight requests at the next step boundary with their partial outputs."""

@@ -146,7 +146,8 @@ class Scheduler:
 
     def _drafts(self, decoding: list[Seq], emitted: int, tokens: int) -> list[list[int]]:
         """Each decoding sequence's draft tokens for this step ([] without speculation)."""
-        if self.drafter is None or self.policy is None:
+        if self.drafter is None or self.policy is None or not decoding or not self.policy.worth_drafting(
+                emitted, tokens, max(s.acceptance.rate for s in decoding)):
             return [[] for _ in decoding]
         proposals = []
         for seq in decoding:

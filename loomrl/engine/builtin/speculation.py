@@ -145,6 +145,15 @@ class DraftPolicy:
     def __init__(self, cost: StepCost):
         self.cost = cost
 
+    def worth_drafting(self, emitted: int, tokens: int, best_rate: float) -> bool:
+        """Whether a first draft token accepted with probability `best_rate` (the best of the step's sequences) would
+        raise the step's tokens per second; when not, no draft is looked up at all (compute-bound steps)."""
+        fit = self.cost.fit()
+        if fit is None:
+            return True
+        a, b = fit
+        return best_rate * (a + b * tokens) > b * emitted
+
     def allocate(self, emitted: int, tokens: int, proposals: list[tuple[int, float]]) -> list[int]:
         """emitted: tokens the step samples without drafts (one per decoding sequence and per finished prefill);
         tokens: tokens it computes without drafts; proposals: per decoding sequence, (draft tokens available,

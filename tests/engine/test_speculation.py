@@ -350,3 +350,24 @@ def test_no_draft_is_looked_up_where_none_could_pay():
     assert not compute_bound.worth_drafting(8, 8, best_rate=0.99)
     assert _policy(0.05, 0.0001).worth_drafting(8, 8, best_rate=0.5)
     assert DraftPolicy(StepCost()).worth_drafting(64, 64, best_rate=0.1)  # cost not yet known: try
+
+
+def test_a_verify_chunk_gives_the_logits_of_decoding_its_tokens_one_at_a_time(tiny_model, tokenizer):
+    """The runner's batched attention with decode tokens (one row a slot) beside verify chunks (T rows, their slots
+    gathered): each of a verify chunk's rows equals the logits of feeding its tokens one step at a time."""
+    from loomrl.engine.builtin.runner import Chunk, ModelRunner
+
+    runner = ModelRunner(tiny_model)
+    prompts = _prompts(tokenizer, 4)
+    fed = [[11, 12, 13, 14], [21], [31, 32], [41]]  # two verify chunks between two decode tokens
+    kvs = [runner.new_kv(64) for _ in prompts]
+    runner.forward([Chunk(kv, p, logits=0) for kv, p in zip(kvs, prompts)])
+    together = runner.forward([Chunk(kv, f, logits=len(f)) for kv, f in zip(kvs, fed)])
+    alone = []
+    for p, f in zip(prompts, fed):
+        kv = runner.new_kv(64)
+        runner.forward([Chunk(kv, p, logits=0)])
+        alone += [runner.forward([Chunk(kv, [t])])[0] for t in f]
+        kv.free()
+    assert together.shape[0] == sum(len(f) for f in fed)
+    assert torch.allclose(together, torch.stack(alone), atol=1e-4)

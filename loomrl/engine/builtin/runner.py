@@ -160,6 +160,20 @@ class Chunk:
     logits: int = 1
 
 
+@dataclass(slots=True)
+class _Block:
+    """A batched attention plan (ModelRunner._block): the query rows of some chunks laid out T per slot."""
+
+    slots: torch.Tensor  # [S] pool slots the block attends over, in block order
+    T: int
+    span: int
+    mask: torch.Tensor  # [S, 1, 1, T, span] additive
+    gather: bool  # slots are gathered (else they are the pool's 0..S-1, read as a view)
+    q_rows: torch.Tensor  # the query rows of the step's flattened batch ...
+    q_block: torch.Tensor  # ... their index in the block ...
+    q_t: torch.Tensor  # ... and their row within it
+
+
 def _packer():
     """oneDNN's pre-packed linear, or None where this torch build lacks it."""
     try:
@@ -272,6 +286,34 @@ class ModelRunner:
         self.layers = layers
         self.head = _fused(self.head_module)
 
+    def _block(self, which: list[int], chunks: list[Chunk], lengths: list[int], starts: list[int],
+               offsets: list[int], *, gather: bool) -> _Block | None:
+        """The batched attention plan of chunks `which`: their slots (gathered: only theirs, in order; else the pool's
+        0..max slot, those without a query seeing position 0 only), a query block of T rows each, row t of a chunk
+        seeing its slot's positions before start + t + 1."""
+        if not which:
+            return None
+        dev = self.device
+        T = max(lengths[i] for i in which)
+        own = [chunks[i].kv.slot for i in which]
+        block_of = list(range(len(which))) if gather else own  # each chunk's index in the block
+        n = len(which) if gather else max(own) + 1
+        limit = [[1] * T for _ in range(n)]
+        for i, at in zip(which, block_of):
+            limit[at] = [starts[i] + min(t, lengths[i] - 1) + 1 for t in range(T)]
+        span = max(max(row) for row in limit)
+        lim = torch.tensor(limit, dtype=torch.long, device=dev)  # [S, T]
+        mask = torch.zeros(n, T, span, dtype=self.dtype, device=dev).masked_fill_(
+            torch.arange(span, device=dev)[None, None, :] >= lim[:, :, None], float("-inf")).view(n, 1, 1, T, span)
+        return _Block(
+            slots=torch.tensor(own if gather else list(range(n)), dtype=torch.long, device=dev), T=T, span=span, mask=mask,
+            gather=gather,
+            q_rows=torch.tensor([offsets[i] + t for i in which for t in range(lengths[i])], dtype=torch.long,
+                                device=dev),
+            q_block=torch.tensor([at for i, at in zip(which, block_of) for _ in range(lengths[i])], dtype=torch.long,
+                                 device=dev),
+            q_t=torch.tensor([t for i in which for t in range(lengths[i])], dtype=torch.long, device=dev))
+
     def new_kv(self, capacity: int) -> SequenceKV:
         """K/V storage of a running sequence: a slot of the pool."""
         return SequenceKV(self.n_layers, self.n_kv_heads, self.head_dim, capacity, self.dtype, pool=self.pool)
@@ -303,29 +345,15 @@ class ModelRunner:
         slot_of = torch.tensor([c.kv.slot for c, n in zip(chunks, lengths) for _ in range(n)], dtype=torch.long,
                                device=dev)
 
-        # Short chunks (decode tokens, a decode token with drafts to verify, short prompt tails) attend in one batched
-        # matmul per layer over the pool, a query block of T rows per slot; longer ones (prefill) one call each.
-        short = [i for i, n in enumerate(lengths) if n <= SHORT_CHUNK]
+        # Decode tokens attend in one batched matmul per layer over the pool's slots 0..max (a query row per slot).
+        # Other short chunks (a decode token with drafts to verify, a short prompt tail) attend batched too, over
+        # their own slots gathered, T query rows each: kept apart so that a few drafts do not pad every decode row
+        # to T rows. Longer chunks (prefill) attend one call each.
+        blocks = [b for b in (
+            self._block([i for i, n in enumerate(lengths) if n == 1], chunks, lengths, starts, offsets, gather=False),
+            self._block([i for i, n in enumerate(lengths) if 1 < n <= SHORT_CHUNK], chunks, lengths, starts, offsets,
+                        gather=True)) if b is not None]
         prefill = [i for i, n in enumerate(lengths) if n > SHORT_CHUNK]
-        if short:
-            T = max(lengths[i] for i in short)
-            slots = [chunks[i].kv.slot for i in short]
-            n_slots = max(slots) + 1
-            q_rows = torch.tensor([offsets[i] + t for i in short for t in range(lengths[i])], dtype=torch.long,
-                                  device=dev)
-            q_slot = torch.tensor([chunks[i].kv.slot for i in short for _ in range(lengths[i])], dtype=torch.long,
-                                  device=dev)
-            q_t = torch.tensor([t for i in short for t in range(lengths[i])], dtype=torch.long, device=dev)
-            # Query row t of a slot sees the slot's positions < limit[slot, t] (causal within the chunk); rows and
-            # slots without a query see position 0 only (their output is never read).
-            limit = [[1] * T for _ in range(n_slots)]
-            for i, slot in zip(short, slots):
-                limit[slot] = [starts[i] + min(t, lengths[i] - 1) + 1 for t in range(T)]
-            span = max(max(row) for row in limit)
-            lim = torch.tensor(limit, dtype=torch.long, device=dev)  # [S, T]
-            short_mask = torch.zeros(n_slots, T, span, dtype=self.dtype, device=dev).masked_fill_(
-                torch.arange(span, device=dev)[None, None, :] >= lim[:, :, None], float("-inf"),
-            ).view(n_slots, 1, 1, T, span)
         pre_plan = [
             (offsets[i], offsets[i + 1], starts[i], chunks[i].kv.slot,
              torch.ones(lengths[i], starts[i] + lengths[i], dtype=torch.bool, device=dev).tril(diagonal=starts[i]))
@@ -344,15 +372,19 @@ class ModelRunner:
             layer_kv = pool[li]  # [2, slots, KH, cap, D]
             layer_kv[:, slot_of, :, positions] = torch.stack((k, v), dim=1)
             out = h.new_empty(N, H, D)
-            if short:
-                qs = h.new_zeros(n_slots, H, T, D)
-                qs[q_slot, :, q_t] = q[q_rows]
-                keys = layer_kv[0, :n_slots, :, :span]  # [S, KH, span, D]
-                values = layer_kv[1, :n_slots, :, :span]
-                scores = torch.matmul(qs.view(n_slots, KH, group * T, D), keys.transpose(-1, -2))
-                scores = scores.mul_(self.scaling).view(n_slots, KH, group, T, span).add_(short_mask)
-                probs = torch.softmax(scores, dim=-1).view(n_slots, KH, group * T, span)
-                out[q_rows] = torch.matmul(probs, values).view(n_slots, H, T, D)[q_slot, :, q_t]
+            for blk in blocks:
+                S, T, span = blk.slots.shape[0], blk.T, blk.span
+                qs = h.new_zeros(S, H, T, D)
+                qs[blk.q_block, :, blk.q_t] = q[blk.q_rows]
+                if blk.gather:
+                    keys = layer_kv[0].index_select(0, blk.slots)[:, :, :span]  # [S, KH, span, D]
+                    values = layer_kv[1].index_select(0, blk.slots)[:, :, :span]
+                else:
+                    keys, values = layer_kv[0, :S, :, :span], layer_kv[1, :S, :, :span]
+                scores = torch.matmul(qs.view(S, KH, group * T, D), keys.transpose(-1, -2))
+                scores = scores.mul_(self.scaling).view(S, KH, group, T, span).add_(blk.mask)
+                probs = torch.softmax(scores, dim=-1).view(S, KH, group * T, span)
+                out[blk.q_rows] = torch.matmul(probs, values).view(S, H, T, D)[blk.q_block, :, blk.q_t]
             for a, b, s, slot, mask in pre_plan:
                 end = s + b - a
                 # 4-D inputs: with 3-D ones torch falls back to its slow "math" attention on CPU.

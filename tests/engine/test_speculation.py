@@ -248,8 +248,18 @@ def test_the_draft_follows_the_majority_and_stops_where_it_splits():
     d = GroupDrafter(min_match=2, max_match=4)
     for i, tail in enumerate(([4, 5, 6], [4, 5, 7], [4, 5, 7], [4, 9, 9])):
         d.join(i, "g", [1, 2, 3], tail)
-    d.join(9, "g", [8], [2, 3])
-    assert d.draft(9, 3) == [4, 5, 7]  # 4 (all four), 5 (three of four), 7 (two of three)
+    d.join(9, "g", [8], [3, 4])
+    assert d.draft(9, 3) == [5, 7]  # "3 4" goes on with 5 (three of four), then 7 (two of three), then nothing
+    # the shared prompt is indexed once (G copies would outvote what the siblings wrote): 3 + 4 x 3 + 3 tokens
+    assert d.indexed_tokens() == 3 + 4 * 3 + 3
+
+
+def test_equal_votes_go_to_the_newest():
+    d = GroupDrafter(min_match=2, max_match=2)
+    d.join(1, "g", [0], [1, 2, 5])
+    d.join(2, "g", [9], [1, 2, 6])
+    d.join(3, "g", [7], [1, 2])
+    assert d.draft(3, 1) == [6]
 
 
 def test_the_drafter_stays_within_its_bounds():
@@ -371,3 +381,55 @@ def test_a_verify_chunk_gives_the_logits_of_decoding_its_tokens_one_at_a_time(ti
         kv.free()
     assert together.shape[0] == sum(len(f) for f in fed)
     assert torch.allclose(together, torch.stack(alone), atol=1e-4)
+
+
+def test_seeded_requests_draw_the_same_tokens_with_and_without_speculation(peaked):
+    """Each emitted token is drawn from p with the sequence's next uniform, drafts or not, and the generator is left
+    having drawn one per token: a seeded request samples the same tokens either way (temperature 1, top-p 0.95),
+    while drafts are accepted and rejected along the way."""
+    model, tokenizer = peaked
+    requests = [GenerationRequest(prompt_ids=p, group_id=f"g{i}", program_id=f"g{i}-{j}",
+                                  sampling=SamplingParams(temperature=1.0, top_p=0.95, max_tokens=16, seed=100 * i + j,
+                                                          ignore_eos=True))
+                for i, p in enumerate(_prompts(tokenizer, 4)) for j in range(8)]
+    off, _ = _run(model, tokenizer, requests)
+    on, m = _run(model, tokenizer, requests, SPEC)
+    assert 0 < m.accepted_tokens < m.draft_tokens
+    assert [r.token_ids for r in on] == [r.token_ids for r in off]
+    for a, b in zip(off, on):
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+def test_a_stop_inside_accepted_drafts_ends_the_sequence_there(peaked):
+    """Stop tokens and max_tokens land inside a step's drafts: the same tokens, finish reasons and prefix-cache reuse
+    on a second turn as without speculation."""
+    model, tokenizer = peaked
+    prompts = _prompts(tokenizer, 4)
+    probe, _ = _run(model, tokenizer, _groups(prompts, 1, temperature=0.0, max_tokens=20, ignore_eos=True))
+    stops = sorted({r.token_ids[5] for r in probe})  # a token each greedy output writes mid-way
+    first = _groups(prompts[:2], 4, temperature=0.0, max_tokens=13, stop_token_ids=stops) + \
+        _groups(prompts[2:], 4, temperature=0.0, max_tokens=13)  # these end at max_tokens
+
+    def two_turns(spec):
+        engine = BuiltinEngine(model, eos_token_id=tokenizer.eos_token_id, speculation=spec)
+
+        async def go(reqs):
+            return await asyncio.gather(*[engine.generate(r) for r in reqs])
+
+        try:
+            one = asyncio.run(go(first))
+            second = [GenerationRequest(prompt_ids=r.prompt_ids + o.token_ids + [5, 6], group_id=r.group_id,
+                                        program_id=r.program_id, sampling=SamplingParams(temperature=0.0, max_tokens=9))
+                      for r, o in zip(first, one)]
+            two = asyncio.run(go(second))
+            return one, two, engine.metrics
+        finally:
+            engine.close()
+
+    off1, off2, m_off = two_turns(None)
+    on1, on2, m_on = two_turns(SPEC)
+    assert m_on.accepted_tokens > 0
+    assert any(r.finish_reason == "stop" for r in off1) and any(r.finish_reason == "length" for r in off1)
+    assert [(r.token_ids, r.finish_reason) for r in on1] == [(r.token_ids, r.finish_reason) for r in off1]
+    assert [(r.token_ids, r.finish_reason) for r in on2] == [(r.token_ids, r.finish_reason) for r in off2]
+    assert m_on.reused_tokens == m_off.reused_tokens > 0  # the first turn's K/V, rewound past rejected drafts, serves

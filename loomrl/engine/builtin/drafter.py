@@ -65,11 +65,12 @@ class GroupDrafter:
         key = tuple(prompt)
         shared = g.prompts.get(key)
         doc = _Doc(list(prompt) + list(out))
-        if shared is not None and not out:
-            # A sibling's document starts with the same prompt: its n-grams are indexed already.
+        if shared is not None:
+            # A sibling's document starts with the same prompt: its n-grams are indexed already (indexed again, a
+            # group of G would give the prompt's continuation G votes against what the siblings wrote).
             doc.indexed = len(prompt)
         else:
-            g.prompts.setdefault(key, doc)
+            g.prompts[key] = doc
         g.docs.append(doc)
         self._docs[seq_id] = (group, doc)
         self._index(g, doc)
@@ -110,6 +111,7 @@ class GroupDrafter:
         g = self._groups.get(group)
         if g is None:
             return []
+        self._groups.move_to_end(group)  # in use: the last to be evicted
         ctx = doc.tokens
         for n in range(min(self.max_match, len(ctx)), self.min_match - 1, -1):
             places = [(d, end) for d, end in g.index.get(tuple(ctx[-n:]), ())
@@ -126,7 +128,7 @@ class GroupDrafter:
         live = places
         for depth in range(1, limit + 1):
             counts: dict[int, int] = {}
-            for d, end in live:
+            for d, end in reversed(live):  # newest first: max() keeps the first of equal counts
                 if end + depth < len(d.tokens):
                     tok = d.tokens[end + depth]
                     counts[tok] = counts.get(tok, 0) + 1

@@ -168,7 +168,7 @@ class BuiltinEngine(TakesTensors):
         """Switch speculation on (or off, with None or enabled=False) from the next step; the running sequences go on
         either way (benchmarks/speculative.py compares both on one engine: a second engine's thread would bring a
         second OpenMP team, slower, see `call`)."""
-        self.call(lambda: self._speculate(speculation)).result()
+        self.call(lambda: self._speculate(speculation)).result(timeout=60)
 
     def _speculate(self, speculation: SpeculationConfig | None) -> None:
         on = speculation is not None and speculation.enabled
@@ -262,6 +262,7 @@ class BuiltinEngine(TakesTensors):
             t0 = time.perf_counter()
             with self._cond:
                 batch, version = self.sched.schedule(), self._version
+            self.sched.add_drafts(batch)  # outside the lock: a submit() meanwhile does not wait for drafting
             done = []
             if batch.chunks:
                 logits = self.runner.forward(batch.chunks)
@@ -336,11 +337,11 @@ class BuiltinEngine(TakesTensors):
             if sample.decoding:
                 m.decode_seq_steps = (m.decode_seq_steps or 0) + 1
                 m.decode_seq_tokens = (m.decode_seq_tokens or 0) + kept
-            if sample.draft:
-                m.draft_tokens = (m.draft_tokens or 0) + len(sample.draft)
-                m.accepted_tokens = (m.accepted_tokens or 0) + out.accepted
+            if sample.decoding and self.drafter is not None:
                 seq.acceptance.update(len(sample.draft), out.accepted)
-            if self.drafter is not None and reason is None:
+                m.draft_tokens = (m.draft_tokens or 0) + len(sample.draft)
+                m.accepted_tokens = (m.accepted_tokens or 0) + min(out.accepted, kept)  # those a stop cut are not
+            if self.drafter is not None:  # a finished sequence's last tokens too: its siblings draft from them
                 self.drafter.extend(seq.uid, seq.out_tokens[-kept:])
         if batch.draft_s:
             m.draft_s = (m.draft_s or 0.0) + batch.draft_s

@@ -377,8 +377,9 @@ class ModelRunner:
                 qs = h.new_zeros(S, H, T, D)
                 qs[blk.q_block, :, blk.q_t] = q[blk.q_rows]
                 if blk.gather:
-                    keys = layer_kv[0].index_select(0, blk.slots)[:, :, :span]  # [S, KH, span, D]
-                    values = layer_kv[1].index_select(0, blk.slots)[:, :, :span]
+                    # sliced first: index_select copies, and a slot holds its whole capacity
+                    keys = layer_kv[0, :, :, :span].index_select(0, blk.slots)  # [S, KH, span, D]
+                    values = layer_kv[1, :, :, :span].index_select(0, blk.slots)
                 else:
                     keys, values = layer_kv[0, :S, :, :span], layer_kv[1, :S, :, :span]
                 scores = torch.matmul(qs.view(S, KH, group * T, D), keys.transpose(-1, -2))

@@ -38,18 +38,12 @@ def distributions(logits: torch.Tensor, params: list) -> tuple[torch.Tensor, tor
     return torch.log_softmax(scaled, dim=-1), greedy
 
 
-def draw(logprobs: torch.Tensor, greedy: torch.Tensor, uniforms: torch.Tensor,
-         exclude: torch.Tensor | None = None) -> torch.Tensor:
+def draw(logprobs: torch.Tensor, greedy: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """One token per row of `logprobs` [B, V] (distributions()): greedy rows their argmax, the others by inverse CDF
     with the caller's uniforms [B] in [0, 1) (one per row, so a seeded request draws from its own generator whatever
     else shares the batch: one cumsum and one search for all rows, where a torch.multinomial call per row cost ~1 ms
-    each at a 49k vocabulary). `exclude` [B]: a token per row to draw as if it had probability 0 (the rest
-    renormalised), -1 for none: a rejected draft token (engine.py)."""
-    probs = logprobs.exp()
-    if exclude is not None:
-        rows = torch.nonzero(exclude >= 0).squeeze(1)
-        probs[rows, exclude[rows]] = 0.0
-    cdf = probs.cumsum_(dim=-1)
+    each at a 49k vocabulary)."""
+    cdf = logprobs.exp().cumsum_(dim=-1)
     # right=True: the first token whose cumulative mass exceeds u * total, never a zero-probability one.
     drawn = torch.searchsorted(cdf, (uniforms.to(cdf.device) * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
     return torch.where(greedy, logprobs.argmax(dim=-1), drawn.clamp_(max=logprobs.shape[1] - 1))

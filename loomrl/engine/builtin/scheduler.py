@@ -134,15 +134,28 @@ class Scheduler:
                     samples.append(Sample(seq, [], decoding=False))
             else:
                 decoding.append(seq)
-        t0 = time.perf_counter()
-        drafts = self._drafts(decoding, emitted=len(samples) + len(decoding),
-                              tokens=len(decoding) + self.max_prefill_tokens - budget)
-        for seq, draft in zip(decoding, drafts):  # decoding: the last sampled token, then the drafts to verify
+        for seq in decoding:  # the last sampled token; add_drafts may append drafts to verify
             assert seq.kv is not None  # checked above
-            chunks.append(Chunk(seq.kv, [seq.out_tokens[-1], *draft], logits=1 + len(draft)))
-            samples.append(Sample(seq, draft, decoding=True))
-        return Batch(list(self.running), chunks, samples, prefill_tokens=self.max_prefill_tokens - budget,
-                     draft_s=time.perf_counter() - t0 if self.drafter else 0.0)
+            chunks.append(Chunk(seq.kv, [seq.out_tokens[-1]]))
+            samples.append(Sample(seq, [], decoding=True))
+        return Batch(list(self.running), chunks, samples, prefill_tokens=self.max_prefill_tokens - budget)
+
+    def add_drafts(self, batch: Batch) -> None:
+        """Give the batch's decoding sequences their drafts (speculation). Called by the engine's thread outside its
+        lock: it reads only the sequences' own tokens, which that thread alone changes, and the drafter, which only it
+        uses; a request arriving meanwhile does not wait for it."""
+        if self.drafter is None:
+            return
+        t0 = time.perf_counter()
+        n = sum(s.decoding for s in batch.samples)  # decoding sequences come last, in chunks and samples alike
+        decoding = list(zip(batch.chunks[len(batch.chunks) - n :], batch.samples[len(batch.samples) - n :]))
+        drafts = self._drafts([s.seq for _, s in decoding], emitted=len(batch.samples),
+                              tokens=sum(len(c.tokens) for c in batch.chunks))
+        for (chunk, sample), draft in zip(decoding, drafts):
+            chunk.tokens.extend(draft)
+            chunk.logits = 1 + len(draft)
+            sample.draft = draft
+        batch.draft_s = time.perf_counter() - t0
 
     def _drafts(self, decoding: list[Seq], emitted: int, tokens: int) -> list[list[int]]:
         """Each decoding sequence's draft tokens for this step ([] without speculation)."""

@@ -3,16 +3,16 @@ rule that accepts them without changing what is sampled.
 
 A decoding sequence normally feeds one token per step. With a draft of k tokens (drafter.py) it feeds its last token
 and the k drafts; the step's one flattened forward (runner.py) returns the logits of all k + 1 positions, and
-`verify` emits between 1 and k + 1 tokens:
-- greedy: a draft is accepted while it equals the argmax; the first mismatch emits the argmax instead. The tokens are
-  those decoding one at a time would emit.
-- sampled (T > 0): the drafts carry no probabilities (a draft is one token, q = a point mass), so the standard
-  rejection rule (Leviathan et al. 2023; Chen et al. 2023) reduces to: accept draft x with probability p(x); on
-  rejection emit a token drawn from p with x removed and the rest renormalised; after k acceptances draw one more from
-  the last position's p. Each emitted token is distributed as p exactly (P(x) = p(x) + (1 - p(x)) * 0 for x, and
-  (1 - p(x)) * p(y) / (1 - p(x)) = p(y) for y != x), p being the distribution decoding would sample from: temperature,
-  top-k and top-p applied first (sampling.py distributions).
-Each emitted token's logprob is log p(token) and its version the step's: what decoding without drafts records.
+`verify` emits between 1 and k + 1 tokens by sampling each position as decoding would and comparing: y_j is drawn from
+p_j (the distribution after the j-th fed token, temperature, top-k and top-p applied first: sampling.py distributions;
+greedy: its argmax) with the sequence's next uniform, and the drafts are accepted while y_j equals them; the first y_j
+that differs, or y_k after k acceptances, is the last token emitted. The emitted tokens are then exactly those that
+decoding one token at a time would draw with the same uniforms (each y_j ~ p_j given the tokens before it), so the
+distribution is unchanged; a draft x is accepted with probability p(x), on rejection the token is distributed as p
+without x renormalised, which is the standard rejection rule (Leviathan et al. 2023) for a draft with no
+probabilities of its own (a point mass). A sequence's generator is left having drawn one uniform per emitted token, as
+without drafts, so a seeded request draws the same tokens with speculation on or off (up to float rounding: the
+logits come from other batch shapes). Each emitted token's logprob is log p(token) and its version the step's.
 
 How many drafts pay (`DraftPolicy`): a step costs about a + b * n seconds for n tokens (fitted online from this
 engine's own decode steps); a draft token j deep in a sequence whose drafts are accepted with probability alpha each
@@ -43,50 +43,26 @@ class Verified:
 def verify(logits: torch.Tensor, params: list, drafts: list[list[int]],
            generators: list[torch.Generator]) -> list[Verified]:
     """Accept or reject each sequence's drafts. logits: [sum(1 + len(draft)), V], a sequence's 1 + k rows in order
-    (row j: the distribution after its j-th fed token); params and generators: one per sequence. Each sequence draws
-    k + 1 uniforms from its generator: one per draft's accept test, one for the token drawn after."""
+    (row j: the distribution after its j-th fed token); params and generators: one per sequence."""
     sizes = [1 + len(d) for d in drafts]
     row_params = [p for p, n in zip(params, sizes) for _ in range(n)]
     logprobs, greedy = distributions(logits, row_params)
-    uniforms = [torch.rand(n, generator=g, device="cpu").tolist() for g, n in zip(generators, sizes)]
-    starts = [0]
-    for n in sizes[:-1]:
-        starts.append(starts[-1] + n)
-    draft_rows = [s + j for s, d in zip(starts, drafts) for j in range(len(d))]
-    p_draft: list[float] = []
-    best: list[int] = []
-    if draft_rows:
-        rows = torch.tensor(draft_rows, dtype=torch.long, device=logits.device)
-        toks = torch.tensor([t for d in drafts for t in d], dtype=torch.long, device=logits.device)
-        p_draft = logprobs[rows, toks].exp().tolist()
-        best = logprobs[rows].argmax(dim=-1).tolist()
-    # Per sequence: how many drafts it accepts, then the row its last token is drawn from (and the token to exclude).
-    out_rows, excluded, accepted, at = [], [], [], 0
-    greedy_rows = greedy.tolist()
-    for seq_i, d in enumerate(drafts):
-        g = greedy_rows[starts[seq_i]]
+    # One uniform per row, in order; a generator that drew for drafts is rewound below to one draw per emitted token.
+    states = [g.get_state() if d else None for g, d in zip(generators, drafts)]
+    uniforms = torch.cat([torch.rand(n, generator=g, device="cpu") for g, n in zip(generators, sizes)])
+    drawn = draw(logprobs, greedy, uniforms)
+    lps = logprobs.gather(1, drawn.unsqueeze(1)).squeeze(1).tolist()
+    drawn_ids = drawn.tolist()
+    result, at = [], 0
+    for d, g, state in zip(drafts, generators, states):
         a = 0
-        while a < len(d):
-            ok = best[at + a] == d[a] if g else uniforms[seq_i][a] < p_draft[at + a]
-            if not ok:
-                break
+        while a < len(d) and drawn_ids[at + a] == d[a]:
             a += 1
-        accepted.append(a)
-        out_rows.append(starts[seq_i] + a)
-        excluded.append(d[a] if a < len(d) and not g else -1)  # greedy: the argmax is never the rejected draft
-        at += len(d)
-    rows = torch.tensor(out_rows, dtype=torch.long, device=logits.device)
-    last_u = torch.tensor([u[-1] for u in uniforms], dtype=torch.float32, device="cpu")
-    last = draw(logprobs[rows], greedy[rows], last_u,
-                exclude=torch.tensor(excluded, dtype=torch.long, device=logits.device)).tolist()
-    emitted = [[*d[:a], tok] for d, a, tok in zip(drafts, accepted, last)]
-    rows = torch.tensor([s + j for s, toks in zip(starts, emitted) for j in range(len(toks))], dtype=torch.long,
-                        device=logits.device)
-    flat = torch.tensor([t for toks in emitted for t in toks], dtype=torch.long, device=logits.device)
-    lps, result = logprobs[rows, flat].tolist(), []
-    for toks, a in zip(emitted, accepted):
-        result.append(Verified(toks, lps[: len(toks)], a))
-        lps = lps[len(toks) :]
+        result.append(Verified(drawn_ids[at : at + a + 1], lps[at : at + a + 1], a))
+        if state is not None and a < len(d):
+            g.set_state(state)
+            torch.rand(a + 1, generator=g, device="cpu")  # the draws decoding would have made: one per token
+        at += len(d) + 1
     return result
 
 
@@ -133,8 +109,8 @@ class Acceptance:
         return (self.accepted + self.PRIOR * self.PRIOR_WEIGHT) / (self.tests + self.PRIOR_WEIGHT)
 
     def update(self, drafted: int, accepted: int) -> None:
-        if drafted == 0:
-            return
+        """After a step: `drafted` tokens verified (0: none sent), `accepted` of them. A step without drafts decays
+        the evidence toward the prior, so a sequence whose early drafts failed is tried again later."""
         self.accepted = self.accepted * self.DECAY + accepted
         self.tests = self.tests * self.DECAY + accepted + (1 if accepted < drafted else 0)
 

@@ -303,13 +303,27 @@ def test_no_draft_is_sent_where_a_step_is_compute_bound_and_many_where_it_is_not
 
 def test_acceptance_tracks_what_was_accepted():
     acc = Acceptance()
-    assert acc.rate == pytest.approx(0.6)
+    assert acc.rate() == pytest.approx(0.6)
     for _ in range(20):
         acc.update(4, 4)
-    assert acc.rate > 0.9
+    assert acc.rate() > 0.9
     for _ in range(20):
         acc.update(4, 0)
-    assert acc.rate < 0.2
+    assert acc.rate() < 0.2
+    for _ in range(30):  # no drafts sent: back toward the prior, so it is tried again
+        acc.update(0, 0)
+    assert acc.rate() > 0.5
+
+
+def test_a_new_sequence_starts_from_the_engines_overall_acceptance():
+    """A trained policy's drafts are accepted ~all the time: a new sequence is rated so from its first step, and a
+    moderately compute-bound step (48 rows, fixed cost 3x the per-token one x 6) still gets drafts."""
+    policy = _policy(0.06, 0.003)
+    new = Acceptance()
+    assert not policy.worth_drafting(48, 48, policy.rate(new))  # the fixed prior: drafting looks like a loss
+    for _ in range(50):
+        policy.verified(Acceptance(), 8, 8)
+    assert policy.rate(new) > 0.9 and policy.worth_drafting(48, 48, policy.rate(new))
 
 
 def test_the_engine_config_refuses_a_match_range_upside_down():

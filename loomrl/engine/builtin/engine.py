@@ -337,8 +337,8 @@ class BuiltinEngine(TakesTensors):
             if sample.decoding:
                 m.decode_seq_steps = (m.decode_seq_steps or 0) + 1
                 m.decode_seq_tokens = (m.decode_seq_tokens or 0) + kept
-            if sample.decoding and self.drafter is not None:
-                seq.acceptance.update(len(sample.draft), out.accepted)
+            if sample.decoding and self.sched.policy is not None:
+                self.sched.policy.verified(seq.acceptance, len(sample.draft), out.accepted)
                 m.draft_tokens = (m.draft_tokens or 0) + len(sample.draft)
                 m.accepted_tokens = (m.accepted_tokens or 0) + min(out.accepted, kept)  # those a stop cut are not
             if self.drafter is not None:  # a finished sequence's last tokens too: its siblings draft from them

@@ -160,7 +160,7 @@ class Scheduler:
     def _drafts(self, decoding: list[Seq], emitted: int, tokens: int) -> list[list[int]]:
         """Each decoding sequence's draft tokens for this step ([] without speculation)."""
         if self.drafter is None or self.policy is None or not decoding or not self.policy.worth_drafting(
-                emitted, tokens, max(s.acceptance.rate for s in decoding)):
+                emitted, tokens, max(self.policy.rate(s.acceptance) for s in decoding)):
             return [[] for _ in decoding]
         proposals = []
         for seq in decoding:
@@ -169,7 +169,8 @@ class Scheduler:
             # at most max_tokens in all: the last emitted token is drawn after the drafts
             room = seq.request.sampling.max_tokens - len(seq.out_tokens) - 1
             proposals.append(self.drafter.draft(seq.uid, min(self.max_draft, room)))
-        take = self.policy.allocate(emitted, tokens, [(len(p), s.acceptance.rate) for p, s in zip(proposals, decoding)])
+        rates = [self.policy.rate(s.acceptance) for s in decoding]
+        take = self.policy.allocate(emitted, tokens, [(len(p), r) for p, r in zip(proposals, rates)])
         return [p[:k] for p, k in zip(proposals, take)]
 
     def retire(self, seq: Seq) -> None:

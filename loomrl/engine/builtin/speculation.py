@@ -95,24 +95,25 @@ class StepCost:
 
 @dataclass(slots=True)
 class Acceptance:
-    """A sequence's recent acceptance: the chance that a draft token is accepted given the ones before it were
-    (accepted drafts over accept tests, each rejection ending a test run), with a prior and a decay."""
+    """Recent acceptance: the chance that a draft token is accepted given the ones before it were (accepted drafts
+    over accept tests, each rejection ending a test run), decayed, and read against a prior (a sequence's: the
+    engine's overall acceptance, so a new sequence of a policy whose drafts are accepted is not held back by a fixed
+    guess)."""
 
     accepted: float = 0.0
     tests: float = 0.0
-    PRIOR = 0.6  # before any evidence: drafting is tried
+    PRIOR = 0.6  # the engine's own prior, before any draft was verified: drafting is tried
+    decay: float = 0.8  # per step
     PRIOR_WEIGHT = 2.0
-    DECAY = 0.8
 
-    @property
-    def rate(self) -> float:
-        return (self.accepted + self.PRIOR * self.PRIOR_WEIGHT) / (self.tests + self.PRIOR_WEIGHT)
+    def rate(self, prior: float = PRIOR) -> float:
+        return (self.accepted + prior * self.PRIOR_WEIGHT) / (self.tests + self.PRIOR_WEIGHT)
 
     def update(self, drafted: int, accepted: int) -> None:
         """After a step: `drafted` tokens verified (0: none sent), `accepted` of them. A step without drafts decays
         the evidence toward the prior, so a sequence whose early drafts failed is tried again later."""
-        self.accepted = self.accepted * self.DECAY + accepted
-        self.tests = self.tests * self.DECAY + accepted + (1 if accepted < drafted else 0)
+        self.accepted = self.accepted * self.decay + accepted
+        self.tests = self.tests * self.decay + accepted + (1 if accepted < drafted else 0)
 
 
 class DraftPolicy:
@@ -120,6 +121,17 @@ class DraftPolicy:
 
     def __init__(self, cost: StepCost):
         self.cost = cost
+        # every sequence's drafts: the prior of each sequence's own rate (decays slower: it pools many sequences)
+        self.overall = Acceptance(decay=0.98)
+
+    def rate(self, own: Acceptance) -> float:
+        """A sequence's acceptance: its own evidence over the engine's overall rate."""
+        return own.rate(self.overall.rate())
+
+    def verified(self, own: Acceptance, drafted: int, accepted: int) -> None:
+        own.update(drafted, accepted)
+        if drafted:
+            self.overall.update(drafted, accepted)
 
     def worth_drafting(self, emitted: int, tokens: int, best_rate: float) -> bool:
         """Whether a first draft token accepted with probability `best_rate` (the best of the step's sequences) would

@@ -101,6 +101,14 @@ def run_builtin(engine, work: WorkCounter, prompts, observations, turns, new_tok
         return read_engine(engine.metrics)
 
     before = engine.call(reset).result()
+    asyncio.run(all_programs_warm(engine, prompts[0]))
+    made, seconds = run_programs(engine, prompts, observations, turns, new_tokens)
+    return made, seconds, counter_changes(before, read_engine(engine.metrics))
+
+
+def run_programs(engine, prompts, observations, turns, new_tokens) -> tuple[int, float]:
+    """The workload's programs on `engine`, all at once: program i takes `turns` turns of `new_tokens` sampled tokens
+    (temperature 1, seed i), its observation appended after each; (tokens made, seconds)."""
 
     async def program(i: int) -> int:
         ctx = list(prompts[i])
@@ -117,10 +125,9 @@ def run_builtin(engine, work: WorkCounter, prompts, observations, turns, new_tok
     async def all_programs() -> int:
         return sum(await asyncio.gather(*[program(i) for i in range(len(prompts))]))
 
-    asyncio.run(all_programs_warm(engine, prompts[0]))
     t0 = time.perf_counter()
     made = asyncio.run(all_programs())
-    return made, time.perf_counter() - t0, counter_changes(before, read_engine(engine.metrics))
+    return made, time.perf_counter() - t0
 
 
 async def all_programs_warm(engine, prompt):

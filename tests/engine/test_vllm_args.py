@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+from pydantic import ValidationError
+
 from loomrl.config import EngineConfig
 from loomrl.engine.vllm import MAX_NUM_BATCHED_TOKENS_CUDA, MAX_NUM_SEQS, engine_args
 
@@ -13,7 +16,7 @@ from loomrl.engine.vllm import MAX_NUM_BATCHED_TOKENS_CUDA, MAX_NUM_SEQS, engine
 def _args(settings: dict, *, cuda: bool, sleep: bool = False) -> dict:
     e = EngineConfig.model_validate({"kind": "vllm", **settings})  # the engine section (a run checks vLLM is here)
     return engine_args(e.vllm, model="/m", dtype="bfloat16", seed=3, max_num_seqs=e.max_batch_size,
-                       prefix_cache=e.prefix_cache, sleep_mode=sleep, cuda=cuda)
+                       prefix_cache=e.prefix_cache, sleep_mode=sleep, cuda=cuda, speculation=e.speculation)
 
 
 def test_unset_settings_take_the_devices_defaults():
@@ -53,3 +56,30 @@ def test_cuda_batches_16384_tokens_unless_the_user_sets_it():
     for cuda in (True, False):  # the user's, as set
         set_ = _args({"vllm": {"engine_args": {"max_num_batched_tokens": 8192}}}, cuda=cuda)
         assert set_["max_num_batched_tokens"] == 8192
+
+
+def test_engine_speculation_asks_vllm_for_its_ngram_method():
+    """engine.speculation's fields become vLLM's n-gram speculative_config (request-local: vLLM has no group-scoped
+    drafting); off, nothing is asked. Its behaviour on a real vLLM: test_vllm_speculation.py."""
+    for cuda in (True, False):
+        assert "speculative_config" not in _args({}, cuda=cuda)
+        args = _args({"speculation": {"enabled": True, "max_draft": 5, "min_match": 2, "max_match": 6}}, cuda=cuda)
+        assert args["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 5,
+                                              "prompt_lookup_min": 2, "prompt_lookup_max": 6}
+    # a user's own speculative_config (any method vLLM has) is passed as set when engine.speculation is off
+    own = {"method": "suffix", "num_speculative_tokens": 12}
+    assert _args({"vllm": {"engine_args": {"speculative_config": own}}}, cuda=True)["speculative_config"] == own
+
+
+@pytest.mark.parametrize("settings, says", [
+    ({"kind": "sglang", "sglang": {"base_url": "http://x:30000"}}, "--speculative-algorithm"),
+    ({"kind": "vllm", "vllm": {"base_url": "http://x:8000"}}, "--speculative-config"),
+    ({"kind": "vllm", "vllm": {"engine_args": {"speculative_config": {"method": "ngram"}}}},
+     "engine.vllm.engine_args.speculative_config both"),
+])
+def test_speculation_is_refused_where_loomrl_cannot_set_it(settings, says):
+    """A server the user starts takes speculation from its own flags; two asks for vLLM's are ambiguous."""
+    with pytest.raises(ValidationError, match="engine.speculation.enabled") as err:
+        EngineConfig.model_validate({**settings, "speculation": {"enabled": True}})
+    assert says in str(err.value)
+    EngineConfig.model_validate(settings)  # the same settings without speculation are fine

@@ -69,8 +69,10 @@ class Divergence:
 
 
 def _pairs(hidden: Tensor, positions: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """The (input, target) hidden rows of head k: h_t for each t in `positions` whose t+k is still in the sequence."""
-    keep = positions[positions + k < hidden.shape[0]]
+    """The (input, target) hidden rows of head k: h_t for each t in `positions` whose t+k is one too, so that the
+    target is a distribution the policy sampled from in the same stretch of its own tokens (the engine drafts within
+    a turn: never into an observation, nor past the end)."""
+    keep = positions[torch.isin(positions + k, positions)]
     return hidden[keep], hidden[keep + k]
 
 
@@ -97,7 +99,7 @@ def _rows(heads: DraftHeads, lm_head: nn.Module, hidden: Tensor, positions: Tens
 def divergence(heads: DraftHeads, lm_head: nn.Module, sequences: list[tuple[Tensor, Tensor]], *,
                temperature: float = 1.0, top_k: int = 64) -> Divergence:
     """Each head's mean top-k TV to the policy over `sequences`: (final hidden states [L, H], the positions t whose
-    next tokens the policy sampled, as a LongTensor)."""
+    next tokens the policy sampled, as a LongTensor: a TrainingSample's sampled positions less one)."""
     tv, rows = [0.0] * heads.heads, [0] * heads.heads
     with torch.no_grad():
         for hidden, positions in sequences:
@@ -113,7 +115,7 @@ def train_step(heads: DraftHeads, lm_head: nn.Module, optimizer: torch.optim.Opt
     """One optimizer step of the heads on `sequences` (as `divergence` takes them): the mean top-k TV over every
     head's rows, each chunk's backward run as it is made. The LM head is the policy's and gets no gradient. Returns
     the loss before the step."""
-    total = sum(int((positions + k < hidden.shape[0]).sum()) for hidden, positions in sequences
+    total = sum(int(torch.isin(positions + k, positions).sum()) for _, positions in sequences
                 for k in range(1, heads.heads + 1))
     if total == 0:
         return 0.0

@@ -64,7 +64,8 @@ def test_training_on_the_policys_rollouts_lowers_the_heads_divergence_on_others(
     assert before.tv[0] > 0.9 and after.tv[0] < 0.75 * before.tv[0], (before.tv, after.tv)
     assert after.tv[1] < 0.92 * before.tv[1], (before.tv, after.tv)
     assert losses[-1] < losses[0] and all(0 < a <= 1 for a in after.acceptance)
-    assert after.rows == before.rows == [16 * 24, 16 * 23]  # head k: the positions with k tokens after them
+    # head k: the sampled positions with a sampled position k after them (24 sampled tokens a rollout)
+    assert after.rows == before.rows == [16 * 23, 16 * 22]
     assert torch.equal(model.lm_head.weight, lm_head)  # the policy's head is shared, never trained here
 
 
@@ -77,3 +78,12 @@ def test_topk_tv_is_the_full_tv_when_the_top_k_hold_the_mass():
     assert bool((few <= full + 1e-6).all()) and bool((few < full - 1e-3).any())  # a lower bound, not the same
     # temperature: the same distributions as logits / T
     assert torch.allclose(topk_tv(head, policy, 0.5, 50), topk_tv(head * 2, policy * 2, 1.0, 50), atol=1e-6)
+
+
+def test_a_head_learns_only_within_a_stretch_of_sampled_tokens():
+    """A multi-turn sample: tokens 4-6 and 10-11 sampled (hidden positions 3-5 and 9-10 predict them), an observation
+    between. Head k pairs h_t with h_{t+k} only where both predict sampled tokens: never across the observation, nor
+    past the end, where the engine never drafts."""
+    heads, lm_head = DraftHeads(8, 3), torch.nn.Linear(8, 20, bias=False)
+    sample = (torch.randn(12, 8), torch.tensor([3, 4, 5, 9, 10]))
+    assert divergence(heads, lm_head, [sample]).rows == [3, 1, 0]  # (3,4) (4,5) (9,10); (3,5); none

@@ -66,6 +66,11 @@ class SpeculationConfig(Section):
     in the request's own context)"""
     max_match: int = Field(8, ge=1)
     """the longest suffix matched (the suffix index's depth; vLLM: prompt_lookup_max)"""
+    max_groups: int = Field(512, gt=0)
+    """groups whose suffix indexes are kept (least recently drafted from evicted first; built-in engine)"""
+    max_indexed_tokens: int = Field(1 << 19, gt=0)
+    """tokens indexed over all groups at most (built-in engine): a token costs up to about 1.9 KB of the rollout
+    side's memory where its n-grams are all new (measured), so the default is about 1 GB at most"""
 
     @model_validator(mode="after")
     def _match_range(self) -> SpeculationConfig:

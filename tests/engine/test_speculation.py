@@ -269,6 +269,15 @@ def test_the_drafter_stays_within_its_bounds():
         d.join(g, f"g{g}", [rng.randrange(50) for _ in range(500)], [])
     assert len(d._groups) == 4 and all(grp.tokens <= 100 for grp in d._groups.values())
     assert not d.knows(0) and d.knows(9)
+    # and over all groups: the least recently used go first, the one written to stays
+    d = GroupDrafter(min_match=1, max_match=3, max_groups=100, max_group_tokens=500, max_tokens=1000)
+    for g in range(6):
+        d.join(g, f"g{g}", [rng.randrange(50) for _ in range(300)], [])
+    assert d.indexed_tokens() == 900 and [d.knows(g) for g in range(6)] == [False] * 3 + [True] * 3
+    d.draft(3, 2)  # g3 drafted from: no longer the least recently used
+    d.extend(5, [rng.randrange(50) for _ in range(200)])  # g5 grows to 500 tokens: 1100 in all
+    assert d.indexed_tokens() == 800 and [d.knows(g) for g in (3, 4, 5)] == [True, False, True]
+    assert d.indexed_tokens() == sum(grp.tokens for grp in d._groups.values())
 
 
 # -- how many drafts ------------------------------------------------------------------------------------------------

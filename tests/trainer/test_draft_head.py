@@ -38,6 +38,7 @@ def _policy_and_rollouts():
         opt.zero_grad()
         loss.backward()
         opt.step()
+    model.zero_grad(set_to_none=True)
     model.eval()
 
     def rollouts(n: int):
@@ -66,7 +67,9 @@ def test_training_on_the_policys_rollouts_lowers_the_heads_divergence_on_others(
     assert losses[-1] < losses[0] and all(0 < a <= 1 for a in after.acceptance)
     # head k: the sampled positions with a sampled position k after them (24 sampled tokens a rollout)
     assert after.rows == before.rows == [16 * 23, 16 * 22]
-    assert torch.equal(model.lm_head.weight, lm_head)  # the policy's head is shared, never trained here
+    # the policy's head is shared, never trained or flagged here
+    assert torch.equal(model.lm_head.weight, lm_head) and model.lm_head.weight.grad is None
+    assert model.lm_head.weight.requires_grad
 
 
 def test_topk_tv_is_the_full_tv_when_the_top_k_hold_the_mass():
@@ -87,3 +90,6 @@ def test_a_head_learns_only_within_a_stretch_of_sampled_tokens():
     heads, lm_head = DraftHeads(8, 3), torch.nn.Linear(8, 20, bias=False)
     sample = (torch.randn(12, 8), torch.tensor([3, 4, 5, 9, 10]))
     assert divergence(heads, lm_head, [sample]).rows == [3, 1, 0]  # (3,4) (4,5) (9,10); (3,5); none
+    # a one-token observation: (5,7) would skip it, so head 2 pairs only (3,5)
+    gap = (torch.randn(12, 8), torch.tensor([3, 4, 5, 7, 8]))
+    assert divergence(heads, lm_head, [gap]).rows == [3, 1, 0]  # (3,4) (4,5) (7,8); (3,5); none

@@ -65,3 +65,21 @@ def check_stop_token_kept(engine, prompt: list[int]) -> list[int]:
     assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == greedy[2] and len(stopped.token_ids) <= 3
     assert stopped.token_ids == greedy[: len(stopped.token_ids)]
     return greedy
+
+
+# The tiny random Llama the vLLM tests serve: head_dim 32 (vLLM's CPU attention takes head sizes 32, 64, 80, ...
+# only) and init_std 0.1 (a peaked distribution, so that greedy ids do not hinge on the rounding of near-ties)
+VLLM_TINY = {"head_dim": 32, "init_std": 0.1}
+VLLM_OVERRIDES = ["engine.kind=vllm", "runtime.mode=async", "model.kind=tiny", "model.tiny.head_dim=32",
+                  "model.tiny.init_std=0.1", "engine.vllm.block_size=32", "engine.vllm.max_model_len=512",
+                  f"engine.vllm.kv_cache_memory_bytes={64 << 20}", "engine.vllm.cpu_reserved_cores=0"]
+
+
+def vllm_tiny_pair():
+    """(A, B, tokenizer): VLLM_TINY's model from seed 0 and from seed 1, with SmolLM2's real tokenizer."""
+    from loomrl.config import ModelConfig, TinyModelConfig
+    from loomrl.model.loader import load_model
+
+    a, tokenizer = load_model(ModelConfig(kind="tiny", tiny=TinyModelConfig(**VLLM_TINY, seed=0)))
+    b, _ = load_model(ModelConfig(kind="tiny", tiny=TinyModelConfig(**VLLM_TINY, seed=1)))
+    return a, b, tokenizer

@@ -22,7 +22,13 @@ import time
 
 import pytest
 import torch
-from engine_checks import check_sampled_logprobs, check_stop_token_kept, run_requests
+from engine_checks import (
+    VLLM_OVERRIDES,
+    check_sampled_logprobs,
+    check_stop_token_kept,
+    run_requests,
+    vllm_tiny_pair,
+)
 
 from loomrl.config import ModelConfig, TinyModelConfig, load_config
 from loomrl.engine.base import EngineFault, GenerationRequest, SamplingParams, generate_resuming
@@ -38,19 +44,13 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
 LOGPROB_ATOL = 1e-4  # float32 vLLM vs a float32 forward; measured here: max 2.5e-5 (SmolLM2), see the research notes
-TINY = {"head_dim": 32, "init_std": 0.1}
-OVERRIDES = ["engine.kind=vllm", "runtime.mode=async", "model.kind=tiny", "model.tiny.head_dim=32",
-             "model.tiny.init_std=0.1", "engine.vllm.block_size=32", "engine.vllm.max_model_len=512",
-             f"engine.vllm.kv_cache_memory_bytes={64 << 20}", "engine.vllm.cpu_reserved_cores=0",
-             "engine.vllm.weight_bucket_bytes=2000000"]  # a few buckets even for the tiny model
+OVERRIDES = [*VLLM_OVERRIDES, "engine.vllm.weight_bucket_bytes=2000000"]  # a few buckets even for the tiny model
 SIZED = [o for o in OVERRIDES if not o.startswith("engine.vllm.kv_cache_memory_bytes")]  # loomrl sizes the K/V cache
 
 
 @pytest.fixture(scope="module")
 def models():
-    a, tokenizer = load_model(ModelConfig(kind="tiny", tiny=TinyModelConfig(**TINY, seed=0)))
-    b, _ = load_model(ModelConfig(kind="tiny", tiny=TinyModelConfig(**TINY, seed=1)))
-    return a, b, tokenizer
+    return vllm_tiny_pair()
 
 
 @pytest.fixture(scope="module")

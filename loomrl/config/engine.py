@@ -21,7 +21,8 @@ class SGLangConfig(Section):
     control_timeout_s: float = Field(60.0, gt=0)
     """/pause_generation, /continue_generation, /flush_cache"""
     update_timeout_s: float = Field(600.0, gt=0)
-    """/update_weights_from_disk (the server reads the checkpoint)"""
+    """each weight-update call: /update_weights_from_disk (the server reads the checkpoint), one bucket's
+    /update_weights_from_distributed, /update_weights_from_tensor, /begin_weight_update, /end_weight_update"""
     retries: int = Field(3, ge=0)
     """a call whose connection was refused (or answered 503: the server is starting) is tried again this many times,
     retry_backoff_s x 2^k apart; a call the server received is never sent twice"""

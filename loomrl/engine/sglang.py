@@ -8,10 +8,10 @@ raw logits, before temperature). Model weights arrive as safetensors folders in 
 the server can read (a shared filesystem; engine.sglang.server_weights_dir if it names it differently).
 
 What it is not: tested against a running SGLang. SGLang 0.5 ships GPU builds only; the adapter is tested here
-against a fake server that checks every request against the contract recorded from SGLang's source
-(tests/engine/test_sglang_engine.py names the files). Nothing has run against a real server yet.
+against a fake server built from SGLang 0.5.23's own request and response types, which checks every request against
+them (tests/engine/test_sglang_engine.py names the files). Nothing has run against a real server yet.
 
-The contract, as SGLang's source has it:
+The contract, as SGLang 0.5.23's source has it (engine/sglang_contract.py: the tested range and the torch pairing):
 - /generate {rid, input_ids, sampling_params, return_logprob, logprob_start_len, priority} answers
   {output_ids, meta_info: {finish_reason: {type: stop|length|abort, ...}, output_token_logprobs: [[logprob,
   token_id, text], ...], weight_version, cached_tokens, ...}}. no_stop_trim keeps a matched stop token in
@@ -23,9 +23,10 @@ The contract, as SGLang's source has it:
 - Logprobs (layers/sampler.py) are log softmax(logits / T), the temperature-scaled distribution, taken before
   top-k/top-p truncation; greedy requests (T = 0) get log softmax(logits). They equal the distribution sampled
   from when top_p = 1 and top_k = 0 (loomrl's defaults); with a truncation they are of the untruncated one.
-- Connect (at construction): GET /get_server_info, which answers the server's ServerArgs; with
-  engine.sleep_while_training a server without enable_memory_saver is refused in one line (its release would free
-  nothing). enable_weights_cpu_backup decides the wake below.
+- Connect (at construction): GET /server_info (a build without it answers 404: then /get_server_info, which 0.5.23
+  still answers but deprecates), the server's ServerArgs and its SGLang "version". A version outside
+  sglang_contract.TESTED is refused in one line; with engine.sleep_while_training so is a server without
+  enable_memory_saver (its release would free nothing). enable_weights_cpu_backup decides the wake below.
 - Sleep (engine.sleep_while_training): /pause_generation {mode: abort}, /release_memory_occupation {tags: [kv_cache,
   weights, cuda_graph]}. Wake: /resume_memory_occupation with the same tags, then the weights, THEN
   /continue_generation: with --enable-weights-cpu-backup the resume restored them, so the adapter continues at once;
@@ -38,10 +39,18 @@ The contract, as SGLang's source has it:
   an update, so every token's version is exact: the server's weight_version (set to loomrl's version by each
   update) when it is an integer, else (before the first update, or a server that sends none) the engine's version
   when the request started.
+- Broadcast and cuda_ipc updates run inside a weight-update session: /begin_weight_update {} before the first
+  update call of a version, /end_weight_update {} after the last, and after a failed one too, so the server is not
+  left inside one (0.5.23's weight_updater refuses update_weights_from_distributed and _from_tensor outside a session,
+  success false, which the HTTP layer answers 400; a begin inside an open session is refused the same way: the adapter
+  then ends that session and begins again, once). The first begin is the probe: a build without the routes answers
+  404 and that engine sends its updates without sessions. Begin and end are bounded by update_timeout_s.
 - Or, with runtime.weight_transport=broadcast, /init_weights_update_group {master_address, master_port,
   rank_offset, world_size, group_name, backend} once per trainer process (the server's workers join the trainer's
   process group as ranks rank_offset + tp_rank: 1 +, or this server's first rank when several engine actors share
-  the group), then per version one /update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache}
+  the group; over NCCL only where this process's NCCL is the server's torch's: NCCL refuses a group of two versions,
+  and torch 2.13.0 loads NCCL 2.29.7 where SGLang 0.5.23's torch 2.14.1 loads 2.30.7), then, in the session, per
+  version one /update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache}
   per bucket (the trainer's plan: weights/source.py plan_buckets over the handle's names, dtypes, shapes and
   bucket_bytes, engine.vllm.weight_bucket_bytes), the last with flush_cache true and weight_version. SGLang allocates
   every tensor a call names before it receives (model_runner.update_weights_from_distributed), so one call for the
@@ -52,11 +61,14 @@ The contract, as SGLang's source has it:
   bucket by the same. (SGLang also takes load_format "flattened_bucket": one broadcast per call of the tensors
   concatenated in one dtype. Not used: a server predating that field would ignore it and wait for tensors the trainer
   never sends.)
-- Or, with runtime.weight_transport=cuda_ipc (trainer and server on one GPU), /update_weights_from_tensor
-  {serialized_named_tensors: [one entry per TP rank], flush_cache, weight_version}: each entry is base64 of a pickled
-  [(name, tensor)] list whose tensors rebuild from the trainer's CUDA IPC handles, the device named by its UUID (what
-  SGLang's MultiprocessingSerializer sends; its monkey_patch_torch_reductions maps the UUID to the server's own index
-  of that GPU). The pickle names torch and builtins only: SGLang's unpickler refuses any other module.
+- Or, with runtime.weight_transport=cuda_ipc (trainer and server on one GPU), in the session, one
+  /update_weights_from_tensor {serialized_named_tensors: [one entry per TP rank], flush_cache, weight_version}: each
+  entry is base64 of a pickled [(name, tensor)] list whose tensors rebuild from the trainer's CUDA IPC handles, the
+  device named by its UUID (what SGLang's MultiprocessingSerializer sends; its monkey_patch_torch_reductions maps the
+  UUID to the server's own index of that GPU). The pickle names five globals (rebuild_cuda_tensor, torch.Tensor,
+  torch.Size, torch.storage.UntypedStorage, a dtype), all in 0.5.23's SafeUnpickler allowlist, which refuses any
+  other. The trainer's torch (2.13.0) writes rebuild_cuda_tensor's arguments, the server's (2.14.1) reads them: both
+  have the same torch/multiprocessing/reductions.py, and the adapter refuses a torch whose rebuild takes others.
 
 Per-token versions, interrupts and resumption: an abort the adapter caused (an interrupt() or an update during the
 request's life) is finish_reason "interrupted", which generate_resuming resumes from the partial output; an abort it
@@ -67,13 +79,14 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import pickle
 import shutil
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +103,7 @@ from loomrl.engine.base import (
 )
 from loomrl.engine.http import ServerClient
 from loomrl.engine.neutral import NEUTRAL_PENALTIES
+from loomrl.engine.sglang_contract import DEVICE_ARG, check_nccl, check_rebuild, check_server, trainer_nccl
 from loomrl.weights.fingerprint import Fingerprint
 from loomrl.weights.handle import Transport, WeightHandle
 from loomrl.weights.source import bucket_size, plan_buckets
@@ -137,12 +151,16 @@ class _CudaRebuild:
 def tensor_update_entry(payload: dict[str, Any]) -> str:
     """One TP rank's serialized_named_tensors entry for /update_weights_from_tensor, from an ipc_payload
     (weights/ipc.py): the device index (argument 6 of rebuild_cuda_tensor) replaced by the GPU's UUID, which
-    SGLang's patched rebuild maps to the server's own index of that GPU."""
+    SGLang's patched rebuild maps to the server's own index of that GPU. The arguments are this torch's reduce_tensor
+    output; the server's torch rebuilds them, so this torch's rebuild must take the same ones (sglang_contract)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    check_rebuild(rebuild_cuda_tensor)
     named = []
     for name, handle in zip(payload["names"], payload["ipc_handles"]):
         (uuid_, args), = handle.items()  # one GPU: the trainer's
         args = list(args)
-        args[6] = uuid_
+        args[DEVICE_ARG] = uuid_
         named.append((name, _CudaRebuild(tuple(args))))
     return base64.b64encode(pickle.dumps(named, protocol=pickle.HIGHEST_PROTOCOL)).decode("ascii")
 
@@ -167,6 +185,8 @@ class SGLangEngine:
         self._aborts = 0  # pauses with mode=abort sent so far: a request that saw one was interrupted by us
         self._closed = False
         self._group = ""  # the trainer's weight group the server has joined (broadcast)
+        self._sessions: bool | None = None  # the server has /begin_weight_update (None: not asked yet)
+        self.server_version = ""  # SGLang's, from /server_info at connect
         # Why the server's weights are not ones to generate with (released at sleep without a CPU backup, or an update
         # that failed half way), until the next complete update; while set the server is never continued.
         self._weights_missing: str | None = None
@@ -230,10 +250,11 @@ class SGLangEngine:
 
     def update_from(self, handle: WeightHandle) -> None:
         """A broadcast version (runtime.weight_transport=broadcast): pause (abort) -> /init_weights_update_group the
-        first time this trainer's group is named -> /update_weights_from_distributed, which the server answers once
-        its workers have received every tensor (and flushed the cache) -> continue. A cuda_ipc version: pause (abort)
-        -> /update_weights_from_tensor, answered once the server has copied the tensors out of the trainer's memory
-        (and flushed the cache) -> continue."""
+        first time this trainer's group is named -> /begin_weight_update -> one /update_weights_from_distributed per
+        bucket, each answered once the server's workers have received its tensors (the last flushes the cache) ->
+        /end_weight_update -> continue. A cuda_ipc version: pause (abort) -> /begin_weight_update ->
+        /update_weights_from_tensor, answered once the server has copied the tensors out of the trainer's memory (and
+        flushed the cache) -> /end_weight_update -> continue."""
         if self._closed:
             raise EngineFault("update_weights: the engine is closed")
         if handle.transport is Transport.BROADCAST:
@@ -340,9 +361,17 @@ class SGLangEngine:
 
     # -- control ----------------------------------------------------------------------------------
     def _connect(self, sleep_mode: bool) -> tuple[bool, bool]:
-        """The server's --enable-memory-saver and --enable-weights-cpu-backup (/get_server_info answers its
-        ServerArgs); refuses a sleep_mode run on a server without the memory saver."""
-        info = self._http.get("/get_server_info", self.cfg.control_timeout_s).json()
+        """The server's version, --enable-memory-saver and --enable-weights-cpu-backup (/server_info answers its
+        ServerArgs and version); refuses, with one line, a version outside sglang_contract.TESTED and a sleep_mode
+        run on a server without the memory saver."""
+        try:
+            info = self._http.get("/server_info", self.cfg.control_timeout_s).json()
+        except EngineFault as err:
+            if not _missing_route(err):
+                raise
+            # a build before /server_info: the route it deprecates (0.5.23 still answers both)
+            info = self._http.get("/get_server_info", self.cfg.control_timeout_s).json()
+        self.server_version = check_server(info.get("version"), self.base_url)
         saver, backup = bool(info.get("enable_memory_saver")), bool(info.get("enable_weights_cpu_backup"))
         if sleep_mode and not saver:
             raise EngineFault(self._no_saver())
@@ -410,41 +439,106 @@ class SGLangEngine:
         finally:
             self._continue()
 
-    def _from_distributed(self, payload: dict[str, Any], version: int) -> None:
+    @contextlib.contextmanager
+    def _weight_session(self) -> Generator[None]:
+        """/begin_weight_update before the first update call, /end_weight_update after the last, and after a failed
+        one too, so the server is never left inside a session (SGLang 0.5.23 refuses update_weights_from_distributed
+        and _from_tensor outside one, answering 400 success false). A server without the routes (404 to the first
+        begin: builds before the session API) is sent the updates without one. Each call is bounded by
+        update_timeout_s."""
+        opened = self._begin()
+        try:
+            yield
+        except BaseException:
+            if opened:
+                try:
+                    self._http.post("/end_weight_update", {}, self.cfg.update_timeout_s)
+                except EngineFault as err:  # the load's error is the one to raise
+                    log.warning("SGLang %s: /end_weight_update after a failed update failed too: %s", self.base_url,
+                                err)
+            raise
+        if opened:
+            try:
+                self._http.post("/end_weight_update", {}, self.cfg.update_timeout_s)
+            except EngineFault:  # the session finalizes the loaded weights: without it they are not ones to serve
+                self._weights_missing = "its weight-update session did not end"
+                raise
+
+    def _begin(self) -> bool:
+        """Open a weight-update session; False where the server has none (asked once per engine). A server left inside
+        a session (a run that stopped mid-update) refuses the begin: that session is ended and the begin sent once
+        more."""
+        if self._sessions is False:
+            return False
+        try:
+            self._http.post("/begin_weight_update", {}, self.cfg.update_timeout_s)
+        except EngineFault as err:
+            if self._sessions is None and _missing_route(err):
+                log.info("SGLang %s has no /begin_weight_update: weight updates are sent without a session",
+                         self.base_url)
+                self._sessions = False
+                return False
+            log.warning("SGLang %s: /begin_weight_update failed (%s); ending a session left open and beginning again",
+                        self.base_url, err)
+            try:
+                self._http.post("/end_weight_update", {}, self.cfg.update_timeout_s)
+            except EngineFault:  # no session to end: the begin's own failure is the cause
+                raise err from None
+            self._http.post("/begin_weight_update", {}, self.cfg.update_timeout_s)
+        self._sessions = True
+        return True
+
+    def _join_group(self, payload: dict[str, Any]) -> None:
+        """/init_weights_update_group the first time a trainer process's group is named (the server keeps the old
+        one); over NCCL only where the trainer's NCCL is the server's (sglang_contract.check_nccl)."""
         group = payload["group"]
-        if self._group != group["name"]:  # a new trainer process: a new group (the server keeps the old one)
-            self._http.post("/init_weights_update_group", {
-                "master_address": group["host"], "master_port": group["port"], "rank_offset": payload["rank_offset"],
-                "world_size": group["world_size"], "group_name": group["name"], "backend": group["backend"]},
-                self.cfg.update_timeout_s)
-            self._group = group["name"]
+        if self._group == group["name"]:
+            return
+        if group["backend"] == "nccl":
+            check_nccl(trainer_nccl(), self.server_version, self.base_url)
+        self._http.post("/init_weights_update_group", {
+            "master_address": group["host"], "master_port": group["port"], "rank_offset": payload["rank_offset"],
+            "world_size": group["world_size"], "group_name": group["name"], "backend": group["backend"]},
+            self.cfg.update_timeout_s)
+        self._group = group["name"]
+
+    def _from_distributed(self, payload: dict[str, Any], version: int) -> None:
+        self._join_group(payload)
+        group_name = payload["group"]["name"]
         # One call per bucket of the trainer's plan (the same plan_buckets over the same specs and bucket_bytes), the
         # trainer broadcasting that bucket's tensors meanwhile: the server allocates every tensor a call names before
         # receiving, so a call holds one bucket, not a second copy of the model. The last call flushes the radix cache
         # and sets the version; until it answers the server stays paused, its weights partly new.
         buckets = plan_buckets(payload["names"], payload["dtypes"], payload["shapes"], payload["bucket_bytes"])
-        for k, bucket in enumerate(buckets):
-            last = k == len(buckets) - 1
-            body: dict[str, Any] = {"names": [e.name for e in bucket], "dtypes": [e.dtype for e in bucket],
-                                    "shapes": [list(e.shape) for e in bucket], "group_name": group["name"],
-                                    "flush_cache": last}
-            if last:
-                body["weight_version"] = str(version)
-            try:
-                self._http.post("/update_weights_from_distributed", body, self.cfg.update_timeout_s)
-            except EngineFault as err:
-                if k:  # the server holds part of the new version: no generating with that
-                    self._weights_missing = f"version {version}'s update failed after {k} of {len(buckets)} buckets"
-                raise EngineFault(f"version {version}, bucket {k + 1} of {len(buckets)} ({len(bucket)} tensors, "
-                                  f"{bucket_size(bucket)} bytes; engine.sglang.update_timeout_s="
-                                  f"{self.cfg.update_timeout_s:g}): {err}") from None
+        with self._weight_session():
+            for k, bucket in enumerate(buckets):
+                last = k == len(buckets) - 1
+                body: dict[str, Any] = {"names": [e.name for e in bucket], "dtypes": [e.dtype for e in bucket],
+                                        "shapes": [list(e.shape) for e in bucket], "group_name": group_name,
+                                        "flush_cache": last}
+                if last:
+                    body["weight_version"] = str(version)
+                try:
+                    self._http.post("/update_weights_from_distributed", body, self.cfg.update_timeout_s)
+                except EngineFault as err:
+                    if k:  # the server holds part of the new version: no generating with that
+                        self._weights_missing = f"version {version}'s update failed after {k} of {len(buckets)} buckets"
+                    raise EngineFault(f"version {version}, bucket {k + 1} of {len(buckets)} ({len(bucket)} tensors, "
+                                      f"{bucket_size(bucket)} bytes; engine.sglang.update_timeout_s="
+                                      f"{self.cfg.update_timeout_s:g}): {err}") from None
 
     def _from_tensor(self, entry: str, version: int) -> None:
-        self._http.post("/update_weights_from_tensor", {
-            "serialized_named_tensors": [entry], "flush_cache": True, "weight_version": str(version)},
-            self.cfg.update_timeout_s)
+        with self._weight_session():
+            self._http.post("/update_weights_from_tensor", {
+                "serialized_named_tensors": [entry], "flush_cache": True, "weight_version": str(version)},
+                self.cfg.update_timeout_s)
 
     def _from_disk(self, path: str, version: int) -> None:
         self._http.post("/update_weights_from_disk", {"model_path": path, "load_format": "safetensors",
                                                  "weight_version": str(version)}, self.cfg.update_timeout_s)
         self._http.post("/flush_cache", None, self.cfg.control_timeout_s)
+
+
+def _missing_route(err: EngineFault) -> bool:
+    """Whether the server answered 404: a route its build does not have (engine/http.py names the status)."""
+    return " answered 404:" in str(err)

@@ -1,36 +1,53 @@
 """SGLangEngine against a fake SGLang server: a CONTRACT TEST, not a test against SGLang.
 
 SGLang cannot run here (SGLang 0.5 on PyPI is a GPU build; this machine has no GPU), so the adapter is tested over
-real HTTP (uvicorn on a loopback port) against a small FastAPI app that plays an SGLang server by the request/response
-contract recorded below from SGLang's own source (github.com/sgl-project/sglang):
-- python/sglang/srt/entrypoints/http_server.py: the routes /generate, /pause_generation, /continue_generation,
-  /flush_cache (200 "Cache flushed..." or 400 while requests run), /update_weights_from_disk (200 or 400 with
-  {success, message, num_paused_requests}; a given weight_version becomes the server's), /update_weights_from_tensor,
-  /update_weights_from_distributed, /init_weights_update_group, /release_memory_occupation,
-  /resume_memory_occupation, /abort_request, /get_server_info (the ServerArgs as a dict, the scheduler's info,
-  internal_states, version); /generate errors are {"error": {"message"}} with status 400.
-- python/sglang/srt/managers/io_struct.py: GenerateReqInput (rid, input_ids, sampling_params, return_logprob,
-  logprob_start_len (-1: output tokens only), priority, stream, ...), PauseGenerationReqInput (mode: abort | retract
-  | in_place; abort ends in-flight requests and returns them), ContinueGenerationReqInput, UpdateWeightFromDiskReqInput
-  (model_path, load_format, weight_version, abort_all_requests, flush_cache, ...), UpdateWeightsFromTensorReqInput
-  (serialized_named_tensors, load_format, flush_cache, weight_version), UpdateWeightsFromDistributedReqInput (names,
-  dtypes, shapes, group_name, flush_cache, weight_version), InitWeightsUpdateGroupReqInput (master_address,
-  master_port, rank_offset, world_size, group_name, backend), Release/ResumeMemoryOccupationReqInput (tags),
-  AbortReq (rid, abort_all).
-- python/sglang/srt/managers/scheduler_update_weights_mixin.py, constants.py: release/resume_memory_occupation with
-  tags (None or []: every type: kv_cache, weights, weights_drafter, cuda_graph); resuming a tag that is not released
-  fails. Through TorchMemorySaverAdapter, a no-op without --enable-memory-saver (nothing is released); the weights come
-  back with their values only with --enable-weights-cpu-backup (else the memory returns, the values do not).
-- python/sglang/srt/model_executor/model_runner.py update_weights_from_distributed: every tensor a call names is
-  allocated, then one async broadcast each from rank 0, all waited for, then loaded (flush_cache defaults to true).
-- python/sglang/srt/managers/tokenizer_manager.py: the answer {text, output_ids, meta_info: {id, finish_reason,
-  prompt_tokens, completion_tokens, cached_tokens, weight_version, output_token_logprobs}}; an aborted request answers
-  finish_reason {"type": "abort", "message"} with its partial output_ids; generate waits while the server is paused.
-- python/sglang/srt/sampling/sampling_params.py: sampling_params names; top_k -1 disables (0 is refused: "top_k
-  must be -1 (disable) or at least 1"); sampling_seed; no_stop_trim.
-- python/sglang/srt/managers/detokenizer_manager.py: trim_matched_stop drops a matched stop token from output_ids
-  unless no_stop_trim (the fake does the same; the logprob triples are never trimmed).
-- python/sglang/srt/layers/sampler.py: logprobs are log softmax(logits / T) unless SGLANG_RETURN_ORIGINAL_LOGPROB.
+real HTTP (uvicorn on a loopback port) against a small FastAPI app that plays an SGLang 0.5.23 server, rebuilt from that
+release's own request and response types. Read in the sglang==0.5.23 wheel from PyPI (sglang/_version.py
+'0.5.23'; METADATA: torch==2.14.1, transformers==5.19.0), paths under python/sglang/ in sgl-project/sglang:
+- srt/entrypoints/http_server.py: the routes /generate, /pause_generation, /continue_generation, /flush_cache (GET or
+  POST; 200 "Cache flushed..." or 400), /update_weights_from_disk (200, or 400 with {success, message,
+  num_paused_requests}), /init_weights_update_group, /update_weights_from_distributed, /update_weights_from_tensor,
+  /begin_weight_update, /end_weight_update (each 200, or 400, with {success, message}), /release_memory_occupation,
+  /resume_memory_occupation, GET /server_info (build_server_info: the resolved ServerArgs, flat, e.g.
+  enable_memory_saver; plus startup_time, internal_states, "version": sglang's __version__, "frontend") and GET
+  /get_server_info, which logs that it is deprecated and answers the same. /generate errors are {"error":
+  {"message"}} with status 400. No torch version in any of them.
+- srt/managers/io_struct.py (msgspec structs; BaseReq adds rid, http_worker_ipc): GenerateReqInput,
+  PauseGenerationReqInput (mode: abort | retract | in_place), ContinueGenerationReqInput (torch_empty_cache),
+  UpdateWeightFromDiskReqInput, InitWeightsUpdateGroupReqInput (master_address, master_port, rank_offset, world_size,
+  group_name, backend), UpdateWeightsFromDistributedReqInput (names, dtypes, shapes, group_name, flush_cache=True,
+  abort_all_requests, weight_version, load_format, selector, torch_empty_cache), UpdateWeightsFromTensorReqInput
+  (serialized_named_tensors: base64 over HTTP, load_format, flush_cache=True, abort_all_requests, weight_version,
+  selector, torch_empty_cache), BeginWeightUpdateReqInput (selector: target | draft | all, default all),
+  EndWeightUpdateReqInput (no field of its own), Begin/EndWeightUpdateReqOutput and the update outputs (success,
+  message), Release/ResumeMemoryOccupationReqInput (tags). The field sets below are these classes' fields.
+- srt/managers/scheduler_components/weight_updater.py SchedulerWeightUpdaterManager: update_weights_from_distributed
+  and update_weights_from_tensor return success=False "... must run between begin_weight_update() and
+  end_weight_update()" when no session is open (so the route answers 400); begin_weight_update inside an open session
+  returns success=False "a weight-update session is already open; call end_weight_update() first"; end_weight_update
+  without one returns success=False "no weight-update session is open; ..."; update_weights_from_disk needs no
+  session. The issue's wording (begin/end routes, success false, 400) matches the source; the updater lives under
+  managers/scheduler_components/, not model_executor/.
+- srt/managers/tokenizer_control_mixin.py: begin/end_weight_update and the updates run while paused (is_pause held) or
+  under the model-update writer lock; update_weights_from_tensor normalizes each entry from base64
+  (utils/common.py normalize_serialized_named_tensor_payloads).
+- srt/managers/tp_worker.py deserialize_own_rank: monkey_patch_torch_reductions(), then
+  MultiprocessingSerializer.deserialize(serialized_named_tensors[tp_rank]) through utils/common.py SafeUnpickler, whose
+  ALLOWED_GLOBALS are exact (module, name) pairs (ALLOWED_GLOBALS below is a subset: the fake allows fewer, never
+  more). srt/utils/patch_torch.py: the patched rebuild_cuda_tensor maps argument 6 from a GPU UUID string to the
+  server's index of that GPU.
+- torch 2.14.1's torch/multiprocessing/reductions.py (the torch==2.14.1 wheel from PyPI; byte-identical to 2.13.0's):
+  rebuild_cuda_tensor's 15 arguments, REBUILD_CUDA_TENSOR_ARGS in loomrl/engine/sglang_contract.py.
+- srt/managers/tokenizer_manager.py: the answer {text, output_ids, meta_info: {id, finish_reason, prompt_tokens,
+  completion_tokens, cached_tokens, weight_version, output_token_logprobs: (logprob, token_id, None) triples}}; an
+  aborted request answers finish_reason {"type": "abort", "message"} with its partial output_ids.
+- srt/sampling/sampling_params.py: sampling_params names; top_k -1 disables (0 is refused: "top_k must be -1
+  (disable) or at least 1"); sampling_seed; no_stop_trim.
+- srt/model_executor/model_runner.py and the runners' weight updaters: every tensor a distributed call names is
+  allocated, then one broadcast each from rank 0, then loaded; release/resume_memory_occupation with tags (constants.py
+  GPU_MEMORY_ALL_TYPES), a no-op without --enable-memory-saver, weights' values kept only with
+  --enable-weights-cpu-backup.
+- srt/layers/sampler.py: logprobs are log softmax(logits / T) unless SGLANG_RETURN_ORIGINAL_LOGPROB.
 The fake is stricter than SGLang in one way: a field name outside the recorded ones is refused (400), so that a
 misspelt field fails here instead of being ignored by a real server.
 """
@@ -54,27 +71,47 @@ from loomrl.config import ConfigError, SGLangConfig, load_config
 from loomrl.engine.base import EngineFault, GenerationRequest, SamplingParams, generate_resuming
 from loomrl.engine.factory import make_engine
 from loomrl.engine.sglang import SGLangEngine
+from loomrl.engine.sglang_contract import REBUILD_CUDA_TENSOR_ARGS
 from loomrl.weights.handle import Transport
 
-GENERATE_FIELDS = {"rid", "text", "input_ids", "input_embeds", "sampling_params", "return_logprob", "logprob_start_len",
-                   "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "stream", "log_metrics",
-                   "return_hidden_states", "session_params", "lora_path", "custom_logit_processor", "priority",
-                   "extra_key", "no_logs", "custom_labels", "return_entropy"}
+# torch 2.14.1's torch/multiprocessing/reductions.py rebuild_cuda_tensor (SGLang 0.5.23's torch), read in its wheel
+TORCH_2_14_1_REBUILD_CUDA_TENSOR = (
+    "tensor_cls", "tensor_size", "tensor_stride", "tensor_offset", "storage_cls", "dtype", "storage_device",
+    "storage_handle", "storage_size_bytes", "storage_offset_bytes", "requires_grad", "ref_counter_handle",
+    "ref_counter_offset", "event_handle", "event_sync_required")
+
+BASE_REQ = {"rid", "http_worker_ipc"}  # io_struct.BaseReq: every request struct below but GenerateReqInput
+GENERATE_FIELDS = {
+    "audio_data", "background", "bootstrap_host", "bootstrap_pair_key", "bootstrap_port", "bootstrap_room",
+    "cache_salt", "conversation_id", "custom_labels", "custom_logit_processor", "data_parallel_rank", "decode_tp_size",
+    "disagg_prefill_dp_rank", "encoder_urls", "external_trace_header", "extra_key", "http_worker_ipc", "image_data",
+    "image_max_dynamic_patch", "images_config", "input_embeds", "input_ids", "kv_hints", "log_metrics",
+    "logprob_start_len", "lora_id", "lora_path", "max_dynamic_patch", "max_thinking_tokens", "min_dynamic_patch",
+    "mm_content_hashes", "mm_hashes", "mm_processor_kwargs", "modalities", "multi_item_delimiter_indices",
+    "need_wait_for_mm_inputs", "no_logs", "num_items_assigned", "positional_embed_overrides", "priority",
+    "received_time", "require_reasoning", "return_bytes", "return_entropy", "return_flat_raw_output_top_logprobs",
+    "return_flat_raw_top_logprobs", "return_flat_raw_top_logprobs_b64", "return_hidden_states", "return_indexer_topk",
+    "return_logprob", "return_prompt_token_ids", "return_routed_experts", "return_sampling_mask",
+    "return_text_in_logprobs", "rid", "routed_dp_rank", "routed_experts_start_len", "routing_key",
+    "sampling_logprobs_mode", "sampling_params", "session_id", "session_params", "stream", "text", "token_ids_logprob",
+    "token_indices_to_pool", "top_logprobs_num", "use_audio_in_video", "video_config", "video_data",
+    "video_max_dynamic_patch", "watermark"}
 SAMPLING_FIELDS = {"max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
-                   "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
+                   "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "beam_width",
                    "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
-                   "spaces_between_special_tokens", "no_stop_trim", "custom_params", "stream_interval", "logit_bias",
-                   "sampling_seed"}
-UPDATE_FROM_DISK_FIELDS = {"rid", "model_path", "load_format", "abort_all_requests", "weight_version", "is_async",
-                           "torch_empty_cache", "keep_pause", "recapture_cuda_graph", "token_step", "flush_cache",
-                           "manifest"}
-PAUSE_FIELDS, CONTINUE_FIELDS = {"rid", "mode"}, {"rid", "torch_empty_cache"}
-INIT_GROUP_FIELDS = {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}
-FROM_TENSOR_FIELDS = {"rid", "serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests",
-                      "weight_version", "disable_draft_model", "torch_empty_cache"}
-FROM_DISTRIBUTED_FIELDS = {"names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests",
-                           "weight_version", "load_format"}
-MEMORY_FIELDS = {"rid", "tags"}  # Release/ResumeMemoryOccupationReqInput (tags None: every type)
+                   "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed",
+                   "custom_params", "watermark"}
+UPDATE_FROM_DISK_FIELDS = BASE_REQ | {"model_path", "load_format", "abort_all_requests", "weight_version", "is_async",
+                                      "torch_empty_cache", "keep_pause", "recapture_cuda_graph", "token_step",
+                                      "flush_cache", "manifest"}
+PAUSE_FIELDS, CONTINUE_FIELDS = BASE_REQ | {"mode"}, BASE_REQ | {"torch_empty_cache"}
+INIT_GROUP_FIELDS = BASE_REQ | {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}
+FROM_TENSOR_FIELDS = BASE_REQ | {"serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests",
+                                 "weight_version", "selector", "torch_empty_cache"}
+FROM_DISTRIBUTED_FIELDS = BASE_REQ | {"names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests",
+                                      "weight_version", "load_format", "selector", "torch_empty_cache"}
+BEGIN_FIELDS, END_FIELDS = BASE_REQ | {"selector"}, BASE_REQ
+MEMORY_FIELDS = BASE_REQ | {"tags"}  # Release/ResumeMemoryOccupationReqInput (tags None: every type)
 MEMORY_TYPES = ["kv_cache", "weights", "weights_drafter", "cuda_graph"]  # constants.GPU_MEMORY_ALL_TYPES
 CONTROL = ("/pause_generation", "/continue_generation", "/flush_cache", "/update_weights_from_disk")
 TOO_LONG, SERVER_ABORT = 666, 667  # first prompt tokens the fake answers with an error / with an abort of its own
@@ -113,18 +150,22 @@ class FakeSGLang:
         self.loaded: dict[str, torch.Tensor] = {}
         self.released = False  # weights and KV cache given up (release_memory_occupation)
         self.offloaded: set[str] = set()  # the scheduler's offload_tags
-        # the ServerArgs /get_server_info reports (SGLang's defaults: no memory saver, no CPU backup)
+        # the ServerArgs /server_info reports (SGLang's defaults: no memory saver, no CPU backup)
         self.server_args = {"enable_memory_saver": False, "enable_weights_cpu_backup": False, "context_length": 4096,
                             "weight_version": "default"}
         self.weights_ok = True  # the weights hold values (not lost at a release without a CPU backup)
         self.accepted: list[bool] = []  # per /generate that began generating: were the weights there
         self.groups: dict[str, Any] = {}  # group_name -> process group (init_weights_update_group)
-        self.rebuilt: list[tuple] = []  # rebuild_cuda_tensor's arguments (update_weights_from_tensor)
+        self.rebuilt: list[dict] = []  # rebuild_cuda_tensor's arguments, by name (update_weights_from_tensor)
         self.preferred_sampling_params: dict | None = None  # --preferred-sampling-params (None: SGLang's default)
         self.sampled: list[dict] = []  # each /generate's sampling params as the server applies them
         self.received: list[tuple[list[str], float, float]] = []  # update_weights_from_distributed: names, start, end
         self.held_bytes = 0  # the most tensor bytes one update_weights_from_distributed call allocated
         self.receiving = False
+        self.version = "0.5.23"  # /server_info's "version"
+        self.missing_routes: set[str] = set()  # answered 404, as by a build without them
+        self.session_api = True  # 0.5.23: distributed and tensor updates only inside a begin/end session
+        self.session: str | None = None  # the open session's selector (weight_updater's _session)
 
 
 def _refuse_unknown(body: dict, known: set[str], what: str) -> JSONResponse | None:
@@ -137,6 +178,13 @@ def _refuse_unknown(body: dict, known: set[str], what: str) -> JSONResponse | No
 
 def fake_app(fake: FakeSGLang) -> FastAPI:
     app = FastAPI()
+
+    @app.middleware("http")
+    async def missing(request: Request, call_next):  # a build without these routes: FastAPI's own 404
+        if request.url.path in fake.missing_routes:
+            fake.calls.append(request.url.path)
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        return await call_next(request)
 
     def record(path: str, body: Any) -> None:
         fake.calls.append(path)
@@ -252,11 +300,48 @@ def fake_app(fake: FakeSGLang) -> FastAPI:
         fake.released = bool(fake.offloaded) and fake.released
         return {}
 
-    @app.get("/get_server_info")
+    def info() -> dict:  # build_server_info: the resolved ServerArgs, flat, and the live parts beside them
+        return {**fake.server_args, "launch_command": "python -m sglang.launch_server", "kv_events": None,
+                "startup_time": 0.0, "internal_states": [{}], "version": fake.version, "frontend": "python"}
+
+    @app.get("/server_info")
     async def server_info():
+        record("/server_info", None)
+        return info()
+
+    @app.get("/get_server_info")
+    async def get_server_info():  # deprecated: logs so, answers as /server_info
         record("/get_server_info", None)
-        return {**fake.server_args, "weight_version": fake.weight_version, "internal_states": [{}],
-                "version": "0.5.4"}
+        return info()
+
+    def outside_session(what: str) -> JSONResponse | None:
+        """weight_updater: update_weights_from_distributed / _from_tensor with no open session: success false, 400."""
+        if not fake.session_api or fake.session is not None:
+            return None
+        return JSONResponse({"success": False, "message": f"{what} must run between begin_weight_update() and "
+                             "end_weight_update()"}, status_code=400)
+
+    @app.post("/begin_weight_update")
+    async def begin(request: Request):
+        body, bad = await read(request, "/begin_weight_update", BEGIN_FIELDS, "BeginWeightUpdateReqInput")
+        if bad is not None:
+            return bad
+        if fake.session is not None:
+            return JSONResponse({"success": False, "message": "a weight-update session is already open; call "
+                                 "end_weight_update() first"}, status_code=400)
+        fake.session = body.get("selector", "all")
+        return {"success": True, "message": "Success"}
+
+    @app.post("/end_weight_update")
+    async def end(request: Request):
+        _, bad = await read(request, "/end_weight_update", END_FIELDS, "EndWeightUpdateReqInput")
+        if bad is not None:
+            return bad
+        if fake.session is None:
+            return JSONResponse({"success": False, "message": "no weight-update session is open; call "
+                                 "begin_weight_update() first"}, status_code=400)
+        fake.session = None
+        return {"success": True, "message": "Success"}
 
     @app.post("/flush_cache")
     async def flush():
@@ -335,6 +420,9 @@ def fake_app(fake: FakeSGLang) -> FastAPI:
         body, bad = await read(request, "/init_weights_update_group", INIT_GROUP_FIELDS, "InitWeightsUpdateGroupReqInput")
         if bad is not None:
             return bad
+        if body["backend"] == "nccl":  # no GPU here: a group over NCCL cannot form (a real one would fail at init)
+            return JSONResponse({"success": False, "message": "Failed to initialize custom process group: NCCL cannot "
+                                 "run in this fake"}, status_code=400)
         if body["group_name"] in fake.groups:
             return JSONResponse({"success": False, "message": "Failed to initialize custom process group: Process "
                                  f"group with name {body['group_name']} already exists."}, status_code=400)
@@ -347,6 +435,8 @@ def fake_app(fake: FakeSGLang) -> FastAPI:
                                "UpdateWeightsFromDistributedReqInput")
         if bad is not None:
             return bad
+        if refused := outside_session("update_weights_from_distributed"):
+            return refused
         if body["group_name"] not in fake.groups:
             return JSONResponse({"success": False, "message": f"Group {body['group_name']} not in "
                                  f"{list(fake.groups)}. Please call `init_weights_update_group` first."},
@@ -369,41 +459,57 @@ def fake_app(fake: FakeSGLang) -> FastAPI:
                                "UpdateWeightsFromTensorReqInput")
         if bad is not None:
             return bad
-        # as ModelRunner.update_weights_from_tensor over HTTP: this TP rank's entry (tp_rank 0), deserialized as
-        # SGLang's MultiprocessingSerializer does, then loaded
+        if refused := outside_session("update_weights_from_tensor"):
+            return refused
+        if fake.fail_update:
+            return JSONResponse({"success": False, "message": "Failed to update weights: made to fail"},
+                                status_code=400)
+        # as tp_worker.deserialize_own_rank over HTTP: this TP rank's entry (tp_rank 0), deserialized as SGLang's
+        # MultiprocessingSerializer does, then loaded
         took(body, dict(unpickle_named_tensors(body["serialized_named_tensors"][0], fake.rebuilt)))
         return {"success": True, "message": "Succeeded to update model weights."}
 
     return app
 
 
-# SGLang deserializes weight payloads with an allowlisting unpickler: torch (tensors and their multiprocessing rebuild
-# functions) and plain builtins/collections, nothing else.
-ALLOWED_PICKLE_ROOTS = ("builtins", "collections", "copyreg", "torch")
+# SGLang 0.5.23's SafeUnpickler.ALLOWED_GLOBALS (srt/utils/common.py) are exact (module, name) pairs; these are the
+# ones a tensor payload can need (the fake allows fewer than SGLang, never more).
+ALLOWED_GLOBALS = {
+    *(("builtins", n) for n in ("bool", "bytearray", "bytes", "dict", "float", "frozenset", "int", "list", "set",
+                                "str", "tuple")),
+    ("collections", "OrderedDict"), ("copyreg", "__newobj__"),
+    ("torch", "Tensor"), ("torch.nn.parameter", "Parameter"), ("torch", "Size"), ("torch", "device"),
+    ("torch", "dtype"), ("torch.storage", "UntypedStorage"), ("torch", "UntypedStorage"),
+    *(("torch", n) for n in ("bfloat16", "float16", "float32", "float64", "half", "float", "double", "float8_e4m3fn",
+                             "float8_e5m2", "int8", "int16", "int32", "int64", "uint8", "bool")),
+    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
+}
 
 
-def unpickle_named_tensors(entry: str, rebuilt: list[tuple]) -> list[tuple[str, torch.Tensor]]:
-    """Deserialize one serialized_named_tensors entry: base64 of a pickle. No GPU here, so torch's
-    rebuild_cuda_tensor is replaced by a stand-in that records its arguments and returns a CPU tensor of the shape
-    and dtype they name; SGLang's patched rebuild wants the device (argument 6) as a GPU UUID."""
+def unpickle_named_tensors(entry: str, rebuilt: list[dict]) -> list[tuple[str, torch.Tensor]]:
+    """Deserialize one serialized_named_tensors entry (base64 of a pickle) as SGLang 0.5.23 does: an unpickler that
+    resolves only ALLOWED_GLOBALS. No GPU here, so rebuild_cuda_tensor is a stand-in: it binds the call's arguments to
+    the server's torch 2.14.1 parameter list (a call of another arity fails here as it would there), records them by
+    name and returns a CPU tensor of the size and dtype they name."""
     import base64
     import io
     import pickle
 
     def stand_in(*args):
-        assert len(args) == 15, "rebuild_cuda_tensor takes 15 arguments"
-        rebuilt.append(args)
-        return torch.zeros(args[1], dtype=args[5])
+        assert len(args) == 15, f"torch 2.14.1's rebuild_cuda_tensor takes 15 arguments, got {len(args)}"
+        named = dict(zip(TORCH_2_14_1_REBUILD_CUDA_TENSOR, args))
+        rebuilt.append(named)
+        return torch.zeros(named["tensor_size"], dtype=named["dtype"])
 
-    class Allowlisted(pickle.Unpickler):
+    class SafeUnpickler(pickle.Unpickler):
         def find_class(self, module, name):
-            if not any(module == root or module.startswith(root + ".") for root in ALLOWED_PICKLE_ROOTS):
-                raise pickle.UnpicklingError(f"blocked unpickle of {module}.{name}")
+            if (module, name) not in ALLOWED_GLOBALS:
+                raise RuntimeError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")
             if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
                 return stand_in
             return super().find_class(module, name)
 
-    return Allowlisted(io.BytesIO(base64.b64decode(entry, validate=True))).load()
+    return SafeUnpickler(io.BytesIO(base64.b64decode(entry, validate=True))).load()
 
 
 @pytest.fixture(scope="module")
@@ -555,7 +661,7 @@ def test_server_errors_are_engine_faults_with_the_servers_message(engine, fake, 
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    with pytest.raises(EngineFault, match=f"/get_server_info: cannot reach http://127.0.0.1:{port}"):
+    with pytest.raises(EngineFault, match=f"/server_info: cannot reach http://127.0.0.1:{port}"):
         SGLangEngine(SGLangConfig(base_url=f"http://127.0.0.1:{port}", retries=1, retry_backoff_s=0.01))
     gone = SGLangEngine(SGLangConfig(base_url=served[0].url, retries=1, retry_backoff_s=0.01))
     try:
@@ -652,7 +758,7 @@ def test_wake_without_a_cpu_backup_generates_only_after_the_next_update(served, 
     assert out.token_ids == fake_run([7, 8], 2, "1") and out.versions == [1, 1]
     assert fake.accepted == [True]
     order = [c for c in fake.calls if c != "/pause_generation"]
-    assert order == ["/get_server_info", "/release_memory_occupation", "/resume_memory_occupation", "/generate",
+    assert order == ["/server_info", "/release_memory_occupation", "/resume_memory_occupation", "/generate",
                      "/update_weights_from_disk", "/flush_cache", "/continue_generation"]  # /generate: sent, held
 
 
@@ -667,7 +773,7 @@ def test_a_server_that_cannot_sleep_is_refused_at_connect(served, fake, tiny_mod
                               "--enable-memory-saver, so it cannot give its GPU memory to the trainer; restart it "
                               "with --enable-memory-saver (and --enable-weights-cpu-backup to keep its weights across "
                               "a sleep)")
-    assert fake.calls == ["/get_server_info"]  # nothing else was sent
+    assert fake.calls == ["/server_info"]  # nothing else was sent
     fake.server_args["enable_memory_saver"] = True  # the same run on a server that can
     make_engine(cfg, tiny_model, tokenizer, 0).close()
 
@@ -772,9 +878,15 @@ def test_a_broadcast_goes_to_the_servers_workers_bucket_by_bucket(engine, fake, 
     assert child.exitcode == 0
     n = len(plan)
     assert n == 8 and fake.calls.count("/init_weights_update_group") == 1
-    assert fake.calls[:4] == ["/get_server_info", "/pause_generation", "/init_weights_update_group",
-                              "/update_weights_from_distributed"]
-    assert fake.calls[3:3 + n + 1] == ["/update_weights_from_distributed"] * n + ["/continue_generation"]
+    assert fake.calls[:5] == ["/server_info", "/pause_generation", "/init_weights_update_group",
+                              "/begin_weight_update", "/update_weights_from_distributed"]
+    # each version's buckets inside one weight-update session (SGLang 0.5.23 refuses them outside one)
+    assert fake.calls[4:4 + n + 2] == ["/update_weights_from_distributed"] * n + ["/end_weight_update",
+                                                                                   "/continue_generation"]
+    assert fake.calls[4 + n + 2:] == ["/pause_generation", "/begin_weight_update",
+                                      *["/update_weights_from_distributed"] * n, "/end_weight_update",
+                                      "/continue_generation"]
+    assert fake.session is None and fake.bodies["/begin_weight_update"] == [{}, {}]
     bodies = fake.bodies["/update_weights_from_distributed"]
     assert len(bodies) == 2 * n
     for k, body in enumerate(bodies):
@@ -812,9 +924,10 @@ def _fake_ipc_payload(state: dict[str, torch.Tensor], gpu: str) -> dict[str, Any
 def test_a_cuda_ipc_version_reaches_the_server_as_sglangs_serialized_named_tensors(engine, fake, tiny_model):
     """runtime.weight_transport=cuda_ipc with SGLang: /update_weights_from_tensor carries, for TP rank 0, the pickled
     (name, tensor) list SGLang's MultiprocessingSerializer would make of the trainer's CUDA tensors, with the device as
-    the GPU's UUID. CONTRACT TEST: no GPU here, so the IPC handles are made up and the fake's rebuild is a stand-in;
-    what is checked is the wire (fields, an unpickler allowing torch and builtins only, rebuild_cuda_tensor's
-    arguments), the pause/continue around it and the version. Not run against SGLang."""
+    the GPU's UUID, inside a weight-update session. CONTRACT TEST: no GPU here, so the IPC handles are made up and the
+    fake's rebuild is a stand-in; what is checked is the wire (fields, SGLang 0.5.23's exact unpickler allowlist,
+    rebuild_cuda_tensor's arguments bound to the server's torch 2.14.1 parameter list: the trainer's torch 2.13.0
+    wrote them), the pause/begin/end/continue around it and the version. Not run against SGLang or on a GPU."""
     from loomrl.weights.handle import WeightHandle
 
     assert Transport.CUDA_IPC in engine.opens
@@ -822,15 +935,20 @@ def test_a_cuda_ipc_version_reaches_the_server_as_sglangs_serialized_named_tenso
     gpu = "GPU-5f2c1d7e-0000-4000-8000-000000000001"
     payload = _fake_ipc_payload(state, gpu)
     engine.update_from(WeightHandle(transport=Transport.CUDA_IPC, version=3, nbytes=0, payload=payload))
-    assert fake.calls == ["/get_server_info", "/pause_generation", "/update_weights_from_tensor",
-                          "/continue_generation"]
+    assert fake.calls == ["/server_info", "/pause_generation", "/begin_weight_update", "/update_weights_from_tensor",
+                          "/end_weight_update", "/continue_generation"]
     body = fake.bodies["/update_weights_from_tensor"][0]
     assert len(body["serialized_named_tensors"]) == 1 and body["flush_cache"] is True and body["weight_version"] == "3"
     assert list(fake.loaded) == list(state)
     assert all(fake.loaded[n].shape == t.shape and fake.loaded[n].dtype == torch.bfloat16 for n, t in state.items())
     sent = [next(iter(h.values())) for h in payload["ipc_handles"]]
-    assert [a[6] for a in fake.rebuilt] == [gpu] * len(state)  # the UUID, not the trainer's device index
-    assert [a[:6] + a[7:] for a in fake.rebuilt] == [tuple(a[:6]) + tuple(a[7:]) for a in sent]
+    # rebuilt by torch 2.14.1's argument list: every argument where the trainer's reduce_tensor put it, the device
+    # the GPU's UUID (SGLang's patched rebuild maps it), not the trainer's index
+    assert [a["storage_device"] for a in fake.rebuilt] == [gpu] * len(state)
+    for got, args in zip(fake.rebuilt, sent):
+        want = dict(zip(TORCH_2_14_1_REBUILD_CUDA_TENSOR, args))
+        assert {k: v for k, v in got.items() if k != "storage_device"} == {
+            k: v for k, v in want.items() if k != "storage_device"}
     assert engine.version == 3 and set(_generate(engine, [5, 6, 7], max_tokens=4).versions) == {3}
 
 
@@ -849,3 +967,113 @@ def test_cuda_ipc_is_refused_for_an_sglang_server_on_several_gpus(served, fake, 
     finally:
         eng.close()
     assert "/update_weights_from_tensor" not in fake.calls
+
+
+def _ipc_handle(version: int, names: tuple[str, ...] = ("w",)):
+    from loomrl.weights.handle import WeightHandle
+
+    return WeightHandle(transport=Transport.CUDA_IPC, version=version, nbytes=0,
+                        payload=_fake_ipc_payload({n: torch.zeros(2) for n in names}, "GPU-x"))
+
+
+@pytest.mark.parametrize("version", ["0.5.4", "0.6.0", None])
+def test_a_server_outside_the_tested_sglang_range_is_refused_at_connect(served, fake, version):
+    """/server_info's "version" outside sglang_contract.TESTED (the routes and fields were read at 0.5.23): one line
+    naming the server, its version and the tested range; nothing else is sent."""
+    fake.version = version
+    with pytest.raises(EngineFault) as err:
+        SGLangEngine(SGLangConfig(base_url=served[0].url, retries=0))
+    assert str(err.value) == (f"engine.kind=sglang: the server at {served[0].url} runs SGLang {version}; loomrl's "
+                              "adapter is tested with sglang>=0.5.23,<0.5.24 (its weight-update routes and request "
+                              "fields): serve 'sglang>=0.5.23,<0.5.24' (which runs torch 2.14.1)")
+    assert fake.calls == ["/server_info"]
+
+
+def test_a_server_without_server_info_is_read_through_the_route_it_deprecates(served, fake):
+    fake.missing_routes = {"/server_info"}
+    eng = SGLangEngine(SGLangConfig(base_url=served[0].url, retries=0))
+    eng.close()
+    assert fake.calls == ["/server_info", "/get_server_info"] and eng.server_version == "0.5.23"
+
+
+def test_a_failed_update_ends_its_session_so_the_next_one_can_begin(engine, fake):
+    """A cuda_ipc update the server refuses: the session is ended after it (SGLang would refuse every later begin
+    otherwise), the server continued, and the next version loads."""
+    fake.fail_update = True
+    with pytest.raises(EngineFault, match="update_weights_from_tensor answered 400: Failed to update weights"):
+        engine.update_from(_ipc_handle(1))
+    assert fake.calls[1:] == ["/pause_generation", "/begin_weight_update", "/update_weights_from_tensor",
+                              "/end_weight_update", "/continue_generation"]
+    assert fake.session is None and not fake.paused and engine.version == 0
+    fake.fail_update = False
+    engine.update_from(_ipc_handle(2))
+    assert engine.version == 2 and fake.weight_version == "2" and fake.session is None
+
+
+def test_a_session_left_open_is_ended_and_begun_again(engine, fake):
+    """A server left inside a session (a run that stopped mid-update) refuses the begin; the adapter ends that
+    session and begins once more, then loads."""
+    fake.session = "all"
+    engine.update_from(_ipc_handle(1))
+    assert fake.calls[1:] == ["/pause_generation", "/begin_weight_update", "/end_weight_update",
+                              "/begin_weight_update", "/update_weights_from_tensor", "/end_weight_update",
+                              "/continue_generation"]
+    assert engine.version == 1 and fake.session is None
+
+
+def test_a_build_without_session_routes_gets_its_updates_without_one(engine, fake):
+    """The first begin is the probe: a build without the routes answers 404, and that engine sends its updates
+    without sessions from then on (asked once)."""
+    fake.missing_routes, fake.session_api = {"/begin_weight_update", "/end_weight_update"}, False
+    engine.update_from(_ipc_handle(1))
+    engine.update_from(_ipc_handle(2))
+    assert fake.calls[1:] == ["/pause_generation", "/begin_weight_update", "/update_weights_from_tensor",
+                              "/continue_generation", "/pause_generation", "/update_weights_from_tensor",
+                              "/continue_generation"]
+    assert engine.version == 2
+
+
+def test_a_broadcast_over_nccl_across_the_trainers_and_the_servers_torch_is_refused(engine, fake, monkeypatch):
+    """SGLang 0.5.23 runs torch 2.14.1 (NCCL 2.30.7), loomrl's trainer torch 2.13.0 (NCCL 2.29.7), and NCCL refuses a
+    group whose ranks differ in version. The adapter refuses before the server joins the group, with one line, and
+    leaves the server serving. NCCL cannot run here: the trainer's NCCL version (torch.cuda.nccl.version(), absent
+    from a CPU build) is given by replacing sglang_contract.trainer_nccl as the adapter sees it."""
+    from loomrl.engine import sglang as adapter
+    from loomrl.engine.sglang_contract import SERVER_NCCL, check_nccl
+    from loomrl.weights.handle import WeightHandle
+
+    monkeypatch.setattr(adapter, "trainer_nccl", lambda: (2, 29, 7), raising=False)
+    payload = {"group": {"name": "g1", "host": "127.0.0.1", "port": 1, "world_size": 2, "backend": "nccl"},
+               "rank_offset": 1, "names": ["w"], "dtypes": ["bfloat16"], "shapes": [[2]], "bucket_bytes": 1 << 20}
+    with pytest.raises(EngineFault) as err:
+        engine.update_from(WeightHandle(transport=Transport.BROADCAST, version=1, nbytes=4, payload=payload))
+    assert str(err.value) == (
+        f"runtime.weight_transport=broadcast over NCCL: the SGLang 0.5.23 server at {engine.base_url} runs torch "
+        f"2.14.1 with NCCL 2.30.7, this trainer torch {torch.__version__} with NCCL 2.29.7, and NCCL refuses a group "
+        "whose ranks differ in version; use runtime.weight_transport=cuda_ipc (trainer and server on one GPU) or shm "
+        "(the adapter writes each version for /update_weights_from_disk), or train with torch==2.14.1")
+    assert "/init_weights_update_group" not in fake.calls and not fake.paused and engine.version == 0
+    check_nccl(SERVER_NCCL, "0.5.23", engine.base_url)  # the same NCCL on both sides: no refusal
+    check_nccl(None, "0.5.23", engine.base_url)  # a torch without NCCL: nothing to compare
+
+
+def test_the_trainers_cuda_ipc_payload_rebuilds_under_the_servers_torch():
+    """The pairing for cuda_ipc: the trainer's torch writes rebuild_cuda_tensor's arguments (reduce_tensor), SGLang's
+    torch 2.14.1 rebuilds from them. This torch's rebuild takes exactly torch 2.14.1's arguments (recorded above from
+    its wheel), the contract records the same list, and a torch whose rebuild takes others is refused in one line."""
+    import inspect
+
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    from loomrl.engine.sglang_contract import check_rebuild
+
+    assert REBUILD_CUDA_TENSOR_ARGS == TORCH_2_14_1_REBUILD_CUDA_TENSOR
+    assert tuple(inspect.signature(rebuild_cuda_tensor).parameters) == TORCH_2_14_1_REBUILD_CUDA_TENSOR
+    check_rebuild(rebuild_cuda_tensor)
+
+    def later(*, tensor_cls, tensor_size, storage_handle):  # a torch whose rebuild changed
+        raise AssertionError("never called")
+
+    with pytest.raises(EngineFault, match=r"rebuild_cuda_tensor takes 3 arguments .* torch 2.14.1 15: its payload "
+                                          "would not rebuild there"):
+        check_rebuild(later)

@@ -23,8 +23,9 @@ ranks; FSDP reduces gradients inside every backward, so the ranks run one shared
 the shorter ones). Full parameters exist only a bucket at a time (`GatheredSource`): to publish a version or write the
 checkpoint's model folder every rank gathers one bucket's parameters (`full_tensor()`, on the ranks' device: NCCL on
 GPUs), rank 0 casts them to the engine's dtype there and hands them to the publisher, and the bucket is dropped before
-the next; no rank ever holds a whole-model copy, on the GPU or in host memory. The optimizer state is checkpointed in
-parts with torch.distributed.checkpoint (fsdp.py). What is not here: elastic
+the next; no rank ever holds a whole-model copy, on the GPU or in host memory. The followers are paced a bucket at a
+time by a host-side barrier (`PACE_TIMEOUT_S`), so none runs ahead of rank 0 while rank 0 hands a bucket on. The
+optimizer state is checkpointed in parts with torch.distributed.checkpoint (fsdp.py). What is not here: elastic
 membership. A rank that fails makes the others fail:
 the run's rank group (trainer/ranks.py) stops them all; elsewhere the process group's timeout does.
 """
@@ -115,27 +116,65 @@ class Gather:
     everything: bool = False  # the frozen parameters too (the checkpoint's model folder), else the trained ones
 
 
+# Pacing of a bucketed gather (GatheredSource): after each bucket every rank meets rank 0 at a barrier of a gloo group
+# (host-side: no GPU stream, no NCCL watchdog), which rank 0 enters only once its consumer has handed the bucket on
+# (copied it into a snapshot, sent it, written it to the checkpoint's model folder). Without it a follower, whose
+# all-gathers return as soon as NCCL has queued them, queued every bucket of a version or of a checkpoint at once: NCCL's
+# watchdog counts from that moment, so a checkpoint that rank 0 writes to slow storage in more than the collective
+# timeout (trainer/ranks.py COLLECTIVE_TIMEOUT_S, 300 s) aborted the trainer, and each pending all-gather held its
+# output. What a follower holds pending, for the 8-GPU recipe's Qwen2.5-7B (7.62e9 parameters):
+#   before (every bucket queued): publish  7.62e9 x 2 B (bf16)    = 15.2 GB
+#                                 checkpoint 7.62e9 x 4 B (float32) = 30.5 GB
+#   paced (one bucket queued):    publish  engine.weight_bucket_bytes (64 MiB by default)
+#                                 checkpoint trainer/service.py CHECKPOINT_BUCKET_BYTES (2 GiB)
+#   (a parameter larger than a bucket is a bucket of its own: the 7B's embeddings, 1.09 GB bf16, 2.18 GB float32)
+# The bound below is one bucket's hand-off on rank 0 (a 2 GiB file on slow storage), not the whole version's; and it is
+# a separate group even where the training group is gloo too (CPU), so that its timeout is its own.
+PACE_TIMEOUT_S = 300.0
+
+
+def pacing_group() -> dist.ProcessGroup | None:
+    """The gloo group that paces bucketed gathers (a collective of every rank of the default group: made once, by
+    DataParallelTrainer); None at world size 1."""
+    if dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=PACE_TIMEOUT_S))
+
+
 class GatheredSource(WeightSource):
     """A sharded model's parameters, gathered a bucket at a time on every rank (one `full_tensor()` collective per
     parameter, in the same order everywhere); `keep` (rank 0) casts each to the dtype asked on its device and hands it
     on, the other ranks drop theirs. A parameter that is not a DTensor (world size 1 without sharding) is used as it
-    is."""
+    is. `pace`: after each bucket every rank waits at this group's barrier, which rank 0 reaches once its reader has
+    asked for the next bucket (see PACE_TIMEOUT_S): no rank starts gathering bucket k+1 before rank 0 is done with k."""
 
-    def __init__(self, model: torch.nn.Module, gather: Gather, *, keep: bool):
+    def __init__(self, model: torch.nn.Module, gather: Gather, *, keep: bool, pace: dist.ProcessGroup | None = None):
         self.params = {n: p for n, p in model.named_parameters() if gather.everything or p.requires_grad}
         if not self.params:
             raise ValueError("weight sync: the model has no parameters to gather")
         cast = getattr(torch, gather.dtype) if gather.dtype else None
         specs = [TensorSpec(n, cast or p.dtype, tuple(p.shape)) for n, p in self.params.items()]  # global shapes
         super().__init__(specs, gather.bucket_bytes, next(iter(self.params.values())).device)
-        self.keep = keep
+        self.keep, self.pace = keep, pace
 
     def buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
         with torch.no_grad():
-            for plan in self.plan():
+            plans = self.plan()
+            for k, plan in enumerate(plans):
                 bucket = [self._gather(e) for e in plan]
-                yield bucket
+                yield bucket  # rank 0: returns once its reader is done with the bucket
                 bucket.clear()  # freed before the next bucket is gathered (WeightSource.buckets)
+                self._paced(k, len(plans))
+
+    def _paced(self, k: int, count: int) -> None:
+        if self.pace is None:
+            return
+        try:
+            dist.barrier(group=self.pace, timeout=timedelta(seconds=PACE_TIMEOUT_S))
+        except RuntimeError as err:  # a peer died, or rank 0 spent longer than the bound on one bucket
+            who = "a follower did not reach" if self.keep else "rank 0 did not hand on its bucket and reach"
+            raise dist.DistError(f"gathering the parameters: {who} the pacing barrier after bucket {k + 1} of {count} "
+                                 f"within {PACE_TIMEOUT_S:.0f} s (gloo): {err}") from err
 
     def _gather(self, e: Entry) -> tuple[str, torch.Tensor]:
         # Cast first: the cast is local to each rank's shard, so the all-gather moves (and every rank briefly holds)
@@ -157,6 +196,7 @@ class DataParallelTrainer:
         self.world_size = dist.get_world_size()
         # where the collectives' own tensors live: NCCL reduces CUDA tensors only
         self.device = next(trainer.model.parameters()).device
+        self.pace = pacing_group()  # every rank makes its DataParallelTrainer at the same point: a collective
 
     def train_step(self, samples: list[TrainingSample], *, idle_tokens: int = 0, idle_seqs: int = 0,
                    idle_longest: int = 0) -> StepStats:
@@ -188,7 +228,7 @@ class DataParallelTrainer:
 
     def gathered(self, gather: Gather) -> GatheredSource:
         """The model's full parameters as `gather` asks, a bucket at a time (every rank must read it to the end)."""
-        return GatheredSource(self.trainer.model, gather, keep=self.rank == 0)
+        return GatheredSource(self.trainer.model, gather, keep=self.rank == 0, pace=self.pace)
 
     def _most(self, n: int) -> int:
         m = torch.tensor([n], dtype=torch.int64, device=self.device)

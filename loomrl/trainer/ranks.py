@@ -187,8 +187,11 @@ class RankGroup(ABC):
 
     def gathered(self, gather: Gather) -> WeightSource:
         """The full parameters as `gather` asks, a bucket at a time on rank 0's device, gathered by every rank (the
-        followers are told when the source is read, and answer when it is read to the end). Read it once, to the end,
-        before the next step (a broadcast reads it on its own thread: settle first)."""
+        followers are told when the source is read, and answer when it is read to the end). The followers are paced
+        by rank 0's reader: none gathers bucket k+1 before the reader is done with bucket k (distributed.py
+        PACE_TIMEOUT_S), so a slow reader (a checkpoint written to slow storage) bounds one bucket's wait, not the
+        NCCL watchdog's wait for the whole version. Read it once, to the end, before the next step (a broadcast reads
+        it on its own thread: settle first)."""
         assert self.dp is not None, "RankGroup.attach first"
         return _RankGathered(self, self.dp.gathered(gather), gather)
 
@@ -237,7 +240,8 @@ class RankGroup(ABC):
 
 
 class _RankGathered(WeightSource):
-    """Rank 0's GatheredSource, with the followers told to take part as it is read."""
+    """Rank 0's GatheredSource, with the followers told to take part as it is read (each follower reads its own
+    GatheredSource in Follower.work, paced bucket by bucket by rank 0's)."""
 
     def __init__(self, ranks: RankGroup, local: WeightSource, gather: Gather):
         super().__init__(local.specs, local.bucket_bytes, local.device)

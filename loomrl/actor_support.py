@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from loomrl.errors import error_line
+from loomrl.errors import error_line, named_line
 
 
 def constructor_failed(err: BaseException) -> bool:
@@ -21,6 +21,19 @@ def actor_error_line(err: BaseException) -> str:
     if isinstance(err, ray.exceptions.RayTaskError) and err.cause is not None:
         err = err.cause
     return error_line(err, end=True)
+
+
+def failure_line(err: BaseException) -> str:
+    """The cause of an actor's failure in one line, without Ray's header (`ray::Class.method() (pid=..., ip=...)`, which
+    names where it ran, not what went wrong): the exception a method raised, or the last line of a constructor's
+    traceback; Ray's own first line for anything else (an actor killed, its node lost)."""
+    if constructor_failed(err):
+        return error_line(err, end=True)
+    import ray.exceptions
+
+    if isinstance(err, ray.exceptions.RayTaskError) and err.cause is not None:
+        return named_line(err.cause)
+    return error_line(err)
 
 
 class Placed:

@@ -36,7 +36,7 @@ from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from loomrl.actor_support import actor_error_line, constructor_failed
+from loomrl.actor_support import actor_error_line, constructor_failed, failure_line
 from loomrl.config import Placement, RunConfig
 from loomrl.engine.actor import EngineActor, WeightBoard
 from loomrl.engine.base import EngineMetrics
@@ -553,7 +553,7 @@ class ActorTrainer(Trainer):
                 joined = trainer.join_ranks.remote(self.trainer_ranks, addr, port)
                 await asyncio.gather(self.call(joined), *joins)
             except self.ray.exceptions.RayError as err:  # a follower died or failed while joining
-                raise TrainerLost(f"a trainer rank failed to start: {error_line(err)}") from None
+                raise TrainerLost(f"a trainer rank failed to start: {failure_line(err)}") from None
         version, state, metrics = await self.call(trainer.state.remote())
         if not self.broadcast:
             self.step_weights = trainer.weights.remote()  # what publish(version) sends first

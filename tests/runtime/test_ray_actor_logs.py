@@ -20,6 +20,7 @@ pytestmark = pytest.mark.ray
 DRIVER = textwrap.dedent("""
     import sys, time
     from loomrl.config import Placement, load_config
+    from loomrl.actor_support import failure_line
     from loomrl.runtime.ray_backend import RayCluster
 
     class Broken:
@@ -28,6 +29,10 @@ DRIVER = textwrap.dedent("""
             raise RuntimeError("no model")
         def ping(self):
             return 1
+
+    class Joins:
+        def join(self):
+            raise RuntimeError("rank 1 could not join 10.0.0.1:29500")
 
     class Stuck:
         def __init__(self):
@@ -43,8 +48,13 @@ DRIVER = textwrap.dedent("""
     stuck = cluster.actor(Stuck, Placement(num_cpus=0)).remote()
     try:
         ray.get(broken.ping.remote(), timeout=120)
-    except ray.exceptions.RayActorError:
+    except ray.exceptions.RayActorError as err:
         print("driver: the broken actor failed", file=sys.stderr, flush=True)
+        print(f"constructor failure: {failure_line(err)}", file=sys.stderr, flush=True)
+    try:
+        ray.get(cluster.actor(Joins, Placement(num_cpus=0)).remote().join.remote(), timeout=120)
+    except ray.exceptions.RayTaskError as err:
+        print(f"method failure: {failure_line(err)}", file=sys.stderr, flush=True)
     ready, _ = ray.wait([stuck.ping.remote()], timeout=5)
     print(f"driver: stuck actor ready={bool(ready)}", file=sys.stderr, flush=True)
     time.sleep(2)  # Ray's log monitor forwards the workers' lines every few hundred ms
@@ -66,3 +76,7 @@ def test_a_failing_and_a_hanging_actor_are_heard_from_the_driver():
                for line in err.splitlines()), err[-3000:]
     assert any("Stuck" in line and "stuck-actor: waiting for the NCCL rendezvous" in line
                for line in err.splitlines()), err[-3000:]
+    # what loomrl says when a trainer rank fails to start (runtime/ray_backend.py): the cause, not Ray's header line
+    # ("ray::Joins.join() (pid=..., ip=...)"), which is what error_line gave
+    assert "constructor failure: RuntimeError: no model" in err, err[-3000:]
+    assert "method failure: RuntimeError: rank 1 could not join 10.0.0.1:29500" in err, err[-3000:]

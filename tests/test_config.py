@@ -131,6 +131,8 @@ def test_gpu_recipes_fill_one_8_gpu_node_with_vllm_engines():
         else:
             assert cfg.runtime.weight_transport == "broadcast", recipe.name
         assert "NOTHING OF THIS RECIPE HAS RUN ON A GPU" in recipe.read_text(), recipe.name
+        # each tells the user to `ray start --head` first: unset, ray.address started a private cluster beside it
+        assert "ray start --head" in recipe.read_text() and cfg.ray.address == "auto", recipe.name
     assert any(load_config(r).engine.sleep_while_training for r in recipes)  # a colocated one ships
 
 def test_fsdp_needs_async_mode():

@@ -34,6 +34,7 @@ import math
 import os
 from abc import abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from loomrl.actor_support import actor_error_line, constructor_failed, failure_line
@@ -51,6 +52,7 @@ from loomrl.rollout.worker import rollout_concurrency
 from loomrl.runtime.failures import CannotStart, EngineLost, RolloutLost, TrainerLost
 from loomrl.runtime.parts import Parts, RolloutReport, Rollouts, Trainer, TrainerState, WeightRoute
 from loomrl.runtime.ray_resources import (
+    beside_running,
     cluster_address,
     colocation_mismatch,
     ray_init_kwargs,
@@ -149,6 +151,14 @@ class WorkerSlot:
     engine: Any = None  # the engine actor it generates on (ray.engine.count > 0)
 
 
+def running_cluster() -> str | None:
+    """The address `ray start` left in this machine's ray_current_cluster file (Ray's own lookup; None: none)."""
+    from ray._common.utils import get_ray_address_file
+
+    path = Path(get_ray_address_file(None))
+    return path.read_text().strip() or None if path.is_file() else None
+
+
 class RayCluster:
     """What the Ray parts share: the connection to the cluster (joined or started here), the trainer ranks' placement
     group (colocated: reserved with the engines, kept across trainer restarts), where the actors ran, the latest
@@ -184,6 +194,8 @@ class RayCluster:
         if not self.ray.is_initialized():
             cores = os.cpu_count() or 1
             kwargs = ray_init_kwargs(self.address, self.asks, cores, os.environ, cwd=os.getcwd())
+            if warning := beside_running(self.cfg.ray.address, self.address, running_cluster()):
+                log.warning(warning)
             if self.local_cluster and kwargs["num_cpus"] > cores:
                 log.info("ray: the actors reserve %d CPUs; the one-machine cluster offers them on %d cores",
                          kwargs["num_cpus"], cores)

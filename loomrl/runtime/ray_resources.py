@@ -79,6 +79,17 @@ def cluster_address(setting: str | None, environ: Mapping[str, str]) -> str:
     return environ.get("RAY_ADDRESS") or "local"
 
 
+def beside_running(setting: str | None, address: str, running: str | None) -> str | None:
+    """A warning when loomrl is about to start a private cluster (`address` "local") although ray.address was left
+    unset and `ray start` left one running on this machine (`running`: the address in Ray's ray_current_cluster
+    file): its GPUs would be counted twice, by both clusters."""
+    if setting is not None or address != "local" or not running:
+        return None
+    return (f"ray: a Ray cluster started with `ray start` runs on this machine ({running}), but ray.address is unset: "
+            "loomrl starts a private one beside it. Set ray.address=auto to join it (or ray.address=local to say "
+            "that a private one is meant)")
+
+
 def ray_init_kwargs(address: str, asks: list[Ask], cores: int, environ: Mapping[str, str],
                     cwd: str | None = None) -> dict[str, Any]:
     """ray.init's arguments. Every actor's stdout and stderr reach the driver (log_to_driver): an actor that fails or

@@ -41,3 +41,15 @@ def test_actor_output_reaches_the_driver():
     """log_to_driver was False: an actor failing or hanging in its constructor wrote only to its node's log files."""
     for address in ("local", "auto"):
         assert ray_init_kwargs(address, ASKS, cores=2, environ={})["log_to_driver"] is True
+
+
+def test_a_private_cluster_beside_one_ray_start_made_is_warned_about():
+    """The GPU recipes tell the user to `ray start --head`; with ray.address unset loomrl started a private cluster
+    beside it, silently. Now it says so and names the setting (the recipes set ray.address=auto)."""
+    from loomrl.runtime.ray_resources import beside_running
+
+    line = beside_running(None, "local", "127.0.0.1:6379")
+    assert line is not None and "127.0.0.1:6379" in line and "ray.address=auto" in line
+    assert beside_running(None, "local", None) is None  # nothing running here
+    assert beside_running("local", "local", "127.0.0.1:6379") is None  # a private one was asked for
+    assert beside_running(None, "10.0.0.1:6379", "127.0.0.1:6379") is None  # RAY_ADDRESS named a cluster

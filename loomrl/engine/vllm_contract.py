@@ -149,8 +149,55 @@ def problems(internals: tuple[Internal, ...] = INTERNALS, abstract: tuple[str, f
     return out
 
 
+# The NVIDIA driver branch that first runs each CUDA major a wheel may be built for (CUDA's minor version compatibility:
+# any 13.x build runs on an R580+ driver). vLLM 0.32.0's PyPI wheel is a CUDA 13 build (its torch 2.13.0 requires
+# nvidia-cuda-runtime 13.x); on an older driver it fails only when its first kernel launches, deep in a worker.
+DRIVER_FOR_CUDA = {12: 525, 13: 580}
+
+
+def check_driver(built_cuda: str | None, driver_cuda: int | None, driver: str | None = None) -> None:
+    """ConfigError, one line, when the NVIDIA driver cannot run the CUDA the installed torch (vLLM's) was built with.
+    `built_cuda`: torch.version.cuda ("13.0"; None on a CPU build: nothing to check); `driver_cuda`: the newest CUDA
+    the driver runs, as the driver API reports it (13000 for 13.0; None: not known, not checked); `driver`: the
+    driver's own version, for the message."""
+    if not built_cuda or driver_cuda is None:
+        return
+    major, minor = (int(p) for p in built_cuda.split(".")[:2])
+    if driver_cuda >= major * 1000:
+        return
+    branch = DRIVER_FOR_CUDA.get(major)
+    needs = f"an NVIDIA driver of branch R{branch} or newer" if branch else f"a driver that runs CUDA {major}"
+    raise ConfigError(f"engine.kind=vllm: the installed vLLM's torch is a CUDA {major}.{minor} build, which needs "
+                      f"{needs}; this machine's driver{f' ({driver})' if driver else ''} runs CUDA "
+                      f"{driver_cuda // 1000}.{driver_cuda % 1000 // 10} at most: update the driver, or install the "
+                      f"vLLM and torch built for CUDA {driver_cuda // 1000} from their own package index")
+
+
+def driver_reading() -> tuple[int | None, str | None]:
+    """The newest CUDA this machine's NVIDIA driver runs (13000 for 13.0) and the driver's version, through NVML
+    (nvidia-ml-py, a dependency of vLLM's CUDA build); (None, None) where NVML cannot be read."""
+    try:
+        import pynvml
+    except ImportError:
+        return None, None
+    try:
+        pynvml.nvmlInit()
+        try:
+            cuda, driver = pynvml.nvmlSystemGetCudaDriverVersion(), pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+    except pynvml.NVMLError:  # no driver, or no GPU in this container: vLLM's own start says so
+        return None, None
+    return int(cuda), driver.decode() if isinstance(driver, bytes) else str(driver)
+
+
 def check_vllm() -> None:
-    """ConfigError, one line, when the installed vLLM lacks something the adapter uses."""
+    """ConfigError, one line, when the installed vLLM lacks something the adapter uses, or (CUDA) when the NVIDIA
+    driver cannot run the CUDA its torch was built with."""
+    if not on_cpu():
+        import torch
+
+        check_driver(torch.version.cuda, *driver_reading())
     found = problems(INTERNALS, ABSTRACT)
     if found:
         import vllm

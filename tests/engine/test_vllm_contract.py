@@ -82,3 +82,16 @@ def test_the_tested_vllm_has_every_internal_and_a_missing_one_stops_with_one_lin
     line = str(err.value)
     assert "\n" not in line and "AsyncLLM.pause_generation takes no drain" in line
     assert "vllm>=0.32,<0.33" in line and "the installed vLLM 0.32.0" in line
+
+
+def test_a_driver_older_than_the_wheels_cuda_stops_with_one_line():
+    """vLLM 0.32.0's PyPI wheel is a CUDA 13 build (an R580+ driver); on an older driver it failed only at its first
+    kernel launch, deep in a worker process. The check reads the driver's CUDA through NVML (a real GPU is not here:
+    the readings are given)."""
+    with pytest.raises(ConfigError, match=r"CUDA 13\.0 build, which needs an NVIDIA driver of branch R580 or newer; "
+                                          r"this machine's driver \(570\.86\.15\) runs CUDA 12\.8 at most"):
+        vllm_contract.check_driver("13.0", 12080, "570.86.15")
+    vllm_contract.check_driver("13.0", 13000, "580.65.06")  # R580 runs every 13.x build
+    vllm_contract.check_driver("12.8", 13020)  # a newer driver runs older CUDA
+    vllm_contract.check_driver(None, 12080)  # a CPU build of torch: nothing to check
+    vllm_contract.check_driver("13.0", None)  # NVML could not be read: vLLM's own start reports a missing driver

@@ -80,9 +80,15 @@ test: lint sandbox chromium
 	$(MAKE) --no-print-directory test-vllm
 
 # The vLLM engine on a real vLLM, in process and over HTTP (tests/engine/test_vllm_engine.py, test_vllm_http_engine.py:
-# it starts a vLLM server of its own; about 3.5 minutes on 2 cores).
+# it starts a vLLM server of its own; about 3.5 minutes on 2 cores). Then the trainer's tests (FSDP, offload,
+# checkpointing, tree attention) on the transformers vLLM pins, which is what a GPU user's `pip install 'loomrl[vllm]'`
+# gets (.venv has the newest); then scripts/gpu_resolve.py: resolves that install and the documented SGLang for Linux
+# x86_64 as pip would on a GPU machine (metadata only, nothing installed) and fails when this environment's vLLM or
+# transformers is not the one resolved, or a name loomrl calls of transformers, vLLM or SGLang is missing.
 test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/trainer -m 'not vllm'
+	$(VLLM_VENV)/bin/python scripts/gpu_resolve.py
 
 # ruff, then ty on the package (with the optional packages installed, so that their imports resolve; vLLM and SGLang,
 # which .venv never holds, are allowed unresolved in pyproject.toml [tool.ty])

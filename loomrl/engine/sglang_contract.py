@@ -34,6 +34,7 @@ from packaging.version import InvalidVersion, Version
 from loomrl.engine.base import EngineFault
 
 TESTED = ">=0.5.23,<0.5.24"  # the SGLang whose source the adapter and the fake server were read against
+DOCUMENTED = "0.5.23"  # the server README.md tells users to install; scripts/gpu_resolve.py resolves it
 SERVER_TORCH = "2.14.1"  # sglang 0.5.23: Requires-Dist torch==2.14.1
 SERVER_NCCL = (2, 30, 7)  # torch 2.14.1: Requires-Dist nvidia-nccl-cu13==2.30.7 (torch 2.13.0: 2.29.7)
 # torch 2.14.1's torch/multiprocessing/reductions.py rebuild_cuda_tensor, in order (the same in 2.13.0); argument 6 is

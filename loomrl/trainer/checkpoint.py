@@ -6,7 +6,8 @@ newest complete one. Sharded ranks (trainer.parallel=fsdp) write the AdamW state
 folder, optimizer/, each rank its own part (optimizer.pt then holds the scheduler only), and the model folder
 bucket by bucket as the ranks gather them (`write_model_folder`: safetensors shards and their index, as HF's
 save_pretrained writes a large model; no whole-model copy on any rank). Each checkpoint is written to a temporary folder and renamed into place, so a
-crash mid-save leaves the previous checkpoint intact.
+crash mid-save leaves the previous checkpoint intact. Older checkpoints are then pruned (`Retention`: the run's
+checkpoint_keep and checkpoint_keep_optimizer): deleted, or kept for evaluation without their optimizer state.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import random
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,9 +65,11 @@ def write_model_folder(folder: Path, model: PreTrainedModel, source: WeightSourc
 
 
 def save_checkpoint(run_dir: Path, step: int, *, model: PreTrainedModel, tokenizer: Any,
-                    optimizer: torch.optim.Optimizer, scheduler: Any, state: dict[str, Any], keep: int = 2,
-                    weights: WeightSource | None = None, shards: Callable[[Path], None] | None = None) -> Path:
-    """`weights`: the model's full parameters when the model itself is sharded (a collective of all ranks, read a
+                    optimizer: torch.optim.Optimizer, scheduler: Any, state: dict[str, Any],
+                    retention: Retention | None = None, weights: WeightSource | None = None,
+                    shards: Callable[[Path], None] | None = None) -> Path:
+    """`retention`: which older checkpoints stay, whole or without their optimizer state (default: the two newest,
+    whole); `weights`: the model's full parameters when the model itself is sharded (a collective of all ranks, read a
     bucket at a time); `shards`: writes every rank's part of the optimizer state into the folder it is given (a
     collective of all ranks)."""
     root = Path(run_dir) / "checkpoints"
@@ -89,9 +93,31 @@ def save_checkpoint(run_dir: Path, step: int, *, model: PreTrainedModel, tokeniz
     tmp.rename(final)
     (root / "latest.tmp").write_text(final.name)
     (root / "latest.tmp").rename(root / "latest")
-    for old in sorted(root.glob("step_*"))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    prune(root, retention or Retention())
     return final
+
+
+@dataclass(slots=True, frozen=True)
+class Retention:
+    """How many of the newest checkpoints stay (`keep`, 0: all) and how many of those keep their optimizer state
+    (`keep_optimizer`, at least the newest: --resume needs it); the others keep model/ and state.pt, enough for
+    `loomrl eval --checkpoint` and `loomrl serve --checkpoint`."""
+
+    keep: int = 2
+    keep_optimizer: int = 2
+
+
+def prune(root: Path, retention: Retention) -> None:
+    """Delete the checkpoints under `root` that `retention` does not keep, and the optimizer state of those it keeps
+    for evaluation only."""
+    folders = sorted(root.glob("step_*"))
+    if retention.keep:
+        for old in folders[:-retention.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        folders = folders[-retention.keep:]
+    for old in folders[:-retention.keep_optimizer]:
+        (old / "optimizer.pt").unlink(missing_ok=True)
+        shutil.rmtree(old / "optimizer", ignore_errors=True)  # a sharded trainer's parts
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

@@ -22,7 +22,7 @@ from loomrl.buffer import Buffer, usable_group
 from loomrl.buffer.buffer import group_min_version
 from loomrl.buffer.filters import balance_samples
 from loomrl.config import RunConfig
-from loomrl.trainer.checkpoint import load_state, save_checkpoint, set_rng_state
+from loomrl.trainer.checkpoint import Retention, load_state, save_checkpoint, set_rng_state
 from loomrl.trainer.credit import AdvantageRule, GroupCredit, group_credit
 from loomrl.trainer.distributed import Gather
 from loomrl.trainer.grpo import samples_from_credit, samples_from_group
@@ -248,6 +248,7 @@ class TrainerService:
         model_folder = ranks.gathered(Gather(None, CHECKPOINT_BUCKET_BYTES, everything=True)) if ranks else None
         return save_checkpoint(self.run_dir, self.version, model=self.model, tokenizer=self.tokenizer,
                                optimizer=self.trainer.optimizer, scheduler=self.trainer.scheduler, state=state,
+                               retention=Retention(self.cfg.checkpoint_keep, self.cfg.checkpoint_keep_optimizer),
                                weights=model_folder, shards=ranks.save_shards if ranks else None)
 
     def offload(self) -> Moved:

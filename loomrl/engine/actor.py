@@ -58,15 +58,18 @@ class WeightGate:
         """Fetch and apply: transport "ray", an ObjectRef owned by the driver; "broadcast", the trainer's group,
         received by the engine's own processes when it opens the handle (vLLM, SGLang), else here. Then confirmed
         (weights/fingerprint.py confirm_weights): WeightMismatch, naming the engine, when it did not take effect: against
-        the publisher's fingerprint (broadcast), or, for "ray", that of the tensors the object store gave (Ray's own
-        transfer is not fingerprinted by the trainer). Returns the version and how long fetching and applying took."""
+        the publisher's fingerprint (broadcast: in the handle, or the sums a sharded trainer sends after the weights,
+        received here or by the engine's own processes), or, for "ray", that of the tensors the object store gave (Ray's
+        own transfer is not fingerprinted by the trainer). Returns the version and how long fetching and applying took."""
         async with self._lock:
             t0 = time.perf_counter()
-            weights = None
+            weights, expected = None, handle.fingerprint
             if handle.transport is Transport.BROADCAST:
                 handle = dataclasses.replace(handle, payload=with_rank_offset(handle.payload, self.rank_offset))
                 if handle.transport not in self.engine.opens:
-                    weights = await asyncio.to_thread(self.receiver.receive_all, handle.payload, self.device)
+                    weights, followed = await asyncio.to_thread(self.receiver.receive_all, handle.payload, self.device)
+                    if expected is not None and expected.follows:  # a sharded trainer's sums, received here
+                        expected = Fingerprint(sums=followed)
             else:
                 weights = await handle.payload
             t1 = time.perf_counter()
@@ -76,7 +79,6 @@ class WeightGate:
                 await asyncio.to_thread(self.engine.update_from, handle)
             else:
                 await asyncio.to_thread(self.engine.update_weights, weights, handle.version)
-            expected = handle.fingerprint
             if expected is None and handle.transport is Transport.RAY:
                 if weights is None:  # a "ray" payload is the published tensors themselves
                     raise ValueError(f"{self.label}: the ray weight handle of version {handle.version} held no tensors")

@@ -41,8 +41,12 @@ without pause. queue_s, the time integral of the requests waiting for admission,
 a stat logger of ours (_QueueLogger) passed to AsyncLLM reads SchedulerStats.num_waiting_reqs at each step's stats.
 steps stays 0: AsyncLLM does not report its steps to the caller.
 
-- Sleep and wake (engine.sleep_while_training): sleep is sleep(level=1, mode="abort"): in-flight requests end
-  "interrupted", new ones wait; on CUDA (enable_sleep_mode) the weights go to host memory and the K/V cache is freed.
+- Sleep and wake (engine.sleep_while_training): sleep is sleep(level, mode="abort"): in-flight requests end
+  "interrupted", new ones wait; on CUDA (enable_sleep_mode) the K/V cache is freed and the weights go to host memory
+  (level 1) or are discarded (level 2, `sleep_level`: where an update follows every wake and the last one loaded every
+  parameter, so that the next one overwrites them all; a level-1 backup would be copied out and back only to be
+  overwritten). After a level-2 sleep the next update must be whole (else EngineFault, before vLLM is touched), and
+  no step runs before it: a hold that ends without one leaves the engine refusing requests instead of serving.
   wake() takes back the weights' memory only (wake_up(tags=["weights"])) and leaves the engine paused: vLLM resumes
   scheduling only once every tag is awake (EngineCore.wake_up), so no step runs on the old weights, and requests sent
   meanwhile wait. The next update (which the run sends after every wake: runtime/driver.py) loads the new version,
@@ -50,7 +54,8 @@ steps stays 0: AsyncLLM does not report its steps to the caller.
   vLLM's own snapshot server restores in (vllm/snapshot/server.py). No update within engine.vllm.update_timeout_s of
   the wake: the K/V cache comes back and the engine serves the weights it has, with a warning. On the CPU vLLM's
   worker frees and restores nothing but its executor keeps the same tags, so the same order runs there (a pause).
-  `control_calls` records the calls made into vLLM (sleep, wake:<tag>, load:<version>, resume) for tests to read.
+  `control_calls` records the calls made into vLLM (sleep:<level>, abort, wake:<tag>, load:<version>, resume) for
+  tests to read.
 
 - update_from(handle): the same update for a handle vLLM's worker opens itself (`opens`): a trainer's shm segment,
   read through views of its mapping (no bytes through EngineCore's sockets), CUDA IPC handles mapped on the worker's
@@ -59,8 +64,11 @@ steps stays 0: AsyncLLM does not report its steps to the caller.
   which has not run).
 
 - weight_fingerprint: after each update the runtime checksums a few of the loaded tensors in vLLM's worker
-  (vllm_worker.py loomrl_fingerprint) against the trainer's; only those vLLM keeps under the published name and shape
-  are compared (embeddings, norms; on GPUs also o_proj and down_proj), the rest are logged as not checked.
+  (vllm_worker.py loomrl_fingerprint) against the trainer's: those vLLM keeps under the published name and shape
+  (embeddings, norms; on GPUs also o_proj and down_proj) and, at one tensor-parallel rank, the parts of its fused
+  qkv_proj and gate_up_proj (`fused_slot`); the rest are logged as not checked (on the CPU vLLM packs every linear
+  weight away). A sharded trainer's broadcast carries its sums after the last bucket (weights/group.py); the worker
+  keeps them and the adapter reports them beside its own (Fingerprint.published), so that sync is checked too.
 
 What it is not: a client of an external vLLM server (that is engine/vllm_http.py, engine.vllm.base_url) or Ray actors
 of its own (engine/actor.py). `release` does nothing: vLLM's prefix cache is keyed by token blocks.
@@ -110,6 +118,7 @@ from loomrl.weights.shm import shm_views
 log = logging.getLogger(__name__)
 
 _SLEEP_TAGS = frozenset({"weights", "kv_cache"})  # what vLLM's sleep(level>=1) puts to sleep (vllm/v1/executor)
+_DISCARDED = "vLLM's level-2 sleep discarded its weights and no update has loaded them since"
 
 _START_TIMEOUT_S = 900.0  # model load, profiling and warm-up (16-33 s for SmolLM2-135M on 2 CPU cores)
 _DEATH_POLL_S = 1.0  # how often a control call's wait looks for a dead vLLM worker
@@ -203,6 +212,37 @@ def finish_reason(reason: str | None, stop_reason: Any, *, closed: bool, interru
     return reason
 
 
+# vLLM's stacked parameters (its models' stacked_params_mapping): a published projection -> the fused parameter, and
+# the parts stacked before it along dim 0, in vLLM's order (q, k, v; gate, up)
+_FUSED = ((".q_proj.", ".qkv_proj.", ()), (".k_proj.", ".qkv_proj.", (".q_proj.",)),
+          (".v_proj.", ".qkv_proj.", (".q_proj.", ".k_proj.")), (".gate_proj.", ".gate_up_proj.", ()),
+          (".up_proj.", ".gate_up_proj.", (".gate_proj.",)))
+_PARTS = {".qkv_proj.": (".q_proj.", ".k_proj.", ".v_proj."), ".gate_up_proj.": (".gate_proj.", ".up_proj.")}
+
+
+def fused_slot(name: str, shapes: dict[str, tuple[int, ...]]) -> list | None:
+    """Where vLLM keeps the published tensor `name` if it fuses it: [the fused parameter's name, the row its part
+    starts at, the rows of all parts] from the published shapes (`shapes`, every tensor's), else None (vLLM's worker
+    reads the part only where the fused parameter has exactly those rows: vllm_worker.py readable)."""
+    for part, fused, before in _FUSED:
+        if part in name:
+            siblings = [name.replace(part, p) for p in _PARTS[fused]]
+            if not all(s in shapes and shapes[s] for s in siblings):
+                return None
+            first = sum(shapes[name.replace(part, b)][0] for b in before)
+            return [name.replace(part, fused), first, sum(shapes[s][0] for s in siblings)]
+    return None
+
+
+def sleep_level(*, update_follows_wake: bool, last_update_whole: bool) -> int:
+    """vLLM's sleep level for VLLMEngine.sleep: 2 (the weights are discarded) when an update follows every wake
+    (engine.sleep_while_training: runtime/driver.py publishes after each wake) and the last update loaded every
+    parameter (so the next, a version of the same run, does too: a trainer that freezes some layers publishes only
+    the trained ones, and the frozen ones would be lost); 1 (the weights backed up to host memory) otherwise, the
+    first sleep included (before any update the next one's extent is unknown)."""
+    return 2 if update_follows_wake and last_update_whole else 1
+
+
 # engine.max_batch_size unset: vLLM's max_num_seqs per device. AsyncLLM's UsageContext.ENGINE_CONTEXT is in none of
 # the device tiers of vllm/engine/arg_utils.py get_batch_defaults (0.32), so vLLM would fall back to SchedulerConfig's
 # 128 sequences and 2048 batched tokens. Those tiers, for its LLM class / OpenAI server: under 70 GiB or an A100, 256 /
@@ -271,7 +311,8 @@ class VLLMEngine(LoadState):
                  prefix_cache: bool = True, version: int = 0, sleep_mode: bool = False,
                  context_tokens: int | None = None, speculation: SpeculationConfig | None = None):
         """`sleep_mode` (engine.sleep_while_training): vLLM's enable_sleep_mode on CUDA, where sleep frees the
-        memory (vLLM refuses it on platforms without sleep support, such as the CPU, where sleep only pauses).
+        memory (vLLM refuses it on platforms without sleep support, such as the CPU, where sleep only pauses); the run
+        then sends an update after every wake, so sleep may discard the weights (`sleep_level`).
         `context_tokens` (agent.max_context_tokens): the longest prompt + output a request of the run has, which sizes
         the K/V cache on the CPU (None: max_model_len).
 
@@ -315,6 +356,12 @@ class VLLMEngine(LoadState):
         self._hold: asyncio.TimerHandle | None = None  # the end of a wake's hold for an update
         self._hold_end: asyncio.Task | None = None
         self.control_calls: collections.deque[str] = collections.deque(maxlen=64)  # newest last
+        # A test-only seam (vllm_worker.py InlineUpdate.skip): names vLLM's worker receives but does not load, a load
+        # that misses, so that the fingerprint check is proved to catch one. Empty in runs.
+        self.skip_loading: frozenset[str] = frozenset()
+        self.updates_follow_wake = sleep_mode  # the colocated run's promise (sleep_level); tests may change it
+        self._last_whole = False  # the last update loaded every parameter
+        self._discarded = False  # a level-2 sleep discarded the weights; a whole update brings them back
         self._busy_since = 0.0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="loomrl-vllm-loop", daemon=True)
@@ -364,8 +411,10 @@ class VLLMEngine(LoadState):
             raise EngineFault("update_weights(None): in-place updates need a model shared with the trainer; vLLM holds "
                               "its own copy (engine.kind=vllm needs runtime.mode=async)")
         named = checked_weights(weights, self.model.shapes, self.model.aliases, self._broken)
+        whole = self._whole([n for n, _ in named])
         buckets = weight_buckets(named, self._dtype, self.cfg.weight_bucket_bytes)
-        self._apply((to_wire(bucket) for bucket in buckets), version)
+        skip = sorted(self.skip_loading)
+        self._apply(({**to_wire(bucket), "skip": skip} for bucket in buckets), version, whole)
 
     def update_from(self, handle: WeightHandle) -> None:
         """update_weights for a handle vLLM's worker reads itself (`opens`): a shm segment through views of its
@@ -384,24 +433,48 @@ class VLLMEngine(LoadState):
             # broadcast: every bucket is received (a collective); both load `names` only (no tied alias)
             kind = "broadcast" if handle.transport is Transport.BROADCAST else "ipc"
             update = {kind: p if kind == "broadcast" else base64.b64encode(pickle.dumps(p)).decode("ascii"),
-                      "names": keep}
+                      "names": keep, "version": handle.version}
         else:
             raise EngineFault(f"update_from: vLLM's worker does not read {handle.transport} handles (opens: "
                               f"{sorted(self.opens)})")
-        self._apply([update], handle.version)
+        whole = self._whole(update["names"])
+        self._apply([{**update, "skip": sorted(self.skip_loading)}], handle.version, whole)
 
     def weight_fingerprint(self, expected: Fingerprint) -> Fingerprint:
         """The fingerprint of vLLM's loaded weights, from the worker that holds them (collective_rpc, tensor-parallel
-        rank 0: the others hold the same replicated tensors); names vLLM keeps in another layout are `unchecked`."""
+        rank 0: the others hold the same replicated tensors); names vLLM keeps in another layout are `unchecked`. When
+        `expected` says the publisher's sums follow the weights (a sharded trainer's broadcast), those the worker
+        received are `published`, and the worker's own are of the same names."""
         if self._closed:
             raise EngineFault("weight_fingerprint: the engine is closed")
-        wanted = {n: [s.dtype, list(s.shape)] for n, s in expected.sums.items()}
-        got = self._run(self._llm.collective_rpc("loomrl_fingerprint", args=(wanted,)), self.cfg.update_timeout_s)[0]
-        return Fingerprint(sums={n: TensorSum(expected.sums[n].dtype, tuple(expected.sums[n].shape), a, b)
-                                 for n, (a, b) in got["sums"].items()}, unchecked=got["unchecked"])
+        published = None
+        if expected.follows:
+            got = self._rpc("loomrl_published", self._version)
+            published = {n: TensorSum(d, tuple(s), a, b) for n, (d, s, a, b) in got.items()} or None
+        of = (published or {}) if expected.follows else expected.sums
+        if not of:
+            return Fingerprint(unchecked=f"vLLM's worker holds no sums of version {self._version} from the publisher")
+        wanted = {n: [s.dtype, list(s.shape), fused_slot(n, self.model.shapes)] for n, s in of.items()}
+        got = self._rpc("loomrl_fingerprint", wanted)
+        return Fingerprint(sums={n: TensorSum(of[n].dtype, tuple(of[n].shape), a, b) for n, (a, b) in got["sums"].items()},
+                           unchecked=got["unchecked"], published=published)
 
-    def _apply(self, updates: Iterable[dict[str, Any]], version: int) -> None:
-        self._call(self._load(updates, version), f"update_weights: version {version}")
+    def _rpc(self, method: str, *args: Any) -> Any:
+        """`method` of vllm_worker.py's WorkerExtension on tensor-parallel rank 0's worker."""
+        return self._run(self._llm.collective_rpc(method, args=args), self.cfg.update_timeout_s)[0]
+
+    def _whole(self, names: list[str]) -> bool:
+        """Whether an update of `names` loads every parameter; refused (EngineFault) when it does not and a level-2
+        sleep discarded the weights (the rest would serve what the sleep left in their memory)."""
+        whole = len(set(names) & self.model.shapes.keys()) == len(self.model.shapes)
+        if self._discarded and not whole:
+            raise EngineFault(f"update_weights: vLLM's level-2 sleep discarded its weights (engine.sleep_while_training)"
+                              f"; the update after it must send all {len(self.model.shapes)} parameters, not "
+                              f"{len(set(names))}")
+        return whole
+
+    def _apply(self, updates: Iterable[dict[str, Any]], version: int, whole: bool) -> None:
+        self._call(self._load(updates, version, whole), f"update_weights: version {version}")
 
     def interrupt(self) -> None:
         """Abort every in-flight request (they end "interrupted" with their partial output) and resume at once."""
@@ -412,9 +485,10 @@ class VLLMEngine(LoadState):
         """Nothing to do: vLLM's prefix cache is keyed by token blocks, not programs, and evicts on its own."""
 
     def sleep(self) -> None:
-        """vLLM's sleep(level=1, mode=abort): in-flight requests end "interrupted" (generate_resuming resumes them
-        once the update after wake has loaded), new ones wait; on CUDA (sleep_mode) the weights go to host memory and the KV cache is freed. On
-        the CPU vLLM's worker frees nothing (it logs that sleep mode is not supported): a pause."""
+        """vLLM's sleep(level, mode=abort): in-flight requests end "interrupted" (generate_resuming resumes them once
+        the update after wake has loaded), new ones wait; on CUDA (sleep_mode) the K/V cache is freed and the weights
+        go to host memory (level 1) or are discarded (level 2: `sleep_level`). On the CPU vLLM's worker frees nothing
+        (it logs that sleep mode is not supported): a pause."""
         if self._closed:
             raise EngineFault("sleep: the engine is closed")
         self._call(self._sleep(), "sleep")
@@ -656,16 +730,31 @@ class VLLMEngine(LoadState):
             self._end_hold()
             if "weights" in self._asleep:  # asleep already
                 return
-            if self._asleep:  # woken without an update since: whole again first (vLLM sleeps all tags at once;
-                # requests held since the wake may take a step on the old weights before the sleep aborts them)
-                await self._wake_up(self._asleep)
-            self._interrupts_begun += 1  # the requests sleep aborts are ours: "interrupted"
+            self._interrupts_begun += 1  # the requests sleep (or the abort below) ends are ours: "interrupted"
             try:
-                await self._llm.sleep(level=1, mode="abort")
-                self._asleep = _SLEEP_TAGS
-                self.control_calls.append("sleep")
+                if self._asleep:  # woken without an update since: whole again first (vLLM sleeps all tags at once)
+                    if self._discarded:  # the K/V cache back for the sleep, and no step on discarded weights
+                        await self._abort_held()
+                    await self._wake_up(self._asleep)
+                # (level 1: requests held since the wake may take a step on the old weights before the sleep aborts them)
+                level = sleep_level(update_follows_wake=self.updates_follow_wake, last_update_whole=self._last_whole)
+                await self._llm.sleep(level=level, mode="abort")
+                self._asleep, self._discarded = _SLEEP_TAGS, level == 2
+                self.control_calls.append(f"sleep:{level}")
             finally:
                 self._interrupts_done = self._interrupts_begun
+
+    async def _abort_held(self) -> None:
+        """End the requests vLLM holds ("interrupted": ours) and refuse new ones (EngineFault) until a whole update
+        loads: the weights a level-2 sleep discarded are not there, and no step may run on them."""
+        with self._lock:
+            self._broken = self._broken or _DISCARDED
+        self._interrupts_begun += 1
+        try:
+            await self._llm.pause_generation(mode="abort", clear_cache=False)
+            self.control_calls.append("abort")
+        finally:
+            self._interrupts_done = self._interrupts_begun
 
     async def _wake(self) -> None:
         async with self._control:
@@ -696,6 +785,13 @@ class VLLMEngine(LoadState):
         async with self._control:
             if self._asleep != {"kv_cache"} or self._closed:  # an update or a sleep came first
                 return
+            if self._discarded:  # nothing to serve: the held requests wait for an update, new ones are refused
+                log.warning("vLLM woke after a level-2 sleep and no weight update came within "
+                            "engine.vllm.update_timeout_s (%.0fs): it refuses requests until one loads",
+                            self.cfg.update_timeout_s)
+                with self._lock:
+                    self._broken = self._broken or _DISCARDED
+                return
             log.warning("vLLM woke and no weight update came within engine.vllm.update_timeout_s (%.0fs): serving "
                         "version %d", self.cfg.update_timeout_s, self._version)
             try:
@@ -707,8 +803,9 @@ class VLLMEngine(LoadState):
                 return
             await self._resume()
 
-    async def _load(self, updates: Iterable[dict[str, Any]], version: int) -> None:
-        """One update: `updates`, the update_info of each vLLM update_weights call (vllm_worker.py's kinds)."""
+    async def _load(self, updates: Iterable[dict[str, Any]], version: int, whole: bool) -> None:
+        """One update: `updates`, the update_info of each vLLM update_weights call (vllm_worker.py's kinds); `whole`:
+        they load every parameter."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         async with self._control:
@@ -732,10 +829,15 @@ class VLLMEngine(LoadState):
                     if not await self._llm.reset_prefix_cache(reset_running_requests=True):
                         raise RuntimeError("reset_prefix_cache refused to drop the old weights' K/V")
                     self.control_calls.append(f"load:{version}")
+                self._last_whole = whole
+                self._discarded = self._discarded and not whole
             finally:
-                if self._asleep:  # after a wake: the K/V cache only now, once the new weights are in
-                    await self._wake_up(self._asleep)
-                await self._resume()
+                if self._discarded:  # failed on weights a level-2 sleep discarded: no step before a whole update
+                    await self._abort_held()
+                else:
+                    if self._asleep:  # after a wake: the K/V cache only now, once the new weights are in
+                        await self._wake_up(self._asleep)
+                    await self._resume()
 
     async def _resume(self) -> None:
         """resume_generation, unless some of vLLM's memory is asleep: a step then would run on memory that is not

@@ -11,7 +11,8 @@ Worker.load_model create an InlineWeightEngine. AsyncLLM.update_weights hands it
   rebuild arguments), mapped on this worker's GPU, as vLLM's own "ipc" engine does;
 - broadcast: the group's address and the version's layout; the worker joins the trainer's process group (its
   engine's first rank + its tensor-parallel rank) on the first such update and receives the buckets the trainer
-  broadcasts (weights/group.py: gloo here, NCCL on GPUs), as vLLM's own "nccl" engine does.
+  broadcasts (weights/group.py: gloo here, NCCL on GPUs), as vLLM's own "nccl" engine does; a sharded trainer's sums
+  follow the last bucket (group.py receive_sums) and are kept for the adapter's check (`loomrl_published`).
 
 Why these choices (docs/research/vllm_cpu_0.32.md, section 5):
 - The tensors ride inside update_info as raw bytes (base64 strings over HTTP) with their dtype and shape
@@ -56,6 +57,7 @@ from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, i
 
 from loomrl.engine.vllm_weights import from_wire
 from loomrl.errors import named_line
+from loomrl.weights.fingerprint import TensorSum, tensor_sum
 from loomrl.weights.group import Receiver
 from loomrl.weights.handle import Transport, WeightHandle
 from loomrl.weights.ipc import ipc_tensors
@@ -82,9 +84,26 @@ class InlineUpdate(WeightTransferUpdateInfo):
     blobs: list[Any] = field(default_factory=list)
     segment: str = ""  # shm: the segment to read the tensors `names` from (dtypes, shapes and blobs stay empty)
     # shm, cuda_ipc and broadcast: `names` are the tensors the adapter checked (tied aliases left out), loaded alone
-    version: int = -1  # shm: the version the segment must hold
+    version: int = -1  # shm: the version the segment must hold; broadcast: the version received
     ipc: str = ""  # cuda_ipc: base64 of the pickled ipc_payload (weights/ipc.py)
     broadcast: dict[str, Any] | None = None  # broadcast: the group's address and the version's names, dtypes, shapes
+    # A test-only seam (VLLMEngine.skip_loading; empty in runs): names received but not loaded, a load that misses a
+    # tensor, so that tests prove the fingerprint check catches one without patching vLLM
+    skip: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Followed:
+    """The publisher's sums that followed this worker's last broadcast version (group.py receive_sums). Kept here,
+    once per worker process, because vLLM's worker holds the transfer engine that receives them and the worker
+    extension that reports them (`loomrl_published`) as two objects, and reaching one from the other would be another
+    vLLM internal."""
+
+    version: int = -1
+    sums: dict[str, TensorSum] = field(default_factory=dict)
+
+
+_FOLLOWED = Followed()
 
 
 class InlineWeightEngine(WeightTransferEngine[InlineInit, InlineUpdate]):
@@ -111,7 +130,7 @@ class InlineWeightEngine(WeightTransferEngine[InlineInit, InlineUpdate]):
                 with shm_views(WeightHandle(transport=Transport.SHM, version=update_info.version, nbytes=0,
                                             location=update_info.segment)) as views:
                     # vLLM's loaders copy (and cast) out of the views; `names`: those the adapter checked
-                    self.model.load_weights([(n, views[n]) for n in update_info.names])
+                    self._load([(n, views[n]) for n in update_info.names], update_info.skip)
             elif update_info.broadcast is not None:
                 # the engine's first rank + this worker's tensor-parallel rank; joined on the first handle naming it
                 group = self.receiver.group_for(update_info.broadcast["group"],
@@ -119,16 +138,21 @@ class InlineWeightEngine(WeightTransferEngine[InlineInit, InlineUpdate]):
                                                 self.device)
                 wanted = set(update_info.names)  # every bucket is received: the others are in the collective too
                 for bucket in group.receive(update_info.broadcast):
-                    self.model.load_weights([(n, t) for n, t in bucket if n in wanted])
+                    self._load([(n, t) for n, t in bucket if n in wanted], update_info.skip)
+                # after the last bucket: the publisher's sums, where its handle could not carry them (a sharded trainer)
+                _FOLLOWED.version, _FOLLOWED.sums = update_info.version, group.receive_sums(update_info.broadcast)
             elif update_info.ipc:
                 payload = pickle.loads(base64.b64decode(update_info.ipc))  # noqa: S301 - our trainer's, same machine
                 mapped = ipc_tensors(payload, self.device.index)
-                self.model.load_weights([(n, mapped[n]) for n in update_info.names])
+                self._load([(n, mapped[n]) for n in update_info.names], update_info.skip)
             else:
-                self.model.load_weights(from_wire(update_info))
+                self._load(from_wire(update_info), update_info.skip)
         except BaseException:
             finalize_layerwise_reload(self.model, self.model_config)  # no layer left half-way in the reload
             raise
+
+    def _load(self, named: list[tuple[str, torch.Tensor]], skip: list[str]) -> None:
+        self.model.load_weights([(n, t) for n, t in named if n not in skip] if skip else named)
 
     def finish_weight_update(self) -> None:
         finalize_layerwise_reload(self.model, self.model_config)
@@ -152,27 +176,50 @@ class WorkerExtension:
 
     def loomrl_fingerprint(self, wanted: dict[str, list]) -> dict[str, Any]:
         """Checksums (weights/fingerprint.py tensor_sum) of this worker's parameters named in `wanted` ({name: [dtype,
-        shape]} as published): {"sums": {name: [sum, weighted]}, "unchecked": why the others could not be read}. A
-        parameter counts only with the published name and shape (a vocabulary padded for vLLM's kernels is cut back);
-        fused ones (qkv_proj, gate_up_proj), those sharded across tensor-parallel ranks, those vLLM quantized (another
-        dtype) and those packed away on the CPU (linear weights: the parameter is left empty) are not read."""
-        from loomrl.weights.fingerprint import tensor_sum
-
+        shape, fused]} as published, `fused` as `readable` takes it): {"sums": {name: [sum, weighted]}, "unchecked": why
+        the others could not be read}."""
         params = dict(self.model_runner.get_model().named_parameters())
         sums, other = {}, []
-        for name, (dtype, shape) in wanted.items():
-            p, shape = params.get(name), tuple(shape)
-            if p is not None and p.dim() == len(shape) > 0 and tuple(p.shape[1:]) == shape[1:] and p.shape[0] > shape[0]:
-                p = p[: shape[0]]  # VocabParallelEmbedding pads the vocabulary; the rows past it were never loaded
-            # another dtype: vLLM quantized it (fp8 keeps o_proj.weight under its name, transposed), not a mismatch
-            if p is None or tuple(p.shape) != shape or p.dtype != getattr(torch, dtype):
+        for name, (dtype, shape, fused) in wanted.items():
+            p = readable(params, name, getattr(torch, dtype), tuple(shape), fused)
+            if p is None:
                 other.append(name)
                 continue
             s = tensor_sum(p, getattr(torch, dtype))
             sums[name] = [s.sum, s.weighted]
-        why = (f"vLLM holds them in another layout: fused (qkv_proj, gate_up_proj), sharded across tensor-parallel "
-               f"ranks, quantized or packed for the CPU (e.g. {other[0]})") if other else ""
+        why = (f"vLLM holds them in another layout: sharded across tensor-parallel ranks (fused ones, in qkv_proj or "
+               f"gate_up_proj, too), quantized or packed for the CPU (e.g. {other[0]})") if other else ""
         return {"sums": sums, "unchecked": why}
+
+    def loomrl_published(self, version: int) -> dict[str, list]:
+        """The publisher's sums that followed broadcast version `version` to this worker ({name: [dtype, shape, sum,
+        weighted]}); empty when none did (its handle carried them, or this worker received another version last)."""
+        if _FOLLOWED.version != version:
+            return {}
+        return {n: [s.dtype, list(s.shape), s.sum, s.weighted] for n, s in _FOLLOWED.sums.items()}
+
+
+def readable(params: dict[str, torch.Tensor], name: str, dtype: torch.dtype, shape: tuple[int, ...],
+             fused: list | None) -> torch.Tensor | None:
+    """The tensor of vLLM's parameters `params` that holds the published tensor `name` as published, else None. Under
+    its own name: as it is, or with the rows past the published vocabulary cut (VocabParallelEmbedding pads it; they
+    were never loaded). Fused (`fused`: [the fused parameter's name, the first row of this part, the rows of all
+    parts], engine/vllm.py fused_slot): q/k/v_proj stacked in qkv_proj, gate/up_proj in gate_up_proj, along dim 0 in
+    that order; the part's rows, only where the fused parameter holds all parts whole (one tensor-parallel rank). Not
+    readable: a shard of a tensor-parallel rank (another shape), a quantized one (another dtype: fp8 keeps o_proj.weight
+    under its name, transposed) and a linear weight packed away on the CPU (the parameter is left empty)."""
+    p = params.get(name)
+    if p is None and fused is not None:
+        whole, first, rows = fused[0], int(fused[1]), int(fused[2])
+        p = params.get(whole)
+        if p is None or p.dim() != len(shape) or p.dim() == 0 or p.shape[0] != rows or tuple(p.shape[1:]) != shape[1:]:
+            return None
+        p = p[first:first + shape[0]]
+    elif p is not None and p.dim() == len(shape) > 0 and tuple(p.shape[1:]) == shape[1:] and p.shape[0] > shape[0]:
+        p = p[: shape[0]]
+    if p is None or tuple(p.shape) != shape or p.dtype != dtype:
+        return None
+    return p
 
 
 class FirstFailure(logging.Handler):

@@ -43,16 +43,20 @@ class BroadcastPublisher(WeightPublisher):
         self._error: BaseException | None = None
 
     def _snapshot(self, source: WeightSource, version: int) -> tuple[Any, WeightHandle]:
-        from loomrl.weights.fingerprint import Tap
+        from loomrl.weights.fingerprint import Fingerprint, Tap
         from loomrl.weights.group import describe
 
         self.settle()
         backend = "nccl" if source.device.type == "cuda" else "gloo"
         if self._group is None:
             self.address.backend = backend  # the first version's tensors decide; later ones are on the same device
-        meta = describe(source, self.wire)
         # taken before the thread reads the source (publish's Tap is complete only once the send is)
         fingerprint = source.ahead() if isinstance(source, Tap) else None
+        trailer: list[str] = []
+        if isinstance(source, Tap) and fingerprint is not None and not fingerprint.sums and self.wire == "buckets":
+            # a sharded trainer's: the Tap's sums are sent after the last bucket, which the engine reports (group.py)
+            trailer, fingerprint = sorted(source.names), Fingerprint(follows=True)
+        meta = describe(source, self.wire, trailer)
         # The source is read on the thread: a sharded trainer's gathers (collectives of every trainer rank) run there,
         # bucket by bucket, as the receivers take each one.
         self._thread = threading.Thread(target=self._send, args=(source, meta), name="loomrl-weight-broadcast",
@@ -62,6 +66,7 @@ class BroadcastPublisher(WeightPublisher):
                                   payload={"group": dataclasses.asdict(self.address), **meta}, fingerprint=fingerprint)
 
     def _send(self, source: WeightSource, meta: dict[str, Any]) -> None:
+        from loomrl.weights.fingerprint import Tap
         from loomrl.weights.group import WeightGroup
 
         try:
@@ -70,6 +75,8 @@ class BroadcastPublisher(WeightPublisher):
             if self._group is None:
                 self._group = WeightGroup(self.address, 0, source.device, store=self._store)
             self._group.send(source, meta)
+            if meta["trailer"] and isinstance(source, Tap):  # it has read every bucket now: its sums are complete
+                self._group.send_sums(source.fingerprint(), meta["trailer"])
         except BaseException as err:  # noqa: BLE001 - raised by settle, in the trainer's thread
             self._error = err
 

@@ -12,9 +12,11 @@ float64 on the host: their sum and their sum weighted by a fixed function of the
 the device or the order they were read in, and any other values almost surely change them.
 
 Where it is taken: the publisher taps the buckets it sends (`Tap`, no copy of its own; weights/handle.py) and puts the
-`Fingerprint` in the handle; a broadcast (sent after publish returns) is fingerprinted from the trainer's whole
-tensors when it has them (a replicated trainer), else its handle says why not. The engine computes its own over its
-loaded weights (Engine.weight_fingerprint) and `check` compares the two (confirm_weights below).
+`Fingerprint` in the handle. A broadcast is sent after publish returns: a replicated trainer's handle carries the
+sums of its whole tensors (`Tap.ahead`); a sharded trainer gathers its tensors only as the broadcast sends them, so its
+handle says the sums `follow`: the Tap's sums go over the same group after the last bucket (weights/group.py
+send_sums) and the receiving engine reports them as it got them (`Fingerprint.published`). The engine computes its
+own over its loaded weights (Engine.weight_fingerprint) and `check` compares the two (confirm_weights below).
 
 What it is not: a proof that every element arrived (a sample of tensors, a sample of elements: it catches a version
 that was not applied, in whole or a tensor at a time, not one flipped bit), nor a check of what an engine derives from
@@ -59,6 +61,10 @@ class Fingerprint:
 
     sums: dict[str, TensorSum] = field(default_factory=dict)
     unchecked: str = ""
+    # a publisher's (a sharded trainer's broadcast): the sums are sent after the version's buckets, not in the handle
+    follows: bool = False
+    # an engine's, for a handle whose sums follow: the publisher's sums as they reached it (None: none reached it)
+    published: dict[str, TensorSum] | None = None
 
 
 def pick(names: list[str], max_tensors: int = MAX_TENSORS) -> list[str]:
@@ -116,7 +122,8 @@ class Tap(WeightSource):
     def ahead(self) -> Fingerprint:
         """The fingerprint before any bucket is read (a broadcast's handle), where the source holds its tensors whole:
         a DictSource's buckets are its tensors cast, so sampling then casting gives the same values. A sharded
-        trainer's are gathered only as they are sent: a fingerprint saying so."""
+        trainer's are gathered only as they are sent: a fingerprint saying so (a broadcast sends them after the last
+        bucket: weights/broadcast.py)."""
         if isinstance(self.source, DictSource):
             dtypes = {s.name: s.dtype for s in self.specs}
             return Fingerprint(sums={n: tensor_sum(self.source.weights[n], dtypes[n]) for n in sorted(self.names)})
@@ -164,6 +171,10 @@ def check(engine: str, version: int, expected: Fingerprint | None, actual: Finge
     if loaded_version != version:
         raise WeightMismatch(f"weight sync: engine {engine} serves version {loaded_version} after loading version "
                              f"{version}: the update did not take effect")
+    if expected is not None and expected.follows:  # the publisher's sums came after the weights, to the engine
+        expected = Fingerprint(sums=actual.published or {}, unchecked="" if actual.published else
+                               f"the publisher's sums follow the weights and the engine did not report them "
+                               f"({actual.unchecked or 'it reported none'})")
     if expected is None or not expected.sums:
         why = expected.unchecked if expected is not None and expected.unchecked else "its handle carries no fingerprint"
         _once(engine, f"weight fingerprint not checked for engine {engine}: {why}")
@@ -172,8 +183,14 @@ def check(engine: str, version: int, expected: Fingerprint | None, actual: Finge
     if verdict.differ:
         shown = ", ".join(verdict.differ[:5]) + (f" and {len(verdict.differ) - 5} more" if len(verdict.differ) > 5
                                                   else "")
+        first = verdict.differ[0]
+        want, got = expected.sums[first], actual.sums.get(first)
+        theirs = f"the engine's sum {got.sum!r}, weighted {got.weighted!r}" if got else "the engine has no such tensor"
+        if got is not None and got.shape != want.shape:
+            theirs += f" (shape {list(got.shape)}, published {list(want.shape)})"
         raise WeightMismatch(f"weight sync: engine {engine} did not load version {version} as published: "
-                             f"{len(verdict.differ)} of {verdict.checked} fingerprinted tensors differ ({shown})")
+                             f"{len(verdict.differ)} of {verdict.checked} fingerprinted tensors differ ({shown}); "
+                             f"{first}: published sum {want.sum!r}, weighted {want.weighted!r}; {theirs}")
     if verdict.unchecked:
         _once(engine, f"weight fingerprint not checked for engine {engine} on {len(verdict.unchecked)} of "
                       f"{len(expected.sums)} tensors: {actual.unchecked}")
@@ -190,5 +207,6 @@ def confirm_weights(engine: Any, label: str, version: int, expected: Fingerprint
     """After `engine` (named `label` in errors) applied `version`: raise WeightMismatch unless it serves that version
     and its weights' fingerprint matches `expected`, the publisher's (weights/fingerprint.py check: what could not be
     compared is logged, never skipped silently). Returns how many tensors were compared."""
-    actual = engine.weight_fingerprint(expected) if expected is not None and expected.sums else Fingerprint()
+    asks = expected is not None and (expected.sums or expected.follows)
+    actual = engine.weight_fingerprint(expected) if asks else Fingerprint()
     return check(label, version, expected, actual, engine.version)

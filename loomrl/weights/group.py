@@ -16,6 +16,12 @@ server takes one such call per bucket (engine/sglang.py; it allocates every tens
 whole-model call would need a second copy of the model); the sender broadcasts a bucket's tensors and waits until they
 are received (the server's call for that bucket is running) before it reads the next bucket, so neither side holds more
 than a bucket. That wait is bounded by `timeout_s`, on NCCL too (where a broadcast returns before it completes).
+
+A sharded trainer's version is fingerprinted only as it is sent (weights/fingerprint.py), so on the "buckets" wire the
+publisher's sums of the tensors meta["trailer"] names follow the last bucket as one more broadcast ([n, 2] float64:
+`send_sums` / `receive_sums`), for the receiving engine to report beside its own (the "tensors" wire, SGLang's, carries
+none: SGLang would not receive it).
+
 The group itself is made as torch's tcp:// rendezvous and _new_process_group_helper make one, which is what SGLang's
 /init_weights_update_group does (init_custom_process_group), so both engines join the same kind of group. The sender
 casts to the engine's dtype as it packs, reading the live parameters: the trainer must not step them until the
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import time
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
@@ -38,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from loomrl.collectives import bounded_nccl
+from loomrl.weights.fingerprint import Fingerprint, TensorSum
 from loomrl.weights.source import Entry, WeightSource, bucket_size, dtype_name, plan_buckets
 
 Tensor = torch.Tensor
@@ -182,6 +190,26 @@ class WeightGroup:
             yield [(e.name, flat[e.offset:e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape))
                    for e in bucket]
 
+    def send_sums(self, fingerprint: Fingerprint, names: list[str]) -> None:
+        """After a version's last bucket: `fingerprint`'s sums of `names` (meta["trailer"]; the publisher's Tap's) to
+        every receiver. A name it lacks goes as NaN, which matches nothing (its tensor was never read)."""
+        if not names:
+            return
+        missing = TensorSum("", (), math.nan, math.nan)
+        rows = [[fingerprint.sums.get(n, missing).sum, fingerprint.sums.get(n, missing).weighted] for n in names]
+        self._broadcast(torch.tensor(rows, dtype=torch.float64, device=self.device), "weight sync: the version's sums")
+
+    def receive_sums(self, meta: dict[str, Any]) -> dict[str, TensorSum]:
+        """The publisher's sums that follow the version `meta` describes (after its last bucket), by name, with the
+        dtypes and shapes it was published in; empty when its handle carried them (meta["trailer"] empty)."""
+        names = meta["trailer"]
+        if not names:
+            return {}
+        rows = torch.empty(len(names), 2, dtype=torch.float64, device=self.device)  # [n, 2]: sum, weighted
+        self._broadcast(rows, "weight sync: the version's sums")
+        specs = {n: (d, tuple(s)) for n, d, s in zip(meta["names"], meta["dtypes"], meta["shapes"])}
+        return {n: TensorSum(specs[n][0], specs[n][1], a, b) for n, (a, b) in zip(names, rows.cpu().tolist())}
+
 
 class Receiver:
     """A receiving process's membership: the group the latest handle names, joined when it first appears (the one
@@ -197,11 +225,13 @@ class Receiver:
             self.group = WeightGroup(addr, rank, device)
         return self.group
 
-    def receive_all(self, payload: dict[str, Any], device: torch.device) -> dict[str, Tensor]:
+    def receive_all(self, payload: dict[str, Any], device: torch.device) -> tuple[dict[str, Tensor],
+                                                                                  dict[str, TensorSum]]:
         """A whole version for an engine that takes tensors (the built-in one): joined as rank payload["rank_offset"],
-        every bucket received and copied out, by name."""
+        every bucket received and copied out, by name; and the publisher's sums that followed it (receive_sums)."""
         group = self.group_for(payload["group"], payload["rank_offset"], device)
-        return {name: t.clone() for bucket in group.receive(payload) for name, t in bucket}
+        weights = {name: t.clone() for bucket in group.receive(payload) for name, t in bucket}
+        return weights, group.receive_sums(payload)
 
 
 def with_rank_offset(payload: dict[str, Any], rank_offset: int) -> dict[str, Any]:
@@ -210,9 +240,12 @@ def with_rank_offset(payload: dict[str, Any], rank_offset: int) -> dict[str, Any
     return {**payload, "rank_offset": rank_offset}
 
 
-def describe(source: WeightSource, wire: str = "buckets") -> dict[str, Any]:
-    """names, dtypes (as published), shapes, bucket_bytes, wire ("buckets" or "tensors") and the engine's first rank
-    of a version: what a receiver needs."""
+def describe(source: WeightSource, wire: str = "buckets", trailer: list[str] | None = None) -> dict[str, Any]:
+    """names, dtypes (as published), shapes, bucket_bytes, wire ("buckets" or "tensors"), the engine's first rank
+    and the names whose sums follow the last bucket (`trailer`: "buckets" only) of a version: what a receiver needs."""
+    if trailer and wire != "buckets":
+        raise ValueError(f"weight sync: the {wire!r} wire carries no sums after the weights")
     return {"names": [s.name for s in source.specs], "dtypes": [dtype_name(s.dtype) for s in source.specs],
             "shapes": [list(s.shape) for s in source.specs], "bucket_bytes": source.bucket_bytes, "wire": wire,
-            "rank_offset": 1}  # the engine's first rank (one engine: 1, after the publisher; with_rank_offset)
+            "rank_offset": 1,  # the engine's first rank (one engine: 1, after the publisher; with_rank_offset)
+            "trailer": list(trailer or [])}

@@ -63,6 +63,10 @@ class WeightPublisher(ABC):
 
     transport: Transport
     sends_later = False  # broadcast: the version is read after publish returns (its handle's fingerprint is its own)
+    # cuda_ipc: a version leaving the window is released before the next is snapshotted, so that the trainer's GPU never
+    # holds keep + 1 snapshots (at keep=1 one, not two: a whole model's worth). The others keep the old version until
+    # the new one is whole (shm rewrites the released segment as a spare, file readers may still be reading it).
+    releases_first = False
 
     def __init__(self, keep: int, *, dtype: torch.dtype | None = None, bucket_bytes: int = 64 << 20):
         """`dtype`: the engine's, what every version is published in (None: the tensors' own); `bucket_bytes`: the
@@ -80,6 +84,8 @@ class WeightPublisher(ABC):
         if self._last is not None and version <= self._last:
             raise ValueError(f"publish: version {version} is not above the last published one ({self._last})")
         start = time.perf_counter()
+        while self.releases_first and len(self._held) >= self.keep:
+            self._release(self._held.popleft()[1])
         tap = Tap(as_source(weights, self.dtype, self.bucket_bytes))  # fingerprints the buckets as they are read
         resource, handle = self._snapshot(tap, version)
         if not self.sends_later:

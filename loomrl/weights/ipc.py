@@ -56,6 +56,7 @@ def ipc_tensors(payload: dict[str, Any], device_index: int | None = None) -> dic
 
 class IpcPublisher(WeightPublisher):
     transport = Transport.CUDA_IPC
+    releases_first = True  # one snapshot on the GPU at keep=1 (WeightPublisher.publish)
 
     def __init__(self, *, keep: int = 2, dtype: torch.dtype | None = None, bucket_bytes: int = 64 << 20):
         if not torch.cuda.is_available():

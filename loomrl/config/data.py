@@ -12,8 +12,9 @@ from loomrl.config.base import Section
 class DataConfig(Section):
 
     path: str | list[str] | None = None
-    """local files: a path, a glob, or a list of them (parquet, JSONL/JSON, CSV, Arrow); relative to the recipe's folder
-    """
+    """local files: a path, a glob, or a list of them (parquet, JSONL/JSON, CSV, Arrow), or a folder written by
+    `datasets`' save_to_disk (a DatasetDict's splits chosen by train_values and heldout_values); relative to the
+    recipe's folder"""
     heldout_path: str | list[str] | None = None
     """a separate held-out file (same forms as path); else the held-out split comes from split_column or the seed"""
     hub: str | None = None
@@ -47,16 +48,16 @@ class DataConfig(Section):
     """held-out split from a column: rows whose split_column is in heldout_values are held out, train_values trained on
     """
     train_values: list[str] = Field(default_factory=lambda: ["train"])
-    """split_column values whose rows are trained on"""
+    """split_column values whose rows are trained on (also: a save_to_disk DatasetDict's splits trained on)"""
     heldout_values: list[str] = Field(default_factory=lambda: ["test", "heldout", "validation", "val"])
-    """split_column values whose rows are held out"""
+    """split_column values whose rows are held out (also: a save_to_disk DatasetDict's splits held out)"""
     heldout_size: int | None = Field(None, gt=0)
     """else held out from the seed: this many rows (default: env.n_heldout, at most a fifth of the rows)"""
     max_rows: int | None = Field(None, gt=0)
     """use only the first max_rows rows of each split"""
     skip_malformed: bool = False
-    """rows that cannot be used (null or empty prompt, null answer): stop naming the first (false) or leave them out
-    with a count (true)"""
+    """rows that cannot be used (null or empty prompt, null answer, a JSON line that is not a JSON object): stop
+    naming the first (false) or leave them out with a warning and a count (true)"""
 
     @model_validator(mode="after")
     def _one_source(self) -> DataConfig:

@@ -1,19 +1,20 @@
 """Datasets users bring, read through Hugging Face `datasets` into tasks, lazily.
 
-Files are read with `datasets.Dataset.from_parquet/from_json/from_csv/from_file`: each is converted once into an Arrow
-file in loomrl's cache folder and memory-mapped, so a worker holds no Python copy of the rows and a row becomes a Task
-only when the run asks for it (`TaskSource.__getitem__`). Measured by benchmarks/data_loading.py.
+The rows come from parts (parts.py: files, `datasets` save_to_disk folders; the hub here), each memory-mapped Arrow,
+so a worker holds no Python copy of the rows and a row becomes a Task only when the run asks for it
+(`TaskSource.__getitem__`). Measured by benchmarks/data_loading.py.
 
-Checks, each a DataError of one line naming the file, the row and the column and what to do: no file matches; a
-format that cannot be told from the name; a column the mapping names is missing; a split is empty; a row cannot be
-used (its prompt or answer is null or empty). The last is checked for every row up front over the two columns alone
-(Arrow compute, no Python loop), so that a bad row stops the run at start, not an hour in; with data.skip_malformed
-such rows are left out and counted instead (the good rows' indices are kept as one integer array).
+Checks, each a DataError of one line naming the file, the row (1-based: "line N" in JSON lines, "row N (1-based)"
+elsewhere) and the column and what to do: no file matches; a format that cannot be told from the name; a folder that
+is not a save_to_disk folder; a malformed JSON line; a column the mapping names is missing; a split is empty; a row
+cannot be used (its prompt or answer is null or empty). The last is checked for every row up front over the two
+columns alone (Arrow compute, no Python loop), so that a bad row stops the run at start, not an hour in; with
+data.skip_malformed such rows and lines are left out and counted instead (the good rows' indices are kept as one
+integer array). A prompt whose messages are wrong is met when its row is read.
 """
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import random
@@ -27,14 +28,10 @@ import pyarrow as pa
 import pyarrow.compute as pc  # functions made at import time from Arrow's registry: declared nowhere (ty: ignore)
 
 from loomrl.config.data import DataConfig
+from loomrl.data.parts import DataError, Part, cache_dir, read_local, where
 from loomrl.types import Task
 
 log = logging.getLogger(__name__)
-_FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
-
-
-class DataError(ValueError):
-    """A dataset that cannot be used as configured: one line saying where and what to do."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,47 +40,6 @@ class _Columns:
     answer: list[str]  # a dotted path into the row
     id: str | None
     family: str | None
-
-
-def _files(spec: str | list[str], base_dir: Path | None) -> list[str]:
-    out = []
-    for item in [spec] if isinstance(spec, str) else spec:
-        pattern = item if os.path.isabs(item) or base_dir is None else str(base_dir / item)
-        matched = sorted(glob.glob(pattern))
-        if not matched:
-            raise DataError(f"data error: no file matches {pattern!r} (data.path is relative to the recipe's folder)")
-        out += matched
-    return out
-
-
-def _cache_dir() -> str:
-    from loomrl.cache_dir import cache_root
-
-    return str(cache_root() / "datasets")
-
-
-def _read_files(files: list[str], fmt: str):
-    import datasets
-
-    datasets.disable_progress_bars()
-    parts = []
-    for f in files:
-        kind = fmt if fmt != "auto" else _FORMATS.get(Path(f).suffix.lower())
-        if kind is None:
-            raise DataError(f"data error: {f}: cannot tell the format from the name; set data.format to parquet, json, "
-                            "csv or arrow")
-        try:
-            if kind == "arrow":
-                ds = datasets.Dataset.from_file(f)
-            else:
-                reader = {"parquet": datasets.Dataset.from_parquet, "json": datasets.Dataset.from_json,
-                          "csv": datasets.Dataset.from_csv}[kind]
-                ds = reader(f, cache_dir=_cache_dir(), keep_in_memory=False)
-        except Exception as err:  # noqa: BLE001 - a file datasets cannot read: say which and why, in one line
-            raise DataError(f"data error: {f}: cannot read it as {kind}: {type(err).__name__}: "
-                            f"{' '.join(str(err).split())[:300]}") from None
-        parts.append((f, ds))
-    return parts
 
 
 def _offline() -> None:
@@ -116,11 +72,11 @@ def _read_hub(cfg: DataConfig, split: str):
                         f"({type(err).__name__}); download it beforehand (e.g. huggingface-cli download {cfg.hub} "
                         "--repo-type dataset) or give data.path") from None
     try:
-        ds = datasets.load_dataset(folder, cfg.hub_config, split=split, cache_dir=_cache_dir())
+        ds = datasets.load_dataset(folder, cfg.hub_config, split=split, cache_dir=cache_dir())
     except Exception as err:  # noqa: BLE001
         raise DataError(f"data error: {where}: cannot read the cached snapshot {folder}: {type(err).__name__}: "
                         f"{' '.join(str(err).split())[:200]}; check data.hub_config and data.hub_split") from None
-    return [(where, ds)]
+    return [Part(name=where, ds=ds, label=Path(where).stem)]
 
 
 def _columns(cfg: DataConfig, names: list[str], where: str) -> _Columns:
@@ -169,7 +125,7 @@ def _unusable(table: pa.Table, cols: _Columns) -> tuple[np.ndarray, list[tuple[n
 class TaskSource(Sequence[Task]):
     """The tasks of one split of a dataset, made from its rows on demand (a Sequence: len and index)."""
 
-    def __init__(self, cfg: DataConfig, parts: list[tuple[str, Any]], rows: tuple[np.ndarray, np.ndarray], split: str,
+    def __init__(self, cfg: DataConfig, parts: list[Part], rows: tuple[np.ndarray, np.ndarray], split: str,
                  cols: _Columns):
         self.cfg, self.split, self.cols = cfg, split, cols
         self._parts = parts
@@ -184,20 +140,19 @@ class TaskSource(Sequence[Task]):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         part, row = int(self._part[i]), int(self._row[i])
-        name, ds = self._parts[part]
-        return self._task(ds[row], name, row)
+        return self._task(self._parts[part].ds[row], self._parts[part], row)
 
-    def _task(self, row: dict[str, Any], name: str, index: int) -> Task:
+    def _task(self, row: dict[str, Any], part: Part, index: int) -> Task:
         cfg, cols = self.cfg, self.cols
-        where = f"{name} row {index}"
+        at = where(part, index)
         if cols.prompt is None:
             template = cfg.prompt_template
             if template is None:  # _columns leaves no prompt column only where a template is given
-                raise DataError(f"data error: {where}: neither data.prompt nor data.prompt_template is given")
+                raise DataError(f"data error: {at}: neither data.prompt nor data.prompt_template is given")
             try:
                 prompt: Any = template.format(**row)
             except (KeyError, IndexError, ValueError) as err:
-                raise DataError(f"data error: {where}: data.prompt_template: {err!r} (the columns are "
+                raise DataError(f"data error: {at}: data.prompt_template: {err!r} (the columns are "
                                 f"{', '.join(row)})") from None
         else:
             prompt = row[cols.prompt]
@@ -208,9 +163,9 @@ class TaskSource(Sequence[Task]):
                                                          for m in prompt):
             messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
         else:
-            raise DataError(f"data error: {where}: column {cols.prompt!r} is neither a string nor a list of "
-                            "{role, content} messages; fix the row, set data.prompt to another column, or "
-                            "data.skip_malformed=true")
+            raise DataError(f"data error: {at}: column {cols.prompt!r} is neither a string nor a list of "
+                            "{role, content} messages (each role system, user or assistant); fix the row or set "
+                            "data.prompt to another column")
         answer: Any = row
         for key in cols.answer:
             answer = answer.get(key) if isinstance(answer, dict) else None
@@ -222,7 +177,7 @@ class TaskSource(Sequence[Task]):
         # every column but the prompt's, the answer's too, as TRL passes a dataset's columns to reward functions: one
         # written for TRL reads its answer by the column's own name (its accuracy_reward reads `solution`)
         skip = {cols.prompt}
-        return Task(task_id=str(row[cols.id]) if cols.id else f"{Path(name).stem}-{index}",
+        return Task(task_id=str(row[cols.id]) if cols.id else f"{part.label}-{index}",
                     prompt=next((m["content"] for m in reversed(messages) if m["role"] == "user"), ""),
                     answer=str(answer), split=self.split, family=str(row[cols.family]) if cols.family else "",
                     data={k: v for k, v in row.items() if k not in skip}, messages=[*opening, *messages])
@@ -243,14 +198,14 @@ def _few_shot(shots: list[dict[str, Any]]) -> list[dict[str, str]]:
 Rows = tuple[np.ndarray, np.ndarray]  # (file index, row index) per task
 
 
-def _usable_rows(cfg: DataConfig, parts: list[tuple[str, Any]], cols: _Columns) -> tuple[Rows, int]:
+def _usable_rows(cfg: DataConfig, parts: list[Part], cols: _Columns) -> tuple[Rows, int]:
     part_ids, row_ids, skipped = [], [], 0
-    for p, (name, ds) in enumerate(parts):
-        bad, checks = _unusable(ds.data.table, cols)
+    for p, part in enumerate(parts):
+        bad, checks = _unusable(part.ds.data.table, cols)
         if bad.any() and not cfg.skip_malformed:
             first = int(np.argmax(bad))
             why = next(says for mask, says in checks if mask[first])
-            raise DataError(f"data error: {name} row {first}: column {why}; fix the row or set "
+            raise DataError(f"data error: {where(part, first)}: column {why}; fix the row or set "
                             f"data.skip_malformed=true to leave such rows out ({int(bad.sum())} in this file)")
         skipped += int(bad.sum())
         good = np.flatnonzero(~bad).astype(np.int64)
@@ -263,33 +218,63 @@ def _take(rows: Rows, keep: np.ndarray) -> Rows:
     return rows[0][keep], rows[1][keep]
 
 
-def _split_values(parts: list[tuple[str, Any]], rows: Rows, column: str) -> np.ndarray:
+def _split_values(parts: list[Part], rows: Rows, column: str) -> np.ndarray:
     out = np.empty(len(rows[1]), dtype=object)
-    for p, (_, ds) in enumerate(parts):
+    for p, part in enumerate(parts):
         here = rows[0] == p
-        col = ds.data.table.column(column).take(pa.array(rows[1][here]))
+        col = part.ds.data.table.column(column).take(pa.array(rows[1][here]))
         out[here] = np.asarray([str(v) for v in col.to_pylist()], dtype=object)
     return out
+
+
+def _read_parts(cfg: DataConfig, base_dir: Path | None) -> tuple[list[Part], list[Part] | None, int]:
+    """The parts trained on, the parts held out (None: split by data.split_column or the seed) and how many malformed
+    JSON lines were left out. A save_to_disk DatasetDict's splits are chosen by data.train_values and
+    data.heldout_values, as a split column's values are."""
+    if cfg.hub is not None:
+        held = _read_hub(cfg, cfg.hub_heldout_split) if cfg.hub_heldout_split else None
+        return _read_hub(cfg, cfg.hub_split), held, 0
+    if cfg.path is None:  # DataConfig refuses it: exactly one of path and hub
+        raise DataError("data error: give data.path (local files) or data.hub (a cached hub dataset)")
+    found, skipped = read_local(cfg.path, base_dir, cfg.format, skip_malformed=cfg.skip_malformed)
+    parts = _splits(found, cfg.train_values, "train_values")
+    held = None
+    if any(p.split is not None for p in found):
+        if cfg.split_column is not None:
+            raise DataError(f"data error: {Path(found[0].name).parent}: a DatasetDict with splits "
+                            f"{', '.join(str(p.split) for p in found)}: its splits choose the held-out rows "
+                            "(data.train_values, data.heldout_values); unset data.split_column, or set data.path to "
+                            "one split's folder")
+        held = [p for p in found if p.split in cfg.heldout_values] or None
+    if cfg.heldout_path is not None:
+        held_found, held_skipped = read_local(cfg.heldout_path, base_dir, cfg.format,
+                                              skip_malformed=cfg.skip_malformed)
+        held, skipped = _splits(held_found, cfg.heldout_values, "heldout_values"), skipped + held_skipped
+    return parts, held, skipped
+
+
+def _splits(parts: list[Part], values: list[str], setting: str) -> list[Part]:
+    """The parts a DatasetDict's split names in `values` (data.<setting>) keeps; parts of no DatasetDict all."""
+    kept = [p for p in parts if p.split is None or p.split in values]
+    if not kept:
+        raise DataError(f"data error: {Path(parts[0].name).parent}: a DatasetDict with splits "
+                        f"{', '.join(str(p.split) for p in parts)}; none is in data.{setting} {values}; set "
+                        f"data.{setting}=[<split>]")
+    return kept
 
 
 def load_splits(cfg: DataConfig, *, seed: int, base_dir: Path | None = None,
                 n_heldout: int = 200) -> tuple[TaskSource, TaskSource]:
     """(train, held-out) tasks of the dataset `cfg` names (see the module's doc). `n_heldout`: the held-out size when
     neither a held-out file, a split column nor data.heldout_size says (at most a fifth of the rows)."""
-    if cfg.hub is not None:
-        parts = _read_hub(cfg, cfg.hub_split)
-        held_parts = _read_hub(cfg, cfg.hub_heldout_split) if cfg.hub_heldout_split else None
-    elif cfg.path is None:  # DataConfig refuses it: exactly one of path and hub
-        raise DataError("data error: give data.path (local files) or data.hub (a cached hub dataset)")
-    else:
-        parts = _read_files(_files(cfg.path, base_dir), cfg.format)
-        held_parts = _read_files(_files(cfg.heldout_path, base_dir), cfg.format) if cfg.heldout_path else None
-    names = list(parts[0][1].column_names)
-    cols = _columns(cfg, names, parts[0][0])
-    for name, ds in parts[1:] + (held_parts or []):
-        _columns(cfg, list(ds.column_names), name)
-    rows, skipped = _usable_rows(cfg, parts, cols)
-    where = ", ".join(name for name, _ in parts)
+    parts, held_parts, skipped = _read_parts(cfg, base_dir)
+    names = list(parts[0].ds.column_names)
+    cols = _columns(cfg, names, parts[0].name)
+    for part in parts[1:] + (held_parts or []):
+        _columns(cfg, list(part.ds.column_names), part.name)
+    rows, bad_rows = _usable_rows(cfg, parts, cols)
+    skipped += bad_rows
+    sources = ", ".join(part.name for part in parts)
     if held_parts is not None:
         held_rows, held_skipped = _usable_rows(cfg, held_parts, cols)
         train, held = (TaskSource(cfg, parts, rows, "train", cols), TaskSource(cfg, held_parts, held_rows,
@@ -297,7 +282,7 @@ def load_splits(cfg: DataConfig, *, seed: int, base_dir: Path | None = None,
         skipped += held_skipped
     elif cfg.split_column is not None:
         if cfg.split_column not in names:
-            raise DataError(f"data error: {where}: no column {cfg.split_column!r} (data.split_column); the columns "
+            raise DataError(f"data error: {sources}: no column {cfg.split_column!r} (data.split_column); the columns "
                             f"are {', '.join(names)}")
         values = _split_values(parts, rows, cfg.split_column)
         train = TaskSource(cfg, parts, _take(rows, np.isin(values, cfg.train_values)), "train", cols)
@@ -305,7 +290,7 @@ def load_splits(cfg: DataConfig, *, seed: int, base_dir: Path | None = None,
         found = sorted(set(values))[:10]
         for source, setting in ((train, "train_values"), (held, "heldout_values")):
             if not len(source):
-                raise DataError(f"data error: {where}: no row has {cfg.split_column} in data.{setting} "
+                raise DataError(f"data error: {sources}: no row has {cfg.split_column} in data.{setting} "
                                 f"{getattr(cfg, setting)}; the column holds {found}")
     else:  # held out from the seed: a fixed random subset, the rest trained on
         n = len(rows[1])
@@ -320,7 +305,7 @@ def load_splits(cfg: DataConfig, *, seed: int, base_dir: Path | None = None,
             source._part, source._row = source._part[: cfg.max_rows], source._row[: cfg.max_rows]
     for source, what in ((train, "training"), (held, "held-out")):
         if not len(source):
-            raise DataError(f"data error: {where}: the {what} split is empty ({len(rows[1])} usable rows, {skipped} "
+            raise DataError(f"data error: {sources}: the {what} split is empty ({len(rows[1])} usable rows, {skipped} "
                             "left out); add rows or change the split settings")
     if skipped:
         log.warning("data: %d malformed row(s) left out (data.skip_malformed)", skipped)

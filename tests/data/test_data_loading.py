@@ -103,15 +103,15 @@ def test_bad_inputs_name_the_file_row_and_column(tmp_path):
     bad[7]["answer"] = None
     bad[11]["question"] = "  "
     g = _parquet(tmp_path / "bad.parquet", bad)
-    with pytest.raises(DataError, match=r"bad.parquet row 7: column 'answer' is null or empty; fix the row or set "
-                                        r"data.skip_malformed=true .*\(2 in this file\)"):
+    with pytest.raises(DataError, match=r"bad.parquet row 8 \(1-based\): column 'answer' is null or empty; fix the row "
+                                        r"or set data.skip_malformed=true .*\(2 in this file\)"):
         load_splits(DataConfig(path=g, prompt="question"), seed=0)
     train, held = load_splits(DataConfig(path=g, prompt="question", skip_malformed=True, heldout_size=3), seed=0)
     assert len(train) + len(held) == 18 and train.skipped == 2
     # at load, the same line as a config error
     recipe = tmp_path / "r.yaml"
     recipe.write_text("env: {name: chat}\ndata: {path: bad.parquet, prompt: question}\n")
-    with pytest.raises(ConfigError, match=r"^data error: .*bad.parquet row 7: column 'answer'"):
+    with pytest.raises(ConfigError, match=r"^data error: .*bad.parquet row 8 \(1-based\): column 'answer'"):
         load_checked(recipe)
     with pytest.raises(ConfigError, match="env.name=chat brings no tasks of its own; add a data: section"):
         load_checked(None, ["env.name=chat"])

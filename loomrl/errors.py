@@ -4,6 +4,8 @@ that any layer may use it."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 def _lines(err: BaseException | str) -> list[str]:
     return [line for line in str(err).strip().splitlines() if line.strip()]
@@ -38,3 +40,13 @@ def named_line(err: BaseException, limit: int | None = None) -> str:
     if not lines:
         return type(err).__name__
     return f"{type(err).__name__}: {lines[0][:limit]}"
+
+
+def with_frames(line: str, err: BaseException, n: int = 3) -> str:
+    """`line`, then the last `n` frames of `err`'s traceback ("  at rewards.py:12 in score: return x[0]"), so that a
+    trajectory's error says where a user's function failed, not only what it raised (error_line still reads `line`)."""
+    import traceback
+
+    frames = traceback.extract_tb(err.__traceback__)[-n:]
+    where = [f"  at {Path(f.filename).name}:{f.lineno} in {f.name}: {(f.line or '').strip()}" for f in frames]
+    return "\n".join([line, *where])

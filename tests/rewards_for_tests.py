@@ -22,3 +22,8 @@ def reward_that_kills_its_actor(traj: Trajectory, task: Task) -> dict[str, float
 
         os.kill(os.getppid(), signal.SIGKILL)
     return parity_reward(traj, task)
+
+
+def reward_with_a_typo(traj: Trajectory, task: Task) -> dict[str, float]:
+    """A user's reward with a bug that fails every call (an attribute the task does not have)."""
+    return {"correct": float(traj.final_answer == task.expected)}  # type: ignore[attr-defined]

@@ -22,6 +22,7 @@ from loomrl.agent.context import SUMMARY_REQUEST, ContextStrategy
 from loomrl.agent.priorities import ProgramPriorities
 from loomrl.engine.base import Engine, EngineFault, GenerationResult, SamplingParams, generate_resuming
 from loomrl.env.base import Env, EnvCrash, ToolTimeout
+from loomrl.errors import with_frames
 from loomrl.model.chat import ChatRenderer
 from loomrl.types import ContextSegment, RolloutStatus, Task, TokenSpan, Trajectory, Turn, new_id
 
@@ -80,7 +81,7 @@ class AgentLoop:
         except (EnvCrash, ToolTimeout, TimeoutError, Exception) as err:  # noqa: BLE001 - errors are data
             traj.status = (RolloutStatus.TIMEOUT if isinstance(err, (ToolTimeout, TimeoutError))
                            else RolloutStatus.ENGINE_ERROR if isinstance(err, EngineFault) else RolloutStatus.ENV_ERROR)
-            traj.error = f"{type(err).__name__}: {err}"
+            traj.error = with_frames(f"{type(err).__name__}: {err}", err)
             traj.metadata.env_errors += 1
             if traj.turns:
                 traj.turns[-1].error = traj.error

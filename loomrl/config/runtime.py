@@ -43,6 +43,10 @@ class RuntimeConfig(Section):
     2^k; past that it is recorded as failed with the reason"""
     retry_backoff_s: float = Field(0.5, ge=0.0)
     """seconds before a lost group's first retry, doubled after each"""
+    tolerate_failed_steps: bool = False
+    """false: a step none of whose trajectories could be scored (every one reward_failed, env_error, engine_error,
+    timeout or aborted) stops the run with one line naming the failure and its first error (runtime/failure_watch.py);
+    true: such a step trains nothing and the run goes on"""
 
 
 class Placement(Section):

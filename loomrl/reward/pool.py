@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from loomrl.config import ConfigError, RunConfig
+from loomrl.errors import with_frames
 from loomrl.plugins import import_object
 from loomrl.reward.composite import Composite
 from loomrl.reward.judge import Judge, JudgeUnavailable
@@ -137,7 +138,7 @@ class RewardPool:
             mark_reward_failed(traj, f"the reward ran past reward.timeout_s={self.timeout_s:g}s")
         except Exception as err:  # noqa: BLE001 - errors are data: a missing reward is not a zero reward
             self.failed += 1
-            mark_reward_failed(traj, f"{type(err).__name__}: {err}")
+            mark_reward_failed(traj, with_frames(f"{type(err).__name__}: {err}", err))
         return None
 
     async def _from_workers(self, fn: CombinedReward, processes: RewardWorkers, traj: Trajectory,

@@ -37,6 +37,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from loomrl.errors import with_frames
 from loomrl.reward.terms import RewardTerm, Task, Trajectory
 
 log = logging.getLogger(__name__)
@@ -224,7 +225,7 @@ def serve(from_parent: int, to_parent: int) -> None:
                     send.send(("error", str(err)))
                     break
                 except (Exception, SystemExit) as err:  # noqa: BLE001 - errors are data: the parent marks its trajectory
-                    send.send(("error", f"{term.name} raised {type(err).__name__}: {err}"))
+                    send.send(("error", with_frames(f"{term.name} raised {type(err).__name__}: {err}", err)))
                     break
     except (EOFError, BrokenPipeError, ConnectionResetError):  # the parent closed us, or died
         return

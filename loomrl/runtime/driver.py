@@ -42,6 +42,7 @@ from loomrl.metrics import open_metrics
 from loomrl.metrics.sink import SinkError
 from loomrl.rollout.worker import group_summary
 from loomrl.runtime.accounting import Accounting, ledger_line
+from loomrl.runtime.failure_watch import FailureWatch, failed_step
 from loomrl.runtime.failures import CannotStart, EngineLost, Fact, RolloutLost, RunError, TrainerLost
 from loomrl.runtime.group_log import GroupLog
 from loomrl.runtime.parts import Parts, RolloutReport, TrainerState
@@ -84,8 +85,10 @@ def checked_eval(record: EvalRecord, label: str) -> EvalRecord:
     and the run stops with one line saying how they ended and the first error (never a success rate of 0)."""
     if record.n == 0 and record.statuses:
         ended = ", ".join(f"{k} {v}" for k, v in sorted(record.statuses.items()))
+        if record.first_error and "\n" in record.first_error:  # where it was raised: above the one line
+            log.warning("evaluation %s: the first error:\n%s", label, record.first_error)
         raise RunError(f"run error: evaluation {label}: none of the {sum(record.statuses.values())} held-out episodes "
-                       f"could be scored ({ended}); the first error: {record.first_error}")
+                       f"could be scored ({ended}); the first error: {error_line(record.first_error or '')}")
     return record
 
 
@@ -139,6 +142,7 @@ class Driver:
         self.before: EvalRecord | None = None  # held-out success before training (restored on resume)
         self.after: EvalRecord | None = None
         self.report: RolloutReport | None = None  # what the rollout side said when it closed
+        self.failures = FailureWatch()  # the first error of each kind is logged as it arrives
 
     # -- the trainer --------------------------------------------------------------------------------
     async def _start_trainer(self, extra: dict[str, Any]) -> TrainerState:
@@ -225,6 +229,8 @@ class Driver:
         """Count and store a returned group (the trainer may or may not get it)."""
         self.acc.returned.update(t.trajectory_id for t in group)
         self.store.append(group)
+        for line in self.failures.first_errors(group):
+            log.warning(line)
 
     async def _arrived(self, a: Attempt, group: list[Trajectory]) -> bool:
         """Store a returned group; send it to the trainer unless it was superseded."""
@@ -318,7 +324,10 @@ class Driver:
             **self.rollouts.step_metrics(), **self.weights.step_metrics()})
         self.logger.log(self.version, metrics)
         self._say_if_untrained(metrics)
+        failed = None if self.cfg.runtime.tolerate_failed_steps else failed_step(recent, self.version)
         recent.clear()
+        if failed is not None:
+            raise RunError(failed)
         bar.update(1)
         if "rollout/reward_mean" in metrics:  # absent when no trajectory of the step's groups was scored
             bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}")

@@ -278,8 +278,10 @@ def test_chaos_kills_actors_and_the_run_accounts_for_every_trajectory_once(clust
 def test_a_reward_actor_that_stays_dead_marks_trajectories_reward_failed_and_the_run_goes_on(cluster, tmp_path):
     """One reward actor whose reward function kills the actor on the 6th call, with Ray's restarts
     off: the scoring calls fail, their trajectories are stored as reward_failed with the reason and
-    left out of training (skipped: reward_failed), and the run completes."""
+    left out of training (skipped: reward_failed), and the run completes (asked to go on past steps none of whose
+    trajectories could be scored: runtime.tolerate_failed_steps; without it such a step stops the run)."""
     proc = _train(cluster, tmp_path, "noreward", "trainer.total_steps=3", "checkpoint_every=0",
+                  "runtime.tolerate_failed_steps=true",
                   "reward.function=rewards_for_tests:reward_that_kills_its_actor", "ray.reward.count=1",
                   "ray.reward.num_cpus=0", "ray.reward.resources={reward: 1}", "ray.reward.max_restarts=0")
     out, _ = proc.communicate(timeout=300)

@@ -93,3 +93,19 @@ def exits(completions, **kwargs):
 def first_token_parity(prompts, completions, completion_ids, **kwargs):
     """The smoke recipe's parity reward in TRL's form: 1 when the first sampled token id is even."""
     return [float(ids[0] % 2 == 0) if ids else 0.0 for ids in completion_ids]
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """verl's signature (verl/utils/reward_score: default_compute_score), as a verl user writes one: a number."""
+    assert data_source == "openai/gsm8k" and extra_info == {"index": 3}, (data_source, extra_info)
+    return 1.0 if solution_str.strip().endswith(f"{ground_truth}.") else 0.0
+
+
+def compute_score_dict(data_source, solution_str, ground_truth, **kwargs):
+    """verl's other return form: a dict whose "score" is the reward (the other keys are verl's extra info)."""
+    return {"score": 0.5 if ground_truth in solution_str else 0.0, "acc": True}
+
+
+def one_argument(completion):
+    """No shape loomrl, TRL or verl calls: refused at load."""
+    return 1.0

@@ -27,7 +27,7 @@ from loomrl.errors import with_frames
 from loomrl.plugins import import_object
 from loomrl.reward.composite import Composite
 from loomrl.reward.judge import Judge, JudgeUnavailable
-from loomrl.reward.terms import CombinedReward, NoOpinion, RewardTerm, is_trl_style
+from loomrl.reward.terms import CombinedReward, NoOpinion, RewardTerm, reward_style
 from loomrl.reward.workers import RewardError, RewardWorkers
 from loomrl.types import REWARD_FAILED, UNSCORED, RewardFn, Task, Trajectory
 
@@ -59,8 +59,12 @@ def load_terms(cfg: RunConfig) -> list[RewardTerm]:
     terms = []
     for spec, weight, name, field in specs:
         fn = import_reward(spec, field)
+        try:
+            style = reward_style(fn)
+        except TypeError as err:
+            raise ConfigError(f"config error: {field}: {spec}: {err}") from None
         terms.append(RewardTerm(name=name or getattr(fn, "__name__", spec.rpartition(":")[2]), spec=spec, fn=fn,
-                                weight=weight, trl=is_trl_style(fn)))
+                                weight=weight, style=style))
     names = [t.name for t in terms if t.trl]
     if len(names) != len(set(names)):
         raise ConfigError(f"config error: reward.functions: two TRL-style functions named {names}; give each a name")

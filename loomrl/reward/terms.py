@@ -1,5 +1,7 @@
-"""Reward functions users already wrote, used unchanged: loomrl's `(trajectory, task) -> {name: value}` and TRL's
-`(prompts, completions, **columns) -> list[float | None]`, one or several with weights (reward.function,
+"""Reward functions users already wrote, used unchanged: loomrl's `(trajectory, task) -> {name: value}`, TRL's
+`(prompts, completions, **columns) -> list[float | None]` and verl's `compute_score(data_source, solution_str,
+ground_truth, extra_info=None) -> float | {"score": float, ...}`, told apart by their signature at load (a function of
+none of these shapes stops the run there, naming its parameters), one or several with weights (reward.function,
 reward.functions; docs/rewards.md). What is here is the arithmetic (arguments, values, None, weights); running the
 functions, each bounded by reward.timeout_s in a worker process, is reward/workers.py's.
 
@@ -24,6 +26,7 @@ to the total.
 from __future__ import annotations
 
 import asyncio
+import enum
 import inspect
 import math
 from collections.abc import Callable
@@ -41,13 +44,29 @@ class NotAReward(TypeError):
     """A function returned what is not a reward (wrong type or length, not a number, not finite); names the function."""
 
 
+class RewardStyle(enum.StrEnum):
+    """How a reward function is called, told from its signature at load (`reward_style`)."""
+
+    LOOMRL = "loomrl"  # fn(trajectory, task) -> {name: value}
+    TRL = "trl"  # fn(prompts, completions, **columns) -> [value]
+    VERL = "verl"  # compute_score(data_source, solution_str, ground_truth, extra_info=None) -> value | {"score": ...}
+
+
+SHAPES = ("fn(trajectory, task) -> {name: value} (loomrl), fn(prompts, completions, **columns) -> [value] (TRL), or "
+          "compute_score(data_source, solution_str, ground_truth, extra_info=None) -> value (verl)")
+
+
 @dataclass(frozen=True, slots=True)
 class RewardTerm:
     name: str  # its component's name (a loomrl-style function names its own components)
     spec: str  # "package.module:function", so that a reward worker process imports the same function
     fn: Callable[..., Any]
     weight: float
-    trl: bool  # TRL's signature (prompts, completions, **columns), else loomrl's (trajectory, task)
+    style: RewardStyle
+
+    @property
+    def trl(self) -> bool:
+        return self.style is RewardStyle.TRL
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,11 +77,42 @@ class TrainerState:
     max_steps: int  # trainer.total_steps
 
 
-def is_trl_style(fn: Callable[..., Any]) -> bool:
+def reward_style(fn: Callable[..., Any]) -> RewardStyle:
+    """How `fn` is called, from its parameters: a `completions` one is TRL's; `solution_str` and `ground_truth`
+    verl's; one that takes two positional arguments loomrl's. TypeError naming the parameters for anything else, so
+    that a function of the wrong shape stops the run at load, not on every trajectory."""
     try:
-        return "completions" in inspect.signature(fn).parameters
+        sig = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin without a signature: loomrl's positional form
-        return False
+        return RewardStyle.LOOMRL
+    params = sig.parameters
+    if "completions" in params:
+        return RewardStyle.TRL
+    if {"solution_str", "ground_truth"} <= set(params):
+        return RewardStyle.VERL
+    try:
+        sig.bind(None, None)
+    except TypeError:
+        raise TypeError(f"it takes ({', '.join(params)}); a reward function is {SHAPES}") from None
+    return RewardStyle.LOOMRL
+
+
+def verl_arguments(traj: Trajectory, task: Task, accepts: Callable[[str], bool]) -> dict[str, Any]:
+    """The keyword arguments verl's reward manager passes compute_score for one response (verl/workers/
+    reward_manager/naive.py): data_source (a dataset's data_source column, the task's family), solution_str (the
+    assistant turns' text, as TRL's string completion), ground_truth (the task's answer: verl's
+    reward_model.ground_truth) and extra_info (the extra_info column); each only where the function takes it."""
+    args = {"data_source": task.data.get("data_source", task.family),
+            "solution_str": "\n".join(_turn_text(t.think, t.act) for t in traj.all_turns()),
+            "ground_truth": task.answer, "extra_info": task.data.get("extra_info")}
+    return {k: v for k, v in args.items() if accepts(k)}
+
+
+def _accepts(fn: Callable[..., Any]) -> Callable[[str], bool]:
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return lambda name: True
+    return lambda name: name in params
 
 
 def _turn_text(think: str, act: str) -> str:
@@ -132,6 +182,14 @@ def evaluate(term: RewardTerm, traj: Trajectory, task: Task, max_steps: int = 0)
         value = values[0]
         # TRL turns None into NaN and nansums: a NaN is no opinion there too
         out = {term.name: None if isinstance(value, float) and math.isnan(value) else value}
+    elif term.style is RewardStyle.VERL:
+        value = term.fn(**verl_arguments(traj, task, _accepts(term.fn)))
+        if isinstance(value, dict):  # verl's reward manager takes result["score"]; the other keys are its extra info
+            if "score" not in value:
+                raise NotAReward(f"{term.name} returned a dict without 'score' ({sorted(value)}); verl's "
+                                 "compute_score returns a number or a dict with 'score'")
+            value = value["score"]
+        out = {term.name: value}
     else:
         out = term.fn(traj, task)
         if not isinstance(out, dict):

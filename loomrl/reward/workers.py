@@ -64,7 +64,7 @@ class _Worker:
         os.close(from_child)
         self.send = Connection(from_parent, readable=False)
         self.recv = Connection(to_parent, writable=False)
-        self.send.send(([t.spec for t in terms], [t.name for t in terms], [t.trl for t in terms], max_steps))
+        self.send.send(([t.spec for t in terms], [t.name for t in terms], [str(t.style) for t in terms], max_steps))
         self.ready = False
         self.dead = False
 
@@ -194,23 +194,24 @@ def serve(from_parent: int, to_parent: int) -> None:
     """A reward worker process's loop (run by `python -c`); see the module's doc for the protocol."""
     import importlib
 
-    from loomrl.reward.terms import NotAReward, evaluate, is_trl_style
+    from loomrl.reward.terms import NotAReward, RewardStyle, evaluate, reward_style
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the parent ends us
     recv, send = Connection(from_parent, writable=False), Connection(to_parent, readable=False)
     parent = os.getppid()
     threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True).start()
-    specs, names, trl, max_steps = recv.recv()
+    specs, names, styles, max_steps = recv.recv()
     terms = []
     try:
-        for spec, name, is_trl in zip(specs, names, trl):
+        for spec, name, style in zip(specs, names, styles):
             module, _, attr = spec.partition(":")
             fn: Any = importlib.import_module(module)
             for part in attr.split("."):
                 fn = getattr(fn, part)
-            if is_trl_style(fn) != is_trl:
+            if reward_style(fn) != style:
                 raise TypeError(f"{spec} is not the function the run imported")
-            terms.append(RewardTerm(name=name, spec=spec, fn=fn, weight=1.0, trl=is_trl))  # weights: the parent's
+            # the weights are the parent's (it combines the components)
+            terms.append(RewardTerm(name=name, spec=spec, fn=fn, weight=1.0, style=RewardStyle(style)))
     except Exception as err:  # noqa: BLE001 - reported to the parent, which marks its trajectories
         send.send(("error", f"importing the reward functions: {type(err).__name__}: {err}"))
         return

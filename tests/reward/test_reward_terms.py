@@ -124,3 +124,22 @@ def test_reward_config_errors_are_one_line():
         f"reward.function={M}:raises", f"reward.functions=[{{function: {M}:exact_answer}}]")
     assert "two TRL-style functions named" in error(
         f"reward.functions=[{{function: {M}:exact_answer}}, {{function: {M}:exact_answer, weight: 2}}]")
+
+
+def test_verls_compute_score_is_called_as_verl_calls_it():
+    """verl's compute_score(data_source, solution_str, ground_truth, extra_info): before, it was called as a
+    loomrl-style fn(trajectory, task) and every trajectory was reward_failed (TypeError)."""
+    task = Task(task_id="t", prompt="6*7?", answer="42", family="openai/gsm8k",
+                data={"data_source": "openai/gsm8k", "extra_info": {"index": 3}})
+    wrong = Task(task_id="t", prompt="6*7?", answer="41", data={"data_source": "openai/gsm8k",
+                                                               "extra_info": {"index": 3}})
+    out = _scored(_pool(("compute_score", 1.0), ("compute_score_dict", 2.0)), (_traj(), task), (_traj(), wrong))
+    assert [t.reward_components for t in out] == [{"compute_score": 1.0, "compute_score_dict": 0.5},
+                                                  {"compute_score": 0.0, "compute_score_dict": 0.0}]
+    assert out[0].total_reward == 2.0 and not out[0].error
+
+
+def test_a_reward_function_of_no_known_shape_stops_at_load_naming_its_parameters():
+    with pytest.raises(ConfigError, match=r"^config error: reward.function: trl_rewards_for_tests:one_argument: it "
+                                          r"takes \(completion\); a reward function is fn\(trajectory, task\)"):
+        load_terms(load_config(None, [f"reward.function={M}:one_argument"]))

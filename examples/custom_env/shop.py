@@ -6,7 +6,7 @@ import re
 
 from pydantic import BaseModel
 
-from loomrl.env import Environment, EpisodeContext, TaskSetup, ToolEnv, tool
+from loomrl.env import Environment, EpisodeContext, TaskSetup, ToolEnv, ToolError, tool
 from loomrl.types import Task
 
 ITEMS = ["apple", "pear", "lemon", "melon", "plum", "peach", "mango", "kiwi", "grape", "cherry", "onion", "carrot"]
@@ -34,7 +34,10 @@ class ShopEpisode(ToolEnv):
         Args:
             item: the item's name, e.g. apple
         """
-        return self.prices[item.strip().lower()]  # a KeyError goes back to the agent as an error message
+        name = item.strip().lower()
+        if name not in self.prices:  # the agent's mistake: said to it (any other exception is a bug in the tool)
+            raise ToolError(f"no item named {item!r}; the shop sells {', '.join(sorted(self.prices))}")
+        return self.prices[name]
 
     def final_answer(self, text: str) -> str | None:
         numbers = re.findall(r"\d+", text)

@@ -10,7 +10,11 @@ render, and pydantic checks the arguments the model sends against the hints. A t
   what it must there (`await sandbox.exec([...], timeout=...)`); the model never sees that parameter.
 
 A tool that raises, runs past its timeout, or is called with bad arguments (or one that does not exist) answers the
-agent with an error message and is recorded on the turn's tool calls: the episode goes on, it is the agent's doing.
+agent with an error message and is recorded on the turn's tool calls (`tool_error`, and `failure`: ToolFailure): the
+episode goes on. A call the agent got wrong is `refused` (a tool raises ToolError to say so itself); a tool that raises
+anything else has a bug (`raised`, with its `exception`): the agent is told only that the tool failed (unless
+`show_tool_exceptions`), the process term tool_error does not count it against the agent, and the run counts it per
+tool and exception (`tool/*` metrics) and warns when a tool fails on most of its calls (runtime/failure_watch.py).
 What is not the agent's doing stays an infrastructure failure: a sandbox that cannot be leased or dies (EnvCrash,
 SandboxError) ends the episode `env_error`, never a reward of 0.
 """
@@ -18,6 +22,7 @@ SandboxError) ends the episode `env_error`, never a reward of 0.
 from __future__ import annotations
 
 import asyncio
+import enum
 import inspect
 import json
 import typing
@@ -149,8 +154,22 @@ def describe_tools(tools: Sequence[Tool]) -> str:
             "\", \"arguments\": {...}}</tool_call>; reply without a tool call to give your final answer.")
 
 
+class ToolFailure(enum.StrEnum):
+    """Why a well-formed tool call was not carried out (its record's `failure`)."""
+
+    REFUSED = "refused"  # the agent's doing: no such tool, bad arguments, or the tool raised ToolError to say so
+    TIMEOUT = "timeout"  # the tool ran past its timeout
+    RAISED = "raised"  # the tool raised another exception: a bug in the tool, not a mistake of the agent's
+
+
 class ToolError(Exception):
-    """A tool call the agent got wrong: the message goes back to it."""
+    """A tool call the agent got wrong: the message goes back to it. A tool raises it to tell the agent something
+    ("no such key"); any other exception a tool raises is its own failure (ToolFailure.RAISED)."""
+
+    def __init__(self, message: str, failure: ToolFailure = ToolFailure.REFUSED, exception: str | None = None):
+        super().__init__(message)
+        self.failure = failure
+        self.exception = exception  # RAISED: the exception's type name
 
 
 class ToolEnv(Env):
@@ -165,6 +184,10 @@ class ToolEnv(Env):
     system_prompt = "You are a helpful assistant."
     few_shot: Sequence[dict[str, Any]] = ()
     describe_in_prompt = True  # append describe_tools() to the system prompt
+    # A tool that raises (other than ToolError) has a bug: by default the agent is told only that the tool failed, so
+    # that the interpreter's own words ("'NoneType' object has no attribute 'group'") stay out of the policy's
+    # context; the record keeps them. True: the agent sees "name raised Type: message".
+    show_tool_exceptions = False
 
     def __init__(self, ctx: EpisodeContext, tools: Sequence[Callable[..., Any]] = ()):
         self.ctx = ctx
@@ -201,7 +224,11 @@ class ToolEnv(Env):
             except ToolError as err:
                 output = f"Error: {err}"
                 if not call.error:  # the call was well formed; the tool could not carry it out
-                    record["tool_error"] = str(err)
+                    record["tool_error"], record["failure"] = str(err), str(err.failure)
+                    if err.failure is ToolFailure.RAISED:
+                        record["exception"] = err.exception
+                        if not self.show_tool_exceptions:
+                            output = f"Error: {call.name} failed (an error inside the tool, not in the call)"
             messages.append({"role": "tool", "name": call.name or "unknown", "content": output})
             records.append(record)
         return StepResult(observation=messages, info={"tool_calls": records})
@@ -243,9 +270,10 @@ class ToolEnv(Env):
             else:
                 result = await asyncio.wait_for(asyncio.to_thread(t.fn, **checked), timeout)
         except TimeoutError:
-            raise ToolError(f"{t.name} ran past its {timeout:g} s timeout") from None
-        except (EnvCrash, SandboxError):
+            raise ToolError(f"{t.name} ran past its {timeout:g} s timeout", ToolFailure.TIMEOUT) from None
+        except (EnvCrash, SandboxError, ToolError):
             raise
-        except Exception as err:  # noqa: BLE001 - the tool's own failure is the agent's to see
-            raise ToolError(f"{t.name} raised {type(err).__name__}: {err}") from None
+        except Exception as err:  # noqa: BLE001 - the tool's own failure: recorded as such, the episode goes on
+            raise ToolError(f"{t.name} raised {type(err).__name__}: {err}", ToolFailure.RAISED,
+                            type(err).__name__) from None
         return result if isinstance(result, str) else json.dumps(result, default=str)

@@ -3,8 +3,9 @@
 Each check returns, for every turn of an episode (Trajectory.all_turns(), in order), 1.0 where the turn offends and
 0.0 where it does not; reward/composite.py weights them (a negative weight: a penalty) and places them at their turn.
 
-- tool_error: a tool call the tool could not carry out (the tool raised, ran past its timeout, did not exist), as the
-  environment recorded it: the turn's tool-call records (env/base.py) with a `tool_error`.
+- tool_error: a tool call the tool could not carry out (it ran past its timeout, did not exist, refused the arguments),
+  as the environment recorded it: the turn's tool-call records (env/base.py) with a `tool_error`; not one the tool
+  itself failed on (its record's `failure` "raised": a bug in the tool, which the policy cannot fix).
 - malformed_call: a tool call that could not be parsed (its record's `error`).
 - repeated_action: the same action (whitespace aside) as an earlier turn of the episode; the loop of an agent that
   did not read the answer it got.
@@ -26,7 +27,8 @@ _SAME_SCRIPT = {"HIRAGANA": "CJK", "KATAKANA": "CJK", "HANGUL": "CJK", "FULLWIDT
 
 
 def tool_error(turns: list[Turn]) -> list[float]:
-    return [float(any(c.get("tool_error") for c in t.tool_calls)) for t in turns]
+    # a tool that raised on a well-formed call has a bug (env/tools.py ToolFailure.RAISED): not the turn's doing
+    return [float(any(c.get("tool_error") and c.get("failure") != "raised" for c in t.tool_calls)) for t in turns]
 
 
 def malformed_call(turns: list[Turn]) -> list[float]:

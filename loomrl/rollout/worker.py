@@ -369,4 +369,20 @@ def group_summary(groups: list[list[Trajectory]]) -> dict[str, float]:
     for status in RolloutStatus:
         out[f"rollout/status_{status.value}"] = sum(1 for t in trajs if t.status == status)
     out["rollout/status_reward_failed"] = sum(1 for t in trajs if t.reward_failed)
+    out.update(tool_counts(trajs))
     return out
+
+
+def tool_counts(trajs: list[Trajectory]) -> dict[str, float]:
+    """Per tool: its calls, and those it did not carry out by why (env/tools.py ToolFailure; a tool's own exceptions
+    by type): tool/<name>/calls, tool/<name>/refused, tool/<name>/timeout, tool/<name>/raised/<Exception>."""
+    out: Counter[str] = Counter()
+    for t in trajs:
+        for call in (c for turn in t.all_turns() for c in turn.tool_calls if c.get("name")):
+            out[f"tool/{call['name']}/calls"] += 1
+            failure = call.get("failure")
+            if failure == "raised":
+                out[f"tool/{call['name']}/raised/{call.get('exception') or 'Exception'}"] += 1
+            elif failure:
+                out[f"tool/{call['name']}/{failure}"] += 1
+    return dict(out)

@@ -229,7 +229,7 @@ class Driver:
         """Count and store a returned group (the trainer may or may not get it)."""
         self.acc.returned.update(t.trajectory_id for t in group)
         self.store.append(group)
-        for line in self.failures.first_errors(group):
+        for line in [*self.failures.first_errors(group), *self.failures.tool_warnings(group)]:
             log.warning(line)
 
     async def _arrived(self, a: Attempt, group: list[Trajectory]) -> bool:

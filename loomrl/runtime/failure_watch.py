@@ -6,7 +6,9 @@ compute_score given TRL's arguments, an environment whose step raises) used to s
 12`, "NOTHING WAS TRAINED" at the end) while the exception sat in the trajectory store's `error` column: a 1,000-step
 run with a typo in its reward trained nothing to its end and exited 0. Now the first error of each kind is logged with
 where it was raised (the trajectory's error keeps its traceback's last frames: errors.with_frames), and a step whose
-every trajectory failed stops the run with one line, unless runtime.tolerate_failed_steps.
+every trajectory failed stops the run with one line, unless runtime.tolerate_failed_steps. A tool that fails on its
+own (raises: a bug in the tool, env/tools.py ToolFailure.RAISED) on most of its calls is warned about once, with its
+exceptions' counts: to the policy such a bug looks like its own mistake.
 
 What it is not: a retry policy (a rollout worker that died is retried by the driver: RolloutLost), or a judge of
 partial failure (a step with some scored trajectories trains on them; the counts are in rollout/status_*).
@@ -35,11 +37,40 @@ def failure_kind(traj: Trajectory) -> str | None:
     return f"{traj.ending}: {found.group(1) if found else line[:80] or 'no error recorded'}"
 
 
+# A tool is warned about once it has failed on its own (raised, env/tools.py ToolFailure.RAISED) on more than half of at
+# least this many calls: few enough to say so in the first step, enough that one odd input does not.
+TOOL_WARN_MIN_CALLS = 8
+
+
 @dataclass(slots=True)
 class FailureWatch:
-    """The kinds of failure seen so far in this segment, and each one's count."""
+    """The kinds of failure seen so far in this segment, and each one's count; each tool's calls and own failures."""
 
     counts: Counter[str] = field(default_factory=Counter)
+    tool_calls: Counter[str] = field(default_factory=Counter)
+    tool_raised: dict[str, Counter[str]] = field(default_factory=dict)  # tool -> exception type -> count
+    tool_first: dict[str, str] = field(default_factory=dict)  # tool -> its first own failure's message
+    warned: set[str] = field(default_factory=set)
+
+    def tool_warnings(self, group: list[Trajectory]) -> list[str]:
+        """A warning for each tool that now fails on its own on most of its calls (once per tool): to the policy a
+        bug in a tool looks like a mistake of its own, which no training fixes."""
+        for call in (c for t in group for turn in t.all_turns() for c in turn.tool_calls if c.get("name")):
+            name = call["name"]
+            self.tool_calls[name] += 1
+            if call.get("failure") == "raised":
+                self.tool_raised.setdefault(name, Counter())[call.get("exception") or "Exception"] += 1
+                self.tool_first.setdefault(name, error_line(call.get("tool_error") or name))
+        out = []
+        for name, raised in self.tool_raised.items():
+            calls, failed = self.tool_calls[name], sum(raised.values())
+            if name in self.warned or calls < TOOL_WARN_MIN_CALLS or failed * 2 <= calls:
+                continue
+            self.warned.add(name)
+            kinds = ", ".join(f"{k} {v}" for k, v in raised.most_common())
+            out.append(f"tool {name!r} failed on {failed} of its {calls} calls so far ({kinds}): a bug in the tool, "
+                       f"not the model's doing (tool/{name}/* in metrics.jsonl). The first: {self.tool_first[name]}")
+        return out
 
     def first_errors(self, group: list[Trajectory]) -> list[str]:
         """A message for each trajectory of `group` that is the first of its kind: the kind, where (task and

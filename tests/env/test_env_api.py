@@ -91,12 +91,17 @@ def test_tool_calls_that_raise_hang_or_are_wrong_answer_the_agent_and_are_record
     out = [(s.observation[0]["content"], s.info["tool_calls"][0]) for s, _ in results.values()]
     assert out[0][0] == "7" and out[0][1]["output"] == "7" and out[0][1]["error"] is None
     assert out[1][0] == "7"  # the plain form of a one-argument tool
-    assert out[2][0] == "Error: lookup raised KeyError: 'zz'" and out[2][1]["tool_error"] and not out[2][1]["error"]
+    # a tool that raises has a bug: the agent is told only that it failed; the record keeps the exception
+    assert out[2][0] == "Error: lookup failed (an error inside the tool, not in the call)" and not out[2][1]["error"]
+    assert out[2][1]["tool_error"] == "lookup raised KeyError: 'zz'"
+    assert (out[2][1]["failure"], out[2][1]["exception"]) == ("raised", "KeyError")
     assert out[3][0].startswith("Error: add: bad argument x: Input should be a valid integer")
+    assert out[3][1]["failure"] == "refused"  # the agent's doing
     assert out[4][0].startswith("Error: add: bad argument z: Extra inputs are not permitted")
     assert out[5][0].startswith("Error: no tool named 'nope'; the tools are lookup, add, explode")
-    assert out[6][0] == "Error: explode raised RuntimeError: boom"
-    assert out[7][0] == "Error: stall ran past its 0.3 s timeout"
+    assert out[6][0] == "Error: explode failed (an error inside the tool, not in the call)"
+    assert (out[6][1]["tool_error"], out[6][1]["exception"]) == ("explode raised RuntimeError: boom", "RuntimeError")
+    assert out[7][0] == "Error: stall ran past its 0.3 s timeout" and out[7][1]["failure"] == "timeout"
     assert out[8][0] == "Error: stall_sync ran past its 0.3 s timeout"
     assert out[9][0].startswith("Error: malformed tool call") and out[9][1]["error"] and "tool_error" not in out[9][1]
     stall_s = list(results.values())[7][1]
@@ -186,3 +191,55 @@ def test_tool_env_subclass_with_plain_function_tools():
     assert list(env.tools) == ["ping", "echo"]
     step = asyncio.run(env.step("echo(hello there)"))
     assert step.observation == [{"role": "tool", "name": "echo", "content": "hello there"}]
+
+
+def test_a_tools_own_bug_is_told_apart_from_the_agents_mistake():
+    """A tool that raises on every call used to show the model a Python error line each time, and nothing counted
+    it: to the policy a bug in a tool looked like its own mistake. Now the call's record says `raised` with the
+    exception, the run counts it per tool (tool/* metrics) and warns once the tool fails on most of its calls, the
+    process term tool_error leaves it out, and a tool that means to tell the agent something raises ToolError."""
+    from loomrl.env.tools import ToolError
+    from loomrl.reward.process import tool_error
+    from loomrl.rollout.worker import tool_counts
+    from loomrl.runtime.failure_watch import FailureWatch
+    from loomrl.types import Trajectory, Turn
+
+    class Buggy(ToolEnv):
+        @tool
+        def find(self, key: str) -> str:
+            """Look a key up.
+
+            Args:
+                key: the key
+            """
+            if key == "?":
+                raise ToolError("keys are letters; '?' is not one")
+            return self.table.group(key)  # a typo: there is no such attribute
+
+    class Shown(Buggy):
+        show_tool_exceptions = True
+
+    async def calls(env, keys):
+        return [(await env.step(f'<tool_call>{{"name": "find", "arguments": {{"key": "{k}"}}}}</tool_call>'))
+                for k in keys]
+
+    steps = asyncio.run(calls(Buggy(_ctx()), ["a"] * 9 + ["?"]))
+    records = [s.info["tool_calls"][0] for s in steps]
+    assert steps[0].observation[0]["content"] == "Error: find failed (an error inside the tool, not in the call)"
+    assert records[0]["failure"] == "raised" and records[0]["exception"] == "AttributeError"
+    assert steps[-1].observation[0]["content"] == "Error: keys are letters; '?' is not one"  # meant for the agent
+    assert records[-1]["failure"] == "refused"
+    shown = asyncio.run(calls(Shown(_ctx()), ["a"]))[0].observation[0]["content"]
+    assert shown.startswith("Error: find raised AttributeError: 'Buggy' object has no attribute 'table'") or \
+        shown.startswith("Error: find raised AttributeError: 'Shown' object has no attribute 'table'")
+
+    turns = [Turn(act="x", tool_calls=[r]) for r in records]
+    assert tool_error(turns) == [0.0] * 9 + [1.0]  # the agent is not penalised for the tool's bug
+    traj = Trajectory(task_id="t", trajectory_id="tr", group_id="g", turns=turns)
+    assert tool_counts([traj]) == {"tool/find/calls": 10, "tool/find/raised/AttributeError": 9,
+                                   "tool/find/refused": 1}
+    watch = FailureWatch()
+    warned = watch.tool_warnings([traj])
+    assert len(warned) == 1 and warned[0].startswith("tool 'find' failed on 9 of its 10 calls so far "
+                                                     "(AttributeError 9): a bug in the tool")
+    assert watch.tool_warnings([traj]) == []  # once per tool

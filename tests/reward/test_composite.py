@@ -80,11 +80,14 @@ def _recorded(actions: list[str]) -> Trajectory:
 
 def test_process_terms_on_recorded_turns_are_placed_at_their_turn():
     call = '<tool_call>{"name": "lookup", "arguments": {"key": "%s"}}</tool_call>'
+    bad = '<tool_call>{"name": "add", "arguments": {"x": "two"}}</tool_call>'
     traj = _recorded([call % "k",  # works
-                      call % "zz",  # the tool raises: tool_error
+                      bad,  # the tool refuses the arguments: tool_error
                       "<tool_call>{not json</tool_call>",  # malformed_call
-                      call % "zz",  # the same action again: repeated_action (and tool_error again)
+                      bad,  # the same action again: repeated_action (and tool_error again)
                       "The answer is 7. 答案是七。"])  # language_mixing; a reply without a call ends the episode
+    # (a call the tool itself fails on, lookup of a missing key raising KeyError, is the tool's bug: not tool_error)
+    assert _recorded([call % "zz"]).turns[0].tool_calls[0]["failure"] == "raised"
     assert traj.turns[-1].done
     c = _terms(tool_error=(-0.1, None), malformed_call=(-0.2, None), repeated_action=(-0.3, None),
                language_mixing=(-0.4, None))

@@ -350,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     from loomrl.env.sandbox import SandboxError
     from loomrl.model.loader import ModelLoadError
     from loomrl.planning.measure import NotARun
+    from loomrl.plugins import search_beside
 
     try:
         if args.command == "estimate-cost":
@@ -362,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             return _validate_tasks(args)
         if args.command == "view":
             return _view(args)
+        search_beside(args.config)  # the recipe's own modules, found as its data files are (plugins.py)
         cfg = load_config(args.config, args.overrides)  # train checks it against this machine (runtime/run.py)
         if args.command != "train":
             from loomrl.runtime.checks import check_config

@@ -2,7 +2,9 @@
 
 One lookup for every such setting, so that each fails the same way: a ConfigError of one line saying what failed,
 where Python looked, and how to write it. Modules are found on sys.path with the current directory on it (last: a
-file there never shadows an installed module); `python -m loomrl` has it there already, the `loomrl` script does not.
+file there never shadows an installed module; `python -m loomrl` has it there already, the `loomrl` script does not),
+then the recipe's folder (`search_beside`: a recipe's code is found where its data files are, whichever folder the run
+is started from).
 """
 
 from __future__ import annotations
@@ -21,6 +23,20 @@ def _on_sys_path(folder: str) -> None:
         sys.path.append(folder)
 
 
+def search_beside(recipe: str | os.PathLike[str] | None) -> None:
+    """Put the recipe's folder on sys.path after the current directory, and on PYTHONPATH for the run's child
+    processes (the trainer process, reward workers, Ray actors: runtime/ray_resources.py forwards it), so that
+    `reward.function: my_rewards:score` finds my_rewards.py beside the recipe as data.path finds its files there."""
+    if recipe is None:
+        return
+    folder = os.path.dirname(os.path.abspath(recipe))
+    _on_sys_path(os.getcwd())
+    _on_sys_path(folder)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if folder not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([*paths, folder])
+
+
 def import_object(spec: str, field: str, example: str, what: str = "attribute") -> Any:
     """The attribute `spec` ("package.module:attribute") names, for the recipe setting `field`; `example` shows a
     correct value (e.g. "reward.function=my_rewards:score for a file my_rewards.py there defining score(...)"); `what` the
@@ -28,8 +44,9 @@ def import_object(spec: str, field: str, example: str, what: str = "attribute") 
     cwd = os.getcwd()
     _on_sys_path(cwd)
     module_name, _, attr = spec.partition(":")
-    looked = (f"modules are imported with the current directory ({cwd}) and PYTHONPATH "
-              f"({os.environ.get('PYTHONPATH') or 'unset'}) on sys.path; give package.module:{what}, e.g. {example}")
+    looked = (f"modules are imported with the current directory ({cwd}), then PYTHONPATH "
+              f"({os.environ.get('PYTHONPATH') or 'unset'}: `loomrl` adds the recipe's folder) on sys.path; give "
+              f"package.module:{what}, e.g. {example}")
     if not module_name or not attr:
         raise ConfigError(f"config error: {field}: expected 'package.module:{what}', got {spec!r}; {looked}")
     try:

@@ -113,7 +113,8 @@ def test_a_reward_function_that_does_not_import_says_where_it_was_looked_up(tmp_
     line, = run.stderr.strip().splitlines()
     work = tmp_path / "work"
     assert line == (f"config error: reward.function=my_reward:score: no module named 'my_reward'; modules are "
-                    f"imported with the current directory ({work}) and PYTHONPATH ({ROOT}) on sys.path; give "
+                    f"imported with the current directory ({work}), then PYTHONPATH ({ROOT}: `loomrl` adds the "
+                    "recipe's folder) on sys.path; give "
                     "package.module:function, e.g. reward.function=my_rewards:score for a file my_rewards.py there "
                     "defining score(trajectory, task) or score(prompts, completions, **kwargs)")
     run = _import_reward_as_the_console_script(tmp_path / "b", "my_rewards:scor")

@@ -31,6 +31,7 @@ import itertools
 import json
 import logging
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -90,6 +91,16 @@ def checked_eval(record: EvalRecord, label: str) -> EvalRecord:
         raise RunError(f"run error: evaluation {label}: none of the {sum(record.statuses.values())} held-out episodes "
                        f"could be scored ({ended}); the first error: {error_line(record.first_error or '')}")
     return record
+
+
+def step_line(step: int, total: int, metrics: dict[str, Any]) -> str:
+    """One line per step for a run with no progress bar to watch: reward over the scored trajectories, the loss (or
+    why none), and where the time went."""
+    scored, trajs = metrics.get("rollout/scored", 0), metrics.get("rollout/trajectories", 0)
+    reward = f"reward {metrics['rollout/reward_mean']:.3f}" if "rollout/reward_mean" in metrics else "no reward"
+    loss = f"loss {metrics['train/loss']:.4g}" if "train/loss" in metrics else "trained nothing"
+    return (f"step {step}/{total}: {reward} ({scored:g} of {trajs:g} trajectories scored), {loss}; "
+            f"{metrics.get('time/step_s', 0.0):.1f} s (training {metrics.get('time/train_s', 0.0):.1f} s)")
 
 
 def eval_line(record: EvalRecord) -> str:
@@ -323,6 +334,8 @@ class Driver:
             "runtime/trainer_restarts": self.trainer_restarts, **group_summary(recent),
             **self.rollouts.step_metrics(), **self.weights.step_metrics()})
         self.logger.log(self.version, metrics)
+        if not self.cfg.progress or not sys.stderr.isatty():  # no bar to watch (progress=false, a log file)
+            log.info(step_line(self.version, self.cfg.trainer.total_steps, metrics))
         self._say_if_untrained(metrics)
         failed = None if self.cfg.runtime.tolerate_failed_steps else failed_step(recent, self.version)
         recent.clear()

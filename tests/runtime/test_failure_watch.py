@@ -63,3 +63,15 @@ def test_a_reward_that_raises_on_every_call_stops_the_run_at_its_first_step(tmp_
     assert "has no attribute 'expected'" in first[0] and "at rewards_for_tests.py:" in first[0]  # where: the frame
     summary = train(load_config(RECIPE, [*over, "name=tolerates", "runtime.tolerate_failed_steps=true"]))
     assert summary["steps"] == 3 and summary["untrained_steps"] == 3  # asked to go on: it does, training nothing
+
+
+@pytest.mark.integration
+def test_a_run_without_a_progress_bar_says_each_step_in_one_line(tmp_path, caplog):
+    """progress=false (or stderr in a log file): before, a step said nothing until the run ended."""
+    cfg = load_config(RECIPE, [f"output_dir={tmp_path}", "progress=false", "eval.n_tasks=0", "trainer.total_steps=2",
+                               "reward.function=rewards_for_tests:parity_reward"])
+    with caplog.at_level(logging.INFO, logger="loomrl"):
+        train(cfg)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ") and "/2: " in r.getMessage()]
+    assert [line.split(":")[0] for line in lines] == ["step 1/2", "step 2/2"], caplog.text[-2000:]
+    assert "trajectories scored)" in lines[0] and " s (training " in lines[0]

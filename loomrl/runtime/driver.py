@@ -57,6 +57,8 @@ from loomrl.types import EvalRecord, Trajectory
 log = logging.getLogger("loomrl")
 
 
+SETTLE_TIMEOUT_S = 300.0  # the longest the run waits, at its end, for the last version to be loaded
+
 UNTRAINED_HINT = ("A group takes a gradient only when its rollouts' rewards differ: zero_variance means every rollout "
                   "of each group scored the same (check that the reward, reward.function or the task's verifier, "
                   "gives this policy some successes: `loomrl eval` on the recipe shows its held-out success), "
@@ -434,6 +436,9 @@ class Driver:
                 raise RunError(f"run error: the trainer failed to start:\n{err}") from None
             await self._loop(extra)
             await asyncio.gather(*self._end_inflight(), return_exceptions=True)
+            # the last version may still be on its way (a broadcast from the trainer's process): it must arrive
+            # before the trainer stops, with or without an evaluation to use it
+            await self.weights.settle(SETTLE_TIMEOUT_S)
             self.after = await self._evaluate("after", self.version)
         finally:
             await asyncio.gather(*self._end_inflight(), *self.abandoned, return_exceptions=True)

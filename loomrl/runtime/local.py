@@ -255,6 +255,9 @@ class InPlace(WeightRoute):
     def step_metrics(self) -> dict[str, float]:
         return {}
 
+    async def settle(self, timeout_s: float) -> None:
+        """Nothing travels."""
+
 
 class HandleRoute(WeightRoute):
     """Async mode: the trainer process's newest handle (runtime.weight_transport) loaded into this process's engine
@@ -293,6 +296,9 @@ class HandleRoute(WeightRoute):
     def step_metrics(self) -> dict[str, float]:
         out, self.metrics = self.metrics, {}
         return out
+
+    async def settle(self, timeout_s: float) -> None:
+        """publish returns once the engine has loaded and confirmed the version: nothing is in flight."""
 
 
 def local_parts(cfg: RunConfig, checkpoint: Path | None, rollouts: LocalRollouts | None = None) -> Parts:

@@ -112,6 +112,12 @@ class WeightRoute(ABC):
     def step_metrics(self) -> dict[str, float]:
         """Its transfers' timings since the last call."""
 
+    @abstractmethod
+    async def settle(self, timeout_s: float) -> None:
+        """Wait, at most `timeout_s`, until every published version has been loaded where it was sent; the run calls
+        it before it stops the trainer, whose process may still be sending the last one (a broadcast). A route whose
+        publish returns only once every engine has the version has nothing to wait for."""
+
 
 @dataclass(slots=True, frozen=True)
 class Parts:

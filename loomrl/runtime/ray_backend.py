@@ -637,6 +637,17 @@ class ActorRoute(WeightRoute):
         for slot in self.rollouts.workers:
             cluster.syncs.append(slot.handle.update_weights.remote(cluster.weights))
 
+    async def settle(self, timeout_s: float) -> None:
+        """The loads still in flight, awaited (the trainer actor broadcasting the last version must outlive them):
+        left running after `timeout_s`, said in one line."""
+        pending = list(self.cluster.syncs)
+        if not pending:
+            return
+        _, left = await asyncio.to_thread(self.ray.wait, pending, num_returns=len(pending), timeout=timeout_s)
+        if left:
+            log.warning("%d weight load(s) still running %.0f s after the last step; the trainer stops anyway",
+                        len(left), timeout_s)
+
     def load_died(self, err: BaseException) -> None:
         """The actor loading a version died: supervision replaces it (a fresh one loads the latest)."""
 

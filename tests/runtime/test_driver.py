@@ -218,6 +218,9 @@ class ScriptedRoute(WeightRoute):
     def step_metrics(self) -> dict[str, float]:
         return {}
 
+    async def settle(self, timeout_s: float) -> None:
+        self.b.calls.append("settle")
+
 
 def parts(backend: ScriptedBackend) -> Parts:
     return Parts(ScriptedRollouts(backend), ScriptedTrainer(backend), ScriptedRoute(backend))
@@ -391,3 +394,10 @@ class _always(set):
 
     def discard(self, element) -> None:
         pass
+
+
+def test_the_last_version_settles_before_the_trainer_stops(tmp_path):
+    """On Ray a broadcast version travels from the trainer actor while the run goes on; stopping the trainer at the
+    end cut the last one off mid-send when no evaluation waited for it (found by tests/runtime/test_vllm_ray.py)."""
+    _, backend = run(config(tmp_path, "eval.n_tasks=0"), Script())
+    assert backend.calls[-2:] == ["settle", "stop_trainer"], backend.calls

@@ -1,14 +1,16 @@
 """The viewer's HTTP app: a JSON API over run folders and the static page that draws it.
 
 Endpoints (all GET; `run` is a run's key from /api/runs):
-  /api/runs                                    the runs: name, folder, config essentials, summary once ended
+  /api/runs                                    the runs: name, folder, config essentials, summary once ended (and
+                                               starts loading each run's tokenizer, for the trajectories)
   /api/metrics?run=&since=N                    metrics.jsonl records from line N on, and the next N (the page polls)
   /api/steps?run=                              per ledger step: trained, skipped by reason, stale; pending count
   /api/groups?run=&store=&step=&status=&task=&min_reward=&max_reward=&limit=
                                                group cards (groups.py); step=-1: groups not consumed yet
-  /api/trajectory?run=&id=&store=              one trajectory: turns, tool calls, per-token ids/text/mask/logprob/
-                                               version (and gap, when recorded), its advantage (as trained when
-                                               train_records.jsonl has it, else computed), its ledger fate
+  /api/trajectory?run=&id=&store=              one trajectory: its task's question (prompt), how it ended, turns,
+                                               tool calls, per-token ids/text/mask/logprob/version (and gap, when
+                                               recorded), its advantage (as trained when train_records.jsonl has
+                                               it, else computed), its ledger fate
   /api/timeline?run=                           each group's lifecycle (groups.jsonl) with the step that consumed it
 What it is not: a writer (it never changes a run folder) or a tracker across machines (it reads local folders).
 """
@@ -35,7 +37,8 @@ from loomrl.view.tokens import TokenText, token_gaps
 
 STATIC = Path(__file__).parent / "static"
 # How long a trajectory waits for its run's tokenizer to load (transformers' import alone takes seconds) before it
-# answers with ids; the page asks again for the text.
+# answers without the text (`pieces` None, `tokenizer_loading` true: the page shows "decoding…", never the ids, and
+# asks again). /api/runs starts every run's load when the page opens, so this is rare.
 TOKENIZER_WAIT_S = 1.0
 
 
@@ -86,6 +89,9 @@ def create_app(paths: list[Path]) -> FastAPI:
     def api_runs() -> list[dict[str, Any]]:
         out = []
         for key, run in runs.by_key.items():
+            # The page has just opened: start loading the run's tokenizer now (importing transformers and loading one
+            # takes seconds), so that it is there by the time a trajectory is opened
+            runs.token_text(key).warm()
             config = run.config()
             out.append({"key": key, "name": run.name, "path": str(run.path), "config": _essentials(config),
                         "summary": run.summary(), "live": run.live(), "stores": run.store_names()})
@@ -123,8 +129,8 @@ def create_app(paths: list[Path]) -> FastAPI:
     def api_trajectory(run: str, id: str, store_name: str = Query(TRAINING_STORE, alias="store")) -> dict[str, Any]:
         folder = runs.get(run)
         index = store(folder, store_name)
-        record = index.read(id)
-        if record is None:
+        row, record = index.get(id), index.read(id)
+        if row is None or record is None:
             raise HTTPException(404, f"run {run}: no trajectory '{id}' in its store '{store_name}'")
         group = [r for r in index.rows() if r.group_id == record["group_id"]]
         adv = dict(zip((r.trajectory_id for r in group), advantages([r.total_reward for r in group]))).get(id)
@@ -147,13 +153,16 @@ def create_app(paths: list[Path]) -> FastAPI:
             gap = ("none: an evaluation episode is never trained" if store_name != TRAINING_STORE
                    else "not recorded: the run has no train_records.jsonl (written by runs since the viewer showed it)"
                    if not folder.records() else "not recorded: this trajectory was not trained")
+        shown = {k: v for k, v in record.items() if k not in (
+            "token_ids", "loss_mask", "logprobs", "versions", "turns", "segments", "prompt_len")}
+        # how it ended, and its terms without the reward_failed marker (store_index.IndexRow)
+        shown.update(status=row.ending, reward_components=row.terms)
         return {
-            "trajectory": {k: v for k, v in record.items() if k not in (
-                "token_ids", "loss_mask", "logprobs", "versions", "turns", "segments", "prompt_len")},
+            "trajectory": shown,  # with the task's question (`prompt`), its answer and split
             "contexts": contexts,  # earlier context segments first, the current one last
             "advantage": adv, "advantage_source": source,
             "advantages": trained["advantages"] if trained is not None else None,  # per turn, as trained
-            "tokenizer": ("the run's tokenizer is still loading: ids for now" if loading
+            "tokenizer": ("decoding…: the run's tokenizer is still loading" if loading
                           else text.reason or "decoded with the run's tokenizer"),
             "tokenizer_loading": loading,
             "logprob_gap": gap,

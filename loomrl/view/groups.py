@@ -13,7 +13,6 @@ What it is not: the trainer's per-token values (the trajectory view lays the rec
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -39,9 +38,9 @@ class Member:
     trajectory_id: str
     task_id: str
     split: str
-    status: str
+    status: str  # how it ended: a RolloutStatus, or reward_failed (store_index.IndexRow.ending)
     reward: float | None
-    terms: dict[str, float]
+    terms: dict[str, float]  # its reward terms (a failed reward has none: its marker is its status)
     advantage: float | None
     advantage_source: str  # trained (a train record's) | computed (GRPO's, see the module docstring) | "" (none)
     advantages: list[float | None] | None  # per turn, as trained (None: no record)
@@ -103,8 +102,8 @@ def group_cards(rows: list[IndexRow], fates: dict[str, Fate],
                 adv = recorded_advantage(record)
                 trained_steps.add(record["step"])
             card.members.append(Member(
-                trajectory_id=m.trajectory_id, task_id=m.task_id, split=m.split, status=m.status, reward=m.total_reward,
-                terms=json.loads(m.reward_components), advantage=adv,
+                trajectory_id=m.trajectory_id, task_id=m.task_id, split=m.split, status=m.ending, reward=m.total_reward,
+                terms=m.terms, advantage=adv,
                 advantage_source="trained" if record is not None else "computed" if adv is not None else "",
                 advantages=record["advantages"] if record is not None else None,
                 versions=(m.policy_version_min, m.policy_version_max), n_turns=m.n_turns, total_tokens=m.total_tokens,
@@ -125,7 +124,7 @@ class GroupFilter:
     """The trajectory viewer's filters; a group is kept when any member passes them all."""
 
     step: int | None = None  # the ledger step that consumed the group; -1: not consumed (pending)
-    status: str | None = None
+    status: str | None = None  # how it ended: a RolloutStatus or reward_failed
     task: str | None = None  # a substring of the task id
     min_reward: float | None = None
     max_reward: float | None = None
@@ -133,7 +132,7 @@ class GroupFilter:
     def keeps(self, row: IndexRow, fate: Fate | None) -> bool:
         if self.step is not None and (fate.step if fate else -1) != self.step:
             return False
-        if self.status and row.status != self.status:
+        if self.status and row.ending != self.status:
             return False
         if self.task and self.task not in row.task_id:
             return False

@@ -16,6 +16,8 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+from loomrl.types import REWARD_FAILED
+
 # What a group card and the filters need; the wide columns (tokens, turns, segments) stay on disk until opened.
 INDEX_COLUMNS = ["trajectory_id", "group_id", "task_id", "split", "status", "total_reward", "reward_components",
                  "position", "policy_version_min", "policy_version_max", "n_turns", "total_tokens", "error"]
@@ -29,9 +31,12 @@ class IndexRow:
     group_id: str
     task_id: str
     split: str
-    status: str
+    status: str  # as stored: a trajectory whose reward failed was played out, so it is stored `completed`
+    # How it ended as the viewer shows and filters it: its status, or "reward_failed" when its reward could not be
+    # computed (reward/pool.py marks that with a `reward_failed` component, which is no reward term)
+    ending: str
     total_reward: float | None  # None: not scored (unscored status or failed reward)
-    reward_components: str  # JSON, parsed only for the groups shown
+    terms: dict[str, float]  # its reward terms, without the reward_failed marker
     position: int
     policy_version_min: int
     policy_version_max: int
@@ -59,15 +64,29 @@ def _read_index(path: Path, stamp: tuple[int, int]) -> PartIndex:
         table = f.read_row_group(g, columns=columns)
         cols = {c: table.column(c).to_pylist() if c in present else [None] * table.num_rows for c in INDEX_COLUMNS}
         for i in range(table.num_rows):
+            terms = reward_terms(cols["reward_components"][i])
+            status = cols["status"][i] or ""
             rows.append(IndexRow(
                 trajectory_id=cols["trajectory_id"][i], group_id=cols["group_id"][i] or "", task_id=cols["task_id"][i] or "",
-                split=cols["split"][i] or "", status=cols["status"][i] or "", total_reward=cols["total_reward"][i],
-                reward_components=cols["reward_components"][i] or "{}", position=_int(cols["position"][i]),
+                split=cols["split"][i] or "", status=status,
+                ending=REWARD_FAILED if terms.pop(REWARD_FAILED, None) is not None else status,
+                total_reward=cols["total_reward"][i], terms=terms, position=_int(cols["position"][i]),
                 policy_version_min=_int(cols["policy_version_min"][i]),
                 policy_version_max=_int(cols["policy_version_max"][i]), n_turns=_int(cols["n_turns"][i], 0),
                 total_tokens=_int(cols["total_tokens"][i], 0), error=cols["error"][i], part=path, row_group=g,
                 row_in_group=i))
     return PartIndex(path=path, stamp=stamp, rows=rows)
+
+
+def reward_terms(value: Any) -> dict[str, float]:
+    """A stored `reward_components` as a dict: a JSON string (the store's format), or already a mapping or a list of
+    (name, value) pairs (how pyarrow gives a struct or map column, should the store keep it nested)."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        value = json.loads(value or "{}")
+    items = value.items() if isinstance(value, dict) else value
+    return {str(k): v for k, v in items if v is not None}
 
 
 def _int(value: int | None, default: int = -1) -> int:

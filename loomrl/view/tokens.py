@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("loomrl.view")
+# One load at a time in this process: two threads importing transformers at once (the page opens several runs and
+# each starts its tokenizer) can see its lazy module half-initialised ("cannot import name 'AutoTokenizer'").
+_LOAD_LOCK = threading.Lock()
 
 
 def token_gaps(loss_mask: list[int], gaps: list[float] | None) -> list[float | None] | None:
@@ -60,7 +63,8 @@ class TokenText:
             if not self._tried:
                 self._tried = True
                 try:
-                    self._tokenizer = self._load()
+                    with _LOAD_LOCK:
+                        self._tokenizer = self._load()
                 except Exception as err:  # any loader failure leaves the viewer usable, with ids
                     self.reason = f"no tokenizer for {self.run_dir.name} ({type(err).__name__}: {err}); showing ids"
                     log.warning("%s", self.reason)

@@ -76,3 +76,42 @@ def browser():
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         yield browser
         browser.close()
+
+
+def one_split_copy(run_dir: Path, dest: Path) -> Path:
+    """A copy of a run as a run with one held-out split logs it: its metrics without `heldout_templates`, the overall
+    `eval/success` then being that one split's (the short run has two splits)."""
+    import json
+    import os
+
+    shutil.copytree(run_dir, dest)
+    records = []
+    for line in (dest / "metrics.jsonl").read_text().splitlines():
+        r = {k: v for k, v in json.loads(line).items() if not k.startswith("eval/heldout_templates/")}
+        if "eval/heldout/success" in r:
+            r["eval/success"], r["eval/n"] = r["eval/heldout/success"], r["eval/heldout/n"]
+        records.append(r)
+    (dest / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    os.utime(dest / "summary.json")  # ended after its metrics: not followed as a live run
+    return dest
+
+
+def add_reward_failed_group(run_dir: Path) -> dict[str, str]:
+    """Store a pending group of two, as the rollout worker stores them, the second's reward failed (marked by the
+    reward pool's own `mark_reward_failed`); its ids by role."""
+    from loomrl.reward.pool import mark_reward_failed
+    from loomrl.store.trajectory_store import TrajectoryStore
+    from loomrl.types import TokenSpan, Trajectory, Turn
+
+    def member(i: int) -> Trajectory:
+        return Trajectory(task_id="calc-train-00001", trajectory_id=f"traj-rf{i}", group_id="group-rf", split="train",
+                          prompt="What is 2 + 3?", answer="5", prompt_ids=[1, 2, 3], token_ids=[1, 2, 3, 4, 5, 6],
+                          turns=[Turn(act="The answer is 5.", act_span=TokenSpan(start=3, end=6), logprobs=[-0.1] * 3,
+                                      versions=[2] * 3, done=True)],
+                          total_reward=1.0, reward_components={"parity": 1.0})
+
+    scored, failed = member(0), mark_reward_failed(member(1), "ValueError: no number in the completion")
+    store = TrajectoryStore(run_dir / "trajectories")
+    store.append([scored, failed])
+    store.flush()
+    return {"scored": scored.trajectory_id, "failed": failed.trajectory_id, "group": "group-rf"}

@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import threading
 import time
 
 import pyarrow.parquet as pq
 import pytest
+from conftest import add_reward_failed_group
 from fastapi.testclient import TestClient
 
 from loomrl.trainer.service import read_ledger
@@ -284,3 +286,60 @@ def member_advantage_computed(card: dict, tid: str) -> float:
     m = next(m for m in card["members"] if m["trajectory_id"] == tid)
     assert m["advantage_source"] == "computed"
     return m["advantage"]
+
+
+def test_a_member_whose_reward_failed_ends_reward_failed_without_a_marker_term(tmp_path, run_dir):
+    """The store keeps such a trajectory `completed` (it was played out) with a `reward_failed` component that marks
+    it (reward/pool.py): the viewer shows it as reward_failed, with no term `reward_failed 0.000`, and filters by it."""
+    copy = tmp_path / run_dir.name
+    shutil.copytree(run_dir, copy)
+    ids = add_reward_failed_group(copy)
+    client = TestClient(create_app([copy]))
+    (card,) = client.get("/api/groups", params={"run": copy.name, "step": -1}).json()["groups"]
+    members = {m["trajectory_id"]: m for m in card["members"]}
+    failed, scored = members[ids["failed"]], members[ids["scored"]]
+    assert failed["status"] == "reward_failed" and failed["terms"] == {} and failed["reward"] is None
+    assert scored["status"] == "completed" and scored["terms"] == {"parity": 1.0}
+    by_status = client.get("/api/groups", params={"run": copy.name, "status": "reward_failed"}).json()
+    assert [g["group_id"] for g in by_status["groups"]] == [ids["group"]]
+    body = client.get("/api/trajectory", params={"run": copy.name, "id": ids["failed"]}).json()
+    assert body["trajectory"]["status"] == "reward_failed" and body["trajectory"]["reward_components"] == {}
+    assert "no number in the completion" in body["trajectory"]["error"]
+    assert body["trajectory"]["prompt"] == "What is 2 + 3?"  # the task's question travels with the trajectory
+
+
+def test_opening_the_page_starts_each_runs_tokenizer_one_at_a_time(tmp_path, run_dir, monkeypatch):
+    """/api/runs (the page's first call) starts loading every run's tokenizer, so that the tokens are text by the time
+    a trajectory is opened; loads run one at a time (two threads importing transformers at once can find it half
+    imported). The real loader runs; the wrapper only counts the loads under way."""
+    from loomrl.view.tokens import TokenText
+
+    other = tmp_path / "other"
+    shutil.copytree(run_dir, other)
+    load, lock = TokenText._load, threading.Lock()
+    seen = {"now": 0, "most": 0, "done": 0}
+
+    def counted(self):
+        with lock:
+            seen["now"] += 1
+            seen["most"] = max(seen["most"], seen["now"])
+        try:
+            time.sleep(0.2)  # two loads started together overlap here, whatever this machine's speed
+            return load(self)
+        finally:
+            with lock:
+                seen["now"] -= 1
+                seen["done"] += 1
+
+    monkeypatch.setattr(TokenText, "_load", counted)
+    client = TestClient(create_app([run_dir, other]))
+    assert len(client.get("/api/runs").json()) == 2  # nothing else asked: no group, no trajectory
+    deadline = time.monotonic() + 120
+    while seen["done"] < 2:
+        assert time.monotonic() < deadline, f"the tokenizers did not load after /api/runs: {seen}"
+        time.sleep(0.05)
+    assert seen["most"] == 1
+    tid = read_ledger(run_dir)[0]["trained"][0]
+    for name in (run_dir.name, other.name):
+        body = client.get("/api/trajectory", params={"run": name, "id": tid}).json()
+        assert body["tokenizer"] == "decoded with the run's tokenizer" and body["contexts"][0]["pieces"]

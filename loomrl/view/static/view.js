@@ -3,19 +3,36 @@
 "use strict";
 
 const PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f"];
+// With several runs a line takes its run's colour (the run's badge in the header) and a chart's metrics are told apart
+// by dash; with one run the colours tell its metrics apart, and the badge is neutral.
+const DASHES = [undefined, [8, 4], [2, 3], [12, 3, 2, 3], [1, 5], [6, 2, 1, 2, 1, 2]];
+const SOLO = "#444";
+// Steps are whole numbers: the step axis ticks at these increments only (uPlot's default ones include fractions).
+const STEP_INCRS = [1, 2, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1000, 2000, 2500, 5000, 10000, 20000, 50000, 100000];
+const SPLIT_SUCCESS = /^eval\/[^/]+\/success$/;
+const WHOLE = (u, lo, hi) => [0, Math.max(1, Math.ceil(hi))];  // steps and counts: from 0, never an axis of 0..100 for all-0
+const natural = s => s.replace(/\d+/g, d => d.padStart(9, "0"));  // staleness/lag_2 before staleness/lag_10
 const POLL_MS = Number(new URLSearchParams(location.search).get("poll") || 2000);
 
 // A chart: a title and the metric names it draws (a string: that name; a RegExp: every name it matches), per run;
-// `range`: a fixed y range (rates), so that a run at 0 throughout does not get an axis of its own making.
+// `range`: a fixed y range (rates), or a function of the data's (uPlot's scale range), so that a run at 0 throughout
+// does not get an axis of its own making; `omit(key, names)`: leave out a metric the run logs that only repeats another;
+// `absentIsZero`: a training step that does not log a metric the run logs elsewhere counted 0 of it.
 const CURVES = [
   { id: "reward", title: "reward (train, mean over scored rollouts)", keys: ["rollout/reward_mean"] },
-  { id: "success", title: "success: train correct rate, held-out (eval/…) by split", keys: ["rollout/correct_rate", /^eval\/(?:[^/]+\/)?success$/], range: [0, 1] },
+  // eval/success is over every held-out split together: with one split it is that split's own number, drawn once
+  { id: "success", title: "success: train correct rate; held-out by split (eval/<split>/…) and over all splits (eval/success)",
+    keys: ["rollout/correct_rate", SPLIT_SUCCESS, "eval/success"], range: [0, 1],
+    omit: (key, names) => key === "eval/success" && [...names].filter(n => SPLIT_SUCCESS.test(n)).length === 1 },
   { id: "terms", title: "reward terms (mean)", keys: [/^reward\/[^/]+$/] },
   { id: "loss", title: "loss", keys: ["train/loss"] },
   { id: "kl", title: "KL (approx, policy vs sampler)", keys: ["train/approx_kl", "train/kl"] },
   { id: "entropy", title: "entropy", keys: ["train/entropy"] },
   { id: "grad_norm", title: "grad norm", keys: ["train/grad_norm"] },
-  { id: "lag", title: "policy lag (steps, max and histogram)", keys: ["staleness_max", /^staleness\/lag_\d+$/] },
+  // the lag in steps and how many groups had each lag are different units: two charts, not one axis
+  { id: "lag", title: "policy lag of the step's groups (steps): largest and mean", keys: ["staleness_max", "derived/staleness_mean"], range: WHOLE },
+  { id: "lag_groups", title: "the step's groups by policy lag (count of groups with lag 0, 1, …)", keys: [/^staleness\/lag_\d+$/], range: WHOLE,
+    absentIsZero: true },  // a step logs only the lags it saw: no line means no group at that lag
   { id: "tps", title: "tokens/s (generated per step second; trained per train second)", keys: ["derived/generated_tokens_per_s", "derived/trained_tokens_per_s"] },
   { id: "step_time", title: "step time split (s): rollout, train, rollout idle (waiting)", keys: ["time/step_s", "time/rollout_s", "time/train_s", "time/rollout_idle_s"] },
 ];
@@ -57,6 +74,9 @@ const fmt = (v, d = 3) => v == null ? "–" : (Math.abs(v) >= 1000 || (v !== 0 &
 // -- metrics ------------------------------------------------------------------------------------------------------
 function derive(r) {  // rates the run does not log as such
   if (r.kind === "train") {
+    const lags = Object.keys(r).filter(k => /^staleness\/lag_\d+$/.test(k));
+    const n = lags.reduce((a, k) => a + r[k], 0);
+    if (n > 0) r["derived/staleness_mean"] = lags.reduce((a, k) => a + Number(k.slice(14)) * r[k], 0) / n;
     if (r["engine/generated_tokens"] != null && r["time/step_s"]) r["derived/generated_tokens_per_s"] = r["engine/generated_tokens"] / r["time/step_s"];
     if (r["train/tokens"] != null && r["train/seconds"]) r["derived/trained_tokens_per_s"] = r["train/tokens"] / r["train/seconds"];
   }
@@ -77,20 +97,24 @@ function seriesOf(chart) {  // [{run, key}] present in the runs' records, in a s
     const names = new Set();
     for (const r of run.records) for (const k of Object.keys(r)) if (typeof r[k] === "number") names.add(k);
     const found = [];
+    const sorted = [...names].sort((a, b) => natural(a) < natural(b) ? -1 : natural(a) > natural(b) ? 1 : 0);
     for (const key of chart.keys) {
       if (typeof key === "string") { if (names.has(key)) found.push(key); }
-      else for (const n of [...names].sort()) if (key.test(n) && !found.includes(n)) found.push(n);
+      else for (const n of sorted) if (key.test(n) && !found.includes(n)) found.push(n);
     }
-    for (const k of found) out.push({ run, ri, key: k });
+    for (const k of found) if (!(chart.omit && chart.omit(k, names))) out.push({ run, ri, key: k });
   });
   return out;
 }
 
-function chartData(series) {
+function chartData(series, def) {
   const steps = new Set();
   const maps = series.map(({ run, key }) => {
     const m = new Map();
-    for (const r of run.records) if (typeof r[key] === "number") { m.set(r.step, r[key]); steps.add(r.step); }
+    for (const r of run.records) {
+      const v = typeof r[key] === "number" ? r[key] : def.absentIsZero && r.kind === "train" ? 0 : null;
+      if (v != null) { m.set(r.step, v); steps.add(r.step); }
+    }
     return m;
   });
   const xs = [...steps].sort((a, b) => a - b);
@@ -110,7 +134,7 @@ function drawCharts(defs, containerId) {
     const plot = card.querySelector(".plot");
     const series = seriesOf(def);
     const sig = series.map(s => s.ri + ":" + s.key).join("|");
-    const data = chartData(series);
+    const data = chartData(series, def);
     const old = view.charts[def.id];
     if (!series.length) {
       if (old) { old.uplot.destroy(); delete view.charts[def.id]; }
@@ -124,12 +148,12 @@ function drawCharts(defs, containerId) {
     const opts = {
       width: Math.max(300, plot.clientWidth || 400), height: 190,
       scales: { x: { time: false }, ...(def.range ? { y: { range: def.range } } : {}) },
-      axes: [{}, { size: 60, values: (u, vals) => vals.map(v => v == null ? "" : Math.abs(v) >= 1e4 || (v !== 0 && Math.abs(v) < 1e-2) ? v.toExponential(1) : +v.toPrecision(3)) }],
-      legend: { live: true },
+      axes: [{ incrs: STEP_INCRS, values: (u, vals) => vals.map(v => v == null ? "" : String(v)) }, { size: 60, values: (u, vals) => vals.map(v => v == null ? "" : Math.abs(v) >= 1e4 || (v !== 0 && Math.abs(v) < 1e-2) ? v.toExponential(1) : +v.toPrecision(3)) }],
+      legend: { live: true, markers: { dash: (u, i) => u.series[i].dash ? (u.series[i].dash[0] <= 2 ? "dotted" : "dashed") : "solid" } },
       series: [{ label: "step" }, ...series.map(s => ({
         label: (multi ? s.run.key + " · " : "") + s.key, spanGaps: true, width: 1.5,
-        stroke: PALETTE[(multi ? s.ri * keys.length + keys.indexOf(s.key) : keys.indexOf(s.key)) % PALETTE.length],
-        dash: multi && s.ri > 0 ? [6, 3] : undefined, points: { show: true, size: 4 },
+        stroke: multi ? s.run.color : PALETTE[keys.indexOf(s.key) % PALETTE.length],
+        dash: multi ? DASHES[keys.indexOf(s.key) % DASHES.length] : undefined, points: { show: true, size: 4 },
       }))],
     };
     view.charts[def.id] = { sig, uplot: new uPlot(opts, data, plot) };
@@ -279,7 +303,9 @@ const COLOURS = {
     of: (c, i) => c.gap && c.gap[i] != null ? `hsl(${Math.round(120 * Math.max(0, 1 - c.gap[i] / 0.5))},70%,72%)` : "" },
 };
 
-function tokensOf(ctx, mode, adv) {
+function tokensOf(ctx, mode, adv, loading) {
+  // the run's tokenizer is still loading: a placeholder, not ids that read as the text (the page asks again)
+  if (loading) return el("div", { class: "tokens decoding muted" }, `decoding… (${ctx.token_ids.length} tokens; the run's tokenizer is loading)`);
   const box = el("div", { class: "tokens" });
   const colour = COLOURS[mode].of;
   const spans = ctx.token_ids.map((id, i) => {
@@ -321,7 +347,7 @@ async function openTrajectory(id) {
   const render = () => {
     view.colourBy = mode.value;
     legend.textContent = COLOURS[mode.value].legend + ". " + d.tokenizer + ". Engine-vs-trainer logprob gap: " + d.logprob_gap + ".";
-    tokens.replaceChildren(...d.contexts.map(c => el("div", {}, c.reason ? el("div", { class: "muted" }, `earlier context (${c.reason})`) : "", tokensOf(c, mode.value, d.advantage))));
+    tokens.replaceChildren(...d.contexts.map(c => el("div", {}, c.reason ? el("div", { class: "muted" }, `earlier context (${c.reason})`) : "", tokensOf(c, mode.value, d.advantage, d.tokenizer_loading))));
   };
   mode.addEventListener("change", render);
   const legend = el("div", { class: "legend" });
@@ -330,6 +356,7 @@ async function openTrajectory(id) {
     el("h3", {}, `${t.trajectory_id} · ${t.task_id} · ${t.status} · reward ${fmt(t.total_reward)} · advantage ${fmt(d.advantage, 3)}` +
       (d.advantage_source ? ` (${d.advantage_source})` : "")),
     el("div", { class: "ledger" }, "ledger: " + fate),
+    el("div", { class: "question" }, el("b", {}, `task${t.split ? " (" + t.split + ")" : ""}: `), t.prompt || "(no question stored)"),
     el("div", { class: "muted" }, `terms ${JSON.stringify(t.reward_components)} · answer ${t.answer} · final answer ${t.final_answer ?? "–"}` +
       ` · versions ${t.policy_version_min}–${t.policy_version_max} · attempts ${t.attempts}` + (t.error ? ` · error ${t.error}` : "")),
     el("h4", {}, "turns"), ...d.contexts.flatMap(c => turnsOf(c.turns)),
@@ -365,9 +392,10 @@ function showTab(name) {
 
 async function start() {
   const runs = await api("/api/runs");
-  view.runs = runs.map((r, i) => ({ ...r, records: [], next: 0, color: PALETTE[i % PALETTE.length] }));
+  const multi = runs.length > 1;
+  view.runs = runs.map((r, i) => ({ ...r, records: [], next: 0, color: multi ? PALETTE[i % PALETTE.length] : SOLO }));
   $("runs").replaceChildren(...view.runs.map(r => el("span", { class: "run-chip", style: `background:${r.color}`,
-    title: `${r.path}\n${JSON.stringify(r.config)}` }, r.key)));
+    title: `${r.path}\n${JSON.stringify(r.config)}` + (multi ? "\nits lines in the charts have this colour" : "") }, r.key)));
   document.querySelectorAll("nav button").forEach(b => b.addEventListener("click", () => showTab(b.dataset.tab)));
   $("t-run").replaceChildren(...view.runs.map(r => el("option", { value: r.key }, r.key)));
   $("t-run").addEventListener("change", drawTimeline);

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from ledger_checks import check_each_trajectory_once, check_run
+from ray_clusters import kill_tagged, tagged
 
 from loomrl.metrics.logger import read_metrics
 from loomrl.store import read_trajectories
@@ -35,23 +36,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _tagged(tag: str, tmp: str | None = None) -> list[int]:
-    """Processes started by this test's cluster: they inherit LOOMRL_RAY_TEST=<tag> from `ray start`,
-    or (Ray's agents, whose retitling blanks their environment) hold a log file open under its temp
-    dir. (Never `ray stop`: it stops every Ray process of the user on the machine.)"""
-    needle = f"LOOMRL_RAY_TEST={tag}".encode()
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if needle in (entry / "environ").read_bytes().split(b"\0") or (
-                        tmp and any(os.readlink(fd).startswith(tmp) for fd in (entry / "fd").iterdir())):
-                    out.append(int(entry.name))
-            except OSError:
-                continue
-    return out
 
 
 def _runs(pid: int, needle: str) -> bool:
@@ -99,13 +83,7 @@ def cluster():
         print(f"two-node cluster up in {time.time() - t0:.1f}s")
         yield {"address": f"127.0.0.1:{port}", "env": env, "tag": tag, "tmp": tmp}
     finally:
-        for _ in range(3):  # a second sweep catches what was being started during the first
-            for pid in _tagged(tag, tmp):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-            time.sleep(0.5)
+        kill_tagged(tag, tmp)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -235,7 +213,7 @@ def test_chaos_kills_actors_and_the_run_accounts_for_every_trajectory_once(clust
                 continue
             seen = n
             what = plan[0] if not plan[0].startswith("trainer") or n >= 2 else "rollout"
-            actors = {pid: _title(pid) for pid in _tagged(cluster["tag"], cluster["tmp"])}
+            actors = {pid: _title(pid) for pid in tagged(cluster["tag"], cluster["tmp"])}
             victims = [p for p, t in actors.items() if t.startswith(title[what])]
             if not victims:
                 continue
@@ -392,7 +370,7 @@ def test_env_actors_run_the_sandboxes_on_their_node_and_survive_a_kill(cluster, 
             after, title = plan[0]
             n = len(read_ledger(run_dir))
             if n >= after:
-                actors = {p: _title(p) for p in _tagged(cluster["tag"], cluster["tmp"])}
+                actors = {p: _title(p) for p in tagged(cluster["tag"], cluster["tmp"])}
                 env = [p for p, t in actors.items() if t.startswith("ray::EnvActor")]
                 # when no hidden tests were seen running during the step, at its end anyway
                 if (env and _runs(env[0], "unittest")) or n > after:
@@ -441,7 +419,7 @@ def test_an_engine_actor_serves_both_rollout_actors_from_another_node_and_surviv
         deadline = time.time() + 240
         while not killed and time.time() < deadline and proc.poll() is None:
             if len(read_ledger(run_dir)) >= 2:
-                actors = {p: _title(p) for p in _tagged(cluster["tag"], cluster["tmp"])}
+                actors = {p: _title(p) for p in tagged(cluster["tag"], cluster["tmp"])}
                 for pid in [p for p, t in actors.items() if t.startswith("ray::EngineActor")]:
                     os.kill(pid, signal.SIGKILL)
                     killed.append(pid)
@@ -596,7 +574,7 @@ def test_a_broadcast_run_on_engine_actors_trains_survives_its_trainer_and_stops_
         while not trainers and time.time() < deadline and proc.poll() is None:
             if len(read_ledger(tmp_path / "broadcast-trainer")) >= 3:
                 time.sleep(0.5)  # past the broadcast that follows the step
-                for pid in _tagged(cluster["tag"], cluster["tmp"]):
+                for pid in tagged(cluster["tag"], cluster["tmp"]):
                     if _title(pid).startswith("ray::TrainerActor"):
                         os.kill(pid, signal.SIGKILL)
                         trainers.append(pid)
@@ -613,7 +591,7 @@ def test_a_broadcast_run_on_engine_actors_trains_survives_its_trainer_and_stops_
         deadline = time.time() + 240
         while not killed and time.time() < deadline and proc.poll() is None:
             if len(read_ledger(tmp_path / "broadcast-kill")) >= 2:
-                for pid in _tagged(cluster["tag"], cluster["tmp"]):
+                for pid in tagged(cluster["tag"], cluster["tmp"]):
                     if not _title(pid).startswith("ray::EngineActor"):
                         continue
                     os.kill(pid, signal.SIGKILL)
@@ -759,7 +737,7 @@ def test_fsdp_ranks_restart_together_from_their_sharded_checkpoint(cluster, tmp_
         deadline = time.time() + 240
         while time.time() < deadline and len(read_ledger(run_dir)) < 3 and proc.poll() is None:
             time.sleep(0.25)
-        victims = [p for p in _tagged(cluster["tag"], cluster["tmp"]) if _title(p).startswith("ray::TrainerRankActor")]
+        victims = [p for p in tagged(cluster["tag"], cluster["tmp"]) if _title(p).startswith("ray::TrainerRankActor")]
         assert victims, "no trainer rank actor to kill"
         os.kill(victims[0], signal.SIGKILL)
         out, _ = proc.communicate(timeout=300)

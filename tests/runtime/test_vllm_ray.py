@@ -19,16 +19,15 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 from ledger_checks import check_run
+from ray_clusters import kill_tagged
 
 from loomrl.config import load_config
 from loomrl.metrics.logger import read_metrics
@@ -54,22 +53,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _started_by(tag: str, tmp: str) -> list[int]:
-    """This cluster's processes: they inherit LOOMRL_RAY_TEST=<tag> from `ray start`, or (Ray's agents, which blank
-    their environment) hold a file open under its temp dir. (Never `ray stop`: it stops every Ray on the machine.)"""
-    needle = f"LOOMRL_RAY_TEST={tag}".encode()
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if needle in (entry / "environ").read_bytes().split(b"\0") or any(
-                        os.readlink(fd).startswith(tmp) for fd in (entry / "fd").iterdir()):
-                    out.append(int(entry.name))
-            except OSError:
-                continue
-    return out
-
-
 @pytest.fixture(scope="module")
 def cluster():
     """One node on loopback offering 4 CPUs (reservations: the actors share the 2 cores) and 2 GPUs that do not exist;
@@ -90,13 +73,7 @@ def cluster():
                            timeout=120)
             yield f"127.0.0.1:{port}"
         finally:
-            for _ in range(3):  # a second sweep catches what was being started during the first
-                for pid in _started_by(tag, tmp):
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except OSError:
-                        pass
-                time.sleep(0.5)
+            kill_tagged(tag, tmp)
             shutil.rmtree(tmp, ignore_errors=True)
 
 

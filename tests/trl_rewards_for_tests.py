@@ -4,6 +4,7 @@ given to the file its task's `record_to` column names, for the test to read."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -109,3 +110,79 @@ def compute_score_dict(data_source, solution_str, ground_truth, **kwargs):
 def one_argument(completion):
     """No shape loomrl, TRL or verl calls: refused at load."""
     return 1.0
+
+
+# -- TRL's documented reward functions, verbatim (bodies and signatures as TRL's docs write them; renamed only where
+# the docs reuse a name). A TRL user's code, used unchanged: tests/reward/test_trl_documented.py and
+# tests/runtime/test_trl_rewards_end_to_end.py check them on every task source.
+
+# TRL docs, docs/source/grpo_trainer.md, "Example 1: Reward longer completions" (there named `reward_func`)
+def docs_token_length(completion_ids, **kwargs):
+    """Reward function that assigns higher scores to longer completions (in terms of token count)."""
+    return [float(len(ids)) for ids in completion_ids]
+
+
+# TRL docs, docs/source/grpo_trainer.md, "Example 1.1: Reward longer completions (based on the number of characters)"
+# (there named `reward_func`). On a conversational completion len() counts its messages, in TRL too.
+def docs_char_length(completions, **kwargs):
+    """Reward function that assigns higher scores to longer completions (in terms of character count)."""
+    return [float(len(completion)) for completion in completions]
+
+
+# TRL docs, docs/source/grpo_trainer.md, "Example 2: Reward completions with a specific format"
+def format_reward_func(completions, **kwargs):
+    """Reward function that checks if the completion has a specific format."""
+    pattern = r"^<think>.*?</think><answer>.*?</answer>$"
+    completion_contents = [completion[0]["content"] for completion in completions]
+    matches = [re.match(pattern, content) for content in completion_contents]
+    return [1.0 if match else 0.0 for match in matches]
+
+
+# TRL docs, docs/source/grpo_trainer.md, "Example 5: Asynchronous reward functions"
+async def async_reward_func(prompts, completions, **kwargs):
+    # Simulate an I/O-bound call (e.g., HTTP request, database lookup)
+    await asyncio.sleep(0.01)
+    # Simple toy reward: 1.0 if the completion is non-empty, else 0.0
+    return [1.0 if completion else 0.0 for completion in completions]
+
+
+# TRL 1.16, trl/rewards/format_rewards.py `think_format_reward` (`from trl.rewards import think_format_reward`; its
+# docstring, docs/source/rewards.md, shortened to its first line): its code as TRL ships it, TRL not being installed here
+def think_format_reward(completions: list[list[dict[str, str]]], **kwargs) -> list[float]:
+    r"""
+    Reward function that checks if the reasoning process is enclosed within `"<think>"` and `"</think>"` tags.
+    """
+    pattern = r"^<think>(?!.*<think>)(.*?)</think>.*$"
+    completion_contents = [completion[0]["content"] for completion in completions]
+    matches = [re.match(pattern, content, re.DOTALL | re.MULTILINE) for content in completion_contents]
+    return [1.0 if match else 0.0 for match in matches]
+
+
+# TRL's tool-agent example, the repository's examples/scripts/grpo_agent.py `correctness_reward` (listed in
+# docs/source/example_overview.md): a tool episode's final answer read from `completion[-1]["content"]`, *yes*/*no*
+def correctness_reward(completions, answer, **kwargs):
+    """
+    Reward Yes/No correctness.
+    Model must provide final answer enclosed in stars — *yes* or *no*.
+    Does not reward informal yes/no buried in text.
+    """
+    rewards = []
+    for completion, ans in zip(completions, answer, strict=False):
+        raw = completion[-1]["content"].lower()
+
+        # detect form *yes* or *no*
+        match = re.search(r"\*(yes|no)\*", raw)
+        guess = match.group(1) if match else None
+
+        reward = 0.0
+
+        if guess is None:
+            reward -= 0.5  # invalid format
+        elif guess == ans.lower():
+            reward += 0.6  # correct under required format
+        else:
+            reward -= 1.0  # wrong answer
+
+        rewards.append(reward)
+
+    return rewards

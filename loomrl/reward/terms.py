@@ -5,17 +5,35 @@ none of these shapes stops the run there, naming its parameters), one or several
 reward.functions; docs/rewards.md). What is here is the arithmetic (arguments, values, None, weights); running the
 functions, each bounded by reward.timeout_s in a worker process, is reward/workers.py's.
 
-TRL-style functions are told apart by their signature (a `completions` parameter) and called the way TRL's
-GRPOTrainer calls them (trl/trainer/grpo_trainer.py `_calculate_rewards`), with a batch of one trajectory:
-`fn(prompts=[p], completions=[c], completion_ids=[ids], **{column: [value]}, trainer_state=..., log_extra=...,
-log_metric=...)`; an `async def` one is awaited. The columns are `answer` (the task's answer) and the task's `data`
-(a dataset's other columns, verl's `extra_info` among them), a column of the data winning over `answer`.
-A task that brought chat messages (a dataset's, Task.messages) is conversational, as TRL calls it: `p` is those
-messages and `c` the episode's messages after them, every assistant turn and every tool or user message the environment
-answered with, in order (`[{"role": "assistant", "content": ...}]` for one reply, TRL's form); otherwise `p` is the
-prompt's text and `c` the assistant turns' text, joined by newlines. An assistant turn's content is its text as the
-agent loop split it, any `<think>...</think>` put back in front of the rest. `completion_ids` are the exact token ids
-after the opening prompt, as TRL's: the sampled ones and the environment's answers between them.
+TRL-style functions are told apart by their signature (a `prompts`, `completions` or `completion_ids` parameter)
+and called the way TRL's GRPOTrainer calls them (trl/trainer/grpo_trainer.py `_calculate_rewards`), with a batch of
+one trajectory: `fn(prompts=[p], completions=[c], completion_ids=[ids], **{column: [value]}, trainer_state=...,
+log_extra=..., log_metric=...)`; an `async def` one is awaited. The columns are `answer` (the task's answer) and the
+task's `data` (a dataset's other columns, verl's `extra_info` among them), a column of the data winning over `answer`.
+
+The shape of `p` and `c`, the one place it is stated (docs/rewards.md repeats it for users). Every episode is a chat
+(the Env API speaks messages and the model sees them through its chat template), so every task, a dataset's or an
+environment's own, is conversational, as TRL calls it, and gets the shape TRL 1.16 gives a conversational dataset
+with tools or an environment (read in trl/trainer/grpo_trainer.py: `_generate` makes `[parse_response(...)]` per
+completion; `_tool_call_loop` appends each tool result `{"role": "tool", "name", "content"}` and the reply after it;
+`_calculate_rewards` passes those lists; `_generate_and_score_completions` makes an environment's own prompt a user
+message):
+- `p` is the task's opening messages: a dataset's (Task.messages: its system prompt, few-shot turns and prompt), else
+  `[{"role": "user", "content": task.prompt}]` (an environment's system prompt and worked examples are not the task's).
+- `c` is every message after them, in order: each assistant turn `{"role": "assistant", "content", "tool_calls"?}`,
+  then what the environment answered it with (`{"role": "tool", "name"?, "content"}` after a tool call, else a `user`
+  message); an answer the model never saw (the episode ended) is left out. So `c[0]` is the first assistant turn
+  (in a tool episode the tool-call turn, as in TRL) and `c[-1]` the last reply; a one-reply episode is
+  `[{"role": "assistant", "content": ...}]`, the one-message completion TRL's documented functions index with
+  `completion[0]["content"]`. A function scoring a tool episode's final answer reads `completion[-1]["content"]`, as
+  TRL's own agent example does (examples/scripts/grpo_agent.py `correctness_reward`).
+- An assistant turn's `content` is its text as TRL's response parsing leaves it (trl/chat_template_utils.py
+  `parse_response` with a response schema, whose regex puts the text before the first `<tool_call>` in `content`
+  and the calls in `tool_calls`): a turn whose calls all parsed keeps the text before its first `<tool_call>`
+  (a newline just before it dropped); any `<think>...</think>` the agent loop split off is put back in front.
+  `tool_calls` are in OpenAI's form, `{"type": "function", "function": {"name", "arguments"}}`.
+- `completion_ids` are the exact token ids after the opening prompt, as TRL's: the sampled ones and the environment's
+  answers between them (of every context, in order).
 
 None is "no opinion" (TRL: a math reward on a code task): that component is left out of the total and out of its
 mean, never a 0; a trajectory that every function left without an opinion has no reward (reward_failed, never
@@ -52,6 +70,9 @@ class RewardStyle(enum.StrEnum):
     VERL = "verl"  # compute_score(data_source, solution_str, ground_truth, extra_info=None) -> value | {"score": ...}
 
 
+# what TRL passes every reward function by name: a function taking any of them is TRL-style (TRL's docs' first
+# example, `reward_func(completion_ids, **kwargs)`, takes no `completions`)
+TRL_PARAMETERS = frozenset({"prompts", "completions", "completion_ids"})
 SHAPES = ("fn(trajectory, task) -> {name: value} (loomrl), fn(prompts, completions, **columns) -> [value] (TRL), or "
           "compute_score(data_source, solution_str, ground_truth, extra_info=None) -> value (verl)")
 
@@ -78,7 +99,7 @@ class TrainerState:
 
 
 def reward_style(fn: Callable[..., Any]) -> RewardStyle:
-    """How `fn` is called, from its parameters: a `completions` one is TRL's; `solution_str` and `ground_truth`
+    """How `fn` is called, from its parameters: one named as TRL passes them (TRL_PARAMETERS) is TRL's; `solution_str` and `ground_truth`
     verl's; one that takes two positional arguments loomrl's. TypeError naming the parameters for anything else, so
     that a function of the wrong shape stops the run at load, not on every trajectory."""
     try:
@@ -86,7 +107,7 @@ def reward_style(fn: Callable[..., Any]) -> RewardStyle:
     except (TypeError, ValueError):  # a builtin without a signature: loomrl's positional form
         return RewardStyle.LOOMRL
     params = sig.parameters
-    if "completions" in params:
+    if params.keys() & TRL_PARAMETERS:
         return RewardStyle.TRL
     if {"solution_str", "ground_truth"} <= set(params):
         return RewardStyle.VERL
@@ -100,7 +121,7 @@ def reward_style(fn: Callable[..., Any]) -> RewardStyle:
 def verl_arguments(traj: Trajectory, task: Task, accepts: Callable[[str], bool]) -> dict[str, Any]:
     """The keyword arguments verl's reward manager passes compute_score for one response (verl/workers/
     reward_manager/naive.py): data_source (a dataset's data_source column, the task's family), solution_str (the
-    assistant turns' text, as TRL's string completion), ground_truth (the task's answer: verl's
+    assistant turns' text, joined by newlines), ground_truth (the task's answer: verl's
     reward_model.ground_truth) and extra_info (the extra_info column); each only where the function takes it."""
     args = {"data_source": task.data.get("data_source", task.family),
             "solution_str": "\n".join(_turn_text(t.think, t.act) for t in traj.all_turns()),
@@ -127,11 +148,20 @@ def _openai_call(call: dict[str, Any]) -> dict[str, Any]:
     return {"type": "function", "function": {"name": call["name"], "arguments": call.get("arguments", {})}}
 
 
+def _reply_content(turn: Turn, calls: list[dict[str, Any]]) -> str:
+    """An assistant turn's `content`, as TRL's parse_response leaves it (see the module's doc)."""
+    act = turn.act
+    at = act.find("<tool_call>")
+    if calls and at >= 0 and not any(c.get("error") for c in turn.tool_calls):
+        act = act[:at].removesuffix("\n")
+    return _turn_text(turn.think, act)
+
+
 def _completion_messages(traj: Trajectory) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for t in traj.all_turns():
-        message: dict[str, Any] = {"role": "assistant", "content": _turn_text(t.think, t.act)}
         calls = [_openai_call(c) for c in t.tool_calls if not c.get("error")]
+        message: dict[str, Any] = {"role": "assistant", "content": _reply_content(t, calls)}
         if calls:
             message["tool_calls"] = calls
         out.append(message)
@@ -149,12 +179,9 @@ def _ignored(*args: Any, **kwargs: Any) -> None:
 
 def trl_arguments(traj: Trajectory, task: Task, max_steps: int = 0) -> dict[str, Any]:
     """The keyword arguments TRL would pass for this one trajectory (see the module's doc)."""
-    if task.messages:
-        prompt: Any = list(task.messages)
-        completion: Any = _completion_messages(traj)
-    else:
-        prompt = task.prompt
-        completion = "\n".join(_turn_text(t.think, t.act) for t in traj.all_turns())
+    # every episode is a chat: conversational for an environment's own tasks too (TRL's environments are)
+    prompt = list(task.messages) if task.messages else [{"role": "user", "content": task.prompt}]
+    completion = _completion_messages(traj)
     # as TRL's: every token after the opening prompt, the environment's answers between the replies too
     ids = [i for c in traj.contexts() for i in _after_prompt(c.token_ids, c.turns)]
     columns = {"answer": task.answer, **task.data}

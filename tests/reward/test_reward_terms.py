@@ -59,7 +59,9 @@ def test_trl_functions_get_what_trl_passes_plain_and_chat(tmp_path):
     assert [t.reward_components for t in out] == [{"recorded": 1.0}] * 2
     call = json.loads((tmp_path / "p").read_text())
     assert call["pid"] != os.getpid()  # it ran in a reward worker process
-    assert call["prompts"] == ["What is 6*7?"] and call["completions"] == ["<think>6*7</think>The answer is 42."]
+    # an environment's own task is a chat too: TRL's conversational shape (loomrl/reward/terms.py)
+    assert call["prompts"] == [[{"role": "user", "content": "What is 6*7?"}]]
+    assert call["completions"] == [[{"role": "assistant", "content": "<think>6*7</think>The answer is 42."}]]
     assert call["completion_ids"] == [[7, 8]] and call["answer"] == ["42"] and call["level"] == [2]
     assert call["trainer_state"] == [3, 9] and call["log_extra"] == "<function>"
     call = json.loads((tmp_path / "c").read_text())

@@ -36,6 +36,8 @@ from loomrl.plugins import import_object
 from loomrl.types import Task, Trajectory
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from loomrl.env.pool import Leases
 
 ENTRY_POINT_GROUP = "loomrl.envs"
@@ -93,6 +95,11 @@ class Environment:
         """The explicit start-up step, run once per process before `tasks` (env/registry.py prepared_tasks: by the
         rollout side as it starts): what preparing the tasks needs sandboxes or the network for (codefix validates its
         tasks here). Keep the result on the environment, cached where it is costly; `tasks` then only reads."""
+
+    def use_tokenizer(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        """The tokenizer (and chat template) this process renders the environment's episodes with: told once by the
+        rollout side when it has loaded the model, before the first episode. By default nothing; an environment whose
+        prompts depend on what the template renders reads it here (verifiers' adapter: tool schemas)."""
 
     def tasks(self, setup: TaskSetup) -> tuple[Sequence[Task], Sequence[Task]] | None:
         """(train, held-out) tasks, or None when the environment brings none: the recipe's `data:` section then

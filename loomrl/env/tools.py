@@ -143,13 +143,19 @@ def tools_of(obj: Any, extra: Sequence[Callable[..., Any]] = ()) -> list[Tool]:
 def describe_tools(tools: Sequence[Tool]) -> str:
     """A plain-text list of the tools and how to call them, for the system prompt: many small models' templates
     render no tool schemas, so the prompt says it in words too."""
+    return describe_schemas([t.schema for t in tools])
+
+
+def describe_schemas(schemas: Sequence[dict[str, Any]]) -> str:
+    """describe_tools' words for OpenAI tool schemas (an adapter's tools, which are not Tool objects): each tool's
+    signature and description, and the `<tool_call>` form model/tools.py parses."""
     lines = []
-    for t in tools:
-        fn = t.schema["function"]
+    for schema in schemas:
+        fn = schema["function"]
         props = fn["parameters"].get("properties", {})
         args = ", ".join(f"{k}: {v.get('type', 'any')}" for k, v in props.items())
-        lines.append(f"- {fn['name']}({args}): {fn.get('description', '')}")
-    example = tools[0].schema["function"]["name"] if tools else "TOOL"
+        lines.append(f"- {fn['name']}({args}): {fn.get('description') or ''}")
+    example = schemas[0]["function"]["name"] if schemas else "TOOL"
     return ("Tools:\n" + "\n".join(lines) + "\nCall a tool with <tool_call>{\"name\": \"" + example +
             "\", \"arguments\": {...}}</tool_call>; reply without a tool call to give your final answer.")
 

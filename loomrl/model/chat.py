@@ -11,17 +11,42 @@ was cut by max_tokens, in which case the end-of-turn token is appended); whateve
 after that token (the "glue", "\n" for ChatML) is prepended to the new part.
 
 Messages reach the template through `messages` (model/messages.py): OpenAI tool calls and tool results in the form
-this template can render.
+this template can render. Tool schemas reach it as `tools`, which many small models' templates (SmolLM2's) drop:
+`renders_tools` tells which, for environments that then say them in words.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import weakref
+from typing import TYPE_CHECKING, Any
 
 from loomrl.model.messages import Message, TemplateMessages, renders_tool_calls
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+
+_PROBE_NAME = "loomrl_probe_tool"
+_PROBE_TOOL: dict[str, Any] = {"type": "function", "function": {
+    "name": _PROBE_NAME, "description": "A tool only a template that renders tool schemas shows.",
+    "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
+# per tokenizer: (the chat template probed, whether it renders tools); a template set afterwards is probed anew
+_RENDERS_TOOLS: weakref.WeakKeyDictionary[Any, tuple[Any, bool]] = weakref.WeakKeyDictionary()
+
+
+def renders_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the tokenizer's chat template renders the tool schemas it is passed: a probe conversation rendered with
+    a tool must differ from it rendered without, by the tool's name. Cached per tokenizer and template."""
+    template = tokenizer.chat_template
+    known = _RENDERS_TOOLS.get(tokenizer)
+    if known is not None and known[0] == template:
+        return known[1]
+    probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    bare = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+    with_tool = tokenizer.apply_chat_template(probe, tools=[_PROBE_TOOL], tokenize=False, add_generation_prompt=True)
+    renders = isinstance(with_tool, str) and with_tool != bare and _PROBE_NAME in with_tool
+    _RENDERS_TOOLS[tokenizer] = (template, renders)
+    return renders
 
 
 class ChatRenderer:

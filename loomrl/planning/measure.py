@@ -162,6 +162,7 @@ def measure_run(run_dir: Path) -> RunMeasurements:
     if not (run_dir / "config.yaml").is_file():
         raise _fail(run_dir, "no config.yaml")
     from loomrl.config import load_config
+    from loomrl.store.schema import stored_turns
 
     cfg = load_config(str(run_dir / "config.yaml"), [])
     records = _records(run_dir)
@@ -175,7 +176,7 @@ def measure_run(run_dir: Path) -> RunMeasurements:
     rows = _trajectory_columns(run_dir, "trajectories")
     if not rows:
         raise _fail(run_dir, "no trajectories/part-*.parquet")
-    turns = [t for r in rows for t in json.loads(r["turns"] or "[]")]
+    turns = [t for r in rows for t in stored_turns(r["turns"])]  # nested, or an older part's JSON string
     if turns and "env_s" not in turns[0]:
         raise NotARun(f"loomrl plan: {run_dir}'s turns carry no timings (Turn.env_s, gen_s): it was trained before "
                       "loomrl recorded them; train it again to plan from it")

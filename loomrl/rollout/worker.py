@@ -19,7 +19,8 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from loomrl.agent.blackbox import BlackBoxRunner, read_agent_files
 from loomrl.agent.context import ContextStrategy
@@ -36,7 +37,27 @@ from loomrl.reward.composite import Composite
 from loomrl.reward.judge import judge_for
 from loomrl.reward.pool import RewardPool, Scorer, load_terms
 from loomrl.reward.terms import CombinedReward
-from loomrl.types import EvalRecord, Evaluation, RewardFn, RolloutStatus, Score, Task, Trajectory
+from loomrl.types import REWARD_FAILED, EvalRecord, Evaluation, RewardFn, RolloutStatus, Score, Task, Trajectory
+
+
+@dataclass(slots=True, kw_only=True)
+class EpisodeCounts:
+    """The episodes of one purpose (training or evaluation), as summary.json's `rollouts` shows them.
+
+    `ended` partitions `launched` once none is in flight: each episode once, by its final status, "cancelled" (in
+    flight when the run ended) or "failed:<error>" (an error outside the agent loop's own handling). The other two
+    count beside that sum: `among_ended` counts ended episodes again by a trait (reward_failed: played out, its
+    reward could not be computed; stored, not trained), and `retried_attempts` counts attempts, not episodes, that
+    ended with a status in agent.retry_on and were run again (their episode ends once, later, in `ended`)."""
+
+    launched: int = 0
+    ended: Counter[str] = field(default_factory=Counter)
+    among_ended: Counter[str] = field(default_factory=Counter)
+    retried_attempts: Counter[str] = field(default_factory=Counter)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"launched": self.launched, "ended": dict(self.ended), "among_ended": dict(self.among_ended),
+                "retried_attempts": dict(self.retried_attempts)}
 
 
 async def gather_all(coros: list) -> list:
@@ -144,8 +165,8 @@ class RolloutWorker:
         self._group_slots = asyncio.Semaphore(group_slots(cfg)) if cap else None
         self._eval_slots = asyncio.Semaphore(eval_slots(cfg))
         self.cap_wait_s = 0.0  # summed time groups waited for a slot under max_inflight_trajectories
-        # episodes by purpose ("training", "evaluation"): launched, and how each ended
-        self.counts: dict[str, Counter[str]] = {"training": Counter(), "evaluation": Counter()}
+        # episodes by purpose ("training", "evaluation"): launched, how each ended, and counts beside that partition
+        self.counts: dict[str, EpisodeCounts] = {"training": EpisodeCounts(), "evaluation": EpisodeCounts()}
         s = cfg.sampling
         # Seer orders the training rollouts' engine calls; evaluation episodes are single programs.
         self.priorities = (ProgramPriorities(cfg.agent.max_turns * s.max_tokens)
@@ -222,7 +243,7 @@ class RolloutWorker:
 
     async def run_one(self, loop: AgentLoop, task: Task, group_id: str, position: int) -> Trajectory:
         counts = self.counts["evaluation" if loop is self.eval_loop else "training"]
-        counts["launched"] += 1
+        counts.launched += 1
         try:
             a = self.cfg.agent
             errors: list[str] = []
@@ -239,20 +260,20 @@ class RolloutWorker:
                     t0 = time.perf_counter()
                     traj = await self.reward_pool.score(traj, task)
                     traj.metadata.reward_s = time.perf_counter() - t0
-                    counts[str(traj.status)] += 1
-                    if traj.reward_failed:  # outside the sum, like retried:<status>
-                        counts["reward_failed"] += 1
+                    counts.ended[str(traj.status)] += 1
+                    if traj.reward_failed:  # ended with its status (counted there), and its reward failed
+                        counts.among_ended[REWARD_FAILED] += 1
                     return traj
                 # A failure the recipe retries (agent.retry_on): run the episode again after a backoff.
                 errors.append(f"{traj.status}: {traj.error}")
-                counts[f"retried:{traj.status}"] += 1
+                counts.retried_attempts[str(traj.status)] += 1  # an attempt, not an episode: it ends later
                 delay = a.retry_backoff_s * 2 ** (len(errors) - 1)
                 await asyncio.sleep(delay * (0.5 + self._retry_rng.random()))
         except asyncio.CancelledError:
-            counts["cancelled"] += 1  # still in flight when the run ended (async mode), or stopped
+            counts.ended["cancelled"] += 1  # still in flight when the run ended (async mode), or stopped
             raise
         except BaseException as err:  # a failure outside the agent loop's own error handling
-            counts[f"failed:{type(err).__name__}"] += 1
+            counts.ended[f"failed:{type(err).__name__}"] += 1
             raise
 
     async def _run_one(self, loop: AgentLoop, task: Task, group_id: str, position: int) -> Trajectory:
@@ -315,12 +336,9 @@ class RolloutWorker:
                             first_error=next((tr.error for tr in trajs if not tr.scored), None))
         return Evaluation(record=record, episodes=trajs)
 
-    def rollout_counts(self) -> dict[str, dict[str, int]]:
-        """Episodes by purpose ("training", "evaluation"): launched, and how each ended: a trajectory status, or
-        "cancelled" (in flight when an async run finished); they add up once none is in flight. "retried:<status>"
-        counts attempts that failed and were run again (agent.retry_on), "reward_failed" the ones that could not be
-        scored (stored, not trained), both outside that sum."""
-        return {purpose: dict(counts) for purpose, counts in self.counts.items()}
+    def rollout_counts(self) -> dict[str, dict[str, Any]]:
+        """Episodes by purpose ("training", "evaluation"), each EpisodeCounts.as_dict."""
+        return {purpose: counts.as_dict() for purpose, counts in self.counts.items()}
 
     def program_metrics(self) -> dict[str, float]:
         """Black-box programs by phase and status (ThunderAgent's view), for the metrics log."""

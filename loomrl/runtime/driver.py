@@ -348,15 +348,17 @@ class Driver:
             bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}")
 
     def _say_if_untrained(self, metrics: dict[str, Any]) -> None:
-        """Warn, at the first step that took no gradient, why (its groups' skip reasons); count such steps."""
+        """Warn, at the first step that took no gradient, why (its groups' skip reasons: groups, where the ledger
+        counts trajectories); count such steps."""
         if "train/loss" in metrics:
             return
         self.untrained_steps += 1
         if self.untrained_steps > 1:
             return
         why = ", ".join(f"{k.split('/', 1)[1]} {v}" for k, v in metrics.items() if k.startswith("groups_skipped/"))
-        log.warning("step %d trained nothing: all %d of its groups were left out (%s). %s", self.version,
-                    metrics.get("groups", 0), why or "none buffered", UNTRAINED_HINT)
+        log.warning("step %d trained nothing: all %d of its groups were left out (groups by reason: %s; ledger.jsonl "
+                    "names each trajectory and its reason). %s", self.version, metrics.get("groups", 0),
+                    why or "none buffered", UNTRAINED_HINT)
 
     async def _loop(self, extra: dict[str, Any]) -> None:
         bar = progress(self.cfg.trainer.total_steps, f"train ({self.rollouts.label})", self.cfg.progress)
@@ -474,10 +476,12 @@ class Driver:
         acc = self.acc.settle(ledger)
         log.info(ledger_line(acc))
         start = checkpoint_step(self.ckpt) if self.ckpt else 0
-        if self.untrained_steps:
-            log.warning("%s%d of the %d steps of this run trained nothing (every group left out). %s",
+        if self.untrained_steps:  # counted in steps; the ledger line above counts trajectories
+            log.warning("%s%d of the %d steps of this run trained nothing (every group of theirs left out; in "
+                        "trajectories, as the ledger counts them: %d launched, %d trained, %d skipped). %s",
                         "NOTHING WAS TRAINED: " if self.untrained_steps >= self.version - start else "",
-                        self.untrained_steps, self.version - start, UNTRAINED_HINT)
+                        self.untrained_steps, self.version - start, acc["launched"], acc["trained"],
+                        sum(acc["skipped"].values()), UNTRAINED_HINT)
         report = self.report or RolloutReport(rollouts={}, env_pool={})
         segment = Segment(from_step=start, to_step=self.version, ended=ended,
                           wall_s=round(time.time() - self.wall_start, 1), rollouts=report.rollouts,

@@ -6,11 +6,14 @@ A segment ends `finished` (trained to trainer.total_steps and evaluated), `stopp
 the ending. `summary.json` is rewritten at the end of every segment from all of them:
 - held-out success before (restored from the checkpoint when resumed) and after (the last segment's evaluation);
 - `steps`: the policy version reached; `ledger`: what the model consumed over the whole run (ledger.jsonl);
-- summed over segments: wall time, episodes (`rollouts`, training and evaluation apart), trainer restarts, steps
-  that trained nothing, the sandbox pools' counters, and `accounting`: each segment settles the trajectories it
-  launched (launched = trained + skipped + stale + discarded + unconsumed + failed + cancelled, accounting.py), so the
-  sum holds the same identity; a trajectory left buffered by one segment and trained by the next counts as
-  unconsumed where it was launched;
+- summed over segments: wall time, episodes (`rollouts`, training and evaluation apart: `launched`, and `ended` by
+  status, which sums to launched; beside that sum `among_ended`, ended episodes counted again by a trait
+  (reward_failed), and `retried_attempts`, attempts, not episodes: rollout/worker.py EpisodeCounts), trainer
+  restarts, steps that trained nothing (`untrained_steps`: steps, where the ledger counts trajectories), the sandbox
+  pools' counters, and `accounting`: each segment settles the trajectories it launched (launched = trained + skipped
+  + stale + discarded + unconsumed + failed + cancelled, accounting.py), so the sum holds the same identity; a
+  trajectory left buffered by one segment and trained by the next counts as unconsumed where it was launched;
+- `ledger`: trajectories the model consumed (trained, skipped by reason, stale) over `steps` steps;
 - `segments`: each segment's steps, ending, wall time and accounting.
 
 What it is not: the per-step history (metrics.jsonl) or the per-trajectory one (the trajectory store, the ledger).
@@ -37,7 +40,7 @@ class Segment:
     to_step: int
     ended: str  # "finished", "stopped: <why>" or "interrupted"
     wall_s: float
-    rollouts: dict[str, dict[str, int]]  # episodes by purpose (training, evaluation) and how they ended
+    rollouts: dict[str, dict[str, Any]]  # episodes by purpose (training, evaluation): EpisodeCounts.as_dict
     trainer_restarts: int
     untrained_steps: int  # steps that took no gradient (every group left out)
     positions_failed: dict[str, str]  # position -> why it was given up
@@ -50,7 +53,21 @@ def read_segments(run_dir: Path) -> list[Segment]:
     path = Path(run_dir) / SEGMENTS
     if not path.is_file():
         return []
-    return [Segment(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    segments = [Segment(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    for seg in segments:
+        seg.rollouts = {purpose: episode_counts(c) for purpose, c in seg.rollouts.items()}
+    return segments
+
+
+def episode_counts(counts: dict[str, Any]) -> dict[str, Any]:
+    """A segment's episode counts as EpisodeCounts.as_dict gives them; a segment recorded before they were grouped
+    kept them in one flat dict, with "reward_failed" and "retried:<status>" beside the endings."""
+    if "ended" in counts:
+        return counts
+    ended = {k: v for k, v in counts.items() if k not in ("launched", "reward_failed") and not k.startswith("retried:")}
+    return {"launched": counts.get("launched", 0), "ended": ended,
+            "among_ended": {k: counts[k] for k in ("reward_failed",) if k in counts},
+            "retried_attempts": {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("retried:")}}
 
 
 def append_segment(run_dir: Path, segment: Segment) -> list[Segment]:
@@ -130,10 +147,10 @@ def whole_run(run_dir: Path, segments: list[Segment], before: EvalRecord | None,
         "steps": steps, "ended": last.ended, "run_dir": str(run_dir),
         "wall_s": round(sum(s.wall_s for s in segments), 1),
         "rollouts": rollouts,
-        "ledger": ledger_totals(ledger),
+        "ledger": ledger_totals(ledger),  # trajectories, over its `steps` steps
         "accounting": accounting,
         "trainer_restarts": sum(s.trainer_restarts for s in segments),
-        "untrained_steps": sum(s.untrained_steps for s in segments),
+        "untrained_steps": sum(s.untrained_steps for s in segments),  # steps (every group left out)
         "positions_failed": last.positions_failed,  # earlier segments' failed positions ran again on resume
         "env_pool": {k: round(v, 4) if isinstance(v, float) else v for k, v in env_pool.items()},
         "segments": [{"from_step": s.from_step, "to_step": s.to_step, "ended": s.ended, "wall_s": s.wall_s,

@@ -5,20 +5,21 @@ A run keeps two kinds: training rollouts in `RUN/trajectories/`, evaluation epis
 
 Rows are buffered and written as numbered part files (`part-000001.parquet`, ...), never rewritten,
 so a crash loses at most the unflushed rows and readers (`pyarrow.dataset`, `pandas.read_parquet` on
-the folder) always see complete files. Turns are stored as a JSON string column (their fields vary by
-environment); token ids, the loss mask and logprobs as list columns, for replay and export. A
-trajectory whose context was started anew keeps its earlier contexts in the `segments` column (JSON).
+the folder) always see complete files. Turns, reward components and earlier contexts are nested columns that
+pandas, polars and DuckDB read as they are (their types: schema.py); token ids, the loss mask and logprobs are list
+columns, for replay and export. A trajectory whose context was started anew keeps its earlier contexts in the
+`segments` column. Parts written before those columns were nested hold them as JSON strings: `read_trajectories`
+reads them in the nested types, so a run folder holding both kinds (an old run resumed) reads as one table.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from loomrl.store.schema import NESTED, turns_column, upgrade
 from loomrl.types import Trajectory
 
 # Columns copied from the trajectory, and from its metadata, as they are.
@@ -33,15 +34,15 @@ _METADATA = [("env_version", pa.string()), ("total_steps", pa.int32()), ("total_
 SCHEMA = pa.schema([
     *_PLAIN, *_METADATA,
     ("status", pa.string()),
-    ("reward_components", pa.string()),
+    ("reward_components", NESTED["reward_components"]),  # term -> raw value
     ("n_turns", pa.int32()),
-    ("turns", pa.string()),
+    ("turns", NESTED["turns"]),
     ("prompt_len", pa.int32()),
     ("loss_mask", pa.list_(pa.int8())),
     ("logprobs", pa.list_(pa.float32())),
     ("versions", pa.list_(pa.int32())),
-    ("retry_errors", pa.string()),  # JSON list: why each earlier (retried) attempt failed
-    ("segments", pa.string()),  # earlier contexts (JSON: reason, token_ids, loss_mask, logprobs, versions, turns)
+    ("retry_errors", NESTED["retry_errors"]),  # why each earlier (retried) attempt failed
+    ("segments", NESTED["segments"]),  # earlier contexts: reason, prompt_len, token_ids, loss_mask, logprobs, ...
 ])  # fmt: skip
 
 
@@ -58,12 +59,11 @@ def _row(t: Trajectory) -> dict:
         **{name: getattr(t.metadata, name) for name, _ in _METADATA},
         **_tokens(t),
         "status": str(t.status),
-        "reward_components": json.dumps(t.reward_components),
+        "reward_components": list(t.reward_components.items()),
         "n_turns": len(t.all_turns()),
-        "turns": json.dumps([asdict(turn) for turn in t.turns]),
-        "retry_errors": json.dumps(t.metadata.retry_errors),
-        "segments": json.dumps([{"reason": seg.reason, **_tokens(seg), "turns": [asdict(turn) for turn in seg.turns]}
-                                for seg in t.segments]),
+        "turns": turns_column(t.turns),
+        "retry_errors": list(t.metadata.retry_errors),
+        "segments": [{"reason": seg.reason, **_tokens(seg), "turns": turns_column(seg.turns)} for seg in t.segments],
     }
 
 
@@ -96,9 +96,15 @@ class TrajectoryStore:
 
 
 def read_trajectories(root: Path) -> pa.Table:
-    """All stored rows as one pyarrow Table (empty table with the schema if none)."""
+    """All stored rows as one pyarrow Table in the current nested types (empty table with the schema if none)."""
     parts = sorted(Path(root).glob("part-*.parquet"))
     if not parts:
         return SCHEMA.empty_table()
-    # Parts written by an older version may lack newer columns: they read as nulls.
-    return pa.concat_tables([pq.read_table(p) for p in parts], promote_options="default")
+    # Parts written by an older version may lack newer columns (they read as nulls) or hold JSON strings where the
+    # columns are nested now (upgraded).
+    return pa.concat_tables([upgrade(pq.read_table(p)) for p in parts], promote_options="default")
+
+
+def read_rows(root: Path) -> list[dict]:
+    """All stored rows as dicts, maps (reward_components, a turn's reward_terms) as dicts."""
+    return read_trajectories(root).to_pylist(maps_as_pydicts="strict")

@@ -16,6 +16,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+from loomrl.store.schema import plain_row
 from loomrl.types import REWARD_FAILED
 
 # What a group card and the filters need; the wide columns (tokens, turns, segments) stay on disk until opened.
@@ -79,8 +80,8 @@ def _read_index(path: Path, stamp: tuple[int, int]) -> PartIndex:
 
 
 def reward_terms(value: Any) -> dict[str, float]:
-    """A stored `reward_components` as a dict: a JSON string (the store's format), or already a mapping or a list of
-    (name, value) pairs (how pyarrow gives a struct or map column, should the store keep it nested)."""
+    """A stored `reward_components` as a dict: a list of (name, value) pairs (how pyarrow gives the store's map
+    column), a mapping, or a JSON string (parts written before the column was nested)."""
     if value is None:
         return {}
     if isinstance(value, str):
@@ -130,11 +131,7 @@ class StoreIndex:
         if row is None:
             return None
         table = pq.ParquetFile(row.part).read_row_group(row.row_group)
-        record = table.slice(row.row_in_group, 1).to_pylist()[0]
-        for name in ("turns", "reward_components", "segments", "retry_errors"):
-            if isinstance(record.get(name), str):
-                record[name] = json.loads(record[name])
-        return record
+        return plain_row(table.slice(row.row_in_group, 1).to_pylist()[0])  # nested, or an older part's JSON
 
 
 def _stamp(path: Path) -> tuple[int, int]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import pickle
 import random
@@ -213,7 +212,7 @@ class _Recording:
 def test_the_example_recipe_trains_two_steps_on_exactly_the_sampled_tokens(tmp_path, monkeypatch):
     from loomrl.engine import factory
     from loomrl.runtime.run import train
-    from loomrl.store import read_trajectories
+    from loomrl.store import read_rows
 
     engines: list[_Recording] = []
     monkeypatch.setattr("loomrl.rollout.actor.make_engine",
@@ -225,11 +224,11 @@ def test_the_example_recipe_trains_two_steps_on_exactly_the_sampled_tokens(tmp_p
     summary = train(cfg)
     assert summary["steps"] == 2 and summary["ledger"]["trained"] > 0
     check_run(cfg.run_dir, summary, 2)
-    rows = read_trajectories(cfg.run_dir / "trajectories").to_pylist()
+    rows = read_rows(cfg.run_dir / "trajectories")
     assert {r["env_version"] for r in rows} == {"verifiers-0.4.0:vf_wordcount-local"}
     sampled = {k: v for e in engines for k, v in e.sampled.items()}
     for row in rows:
-        assert set(json.loads(row["reward_components"])) == {"correct", "used_tool", "concise"}
+        assert set(row["reward_components"]) == {"correct", "used_tool", "concise"}
         trained = [tok for tok, m in zip(row["token_ids"], row["loss_mask"]) if m]
         assert trained == sampled[row["trajectory_id"]]  # the exact ids, in order: nothing re-tokenized
     assert any(r["n_turns"] > 1 for r in rows)  # the env's follow-up turn: multi-turn episodes

@@ -165,27 +165,26 @@ def test_a_run_stores_and_logs_every_term(tmp_path):
     """A tiny run (a random model; its reward the parity of the first token, as in the smoke recipe) with the process
     terms and completion_time: each stored trajectory carries every term raw, its turns their penalties, and each
     step's metrics log every term on its own."""
-    import json
 
     from loomrl.metrics.logger import read_metrics
     from loomrl.runtime.run import train
-    from loomrl.store import read_trajectories
+    from loomrl.store import read_rows
 
     cfg = load_config("examples/calculator_tiny.yaml", [
         f"output_dir={tmp_path}", "progress=false", "name=terms", "runtime.mode=sync", "trainer.total_steps=1",
         "eval.n_tasks=1", "reward.terms={completion_time: {weight: 0.1}, malformed_call: {weight: -0.1}, "
         "repeated_action: {weight: -0.1}, parity: {gate: 'parity >= 0'}}"])
     train(cfg)
-    rows = [r for r in read_trajectories(cfg.run_dir / "trajectories").to_pylist() if r["total_reward"] is not None]
+    rows = [r for r in read_rows(cfg.run_dir / "trajectories") if r["total_reward"] is not None]
     assert len(rows) == 8
     for r in rows:
-        comps = json.loads(r["reward_components"])
+        comps = r["reward_components"]
         assert set(comps) == {"parity", "completion_time", "malformed_call", "repeated_action"}
-        penalties = sum(v for t in json.loads(r["turns"]) for v in t["reward_terms"].values())
+        penalties = sum(v for t in r["turns"] for v in t["reward_terms"].values())
         assert penalties == pytest.approx(-0.1 * (comps["malformed_call"] + comps["repeated_action"]))
         assert r["total_reward"] == pytest.approx(comps["parity"] + 0.1 * comps["completion_time"] + penalties)
     # a random model's turns: relative times spread around the group's mean
-    times = [json.loads(r["reward_components"])["completion_time"] for r in rows]
+    times = [r["reward_components"]["completion_time"] for r in rows]
     assert min(times) < 0 < max(times)
     step = next(m for m in read_metrics(cfg.run_dir) if m["kind"] == "train")
     assert {"reward/parity", "reward/completion_time", "reward/malformed_call", "reward/repeated_action"} <= set(step)

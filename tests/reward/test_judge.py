@@ -306,7 +306,7 @@ def test_a_run_logs_the_judges_metrics_per_step(stand_in, tmp_path):
     from loomrl.config import load_config
     from loomrl.metrics.logger import read_metrics
     from loomrl.runtime.run import train
-    from loomrl.store import read_trajectories
+    from loomrl.store import read_rows
 
     with_behaviour, _ = stand_in
     url = with_behaviour(reply=lambda r: "Score: 4")
@@ -320,8 +320,8 @@ def test_a_run_logs_the_judges_metrics_per_step(stand_in, tmp_path):
     # each step logs what the judge did since the last one (async: a step's groups may all have been judged before)
     assert sum(m["judge/calls"] for m in records) > 0 and sum(m["judge/cache_hits"] for m in records) > 0
     assert all(m["judge/cost_usd"] == pytest.approx(m["judge/calls"] * (100 * 1.0 + 4 * 2.0) / 1e6) for m in records)
-    rows = [r for r in read_trajectories(cfg.run_dir / "trajectories").to_pylist() if r["split"] == "train"]
-    assert rows and all(json.loads(r["reward_components"])["judge"] == 0.4 for r in rows if r["reward_components"])
+    rows = [r for r in read_rows(cfg.run_dir / "trajectories") if r["split"] == "train"]
+    assert rows and all(r["reward_components"]["judge"] == 0.4 for r in rows if r["reward_components"])
 
 
 def test_config_errors_name_the_field(tmp_path, monkeypatch):

@@ -3,7 +3,6 @@ component stored raw in the trajectory store and its mean logged per step as rew
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -11,7 +10,7 @@ import pytest
 from loomrl.config import load_config
 from loomrl.metrics.logger import read_metrics
 from loomrl.runtime.run import train
-from loomrl.store import read_trajectories
+from loomrl.store import read_rows
 
 pytestmark = pytest.mark.integration  # starts processes, servers or training runs: not in `make test-fast`
 
@@ -26,11 +25,11 @@ def test_a_run_trains_on_two_weighted_trl_functions_and_logs_each(tmp_path):
         f"{{function: {M}:length_penalty, weight: 0.1}}]"])
     summary = train(cfg)
     assert summary["steps"] == 2 and summary["ledger"]["trained"] > 0
-    rows = read_trajectories(cfg.run_dir / "trajectories").to_pylist()
+    rows = read_rows(cfg.run_dir / "trajectories")
     scored = [r for r in rows if r["reward_components"] and "reward_failed" not in r["reward_components"]]
     assert scored and not [r["error"] for r in rows if r["reward_components"] and r not in scored]
     for r in scored:  # raw components; the total their weighted sum
-        c = json.loads(r["reward_components"])
+        c = r["reward_components"]
         assert set(c) == {"first_token_parity", "length_penalty"} and c["first_token_parity"] in (0.0, 1.0)
         assert r["total_reward"] == pytest.approx(c["first_token_parity"] + 0.1 * c["length_penalty"])
     # every step whose record has rollout metrics (an async step may receive no new group) has each component's mean

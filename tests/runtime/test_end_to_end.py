@@ -213,7 +213,7 @@ def test_flaky_environment_run_completes_and_the_counts_add_up(tmp_path, tokeniz
     # train trajectories, and eval episodes before and after (4 in each of the two held-out splits), counted apart
     assert {k: v["launched"] for k, v in summary["rollouts"].items()} == {"training": 2 * 2 * 4, "evaluation": 2 * 2 * 4}
     counts = add_counts(summary["rollouts"])
-    ended = {k: v for k, v in counts.items() if k != "launched"}
+    ended = counts["ended"]
     assert sum(ended.values()) == counts["launched"]  # every trajectory ended with a status
     assert ended.get("env_error", 0) > 0 and ended.get("timeout", 0) > 0 and ended.get("completed", 0) > 0
     pool = summary["env_pool"]
@@ -239,8 +239,8 @@ def test_flaky_environment_with_retries_reruns_failed_episodes_and_records_why(t
         tokenizer, ["calc(2 + 3)", "The answer is 5."]))
     summary = train(cfg)
     counts = add_counts(summary["rollouts"])
-    ended = {k: v for k, v in counts.items() if k != "launched" and not k.startswith("retried:")}
-    retried = sum(v for k, v in counts.items() if k.startswith("retried:"))
+    ended = counts["ended"]
+    retried = sum(counts["retried_attempts"].values())
     assert sum(ended.values()) == counts["launched"] == 2 * 2 * 4 + 2 * 2 * 4  # train + eval (2 splits x 4)
     # ~half the attempts fail: with three retries most episodes end completed, and many were retried
     assert retried > 0 and ended.get("completed", 0) > ended.get("env_error", 0) + ended.get("timeout", 0)
@@ -248,8 +248,8 @@ def test_flaky_environment_with_retries_reruns_failed_episodes_and_records_why(t
     rows = read_trajectories(cfg.run_dir / "trajectories").to_pylist()
     assert len(rows) == 2 * 2 * 4  # one row per trajectory: the kept attempt
     again = [r for r in rows if r["attempts"] > 1]
-    assert again and all(len(json.loads(r["retry_errors"])) == r["attempts"] - 1 for r in rows)
-    assert all(e.split(":")[0] in ("env_error", "timeout") for r in again for e in json.loads(r["retry_errors"]))
+    assert again and all(len(r["retry_errors"]) == r["attempts"] - 1 for r in rows)
+    assert all(e.split(":")[0] in ("env_error", "timeout") for r in again for e in r["retry_errors"])
     assert all(r["attempts"] <= 4 for r in rows)
 
 
@@ -275,11 +275,11 @@ def test_engine_faults_end_episodes_as_engine_error_and_are_retried(tmp_path, mo
     summary = train(cfg)
     assert calls["n"] > 25 and summary["steps"] == 3
     counts = summary["rollouts"]["training"]
-    assert counts.get("retried:engine_error", 0) >= 2 and "engine_error" not in counts, counts
+    assert counts["retried_attempts"].get("engine_error", 0) >= 2 and "engine_error" not in counts["ended"], counts
     rows = read_trajectories(cfg.run_dir / "trajectories").to_pylist()
     again = [r for r in rows if r["attempts"] > 1]
     assert again and all(e.startswith("engine_error: EngineFault: engine step failed: MemoryError: injected")
-                         for r in again for e in json.loads(r["retry_errors"]))
+                         for r in again for e in r["retry_errors"])
     faults = [m.get("engine/faults", 0) for m in read_metrics(cfg.run_dir) if m.get("kind") == "train"]
     assert sum(faults) == 2
 
@@ -294,7 +294,7 @@ def test_gym_and_codefix_environments_run_end_to_end(tmp_path):
         summary = train(cfg)
         assert {k: v["launched"] for k, v in summary["rollouts"].items()} == {"training": 2 * 2, "evaluation": 2 * 2}
         counts = add_counts(summary["rollouts"])
-        assert sum(v for k, v in counts.items() if k != "launched") == counts["launched"]
+        assert sum(counts["ended"].values()) == counts["launched"]
         rows = read_trajectories(cfg.run_dir / "trajectories").to_pylist()
         assert len(rows) == 4 and {r["task_id"].split("-")[0] for r in rows} == {name}
         if name == "codefix":

@@ -24,7 +24,7 @@ from ledger_checks import check_each_trajectory_once, check_run
 from ray_clusters import kill_tagged, tagged
 
 from loomrl.metrics.logger import read_metrics
-from loomrl.store import read_trajectories
+from loomrl.store import read_rows, read_trajectories
 from loomrl.trainer.service import read_ledger
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -246,7 +246,7 @@ def test_chaos_kills_actors_and_the_run_accounts_for_every_trajectory_once(clust
     assert placement["trainer_bundles"] == [{"trainer": 0.5}] * 2  # both ranks reserved in one placement group
     assert placement["reward"] == [placement["trainer"]] * 2
     assert killed.count("reward") == 2 and summary["ray"]["reward_restarts"] >= 1  # Ray restarted them
-    assert summary["rollouts"]["training"].get("reward_failed", 0) == 0  # ... and ran their calls again
+    assert summary["rollouts"]["training"]["among_ended"].get("reward_failed", 0) == 0  # ... and ran their calls again
     assert "ledger: launched" in out
     check_run(run_dir, summary, steps)
     assert summary["accounting"]["failed"].get("actor_died", 0) > 0
@@ -265,17 +265,17 @@ def test_a_reward_actor_that_stays_dead_marks_trajectories_reward_failed_and_the
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-3000:]
     summary = json.loads(out.strip().splitlines()[-1])
-    assert summary["steps"] == 3 and summary["rollouts"]["training"]["reward_failed"] > 0
+    assert summary["steps"] == 3 and summary["rollouts"]["training"]["among_ended"]["reward_failed"] > 0
     run_dir = tmp_path / "noreward"
     check_each_trajectory_once(run_dir, 3)
     assert summary["accounting"]["violations"] == []
     ledger = read_ledger(run_dir)
     skipped = [t for e in ledger for t in e["skipped"].get("reward_failed", [])]
     assert skipped, ledger
-    rows = {r["trajectory_id"]: r for r in read_trajectories(run_dir / "trajectories").to_pylist()}
+    rows = {r["trajectory_id"]: r for r in read_rows(run_dir / "trajectories")}
     for tid in skipped:
         assert rows[tid]["error"].startswith("reward failed: reward actor 0: "), rows[tid]["error"]
-        assert json.loads(rows[tid]["reward_components"]) == {"reward_failed": 0.0}
+        assert rows[tid]["reward_components"] == {"reward_failed": 0.0}
     trained = {t for e in ledger for t in e["trained"]}
     assert not trained & set(skipped)
 
@@ -333,8 +333,8 @@ def test_the_judges_counts_reach_the_step_metrics_from_the_actors(cluster, tmp_p
     completion = sum(m.get("judge/completion_tokens", 0) for m in train)
     assert 0 < prompt <= 10 * calls and completion == prompt / 5
     assert sum(m.get("judge/cost_usd", 0) for m in train) == pytest.approx((prompt * 1.0 + completion * 2.0) / 1e6)
-    rows = read_trajectories(tmp_path / "judged" / "trajectories").to_pylist()
-    assert rows and all(json.loads(r["reward_components"]).get("judge") == 0.7 for r in rows if r["total_reward"]
+    rows = read_rows(tmp_path / "judged" / "trajectories")
+    assert rows and all(r["reward_components"].get("judge") == 0.7 for r in rows if r["total_reward"]
                         is not None)
 
 
@@ -382,7 +382,7 @@ def test_env_actors_run_the_sandboxes_on_their_node_and_survive_a_kill(cluster, 
 
     summary = _finish_with(proc, kill_while_a_sandbox_is_leased, 400)
     rows = read_trajectories(run_dir / "trajectories").to_pylist()
-    retried = [e for r in rows for e in json.loads(r["retry_errors"])]
+    retried = [e for r in rows for e in r["retry_errors"]]
     print(f"env actor run: killed {killed}, retried {len(retried)}: {retried[:1]}; rollouts {summary['rollouts']}; "
           f"ray {summary['ray']}")
     placement = summary["ray"]["placement"]

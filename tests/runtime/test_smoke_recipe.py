@@ -34,6 +34,7 @@ def test_a_run_that_trains_nothing_says_so_and_why(tmp_path, caplog):
         summary = train(cfg)
     assert summary["untrained_steps"] == 2 and summary["accounting"]["trained"] == 0
     first = next(r.getMessage() for r in caplog.records if "trained nothing" in r.getMessage())
-    assert first.startswith("step 1 trained nothing: all 2 of its groups were left out (zero_variance 2)")
+    assert first.startswith("step 1 trained nothing: all 2 of its groups were left out (groups by reason: "
+                            "zero_variance 2; ledger.jsonl names each trajectory and its reason)")
     assert "reward.function" in first
     assert any(r.getMessage().startswith("NOTHING WAS TRAINED: 2 of the 2 steps") for r in caplog.records)

@@ -27,7 +27,7 @@ def test_one_sync_step_with_crashing_tools_completes_and_records_them(tmp_path):
     statuses = {r["status"] for r in rows}
     assert statuses <= {"completed", "truncated", "env_error"}
     crashed = [r for r in rows if r["status"] == "env_error"]
-    called = [r for r in rows if '"calc(' in r["turns"] or "calc(" in r["turns"]]
+    called = [r for r in rows if any("calc(" in t["act"] for t in r["turns"])]
     assert called, "SmolLM2 with the few-shot prompt calls the calculator"
     assert crashed and all("exited with status" in r["error"] for r in crashed)
     assert any(r["status"] == "completed" for r in rows)  # siblings of crashed rollouts finished

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 from pathlib import Path
 
 import datasets
@@ -17,7 +16,7 @@ from note_env_for_tests import ROWS
 
 from loomrl.config import load_config
 from loomrl.runtime.run import train
-from loomrl.store import read_trajectories
+from loomrl.store import plain_row, read_rows
 
 pytestmark = pytest.mark.integration  # starts processes, servers or training runs: not in `make test-fast`
 
@@ -34,10 +33,6 @@ def _dataset(folder: Path) -> str:
     datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[:20]),
                           "test": datasets.Dataset.from_list(ROWS[20:])}).save_to_disk(str(folder))
     return str(folder)
-
-
-def _decoded(value):
-    return json.loads(value) if isinstance(value, str) else value
 
 
 def _trl_completion(turns: list[dict]) -> list[dict]:
@@ -59,7 +54,8 @@ def _trl_completion(turns: list[dict]) -> list[dict]:
 
 def _trl_rewards(row: dict) -> dict[str, float]:
     """Each documented function on this stored trajectory, called as TRL's _calculate_rewards calls it."""
-    contexts = [*_decoded(row["segments"]), {"token_ids": row["token_ids"], "turns": _decoded(row["turns"])}]
+    row = plain_row(row)  # tool calls as recorded (their open-shaped record is JSON in the store)
+    contexts = [*row["segments"], {"token_ids": row["token_ids"], "turns": row["turns"]}]
     turns = [t for c in contexts for t in c["turns"]]
     ids = []
     for c in contexts:  # after the prompt: the sampled tokens and the tool's answers between them
@@ -86,11 +82,11 @@ def test_trls_documented_reward_functions_train_a_custom_environment(tmp_path, s
         f"reward.functions=[{terms}]", "checkpoint_every=0"])
     summary = train(cfg)
     assert summary["steps"] == 2 and summary["ledger"]["trained"] > 0
-    rows = read_trajectories(cfg.run_dir / "trajectories").to_pylist()
-    scored = [r for r in rows if r["reward_components"] and "reward_failed" not in _decoded(r["reward_components"])]
+    rows = read_rows(cfg.run_dir / "trajectories")
+    scored = [r for r in rows if r["reward_components"] and "reward_failed" not in r["reward_components"]]
     assert scored and not [r["error"] for r in rows if r["error"]]  # no function raised on any trajectory
     for row in scored:
-        stored = _decoded(row["reward_components"])
+        stored = row["reward_components"]
         assert stored == pytest.approx(_trl_rewards(row)), (row["trajectory_id"], stored)
         # every episode a tool episode: completion[0] the tool-call turn, then the tool's answer, then the final reply
         assert stored["docs_char_length"] >= 3 and stored["async_reward_func"] == 1.0

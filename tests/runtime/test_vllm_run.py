@@ -32,7 +32,7 @@ def test_an_async_run_rolls_out_through_vllm_and_loads_each_version(tmp_path, tr
                                "engine.vllm.max_model_len=1024", f"engine.vllm.kv_cache_memory_bytes={64 << 20}",
                                "engine.vllm.cpu_reserved_cores=0"])
     summary = train(cfg)
-    assert summary["steps"] == 4 and summary["rollouts"]["training"]["launched"] == summary["rollouts"]["training"]["completed"]
+    assert summary["steps"] == 4 and summary["rollouts"]["training"]["launched"] == summary["rollouts"]["training"]["ended"]["completed"]
     check_run(cfg.run_dir, summary, 4)  # nothing trained twice, nothing lost
     rows = read_trajectories(cfg.run_dir / "trajectories").to_pylist()
     assert {r["status"] for r in rows} <= {"completed", "truncated"}  # no engine_error

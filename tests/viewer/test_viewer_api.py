@@ -136,7 +136,7 @@ def test_a_group_lines_split_is_its_slowest_members(run_dir):
     from loomrl.store.trajectory_store import read_trajectories
 
     def split(row):  # from the stored row: its metadata's reset and reward seconds, its turns' gen_s and env_s
-        turns = [t for seg in json.loads(row["segments"]) for t in seg["turns"]] + json.loads(row["turns"])
+        turns = [t for seg in row["segments"] for t in seg["turns"]] + row["turns"]
         return {"reset_s": row["reset_s"], "gen_s": sum(t["gen_s"] for t in turns),
                 "env_s": sum(t["env_s"] for t in turns), "reward_s": row["reward_s"]}
 

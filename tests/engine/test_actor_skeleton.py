@@ -10,7 +10,7 @@ raise). What is faked, since the real thing cannot run here, and nothing else:
   suite's venv; test_vllm_engine.py starts the real one from a skeleton, in .venv-vllm);
 - vLLM over HTTP: VLLMHTTPEngine._connect, the first call to the server, answers as a server of max_model_len 2048
   would (no server here; test_vllm_http_engine.py runs a real one);
-- SGLang: SGLangEngine._connect, its first call to the server (/get_server_info), answers as a server without the
+- SGLang: SGLangEngine._connect, its first call to the server (/server_info), answers as a server without the
   memory saver or a CPU weight backup would (no server here; test_sglang_engine.py has a fake one);
 - EngineActor's one Ray call, reading the weight board at start: ray.get returns what it is given (starting a Ray
   cluster costs about 10 s on 2 cores, and the actor class is a plain class Ray wraps).

@@ -34,7 +34,7 @@ import os
 import time
 from typing import Any
 
-from loomrl.agent.loop import _split_think, finish_metadata  # the loop's split: rewards read the same `act`
+from loomrl.agent.loop import finish_metadata, record_step, split_think  # the loop's: rewards read the same turns
 from loomrl.config import ConfigError
 from loomrl.env.base import Env, ToolTimeout
 from loomrl.errors import error_line, named_line, with_frames
@@ -212,20 +212,14 @@ async def _turns(env: Env, task: Task, policy: EndpointPolicy, traj: Trajectory,
         reply = await policy.reply(messages, obs.tools)
         t1 = time.perf_counter()
         action = action_text(reply)
-        think, act = _split_think(action)
+        think, act = split_think(action)
         # a reasoning parser's text (vLLM: `reasoning`, formerly `reasoning_content`), else the reply's <think>
         think = str(reply.get("reasoning") or reply.get("reasoning_content") or "") or think
         turn = Turn(think=think, act=act, finish_reason=str(reply.get("finish_reason") or ""), gen_s=t1 - t0)
         traj.turns.append(turn)
         step = await asyncio.wait_for(env.step(action), env_timeout_s)
         turn.env_s = time.perf_counter() - t1
-        turn.reward_step, turn.done = step.reward, step.done
-        turn.tool_calls = step.info.get("tool_calls", [])
-        if "record" in step.info:  # what the environment's own reward reads (types.Trajectory.env_record)
-            traj.env_record = step.info["record"]
-        if step.done:
-            traj.final_answer = step.info.get("final_answer")
-            traj.status = RolloutStatus.COMPLETED
+        if record_step(traj, turn, step):
             return
         turn.obs = "\n".join(str(m.get("content", "")) for m in step.observation)
         messages.extend(exchange(reply, action, step.observation))

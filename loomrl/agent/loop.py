@@ -21,7 +21,7 @@ from typing import Any
 from loomrl.agent.context import SUMMARY_REQUEST, ContextStrategy
 from loomrl.agent.priorities import ProgramPriorities
 from loomrl.engine.base import Engine, EngineFault, GenerationResult, SamplingParams, generate_resuming
-from loomrl.env.base import Env, EnvCrash, ToolTimeout
+from loomrl.env.base import Env, EnvCrash, StepResult, ToolTimeout
 from loomrl.errors import with_frames
 from loomrl.model.chat import ChatRenderer
 from loomrl.types import ContextSegment, RolloutStatus, Task, TokenSpan, Trajectory, Turn, new_id
@@ -29,9 +29,24 @@ from loomrl.types import ContextSegment, RolloutStatus, Task, TokenSpan, Traject
 _THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
 
 
-def _split_think(text: str) -> tuple[str, str]:
+def split_think(text: str) -> tuple[str, str]:
+    """A reply's <think>...</think> parts (joined) and the rest: what rewards read as a turn's `think` and `act`."""
     thoughts = _THINK.findall(text)
     return "\n".join(t.strip() for t in thoughts), _THINK.sub("", text).strip()
+
+
+def record_step(traj: Trajectory, turn: Turn, step: StepResult) -> bool:
+    """What an environment's step said, kept on the turn and the trajectory (the record its own reward reads, the
+    final answer); whether the episode is done (then it is COMPLETED). Shared with check-env's endpoint episodes."""
+    turn.reward_step = step.reward
+    turn.done = step.done
+    turn.tool_calls = step.info.get("tool_calls", [])
+    if "record" in step.info:  # what the environment's own reward reads (types.Trajectory.env_record)
+        traj.env_record = step.info["record"]
+    if step.done:
+        traj.final_answer = step.info.get("final_answer")
+        traj.status = RolloutStatus.COMPLETED
+    return step.done
 
 
 # Shared with the gateway, so white-box and black-box rollouts assemble the same trajectory.
@@ -119,21 +134,14 @@ class AgentLoop:
             result = await self._generate(list(traj.token_ids), params, traj.trajectory_id, traj.group_id)
             t1 = time.perf_counter()
             text = self.renderer.decode(result.token_ids)
-            think, act = _split_think(text)
+            think, act = split_think(text)
             turn = add_turn(traj, result, think=think, act=act, finish_reason=result.finish_reason, gen_s=t1 - t0)
             messages.append({"role": "assistant", "content": text})
             closed = result.finish_reason == "stop"
             t2 = time.perf_counter()
             step = await asyncio.wait_for(env.step(text), max(deadline - time.perf_counter(), 0.001))
             turn.env_s = time.perf_counter() - t2
-            turn.reward_step = step.reward
-            turn.done = step.done
-            turn.tool_calls = step.info.get("tool_calls", [])
-            if "record" in step.info:  # what the environment's own reward reads (types.Trajectory.env_record)
-                traj.env_record = step.info["record"]
-            if step.done:
-                traj.final_answer = step.info.get("final_answer")
-                traj.status = RolloutStatus.COMPLETED
+            if record_step(traj, turn, step):
                 return
             new_ids = self.renderer.continuation_ids(messages, step.observation, closed=closed, tools=obs.tools)
             turn.obs = "\n".join(str(m.get("content", "")) for m in step.observation)
@@ -194,4 +202,4 @@ class AgentLoop:
         text = self.renderer.decode(result.token_ids)
         add_turn(traj, result, act=text, finish_reason=result.finish_reason,
                  context_events=[{"action": "summary_written"}])
-        return _split_think(text)[1]
+        return split_think(text)[1]

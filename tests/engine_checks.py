@@ -1,4 +1,5 @@
-"""References the engine tests compare against: transformers' own greedy `generate` and a full forward pass."""
+"""References the engine tests compare against: transformers' own greedy `generate` and a full forward pass; and
+`Recording`, a run's real engine wrapped to record the ids it samples (the exact-token checks of training runs)."""
 
 from __future__ import annotations
 
@@ -83,3 +84,19 @@ def vllm_tiny_pair():
     a, tokenizer = load_model(ModelConfig(kind="tiny", tiny=TinyModelConfig(**VLLM_TINY, seed=0)))
     b, _ = load_model(ModelConfig(kind="tiny", tiny=TinyModelConfig(**VLLM_TINY, seed=1)))
     return a, b, tokenizer
+
+
+class Recording:
+    """The run's real engine, recording the ids it samples per trajectory (the exact-token check)."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        self.sampled: dict[str, list[int]] = {}
+
+    async def generate(self, request):
+        result = await self._engine.generate(request)
+        self.sampled.setdefault(request.program_id, []).extend(result.token_ids)
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)

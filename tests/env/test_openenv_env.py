@@ -15,6 +15,7 @@ import pytest
 
 pytest.importorskip("openenv", reason="openenv-core is not installed (pip install 'loomrl[openenv]')")
 
+from engine_checks import Recording  # noqa: E402
 from ledger_checks import check_run  # noqa: E402
 from scripted_engine import ScriptedEngine  # noqa: E402
 
@@ -156,21 +157,6 @@ def test_an_mcp_environment_takes_tool_calls_and_records_their_failures(tokenize
         environment.close()
 
 
-class _Recording:
-    """The run's real engine, recording the ids it samples per trajectory (the exact-token check)."""
-
-    def __init__(self, engine):
-        self._engine, self.sampled = engine, {}
-
-    async def generate(self, request):
-        result = await self._engine.generate(request)
-        self.sampled.setdefault(request.program_id, []).extend(result.token_ids)
-        return result
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-
 def test_two_training_steps_on_an_openenv_server_train_the_sampled_tokens(tmp_path, monkeypatch):
     """The tiny recipe (a random tiny model, calculator_tiny's parity reward so that groups differ) on the guessing
     server: every trained token is one the engine sampled, in order."""
@@ -179,9 +165,9 @@ def test_two_training_steps_on_an_openenv_server_train_the_sampled_tokens(tmp_pa
     from loomrl.runtime.run import train
     from loomrl.store import read_trajectories
 
-    engines: list[_Recording] = []
+    engines: list[Recording] = []
     monkeypatch.setattr("loomrl.rollout.actor.make_engine",
-                        lambda *a, **k: engines.append(_Recording(factory.make_engine(*a, **k))) or engines[-1])
+                        lambda *a, **k: engines.append(Recording(factory.make_engine(*a, **k))) or engines[-1])
     monkeypatch.chdir(ROOT)
     cfg = load_config(ROOT / "examples" / "calculator_tiny.yaml",
                       [f"output_dir={tmp_path}", "progress=false", "env.name=openenv:openenv_env_for_tests:app",

@@ -17,6 +17,7 @@ import pytest
 
 pytest.importorskip("verifiers")
 
+from engine_checks import Recording  # noqa: E402
 from ledger_checks import check_run  # noqa: E402
 from scripted_engine import ScriptedEngine  # noqa: E402
 from tool_template_for_tests import rendering_tools  # noqa: E402
@@ -193,30 +194,14 @@ def test_an_environment_that_is_not_installed_is_named():
         _environment("vf-nothing")
 
 
-class _Recording:
-    """The run's real engine, keeping what each generate returned (by program: the trajectory's id)."""
-
-    def __init__(self, engine):
-        self._engine = engine
-        self.sampled: dict[str, list[int]] = {}
-
-    async def generate(self, request):
-        result = await self._engine.generate(request)
-        self.sampled.setdefault(request.program_id, []).extend(result.token_ids)
-        return result
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-
 def test_the_example_recipe_trains_two_steps_on_exactly_the_sampled_tokens(tmp_path, monkeypatch):
     from loomrl.engine import factory
     from loomrl.runtime.run import train
     from loomrl.store import read_rows
 
-    engines: list[_Recording] = []
+    engines: list[Recording] = []
     monkeypatch.setattr("loomrl.rollout.actor.make_engine",
-                        lambda *a, **k: engines.append(_Recording(factory.make_engine(*a, **k))) or engines[-1])
+                        lambda *a, **k: engines.append(Recording(factory.make_engine(*a, **k))) or engines[-1])
     monkeypatch.chdir(ROOT)  # the recipe's env.args.paths is relative to the repository's root
     cfg = load_config(ROOT / "examples" / "verifiers" / "train.yaml",
                       [f"output_dir={tmp_path}", "progress=false", "trainer.total_steps=2", "env.n_train=8",

@@ -47,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--env", default="codefix", help="whose tasks: codefix (sandbox checks, and the judges' review "
                    "with --judge) or any other environment's training tasks (the judges' review only; needs --judge)")
     v.add_argument("--limit", type=int, default=None, help="only the first N tasks")
-    v.add_argument("--judge", action="store_true", help="also have each task reviewed by several LLM judges (ROLL): "
+    v.add_argument("--judge", action="store_true", help="also have several LLM judges review each task: is it "
                    "well-posed, solvable, its answer right; a task passes when a strict majority say yes")
     v.add_argument("--judge-url", default=None, help="the judges' OpenAI-compatible base URL, e.g. "
                    "http://127.0.0.1:8000/v1 (`loomrl serve`)")

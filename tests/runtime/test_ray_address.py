@@ -29,7 +29,7 @@ def test_joining_passes_no_resources_and_local_offers_what_the_actors_reserve():
         assert kw["address"] == address and "num_cpus" not in kw and "resources" not in kw
     local = ray_init_kwargs("local", ASKS, cores=2, environ=env)
     assert (local["address"], local["num_cpus"], local["resources"]) == ("local", 3, None)
-    # the interfaces the process groups use between nodes reach every actor (README: Running on a Ray cluster)
+    # the interfaces the process groups use between nodes reach every actor (docs/ray.md)
     assert local["runtime_env"] == {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": "/rewards",
                                                  "GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "^docker,lo"}}
     # a recipe's module:Factory or module:function is found from the driver's current directory, so are the actors'

@@ -4,7 +4,8 @@ aggregation, as pure functions on torch tensors.
 What is covered: GRPO / Dr. GRPO / RLOO advantages; per-token PPO-clip (with DAPO's clip-higher),
 GSPO, AReaL's decoupled PPO and MiniMax-M1's CISPO; token / sequence / chunk importance weights
 (truncated, masked or raw) with their effective sample size; k1/k2/k3 KL estimators; four ways to
-reduce a per-token loss to a scalar; and `policy_loss`, one entry point composing them.
+reduce a per-token loss to a scalar; and `policy_loss`, one entry point composing them (`compute_loss`: the same
+over one micro-batch's typed `LossInputs`).
 What is not: value functions / GAE, entropy bonuses, anything that touches a model or a sample.
 
 Conventions. Every per-token tensor is flat, [N] over the sampled tokens of one micro-batch. `seq_ids` [N] (integer)
@@ -18,6 +19,7 @@ trainer's under a recent policy (e.g. the weights the sample was generated for).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, get_args
 
 import torch
@@ -289,6 +291,56 @@ def aggregate(loss: Tensor, seq_ids: Tensor, mode: Aggregation = "token_mean", *
 # ---------------------------------------------------------------- entry point
 
 
+@dataclass(slots=True, kw_only=True)
+class LossInputs:
+    """What the policy loss of one micro-batch is computed from, every tensor [N] over its sampled tokens (the module's
+    conventions): the trainer's logprobs (with their graph), the engine's (behaviour, mu), the advantages, each token's
+    sequence and chunk (turn) ids, the proximal policy's and the reference policy's logprobs where the loss uses them,
+    and the number of sequences a sequence-mean aggregation divides by (the whole step's)."""
+
+    logp: Tensor
+    old_logp: Tensor
+    advantages: Tensor
+    seq_ids: Tensor
+    chunk_ids: Tensor | None = None
+    prox_logp: Tensor | None = None
+    ref_logp: Tensor | None = None
+    num_seqs: int | None = None
+
+
+def compute_loss(cfg: LossConfig, inputs: LossInputs) -> tuple[Tensor, dict[str, float]]:
+    """`policy_loss` over one micro-batch's typed inputs."""
+    return policy_loss(cfg, inputs.logp, inputs.old_logp, inputs.advantages, inputs.seq_ids, chunk_ids=inputs.chunk_ids,
+                       prox_logp=inputs.prox_logp, ref_logp=inputs.ref_logp, num_seqs=inputs.num_seqs)
+
+
+def _ratio_base(cfg: LossConfig, logp: Tensor, old_logp: Tensor, prox_logp: Tensor | None, seq_ids: Tensor,
+                chunk_ids: Tensor | None) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
+    """What the policy ratio is taken against, and the IS weights [N] (None: no correction) with their stats: see
+    `policy_loss`."""
+    level = "token" if cfg.kind == "decoupled_ppo" and cfg.is_level == "none" else cfg.is_level
+    if level == "none":
+        return (prox_logp if prox_logp is not None else old_logp), None, {}
+    base = prox_logp.detach() if prox_logp is not None else logp.detach()  # pi_train
+    weights, is_stats = importance_weights(base, old_logp, level=level, variant=cfg.is_variant, cap=cfg.is_cap,
+                                           seq_ids=seq_ids, chunk_ids=chunk_ids)
+    return base, weights, is_stats
+
+
+def _check_loss_args(cfg: LossConfig, prox_logp: Tensor | None, ref_logp: Tensor | None,
+                     chunk_ids: Tensor | None) -> None:
+    """The inputs `cfg` needs are given and the loss has tokens to train."""
+    if cfg.kl is not None:
+        if ref_logp is None:
+            raise ValueError(f"ref_logp is required when kl={cfg.kl!r}")
+    elif cfg.kl_coef != 0.0:
+        raise ValueError(f"kl_coef={cfg.kl_coef} needs kl set to one of {', '.join(get_args(KLKind))}")
+    if cfg.kind == "decoupled_ppo" and prox_logp is None:
+        raise ValueError("prox_logp is required for kind='decoupled_ppo' (the proximal policy's logprobs)")
+    if cfg.is_level == "chunk" and chunk_ids is None:
+        raise ValueError("chunk_ids is required for is_level='chunk'")
+
+
 def policy_loss(cfg: LossConfig, logp: Tensor, old_logp: Tensor, advantages: Tensor, seq_ids: Tensor, *,
                 chunk_ids: Tensor | None = None, prox_logp: Tensor | None = None, ref_logp: Tensor | None = None,
                 num_seqs: int | None = None) -> tuple[Tensor, dict[str, float]]:
@@ -308,16 +360,8 @@ def policy_loss(cfg: LossConfig, logp: Tensor, old_logp: Tensor, advantages: Ten
     clip_low / clip_high default per kind (DEFAULT_CLIP). Stats: clip_frac, ratio_mean (of the
     policy ratio), approx_kl (k3 of KL(mu || pi), always vs behaviour), the IS stats (ess, ...) when a
     correction is on, kl_ref when `kl` is set, num_tokens and num_seqs."""
-    kind, is_level, kl = cfg.kind, cfg.is_level, cfg.kl
-    if kl is not None:
-        if ref_logp is None:
-            raise ValueError(f"ref_logp is required when kl={kl!r}")
-    elif cfg.kl_coef != 0.0:
-        raise ValueError(f"kl_coef={cfg.kl_coef} needs kl set to one of {', '.join(get_args(KLKind))}")
-    if kind == "decoupled_ppo" and prox_logp is None:
-        raise ValueError("prox_logp is required for kind='decoupled_ppo' (the proximal policy's logprobs)")
-    if is_level == "chunk" and chunk_ids is None:
-        raise ValueError("chunk_ids is required for is_level='chunk'")
+    kind, kl = cfg.kind, cfg.kl
+    _check_loss_args(cfg, prox_logp, ref_logp, chunk_ids)
     _check_tokens(logp=logp, old_logp=old_logp, advantages=advantages, seq_ids=seq_ids, chunk_ids=chunk_ids,
                   prox_logp=prox_logp, ref_logp=ref_logp)
     n_seqs = _segments(seq_ids, "seq_ids")[1]
@@ -327,15 +371,7 @@ def policy_loss(cfg: LossConfig, logp: Tensor, old_logp: Tensor, advantages: Ten
     clip = {"clip_low": default_low if cfg.clip_low is None else cfg.clip_low,
             "clip_high": default_high if cfg.clip_high is None else cfg.clip_high}
 
-    level = "token" if kind == "decoupled_ppo" and is_level == "none" else is_level
-    if level != "none":
-        base = prox_logp.detach() if prox_logp is not None else logp.detach()  # pi_train
-        weights, is_stats = importance_weights(base, old_logp, level=level, variant=cfg.is_variant, cap=cfg.is_cap,
-                                               seq_ids=seq_ids, chunk_ids=chunk_ids)
-    else:
-        weights, is_stats = None, {}
-        base = prox_logp if prox_logp is not None else old_logp
-
+    base, weights, is_stats = _ratio_base(cfg, logp, old_logp, prox_logp, seq_ids, chunk_ids)
     if kind == "gspo":
         per_token, stats = gspo_loss(logp, base, advantages, seq_ids, **clip)
     else:

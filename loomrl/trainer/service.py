@@ -1,6 +1,8 @@
 """TrainerService: the training pool. Owns the Buffer, the Trainer, the trained-trajectory ledger and
 checkpoints. It runs in the rollout's process (sync mode) or in its own process (async mode); either
-way it is fed groups with their data positions and answers with new weights and metrics.
+way it is fed groups with their data positions and answers with new weights and metrics. A step (run_step) composes
+selection.py (what the step's groups give the trainer, the lag decay, the consumption metrics), the Trainer's step,
+the ledger line and the train records, and returns a typed StepOutcome (train_step: its metrics, for the runtime).
 
 Ledger (RUN/ledger.jsonl): one line per training step naming every trajectory it consumed, by fate
 (trained, skipped with reason, dropped as stale). On resume the lines after the checkpoint's step are
@@ -11,24 +13,23 @@ per trajectory trained, the advantages it was trained with and its engine-vs-tra
 from __future__ import annotations
 
 import json
-import math
-from collections import Counter
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from loomrl.buffer import Buffer, usable_group
+from loomrl.buffer import Buffer
 from loomrl.buffer.buffer import group_min_version
-from loomrl.buffer.filters import balance_samples
 from loomrl.config import RunConfig
 from loomrl.trainer.checkpoint import Retention, load_state, save_checkpoint, set_rng_state
-from loomrl.trainer.credit import AdvantageRule, GroupCredit, group_credit
+from loomrl.trainer.credit import AdvantageRule, GroupCredit
 from loomrl.trainer.distributed import Gather
-from loomrl.trainer.grpo import samples_from_credit, samples_from_group
 from loomrl.trainer.offload import Moved, offload, onload
 from loomrl.trainer.ranks import RankGroup, build_trainer
 from loomrl.trainer.records import append_records, cut_records, cut_to_step, train_records
+from loomrl.trainer.selection import Selection, balance, consumption_metrics, lag_weighted, select_groups
+from loomrl.trainer.trainer import StepStats
 from loomrl.types import TrainingSample, Trajectory
 from loomrl.weights.source import DictSource, WeightSource, dtype_name
 
@@ -88,6 +89,33 @@ def advantage_metrics(samples: list[TrainingSample], credits: list[GroupCredit],
     if rule.credit == "turn":
         out["advantage/fallback_turns"] = sum(c.fallback_turns for c in credits)
     return out
+
+
+@dataclass(slots=True, kw_only=True)
+class StepOutcome:
+    """What one TrainerService step did: the version it left the policy at, whether an optimizer step ran (some group
+    had signal), its metrics (what the driver logs) and the trajectories it dropped as stale."""
+
+    version: int
+    trained: bool
+    metrics: dict[str, float]
+    stale: list[str]
+
+
+@dataclass(slots=True, kw_only=True)
+class LedgerEntry:
+    """One line of RUN/ledger.jsonl: every trajectory a step consumed, by fate."""
+
+    step: int
+    trained: list[str]
+    skipped: dict[str, list[str]]
+    stale: list[str]
+
+
+def write_ledger(path: Path, entry: LedgerEntry) -> None:
+    """Append `entry` to the ledger at `path`."""
+    with path.open("a") as f:
+        f.write(json.dumps(asdict(entry)) + "\n")
 
 
 class TrainerService:
@@ -158,88 +186,52 @@ class TrainerService:
     def has_step(self) -> bool:
         return not self.done and self.buffer.takeable() >= self.cfg.trainer.groups_per_step
 
-    def train_step(self) -> dict[str, Any]:
+    def run_step(self) -> StepOutcome:
         """Consume one step's groups, update the policy (when any group has signal), log the ledger."""
-        version = self.version
-        depth = len(self.buffer)
+        version, depth = self.version, len(self.buffer)
         groups, stale = self.buffer.take(self.cfg.trainer.groups_per_step, version)
-        samples, trained, skipped = [], [], {}
-        trained_trajs: list[Trajectory] = []  # of the usable groups, for the train records
-        groups_skipped, why_skipped = 0, Counter()
         rule = AdvantageRule.of(self.cfg.trainer)
-        credits = []  # of the trained groups, for the advantage/ metrics
-        idle_tokens = idle_seqs = idle_longest = 0  # of zero-variance groups: no gradient, but part of the mean
-        for group in groups:
-            usable, left_out, reason = usable_group(group, self.cfg.buffer, rule.credit)
-            for why, ids in left_out.items():
-                skipped.setdefault(why, []).extend(ids)
-            out = {i for ids in left_out.values() for i in ids}
-            if reason:
-                groups_skipped += 1
-                why_skipped[reason] += 1
-                if reason == "zero_variance" and self.cfg.trainer.count_idle_groups:
-                    kept = [t for t in group if t.trajectory_id not in out and any(t.all_turns())]
-                    idle = samples_from_group(kept, rule)
-                    idle_tokens += sum(sum(s.loss_mask) for s in idle)
-                    idle_seqs += len(idle)
-                    idle_longest = max([idle_longest, *(sum(s.loss_mask) for s in idle)])
-                skipped.setdefault(reason, []).extend(t.trajectory_id for t in group if t.trajectory_id not in out)
-                continue
-            credits.append(group_credit(usable, rule))
-            samples.extend(samples_from_credit(usable, credits[-1]))
-            trained.extend(t.trajectory_id for t in usable)
-            trained_trajs.extend(usable)
-            accounted = {t.trajectory_id for t in usable} | out
-            unaccounted = [t.trajectory_id for t in group if t.trajectory_id not in accounted]
-            if unaccounted:  # no turn at all
-                skipped.setdefault("incomplete", []).extend(unaccounted)
-        if self.cfg.buffer.balance_max_ratio is not None and samples:
-            before = {s.trajectory_id for s in samples}
-            samples, _ = balance_samples(samples, self.cfg.buffer.balance_max_ratio, seed=version)
-            after = {s.trajectory_id for s in samples}
-            if before - after:
-                skipped.setdefault("balance", []).extend(sorted(before - after))
-                trained = [t for t in trained if t in after]
-        metrics: dict[str, Any] = {"groups": len(groups), "groups_stale": len(stale), "groups_skipped": groups_skipped,
-                                   "buffer/depth": depth,  # backpressure: groups waiting when the step began
-                                   **{f"groups_skipped/{k}": v for k, v in why_skipped.items()}}
-        waits = self.buffer.last_waits
-        if waits:
-            metrics["buffer/wait_s_mean"] = sum(waits) / len(waits)
-            metrics["buffer/wait_s_max"] = max(waits)
+        chosen = select_groups(groups, self.cfg, rule)
+        if self.cfg.buffer.balance_max_ratio is not None and chosen.samples:
+            balance(chosen, self.cfg.buffer.balance_max_ratio, seed=version)
         staleness = [version - group_min_version(g) for g in groups if group_min_version(g) >= 0]
-        for lag, count in sorted(Counter(staleness).items()):
-            metrics[f"staleness/lag_{lag}"] = count  # histogram of the consumed groups' lag
-        decay = self.cfg.buffer.lag_decay
-        if decay > 0:  # down-weight what was sampled by older policies
-            for sample in samples:
-                lag = max(version - sample.min_version, 0) if sample.min_version >= 0 else 0
-                if lag:
-                    w = math.exp(-decay * lag)
-                    sample.advantages = [a * w for a in sample.advantages]
-                    metrics["samples_downweighted"] = metrics.get("samples_downweighted", 0) + 1
-        if samples:
-            metrics.update(advantage_metrics(samples, credits, rule))
-            step = self.ranks.train_step if self.ranks else self.trainer.train_step
-            stats = step(samples, idle_tokens=idle_tokens, idle_seqs=idle_seqs, idle_longest=idle_longest)
-            metrics["train/idle_tokens"] = idle_tokens
-            metrics.update({f"train/{k}": v for k, v in stats.metrics().items()})
-        else:  # a step with no signal still consumes its groups and advances the schedule
-            (self.ranks or self.trainer).skip_step()
+        metrics = consumption_metrics(groups, stale, depth, chosen.why_skipped, self.buffer.last_waits, staleness)
+        samples, downweighted = lag_weighted(chosen.samples, version, self.cfg.buffer.lag_decay)
+        if downweighted:
+            metrics["samples_downweighted"] = downweighted
+        stats = self._train(samples, chosen, rule, metrics)
         metrics["staleness_max"] = max(staleness) if staleness else 0
-        entry = {"step": self.version, "trained": trained, "skipped": skipped,
-                 "stale": [t.trajectory_id for g in stale for t in g]}
-        with self.ledger_path.open("a") as f:
-            f.write(json.dumps(entry) + "\n")
-        if samples:
-            kept = set(trained)  # the balance filter may have left some out
-            append_records(self.run_dir, train_records(self.version, [t for t in trained_trajs if t.trajectory_id in kept],
-                                                       samples, stats.gaps))
+        stale_ids = [t.trajectory_id for g in stale for t in g]
+        write_ledger(self.ledger_path, LedgerEntry(step=self.version, trained=chosen.trained, skipped=chosen.skipped,
+                                                   stale=stale_ids))
+        if stats is not None:
+            kept = set(chosen.trained)  # the balance filter may have left some out
+            trajectories = [t for t in chosen.trajectories if t.trajectory_id in kept]
+            append_records(self.run_dir, train_records(self.version, trajectories, samples, stats.gaps))
         every = self.cfg.checkpoint_every
         if (every and self.version % every == 0) or self.done:
             self.last_metrics = metrics
             self.checkpoint()
-        return metrics
+        return StepOutcome(version=self.version, trained=stats is not None, metrics=metrics, stale=stale_ids)
+
+    def train_step(self) -> dict[str, Any]:
+        """run_step's metrics: what the runtime's driver logs (its callers take a dict)."""
+        return self.run_step().metrics
+
+    def _train(self, samples: list[TrainingSample], chosen: Selection, rule: AdvantageRule,
+               metrics: dict[str, float]) -> StepStats | None:
+        """One optimizer step on `samples` (on every rank), its metrics added to `metrics`; without samples, a step
+        with no signal, which still consumes its groups and advances the schedule (None)."""
+        if not samples:
+            (self.ranks or self.trainer).skip_step()
+            return None
+        metrics.update(advantage_metrics(samples, chosen.credits, rule))
+        step = self.ranks.train_step if self.ranks else self.trainer.train_step
+        stats = step(samples, idle_tokens=chosen.idle_tokens, idle_seqs=chosen.idle_seqs,
+                     idle_longest=chosen.idle_longest)
+        metrics["train/idle_tokens"] = chosen.idle_tokens
+        metrics.update({f"train/{k}": v for k, v in stats.metrics().items()})
+        return stats
 
     def checkpoint(self) -> Path:
         state = {"buffer": self.buffer.state_dict(), "received": self.received.state(), "extra": self.extra,

@@ -7,6 +7,10 @@ stops above them. With `tree_merge`, micro-batches are cut from the samples in l
 stay together) and forwarded as one prefix tree each (tree.py), so a shared prompt or history is computed once (once per
 step, across micro-batches, with `tree_merge_memory=depth_first`).
 
+A step, at its seams: its plan (step_plan.py: micro-batches, merge flags, padding, pair counts), the loss config with
+the step's denominators and each micro-batch's typed loss inputs (loss_inputs.py), the loss of each micro-batch with
+its stats and gaps (step_loss.py); here, the forwards and backwards that run the plan, and the optimizer step.
+
 Device and precision (loomrl/devices.py): the model's parameters, gradients and AdamW state are float32 on
 trainer.device; forwards and backwards run under autocast to trainer.precision; every tensor a step makes is made
 on the model's device.
@@ -33,19 +37,10 @@ from loomrl.devices import place, trainer_device
 from loomrl.trainer.forward import Logprobs, compute_context, enable_activation_checkpointing, forward_of
 from loomrl.trainer.fsdp import whole_for_pass
 from loomrl.trainer.head import Entropies
-from loomrl.trainer.losses import policy_loss
-from loomrl.trainer.tree import (
-    compression_ratio,
-    decoder_layers,
-    dense_attention_pairs,
-    depth_first_backward,
-    input_embedding_weight,
-    plan_tries,
-    sampled_positions,
-    tree_attention,
-    tree_attention_pairs,
-    unique_tokens,
-)
+from loomrl.trainer.loss_inputs import step_loss_config
+from loomrl.trainer.step_loss import StepLoss
+from loomrl.trainer.step_plan import PADDING, StepPlan, plan_step
+from loomrl.trainer.tree import decoder_layers, depth_first_backward, input_embedding_weight, tree_attention
 from loomrl.types import TrainingSample
 
 if TYPE_CHECKING:
@@ -107,12 +102,6 @@ def freeze_bottom(model: PreTrainedModel, n_layers: int) -> None:
             p.requires_grad_(False)
 
 
-# A micro-batch that trains nothing: ranks of a sharded step with fewer micro-batches than others run it,
-# so that every rank joins every forward's and backward's collectives.
-_PADDING = TrainingSample(trajectory_id="padding", group_id="padding", token_ids=[0, 0], loss_mask=[0, 1],
-                          behaviour_logprobs=[0.0, 0.0], versions=[0, 0], advantages=[0.0, 0.0])
-
-
 class Trainer:
     def __init__(self, model: PreTrainedModel, cfg: TrainerConfig, initial_model: PreTrainedModel | None = None,
                  *, shard: Callable[..., Logprobs] | None = None):
@@ -168,100 +157,76 @@ class Trainer:
         Exception: with a KL penalty the idle tokens' KL term would have had a gradient; it is not
         trained (their tokens still count in the denominator)."""
         start = time.perf_counter()
-        cfg = self.cfg
         if idle_tokens < 0 or idle_seqs < 0:
             raise ValueError(f"train_step: idle_tokens and idle_seqs must be >= 0, got {idle_tokens}, {idle_seqs}")
-        total_loss_tokens = sum(sum(s.loss_mask) for s in samples)
+        loss_tokens = sum(sum(s.loss_mask) for s in samples)
         # A data-parallel rank may get no samples (fewer than ranks): it still takes the step, with
         # the gradient the other ranks send, so that every replica stays the same.
-        if total_loss_tokens == 0 and self.grad_hook is None and self.shared_plan is None:
+        if loss_tokens == 0 and self.grad_hook is None and self.shared_plan is None:
             raise ValueError("train_step: no sampled tokens in the batch")
-        batches, merged, tree_ratio = self._micro_batches(samples)
-        real = len(batches)  # the rest are padding (a sharded step's shared plan)
-        if self.shared_plan is not None:
-            pad = self.shared_plan(real) - real
-            batches, merged = batches + [[_PADDING]] * pad, merged + [False] * pad
-        pairs_dense = [dense_attention_pairs([s.token_ids for s in b]) for b in batches]
-        pairs = [tree_attention_pairs([s.token_ids for s in b]) if m else d
-                 for b, m, d in zip(batches, merged, pairs_dense)]
-        if self._depth_first() and samples:  # one pass over the step's trie: each node attends to its ancestors once
-            pairs = [tree_attention_pairs([s.token_ids for s in samples])]
-        # Decoupled PPO's proximal policy: the weights before this step; KL's reference: the initial weights.
+        plan = plan_step(self.cfg, samples, self.shared_plan)
+        prox, ref = self._reference_logprobs(plan)
+        loss_cfg = step_loss_config(self.cfg.loss, samples, idle_tokens=idle_tokens, idle_seqs=idle_seqs,
+                                    idle_longest=idle_longest, with_ref=ref is not None)
+        losses = StepLoss(plan, loss_cfg, prox=prox, ref=ref, num_seqs=len(samples) + idle_seqs, device=self.device)
+        entropy = Entropies()  # the training forwards' per-token entropies
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self._forward_backward(plan, losses, entropy)
+        grad_norm = self._optimizer_step()
+        mean = losses.means(loss_tokens)
+        gaps, gap = losses.sample_gaps(len(samples))
+        ent = entropy.all()
+        return StepStats(
+            loss=loss, grad_norm=grad_norm, clip_frac=mean.get("clip_frac", 0.0),
+            ratio_mean=mean.get("ratio_mean", 0.0), approx_kl=mean.get("approx_kl", 0.0), ess=mean.get("ess", 1.0),
+            tokens=sum(len(s.token_ids) for s in samples), loss_tokens=loss_tokens,
+            seconds=time.perf_counter() - start, lr=float(self.scheduler.get_last_lr()[0]), tree_ratio=plan.tree_ratio,
+            attn_pairs_dense=plan.attn_pairs_dense, attn_pairs=plan.attn_pairs,
+            entropy=float(ent.mean()) if ent.numel() else 0.0, logprob_gap_mean=float(gap.mean()) if gap.numel() else 0.0,
+            logprob_gap_max=float(gap.max()) if gap.numel() else 0.0, gaps=gaps)
+
+    def _reference_logprobs(self, plan: StepPlan) -> tuple[list[list[torch.Tensor]] | None,
+                                                           list[list[torch.Tensor]] | None]:
+        """Per micro-batch, per sample, the logprobs of decoupled PPO's proximal policy (the weights before this step)
+        and of KL's reference (the initial weights); None where the loss uses none. Leaves the model in train mode."""
+        batches, merged = plan.batches, plan.merged
         self.model.eval()
         with self.autocast():
-            prox = self._no_grad(self.forward, batches, merged) if cfg.loss.kind == "decoupled_ppo" else None
+            prox = self._no_grad(self.forward, batches, merged) if self.cfg.loss.kind == "decoupled_ppo" else None
             ref = self._no_grad(self.ref_forward, batches, merged) if self.ref_forward is not None else None
         self.model.train()
-        if cfg.loss.aggregation == "token_mean":
-            aggregation, norm = "token_sum_norm", float(total_loss_tokens + idle_tokens)  # sum / the step's sampled tokens
-        else:
-            aggregation = cfg.loss.aggregation
-            longest = max([idle_longest, *(sum(s.loss_mask) for s in samples)])
-            norm = cfg.loss.norm_constant or float(longest * (len(samples) + idle_seqs))
-        # the step's loss: its denominators, and no KL term without a reference model
-        loss_cfg = cfg.loss.model_copy(update={"aggregation": aggregation, "norm_constant": norm, **(
-            {} if ref is not None else {"kl": None, "kl_coef": 0.0})})
-        self.optimizer.zero_grad(set_to_none=True)
+        return prox, ref
+
+    def _forward_backward(self, plan: StepPlan, losses: StepLoss, entropy: Entropies) -> float:
+        """Every micro-batch's forward, loss and backward, gradients accumulated in .grad; the summed loss."""
+        if plan.depth_first:
+            return self._depth_first_pass(plan, losses, entropy)
         loss_sum = 0.0
-        stats_sum: dict[str, float] = {}
-        seq_offset = chunk_offset = 0
-        entropy = Entropies()  # the training forwards' per-token entropies
-        gap_of: dict[int, torch.Tensor] = {}  # id(sample) -> |trainer - engine| logprob of its trained tokens
+        for b, chunk in enumerate(plan.batches):
+            with self.autocast():  # the padding's entropy is not the policy's at any trained token
+                loss = losses(b, self.forward(chunk, plan.merged[b], entropy if b < plan.real else None))
+            if loss is not None:
+                recompute_merged = plan.merged[b] and self.cfg.activation_checkpointing
+                with tree_attention(self.model) if recompute_merged else contextlib.nullcontext():
+                    loss.backward()
+                loss_sum += float(loss.detach())
+        return loss_sum
 
-        def micro_batch_loss(b: int, logps: list[torch.Tensor]) -> torch.Tensor | None:
-            """The loss of micro-batch b given its samples' logprobs (None: no sampled tokens)."""
-            nonlocal seq_offset, chunk_offset
-            if b >= real:  # padding: a forward and a backward for the collectives, no gradient
-                return logps[0].sum() * 0.0
-            chunk = batches[b]
-            parts = [(i, s, logp) for i, (s, logp) in enumerate(zip(chunk, logps)) if logp.numel()]
-            if not parts:
-                return None
-            idx = [sampled_positions(s) for _, s, _ in parts]
-            dev = self.device
-            behaviour = torch.tensor([s.behaviour_logprobs[t] for (_, s, _), ts in zip(parts, idx) for t in ts],
-                                     device=dev)
-            adv = torch.tensor([s.advantages[t] for (_, s, _), ts in zip(parts, idx) for t in ts], device=dev)
-            seq_ids = torch.tensor([seq_offset + k for k, ts in enumerate(idx) for _ in ts], device=dev)
-            # A chunk is one turn: a run of sampled tokens between two environment interactions.
-            chunk_ids, c = [], chunk_offset - 1
-            for ts in idx:
-                for j, t in enumerate(ts):
-                    c += j == 0 or t != ts[j - 1] + 1  # a new sequence, or a gap in its sampled tokens
-                    chunk_ids.append(c)
-            seq_offset += len(parts)
-            chunk_offset = c + 1
-            # before any update of this step: the trainer's view of the tokens the engine sampled
-            gaps = (torch.cat([logp for _, _, logp in parts]).detach().float() - behaviour).abs()
-            for (_, s, _), g in zip(parts, torch.split(gaps, [len(ts) for ts in idx])):
-                gap_of[id(s)] = g
-            loss, stats = policy_loss(
-                loss_cfg, torch.cat([logp for _, _, logp in parts]), behaviour, adv, seq_ids,
-                chunk_ids=torch.tensor(chunk_ids, device=dev),
-                prox_logp=torch.cat([prox[b][i] for i, _, _ in parts]) if prox is not None else None,
-                ref_logp=torch.cat([ref[b][i] for i, _, _ in parts]) if ref is not None else None,
-                num_seqs=len(samples) + idle_seqs)
-            for key in ("clip_frac", "ratio_mean", "approx_kl", "ess"):
-                if key in stats:
-                    stats_sum[key] = stats_sum.get(key, 0.0) + stats[key] * stats["num_tokens"]
-            return loss
+    def _depth_first_pass(self, plan: StepPlan, losses: StepLoss, entropy: Entropies) -> float:
+        """tree.py's depth-first pass over the step's trie: shared prefixes computed once, one micro-batch's graph
+        alive; the summed loss."""
+        if not plan.batches:
+            return 0.0
+        # sharded: each rank's trie is its own, so no collective may run inside the pass (fsdp.py)
+        whole = whole_for_pass(self.forward, [PADDING]) if self.sharded else contextlib.nullcontext()
+        with self.autocast(), whole:
+            if not plan.real:  # only the shared plan's padding: nothing to share inside the pass
+                return 0.0
+            return depth_first_backward(self.model, plan.batches[: plan.real], losses, entropy=entropy).loss
 
-        if self._depth_first() and batches:  # tree.py: shared prefixes computed once, one micro-batch's graph alive
-            # sharded: each rank's trie is its own, so no collective may run inside the pass (fsdp.py)
-            whole = whole_for_pass(self.forward, [_PADDING]) if self.sharded else contextlib.nullcontext()
-            with self.autocast(), whole:
-                if real:  # the rest (the shared plan's padding) are left out: nothing to share inside the pass
-                    loss_sum = depth_first_backward(self.model, batches[:real], micro_batch_loss,
-                                                    entropy=entropy).loss
-        else:
-            for b, chunk in enumerate(batches):
-                with self.autocast():  # the padding's entropy is not the policy's at any trained token
-                    loss = micro_batch_loss(b, self.forward(chunk, merged[b], entropy if b < real else None))
-                if loss is not None:
-                    recompute_merged = merged[b] and cfg.activation_checkpointing
-                    with tree_attention(self.model) if recompute_merged else contextlib.nullcontext():
-                        loss.backward()
-                    loss_sum += float(loss.detach())
+    def _optimizer_step(self) -> float:
+        """The ranks' gradients summed (sharded), clipped, one AdamW step (skipped on a non-finite norm), the schedule
+        advanced; the gradient norm before clipping."""
         if self.grad_hook is not None:
             self.grad_hook()
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
@@ -271,19 +236,7 @@ class Trainer:
         self.scheduler.step()
         self.step += 1
         self.model.eval()
-        mean = {key: v / max(total_loss_tokens, 1) for key, v in stats_sum.items()}  # per sampled token
-        ent = entropy.all()
-        gap = torch.cat(list(gap_of.values())).cpu() if gap_of else torch.zeros(0)  # one copy off the device
-        per_sample = dict(zip(gap_of, (g.tolist() for g in torch.split(gap, [g.numel() for g in gap_of.values()]))))
-        return StepStats(
-            loss=loss_sum, grad_norm=grad_norm, clip_frac=mean.get("clip_frac", 0.0),
-            ratio_mean=mean.get("ratio_mean", 0.0), approx_kl=mean.get("approx_kl", 0.0), ess=mean.get("ess", 1.0),
-            tokens=sum(len(s.token_ids) for s in samples), loss_tokens=total_loss_tokens,
-            seconds=time.perf_counter() - start, lr=float(self.scheduler.get_last_lr()[0]), tree_ratio=tree_ratio,
-            attn_pairs_dense=sum(pairs_dense), attn_pairs=sum(pairs),
-            entropy=float(ent.mean()) if ent.numel() else 0.0, logprob_gap_mean=float(gap.mean()) if gap.numel() else 0.0,
-            logprob_gap_max=float(gap.max()) if gap.numel() else 0.0,
-            gaps=[per_sample.get(id(s), []) for s in samples])
+        return grad_norm
 
     def skip_step(self) -> None:
         """A step whose groups carried no signal: it consumes them and advances the learning-rate
@@ -292,43 +245,6 @@ class Trainer:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
             self.scheduler.step()
-
-    def _micro_batches(self, samples: list[TrainingSample]) -> tuple[list[list[TrainingSample]], list[bool], float]:
-        """(micro-batches, whether each is forwarded as a prefix tree, the step's tree_ratio: its tokens /
-        the tokens its forwards compute)."""
-        cfg = self.cfg
-        mb = cfg.micro_batch_size
-        if cfg.tree_merge == "off":  # micro-batches of similar length waste less padding
-            ordered = sorted(samples, key=lambda s: len(s.token_ids))
-        else:  # lexicographic order puts samples that share a prefix next to each other, in one micro-batch
-            ordered = sorted(samples, key=lambda s: s.token_ids)
-        if cfg.tree_merge != "off" and cfg.tree_token_budget is not None:
-            groups = plan_tries([s.token_ids for s in ordered], cfg.tree_token_budget)
-            batches = [[ordered[i] for i in g] for g in groups]
-        elif cfg.tree_merge == "off" and cfg.micro_batch_tokens is not None:
-            batches = []  # ordered by length: a batch's padded size is its count x its last sample's length
-            for s in ordered:
-                if batches and (len(batches[-1]) + 1) * len(s.token_ids) <= cfg.micro_batch_tokens:
-                    batches[-1].append(s)
-                else:
-                    batches.append([s])
-        else:
-            batches = [ordered[i : i + mb] for i in range(0, len(ordered), mb)]
-        if cfg.tree_merge == "off":
-            return batches, [False] * len(batches), 1.0
-        if self._depth_first():  # every micro-batch merged; each node of the step forwarded once
-            return batches, [True] * len(batches), compression_ratio([s.token_ids for s in ordered])
-        merged, tokens, forwarded = [], 0, 0
-        for b in batches:
-            total, unique = sum(len(s.token_ids) for s in b), unique_tokens([s.token_ids for s in b])
-            merged.append(cfg.tree_merge == "on" or total >= cfg.tree_merge_min_ratio * unique)
-            tokens += total
-            forwarded += unique if merged[-1] else total
-        return batches, merged, tokens / max(forwarded, 1)
-
-    def _depth_first(self) -> bool:
-        cfg = self.cfg
-        return cfg.tree_merge != "off" and cfg.tree_token_budget is not None and cfg.tree_merge_memory == "depth_first"
 
     @staticmethod
     def _no_grad(forward: Logprobs, batches: list[list[TrainingSample]], merged: list[bool]) -> list[list[torch.Tensor]]:

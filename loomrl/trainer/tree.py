@@ -471,22 +471,8 @@ def depth_first_backward(model: PreTrainedModel, batches: Sequence[Sequence[Trai
     gradient is accumulated into the parameters' .grad. `entropy`: each batch's per-token entropies are appended to
     it. See the module docstring."""
     _check_supported(model)
-    samples = [s for b in batches for s in b]
-    batch_of = [k for k, b in enumerate(batches) for _ in b]
-    tree = pack_tree([s.token_ids for s in samples])
-    own: list[list[int]] = [[] for _ in batches]  # nodes only batch k uses, in packed order
-    shared: dict[tuple[int, int], list[int]] = {}  # (first, last batch using it) -> nodes, packed order
-    for n, through in enumerate(tree.node_samples):
-        lo, hi = min(batch_of[i] for i in through), max(batch_of[i] for i in through)
-        if lo == hi:
-            own[lo].append(n)
-        else:
-            shared.setdefault((lo, hi), []).append(n)
-    # Trunks starting at batch k are forwarded before it, widest first: an ancestor is used by at least
-    # the batches of its descendants, so it has a smaller-or-equal lo and a greater-or-equal hi.
-    starting: dict[int, list[tuple[int, list[int]]]] = {}
-    for (lo, hi), nodes in sorted(shared.items(), key=lambda kv: (kv[0][0], -kv[0][1])):
-        starting.setdefault(lo, []).append((hi, nodes))
+    tree = pack_tree([s.token_ids for b in batches for s in b])
+    own, starting = _trunk_plan(tree, batches)
     width, dtype = model.config.hidden_size, input_embedding_weight(model).dtype
     result = DepthFirstResult(logprobs=[], loss=0.0, forward_tokens=[], alive_tokens=[])
     alive: list[_Trunk] = []
@@ -513,11 +499,36 @@ def depth_first_backward(model: PreTrainedModel, batches: Sequence[Sequence[Trai
                 loss.backward()  # frees the batch's own graph; gradients reach the trunk leaves
             result.loss += float(loss.detach())
         result.logprobs.append([lp.detach() for lp in logps])
-        # Trunks no later batch uses: backward their graphs, latest first (a later trunk may have
-        # attended to an earlier one's leaves, never the reverse).
-        for trunk in reversed([t for t in alive if t.hi == k]):
-            pairs = [(out, leaf.grad) for out, leaf in zip(trunk.outputs, trunk.leaves) if leaf.grad is not None]
-            if pairs:
-                torch.autograd.backward([out for out, _ in pairs], grad_tensors=[g for _, g in pairs])
+        _backward_trunks([t for t in alive if t.hi == k])
         alive = [t for t in alive if t.hi != k]
     return result
+
+
+def _trunk_plan(tree: PackedTree, batches: Sequence[Sequence[TrainingSample]],
+                ) -> tuple[list[list[int]], dict[int, list[tuple[int, list[int]]]]]:
+    """Per batch, the packed nodes only it uses (packed order); per batch k, the trunks forwarded just before it:
+    (the last batch using the trunk, its nodes in packed order)."""
+    batch_of = [k for k, b in enumerate(batches) for _ in b]
+    own: list[list[int]] = [[] for _ in batches]
+    shared: dict[tuple[int, int], list[int]] = {}  # (first, last batch using it) -> nodes, packed order
+    for n, through in enumerate(tree.node_samples):
+        lo, hi = min(batch_of[i] for i in through), max(batch_of[i] for i in through)
+        if lo == hi:
+            own[lo].append(n)
+        else:
+            shared.setdefault((lo, hi), []).append(n)
+    # Trunks starting at batch k are forwarded before it, widest first: an ancestor is used by at least
+    # the batches of its descendants, so it has a smaller-or-equal lo and a greater-or-equal hi.
+    starting: dict[int, list[tuple[int, list[int]]]] = {}
+    for (lo, hi), nodes in sorted(shared.items(), key=lambda kv: (kv[0][0], -kv[0][1])):
+        starting.setdefault(lo, []).append((hi, nodes))
+    return own, starting
+
+
+def _backward_trunks(done: list[_Trunk]) -> None:
+    """Backward the graphs of trunks no later batch uses with the gradients their leaves accumulated, latest first (a
+    later trunk may have attended to an earlier one's leaves, never the reverse)."""
+    for trunk in reversed(done):
+        pairs = [(out, leaf.grad) for out, leaf in zip(trunk.outputs, trunk.leaves) if leaf.grad is not None]
+        if pairs:
+            torch.autograd.backward([out for out, _ in pairs], grad_tensors=[g for _, g in pairs])

@@ -13,6 +13,7 @@ import torch
 from loomrl.config import ModelConfig, TrainerConfig
 from loomrl.model.loader import build_tiny_model
 from loomrl.trainer.forward import token_logprobs
+from loomrl.trainer.step_plan import micro_batches
 from loomrl.trainer.trainer import Trainer
 from loomrl.trainer.tree import (
     compression_ratio,
@@ -454,8 +455,8 @@ def test_micro_batches_by_token_budget(tokenizer):
     rng = random.Random(11)
     samples = _grpo(rng, len(tokenizer), 4, 12) + _multiturn(rng, len(tokenizer)) + _grpo(rng, len(tokenizer), 4, 3)
     budget = 45
-    trainer = Trainer(_tiny(tokenizer), TrainerConfig(micro_batch_tokens=budget))
-    batches, _, _ = trainer._micro_batches(samples)
+    cut = micro_batches(TrainerConfig(micro_batch_tokens=budget), samples)
+    batches = [[samples[i] for i in b] for b in cut.index]
     assert sorted(id(s) for b in batches for s in b) == sorted(map(id, samples))  # each sample once
     assert len(batches) > 2
     for b in batches:

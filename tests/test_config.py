@@ -114,7 +114,7 @@ def test_every_recipe_in_examples_loads():
 def test_gpu_recipes_fill_one_8_gpu_node_with_vllm_engines():
     """examples/gpu: vLLM engines (not the CPU-built built-in engine) and FSDP2 ranks, 8 GPUs in all, the weights
     broadcast to the engine actors on GPUs of their own, or colocated (engine i asleep on trainer rank i's GPU while
-    it steps); each recipe says plainly that it has not run on a GPU."""
+    it steps, then pushed each version a bucket at a time by that rank: cuda_ipc); each recipe says plainly that it has not run on a GPU."""
     from pathlib import Path
 
     recipes = sorted((Path(__file__).resolve().parents[1] / "examples" / "gpu").glob("*.yaml"))
@@ -125,9 +125,9 @@ def test_gpu_recipes_fill_one_8_gpu_node_with_vllm_engines():
         gpus = cfg.trainer.world_size * cfg.ray.trainer.num_gpus + cfg.ray.engine.count * cfg.ray.engine.num_gpus
         assert gpus == 8 and cfg.ray.rollout.num_gpus == 0, recipe.name
         assert cfg.ray.rollout.count >= cfg.ray.engine.count, recipe.name  # rollout actor i uses engine i mod count
-        if cfg.engine.sleep_while_training:  # colocated: a share of each GPU, through Ray's object store
+        if cfg.engine.sleep_while_training:  # colocated: a share of each GPU, each rank pushing to its engine
             assert cfg.ray.engine.count == cfg.trainer.world_size == 8, recipe.name
-            assert cfg.runtime.weight_transport != "broadcast", recipe.name
+            assert cfg.runtime.weight_transport == "cuda_ipc", recipe.name
         else:
             assert cfg.runtime.weight_transport == "broadcast", recipe.name
         assert "NOTHING OF THIS RECIPE HAS RUN ON A GPU" in recipe.read_text(), recipe.name

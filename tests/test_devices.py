@@ -110,14 +110,20 @@ def test_the_model_config_carries_device_and_dtype():
 
 def test_cuda_ipc_weights_need_the_trainer_on_a_gpu_and_an_async_local_run(two_fake_gpus):
     """runtime.weight_transport=cuda_ipc maps the trainer's GPU memory in the engine's process: a CPU trainer, a sync
-    run (one shared model) and a Ray run (weights through the object store or a broadcast) are refused, naming the
-    field."""
+    run (one shared model) and a Ray run without colocated vLLM engine actors (weights through the object store or a
+    broadcast; colocated, each trainer rank pushes to the vLLM engine on its GPU) are refused, naming the field."""
     with pytest.raises(DeviceError, match=r"'runtime.weight_transport': cuda_ipc .* trainer.device is cpu"):
         load_checked(None, ["runtime.mode=async", "runtime.weight_transport=cuda_ipc", "trainer.device=cpu"])
     with pytest.raises(ConfigError, match="runtime.weight_transport=cuda_ipc needs runtime.mode=async"):
         load_checked(None, ["runtime.mode=sync", "runtime.weight_transport=cuda_ipc"])
-    with pytest.raises(ConfigError, match="runtime.weight_transport=cuda_ipc is for runtime.backend=local"):
+    with pytest.raises(ConfigError, match="runtime.weight_transport=cuda_ipc on Ray is for colocated engine actors"):
         load_checked(None, ["runtime.mode=async", "runtime.backend=ray", "runtime.weight_transport=cuda_ipc"])
+    colocated = ["runtime.mode=async", "runtime.backend=ray", "runtime.weight_transport=cuda_ipc",
+                 "engine.sleep_while_training=true", "ray.engine.count=1", "ray.engine.num_gpus=0.5",
+                 "ray.trainer.num_gpus=0.5"]
+    with pytest.raises(ConfigError, match="cuda_ipc on Ray needs engine.kind=vllm in process"):
+        load_checked(None, colocated)  # the built-in engine: nothing maps a bucket
+    assert load_checked(None, [*colocated, "engine.kind=vllm"]).runtime.weight_transport == "cuda_ipc"
     cfg = load_checked(None, ["runtime.mode=async", "runtime.weight_transport=cuda_ipc", "trainer.device=cuda:0",
                              "model.device=cuda:0"])
     assert cfg.runtime.weight_transport == "cuda_ipc"

@@ -74,8 +74,8 @@ def test_gpu_smoke_runs_every_part_with_carried_wheels(tmp_path):
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["device"] == "cpu"
     assert {w.split("-")[0] for w in result["carried_wheels"]} == set(CARRIED)
-    assert [k for k in result if len(k) == 1] == list("vabcdefgho")  # vLLM's part first
-    for part in "vabcdefgho":
+    assert [k for k in result if len(k) == 1] == list("vabcdefpgho")  # vLLM's part first
+    for part in "vabcdefpgho":
         assert "error" not in result[part] and result[part]["ok"], (part, result[part])
     if importlib.util.find_spec("vllm") is None:  # .venv: one clear line, and nothing else of part v
         assert set(result["v"]) == {"skipped", "ok", "part_s"}, result["v"]
@@ -90,6 +90,8 @@ def test_gpu_smoke_runs_every_part_with_carried_wheels(tmp_path):
     assert g["equal"] and g["tensors"] > 0, g
     assert h["broadcast"]["v1"]["equal"] and h["broadcast"]["v2"]["equal"], h  # the receiver got both versions
     assert result["f"]["skipped"] == "CUDA IPC needs a GPU"
+    p = result["p"]  # the colocated route's buffer, in its shared-memory form: every bucket read back equal
+    assert p["kind"] == "shm" and p["buckets"] > 1, p
 
 
 def test_gpu_smoke_part_h_holds_one_snapshot_one_bucket_and_chunked_checksums_by_its_own_count(tmp_path):

@@ -91,9 +91,16 @@ class RunConfig(Section):
         """runtime.weight_transport against the backend and the engine that receive it."""
         transport, kind = self.runtime.weight_transport, self.engine.kind
         ray = self.runtime.backend == "ray"
-        if transport == "cuda_ipc" and ray:
-            raise ValueError("runtime.weight_transport=cuda_ipc is for runtime.backend=local (a trainer process on the "
-                             "engine's GPU); Ray runs send the weights through Ray's object store, or broadcast them")
+        if transport == "cuda_ipc" and ray and not (self.engine.sleep_while_training and self.ray.engine.count):
+            raise ValueError("runtime.weight_transport=cuda_ipc on Ray is for colocated engine actors (engine."
+                             "sleep_while_training with ray.engine.count > 0: each trainer rank pushes a version to the "
+                             "engine on its GPU); otherwise Ray runs send the weights through Ray's object store, or "
+                             "broadcast them")
+        if transport == "cuda_ipc" and ray and (kind != "vllm" or self.engine.vllm.base_url
+                                                or self.engine.vllm.tensor_parallel_size != 1):
+            raise ValueError("runtime.weight_transport=cuda_ipc on Ray needs engine.kind=vllm in process (no "
+                             "engine.vllm.base_url) with engine.vllm.tensor_parallel_size=1: the trainer rank's buffer "
+                             "is mapped by the one vLLM worker on its GPU")
         if transport == "broadcast" and ray and not self.ray.engine.count:
             raise ValueError("runtime.weight_transport=broadcast on Ray needs engine actors (ray.engine.count > 0), "
                              "whose processes join the trainer actor's process group")

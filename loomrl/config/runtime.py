@@ -29,10 +29,12 @@ class RuntimeConfig(Section):
     weight_transport: Literal["shm", "file", "queue", "cuda_ipc", "broadcast"] = "shm"
     """async (local): how new weights go from the trainer process to the engine (weights/; benchmarks/weight_sync.py:
     shm ~6x faster than pickling through the queue for SmolLM2-135M). engine.kind=vllm reads shm in its worker process.
-    cuda_ipc: trainer and engine on one GPU, the weights never leave it broadcast: over a process group of the trainer
-    and the engine's workers (engine.kind=vllm in process, or sglang; NCCL between GPUs); on Ray (the only transport
-    there besides Ray's object store, the default) from the trainer actor to the engine actors (ray.engine.count > 0;
-    any engine kind; an engine actor that dies stops it)"""
+    cuda_ipc: trainer and engine on one GPU, the weights never leave it; on Ray, colocated (engine.sleep_while_training
+    with vLLM engine actors), each trainer rank pushes each version to the engine on its GPU a bucket at a time through
+    one reused buffer (a shared-memory one on a CPU trainer; an engine actor that dies stops the run). broadcast: over
+    a process group of the trainer and the engine's workers (engine.kind=vllm in process, or sglang; NCCL between
+    GPUs); on Ray from the trainer actor to the engine actors (ray.engine.count > 0; any engine kind; an engine actor
+    that dies stops it). On Ray without either: Ray's object store"""
     broadcast_host: str = "127.0.0.1"
     """broadcast, local: the address the engine's workers reach the trainer process at (Ray: the trainer's node's)"""
     max_trainer_restarts: int = Field(5, ge=0)

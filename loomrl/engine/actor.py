@@ -27,11 +27,20 @@ import torch
 
 from loomrl.actor_support import Placed
 from loomrl.config import RunConfig
-from loomrl.engine.base import Engine, EngineFault, EngineMetrics, GenerationRequest, GenerationResult, TakesTensors
+from loomrl.engine.base import (
+    Engine,
+    EngineFault,
+    EngineMetrics,
+    GenerationRequest,
+    GenerationResult,
+    StreamsBuckets,
+    TakesTensors,
+)
 from loomrl.engine.factory import make_engine
 from loomrl.engine.readings import Reading, read_engine
 from loomrl.errors import error_line
 from loomrl.model.loader import load_engine_model
+from loomrl.weights.bucket import BucketRef
 from loomrl.weights.fingerprint import Fingerprint, confirm_weights, fingerprint_of
 from loomrl.weights.group import Receiver, with_rank_offset
 from loomrl.weights.handle import Transport, WeightHandle
@@ -146,9 +155,32 @@ class EngineActor(Placed):
         newest): an update sent while Ray was restarting this actor can fail after the fresh one read the board,
         and the engine would then serve an older version under newer dispatches (stale at consumption)."""
         await self.gate.settled()
-        # (a broadcast was sent once: it cannot be received again; with it, engine actors are not restarted)
-        if latest is not None and latest.transport is not Transport.BROADCAST and self.engine.version < latest.version:
+        # (a broadcast or a streamed version was sent once: it cannot be received again; with them, engine actors are
+        # not restarted)
+        once = (Transport.BROADCAST, Transport.CUDA_IPC)
+        if latest is not None and latest.transport not in once and self.engine.version < latest.version:
             await self.gate.load(latest)
+
+    async def open_buckets(self, version: int, shapes: dict[str, list[int]]) -> None:
+        """The colocated trainer rank's streamed version (trainer/push.py): StreamsBuckets.open_buckets."""
+        await asyncio.to_thread(self._streams().open_buckets, version, shapes)
+
+    async def load_bucket(self, ref: BucketRef) -> None:
+        await asyncio.to_thread(self._streams().load_bucket, ref)
+
+    async def close_buckets(self, version: int, expected: Fingerprint | None, failed: str = "") -> dict[str, float]:
+        """The version complete (or, `failed`, abandoned: the update fails), then confirmed against `expected`, the
+        pushing rank's fingerprint; its timing."""
+        await asyncio.to_thread(self._streams().close_buckets, failed)
+        t0 = time.perf_counter()
+        checked = await asyncio.to_thread(confirm_weights, self.engine, self.gate.label, version, expected)
+        return {"version": version, "confirm_s": time.perf_counter() - t0, "fingerprinted": checked}
+
+    def _streams(self) -> StreamsBuckets:
+        if not isinstance(self.engine, StreamsBuckets):
+            raise EngineFault(f"{self.gate.label} does not load a version bucket by bucket (runtime.weight_transport="
+                              "cuda_ipc on Ray needs engine.kind=vllm in process)")
+        return self.engine
 
     def interrupt(self) -> None:
         self.engine.interrupt()

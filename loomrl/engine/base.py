@@ -8,10 +8,12 @@ declares everything the runtime, the gateway and the server call on an engine: n
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from loomrl.weights.bucket import BucketRef
     from loomrl.weights.fingerprint import Fingerprint
     from loomrl.weights.handle import Transport, WeightHandle
 
@@ -214,3 +216,24 @@ async def generate_resuming(engine: Engine, prompt_ids: list[int], params: Sampl
                 continue
             out.finish_reason = "length"
         return out, resumed
+
+
+class StreamsBuckets(ABC):
+    """An engine that loads a version a bucket at a time from a colocated trainer's reused buffer (weights/bucket.py;
+    runtime.weight_transport=cuda_ipc on Ray with engine.sleep_while_training): in-process vLLM. The trainer rank on
+    the engine's GPU opens the update, hands each bucket (returning once it is loaded: the buffer is then free), and
+    closes it; the K/V cache stays asleep (the trainer still holds its state on the GPU) until the run's wake."""
+
+    @abstractmethod
+    def open_buckets(self, version: int, shapes: dict[str, list[int]]) -> None:
+        """Start loading `version`, whose tensors (all of them, in the buckets to come) have `shapes`: checked against
+        the served model first, as update_weights checks them; the weights' memory is taken back if it sleeps."""
+
+    @abstractmethod
+    def load_bucket(self, ref: BucketRef) -> None:
+        """Load one bucket; returns once it is in (the trainer may overwrite its buffer)."""
+
+    @abstractmethod
+    def close_buckets(self, failed: str = "") -> None:
+        """The version is complete: the update finishes and the engine serves it once it wakes. `failed`: the trainer
+        could not send it all (why): the update fails, and the engine refuses requests until a whole one loads."""

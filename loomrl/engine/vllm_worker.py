@@ -8,7 +8,9 @@ Worker.load_model create an InlineWeightEngine. AsyncLLM.update_weights hands it
 - shm: the name and version of a trainer's shared-memory segment (runtime.weight_transport=shm), read here, in the
   worker, through views of the mapping: the tensors cross no socket;
 - cuda_ipc: the trainer's CUDA IPC handles (runtime.weight_transport=cuda_ipc, pickled: msgpack cannot carry torch's
-  rebuild arguments), mapped on this worker's GPU, as vLLM's own "ipc" engine does;
+  rebuild arguments), mapped on this worker's GPU, as vLLM's own "ipc" engine does; or, colocated on Ray, one bucket of
+  a version streamed through the trainer rank's reused buffer (weights/bucket.py: one handle per buffer, mapped once;
+  its shared-memory form arrives as an shm segment), loaded as copies (`copy`);
 - broadcast: the group's address and the version's layout; the worker joins the trainer's process group (its
   engine's first rank + its tensor-parallel rank) on the first such update and receives the buckets the trainer
   broadcasts (weights/group.py: gloo here, NCCL on GPUs), as vLLM's own "nccl" engine does; a sharded trainer's sums
@@ -60,7 +62,7 @@ from loomrl.errors import named_line
 from loomrl.weights.fingerprint import TensorSum, tensor_sum
 from loomrl.weights.group import Receiver
 from loomrl.weights.handle import Transport, WeightHandle
-from loomrl.weights.ipc import ipc_tensors
+from loomrl.weights.ipc import flat_views, ipc_tensors, mapped_buffer
 from loomrl.weights.shm import shm_views
 
 BACKEND = "loomrl_inline"
@@ -85,7 +87,11 @@ class InlineUpdate(WeightTransferUpdateInfo):
     segment: str = ""  # shm: the segment to read the tensors `names` from (dtypes, shapes and blobs stay empty)
     # shm, cuda_ipc and broadcast: `names` are the tensors the adapter checked (tied aliases left out), loaded alone
     version: int = -1  # shm: the version the segment must hold; broadcast: the version received
-    ipc: str = ""  # cuda_ipc: base64 of the pickled ipc_payload (weights/ipc.py)
+    ipc: str = ""  # cuda_ipc: base64 of the pickled ipc_payload, or of a streamed bucket's flat payload (weights/ipc.py)
+    # a streamed bucket (weights/bucket.py): its memory is rewritten with the next bucket once this call returns, and
+    # vLLM's layerwise reload keeps the tensors it is given until their layer is complete (possibly a later bucket,
+    # or finish_weight_update): they are loaded as copies, as vLLM's own packed IPC consumer does
+    copy: bool = False
     broadcast: dict[str, Any] | None = None  # broadcast: the group's address and the version's names, dtypes, shapes
     # A test-only seam (VLLMEngine.skip_loading; empty in runs): names received but not loaded, a load that misses a
     # tensor, so that tests prove the fingerprint check catches one without patching vLLM
@@ -115,6 +121,9 @@ class InlineWeightEngine(WeightTransferEngine[InlineInit, InlineUpdate]):
 
     def init_transfer_engine(self, init_info: InlineInit) -> None:
         self.receiver = Receiver()  # broadcast: joins the trainer's group when a handle first names it
+        # a streamed version's buffer, mapped once per allocation (its buffer_id) and dropped when the update
+        # finishes: each IPC export is matched by one rebuild (weights/ipc.py export_buffer)
+        self.mapped: tuple[str, torch.Tensor] | None = None
 
     def start_weight_update(self) -> None:
         initialize_layerwise_reload(self.model)
@@ -130,7 +139,7 @@ class InlineWeightEngine(WeightTransferEngine[InlineInit, InlineUpdate]):
                 with shm_views(WeightHandle(transport=Transport.SHM, version=update_info.version, nbytes=0,
                                             location=update_info.segment)) as views:
                     # vLLM's loaders copy (and cast) out of the views; `names`: those the adapter checked
-                    self._load([(n, views[n]) for n in update_info.names], update_info.skip)
+                    self._load([(n, _owned(views[n], update_info.copy)) for n in update_info.names], update_info.skip)
             elif update_info.broadcast is not None:
                 # the engine's first rank + this worker's tensor-parallel rank; joined on the first handle naming it
                 group = self.receiver.group_for(update_info.broadcast["group"],
@@ -143,18 +152,26 @@ class InlineWeightEngine(WeightTransferEngine[InlineInit, InlineUpdate]):
                 _FOLLOWED.version, _FOLLOWED.sums = update_info.version, group.receive_sums(update_info.broadcast)
             elif update_info.ipc:
                 payload = pickle.loads(base64.b64decode(update_info.ipc))  # noqa: S301 - our trainer's, same machine
-                mapped = ipc_tensors(payload, self.device.index)
-                self._load([(n, mapped[n]) for n in update_info.names], update_info.skip)
+                mapped = self._flat(payload) if "buffer" in payload else ipc_tensors(payload, self.device.index)
+                self._load([(n, _owned(mapped[n], update_info.copy)) for n in update_info.names], update_info.skip)
             else:
                 self._load(from_wire(update_info), update_info.skip)
         except BaseException:
+            self.mapped = None
             finalize_layerwise_reload(self.model, self.model_config)  # no layer left half-way in the reload
             raise
+
+    def _flat(self, payload: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """A streamed bucket's tensors in the trainer's buffer, mapped once per buffer (self.mapped)."""
+        if self.mapped is None or self.mapped[0] != payload["buffer_id"]:
+            self.mapped = (payload["buffer_id"], mapped_buffer(payload, self.device.index))
+        return flat_views(self.mapped[1], payload["entries"])
 
     def _load(self, named: list[tuple[str, torch.Tensor]], skip: list[str]) -> None:
         self.model.load_weights([(n, t) for n, t in named if n not in skip] if skip else named)
 
     def finish_weight_update(self) -> None:
+        self.mapped = None  # the trainer frees its buffer after the version (weights/ipc.py CudaBucketBuffer.close)
         finalize_layerwise_reload(self.model, self.model_config)
         lm_head = getattr(self.model, "lm_head", None)
         if lm_head is not None and getattr(self.model_config.hf_config, "tie_word_embeddings", False):
@@ -197,6 +214,10 @@ class WorkerExtension:
         if _FOLLOWED.version != version:
             return {}
         return {n: [s.dtype, list(s.shape), s.sum, s.weighted] for n, s in _FOLLOWED.sums.items()}
+
+
+def _owned(t: torch.Tensor, copy: bool) -> torch.Tensor:
+    return t.clone() if copy else t
 
 
 def readable(params: dict[str, torch.Tensor], name: str, dtype: torch.dtype, shape: tuple[int, ...],

@@ -1,6 +1,7 @@
 """The Ray parts (runtime.backend=ray): ActorRollouts (rollout actors, each an engine + agent loops, and optionally
 reward, env and engine actors), ActorTrainer (trainer actors: rank 0 and, with trainer.world_size > 1, the other
-data-parallel ranks) and a weight route (ObjectStoreRoute, or BroadcastRoute with runtime.weight_transport=broadcast),
+data-parallel ranks) and a weight route (ObjectStoreRoute; BroadcastRoute with runtime.weight_transport=broadcast;
+StreamedRoute with runtime.weight_transport=cuda_ipc, colocated),
 each actor placed by its own resources across a Ray cluster; RayCluster is what they share (the connection, the
 placement, the latest published version). The driver (runtime/driver.py) decides what runs and what a failure means;
 these parts place actors, move groups and weights (transport "ray": the trainer returns its weights, so the object
@@ -15,8 +16,9 @@ belongs to the driver and outlives a trainer that dies), and replace what died:
   env_error (agent.retry_on runs them again).
 - an engine actor dies (ray.engine.count > 0): Ray restarts it; it loads the latest published weights
   (engine/actor.py WeightBoard) before serving, and the requests it was running end engine_error. Not with
-  runtime.weight_transport=broadcast (each version goes once over the trainer actor's group): the run stops
-  (EngineLost: the driver stops it) and --resume continues it.
+  runtime.weight_transport=broadcast or cuda_ipc (each version goes once: over the trainer actor's group, or from
+  each trainer rank to the engine on its GPU): the run stops (EngineLost: the driver stops it) and --resume continues
+  it.
 - a trainer actor dies (any rank): TrainerLost; the driver has fresh ones made from the run folder's
   latest checkpoint (which must be on a filesystem every node sees).
 
@@ -64,7 +66,7 @@ from loomrl.trainer.actor import TrainerActor, TrainerRankActor
 from loomrl.trainer.ranks import RankLost
 from loomrl.trainer.service import PositionSet
 from loomrl.types import Evaluation, Trajectory
-from loomrl.weights.handle import BroadcastFailed, Transport, WeightHandle
+from loomrl.weights.handle import Transport, VersionNotDelivered, WeightHandle
 
 log = logging.getLogger("loomrl")
 
@@ -272,13 +274,21 @@ class RayCluster:
             self.ray.shutdown()
 
 
-def engine_lost(why: object) -> EngineLost:
-    """An engine actor died with runtime.weight_transport=broadcast. `why`: Ray's error (its first line is said) or a
-    sentence."""
-    return EngineLost("an engine actor died, and with runtime.weight_transport=broadcast no fresh one can "
-                      "get the run's current weights (each version is broadcast once, to a group of fixed members): "
+def engine_lost(why: object, transport: str = "broadcast") -> EngineLost:
+    """An engine actor died with a route that sends each version once (runtime.weight_transport=broadcast or
+    cuda_ipc). `why`: Ray's error (its first line is said) or a sentence."""
+    how = ("broadcast once, to a group of fixed members" if transport == "broadcast" else
+           "pushed once, by the trainer rank on its GPU")
+    return EngineLost(f"an engine actor died, and with runtime.weight_transport={transport} no fresh one can "
+                      f"get the run's current weights (each version is {how}): "
                       f"{error_line(str(why))}; continue with --resume, or use the default transport (Ray's "
                       "object store), with which engine actors survive restarts")
+
+
+def sends_once(cfg: RunConfig) -> bool:
+    """Whether each version goes to the engine actors once (broadcast; cuda_ipc, pushed by the colocated ranks): an
+    engine actor that dies cannot get it again, so engine actors are not restarted."""
+    return cfg.runtime.weight_transport in ("broadcast", "cuda_ipc")
 
 
 class ActorRollouts(Rollouts):
@@ -296,8 +306,8 @@ class ActorRollouts(Rollouts):
         self.owners = 0  # rollout actors made so far
         self.reclaims: list[Any] = []  # release_owner calls: sandboxes of dead rollout actors reclaimed
         self.rollout_restarts = 0
-        # each version goes once over the trainer actor's group: an engine actor that dies then stops the run
-        self.broadcast = self.cfg.runtime.weight_transport == "broadcast"
+        # each version goes once (sends_once): an engine actor that dies then stops the run
+        self.once = sends_once(self.cfg)
         # the reward pools' counters (an LLM judge's: judge/*), which live in the actors that score, and the engines'
         # (engine/readings.py), which live in the engine actors, else the rollout actors: asked at each step, read at
         # a later one (never waited on); the last reading per actor, for the change since
@@ -354,7 +364,7 @@ class ActorRollouts(Rollouts):
             if cluster.colocated:
                 await cluster.reserve_trainer()
             self.engines = [cluster.actor(EngineActor, r.engine, max_concurrency=1000,
-                                          max_restarts=0 if self.broadcast else r.engine.max_restarts,
+                                          max_restarts=0 if self.once else r.engine.max_restarts,
                                           **cluster.trainer_options(i)).remote(cluster.cfg_json, self.board, i)
                             for i in range(r.engine.count)]
             if cluster.colocated:
@@ -417,13 +427,13 @@ class ActorRollouts(Rollouts):
         if slot.engine is None:
             return
         latest, timeout_s = self.cluster.weights, self.cfg.ray.placement_timeout_s
-        if not self.broadcast:
+        if not self.once:
             await result_or(slot.engine.catch_up.remote(latest), timeout_s, None)
             return
         try:
             await asyncio.wait_for(slot.engine.catch_up.remote(latest), timeout_s)
         except self.ray.exceptions.RayActorError as err:
-            raise engine_lost(err) from None
+            raise engine_lost(err, self.cfg.runtime.weight_transport) from None
 
     async def evaluate(self, label: str) -> Evaluation:
         slot = self.workers[0]
@@ -531,8 +541,10 @@ class ActorTrainer(Trainer):
         self.cluster, self.cfg, self.ray, self.rollouts = cluster, cluster.cfg, cluster.ray, rollouts
         self.trainer: Any = None  # rank 0
         self.trainer_ranks: list[Any] = []  # ranks 1.. (trainer.world_size > 1)
-        self.step_weights: Any = None  # ObjectRef of the trainer's newest weights, not yet published
+        # ObjectRef of the trainer's newest weights, not yet published (cuda_ipc: of its PushReport, already pushed)
+        self.step_weights: Any = None
         self.broadcast = self.cfg.runtime.weight_transport == "broadcast"
+        self.streamed = self.cfg.runtime.weight_transport == "cuda_ipc"  # colocated: pushed by the ranks in the step
 
     def actor(self) -> Any:
         """Rank 0's actor (start() makes it)."""
@@ -567,7 +579,14 @@ class ActorTrainer(Trainer):
             except self.ray.exceptions.RayError as err:  # a follower died or failed while joining
                 raise TrainerLost(f"a trainer rank failed to start: {failure_line(err)}") from None
         version, state, metrics = await self.call(trainer.state.remote())
-        if not self.broadcast:
+        if self.streamed:  # rank i pushes to engine actor i (the same bundle: the same GPU), the start's version first
+            engines = self.rollouts.engines
+            await self.call(trainer.attach_engine.remote(engines[0]))
+            await asyncio.gather(*(self.call(f.attach_engine.remote(engines[rank], rank))
+                                   for rank, f in enumerate(self.trainer_ranks, start=1)))
+            self.step_weights = trainer.push_start.remote()
+            await self.settled_push()
+        elif not self.broadcast:
             self.step_weights = trainer.weights.remote()  # what publish(version) sends first
             if cluster.colocated:  # its state is in host memory once this is made: only then may the engines wake
                 await asyncio.to_thread(self.ray.wait, [self.step_weights], fetch_local=False)
@@ -582,6 +601,25 @@ class ActorTrainer(Trainer):
                 trainer_ranks=[node for node, _ in await cluster.where(self.trainer_ranks)],
                 rollout=[node for node, _ in await cluster.where([s.handle for s in self.rollouts.workers])])
         return TrainerState(version, PositionSet(**state), metrics)
+
+    async def settled_push(self) -> None:
+        """cuda_ipc: the last push answered (its state is in host memory after it: only then may the engines wake);
+        an engine that failed it is EngineLost."""
+        try:
+            await self.call(self.step_weights)
+        except self.ray.exceptions.RayTaskError as err:
+            raise await self._not_delivered(err) from None
+
+    async def _not_delivered(self, err: Any) -> BaseException:
+        """What a step or push that raised `err` means: a version sent once that missed an engine (an engine died,
+        or failed to load it) is EngineLost; anything else is the trainer's own error, raised as it came."""
+        if not isinstance(err.cause, VersionNotDelivered):
+            return err
+        # the last version did not reach every engine actor: one that died is the usual cause
+        alive = [await result_or(engine.info.remote(), 30, None) is not None for engine in self.rollouts.engines]
+        if not all(alive):
+            return engine_lost(f"engine actor {alive.index(False)} is gone", self.cfg.runtime.weight_transport)
+        return EngineLost(str(err.cause))
 
     def stop(self) -> None:
         for actor in [self.trainer, *self.trainer_ranks]:
@@ -601,13 +639,7 @@ class ActorTrainer(Trainer):
         try:
             metrics = await self.call(metrics_ref)
         except self.ray.exceptions.RayTaskError as err:
-            if not isinstance(err.cause, BroadcastFailed):
-                raise
-            # the last version did not reach every engine actor: one that died is the usual cause
-            alive = [await result_or(engine.info.remote(), 30, None) is not None for engine in self.rollouts.engines]
-            if not all(alive):
-                raise engine_lost(f"engine actor {alive.index(False)} is gone") from None
-            raise EngineLost(str(err.cause)) from None
+            raise await self._not_delivered(err) from None
         if metrics is not None:
             self.step_weights = weights_ref  # that step's weights, whatever the trainer does next
         return metrics
@@ -709,10 +741,40 @@ class BroadcastRoute(ActorRoute):
         super().load_failed(err, sender)
 
 
+class StreamedRoute(WeightRoute):
+    """runtime.weight_transport=cuda_ipc, colocated: every trainer rank pushed the version to the engine actor on its
+    GPU a bucket at a time within the step (trainer/push.py), before its state left the GPU; here only the reports of
+    those pushes are read. Nothing is held to send again: an engine actor that dies stops the run (engine_lost)."""
+
+    def __init__(self, cluster: RayCluster, rollouts: ActorRollouts, trainer: ActorTrainer):
+        self.cluster, self.ray, self.trainer = cluster, cluster.ray, trainer
+
+    async def publish(self, version: int) -> None:
+        # the version is in every engine already (the step or the start answered only after the pushes)
+        self.cluster.weights = WeightHandle(transport=Transport.CUDA_IPC, version=version, nbytes=0)
+        self.cluster.syncs.append(self.trainer.step_weights)
+
+    async def settle(self, timeout_s: float) -> None:
+        """Nothing travels after publish."""
+
+    def step_metrics(self) -> dict[str, float]:
+        """Rank 0's pushes since the last step (each rank pushes the same bytes to its own engine)."""
+        reports, self.cluster.syncs = self.ray.get(self.cluster.syncs), []
+        if not reports:
+            return {}
+        last = reports[-1]
+        return {"weight_sync/push_s": max(r.push_s for r in reports),
+                "weight_sync/confirm_s": max(r.confirm_s for r in reports),
+                "weight_sync/fingerprinted": float(min(r.fingerprinted for r in reports)),
+                "weight_sync/buckets": float(last.buckets), "weight_sync/bytes": float(last.bytes),
+                "weight_sync/buffer_bytes": float(last.buffer_bytes), "weight_sync/transfers": float(len(reports))}
+
+
 def ray_parts(cfg: RunConfig) -> Parts:
     """The Ray run's parts: actor rollouts, actor trainer, and the route runtime.weight_transport names."""
     cluster = RayCluster(cfg)
     rollouts = ActorRollouts(cluster)
     trainer = ActorTrainer(cluster, rollouts)
-    route = BroadcastRoute if cfg.runtime.weight_transport == "broadcast" else ObjectStoreRoute
+    route = {"broadcast": BroadcastRoute, "cuda_ipc": StreamedRoute}.get(cfg.runtime.weight_transport,
+                                                                         ObjectStoreRoute)
     return Parts(rollouts, trainer, route(cluster, rollouts, trainer))

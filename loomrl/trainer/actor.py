@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -13,13 +14,29 @@ from loomrl.config import RunConfig
 from loomrl.devices import trainer_device
 from loomrl.errors import error_line
 from loomrl.trainer.checkpoint import latest_checkpoint
+from loomrl.trainer.distributed import Gather
+from loomrl.trainer.offload import drop_gradients
 from loomrl.trainer.process import colocated_step, run_publisher
-from loomrl.trainer.ranks import Follower, RankGroup, RankLost, RankReport, RankWork
+from loomrl.trainer.push import EnginePusher, PushReport, bucket_buffer
+from loomrl.trainer.ranks import Follower, Push, RankGroup, RankLost, RankReport, RankWork
 from loomrl.trainer.service import TrainerService
 from loomrl.types import Trajectory
 from loomrl.weights.handle import WeightHandle, WeightPublisher
 from loomrl.weights.route import serving_dtype
-from loomrl.weights.source import host_copy
+from loomrl.weights.source import dtype_name, host_copy
+
+log = logging.getLogger(__name__)
+
+
+def engine_pusher(cfg: RunConfig, engine: Any, rank: int) -> EnginePusher:
+    """runtime.weight_transport=cuda_ipc on Ray (colocated): trainer rank `rank`'s pusher to `engine`, the engine actor
+    on its GPU; a CUDA IPC buffer on a GPU, a shared-memory one on a CPU (said once: the tests' form of the route)."""
+    device = trainer_device(cfg.trainer)
+    if device.type != "cuda" and rank == 0:
+        log.warning("runtime.weight_transport=cuda_ipc with the trainer on %s: each bucket goes through a shared-memory "
+                    "segment instead of GPU memory (the same route, as the tests run it)", device)
+    return EnginePusher(engine, bucket_buffer(device), timeout_s=cfg.engine.vllm.update_timeout_s,
+                        label=f"engine actor {rank}")
 
 
 class TrainerActor(Placed):
@@ -33,12 +50,18 @@ class TrainerActor(Placed):
         # trainer.distributed: built once the ranks joined (join_ranks), sharded ranks shard it as they build it
         self.service: TrainerService | None = (
             None if cfg.trainer.distributed else TrainerService.from_run(cfg, extra, self.ckpt))
+        self.pusher: EnginePusher | None = None  # runtime.weight_transport=cuda_ipc: the engine on this GPU (attach)
         self.publisher: WeightPublisher | None = None  # runtime.weight_transport=broadcast: this actor's group
         if cfg.runtime.weight_transport == "broadcast":
             import ray
 
             # the engine actors' processes reach it at this node's address (a new trainer actor is a new group)
             self.publisher = run_publisher(cfg, engines=cfg.ray.engine.count, host=ray.util.get_node_ip_address())
+
+    def attach_engine(self, engine: Any) -> None:
+        """runtime.weight_transport=cuda_ipc (colocated): `engine`, the engine actor on this rank's GPU, which every
+        version is pushed to a bucket at a time (trainer/push.py)."""
+        self.pusher = engine_pusher(self.cfg, engine, 0)
 
     def rendezvous(self) -> tuple[str, int, str | None]:
         """Where the other ranks meet this one (this node's address, a free port) and the checkpoint
@@ -67,10 +90,11 @@ class TrainerActor(Placed):
         """Whether a step's groups are buffered (step would train)."""
         return self._trainer().has_step()
 
-    def step(self) -> tuple[dict[str, Any] | None, dict[str, torch.Tensor] | None]:
+    def step(self) -> tuple[dict[str, Any] | None, dict[str, torch.Tensor] | PushReport | None]:
         """One training step when a step's groups are buffered (and the run is not done): its metrics
         and the new weights (called with num_returns=2, so that the weights stay in the object store,
-        owned by the caller, for the rollout actors to fetch); else (None, None)."""
+        owned by the caller, for the rollout actors to fetch), or with runtime.weight_transport=cuda_ipc the report
+        of the ranks' pushes to their engines (made within the step); else (None, None)."""
         if not self._trainer().has_step():
             return None, None
         if self.publisher is not None:  # broadcast: the engines have received the last version before it changes
@@ -79,7 +103,25 @@ class TrainerActor(Placed):
         if not self.cfg.engine.sleep_while_training:
             return self._trainer().train_step(), self.weights()
         # colocated (trainer/offload.py): the engines sleep through this call; the state is on the GPU only for it
-        return colocated_step(self._trainer(), self._host_weights)
+        return colocated_step(self._trainer(), self._push if self.pusher is not None else self._host_weights)
+
+    def push_start(self) -> PushReport:
+        """runtime.weight_transport=cuda_ipc: the start's version pushed to the engines, then the trainer's state sent
+        to host memory, before any engine wakes."""
+        report = self._push()
+        self._trainer().offload()
+        return report
+
+    def _push(self) -> PushReport:
+        """The current version, pushed by every rank to the engine on its GPU (runtime.weight_transport=cuda_ipc)."""
+        service, pusher = self._trainer(), self.pusher
+        if pusher is None:
+            raise RuntimeError("TrainerActor: no engine attached (runtime.weight_transport=cuda_ipc: attach_engine)")
+        dtype, bucket_bytes = serving_dtype(self.cfg), self.cfg.engine.vllm.weight_bucket_bytes
+        drop_gradients(service.trainer)  # room for the engine's weights beside the state (the followers drop theirs)
+        if service.ranks is not None:
+            return service.ranks.push(Push(service.version, Gather(dtype_name(dtype), bucket_bytes)), pusher)
+        return pusher.push(service.weight_source(dtype, bucket_bytes), service.version)
 
     def publish(self, version: int) -> WeightHandle:
         """runtime.weight_transport=broadcast: the handle of `version` (the current weights), which this actor goes
@@ -119,6 +161,11 @@ class TrainerRankActor(Placed):
         cfg = RunConfig.model_validate_json(cfg_json)
         torch.set_num_threads(cfg.trainer.threads or max(1, int(cfg.ray.trainer.num_cpus)))  # as reserved
         self.follower = Follower(cfg, Path(ckpt) if ckpt else None)
+        self.cfg = cfg
+
+    def attach_engine(self, engine: Any, rank: int) -> None:
+        """runtime.weight_transport=cuda_ipc (colocated): the engine actor on this rank's GPU (TrainerActor's)."""
+        self.follower.pusher = engine_pusher(self.cfg, engine, rank)
 
     def join(self, rank: int, world_size: int, addr: str, port: int) -> None:
         self.follower.join(rank, world_size, addr, port)

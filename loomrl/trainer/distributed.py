@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor
 from loomrl.collectives import bounded_nccl
 from loomrl.trainer.trainer import StepStats, Trainer
 from loomrl.types import TrainingSample
-from loomrl.weights.source import Entry, TensorSpec, WeightSource
+from loomrl.weights.source import DictSource, Entry, TensorSpec, WeightSource
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -75,20 +75,26 @@ def init_process_group(rank: int, world_size: int, *, master_port: int, master_a
 
 def shard_samples(samples: list[TrainingSample], world_size: int, *,
                   keep_groups: bool = False) -> list[list[TrainingSample]]:
-    """Split a step's samples over ranks, balancing tokens (largest first to the least loaded rank).
+    """Split a step's samples over ranks (`shard_positions`)."""
+    return [[samples[i] for i in shard] for shard in shard_positions(samples, world_size, keep_groups=keep_groups)]
+
+
+def shard_positions(samples: list[TrainingSample], world_size: int, *, keep_groups: bool = False) -> list[list[int]]:
+    """The positions in `samples` each rank trains, balancing tokens (largest first to the least loaded rank).
     `keep_groups`: a group's samples stay on one rank (tree merge then still computes their shared
     prompt once), as long as there are at least as many groups as ranks. With fewer samples than
     ranks some shards are empty; those ranks still take the step (DataParallelTrainer)."""
-    by_group: dict[str, list[TrainingSample]] = {}
-    for s in samples:
-        by_group.setdefault(s.group_id, []).append(s)
-    units = list(by_group.values()) if keep_groups and len(by_group) >= world_size else [[s] for s in samples]
-    shards: list[list[TrainingSample]] = [[] for _ in range(world_size)]
+    by_group: dict[str, list[int]] = {}
+    for i, s in enumerate(samples):
+        by_group.setdefault(s.group_id, []).append(i)
+    units = list(by_group.values()) if keep_groups and len(by_group) >= world_size else [[i] for i in
+                                                                                         range(len(samples))]
+    shards: list[list[int]] = [[] for _ in range(world_size)]
     load = [0] * world_size
-    for unit in sorted(units, key=lambda u: sum(len(s.token_ids) for s in u), reverse=True):
-        r = min(range(world_size), key=lambda i: (load[i], len(shards[i]), i))
+    for unit in sorted(units, key=lambda u: sum(len(samples[i].token_ids) for i in u), reverse=True):
+        r = min(range(world_size), key=lambda k: (load[k], len(shards[k]), k))
         shards[r].extend(unit)
-        load[r] += sum(len(s.token_ids) for s in unit)
+        load[r] += sum(len(samples[i].token_ids) for i in unit)
     return shards
 
 
@@ -229,6 +235,16 @@ class DataParallelTrainer:
     def gathered(self, gather: Gather) -> GatheredSource:
         """The model's full parameters as `gather` asks, a bucket at a time (every rank must read it to the end)."""
         return GatheredSource(self.trainer.model, gather, keep=self.rank == 0, pace=self.pace)
+
+    def own_source(self, gather: Gather) -> WeightSource:
+        """The full parameters as `gather` asks, kept on THIS rank (a colocated rank pushes them to the engine on its
+        GPU, trainer/push.py): sharded, gathered by every rank a bucket at a time as `gathered` (every rank must read
+        it to the end); replicated, this rank's own parameters."""
+        if self.trainer.sharded:
+            return GatheredSource(self.trainer.model, gather, keep=True, pace=self.pace)
+        dtype = getattr(torch, gather.dtype) if gather.dtype else None
+        return DictSource({n: p.detach() for n, p in self.trainer.model.named_parameters()
+                           if gather.everything or p.requires_grad}, dtype, gather.bucket_bytes)
 
     def _most(self, n: int) -> int:
         m = torch.tensor([n], dtype=torch.int64, device=self.device)

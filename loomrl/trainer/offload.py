@@ -79,3 +79,11 @@ def onload(trainer: Trainer) -> Moved:
     if trainer.device.type == "cpu":
         return Moved(0, 0.0)
     return move_state(trainer, trainer.device)
+
+
+def drop_gradients(trainer: Trainer) -> None:
+    """The step's gradients dropped and the allocator's cached blocks returned, before a colocated engine takes its
+    weights' memory back on this GPU for the push (trainer/push.py): the next step makes its own gradients."""
+    trainer.optimizer.zero_grad(set_to_none=True)
+    if any(p.device.type == "cuda" for p in trainer.params):
+        torch.cuda.empty_cache()

@@ -50,11 +50,12 @@ from loomrl.trainer.distributed import (
     free_port,
     init_process_group,
     param_checksum,
-    shard_samples,
+    shard_positions,
 )
 from loomrl.trainer.forward import compute_dtype
 from loomrl.trainer.fsdp import fsdp_shard, load_sharded_optimizer, save_sharded_optimizer
-from loomrl.trainer.offload import Moved, offload, onload
+from loomrl.trainer.offload import Moved, drop_gradients, offload, onload
+from loomrl.trainer.push import EnginePusher, PushReport
 from loomrl.trainer.trainer import StepStats, Trainer, initial_policy
 from loomrl.types import TrainingSample
 from loomrl.weights.source import WeightSource
@@ -79,6 +80,15 @@ class RankWork:
     save: str = ""  # instead: write this rank's part of the optimizer state into this folder (sharded ranks)
     gather: Gather | None = None  # instead: take part in gathering the full parameters (sharded ranks: RankGroup.gathered)
     move: str = ""  # instead: "offload" or "onload" this rank's state (colocated engines: trainer/offload.py)
+    push: Push | None = None  # instead: push the full parameters to this rank's engine (trainer/push.py)
+
+
+@dataclass(slots=True, frozen=True)
+class Push:
+    """A version for every colocated rank to push to the engine on its GPU: the parameters as `gather` asks."""
+
+    version: int
+    gather: Gather
 
 
 @dataclass(slots=True)
@@ -116,6 +126,7 @@ class Follower:
         # float32 on trainer.device; before joining, so that a rank that cannot start fails fast
         self.model, _ = load_run_model(cfg.model, ckpt, trainer=cfg.trainer)
         self.dp: DataParallelTrainer | None = None
+        self.pusher: EnginePusher | None = None  # colocated on Ray with a streamed route: this rank's engine
 
     def join(self, rank: int, world_size: int, addr: str, port: int) -> None:
         init_process_group(rank, world_size, master_addr=addr, master_port=port, timeout_s=COLLECTIVE_TIMEOUT_S,
@@ -127,6 +138,11 @@ class Follower:
         if w.gather is not None:
             for _ in self.dp.gathered(w.gather).buckets():  # rank 0 keeps them; this rank only takes part
                 pass
+        elif w.push is not None:
+            if self.pusher is None:
+                raise RuntimeError("trainer rank: asked to push weights without an engine (a colocated Ray run's)")
+            drop_gradients(self.dp.trainer)
+            self.pusher.push(self.dp.own_source(w.push.gather), w.push.version)
         elif w.move:
             (offload if w.move == "offload" else onload)(self.dp.trainer)
         elif w.save:
@@ -159,7 +175,8 @@ class RankGroup(ABC):
     def train_step(self, samples: list[TrainingSample], *, idle_tokens: int, idle_seqs: int,
                    idle_longest: int) -> StepStats:
         assert self.dp is not None, "RankGroup.join first"
-        shards = shard_samples(samples, self.world_size, keep_groups=self.keep_groups)
+        positions = shard_positions(samples, self.world_size, keep_groups=self.keep_groups)
+        shards = [[samples[i] for i in shard] for shard in positions]
         self._send([RankWork(samples=s) for s in shards[1:]])
         try:  # rank 0 carries the step's idle counts; the ranks sum them
             stats = self.dp.train_step(shards[0], idle_tokens=idle_tokens, idle_seqs=idle_seqs,
@@ -172,12 +189,12 @@ class RankGroup(ABC):
             raise RankLost(f"a collective of the data-parallel step failed: {err}") from err
         reports = self._collect()
         self._check(reports)
-        # the per-sample gaps back in the order of `samples` (the shards hold the same objects; a follower's come
-        # in the order of its shard)
-        gap_of = {id(x): g for x, g in zip(shards[0], stats.gaps)}
-        for shard, report in zip(shards[1:], reports):
-            gap_of.update({id(x): g for x, g in zip(shard, report.gaps)})
-        stats.gaps = [gap_of.get(id(x)) for x in samples]
+        # the per-sample gaps back in the order of `samples` (a follower's come in the order of its shard)
+        gaps: list[list[float] | None] = [None] * len(samples)
+        for shard, shard_gaps in zip(positions, [stats.gaps, *(r.gaps for r in reports)]):
+            for i, g in zip(shard, shard_gaps):
+                gaps[i] = g
+        stats.gaps = gaps
         return stats
 
     def skip_step(self) -> None:
@@ -194,6 +211,24 @@ class RankGroup(ABC):
         it on its own thread: settle first)."""
         assert self.dp is not None, "RankGroup.attach first"
         return _RankGathered(self, self.dp.gathered(gather), gather)
+
+    def push(self, push: Push, pusher: EnginePusher) -> PushReport:
+        """Every rank pushes `push`'s version to the engine on its GPU (rank 0 through `pusher`, the followers through
+        their own); sharded ranks gather each bucket together, paced as `gathered` paces them. Rank 0's report."""
+        assert self.dp is not None, "RankGroup.attach first"
+        self._send([RankWork(push=push) for _ in range(self.world_size - 1)])
+        try:
+            report = pusher.push(self.dp.own_source(push.gather), push.version)
+        except RuntimeError as err:
+            # the followers' reports are read (none left for the next call); rank 0's error is the cause: an engine's
+            # (VersionNotDelivered), or a collective's, whose failure the followers then report too
+            with contextlib.suppress(RankLost):
+                self._collect()
+            if not collective_failed(err):
+                raise
+            raise RankLost(f"gathering the parameters from the trainer ranks failed: {err}") from err
+        self._check(self._collect())
+        return report
 
     def offload(self) -> Moved:
         """Every rank's state to host memory, its GPU's cache emptied (a colocated engine wakes on each GPU next);

@@ -32,7 +32,12 @@ class StaleWeights(RuntimeError):
     the newer handle."""
 
 
-class BroadcastFailed(RuntimeError):
+class VersionNotDelivered(RuntimeError):
+    """A version sent once (broadcast, or pushed a bucket at a time: trainer/push.py) did not reach every engine: the
+    run reads it as an engine lost, since that version cannot be sent again."""
+
+
+class BroadcastFailed(VersionNotDelivered):
     """A version's broadcast did not reach every receiver (one died, or never joined) within the timeout."""
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from loomrl.weights.bucket import BucketBuffer, BucketRef
 from loomrl.weights.handle import (
     StaleWeights,
     Transport,
@@ -24,7 +25,7 @@ from loomrl.weights.handle import (
     WeightPublisher,
     copy_into,
 )
-from loomrl.weights.source import WeightSource
+from loomrl.weights.source import Entry, WeightSource, bucket_size
 
 Tensor = torch.Tensor
 
@@ -208,3 +209,63 @@ def load_shm(handle: WeightHandle, into: dict[str, Tensor] | None) -> dict[str, 
         if into is not None:
             return copy_into(into, views)
         return {name: v.clone() for name, v in views.items()}  # owned: the segment is rewritten later
+
+
+class ShmBucketBuffer(BucketBuffer):
+    """The CPU form of the colocated route's buffer (weights/bucket.py): one segment, laid out as the publisher's (a
+    header naming the bucket's tensors and `seq` in place of a version, then the tensors), rewritten for each bucket
+    under an exclusive flock taken without waiting: the reader (shm_views, in the engine's worker) holds a shared one
+    while it copies, and the protocol fills only after it said it was done, so a busy segment is an error, not a wait."""
+
+    kind = Transport.SHM
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._seg: _Segment | None = None
+        self._prefix = f"loomrl-b-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._count = 0
+        self._header_room = 0
+
+    def _grow(self, nbytes: int, plan: list[list[Entry]]) -> None:
+        # the longest header any bucket of the plan needs, with room for a 20-digit seq
+        self._header_room = max(len(self._header(b, 10**19)) for b in plan) if plan else 64
+        self.close()
+        self._count += 1
+        self._seg = _create_segment(f"{self._prefix}-{self._count}", _align(8 + self._header_room) + nbytes)
+
+    @staticmethod
+    def _header(entries: list[Entry], seq: int) -> bytes:
+        tensors = [[e.name, e.dtype, list(e.shape), e.offset] for e in entries]
+        return json.dumps({"magic": _MAGIC, "version": seq, "tensors": tensors}).encode()
+
+    def _fill(self, entries: list[Entry], bucket: list[tuple[str, Tensor]]) -> BucketRef:
+        seg = self._seg
+        assert seg is not None, "ShmBucketBuffer.prepare first"
+        header = self._header(entries, self.seq)
+        if len(header) > self._header_room:
+            raise ValueError("weight sync: a bucket's header is longer than the plan's (prepare with this plan)")
+        try:
+            fcntl.flock(seg.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(f"weight sync: the engine still reads bucket {self.seq - 1} of segment {seg.name} "
+                               "while the trainer fills the next") from None
+        try:
+            tensors = [[e.name, e.dtype, list(e.shape), e.offset] for e in entries]
+            views = _views(seg.mem, _align(8 + self._header_room), tensors)
+            try:
+                with torch.no_grad():
+                    _copy_bucket(views, bucket)
+            finally:
+                views.clear()
+            # the header's length field says where the data starts for the reader: the room, not this header's length
+            seg.mem[8 : 8 + self._header_room] = header.ljust(self._header_room)
+            seg.mem[:8] = self._header_room.to_bytes(8, "little")
+        finally:
+            fcntl.flock(seg.fd, fcntl.LOCK_UN)
+        return BucketRef(kind=self.kind, seq=self.seq, names=[e.name for e in entries],
+                         nbytes=bucket_size(entries), location=seg.name)
+
+    def close(self) -> None:
+        if self._seg is not None:
+            _free(self._seg)
+            self._seg, self.capacity = None, 0

@@ -488,6 +488,38 @@ def test_metrics_budget_and_release(engine):
     engine.release("p0")  # nothing kept per program: a no-op
 
 
+def test_a_version_streamed_a_bucket_at_a_time_through_one_reused_buffer_serves_as_its_tensors_would(engine, models):
+    """The colocated route's engine side (StreamsBuckets; runtime.weight_transport=cuda_ipc on Ray): asleep, the
+    engine opens an update, loads weights A a bucket at a time from one shared-memory segment the writer rewrites for
+    each bucket (the CPU form of the CUDA buffer), every tensor a bucket alone, so that q/k/v_proj and gate/up_proj,
+    which vLLM fuses and its layerwise reload assembles only once a layer is complete, span buckets; the K/V cache
+    stays asleep until the wake. The greedy ids are then the built-in engine's on A: a bucket vLLM kept a view of,
+    read after the buffer was rewritten, would load another tensor's bytes."""
+    from loomrl.weights.shm import ShmBucketBuffer
+    from loomrl.weights.source import DictSource
+
+    a, _, tokenizer = models
+    source = DictSource(dict(a.state_dict()), bucket_bytes=1)  # a bucket per tensor
+    plan = source.plan()
+    version = engine.version + 1
+    buffer = ShmBucketBuffer()
+    buffer.prepare(plan)
+    engine.control_calls.clear()
+    try:
+        engine.sleep()
+        engine.open_buckets(version, {s.name: list(s.shape) for s in source.specs})
+        for entries, bucket in zip(plan, source.buckets(), strict=True):
+            engine.load_bucket(buffer.fill(entries, bucket))
+        engine.close_buckets()
+    finally:
+        buffer.close()
+    assert list(engine.control_calls)[-2:] == ["wake:weights", f"load:{version}"]  # the K/V cache still asleep
+    engine.wake()
+    assert list(engine.control_calls)[-2:] == ["wake:kv_cache", "resume"]
+    got = _check_greedy_as_builtin(engine, a, tokenizer, _prompts(tokenizer))
+    assert all(set(r.versions) == {version} for r in got)
+
+
 def test_on_the_cpu_loomrl_sizes_vllms_kv_cache_from_the_run(fresh):
     """kv_cache_memory_bytes unset (engine/vllm_memory.py): one running sequence (engine.max_batch_size=1) of
     min(max_model_len 512, agent.max_context_tokens 1024) tokens is 16 blocks of 32, and a quarter more is 20, at

@@ -207,3 +207,48 @@ def test_colocated_vllm_engines_sleep_through_each_step_on_their_trainer_ranks_g
     trained = [m for m in read_metrics(cfg.run_dir) if m.get("kind") == "train"]
     assert len(trained) == steps and all("colocate/offload_s" in m and "colocate/onload_s" in m for m in trained)
     assert summary["success_after"] is not None
+
+
+def test_colocated_ranks_push_each_version_to_the_engine_on_their_gpu_a_bucket_at_a_time(cluster, tmp_path):
+    """runtime.weight_transport=cuda_ipc with the colocated recipe's shape (FSDP2 ranks, ray.engine.count ==
+    trainer.world_size == 2): within each step, after training and before its state leaves the device, every trainer
+    rank pushes the version to the engine actor of its bundle a bucket at a time through one reused buffer
+    (trainer/push.py); on the CPU the buffer is a shared-memory segment where a GPU's would be CUDA memory mapped
+    through CUDA IPC (not run here). Nothing goes through Ray's object store. Order: the engines sleep, the step runs
+    and ends with every engine's last call into vLLM its load of the new version (weights awake, K/V cache asleep),
+    the driver's wake then takes the K/V cache back and resumes. Counted: the rank held one bucket's room, not the
+    version (tests/weights/test_bucket_buffer.py counts it exactly), and each version was confirmed by the engine's
+    fingerprint."""
+    steps = 2
+    cfg = _config(tmp_path, cluster, "push", f"trainer.total_steps={steps}", "trainer.world_size=2",
+                  "trainer.parallel=fsdp", "ray.engine.count=2", "ray.engine.num_gpus=0.5",
+                  "ray.trainer.num_gpus=0.5", "engine.sleep_while_training=true", "runtime.weight_transport=cuda_ipc",
+                  f"engine.vllm.weight_bucket_bytes={256 << 10}", "engine.vllm.update_timeout_s=120")
+    calls: list = []
+    vllm_calls: list[list[str]] = []
+    summary = train(cfg, parts=recording(calls, vllm_calls))
+    assert summary["steps"] == steps
+    check_run(cfg.run_dir, summary, steps)
+    placement = summary["ray"]["placement"]
+    assert placement["engine_gpus"] == placement["trainer_gpus"], placement
+    expected = [("sleep", ["sleep:1"] * 2), ("wake", ["resume"] * 2), ("publish", 0)]
+    for v in range(1, steps + 1):
+        expected += [("sleep", ["sleep:2"] * 2), ("train", ["sleep:2"] * 2, [f"load:{v}"] * 2),
+                     ("wake", ["resume"] * 2), ("publish", v)]
+    assert calls == expected, calls
+    first = ["sleep:1", "wake:weights", "load:0", "wake:kv_cache", "resume"]
+    assert len(vllm_calls) == 2  # engine 1 was pushed to by trainer rank 1, engine 0 by rank 0
+    for engine in vllm_calls:
+        assert engine == first + [c for v in range(1, steps + 1)
+                                  for c in ("sleep:2", "wake:weights", f"load:{v}", "wake:kv_cache", "resume")], engine
+    syncs = [m for m in read_metrics(cfg.run_dir) if m.get("kind") == "train" and "weight_sync/push_s" in m]
+    assert len(syncs) == steps, syncs
+    for m in syncs:
+        assert m["weight_sync/buckets"] > 1 and m["weight_sync/fingerprinted"] > 0, m
+        # one bucket's room, not the version's (here the largest bucket is the embedding alone: most of a tiny model)
+        assert m["weight_sync/buffer_bytes"] < m["weight_sync/bytes"], m
+    rows = read_trajectories(cfg.run_dir / "trajectories").to_pylist()
+    assert max(r["policy_version_max"] for r in rows) >= 1  # sampled on pushed weights
+    held_out = read_trajectories(cfg.run_dir / "evaluations" / f"after-step{steps}").to_pylist()
+    sampled = {v for r in held_out for v, m in zip(r["versions"], r["loss_mask"]) if m}
+    assert held_out and sampled == {steps}, sampled

@@ -78,8 +78,10 @@ class RolloutSide:
     async def close(self) -> tuple[dict[str, dict[str, int]], dict[str, float]]:
         """Tear down sandboxes and the engine; returns the episode counts and the env pool's metrics (read
         after the pool closed: they count every instance's teardown)."""
-        await self.worker.aclose()
-        self.engine.close()
+        try:
+            await self.worker.aclose()
+        finally:  # the engine's thread ends before this process does, whatever the pools did
+            self.engine.close()
         return self.worker.rollout_counts(), self.worker.pool_metrics()
 
 

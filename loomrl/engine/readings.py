@@ -6,7 +6,7 @@ same engine, which is what lets the Ray backend pool several engines. Each readi
 its engine started by that engine's own clock, so rates are over each engine's own interval and need no clock shared
 between machines.
 What it is not: a collector (the backends decide when to read: runtime/local.py, runtime/ray_backend.py), or a
-measurement (the engines measure: engine/builtin/scheduler.py, engine/vllm.py).
+measurement (the engines measure: engine/builtin/scheduler.py, engine/vllm/engine.py).
 """
 
 from __future__ import annotations

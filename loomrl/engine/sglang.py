@@ -1,90 +1,25 @@
 """SGLangEngine: the Engine protocol over an SGLang server's native HTTP API (`engine.kind: sglang`).
 
-What it is: a client of a server the user runs (`python -m sglang.launch_server`), which must be started with
-  --enable-priority-scheduling --schedule-low-priority-values-first   (loomrl's order, lowest first; without the
-      second flag set engine.sglang.low_priority_first=false and the adapter sends -priority)
-and must NOT have SGLANG_RETURN_ORIGINAL_LOGPROB set in its environment (with it the returned logprobs are of the
-raw logits, before temperature). Model weights arrive as safetensors folders in engine.sglang.weights_dir, a folder
-the server can read (a shared filesystem; engine.sglang.server_weights_dir if it names it differently).
+What it is: a client of a server the user runs (`python -m sglang.launch_server`, with the flags docs/engines.md
+names), token ids in and out through /generate, weights by a checkpoint folder the server reads, a broadcast over the
+trainer's process group, or CUDA IPC handles. Its contract as SGLang 0.5.23's source has it (the routes, logprobs,
+sleep and wake, weight-update sessions, per-token versions) is in docs/engines.md, 'The SGLang engine's contract';
+the tested range and the torch pairing in engine/sglang_contract.py; its lifecycle (closed state, which aborts are
+its own, the control thread) in engine/adapter.py.
 
 What it is not: tested against a running SGLang. SGLang 0.5 ships GPU builds only; the adapter is tested here
-against a fake server built from SGLang 0.5.23's own request and response types, which checks every request against
-them (tests/engine/test_sglang_engine.py names the files). Nothing has run against a real server yet.
-
-The contract, as SGLang 0.5.23's source has it (engine/sglang_contract.py: the tested range and the torch pairing):
-- /generate {rid, input_ids, sampling_params, return_logprob, logprob_start_len, priority} answers
-  {output_ids, meta_info: {finish_reason: {type: stop|length|abort, ...}, output_token_logprobs: [[logprob,
-  token_id, text], ...], weight_version, cached_tokens, ...}}. no_stop_trim keeps a matched stop token in
-  output_ids (the detokenizer drops it otherwise); the token ids are read from the logprob triples, which are
-  never trimmed, and checked against output_ids where the server sends them. sampling_params also carries the
-  neutral penalties (engine/neutral.py NEUTRAL_PENALTIES: repetition_penalty 1.0, frequency and presence_penalty 0,
-  min_p 0): a field left unset takes the server's --preferred-sampling-params (often a model's generation_config, e.g.
-  Qwen's repetition_penalty 1.05), which would reshape a distribution the trainer does not model.
-- Logprobs (layers/sampler.py) are log softmax(logits / T), the temperature-scaled distribution, taken before
-  top-k/top-p truncation; greedy requests (T = 0) get log softmax(logits). They equal the distribution sampled
-  from when top_p = 1 and top_k = 0 (loomrl's defaults); with a truncation they are of the untruncated one.
-- Connect (at construction): GET /server_info (a build without it answers 404: then /get_server_info, which 0.5.23
-  still answers but deprecates), the server's ServerArgs and its SGLang "version". A version outside
-  sglang_contract.TESTED is refused in one line; with engine.sleep_while_training so is a server without
-  enable_memory_saver (its release would free nothing). enable_weights_cpu_backup decides the wake below.
-- Sleep (engine.sleep_while_training): /pause_generation {mode: abort}, /release_memory_occupation {tags: [kv_cache,
-  weights, cuda_graph]}. Wake: /resume_memory_occupation with the same tags, then the weights, THEN
-  /continue_generation: with --enable-weights-cpu-backup the resume restored them, so the adapter continues at once;
-  without it the memory comes back without its values, so the server stays paused (requests sent meanwhile wait
-  there, an interrupt() does not continue it) until the next update has loaded a whole version, which the run sends
-  after every wake (runtime/driver.py). The same hold follows a broadcast that failed after some of its buckets.
-- Weight updates: /pause_generation {mode: abort} ends every in-flight request with finish_reason abort and its
-  partial output (new requests wait until /continue_generation), then /update_weights_from_disk {model_path,
-  load_format, weight_version} and /flush_cache (the radix cache holds K/V of the old weights). No request spans
-  an update, so every token's version is exact: the server's weight_version (set to loomrl's version by each
-  update) when it is an integer, else (before the first update, or a server that sends none) the engine's version
-  when the request started.
-- Broadcast and cuda_ipc updates run inside a weight-update session: /begin_weight_update {} before the first
-  update call of a version, /end_weight_update {} after the last, and after a failed one too, so the server is not
-  left inside one (0.5.23's weight_updater refuses update_weights_from_distributed and _from_tensor outside a session,
-  success false, which the HTTP layer answers 400; a begin inside an open session is refused the same way: the adapter
-  then ends that session and begins again, once). The first begin is the probe: a build without the routes answers
-  404 and that engine sends its updates without sessions. Begin and end are bounded by update_timeout_s.
-- Or, with runtime.weight_transport=broadcast, /init_weights_update_group {master_address, master_port,
-  rank_offset, world_size, group_name, backend} once per trainer process (the server's workers join the trainer's
-  process group as ranks rank_offset + tp_rank: 1 +, or this server's first rank when several engine actors share
-  the group; over NCCL only where this process's NCCL is the server's torch's: NCCL refuses a group of two versions,
-  and torch 2.13.0 loads NCCL 2.29.7 where SGLang 0.5.23's torch 2.14.1 loads 2.30.7), then, in the session, per
-  version one /update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache}
-  per bucket (the trainer's plan: weights/source.py plan_buckets over the handle's names, dtypes, shapes and
-  bucket_bytes, engine.vllm.weight_bucket_bytes), the last with flush_cache true and weight_version. SGLang allocates
-  every tensor a call names before it receives (model_runner.update_weights_from_distributed), so one call for the
-  whole model needed a second copy of it on the server; a bucket per call needs one bucket. Per bucket: the adapter
-  posts the call (the server starts receiving), the trainer broadcasts that bucket's tensors one by one and reads the
-  next bucket only once they are received (weights/group.py, wire "tensors"), the call answers, the next is posted.
-  NCCL between GPUs, nothing through a filesystem; each call is bounded by update_timeout_s, the trainer's wait per
-  bucket by the same. (SGLang also takes load_format "flattened_bucket": one broadcast per call of the tensors
-  concatenated in one dtype. Not used: a server predating that field would ignore it and wait for tensors the trainer
-  never sends.)
-- Or, with runtime.weight_transport=cuda_ipc (trainer and server on one GPU), in the session, one
-  /update_weights_from_tensor {serialized_named_tensors: [one entry per TP rank], flush_cache, weight_version}: each
-  entry is base64 of a pickled [(name, tensor)] list whose tensors rebuild from the trainer's CUDA IPC handles, the
-  device named by its UUID (what SGLang's MultiprocessingSerializer sends; its monkey_patch_torch_reductions maps the
-  UUID to the server's own index of that GPU). The pickle names five globals (rebuild_cuda_tensor, torch.Tensor,
-  torch.Size, torch.storage.UntypedStorage, a dtype), all in 0.5.23's SafeUnpickler allowlist, which refuses any
-  other. The trainer's torch (2.13.0) writes rebuild_cuda_tensor's arguments, the server's (2.14.1) reads them: both
-  have the same torch/multiprocessing/reductions.py, and the adapter refuses a torch whose rebuild takes others.
-
-Per-token versions, interrupts and resumption: an abort the adapter caused (an interrupt() or an update during the
-request's life) is finish_reason "interrupted", which generate_resuming resumes from the partial output; an abort it
-did not cause (the server refused the request) is an EngineFault with the server's message.
+against a fake server built from SGLang 0.5.23's own request and response types (tests/engine/test_sglang_engine.py),
+and nothing has run against a real server yet.
 """
 
 from __future__ import annotations
 
 import base64
-import concurrent.futures
 import contextlib
 import functools
 import logging
 import pickle
 import shutil
-import threading
 import uuid
 from collections.abc import Callable, Generator
 from pathlib import Path
@@ -94,13 +29,8 @@ import torch
 
 from loomrl.config import SGLangConfig
 from loomrl.devices import dtype_named
-from loomrl.engine.base import (
-    EngineFault,
-    EngineMetrics,
-    GenerationRequest,
-    GenerationResult,
-    refuse_request,
-)
+from loomrl.engine.adapter import ControlThread, Lifecycle
+from loomrl.engine.base import EngineFault, EngineMetrics, GenerationRequest, GenerationResult
 from loomrl.engine.http import ServerClient
 from loomrl.engine.neutral import NEUTRAL_PENALTIES
 from loomrl.engine.sglang_contract import DEVICE_ARG, check_nccl, check_rebuild, check_server, trainer_nccl
@@ -180,10 +110,7 @@ class SGLangEngine:
         self.model_config = model_config  # written as config.json beside each checkpoint
         self.metrics = EngineMetrics()
         self.kv_budget = cfg.context_length
-        self._version = version
-        self._lock = threading.Lock()
-        self._aborts = 0  # pauses with mode=abort sent so far: a request that saw one was interrupted by us
-        self._closed = False
+        self._life = Lifecycle(self.metrics, version)  # SGLang reports no busy time: busy_s stays None
         self._group = ""  # the trainer's weight group the server has joined (broadcast)
         self._sessions: bool | None = None  # the server has /begin_weight_update (None: not asked yet)
         self.server_version = ""  # SGLang's, from /server_info at connect
@@ -191,8 +118,7 @@ class SGLangEngine:
         # that failed half way), until the next complete update; while set the server is never continued.
         self._weights_missing: str | None = None
         self._http = ServerClient("SGLang", self.base_url, retries=cfg.retries, backoff_s=cfg.retry_backoff_s)
-        # One thread for control calls, in order: an interrupt() then an update_weights never interleave.
-        self._control = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loomrl-sglang-control")
+        self._control = ControlThread("loomrl-sglang-control")
         try:
             self._saver, self._backup = self._connect(sleep_mode)
         except BaseException:
@@ -202,17 +128,19 @@ class SGLangEngine:
     # -- protocol ---------------------------------------------------------------------------------
     @property
     def version(self) -> int:
-        return self._version
+        return self._life.version
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
-        refuse_request(request, closed=self._closed)
-        with self._lock:
-            version, aborts = self._version, self._aborts
-            self.metrics.requests += 1
-        rid = f"loomrl-{uuid.uuid4().hex}"
-        data = await self._http.apost("/generate", self.generate_body(request, rid), self.cfg.timeout_s)
-        result, cached = self.parse_generate(data, version, interrupted=self._aborts > aborts)
-        with self._lock:
+        with self._life.lock:
+            self._life.admit(request)
+        ticket = self._life.start()
+        try:
+            rid = f"loomrl-{uuid.uuid4().hex}"
+            data = await self._http.apost("/generate", self.generate_body(request, rid), self.cfg.timeout_s)
+        finally:
+            self._life.stop()
+        result, cached = self.parse_generate(data, ticket.version, interrupted=self._life.interrupted(ticket))
+        with self._life.lock:
             n = len(request.prompt_ids)
             self.metrics.finished += 1
             self.metrics.prompt_tokens += n
@@ -224,8 +152,7 @@ class SGLangEngine:
     def update_weights(self, weights: dict | None, version: int) -> None:
         """Write `weights` as a checkpoint folder, then pause (abort) -> /update_weights_from_disk -> /flush_cache
         -> continue; in-flight requests end "interrupted" and resume under the new weights."""
-        if self._closed:
-            raise EngineFault("update_weights: the engine is closed")
+        self._life.check_open("update_weights")
         if weights is None:
             raise EngineFault("update_weights(None): in-place updates need a model shared with the trainer; an SGLang "
                               "server holds its own copy (engine.kind=sglang needs runtime.mode=async)")
@@ -241,7 +168,7 @@ class SGLangEngine:
         partial.rename(root / name)  # the server never sees a half-written folder
         server_path = str(Path(self.cfg.server_weights_dir or self.cfg.weights_dir) / name)
         load = functools.partial(self._from_disk, server_path, version)
-        self._control.submit(self._paused_load, version, load).result()
+        self._control.call(f"update_weights: version {version}", None, self._paused_load, version, load)
         for old in root.glob("v*"):  # the server has read the new folder; older ones are not needed again
             if old.name != name:
                 shutil.rmtree(old, ignore_errors=True)
@@ -255,8 +182,7 @@ class SGLangEngine:
         /end_weight_update -> continue. A cuda_ipc version: pause (abort) -> /begin_weight_update ->
         /update_weights_from_tensor, answered once the server has copied the tensors out of the trainer's memory (and
         flushed the cache) -> /end_weight_update -> continue."""
-        if self._closed:
-            raise EngineFault("update_weights: the engine is closed")
+        self._life.check_open("update_weights")
         if handle.transport is Transport.BROADCAST:
             load = functools.partial(self._from_distributed, handle.payload, handle.version)
         elif handle.transport is Transport.CUDA_IPC:
@@ -267,7 +193,7 @@ class SGLangEngine:
         else:
             raise EngineFault(f"update_from: an SGLang server reads broadcast and cuda_ipc handles, not "
                               f"{handle.transport}")
-        self._control.submit(self._paused_load, handle.version, load).result()
+        self._control.call(f"update_weights: version {handle.version}", None, self._paused_load, handle.version, load)
 
     def weight_fingerprint(self, expected: Fingerprint) -> Fingerprint:
         """Nothing to compare: an SGLang server reports no checksum of its weights (the runtime logs that the
@@ -276,9 +202,9 @@ class SGLangEngine:
 
     def interrupt(self) -> None:
         """Pause with mode=abort and continue, on the control thread: in-flight requests end "interrupted" soon."""
-        if self._closed:
+        if self._life.closed:
             return
-        with self._lock:
+        with self._life.lock:
             self.metrics.interrupts += 1
         self._control.submit(self._interrupt)
 
@@ -289,24 +215,22 @@ class SGLangEngine:
         """Pause (abort: in-flight requests end "interrupted"; new ones wait at the server), then
         /release_memory_occupation (weights, KV cache, CUDA graphs; the server needs --enable-memory-saver). Without
         --enable-weights-cpu-backup the weights are gone until the next update."""
-        if self._closed:
-            raise EngineFault("sleep: the engine is closed")
+        self._life.check_open("sleep")
         if not self._saver:
             raise EngineFault(self._no_saver())
-        self._control.submit(self._release_memory).result()
+        self._control.call("sleep", None, self._release_memory)
 
     def wake(self) -> None:
         """/resume_memory_occupation, then continue once the weights are there: at once with a CPU backup (the server
         restored them), else after the next update (update_weights / update_from), which the run sends after every
         wake; requests sent meanwhile wait at the server."""
-        if self._closed:
-            raise EngineFault("wake: the engine is closed")
-        self._control.submit(self._resume_memory).result()
+        self._life.check_open("wake")
+        self._control.call("wake", None, self._resume_memory)
 
     def close(self) -> None:
-        self._closed = True
-        self._control.shutdown(wait=True, cancel_futures=True)
-        self._http.close()
+        if self._life.close():
+            self._control.shutdown()
+            self._http.close()
 
     # -- the wire format --------------------------------------------------------------------------
     def generate_body(self, request: GenerationRequest, rid: str) -> dict[str, Any]:
@@ -390,15 +314,14 @@ class SGLangEngine:
             self._pause()
         except EngineFault as err:  # nobody waits for an interrupt: record it and go on
             log.warning("interrupt failed: %s", err)
-            with self._lock:
+            with self._life.lock:
                 self.metrics.faults += 1
         finally:
             self._continue()
 
     def _pause(self) -> None:
-        with self._lock:
-            self._aborts += 1  # before the call: a request aborted by it reads this as ours
-        self._http.post("/pause_generation", {"mode": "abort"}, self.cfg.control_timeout_s)
+        with self._life.interrupting():  # a request the pause aborts reads it as ours
+            self._http.post("/pause_generation", {"mode": "abort"}, self.cfg.control_timeout_s)
 
     def _continue(self) -> None:
         if self._weights_missing:  # requests wait at the server until an update brings weights
@@ -408,7 +331,7 @@ class SGLangEngine:
             self._http.post("/continue_generation", {}, self.cfg.control_timeout_s)
         except EngineFault as err:
             log.warning("continue_generation failed (the server may stay paused): %s", err)
-            with self._lock:
+            with self._life.lock:
                 self.metrics.faults += 1
 
     def _release_memory(self) -> None:
@@ -434,8 +357,8 @@ class SGLangEngine:
             self._pause()
             load()
             self._weights_missing = None
-            with self._lock:
-                self._version = version
+            with self._life.lock:
+                self._life.version = version
         finally:
             self._continue()
 

@@ -17,7 +17,7 @@ a Ray actor call); `load_weights(handle)` turns it back into tensors there. Tran
 - "cuda_ipc": the snapshot stays on the trainer's GPU, cast to the engine's dtype, and the handle carries a CUDA IPC
   handle per tensor (torch's reduce_tensor: vLLM's "ipc" layout, names / dtype_names / shapes / ipc_handles keyed by
   the GPU's UUID), so an engine process on the same GPU maps the tensors without a host round trip. The vLLM engine
-  hands them to its worker (engine/vllm_worker.py); `load_weights` rebuilds them for any other engine. CUDA only.
+  hands them to its worker (engine/vllm/worker.py); `load_weights` rebuilds them for any other engine. CUDA only.
 - "broadcast": the trainer broadcasts each version over a process group of its own with the engine's workers
   (group.py: NCCL between GPUs, gloo on CPUs); the handle carries the group's address and the
   version's names, dtypes and shapes, and the engine's workers receive it (engine.kind=vllm in process, or sglang). Nothing is held:

@@ -10,7 +10,7 @@ reader take turns: the trainer fills the buffer only after the engine has said i
 Two buffers, one per device the trainer is on: `CudaBucketBuffer` (weights/ipc.py: one GPU allocation, mapped by the
 engine's worker through CUDA IPC, the GPU form) and `ShmBucketBuffer` (weights/shm.py: one POSIX shared-memory
 segment, the CPU form, which the tests run). Both hand out a `BucketRef`, a small record the engine's worker reads the
-bucket's tensors from (engine/vllm_worker.py: the shm segment's kind, or the IPC handle's).
+bucket's tensors from (engine/vllm/worker.py: the shm segment's kind, or the IPC handle's).
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ def ipc_tensors(payload: dict[str, Any], device_index: int | None = None) -> dic
 
 def mapped_buffer(payload: dict[str, Any], device_index: int) -> Tensor:
     """The exported buffer of a flat payload (`export_buffer`), mapped in this process: map it once per allocation
-    (payload["buffer_id"]) and keep it while its buckets come (engine/vllm_worker.py)."""
+    (payload["buffer_id"]) and keep it while its buckets come (engine/vllm/worker.py)."""
     return _rebuild(payload["buffer"], device_index)
 
 

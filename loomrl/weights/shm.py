@@ -175,7 +175,7 @@ def _copy_bucket(views: dict[str, Tensor], bucket: list[tuple[str, Tensor]]) -> 
 @contextlib.contextmanager
 def shm_views(handle: WeightHandle) -> Generator[dict[str, Tensor], None, None]:
     """The segment's tensors as views (no copy), valid inside the block, during which the publisher cannot rewrite
-    the segment (a shared flock). Used by `load_weights` and, inside vLLM's worker, by engine/vllm_worker.py."""
+    the segment (a shared flock). Used by `load_weights` and, inside vLLM's worker, by engine/vllm/worker.py."""
     try:
         fd = _posixshmem.shm_open("/" + handle.location, os.O_RDONLY, mode=0o600)
     except FileNotFoundError:

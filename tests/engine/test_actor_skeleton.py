@@ -27,7 +27,7 @@ import torch
 
 from loomrl.config import load_config
 from loomrl.engine.base import EngineMetrics
-from loomrl.engine.vllm_weights import parameter_shapes
+from loomrl.engine.vllm.weights import parameter_shapes
 from loomrl.weights.route import serving_dtype
 
 KINDS = {
@@ -64,7 +64,9 @@ def hf_folder(tmp_path_factory, tiny_model, tokenizer):
 @pytest.fixture
 def no_weights_here(monkeypatch):
     """Loading or building a model's weights in this process fails the test; vLLM and its server are faked (above)."""
-    from loomrl.engine import sglang, vllm, vllm_http
+    from loomrl.engine import sglang
+    from loomrl.engine.vllm import engine as vllm_engine
+    from loomrl.engine.vllm import http as vllm_http
     from loomrl.model import loader
 
     def refuse(*args, **kwargs):
@@ -72,7 +74,7 @@ def no_weights_here(monkeypatch):
 
     monkeypatch.setattr(loader, "load_model", refuse)
     monkeypatch.setattr(loader, "build_tiny_model", refuse)
-    monkeypatch.setattr(vllm, "VLLMEngine", RecordedVLLM)
+    monkeypatch.setattr(vllm_engine, "VLLMEngine", RecordedVLLM)
     monkeypatch.setattr(vllm_http.VLLMHTTPEngine, "_connect", lambda self: 2048)
     monkeypatch.setattr(sglang.SGLangEngine, "_connect", lambda self, sleep_mode: (False, False))
     RecordedVLLM.made.clear()

@@ -15,8 +15,9 @@ import pytest
 from loomrl.config import ConfigError, ModelConfig, TinyModelConfig
 from loomrl.engine.base import EngineFault
 from loomrl.engine.factory import make_engine
-from loomrl.engine.vllm import served_model, token_versions
-from loomrl.engine.vllm_weights import from_wire, to_wire
+from loomrl.engine.vllm.served import served_model
+from loomrl.engine.vllm.translate import token_versions
+from loomrl.engine.vllm.weights import from_wire, to_wire
 from loomrl.model.loader import load_model
 from loomrl.runtime.checks import load_checked
 from loomrl.weights.route import engine_dtype

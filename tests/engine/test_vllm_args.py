@@ -1,6 +1,6 @@
-"""The AsyncEngineArgs the vLLM adapter gives vLLM on each device (engine/vllm.py engine_args), without vLLM: settings
-left unset get the device's defaults, CUDA graphs and a GPU-sized batch on CUDA, eager and the CPU batch on the CPU;
-what a user sets is passed as set. No GPU here: `cuda` is what the engine's process would read from torch."""
+"""The AsyncEngineArgs the vLLM adapter gives vLLM on each device (engine/vllm/args.py engine_args), without vLLM:
+settings left unset get the device's defaults, CUDA graphs and a GPU-sized batch on CUDA, eager and the CPU batch on
+the CPU; what a user sets is passed as set. No GPU here: `cuda` is what the engine's process would read from torch."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from loomrl.config import EngineConfig
-from loomrl.engine.vllm import MAX_NUM_BATCHED_TOKENS_CUDA, MAX_NUM_SEQS, engine_args
+from loomrl.engine.vllm.args import MAX_NUM_BATCHED_TOKENS_CUDA, MAX_NUM_SEQS, engine_args
 
 
 def _args(settings: dict, *, cuda: bool, sleep: bool = False) -> dict:
@@ -25,7 +25,7 @@ def test_unset_settings_take_the_devices_defaults():
     gpu, cpu = _args({}, cuda=True), _args({}, cuda=False)
     assert (gpu["enforce_eager"], gpu["max_num_seqs"]) == (False, MAX_NUM_SEQS["cuda"]) == (False, 256)
     assert (cpu["enforce_eager"], cpu["max_num_seqs"]) == (True, MAX_NUM_SEQS["cpu"]) == (True, 64)
-    for args in (gpu, cpu):  # the rest is loomrl's contract on both (engine/vllm.py's docstring)
+    for args in (gpu, cpu):  # the rest is loomrl's contract on both (docs/engines.md, 'The vLLM engine's contract')
         assert args["logprobs_mode"] == "processed_logprobs" and args["scheduling_policy"] == "priority"
         assert args["model"] == "/m" and args["dtype"] == "bfloat16" and args["seed"] == 3
         assert "kv_cache_memory_bytes" not in args and "max_model_len" not in args  # unset: not passed (vLLM's)

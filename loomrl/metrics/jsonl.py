@@ -17,15 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from loomrl.metrics.sink import Values
-
-FILENAME = "metrics.jsonl"
+from loomrl.run_folder import METRICS, RunFolder, read_json_lines
 
 
 class JsonlSink:
-    name = "metrics.jsonl"
+    name = METRICS
 
     def __init__(self, run_dir: Path):
-        self.path = Path(run_dir) / FILENAME
+        self.path = RunFolder(run_dir).metrics
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a")  # a resumed run appends
 
@@ -41,10 +40,7 @@ class JsonlSink:
 def read_metrics(run_dir: Path, *, superseded: bool = False) -> list[dict[str, Any]]:
     """The records of metrics.jsonl in order; without `superseded`, train records undone by a later
     rollback (steps past the checkpoint the run went back to) are left out."""
-    path = Path(run_dir) / FILENAME
-    if not path.is_file():
-        return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = read_json_lines(RunFolder(run_dir).metrics)
     if superseded:
         return records
     kept, floor = [], math.inf  # the lowest step a later rollback went back to

@@ -6,8 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from loomrl.metrics.sink import Values, numeric
-
-FOLDER = "tensorboard"
+from loomrl.run_folder import RunFolder
 
 
 class TensorBoardSink:
@@ -16,7 +15,7 @@ class TensorBoardSink:
     def __init__(self, run_dir: Path):
         from tensorboardX import SummaryWriter
 
-        self._writer = SummaryWriter(str(Path(run_dir) / FOLDER))
+        self._writer = SummaryWriter(str(RunFolder(run_dir).tensorboard))
 
     def log(self, step: int, kind: str, metrics: Values) -> None:
         for tag, value in numeric(kind, metrics).items():

@@ -4,7 +4,7 @@
   metric), and W&B's own row counter is left to count rows. A run that goes back to a checkpoint (trainer restart,
   --resume) logs steps again, which W&B's `step=` argument would drop as out of order; against `step` they are
   points at the same x, as in metrics.jsonl. Eval records are rows too (`eval/success` at step 0 and the last step).
-- Resume: the W&B run's id is kept in the run folder (ID_FILE); a resumed run logs to the same W&B run. Offline, a
+- Resume: the W&B run's id is kept in the run folder (run_folder.WANDB_RUN_ID); a resumed run logs to the same W&B run. Offline, a
   resumed run writes a second offline-run folder with the same id; `wandb sync` uploads them in order.
 - Offline mode needs no network: everything lies under DIR/wandb/offline-run-*/ (DIR: metrics.wandb.dir, else the
   run folder) until `wandb sync`.
@@ -22,10 +22,10 @@ from typing import Any
 
 from loomrl.config.metrics import WANDB_MISSING, WandbConfig
 from loomrl.metrics.sink import SinkError, Values, numeric
+from loomrl.run_folder import RunFolder
 
 log = logging.getLogger("loomrl")
 
-ID_FILE = "wandb_run_id"
 STEP = "step"
 
 
@@ -37,7 +37,7 @@ class WandbSink:
             import wandb
         except ImportError:
             raise SinkError(f"metrics.wandb: {WANDB_MISSING}") from None
-        id_file = Path(run_dir) / ID_FILE
+        id_file = RunFolder(run_dir).wandb_run_id
         run_id = id_file.read_text().strip() if id_file.is_file() else None
         root = Path(config.dir) if config.dir else Path(run_dir)
         mode = config.mode or os.environ.get("WANDB_MODE", "online")

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from loomrl.cache_dir import cache_root
 from loomrl.config import ModelConfig, RunConfig, TrainerConfig
+from loomrl.run_folder import CheckpointFolder
 
 if TYPE_CHECKING:
     import torch
@@ -191,7 +192,7 @@ def load_run_model(cfg: ModelConfig, checkpoint: Path | None, *, trainer: Traine
     else:
         device = resolve_device(cfg.device, "model.device")
         dtype = resolve_dtype(cfg.dtype, device)
-    source = ModelConfig(kind="hf", path=str(checkpoint / "model")) if checkpoint is not None else cfg
+    source = ModelConfig(kind="hf", path=str(CheckpointFolder(checkpoint).model)) if checkpoint is not None else cfg
     return load_model(source, device=device, dtype=dtype)
 
 
@@ -199,12 +200,12 @@ def load_skeleton(cfg: ModelConfig, checkpoint: Path | None, *, dtype: torch.dty
                   ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A run's model (the checkpoint's when resuming from one, else `cfg`'s) without weights: built from its config
     on the meta device in `dtype`, no parameter allocated; config._name_or_path is the folder its weights are in
-    (none for a tiny model, whose weights are its seed's: engine/vllm.py served_model builds them to save). And the
-    tokenizer, with a pad token."""
+    (none for a tiny model, whose weights are its seed's: engine/vllm/served.py served_model builds them to save).
+    And the tokenizer, with a pad token."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    source = ModelConfig(kind="hf", path=str(checkpoint / "model")) if checkpoint is not None else cfg
+    source = ModelConfig(kind="hf", path=str(CheckpointFolder(checkpoint).model)) if checkpoint is not None else cfg
     tokenizer = load_tokenizer(source)
     if source.kind == "tiny":
         config = tiny_config(source, len(tokenizer), tokenizer.eos_token_id)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loomrl.planning.hardware import Hardware, run_hardware
+from loomrl.run_folder import CONFIG, METRICS, SUMMARY, TRAJECTORIES, RunFolder, read_json_lines
 
 
 class NotARun(Exception):
@@ -100,11 +101,10 @@ def _fail(run_dir: Path, why: str) -> NotARun:
                    "that `loomrl train` finished")
 
 
-def _records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        raise _fail(run_dir, "no metrics.jsonl")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def _records(folder: RunFolder) -> list[dict]:
+    if not folder.metrics.is_file():
+        raise _fail(folder.path, f"no {METRICS}")
+    return read_json_lines(folder.metrics)
 
 
 def _line(n: float, sx: float, sxx: float, sy: float, sxy: float, mean_step: float, batch_mean: float
@@ -142,10 +142,10 @@ def _decode_fit(train: list[dict]) -> DecodeFit:
                      tokens_per_s=tokens / busy if busy else 0.0)
 
 
-def _trajectory_columns(run_dir: Path, sub: str) -> list[dict]:
+def _trajectory_columns(store: Path) -> list[dict]:
     import pyarrow.parquet as pq
 
-    parts = sorted((run_dir / sub).glob("part-*.parquet"))
+    parts = sorted(store.glob("part-*.parquet"))
     rows: list[dict] = []
     for part in parts:
         names = pq.read_schema(part).names
@@ -159,30 +159,32 @@ def measure_run(run_dir: Path) -> RunMeasurements:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise NotARun(f"loomrl plan: {run_dir} is not a folder; give a run folder (output_dir/name)")
-    if not (run_dir / "config.yaml").is_file():
-        raise _fail(run_dir, "no config.yaml")
+    folder = RunFolder(run_dir)
+    if not folder.config.is_file():
+        raise _fail(run_dir, f"no {CONFIG}")
     from loomrl.config import load_config
     from loomrl.store.schema import stored_turns
 
-    cfg = load_config(str(run_dir / "config.yaml"), [])
-    records = _records(run_dir)
+    cfg = load_config(str(folder.config), [])
+    records = _records(folder)
     train = [r for r in records if r.get("kind") == "train"]
     if not train:
-        raise _fail(run_dir, "no training step in metrics.jsonl")
-    summary_path = run_dir / "summary.json"
-    if not summary_path.is_file():
-        raise _fail(run_dir, "no summary.json: it has not finished")
-    summary = json.loads(summary_path.read_text())
-    rows = _trajectory_columns(run_dir, "trajectories")
+        raise _fail(run_dir, f"no training step in {METRICS}")
+    if not folder.summary.is_file():
+        raise _fail(run_dir, f"no {SUMMARY}: it has not finished")
+    summary = json.loads(folder.summary.read_text())
+    rows = _trajectory_columns(folder.trajectories)
     if not rows:
-        raise _fail(run_dir, "no trajectories/part-*.parquet")
+        raise _fail(run_dir, f"no {TRAJECTORIES}/part-*.parquet")
     turns = [t for r in rows for t in stored_turns(r["turns"])]  # nested, or an older part's JSON string
     if turns and "env_s" not in turns[0]:
         raise NotARun(f"loomrl plan: {run_dir}'s turns carry no timings (Turn.env_s, gen_s): it was trained before "
                       "loomrl recorded them; train it again to plan from it")
     sampled = [t["act_span"]["end"] - t["act_span"]["start"] for t in turns if t.get("act_span")]
     evals = [r for r in records if r.get("kind", "").startswith("eval")]
-    eval_rows = _trajectory_columns(run_dir, "evaluations/after")
+    # the evaluation after training, where the driver stores it (it read evaluations/after, which no run writes, and
+    # fell back to the training turns)
+    eval_rows = _trajectory_columns(folder.evaluation("after", int(summary.get("steps", 0))))
     last_eval = next((r for r in reversed(records) if r.get("kind") == "eval_after"), None)
     eval_pass_s = last_eval["time"] - train[-1]["time"] if last_eval else 0.0
     lags = {int(k.rsplit("_", 1)[1]): v for r in train for k, v in r.items() if k.startswith("staleness/lag_")}

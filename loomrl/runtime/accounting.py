@@ -15,8 +15,11 @@ fates (e.g. trained twice), none may have none.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from loomrl.run_folder import LedgerEntry
 
 
 @dataclass(slots=True, kw_only=True)
@@ -31,16 +34,16 @@ class Accounting:
         for tid in ids:
             self.discarded[tid] = reason
 
-    def settle(self, ledger: list[dict[str, Any]]) -> dict[str, Any]:
+    def settle(self, ledger: Sequence[LedgerEntry]) -> dict[str, Any]:
         """The final tally against the ledger; `violations` lists what breaks exactly-once."""
         fates: dict[str, list[str]] = {}
         for entry in ledger:
-            for tid in entry["trained"]:
+            for tid in entry.trained:
                 fates.setdefault(tid, []).append("trained")
-            for reason, ids in entry["skipped"].items():
+            for reason, ids in entry.skipped.items():
                 for tid in ids:
                     fates.setdefault(tid, []).append(f"skipped:{reason}")
-            for tid in entry["stale"]:
+            for tid in entry.stale:
                 fates.setdefault(tid, []).append("stale")
         for tid, reason in self.discarded.items():
             fates.setdefault(tid, []).append(f"discarded:{reason}")

@@ -42,6 +42,7 @@ from loomrl.errors import error_line
 from loomrl.metrics import open_metrics
 from loomrl.metrics.sink import SinkError
 from loomrl.rollout.worker import group_summary
+from loomrl.run_folder import RunFolder, read_ledger
 from loomrl.runtime.accounting import Accounting, ledger_line
 from loomrl.runtime.failure_watch import FailureWatch, failed_step
 from loomrl.runtime.failures import CannotStart, EngineLost, Fact, RolloutLost, RunError, TrainerLost
@@ -51,7 +52,7 @@ from loomrl.runtime.positions import PositionBook, StepWindow
 from loomrl.runtime.summary import FINISHED, Segment, append_segment, whole_run
 from loomrl.store import TrajectoryStore
 from loomrl.trainer.checkpoint import checkpoint_step, latest_checkpoint, load_state
-from loomrl.trainer.service import read_ledger
+from loomrl.trainer_boundary import TrainStep
 from loomrl.types import EvalRecord, Trajectory
 
 log = logging.getLogger("loomrl")
@@ -137,7 +138,7 @@ class Driver:
             raise RunError(f"run error: {err}") from None
         if checkpoint is not None:
             self.logger.rollback(checkpoint_step(checkpoint), "resume")
-        self.store = TrajectoryStore(cfg.run_dir / "trajectories")
+        self.store = TrajectoryStore(RunFolder(cfg.run_dir).trajectories)
         self.group_log = GroupLog(cfg.run_dir)  # each group's lifecycle, for `loomrl view`'s timeline
         self.acc = Accounting()
         self.B, self.G = cfg.trainer.groups_per_step, cfg.trainer.group_size
@@ -178,7 +179,7 @@ class Driver:
             del self.inflight[fut]
             self.abandoned.append(self._cancel(fut))
         self.version = state.version
-        await self.weights.publish(self.version)
+        await self.weights.publish(self.version, state.weights)
         return state
 
     async def _restart_trainer(self, err: TrainerLost, extra: dict[str, Any]) -> None:
@@ -307,38 +308,38 @@ class Driver:
                         return
                     await self.rollouts.sleep()
                     try:
-                        metrics = await self.trainer.train_step()
+                        done = await self.trainer.train_step()
                     finally:
                         await self.rollouts.wake()
                 else:
                     step = step or asyncio.ensure_future(self.trainer.train_step())
-                    metrics, step = await step, None
-                if metrics is None:
+                    done, step = await step, None
+                if done is None:
                     return
                 self.window.train_s += time.perf_counter() - t0
                 self.version += 1
-                self.book.stale += metrics.get("groups_stale", 0)  # each frees its position's place
+                self.book.stale += done.groups_stale  # each frees its position's place
                 # the next step is asked for before the weights travel (lag 0: its groups are not launched yet)
                 if self.version < total and self.lag > 0 and not colocated:
                     step = asyncio.ensure_future(self.trainer.train_step())
-                await self.weights.publish(self.version)
-                self._log_step(metrics, recent, bar)
+                await self.weights.publish(self.version, done.weights)
+                self._log_step(done, recent, bar)
                 self._admit()  # what the new version admits generates while the next step trains
         finally:
             if step is not None:  # an error ends the run or restarts the trainer: its answer is not needed
                 step.cancel()
 
-    def _log_step(self, metrics: dict[str, Any], recent: list, bar) -> None:
-        metrics.update({
-            **self.window.close(len(self.inflight)),
+    def _log_step(self, done: TrainStep, recent: list, bar) -> None:
+        metrics: dict[str, Any] = {
+            **done.metrics, **self.window.close(len(self.inflight)),
             # positions the rule still admits before the next weight update
             "admission/open_positions": self.book.open(self.version),
             "runtime/trainer_restarts": self.trainer_restarts, **group_summary(recent),
-            **self.rollouts.step_metrics(), **self.weights.step_metrics()})
+            **self.rollouts.step_metrics(), **self.weights.step_metrics()}
         self.logger.log(self.version, metrics)
         if not self.cfg.progress or not sys.stderr.isatty():  # no bar to watch (progress=false, a log file)
             log.info(step_line(self.version, self.cfg.trainer.total_steps, metrics))
-        self._say_if_untrained(metrics)
+        self._say_if_untrained(done.trained, metrics)
         failed = None if self.cfg.runtime.tolerate_failed_steps else failed_step(recent, self.version)
         recent.clear()
         if failed is not None:
@@ -347,10 +348,10 @@ class Driver:
         if "rollout/reward_mean" in metrics:  # absent when no trajectory of the step's groups was scored
             bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}")
 
-    def _say_if_untrained(self, metrics: dict[str, Any]) -> None:
+    def _say_if_untrained(self, trained: bool, metrics: dict[str, Any]) -> None:
         """Warn, at the first step that took no gradient, why (its groups' skip reasons: groups, where the ledger
         counts trajectories); count such steps."""
-        if "train/loss" in metrics:
+        if trained:
             return
         self.untrained_steps += 1
         if self.untrained_steps > 1:
@@ -413,7 +414,7 @@ class Driver:
         else:
             log.warning("eval %s: the rollout worker kept dying; no result", label)
             return None
-        store_episodes(evaluation.episodes, self.cfg.run_dir / "evaluations" / f"{label}-step{step}")
+        store_episodes(evaluation.episodes, RunFolder(self.cfg.run_dir).evaluation(label, step))
         record = checked_eval(evaluation.record, f"{label} training")
         by_split = {f"eval/{split}/{k}": v for split, score in record.splits.items() for k, v in asdict(score).items()}
         ended = {f"eval/ended/{k}": v for k, v in record.statuses.items()}
@@ -443,9 +444,11 @@ class Driver:
             await self.weights.settle(SETTLE_TIMEOUT_S)
             self.after = await self._evaluate("after", self.version)
         finally:
-            await asyncio.gather(*self._end_inflight(), *self.abandoned, return_exceptions=True)
-            self.trainer.stop()
-            self.report = await self.rollouts.close()
+            try:
+                await asyncio.gather(*self._end_inflight(), *self.abandoned, return_exceptions=True)
+            finally:  # a cancel landing in the gather (a second signal while unwinding) still stops both sides
+                self.trainer.stop()
+                self.report = await self.rollouts.close()
 
     def run(self) -> dict[str, Any]:
         """Run this segment; the whole run's summary (also RUN/summary.json). However the segment ends, its record
@@ -490,7 +493,7 @@ class Driver:
                           accounting=acc, extra=report.extra)
         segments = append_segment(self.cfg.run_dir, segment)
         # a step the trainer took and logged (ledger) before an interrupt reached the driver counts as taken
-        steps = max(self.version, max((entry["step"] for entry in ledger), default=0))
+        steps = max(self.version, max((entry.step for entry in ledger), default=0))
         summary = whole_run(self.cfg.run_dir, segments, self.before, self.after, steps, ledger)
-        (self.cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        RunFolder(self.cfg.run_dir).summary.write_text(json.dumps(summary, indent=2))
         return summary

@@ -21,12 +21,13 @@ import json
 import time
 from pathlib import Path
 
+from loomrl.run_folder import RunFolder
 from loomrl.types import Trajectory
 
 
 class GroupLog:
     def __init__(self, run_dir: Path):
-        self.path = Path(run_dir) / "groups.jsonl"
+        self.path = RunFolder(run_dir).groups
         self._launched: dict[int, tuple[float, int]] = {}  # serial -> (admitted at, version then)
 
     def launched(self, serial: int, version: int) -> None:

@@ -42,7 +42,8 @@ from loomrl.trainer.ranks import (
     join_watching,
     spawn_local_followers,
 )
-from loomrl.trainer.service import PositionSet, TrainerService
+from loomrl.trainer.service import TrainerService
+from loomrl.trainer_boundary import PositionSet, TrainStep
 from loomrl.types import Evaluation, Trajectory
 from loomrl.weights.fingerprint import WeightMismatch, confirm_weights
 from loomrl.weights.handle import WeightHandle, sync_metrics
@@ -179,34 +180,28 @@ class InProcessTrainer(Trainer):
     async def has_step(self) -> bool:
         return self._service().has_step()
 
-    async def train_step(self) -> dict[str, Any] | None:
+    async def train_step(self) -> TrainStep | None:
         service = self._service()
         if not service.has_step() or self.on_engine_thread is None:
             return None
-        try:
-            return await asyncio.wrap_future(self.on_engine_thread(service.train_step))
+        try:  # no weights to refer to: the engine serves the trainer's own tensors (InPlace)
+            return await asyncio.wrap_future(self.on_engine_thread(service.run_step))
         except RankLost as err:  # it shares the engine's model: no fresh one can take over
             raise TrainerLost(str(err), restartable=False) from None
 
 
 class ProcessTrainer(Trainer):
-    """Async mode: a TrainerService in a process of its own; each version's weights come back as a handle, which
-    HandleRoute takes (take_weights)."""
+    """Async mode: a TrainerService in a process of its own; each version's weights come back as a handle, the
+    `weights` of its TrainStep (of its TrainerState at the start), which the driver hands to HandleRoute."""
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.process: TrainerProcess | None = None
-        self.weights: WeightHandle | None = None  # the newest version's handle, not yet published
 
     def _process(self) -> TrainerProcess:
         if self.process is None:
             raise RuntimeError("ProcessTrainer: used before start() or after stop()")
         return self.process
-
-    def take_weights(self) -> WeightHandle | None:
-        """The newest version's handle (None: none since the last take)."""
-        handle, self.weights = self.weights, None
-        return handle
 
     async def start(self, extra: dict[str, Any]) -> TrainerState:
         process = self.process = TrainerProcess(self.cfg, extra, latest_checkpoint(self.cfg.run_dir),
@@ -215,8 +210,7 @@ class ProcessTrainer(Trainer):
             started = await process.start()
         except TrainerProcessDied as err:
             raise TrainerLost(str(err)) from None
-        self.weights = started.weights
-        return TrainerState(started.version, PositionSet(**started.received), started.metrics)
+        return TrainerState(started.version, PositionSet(**started.received), started.metrics, started.weights)
 
     def stop(self) -> None:
         if self.process is not None:
@@ -232,14 +226,12 @@ class ProcessTrainer(Trainer):
         except TrainerProcessDied as err:
             raise TrainerLost(str(err)) from None
 
-    async def train_step(self) -> dict[str, Any] | None:
+    async def train_step(self) -> TrainStep | None:
         try:
             stepped = await self._process().step()
         except TrainerProcessDied as err:
             raise TrainerLost(str(err)) from None
-        if stepped.metrics is not None:
-            self.weights = stepped.weights
-        return stepped.metrics
+        return stepped.step
 
 
 class InPlace(WeightRoute):
@@ -249,7 +241,7 @@ class InPlace(WeightRoute):
     def __init__(self, rollouts: LocalRollouts):
         self.rollouts = rollouts
 
-    async def publish(self, version: int) -> None:
+    async def publish(self, version: int, weights: Any) -> None:
         self.rollouts.side().engine.update_weights(None, version)
 
     def step_metrics(self) -> dict[str, float]:
@@ -260,18 +252,20 @@ class InPlace(WeightRoute):
 
 
 class HandleRoute(WeightRoute):
-    """Async mode: the trainer process's newest handle (runtime.weight_transport) loaded into this process's engine
-    (or opened by the engine itself where its model lives: vLLM's worker for shm and cuda_ipc), then confirmed."""
+    """Async mode: the handle the trainer process gave with the version (runtime.weight_transport) loaded into this
+    process's engine (or opened by the engine itself where its model lives: vLLM's worker for shm and cuda_ipc), then
+    confirmed."""
 
-    def __init__(self, cfg: RunConfig, rollouts: LocalRollouts, trainer: ProcessTrainer):
-        self.cfg, self.rollouts, self.trainer = cfg, rollouts, trainer
+    def __init__(self, cfg: RunConfig, rollouts: LocalRollouts):
+        self.cfg, self.rollouts = cfg, rollouts
         self.metrics: dict[str, float] = {}
 
-    async def publish(self, version: int) -> None:
+    async def publish(self, version: int, weights: Any) -> None:
         engine = self.rollouts.side().engine
-        handle = self.trainer.take_weights()
-        if handle is None:  # start and every train_step with metrics leave a handle to publish
-            raise RuntimeError(f"HandleRoute: version {version} is published without new weights from the trainer")
+        if not isinstance(weights, WeightHandle):  # the trainer process answers its start and every step with one
+            raise RuntimeError(f"HandleRoute: version {version} is published without a weight handle from the trainer "
+                               f"(got {type(weights).__name__})")
+        handle = weights
         # Off the event loop: rollouts go on, and the trainer's next step request goes out meanwhile.
         opens = handle.transport in engine.opens
         loaded = None if opens else await asyncio.to_thread(load_weights, handle)
@@ -308,5 +302,4 @@ def local_parts(cfg: RunConfig, checkpoint: Path | None, rollouts: LocalRollouts
     rollouts = rollouts or LocalRollouts(cfg, checkpoint)
     if cfg.runtime.mode == "sync":
         return Parts(rollouts, InProcessTrainer(cfg, checkpoint, rollouts), InPlace(rollouts))
-    trainer = ProcessTrainer(cfg)
-    return Parts(rollouts, trainer, HandleRoute(cfg, rollouts, trainer))
+    return Parts(rollouts, ProcessTrainer(cfg), HandleRoute(cfg, rollouts))

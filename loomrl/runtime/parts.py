@@ -18,18 +18,20 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from loomrl.trainer.service import PositionSet
+from loomrl.trainer_boundary import PositionSet, TrainStep
 from loomrl.types import Evaluation, Trajectory
 
 
 @dataclass(slots=True, frozen=True)
 class TrainerState:
-    """What a (re)started trainer holds: its policy version, the data positions it has received, and
-    the metrics of the step its checkpoint was taken at."""
+    """What a (re)started trainer holds: its policy version, the data positions it has received, the metrics of
+    the step its checkpoint was taken at, and the reference to its weights the driver publishes first (as
+    TrainStep.weights: opaque to the driver, its WeightRoute's to read)."""
 
     version: int
     received: PositionSet
     metrics: dict[str, Any] | None = None
+    weights: Any = None
 
 
 @dataclass(slots=True, kw_only=True)
@@ -96,17 +98,19 @@ class Trainer(ABC):
         """Whether it has a step's groups buffered (train_step would train)."""
 
     @abstractmethod
-    async def train_step(self) -> dict[str, Any] | None:
-        """One training step's metrics, or None when it has no step's groups buffered."""
+    async def train_step(self) -> TrainStep | None:
+        """One training step (its version, metrics, stale groups and the reference to its weights), or None when it
+        has no step's groups buffered."""
 
 
 class WeightRoute(ABC):
     """How the trainer's current weights reach every engine."""
 
     @abstractmethod
-    async def publish(self, version: int) -> None:
-        """Bring the trainer's current weights (`version`) to every engine; later groups use them (EngineLost: an
-        engine could not load or confirm them)."""
+    async def publish(self, version: int, weights: Any) -> None:
+        """Bring the trainer's weights of `version` to every engine; later groups use them (EngineLost: an engine
+        could not load or confirm them). `weights`: the reference the trainer gave with that version
+        (TrainStep.weights, TrainerState.weights), of this route's backend; the route reads no other."""
 
     @abstractmethod
     def step_metrics(self) -> dict[str, float]:

@@ -64,7 +64,7 @@ from loomrl.runtime.ray_resources import (
 )
 from loomrl.trainer.actor import TrainerActor, TrainerRankActor
 from loomrl.trainer.ranks import RankLost
-from loomrl.trainer.service import PositionSet
+from loomrl.trainer_boundary import PositionSet, TrainStep
 from loomrl.types import Evaluation, Trajectory
 from loomrl.weights.handle import Transport, VersionNotDelivered, WeightHandle
 
@@ -541,8 +541,6 @@ class ActorTrainer(Trainer):
         self.cluster, self.cfg, self.ray, self.rollouts = cluster, cluster.cfg, cluster.ray, rollouts
         self.trainer: Any = None  # rank 0
         self.trainer_ranks: list[Any] = []  # ranks 1.. (trainer.world_size > 1)
-        # ObjectRef of the trainer's newest weights, not yet published (cuda_ipc: of its PushReport, already pushed)
-        self.step_weights: Any = None
         self.broadcast = self.cfg.runtime.weight_transport == "broadcast"
         self.streamed = self.cfg.runtime.weight_transport == "cuda_ipc"  # colocated: pushed by the ranks in the step
 
@@ -579,17 +577,18 @@ class ActorTrainer(Trainer):
             except self.ray.exceptions.RayError as err:  # a follower died or failed while joining
                 raise TrainerLost(f"a trainer rank failed to start: {failure_line(err)}") from None
         version, state, metrics = await self.call(trainer.state.remote())
+        weights: Any = None  # broadcast: the trainer actor publishes the version itself (BroadcastRoute)
         if self.streamed:  # rank i pushes to engine actor i (the same bundle: the same GPU), the start's version first
             engines = self.rollouts.engines
             await self.call(trainer.attach_engine.remote(engines[0]))
             await asyncio.gather(*(self.call(f.attach_engine.remote(engines[rank], rank))
                                    for rank, f in enumerate(self.trainer_ranks, start=1)))
-            self.step_weights = trainer.push_start.remote()
-            await self.settled_push()
+            weights = trainer.push_start.remote()
+            await self.settled_push(weights)
         elif not self.broadcast:
-            self.step_weights = trainer.weights.remote()  # what publish(version) sends first
+            weights = trainer.weights.remote()  # what publish(version) sends first
             if cluster.colocated:  # its state is in host memory once this is made: only then may the engines wake
-                await asyncio.to_thread(self.ray.wait, [self.step_weights], fetch_local=False)
+                await asyncio.to_thread(self.ray.wait, [weights], fetch_local=False)
         placement = cluster.placement
         if "trainer" not in placement:
             if cluster.colocated:
@@ -600,13 +599,13 @@ class ActorTrainer(Trainer):
                 trainer=(await cluster.where([trainer]))[0][0],
                 trainer_ranks=[node for node, _ in await cluster.where(self.trainer_ranks)],
                 rollout=[node for node, _ in await cluster.where([s.handle for s in self.rollouts.workers])])
-        return TrainerState(version, PositionSet(**state), metrics)
+        return TrainerState(version, PositionSet(**state), metrics, weights)
 
-    async def settled_push(self) -> None:
-        """cuda_ipc: the last push answered (its state is in host memory after it: only then may the engines wake);
-        an engine that failed it is EngineLost."""
+    async def settled_push(self, report: Any) -> None:
+        """cuda_ipc: the start's push (`report`, the ObjectRef of its PushReport) answered (its state is in host memory
+        after it: only then may the engines wake); an engine that failed it is EngineLost."""
         try:
-            await self.call(self.step_weights)
+            await self.call(report)
         except self.ray.exceptions.RayTaskError as err:
             raise await self._not_delivered(err) from None
 
@@ -634,15 +633,15 @@ class ActorTrainer(Trainer):
     async def has_step(self) -> bool:
         return await self.call(self.actor().has_step.remote())
 
-    async def train_step(self) -> dict[str, Any] | None:
-        metrics_ref, weights_ref = self.actor().step.options(num_returns=2).remote()
+    async def train_step(self) -> TrainStep | None:
+        # two returns: the weights (or cuda_ipc's PushReport) are an object this process owns, which outlives the
+        # trainer actor; the step refers to it, and the route publishes what it refers to
+        step_ref, weights_ref = self.actor().step.options(num_returns=2).remote()
         try:
-            metrics = await self.call(metrics_ref)
+            step = await self.call(step_ref)
         except self.ray.exceptions.RayTaskError as err:
             raise await self._not_delivered(err) from None
-        if metrics is not None:
-            self.step_weights = weights_ref  # that step's weights, whatever the trainer does next
-        return metrics
+        return None if step is None else step.with_weights(None if self.broadcast else weights_ref)
 
 
 class ActorRoute(WeightRoute):
@@ -654,12 +653,12 @@ class ActorRoute(WeightRoute):
         self.cluster, self.ray, self.rollouts, self.trainer = cluster, cluster.ray, rollouts, trainer
 
     @abstractmethod
-    async def handle(self, version: int) -> WeightHandle:
-        """The version's handle, as this route moves it."""
+    async def handle(self, version: int, weights: Any) -> WeightHandle:
+        """The version's handle, as this route moves it (`weights`: the trainer's reference to them)."""
 
-    async def publish(self, version: int) -> None:
+    async def publish(self, version: int, weights: Any) -> None:
         cluster = self.cluster
-        cluster.weights = await self.handle(version)
+        cluster.weights = await self.handle(version, weights)
         if self.rollouts.engines:
             await self.rollouts.board.post.remote(cluster.weights)
             refs = [engine.update_weights.remote(cluster.weights) for engine in self.rollouts.engines]
@@ -717,8 +716,10 @@ class ObjectStoreRoute(ActorRoute):
     """Transport "ray": the trainer returned the version's weights as an object the driver owns (it outlives a
     trainer that dies); each engine fetches it from Ray's object store."""
 
-    async def handle(self, version: int) -> WeightHandle:
-        return WeightHandle(transport=Transport.RAY, version=version, nbytes=0, payload=self.trainer.step_weights)
+    async def handle(self, version: int, weights: Any) -> WeightHandle:
+        if weights is None:  # the trainer answers its start and every step with the ObjectRef of its weights
+            raise RuntimeError(f"ObjectStoreRoute: version {version} is published without the trainer's weights")
+        return WeightHandle(transport=Transport.RAY, version=version, nbytes=0, payload=weights)
 
 
 class BroadcastRoute(ActorRoute):
@@ -726,7 +727,8 @@ class BroadcastRoute(ActorRoute):
     engine actors' processes as they receive it (NCCL between GPUs); nothing goes through the object store, and an
     engine actor that dies cannot be given the current version again."""
 
-    async def handle(self, version: int) -> WeightHandle:
+    async def handle(self, version: int, weights: Any) -> WeightHandle:
+        """The trainer actor publishes its current weights itself (`weights` is None: nothing travels with the step)."""
         return await self.trainer.call(self.trainer.actor().publish.remote(version))
 
     def load_died(self, err: BaseException) -> None:
@@ -747,12 +749,14 @@ class StreamedRoute(WeightRoute):
     those pushes are read. Nothing is held to send again: an engine actor that dies stops the run (engine_lost)."""
 
     def __init__(self, cluster: RayCluster, rollouts: ActorRollouts, trainer: ActorTrainer):
-        self.cluster, self.ray, self.trainer = cluster, cluster.ray, trainer
+        del rollouts, trainer  # ActorRoute's constructor (ray_parts makes either); the reports come with each version
+        self.cluster, self.ray = cluster, cluster.ray
 
-    async def publish(self, version: int) -> None:
-        # the version is in every engine already (the step or the start answered only after the pushes)
+    async def publish(self, version: int, weights: Any) -> None:
+        # the version is in every engine already (the step or the start answered only after the pushes); `weights` is
+        # the ObjectRef of the pushes' report, read for the metrics
         self.cluster.weights = WeightHandle(transport=Transport.CUDA_IPC, version=version, nbytes=0)
-        self.cluster.syncs.append(self.trainer.step_weights)
+        self.cluster.syncs.append(weights)
 
     async def settle(self, timeout_s: float) -> None:
         """Nothing travels after publish."""

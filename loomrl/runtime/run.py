@@ -13,13 +13,13 @@ from typing import Any
 
 from loomrl.config import RunConfig, load_config, save_resolved
 from loomrl.reward.pool import load_terms
+from loomrl.run_folder import CheckpointFolder, RunFolder, read_ledger
 from loomrl.runtime.checks import check_config
 from loomrl.runtime.driver import Driver, checked_eval
 from loomrl.runtime.failures import CannotStart
 from loomrl.runtime.parts import Parts
 from loomrl.runtime.summary import finished_at
 from loomrl.trainer.checkpoint import checkpoint_step, latest_checkpoint
-from loomrl.trainer.service import read_ledger
 from loomrl.types import EvalRecord
 
 log = logging.getLogger("loomrl")
@@ -39,11 +39,11 @@ def prepare_run_dir(cfg: RunConfig, resume: bool) -> Path | None:
                               f"summary.json); to train it further, resume with a larger total, e.g. "
                               f"trainer.total_steps={done * 2} --resume; to score a checkpoint, loomrl eval RECIPE "
                               f"--checkpoint {run_dir}")
-    elif ckpt is not None or (run_dir / "ledger.jsonl").exists():
+    elif ckpt is not None or RunFolder(run_dir).ledger.exists():
         raise CannotStart(f"'{run_dir}' already holds a run; pass --resume to continue it, or set name=... "
                           "for a new run")
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_resolved(cfg, run_dir / "config.yaml")
+    save_resolved(cfg, RunFolder(run_dir).config)
     if ckpt is None:
         log.info("run folder %s", run_dir.resolve())
     else:
@@ -56,7 +56,7 @@ def resume_config(cfg: RunConfig, overrides: list[str]) -> RunConfig:
     with) and this command's `overrides` on top, so that a run resumed with fewer overrides than it started with
     goes on as it was, not with the recipe's values (README: `name=try2 --resume`); `cfg` (the recipe and the
     overrides) only says where the folder is. A folder without one: `cfg` itself."""
-    saved = cfg.run_dir / "config.yaml"
+    saved = RunFolder(cfg.run_dir).config
     if not saved.is_file():
         return cfg
     resumed = load_config(saved, overrides)
@@ -112,14 +112,14 @@ def train(cfg: RunConfig, resume: bool = False, wall_start: float | None = None,
         return Driver(cfg, parts(cfg, ckpt), ckpt, wall_start).run()
     except KeyboardInterrupt:  # the driver's finally has stopped the trainer and flushed the run folder
         latest = latest_checkpoint(cfg.run_dir)
-        steps = [entry["step"] for entry in read_ledger(cfg.run_dir)]
+        steps = [entry.step for entry in read_ledger(cfg.run_dir)]
         raise RunInterrupted(cfg.run_dir, max(steps, default=0),
                              None if latest is None else checkpoint_step(latest)) from None
 
 
 def resolve_checkpoint(path: Path) -> Path:
     """A checkpoint folder, or a run folder's latest checkpoint (CannotStart: neither)."""
-    ckpt = path if (path / "model").is_dir() else latest_checkpoint(path)
+    ckpt = path if CheckpointFolder(path).model.is_dir() else latest_checkpoint(path)
     if ckpt is None:
         raise CannotStart(f"'{path}' is neither a checkpoint folder nor a run folder with one")
     return ckpt

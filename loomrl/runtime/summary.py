@@ -22,58 +22,19 @@ What it is not: the per-step history (metrics.jsonl) or the per-trajectory one (
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from loomrl.run_folder import LedgerEntry, RunFolder, Segment, append_line, read_segments
 from loomrl.types import EvalRecord
 
-SEGMENTS = "segments.jsonl"
 FINISHED = "finished"
-
-
-@dataclass(slots=True, kw_only=True)
-class Segment:
-    """What one `loomrl train` (or `--resume`) did, from the step it started at to the one it reached."""
-
-    from_step: int
-    to_step: int
-    ended: str  # "finished", "stopped: <why>" or "interrupted"
-    wall_s: float
-    rollouts: dict[str, dict[str, Any]]  # episodes by purpose (training, evaluation): EpisodeCounts.as_dict
-    trainer_restarts: int
-    untrained_steps: int  # steps that took no gradient (every group left out)
-    positions_failed: dict[str, str]  # position -> why it was given up
-    env_pool: dict[str, float]
-    accounting: dict[str, Any]  # accounting.Accounting.settle: the trajectories this segment launched, by fate
-    extra: dict[str, Any]  # the backend's own section (e.g. "ray": restarts, placement)
-
-
-def read_segments(run_dir: Path) -> list[Segment]:
-    path = Path(run_dir) / SEGMENTS
-    if not path.is_file():
-        return []
-    segments = [Segment(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
-    for seg in segments:
-        seg.rollouts = {purpose: episode_counts(c) for purpose, c in seg.rollouts.items()}
-    return segments
-
-
-def episode_counts(counts: dict[str, Any]) -> dict[str, Any]:
-    """A segment's episode counts as EpisodeCounts.as_dict gives them; a segment recorded before they were grouped
-    kept them in one flat dict, with "reward_failed" and "retried:<status>" beside the endings."""
-    if "ended" in counts:
-        return counts
-    ended = {k: v for k, v in counts.items() if k not in ("launched", "reward_failed") and not k.startswith("retried:")}
-    return {"launched": counts.get("launched", 0), "ended": ended,
-            "among_ended": {k: counts[k] for k in ("reward_failed",) if k in counts},
-            "retried_attempts": {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("retried:")}}
 
 
 def append_segment(run_dir: Path, segment: Segment) -> list[Segment]:
     """Record a segment; every segment of the run so far, this one last."""
-    with (Path(run_dir) / SEGMENTS).open("a") as f:
-        f.write(json.dumps(asdict(segment)) + "\n")
+    append_line(RunFolder(run_dir).segments, segment)
     return read_segments(run_dir)
 
 
@@ -82,7 +43,7 @@ def finished_at(run_dir: Path) -> int | None:
     segments = read_segments(run_dir)
     if segments:
         return segments[-1].to_step if segments[-1].ended == FINISHED else None
-    legacy = Path(run_dir) / "summary.json"  # a run from before segments were recorded: it wrote this on finishing
+    legacy = RunFolder(run_dir).summary  # a run from before segments were recorded: it wrote this on finishing
     return json.loads(legacy.read_text()).get("steps") if legacy.is_file() else None
 
 
@@ -112,17 +73,17 @@ def _add(into: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
     return into
 
 
-def ledger_totals(ledger: list[dict[str, Any]]) -> dict[str, Any]:
+def ledger_totals(ledger: Sequence[LedgerEntry]) -> dict[str, Any]:
     """What the model consumed over the whole run: trajectories trained, skipped by reason, dropped as stale."""
     skipped: dict[str, int] = {}
     for entry in ledger:
-        _add(skipped, {reason: len(ids) for reason, ids in entry["skipped"].items()})
-    return {"steps": len(ledger), "trained": sum(len(e["trained"]) for e in ledger), "skipped": skipped,
-            "stale": sum(len(e["stale"]) for e in ledger)}
+        _add(skipped, {reason: len(ids) for reason, ids in entry.skipped.items()})
+    return {"steps": len(ledger), "trained": sum(len(e.trained) for e in ledger), "skipped": skipped,
+            "stale": sum(len(e.stale) for e in ledger)}
 
 
 def whole_run(run_dir: Path, segments: list[Segment], before: EvalRecord | None, after: EvalRecord | None,
-              steps: int, ledger: list[dict[str, Any]]) -> dict[str, Any]:
+              steps: int, ledger: Sequence[LedgerEntry]) -> dict[str, Any]:
     """summary.json: the run over all its segments (module docstring)."""
     last = segments[-1]
     latest = after or before  # n_heldout: the latest evaluation's count

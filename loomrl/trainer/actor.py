@@ -20,6 +20,7 @@ from loomrl.trainer.process import colocated_step, run_publisher
 from loomrl.trainer.push import EnginePusher, PushReport, bucket_buffer
 from loomrl.trainer.ranks import Follower, Push, RankGroup, RankLost, RankReport, RankWork
 from loomrl.trainer.service import TrainerService
+from loomrl.trainer_boundary import TrainStep
 from loomrl.types import Trajectory
 from loomrl.weights.handle import WeightHandle, WeightPublisher
 from loomrl.weights.route import serving_dtype
@@ -90,18 +91,19 @@ class TrainerActor(Placed):
         """Whether a step's groups are buffered (step would train)."""
         return self._trainer().has_step()
 
-    def step(self) -> tuple[dict[str, Any] | None, dict[str, torch.Tensor] | PushReport | None]:
-        """One training step when a step's groups are buffered (and the run is not done): its metrics
+    def step(self) -> tuple[TrainStep | None, dict[str, torch.Tensor] | PushReport | None]:
+        """One training step when a step's groups are buffered (and the run is not done): its TrainStep
         and the new weights (called with num_returns=2, so that the weights stay in the object store,
-        owned by the caller, for the rollout actors to fetch), or with runtime.weight_transport=cuda_ipc the report
-        of the ranks' pushes to their engines (made within the step); else (None, None)."""
+        owned by the caller, for the rollout actors to fetch: the caller sets the step's `weights` to that ObjectRef),
+        or with runtime.weight_transport=cuda_ipc the report of the ranks' pushes to their engines (made within the
+        step); else (None, None)."""
         if not self._trainer().has_step():
             return None, None
         if self.publisher is not None:  # broadcast: the engines have received the last version before it changes
             self.publisher.settle()
-            return self._trainer().train_step(), None
+            return self._trainer().run_step(), None
         if not self.cfg.engine.sleep_while_training:
-            return self._trainer().train_step(), self.weights()
+            return self._trainer().run_step(), self.weights()
         # colocated (trainer/offload.py): the engines sleep through this call; the state is on the GPU only for it
         return colocated_step(self._trainer(), self._push if self.pusher is not None else self._host_weights)
 

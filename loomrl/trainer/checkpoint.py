@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from loomrl.run_folder import CheckpointFolder, RunFolder
 from loomrl.weights.source import WeightSource
 
 if TYPE_CHECKING:
@@ -72,28 +73,27 @@ def save_checkpoint(run_dir: Path, step: int, *, model: PreTrainedModel, tokeniz
     whole); `weights`: the model's full parameters when the model itself is sharded (a collective of all ranks, read a
     bucket at a time); `shards`: writes every rank's part of the optimizer state into the folder it is given (a
     collective of all ranks)."""
-    root = Path(run_dir) / "checkpoints"
-    final = root / f"step_{step:06d}"
-    tmp = root / f".tmp_step_{step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    folder = RunFolder(run_dir)
+    final, tmp = folder.checkpoint(step).path, folder.checkpoint_in_progress(step)
+    shutil.rmtree(tmp.path, ignore_errors=True)
+    tmp.path.mkdir(parents=True)
     if weights is None:
-        model.save_pretrained(tmp / "model")
+        model.save_pretrained(tmp.model)
     else:
-        write_model_folder(tmp / "model", model, weights)
-    tokenizer.save_pretrained(tmp / "model")
+        write_model_folder(tmp.model, model, weights)
+    tokenizer.save_pretrained(tmp.model)
     blob = {"scheduler": scheduler.state_dict()}
     if shards is not None:
-        shards(tmp / "optimizer")
+        shards(tmp.optimizer_shards)
     else:
         blob["optimizer"] = optimizer.state_dict()
-    torch.save(blob, tmp / "optimizer.pt")
-    torch.save({"step": step, "rng": rng_state(), **state}, tmp / "state.pt")
+    torch.save(blob, tmp.optimizer)
+    torch.save({"step": step, "rng": rng_state(), **state}, tmp.state)
     shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    (root / "latest.tmp").write_text(final.name)
-    (root / "latest.tmp").rename(root / "latest")
-    prune(root, retention or Retention())
+    tmp.path.rename(final)
+    folder.latest_tmp.write_text(final.name)
+    folder.latest_tmp.rename(folder.latest)
+    prune(folder, retention or Retention())
     return final
 
 
@@ -107,21 +107,21 @@ class Retention:
     keep_optimizer: int = 2
 
 
-def prune(root: Path, retention: Retention) -> None:
-    """Delete the checkpoints under `root` that `retention` does not keep, and the optimizer state of those it keeps
-    for evaluation only."""
-    folders = sorted(root.glob("step_*"))
+def prune(folder: RunFolder, retention: Retention) -> None:
+    """Delete the checkpoints of the run `folder` that `retention` does not keep, and the optimizer state of those it
+    keeps for evaluation only."""
+    saved = folder.saved_checkpoints()
     if retention.keep:
-        for old in folders[:-retention.keep]:
-            shutil.rmtree(old, ignore_errors=True)
-        folders = folders[-retention.keep:]
-    for old in folders[:-retention.keep_optimizer]:
-        (old / "optimizer.pt").unlink(missing_ok=True)
-        shutil.rmtree(old / "optimizer", ignore_errors=True)  # a sharded trainer's parts
+        for old in saved[:-retention.keep]:
+            shutil.rmtree(old.path, ignore_errors=True)
+        saved = saved[-retention.keep:]
+    for old in saved[:-retention.keep_optimizer]:
+        old.optimizer.unlink(missing_ok=True)
+        shutil.rmtree(old.optimizer_shards, ignore_errors=True)  # a sharded trainer's parts
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    pointer = Path(run_dir) / "checkpoints" / "latest"
+    pointer = RunFolder(run_dir).latest
     if not pointer.is_file():
         return None
     path = pointer.parent / pointer.read_text().strip()
@@ -130,23 +130,23 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def checkpoint_step(ckpt: Path) -> int:
     """The step a checkpoint folder (step_NNNNNN) was saved at."""
-    return int(Path(ckpt).name.removeprefix("step_"))
+    return CheckpointFolder(Path(ckpt)).step
 
 
 def load_state(ckpt: Path) -> dict[str, Any]:
-    return torch.load(ckpt / "state.pt", weights_only=False, map_location="cpu")
+    return torch.load(CheckpointFolder(ckpt).state, weights_only=False, map_location="cpu")
 
 
 def load_optimizer(ckpt: Path, optimizer: torch.optim.Optimizer, scheduler: Any,
                    shards: Callable[[Path], None] | None = None) -> None:
     """`shards`: reads every rank's part of a sharded optimizer state from the folder it is given."""
-    blob = torch.load(ckpt / "optimizer.pt", weights_only=False, map_location="cpu")  # load_state_dict moves it
+    blob = torch.load(CheckpointFolder(ckpt).optimizer, weights_only=False, map_location="cpu")  # load_state_dict moves it
     if ("optimizer" in blob) == (shards is not None):
         kinds = ("whole", "sharded") if shards else ("sharded", "whole")
         raise ValueError(f"checkpoint {ckpt}: its optimizer state is {kinds[0]} but this trainer's is {kinds[1]}; "
                          "resume with the trainer.parallel it was saved with")
     if shards is not None:
-        shards(ckpt / "optimizer")
+        shards(CheckpointFolder(ckpt).optimizer_shards)
     else:
         optimizer.load_state_dict(blob["optimizer"])
     scheduler.load_state_dict(blob["scheduler"])

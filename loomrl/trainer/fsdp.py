@@ -1,7 +1,9 @@
 """FSDP2 sharding of a trainer's model (trainer.parallel=fsdp): the parameters, gradients and AdamW state split
 over the ranks of the default process group. The rank group around it is trainer/ranks.py; the shared plan of
 micro-batches every rank runs is the Trainer's (trainer.py, `shared_plan`); checkpoints of the optimizer state
-in parts are here too. Nothing here reads the run's config (scripts/gpu_smoke.py uses it as it is).
+in parts are here too. Nothing here reads the run's config (scripts/gpu_smoke.py uses it as it is), and nothing here
+imports the Trainer (trainer.py imports this module): the optimizer checkpoints take any object with a sharded forward
+and an optimizer (`ShardedState`).
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -22,7 +24,19 @@ from loomrl.types import TrainingSample
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from loomrl.trainer.trainer import Trainer
+
+class ShardedState(Protocol):
+    """What the optimizer checkpoints read of a sharded trainer (trainer.py Trainer(shard=fsdp_shard))."""
+
+    @property
+    def forward(self) -> Logprobs:
+        """The FSDP root module fsdp_shard returned."""
+        ...
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer over its sharded parameters."""
+        ...
 
 
 class _ShardedForward(torch.nn.Module):
@@ -72,7 +86,7 @@ def whole_for_pass(root: Logprobs, padding: list[TrainingSample]) -> Generator[N
     (root(padding, False)[0].sum() * 0.0).backward()
 
 
-def save_sharded_optimizer(trainer: Trainer, folder: Path) -> None:
+def save_sharded_optimizer(trainer: ShardedState, folder: Path) -> None:
     """This rank's part of the AdamW state into `folder` (every rank calls it: a collective)."""
     from torch.distributed.checkpoint import save
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -80,7 +94,7 @@ def save_sharded_optimizer(trainer: Trainer, folder: Path) -> None:
     save(get_optimizer_state_dict(_sharded_root(trainer), trainer.optimizer), checkpoint_id=str(folder))
 
 
-def load_sharded_optimizer(trainer: Trainer, folder: Path) -> None:
+def load_sharded_optimizer(trainer: ShardedState, folder: Path) -> None:
     """This rank's part of the AdamW state from `folder` (every rank calls it; any world size can read it)."""
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
@@ -91,7 +105,7 @@ def load_sharded_optimizer(trainer: Trainer, folder: Path) -> None:
     set_optimizer_state_dict(root, trainer.optimizer, state)
 
 
-def _sharded_root(trainer: Trainer) -> torch.nn.Module:
+def _sharded_root(trainer: ShardedState) -> torch.nn.Module:
     """The trainer's forward, which a sharded trainer (Trainer(shard=fsdp_shard)) holds as the FSDP root module."""
     if not isinstance(trainer.forward, torch.nn.Module):
         raise TypeError("the trainer's forward is not a module sharded by fsdp_shard (a trainer without shard=)")

@@ -3,9 +3,9 @@ requests on a pair of queues, and the client the local backend drives it with.
 
 The channel carries dataclasses, not tuples: Group (one group and its data position), StepRequest
 (train one step if a step's groups are buffered), Stop; answers are Started (after start: the version,
-the positions received, the current weights), Stepped (metrics and the new weights, or nothing when no
-step was due) and Failed (the traceback). New weights travel as small handles (runtime.weight_transport,
-loomrl/weights/); the trainer keeps its last versions readable until the client has read them.
+the positions received, the current weights), Stepped (the step's TrainStep, its weights the new version's
+handle, or nothing when no step was due) and Failed (the traceback). New weights travel as small handles
+(runtime.weight_transport, loomrl/weights/); the trainer keeps its last versions readable until the client has read them.
 
 A trainer that dies (or whose follower rank dies: in async mode the followers are the trainer's
 siblings, so the client sees them die) makes every pending call raise TrainerProcessDied with the reason.
@@ -32,6 +32,7 @@ import torch
 
 from loomrl.config import RunConfig
 from loomrl.devices import trainer_device
+from loomrl.run_folder import RunFolder
 from loomrl.trainer.ranks import (
     Child,
     LocalFollowers,
@@ -41,6 +42,7 @@ from loomrl.trainer.ranks import (
     spawn_local_followers,
 )
 from loomrl.trainer.service import TrainerService
+from loomrl.trainer_boundary import TrainStep
 from loomrl.types import Trajectory
 from loomrl.weights.handle import WeightHandle, WeightPublisher
 from loomrl.weights.route import serving_dtype, weight_receivers
@@ -85,8 +87,7 @@ class Started:
 
 @dataclass(slots=True, frozen=True)
 class Stepped:
-    metrics: dict[str, Any] | None  # None: no step was due
-    weights: WeightHandle | None
+    step: TrainStep | None  # its weights: the new version's handle; None: no step was due
 
 
 @dataclass(slots=True, frozen=True)
@@ -198,7 +199,7 @@ def run_publisher(cfg: RunConfig, *, engines: int, host: str) -> WeightPublisher
     # at 7B in bf16). One is enough there: a version is published while the engine sleeps and loaded as it wakes,
     # before the next step can publish another.
     keep = 1 if transport == "cuda_ipc" and e.sleep_while_training else KEEP_VERSIONS
-    return make_publisher(transport, keep=keep, folder=cfg.run_dir / "weights" if transport == "file" else None,
+    return make_publisher(transport, keep=keep, folder=RunFolder(cfg.run_dir).weights if transport == "file" else None,
                           dtype=serving_dtype(cfg),
                           receivers=engines * weight_receivers(cfg), bucket_bytes=e.vllm.weight_bucket_bytes,
                           host=host, timeout_s=(e.sglang if sglang else e.vllm).update_timeout_s,
@@ -210,18 +211,17 @@ def publish(publisher: WeightPublisher, service: TrainerService) -> WeightHandle
     return publisher.publish(service.weight_source(publisher.dtype, publisher.bucket_bytes), service.version)
 
 
-def colocated_step(service: TrainerService, publish: Callable[[], T]) -> tuple[dict[str, Any], T]:
+def colocated_step(service: TrainerService, publish: Callable[[], T]) -> tuple[TrainStep, T]:
     """A step beside colocated engines, which sleep meanwhile (the driver put them to sleep before asking): every
     rank's state back on its GPU, the step, the new version published by `publish` (done with the parameters when it
     returns: a broadcast settled, a host copy made), every rank's state back to host memory; the engines wake and load
     the version once this returns. The local trainer process's and the Ray trainer actor's."""
     back = service.onload()
-    metrics = service.train_step()
+    step = service.run_step()
     published = publish()
     away = service.offload()
-    metrics.update({"colocate/onload_s": back.seconds, "colocate/offload_s": away.seconds,
-                    "colocate/offloaded_bytes": float(away.bytes)})
-    return metrics, published
+    return step.with_metrics({"colocate/onload_s": back.seconds, "colocate/offload_s": away.seconds,
+                              "colocate/offloaded_bytes": float(away.bytes)}), published
 
 
 def publish_settled(publisher: WeightPublisher, service: TrainerService) -> WeightHandle:
@@ -263,13 +263,13 @@ def _trainer_main(cfg_json: str, extra: dict[str, Any], checkpoint: str, threads
             elif service.has_step():
                 publisher.settle()  # nothing reads the weights any more (broadcast) when the step changes them
                 if colocated:
-                    metrics, handle = colocated_step(service, partial(publish_settled, publisher, service))
+                    step, handle = colocated_step(service, partial(publish_settled, publisher, service))
                 else:
-                    metrics = service.train_step()
+                    step = service.run_step()
                     handle = publish(publisher, service)
-                outbox.put(Stepped(metrics, handle))
+                outbox.put(Stepped(step.with_weights(handle)))
             else:
-                outbox.put(Stepped(None, None))
+                outbox.put(Stepped(None))
     except BaseException:  # noqa: BLE001 - reported to the client, which restarts the trainer or stops
         outbox.put(Failed(traceback.format_exc()))
     finally:

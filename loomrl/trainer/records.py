@@ -15,9 +15,9 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from loomrl.run_folder import RunFolder
 from loomrl.types import TrainingSample, Trajectory
 
-TRAIN_RECORDS = "train_records.jsonl"
 GAP_DECIMALS = 4  # 1e-4 nats: below what a colour shows, and it keeps a line short
 
 
@@ -60,13 +60,13 @@ def train_records(step: int, trajectories: list[Trajectory], samples: list[Train
 
 
 def append_records(run_dir: Path, records: list[TrainRecord]) -> None:
-    with (Path(run_dir) / TRAIN_RECORDS).open("a") as f:
+    with RunFolder(run_dir).train_records.open("a") as f:
         f.write("".join(json.dumps(asdict(r)) + "\n" for r in records))
 
 
 def cut_records(run_dir: Path, step: int | None) -> None:
     """Keep the records of steps <= `step` (None: none): a resume from that checkpoint, or a restart without one."""
-    cut_to_step(Path(run_dir) / TRAIN_RECORDS, step)
+    cut_to_step(RunFolder(run_dir).train_records, step)
 
 
 def cut_to_step(path: Path, step: int | None) -> None:

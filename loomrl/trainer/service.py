@@ -2,7 +2,8 @@
 checkpoints. It runs in the rollout's process (sync mode) or in its own process (async mode); either
 way it is fed groups with their data positions and answers with new weights and metrics. A step (run_step) composes
 selection.py (what the step's groups give the trainer, the lag decay, the consumption metrics), the Trainer's step,
-the ledger line and the train records, and returns a typed StepOutcome (train_step: its metrics, for the runtime).
+the ledger line and the train records, and returns a typed TrainStep (trainer_boundary.py), which the runtime's
+Trainer hands to the driver.
 
 Ledger (RUN/ledger.jsonl): one line per training step naming every trajectory it consumed, by fate
 (trained, skipped with reason, dropped as stale). On resume the lines after the checkpoint's step are
@@ -12,8 +13,6 @@ per trajectory trained, the advantages it was trained with and its engine-vs-tra
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +21,7 @@ import torch
 from loomrl.buffer import Buffer
 from loomrl.buffer.buffer import group_min_version
 from loomrl.config import RunConfig
+from loomrl.run_folder import LedgerEntry, RunFolder, append_line
 from loomrl.trainer.checkpoint import Retention, load_state, save_checkpoint, set_rng_state
 from loomrl.trainer.credit import AdvantageRule, GroupCredit
 from loomrl.trainer.distributed import Gather
@@ -30,6 +30,7 @@ from loomrl.trainer.ranks import RankGroup, build_trainer
 from loomrl.trainer.records import append_records, cut_records, cut_to_step, train_records
 from loomrl.trainer.selection import Selection, balance, consumption_metrics, lag_weighted, select_groups
 from loomrl.trainer.trainer import StepStats
+from loomrl.trainer_boundary import PositionSet, TrainStep
 from loomrl.types import TrainingSample, Trajectory
 from loomrl.weights.source import DictSource, WeightSource, dtype_name
 
@@ -40,39 +41,12 @@ if TYPE_CHECKING:
 CHECKPOINT_BUCKET_BYTES = 2 << 30
 
 
-class PositionSet:
-    """Positions received so far, kept as a watermark plus the few above it; PositionSet(**s.state()) copies s."""
-
-    def __init__(self, watermark: int = 0, above: set[int] | None = None):
-        self.watermark = watermark  # every position < watermark is in the set
-        self.above = set(above or ())
-
-    def add(self, p: int) -> None:
-        self.above.add(p)
-        while self.watermark in self.above:
-            self.above.discard(self.watermark)
-            self.watermark += 1
-
-    def __contains__(self, p: int) -> bool:
-        return p < self.watermark or p in self.above
-
-    def state(self) -> dict[str, Any]:
-        return {"watermark": self.watermark, "above": sorted(self.above)}
-
-
-def read_ledger(run_dir: Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "ledger.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def repair_ledger_for_restart(run_dir: Path, checkpoint: Path | None) -> None:
     """Before a trainer restarts after a crash with no checkpoint: the model starts over, and so do its ledger and
     train records. From a checkpoint, TrainerService cuts both back to its step (a last line torn by the kill with
     them: that step was logged before its checkpoint was written, so it is undone anyway)."""
     if checkpoint is None:
-        cut_to_step(Path(run_dir) / "ledger.jsonl", None)
+        cut_to_step(RunFolder(run_dir).ledger, None)
         cut_records(run_dir, None)
 
 
@@ -89,33 +63,6 @@ def advantage_metrics(samples: list[TrainingSample], credits: list[GroupCredit],
     if rule.credit == "turn":
         out["advantage/fallback_turns"] = sum(c.fallback_turns for c in credits)
     return out
-
-
-@dataclass(slots=True, kw_only=True)
-class StepOutcome:
-    """What one TrainerService step did: the version it left the policy at, whether an optimizer step ran (some group
-    had signal), its metrics (what the driver logs) and the trajectories it dropped as stale."""
-
-    version: int
-    trained: bool
-    metrics: dict[str, float]
-    stale: list[str]
-
-
-@dataclass(slots=True, kw_only=True)
-class LedgerEntry:
-    """One line of RUN/ledger.jsonl: every trajectory a step consumed, by fate."""
-
-    step: int
-    trained: list[str]
-    skipped: dict[str, list[str]]
-    stale: list[str]
-
-
-def write_ledger(path: Path, entry: LedgerEntry) -> None:
-    """Append `entry` to the ledger at `path`."""
-    with path.open("a") as f:
-        f.write(json.dumps(asdict(entry)) + "\n")
 
 
 class TrainerService:
@@ -136,7 +83,7 @@ class TrainerService:
         # the metrics of the step the latest checkpoint was taken at: a trainer that dies after writing
         # it but before reporting the step gives them to the driver when it restarts from it
         self.last_metrics: dict[str, Any] | None = None
-        self.ledger_path = self.run_dir / "ledger.jsonl"
+        self.ledger_path = RunFolder(self.run_dir).ledger
         if resume_from is not None:
             state = load_state(resume_from)
             self.received = PositionSet(**state["received"])
@@ -186,7 +133,7 @@ class TrainerService:
     def has_step(self) -> bool:
         return not self.done and self.buffer.takeable() >= self.cfg.trainer.groups_per_step
 
-    def run_step(self) -> StepOutcome:
+    def run_step(self) -> TrainStep:
         """Consume one step's groups, update the policy (when any group has signal), log the ledger."""
         version, depth = self.version, len(self.buffer)
         groups, stale = self.buffer.take(self.cfg.trainer.groups_per_step, version)
@@ -202,8 +149,8 @@ class TrainerService:
         stats = self._train(samples, chosen, rule, metrics)
         metrics["staleness_max"] = max(staleness) if staleness else 0
         stale_ids = [t.trajectory_id for g in stale for t in g]
-        write_ledger(self.ledger_path, LedgerEntry(step=self.version, trained=chosen.trained, skipped=chosen.skipped,
-                                                   stale=stale_ids))
+        append_line(self.ledger_path, LedgerEntry(step=self.version, trained=chosen.trained, skipped=chosen.skipped,
+                                                  stale=stale_ids))
         if stats is not None:
             kept = set(chosen.trained)  # the balance filter may have left some out
             trajectories = [t for t in chosen.trajectories if t.trajectory_id in kept]
@@ -212,11 +159,7 @@ class TrainerService:
         if (every and self.version % every == 0) or self.done:
             self.last_metrics = metrics
             self.checkpoint()
-        return StepOutcome(version=self.version, trained=stats is not None, metrics=metrics, stale=stale_ids)
-
-    def train_step(self) -> dict[str, Any]:
-        """run_step's metrics: what the runtime's driver logs (its callers take a dict)."""
-        return self.run_step().metrics
+        return TrainStep(version=self.version, trained=stats is not None, metrics=metrics, groups_stale=len(stale))
 
     def _train(self, samples: list[TrainingSample], chosen: Selection, rule: AdvantageRule,
                metrics: dict[str, float]) -> StepStats | None:

@@ -32,7 +32,7 @@ from loomrl.view.groups import (
     recorded_advantage,
     trained_source,
 )
-from loomrl.view.run_folder import TRAINING_STORE, RunFolder, RunFolderError
+from loomrl.view.run_folder import TRAINING_STORE, RunFolderError, RunReader
 from loomrl.view.tokens import TokenText, token_gaps
 
 STATIC = Path(__file__).parent / "static"
@@ -46,17 +46,17 @@ class Runs:
     """The runs the viewer was given, by key (the folder's name; a second folder of the same name gets `name~2`)."""
 
     def __init__(self, paths: list[Path]):
-        self.by_key: dict[str, RunFolder] = {}
+        self.by_key: dict[str, RunReader] = {}
         self.tokens: dict[str, TokenText] = {}
         for path in paths:
-            run = RunFolder(path)
+            run = RunReader(path)
             key, n = run.name, 1
             while key in self.by_key:
                 n += 1
                 key = f"{run.name}~{n}"
             self.by_key[key] = run
 
-    def get(self, key: str) -> RunFolder:
+    def get(self, key: str) -> RunReader:
         if key not in self.by_key:
             raise HTTPException(404, f"no run '{key}'; the viewer has {sorted(self.by_key)}")
         return self.by_key[key]
@@ -79,7 +79,7 @@ def create_app(paths: list[Path]) -> FastAPI:
     runs = Runs([Path(p) for p in paths])
     app = FastAPI(title="loomrl view", docs_url=None, redoc_url=None)
 
-    def store(run: RunFolder, name: str):
+    def store(run: RunReader, name: str):
         try:
             return run.store(name)
         except RunFolderError as err:
@@ -105,9 +105,8 @@ def create_app(paths: list[Path]) -> FastAPI:
     @app.get("/api/steps")
     def api_steps(run: str) -> dict[str, Any]:
         folder = runs.get(run)
-        steps = [{"step": e["step"], "trained": len(e.get("trained", [])),
-                  "skipped": {k: len(v) for k, v in e.get("skipped", {}).items()}, "stale": len(e.get("stale", []))}
-                 for e in folder.ledger.read()]
+        steps = [{"step": e.step, "trained": len(e.trained), "skipped": {k: len(v) for k, v in e.skipped.items()},
+                  "stale": len(e.stale)} for e in folder.steps()]
         fates = folder.fates()
         pending = sum(1 for r in folder.store().rows() if r.trajectory_id not in fates)
         return {"steps": steps, "pending": pending, "stored": len(folder.store().rows())}
@@ -181,7 +180,7 @@ def create_app(paths: list[Path]) -> FastAPI:
             out.append({**{k: v for k, v in e.items() if k != "trajectory_ids"},
                         "step": consumed[0].step if consumed else None,
                         "fate": consumed[0].fate if consumed else "pending"})
-        recorded = (folder.path / "groups.jsonl").is_file()
+        recorded = folder.folder.groups.is_file()
         return {"groups": out, "recorded": recorded}
 
     @app.get("/")

@@ -1,4 +1,5 @@
-"""RunFolder: one run folder as the viewer follows it, while the run writes it and after.
+"""RunReader: one run folder as the viewer follows it, while the run writes it and after (its names and records:
+loomrl/run_folder.py).
 
 What it reads: metrics.jsonl (from a byte offset: only the lines appended since the last read), ledger.jsonl (which
 step trained each trajectory, or why it was left out), train_records.jsonl (per trajectory trained, its advantages
@@ -19,9 +20,10 @@ from typing import Any
 
 import yaml
 
+from loomrl.run_folder import CONFIG, METRICS, TRAJECTORIES, LedgerEntry, RunFolder
 from loomrl.view.store_index import StoreIndex
 
-TRAINING_STORE = "trajectories"
+TRAINING_STORE = TRAJECTORIES
 
 
 class RunFolderError(ValueError):
@@ -65,22 +67,23 @@ class JsonLines:
             return self.records
 
 
-class RunFolder:
+class RunReader:
     """One run folder: its name, metrics, ledger, group events and stores, each read as it grows."""
 
     def __init__(self, path: Path):
-        self.path = Path(path)
+        self.folder = RunFolder(Path(path))
+        self.path = self.folder.path
         if not self.path.is_dir():
             raise RunFolderError(f"loomrl view: '{path}' is not a folder; give a run folder (output_dir/name, the "
-                                 "one holding config.yaml and metrics.jsonl)")
-        if not (self.path / "config.yaml").is_file() and not (self.path / "metrics.jsonl").is_file():
-            raise RunFolderError(f"loomrl view: '{path}' has no config.yaml or metrics.jsonl; give a run folder "
+                                 f"one holding {CONFIG} and {METRICS})")
+        if not self.folder.config.is_file() and not self.folder.metrics.is_file():
+            raise RunFolderError(f"loomrl view: '{path}' has no {CONFIG} or {METRICS}; give a run folder "
                                  "(output_dir/name), not its parent or a checkpoint")
         self.name = self.path.name
-        self.metrics = JsonLines(self.path / "metrics.jsonl")
-        self.ledger = JsonLines(self.path / "ledger.jsonl")
-        self.group_events = JsonLines(self.path / "groups.jsonl")
-        self.train_records = JsonLines(self.path / "train_records.jsonl")
+        self.metrics = JsonLines(self.folder.metrics)
+        self.ledger = JsonLines(self.folder.ledger)
+        self.group_events = JsonLines(self.folder.groups)
+        self.train_records = JsonLines(self.folder.train_records)
         self._stores: dict[str, StoreIndex] = {}
         self._fates: dict[str, Fate] = {}
         self._ledger_seen = 0
@@ -89,12 +92,12 @@ class RunFolder:
         self._lock = threading.Lock()  # the app answers requests on a thread pool
 
     def config(self) -> dict[str, Any]:
-        path = self.path / "config.yaml"
+        path = self.folder.config
         return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
 
     def summary(self) -> dict[str, Any] | None:
         """summary.json: written when a segment of the run ends (None: the run has not ended yet)."""
-        path = self.path / "summary.json"
+        path = self.folder.summary
         try:
             return json.loads(path.read_text()) if path.is_file() else None
         except json.JSONDecodeError:  # being rewritten right now
@@ -103,22 +106,25 @@ class RunFolder:
     def live(self) -> bool:
         """Whether the run is (as far as its folder says) still training: no summary.json yet, or metrics written
         after it (a resumed run)."""
-        summary, metrics = self.path / "summary.json", self.path / "metrics.jsonl"
+        summary, metrics = self.folder.summary, self.folder.metrics
         if not summary.is_file():
             return True
         return metrics.is_file() and metrics.stat().st_mtime > summary.stat().st_mtime
 
     def store_names(self) -> list[str]:
         """The stores: the training rollouts, then each evaluation (evaluations/<label>-step<N>)."""
-        evals = sorted(p.name for p in (self.path / "evaluations").glob("*") if p.is_dir())
-        return [TRAINING_STORE, *(f"evaluations/{e}" for e in evals)]
+        return self.folder.store_names()
 
     def store(self, name: str = TRAINING_STORE) -> StoreIndex:
         if name not in self._stores:
             if name not in self.store_names():
                 raise RunFolderError(f"run {self.name}: no trajectory store '{name}'; it has {self.store_names()}")
-            self._stores[name] = StoreIndex(self.path / name)
+            self._stores[name] = StoreIndex(self.folder.store(name))
         return self._stores[name]
+
+    def steps(self) -> list[LedgerEntry]:
+        """The ledger's lines so far, one per step trained."""
+        return [LedgerEntry.from_json(line) for line in self.ledger.read()]
 
     def fates(self) -> dict[str, Fate]:
         """trajectory_id -> what the trainer did with it, from the ledger (read incrementally)."""
@@ -126,14 +132,14 @@ class RunFolder:
             ledger = self.ledger.read()
             if len(ledger) < self._ledger_seen:  # cut by a resume: joined anew
                 self._fates, self._ledger_seen = {}, 0
-            for entry in ledger[self._ledger_seen:]:
-                step = entry["step"]
-                for tid in entry.get("trained", []):
+            for entry in map(LedgerEntry.from_json, ledger[self._ledger_seen:]):
+                step = entry.step
+                for tid in entry.trained:
                     self._fates[tid] = Fate(step=step, fate="trained")
-                for reason, ids in entry.get("skipped", {}).items():
+                for reason, ids in entry.skipped.items():
                     for tid in ids:
                         self._fates[tid] = Fate(step=step, fate="skipped", reason=reason)
-                for tid in entry.get("stale", []):
+                for tid in entry.stale:
                     self._fates[tid] = Fate(step=step, fate="stale", reason="older than buffer.max_policy_lag allows")
             self._ledger_seen = len(ledger)
             return self._fates

@@ -14,6 +14,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from loomrl.run_folder import RunFolder
+
 log = logging.getLogger("loomrl.view")
 # One load at a time in this process: two threads importing transformers at once (the page opens several runs and
 # each starts its tokenizer) can see its lazy module half-initialised ("cannot import name 'AutoTokenizer'").
@@ -50,13 +52,14 @@ class TokenText:
     def _load(self) -> Any:
         from transformers import AutoTokenizer
 
-        saved = sorted((self.run_dir / "checkpoints").glob("step_*/model/tokenizer_config.json"))
+        folder = RunFolder(self.run_dir)
+        saved = [c.model for c in folder.saved_checkpoints() if (c.model / "tokenizer_config.json").is_file()]
         if saved:
-            return AutoTokenizer.from_pretrained(saved[-1].parent)
+            return AutoTokenizer.from_pretrained(saved[-1])
         from loomrl.config import load_config
         from loomrl.model.loader import load_tokenizer
 
-        return load_tokenizer(load_config(str(self.run_dir / "config.yaml"), []).model)
+        return load_tokenizer(load_config(str(folder.config), []).model)
 
     def tokenizer(self) -> Any:
         with self._lock:

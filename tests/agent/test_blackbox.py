@@ -158,9 +158,9 @@ def test_agent_past_its_budget_gets_an_error_and_the_trajectory_is_truncated(tin
 
 def test_blackbox_example_trains_asynchronously(tmp_path):
     from loomrl.config import load_config
+    from loomrl.run_folder import read_ledger
     from loomrl.runtime.run import train
     from loomrl.store import read_trajectories
-    from loomrl.trainer.service import read_ledger
 
     cfg = load_config(ROOT / "examples" / "blackbox_agent" / "train.yaml", [
         f"output_dir={tmp_path}", "progress=false", "model.kind=tiny", "trainer.total_steps=2",
@@ -173,7 +173,7 @@ def test_blackbox_example_trains_asynchronously(tmp_path):
     rows = read_trajectories(cfg.run_dir / "trajectories").to_pylist()
     white_box_columns = set(rows[0])  # the same store schema as white-box runs
     assert {"token_ids", "loss_mask", "logprobs", "versions", "turns"} <= white_box_columns
-    trained = {tid for entry in read_ledger(cfg.run_dir) for tid in entry["trained"]}
+    trained = {tid for entry in read_ledger(cfg.run_dir) for tid in entry.trained}
     # parity rewards vary within a group of 4 except with probability 1/8; 4 groups all flat: 1 in 4096
     assert trained and trained <= {r["trajectory_id"] for r in rows}
     for r in rows:

@@ -245,14 +245,15 @@ def offline_wandb(monkeypatch):
 
 
 def test_the_wandb_sink_logs_every_number_against_the_training_step(tmp_path, offline_wandb):
-    from loomrl.metrics.wandb import ID_FILE, WandbSink
+    from loomrl.metrics.wandb import WandbSink
+    from loomrl.run_folder import WANDB_RUN_ID
 
     # no metrics.wandb.mode: W&B's own choice, WANDB_MODE=offline here
     sink = WandbSink(WandbConfig(tags=["unit"]), tmp_path, "unit-run", {"trainer": {"lr": 0.1}})
     log_all(sink)
     sink.close()
     run = wandb_run(tmp_path)
-    assert run["ids"] == [(tmp_path / ID_FILE).read_text().strip()]
+    assert run["ids"] == [(tmp_path / WANDB_RUN_ID).read_text().strip()]
     assert run["config"]["trainer"] == {"lr": 0.1} and run["tags"] == ["unit"] and run["name"] == "unit-run"
     # every record with a number is a row; the rollback's (a reason only) is not, nor is NaN a value
     assert run["rows"] == [{"eval/success": 0.25, "eval/n": 4, "step": 0},
@@ -270,7 +271,7 @@ def test_wandb_online_without_a_login_stops_the_run_before_it_starts_and_says_of
 
 @pytest.mark.integration
 def test_a_tiny_training_run_leaves_an_offline_wandb_run_holding_its_metrics(tmp_path, offline_wandb):
-    from loomrl.metrics.wandb import ID_FILE
+    from loomrl.run_folder import WANDB_RUN_ID
     from loomrl.runtime.run import train
 
     overrides = [f"output_dir={tmp_path}", "progress=false", "runtime.mode=sync", "trainer.total_steps=2",
@@ -279,7 +280,7 @@ def test_a_tiny_training_run_leaves_an_offline_wandb_run_holding_its_metrics(tmp
     cfg = load_checked(RECIPE, overrides)
     train(cfg)
     run = wandb_run(cfg.run_dir)
-    assert run["ids"] == [(cfg.run_dir / ID_FILE).read_text().strip()]
+    assert run["ids"] == [(cfg.run_dir / WANDB_RUN_ID).read_text().strip()]
     assert run["config"]["trainer"]["total_steps"] == 2 and run["config"]["runtime"]["mode"] == "sync"
     assert run["tags"] == ["tiny"] and run["name"] == cfg.name
     # W&B holds what metrics.jsonl holds: every number of every record, train and eval, at its training step

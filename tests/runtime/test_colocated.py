@@ -37,13 +37,13 @@ def recording(calls: list[str]):
             await wake()
 
         async def training():
-            metrics = await train_step()
-            calls.append("train" if metrics is not None else "nothing")
-            return metrics
+            step = await train_step()
+            calls.append("train" if step is not None else "nothing")
+            return step
 
-        async def publishing(version: int) -> None:
+        async def publishing(version: int, weights) -> None:
             calls.append("publish")
-            await publish(version)
+            await publish(version, weights)
 
         rollouts.sleep, rollouts.wake, trainer.train_step, route.publish = sleeping, waking, training, publishing
         return parts

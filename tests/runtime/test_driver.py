@@ -3,8 +3,8 @@ discards what it must, eval, and the accounting identity, in milliseconds (no mo
 
 The backend is a test double of the whole rollout and trainer side (what cannot run in milliseconds): rollouts
 finish after a short asyncio sleep with rewards that differ within a group, the trainer takes a step when it holds
-groups_per_step groups, writes the ledger line a real TrainerService writes (trainer/service.py), and "checkpoints"
-in memory (its version, the positions it received, its buffer). Its script says which attempts die (RolloutLost) and
+groups_per_step groups, writes the ledger line a real TrainerService writes (trainer/service.py), answers a TrainStep
+whose weights name its version, and "checkpoints" in memory (its version, the positions it received, its buffer). Its script says which attempts die (RolloutLost) and
 at which step the trainer dies (TrainerLost). What the driver decides is real: runtime/driver.py runs unchanged.
 """
 
@@ -13,16 +13,17 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import pytest
 
 from loomrl.config import load_config
+from loomrl.run_folder import LedgerEntry, RunFolder, append_line, read_ledger
 from loomrl.runtime.driver import Driver
 from loomrl.runtime.failures import CannotStart, EngineLost, RolloutLost, RunError, TrainerLost
 from loomrl.runtime.parts import Parts, RolloutReport, Rollouts, Trainer, TrainerState, WeightRoute
-from loomrl.trainer.service import PositionSet, read_ledger
+from loomrl.trainer_boundary import PositionSet, TrainStep
 from loomrl.types import EvalRecord, Evaluation, Trajectory, TrajectoryMetadata
 
 
@@ -58,6 +59,7 @@ class ScriptedBackend:
         self.cfg, self.script = cfg, script
         self.B, self.G = cfg.trainer.groups_per_step, cfg.trainer.group_size
         self.published = -1
+        self.weights_published: list[tuple[int, Any]] = []  # (version, the weights its publish was handed)
         self.version = 0
         self.received = PositionSet()
         self.buffer: list[tuple[int, list[Trajectory]]] = []
@@ -103,10 +105,11 @@ class ScriptedBackend:
     async def wake_engines(self) -> None:
         self.calls.append("wake")
 
-    async def publish(self, version: int) -> None:
+    async def publish(self, version: int, weights: Any) -> None:
         if version == self.script.engine_lost_at:
             raise EngineLost(f"the engine could not load the weights of version {version}")
         self.published = version
+        self.weights_published.append((version, weights))
         self.calls.append(f"publish:{version}")
 
     def step_metrics(self) -> dict[str, float]:
@@ -122,9 +125,10 @@ class ScriptedBackend:
         self.version, self.received = ckpt.version, PositionSet(**ckpt.received.state())
         self.buffer = list(ckpt.buffer)
         self.sent = {}
-        ledger = [e for e in read_ledger(self.cfg.run_dir) if e["step"] <= ckpt.version]
-        (self.cfg.run_dir / "ledger.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ledger))
-        return TrainerState(version=self.version, received=PositionSet(**self.received.state()))
+        ledger = [e for e in read_ledger(self.cfg.run_dir) if e.step <= ckpt.version]
+        RunFolder(self.cfg.run_dir).ledger.write_text("".join(json.dumps(asdict(e)) + "\n" for e in ledger))
+        return TrainerState(version=self.version, received=PositionSet(**self.received.state()),
+                            weights=f"weights of version {self.version}, start {self.trainer_starts}")
 
     def stop_trainer(self) -> None:
         self.calls.append("stop_trainer")
@@ -137,7 +141,7 @@ class ScriptedBackend:
     async def trainer_has_step(self) -> bool:
         return len(self.buffer) >= self.B
 
-    async def train_step(self) -> dict[str, Any] | None:
+    async def train_step(self) -> TrainStep | None:
         if len(self.buffer) < self.B:
             return None
         await asyncio.sleep(self.script.train_s)
@@ -152,12 +156,15 @@ class ScriptedBackend:
             (stale if len(stale) < self.script.stale_at.get(step, 0) else taken).append(self.buffer.pop(0))
         lag = max(step - 1 - min(t.metadata.policy_version_min for _, g in taken for t in g), 0)
         self.version = step
-        with (self.cfg.run_dir / "ledger.jsonl").open("a") as f:
-            f.write(json.dumps({"step": step, "trained": [t.trajectory_id for _, g in taken for t in g],
-                                "skipped": {}, "stale": [t.trajectory_id for _, g in stale for t in g]}) + "\n")
+        append_line(RunFolder(self.cfg.run_dir).ledger, LedgerEntry(
+            step=step, trained=[t.trajectory_id for _, g in taken for t in g], skipped={},
+            stale=[t.trajectory_id for _, g in stale for t in g]))
         if step % self.script.checkpoint_every == 0:
             self.checkpoint = Checkpoint(step, PositionSet(**self.received.state()), list(self.buffer))
-        return {"groups": len(taken), "groups_stale": len(stale), "train/loss": 0.1, "policy_lag_max": lag}
+        # the stale count travels as the step's field only (the driver reads no control value out of the metrics)
+        return TrainStep(version=step, trained=True, metrics={"groups": len(taken), "train/loss": 0.1,
+                                                              "policy_lag_max": lag},
+                         groups_stale=len(stale), weights=f"weights of version {step}, start {self.trainer_starts}")
 
 
 class ScriptedRollouts(Rollouts):
@@ -204,7 +211,7 @@ class ScriptedTrainer(Trainer):
     async def has_step(self) -> bool:
         return await self.b.trainer_has_step()
 
-    async def train_step(self) -> dict[str, Any] | None:
+    async def train_step(self) -> TrainStep | None:
         return await self.b.train_step()
 
 
@@ -212,8 +219,8 @@ class ScriptedRoute(WeightRoute):
     def __init__(self, backend: ScriptedBackend):
         self.b = backend
 
-    async def publish(self, version: int) -> None:
-        await self.b.publish(version)
+    async def publish(self, version: int, weights: Any) -> None:
+        await self.b.publish(version, weights)
 
     def step_metrics(self) -> dict[str, float]:
         return {}
@@ -247,8 +254,8 @@ def fates(acc: dict[str, Any]) -> int:
 
 def assert_each_step_once(cfg, steps: int) -> list[str]:
     ledger = read_ledger(cfg.run_dir)
-    assert [e["step"] for e in ledger] == list(range(1, steps + 1))
-    trained = [t for e in ledger for t in e["trained"]]
+    assert [e.step for e in ledger] == list(range(1, steps + 1))
+    trained = [t for e in ledger for t in e.trained]
     assert len(trained) == len(set(trained)), "a trajectory was trained twice"
     positions = [t.split("a")[0] for t in trained]
     assert all(positions.count(p) == 4 for p in positions), "a position was trained twice (or in part)"
@@ -288,10 +295,22 @@ def test_groups_dropped_as_stale_let_as_many_fresh_positions_in(tmp_path):
     cfg = config(tmp_path, "runtime.mode=async", "buffer.max_policy_lag=1")
     summary, backend = run(cfg, Script(stale_at={2: 1, 4: 1}))
     ledger = read_ledger(cfg.run_dir)
-    assert [e["step"] for e in ledger] == list(range(1, 7)) and sum(len(e["stale"]) for e in ledger) == 2 * 4
+    assert [e.step for e in ledger] == list(range(1, 7)) and sum(len(e.stale) for e in ledger) == 2 * 4
     assert sorted(p for p, _, _ in backend.dispatched) == list(range(6 * 2 + 2))
     acc = summary["accounting"]
     assert acc["violations"] == [] and acc["launched"] == fates(acc) and acc["stale"] == 2 * 4
+
+
+def test_each_version_is_published_with_the_weights_the_trainer_gave_with_it(tmp_path):
+    """The route is handed each version's weights by the driver, from the trainer's own answer (TrainerState at a
+    start, the TrainStep of each step): after a restart the fresh trainer's, never a reference the route fetched from
+    the trainer on the side."""
+    cfg = config(tmp_path, "runtime.mode=async", "buffer.max_policy_lag=1")
+    _, backend = run(cfg, Script(trainer_dies_at={3}))
+    assert backend.trainer_starts == 2
+    # the first trainer publishes 0, 1, 2 (dies at 3); the second restarts from its checkpoint at 2 and goes on
+    assert backend.weights_published == [(v, f"weights of version {v}, start 1") for v in (0, 1, 2)] + [
+        (v, f"weights of version {v}, start 2") for v in range(2, 7)]
 
 
 def test_a_lost_rollout_runs_again_after_its_backoff_and_a_position_that_keeps_dying_is_given_up(tmp_path):

@@ -17,9 +17,9 @@ from scripted_engine import ScriptedEngine
 from loomrl.config import load_config
 from loomrl.env.sandbox.bwrap import bwrap_available
 from loomrl.metrics.logger import read_metrics
+from loomrl.run_folder import read_ledger
 from loomrl.runtime.run import train
 from loomrl.store import read_trajectories
-from loomrl.trainer.service import read_ledger
 
 pytestmark = pytest.mark.integration  # starts processes, servers or training runs: not in `make test-fast`
 
@@ -33,7 +33,7 @@ def _cfg(tmp_path, *overrides):
 
 
 def _trained_ids(run_dir):
-    return [tid for entry in read_ledger(run_dir) for tid in entry["trained"]]
+    return [tid for entry in read_ledger(run_dir) for tid in entry.trained]
 
 
 def test_async_run_checkpoint_and_resume_trains_nothing_twice(tmp_path):
@@ -41,7 +41,7 @@ def test_async_run_checkpoint_and_resume_trains_nothing_twice(tmp_path):
     summary = train(cfg)
     run_dir = cfg.run_dir
     assert summary["steps"] == 3
-    assert [e["step"] for e in read_ledger(run_dir)] == [1, 2, 3]
+    assert [e.step for e in read_ledger(run_dir)] == [1, 2, 3]
     check_run(run_dir, summary, 3)  # the accounting identity, on a local run as on Ray
     first_ids = _trained_ids(run_dir)
     assert first_ids, "the parity reward gives groups variance, so something must have been trained"
@@ -55,10 +55,10 @@ def test_async_run_checkpoint_and_resume_trains_nothing_twice(tmp_path):
                     resume=True)
     assert summary["steps"] == 5
     ledger = read_ledger(run_dir)
-    assert [e["step"] for e in ledger] == [1, 2, 3, 4, 5]  # step 3 of the crashed segment was cut
+    assert [e.step for e in ledger] == [1, 2, 3, 4, 5]  # step 3 of the crashed segment was cut
     all_ids = _trained_ids(run_dir)
     assert len(all_ids) == len(set(all_ids)), "a trajectory was trained twice"
-    consumed = [tid for e in ledger for tid in e["trained"] + [t for ids in e["skipped"].values() for t in ids] + e["stale"]]
+    consumed = [tid for e in ledger for tid in e.trained + [t for ids in e.skipped.values() for t in ids] + e.stale]
     assert len(consumed) == len(set(consumed))
     # Everything the ledger consumed is in the store; each group of 4 has one data position.
     rows = read_trajectories(run_dir / "trajectories").to_pylist()
@@ -69,12 +69,12 @@ def test_async_run_checkpoint_and_resume_trains_nothing_twice(tmp_path):
         positions.setdefault(stored[tid]["position"], []).append(tid)
     assert all(len(v) == 4 for v in positions.values())
     # The resumed segment sampled with weights of version >= 2 (the checkpoint it resumed from).
-    resumed_versions = [stored[t]["policy_version_min"] for e in ledger if e["step"] >= 4 for t in e["trained"]]
+    resumed_versions = [stored[t]["policy_version_min"] for e in ledger if e.step >= 4 for t in e.trained]
     assert resumed_versions and min(resumed_versions) >= 2
     # Staleness stayed within max_policy_lag for everything trained.
     for e in ledger:
-        for tid in e["trained"]:
-            assert e["step"] - 1 - stored[tid]["policy_version_min"] <= cfg.buffer.max_policy_lag
+        for tid in e.trained:
+            assert e.step - 1 - stored[tid]["policy_version_min"] <= cfg.buffer.max_policy_lag
     assert (ckpts / "step_000004" / "model" / "config.json").is_file()
     assert (run_dir / "config.yaml").is_file() and list((run_dir / "tensorboard").iterdir())
     assert any(m["kind"] == "train" and "train/loss" in m for m in read_metrics(run_dir))
@@ -327,7 +327,7 @@ def test_async_run_serves_a_bfloat16_engine_from_float32_masters(tmp_path):
     with safe_open(str(latest_checkpoint(cfg.run_dir) / "model" / "model.safetensors"), framework="pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
     stored = {r["trajectory_id"]: r for r in read_trajectories(cfg.run_dir / "trajectories").to_pylist()}
-    last = [stored[t]["policy_version_min"] for e in read_ledger(cfg.run_dir) if e["step"] == 3 for t in e["trained"]]
+    last = [stored[t]["policy_version_min"] for e in read_ledger(cfg.run_dir) if e.step == 3 for t in e.trained]
     assert all(v >= 1 for v in last)
     assert any(m["kind"] == "train" and m.get("weight_sync/apply_s", 0) > 0 for m in read_metrics(cfg.run_dir))
     # every version the engine loaded was confirmed against the trainer's fingerprint (all 20 tensors of the model)

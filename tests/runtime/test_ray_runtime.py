@@ -24,8 +24,8 @@ from ledger_checks import check_each_trajectory_once, check_run
 from ray_clusters import kill_tagged, tagged
 
 from loomrl.metrics.logger import read_metrics
+from loomrl.run_folder import LedgerEntry, read_ledger
 from loomrl.store import read_rows, read_trajectories
-from loomrl.trainer.service import read_ledger
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "examples" / "calculator_tiny.yaml"
@@ -152,7 +152,7 @@ def _the_viewer_reads_it(run_dir) -> None:
     assert trained_steps and [m["step"] for m in shown] == [m["step"] for m in trained_steps]
     timeline = client.get("/api/timeline", params={"run": run_dir.name}).json()
     assert timeline["recorded"] and all(g["slowest"]["gen_s"] > 0 for g in timeline["groups"] if g["slowest"])
-    trained = [t for e in read_ledger(run_dir) for t in e["trained"]]
+    trained = [t for e in read_ledger(run_dir) for t in e.trained]
     body = client.get("/api/trajectory", params={"run": run_dir.name, "id": trained[0]}).json()
     assert body["advantage_source"].startswith("as trained (step") and body["logprob_gap"].startswith("recorded")
     assert any(g is not None for ctx in body["contexts"] for g in ctx["gap"] or [])
@@ -270,13 +270,13 @@ def test_a_reward_actor_that_stays_dead_marks_trajectories_reward_failed_and_the
     check_each_trajectory_once(run_dir, 3)
     assert summary["accounting"]["violations"] == []
     ledger = read_ledger(run_dir)
-    skipped = [t for e in ledger for t in e["skipped"].get("reward_failed", [])]
+    skipped = [t for e in ledger for t in e.skipped.get("reward_failed", [])]
     assert skipped, ledger
     rows = {r["trajectory_id"]: r for r in read_rows(run_dir / "trajectories")}
     for tid in skipped:
         assert rows[tid]["error"].startswith("reward failed: reward actor 0: "), rows[tid]["error"]
         assert rows[tid]["reward_components"] == {"reward_failed": 0.0}
-    trained = {t for e in ledger for t in e["trained"]}
+    trained = {t for e in ledger for t in e.trained}
     assert not trained & set(skipped)
 
 
@@ -710,12 +710,12 @@ def test_accounting_flags_a_trajectory_with_two_fates_and_one_with_none():
     acc = Accounting(launched=12, returned={"a", "b", "c", "d"}, cancelled=4)
     acc.failed["actor_died"] += 4
     acc.discard(["d"], "trainer_restart")
-    ledger = [{"step": 1, "trained": ["a"], "skipped": {"zero_variance": ["b"]}, "stale": []},
-              {"step": 2, "trained": ["zz"], "skipped": {}, "stale": []}]  # zz: an earlier segment's
+    ledger = [LedgerEntry(step=1, trained=["a"], skipped={"zero_variance": ["b"]}, stale=[]),
+              LedgerEntry(step=2, trained=["zz"], skipped={}, stale=[])]  # zz: an earlier segment's
     out = acc.settle(ledger)
     assert out["violations"] == [] and out["unconsumed"] == 1  # c: sent, still buffered at the end
     assert "launched 12 = trained 1 + skipped 1 (zero_variance 1)" in ledger_line(out)
-    ledger.append({"step": 3, "trained": ["a"], "skipped": {}, "stale": ["d"]})
+    ledger.append(LedgerEntry(step=3, trained=["a"], skipped={}, stale=["d"]))
     out = acc.settle(ledger)
     assert any(v.startswith("a: trained + trained") for v in out["violations"])
     assert any(v.startswith("d: stale + discarded") for v in out["violations"])

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from loomrl.trainer.service import read_ledger
+from loomrl.run_folder import read_ledger
 
 pytestmark = pytest.mark.integration  # starts processes, servers or training runs: not in `make test-fast`
 
@@ -120,7 +120,7 @@ def test_sigterm_stops_the_run_as_ctrl_c_does_and_everything_it_started_ends(tmp
                         r"\(step (\d+)\) with: (loomrl train .* --resume)$", out, re.MULTILINE)
     assert stopped, out[-3000:]
     step, ckpt, command = int(stopped[1]), int(stopped[2]), stopped[3]
-    assert step == read_ledger(tmp_path / "term")[-1]["step"] and ckpt == step - step % 2 and ckpt >= 2
+    assert step == read_ledger(tmp_path / "term")[-1].step and ckpt == step - step % 2 and ckpt >= 2
     assert "name=term" in command and f"output_dir={tmp_path}" in command
 
 

@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 
 from loomrl.config import load_config
+from loomrl.run_folder import read_ledger, read_segments
 from loomrl.runtime.run import train
-from loomrl.runtime.summary import read_segments
-from loomrl.trainer.service import read_ledger
 
 pytestmark = pytest.mark.integration  # starts processes, servers or training runs: not in `make test-fast`
 
@@ -32,7 +31,7 @@ def test_a_resumed_run_summarises_every_segment(tmp_path):
     assert [(s.from_step, s.to_step, s.ended) for s in read_segments(run_dir)] == [(0, 2, "finished"),
                                                                                  (2, 3, "finished")]
     assert second["steps"] == 3 and second["ledger"]["steps"] == 3 and len(second["segments"]) == 2
-    assert second["ledger"]["trained"] == sum(len(e["trained"]) for e in read_ledger(run_dir))
+    assert second["ledger"]["trained"] == sum(len(e.trained) for e in read_ledger(run_dir))
     # the first segment's training episodes are still counted: 2 steps x 2 groups x 4, then 1 step
     assert second["rollouts"]["training"]["launched"] == 2 * 2 * 4 + 1 * 2 * 4
     assert second["accounting"]["launched"] == first["accounting"]["launched"] + 8

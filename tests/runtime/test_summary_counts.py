@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from loomrl.config import load_config
+from loomrl.run_folder import Segment, read_segments
 from loomrl.runtime.run import train
-from loomrl.runtime.summary import Segment, append_segment, read_segments, whole_run
+from loomrl.runtime.summary import append_segment, whole_run
 
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "calculator_tiny.yaml"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from ledger_checks import check_each_trajectory_once, check_run
 
-from loomrl.trainer.service import read_ledger
+from loomrl.run_folder import read_ledger
 
 pytestmark = pytest.mark.integration  # starts processes, servers or training runs: not in `make test-fast`
 
@@ -83,7 +83,7 @@ def test_sigkill_of_the_trainer_then_resume_accounts_for_every_trajectory_once(t
     code, out = _run_killing_the_trainer(args, env, run_dir)
     assert code != 0
     assert "trainer" in out and "--resume" in out, out[-2000:]  # says what died and what to do
-    steps_before = [e["step"] for e in read_ledger(run_dir)]
+    steps_before = [e.step for e in read_ledger(run_dir)]
     assert steps_before and steps_before[-1] < 8
 
     resumed = subprocess.run([*args, "--resume"], env=env, capture_output=True, text=True, timeout=300)
@@ -157,14 +157,14 @@ def test_a_trainer_that_dies_between_checkpoint_and_report_loses_no_metrics(tmp_
         killed = False
 
         async def train_step(self):
-            metrics = await super().train_step()
-            if metrics is not None and not self.killed:
+            step = await super().train_step()
+            if step is not None and not self.killed:
                 ckpt = self.cfg.run_dir / "checkpoints" / "step_000002"
                 if ckpt.is_dir():  # the step that wrote it: its answer is lost with the process
                     self.killed = True
                     os.kill(self._process().child.proc.pid, signal.SIGKILL)
                     raise TrainerLost("trainer process died from signal SIGKILL (injected after its checkpoint)")
-            return metrics
+            return step
 
     cfg = load_config(RECIPE, [f"output_dir={tmp_path}", "name=window", "progress=false", "eval.n_tasks=0",
                                "reward.function=rewards_for_tests:parity_reward", "trainer.total_steps=4",
@@ -173,7 +173,7 @@ def test_a_trainer_that_dies_between_checkpoint_and_report_loses_no_metrics(tmp_
 
     def parts(cfg, checkpoint):  # the real local parts, with the trainer that gets killed
         rollouts = LocalRollouts(cfg, checkpoint)
-        return Parts(rollouts, trainer, HandleRoute(cfg, rollouts, trainer))
+        return Parts(rollouts, trainer, HandleRoute(cfg, rollouts))
 
     summary = train(cfg, parts=parts)
     assert trainer.killed and summary["steps"] == 4 and summary["trainer_restarts"] == 1

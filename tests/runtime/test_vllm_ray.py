@@ -120,12 +120,12 @@ def recording(calls: list, vllm_calls: list[list[str]]):
 
         async def training():
             before = engines_last()  # asleep through the whole step (the trainer's state back on and off its device)
-            metrics = await train_step()
-            calls.append(("train" if metrics is not None else "nothing", before, engines_last()))
-            return metrics
+            step = await train_step()
+            calls.append(("train" if step is not None else "nothing", before, engines_last()))
+            return step
 
-        async def publishing(version: int) -> None:
-            await publish(version)
+        async def publishing(version: int, weights) -> None:
+            await publish(version, weights)
             calls.append(("publish", version))
 
         async def closing():

@@ -46,7 +46,7 @@ def test_an_async_run_rolls_out_through_vllm_and_loads_each_version(tmp_path, tr
 def test_the_blackbox_example_trains_through_the_gateway_on_vllm(tmp_path):
     """examples/blackbox_agent: an unmodified OpenAI-client program in a sandbox, talking to the gateway, which
     generates on vLLM; every call's tokens, logprobs and versions are recorded and trained."""
-    from loomrl.trainer.service import read_ledger
+    from loomrl.run_folder import read_ledger
 
     cfg = load_config(RECIPE.parent / "blackbox_agent" / "train.yaml", [
         f"output_dir={tmp_path}", "progress=false", "model.kind=tiny", "model.tiny.head_dim=32", "trainer.total_steps=2",
@@ -58,7 +58,7 @@ def test_the_blackbox_example_trains_through_the_gateway_on_vllm(tmp_path):
     assert summary["steps"] == 2
     check_run(cfg.run_dir, summary, 2)
     rows = read_trajectories(cfg.run_dir / "trajectories").to_pylist()
-    trained = {tid for entry in read_ledger(cfg.run_dir) for tid in entry["trained"]}
+    trained = {tid for entry in read_ledger(cfg.run_dir) for tid in entry.trained}
     assert trained and trained <= {r["trajectory_id"] for r in rows}
     for r in rows:
         assert r["status"] in ("completed", "truncated"), r["error"]

@@ -316,7 +316,7 @@ def test_turn_credit_through_the_service_with_and_without_tree_merge(tmp_path, t
         model = copy.deepcopy(tiny_model)
         service = TrainerService(cfg, model, tokenizer)
         service.receive(0, hand_group())
-        return service.train_step(), model
+        return service.run_step().metrics, model
 
     metrics, model = step(tree_merge, f"turn-{tree_merge}")
     # the pooled returns' std (0.49) is under the floor (0.6): |A| = |A_none| / 0.6, a mean over equal 3-token turns

@@ -32,8 +32,10 @@ def test_consumption_metrics_drops_and_lag_decay(tmp_path, tiny_model, tokenizer
     service.trainer.train_step = lambda samples, **_: seen.extend(samples) or _stats()
     for pos, (tag, v) in enumerate([("old", 1), ("lag2", 2), ("lag1", 3), ("fresh", 4)]):
         service.receive(pos, group(tag, v))
-    metrics = service.train_step()
+    step = service.run_step()
+    metrics = step.metrics
     assert metrics["buffer/depth"] == 4 and metrics["groups_stale"] == 1  # "old" (lag 3) dropped, counted
+    assert step.groups_stale == 1 and step.trained  # the typed step the driver reads
     assert service.buffer.dropped["stale"] == 1 and 0 < metrics["buffer/wait_s_max"] < 60  # received, then taken
     assert {k: v for k, v in metrics.items() if k.startswith("staleness/")} == {
         "staleness/lag_2": 1, "staleness/lag_1": 1, "staleness/lag_0": 1}
@@ -71,8 +73,8 @@ def test_window_sampler_holds_later_groups_until_the_oldest_is_in(tmp_path, tiny
     assert not service.has_step()  # position 0 is still running: the window [0, 2) holds p1, and p2 is outside
     service.receive(0, group("p0", 0))
     assert service.has_step()
-    service.train_step()
+    service.run_step()
     assert seen == [{"p0", "p1"}]  # the window's oldest first, then what finished inside it
     service.receive(3, group("p3", 0))
-    service.train_step()
+    service.run_step()
     assert seen[-1] == {"p2", "p3"}

@@ -17,6 +17,7 @@ from loomrl.trainer.distributed import DataParallelTrainer
 from loomrl.trainer.fsdp import fsdp_shard
 from loomrl.trainer.offload import Moved, move_state
 from loomrl.trainer.trainer import Trainer
+from loomrl.trainer_boundary import TrainStep
 from tests.dist_launch import launch_local
 from tests.trainer.test_fsdp import _samples
 
@@ -77,9 +78,9 @@ class _Service:
     def __init__(self, calls: list[str]):
         self.calls, self.trainer, self.version = calls, object(), 1
 
-    def train_step(self):
+    def run_step(self):
         self.calls.append("train")
-        return {}
+        return TrainStep(version=self.version, trained=True, metrics={}, groups_stale=0)
 
     def weight_source(self, dtype, bucket_bytes):
         return None
@@ -99,9 +100,9 @@ def test_a_colocated_step_trains_publishes_and_sends_before_the_state_leaves(mon
     calls: list[str] = []
 
     service, publisher = _Service(calls), _Publisher(calls)
-    metrics, handle = process.colocated_step(service, lambda: process.publish_settled(publisher, service))
+    step, handle = process.colocated_step(service, lambda: process.publish_settled(publisher, service))
     assert calls == ["onload", "train", "publish", "settle", "offload"]
-    assert handle == "handle 1" and metrics["colocate/offloaded_bytes"] == 8.0
+    assert handle == "handle 1" and step.metrics["colocate/offloaded_bytes"] == 8.0 and step.version == 1
 
 
 def test_colocation_with_a_broadcast_is_refused_in_one_line():

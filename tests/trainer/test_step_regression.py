@@ -135,7 +135,7 @@ def service_run(tmp_path) -> dict:
                                                     (0.5, [[17], [18, 19]])])]
             service.receive(position, group)
             position += 1
-        metrics = service.train_step()
+        metrics = service.run_step().metrics
         steps.append({k: v for k, v in metrics.items() if k not in ("train/seconds", "buffer/wait_s_mean",
                                                                      "buffer/wait_s_max")})
     ledger = [json.loads(line) for line in (cfg.run_dir / "ledger.jsonl").read_text().splitlines()]

@@ -12,11 +12,12 @@ import torch
 from test_credit import episode
 
 from loomrl.config import ModelConfig, TrainerConfig
+from loomrl.run_folder import TRAIN_RECORDS
 from loomrl.trainer.credit import AdvantageRule, group_credit
 from loomrl.trainer.forward import token_logprobs
 from loomrl.trainer.grpo import samples_from_group
 from loomrl.trainer.head import Entropies, chunked_logprobs
-from loomrl.trainer.records import TRAIN_RECORDS, append_records, cut_records, train_records
+from loomrl.trainer.records import append_records, cut_records, train_records
 from loomrl.trainer.trainer import Trainer
 from loomrl.types import TrainingSample
 

@@ -14,9 +14,9 @@ import pytest
 from conftest import add_reward_failed_group
 from fastapi.testclient import TestClient
 
-from loomrl.trainer.service import read_ledger
+from loomrl.run_folder import read_ledger
 from loomrl.view.app import create_app
-from loomrl.view.run_folder import JsonLines, RunFolder, RunFolderError
+from loomrl.view.run_folder import JsonLines, RunFolderError, RunReader
 
 pytestmark = pytest.mark.integration  # starts processes, servers or training runs: not in `make test-fast`
 
@@ -55,9 +55,9 @@ def test_a_line_still_being_written_waits_for_its_newline(tmp_path):
 def test_steps_agree_with_the_ledger(client, run_dir):
     ledger = read_ledger(run_dir)
     steps = client.get("/api/steps", params={"run": run_dir.name}).json()
-    assert [s["step"] for s in steps["steps"]] == [e["step"] for e in ledger]
+    assert [s["step"] for s in steps["steps"]] == [e.step for e in ledger]
     for s, e in zip(steps["steps"], ledger):
-        assert s["trained"] == len(e["trained"]) and s["skipped"] == {k: len(v) for k, v in e["skipped"].items()}
+        assert s["trained"] == len(e.trained) and s["skipped"] == {k: len(v) for k, v in e.skipped.items()}
     assert steps["stored"] == 2 * 2 * 4  # steps x groups_per_step x group_size, all consumed
     assert steps["pending"] == 0
 
@@ -67,7 +67,7 @@ def test_a_steps_groups_carry_rewards_advantages_and_the_ledgers_fate(client, ru
     body = client.get("/api/groups", params={"run": run_dir.name, "step": 1}).json()
     assert body["total"] == 2 and "grpo" in body["advantage_rule"]
     ids = {m["trajectory_id"] for g in body["groups"] for m in g["members"]}
-    assert ids == set(entry["trained"]) | {t for v in entry["skipped"].values() for t in v}
+    assert ids == set(entry.trained) | {t for v in entry.skipped.values() for t in v}
     for group in body["groups"]:
         assert len(group["members"]) == 4 and group["step"] == 1
         trained = any(m["fate"] == "trained" for m in group["members"])  # else computed, as GRPO does
@@ -78,7 +78,7 @@ def test_a_steps_groups_carry_rewards_advantages_and_the_ledgers_fate(client, ru
             assert m["fate_step"] == 1 and m["fate"] in ("trained", "skipped")
             assert m["terms"] and m["reward"] == pytest.approx(sum(m["terms"].values()))
             if m["fate"] == "skipped":
-                assert m["fate_reason"] in entry["skipped"]
+                assert m["fate_reason"] in entry.skipped
 
 
 def test_filters_by_reward_status_and_task(client, run_dir):
@@ -94,7 +94,7 @@ def test_filters_by_reward_status_and_task(client, run_dir):
 
 def test_a_trajectory_opens_with_turns_tokens_and_its_ledger_line(client, run_dir):
     entry = read_ledger(run_dir)[0]
-    tid = entry["trained"][0]
+    tid = entry.trained[0]
     deadline = time.monotonic() + 60
     while (body := client.get("/api/trajectory", params={"run": run_dir.name, "id": tid}).json())["tokenizer_loading"]:
         assert body["contexts"][0]["pieces"] is None and "loading" in body["tokenizer"]  # ids at once meanwhile
@@ -177,9 +177,9 @@ def test_unknown_names_are_404_with_what_there_is(client, run_dir):
 
 def test_a_folder_that_is_no_run_is_refused_with_what_to_give(tmp_path, run_dir):
     with pytest.raises(RunFolderError, match="give a run folder"):
-        RunFolder(run_dir.parent)
+        RunReader(run_dir.parent)
     with pytest.raises(RunFolderError, match="not a folder"):
-        RunFolder(tmp_path / "missing")
+        RunReader(tmp_path / "missing")
 
 
 def test_a_live_runs_new_parts_and_metrics_are_picked_up(tmp_path, run_dir):
@@ -227,8 +227,8 @@ def test_each_step_logs_the_policys_entropy_and_the_logprob_gap(run_dir):
 def test_trained_members_show_the_advantage_they_were_trained_with(client, run_dir):
     records = _records(run_dir)
     ledger = read_ledger(run_dir)
-    assert set(records) == {t for e in ledger for t in e["trained"]}
-    assert all(records[t]["step"] == e["step"] for e in ledger for t in e["trained"])
+    assert set(records) == {t for e in ledger for t in e.trained}
+    assert all(records[t]["step"] == e.step for e in ledger for t in e.trained)
     body = client.get("/api/groups", params={"run": run_dir.name, "step": 1}).json()
     trained = [m for g in body["groups"] for m in g["members"] if m["fate"] == "trained"]
     assert trained
@@ -339,7 +339,7 @@ def test_opening_the_page_starts_each_runs_tokenizer_one_at_a_time(tmp_path, run
         assert time.monotonic() < deadline, f"the tokenizers did not load after /api/runs: {seen}"
         time.sleep(0.05)
     assert seen["most"] == 1
-    tid = read_ledger(run_dir)[0]["trained"][0]
+    tid = read_ledger(run_dir)[0].trained[0]
     for name in (run_dir.name, other.name):
         body = client.get("/api/trajectory", params={"run": name, "id": tid}).json()
         assert body["tokenizer"] == "decoded with the run's tokenizer" and body["contexts"][0]["pieces"]

@@ -104,6 +104,3 @@ class EnginePusher:
                                       f"{self.timeout_s:.0f} s (engine.vllm.update_timeout_s)") from None
         except ray.exceptions.RayError as err:
             raise VersionNotDelivered(f"weight sync: {self.label}: {what} failed: {error_line(err, end=True)}") from None
-
-    def close(self) -> None:
-        self.buffer.close()

@@ -2,12 +2,15 @@
 engine/vllm/http.py; SGLang: engine/sglang.py): closed and broken state, which aborts were the adapter's own, the
 busy clock, and the bounded wait of a control call.
 
-What it is: one `Lifecycle` object an adapter holds (its counters, its lock, the version it serves), `wait_control`,
+What it is: one `Lifecycle` object an adapter holds (its counters, its lock, the version it serves), with the
+sequence around every request written once (`serving`: admitted, in flight, done; `running` where the admission is on
+another thread), `wait_control`,
 the wait every adapter's update, sleep and wake returns through, and where control calls run: a `ControlThread` (the
 HTTP adapters: blocking calls, in order) or a `LoopThread` (in-process vLLM: an asyncio loop of its own).
 
 What it is not: a transport (each adapter talks to its server its own way) or a base class of the Engine protocol: the
-adapters keep their own `generate` and control calls.
+adapters keep their own `generate` (a few lines inside `serving`) and control calls. The contract it keeps is in
+docs/engines.md, 'The server adapters' shared lifecycle'.
 """
 
 from __future__ import annotations
@@ -53,27 +56,40 @@ class Lifecycle:
     # -- requests ---------------------------------------------------------------------------------
     def admit(self, request: GenerationRequest) -> None:
         """Refuse `request` (base.refuse_request: empty, closed, broken) or count it. Hold `lock` around this and the
-        request's hand-off where a close must not slip in between."""
+        request's hand-off where a close must not slip in between (`serving` does, where there is no hand-off)."""
         refuse_request(request, closed=self.closed, broken=self.broken)
         self.metrics.requests += 1
 
-    def start(self) -> Ticket:
-        """A request is in flight (the busy clock runs); what it saw as it started."""
+    @contextlib.contextmanager
+    def serving(self, request: GenerationRequest) -> Generator[Ticket, None, None]:
+        """Around one request admitted and served on the same thread (the HTTP adapters): `admit` under `lock`, then
+        `running`. Yields what the request saw as it started."""
+        with self.lock:
+            self.admit(request)
+        with self.running() as ticket:
+            yield ticket
+
+    @contextlib.contextmanager
+    def running(self) -> Generator[Ticket, None, None]:
+        """Around a request admitted already (in-process vLLM admits on the caller's thread, under `lock` with its
+        hand-off, and runs the request on its loop): in flight inside, the busy clock running; no longer in flight
+        however it ends (an error, a cancellation), which changes no other state: what an error means is the
+        adapter's to say."""
         with self.lock:
             self._tick()
             self._in_flight += 1
-            return Ticket(version=self.version, interrupts=self._done)
+            ticket = Ticket(version=self.version, interrupts=self._done)
+        try:
+            yield ticket
+        finally:
+            with self.lock:
+                self._tick()
+                self._in_flight -= 1
 
     def tick(self) -> None:
         """Count the busy time so far (as outputs come, so that a reading lags by one output at most)."""
         with self.lock:
             self._tick()
-
-    def stop(self) -> None:
-        """A request is no longer in flight."""
-        with self.lock:
-            self._tick()
-            self._in_flight -= 1
 
     def interrupted(self, ticket: Ticket) -> bool:
         """Whether an interrupt of the adapter's began after the request of `ticket` started (an abort is ours)."""

@@ -131,14 +131,9 @@ class SGLangEngine:
         return self._life.version
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
-        with self._life.lock:
-            self._life.admit(request)
-        ticket = self._life.start()
-        try:
+        with self._life.serving(request) as ticket:
             rid = f"loomrl-{uuid.uuid4().hex}"
             data = await self._http.apost("/generate", self.generate_body(request, rid), self.cfg.timeout_s)
-        finally:
-            self._life.stop()
         result, cached = self.parse_generate(data, ticket.version, interrupted=self._life.interrupted(ticket))
         with self._life.lock:
             n = len(request.prompt_ids)

@@ -6,6 +6,7 @@ real time; nothing is mocked."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from concurrent.futures import Future
@@ -56,34 +57,33 @@ def test_a_load_serves_its_version_and_a_failed_one_breaks_the_adapter_until_the
 
 def test_an_abort_is_the_adapters_own_only_when_an_interrupt_began_after_the_request_started():
     life = Lifecycle(EngineMetrics(), version=5)
-    before = life.start()
-    assert (before.version, life.interrupted(before)) == (5, False)
-    with life.interrupting():
-        during = life.start()  # a request that starts while the abort is on its way may be caught by it: ours
-        assert life.interrupted(before) and life.interrupted(during)
-    after = life.start()
-    assert life.interrupted(before) and not life.interrupted(after)
-    with pytest.raises(RuntimeError), life.interrupting():  # an interrupt that failed is done all the same
-        raise RuntimeError("pause failed")
-    assert life.interrupted(after) and not life.interrupted(life.start())
+    with contextlib.ExitStack() as requests:
+        before = requests.enter_context(life.running())
+        assert (before.version, life.interrupted(before)) == (5, False)
+        with life.interrupting():
+            during = requests.enter_context(life.running())  # started while the abort is on its way: caught by it
+            assert life.interrupted(before) and life.interrupted(during)
+        after = requests.enter_context(life.running())
+        assert life.interrupted(before) and not life.interrupted(after)
+        with pytest.raises(RuntimeError), life.interrupting():  # an interrupt that failed is done all the same
+            raise RuntimeError("pause failed")
+        assert life.interrupted(after) and not life.interrupted(requests.enter_context(life.running()))
 
 
 def test_the_busy_clock_counts_wall_time_with_any_request_in_flight_once():
     life = Lifecycle(EngineMetrics(busy_s=0.0), version=0)
-    life.start()
-    time.sleep(0.2)
-    life.start()  # overlapping: the same wall time, not twice
-    time.sleep(0.2)
-    life.tick()
-    ticked = life.metrics.busy_s
-    life.stop()
-    life.stop()
+    with life.running():
+        time.sleep(0.2)
+        with life.running():  # overlapping: the same wall time, not twice
+            time.sleep(0.2)
+            life.tick()
+            ticked = life.metrics.busy_s
     time.sleep(1.0)  # idle: not counted
     life.tick()
     assert 0.35 < ticked <= life.metrics.busy_s < 0.9  # 0.4 s busy; counting the idle second would give 1.4
     unmeasured = Lifecycle(EngineMetrics(), version=0)  # an adapter that cannot measure busy_s leaves it None
-    unmeasured.start()
-    unmeasured.stop()
+    with unmeasured.running():
+        pass
     assert unmeasured.metrics.busy_s is None
 
 
@@ -98,6 +98,7 @@ def test_a_control_calls_wait_is_bounded_and_names_the_call():
     assert wait_control(done, "probe", None) == 7
 
 
+@pytest.mark.integration  # a server that dies: seconds of waiting
 def test_a_control_calls_wait_ends_on_the_servers_death_not_its_timeout():
     deaths = iter([None, "vLLM's worker process (pid 1) was killed"])
     started = time.monotonic()
@@ -150,3 +151,77 @@ def test_the_loop_thread_runs_coroutines_on_its_own_loop():
     finally:
         loop.stop()
     assert not loop.loop.is_running()
+
+
+def test_serving_refuses_a_closed_or_broken_adapter_before_its_clock_runs():
+    life = Lifecycle(EngineMetrics(busy_s=0.0), version=0)
+    life.broken = "RuntimeError: half loaded"
+    with pytest.raises(EngineFault, match="no valid weights.*half loaded"), life.serving(request()):
+        pytest.fail("a broken adapter ran a request")
+    life.broken = None
+    life.close()
+    with pytest.raises(EngineFault, match="the engine is closed"), life.serving(request()):
+        pytest.fail("a closed adapter ran a request")
+    time.sleep(0.2)
+    life.tick()
+    assert (life.metrics.requests, life.metrics.busy_s) == (0, 0.0)  # nothing counted, no clock left running
+
+
+def test_serving_attributes_an_interrupt_to_the_request_in_flight_only():
+    life = Lifecycle(EngineMetrics(), version=2)
+    with life.serving(request()) as ticket:
+        assert ticket.version == 2 and not life.interrupted(ticket)
+        with life.interrupting():
+            pass
+        assert life.interrupted(ticket)  # an abort now is the adapter's: "interrupted"
+    with life.serving(request()) as later:
+        assert not life.interrupted(later)  # the interrupt was done before it started
+    assert life.metrics.requests == 2
+
+
+def test_serving_counts_exactly_the_time_inside_on_the_busy_clock():
+    life = Lifecycle(EngineMetrics(busy_s=0.0), version=0)
+    time.sleep(0.3)  # idle before
+    with life.serving(request()):
+        time.sleep(0.4)
+    time.sleep(0.6)  # idle after
+    life.tick()
+    assert 0.38 < life.metrics.busy_s < 0.6  # counting either idle stretch would give 0.7 or more
+
+
+def test_a_request_that_fails_or_is_cancelled_inside_stops_the_clock_and_leaves_the_adapter_serving():
+    life = Lifecycle(EngineMetrics(busy_s=0.0), version=0)
+    with pytest.raises(RuntimeError, match="server gone"), life.serving(request()):
+        raise RuntimeError("server gone")  # up as it is: what it means is the adapter's to say
+
+    async def waits_forever() -> None:
+        with life.serving(request()):
+            await asyncio.sleep(60)
+
+    async def cancelled() -> None:
+        task = asyncio.create_task(waits_forever())
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancelled())
+    busy = life.metrics.busy_s
+    time.sleep(0.5)
+    life.tick()
+    assert life.metrics.busy_s == busy < 0.4  # stopped both times: the idle half second is not counted
+    assert (life.closed, life.broken, life.metrics.requests) == (False, None, 2)
+    with life.serving(request()) as ticket:  # and the next request is served
+        assert ticket.version == 0
+
+
+def test_running_is_serving_for_a_request_admitted_elsewhere():
+    life = Lifecycle(EngineMetrics(busy_s=0.0), version=4)
+    with life.lock:  # admitted on the caller's thread, with its hand-off (in-process vLLM: to its loop)
+        life.admit(request())
+    with life.running() as ticket:
+        time.sleep(0.2)
+        assert ticket.version == 4
+    time.sleep(0.4)
+    life.tick()
+    assert life.metrics.requests == 1 and 0.18 < life.metrics.busy_s < 0.4

@@ -205,38 +205,43 @@ class VLLMEngine(StreamsBuckets):
 
     # -- one request, on the loop -----------------------------------------------------------------
     async def _generate(self, request: GenerationRequest) -> GenerationResult:
-        from vllm.inputs import TokensPrompt
-
         task = asyncio.current_task()
         if task is None:  # a coroutine awaited on the loop runs in a task
             raise RuntimeError("VLLMEngine._generate: not running in an asyncio task")
-        ticket = self._life.start()
-        self._tasks.add(task)
+        with self._life.running() as ticket:  # admitted by generate, on the caller's thread
+            self._tasks.add(task)
+            try:
+                final, ids, logprobs = await self._outputs(request)
+                return self._result(request, final, ids, logprobs, ticket.version,
+                                    interrupted=self._life.interrupted(ticket))
+            except EngineFault:
+                raise
+            except Exception as err:
+                self._request_failed(err)
+            finally:
+                self._tasks.discard(task)
+
+    async def _outputs(self, request: GenerationRequest) -> tuple[Any, list[int], list[float]]:
+        """vLLM's last output for `request` (finish reason, versions, cache hits) and the token ids and logprobs of
+        all its deltas."""
+        from vllm.inputs import TokensPrompt
+
         ids: list[int] = []
         logprobs: list[float] = []
         final = None
-        try:
-            async for out in self._control.llm.generate(TokensPrompt(prompt_token_ids=list(request.prompt_ids)),
-                                                        sampling_params(request.sampling), f"loomrl-{uuid.uuid4().hex}",
-                                                        priority=request.priority):
-                new = list(out.outputs[0].token_ids)
-                ids += new
-                logprobs += [d[t].logprob for d, t in zip(out.outputs[0].logprobs or [], new)]
-                with self._life.lock:
-                    self.metrics.generated_tokens += len(new)
-                self._life.tick()
-                final = out
-            if final is None:
-                raise EngineFault("vLLM ended the request without an output")
-            return self._result(request, final, ids, logprobs, ticket.version,
-                                interrupted=self._life.interrupted(ticket))
-        except EngineFault:
-            raise
-        except Exception as err:
-            self._request_failed(err)
-        finally:
-            self._life.stop()
-            self._tasks.discard(task)
+        async for out in self._control.llm.generate(TokensPrompt(prompt_token_ids=list(request.prompt_ids)),
+                                                    sampling_params(request.sampling), f"loomrl-{uuid.uuid4().hex}",
+                                                    priority=request.priority):
+            new = list(out.outputs[0].token_ids)
+            ids += new
+            logprobs += [d[t].logprob for d, t in zip(out.outputs[0].logprobs or [], new)]
+            with self._life.lock:
+                self.metrics.generated_tokens += len(new)
+            self._life.tick()
+            final = out
+        if final is None:
+            raise EngineFault("vLLM ended the request without an output")
+        return final, ids, logprobs
 
     def _request_failed(self, err: Exception) -> NoReturn:
         if self._life.closed:

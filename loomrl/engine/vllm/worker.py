@@ -1,38 +1,12 @@
 """The half of the vLLM adapter that runs inside vLLM's worker process: a weight-transfer engine for vLLM's RL API.
 
-What it is: `engine.vllm` starts vLLM with worker_extension_cls="loomrl.engine.vllm.worker.WorkerExtension", so each
-worker imports this module before it builds its model (vllm/v1/worker/worker_base.py), and importing it registers
-"loomrl_inline" with vLLM's WeightTransferEngineFactory; weight_transfer_config={"backend": "loomrl_inline"} then has
-Worker.load_model create an InlineWeightEngine. AsyncLLM.update_weights hands it one of three kinds of update:
-- inline: one bucket of tensors, their bytes inside update_info (names, dtypes, shapes, blobs);
-- shm: the name and version of a trainer's shared-memory segment (runtime.weight_transport=shm), read here, in the
-  worker, through views of the mapping: the tensors cross no socket;
-- cuda_ipc: the trainer's CUDA IPC handles (runtime.weight_transport=cuda_ipc, pickled: msgpack cannot carry torch's
-  rebuild arguments), mapped on this worker's GPU, as vLLM's own "ipc" engine does; or, colocated on Ray, one bucket of
-  a version streamed through the trainer rank's reused buffer (weights/bucket.py: one handle per buffer, mapped once;
-  its shared-memory form arrives as an shm segment), loaded as copies (`copy`);
-- broadcast: the group's address and the version's layout; the worker joins the trainer's process group (its
-  engine's first rank + its tensor-parallel rank) on the first such update and receives the buckets the trainer
-  broadcasts (weights/group.py: gloo here, NCCL on GPUs), as vLLM's own "nccl" engine does; a sharded trainer's sums
-  follow the last bucket (group.py receive_sums) and are kept for the adapter's check (`loomrl_published`).
-
-Why these choices (docs/research/vllm_cpu_0.32.md, section 5):
-- The tensors ride inside update_info as raw bytes (base64 strings over HTTP) with their dtype and shape
-  (engine/vllm/weights.py). AsyncLLM -> EngineCore is msgpack and
-  utility-call arguments are decoded untyped, so a torch.Tensor would arrive as a [dtype, shape, data] list; bytes
-  arrive intact. None of vLLM's own engines (nccl, ipc, ...) works on a CPU.
-- Buckets load inside vLLM's layerwise reload (start -> model.load_weights per bucket -> finish), never by copying into
-  parameters: on a CPU the linear layers keep only a pre-packed oneDNN copy of their weight (the parameter is left
-  empty), which the reload re-packs layer by layer as each layer's weights are complete.
-- A tied lm_head (tie_word_embeddings) has no weight of its own in a checkpoint, so the reload never re-packs it and
-  its CPU GEMM would go on projecting with the old embedding: it is re-packed at finish (a no-op on GPUs).
-- A bucket that fails to load finishes the reload at once (the layers it never reached get their old tensors back),
-  so the next update starts from a consistent model; the adapter refuses requests until an update succeeds.
-
-It also tells the adapter how a worker failed (engine/vllm/memory.py): `loomrl_pid` names this process, and the first
-error vLLM logs here with its exception is written to the file LOOMRL_VLLM_FAILURE_FILE names (the adapter sets it
-before vLLM starts; the worker inherits it), since vLLM sends its caller only "EngineDeadError: See stack trace
-(above)" and keeps the reason in this process's log.
+What it is: the module vLLM's workers import before they build their model (`engine.vllm` starts vLLM with
+worker_extension_cls="loomrl.engine.vllm.worker.WorkerExtension"); importing it registers "loomrl_inline" with vLLM's
+WeightTransferEngineFactory, whose InlineWeightEngine loads each update AsyncLLM.update_weights hands it (inline
+bytes, a trainer's shm segment, CUDA IPC handles or a streamed bucket, a broadcast) inside vLLM's layerwise reload.
+It also writes the first error vLLM logs here to the file LOOMRL_VLLM_FAILURE_FILE names, for the adapter's story of a
+death (engine/vllm/memory.py). The kinds of update, and why they are loaded so, are in docs/engines.md, 'Inside vLLM's
+worker: the loomrl_inline weight-transfer engine'.
 
 What it is not: a trainer-side engine (loomrl's publisher already holds the tensors: weights/) or a path
 across machines or GPUs (inline bytes go through EngineCore's sockets; NCCL would be the path between GPUs).

@@ -247,7 +247,7 @@ class AdapterArms:
         cfg = load_config(None, ["engine.kind=vllm", "runtime.mode=async", f"engine.max_batch_size={max_batch}",
                                  "engine.vllm.max_model_len=4096", f"engine.vllm.kv_cache_memory_bytes={1 << 30}",
                                  "engine.vllm.cpu_reserved_cores=0"])
-        self.engine = make_engine(cfg, model, tokenizer, 0)
+        self.engine = make_engine(cfg.engine_setup(), model, tokenizer, 0)
 
     def _on_loop(self, coro, timeout: float = 1800.0):
         # the AsyncLLM lives on the adapter's loop thread (its sockets belong to that loop): bare calls run there too

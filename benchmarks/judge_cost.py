@@ -58,7 +58,7 @@ def sample_groups(n_groups: int) -> tuple[list[tuple[Task, list[Trajectory]]], f
 
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config(RECIPE, [f"output_dir={out}", "progress=false"])
-        side = RolloutSide(cfg, None)
+        side = RolloutSide(cfg.rollout_pool(), None)
 
         async def run() -> tuple[list[tuple[Task, list[Trajectory]]], float]:
             try:

@@ -186,7 +186,7 @@ def trl_job(args, cfg, out_dir: Path) -> dict:
 
     few_shot = cfg.env.args["few_shot"]
     renderer = ChatRenderer(load_tokenizer(cfg.model))
-    train_tasks, _ = tasks_for(cfg)
+    train_tasks, _ = tasks_for(cfg.env, cfg.data)
     prompts = []
     for task in train_tasks:
         messages = asyncio.run(CalculatorEnv(_NoTools(), few_shot=few_shot).reset(task)).messages  # type: ignore[arg-type]

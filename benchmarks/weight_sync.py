@@ -193,7 +193,7 @@ def measure_vllm(repeats: int) -> dict:
     bound, warm = copy_bounds(weights, repeats)
     cfg = load_config(None, ["engine.kind=vllm", "runtime.mode=async", "engine.vllm.max_model_len=2048",
                              f"engine.vllm.kv_cache_memory_bytes={256 << 20}", "engine.vllm.cpu_reserved_cores=0"])
-    engine = make_engine(cfg, model, tokenizer, 0)
+    engine = make_engine(cfg.engine_setup(), model, tokenizer, 0)
     publisher = make_publisher("shm", keep=2)
     group = make_publisher("broadcast", receivers=1, bucket_bytes=cfg.engine.vllm.weight_bucket_bytes)
     times: dict[str, list[float]] = {"inline": [], "worker": [], "broadcast": []}

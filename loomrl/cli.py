@@ -221,7 +221,7 @@ def _check_env(args) -> int:
 
     search_beside(args.config)
     cfg = load_config(args.config, args.overrides)
-    check_env_config(cfg)  # the environment's own settings; the recipe's model and devices are not used here
+    check_env_config(cfg.env, cfg.data)  # the environment's own settings; the recipe's model and devices are not used here
     check = EnvCheck(cfg, CheckSettings(
         base_url=args.base_url, model=args.model, api_key_env=args.api_key_env, n=args.n, split=args.split,
         concurrency=args.concurrency, timeout_s=args.timeout, temperature=args.temperature, max_tokens=args.max_tokens))
@@ -436,7 +436,8 @@ def _env_review_items(env: str, limit: int | None) -> list:
     from loomrl.env.registry import prepared_tasks
     from loomrl.reward.task_review import ReviewItem
 
-    train, _ = prepared_tasks(load_config(None, [f"env.name={env}"]))
+    cfg = load_config(None, [f"env.name={env}"])
+    train, _ = prepared_tasks(cfg.env, cfg.data)
     return [ReviewItem(task_id=t.task_id, prompt=t.prompt, reference=t.answer) for t in list(train)[:limit]]
 
 

@@ -11,9 +11,11 @@ trainer.py compute_context). `model.dtype` is the dtype the rollout engine's mod
 ("auto": float32 on the CPU, bfloat16 on CUDA); weights the trainer publishes are cast to it as the engine loads
 them. `model.device` is the built-in engine's only: vLLM and SGLang hold their weights in their own processes, and
 the processes that drive them a meta-device skeleton (model/loader.py load_engine_model). A trainer on the GPU vLLM
-runs on in this process is refused unless engine.sleep_while_training asks for colocation (check_shared_gpu).
+runs on in this process is refused unless engine.sleep_while_training asks for colocation (runtime/checks.py
+check_shared_gpu).
 A sync run (runtime.mode=sync, local backend) trains the engine's own model object, so there the model is the
-trainer's: float32 on trainer.device (check_run_devices refuses a config asking otherwise).
+trainer's: float32 on trainer.device (check_run_devices refuses a config asking otherwise). Those two checks read a
+whole recipe, so they live where a run is assembled (runtime/checks.py); this module reads single fields.
 
 What this module is not: a loader (model/loader.py) or anything about several devices per process.
 """
@@ -27,7 +29,7 @@ from loomrl.config import ConfigError
 if TYPE_CHECKING:
     import torch
 
-    from loomrl.config import RunConfig, TrainerConfig
+    from loomrl.config import TrainerConfig
 
 
 class DeviceError(ConfigError):
@@ -98,55 +100,3 @@ def place(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> t
                         and name not in module._non_persistent_buffers_set:
                     module._buffers[name] = b.to(dtype)
     return model
-
-
-def check_run_devices(cfg: RunConfig) -> None:
-    """Refuse, at config time, devices this machine lacks, a trainer on vLLM's GPU without colocation, and a sync
-    run whose engine model could not be the trainer's. Ray runs are checked where their actors load the model (the
-    driver may have no GPU); their GPUs are Ray's to share out (loomrl/config/ checks ray.*.num_gpus)."""
-    if cfg.runtime.backend != "local":
-        return
-    model = resolve_device(cfg.model.device, "model.device")
-    trainer = trainer_device(cfg.trainer)
-    if cfg.runtime.weight_transport == "cuda_ipc" and cfg.runtime.mode == "async" and trainer.type != "cuda":
-        raise DeviceError(f"config error: 'runtime.weight_transport': cuda_ipc shares the trainer's GPU memory with "
-                          f"the engine, but trainer.device is {trainer}; put the trainer on the engine's GPU "
-                          "(trainer.device=cuda:N) or use runtime.weight_transport=shm")
-    check_shared_gpu(cfg, trainer)
-    if cfg.runtime.mode != "sync":
-        return
-    # Sync mode trains the engine's model object in place (runtime/local.py shares it; no weight copy between
-    # steps), so it is the trainer's float32 master copy on trainer.device: an engine dtype or device of its own
-    # would need a second copy of the weights, which is what async mode keeps.
-    if cfg.model.dtype not in ("auto", "float32"):
-        raise DeviceError(f"config error: 'model.dtype': a sync run (runtime.mode=sync) serves the trainer's own "
-                          f"float32 model, so it cannot be {cfg.model.dtype}; set model.dtype=float32 (or auto), or "
-                          f"use runtime.mode=async to serve a {cfg.model.dtype} copy")
-    if model != trainer:
-        raise DeviceError(f"config error: 'model.device': a sync run (runtime.mode=sync) shares one model between the "
-                          f"engine and the trainer, so model.device ({model}) must equal trainer.device ({trainer}); "
-                          "set them to the same device, or use runtime.mode=async")
-
-
-def check_shared_gpu(cfg: RunConfig, trainer: torch.device) -> None:
-    """Refuse a local run whose trainer would share a GPU with vLLM in this process without colocation
-    (engine.sleep_while_training): vLLM takes engine.vllm.gpu_memory_utilization of each GPU it runs on (its workers
-    on cuda:0 to cuda:tp-1 of the visible ones), where the trainer's ranks (cuda:i to cuda:i+world_size-1 from
-    trainer.device's i) would then run out of memory, or vLLM would not start. Servers over HTTP (SGLang, vLLM with
-    base_url) are not checked: their GPUs are their own flags', unknown here; the built-in engine is not either (it
-    takes only what its model and engine.kv_budget_tokens need)."""
-    import torch
-
-    e = cfg.engine
-    if e.kind != "vllm" or e.vllm.base_url or e.sleep_while_training or trainer.type != "cuda":
-        return
-    tp, ranks = e.vllm.tensor_parallel_size, cfg.trainer.world_size
-    if trainer.index >= tp:  # ranks count up from trainer.device's index (trainer/ranks.py)
-        return
-    vllm = "cuda:0" if tp == 1 else f"cuda:0 to cuda:{tp - 1}"
-    fix = "set engine.sleep_while_training=true (vLLM sleeps while the trainer steps)"
-    if cfg.runtime.weight_transport != "cuda_ipc" and torch.cuda.device_count() >= tp + ranks:
-        fix += f", or trainer.device=cuda:{tp} to give the trainer a GPU of its own"
-    rank_gpus = f" and its ranks to cuda:{trainer.index + ranks - 1}" if ranks > 1 else ""
-    raise DeviceError(f"config error: 'trainer.device': the trainer ({trainer}{rank_gpus}) would share a GPU with vLLM "
-                      f"(engine.kind=vllm in this process, on {vllm}) without colocation; {fix}")

@@ -16,9 +16,9 @@ Layout, as the writers make it (each writer and reader takes its path from here)
     wandb_run_id           the W&B run a resume logs to (metrics/wandb.py; wandb/ itself is W&B's own folder)
     weights/               the file weight transport's published versions (trainer/process.py)
 
-Records: LedgerEntry (a line of ledger.jsonl) and Segment (a line of segments.jsonl), each read back into its type
-and written from it; the JSON on disk is `json.dumps(asdict(record))`, keys in field order, as it always was, so
-old run folders read as they did.
+Records: LedgerEntry (a line of ledger.jsonl), Segment (a line of segments.jsonl, its accounting Fates) and Summary
+(summary.json), each read back into its type and written from it; the JSON on disk is `asdict(record)`, keys in
+field order, as it always was, so old run folders read as they did.
 What it is not: a writer of any of these files' contents beyond a record's line, or a reader of checkpoints' tensors
 (trainer/checkpoint.py). It imports nothing of loomrl: every layer may use it.
 """
@@ -26,7 +26,7 @@ What it is not: a writer of any of these files' contents beyond a record's line,
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -211,6 +211,45 @@ def read_ledger(run_dir: Path) -> list[LedgerEntry]:
     return [LedgerEntry.from_json(line) for line in read_json_lines(RunFolder(run_dir).ledger)]
 
 
+@dataclass(slots=True, frozen=True, kw_only=True)
+class Fates:
+    """The trajectories a segment launched, each by the one fate it met (runtime/accounting.py):
+    launched = trained + skipped + stale + discarded + unconsumed + failed + cancelled; `violations` names what breaks
+    that (a trajectory with two fates, or a sum that does not hold)."""
+
+    launched: int = 0
+    trained: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)  # by the filter's reason
+    stale: int = 0
+    discarded: dict[str, int] = field(default_factory=dict)  # by reason (e.g. trainer_restart)
+    unconsumed: int = 0
+    failed: dict[str, int] = field(default_factory=dict)  # by reason (e.g. actor_died)
+    cancelled: int = 0
+    violations: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Fates:
+        """A segment's line (a fate it does not name counts 0)."""
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+    @classmethod
+    def total(cls, parts: list[Fates]) -> Fates:
+        """Each fate summed over `parts` (by reason, reasons in the order they first appear); violations joined."""
+
+        def by_reason(of: list[dict[str, int]]) -> dict[str, int]:
+            out: dict[str, int] = {}
+            for counts in of:
+                for reason, n in counts.items():
+                    out[reason] = out.get(reason, 0) + n
+            return out
+
+        return cls(launched=sum(p.launched for p in parts), trained=sum(p.trained for p in parts),
+                   skipped=by_reason([p.skipped for p in parts]), stale=sum(p.stale for p in parts),
+                   discarded=by_reason([p.discarded for p in parts]), unconsumed=sum(p.unconsumed for p in parts),
+                   failed=by_reason([p.failed for p in parts]), cancelled=sum(p.cancelled for p in parts),
+                   violations=[v for p in parts for v in p.violations])
+
+
 @dataclass(slots=True, kw_only=True)
 class Segment:
     """What one `loomrl train` (or `--resume`) did, from the step it started at to the one it reached (a line of
@@ -225,12 +264,14 @@ class Segment:
     untrained_steps: int  # steps that took no gradient (every group left out)
     positions_failed: dict[str, str]  # position -> why it was given up
     env_pool: dict[str, float]
-    accounting: dict[str, Any]  # accounting.Accounting.settle: the trajectories this segment launched, by fate
+    accounting: Fates  # runtime/accounting.py Accounting.settle: the trajectories this segment launched
     extra: dict[str, Any]  # the backend's own section (e.g. "ray": restarts, placement)
 
     @classmethod
     def from_json(cls, line: dict[str, Any]) -> Segment:
-        segment = cls(**line)
+        fields = dict(line)
+        accounting = Fates.from_json(fields.pop("accounting", {}))
+        segment = cls(**fields, accounting=accounting)
         segment.rollouts = {purpose: episode_counts(c) for purpose, c in segment.rollouts.items()}
         return segment
 
@@ -248,3 +289,84 @@ def episode_counts(counts: dict[str, Any]) -> dict[str, Any]:
 
 def read_segments(run_dir: Path) -> list[Segment]:
     return [Segment.from_json(line) for line in read_json_lines(RunFolder(run_dir).segments)]
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class LedgerTotals:
+    """What the model consumed over the whole run (ledger.jsonl): trajectories trained, skipped by reason, dropped as
+    stale, over `steps` steps."""
+
+    steps: int = 0
+    trained: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    stale: int = 0
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class SegmentBrief:
+    """A segment as summary.json lists it: its steps, ending, wall time and accounting."""
+
+    from_step: int
+    to_step: int
+    ended: str
+    wall_s: float
+    accounting: Fates
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> SegmentBrief:
+        return cls(from_step=d["from_step"], to_step=d["to_step"], ended=d["ended"], wall_s=d["wall_s"],
+                   accounting=Fates.from_json(d.get("accounting", {})))
+
+
+@dataclass(slots=True, kw_only=True)
+class Summary:
+    """summary.json: the whole run over its segments (runtime/summary.py whole_run says what each field sums). On disk
+    `as_json()`, `extra` (the backend's own sections, e.g. "ray") beside the fields; a summary written by an older
+    loomrl may lack a field, which then reads as its default."""
+
+    success_before: float | None = None
+    success_after: float | None = None
+    n_heldout: int = 0  # the latest evaluation's episodes
+    stderr_before: float | None = None
+    stderr_after: float | None = None
+    # by held-out split: n, success_before, stderr_before, success_after, stderr_after
+    heldout_splits: dict[str, dict[str, float | int | None]] = field(default_factory=dict)
+    eval_ended: dict[str, dict[str, int]] = field(default_factory=dict)  # label -> EvalRecord.statuses
+    steps: int = 0
+    ended: str = ""
+    run_dir: str = ""
+    wall_s: float = 0.0
+    rollouts: dict[str, dict[str, Any]] = field(default_factory=dict)  # by purpose: EpisodeCounts.as_dict, summed
+    ledger: LedgerTotals = field(default_factory=LedgerTotals)
+    accounting: Fates = field(default_factory=Fates)  # summed over segments, violations named by segment
+    trainer_restarts: int = 0
+    untrained_steps: int = 0
+    positions_failed: dict[str, str] = field(default_factory=dict)  # the last segment's
+    env_pool: dict[str, float] = field(default_factory=dict)
+    segments: list[SegmentBrief] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        """The JSON of summary.json: the fields in order, then each of `extra`'s sections."""
+        out = asdict(self)
+        extra = out.pop("extra")
+        return {**out, **extra}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Summary:
+        known = set(cls.__dataclass_fields__) - {"extra"}
+        fields = {k: v for k, v in d.items() if k in known}
+        fields["ledger"] = LedgerTotals(**d.get("ledger", {}))
+        fields["accounting"] = Fates.from_json(d.get("accounting", {}))
+        fields["segments"] = [SegmentBrief.from_json(s) for s in d.get("segments", [])]
+        return cls(**fields, extra={k: v for k, v in d.items() if k not in known})
+
+
+def write_summary(run_dir: Path, summary: Summary) -> None:
+    RunFolder(run_dir).summary.write_text(json.dumps(summary.as_json(), indent=2))
+
+
+def read_summary(run_dir: Path) -> Summary | None:
+    """RUN/summary.json (None: no segment of the run has ended yet)."""
+    path = RunFolder(run_dir).summary
+    return Summary.from_json(json.loads(path.read_text())) if path.is_file() else None

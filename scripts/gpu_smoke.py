@@ -146,7 +146,6 @@ import shutil  # noqa: E402
 import socket  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
-from functools import partial  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
@@ -284,23 +283,23 @@ def _model_config(layers: int, toy: bool) -> Any:
     return cfg
 
 
-def build_trainer(device: torch.device, layers: int, toy: bool) -> tuple[Any, Any]:
-    """(Trainer, DataParallelTrainer) as a trainer rank builds them (trainer/ranks.py build_trainer): the recipe's
-    trainer section validated by loomrl.config, FSDP2 over the one-rank process group, gathers in the compute dtype."""
+def smoke_trainer(device: torch.device, layers: int, toy: bool) -> tuple[Any, Any]:
+    """(Trainer, DataParallelTrainer) of a random model of the recipe's shape, built by the library's builder as every
+    trainer rank builds its own (trainer/ranks.py build_trainer): the recipe's trainer section validated by
+    loomrl.config (trainer.parallel=fsdp: FSDP2 over the one-rank process group, gathers in the compute dtype), on
+    `device`, fresh (no checkpoint: KL's reference, when the loss has one, is a copy of the model)."""
     from transformers import AutoModelForCausalLM
 
-    from loomrl.config import TrainerConfig
+    from loomrl.config import ModelConfig, TrainerConfig
     from loomrl.trainer.distributed import DataParallelTrainer
-    from loomrl.trainer.forward import compute_dtype
-    from loomrl.trainer.fsdp import fsdp_shard
-    from loomrl.trainer.trainer import Trainer
+    from loomrl.trainer.ranks import build_trainer
 
-    cfg = TrainerConfig.model_validate(_recipe()["trainer"]).model_copy(update={"device": str(device)})
+    recipe = _recipe()
+    cfg = TrainerConfig.model_validate(recipe["trainer"]).model_copy(update={"device": str(device)})
     torch.manual_seed(0)
     with device:
         model = AutoModelForCausalLM.from_config(_model_config(layers, toy))  # float32: the masters
-    shard = partial(fsdp_shard, param_dtype=compute_dtype(cfg.precision, device))
-    trainer = Trainer(model, cfg, shard=shard)
+    trainer = build_trainer(cfg, ModelConfig.model_validate(recipe["model"]), device, model, None)
     return trainer, DataParallelTrainer(trainer)
 
 
@@ -320,7 +319,7 @@ def _rank_share(vocab: int, toy: bool, seed: int) -> list[TrainingSample]:
 
 
 def _trainer_steps(device: torch.device, layers: int, toy: bool) -> dict[str, Any]:
-    trainer, dp = build_trainer(device, layers, toy)
+    trainer, dp = smoke_trainer(device, layers, toy)
     params = sum(p.numel() for p in trainer.model.parameters())
     real: list[int] = []
     most = dp._most  # noqa: SLF001 - the shared plan: the most micro-batches of any rank
@@ -646,7 +645,7 @@ def part_g(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
     from loomrl.trainer.fsdp import load_sharded_optimizer, save_sharded_optimizer
 
     toy = device.type != "cuda"
-    trainer, dp = build_trainer(device, 2, toy)
+    trainer, dp = smoke_trainer(device, 2, toy)
     dp.train_step(_rank_share(trainer.model.config.vocab_size, toy, seed=3)[:8])
     folder = Path(args.scratch) / "optimizer"
     shutil.rmtree(folder, ignore_errors=True)
@@ -901,7 +900,7 @@ def _h_layers(device: torch.device, wanted: int) -> tuple[int, int | None]:
 def part_h(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
     toy = device.type != "cuda"
     layers, free = _h_layers(device, args.layers)
-    _, dp = build_trainer(device, layers, toy)  # no step: AdamW's state is made at the first one
+    _, dp = smoke_trainer(device, layers, toy)  # no step: AdamW's state is made at the first one
     dtype = torch.bfloat16  # the recipe's model.dtype: the engine's
     out: dict[str, Any] = {"calls": "DataParallelTrainer.gathered + weights.make_publisher(...).publish",
                            "layers": layers, **({"free_gib_before": _gib(free)} if free is not None else {})}
@@ -1163,7 +1162,7 @@ def _offload_run(device: torch.device, layers: int, toy: bool, offloaded: bool) 
     from loomrl.trainer.offload import offload, onload
 
     chunk = CHECKSUM_CHUNK if device.type == "cuda" else 1 << 10
-    trainer, dp = build_trainer(device, layers, toy)
+    trainer, dp = smoke_trainer(device, layers, toy)
     vocab = trainer.model.config.vocab_size
     n = 8 if not toy else 6
     dp.train_step(_rank_share(vocab, toy, seed=21)[:n])

@@ -135,7 +135,7 @@ def test_a_trainer_on_vllms_gpu_needs_colocation(two_fake_gpus, monkeypatch):
     trainer's own only where the machine has one). Asking for colocation, a trainer on another GPU, a vLLM server
     elsewhere (its GPUs are its own flags') and a CPU machine pass. No GPU here: torch's CUDA queries are faked."""
     from loomrl.config import build_config, parse_overrides
-    from loomrl.devices import check_run_devices
+    from loomrl.runtime.checks import check_run_devices
 
     vllm = ["engine.kind=vllm", "runtime.mode=async"]
     with pytest.raises(DeviceError) as err:

@@ -26,6 +26,7 @@ from loomrl.config.judge import JudgeConfig
 from loomrl.config.load import ALIASES, RETIRED, _all_fields, build_config, load_config, parse_overrides, save_resolved
 from loomrl.config.metrics import MetricsConfig
 from loomrl.config.model import ModelConfig, SamplingConfig, TinyModelConfig
+from loomrl.config.pools import EngineSetup, RolloutPoolConfig, TrainPoolConfig, WeightRoute
 from loomrl.config.reward import RewardConfig, RewardTermConfig, TermConfig
 from loomrl.config.run import RunConfig
 from loomrl.config.runtime import ActorSpec, Placement, RayConfig, RuntimeConfig
@@ -47,9 +48,10 @@ from loomrl.config.trainer import (
 __all__ = [
     "ALIASES", "OWN_NORM", "PROCESS_TERMS", "RETIRED", "VLLM_ARGS_SET_BY_LOOMRL", "VLLM_MISSING", "ActorSpec",
     "AdvantageKind", "AdvantageNorm", "AgentConfig", "Aggregation", "BatchFilter", "BufferConfig", "ConfigError",
-    "ContextConfig", "CreditKind", "DataConfig", "Device", "EngineConfig", "EnvConfig", "EvalConfig", "Gate",
-    "ISLevel", "ISVariant", "JudgeConfig", "KLKind", "LossConfig", "LossKind", "MetricsConfig", "ModelConfig",
-    "Placement", "RayConfig", "RewardConfig", "RewardTermConfig", "RunConfig", "RuntimeConfig", "SGLangConfig",
-    "SamplingConfig", "Section", "SpeculationConfig", "TermConfig", "TinyModelConfig", "TrainerConfig", "VLLMConfig",
-    "_all_fields", "build_config", "load_config", "parse_overrides", "save_resolved",
+    "ContextConfig", "CreditKind", "DataConfig", "Device", "EngineConfig", "EngineSetup", "EnvConfig", "EvalConfig",
+    "Gate", "ISLevel", "ISVariant", "JudgeConfig", "KLKind", "LossConfig", "LossKind", "MetricsConfig", "ModelConfig",
+    "Placement", "RayConfig", "RewardConfig", "RewardTermConfig", "RolloutPoolConfig", "RunConfig", "RuntimeConfig",
+    "SGLangConfig", "SamplingConfig", "Section", "SpeculationConfig", "TermConfig", "TinyModelConfig",
+    "TrainPoolConfig", "TrainerConfig", "VLLMConfig", "WeightRoute", "_all_fields", "build_config", "load_config",
+    "parse_overrides", "save_resolved",
 ]

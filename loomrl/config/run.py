@@ -15,6 +15,7 @@ from loomrl.config.env import EnvConfig
 from loomrl.config.eval import EvalConfig
 from loomrl.config.metrics import MetricsConfig
 from loomrl.config.model import ModelConfig, SamplingConfig
+from loomrl.config.pools import EngineSetup, RolloutPoolConfig, TrainPoolConfig, WeightRoute, serving_dtype_name
 from loomrl.config.reward import RewardConfig
 from loomrl.config.runtime import RayConfig, RuntimeConfig
 from loomrl.config.trainer import TrainerConfig
@@ -171,3 +172,37 @@ class RunConfig(Section):
     @property
     def run_dir(self) -> Path:
         return Path(self.output_dir) / self.name
+
+    # What each pool is given (loomrl/config/pools.py): its own sections and the few facts it shares.
+    def engine_setup(self) -> EngineSetup:
+        return EngineSetup(engine=self.engine, model=self.model, seed=self.seed,
+                           context_tokens=self.agent.max_context_tokens,
+                           interrupt_on_update=self.runtime.interrupt_on_update, cpus=self.ray.engine.num_cpus)
+
+    def weight_route(self) -> WeightRoute:
+        e = self.engine
+        receivers, timeout_s = {"vllm": (e.vllm.tensor_parallel_size, e.vllm.update_timeout_s),
+                                "sglang": (e.sglang.tp_size, e.sglang.update_timeout_s)}.get(
+            e.kind, (1, e.vllm.update_timeout_s))
+        return WeightRoute(transport=self.runtime.weight_transport, host=self.runtime.broadcast_host,
+                           engine_kind=e.kind, dtype=serving_dtype_name(e, self.model),
+                           engine_device=self.model.device, receivers=receivers,
+                           engines=self.ray.engine.count, bucket_bytes=e.vllm.weight_bucket_bytes,
+                           timeout_s=timeout_s, colocated=e.sleep_while_training)
+
+    def train_pool(self) -> TrainPoolConfig:
+        return TrainPoolConfig(run_dir=str(self.run_dir), seed=self.seed, model=self.model, trainer=self.trainer,
+                               buffer=self.buffer, route=self.weight_route(), cpus=self.ray.trainer.num_cpus,
+                               checkpoint_every=self.checkpoint_every, checkpoint_keep=self.checkpoint_keep,
+                               checkpoint_keep_optimizer=self.checkpoint_keep_optimizer)
+
+    def rollout_pool(self) -> RolloutPoolConfig:
+        t = self.trainer
+        return RolloutPoolConfig(name=self.name, seed=self.seed, model=self.model, sampling=self.sampling,
+                                 engine=self.engine_setup(), env=self.env, data=self.data, agent=self.agent,
+                                 reward=self.reward, eval=self.eval, mode=self.runtime.mode, group_size=t.group_size,
+                                 groups_per_step=t.groups_per_step, total_steps=t.total_steps,
+                                 max_policy_lag=self.buffer.max_policy_lag,
+                                 max_inflight_trajectories=self.runtime.max_inflight_trajectories,
+                                 schedule=self.runtime.schedule, cpus=self.ray.rollout.num_cpus,
+                                 engine_restart_wait_s=self.ray.engine_restart_wait_s)

@@ -8,7 +8,7 @@ Routing: a rollout actor is bound to one engine actor (rollout actor i to engine
 on one rollout actor, so a program's turns and its group's shared prompt reach one engine and its prefix cache.
 Weights: the backend sends each published version to every engine actor (runtime/ray_backend.py publish): an ObjectRef
 of the trainer's weights, or with runtime.weight_transport=broadcast a handle of the trainer actor's process group,
-which every engine's processes join (engine i as ranks 1 + i * n.., n its weight_receivers), and a
+which every engine's processes join (engine i as ranks 1 + i * n.., n its WeightRoute.receivers), and a
 group dispatched after a publish starts once its engine has loaded that version (EngineActor.catch_up, which loads
 it itself when the update was lost to a restart). Ray restarts an engine actor that
 died (ray.engine.max_restarts); the fresh one loads the latest published version before it serves (WeightBoard), so
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from loomrl.actor_support import Placed
-from loomrl.config import RunConfig
+from loomrl.config import EngineSetup
 from loomrl.engine.base import (
     Engine,
     EngineFault,
@@ -44,7 +44,6 @@ from loomrl.weights.bucket import BucketRef
 from loomrl.weights.fingerprint import Fingerprint, confirm_weights, fingerprint_of
 from loomrl.weights.group import Receiver, with_rank_offset
 from loomrl.weights.handle import Transport, WeightHandle
-from loomrl.weights.route import weight_receivers
 
 
 class WeightGate:
@@ -117,28 +116,27 @@ class WeightBoard:
 
 class EngineActor(Placed):
     """One inference engine (engine.kind) over the run's model on the node ray.engine places it, serving the rollout
-    actors bound to it; `replica`: its index (with several SGLang or vLLM servers, the one it drives). Async actor: their
-    requests run at once, batched by the engine. It holds the model's weights only for the built-in engine
-    (model/loader.py load_engine_model)."""
+    actors bound to it; `setup_json`: its EngineSetup as JSON; `replica`: its index (with several SGLang or vLLM
+    servers, the one it drives); `rank_offset`: the first rank of its processes in a broadcast's group (the backend's
+    layout: 1 + replica * WeightRoute.receivers). Async actor: their requests run at once, batched by the engine. It
+    holds the model's weights only for the built-in engine (model/loader.py load_engine_model)."""
 
-    def __init__(self, cfg_json: str, board: Any, replica: int):
+    def __init__(self, setup_json: str, board: Any, replica: int, rank_offset: int):
         import ray
 
-        cfg = RunConfig.model_validate_json(cfg_json)
-        torch.set_num_threads(cfg.engine.threads or max(1, int(cfg.ray.engine.num_cpus)))
-        torch.manual_seed(cfg.seed)
+        setup = EngineSetup.model_validate_json(setup_json)
+        torch.set_num_threads(setup.engine.threads or max(1, int(setup.cpus)))
+        torch.manual_seed(setup.seed)
         # weights only for the built-in engine; vLLM's and SGLang's own processes hold theirs (a skeleton here)
-        model, tokenizer = load_engine_model(cfg, None)
-        self.engine = make_engine(cfg, model, tokenizer, 0, replica)
+        model, tokenizer = load_engine_model(setup, None)
+        self.engine = make_engine(setup, model, tokenizer, 0, replica)
         # (never a broadcast handle: with broadcast, engine actors are not restarted, runtime/ray_backend.py)
         latest = ray.get(board.latest.remote())
         if latest is not None:  # restarted after a crash: the run's current version before the first request
             self.engine.update_weights(ray.get(latest.payload), latest.version)
-        # broadcast: engine i's processes are ranks 1 + i * n.. of the trainer's group (n: weight_receivers)
-        device = next(model.parameters()).device if cfg.engine.kind == "builtin" else None  # else meta: not here
-        self.gate = WeightGate(self.engine, cfg.runtime.interrupt_on_update,
-                               rank_offset=1 + replica * weight_receivers(cfg), device=device,
-                               label=f"{cfg.engine.kind} (engine actor {replica})")
+        device = next(model.parameters()).device if setup.engine.kind == "builtin" else None  # else meta: not here
+        self.gate = WeightGate(self.engine, setup.interrupt_on_update, rank_offset=rank_offset, device=device,
+                               label=f"{setup.engine.kind} (engine actor {replica})")
 
     def info(self) -> tuple[int, int]:
         """(kv_budget, version)."""

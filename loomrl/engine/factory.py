@@ -1,10 +1,10 @@
-"""The engine a run's config asks for (engine.kind), over a model it may share with the trainer."""
+"""The engine an EngineSetup asks for (engine.kind), over a model it may share with the trainer."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from loomrl.config import RunConfig
+from loomrl.config import EngineConfig, EngineSetup
 from loomrl.engine.base import Engine
 
 BUILTIN_MAX_RUNNING = 64  # engine.max_batch_size unset: the built-in engine's running sequences, on any device
@@ -15,28 +15,33 @@ def server_of(base_url: str | list[str], replica: int) -> str:
     return base_url[replica % len(base_url)] if isinstance(base_url, list) else base_url
 
 
-def make_engine(cfg: RunConfig, model: Any, tokenizer: Any, version: int, replica: int = 0) -> Engine:
+def _sglang_engine(e: EngineConfig, model: Any, version: int, replica: int) -> Engine:
+    """A client of the SGLang server engine.sglang names (of `replica`'s, when it lists several)."""
+    from loomrl.engine.sglang import SGLangEngine
+
+    s = e.sglang
+    if not isinstance(s.base_url, list):
+        return SGLangEngine(s, version=version, model_config=model.config, sleep_mode=e.sleep_while_training)
+    # one server per engine actor, each writing its versions into a folder of its own
+    mine = {"base_url": server_of(s.base_url, replica)}
+    if s.weights_dir:
+        mine["weights_dir"] = f"{s.weights_dir}/server{replica}"
+    if s.server_weights_dir:
+        mine["server_weights_dir"] = f"{s.server_weights_dir}/server{replica}"
+    return SGLangEngine(s.model_copy(update=mine), version=version, model_config=model.config,
+                        sleep_mode=e.sleep_while_training)
+
+
+def make_engine(setup: EngineSetup, model: Any, tokenizer: Any, version: int, replica: int = 0) -> Engine:
     """The engine engine.kind names: the built-in one over `model` (sync runs share it with the trainer), a client
     of an SGLang server (`model` gives only the config.json written beside each weight update; `replica`: the
     engine actor's index, which picks its server when engine.sglang.base_url lists several), a client of a vLLM
     server (engine.vllm.base_url; `model` gives the parameter names and shapes), or vLLM's AsyncLLM over the folder
     `model` was loaded from (saved to a temporary one when it has none). All but the built-in one take a meta-device
     skeleton (model/loader.py load_engine_model): they never read the weights of `model`."""
-    e = cfg.engine
+    e = setup.engine
     if e.kind == "sglang":
-        from loomrl.engine.sglang import SGLangEngine
-
-        s = e.sglang
-        if not isinstance(s.base_url, list):
-            return SGLangEngine(s, version=version, model_config=model.config, sleep_mode=e.sleep_while_training)
-        # one server per engine actor, each writing its versions into a folder of its own
-        mine = {"base_url": server_of(s.base_url, replica)}
-        if s.weights_dir:
-            mine["weights_dir"] = f"{s.weights_dir}/server{replica}"
-        if s.server_weights_dir:
-            mine["server_weights_dir"] = f"{s.server_weights_dir}/server{replica}"
-        return SGLangEngine(s.model_copy(update=mine), version=version, model_config=model.config,
-                            sleep_mode=e.sleep_while_training)
+        return _sglang_engine(e, model, version, replica)
     if e.kind == "vllm" and e.vllm.base_url:
         from loomrl.engine.vllm.http import VLLMHTTPEngine
         from loomrl.engine.vllm.weights import parameter_shapes
@@ -52,17 +57,17 @@ def make_engine(cfg: RunConfig, model: Any, tokenizer: Any, version: int, replic
         from loomrl.weights.route import engine_dtype
 
         def build() -> Any:  # a tiny model's skeleton has no folder: its weights are its seed's, saved for vLLM
-            return build_tiny_model(cfg.model, len(tokenizer), tokenizer.eos_token_id)
+            return build_tiny_model(setup.model, len(tokenizer), tokenizer.eos_token_id)
 
-        served = served_model(model, tokenizer, build if cfg.model.kind == "tiny" else None)
+        served = served_model(model, tokenizer, build if setup.model.kind == "tiny" else None)
         # agent.max_context_tokens bounds every request of a run (prompt + output): the K/V cache's sequence length
-        return VLLMEngine(e.vllm, served, dtype=engine_dtype(e.vllm.dtype, cfg.model.dtype),
-                          seed=cfg.seed, max_num_seqs=e.max_batch_size, prefix_cache=e.prefix_cache, version=version,
-                          sleep_mode=e.sleep_while_training, context_tokens=cfg.agent.max_context_tokens,
+        return VLLMEngine(e.vllm, served, dtype=engine_dtype(e.vllm.dtype, setup.model.dtype),
+                          seed=setup.seed, max_num_seqs=e.max_batch_size, prefix_cache=e.prefix_cache, version=version,
+                          sleep_mode=e.sleep_while_training, context_tokens=setup.context_tokens,
                           speculation=e.speculation)
     from loomrl.engine.builtin.engine import BuiltinEngine
 
     return BuiltinEngine(model, eos_token_id=tokenizer.eos_token_id, kv_budget_tokens=e.kv_budget_tokens,
                          max_running=e.max_batch_size or BUILTIN_MAX_RUNNING, max_prefill_tokens=e.max_prefill_tokens,
-                         prefix_cache=e.prefix_cache, seed=cfg.seed, version=version, tokenizer=tokenizer,
+                         prefix_cache=e.prefix_cache, seed=setup.seed, version=version, tokenizer=tokenizer,
                          speculation=e.speculation)

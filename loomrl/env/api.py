@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
-from loomrl.config import ConfigError, RunConfig
+from loomrl.config import ConfigError, EnvConfig
 from loomrl.env.base import Env
 from loomrl.plugins import import_object
 from loomrl.types import Task, Trajectory
@@ -69,8 +69,7 @@ class TaskSetup:
     sandbox_limits: dict[str, int] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, cfg: RunConfig) -> TaskSetup:
-        e = cfg.env
+    def of(cls, e: EnvConfig) -> TaskSetup:
         return cls(families=e.families, n_train=e.n_train, n_heldout=e.n_heldout, seed=e.seed,
                    heldout_template_share=e.heldout_template_share, sandbox=e.sandbox,
                    sandbox_limits=dict(e.sandbox_limits))
@@ -221,10 +220,10 @@ def resolve_factory(name: str) -> tuple[Callable[..., Any], dict[str, Any]]:
 _made: dict[str, Environment] = {}
 
 
-def environment_for(cfg: RunConfig) -> Environment:
+def environment_for(env: EnvConfig) -> Environment:
     """The run's environment, made once per process for a given env section."""
-    key = cfg.env.model_dump_json()
+    key = env.model_dump_json()
     if key not in _made:
-        factory, extra = resolve_factory(cfg.env.name)
-        _made[key] = make_environment(factory, {**cfg.env.args, **extra}, cfg.env.name)
+        factory, extra = resolve_factory(env.name)
+        _made[key] = make_environment(factory, {**env.args, **extra}, env.name)
     return _made[key]

@@ -13,7 +13,7 @@ import os
 import random
 from collections.abc import Callable, Sequence
 
-from loomrl.config import ConfigError, RunConfig
+from loomrl.config import ConfigError, DataConfig, EnvConfig
 from loomrl.env.api import TaskSetup, environment_for
 from loomrl.env.pool import pool_size_for
 from loomrl.types import Task
@@ -50,61 +50,63 @@ def template_splits(generate: Callable[[str, int, dict[str, list[str]], set[str]
     return train, heldout + new
 
 
-def prepared_tasks(cfg: RunConfig) -> tuple[Sequence[Task], Sequence[Task]]:
+def prepared_tasks(env: EnvConfig, data: DataConfig | None) -> tuple[Sequence[Task], Sequence[Task]]:
     """The environment's start-up step (Environment.start, e.g. codefix's validation in sandboxes), then the run's
     task splits. Runs its own event loop: call it where none runs (RolloutSide calls it on a thread)."""
-    asyncio.run(environment_for(cfg).start(TaskSetup.of(cfg)))
-    return tasks_for(cfg)
+    asyncio.run(environment_for(env).start(TaskSetup.of(env)))
+    return tasks_for(env, data)
 
 
-def tasks_for(cfg: RunConfig) -> tuple[Sequence[Task], Sequence[Task]]:
+def tasks_for(env: EnvConfig, data: DataConfig | None) -> tuple[Sequence[Task], Sequence[Task]]:
     """The run's (train, held-out) tasks: the recipe's `data:` section when it has one, else the environment's own
     (after its start-up step: prepared_tasks)."""
-    if cfg.data is not None:
+    if data is not None:
         from loomrl.data import load_splits  # datasets: loaded only by runs that read a dataset
 
-        return load_splits(cfg.data, seed=cfg.env.seed, n_heldout=cfg.env.n_heldout)
-    splits = environment_for(cfg).tasks(TaskSetup.of(cfg))
+        return load_splits(data, seed=env.seed, n_heldout=env.n_heldout)
+    splits = environment_for(env).tasks(TaskSetup.of(env))
     if splits is None:
-        raise ConfigError(f"config error: data: env.name={cfg.env.name} brings no tasks of its own; add a data: section "
+        raise ConfigError(f"config error: data: env.name={env.name} brings no tasks of its own; add a data: section "
                           "naming your dataset, e.g. data: {path: train.parquet} (docs/data.md)")
     return splits
 
 
-def check_env_config(cfg: RunConfig) -> None:
+def check_env_config(env: EnvConfig, data: DataConfig | None) -> None:
     """The env section against what only the environment and the sandbox backend know (the names
-    env.families may list, the keys env.sandbox_limits may set): a ConfigError of one line, at load."""
-    environment = environment_for(cfg)  # env.name and env.args: refused here when wrong
-    environment.check(TaskSetup.of(cfg))
-    if cfg.data is not None:  # read at load: a missing file, column or split stops here, in one line
+    env.families may list, the keys env.sandbox_limits may set), and the data section read: a ConfigError of one line,
+    at load."""
+    environment = environment_for(env)  # env.name and env.args: refused here when wrong
+    environment.check(TaskSetup.of(env))
+    if data is not None:  # read at load: a missing file, column or split stops here, in one line
         from loomrl.data import DataError, load_splits
 
         try:
-            load_splits(cfg.data, seed=cfg.env.seed, n_heldout=cfg.env.n_heldout)
+            load_splits(data, seed=env.seed, n_heldout=env.n_heldout)
         except DataError as err:
             raise ConfigError(str(err)) from None
-    if cfg.data is None and not environment.brings_tasks:
-        raise ConfigError(f"config error: data: env.name={cfg.env.name} brings no tasks of its own; add a data: section "
+    if data is None and not environment.brings_tasks:
+        raise ConfigError(f"config error: data: env.name={env.name} brings no tasks of its own; add a data: section "
                           "naming your dataset, e.g. data: {path: train.parquet} (docs/data.md)")
-    if cfg.env.sandbox_limits:
+    if env.sandbox_limits:
         from loomrl.env.sandbox.factory import limit_keys, resolve_backend
 
         # auto: the backend it picks on this machine (a Ray env actor's node may pick another; its
         # sandboxes check their limits again when they are made)
-        backend = resolve_backend(cfg.env.sandbox)
+        backend = resolve_backend(env.sandbox)
         known = limit_keys(backend)
-        unknown = [k for k in cfg.env.sandbox_limits if k not in known]
+        unknown = [k for k in env.sandbox_limits if k not in known]
         if unknown:
-            picked = f" (env.sandbox={cfg.env.sandbox} picks {backend} here)" if cfg.env.sandbox == "auto" else ""
+            picked = f" (env.sandbox={env.sandbox} picks {backend} here)" if env.sandbox == "auto" else ""
             raise ConfigError(f"config error: env.sandbox_limits: unknown key {', '.join(map(repr, unknown))} for the "
                               f"{backend} sandbox{picked}; valid keys: {', '.join(known)}")
 
 
-def sandbox_pool_size(cfg: RunConfig, concurrency: int) -> int:
-    """Sandboxes for `concurrency` rollouts: env.pool_size, else enough for them plus spares."""
-    if cfg.env.pool_size:
-        return cfg.env.pool_size
-    use = "episode" if cfg.agent.kind == "blackbox" else environment_for(cfg).sandbox
+def sandbox_pool_size(env: EnvConfig, agent_kind: str, concurrency: int) -> int:
+    """Sandboxes for `concurrency` rollouts of an `agent_kind` agent (agent.kind): env.pool_size, else enough for
+    them plus spares."""
+    if env.pool_size:
+        return env.pool_size
+    use = "episode" if agent_kind == "blackbox" else environment_for(env).sandbox
     if use == "call":  # held only while a tool runs: a few per core are plenty
         return pool_size_for(min(concurrency, 4 * (os.cpu_count() or 1)))
     return pool_size_for(concurrency)  # held for a whole episode

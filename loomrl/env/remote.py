@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from loomrl.actor_support import Placed, actor_error_line
-from loomrl.config import RunConfig
+from loomrl.config import EnvConfig
 from loomrl.env.pool import EnvPool, EnvPoolFailed, Leases, PoolMetrics, sandbox_pool
 from loomrl.env.registry import sandbox_pool_size
 from loomrl.env.sandbox.base import ExecResult, Health, Sandbox, SandboxError
@@ -30,10 +30,11 @@ class EnvActor(Placed):
     fresh pool; calls on the leases of the old one fail with SandboxError (the episode ends env_error,
     and agent.retry_on may run it again). Calls are not retried by Ray: a command may not be idempotent."""
 
-    def __init__(self, cfg_json: str, concurrency: int):
-        """`concurrency`: trajectories that may lease from this actor at once (its share of the run's)."""
-        self.cfg = RunConfig.model_validate_json(cfg_json)
-        self.size = sandbox_pool_size(self.cfg, concurrency)  # sized on this node (its cores)
+    def __init__(self, env_json: str, concurrency: int, agent_kind: str):
+        """`env_json`: the env section as JSON; `concurrency`: trajectories that may lease from this actor at once (its
+        share of the run's), each an `agent_kind` agent's (agent.kind: a black-box one holds its sandbox all along)."""
+        self.env = EnvConfig.model_validate_json(env_json)
+        self.size = sandbox_pool_size(self.env, agent_kind, concurrency)  # sized on this node (its cores)
         self.pool: EnvPool | None = None
         self.leases: dict[str, tuple[str, Sandbox]] = {}  # lease id -> (owner, sandbox)
         # Leases given up before their acquire finished (the caller was cancelled), and owners that
@@ -45,7 +46,7 @@ class EnvActor(Placed):
     async def _pool(self) -> EnvPool:
         async with self._start_lock:
             if self.pool is None:  # set once pre-warmed: a pool that fails to start is not kept
-                self.pool = await sandbox_pool(self.cfg.env, self.size).start()
+                self.pool = await sandbox_pool(self.env, self.size).start()
         return self.pool
 
     def _sandbox(self, lease: str) -> Sandbox:

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from loomrl.cache_dir import cache_root
-from loomrl.config import ModelConfig, RunConfig, TrainerConfig
+from loomrl.config import EngineSetup, ModelConfig, TrainerConfig
+from loomrl.config.pools import serving_dtype_name
 from loomrl.run_folder import CheckpointFolder
 
 if TYPE_CHECKING:
@@ -221,13 +222,14 @@ def load_skeleton(cfg: ModelConfig, checkpoint: Path | None, *, dtype: torch.dty
     return model, tokenizer
 
 
-def load_engine_model(cfg: RunConfig, checkpoint: Path | None, *, trainer: TrainerConfig | None = None
+def load_engine_model(setup: EngineSetup, checkpoint: Path | None, *, trainer: TrainerConfig | None = None
                       ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The model the process that drives the run's engine holds: the built-in engine runs it, so its weights
+    """The model the process that drives the engine holds: the built-in engine runs it, so its weights
     (load_run_model, `trainer` as there: a sync run's); vLLM and SGLang hold their own, so the skeleton
-    (load_skeleton) in the dtype they serve."""
-    if cfg.engine.kind == "builtin":
-        return load_run_model(cfg.model, checkpoint, trainer=trainer)
+    (load_skeleton) in the dtype they serve, resolved here once for this process."""
+    if setup.engine.kind == "builtin":
+        return load_run_model(setup.model, checkpoint, trainer=trainer)
     from loomrl.weights.route import serving_dtype
 
-    return load_skeleton(cfg.model, checkpoint, dtype=serving_dtype(cfg))
+    dtype = serving_dtype(setup.engine.kind, serving_dtype_name(setup.engine, setup.model), setup.model.device)
+    return load_skeleton(setup.model, checkpoint, dtype=dtype)

@@ -16,13 +16,12 @@ What it is not: a profile of one component; each number is what the run saw unde
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
 from loomrl.planning.hardware import Hardware, run_hardware
-from loomrl.run_folder import CONFIG, METRICS, SUMMARY, TRAJECTORIES, RunFolder, read_json_lines
+from loomrl.run_folder import CONFIG, METRICS, SUMMARY, TRAJECTORIES, RunFolder, read_json_lines, read_summary
 
 
 class NotARun(Exception):
@@ -170,9 +169,9 @@ def measure_run(run_dir: Path) -> RunMeasurements:
     train = [r for r in records if r.get("kind") == "train"]
     if not train:
         raise _fail(run_dir, f"no training step in {METRICS}")
-    if not folder.summary.is_file():
+    summary = read_summary(run_dir)
+    if summary is None:
         raise _fail(run_dir, f"no {SUMMARY}: it has not finished")
-    summary = json.loads(folder.summary.read_text())
     rows = _trajectory_columns(folder.trajectories)
     if not rows:
         raise _fail(run_dir, f"no {TRAJECTORIES}/part-*.parquet")
@@ -184,7 +183,7 @@ def measure_run(run_dir: Path) -> RunMeasurements:
     evals = [r for r in records if r.get("kind", "").startswith("eval")]
     # the evaluation after training, where the driver stores it (it read evaluations/after, which no run writes, and
     # fell back to the training turns)
-    eval_rows = _trajectory_columns(folder.evaluation("after", int(summary.get("steps", 0))))
+    eval_rows = _trajectory_columns(folder.evaluation("after", summary.steps))
     last_eval = next((r for r in reversed(records) if r.get("kind") == "eval_after"), None)
     eval_pass_s = last_eval["time"] - train[-1]["time"] if last_eval else 0.0
     lags = {int(k.rsplit("_", 1)[1]): v for r in train for k, v in r.items() if k.startswith("staleness/lag_")}
@@ -198,7 +197,7 @@ def measure_run(run_dir: Path) -> RunMeasurements:
         group_size=cfg.trainer.group_size, max_inflight=cfg.runtime.max_inflight_trajectories,
         max_policy_lag=cfg.buffer.max_policy_lag, engine_max_batch=cfg.engine.max_batch_size or 64,
         eval_inflight=cfg.eval.max_inflight, eval_episodes=int(evals[-1].get("eval/n", 0)) if evals else 0,
-        eval_passes=len(evals), wall_s=float(summary.get("wall_s", 0.0)), step_s=mean_of("time/step_s"),
+        eval_passes=len(evals), wall_s=summary.wall_s, step_s=mean_of("time/step_s"),
         rollout_s=mean_of("time/rollout_s"), train_s=mean_of("time/train_s"), eval_pass_s=max(eval_pass_s, 0.0),
         trainer_tokens_per_s=(sum(r.get("train/tokens", 0) for r in train)
                               / max(sum(r.get("train/seconds", 0.0) for r in train), 1e-9)),
@@ -210,5 +209,5 @@ def measure_run(run_dir: Path) -> RunMeasurements:
         reward=Spread.of([r.get("reward_s") or 0.0 for r in rows]),
         trajectory=Spread.of([r["wall_time"] for r in rows]),
         trajectory_times=tuple(sorted(r["wall_time"] for r in rows)),
-        sandbox_starts_per_s=summary.get("env_pool", {}).get("created", 0) / max(float(summary.get("wall_s", 0)), 1e-9),
+        sandbox_starts_per_s=summary.env_pool.get("created", 0) / max(summary.wall_s, 1e-9),
         staleness_mean=sum(k * v for k, v in lags.items()) / lag_n if lag_n else 0.0, hardware=run_hardware(cfg))

@@ -22,7 +22,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
-from loomrl.config import ConfigError, RunConfig
+from loomrl.config import ConfigError, RewardConfig
 from loomrl.errors import with_frames
 from loomrl.plugins import import_object
 from loomrl.reward.composite import Composite
@@ -47,11 +47,11 @@ def import_reward(spec: str, field: str = "reward.function") -> RewardFn:
                                       "score(trajectory, task) or score(prompts, completions, **kwargs)", "function")
 
 
-def load_terms(cfg: RunConfig) -> list[RewardTerm]:
+def load_terms(reward: RewardConfig) -> list[RewardTerm]:
     """reward.functions (or reward.function alone), imported: a ConfigError of one line naming the one that fails."""
-    single = cfg.reward.function
+    single = reward.function
     specs = [(t.function, t.weight, t.name, f"reward.functions[{i}].function")
-             for i, t in enumerate(cfg.reward.functions)]
+             for i, t in enumerate(reward.functions)]
     if not specs:
         if single is None:  # callers check first that the config names a reward function
             raise ConfigError("config error: reward.function or reward.functions: no reward function to load")

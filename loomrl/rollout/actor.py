@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from loomrl.actor_support import Placed
-from loomrl.config import RunConfig, TrainerConfig
+from loomrl.config import RolloutPoolConfig, TrainerConfig
 from loomrl.engine.actor import RemoteEngine, WeightGate
 from loomrl.engine.base import Engine
 from loomrl.engine.factory import make_engine
@@ -38,29 +38,28 @@ class RolloutSide:
     weights) and the run's task splits (registry.prepared_tasks); `eval_tasks`: the held-out tasks an evaluation runs.
     `reward_pool`, `env_pool`: the worker's (RolloutWorker; on Ray, the reward and env actors' clients)."""
 
-    def __init__(self, cfg: RunConfig, checkpoint: Path | None, *, trainer: TrainerConfig | None = None,
+    def __init__(self, pool: RolloutPoolConfig, checkpoint: Path | None, *, trainer: TrainerConfig | None = None,
                  engine_actor: Any = None, reward_pool: Scorer | None = None, env_pool: Leases | None = None):
-        self.cfg = cfg
         # On a thread: this may run inside an event loop (a Ray actor's constructor, LocalRollouts.start), and the
         # environment's start-up step runs one of its own (codefix validates its corpus in local sandboxes, or reads
         # the validation it cached).
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            train_tasks, heldout = pool.submit(prepared_tasks, cfg).result()
+        with concurrent.futures.ThreadPoolExecutor(1) as thread:
+            train_tasks, heldout = thread.submit(prepared_tasks, pool.env, pool.data).result()
         # the first eval.n_tasks of each held-out split (heldout, heldout_templates: see env/registry.py)
         by_split: dict[str, list[Task]] = {}
         for t in heldout:
             by_split.setdefault(t.split, []).append(t)
-        self.eval_tasks = [t for tasks in by_split.values() for t in tasks[: cfg.eval.n_tasks]]
-        torch.manual_seed(cfg.seed)
+        self.eval_tasks = [t for tasks in by_split.values() for t in tasks[: pool.eval.n_tasks]]
+        torch.manual_seed(pool.seed)
         self.model: PreTrainedModel | None  # None beside an engine actor
         if engine_actor is not None:  # the engine is an actor of its own (ray.engine.count > 0): tokenizer only
-            self.model, self.tokenizer = None, load_tokenizer(cfg.model)
-            self.engine: Engine = RemoteEngine(engine_actor, cfg.ray.engine_restart_wait_s)
+            self.model, self.tokenizer = None, load_tokenizer(pool.model)
+            self.engine: Engine = RemoteEngine(engine_actor, pool.engine_restart_wait_s)
         else:
-            self.model, self.tokenizer = load_engine_model(cfg, checkpoint, trainer=trainer)
-            self.engine = make_engine(cfg, self.model, self.tokenizer, 0)
+            self.model, self.tokenizer = load_engine_model(pool.engine, checkpoint, trainer=trainer)
+            self.engine = make_engine(pool.engine, self.model, self.tokenizer, 0)
         try:
-            self.worker = RolloutWorker(cfg, self.engine, ChatRenderer(self.tokenizer), train_tasks,
+            self.worker = RolloutWorker(pool, self.engine, ChatRenderer(self.tokenizer), train_tasks,
                                         reward_pool=reward_pool, env_pool=env_pool)
         except BaseException:  # e.g. reward.function does not import: no engine thread left behind
             self.engine.close()
@@ -91,16 +90,19 @@ class RolloutActor(Placed, RolloutSide):
     `env_actors`: lease sandboxes from these (RemoteEnvPool, as `owner`) instead of this node's.
     `engine_actor`: generate on it (RemoteEngine; it gets the weights itself) instead of an engine of its own."""
 
-    def __init__(self, cfg_json: str, reward_actors: list[Any] | None = None, env_actors: list[Any] | None = None,
+    def __init__(self, pool_json: str, reward_actors: list[Any] | None = None, env_actors: list[Any] | None = None,
                  owner: str = "", engine_actor: Any = None):
-        cfg = RunConfig.model_validate_json(cfg_json)
+        """`pool_json`: the rollout pool's config (RolloutPoolConfig) as JSON."""
+        pool = RolloutPoolConfig.model_validate_json(pool_json)
+        e = pool.engine
         # engine.threads, else the CPUs Ray reserved for this actor (several actors share a node's cores)
-        torch.set_num_threads(cfg.engine.threads or max(1, int(cfg.ray.rollout.num_cpus)))
+        torch.set_num_threads(e.engine.threads or max(1, int(pool.cpus)))
         # Architecture, tokenizer and frozen weights; the trainable ones arrive with update_weights
         # before the first group (the driver sends the trainer's current version to every new actor).
-        super().__init__(cfg, None, reward_pool=RemoteRewardPool(reward_actors) if reward_actors else None,
+        super().__init__(pool, None, reward_pool=RemoteRewardPool(reward_actors) if reward_actors else None,
                          env_pool=RemoteEnvPool(env_actors, owner) if env_actors else None, engine_actor=engine_actor)
-        self.gate = WeightGate(self.engine, cfg.runtime.interrupt_on_update, label=f"{cfg.engine.kind} ({owner or 'rollout actor'})")
+        self.gate = WeightGate(self.engine, e.interrupt_on_update,
+                               label=f"{e.engine.kind} ({owner or 'rollout actor'})")
 
     async def update_weights(self, handle: WeightHandle) -> dict[str, float]:
         """Load a published version into the engine; groups sent after this call wait for it.

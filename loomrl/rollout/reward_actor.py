@@ -5,7 +5,7 @@ terms and judge: rollout/worker.py reward_pool_for), which the environment's rew
 from __future__ import annotations
 
 from loomrl.actor_support import Placed
-from loomrl.config import RunConfig
+from loomrl.config import RolloutPoolConfig
 from loomrl.rollout.worker import reward_pool_for
 from loomrl.types import Task, Trajectory
 
@@ -16,9 +16,10 @@ class RewardActor(Placed):
     restarts it when it dies (max_restarts) and retries the calls it was running on the fresh one
     (max_task_retries); calls that still fail reach RemoteRewardPool as errors."""
 
-    def __init__(self, cfg_json: str):
-        cfg = RunConfig.model_validate_json(cfg_json)
-        self.pool = reward_pool_for(cfg)
+    def __init__(self, pool_json: str):
+        """`pool_json`: the rollout pool's config (RolloutPoolConfig) as JSON: its reward, agent and env sections and
+        the run's length make the reward (rollout/worker.py reward_fn_for)."""
+        self.pool = reward_pool_for(RolloutPoolConfig.model_validate_json(pool_json))
 
     async def score(self, traj: Trajectory, task: Task) -> Trajectory:
         return await self.pool.score(traj, task)

@@ -27,7 +27,7 @@ from loomrl.agent.context import ContextStrategy
 from loomrl.agent.gateway import Budget, Gateway, ServerThread
 from loomrl.agent.loop import AgentLoop
 from loomrl.agent.priorities import ProgramPriorities
-from loomrl.config import RunConfig
+from loomrl.config import RolloutPoolConfig
 from loomrl.engine.base import Engine, SamplingParams
 from loomrl.env.api import EpisodeContext, environment_for
 from loomrl.env.pool import Leases, sandbox_pool
@@ -91,14 +91,14 @@ class DataOrder:
         return self._perms[epoch][offset]
 
 
-def reward_fn_for(cfg: RunConfig) -> RewardFn | CombinedReward:
+def reward_fn_for(pool: RolloutPoolConfig) -> RewardFn | CombinedReward:
     """The run's reward: the recipe's reward.functions or reward.function (weighted, run in reward worker processes),
     else the environment's own reward. For a black-box agent with agent.reward_from_agent, what the program reported
     when it did."""
-    reported = cfg.agent.kind == "blackbox" and cfg.agent.reward_from_agent
-    if cfg.reward.functions or cfg.reward.function:
-        return CombinedReward(load_terms(cfg), max_steps=cfg.trainer.total_steps, keep_reported=reported)
-    reward_fn = environment_for(cfg).reward
+    reported = pool.agent.kind == "blackbox" and pool.agent.reward_from_agent
+    if pool.reward.functions or pool.reward.function:
+        return CombinedReward(load_terms(pool.reward), max_steps=pool.total_steps, keep_reported=reported)
+    reward_fn = environment_for(pool.env).reward
     if reported:
         verifier = reward_fn
 
@@ -107,52 +107,53 @@ def reward_fn_for(cfg: RunConfig) -> RewardFn | CombinedReward:
     return reward_fn
 
 
-def reward_pool_for(cfg: RunConfig) -> RewardPool:
+def reward_pool_for(pool: RolloutPoolConfig) -> RewardPool:
     """The run's reward pool in this process: its reward (reward_fn_for), reward.terms, the judge (reward.judge),
     workers and timeout."""
-    return RewardPool(reward_fn_for(cfg), workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s,
-                      composite=Composite.from_config(cfg.reward.terms), judge=judge_for(cfg.reward.judge))
+    r = pool.reward
+    return RewardPool(reward_fn_for(pool), workers=r.workers, timeout_s=r.timeout_s,
+                      composite=Composite.from_config(r.terms), judge=judge_for(r.judge))
 
 
-def group_slots(cfg: RunConfig) -> int:
+def group_slots(pool: RolloutPoolConfig) -> int:
     """Groups in flight at once under runtime.max_inflight_trajectories (at least one: a group is never split)."""
-    return max(1, cfg.runtime.max_inflight_trajectories // cfg.trainer.group_size)
+    return max(1, pool.max_inflight_trajectories // pool.group_size)
 
 
-def eval_slots(cfg: RunConfig) -> int:
+def eval_slots(pool: RolloutPoolConfig) -> int:
     """Evaluation episodes in flight at once: eval.max_inflight and runtime.max_inflight_trajectories, where set."""
-    return min(c for c in (cfg.eval.max_inflight, cfg.runtime.max_inflight_trajectories, 1 << 30) if c)
+    return min(c for c in (pool.eval.max_inflight, pool.max_inflight_trajectories, 1 << 30) if c)
 
 
-def rollout_concurrency(cfg: RunConfig) -> int:
+def rollout_concurrency(pool: RolloutPoolConfig) -> int:
     """Trajectories in flight at once on one rollout worker: the groups of a step (sync) or the
     admission window (async), or evaluation's episodes, within runtime.max_inflight_trajectories."""
-    t = cfg.trainer
-    train = t.groups_per_step * (1 + cfg.buffer.max_policy_lag if cfg.runtime.mode == "async" else 1) * t.group_size
-    evaluating = min(cfg.eval.n_tasks, eval_slots(cfg))
-    if cfg.runtime.max_inflight_trajectories:
-        return max(min(train, group_slots(cfg) * t.group_size), evaluating)
+    window = 1 + pool.max_policy_lag if pool.mode == "async" else 1
+    train = pool.groups_per_step * window * pool.group_size
+    evaluating = min(pool.eval.n_tasks, eval_slots(pool))
+    if pool.max_inflight_trajectories:
+        return max(min(train, group_slots(pool) * pool.group_size), evaluating)
     return max(train, evaluating)
 
 
 class RolloutWorker:
-    def __init__(self, cfg: RunConfig, engine: Engine, renderer: ChatRenderer, train_tasks: Sequence[Task],
+    def __init__(self, pool: RolloutPoolConfig, engine: Engine, renderer: ChatRenderer, train_tasks: Sequence[Task],
                  reward_pool: Scorer | None = None, env_pool: Leases | None = None):
-        """`reward_pool`: where trajectories are scored (default: threads of this process; on Ray
-        it may be the reward actors, reward/actor.py RemoteRewardPool). `env_pool`: where white-box
-        environments lease sandboxes (default: an EnvPool of this process, made on first use; on
-        Ray it may be the env actors, env/remote.py RemoteEnvPool)."""
-        self.cfg = cfg
+        """`pool`: the rollout pool's config (config/pools.py). `reward_pool`: where trajectories are scored
+        (default: threads of this process; on Ray it may be the reward actors, reward/actor.py RemoteRewardPool).
+        `env_pool`: where white-box environments lease sandboxes (default: an EnvPool of this process, made on first
+        use; on Ray it may be the env actors, env/remote.py RemoteEnvPool)."""
+        self.config = pool
         self.engine = engine
         self.renderer = renderer
         self.train_tasks = train_tasks
-        self.order = DataOrder(len(train_tasks), cfg.seed)
-        self.environment = environment_for(cfg)
+        self.order = DataOrder(len(train_tasks), pool.seed)
+        self.environment = environment_for(pool.env)
         self.environment.use_tokenizer(renderer.tokenizer)  # e.g. a template that renders no tool schemas
-        self.reward_pool: Scorer = reward_pool or reward_pool_for(cfg)
-        self.composite = Composite.from_config(cfg.reward.terms)  # the group terms (completion_time)
-        self._env_rng = random.Random(f"{cfg.seed}:env")
-        self._retry_rng = random.Random(f"{cfg.seed}:retry")
+        self.reward_pool: Scorer = reward_pool or reward_pool_for(pool)
+        self.composite = Composite.from_config(pool.reward.terms)  # the group terms (completion_time)
+        self._env_rng = random.Random(f"{pool.seed}:env")
+        self._retry_rng = random.Random(f"{pool.seed}:retry")
         self._pool: Leases | None = env_pool
         self._blackbox: BlackBoxRunner | None = None
         self._gateway: Gateway | None = None
@@ -161,22 +162,20 @@ class RolloutWorker:
         self._prepare_lock = asyncio.Lock()
         self._prepared = False
         # slots for groups (runtime.max_inflight_trajectories) and eval episodes; bound to the run's loop on first wait
-        cap = cfg.runtime.max_inflight_trajectories
-        self._group_slots = asyncio.Semaphore(group_slots(cfg)) if cap else None
-        self._eval_slots = asyncio.Semaphore(eval_slots(cfg))
+        self._group_slots = asyncio.Semaphore(group_slots(pool)) if pool.max_inflight_trajectories else None
+        self._eval_slots = asyncio.Semaphore(eval_slots(pool))
         self.cap_wait_s = 0.0  # summed time groups waited for a slot under max_inflight_trajectories
         # episodes by purpose ("training", "evaluation"): launched, how each ended, and counts beside that partition
         self.counts: dict[str, EpisodeCounts] = {"training": EpisodeCounts(), "evaluation": EpisodeCounts()}
-        s = cfg.sampling
+        s = pool.sampling
         # Seer orders the training rollouts' engine calls; evaluation episodes are single programs.
-        self.priorities = (ProgramPriorities(cfg.agent.max_turns * s.max_tokens)
-                           if cfg.runtime.schedule == "seer" else None)
+        self.priorities = ProgramPriorities(pool.agent.max_turns * s.max_tokens) if pool.schedule == "seer" else None
         self.train_loop = self._loop(SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                                     max_tokens=s.max_tokens), self.priorities)
-        self.eval_loop = self._loop(SamplingParams(temperature=cfg.eval.temperature, max_tokens=s.max_tokens))
+        self.eval_loop = self._loop(SamplingParams(temperature=pool.eval.temperature, max_tokens=s.max_tokens))
 
     def _loop(self, sampling: SamplingParams, priorities: ProgramPriorities | None = None) -> AgentLoop:
-        a = self.cfg.agent
+        a = self.config.agent
         context = ContextStrategy(a.context.strategy, window=a.max_context_tokens, threshold=a.context.threshold,
                                   keep_last=a.context.keep_last, summary_max_tokens=a.context.summary_max_tokens)
         return AgentLoop(self.engine, self.renderer, sampling=sampling, max_turns=a.max_turns,
@@ -189,11 +188,12 @@ class RolloutWorker:
     async def env_pool(self, binds: dict[str, str] | None = None) -> Leases | None:
         """The sandbox pool, made and pre-warmed on first use (inside the run's event loop); None for
         environments that need no sandbox."""
-        use = "episode" if self.cfg.agent.kind == "blackbox" else self.environment.sandbox
+        use = "episode" if self.config.agent.kind == "blackbox" else self.environment.sandbox
         if use is None:
             return None
         if self._pool is None:
-            self._pool = sandbox_pool(self.cfg.env, sandbox_pool_size(self.cfg, rollout_concurrency(self.cfg)), binds)
+            size = sandbox_pool_size(self.config.env, self.config.agent.kind, rollout_concurrency(self.config))
+            self._pool = sandbox_pool(self.config.env, size, binds)
             await self._pool.start()
         return self._pool
 
@@ -204,7 +204,7 @@ class RolloutWorker:
         first one waiting on the pool's start-up while its siblings go ahead."""
         async with self._prepare_lock:
             if not self._prepared:
-                if self.cfg.agent.kind == "blackbox":
+                if self.config.agent.kind == "blackbox":
                     self._blackbox = await self._start_blackbox()
                 else:
                     await self.env_pool()
@@ -213,8 +213,8 @@ class RolloutWorker:
     async def _start_blackbox(self) -> BlackBoxRunner:
         """The gateway (served on a unix socket for sandboxes and on loopback TCP for the process
         backend) and the runner."""
-        a = self.cfg.agent
-        self._gateway = Gateway(self.engine, self.renderer.tokenizer, self.cfg.name,
+        a = self.config.agent
+        self._gateway = Gateway(self.engine, self.renderer.tokenizer, self.config.name,
                                 allow_agent_reward=a.reward_from_agent)
         # 0700, as mkdtemp makes it: bwrap mounts the socket as root, so the sandbox's uid need not
         # traverse this folder (only the socket file itself is 0666, see ServerThread)
@@ -245,7 +245,7 @@ class RolloutWorker:
         counts = self.counts["evaluation" if loop is self.eval_loop else "training"]
         counts.launched += 1
         try:
-            a = self.cfg.agent
+            a = self.config.agent
             errors: list[str] = []
             while True:
                 traj = await self._run_one(loop, task, group_id, position)
@@ -277,11 +277,11 @@ class RolloutWorker:
             raise
 
     async def _run_one(self, loop: AgentLoop, task: Task, group_id: str, position: int) -> Trajectory:
-        if self.cfg.agent.kind == "blackbox":
+        if self.config.agent.kind == "blackbox":
             traj = await self._run_blackbox(loop, task, group_id, position)
         else:
             env = self.environment.episode(EpisodeContext(pool=await self.env_pool(), rng=random.Random(
-                self._env_rng.random()), tool_timeout_s=self.cfg.env.tool_timeout_s))
+                self._env_rng.random()), tool_timeout_s=self.config.env.tool_timeout_s))
             try:
                 traj = await loop.run(env, task, group_id=group_id, position=position)
                 traj.metadata.env_version = self.environment.version  # the environment's, whichever Env ran it
@@ -306,7 +306,7 @@ class RolloutWorker:
             self.cap_wait_s += time.perf_counter() - t0
             try:
                 group = await gather_all([self.run_one(self.train_loop, task, group_id, position)
-                                          for _ in range(self.cfg.trainer.group_size)])
+                                          for _ in range(self.config.group_size)])
                 self.composite.score_group(group)
                 return group
             finally:

@@ -17,9 +17,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-from loomrl.run_folder import LedgerEntry
+from loomrl.run_folder import Fates, LedgerEntry
 
 
 @dataclass(slots=True, kw_only=True)
@@ -34,7 +33,7 @@ class Accounting:
         for tid in ids:
             self.discarded[tid] = reason
 
-    def settle(self, ledger: Sequence[LedgerEntry]) -> dict[str, Any]:
+    def settle(self, ledger: Sequence[LedgerEntry]) -> Fates:
         """The final tally against the ledger; `violations` lists what breaks exactly-once."""
         fates: dict[str, list[str]] = {}
         for entry in ledger:
@@ -51,24 +50,18 @@ class Accounting:
         violations = [f"{tid}: {' + '.join(f)}" for tid, f in fates.items() if tid in self.returned and len(f) > 1]
         counts: Counter[str] = Counter(f[0] for tid, f in fates.items() if tid in self.returned)
         unconsumed = len(self.returned) - sum(counts.values())
-        out: dict[str, Any] = {
-            "launched": self.launched,
-            "trained": counts["trained"],
-            "skipped": {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("skipped:")},
-            "stale": counts["stale"],
-            "discarded": {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("discarded:")},
-            "unconsumed": unconsumed,
-            "failed": dict(self.failed),
-            "cancelled": self.cancelled,
-        }
-        total = sum(sum(n.values()) if isinstance(n, dict) else n for fate, n in out.items() if fate != "launched")
+        by = {fate: {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith(f"{fate}:")}
+              for fate in ("skipped", "discarded")}
+        total = (counts["trained"] + sum(by["skipped"].values()) + counts["stale"] + sum(by["discarded"].values())
+                 + unconsumed + sum(self.failed.values()) + self.cancelled)
         if total != self.launched:
             violations.append(f"launched {self.launched} != sum of fates {total}")
-        out["violations"] = violations
-        return out
+        return Fates(launched=self.launched, trained=counts["trained"], skipped=by["skipped"], stale=counts["stale"],
+                     discarded=by["discarded"], unconsumed=unconsumed, failed=dict(self.failed),
+                     cancelled=self.cancelled, violations=violations)
 
 
-def ledger_line(acc: dict[str, Any]) -> str:
+def ledger_line(acc: Fates) -> str:
     """One readable line: launched = trained + skipped + stale + discarded + unconsumed + failed + cancelled."""
 
     def part(name: str, value: int | dict[str, int]) -> str:
@@ -77,7 +70,8 @@ def ledger_line(acc: dict[str, Any]) -> str:
             return f"{name} {sum(value.values())}" + (f" ({inner})" if inner else "")
         return f"{name} {value}"
 
-    parts = [part(k, acc[k]) for k in ("trained", "skipped", "stale", "discarded", "unconsumed", "failed",
-                                       "cancelled")]
-    ok = "ok" if not acc["violations"] else f"{len(acc['violations'])} VIOLATIONS"
-    return f"ledger: launched {acc['launched']} = " + " + ".join(parts) + f" [{ok}]"
+    parts = [part("trained", acc.trained), part("skipped", acc.skipped), part("stale", acc.stale),
+             part("discarded", acc.discarded), part("unconsumed", acc.unconsumed), part("failed", acc.failed),
+             part("cancelled", acc.cancelled)]
+    ok = "ok" if not acc.violations else f"{len(acc.violations)} VIOLATIONS"
+    return f"ledger: launched {acc.launched} = " + " + ".join(parts) + f" [{ok}]"

@@ -64,7 +64,7 @@ class EnvCheck:
 
     def __init__(self, cfg: RunConfig, settings: CheckSettings):
         self.cfg, self.settings = cfg, settings
-        self.environment = environment_for(cfg)
+        self.environment = environment_for(cfg.env)
         self.episodes: list[Episode] = []
         self.planned = 0  # the episodes it set out to play (fewer than n when the split has fewer tasks)
         self.model: str | None = settings.model
@@ -88,9 +88,10 @@ class EnvCheck:
             self.planned = len(tasks)
             bar = progress(len(tasks))
             if self.environment.sandbox is not None:
-                pool = sandbox_pool(self.cfg.env, sandbox_pool_size(self.cfg, self.settings.concurrency))
+                size = sandbox_pool_size(self.cfg.env, self.cfg.agent.kind, self.settings.concurrency)
+                pool = sandbox_pool(self.cfg.env, size)
                 await pool.start()
-            rewards = reward_pool_for(self.cfg)
+            rewards = reward_pool_for(self.cfg.rollout_pool())
             slots = asyncio.Semaphore(self.settings.concurrency)
             rng = random.Random(f"{self.cfg.seed}:check-env")
             seeds = [rng.random() for _ in tasks]
@@ -109,7 +110,7 @@ class EnvCheck:
                 await pool.close()
 
     def _tasks(self) -> list[Task]:
-        train, heldout = prepared_tasks(self.cfg)
+        train, heldout = prepared_tasks(self.cfg.env, self.cfg.data)
         return list(heldout if self.settings.split == "heldout" else train)[: self.settings.n]
 
     async def _one(self, policy: EndpointPolicy, pool: Leases | None, rewards, task: Task, i: int, seed: float) -> None:

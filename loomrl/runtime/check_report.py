@@ -39,6 +39,27 @@ class ToolTally:
     first_raised: str | None = None  # the first one's message
 
 
+@dataclass(slots=True, frozen=True, kw_only=True)
+class EpisodeLine:
+    """One episode as --json lists it: how it ended, its reward and success where it was scored, and every reply."""
+
+    task_id: str
+    ending: str  # Trajectory.ending
+    turns: int
+    reward: float | None  # None: not scored
+    success: bool | None
+    final_answer: str | None
+    error: str | None
+    replies: list[str]  # each turn's act, as the model wrote it
+
+    @classmethod
+    def of(cls, e: Episode) -> EpisodeLine:
+        t = e.trajectory
+        return cls(task_id=t.task_id, ending=t.ending, turns=len(t.turns),
+                   reward=t.total_reward if e.success is not None else None, success=e.success,
+                   final_answer=t.final_answer, error=t.error, replies=[turn.act for turn in t.all_turns()])
+
+
 @dataclass(slots=True, kw_only=True)
 class CheckReport:
     env: str
@@ -57,7 +78,7 @@ class CheckReport:
     malformed_calls: int  # calls that could not be parsed (the model's doing)
     env_failed: bool
     verdict: str
-    episode_list: list[dict[str, Any]]  # per episode: task, ending, turns, reward, success, final answer, error
+    episode_list: list[EpisodeLine]
 
     def as_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -103,10 +124,7 @@ def build_report(episodes: list[Episode], *, env: str, endpoint: str, model: str
         reward_mean=sum(rewards) / len(rewards) if rewards else None,
         statuses={k: statuses[k] for k in sorted(statuses, key=lambda k: (ORDER + (k,)).index(k))},
         first_errors=first_errors, tools=tools, malformed_calls=malformed, env_failed=False, verdict="",
-        episode_list=[{"task_id": e.trajectory.task_id, "ending": e.trajectory.ending, "turns": len(e.trajectory.turns),
-                       "reward": e.trajectory.total_reward if e.success is not None else None, "success": e.success,
-                       "final_answer": e.trajectory.final_answer, "error": e.trajectory.error,
-                       "replies": [t.act for t in e.trajectory.all_turns()]} for e in episodes])
+        episode_list=[EpisodeLine.of(e) for e in episodes])
     report.env_failed, report.verdict = verdict(report)
     return report
 

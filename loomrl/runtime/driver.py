@@ -28,21 +28,19 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 from loomrl.config import RunConfig
 from loomrl.errors import error_line
 from loomrl.metrics import open_metrics
 from loomrl.metrics.sink import SinkError
 from loomrl.rollout.worker import group_summary
-from loomrl.run_folder import RunFolder, read_ledger
+from loomrl.run_folder import RunFolder, Summary, read_ledger, write_summary
 from loomrl.runtime.accounting import Accounting, ledger_line
 from loomrl.runtime.failure_watch import FailureWatch, failed_step
 from loomrl.runtime.failures import CannotStart, EngineLost, Fact, RolloutLost, RunError, TrainerLost
@@ -52,7 +50,7 @@ from loomrl.runtime.positions import PositionBook, StepWindow
 from loomrl.runtime.summary import FINISHED, Segment, append_segment, whole_run
 from loomrl.store import TrajectoryStore
 from loomrl.trainer.checkpoint import checkpoint_step, latest_checkpoint, load_state
-from loomrl.trainer_boundary import TrainStep
+from loomrl.trainer_boundary import Carried, TrainStep
 from loomrl.types import EvalRecord, Trajectory
 
 log = logging.getLogger("loomrl")
@@ -96,7 +94,7 @@ def checked_eval(record: EvalRecord, label: str) -> EvalRecord:
     return record
 
 
-def step_line(step: int, total: int, metrics: dict[str, Any]) -> str:
+def step_line(step: int, total: int, metrics: dict[str, float]) -> str:
     """One line per step for a run with no progress bar to watch: reward over the scored trajectories, the loss (or
     why none), and where the time went."""
     scored, trajs = metrics.get("rollout/scored", 0), metrics.get("rollout/trajectories", 0)
@@ -159,14 +157,14 @@ class Driver:
         self.failures = FailureWatch()  # the first error of each kind is logged as it arrives
 
     # -- the trainer --------------------------------------------------------------------------------
-    async def _start_trainer(self, extra: dict[str, Any]) -> TrainerState:
+    async def _start_trainer(self, carried: Carried) -> TrainerState:
         # Colocated: the engines started first and hold the GPU; they sleep while the trainer loads onto it, publishes
         # its first version and moves its state to host memory (trainer/offload.py), then wake and load that version.
         colocated = self.cfg.engine.sleep_while_training
         if colocated:
             await self.rollouts.sleep()
         try:
-            state = await self.trainer.start(extra)
+            state = await self.trainer.start(carried)
         finally:
             if colocated:
                 await self.rollouts.wake()
@@ -182,7 +180,7 @@ class Driver:
         await self.weights.publish(self.version, state.weights)
         return state
 
-    async def _restart_trainer(self, err: TrainerLost, extra: dict[str, Any]) -> None:
+    async def _restart_trainer(self, err: TrainerLost, carried: Carried) -> None:
         """After TrainerLost: a fresh trainer from the latest checkpoint, or RunError past the limit."""
         self.trainer_restarts += 1
         limit = self.cfg.runtime.max_trainer_restarts
@@ -196,7 +194,7 @@ class Driver:
                     self.trainer_restarts, limit, where)
         self.trainer.stop()
         reported = self.version
-        state = await self._start_trainer(extra)
+        state = await self._start_trainer(carried)
         self.logger.rollback(self.version, "trainer_restart")
         if self.version > reported and state.metrics is not None:
             # it died after checkpointing a step, before reporting it: that step's metrics come from there
@@ -330,7 +328,7 @@ class Driver:
                 step.cancel()
 
     def _log_step(self, done: TrainStep, recent: list, bar) -> None:
-        metrics: dict[str, Any] = {
+        metrics: dict[str, float] = {
             **done.metrics, **self.window.close(len(self.inflight)),
             # positions the rule still admits before the next weight update
             "admission/open_positions": self.book.open(self.version),
@@ -348,7 +346,7 @@ class Driver:
         if "rollout/reward_mean" in metrics:  # absent when no trajectory of the step's groups was scored
             bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}")
 
-    def _say_if_untrained(self, trained: bool, metrics: dict[str, Any]) -> None:
+    def _say_if_untrained(self, trained: bool, metrics: dict[str, float]) -> None:
         """Warn, at the first step that took no gradient, why (its groups' skip reasons: groups, where the ledger
         counts trajectories); count such steps."""
         if trained:
@@ -361,7 +359,7 @@ class Driver:
                     "names each trajectory and its reason). %s", self.version, metrics.get("groups", 0),
                     why or "none buffered", UNTRAINED_HINT)
 
-    async def _loop(self, extra: dict[str, Any]) -> None:
+    async def _loop(self, carried: Carried) -> None:
         bar = progress(self.cfg.trainer.total_steps, f"train ({self.rollouts.label})", self.cfg.progress)
         bar.update(self.version)
         recent: list = []
@@ -372,7 +370,7 @@ class Driver:
                 try:
                     if lost is not None:  # a restart that fails as it starts counts as one more
                         err, lost = lost, None
-                        await self._restart_trainer(err, extra)
+                        await self._restart_trainer(err, carried)
                         bar.n = self.version
                         bar.refresh()
                     self._admit()
@@ -424,20 +422,18 @@ class Driver:
         return record
 
     async def _segment(self) -> None:
-        extra = load_state(self.ckpt).get("extra", {}) if self.ckpt else {}
+        carried = Carried.from_json(load_state(self.ckpt).get("extra")) if self.ckpt else Carried()
         try:
             await self.rollouts.start()
-            if extra.get("eval_before") is not None:
-                self.before = EvalRecord.from_dict(extra["eval_before"])
-            else:
+            self.before = carried.eval_before  # a resumed run's, taken when it began
+            if self.before is None:
                 self.before = await self._evaluate("before", 0)
-                if self.before is not None:
-                    extra["eval_before"] = asdict(self.before)
+                carried = Carried(eval_before=self.before)
             try:
-                await self._start_trainer(extra)
+                await self._start_trainer(carried)
             except TrainerLost as err:
                 raise RunError(f"run error: the trainer failed to start:\n{err}") from None
-            await self._loop(extra)
+            await self._loop(carried)
             await asyncio.gather(*self._end_inflight(), return_exceptions=True)
             # the last version may still be on its way (a broadcast from the trainer's process): it must arrive
             # before the trainer stops, with or without an evaluation to use it
@@ -450,7 +446,7 @@ class Driver:
                 self.trainer.stop()
                 self.report = await self.rollouts.close()
 
-    def run(self) -> dict[str, Any]:
+    def run(self) -> Summary:
         """Run this segment; the whole run's summary (also RUN/summary.json). However the segment ends, its record
         is kept (summary.py) and the summary rewritten, before an error goes on up."""
         ended = "interrupted"  # Ctrl-C, SIGTERM, a crash: anything the driver does not stop on purpose
@@ -474,7 +470,7 @@ class Driver:
                 log.exception("could not write the run's summary (the run's own error follows)")
         return summary
 
-    def _summarize(self, ended: str) -> dict[str, Any]:
+    def _summarize(self, ended: str) -> Summary:
         ledger = read_ledger(self.cfg.run_dir)
         acc = self.acc.settle(ledger)
         log.info(ledger_line(acc))
@@ -483,8 +479,8 @@ class Driver:
             log.warning("%s%d of the %d steps of this run trained nothing (every group of theirs left out; in "
                         "trajectories, as the ledger counts them: %d launched, %d trained, %d skipped). %s",
                         "NOTHING WAS TRAINED: " if self.untrained_steps >= self.version - start else "",
-                        self.untrained_steps, self.version - start, acc["launched"], acc["trained"],
-                        sum(acc["skipped"].values()), UNTRAINED_HINT)
+                        self.untrained_steps, self.version - start, acc.launched, acc.trained,
+                        sum(acc.skipped.values()), UNTRAINED_HINT)
         report = self.report or RolloutReport(rollouts={}, env_pool={})
         segment = Segment(from_step=start, to_step=self.version, ended=ended,
                           wall_s=round(time.time() - self.wall_start, 1), rollouts=report.rollouts,
@@ -495,5 +491,5 @@ class Driver:
         # a step the trainer took and logged (ledger) before an interrupt reached the driver counts as taken
         steps = max(self.version, max((entry.step for entry in ledger), default=0))
         summary = whole_run(self.cfg.run_dir, segments, self.before, self.after, steps, ledger)
-        RunFolder(self.cfg.run_dir).summary.write_text(json.dumps(summary, indent=2))
+        write_summary(self.cfg.run_dir, summary)
         return summary

@@ -43,7 +43,7 @@ from loomrl.trainer.ranks import (
     spawn_local_followers,
 )
 from loomrl.trainer.service import TrainerService
-from loomrl.trainer_boundary import PositionSet, TrainStep
+from loomrl.trainer_boundary import Carried, PositionSet, TrainStep
 from loomrl.types import Evaluation, Trajectory
 from loomrl.weights.fingerprint import WeightMismatch, confirm_weights
 from loomrl.weights.handle import WeightHandle, sync_metrics
@@ -84,7 +84,7 @@ class LocalRollouts(Rollouts):
             torch.set_num_threads(cfg.trainer.threads)
         # sync: the engine serves the trainer's own model (float32 on trainer.device; config.load_config refused
         # any other model.dtype or model.device), so it is loaded as the trainer's
-        rollout = self.rollout = RolloutSide(cfg, self.ckpt, trainer=cfg.trainer if self.sync else None)
+        rollout = self.rollout = RolloutSide(cfg.rollout_pool(), self.ckpt, trainer=cfg.trainer if self.sync else None)
         self.delta = EngineDelta(rollout.engine.metrics)  # busy time, queue, prefix hits: engine/readings.py
 
     def dispatch(self, position: int) -> asyncio.Future:
@@ -139,13 +139,14 @@ class InProcessTrainer(Trainer):
             raise RuntimeError("InProcessTrainer: used before start()")
         return self.service
 
-    async def start(self, extra: dict[str, Any]) -> TrainerState:
+    async def start(self, carried: Carried) -> TrainerState:
         cfg = self.cfg
+        train_pool, device = cfg.train_pool(), trainer_device(cfg.trainer)  # resolved once: rank 0's, given below
         ranks = None
         if cfg.trainer.world_size > 1:  # this process is rank 0; a dead follower stops the run (--resume)
-            self.followers = spawn_local_followers(cfg, self.ckpt, follower_threads(cfg, os.cpu_count() or 1))
-            ranks = LocalRankGroup(cfg.trainer.world_size, trainer_device(cfg.trainer),
-                                   *self.followers.channels(), dead=self.followers.dead)
+            self.followers = spawn_local_followers(train_pool, device, self.ckpt,
+                                                   follower_threads(cfg.trainer, os.cpu_count() or 1))
+            ranks = LocalRankGroup(cfg.trainer.world_size, device, *self.followers.channels(), dead=self.followers.dead)
             join_watching(ranks, self.followers)
         rollout = self.rollouts.side()
         if rollout.model is None:  # only an engine actor (Ray) leaves the rollout side without a model
@@ -158,9 +159,9 @@ class InProcessTrainer(Trainer):
         else:
             pool = self.own_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer")
             self.on_engine_thread = lambda fn: pool.submit(fn)
-        service = self.service = TrainerService(cfg, rollout.model, rollout.tokenizer, resume_from=self.ckpt,
-                                                ranks=ranks)
-        service.extra.update(extra)
+        service = self.service = TrainerService(train_pool, rollout.model, rollout.tokenizer, resume_from=self.ckpt,
+                                                ranks=ranks, device=device)
+        service.carried = carried.filled_from(service.carried)
         return TrainerState(service.version, service.received, service.last_metrics)
 
     def stop(self) -> None:
@@ -203,14 +204,14 @@ class ProcessTrainer(Trainer):
             raise RuntimeError("ProcessTrainer: used before start() or after stop()")
         return self.process
 
-    async def start(self, extra: dict[str, Any]) -> TrainerState:
-        process = self.process = TrainerProcess(self.cfg, extra, latest_checkpoint(self.cfg.run_dir),
+    async def start(self, carried: Carried) -> TrainerState:
+        process = self.process = TrainerProcess(self.cfg.train_pool(), carried, latest_checkpoint(self.cfg.run_dir),
                                                 async_threads(self.cfg)[1])
         try:
             started = await process.start()
         except TrainerProcessDied as err:
             raise TrainerLost(str(err)) from None
-        return TrainerState(started.version, PositionSet(**started.received), started.metrics, started.weights)
+        return TrainerState(started.version, PositionSet.of(started.received), started.metrics, started.weights)
 
     def stop(self) -> None:
         if self.process is not None:

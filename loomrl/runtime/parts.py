@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from loomrl.trainer_boundary import PositionSet, TrainStep
+from loomrl.trainer_boundary import Carried, PositionSet, TrainStep
 from loomrl.types import Evaluation, Trajectory
 
 
@@ -30,7 +30,7 @@ class TrainerState:
 
     version: int
     received: PositionSet
-    metrics: dict[str, Any] | None = None
+    metrics: dict[str, float] | None = None
     weights: Any = None
 
 
@@ -82,8 +82,9 @@ class Trainer(ABC):
     """Where groups are trained. Every method raises TrainerLost when the trainer (or one of its ranks) is gone."""
 
     @abstractmethod
-    async def start(self, extra: dict[str, Any]) -> TrainerState:
-        """A trainer from the run folder's latest checkpoint (none: the configured model)."""
+    async def start(self, carried: Carried) -> TrainerState:
+        """A trainer from the run folder's latest checkpoint (none: the configured model), given the runtime's facts
+        it is to keep in its checkpoints (trainer_boundary.Carried)."""
 
     @abstractmethod
     def stop(self) -> None:

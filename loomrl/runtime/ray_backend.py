@@ -64,7 +64,7 @@ from loomrl.runtime.ray_resources import (
 )
 from loomrl.trainer.actor import TrainerActor, TrainerRankActor
 from loomrl.trainer.ranks import RankLost
-from loomrl.trainer_boundary import PositionSet, TrainStep
+from loomrl.trainer_boundary import Carried, PositionSet, TrainStep
 from loomrl.types import Evaluation, Trajectory
 from loomrl.weights.handle import Transport, VersionNotDelivered, WeightHandle
 
@@ -173,7 +173,7 @@ class RayCluster:
         self.owns_ray = False
         self.address = cluster_address(cfg.ray.address, os.environ)
         self.local_cluster = self.address == "local"  # one loomrl starts here, and shuts down at the end
-        self.asks = run_asks(cfg, env_actors=environment_for(cfg).sandbox is not None)
+        self.asks = run_asks(cfg, env_actors=environment_for(cfg.env).sandbox is not None)
         # engine.sleep_while_training with engine actors: engine i and trainer rank i share bundle i of one placement
         # group (a GPU each: fractional num_gpus), reserved before the engines start and kept across trainer restarts
         self.colocated = cfg.engine.sleep_while_training and cfg.ray.engine.count > 0
@@ -298,6 +298,8 @@ class ActorRollouts(Rollouts):
 
     def __init__(self, cluster: RayCluster):
         self.cluster, self.cfg, self.ray = cluster, cluster.cfg, cluster.ray
+        self.pool = self.cfg.rollout_pool()
+        self.pool_json = self.pool.model_dump_json()  # what the rollout and reward actors are given
         self.workers: list[WorkerSlot] = []
         self.reward_actors: list[Any] = []  # ray.reward.count, shared by the rollout actors
         self.env_actors: list[Any] = []  # ray.env.count, shared by the rollout actors
@@ -327,7 +329,7 @@ class ActorRollouts(Rollouts):
         owner = f"rollout-{self.owners}"
         cls = cluster.actor(RolloutActor, r.rollout, max_restarts=0, max_concurrency=1000)
         engine = self.engines[(self.owners - 1) % len(self.engines)] if self.engines else None
-        actor = cls.remote(cluster.cfg_json, self.reward_actors, self.env_actors, owner, engine)
+        actor = cls.remote(self.pool_json, self.reward_actors, self.env_actors, owner, engine)
         if cluster.weights is not None and engine is None:  # a fresh actor's engine gets the current version
             cluster.syncs.append(actor.update_weights.remote(cluster.weights))
         return WorkerSlot(handle=actor, owner=owner, engine=engine)
@@ -337,21 +339,22 @@ class ActorRollouts(Rollouts):
         r = self.cfg.ray
         if not r.env.count:
             return []
-        if environment_for(self.cfg).sandbox is None:
+        if environment_for(self.cfg.env).sandbox is None:
             log.warning("ray.env.count=%d ignored: env %s uses no sandbox", r.env.count, self.cfg.env.name)
             return []
-        share = math.ceil(rollout_concurrency(self.cfg) * r.rollout.count / r.env.count)
+        share = math.ceil(rollout_concurrency(self.pool) * r.rollout.count / r.env.count)
         # Concurrency: every waiting acquire holds a slot, and releases must still get in (else a full
         # pool could never be given back to): room for all of them, with margin.
         cls = self.cluster.actor(EnvActor, r.env, max_concurrency=max(1000, 4 * share), max_restarts=r.env.max_restarts)
-        return [cls.remote(self.cluster.cfg_json, share) for _ in range(r.env.count)]
+        env_json = self.cfg.env.model_dump_json()
+        return [cls.remote(env_json, share, self.cfg.agent.kind) for _ in range(r.env.count)]
 
     async def start(self) -> None:
         cluster, r = self.cluster, self.cfg.ray
         cluster.connect()
         reward = cluster.actor(RewardActor, r.reward, max_concurrency=1000, max_restarts=r.reward.max_restarts,
                                max_task_retries=r.max_reward_attempts - 1)
-        self.reward_actors = [reward.remote(cluster.cfg_json) for _ in range(r.reward.count)]
+        self.reward_actors = [reward.remote(self.pool_json) for _ in range(r.reward.count)]
         self.env_actors = self._new_env_actors()
         try:
             for env in self.env_actors:  # pre-warm the sandboxes before the first rollout
@@ -363,9 +366,12 @@ class ActorRollouts(Rollouts):
             self.board = self.ray.remote(WeightBoard).options(num_cpus=0).remote()
             if cluster.colocated:
                 await cluster.reserve_trainer()
+            # broadcast: engine i's processes are ranks 1 + i * receivers.. of the trainer's group
+            setup_json, receivers = self.pool.engine.model_dump_json(), self.cfg.weight_route().receivers
             self.engines = [cluster.actor(EngineActor, r.engine, max_concurrency=1000,
                                           max_restarts=0 if self.once else r.engine.max_restarts,
-                                          **cluster.trainer_options(i)).remote(cluster.cfg_json, self.board, i)
+                                          **cluster.trainer_options(i)).remote(setup_json, self.board, i,
+                                                                               1 + i * receivers)
                             for i in range(r.engine.count)]
             if cluster.colocated:
                 cluster.placement["engine_gpus"] = [await e.gpu_ids.remote() for e in self.engines]
@@ -503,7 +509,7 @@ class ActorRollouts(Rollouts):
 
     async def _close(self) -> RolloutReport:
         cluster = self.cluster
-        pool: dict[str, Any] = {}
+        pool: dict[str, float] = {}  # the sandbox pools' metrics, as each rollout actor's close gives them
         rollouts: dict[str, Any] = {}
         for slot in self.workers:  # a dead or stuck actor counts nothing (and is killed anyway)
             counts, metrics = await result_or(slot.handle.close.remote(), 30, ({}, {}))
@@ -514,14 +520,14 @@ class ActorRollouts(Rollouts):
         restarts = {name: sum(a != b for a, (_, b) in zip(self.pids.get(name, []), await cluster.where(actors)))
                     for name, actors in (("reward", self.reward_actors), ("env", self.env_actors),
                                          ("engine", self.engines))}
-        engines: dict[str, Any] = {}  # the engine actors' counters (since their last start)
+        engines: dict[str, float] = {}  # the engine actors' counters (since their last start)
         for engine in self.engines:
             counters = dataclasses.asdict(await result_or(engine.close.remote(), 60, EngineMetrics()))
             del counters["started"]  # a clock reading, not a count
             add_into(engines, {k: v for k, v in counters.items() if v is not None})  # None: not measured
         # an env actor that died meanwhile took its sandboxes with it
         reclaimed = sum([await result_or(ref, 30, 0) for ref in self.reclaims])
-        env_pool: dict[str, Any] = {}  # the env actors' own pools (ray.env.count > 0)
+        env_pool: dict[str, float] = {}  # the env actors' own pools (ray.env.count > 0)
         for env in self.env_actors:
             add_into(env_pool, await result_or(env.close.remote(), 60, {}))
         for actor in [*self.reward_actors, *self.env_actors, *self.engines, self.board]:
@@ -560,16 +566,17 @@ class ActorTrainer(Trainer):
         except RankLost as err:  # another trainer rank died or failed: all ranks restart
             raise TrainerLost(error_line(err, end=True)) from None
 
-    async def start(self, extra: dict[str, Any]) -> TrainerState:
+    async def start(self, carried: Carried) -> TrainerState:
         cluster, spec, world = self.cluster, self.cfg.ray.trainer, self.cfg.trainer.world_size
+        pool_json = self.cfg.train_pool().model_dump_json()  # the training pool's part of the recipe
         cluster.trainer_starts += 1
         await cluster.reserve_trainer()
         trainer = self.trainer = cluster.actor(TrainerActor, spec, max_restarts=0,
-                                               **cluster.trainer_options(0)).remote(cluster.cfg_json, extra)
+                                               **cluster.trainer_options(0)).remote(pool_json, carried)
         if self.cfg.trainer.distributed:  # follower rank actors from rank 0's checkpoint, all in one process group
             addr, port, ckpt = await self.call(trainer.rendezvous.remote())
             self.trainer_ranks = [cluster.actor(TrainerRankActor, spec, max_restarts=0, **cluster.trainer_options(rank))
-                                  .remote(cluster.cfg_json, ckpt) for rank in range(1, world)]
+                                  .remote(pool_json, ckpt) for rank in range(1, world)]
             joins = [f.join.remote(rank, world, addr, port) for rank, f in enumerate(self.trainer_ranks, start=1)]
             try:
                 joined = trainer.join_ranks.remote(self.trainer_ranks, addr, port)
@@ -599,7 +606,7 @@ class ActorTrainer(Trainer):
                 trainer=(await cluster.where([trainer]))[0][0],
                 trainer_ranks=[node for node, _ in await cluster.where(self.trainer_ranks)],
                 rollout=[node for node, _ in await cluster.where([s.handle for s in self.rollouts.workers])])
-        return TrainerState(version, PositionSet(**state), metrics, weights)
+        return TrainerState(version, PositionSet.of(state), metrics, weights)
 
     async def settled_push(self, report: Any) -> None:
         """cuda_ipc: the start's push (`report`, the ObjectRef of its PushReport) answered (its state is in host memory

@@ -101,15 +101,16 @@ class RunInterrupted(Exception):
 
 def train(cfg: RunConfig, resume: bool = False, wall_start: float | None = None,
           parts: Callable[[RunConfig, Path | None], Parts] = make_parts) -> dict[str, Any]:
-    """Train as the config says; the summary (also RUN/summary.json). `parts`: what composes the run's parts from the
-    config and the checkpoint it resumes from (tests wrap the real ones this way). RunInterrupted on Ctrl-C."""
+    """Train as the config says; the summary as RUN/summary.json holds it (run_folder.Summary.as_json: what the CLI
+    prints). `parts`: what composes the run's parts from the config and the checkpoint it resumes from (tests wrap the
+    real ones this way). RunInterrupted on Ctrl-C."""
     wall_start = wall_start or time.time()
     check_config(cfg)  # this machine and the environment (runtime/checks.py), before any model loads
     if cfg.reward.function or cfg.reward.functions:  # a reward that cannot be imported stops here, before any model
-        load_terms(cfg)
+        load_terms(cfg.reward)
     ckpt = prepare_run_dir(cfg, resume)
     try:
-        return Driver(cfg, parts(cfg, ckpt), ckpt, wall_start).run()
+        return Driver(cfg, parts(cfg, ckpt), ckpt, wall_start).run().as_json()
     except KeyboardInterrupt:  # the driver's finally has stopped the trainer and flushed the run folder
         latest = latest_checkpoint(cfg.run_dir)
         steps = [entry.step for entry in read_ledger(cfg.run_dir)]

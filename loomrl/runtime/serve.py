@@ -22,9 +22,10 @@ def serve(cfg: RunConfig, checkpoint: Path | None, host: str, port: int, model_n
     from loomrl.server.app import create_app
     from loomrl.trainer.checkpoint import checkpoint_step
 
-    model, tokenizer = load_engine_model(cfg, checkpoint)  # weights only for the built-in engine
+    setup = cfg.engine_setup()
+    model, tokenizer = load_engine_model(setup, checkpoint)  # weights only for the built-in engine
     version = checkpoint_step(checkpoint) if checkpoint is not None else 0
-    engine = make_engine(cfg, model, tokenizer, version)
+    engine = make_engine(setup, model, tokenizer, version)
     weights = f"checkpoint {checkpoint}" if checkpoint is not None else f"model.kind={cfg.model.kind}, untrained"
 
     class Announcing(uvicorn.Server):

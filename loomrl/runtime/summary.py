@@ -3,7 +3,7 @@ covers the whole run.
 
 A segment ends `finished` (trained to trainer.total_steps and evaluated), `stopped: <why>` (a RunError) or
 `interrupted` (Ctrl-C, SIGTERM, a crash); each appends its record to `segments.jsonl` in the run folder, whatever
-the ending. `summary.json` is rewritten at the end of every segment from all of them:
+the ending. `summary.json` (run_folder.Summary) is rewritten at the end of every segment from all of them:
 - held-out success before (restored from the checkpoint when resumed) and after (the last segment's evaluation);
 - `steps`: the policy version reached; `ledger`: what the model consumed over the whole run (ledger.jsonl);
 - summed over segments: wall time, episodes (`rollouts`, training and evaluation apart: `launched`, and `ended` by
@@ -21,12 +21,23 @@ What it is not: the per-step history (metrics.jsonl) or the per-trajectory one (
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from loomrl.run_folder import LedgerEntry, RunFolder, Segment, append_line, read_segments
+from loomrl.run_folder import (
+    Fates,
+    LedgerEntry,
+    LedgerTotals,
+    RunFolder,
+    Segment,
+    SegmentBrief,
+    Summary,
+    append_line,
+    read_segments,
+    read_summary,
+)
 from loomrl.types import EvalRecord
 
 FINISHED = "finished"
@@ -43,8 +54,8 @@ def finished_at(run_dir: Path) -> int | None:
     segments = read_segments(run_dir)
     if segments:
         return segments[-1].to_step if segments[-1].ended == FINISHED else None
-    legacy = RunFolder(run_dir).summary  # a run from before segments were recorded: it wrote this on finishing
-    return json.loads(legacy.read_text()).get("steps") if legacy.is_file() else None
+    legacy = read_summary(run_dir)  # a run from before segments were recorded: it wrote this on finishing
+    return legacy.steps if legacy is not None else None
 
 
 def split_summary(before: EvalRecord | None, after: EvalRecord | None) -> dict[str, dict[str, float | int | None]]:
@@ -73,48 +84,47 @@ def _add(into: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
     return into
 
 
-def ledger_totals(ledger: Sequence[LedgerEntry]) -> dict[str, Any]:
+def ledger_totals(ledger: Sequence[LedgerEntry]) -> LedgerTotals:
     """What the model consumed over the whole run: trajectories trained, skipped by reason, dropped as stale."""
     skipped: dict[str, int] = {}
     for entry in ledger:
         _add(skipped, {reason: len(ids) for reason, ids in entry.skipped.items()})
-    return {"steps": len(ledger), "trained": sum(len(e.trained) for e in ledger), "skipped": skipped,
-            "stale": sum(len(e.stale) for e in ledger)}
+    return LedgerTotals(steps=len(ledger), trained=sum(len(e.trained) for e in ledger), skipped=skipped,
+                        stale=sum(len(e.stale) for e in ledger))
 
 
 def whole_run(run_dir: Path, segments: list[Segment], before: EvalRecord | None, after: EvalRecord | None,
-              steps: int, ledger: Sequence[LedgerEntry]) -> dict[str, Any]:
+              steps: int, ledger: Sequence[LedgerEntry]) -> Summary:
     """summary.json: the run over all its segments (module docstring)."""
     last = segments[-1]
     latest = after or before  # n_heldout: the latest evaluation's count
-    accounting: dict[str, Any] = {}
-    for i, seg in enumerate(segments):
-        _add(accounting, {**seg.accounting, "violations": [f"segment {i + 1}: {v}" for v in seg.accounting.get(
-            "violations", [])]})
-    env_pool: dict[str, Any] = {}
-    rollouts: dict[str, Any] = {}
+    named = [replace(seg.accounting, violations=[f"segment {i + 1}: {v}" for v in seg.accounting.violations])
+             for i, seg in enumerate(segments)]  # each violation names its segment
+    accounting = Fates.total(named)
+    env_pool: dict[str, float] = {}
+    rollouts: dict[str, dict[str, Any]] = {}
     for seg in segments:
         _add(env_pool, seg.env_pool)
         _add(rollouts, seg.rollouts)
-    return {
-        "success_before": before and before.success, "success_after": after and after.success,
-        "n_heldout": latest.n if latest is not None else 0,
-        "stderr_before": before and before.stderr, "stderr_after": after and after.stderr,
+    return Summary(
+        success_before=before.success if before else None, success_after=after.success if after else None,
+        n_heldout=latest.n if latest is not None else 0,
+        stderr_before=before.stderr if before else None, stderr_after=after.stderr if after else None,
         # by held-out split (heldout: new numbers on training templates; heldout_templates: templates training never
-        # used): n, success_before, stderr_before, success_after, stderr_after
-        "heldout_splits": split_summary(before, after),
+        # used)
+        heldout_splits=split_summary(before, after),
         # how the held-out episodes ended (EvalRecord.statuses): only completed and truncated ones count in a rate
-        "eval_ended": {label: r.statuses for label, r in (("before", before), ("after", after)) if r is not None},
-        "steps": steps, "ended": last.ended, "run_dir": str(run_dir),
-        "wall_s": round(sum(s.wall_s for s in segments), 1),
-        "rollouts": rollouts,
-        "ledger": ledger_totals(ledger),  # trajectories, over its `steps` steps
-        "accounting": accounting,
-        "trainer_restarts": sum(s.trainer_restarts for s in segments),
-        "untrained_steps": sum(s.untrained_steps for s in segments),  # steps (every group left out)
-        "positions_failed": last.positions_failed,  # earlier segments' failed positions ran again on resume
-        "env_pool": {k: round(v, 4) if isinstance(v, float) else v for k, v in env_pool.items()},
-        "segments": [{"from_step": s.from_step, "to_step": s.to_step, "ended": s.ended, "wall_s": s.wall_s,
-                      "accounting": s.accounting} for s in segments],
-        **last.extra,
-    }
+        eval_ended={label: r.statuses for label, r in (("before", before), ("after", after)) if r is not None},
+        steps=steps, ended=last.ended, run_dir=str(run_dir),
+        wall_s=round(sum(s.wall_s for s in segments), 1),
+        rollouts=rollouts,
+        ledger=ledger_totals(ledger),  # trajectories, over its `steps` steps
+        accounting=accounting,
+        trainer_restarts=sum(s.trainer_restarts for s in segments),
+        untrained_steps=sum(s.untrained_steps for s in segments),  # steps (every group left out)
+        positions_failed=last.positions_failed,  # earlier segments' failed positions ran again on resume
+        env_pool={k: round(v, 4) if isinstance(v, float) else v for k, v in env_pool.items()},
+        segments=[SegmentBrief(from_step=s.from_step, to_step=s.to_step, ended=s.ended, wall_s=s.wall_s,
+                               accounting=s.accounting) for s in segments],
+        extra=last.extra,
+    )

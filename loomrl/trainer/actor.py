@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from loomrl.actor_support import Placed
-from loomrl.config import RunConfig
+from loomrl.config import TrainPoolConfig
 from loomrl.devices import trainer_device
 from loomrl.errors import error_line
 from loomrl.trainer.checkpoint import latest_checkpoint
@@ -20,49 +20,52 @@ from loomrl.trainer.process import colocated_step, run_publisher
 from loomrl.trainer.push import EnginePusher, PushReport, bucket_buffer
 from loomrl.trainer.ranks import Follower, Push, RankGroup, RankLost, RankReport, RankWork
 from loomrl.trainer.service import TrainerService
-from loomrl.trainer_boundary import TrainStep
+from loomrl.trainer_boundary import Carried, PositionState, TrainStep
 from loomrl.types import Trajectory
 from loomrl.weights.handle import WeightHandle, WeightPublisher
-from loomrl.weights.route import serving_dtype
+from loomrl.weights.route import route_dtype
 from loomrl.weights.source import dtype_name, host_copy
 
 log = logging.getLogger(__name__)
 
 
-def engine_pusher(cfg: RunConfig, engine: Any, rank: int) -> EnginePusher:
+def engine_pusher(timeout_s: float, device: torch.device, engine: Any, rank: int) -> EnginePusher:
     """runtime.weight_transport=cuda_ipc on Ray (colocated): trainer rank `rank`'s pusher to `engine`, the engine actor
-    on its GPU; a CUDA IPC buffer on a GPU, a shared-memory one on a CPU (said once: the tests' form of the route)."""
-    device = trainer_device(cfg.trainer)
+    on its GPU (`device`, the rank's trainer.device), each version delivered within `timeout_s` (the engine's
+    update_timeout_s); a CUDA IPC buffer on a GPU, a shared-memory one on a CPU (said once: the tests' form of the
+    route)."""
     if device.type != "cuda" and rank == 0:
         log.warning("runtime.weight_transport=cuda_ipc with the trainer on %s: each bucket goes through a shared-memory "
                     "segment instead of GPU memory (the same route, as the tests run it)", device)
-    return EnginePusher(engine, bucket_buffer(device), timeout_s=cfg.engine.vllm.update_timeout_s,
-                        label=f"engine actor {rank}")
+    return EnginePusher(engine, bucket_buffer(device), timeout_s=timeout_s, label=f"engine actor {rank}")
 
 
 class TrainerActor(Placed):
     """The TrainerService on the trainer's node (rank 0 when trainer.world_size > 1). Made from the run folder's latest
     checkpoint when there is one: a fresh run has none, a resumed run or a restart after a crash continues from it."""
 
-    def __init__(self, cfg_json: str, extra: dict[str, Any]):
-        cfg = RunConfig.model_validate_json(cfg_json)
-        torch.set_num_threads(cfg.trainer.threads or max(1, int(cfg.ray.trainer.num_cpus)))  # as reserved
-        self.cfg, self.extra, self.ckpt = cfg, extra, latest_checkpoint(cfg.run_dir)
+    def __init__(self, pool_json: str, carried: Carried):
+        pool = TrainPoolConfig.model_validate_json(pool_json)
+        torch.set_num_threads(pool.trainer.threads or max(1, int(pool.cpus)))  # as reserved
+        self.pool, self.carried, self.ckpt = pool, carried, latest_checkpoint(Path(pool.run_dir))
+        # resolved once on this actor's machine (its "auto" is this node's), then handed to every part that needs them
+        self.device, self.dtype = trainer_device(pool.trainer), route_dtype(pool.route)
         # trainer.distributed: built once the ranks joined (join_ranks), sharded ranks shard it as they build it
         self.service: TrainerService | None = (
-            None if cfg.trainer.distributed else TrainerService.from_run(cfg, extra, self.ckpt))
+            None if pool.trainer.distributed else TrainerService.from_run(pool, carried, self.ckpt, self.device))
         self.pusher: EnginePusher | None = None  # runtime.weight_transport=cuda_ipc: the engine on this GPU (attach)
         self.publisher: WeightPublisher | None = None  # runtime.weight_transport=broadcast: this actor's group
-        if cfg.runtime.weight_transport == "broadcast":
+        if pool.route.transport == "broadcast":
             import ray
 
             # the engine actors' processes reach it at this node's address (a new trainer actor is a new group)
-            self.publisher = run_publisher(cfg, engines=cfg.ray.engine.count, host=ray.util.get_node_ip_address())
+            self.publisher = run_publisher(pool.route, pool.run_dir, engines=pool.route.engines,
+                                           host=ray.util.get_node_ip_address())
 
     def attach_engine(self, engine: Any) -> None:
         """runtime.weight_transport=cuda_ipc (colocated): `engine`, the engine actor on this rank's GPU, which every
         version is pushed to a bucket at a time (trainer/push.py)."""
-        self.pusher = engine_pusher(self.cfg, engine, 0)
+        self.pusher = engine_pusher(self.pool.route.timeout_s, self.device, engine, 0)
 
     def rendezvous(self) -> tuple[str, int, str | None]:
         """Where the other ranks meet this one (this node's address, a free port) and the checkpoint
@@ -76,10 +79,11 @@ class TrainerActor(Placed):
     def join_ranks(self, followers: list[Any], addr: str, port: int) -> None:
         """Rank 0 loads its model, joins the process group of the follower actors (which load theirs as they are made,
         then join concurrently), then builds its trainer."""
-        ranks = RayRankGroup(len(followers) + 1, trainer_device(self.cfg.trainer), followers)
-        self.service = TrainerService.from_run(self.cfg, self.extra, self.ckpt, ranks=ranks, rendezvous=(addr, port))
+        ranks = RayRankGroup(len(followers) + 1, self.device, followers)
+        self.service = TrainerService.from_run(self.pool, self.carried, self.ckpt, self.device, ranks=ranks,
+                                               rendezvous=(addr, port))
 
-    def state(self) -> tuple[int, dict[str, Any], dict[str, Any] | None]:
+    def state(self) -> tuple[int, PositionState, dict[str, float] | None]:
         """The policy version, the positions received and that step's metrics (as of the checkpoint it started from)."""
         service = self._trainer()
         return service.version, service.received.state(), service.last_metrics
@@ -102,7 +106,7 @@ class TrainerActor(Placed):
         if self.publisher is not None:  # broadcast: the engines have received the last version before it changes
             self.publisher.settle()
             return self._trainer().run_step(), None
-        if not self.cfg.engine.sleep_while_training:
+        if not self.pool.route.colocated:
             return self._trainer().run_step(), self.weights()
         # colocated (trainer/offload.py): the engines sleep through this call; the state is on the GPU only for it
         return colocated_step(self._trainer(), self._push if self.pusher is not None else self._host_weights)
@@ -119,7 +123,7 @@ class TrainerActor(Placed):
         service, pusher = self._trainer(), self.pusher
         if pusher is None:
             raise RuntimeError("TrainerActor: no engine attached (runtime.weight_transport=cuda_ipc: attach_engine)")
-        dtype, bucket_bytes = serving_dtype(self.cfg), self.cfg.engine.vllm.weight_bucket_bytes
+        dtype, bucket_bytes = self.dtype, self.pool.route.bucket_bytes
         drop_gradients(service.trainer)  # room for the engine's weights beside the state (the followers drop theirs)
         if service.ranks is not None:
             return service.ranks.push(Push(service.version, Gather(dtype_name(dtype), bucket_bytes)), pusher)
@@ -141,7 +145,7 @@ class TrainerActor(Placed):
         needs it), built a bucket at a time. Colocated: the first call (the start's weights) also sends the trainer's
         state to host memory, before any engine wakes."""
         weights = self._host_weights()
-        if self.cfg.engine.sleep_while_training:
+        if self.pool.route.colocated:
             self._trainer().offload()
         return weights
 
@@ -152,22 +156,22 @@ class TrainerActor(Placed):
         return self.service
 
     def _host_weights(self) -> dict[str, torch.Tensor]:
-        source = self._trainer().weight_source(serving_dtype(self.cfg), self.cfg.engine.vllm.weight_bucket_bytes)
+        source = self._trainer().weight_source(self.dtype, self.pool.route.bucket_bytes)
         return host_copy(source)
 
 
 class TrainerRankActor(Placed):
     """A data-parallel trainer rank r > 0 (trainer/ranks.py Follower) on some node."""
 
-    def __init__(self, cfg_json: str, ckpt: str | None):
-        cfg = RunConfig.model_validate_json(cfg_json)
-        torch.set_num_threads(cfg.trainer.threads or max(1, int(cfg.ray.trainer.num_cpus)))  # as reserved
-        self.follower = Follower(cfg, Path(ckpt) if ckpt else None)
-        self.cfg = cfg
+    def __init__(self, pool_json: str, ckpt: str | None):
+        pool = TrainPoolConfig.model_validate_json(pool_json)
+        torch.set_num_threads(pool.trainer.threads or max(1, int(pool.cpus)))  # as reserved
+        self.follower = Follower(pool, Path(ckpt) if ckpt else None)  # resolves this rank's device
+        self.pool = pool
 
     def attach_engine(self, engine: Any, rank: int) -> None:
         """runtime.weight_transport=cuda_ipc (colocated): the engine actor on this rank's GPU (TrainerActor's)."""
-        self.follower.pusher = engine_pusher(self.cfg, engine, rank)
+        self.follower.pusher = engine_pusher(self.pool.route.timeout_s, self.follower.device, engine, rank)
 
     def join(self, rank: int, world_size: int, addr: str, port: int) -> None:
         self.follower.join(rank, world_size, addr, port)

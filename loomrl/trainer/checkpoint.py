@@ -30,19 +30,37 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_initialized():  # each device's generator (dropout, sampling on the GPU)
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+@dataclass(slots=True, frozen=True, kw_only=True)
+class RngState:
+    """Every random generator a step draws from: Python's, NumPy's, torch's CPU one and, where CUDA was initialized,
+    each device's (dropout, sampling on the GPU). A checkpoint's state.pt holds it as the dict it always was ("rng")."""
 
+    python: tuple
+    numpy: Any  # what np.random.get_state returns (a tuple, as it has always been saved)
+    torch: torch.Tensor
+    cuda: list[torch.Tensor] | None = None
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
+    @classmethod
+    def now(cls) -> RngState:
+        return cls(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state(),
+                   cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
+
+    def restore(self) -> None:
+        """Set every generator to this state (the CUDA ones where this machine has the devices)."""
+        random.setstate(self.python)
+        np.random.set_state(self.numpy)
+        torch.set_rng_state(self.torch)
+        if self.cuda is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(self.cuda[: torch.cuda.device_count()])
+
+    def as_json(self) -> dict[str, Any]:
+        """As state.pt saves it: "cuda" only where there was one."""
+        out = {"python": self.python, "numpy": self.numpy, "torch": self.torch}
+        return out if self.cuda is None else {**out, "cuda": self.cuda}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> RngState:
+        return cls(python=d["python"], numpy=d["numpy"], torch=d["torch"], cuda=d.get("cuda"))
 
 
 def write_model_folder(folder: Path, model: PreTrainedModel, source: WeightSource) -> None:
@@ -88,7 +106,7 @@ def save_checkpoint(run_dir: Path, step: int, *, model: PreTrainedModel, tokeniz
     else:
         blob["optimizer"] = optimizer.state_dict()
     torch.save(blob, tmp.optimizer)
-    torch.save({"step": step, "rng": rng_state(), **state}, tmp.state)
+    torch.save({"step": step, "rng": RngState.now().as_json(), **state}, tmp.state)
     shutil.rmtree(final, ignore_errors=True)
     tmp.path.rename(final)
     folder.latest_tmp.write_text(final.name)

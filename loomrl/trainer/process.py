@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from loomrl.config import RunConfig
+from loomrl.config import TrainPoolConfig, WeightRoute
 from loomrl.devices import trainer_device
 from loomrl.run_folder import RunFolder
 from loomrl.trainer.ranks import (
@@ -42,10 +42,10 @@ from loomrl.trainer.ranks import (
     spawn_local_followers,
 )
 from loomrl.trainer.service import TrainerService
-from loomrl.trainer_boundary import TrainStep
+from loomrl.trainer_boundary import Carried, PositionState, TrainStep
 from loomrl.types import Trajectory
 from loomrl.weights.handle import WeightHandle, WeightPublisher
-from loomrl.weights.route import serving_dtype, weight_receivers
+from loomrl.weights.route import route_dtype
 from loomrl.weights.transports import make_publisher
 
 T = TypeVar("T")
@@ -80,9 +80,9 @@ class HasStep:
 @dataclass(slots=True, frozen=True)
 class Started:
     version: int
-    received: dict[str, Any]  # PositionSet.state()
+    received: PositionState
     weights: WeightHandle
-    metrics: dict[str, Any] | None  # of the step the checkpoint was taken at
+    metrics: dict[str, float] | None  # of the step the checkpoint was taken at
 
 
 @dataclass(slots=True, frozen=True)
@@ -103,8 +103,8 @@ class TrainerProcess:
     """Client of one trainer process: start() it from the run folder's latest checkpoint, feed it
     groups, ask for steps, stop() it. Each call answers in order (one request in flight at a time)."""
 
-    def __init__(self, cfg: RunConfig, extra: dict[str, Any], checkpoint: Path | None, threads: int):
-        self.cfg, self.extra, self.checkpoint, self.threads = cfg, extra, checkpoint, threads
+    def __init__(self, pool: TrainPoolConfig, carried: Carried, checkpoint: Path | None, threads: int):
+        self.pool, self.carried, self.checkpoint, self.threads = pool, carried, checkpoint, threads
         ctx = mp.get_context("spawn")
         self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
         self.child: Child | None = None
@@ -113,13 +113,14 @@ class TrainerProcess:
         self.stopping = False  # set by stop(): the process ending then is no failure
 
     async def start(self) -> Started:
-        cfg = self.cfg
+        pool = self.pool
         # trainer.distributed: the follower ranks are the trainer's siblings, so that this process
         # sees them die (and stops the whole trainer, which then restarts) and cleans them up.
-        if cfg.trainer.distributed:
-            self.followers = spawn_local_followers(cfg, self.checkpoint, follower_threads(cfg, self.threads))
+        if pool.trainer.distributed:  # rank 0's device (the trainer process resolves its own) places the others
+            self.followers = spawn_local_followers(pool, trainer_device(pool.trainer), self.checkpoint,
+                                                   follower_threads(pool.trainer, self.threads))
         ranks = (self.followers.channels(), self.followers.port) if self.followers else None
-        self.child = Child("trainer process", "loomrl-trainer", _trainer_main, cfg.model_dump_json(), self.extra,
+        self.child = Child("trainer process", "loomrl-trainer", _trainer_main, pool.model_dump_json(), self.carried,
                            str(self.checkpoint or ""), self.threads, self.inbox, self.outbox, ranks)
         loop = asyncio.get_running_loop()
         threading.Thread(target=self._pump, args=(loop,), daemon=True, name="loomrl-trainer-pump").start()
@@ -190,19 +191,19 @@ class TrainerProcess:
 KEEP_VERSIONS = 3  # versions an engine may still be loading when the trainer publishes the next
 
 
-def run_publisher(cfg: RunConfig, *, engines: int, host: str) -> WeightPublisher:
-    """The trainer's publisher for cfg.runtime.weight_transport; broadcast: a group of rank 0 and the worker processes
-    of `engines` engines (weight_receivers each), reaching this process at `host`."""
-    transport, e = cfg.runtime.weight_transport, cfg.engine
-    sglang = e.kind == "sglang"  # its server receives tensor by tensor
+def run_publisher(route: WeightRoute, run_dir: str | Path, *, engines: int, host: str) -> WeightPublisher:
+    """The trainer's publisher for `route` (runtime.weight_transport; file: into `run_dir`'s weights folder), in the
+    engine's dtype as this process resolves it; broadcast: a group of rank 0 and the worker processes of `engines`
+    engines (route.receivers each), reaching this process at `host`."""
+    transport = route.transport
+    sglang = route.engine_kind == "sglang"  # its server receives tensor by tensor
     # cuda_ipc beside a colocated engine: each kept version is a snapshot on the GPU the engine generates on (15 GB
     # at 7B in bf16). One is enough there: a version is published while the engine sleeps and loaded as it wakes,
     # before the next step can publish another.
-    keep = 1 if transport == "cuda_ipc" and e.sleep_while_training else KEEP_VERSIONS
-    return make_publisher(transport, keep=keep, folder=RunFolder(cfg.run_dir).weights if transport == "file" else None,
-                          dtype=serving_dtype(cfg),
-                          receivers=engines * weight_receivers(cfg), bucket_bytes=e.vllm.weight_bucket_bytes,
-                          host=host, timeout_s=(e.sglang if sglang else e.vllm).update_timeout_s,
+    keep = 1 if transport == "cuda_ipc" and route.colocated else KEEP_VERSIONS
+    return make_publisher(transport, keep=keep, folder=RunFolder(Path(run_dir)).weights if transport == "file" else None,
+                          dtype=route_dtype(route), receivers=engines * route.receivers,
+                          bucket_bytes=route.bucket_bytes, host=host, timeout_s=route.timeout_s,
                           wire="tensors" if sglang else "buckets")
 
 
@@ -231,7 +232,7 @@ def publish_settled(publisher: WeightPublisher, service: TrainerService) -> Weig
     return handle
 
 
-def _trainer_main(cfg_json: str, extra: dict[str, Any], checkpoint: str, threads: int, inbox: Any, outbox: Any,
+def _trainer_main(pool_json: str, carried: Carried, checkpoint: str, threads: int, inbox: Any, outbox: Any,
                   ranks: tuple | None) -> None:
     """Entry of the trainer process; `ranks`: the follower ranks' queues and port."""
     # SIGTERM (the rollout side giving up on us) unwinds through `finally`, which frees the weights.
@@ -239,18 +240,18 @@ def _trainer_main(cfg_json: str, extra: dict[str, Any], checkpoint: str, threads
     name_process("loomrl-trainer")
     publisher = None
     try:
-        cfg = RunConfig.model_validate_json(cfg_json)
+        pool = TrainPoolConfig.model_validate_json(pool_json)
+        device = trainer_device(pool.trainer)  # resolved once in this process: every rank-0 part is given it
         torch.set_num_threads(threads)
         group = rendezvous = None
         if ranks is not None:  # joined once this rank's model is loaded (from_run), as the followers join theirs
             (inboxes, outboxes), port = ranks
-            group = LocalRankGroup(cfg.trainer.world_size, trainer_device(cfg.trainer),
-                                   inboxes, outboxes)
+            group = LocalRankGroup(pool.trainer.world_size, device, inboxes, outboxes)
             rendezvous = ("127.0.0.1", port)
-        service = TrainerService.from_run(cfg, extra, Path(checkpoint) if checkpoint else None, ranks=group,
-                                          rendezvous=rendezvous)
-        publisher = run_publisher(cfg, engines=1, host=cfg.runtime.broadcast_host)
-        colocated = cfg.engine.sleep_while_training  # the GPU is the engine's between steps (trainer/offload.py)
+        service = TrainerService.from_run(pool, carried, Path(checkpoint) if checkpoint else None, device,
+                                          ranks=group, rendezvous=rendezvous)
+        publisher = run_publisher(pool.route, pool.run_dir, engines=1, host=pool.route.host)
+        colocated = pool.route.colocated  # the GPU is the engine's between steps (trainer/offload.py)
         first = publish(publisher, service)
         if colocated:
             service.offload()

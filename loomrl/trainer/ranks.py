@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from loomrl.collectives import collective_failed
-from loomrl.config import RunConfig
+from loomrl.config import ModelConfig, TrainerConfig, TrainPoolConfig
 from loomrl.devices import trainer_device
 from loomrl.trainer.checkpoint import load_optimizer, load_state
 from loomrl.trainer.distributed import (
@@ -102,13 +102,14 @@ class RankReport:
         return cls(trainer.step, None if trainer.sharded else param_checksum(trainer.params), gaps or [])
 
 
-def build_trainer(cfg: RunConfig, model: PreTrainedModel, ckpt: Path | None) -> Trainer:
-    """Every rank's trainer (and a lone one's): sharded with trainer.parallel=fsdp (the process group is up by
-    then), with `ckpt`'s optimizer state and step when it resumes."""
-    sharded = cfg.trainer.parallel == "fsdp"
-    param_dtype = compute_dtype(cfg.trainer.precision, trainer_device(cfg.trainer))
-    shard = partial(fsdp_shard, param_dtype=param_dtype) if sharded else None
-    trainer = Trainer(model, cfg.trainer, initial_model=initial_policy(cfg, ckpt), shard=shard)
+def build_trainer(cfg: TrainerConfig, start: ModelConfig, device: torch.device, model: PreTrainedModel,
+                  ckpt: Path | None) -> Trainer:
+    """Every rank's trainer (and a lone one's) of `model` on `device` (trainer.device as the pool's process resolved
+    it): sharded with trainer.parallel=fsdp (the process group is up by then). Resuming from `ckpt`: its optimizer
+    state and step, and KL's reference loaded from `start`, the model the run started from (not the checkpoint's)."""
+    sharded = cfg.parallel == "fsdp"
+    shard = partial(fsdp_shard, param_dtype=compute_dtype(cfg.precision, device)) if sharded else None
+    trainer = Trainer(model, cfg, initial_model=initial_policy(start, cfg, device, ckpt), shard=shard, device=device)
     if ckpt is not None:
         shards = (lambda folder: load_sharded_optimizer(trainer, folder)) if sharded else None
         load_optimizer(ckpt, trainer.optimizer, trainer.scheduler, shards=shards)
@@ -119,19 +120,21 @@ def build_trainer(cfg: RunConfig, model: PreTrainedModel, ckpt: Path | None) -> 
 class Follower:
     """Rank r > 0: a model and optimizer replica (or shard) that trains on the shards rank 0 sends."""
 
-    def __init__(self, cfg: RunConfig, ckpt: Path | None):
+    def __init__(self, pool: TrainPoolConfig, ckpt: Path | None):
         from loomrl.model.loader import load_run_model
 
-        self.cfg, self.ckpt = cfg, ckpt
+        self.pool, self.ckpt = pool, ckpt
+        self.device = trainer_device(pool.trainer)  # this rank's, resolved once in its process
         # float32 on trainer.device; before joining, so that a rank that cannot start fails fast
-        self.model, _ = load_run_model(cfg.model, ckpt, trainer=cfg.trainer)
+        self.model, _ = load_run_model(pool.model, ckpt, trainer=pool.trainer)
         self.dp: DataParallelTrainer | None = None
         self.pusher: EnginePusher | None = None  # colocated on Ray with a streamed route: this rank's engine
 
     def join(self, rank: int, world_size: int, addr: str, port: int) -> None:
         init_process_group(rank, world_size, master_addr=addr, master_port=port, timeout_s=COLLECTIVE_TIMEOUT_S,
-                           device=trainer_device(self.cfg.trainer))
-        self.dp = DataParallelTrainer(build_trainer(self.cfg, self.model, self.ckpt))
+                           device=self.device)
+        self.dp = DataParallelTrainer(build_trainer(self.pool.trainer, self.pool.model, self.device, self.model,
+                                                    self.ckpt))
 
     def work(self, w: RankWork) -> RankReport:
         assert self.dp is not None, "Follower.join first"
@@ -354,32 +357,35 @@ class LocalFollowers:
             c.stop(10)
 
 
-def spawn_local_followers(cfg: RunConfig, ckpt: Path | None, threads: int) -> LocalFollowers:
-    """Start ranks 1..trainer.world_size-1 as processes of this machine (rank 0 then joins on `port`)."""
-    world = cfg.trainer.world_size
+def spawn_local_followers(pool: TrainPoolConfig, device: torch.device, ckpt: Path | None,
+                          threads: int) -> LocalFollowers:
+    """Start ranks 1..trainer.world_size-1 as processes of this machine (rank 0, on `device`, then joins on
+    `port`)."""
+    world = pool.trainer.world_size
     ctx = mp.get_context("spawn")
     port = free_port()
     inboxes = [ctx.Queue() for _ in range(world - 1)]
     outboxes = [ctx.Queue() for _ in range(world - 1)]
-    children = [Child(f"trainer rank {r}", f"loomrl-trainer-rank{r}", _follower_main, local_rank_config(cfg, r).model_dump_json(),
-                      str(ckpt) if ckpt else None, r, world, port, threads, inboxes[r - 1], outboxes[r - 1])
+    children = [Child(f"trainer rank {r}", f"loomrl-trainer-rank{r}", _follower_main,
+                      local_rank_config(pool, device, r).model_dump_json(), str(ckpt) if ckpt else None, r, world,
+                      port, threads, inboxes[r - 1], outboxes[r - 1])
                 for r in range(1, world)]
     return LocalFollowers(port=port, children=children, inboxes=inboxes, outboxes=outboxes)
 
 
-def local_rank_config(cfg: RunConfig, rank: int) -> RunConfig:
-    """Local rank r's config: with CUDA, rank r trains on the r-th GPU counted from trainer.device's (ranks of Ray
-    actors each see only their own GPU, so there every rank's trainer.device is the same)."""
-    device = trainer_device(cfg.trainer)
+def local_rank_config(pool: TrainPoolConfig, device: torch.device, rank: int) -> TrainPoolConfig:
+    """Local rank r's pool: with CUDA, rank r trains on the r-th GPU counted from rank 0's `device` (trainer.device
+    resolved; ranks of Ray actors each see only their own GPU, so there every rank's trainer.device is the same)."""
     if device.type != "cuda" or rank == 0:
-        return cfg
-    return cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"device": f"cuda:{device.index + rank}"})})
+        return pool
+    trainer = pool.trainer.model_copy(update={"device": f"cuda:{device.index + rank}"})
+    return pool.model_copy(update={"trainer": trainer})
 
 
-def follower_threads(cfg: RunConfig, trainer_share: int) -> int:
+def follower_threads(trainer: TrainerConfig, trainer_share: int) -> int:
     """Torch threads of each local follower: trainer.threads, else the trainer's share of the cores
     split over the ranks (the ranks run at the same time)."""
-    return cfg.trainer.threads or max(1, trainer_share // cfg.trainer.world_size)
+    return trainer.threads or max(1, trainer_share // trainer.world_size)
 
 
 def join_watching(ranks: RankGroup, followers: LocalFollowers) -> None:
@@ -470,13 +476,12 @@ def _child_main(parent: int, target: Callable[..., None], *args: Any) -> None:
     target(*args)
 
 
-def _follower_main(cfg_json: str, ckpt: str | None, rank: int, world: int, port: int, threads: int,
+def _follower_main(pool_json: str, ckpt: str | None, rank: int, world: int, port: int, threads: int,
                    inbox: Any, outbox: Any) -> None:
     name_process(f"loomrl-rank{rank}")
     try:
         torch.set_num_threads(threads)
-        cfg = RunConfig.model_validate_json(cfg_json)
-        follower = Follower(cfg, Path(ckpt) if ckpt else None)
+        follower = Follower(TrainPoolConfig.model_validate_json(pool_json), Path(ckpt) if ckpt else None)
         follower.join(rank, world, "127.0.0.1", port)
         while (work := inbox.get()) is not None:
             outbox.put(("report", follower.work(work)))

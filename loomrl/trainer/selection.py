@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 from loomrl.buffer import usable_group
 from loomrl.buffer.filters import balance_samples
-from loomrl.config import RunConfig
+from loomrl.config import BufferConfig
 from loomrl.trainer.credit import AdvantageRule, GroupCredit, group_credit
 from loomrl.trainer.grpo import samples_from_credit, samples_from_group
 from loomrl.types import TrainingSample, Trajectory
@@ -38,15 +38,16 @@ class Selection:
     idle_longest: int = 0
 
 
-def _select_group(chosen: Selection, group: list[Trajectory], cfg: RunConfig, rule: AdvantageRule) -> None:
+def _select_group(chosen: Selection, group: list[Trajectory], buffer: BufferConfig, count_idle: bool,
+                  rule: AdvantageRule) -> None:
     """Add one group to `chosen`: its usable trajectories' samples, or the reason it is skipped."""
-    usable, left_out, reason = usable_group(group, cfg.buffer, rule.credit)
+    usable, left_out, reason = usable_group(group, buffer, rule.credit)
     for why, ids in left_out.items():
         chosen.skipped.setdefault(why, []).extend(ids)
     out = {i for ids in left_out.values() for i in ids}
     if reason:
         chosen.why_skipped[reason] += 1
-        if reason == "zero_variance" and cfg.trainer.count_idle_groups:  # no gradient, but part of the mean
+        if reason == "zero_variance" and count_idle:  # no gradient, but part of the mean
             idle = samples_from_group([t for t in group if t.trajectory_id not in out and any(t.all_turns())], rule)
             chosen.idle_tokens += sum(sum(s.loss_mask) for s in idle)
             chosen.idle_seqs += len(idle)
@@ -63,11 +64,13 @@ def _select_group(chosen: Selection, group: list[Trajectory], cfg: RunConfig, ru
         chosen.skipped.setdefault("incomplete", []).extend(unaccounted)
 
 
-def select_groups(groups: list[list[Trajectory]], cfg: RunConfig, rule: AdvantageRule) -> Selection:
-    """What a step trains on of `groups`, under the buffer's filters and the advantage rule."""
+def select_groups(groups: list[list[Trajectory]], buffer: BufferConfig, count_idle: bool,
+                  rule: AdvantageRule) -> Selection:
+    """What a step trains on of `groups`, under the buffer's filters and the advantage rule; `count_idle`
+    (trainer.count_idle_groups): the zero-variance groups' tokens count in the loss's denominators."""
     chosen = Selection()
     for group in groups:
-        _select_group(chosen, group, cfg, rule)
+        _select_group(chosen, group, buffer, count_idle, rule)
     return chosen
 
 

@@ -20,9 +20,9 @@ import torch
 
 from loomrl.buffer import Buffer
 from loomrl.buffer.buffer import group_min_version
-from loomrl.config import RunConfig
+from loomrl.config import TrainPoolConfig
 from loomrl.run_folder import LedgerEntry, RunFolder, append_line
-from loomrl.trainer.checkpoint import Retention, load_state, save_checkpoint, set_rng_state
+from loomrl.trainer.checkpoint import Retention, RngState, load_state, save_checkpoint
 from loomrl.trainer.credit import AdvantageRule, GroupCredit
 from loomrl.trainer.distributed import Gather
 from loomrl.trainer.offload import Moved, offload, onload
@@ -30,7 +30,7 @@ from loomrl.trainer.ranks import RankGroup, build_trainer
 from loomrl.trainer.records import append_records, cut_records, cut_to_step, train_records
 from loomrl.trainer.selection import Selection, balance, consumption_metrics, lag_weighted, select_groups
 from loomrl.trainer.trainer import StepStats
-from loomrl.trainer_boundary import PositionSet, TrainStep
+from loomrl.trainer_boundary import Carried, PositionSet, PositionState, TrainStep
 from loomrl.types import TrainingSample, Trajectory
 from loomrl.weights.source import DictSource, WeightSource, dtype_name
 
@@ -66,54 +66,55 @@ def advantage_metrics(samples: list[TrainingSample], credits: list[GroupCredit],
 
 
 class TrainerService:
-    def __init__(self, cfg: RunConfig, model: PreTrainedModel, tokenizer: Any, resume_from: Path | None = None,
-                 ranks: RankGroup | None = None):
-        """`ranks` (trainer.distributed): the other ranks, in the process group already."""
-        self.cfg = cfg
-        self.run_dir = cfg.run_dir
+    def __init__(self, pool: TrainPoolConfig, model: PreTrainedModel, tokenizer: Any, resume_from: Path | None = None,
+                 ranks: RankGroup | None = None, *, device: torch.device):
+        """`model` trains on `device` (trainer.device, resolved once by the process that builds the pool). `ranks`
+        (trainer.distributed): the other ranks, in the process group already."""
+        self.pool = pool
+        self.run_dir = Path(pool.run_dir)
         self.model = model
         self.tokenizer = tokenizer
-        self.trainer = build_trainer(cfg, model, resume_from)
+        self.trainer = build_trainer(pool.trainer, pool.model, device, model, resume_from)
         self.ranks = ranks
         if ranks is not None:
             ranks.attach(self.trainer)
-        self.buffer = Buffer(cfg.buffer.max_policy_lag, cfg.buffer.sampler, cfg.buffer.window)
+        self.buffer = Buffer(pool.buffer.max_policy_lag, pool.buffer.sampler, pool.buffer.window)
         self.received = PositionSet()
-        self.extra: dict[str, Any] = {}  # runtime facts to carry across resume (e.g. eval before)
+        self.carried = Carried()  # runtime facts to carry across resume (e.g. eval before)
         # the metrics of the step the latest checkpoint was taken at: a trainer that dies after writing
         # it but before reporting the step gives them to the driver when it restarts from it
-        self.last_metrics: dict[str, Any] | None = None
+        self.last_metrics: dict[str, float] | None = None
         self.ledger_path = RunFolder(self.run_dir).ledger
         if resume_from is not None:
             state = load_state(resume_from)
-            self.received = PositionSet(**state["received"])
+            self.received = PositionSet.of(PositionState.from_json(state["received"]))
             waiting = {t.position for g in state["buffer"]["groups"] for t in g}
             self.buffer.load_state_dict(state["buffer"], skip=lambda p: p in self.received and p not in waiting)
-            self.extra = state.get("extra", {})
+            self.carried = Carried.from_json(state.get("extra"))
             self.last_metrics = state.get("metrics")
-            set_rng_state(state["rng"])
+            RngState.from_json(state["rng"]).restore()
             cut_to_step(self.ledger_path, state["step"])
             cut_records(self.run_dir, state["step"])
 
     @classmethod
-    def from_run(cls, cfg: RunConfig, extra: dict[str, Any], checkpoint: Path | None,
+    def from_run(cls, pool: TrainPoolConfig, carried: Carried, checkpoint: Path | None, device: torch.device,
                  ranks: RankGroup | None = None, rendezvous: tuple[str, int] | None = None) -> TrainerService:
         """A trainer of its own (async or Ray) from `checkpoint` (the run folder's latest; None: the
-        configured model), after repairing a ledger torn by a crash. `extra`: runtime facts the
+        configured model), after repairing a ledger torn by a crash. `carried`: runtime facts the
         checkpoint does not have yet (e.g. eval before). `ranks` (trainer.distributed), not joined yet: this rank joins
         them at `rendezvous` (address, port) once its model is loaded, as the followers do (trainer/ranks.py Follower),
-        so that no rank waits in the rendezvous, bounded by its timeout, while another loads a large model."""
+        so that no rank waits in the rendezvous, bounded by its timeout, while another loads a large model. `device`:
+        trainer.device as the calling process resolved it (its entry: the trainer process, the trainer actor)."""
         from loomrl.model.loader import load_run_model
 
-        repair_ledger_for_restart(cfg.run_dir, checkpoint)
-        model, tokenizer = load_run_model(cfg.model, checkpoint, trainer=cfg.trainer)  # float32 on trainer.device
+        repair_ledger_for_restart(Path(pool.run_dir), checkpoint)
+        model, tokenizer = load_run_model(pool.model, checkpoint, trainer=pool.trainer)  # float32 on trainer.device
         if ranks is not None:
             if rendezvous is None:
                 raise ValueError("TrainerService.from_run: ranks need the rendezvous (address, port) to join them at")
             ranks.join(*rendezvous)
-        service = cls(cfg, model, tokenizer, resume_from=checkpoint, ranks=ranks)
-        for k, v in extra.items():
-            service.extra.setdefault(k, v)
+        service = cls(pool, model, tokenizer, resume_from=checkpoint, ranks=ranks, device=device)
+        service.carried = service.carried.filled_from(carried)
         return service
 
     @property
@@ -122,7 +123,7 @@ class TrainerService:
 
     @property
     def done(self) -> bool:
-        return self.trainer.step >= self.cfg.trainer.total_steps
+        return self.trainer.step >= self.pool.trainer.total_steps
 
     def receive(self, position: int, group: list[Trajectory]) -> None:
         if position in self.received:
@@ -131,19 +132,19 @@ class TrainerService:
         self.received.add(position)
 
     def has_step(self) -> bool:
-        return not self.done and self.buffer.takeable() >= self.cfg.trainer.groups_per_step
+        return not self.done and self.buffer.takeable() >= self.pool.trainer.groups_per_step
 
     def run_step(self) -> TrainStep:
         """Consume one step's groups, update the policy (when any group has signal), log the ledger."""
         version, depth = self.version, len(self.buffer)
-        groups, stale = self.buffer.take(self.cfg.trainer.groups_per_step, version)
-        rule = AdvantageRule.of(self.cfg.trainer)
-        chosen = select_groups(groups, self.cfg, rule)
-        if self.cfg.buffer.balance_max_ratio is not None and chosen.samples:
-            balance(chosen, self.cfg.buffer.balance_max_ratio, seed=version)
+        groups, stale = self.buffer.take(self.pool.trainer.groups_per_step, version)
+        rule = AdvantageRule.of(self.pool.trainer)
+        chosen = select_groups(groups, self.pool.buffer, self.pool.trainer.count_idle_groups, rule)
+        if self.pool.buffer.balance_max_ratio is not None and chosen.samples:
+            balance(chosen, self.pool.buffer.balance_max_ratio, seed=version)
         staleness = [version - group_min_version(g) for g in groups if group_min_version(g) >= 0]
         metrics = consumption_metrics(groups, stale, depth, chosen.why_skipped, self.buffer.last_waits, staleness)
-        samples, downweighted = lag_weighted(chosen.samples, version, self.cfg.buffer.lag_decay)
+        samples, downweighted = lag_weighted(chosen.samples, version, self.pool.buffer.lag_decay)
         if downweighted:
             metrics["samples_downweighted"] = downweighted
         stats = self._train(samples, chosen, rule, metrics)
@@ -155,7 +156,7 @@ class TrainerService:
             kept = set(chosen.trained)  # the balance filter may have left some out
             trajectories = [t for t in chosen.trajectories if t.trajectory_id in kept]
             append_records(self.run_dir, train_records(self.version, trajectories, samples, stats.gaps))
-        every = self.cfg.checkpoint_every
+        every = self.pool.checkpoint_every
         if (every and self.version % every == 0) or self.done:
             self.last_metrics = metrics
             self.checkpoint()
@@ -177,13 +178,13 @@ class TrainerService:
         return stats
 
     def checkpoint(self) -> Path:
-        state = {"buffer": self.buffer.state_dict(), "received": self.received.state(), "extra": self.extra,
-                 "metrics": self.last_metrics}
+        state = {"buffer": self.buffer.state_dict(), "received": self.received.state().as_json(),
+                 "extra": self.carried.as_json(), "metrics": self.last_metrics}
         ranks = self.ranks if self.trainer.sharded else None
         model_folder = ranks.gathered(Gather(None, CHECKPOINT_BUCKET_BYTES, everything=True)) if ranks else None
         return save_checkpoint(self.run_dir, self.version, model=self.model, tokenizer=self.tokenizer,
                                optimizer=self.trainer.optimizer, scheduler=self.trainer.scheduler, state=state,
-                               retention=Retention(self.cfg.checkpoint_keep, self.cfg.checkpoint_keep_optimizer),
+                               retention=Retention(self.pool.checkpoint_keep, self.pool.checkpoint_keep_optimizer),
                                weights=model_folder, shards=ranks.save_shards if ranks else None)
 
     def offload(self) -> Moved:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.distributed.tensor import DTensor
 
-from loomrl.config import RunConfig, TrainerConfig
+from loomrl.config import ModelConfig, TrainerConfig
 from loomrl.devices import place, trainer_device
 from loomrl.trainer.forward import Logprobs, compute_context, enable_activation_checkpointing, forward_of
 from loomrl.trainer.fsdp import whole_for_pass
@@ -104,17 +104,18 @@ def freeze_bottom(model: PreTrainedModel, n_layers: int) -> None:
 
 class Trainer:
     def __init__(self, model: PreTrainedModel, cfg: TrainerConfig, initial_model: PreTrainedModel | None = None,
-                 *, shard: Callable[..., Logprobs] | None = None):
+                 *, shard: Callable[..., Logprobs] | None = None, device: torch.device | None = None):
         """`initial_model`: the policy the run started from, KL's reference; default: a copy of `model`
         (right for a fresh run; a resumed one must pass it, or the reference would be the checkpoint).
         `shard`: turns a model into its sharded forward (trainer/distributed.py fsdp_shard), after the
         frozen layers are marked and before the optimizer sees the (then sharded) parameters.
         `model` (and `initial_model`) are placed in place on trainer.device with float32 parameters (the
         masters; loomrl/devices.py): a no-op for a model loaded for the trainer, which callers should pass
-        (load_run_model(trainer=)): a bfloat16 model cast up here would hold rounded weights."""
+        (load_run_model(trainer=)): a bfloat16 model cast up here would hold rounded weights. `device`: trainer.device
+        as the pool's process resolved it (build_trainer); default: resolved here (a trainer built on its own)."""
         self.model = model
         self.cfg = cfg
-        self.device = trainer_device(cfg)
+        self.device = device if device is not None else trainer_device(cfg)
         place(model, self.device, torch.float32)
         if initial_model is not None:
             place(initial_model, self.device, torch.float32)
@@ -252,11 +253,11 @@ class Trainer:
             return [forward(b, m) for b, m in zip(batches, merged)]
 
 
-def initial_policy(cfg: RunConfig, resume_from: Path | None) -> PreTrainedModel | None:
-    """KL's reference when resuming: the run's starting model (cfg.model), not the checkpoint's."""
-    t = cfg.trainer
-    if resume_from is None or t.loss.kl is None or t.loss.kl_coef <= 0:
+def initial_policy(start: ModelConfig, trainer: TrainerConfig, device: torch.device,
+                   resume_from: Path | None) -> PreTrainedModel | None:
+    """KL's reference when resuming: the run's starting model (`start`), not the checkpoint's, float32 on `device`."""
+    if resume_from is None or trainer.loss.kl is None or trainer.loss.kl_coef <= 0:
         return None
     from loomrl.model.loader import load_model
 
-    return load_model(cfg.model, device=trainer_device(t), dtype=torch.float32)[0]
+    return load_model(start, device=device, dtype=torch.float32)[0]

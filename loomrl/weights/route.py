@@ -1,14 +1,14 @@
-"""What a run's config asks of the weights' route from the trainer to its engines: the dtype the engine serves in
-(the trainer casts to it where it publishes on the GPU: cuda_ipc, broadcast) and how many processes of one engine
-receive a broadcast. Config only: nothing here starts an engine."""
+"""The dtype an engine serves in, resolved on this machine: the trainer casts every version to it where it publishes
+(on the GPU: cuda_ipc, broadcast), an engine loads its model in it. Config only: nothing here starts an engine."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from loomrl.config import RunConfig
+if TYPE_CHECKING:
+    from loomrl.config import WeightRoute
 
 
 def engine_dtype(name: str, model_dtype: str) -> str:
@@ -20,24 +20,18 @@ def engine_dtype(name: str, model_dtype: str) -> str:
     return "bfloat16" if torch.cuda.is_available() else "float32"
 
 
-def serving_dtype(cfg: RunConfig) -> Any:
-    """The torch dtype the engine serves in, which every version is published in (cast on the trainer's device a
-    bucket at a time: half the bytes of float32 masters for a bfloat16 engine, whatever the transport)."""
+def serving_dtype(engine_kind: str, dtype: str, engine_device: str) -> Any:
+    """The torch dtype the engine serves in, from its name (config/pools.py serving_dtype_name) as this machine
+    resolves "auto": the built-in engine's on model.device (bfloat16 on CUDA, float32 elsewhere), vLLM's bfloat16
+    with CUDA and float32 without. Each version is published in it, cast a bucket at a time on the trainer's device
+    (half the bytes of float32 masters for a bfloat16 engine, whatever the transport)."""
     from loomrl.devices import dtype_named, resolve_device, resolve_dtype
 
-    if cfg.engine.kind == "vllm":
-        return dtype_named(engine_dtype(cfg.engine.vllm.dtype, cfg.model.dtype))
-    if cfg.engine.kind == "sglang":
-        return dtype_named(cfg.engine.sglang.weights_dtype)
-    return resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device, "model.device"))
+    if engine_kind == "builtin":
+        return resolve_dtype(dtype, resolve_device(engine_device, "model.device"))
+    return dtype_named(engine_dtype(dtype, "auto"))
 
 
-def weight_receivers(cfg: RunConfig) -> int:
-    """The processes of one engine that join a broadcast's group (runtime.weight_transport=broadcast): vLLM's workers
-    (one per tensor-parallel rank), an SGLang server's (engine.sglang.tp_size), or the one holding a built-in engine."""
-    e = cfg.engine
-    if e.kind == "vllm":
-        return e.vllm.tensor_parallel_size
-    if e.kind == "sglang":
-        return e.sglang.tp_size
-    return 1
+def route_dtype(route: WeightRoute) -> torch.dtype:
+    """serving_dtype of `route`'s engine: resolved once in the trainer's process, which publishes every version in it."""
+    return serving_dtype(route.engine_kind, route.dtype, route.engine_device)

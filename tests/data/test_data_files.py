@@ -68,7 +68,8 @@ def test_a_save_to_disk_folder_through_a_recipe(tmp_path):
     _dataset_dict(tmp_path / "math", {"train": ROWS[:15], "test": ROWS[15:]})
     recipe = tmp_path / "r.yaml"
     recipe.write_text("env: {name: chat}\ndata: {path: math, prompt: question, answer: solution}\n")
-    train, held = tasks_for(load_checked(recipe))
+    cfg = load_checked(recipe)
+    train, held = tasks_for(cfg.env, cfg.data)
     assert (len(train), len(held)) == (15, 5) and train[0].data == {"solution": "1", "level": 0}
 
 

@@ -79,7 +79,7 @@ def test_verl_layout_read_as_it_is(tmp_path):
     cfg = load_checked(ROOT / "examples" / "word_problems" / "train.yaml")
     from loomrl.env.registry import tasks_for
 
-    train, held = tasks_for(cfg)
+    train, held = tasks_for(cfg.env, cfg.data)
     assert (len(train), len(held)) == (3000, 300) and train[0].family == "loomrl/word_problems"
 
 

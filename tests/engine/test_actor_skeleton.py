@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from loomrl.config import load_config
+from loomrl.config.pools import serving_dtype_name
 from loomrl.engine.base import EngineMetrics
 from loomrl.engine.vllm.weights import parameter_shapes
 from loomrl.weights.route import serving_dtype
@@ -87,7 +88,8 @@ def run_config(kind: str, folder):
 
 def check_served(kind: str, engine, model, tiny_model, folder) -> None:
     """`model` is a skeleton: no parameter or buffer has storage; and `engine` has what it needs of the model."""
-    cfg_dtype = serving_dtype(run_config(kind, folder))
+    cfg = run_config(kind, folder)
+    cfg_dtype = serving_dtype(cfg.engine.kind, serving_dtype_name(cfg.engine, cfg.model), cfg.model.device)
     assert all(p.is_meta for p in model.parameters()) and all(b.is_meta for b in model.buffers())
     assert {p.dtype for p in model.parameters()} == {cfg_dtype}  # the dtype the engine serves
     want = parameter_shapes(tiny_model)  # names -> shapes, and the tied lm_head.weight, of the loaded model
@@ -110,7 +112,7 @@ def check_served(kind: str, engine, model, tiny_model, folder) -> None:
 def test_the_rollout_side_of_vllm_or_sglang_holds_no_weights(kind, hf_folder, tiny_model, no_weights_here):
     from loomrl.rollout.actor import RolloutSide
 
-    side = RolloutSide(run_config(kind, hf_folder), None)
+    side = RolloutSide(run_config(kind, hf_folder).rollout_pool(), None)
     try:
         check_served(kind, side.engine, side.model, tiny_model, hf_folder)
         assert side.tokenizer.eos_token_id == tiny_model.config.eos_token_id  # the run's tokenizer all the same
@@ -128,10 +130,10 @@ def test_the_engine_actor_of_vllm_or_sglang_holds_no_weights(kind, hf_folder, ti
     monkeypatch.setattr(ray, "get", lambda ref: ref)  # the board's read (see the module docstring)
     board = SimpleNamespace(latest=SimpleNamespace(remote=lambda: None))  # nothing published yet
     given = []  # the model the actor hands the (real) factory: it keeps none itself
-    monkeypatch.setattr(engine_actor, "make_engine", lambda cfg, model, *a: given.append(model) or make_engine(
-        cfg, model, *a))
+    monkeypatch.setattr(engine_actor, "make_engine", lambda setup, model, *a: given.append(model) or make_engine(
+        setup, model, *a))
     threads = torch.get_num_threads()  # the actor sets its process's threads
-    actor = engine_actor.EngineActor(run_config(kind, hf_folder).model_dump_json(), board, 0)
+    actor = engine_actor.EngineActor(run_config(kind, hf_folder).engine_setup().model_dump_json(), board, 0, 1)
     try:
         check_served(kind, actor.engine, given[0], tiny_model, hf_folder)
         assert actor.gate.device == torch.device("cpu")  # where a broadcast it received itself would land: not meta

@@ -684,7 +684,7 @@ def test_config_refuses_sglang_without_a_server_and_make_engine_builds_it(served
         load_config(None, ["engine.kind=sglang", "engine.sglang.base_url=http://x:1"])
     cfg = load_config(None, ["engine.kind=sglang", f"engine.sglang.base_url={served[0].url}", "runtime.mode=async",
                              "engine.sglang.context_length=2048"])
-    eng = make_engine(cfg, tiny_model, tokenizer, 3)
+    eng = make_engine(cfg.engine_setup(), tiny_model, tokenizer, 3)
     try:
         assert isinstance(eng, SGLangEngine) and eng.kv_budget == 2048 and eng.version == 3
     finally:
@@ -768,14 +768,14 @@ def test_a_server_that_cannot_sleep_is_refused_at_connect(served, fake, tiny_mod
     cfg = load_config(None, ["engine.kind=sglang", f"engine.sglang.base_url={served[0].url}", "runtime.mode=async",
                              "engine.sleep_while_training=true", "runtime.weight_transport=shm"])
     with pytest.raises(EngineFault) as err:
-        make_engine(cfg, tiny_model, tokenizer, 0)
+        make_engine(cfg.engine_setup(), tiny_model, tokenizer, 0)
     assert str(err.value) == (f"engine.sleep_while_training: the SGLang server at {served[0].url} runs without "
                               "--enable-memory-saver, so it cannot give its GPU memory to the trainer; restart it "
                               "with --enable-memory-saver (and --enable-weights-cpu-backup to keep its weights across "
                               "a sleep)")
     assert fake.calls == ["/server_info"]  # nothing else was sent
     fake.server_args["enable_memory_saver"] = True  # the same run on a server that can
-    make_engine(cfg, tiny_model, tokenizer, 0).close()
+    make_engine(cfg.engine_setup(), tiny_model, tokenizer, 0).close()
 
 
 async def _agenerate(engine, prompt, **sampling):
@@ -789,7 +789,7 @@ def test_several_servers_are_one_per_engine_actor(served, fake, tiny_model, toke
     cfg = load_config(None, ["engine.kind=sglang", f"engine.sglang.base_url=[{', '.join(urls)}]", "runtime.mode=async",
                              "runtime.backend=ray", "ray.engine.count=2", "engine.sglang.weights_dir=/shared/w"])
     for replica, url in enumerate(urls):
-        eng = make_engine(cfg, tiny_model, tokenizer, 0, replica)
+        eng = make_engine(cfg.engine_setup(), tiny_model, tokenizer, 0, replica)
         try:  # its own server, and its own folder for the versions it writes (two engines never share one)
             assert eng.base_url == url and eng.cfg.weights_dir == f"/shared/w/server{replica}"
         finally:

@@ -37,7 +37,7 @@ def test_without_vllm_the_config_and_the_engine_name_the_install_command(no_vllm
     real = tempfile.mkdtemp
     monkeypatch.setattr(tempfile, "mkdtemp", lambda **kw: made.append(real(**kw)) or made[-1])
     with pytest.raises(EngineFault, match=r"pip install 'loomrl\[vllm\]'"):
-        make_engine(cfg, tiny_model, tokenizer, 0)
+        make_engine(cfg.engine_setup(), tiny_model, tokenizer, 0)
     assert len(made) == 1 and not Path(made[0]).exists()  # the model folder saved for vLLM is gone again
 
 
@@ -131,7 +131,7 @@ def test_with_a_base_url_the_http_engine_needs_no_local_vllm(no_vllm, tiny_model
     cfg = load_checked(None, ["engine.kind=vllm", "runtime.mode=async", f"engine.vllm.base_url=http://127.0.0.1:{port}",
                              "engine.vllm.retries=1", "engine.vllm.retry_backoff_s=0.01"])
     with pytest.raises(EngineFault, match=rf"vLLM /health: cannot reach http://127.0.0.1:{port}"):
-        make_engine(cfg, tiny_model, tokenizer, 0)
+        make_engine(cfg.engine_setup(), tiny_model, tokenizer, 0)
 
 
 def test_several_vllm_servers_are_one_per_engine_actor():

@@ -57,9 +57,9 @@ def models():
 @pytest.fixture(scope="module")
 def engine(models):
     cfg = load_config(None, OVERRIDES)
-    skeleton, tokenizer = load_engine_model(cfg, None)  # the rollout side's: no weights in this process
+    skeleton, tokenizer = load_engine_model(cfg.engine_setup(), None)  # the rollout side's: no weights in this process
     assert all(p.is_meta for p in skeleton.parameters())
-    eng = make_engine(cfg, skeleton, tokenizer, 0)
+    eng = make_engine(cfg.engine_setup(), skeleton, tokenizer, 0)
     yield eng
     eng.close()
 
@@ -67,7 +67,7 @@ def engine(models):
 @pytest.fixture(scope="module")
 def fresh(models):
     _, b, tokenizer = models
-    eng = make_engine(load_config(None, [*SIZED, "engine.max_batch_size=1"]), b, tokenizer, 0)
+    eng = make_engine(load_config(None, [*SIZED, "engine.max_batch_size=1"]).engine_setup(), b, tokenizer, 0)
     yield eng
     eng.close()
 
@@ -563,7 +563,7 @@ def test_a_model_vllm_cannot_run_fails_its_start_in_one_line():
     model, tokenizer = load_model(ModelConfig(kind="tiny", tiny=TinyModelConfig(head_dim=16)))
     t0 = time.monotonic()
     with pytest.raises(ModelLoadError) as err:
-        make_engine(load_config(None, OVERRIDES), model, tokenizer, 0)
+        make_engine(load_config(None, OVERRIDES).engine_setup(), model, tokenizer, 0)
     message = str(err.value)
     assert "\n" not in message and message.startswith("engine.kind=vllm: vLLM cannot run the model LlamaForCausalLM")
     assert "head size is 16, and vLLM's CPU attention takes [32, 64," in message and "model.tiny.head_dim=32" in message
@@ -579,7 +579,7 @@ def test_a_model_vllm_loads_but_cannot_run_fails_its_start_with_the_workers_erro
     monkeypatch.setattr(CPUAttentionBackend, "get_supported_head_sizes", classmethod(lambda cls: [16]))
     model, tokenizer = load_model(ModelConfig(kind="tiny", tiny=TinyModelConfig(head_dim=16)))
     with pytest.raises(ModelLoadError) as err:
-        make_engine(load_config(None, OVERRIDES), model, tokenizer, 0)
+        make_engine(load_config(None, OVERRIDES).engine_setup(), model, tokenizer, 0)
     message = str(err.value)
     assert "\n" not in message and message.startswith("engine.kind=vllm: vLLM cannot run the model LlamaForCausalLM")
     assert ": RuntimeError: Unsupported CPU attention configuration: head_dim=16" in message  # the worker's error
@@ -642,7 +642,7 @@ def test_vllms_worker_fingerprints_what_it_loaded(models, caplog):
     from loomrl.weights.fingerprint import WeightMismatch, confirm_weights
 
     a, b, tokenizer = models
-    eng = make_engine(load_config(None, OVERRIDES), a, tokenizer, 0)
+    eng = make_engine(load_config(None, OVERRIDES).engine_setup(), a, tokenizer, 0)
     pub = make_publisher("shm", dtype=torch.float32, bucket_bytes=2_000_000)
     try:
         handle = pub.publish({n: p.detach() for n, p in b.named_parameters()}, 1)

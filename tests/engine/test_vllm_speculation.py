@@ -46,7 +46,7 @@ def models():
 @pytest.fixture(scope="module")
 def engine(models):
     a, _, tokenizer = models
-    eng = make_engine(load_config(None, OVERRIDES), a, tokenizer, 0)
+    eng = make_engine(load_config(None, OVERRIDES).engine_setup(), a, tokenizer, 0)
     yield eng
     eng.close()
 
@@ -95,7 +95,7 @@ def test_engine_speculation_is_refused_on_the_cpu(models):
     a, _, tokenizer = models
     cfg = load_config(None, [*OVERRIDES[:-1], "engine.speculation.enabled=true"])
     with pytest.raises(ConfigError, match="changes the sampled distribution at temperature > 0"):
-        make_engine(cfg, a, tokenizer, 0)
+        make_engine(cfg.engine_setup(), a, tokenizer, 0)
 
 
 def _departures(results, greedy: list[int]) -> collections.Counter:

@@ -28,7 +28,7 @@ def _ctx(pool=None, timeout=2.0) -> EpisodeContext:
 
 def _episode(pool=None):
     cfg = load_checked(None, [f"env.name={FACTORY}", "env.args.table={k: 7}"])
-    return environment_for(cfg).episode(_ctx(pool))
+    return environment_for(cfg.env).episode(_ctx(pool))
 
 
 def test_schema_from_signature_and_docstring():
@@ -133,7 +133,7 @@ def test_a_sandbox_tool_runs_in_a_pool_sandbox_and_a_dead_pool_is_an_env_crash()
 
 def test_env_args_are_checked_by_the_plugins_own_model():
     cfg = load_checked(None, [f"env.name={FACTORY}", "env.args.mode=loud"])
-    assert environment_for(cfg).args.mode == "loud"
+    assert environment_for(cfg.env).args.mode == "loud"
     with pytest.raises(ConfigError, match=r"^config error: 'env.args.mode': Input should be 'plain' or 'loud'"):
         load_checked(None, [f"env.name={FACTORY}", "env.args.mode=quiet"])
     with pytest.raises(ConfigError, match=r"^config error: unknown field 'env.args.colour' for env.name="
@@ -166,7 +166,8 @@ def test_an_installed_plugin_is_found_by_its_entry_point(tmp_path, monkeypatch):
     factory, extra = resolve_factory("lookup")
     assert factory.__name__ == "make_lookup" and extra == {}
     cfg = load_checked(None, ["env.name=lookup", "env.args.table={x: 5}"])
-    train, held = environment_for(cfg).tasks(__import__("loomrl.env.api", fromlist=["TaskSetup"]).TaskSetup.of(cfg))
+    train, held = environment_for(cfg.env).tasks(
+        __import__("loomrl.env.api", fromlist=["TaskSetup"]).TaskSetup.of(cfg.env))
     assert train[0].answer == "5" and held[0].split == "heldout"
     assert "custom_envs_for_tests" in sys.modules
 

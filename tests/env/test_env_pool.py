@@ -165,7 +165,7 @@ def test_env_actor_leases_of_a_dead_owner_or_a_cancelled_acquire_are_reclaimed(t
     cfg = RunConfig.model_validate({"env": {"name": "codefix", "pool_size": 2}, "output_dir": str(tmp_path)})
 
     async def scenario():
-        actor = EnvActor(cfg.model_dump_json(), concurrency=2)
+        actor = EnvActor(cfg.env.model_dump_json(), concurrency=2, agent_kind=cfg.agent.kind)
         await actor.start()
         await actor.acquire("rollout-1", "a1")
         await actor.acquire("rollout-2", "b1")

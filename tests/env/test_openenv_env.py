@@ -177,7 +177,7 @@ def test_two_training_steps_on_an_openenv_server_train_the_sampled_tokens(tmp_pa
     try:
         summary = train(cfg)
     finally:
-        environment_for(cfg).close()  # the server this process started (else stopped at exit)
+        environment_for(cfg.env).close()  # the server this process started (else stopped at exit)
     assert summary["steps"] == 2 and summary["ledger"]["trained"] > 0
     check_run(cfg.run_dir, summary, 2)
     rows = read_trajectories(cfg.run_dir / "trajectories").to_pylist()

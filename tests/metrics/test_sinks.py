@@ -244,6 +244,7 @@ def offline_wandb(monkeypatch):
     assert not reached, f"W&B offline reached out to {reached}"
 
 
+@pytest.mark.integration  # W&B offline: its service process
 def test_the_wandb_sink_logs_every_number_against_the_training_step(tmp_path, offline_wandb):
     from loomrl.metrics.wandb import WandbSink
     from loomrl.run_folder import WANDB_RUN_ID

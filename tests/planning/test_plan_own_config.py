@@ -47,6 +47,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     return {"flat": out / "a", "proportional": _proportional_decode(out / "a", out / "a_prop")}
 
 
+@pytest.mark.integration  # a four-step async training run (its trainer process), ~8 s
 @pytest.mark.parametrize("decode", ["flat", "proportional"])
 def test_the_unchanged_config_predicts_the_measured_trajectory_time(runs, decode):
     m = measure_run(runs[decode])

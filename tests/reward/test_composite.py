@@ -63,7 +63,7 @@ def _recorded(actions: list[str]) -> Trajectory:
     """Actions played against a real environment (the test tool environment: tools that work, raise, or are called
     badly): each turn keeps the tool-call records the environment's step returned, as the agent loop keeps them."""
     cfg = load_config(None, ["env.name=custom_envs_for_tests:make_lookup", "env.args.table={k: 7}"])
-    env = environment_for(cfg).episode(EpisodeContext(pool=None, rng=random.Random(0), tool_timeout_s=2.0))
+    env = environment_for(cfg.env).episode(EpisodeContext(pool=None, rng=random.Random(0), tool_timeout_s=2.0))
 
     async def play() -> list[Turn]:
         await env.reset(TASK)
@@ -140,7 +140,7 @@ def test_reward_terms_through_the_config_and_the_pool():
     cfg = load_config("examples/calculator_smollm2.yaml", [
         "env.args.format_weight=0.1", "reward.terms={format: {gate: correct}, malformed_call: {weight: -0.05}}"])
     task = Task(task_id="t", prompt="p", answer="27")
-    pool = reward_pool_for(cfg)
+    pool = reward_pool_for(cfg.rollout_pool())
 
     async def go(*trajs):
         return [await pool.score(t, task) for t in trajs]

@@ -38,7 +38,7 @@ def _traj(text="The answer is 42.", think="", obs=None) -> Trajectory:
 def _pool(*functions: tuple[str, float], timeout_s: float = 30.0) -> RewardPool:
     terms = ", ".join(f"{{function: {M}:{f}, weight: {w}}}" for f, w in functions)
     cfg = load_config(None, [f"reward.functions=[{terms}]", f"reward.timeout_s={timeout_s}", "trainer.total_steps=9"])
-    return RewardPool(reward_fn_for(cfg), workers=1, timeout_s=cfg.reward.timeout_s)
+    return RewardPool(reward_fn_for(cfg.rollout_pool()), workers=1, timeout_s=cfg.reward.timeout_s)
 
 
 def _scored(pool: RewardPool, *pairs: tuple[Trajectory, Task]) -> list[Trajectory]:
@@ -110,7 +110,7 @@ def test_none_is_no_opinion_and_all_none_is_no_reward():
 def test_reward_config_errors_are_one_line():
     def error(*overrides: str) -> str:
         with pytest.raises(ConfigError) as err:
-            load_terms(load_config(None, list(overrides)))
+            load_terms(load_config(None, list(overrides)).reward)
         assert "\n" not in str(err.value)
         return str(err.value)
 
@@ -144,4 +144,4 @@ def test_verls_compute_score_is_called_as_verl_calls_it():
 def test_a_reward_function_of_no_known_shape_stops_at_load_naming_its_parameters():
     with pytest.raises(ConfigError, match=r"^config error: reward.function: trl_rewards_for_tests:one_argument: it "
                                           r"takes \(completion\); a reward function is fn\(trajectory, task\)"):
-        load_terms(load_config(None, [f"reward.function={M}:one_argument"]))
+        load_terms(load_config(None, [f"reward.function={M}:one_argument"]).reward)

@@ -29,7 +29,7 @@ def _traj(tokens: int = 4) -> Trajectory:
 def _pool(*functions: str, timeout_s: float = 30.0, workers: int = 1) -> RewardPool:
     terms = ", ".join(f"{{function: {M}:{f}}}" for f in functions)
     cfg = load_config(None, [f"reward.functions=[{terms}]", f"reward.timeout_s={timeout_s}"])
-    return RewardPool(reward_fn_for(cfg), workers=workers, timeout_s=timeout_s)
+    return RewardPool(reward_fn_for(cfg.rollout_pool()), workers=workers, timeout_s=timeout_s)
 
 
 def _score(pool: RewardPool, traj: Trajectory, task: Task = TASK) -> tuple[Trajectory, float]:

@@ -59,7 +59,7 @@ def _sources(tmp_path, record_to: str) -> list[Task]:
 def _scored(functions, *pairs: tuple[Trajectory, Task]) -> list[Trajectory]:
     terms = ", ".join(f"{{function: {M}:{f}, weight: 1.0}}" for f in functions)
     cfg = load_config(None, [f"reward.functions=[{terms}]", "trainer.total_steps=9"])
-    pool = RewardPool(reward_fn_for(cfg), workers=1, timeout_s=cfg.reward.timeout_s)
+    pool = RewardPool(reward_fn_for(cfg.rollout_pool()), workers=1, timeout_s=cfg.reward.timeout_s)
 
     async def go():
         return [await pool.score(traj, task) for traj, task in pairs]

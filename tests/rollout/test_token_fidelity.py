@@ -89,7 +89,7 @@ def test_trained_tokens_are_exactly_the_tokens_vllm_sampled(tokenizer, tmp_path)
     cfg = load_config(None, ["engine.kind=vllm", "runtime.mode=async", "model.kind=tiny", "model.tiny.head_dim=32",
                              "engine.vllm.block_size=32", "engine.vllm.max_model_len=2048",
                              f"engine.vllm.kv_cache_memory_bytes={64 << 20}", "engine.vllm.cpu_reserved_cores=0"])
-    engine = make_engine(cfg, model, tokenizer, 0)
+    engine = make_engine(cfg.engine_setup(), model, tokenizer, 0)
     try:
         check_fidelity(RecordingEngine(engine), tokenizer, tmp_path, version=0)
     finally:

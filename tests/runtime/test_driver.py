@@ -23,7 +23,7 @@ from loomrl.run_folder import LedgerEntry, RunFolder, append_line, read_ledger
 from loomrl.runtime.driver import Driver
 from loomrl.runtime.failures import CannotStart, EngineLost, RolloutLost, RunError, TrainerLost
 from loomrl.runtime.parts import Parts, RolloutReport, Rollouts, Trainer, TrainerState, WeightRoute
-from loomrl.trainer_boundary import PositionSet, TrainStep
+from loomrl.trainer_boundary import Carried, PositionSet, TrainStep
 from loomrl.types import EvalRecord, Evaluation, Trajectory, TrajectoryMetadata
 
 
@@ -119,15 +119,15 @@ class ScriptedBackend:
         return RolloutReport(rollouts={}, env_pool={})
 
     # the trainer
-    async def start_trainer(self, extra: dict[str, Any]) -> TrainerState:
+    async def start_trainer(self, carried: Carried) -> TrainerState:
         self.trainer_starts += 1
         ckpt = self.checkpoint  # what TrainerService does on resume: the checkpoint's state, the ledger cut to it
-        self.version, self.received = ckpt.version, PositionSet(**ckpt.received.state())
+        self.version, self.received = ckpt.version, PositionSet.of(ckpt.received.state())
         self.buffer = list(ckpt.buffer)
         self.sent = {}
         ledger = [e for e in read_ledger(self.cfg.run_dir) if e.step <= ckpt.version]
         RunFolder(self.cfg.run_dir).ledger.write_text("".join(json.dumps(asdict(e)) + "\n" for e in ledger))
-        return TrainerState(version=self.version, received=PositionSet(**self.received.state()),
+        return TrainerState(version=self.version, received=PositionSet.of(self.received.state()),
                             weights=f"weights of version {self.version}, start {self.trainer_starts}")
 
     def stop_trainer(self) -> None:
@@ -160,7 +160,7 @@ class ScriptedBackend:
             step=step, trained=[t.trajectory_id for _, g in taken for t in g], skipped={},
             stale=[t.trajectory_id for _, g in stale for t in g]))
         if step % self.script.checkpoint_every == 0:
-            self.checkpoint = Checkpoint(step, PositionSet(**self.received.state()), list(self.buffer))
+            self.checkpoint = Checkpoint(step, PositionSet.of(self.received.state()), list(self.buffer))
         # the stale count travels as the step's field only (the driver reads no control value out of the metrics)
         return TrainStep(version=step, trained=True, metrics={"groups": len(taken), "train/loss": 0.1,
                                                               "policy_lag_max": lag},
@@ -199,8 +199,8 @@ class ScriptedTrainer(Trainer):
     def __init__(self, backend: ScriptedBackend):
         self.b = backend
 
-    async def start(self, extra: dict[str, Any]) -> TrainerState:
-        return await self.b.start_trainer(extra)
+    async def start(self, carried: Carried) -> TrainerState:
+        return await self.b.start_trainer(carried)
 
     def stop(self) -> None:
         self.b.stop_trainer()
@@ -243,7 +243,7 @@ def config(tmp_path, *overrides: str):
 
 def run(cfg, script: Script) -> tuple[dict[str, Any], ScriptedBackend]:
     backend = ScriptedBackend(cfg, script)
-    summary = Driver(cfg, parts(backend), None, 0.0).run()
+    summary = Driver(cfg, parts(backend), None, 0.0).run().as_json()  # as summary.json holds it
     return summary, backend
 
 

@@ -142,7 +142,7 @@ def test_crashing_tool_is_recorded_on_its_trajectory_and_siblings_finish(tmp_pat
     train, _ = make_splits(cfg.env.families, cfg.env.families, 10, 2, cfg.env.seed)
     task = train[0]
     engine = ScriptedEngine(tokenizer, [f"calc({task.data['expression']})", f"The answer is {task.answer}."])
-    worker = RolloutWorker(cfg, engine, ChatRenderer(tokenizer), train)
+    worker = RolloutWorker(cfg.rollout_pool(), engine, ChatRenderer(tokenizer), train)
     order_task = worker.task_at(0)
     engine.turns[0] = tokenizer.encode(f"calc({order_task.data['expression']})") + [tokenizer.eos_token_id]
     engine.turns[1] = tokenizer.encode(f"The answer is {order_task.answer}.") + [tokenizer.eos_token_id]
@@ -377,7 +377,7 @@ def test_resume_keeps_kl_reference_at_the_initial_policy(tmp_path):
     train(cfg)
     ckpt = latest_checkpoint(cfg.run_dir)
     model, tokenizer = load_run_model(cfg.model, ckpt)
-    service = TrainerService(cfg, model, tokenizer, resume_from=ckpt)
+    service = TrainerService(cfg.train_pool(), model, tokenizer, resume_from=ckpt, device=torch.device("cpu"))
     initial, _ = load_model(cfg.model)
     ref = dict(service.trainer.ref_model.named_parameters())
     trained = dict(model.named_parameters())

@@ -35,7 +35,7 @@ def test_evaluation_scores_only_the_episodes_played_out(tmp_path, tokenizer):
     _, heldout = make_splits(cfg.env.families, cfg.env.families, 10, 16, cfg.env.seed)
     tasks = [dataclasses.replace(t, answer="5") for t in heldout]  # the scripted policy answers 5, always right
     engine = ScriptedEngine(tokenizer, ["calc(2 + 3)", "The answer is 5."])
-    worker = RolloutWorker(cfg, engine, ChatRenderer(tokenizer), tasks)
+    worker = RolloutWorker(cfg.rollout_pool(), engine, ChatRenderer(tokenizer), tasks)
 
     async def evaluate():
         try:

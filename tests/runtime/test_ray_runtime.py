@@ -460,7 +460,8 @@ from loomrl.weights.handle import Transport, WeightHandle
 ray.init(address=sys.argv[1])
 cfg = load_config(sys.argv[2], ["ray.engine.count=1"])
 board = ray.remote(WeightBoard).options(num_cpus=0).remote()
-engine = ray.remote(EngineActor).options(num_cpus=0, resources={"engine": 1}).remote(cfg.model_dump_json(), board, 0)
+engine = ray.remote(EngineActor).options(num_cpus=0, resources={"engine": 1}).remote(
+    cfg.engine_setup().model_dump_json(), board, 0, 1)
 model, _ = load_run_model(cfg.model, None)
 weights = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
 handle = WeightHandle(transport=Transport.RAY, version=3, nbytes=0, payload=ray.put(weights))
@@ -498,7 +499,8 @@ ray.init(address=sys.argv[1])
 cfg = load_config(sys.argv[2], ["ray.engine.count=2", "runtime.weight_transport=broadcast", "runtime.backend=ray"])
 board = ray.remote(WeightBoard).options(num_cpus=0).remote()
 cls = ray.remote(EngineActor).options(num_cpus=0, resources={"engine": 0.5})
-engines = [cls.remote(cfg.model_dump_json(), board, i) for i in range(2)]
+receivers = cfg.weight_route().receivers  # engine i: ranks 1 + i * receivers.. of the group
+engines = [cls.remote(cfg.engine_setup().model_dump_json(), board, i, 1 + i * receivers) for i in range(2)]
 model, tokenizer = load_run_model(cfg.model, None)
 publisher = make_publisher("broadcast", receivers=2, bucket_bytes=1 << 16, timeout_s=60)  # this script: the trainer
 request = GenerationRequest(prompt_ids=[1, 2, 3, 4], sampling=SamplingParams(max_tokens=8, temperature=0.0))  # greedy
@@ -511,13 +513,13 @@ for version in (1, 2):
     assert handle.transport is Transport.BROADCAST
     timings = ray.get([e.update_weights.remote(handle) for e in engines], timeout=120)
     publisher.settle()
-    reference = make_engine(cfg, model, tokenizer, 0)  # a local engine given the same weights directly
+    reference = make_engine(cfg.engine_setup(), model, tokenizer, 0)  # a local engine given the same weights directly
     reference.update_weights(weights, version)
     want = asyncio.run(reference.generate(request))
     got = [ray.get(e.generate.remote(request)) for e in engines]
     out["versions"].append([t["version"] for t in timings])
     out[f"v{version}"] = [r.token_ids == want.token_ids and r.versions == [version] * len(r.token_ids) for r in got]
-    initial = make_engine(cfg, load_run_model(cfg.model, None)[0], tokenizer, 0)
+    initial = make_engine(cfg.engine_setup(), load_run_model(cfg.model, None)[0], tokenizer, 0)
     out[f"v{version}_differs_from_init"] = want.token_ids != asyncio.run(initial.generate(request)).token_ids
     initial.close()
     reference.close()
@@ -713,14 +715,14 @@ def test_accounting_flags_a_trajectory_with_two_fates_and_one_with_none():
     ledger = [LedgerEntry(step=1, trained=["a"], skipped={"zero_variance": ["b"]}, stale=[]),
               LedgerEntry(step=2, trained=["zz"], skipped={}, stale=[])]  # zz: an earlier segment's
     out = acc.settle(ledger)
-    assert out["violations"] == [] and out["unconsumed"] == 1  # c: sent, still buffered at the end
+    assert out.violations == [] and out.unconsumed == 1  # c: sent, still buffered at the end
     assert "launched 12 = trained 1 + skipped 1 (zero_variance 1)" in ledger_line(out)
     ledger.append(LedgerEntry(step=3, trained=["a"], skipped={}, stale=["d"]))
     out = acc.settle(ledger)
-    assert any(v.startswith("a: trained + trained") for v in out["violations"])
-    assert any(v.startswith("d: stale + discarded") for v in out["violations"])
+    assert any(v.startswith("a: trained + trained") for v in out.violations)
+    assert any(v.startswith("d: stale + discarded") for v in out.violations)
     acc.launched = 13  # one launched trajectory has no fate at all
-    assert any("launched 13 != sum of fates" in v for v in acc.settle(ledger[:2])["violations"])
+    assert any("launched 13 != sum of fates" in v for v in acc.settle(ledger[:2]).violations)
 
 
 @pytest.mark.ray

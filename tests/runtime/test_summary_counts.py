@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from loomrl.config import load_config
-from loomrl.run_folder import Segment, read_segments
+from loomrl.run_folder import Fates, Segment, read_segments
 from loomrl.runtime.run import train
 from loomrl.runtime.summary import append_segment, whole_run
 
@@ -45,7 +45,7 @@ def test_episode_counts_sum_to_launched_and_warnings_name_their_unit(tmp_path, c
 
 def _segment(rollouts: dict) -> Segment:
     return Segment(from_step=0, to_step=1, ended="finished", wall_s=1.0, rollouts=rollouts, trainer_restarts=0,
-                   untrained_steps=0, positions_failed={}, env_pool={}, accounting={"launched": 8}, extra={})
+                   untrained_steps=0, positions_failed={}, env_pool={}, accounting=Fates(launched=8), extra={})
 
 
 def test_a_segment_recorded_with_flat_counts_sums_with_a_grouped_one(tmp_path):
@@ -58,6 +58,5 @@ def test_a_segment_recorded_with_flat_counts_sums_with_a_grouped_one(tmp_path):
         "launched": 8, "ended": {"completed": 6, "env_error": 2}, "among_ended": {"reward_failed": 3},
         "retried_attempts": {"timeout": 4}}}
     summary = whole_run(tmp_path, segments, None, None, 2, [])
-    assert summary["rollouts"]["training"] == {"launched": 16, "ended": {"completed": 14, "env_error": 2},
-                                               "among_ended": {"reward_failed": 4},
-                                               "retried_attempts": {"timeout": 5}}
+    assert summary.rollouts["training"] == {"launched": 16, "ended": {"completed": 14, "env_error": 2},
+                                            "among_ended": {"reward_failed": 4}, "retried_attempts": {"timeout": 5}}

@@ -314,7 +314,7 @@ def test_turn_credit_through_the_service_with_and_without_tree_merge(tmp_path, t
                                  f"trainer.tree_merge={merge}", "trainer.lr=1e-3", "trainer.micro_batch_size=8"])
         cfg.run_dir.mkdir(parents=True)
         model = copy.deepcopy(tiny_model)
-        service = TrainerService(cfg, model, tokenizer)
+        service = TrainerService(cfg.train_pool(), model, tokenizer, device=torch.device("cpu"))
         service.receive(0, hand_group())
         return service.run_step().metrics, model
 

@@ -241,7 +241,7 @@ def test_rank0_stops_waiting_for_a_follower_that_dies_before_it_joins(tokenizer,
 
     cfg = RunConfig.model_validate({"model": {"kind": "hf", "path": str(tmp_path / "no-such-model")},
                                     "trainer": {"world_size": 2}, "output_dir": str(tmp_path)})
-    followers = spawn_local_followers(cfg, None, threads=1)
+    followers = spawn_local_followers(cfg.train_pool(), torch.device("cpu"), None, threads=1)
     ranks = LocalRankGroup(2, torch.device("cpu"), *followers.channels(), dead=followers.dead)
     start = time.monotonic()
     try:
@@ -268,7 +268,7 @@ def test_rank0_loads_its_model_before_it_joins_the_ranks(tmp_path):
                                     "trainer": {"world_size": 2}, "output_dir": str(tmp_path)})
     ctx = mp.get_context("spawn")
     inbox, outbox, follower_in, follower_out = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
-    child = Child("trainer process", "loomrl-trainer", _trainer_main, cfg.model_dump_json(), {}, "", 1, inbox, outbox,
+    child = Child("trainer process", "loomrl-trainer", _trainer_main, cfg.train_pool().model_dump_json(), {}, "", 1, inbox, outbox,
                   (([follower_in], [follower_out]), free_port()))
     try:
         msg = outbox.get(timeout=60)

@@ -9,6 +9,7 @@ random model's next-token distributions carry little a head can learn from h_t a
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -52,6 +53,7 @@ def _policy_and_rollouts():
     return model, rollouts(32), rollouts(16)
 
 
+@pytest.mark.integration  # a training run of the heads, ~5 s
 def test_training_on_the_policys_rollouts_lowers_the_heads_divergence_on_others():
     model, train, held = _policy_and_rollouts()
     heads = DraftHeads(64, 2)

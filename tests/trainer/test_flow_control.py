@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 
+import torch
+
 from loomrl.config import load_config
 from loomrl.trainer.service import TrainerService
 from loomrl.types import TokenSpan, Trajectory, Turn
@@ -26,7 +28,7 @@ def test_consumption_metrics_drops_and_lag_decay(tmp_path, tiny_model, tokenizer
     cfg = load_config(None, [f"output_dir={tmp_path}", "name=flow", "model.kind=tiny", "trainer.groups_per_step=3",
                              "buffer.max_policy_lag=2", "buffer.lag_decay=0.5", "trainer.total_steps=10"])
     cfg.run_dir.mkdir(parents=True)
-    service = TrainerService(cfg, tiny_model, tokenizer)
+    service = TrainerService(cfg.train_pool(), tiny_model, tokenizer, device=torch.device("cpu"))
     service.trainer.step = 4  # the trainer is at version 4
     seen = []
     service.trainer.train_step = lambda samples, **_: seen.extend(samples) or _stats()
@@ -65,7 +67,7 @@ def test_window_sampler_holds_later_groups_until_the_oldest_is_in(tmp_path, tiny
     cfg = load_config(None, [f"output_dir={tmp_path}", "name=win", "model.kind=tiny", "trainer.groups_per_step=2",
                              "buffer.sampler=window", "buffer.window=2", "buffer.max_policy_lag=9"])
     cfg.run_dir.mkdir(parents=True)
-    service = TrainerService(cfg, tiny_model, tokenizer)
+    service = TrainerService(cfg.train_pool(), tiny_model, tokenizer, device=torch.device("cpu"))
     seen = []
     service.trainer.train_step = lambda samples, **_: seen.append({s.group_id for s in samples}) or _stats()
     service.receive(1, group("p1", 0))

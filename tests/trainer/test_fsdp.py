@@ -137,9 +137,10 @@ def _resume_rank(rank: int, world: int, run_dir: str, options: dict) -> tuple[li
     def full(dp: DataParallelTrainer) -> dict[str, torch.Tensor]:
         return {n: p.full_tensor().detach().clone() for n, p in dp.trainer.model.named_parameters()}
 
-    straight = DataParallelTrainer(build_trainer(cfg, model, None))
+    device = torch.device("cpu")
+    straight = DataParallelTrainer(build_trainer(cfg.trainer, cfg.model, device, model, None))
     want = steps(straight, 3)
-    first = DataParallelTrainer(build_trainer(cfg, load_run_model(cfg.model, None)[0], None))
+    first = DataParallelTrainer(build_trainer(cfg.trainer, cfg.model, device, load_run_model(cfg.model, None)[0], None))
     got = steps(first, 2)
     t = first.trainer
     everything = Gather(None, 1 << 12, everything=True)  # small buckets: the model folder is written in several files
@@ -155,7 +156,8 @@ def _resume_rank(rank: int, world: int, run_dir: str, options: dict) -> tuple[li
         save_sharded_optimizer(t, cfg.run_dir / "checkpoints" / ".tmp_step_000002" / "optimizer")
     dist.barrier()  # renamed into place by rank 0
     ckpt = latest_checkpoint(cfg.run_dir)
-    resumed = DataParallelTrainer(build_trainer(cfg, load_run_model(cfg.model, ckpt)[0], ckpt))
+    resumed = DataParallelTrainer(build_trainer(cfg.trainer, cfg.model, device, load_run_model(cfg.model, ckpt)[0],
+                                                ckpt))
     assert resumed.trainer.step == 2
     got += steps(resumed, 1)
     return want, got, {"straight": full(straight), "resumed": full(resumed)}

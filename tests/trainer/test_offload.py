@@ -119,9 +119,9 @@ def test_cuda_ipc_beside_a_colocated_engine_keeps_one_snapshot_on_the_gpu(monkey
     for colocated in (True, False):
         cfg = RunConfig.model_validate({"engine": {"sleep_while_training": colocated},
                                         "runtime": {"mode": "async", "weight_transport": "cuda_ipc"}})
-        process.run_publisher(cfg, engines=1, host="127.0.0.1")
+        process.run_publisher(cfg.weight_route(), cfg.run_dir, engines=1, host="127.0.0.1")
     cfg = RunConfig.model_validate({"engine": {"sleep_while_training": True}, "runtime": {"mode": "async"}})
-    process.run_publisher(cfg, engines=1, host="127.0.0.1")
+    process.run_publisher(cfg.weight_route(), cfg.run_dir, engines=1, host="127.0.0.1")
     assert kept == [("cuda_ipc", 1), ("cuda_ipc", process.KEEP_VERSIONS), ("shm", process.KEEP_VERSIONS)]
 
 

@@ -124,7 +124,7 @@ def service_run(tmp_path) -> dict:
     torch.manual_seed(0)
     model = tiny_model()
     before = [p.detach().clone() for p in model.parameters()]
-    service = TrainerService(cfg, model, None)
+    service = TrainerService(cfg.train_pool(), model, None, device=torch.device("cpu"))
     service.trainer.step = 2  # the trainer is at version 2: groups of versions 0..2 lag 2..0
     position, steps = 0, []
     for step in range(2):

@@ -125,6 +125,7 @@ def test_a_reader_in_another_process_gets_whole_versions(transport, tmp_path):
     assert (loaded, stale) == (versions, 0)
 
 
+@pytest.mark.integration  # seconds of publishing and loading on threads
 @pytest.mark.parametrize("transport", [Transport.SHM, Transport.FILE])
 def test_concurrent_publish_and_load_in_threads(transport, tmp_path):
     pub = make_publisher(transport, folder=tmp_path / "w", keep=2)

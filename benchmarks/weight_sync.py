@@ -253,7 +253,7 @@ def _fsdp_rank(rank: int, world: int, port: int, arm: str, params: float, hidden
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from loomrl.trainer.distributed import Gather, GatheredSource, init_process_group
+    from loomrl.train_pool.distributed import Gather, GatheredSource, init_process_group
     from loomrl.weights.source import WeightSource
 
     torch.set_num_threads(1)
@@ -278,7 +278,7 @@ def _fsdp_rank(rank: int, world: int, port: int, arm: str, params: float, hidden
     sampler = threading.Thread(target=_rss_sampler, args=(stop, peak), daemon=True)
     sampler.start()
     start = time.perf_counter()
-    if arm == "old":  # what trainer/distributed.py did before: every parameter gathered, rank 0 keeping a float32
+    if arm == "old":  # what train_pool/distributed.py did before: every parameter gathered, rank 0 keeping a float32
         # host copy of the whole model, then published (in the trainer's float32, as the transports then did)
         weights = {}
         for name, p in model.named_parameters():
@@ -310,7 +310,7 @@ def _fsdp_rank(rank: int, world: int, port: int, arm: str, params: float, hidden
 
 def measure_fsdp(params: float, world: int, hidden: int, bucket_bytes: int, repeats: int) -> dict:
     """Each arm in fresh processes (a resident set's peak is per process), arms interleaved, `repeats` times."""
-    from loomrl.trainer.distributed import free_port
+    from loomrl.train_pool.distributed import free_port
 
     ctx = mp.get_context("spawn")
     # glibc raises its mmap threshold as large blocks are freed (up to 32 MB), after which freed parameter-sized blocks

@@ -1,5 +1,5 @@
 """What every Ray actor of a run shares: where it runs, and how its errors read. Plain classes elsewhere
-(rollout/actor.py, rollout/reward_actor.py, env/remote.py, trainer/actor.py); the Ray backend
+(rollout/actor.py, rollout/reward_actor.py, env/remote.py, train_pool/actor.py); the Ray backend
 (runtime/ray_backend.py) wraps them with `ray.remote`, so that importing them needs no ray."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """How a failed collective surfaces, for every process group loomrl makes (the trainer ranks' default group,
-trainer/distributed.py init_process_group; the weight broadcast's, weights/group.py WeightGroup).
+train_pool/distributed.py init_process_group; the weight broadcast's, weights/group.py WeightGroup).
 
 gloo raises in the calling thread when a peer dies or a collective passes its timeout. NCCL does not: its collectives
 are queued on a CUDA stream, and a watchdog thread notices the timeout. What the watchdog then does is
@@ -10,7 +10,7 @@ on it) and leaves the process alone. The failure then shows where loomrl looks f
 on the aborted communicator raises a DistBackendError (RankLost: one line, restart from the checkpoint). The weight
 group does not wait for the watchdog at all: its own timeout is set past loomrl's per-bucket deadline, and a bucket
 that misses the deadline aborts the group and raises at that end (weights/group.py), because a work the watchdog
-aborted reads as completed without an error. Every group is made with a timeout (trainer/ranks.py
+aborted reads as completed without an error. Every group is made with a timeout (train_pool/ranks.py
 COLLECTIVE_TIMEOUT_S; the broadcast's runtime timeout), so both ends are bounded. An SGLang server makes its end of the
 weight group with its own settings: a trainer that dies mid-version may take that server down rather than raise
 there.

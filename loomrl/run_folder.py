@@ -4,7 +4,7 @@ Layout, as the writers make it (each writer and reader takes its path from here)
 
     config.yaml            the resolved config the run last ran with (runtime/run.py)
     metrics.jsonl          one record per step and evaluation (metrics/jsonl.py)
-    ledger.jsonl           per step, every trajectory it consumed, by fate: LedgerEntry (trainer/service.py)
+    ledger.jsonl           per step, every trajectory it consumed, by fate: LedgerEntry (train_pool/service.py)
     train_records.jsonl    per trajectory trained, its advantages and logprob gaps (trainer/records.py)
     groups.jsonl           per group attempt that ended, its lifecycle (runtime/group_log.py)
     segments.jsonl         per `loomrl train` / `--resume`, what it did: Segment (runtime/summary.py)
@@ -14,7 +14,7 @@ Layout, as the writers make it (each writer and reader takes its path from here)
     checkpoints/step_NNNNNN/{model/, optimizer.pt, optimizer/, state.pt}, checkpoints/latest (trainer/checkpoint.py)
     tensorboard/           TensorBoard event files (metrics/tensorboard.py)
     wandb_run_id           the W&B run a resume logs to (metrics/wandb.py; wandb/ itself is W&B's own folder)
-    weights/               the file weight transport's published versions (trainer/process.py)
+    weights/               the file weight transport's published versions (train_pool/process.py)
 
 Records: LedgerEntry (a line of ledger.jsonl), Segment (a line of segments.jsonl, its accounting Fates) and Summary
 (summary.json), each read back into its type and written from it; the JSON on disk is `asdict(record)`, keys in

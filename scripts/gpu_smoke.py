@@ -31,21 +31,21 @@ line; each part reports its numbers or its error (and `ok`), and one failing par
   e  tokens/s of (b)'s second step and its model FLOPs utilisation (6 x parameters x tokens / time / peak)
   f  the cuda_ipc transport alone: a trainer process publishes bf16 snapshots of 7B-layer-sized weights as CUDA IPC
      handles (weights/ IpcPublisher); this process maps them (load_weights), compared exactly, timed; CUDA only
-  p  the colocated route's buffer (runtime.weight_transport=cuda_ipc on Ray, trainer/push.py): the bf16 buckets of
+  p  the colocated route's buffer (runtime.weight_transport=cuda_ipc on Ray, train_pool/push.py): the bf16 buckets of
      the 7B's embeddings and two decoder layers written one at a time into one reused buffer (bucket_buffer: CUDA
      memory with a CUDA IPC handle; shared memory with --cpu), each mapped and checksummed by a second process before
      the next is written; every bucket equal, the buffer's bytes against the version's, GB/s
   g  the sharded optimizer checkpoint: a trainer of the 7B's width (2 layers: the full embeddings and head, the
      largest tensors) takes a step, save_sharded_optimizer, its state zeroed, load_sharded_optimizer: bit-equal
-  h  the FSDP publish path (`publish_fsdp`: the bucketed gather of trainer/distributed.py, then a weights/
+  h  the FSDP publish path (`publish_fsdp`: the bucketed gather of train_pool/distributed.py, then a weights/
      publisher) into a receiver process on the GPU: two versions at the full depth (or the deepest that fits the
      GPU's free memory, torch.cuda.mem_get_info), compared bit for bit in the engine's dtype, timed; "broadcast" (on
      CUDA into a second GPU, skipped on a one-GPU machine) and "cuda_ipc" ("shm", its stand-in, on the CPU). Each
      reports the bytes it held at its peak by its own count (`Ledger`: snapshots, bucket, checksum temporaries, the
      receiver's copy): with keep=1 one snapshot, freed before the next is taken; checksums a chunk at a time; the
      receiver's CUDA cache emptied after each version
-  o  the colocated run's offload round trip (trainer/process.py colocated_step): a trainer of the 7B's width (2
-     layers, 1.56e9 parameters) takes a step, trainer/offload.py offload (its torch.cuda.empty_cache included),
+  o  the colocated run's offload round trip (train_pool/process.py colocated_step): a trainer of the 7B's width (2
+     layers, 1.56e9 parameters) takes a step, train_pool/offload.py offload (its torch.cuda.empty_cache included),
      onload, a second step; an uninterrupted twin takes the same two steps. Every parameter and AdamW state tensor
      bit-equal after step 2 (and across the round trip itself), under torch's deterministic algorithms (an op without
      one is reported); allocated and reserved GiB before and after the offload, nothing of the state left on the GPU.
@@ -285,14 +285,14 @@ def _model_config(layers: int, toy: bool) -> Any:
 
 def smoke_trainer(device: torch.device, layers: int, toy: bool) -> tuple[Any, Any]:
     """(Trainer, DataParallelTrainer) of a random model of the recipe's shape, built by the library's builder as every
-    trainer rank builds its own (trainer/ranks.py build_trainer): the recipe's trainer section validated by
+    trainer rank builds its own (train_pool/ranks.py build_trainer): the recipe's trainer section validated by
     loomrl.config (trainer.parallel=fsdp: FSDP2 over the one-rank process group, gathers in the compute dtype), on
     `device`, fresh (no checkpoint: KL's reference, when the loss has one, is a copy of the model)."""
     from transformers import AutoModelForCausalLM
 
     from loomrl.config import ModelConfig, TrainerConfig
-    from loomrl.trainer.distributed import DataParallelTrainer
-    from loomrl.trainer.ranks import build_trainer
+    from loomrl.train_pool.distributed import DataParallelTrainer
+    from loomrl.train_pool.ranks import build_trainer
 
     recipe = _recipe()
     cfg = TrainerConfig.model_validate(recipe["trainer"]).model_copy(update={"device": str(device)})
@@ -584,7 +584,7 @@ def _bucket_reader(refs: Any, sums: Any, device_index: int | None) -> None:
 def part_p(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
     import multiprocessing as mp
 
-    from loomrl.trainer.push import bucket_buffer
+    from loomrl.train_pool.push import bucket_buffer
     from loomrl.weights.source import DictSource
 
     hidden, inter, vocab = (3584, 18944, 152064) if device.type == "cuda" else (64, 160, 512)
@@ -618,7 +618,7 @@ def part_p(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
         if child.is_alive():
             child.kill()
         buffer.close()
-    return {"calls": "trainer/push.py bucket_buffer: fill, mapped in another process", "kind": str(buffer.kind),
+    return {"calls": "train_pool/push.py bucket_buffer: fill, mapped in another process", "kind": str(buffer.kind),
             "buckets": len(plan), "version_gib": _gib(source.nbytes), "buffer_gib": _gib(buffer.capacity),
             "held_gib": _gib(held), "seconds": round(total_s, 3), "reader_s": round(load_s, 3),
             "gb_s": round(source.nbytes / total_s / 1e9, 2), "ok": equal and buffer.capacity < source.nbytes}
@@ -630,7 +630,7 @@ def _state_checksums(trainer: Any) -> dict[str, tuple[int, int]]:
     """Bit-pattern checksums of this rank's part of every AdamW state tensor, by parameter name and key."""
     from torch.distributed.tensor import DTensor
 
-    from loomrl.trainer.distributed import param_checksum
+    from loomrl.train_pool.distributed import param_checksum
 
     names = {id(p): n for n, p in trainer.model.named_parameters()}
     out = {}
@@ -674,11 +674,11 @@ def part_g(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
 
 def publish_fsdp(dp: Any, publisher: Any, version: int, dtype: torch.dtype, bucket_bytes: int,
                  ledger: Ledger | None = None) -> Any:
-    """The weights of a sharded trainer, as the trainer sends them (trainer/process.py publish): every rank gathers
+    """The weights of a sharded trainer, as the trainer sends them (train_pool/process.py publish): every rank gathers
     the trainable parameters a bucket at a time on its device (`DataParallelTrainer.gathered`, one `full_tensor()` per
     parameter), rank 0 casts each to the engine's dtype and the publisher sends or maps the bucket; no float32 host
     copy of the model is made. `ledger`: counts the bucket in hand."""
-    from loomrl.trainer.distributed import Gather
+    from loomrl.train_pool.distributed import Gather
     from loomrl.weights.source import dtype_name
 
     source = dp.gathered(Gather(dtype_name(dtype), bucket_bytes))
@@ -721,7 +721,7 @@ _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def checksum(t: torch.Tensor, chunk: int, ledger: Ledger) -> tuple[int, int]:
-    """trainer/distributed.py param_checksum([t]) without its int64 copies of the whole tensor (4x a bf16 tensor's
+    """train_pool/distributed.py param_checksum([t]) without its int64 copies of the whole tensor (4x a bf16 tensor's
     bytes, twice): the bits read as an integer of the tensor's own width, widened to int64 `chunk` elements at a time.
     The int64 sums wrap alike in any order, so the result is the same."""
     bits = t.detach().contiguous().reshape(-1).view(_INT_OF_SIZE[t.element_size()])
@@ -1156,10 +1156,10 @@ def _on_device(trainer: Any, device: torch.device) -> int:
 
 
 def _offload_run(device: torch.device, layers: int, toy: bool, offloaded: bool) -> dict[str, Any]:
-    """Two steps of the real Trainer; `offloaded`: between them the colocated run's round trip (trainer/process.py
-    colocated_step: trainer/offload.py offload, whose torch.cuda.empty_cache gives the blocks back, then onload),
+    """Two steps of the real Trainer; `offloaded`: between them the colocated run's round trip (train_pool/process.py
+    colocated_step: train_pool/offload.py offload, whose torch.cuda.empty_cache gives the blocks back, then onload),
     measured. Returns the state's checksums after step 2 and what the round trip did."""
-    from loomrl.trainer.offload import offload, onload
+    from loomrl.train_pool.offload import offload, onload
 
     chunk = CHECKSUM_CHUNK if device.type == "cuda" else 1 << 10
     trainer, dp = smoke_trainer(device, layers, toy)
@@ -1198,9 +1198,9 @@ def part_o(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
 
     toy = device.type != "cuda"
     layers = 2  # the 7B's width: its embeddings and head (1.09e9 parameters) are most of what moves
-    out: dict[str, Any] = {"layers": layers, "calls": "trainer/offload.py offload, onload (as colocated_step)"}
+    out: dict[str, Any] = {"layers": layers, "calls": "train_pool/offload.py offload, onload (as colocated_step)"}
     if toy:
-        out["on_cpu"] = ("offload and onload move nothing on the CPU (trainer/offload.py): this checks that the round "
+        out["on_cpu"] = ("offload and onload move nothing on the CPU (train_pool/offload.py): this checks that the round "
                          "trip and the step after it equal an uninterrupted run, not the move")
     was = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
     torch.use_deterministic_algorithms(True, warn_only=True)

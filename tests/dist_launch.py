@@ -1,5 +1,5 @@
 """A local launcher for the data-parallel tests: fn(rank, world_size, *args) on N spawned ranks in one
-gloo process group (the runs themselves start their ranks with trainer/ranks.py), and a replica check."""
+gloo process group (the runs themselves start their ranks with train_pool/ranks.py), and a replica check."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 from torch.multiprocessing.spawn import ProcessException
 
-from loomrl.trainer.distributed import DataParallelTrainer, free_port, init_process_group, param_checksum
+from loomrl.train_pool.distributed import DataParallelTrainer, free_port, init_process_group, param_checksum
 
 
 def in_sync(dp: DataParallelTrainer) -> bool:

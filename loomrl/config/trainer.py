@@ -115,11 +115,11 @@ class TrainerConfig(Section):
     threads: int = Field(0, ge=0)
     """torch threads of the trainer; 0 = all cores (sync), the rest (async)"""
     world_size: int = Field(1, ge=1)
-    """data-parallel trainer ranks (trainer/ranks.py), each training on a share of every step's samples"""
+    """data-parallel trainer ranks (train_pool/ranks.py), each training on a share of every step's samples"""
     parallel: Literal["ddp", "fsdp"] = "ddp"
     """ddp: every rank holds the whole model and AdamW state, gradients are summed after the backward; fsdp: FSDP2
     shards parameters, gradients, AdamW state and the KL reference over the ranks (also at world_size 1), checkpoints
-    the optimizer with torch.distributed.checkpoint (trainer/distributed.py)"""
+    the optimizer with torch.distributed.checkpoint (train_pool/distributed.py)"""
     kl_reference_offload: bool = False
     """fsdp with a KL term: keep the frozen KL reference's shards in host memory, each layer's brought to the device for
     its forward only (FSDP2's CPUOffloadPolicy): a model's worth of device memory less per world_size, for a

@@ -160,7 +160,7 @@ class EngineActor(Placed):
             await self.gate.load(latest)
 
     async def open_buckets(self, version: int, shapes: dict[str, list[int]]) -> None:
-        """The colocated trainer rank's streamed version (trainer/push.py): StreamsBuckets.open_buckets."""
+        """The colocated trainer rank's streamed version (train_pool/push.py): StreamsBuckets.open_buckets."""
         await asyncio.to_thread(self._streams().open_buckets, version, shapes)
 
     async def load_bucket(self, ref: BucketRef) -> None:

@@ -89,7 +89,7 @@ def check_shared_gpu(cfg: RunConfig, trainer: torch.device) -> None:
     if e.kind != "vllm" or e.vllm.base_url or e.sleep_while_training or trainer.type != "cuda":
         return
     tp, ranks = e.vllm.tensor_parallel_size, cfg.trainer.world_size
-    if trainer.index >= tp:  # ranks count up from trainer.device's index (trainer/ranks.py)
+    if trainer.index >= tp:  # ranks count up from trainer.device's index (train_pool/ranks.py)
         return
     vllm = "cuda:0" if tp == 1 else f"cuda:0 to cuda:{tp - 1}"
     fix = "set engine.sleep_while_training=true (vLLM sleeps while the trainer steps)"

@@ -159,7 +159,7 @@ class Driver:
     # -- the trainer --------------------------------------------------------------------------------
     async def _start_trainer(self, carried: Carried) -> TrainerState:
         # Colocated: the engines started first and hold the GPU; they sleep while the trainer loads onto it, publishes
-        # its first version and moves its state to host memory (trainer/offload.py), then wake and load that version.
+        # its first version and moves its state to host memory (train_pool/offload.py), then wake and load that version.
         colocated = self.cfg.engine.sleep_while_training
         if colocated:
             await self.rollouts.sleep()

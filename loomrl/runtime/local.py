@@ -5,7 +5,7 @@ loops on one event loop, each group an asyncio task. The trainer is
 - sync (hybrid, the seed's time-sharing): InProcessTrainer, a TrainerService in this process sharing the engine's
   model object; it trains on the engine's thread (one OpenMP team per process), and the weights change in place
   (InPlace: nothing moves);
-- async (disaggregated): ProcessTrainer, a TrainerService in a process of its own (trainer/process.py); new weights
+- async (disaggregated): ProcessTrainer, a TrainerService in a process of its own (train_pool/process.py); new weights
   come back as handles (runtime.weight_transport) and HandleRoute loads them into the engine between batches, which
   then confirms them: the version it serves and its weights' fingerprint against the handle's
   (weights/fingerprint.py; a mismatch is EngineLost, which stops the run).
@@ -32,9 +32,8 @@ from loomrl.rollout.actor import RolloutSide
 from loomrl.runtime.driver import progress
 from loomrl.runtime.failures import EngineLost, TrainerLost
 from loomrl.runtime.parts import Parts, RolloutReport, Rollouts, Trainer, TrainerState, WeightRoute
-from loomrl.trainer.checkpoint import latest_checkpoint
-from loomrl.trainer.process import TrainerProcess, TrainerProcessDied
-from loomrl.trainer.ranks import (
+from loomrl.train_pool.process import TrainerProcess, TrainerProcessDied
+from loomrl.train_pool.ranks import (
     LocalFollowers,
     LocalRankGroup,
     RankLost,
@@ -42,7 +41,8 @@ from loomrl.trainer.ranks import (
     join_watching,
     spawn_local_followers,
 )
-from loomrl.trainer.service import TrainerService
+from loomrl.train_pool.service import TrainerService
+from loomrl.trainer.checkpoint import latest_checkpoint
 from loomrl.trainer_boundary import Carried, PositionSet, TrainStep
 from loomrl.types import Evaluation, Trajectory
 from loomrl.weights.fingerprint import WeightMismatch, confirm_weights

@@ -62,8 +62,8 @@ from loomrl.runtime.ray_resources import (
     run_asks,
     shortfall,
 )
-from loomrl.trainer.actor import TrainerActor, TrainerRankActor
-from loomrl.trainer.ranks import RankLost
+from loomrl.train_pool.actor import TrainerActor, TrainerRankActor
+from loomrl.train_pool.ranks import RankLost
 from loomrl.trainer_boundary import Carried, PositionSet, TrainStep
 from loomrl.types import Evaluation, Trajectory
 from loomrl.weights.handle import Transport, VersionNotDelivered, WeightHandle
@@ -752,7 +752,7 @@ class BroadcastRoute(ActorRoute):
 
 class StreamedRoute(WeightRoute):
     """runtime.weight_transport=cuda_ipc, colocated: every trainer rank pushed the version to the engine actor on its
-    GPU a bucket at a time within the step (trainer/push.py), before its state left the GPU; here only the reports of
+    GPU a bucket at a time within the step (train_pool/push.py), before its state left the GPU; here only the reports of
     those pushes are read. Nothing is held to send again: an engine actor that dies stops the run (engine_lost)."""
 
     def __init__(self, cluster: RayCluster, rollouts: ActorRollouts, trainer: ActorTrainer):

@@ -1,7 +1,7 @@
 """How `loomrl train` stops on a signal: SIGTERM (`kill PID`) and SIGHUP (a closed terminal) take the Ctrl-C path,
 so the run's cleanup stops its trainer process (which frees its shared-memory weights) instead of the process
 ending outright and leaving that one behind; and the one line the run ends with. Not here: the cleanup itself (the
-driver's finally) and what a spawned child does when its parent vanishes (trainer/ranks.py exit_with_parent)."""
+driver's finally) and what a spawned child does when its parent vanishes (train_pool/ranks.py exit_with_parent)."""
 
 from __future__ import annotations
 

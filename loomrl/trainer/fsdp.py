@@ -1,5 +1,5 @@
 """FSDP2 sharding of a trainer's model (trainer.parallel=fsdp): the parameters, gradients and AdamW state split
-over the ranks of the default process group. The rank group around it is trainer/ranks.py; the shared plan of
+over the ranks of the default process group. The rank group around it is train_pool/ranks.py; the shared plan of
 micro-batches every rank runs is the Trainer's (trainer.py, `shared_plan`); checkpoints of the optimizer state
 in parts are here too. Nothing here reads the run's config (scripts/gpu_smoke.py uses it as it is), and nothing here
 imports the Trainer (trainer.py imports this module): the optimizer checkpoints take any object with a sharded forward

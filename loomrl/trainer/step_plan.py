@@ -101,7 +101,7 @@ def micro_batches(cfg: TrainerConfig, samples: list[TrainingSample]) -> MicroBat
 
 def plan_step(cfg: TrainerConfig, samples: list[TrainingSample],
               shared_plan: Callable[[int], int] | None = None) -> StepPlan:
-    """The plan of a step over `samples`; `shared_plan` (a sharded step's, trainer/distributed.py): the number of
+    """The plan of a step over `samples`; `shared_plan` (a sharded step's, train_pool/distributed.py): the number of
     micro-batches every rank runs given this rank's, the rest padding."""
     cut = micro_batches(cfg, samples)
     batches = [[samples[i] for i in b] for b in cut.index]

@@ -107,7 +107,7 @@ class Trainer:
                  *, shard: Callable[..., Logprobs] | None = None, device: torch.device | None = None):
         """`initial_model`: the policy the run started from, KL's reference; default: a copy of `model`
         (right for a fresh run; a resumed one must pass it, or the reference would be the checkpoint).
-        `shard`: turns a model into its sharded forward (trainer/distributed.py fsdp_shard), after the
+        `shard`: turns a model into its sharded forward (train_pool/distributed.py fsdp_shard), after the
         frozen layers are marked and before the optimizer sees the (then sharded) parameters.
         `model` (and `initial_model`) are placed in place on trainer.device with float32 parameters (the
         masters; loomrl/devices.py): a no-op for a model loaded for the trainer, which callers should pass
@@ -143,7 +143,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(lr_factor, cfg))
         self.step = 0
         self.autocast = compute_context(cfg.precision, self.device)
-        self.grad_hook: Callable[[], None] | None = None  # trainer/distributed.py: sums the ranks' gradients
+        self.grad_hook: Callable[[], None] | None = None  # train_pool/distributed.py: sums the ranks' gradients
 
     def train_step(self, samples: list[TrainingSample], *, idle_tokens: int = 0, idle_seqs: int = 0,
                    idle_longest: int = 0) -> StepStats:

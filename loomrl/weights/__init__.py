@@ -39,7 +39,7 @@ the publisher's process dies.
 
 Devices, dtypes and buckets: a publisher reads a version from a `WeightSource` (source.py) a bucket at a time, already
 cast to the engine's dtype on the trainer's device (the publisher's `dtype`; a dict given to `publish` is cast so as it
-is read; a sharded trainer's source gathers each bucket from every rank, trainer/distributed.py GatheredSource). What a
+is read; a sharded trainer's source gathers each bucket from every rank, train_pool/distributed.py GatheredSource). What a
 transport keeps is its own copy in that dtype: the shm segment (each bucket copied device to host into its place), the
 file's folder (a file per bucket), the queue's handle, the GPU snapshot of cuda_ipc; broadcast keeps nothing and sends
 each bucket from the trainer's device (NCCL on GPUs). No transport builds a whole-model copy in the trainer's float32.

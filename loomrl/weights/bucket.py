@@ -1,5 +1,5 @@
 """One bucket at a time through one reused buffer: how a colocated trainer rank hands a version to the engine on its
-GPU (runtime.weight_transport=cuda_ipc on Ray with engine.sleep_while_training: runtime/ray_backend.py, trainer/push.py).
+GPU (runtime.weight_transport=cuda_ipc on Ray with engine.sleep_while_training: runtime/ray_backend.py, train_pool/push.py).
 
 Why: the other routes hold a whole version somewhere on the way (a GPU snapshot for cuda_ipc's publisher, a host copy in
 Ray's object store, an shm segment). A colocated rank and its engine share a GPU and a node, so the engine can map the

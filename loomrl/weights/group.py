@@ -28,7 +28,7 @@ casts to the engine's dtype as it packs, reading the live parameters: the traine
 broadcast is over (BroadcastPublisher.settle, weights/broadcast.py).
 
 What it is not: a transport across trainer ranks (a sharded trainer's ranks gather each bucket for rank 0 first:
-trainer/distributed.py GatheredSource, read on the publisher's thread) or fault tolerant (a receiver that dies mid-version leaves the sender to time out; the run then stops).
+train_pool/distributed.py GatheredSource, read on the publisher's thread) or fault tolerant (a receiver that dies mid-version leaves the sender to time out; the run then stops).
 """
 
 from __future__ import annotations

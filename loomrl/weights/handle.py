@@ -33,7 +33,7 @@ class StaleWeights(RuntimeError):
 
 
 class VersionNotDelivered(RuntimeError):
-    """A version sent once (broadcast, or pushed a bucket at a time: trainer/push.py) did not reach every engine: the
+    """A version sent once (broadcast, or pushed a bucket at a time: train_pool/push.py) did not reach every engine: the
     run reads it as an engine lost, since that version cannot be sent again."""
 
 

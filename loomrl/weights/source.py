@@ -3,7 +3,7 @@ in the engine's dtype, so that no transport needs a whole-model copy in the trai
 
 Two sources: `DictSource`, tensors a process holds whole (a replicated trainer's parameters: each bucket's tensors are
 cast as the bucket is asked for, no copy where the dtype already matches), and the sharded trainer's
-(trainer/distributed.py `GatheredSource`): every rank gathers one bucket's parameters at a time (FSDP2's
+(train_pool/distributed.py `GatheredSource`): every rank gathers one bucket's parameters at a time (FSDP2's
 `full_tensor()`, a collective), rank 0 casts them on its device and hands them on, and the gathered bucket is dropped
 before the next. A publisher holds at most one bucket plus what its transport must keep (an shm segment, a file, the
 engine's copy on the GPU), all in the engine's dtype.

@@ -327,12 +327,12 @@ def test_a_cuda_ipc_payload_is_vllms_ipc_layout_and_is_checked_before_vllm_sees_
 
 def test_a_sharded_trainers_broadcast_is_confirmed_against_what_vllms_worker_loaded(engine, models):
     """The main recipe's sync (FSDP + runtime.weight_transport=broadcast): a sharded trainer's version is gathered only
-    as the broadcast sends it (trainer/distributed.py GatheredSource, here over an unsharded model, whose parameters it
+    as the broadcast sends it (train_pool/distributed.py GatheredSource, here over an unsharded model, whose parameters it
     hands on as they are), so its handle cannot carry the sums; they follow the buckets over the same group and vLLM's
     worker reports them with its own. A version whose load misses model.norm.weight in vLLM's worker (the test-only
     seam VLLMEngine.skip_loading: the worker receives it and does not load it) stops with WeightMismatch naming the
     tensor, the version and both sums; loaded whole, the same weights are confirmed, as is the return to B."""
-    from loomrl.trainer.distributed import Gather, GatheredSource
+    from loomrl.train_pool.distributed import Gather, GatheredSource
     from loomrl.weights.fingerprint import WeightMismatch, confirm_weights
 
     _, b, tokenizer = models

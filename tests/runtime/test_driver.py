@@ -3,7 +3,7 @@ discards what it must, eval, and the accounting identity, in milliseconds (no mo
 
 The backend is a test double of the whole rollout and trainer side (what cannot run in milliseconds): rollouts
 finish after a short asyncio sleep with rewards that differ within a group, the trainer takes a step when it holds
-groups_per_step groups, writes the ledger line a real TrainerService writes (trainer/service.py), answers a TrainStep
+groups_per_step groups, writes the ledger line a real TrainerService writes (train_pool/service.py), answers a TrainStep
 whose weights name its version, and "checkpoints" in memory (its version, the positions it received, its buffer). Its script says which attempts die (RolloutLost) and
 at which step the trainer dies (TrainerLost). What the driver decides is real: runtime/driver.py runs unchanged.
 """

@@ -369,8 +369,8 @@ def test_resume_keeps_kl_reference_at_the_initial_policy(tmp_path):
     import torch
 
     from loomrl.model.loader import load_model, load_run_model
+    from loomrl.train_pool.service import TrainerService
     from loomrl.trainer.checkpoint import latest_checkpoint
-    from loomrl.trainer.service import TrainerService
 
     cfg = _cfg(tmp_path, "name=kl", "runtime.mode=sync", "trainer.total_steps=2", "eval.n_tasks=0",
                "trainer.loss.kl=k3", "trainer.loss.kl_coef=0.1", "trainer.lr=1e-2")

@@ -171,7 +171,7 @@ def test_an_engine_actor_serves_vllm_and_loads_each_broadcast_version(cluster, t
 def test_colocated_vllm_engines_sleep_through_each_step_on_their_trainer_ranks_gpus(cluster, tmp_path):
     """The colocated recipe's shape: engine.sleep_while_training, ray.engine.count == trainer.world_size == 2, each
     actor 0.5 of a GPU. Engine actor i and trainer rank i share bundle i (one GPU id each, both GPUs used); the driver
-    sleeps the engines, the trainer steps (onload, step, host copy, offload: trainer/process.py colocated_step) while
+    sleeps the engines, the trainer steps (onload, step, host copy, offload: train_pool/process.py colocated_step) while
     every engine's last call into vLLM is its sleep, then wakes them (weights only) and publishes; each engine loads
     the version, takes its K/V cache back and resumes. On the CPU the sleep is a pause (nothing freed)."""
     steps = 2
@@ -202,7 +202,7 @@ def test_colocated_vllm_engines_sleep_through_each_step_on_their_trainer_ranks_g
     for engine in vllm_calls:
         assert engine == first + [c for v in range(1, steps + 1)
                                   for c in ("sleep:2", "wake:weights", f"load:{v}", "wake:kv_cache", "resume")], engine
-    # each step ran as trainer/process.py colocated_step: state onto the device, step, host copy, state off (on the
+    # each step ran as train_pool/process.py colocated_step: state onto the device, step, host copy, state off (on the
     # CPU both moves are no-ops: trainer.device is the host)
     trained = [m for m in read_metrics(cfg.run_dir) if m.get("kind") == "train"]
     assert len(trained) == steps and all("colocate/offload_s" in m and "colocate/onload_s" in m for m in trained)
@@ -213,7 +213,7 @@ def test_colocated_ranks_push_each_version_to_the_engine_on_their_gpu_a_bucket_a
     """runtime.weight_transport=cuda_ipc with the colocated recipe's shape (FSDP2 ranks, ray.engine.count ==
     trainer.world_size == 2): within each step, after training and before its state leaves the device, every trainer
     rank pushes the version to the engine actor of its bundle a bucket at a time through one reused buffer
-    (trainer/push.py); on the CPU the buffer is a shared-memory segment where a GPU's would be CUDA memory mapped
+    (train_pool/push.py); on the CPU the buffer is a shared-memory segment where a GPU's would be CUDA memory mapped
     through CUDA IPC (not run here). Nothing goes through Ray's object store. Order: the engines sleep, the step runs
     and ends with every engine's last call into vLLM its load of the new version (weights awake, K/V cache asleep),
     the driver's wake then takes the K/V cache back and resumes. Counted: the rank held one bucket's room, not the

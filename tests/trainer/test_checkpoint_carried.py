@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from loomrl.config import load_config
+from loomrl.train_pool.service import TrainerService
 from loomrl.trainer.checkpoint import RngState, load_state
-from loomrl.trainer.service import TrainerService
 from loomrl.trainer_boundary import Carried, PositionSet, PositionState
 from loomrl.types import EvalRecord, Score
 

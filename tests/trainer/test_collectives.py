@@ -15,7 +15,7 @@ from loomrl.collectives import ERROR_HANDLING_VAR, collective_failed
 
 def test_trainer_ranks_on_cuda_get_an_unbound_nccl_group_that_raises(monkeypatch):
     """Mocked: torch.cuda.set_device and dist.init_process_group (no GPU, no NCCL here)."""
-    from loomrl.trainer import distributed
+    from loomrl.train_pool import distributed
 
     seen = {}
     monkeypatch.delenv(ERROR_HANDLING_VAR, raising=False)
@@ -34,7 +34,7 @@ def test_trainer_ranks_on_cuda_get_an_unbound_nccl_group_that_raises(monkeypatch
 
 def test_a_value_the_user_set_is_kept_and_gloo_is_left_alone(monkeypatch):
     """Mocked: torch.cuda.set_device and dist.init_process_group."""
-    from loomrl.trainer import distributed
+    from loomrl.train_pool import distributed
 
     calls = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)

@@ -306,7 +306,7 @@ def test_turn_credit_through_the_service_with_and_without_tree_merge(tmp_path, t
     way)."""
     import copy
 
-    from loomrl.trainer.service import TrainerService
+    from loomrl.train_pool.service import TrainerService
 
     def step(merge: str, name: str):
         cfg = load_config(None, [f"output_dir={tmp_path}", f"name={name}", "model.kind=tiny", "trainer.groups_per_step=1",

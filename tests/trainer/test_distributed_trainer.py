@@ -1,4 +1,4 @@
-"""Data-parallel training (loomrl/trainer/distributed.py) on real local ranks (spawned processes, gloo):
+"""Data-parallel training (loomrl/train_pool/distributed.py) on real local ranks (spawned processes, gloo):
 two ranks with an uneven split of samples take the same step as one process on the whole batch, and a
 failing or silent rank ends the run with an error instead of a hang."""
 
@@ -17,7 +17,7 @@ from dist_launch import in_sync, launch_local
 
 from loomrl.config import ModelConfig, TrainerConfig
 from loomrl.model.loader import build_tiny_model
-from loomrl.trainer.distributed import DataParallelTrainer, shard_samples
+from loomrl.train_pool.distributed import DataParallelTrainer, shard_samples
 from loomrl.trainer.forward import token_logprobs
 from loomrl.trainer.trainer import Trainer
 from loomrl.types import TrainingSample
@@ -237,7 +237,7 @@ def test_rank0_stops_waiting_for_a_follower_that_dies_before_it_joins(tokenizer,
     """A follower that cannot start (here: its model path does not exist) makes rank 0's join fail
     within seconds, naming the rank, instead of waiting out the rendezvous timeout (300 s)."""
     from loomrl.config import RunConfig
-    from loomrl.trainer.ranks import LocalRankGroup, RankLost, join_watching, spawn_local_followers
+    from loomrl.train_pool.ranks import LocalRankGroup, RankLost, join_watching, spawn_local_followers
 
     cfg = RunConfig.model_validate({"model": {"kind": "hf", "path": str(tmp_path / "no-such-model")},
                                     "trainer": {"world_size": 2}, "output_dir": str(tmp_path)})
@@ -260,9 +260,9 @@ def test_rank0_loads_its_model_before_it_joins_the_ranks(tmp_path):
     import multiprocessing as mp
 
     from loomrl.config import RunConfig
-    from loomrl.trainer.distributed import free_port
-    from loomrl.trainer.process import Failed, _trainer_main
-    from loomrl.trainer.ranks import Child
+    from loomrl.train_pool.distributed import free_port
+    from loomrl.train_pool.process import Failed, _trainer_main
+    from loomrl.train_pool.ranks import Child
 
     cfg = RunConfig.model_validate({"model": {"kind": "hf", "path": str(tmp_path / "no-such-model")},
                                     "trainer": {"world_size": 2}, "output_dir": str(tmp_path)})

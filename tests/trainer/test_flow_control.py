@@ -9,7 +9,7 @@ import math
 import torch
 
 from loomrl.config import load_config
-from loomrl.trainer.service import TrainerService
+from loomrl.train_pool.service import TrainerService
 from loomrl.types import TokenSpan, Trajectory, Turn
 
 

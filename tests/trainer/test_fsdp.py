@@ -13,7 +13,7 @@ from dist_launch import launch_local
 
 from loomrl.config import ModelConfig, TrainerConfig
 from loomrl.model.loader import build_tiny_model
-from loomrl.trainer.distributed import DataParallelTrainer, Gather
+from loomrl.train_pool.distributed import DataParallelTrainer, Gather
 from loomrl.trainer.fsdp import fsdp_shard
 from loomrl.trainer.trainer import Trainer
 from loomrl.types import TrainingSample
@@ -121,9 +121,9 @@ def _resume_rank(rank: int, world: int, run_dir: str, options: dict) -> tuple[li
 
     from loomrl.config import RunConfig
     from loomrl.model.loader import load_run_model
+    from loomrl.train_pool.ranks import build_trainer
     from loomrl.trainer.checkpoint import latest_checkpoint, save_checkpoint
     from loomrl.trainer.fsdp import save_sharded_optimizer
-    from loomrl.trainer.ranks import build_trainer
 
     cfg = RunConfig.model_validate({"model": {"kind": "tiny"}, "runtime": {"mode": "async"}, "output_dir": run_dir,
                                     "trainer": {"lr": 1e-4, "micro_batch_size": 2, "parallel": "fsdp", **options}})

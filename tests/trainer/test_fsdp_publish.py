@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from loomrl.config import ModelConfig, TrainerConfig
 from loomrl.model.loader import build_tiny_model
-from loomrl.trainer.distributed import DataParallelTrainer, Gather
+from loomrl.train_pool.distributed import DataParallelTrainer, Gather
 from loomrl.trainer.fsdp import fsdp_shard
 from loomrl.trainer.trainer import Trainer
 from loomrl.weights.source import WeightSource

@@ -1,4 +1,4 @@
-"""Followers of a bucketed gather (trainer/distributed.py GatheredSource, what trainer/ranks.py runs on every rank to
+"""Followers of a bucketed gather (train_pool/distributed.py GatheredSource, what train_pool/ranks.py runs on every rank to
 publish a version or write the checkpoint's model folder) are paced a bucket at a time: no follower starts gathering
 bucket k+1 before rank 0 has handed bucket k on, so a follower never holds more than one bucket's all-gathers pending.
 
@@ -23,8 +23,8 @@ from torch.distributed.tensor import DTensor
 
 from loomrl.config import ModelConfig, TrainerConfig
 from loomrl.model.loader import build_tiny_model
+from loomrl.train_pool.distributed import DataParallelTrainer, Gather
 from loomrl.trainer.checkpoint import write_model_folder
-from loomrl.trainer.distributed import DataParallelTrainer, Gather
 from loomrl.trainer.fsdp import fsdp_shard
 from loomrl.trainer.trainer import Trainer
 from loomrl.weights.source import WeightSource
@@ -79,7 +79,7 @@ def _rank(rank: int, world: int, vocab: int, eos: int, samples: list, folder: st
                         pass
                 out[what] = {"done": slow.done, "sizes": [len(plan) for plan in source.plan()]}
             else:
-                for _ in source.buckets():  # as a follower does (trainer/ranks.py Follower.work)
+                for _ in source.buckets():  # as a follower does (train_pool/ranks.py Follower.work)
                     pass
                 out[what] = {"starts": list(starts)}
     finally:

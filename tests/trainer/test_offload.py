@@ -1,4 +1,4 @@
-"""Colocation's trainer half (trainer/offload.py): between steps the trainer's whole state leaves the GPU, and a step
+"""Colocation's trainer half (train_pool/offload.py): between steps the trainer's whole state leaves the GPU, and a step
 beside a sleeping engine runs onload -> train -> publish -> settle -> offload. This CPU machine has no second device to
 move to, so the state is moved to the meta device instead: what is left behind on the trainer's device is what an
 offload to the host would leave on the GPU (a missed optimizer state, a KL reference)."""
@@ -12,10 +12,10 @@ import torch
 
 from loomrl.config import ModelConfig, RunConfig, TrainerConfig
 from loomrl.model.loader import build_tiny_model
-from loomrl.trainer import process
-from loomrl.trainer.distributed import DataParallelTrainer
+from loomrl.train_pool import process
+from loomrl.train_pool.distributed import DataParallelTrainer
+from loomrl.train_pool.offload import Moved, move_state
 from loomrl.trainer.fsdp import fsdp_shard
-from loomrl.trainer.offload import Moved, move_state
 from loomrl.trainer.trainer import Trainer
 from loomrl.trainer_boundary import TrainStep
 from tests.dist_launch import launch_local
@@ -95,7 +95,7 @@ class _Service:
 
 
 def test_a_colocated_step_trains_publishes_and_sends_before_the_state_leaves(monkeypatch):
-    """The trainer process's step beside a sleeping engine (trainer/process.py colocated_step); the service and
+    """The trainer process's step beside a sleeping engine (train_pool/process.py colocated_step); the service and
     publisher are recording stand-ins, the order is the real function's."""
     calls: list[str] = []
 
@@ -129,12 +129,12 @@ def test_every_rank_moves_its_state_not_only_rank_0(tokenizer, monkeypatch):
     """Colocated engines wake on every trainer rank's GPU, so every rank offloads (RankGroup.offload / onload): rank 0
     tells each follower, moves its own, and waits for their reports. Rank 0's group is real (LocalRankGroup over
     queues); the follower is a real Follower driven by a thread here, its model on the CPU, where offload is a no-op:
-    the moves are recorded by stand-ins of offload and onload in trainer/ranks.py."""
+    the moves are recorded by stand-ins of offload and onload in train_pool/ranks.py."""
     import queue
     import threading
 
-    from loomrl.trainer import ranks
-    from loomrl.trainer.ranks import Follower, LocalRankGroup
+    from loomrl.train_pool import ranks
+    from loomrl.train_pool.ranks import Follower, LocalRankGroup
 
     moves: list[tuple[str, str]] = []
     monkeypatch.setattr(ranks, "offload", lambda trainer: moves.append(("offload", trainer.name)) or Moved(4, 0.0))

@@ -18,7 +18,7 @@ def test_build_trainer_trains_on_the_device_it_is_given_not_one_it_resolves_agai
     """trainer.device names a GPU this machine lacks: resolving it again below the pool would refuse it (DeviceError);
     the device the pool's process resolved (here the CPU) is the one the trainer, its reference model and its step use."""
     from loomrl.model.loader import load_model
-    from loomrl.trainer.ranks import build_trainer
+    from loomrl.train_pool.ranks import build_trainer
 
     start = ModelConfig(kind="tiny", tiny=TinyModelConfig(num_hidden_layers=1))
     trainer_cfg = TrainerConfig(device="cuda:7", loss={"kl": "k3", "kl_coef": 0.1})
@@ -43,11 +43,11 @@ def test_kls_reference_on_resume_is_loaded_on_the_device_given(tmp_path):
 
 def test_gpu_smoke_builds_its_trainers_with_the_librarys_builder():
     """scripts/gpu_smoke.py: no trainer builder of its own (no `def build_trainer`, no `Trainer(...)` call); it calls
-    loomrl.trainer.ranks.build_trainer."""
+    loomrl.train_pool.ranks.build_trainer."""
     tree = ast.parse((ROOT / "scripts" / "gpu_smoke.py").read_text())
     defined = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
     calls = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
     imported = {(n.module, a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
     assert "build_trainer" not in defined
     assert "Trainer" not in calls
-    assert ("loomrl.trainer.ranks", "build_trainer") in imported and "build_trainer" in calls
+    assert ("loomrl.train_pool.ranks", "build_trainer") in imported and "build_trainer" in calls

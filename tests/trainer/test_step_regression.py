@@ -114,7 +114,7 @@ def trajectory(tid: str, group: str, version: int, reward: float, acts: list[lis
 def service_run(tmp_path) -> dict:
     """Two TrainerService steps with buffer.lag_decay on groups sampled 0, 1 and 2 versions back: per step the metrics
     (not the wall times), the ledger line and the train records' advantages; then the weights' checksum."""
-    from loomrl.trainer.service import TrainerService
+    from loomrl.train_pool.service import TrainerService
 
     cfg = load_config(None, [f"output_dir={tmp_path}", "name=regression", "model.kind=tiny",
                              "trainer.groups_per_step=3", "trainer.lr=1e-2", "trainer.micro_batch_size=4",

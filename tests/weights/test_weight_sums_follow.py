@@ -3,7 +3,7 @@ gathered only as the broadcast sends it, so the handle cannot carry the sums; th
 gloo group, and a receiver in another process gets exactly the sums of what it received. `check` then compares the
 engine's own sums with those and fails, naming the tensor, the version and both sums, where the load missed one.
 
-The sharded source is trainer/distributed.py's GatheredSource over an unsharded model (world size 1: it hands on the
+The sharded source is train_pool/distributed.py's GatheredSource over an unsharded model (world size 1: it hands on the
 parameters as they are, through the same class the FSDP recipe publishes with)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from loomrl.trainer.distributed import Gather, GatheredSource
+from loomrl.train_pool.distributed import Gather, GatheredSource
 from loomrl.weights.fingerprint import Fingerprint, WeightMismatch, check, fingerprint_of, pick
 from loomrl.weights.group import describe
 from loomrl.weights.source import DictSource

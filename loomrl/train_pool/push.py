@@ -2,7 +2,7 @@
 engine.sleep_while_training; weights/bucket.py says why): it hands the engine actor on its GPU each version a bucket at a
 time through one reused buffer, while the engine's K/V cache still sleeps and the rank's state is still on the GPU.
 
-Order, per rank and version (trainer/process.py colocated_step calls it between the step and the offload):
+Order, per rank and version (train_pool/process.py colocated_step calls it between the step and the offload):
 open_buckets (the engine checks the names and shapes, takes its weights' memory back and opens vLLM's update) ->
 for each bucket: fill the buffer, load_bucket (returns once the engine's worker loaded it, so the buffer is free) ->
 close_buckets with the rank's fingerprint of the version (the engine finishes the update and confirms it). Every call

@@ -4,7 +4,7 @@ Rank 0 is the TrainerService (buffer, filters, ledger, checkpoints, weights for 
 followers: each holds a replica of the model and optimizer, made from the same checkpoint (or the same initial model).
 Every step rank 0 cuts its samples into shards (distributed.shard_samples; a group's samples stay on one rank under tree
 merge), sends each follower its shard, trains on its own, and the ranks meet in the process group only inside the step
-(trainer/distributed.py sums gradients and counts there). Work travels outside the process group (queues locally, actor
+(train_pool/distributed.py sums gradients and counts there). Work travels outside the process group (queues locally, actor
 calls on Ray), so a follower can wait any time for the next step without a collective timing out.
 
 Every rank builds its trainer the same way (`build_trainer`) after the process group is up: sharded ranks
@@ -16,7 +16,7 @@ gathered by all of them a bucket at a time (RankGroup.gathered). A follower that
 whole trainer (all ranks) from the latest checkpoint, as it does when rank 0 dies.
 
 Launchers: local (`spawn_local_followers`: processes of this machine, gloo over loopback) and Ray
-(trainer/actor.py TrainerRankActor, gloo between nodes).
+(train_pool/actor.py TrainerRankActor, gloo between nodes).
 """
 
 from __future__ import annotations
@@ -43,8 +43,7 @@ import torch.distributed as dist
 from loomrl.collectives import collective_failed
 from loomrl.config import ModelConfig, TrainerConfig, TrainPoolConfig
 from loomrl.devices import trainer_device
-from loomrl.trainer.checkpoint import load_optimizer, load_state
-from loomrl.trainer.distributed import (
+from loomrl.train_pool.distributed import (
     DataParallelTrainer,
     Gather,
     free_port,
@@ -52,10 +51,11 @@ from loomrl.trainer.distributed import (
     param_checksum,
     shard_positions,
 )
+from loomrl.train_pool.offload import Moved, drop_gradients, offload, onload
+from loomrl.train_pool.push import EnginePusher, PushReport
+from loomrl.trainer.checkpoint import load_optimizer, load_state
 from loomrl.trainer.forward import compute_dtype
 from loomrl.trainer.fsdp import fsdp_shard, load_sharded_optimizer, save_sharded_optimizer
-from loomrl.trainer.offload import Moved, drop_gradients, offload, onload
-from loomrl.trainer.push import EnginePusher, PushReport
 from loomrl.trainer.trainer import StepStats, Trainer, initial_policy
 from loomrl.types import TrainingSample
 from loomrl.weights.source import WeightSource
@@ -79,8 +79,8 @@ class RankWork:
     skip: bool = False  # a step without signal: advance the schedule only (Trainer.skip_step)
     save: str = ""  # instead: write this rank's part of the optimizer state into this folder (sharded ranks)
     gather: Gather | None = None  # instead: take part in gathering the full parameters (sharded ranks: RankGroup.gathered)
-    move: str = ""  # instead: "offload" or "onload" this rank's state (colocated engines: trainer/offload.py)
-    push: Push | None = None  # instead: push the full parameters to this rank's engine (trainer/push.py)
+    move: str = ""  # instead: "offload" or "onload" this rank's state (colocated engines: train_pool/offload.py)
+    push: Push | None = None  # instead: push the full parameters to this rank's engine (train_pool/push.py)
 
 
 @dataclass(slots=True, frozen=True)

@@ -1,4 +1,4 @@
-"""Draft heads (trainer/draft_head.py): trained on the policy's own rollouts, they come closer to the policy's
+"""Draft heads (experimental/draft_head.py): trained on the policy's own rollouts, they come closer to the policy's
 distribution for the tokens after the next one, on rollouts they were not trained on; the policy's LM head, which
 they share, is not changed; the top-k total variation is the full one where the top k hold the mass.
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from loomrl.trainer.draft_head import DraftHeads, divergence, topk_tv, train_step
+from loomrl.experimental.draft_head import DraftHeads, divergence, topk_tv, train_step
 
 V = 128
 

@@ -33,7 +33,7 @@ import torch
 from loomrl.config import TrainPoolConfig, WeightRoute
 from loomrl.devices import trainer_device
 from loomrl.run_folder import RunFolder
-from loomrl.trainer.ranks import (
+from loomrl.train_pool.ranks import (
     Child,
     LocalFollowers,
     LocalRankGroup,
@@ -41,7 +41,7 @@ from loomrl.trainer.ranks import (
     name_process,
     spawn_local_followers,
 )
-from loomrl.trainer.service import TrainerService
+from loomrl.train_pool.service import TrainerService
 from loomrl.trainer_boundary import Carried, PositionState, TrainStep
 from loomrl.types import Trajectory
 from loomrl.weights.handle import WeightHandle, WeightPublisher
@@ -251,7 +251,7 @@ def _trainer_main(pool_json: str, carried: Carried, checkpoint: str, threads: in
         service = TrainerService.from_run(pool, carried, Path(checkpoint) if checkpoint else None, device,
                                           ranks=group, rendezvous=rendezvous)
         publisher = run_publisher(pool.route, pool.run_dir, engines=1, host=pool.route.host)
-        colocated = pool.route.colocated  # the GPU is the engine's between steps (trainer/offload.py)
+        colocated = pool.route.colocated  # the GPU is the engine's between steps (train_pool/offload.py)
         first = publish(publisher, service)
         if colocated:
             service.offload()

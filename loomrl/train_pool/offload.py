@@ -83,7 +83,7 @@ def onload(trainer: Trainer) -> Moved:
 
 def drop_gradients(trainer: Trainer) -> None:
     """The step's gradients dropped and the allocator's cached blocks returned, before a colocated engine takes its
-    weights' memory back on this GPU for the push (trainer/push.py): the next step makes its own gradients."""
+    weights' memory back on this GPU for the push (train_pool/push.py): the next step makes its own gradients."""
     trainer.optimizer.zero_grad(set_to_none=True)
     if any(p.device.type == "cuda" for p in trainer.params):
         torch.cuda.empty_cache()

@@ -13,13 +13,13 @@ from loomrl.actor_support import Placed
 from loomrl.config import TrainPoolConfig
 from loomrl.devices import trainer_device
 from loomrl.errors import error_line
+from loomrl.train_pool.distributed import Gather
+from loomrl.train_pool.offload import drop_gradients
+from loomrl.train_pool.process import colocated_step, run_publisher
+from loomrl.train_pool.push import EnginePusher, PushReport, bucket_buffer
+from loomrl.train_pool.ranks import Follower, Push, RankGroup, RankLost, RankReport, RankWork
+from loomrl.train_pool.service import TrainerService
 from loomrl.trainer.checkpoint import latest_checkpoint
-from loomrl.trainer.distributed import Gather
-from loomrl.trainer.offload import drop_gradients
-from loomrl.trainer.process import colocated_step, run_publisher
-from loomrl.trainer.push import EnginePusher, PushReport, bucket_buffer
-from loomrl.trainer.ranks import Follower, Push, RankGroup, RankLost, RankReport, RankWork
-from loomrl.trainer.service import TrainerService
 from loomrl.trainer_boundary import Carried, PositionState, TrainStep
 from loomrl.types import Trajectory
 from loomrl.weights.handle import WeightHandle, WeightPublisher
@@ -64,7 +64,7 @@ class TrainerActor(Placed):
 
     def attach_engine(self, engine: Any) -> None:
         """runtime.weight_transport=cuda_ipc (colocated): `engine`, the engine actor on this rank's GPU, which every
-        version is pushed to a bucket at a time (trainer/push.py)."""
+        version is pushed to a bucket at a time (train_pool/push.py)."""
         self.pusher = engine_pusher(self.pool.route.timeout_s, self.device, engine, 0)
 
     def rendezvous(self) -> tuple[str, int, str | None]:
@@ -72,7 +72,7 @@ class TrainerActor(Placed):
         they must start from (this rank's)."""
         import ray
 
-        from loomrl.trainer.distributed import free_port
+        from loomrl.train_pool.distributed import free_port
 
         return ray.util.get_node_ip_address(), free_port(""), str(self.ckpt) if self.ckpt else None
 
@@ -108,7 +108,7 @@ class TrainerActor(Placed):
             return self._trainer().run_step(), None
         if not self.pool.route.colocated:
             return self._trainer().run_step(), self.weights()
-        # colocated (trainer/offload.py): the engines sleep through this call; the state is on the GPU only for it
+        # colocated (train_pool/offload.py): the engines sleep through this call; the state is on the GPU only for it
         return colocated_step(self._trainer(), self._push if self.pusher is not None else self._host_weights)
 
     def push_start(self) -> PushReport:
@@ -161,7 +161,7 @@ class TrainerActor(Placed):
 
 
 class TrainerRankActor(Placed):
-    """A data-parallel trainer rank r > 0 (trainer/ranks.py Follower) on some node."""
+    """A data-parallel trainer rank r > 0 (train_pool/ranks.py Follower) on some node."""
 
     def __init__(self, pool_json: str, ckpt: str | None):
         pool = TrainPoolConfig.model_validate_json(pool_json)

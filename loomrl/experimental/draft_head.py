@@ -20,7 +20,7 @@ Rows are processed in chunks of CHUNK, each with its own backward, so that no mo
 logits is held at once. The hidden states are detached: the policy is not trained through its draft heads.
 
 Not yet in a run: the trainer's step does not train them and the built-in engine does not draft from them. What is
-here is the head, its loss and its training step, tested on a policy's own rollouts (tests/trainer/test_draft_head.py).
+here is the head, its loss and its training step, tested on a policy's own rollouts (tests/experimental/test_draft_head.py).
 """
 
 from __future__ import annotations

@@ -22,11 +22,11 @@ from loomrl.buffer import Buffer
 from loomrl.buffer.buffer import group_min_version
 from loomrl.config import TrainPoolConfig
 from loomrl.run_folder import LedgerEntry, RunFolder, append_line
+from loomrl.train_pool.distributed import Gather
+from loomrl.train_pool.offload import Moved, offload, onload
+from loomrl.train_pool.ranks import RankGroup, build_trainer
 from loomrl.trainer.checkpoint import Retention, RngState, load_state, save_checkpoint
 from loomrl.trainer.credit import AdvantageRule, GroupCredit
-from loomrl.trainer.distributed import Gather
-from loomrl.trainer.offload import Moved, offload, onload
-from loomrl.trainer.ranks import RankGroup, build_trainer
 from loomrl.trainer.records import append_records, cut_records, cut_to_step, train_records
 from loomrl.trainer.selection import Selection, balance, consumption_metrics, lag_weighted, select_groups
 from loomrl.trainer.trainer import StepStats
@@ -102,7 +102,7 @@ class TrainerService:
         """A trainer of its own (async or Ray) from `checkpoint` (the run folder's latest; None: the
         configured model), after repairing a ledger torn by a crash. `carried`: runtime facts the
         checkpoint does not have yet (e.g. eval before). `ranks` (trainer.distributed), not joined yet: this rank joins
-        them at `rendezvous` (address, port) once its model is loaded, as the followers do (trainer/ranks.py Follower),
+        them at `rendezvous` (address, port) once its model is loaded, as the followers do (train_pool/ranks.py Follower),
         so that no rank waits in the rendezvous, bounded by its timeout, while another loads a large model. `device`:
         trainer.device as the calling process resolved it (its entry: the trainer process, the trainer actor)."""
         from loomrl.model.loader import load_run_model
@@ -188,7 +188,7 @@ class TrainerService:
                                weights=model_folder, shards=ranks.save_shards if ranks else None)
 
     def offload(self) -> Moved:
-        """The trainer's state to host memory on every rank (colocated engines: trainer/offload.py)."""
+        """The trainer's state to host memory on every rank (colocated engines: train_pool/offload.py)."""
         return self.ranks.offload() if self.ranks else offload(self.trainer)
 
     def onload(self) -> Moved:

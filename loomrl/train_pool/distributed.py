@@ -27,7 +27,7 @@ the next; no rank ever holds a whole-model copy, on the GPU or in host memory. T
 time by a host-side barrier (`PACE_TIMEOUT_S`), so none runs ahead of rank 0 while rank 0 hands a bucket on. The
 optimizer state is checkpointed in parts with torch.distributed.checkpoint (fsdp.py). What is not here: elastic
 membership. A rank that fails makes the others fail:
-the run's rank group (trainer/ranks.py) stops them all; elsewhere the process group's timeout does.
+the run's rank group (train_pool/ranks.py) stops them all; elsewhere the process group's timeout does.
 """
 
 from __future__ import annotations
@@ -127,12 +127,12 @@ class Gather:
 # (copied it into a snapshot, sent it, written it to the checkpoint's model folder). Without it a follower, whose
 # all-gathers return as soon as NCCL has queued them, queued every bucket of a version or of a checkpoint at once: NCCL's
 # watchdog counts from that moment, so a checkpoint that rank 0 writes to slow storage in more than the collective
-# timeout (trainer/ranks.py COLLECTIVE_TIMEOUT_S, 300 s) aborted the trainer, and each pending all-gather held its
+# timeout (train_pool/ranks.py COLLECTIVE_TIMEOUT_S, 300 s) aborted the trainer, and each pending all-gather held its
 # output. What a follower holds pending, for the 8-GPU recipe's Qwen2.5-7B (7.62e9 parameters):
 #   before (every bucket queued): publish  7.62e9 x 2 B (bf16)    = 15.2 GB
 #                                 checkpoint 7.62e9 x 4 B (float32) = 30.5 GB
 #   paced (one bucket queued):    publish  engine.weight_bucket_bytes (64 MiB by default)
-#                                 checkpoint trainer/service.py CHECKPOINT_BUCKET_BYTES (2 GiB)
+#                                 checkpoint train_pool/service.py CHECKPOINT_BUCKET_BYTES (2 GiB)
 #   (a parameter larger than a bucket is a bucket of its own: the 7B's embeddings, 1.09 GB bf16, 2.18 GB float32)
 # The bound below is one bucket's hand-off on rank 0 (a 2 GiB file on slow storage), not the whole version's; and it is
 # a separate group even where the training group is gloo too (CPU), so that its timeout is its own.
@@ -238,7 +238,7 @@ class DataParallelTrainer:
 
     def own_source(self, gather: Gather) -> WeightSource:
         """The full parameters as `gather` asks, kept on THIS rank (a colocated rank pushes them to the engine on its
-        GPU, trainer/push.py): sharded, gathered by every rank a bucket at a time as `gathered` (every rank must read
+        GPU, train_pool/push.py): sharded, gathered by every rank a bucket at a time as `gathered` (every rank must read
         it to the end); replicated, this rank's own parameters."""
         if self.trainer.sharded:
             return GatheredSource(self.trainer.model, gather, keep=True, pace=self.pace)

@@ -406,6 +406,7 @@ def test_a_verify_chunk_gives_the_logits_of_decoding_its_tokens_one_at_a_time(ti
     assert torch.allclose(together, torch.stack(alone), atol=1e-4)
 
 
+@pytest.mark.integration  # two generations of hundreds of tokens, ~3 s
 def test_seeded_requests_draw_the_same_tokens_with_and_without_speculation(peaked):
     """Each emitted token is drawn from p with the sequence's next uniform, drafts or not, and the generator is left
     having drawn one per token: a seeded request samples the same tokens either way (temperature 1, top-p 0.95),

@@ -60,6 +60,7 @@ def test_the_unchanged_config_predicts_the_measured_trajectory_time(runs, decode
     assert p.own.engine_batch == pytest.approx(m.decode.batch_mean, rel=0.35), (p.own.engine_batch, m.decode)
 
 
+@pytest.mark.integration  # the same four-step training run
 def test_a_larger_window_is_still_predicted_no_faster_per_turn(runs):
     m = measure_run(runs["proportional"])
     own, wider = plan(m, Shape.of(m)), plan(m, Shape.of(m, groups_per_step=4))

@@ -135,6 +135,7 @@ def test_a_handle_without_a_fingerprint_is_said_not_checked(tiny, tokenizer, cap
         engine.close()
 
 
+@pytest.mark.integration  # a process group and its broadcast thread
 def test_a_broadcast_handle_carries_the_fingerprint_before_anything_is_sent(tiny):
     """Broadcast sends after publish returns (no receiver joins here): the handle's fingerprint is taken from the
     trainer's whole tensors, cast as the buckets will be, and equals the state dict's in the engine's dtype."""

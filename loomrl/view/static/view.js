@@ -252,7 +252,9 @@ async function fillSteps() {
   const sel = $("f-step");
   const keep = sel.value;
   if (store !== "trajectories") { sel.replaceChildren(el("option", { value: "" }, "all")); sel.disabled = true; return; }
+  const asked = view.stepsAsked = (view.stepsAsked || 0) + 1;
   const s = await api("/api/steps", { run });
+  if (asked !== view.stepsAsked) return;  // a later call (another run chosen meanwhile) fills the list
   const sig = `${run}:${s.steps.length}:${s.pending}`;
   if (sel.dataset.sig === sig && !sel.disabled) return;  // unchanged: an open list is left alone
   sel.dataset.sig = sig;
@@ -275,7 +277,11 @@ function fateLine(m) {
 async function showGroups() {
   const params = { run: $("f-run").value, store: $("f-store").value, step: $("f-step").value, status: $("f-status").value,
     task: $("f-task").value, min_reward: $("f-min").value, max_reward: $("f-max").value };
+  // Answers can come back out of order (a run switched, then a step chosen at once): only the latest request's
+  // answer is drawn, or a slower earlier one would replace it with the groups of filters no longer chosen.
+  const asked = view.groupsAsked = (view.groupsAsked || 0) + 1;
   const g = await api("/api/groups", params);
+  if (asked !== view.groupsAsked) return;
   $("f-count").textContent = `${g.total} groups` + (g.total > g.groups.length ? `, first ${g.groups.length} shown` : "");
   $("adv-note").textContent = "advantage: " + (g.groups[0] ? g.groups[0].advantage_source : "") + `. This run's rule: ${g.advantage_rule}.`;
   $("groups").replaceChildren(...g.groups.map(card => el("div", { class: "group", "data-group": card.group_id },

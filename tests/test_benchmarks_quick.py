@@ -36,7 +36,9 @@ KEY_LINES = {
     "long_tail": "efficiency: ",
     "peer_trl": "start weights (both arms): held-out success ",
     "plan_accuracy": "wall_error_a_predicts_b: ",
+    "program_kv": "gap_closed_wall: ",
     "prefix_cache": "efficiency: ",
+    "router": "affinity saves ",
     "speculative": "fit c(n) = ",
     "staleness": "efficiency: ",
     "trainer_memory": "name: trainer_memory",
@@ -62,6 +64,10 @@ def test_quick_mode(script: str) -> None:
     if script == "prefix_cache":  # the bug this guards against: counters read from a record nobody counted into
         rates = [float(x) for x in re.findall(r"hit rate ([0-9.]+)", proc.stdout)]
         assert len(rates) == 2 and all(r > 0.3 for r in rates), rates
+    if script == "router":  # counts, not timings: affinity finds at least the prefixes the load policies find
+        rates = dict(re.findall(r"^(\w+) \(3 instances\): prefix hit rate ([0-9.]+)", proc.stdout, re.M))
+        assert set(rates) == {"affinity", "least_loaded", "round_robin"}, proc.stdout
+        assert float(rates["affinity"]) >= max(float(rates["least_loaded"]), float(rates["round_robin"])), rates
     if script == "peer_trl":  # the loomrl arm always runs; the TRL arm runs where .venv-trl is, else says it did not
         assert "loomrl: " in proc.stdout and " s/step" in proc.stdout, proc.stdout[-3000:]
         trl_ran = (ROOT / ".venv-trl" / "bin" / "python").is_file()

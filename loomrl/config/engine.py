@@ -165,14 +165,41 @@ class EngineConfig(Section):
     """reuse the K/V of prompt prefixes already computed (a group's shared prompt, a conversation's history)"""
     speculation: SpeculationConfig = Field(default_factory=SpeculationConfig)
     """grouped speculative decoding (the built-in engine); vLLM in process on a GPU: its n-gram speculation"""
+    program_policy: Literal["lru", "smallest_first", "longest_wait"] = "lru"
+    """the built-in engine, when its KV budget needs room: whose cached K/V to drop (engine/builtin/programs.py). lru:
+    the prefix cache's least recently used entry, request by request; smallest_first: pause the acting program (one
+    waiting on a tool between turns) holding the fewest tokens (ThunderAgent's); longest_wait: pause the acting
+    program expected to stay away longest, none more than max_pauses_in_row turns in a row. A paused program's next
+    turn recomputes its prefix. Both program policies also reserve a turn's max_tokens at admission (no running turn
+    is preempted as it grows; fewer turns run at once when max_tokens is far above their outputs) and let a turn take
+    over its program's cached prefix (benchmarks/program_kv.py; docs/engines.md, 'Programs under a KV budget')"""
+    max_pauses_in_row: int = Field(2, ge=1)
+    """longest_wait: turns in a row a program may be paused by the policy before it is spared"""
     threads: int = Field(0, ge=0)
     """torch threads of the rollout side; 0 = all cores (sync), half (async)"""
     sleep_while_training: bool = False
     """colocated (hybrid) GPUs: the engines give their GPU memory (weights, KV cache) to the trainer during each
     training step (vLLM sleep, SGLang release_memory_occupation) and take it back after, before the new weights;
     rollouts in flight pause meanwhile. The built-in engine has nothing to free (a no-op on the CPU)"""
+    instances: int = Field(1, ge=1)
+    """engines behind one router (engine/router.py), each with its own model copy, K/V cache and thread; 1: one engine,
+    no router. The built-in engine only (on a CPU a second instance shares the same cores: it saves prefill work,
+    not time; docs/engines.md, 'Many instances: the router'); not with runtime.mode=sync (one model shared with the
+    trainer)"""
+    router: Literal["affinity", "least_loaded", "round_robin"] = "affinity"
+    """how the router places each request (engine.instances > 1): affinity keeps a program's turns and a GRPO group's
+    siblings on one instance unless it is overloaded, else weighs each instance's queue against the prompt tokens it
+    would recompute; least_loaded: the fewest requests in flight; round_robin: in turn"""
     sglang: SGLangConfig = Field(default_factory=SGLangConfig)
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+
+    @model_validator(mode="after")
+    def _instances_are_builtin(self) -> EngineConfig:
+        if self.instances > 1 and self.kind != "builtin":
+            raise ValueError(f"engine.instances={self.instances} needs engine.kind=builtin: several vLLM or SGLang "
+                             f"servers are engine actors on Ray (engine.{self.kind}.base_url as a list, "
+                             "ray.engine.count); the router does not front them yet")
+        return self
 
     @model_validator(mode="after")
     def _speculation_where_it_runs(self) -> EngineConfig:

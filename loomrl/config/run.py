@@ -72,6 +72,9 @@ class RunConfig(Section):
         if self.engine.kind == "sglang":
             raise ValueError("engine.kind=sglang needs runtime.mode=async (sync mode shares the trainer's model with "
                              "the engine; an SGLang server holds its own copy and loads each version from disk)")
+        if self.engine.instances > 1:
+            raise ValueError(f"engine.instances={self.engine.instances} needs runtime.mode=async (sync mode shares the "
+                             "trainer's one model with the engine; each instance holds a copy of its own)")
         if self.engine.kind == "vllm":
             raise ValueError("engine.kind=vllm needs runtime.mode=async (sync mode shares the trainer's model with "
                              "the engine; vLLM holds its own copy in its worker process and loads each version sent)")

@@ -38,7 +38,8 @@ def make_engine(setup: EngineSetup, model: Any, tokenizer: Any, version: int, re
     engine actor's index, which picks its server when engine.sglang.base_url lists several), a client of a vLLM
     server (engine.vllm.base_url; `model` gives the parameter names and shapes), or vLLM's AsyncLLM over the folder
     `model` was loaded from (saved to a temporary one when it has none). All but the built-in one take a meta-device
-    skeleton (model/loader.py load_engine_model): they never read the weights of `model`."""
+    skeleton (model/loader.py load_engine_model): they never read the weights of `model`. engine.instances > 1 (the
+    built-in engine only): a Router (engine/router.py) over that many."""
     e = setup.engine
     if e.kind == "sglang":
         return _sglang_engine(e, model, version, replica)
@@ -65,9 +66,36 @@ def make_engine(setup: EngineSetup, model: Any, tokenizer: Any, version: int, re
                           seed=setup.seed, max_num_seqs=e.max_batch_size, prefix_cache=e.prefix_cache, version=version,
                           sleep_mode=e.sleep_while_training, context_tokens=setup.context_tokens,
                           speculation=e.speculation)
+    return _builtin_engines(setup, model, tokenizer, version)
+
+
+def _builtin_engines(setup: EngineSetup, model: Any, tokenizer: Any, version: int) -> Engine:
+    """The built-in engine over `model`; with engine.instances > 1, a Router over that many, each over a copy of the
+    model of its own (a deepcopy: every instance adds the model's parameters and its own engine.kv_budget_tokens of
+    K/V to this process's memory) and seeded seed + i (unseeded requests draw from different streams)."""
+    import copy
+
     from loomrl.engine.builtin.engine import BuiltinEngine
 
-    return BuiltinEngine(model, eos_token_id=tokenizer.eos_token_id, kv_budget_tokens=e.kv_budget_tokens,
-                         max_running=e.max_batch_size or BUILTIN_MAX_RUNNING, max_prefill_tokens=e.max_prefill_tokens,
-                         prefix_cache=e.prefix_cache, seed=setup.seed, version=version, tokenizer=tokenizer,
-                         speculation=e.speculation)
+    e = setup.engine
+
+    def one(i: int) -> BuiltinEngine:
+        return BuiltinEngine(model if i == 0 else copy.deepcopy(model), eos_token_id=tokenizer.eos_token_id,
+                             kv_budget_tokens=e.kv_budget_tokens, max_running=e.max_batch_size or BUILTIN_MAX_RUNNING,
+                             max_prefill_tokens=e.max_prefill_tokens, prefix_cache=e.prefix_cache,
+                             seed=setup.seed + i, version=version, tokenizer=tokenizer, speculation=e.speculation,
+                             program_policy=e.program_policy, max_pauses_in_row=e.max_pauses_in_row)
+
+    if e.instances == 1:
+        return one(0)
+    from loomrl.engine.router import Router
+
+    built: list[BuiltinEngine] = []
+    try:
+        for i in range(e.instances):
+            built.append(one(i))
+    except BaseException:
+        for engine in built:  # no engine thread left behind
+            engine.close()
+        raise
+    return Router(built, policy=e.router)

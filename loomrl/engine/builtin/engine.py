@@ -9,6 +9,11 @@ Prefix cache: prompts are matched against a radix tree of cached K/V (GRPO sibli
 turn extends its previous one). A finished request's K/V stays cached under its program id until `release(program_id)`
 or eviction.
 
+Programs (programs.py): the engine tracks each program id's phase (reasoning while a request of it is in flight,
+acting between turns), group and K/V tokens; when the KV budget needs room, engine.program_policy picks the acting
+program whose cached K/V is dropped (paused), and its next turn recomputes it (restored). `lru` (the default) leaves the
+choice to the prefix cache's least-recently-used order, request by request.
+
 Weights: `update_weights` is applied between steps, never within one; every token records the version of the weights
 that produced it. The prefix cache is cleared then (its K/V came from the old weights); running sequences keep their
 K/V, as vLLM's in-flight updates do. `interrupt()` ends every in-flight request at the next step boundary with
@@ -54,6 +59,7 @@ from loomrl.engine.base import (
 )
 from loomrl.engine.builtin.drafter import GroupDrafter
 from loomrl.engine.builtin.prefix_cache import PrefixCache
+from loomrl.engine.builtin.programs import ProgramPolicy, ProgramTable
 from loomrl.engine.builtin.runner import ModelRunner
 from loomrl.engine.builtin.scheduler import Batch, Scheduler, Seq
 from loomrl.engine.builtin.speculation import DraftPolicy, StepCost, verify
@@ -86,7 +92,8 @@ class BuiltinEngine(TakesTensors):
 
     def __init__(self, model: PreTrainedModel, *, eos_token_id: int, kv_budget_tokens: int = 65536,
                  max_running: int = 64, max_prefill_tokens: int = 4096, prefix_cache: bool = True,
-                 seed: int = 0, version: int = 0, tokenizer=None, speculation: SpeculationConfig | None = None):
+                 seed: int = 0, version: int = 0, tokenizer=None, speculation: SpeculationConfig | None = None,
+                 program_policy: ProgramPolicy = "lru", max_pauses_in_row: int = 2):
         self.runner = ModelRunner(model)
         self.model = model
         self.eos_token_id = eos_token_id
@@ -97,8 +104,9 @@ class BuiltinEngine(TakesTensors):
                                      decode_seq_tokens=0)
         self.kv_budget = kv_budget_tokens  # the protocol's: the server refuses requests that cannot fit
         self.step_cost = StepCost()  # the engine's decode step seconds against tokens: what drafts cost
+        self.programs = ProgramTable(program_policy, max_pauses_in_row=max_pauses_in_row)
         self.sched = Scheduler(self.runner, self.cache, self.metrics, kv_budget=kv_budget_tokens,
-                               max_running=max_running, max_prefill_tokens=max_prefill_tokens)
+                               max_running=max_running, max_prefill_tokens=max_prefill_tokens, programs=self.programs)
         self._speculate(speculation)
         self._version = version
         self._generator = torch.Generator().manual_seed(seed)
@@ -129,6 +137,7 @@ class BuiltinEngine(TakesTensors):
             if not self._thread.is_alive():
                 raise EngineFault("the engine's thread is not running")
             self.sched.add(seq)
+            self.programs.started(request)
             self.metrics.requests += 1
             self._cond.notify()
         return fut
@@ -197,9 +206,11 @@ class BuiltinEngine(TakesTensors):
             self._cond.notify()
 
     def release(self, program_id: str) -> None:
-        if self.cache is not None and program_id:
+        if program_id:
             with self._cond:
-                self.cache.release(program_id)
+                self.programs.released(program_id)
+                if self.cache is not None:
+                    self.cache.release(program_id)
 
     def sleep(self) -> None:
         """Nothing to free: the built-in engine's model and K/V live in host memory (on a GPU it would keep
@@ -252,9 +263,11 @@ class BuiltinEngine(TakesTensors):
                 self.sched.retire(seq)
             except Exception:  # noqa: BLE001 - the state that failed may fail again; drop it
                 seq.kv = None
+            self.programs.finished(seq.request.program_id, 0)
             deliver(seq.future, exception=fault)
         if self.cache is not None:
             self.cache.clear()
+        self.programs.cleared()
 
     def _serve(self) -> bool:
         """One pass of the loop: weights, interrupts, borrowed calls, then a step. False once closed."""
@@ -322,6 +335,7 @@ class BuiltinEngine(TakesTensors):
         self._broken = None
         if self.cache is not None:
             self.cache.clear()  # cached K/V was computed by the old weights
+        self.programs.cleared()
         if self.drafter is not None:
             self.drafter.drop()  # what siblings sampled from the old weights
         self._version = version
@@ -384,10 +398,13 @@ class BuiltinEngine(TakesTensors):
 
     def _finish(self, seq: Seq, reason: str) -> None:
         self.metrics.finished += 1
+        kept = 0
         if self.cache is not None and seq.kv is not None and reason != "interrupted":
             # Keep the turn's K/V for the program's next turn (its tokens minus the last sampled one,
             # whose K/V was never computed).
             self.cache.insert(seq.kv_tokens(), seq.kv, seq.request.program_id)
+            kept = min(len(seq.kv_tokens()), seq.kv.length)
+        self.programs.finished(seq.request.program_id, kept)
         self.sched.retire(seq)
         deliver(seq.future, GenerationResult(token_ids=list(seq.out_tokens), logprobs=list(seq.out_logprobs),
                                               versions=list(seq.out_versions), finish_reason=reason))

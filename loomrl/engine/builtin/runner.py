@@ -95,7 +95,7 @@ class SequenceKV:
     Either a slot of a KVPool (running sequences) or a standalone tensor (entries kept by the prefix
     cache after their sequence left the batch, and the unit tests)."""
 
-    __slots__ = ("_data", "pool", "slot", "length")
+    __slots__ = ("_data", "pool", "slot", "length", "owner")
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
                  pool: KVPool | None = None, device: torch.device | str = "cpu"):
@@ -108,6 +108,7 @@ class SequenceKV:
         else:
             self._data = torch.empty((layers, 2, kv_heads, max(capacity, 16), head_dim), dtype=dtype, device=device)
         self.length = 0  # tokens whose K/V are stored
+        self.owner = ""  # the program it was computed for (programs.py counts each program's tokens by it)
 
     @property
     def data(self) -> torch.Tensor:

@@ -1,12 +1,14 @@
 """The built-in engine's scheduler: which sequences run in the next step and what each contributes.
 
 A KV budget (tokens) bounds what running sequences and the prefix cache hold together: admission waits for room, the
-prefix cache gives up least-recently-used entries first, and when running sequences outgrow the budget the most recently
-admitted one is preempted (its KV dropped; it requeues with its sampled tokens and is recomputed later, its result
-unchanged). A step's batch mixes the decode tokens of all running sequences with prefill chunks of newly admitted ones,
-within max_prefill_tokens. With speculation (a GroupDrafter and a DraftPolicy), a decoding sequence's chunk is its
-last token followed by the draft tokens the policy lets it verify. The engine calls `schedule()` under its lock;
-nothing here runs the model.
+prefix cache gives up entries first (those of a program the ProgramTable pauses, programs.py, else the least recently
+used), and when running sequences outgrow the budget the most recently admitted one is preempted (its KV dropped; it
+requeues with its sampled tokens and is recomputed later, its result unchanged). Under a program policy
+(engine.program_policy other than lru) admission reserves each turn's whole output, so preemption is left for what the
+reservation could not foresee. A step's batch mixes the decode tokens of all running sequences with prefill chunks of
+newly admitted ones, within max_prefill_tokens. With speculation (a GroupDrafter and a DraftPolicy), a decoding
+sequence's chunk is its last token followed by the draft tokens the policy lets it verify. The engine calls
+`schedule()` under its lock; nothing here runs the model.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from loomrl.engine.base import EngineMetrics, GenerationRequest
 from loomrl.engine.builtin.drafter import GroupDrafter
 from loomrl.engine.builtin.prefix_cache import PrefixCache
+from loomrl.engine.builtin.programs import ProgramTable, held_tokens
 from loomrl.engine.builtin.runner import Chunk, ModelRunner, SequenceKV
 from loomrl.engine.builtin.speculation import Acceptance, DraftPolicy
 from loomrl.tokens import common_prefix_len
@@ -38,6 +41,7 @@ class Seq:
     out_logprobs: list[float] = field(default_factory=list)
     out_versions: list[int] = field(default_factory=list)
     admitted_at: int = 0
+    queued_at: float = field(default_factory=time.monotonic)  # when it was submitted (its admission wait)
     uid: int = 0  # the scheduler's number for it (the drafter's key)
     acceptance: Acceptance = field(default_factory=Acceptance)
 
@@ -78,8 +82,10 @@ class Batch:
 class Scheduler:
     def __init__(self, runner: ModelRunner, cache: PrefixCache | None, metrics: EngineMetrics, *,
                  kv_budget: int, max_running: int, max_prefill_tokens: int,
-                 drafter: GroupDrafter | None = None, policy: DraftPolicy | None = None, max_draft: int = 0):
+                 drafter: GroupDrafter | None = None, policy: DraftPolicy | None = None, max_draft: int = 0,
+                 programs: ProgramTable | None = None):
         self.runner, self.cache, self.metrics = runner, cache, metrics
+        self.programs = programs if programs is not None else ProgramTable()
         self.drafter, self.policy, self.max_draft = drafter, policy, max_draft
         self._uids = itertools.count(1)
         self.kv_budget, self.max_running, self.max_prefill_tokens = kv_budget, max_running, max_prefill_tokens
@@ -186,16 +192,37 @@ class Scheduler:
         seq.kv = None
 
     # -- memory -------------------------------------------------------------------------------------
-    def _held_tokens(self) -> int:
+    def _held(self) -> dict[int, SequenceKV]:
         held: dict[int, SequenceKV] = {id(s.kv): s.kv for s in self.running if s.kv is not None}
         if self.cache is not None:
             held.update(self.cache.held())
-        return sum(kv.length for kv in held.values())
+        return held
+
+    def _held_tokens(self) -> int:
+        return sum(kv.length for kv in self._held().values())
+
+    def _evict(self, room: int) -> bool:
+        """Free cached K/V toward `room` tokens: pause the acting program the program policy picks, else drop the least
+        recently used entry. False when the cache holds nothing more to drop."""
+        if self.cache is None:
+            return False
+        victim = self.programs.victim(held_tokens(self._held().values()), room)
+        if victim is not None and self.cache.release(victim):
+            self.programs.paused(victim)
+            return True
+        return self.cache.evict_lru()
+
+    def _growth(self) -> int:
+        """Tokens the running turns will still add to their K/V at most (what program policies reserve)."""
+        return sum(max(0, len(s.request.prompt_ids) + s.request.sampling.max_tokens - (s.kv.length if s.kv else 0))
+                   for s in self.running)
 
     def _make_room(self, need: int) -> bool:
-        """Evict cached entries until `need` more tokens fit in the budget."""
-        while self._held_tokens() + need > self.kv_budget:
-            if self.cache is None or not self.cache.evict_lru():
+        """Evict cached entries until `need` more tokens fit in the budget (beside the running turns' growth, under a
+        program policy: it pauses acting programs up front rather than preempt a running turn later)."""
+        reserved = self._growth() if self.programs.reserves_turns else 0
+        while (over := self._held_tokens() + reserved + need - self.kv_budget) > 0:
+            if not self._evict(over):
                 return False
         return True
 
@@ -212,18 +239,28 @@ class Scheduler:
             hit, donor = (0, None)
             if self.cache is not None:
                 hit, donor = self.cache.match(seq.prompt[:-1])  # the last token must be computed
+                program = self.programs.get(seq.request.program_id)
+                if program is not None and program.paused:  # a restore: a KV pool may hold more than the cache
+                    fetched, kv = self.programs.fetch(program.program_id, seq.prompt[:-1])
+                    if fetched > hit and kv is not None:
+                        hit, donor = fetched, kv
                 # what a sibling admitted now would leave in the cache: all but its prompt's last token at most
                 shared = min(max((common_prefix_len(seq.prompt, a.prompt) for a in admitted), default=0),
                              len(seq.prompt) - 1)
                 if shared > hit and shared >= 8 and shared >= len(seq.prompt) // 4:
                     deferred.append(seq)
                     continue
-            if not self._make_room(len(seq.prompt)) and self.running:
+            own = self._own_prefix(seq, hit, donor)
+            if not self._make_room(self._need(seq, own)) and self.running:
                 self.waiting.appendleft(seq)
                 break  # wait for running sequences to finish
             seq.kv = self.runner.new_kv(len(seq.prompt) + seq.request.sampling.max_tokens)
+            seq.kv.owner = seq.request.program_id
             if hit and donor is not None:
                 seq.kv.copy_prefix(donor, hit)
+            if own and self.cache is not None:  # the turn took its program's cached K/V over; its prompt's entry
+                self.cache.release(seq.request.program_id)  # returns once prefilled
+            self.programs.admitted(seq.request, len(seq.prompt), hit, time.monotonic() - seq.queued_at)
             self.metrics.prompt_tokens += len(seq.prompt)
             self.metrics.reused_tokens += hit
             self.metrics.prefill_tokens += len(seq.prompt) - hit
@@ -232,9 +269,24 @@ class Scheduler:
             admitted.append(seq)
         self.waiting.extendleft(reversed(deferred))
 
+    def _own_prefix(self, seq: Seq, hit: int, donor: SequenceKV | None) -> int:
+        """Under a program policy, the cached prefix a program's turn takes over from its own last turn (its entries
+        are dropped once copied: the copy in the running turn replaces them), else 0 (lru copies, as before)."""
+        pid = seq.request.program_id
+        if not (self.programs.reserves_turns and pid and donor is not None and donor.owner == pid):
+            return 0
+        return hit
+
+    def _need(self, seq: Seq, own: int) -> int:
+        """Tokens of K/V admitting `seq` adds: its prompt (less what it takes over from its own cache entries) and,
+        under a program policy, its whole output, reserved up front."""
+        if not self.programs.reserves_turns:
+            return len(seq.prompt)
+        return len(seq.prompt) - own + seq.request.sampling.max_tokens - len(seq.out_tokens)
+
     def _preempt_if_needed(self) -> None:
-        while self._held_tokens() > self.kv_budget and len(self.running) > 1:
-            if self.cache is not None and self.cache.evict_lru():
+        while (over := self._held_tokens() - self.kv_budget) > 0 and len(self.running) > 1:
+            if self._evict(over):
                 continue
             victim = max(self.running, key=lambda s: s.admitted_at)
             self.running.remove(victim)

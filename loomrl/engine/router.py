@@ -1,0 +1,232 @@
+"""Router: the Engine protocol over N engine instances (engine.instances > 1), so that every caller (the agent loop, the
+gateway, `loomrl serve`, the runtime's weight route) is unchanged.
+
+Placement (placement.py): round_robin, least_loaded, or affinity (a program's turns and a GRPO group's siblings stay on
+one instance unless it is overloaded; otherwise a cost of queueing against recomputing the prefix it lacks, from a
+router-side prefix index scoped to the weight version). Weights, interrupts, sleep and wake fan out to every instance;
+the router reports a version only once every instance serves it, and a failure names the instance. release(program)
+goes to the instance holding the program. A request whose instance faults (EngineFault) is run once more, from its
+prompt, on another instance: the fault returned no partial output (an EngineFault carries none), so nothing is returned
+twice and a seeded request gives the tokens it would have given. One instance is passed straight through (make_engine
+does not even build a router for one).
+
+Metrics: `metrics` sums the instances' counters (a live view: the runtime keeps the record and reads it each step);
+`instances[i].metrics` are each one's; `placement` is the router's own (placements by reason, prefix tokens expected
+against those the instances report reused, retries).
+
+What it is not: a K/V pool (placement.KVFetch is its seam), a prefill/decode split, or the Ray wiring (an engine actor
+or rollout actor that builds its engine with make_engine gets a router inside it; nothing routes across actors).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from loomrl.engine.base import Engine, EngineFault, EngineMetrics, GenerationRequest, GenerationResult
+from loomrl.engine.placement import InstanceLoad, KVFetch, Placer, Policy, PrefixIndex
+from loomrl.weights.fingerprint import Fingerprint, check
+
+if TYPE_CHECKING:
+    from loomrl.weights.handle import Transport, WeightHandle
+
+FAULT_COOLDOWN_S = 5.0  # new requests avoid an instance this long after it faulted (while another is healthy)
+
+
+def _summed(name: str) -> property:
+    def get(self: SummedMetrics) -> Any:
+        values = [v for m in self.parts() if (v := getattr(m, name)) is not None]
+        return sum(values) if values else None
+
+    def ignore(self: SummedMetrics, value: Any) -> None:  # EngineMetrics.__init__ sets every field: nothing to keep
+        pass
+
+    return property(get, ignore)
+
+
+class SummedMetrics(EngineMetrics):
+    """The instances' EngineMetrics summed, read live: the runtime keeps an engine's record and reads it later
+    (engine/readings.py EngineDelta), so a copy made once would never change. A counter no instance measures is None;
+    `started` is the earliest instance's."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: Callable[[], list[EngineMetrics]]):
+        super().__init__()
+        self.parts = parts
+
+
+for _f in dataclasses.fields(EngineMetrics):
+    if _f.name != "started":
+        setattr(SummedMetrics, _f.name, _summed(_f.name))
+setattr(SummedMetrics, "started", property(lambda self: min(m.started for m in self.parts()),  # noqa: B010
+                                           lambda self, value: None))
+
+
+@dataclass(slots=True, kw_only=True)
+class PlacementMetrics:
+    """The router's own counters since it started."""
+
+    placements: dict[str, int] = field(default_factory=dict)  # by reason (placement.Choice.reason)
+    expected_prefix_tokens: int = 0  # prompt tokens the chosen instance held by the router's index
+    retried: int = 0  # requests run again on another instance after theirs faulted
+    retry_failed: int = 0  # of those, the ones that failed there too
+    index_resets: int = 0  # weight updates that emptied the prefix index
+
+
+class Router:
+    """An Engine over `instances` (each a whole engine: its own model, K/V and thread), placing each request by
+    `policy`; `imbalance`: requests in flight above the least loaded instance beyond which a program's or group's
+    instance counts as overloaded; `fetch`: a K/V pool's cost (none is built)."""
+
+    def __init__(self, instances: Sequence[Engine], *, policy: Policy = "affinity", imbalance: int = 8,
+                 fetch: KVFetch | None = None):
+        if not instances:
+            raise ValueError("Router: needs at least one engine instance")
+        self.instances = list(instances)
+        self.kv_budget = min(e.kv_budget for e in self.instances)  # a request must fit wherever it goes
+        self.opens: frozenset[Transport] = frozenset.intersection(*(e.opens for e in self.instances))
+        self.placer = Placer(policy=policy, indexes=[PrefixIndex(e.kv_budget) for e in self.instances],
+                             loads=[InstanceLoad() for _ in self.instances], imbalance=imbalance, fetch=fetch)
+        self.placement = PlacementMetrics()
+        self.metrics: EngineMetrics = SummedMetrics(lambda: [e.metrics for e in self.instances])
+        self._version = self.instances[0].version
+        self._epoch = 0  # bumped at each weight update: a request sent before it adds nothing to the index after it
+        self._lock = threading.Lock()  # placement runs on the event loop, updates on a thread (asyncio.to_thread)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def reused_tokens(self) -> int:
+        """Prompt tokens the instances served from their prefix caches (the router's expected tokens are placement's)."""
+        return self.metrics.reused_tokens
+
+    # -- requests ---------------------------------------------------------------------------------------------
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        if len(self.instances) == 1:
+            return await self.instances[0].generate(request)
+        first = self._place(request, frozenset())
+        try:
+            return await self._run(first, request)
+        except EngineFault as err:
+            # its output so far is lost with the fault (an EngineFault carries none): run it again, from its prompt
+            with self._lock:
+                self.placement.retried += 1
+            second = self._place(request, frozenset({first}))
+            try:
+                return await self._run(second, request)
+            except EngineFault as again:
+                with self._lock:
+                    self.placement.retry_failed += 1
+                raise EngineFault(f"router: instance {first} failed the request ({err}); retried once on instance "
+                                  f"{second}, which failed too: {again}") from again
+
+    def _place(self, request: GenerationRequest, exclude: frozenset[int]) -> int:
+        with self._lock:
+            self.placer.prefill_tokens_per_s = self._prefill_rate()
+            choice = self.placer.choose(request, exclude)
+            p = self.placement
+            p.placements[choice.reason] = p.placements.get(choice.reason, 0) + 1
+            p.expected_prefix_tokens += choice.expected
+            self.placer.placed(request, choice.instance)
+            # sent: its siblings find the prompt's K/V there from now on
+            self.placer.indexes[choice.instance].add(request.prompt_ids)
+            return choice.instance
+
+    def _prefill_rate(self) -> float:
+        """Prompt tokens per second of steps that prefilled (busy seconds less decode-only ones), pooled over the
+        instances that measure both; the placer's prior where none has yet."""
+        tokens = seconds = 0.0
+        for e in self.instances:
+            m = e.metrics
+            if m.busy_s is not None and m.prefill_tokens:
+                tokens += m.prefill_tokens
+                seconds += max(m.busy_s - m.decode_s, 0.0)
+        return tokens / seconds if seconds > 0 else self.placer.prefill_tokens_per_s
+
+    async def _run(self, i: int, request: GenerationRequest) -> GenerationResult:
+        load = self.placer.loads[i]
+        with self._lock:
+            load.start()
+            epoch = self._epoch
+        done = False
+        try:
+            result = await self.instances[i].generate(request)
+            done = True
+        except EngineFault:
+            with self._lock:  # the built-in engine clears its prefix cache when a step fails
+                load.faulted_until = time.monotonic() + FAULT_COOLDOWN_S
+                self.placer.indexes[i].clear()
+            raise
+        finally:
+            with self._lock:
+                load.end(done)
+        if result.finish_reason != "interrupted":
+            with self._lock:
+                if epoch == self._epoch:  # the engine keeps the turn's K/V: prompt + output less its last token
+                    self.placer.indexes[i].add(request.prompt_ids + result.token_ids[:-1])
+        return result
+
+    def release(self, program_id: str) -> None:
+        with self._lock:
+            home = self.placer.programs.pop(program_id, None)
+        for e in self.instances if home is None else [self.instances[home]]:
+            e.release(program_id)
+
+    # -- weights and lifecycle: every instance ---------------------------------------------------------------
+    def _each(self, what: str, fn: Callable[[Engine], Any]) -> list[Any]:
+        """`fn` on every instance at once (each loads on its own thread); EngineFault naming every one that failed."""
+        with concurrent.futures.ThreadPoolExecutor(len(self.instances), thread_name_prefix="router") as pool:
+            futures = [pool.submit(fn, e) for e in self.instances]
+            outcomes = [f.exception() for f in futures]
+        failed = [f"instance {i} of {len(self.instances)}: {type(err).__name__}: {err}"
+                  for i, err in enumerate(outcomes) if err is not None]
+        if failed:
+            raise EngineFault(f"router: {what} failed on {len(failed)} instance(s): " + "; ".join(failed))
+        return [f.result() for f in futures]
+
+    def _new_version(self) -> None:
+        """Called before a load: the index's prefixes are of the old weights from now on."""
+        with self._lock:
+            self._epoch += 1
+            self.placer.forget()
+            self.placement.index_resets += 1
+
+    def update_weights(self, weights: dict | None, version: int) -> None:
+        self._new_version()
+        self._each(f"update_weights to version {version}", lambda e: e.update_weights(weights, version))
+        self._version = version  # only once every instance serves it
+
+    def update_from(self, handle: WeightHandle) -> None:
+        self._new_version()
+        self._each(f"update_from version {handle.version}", lambda e: e.update_from(handle))
+        self._version = handle.version
+
+    def weight_fingerprint(self, expected: Fingerprint) -> Fingerprint:
+        """Instance 0's fingerprint, once every other instance's has been checked against `expected` (a mismatch
+        names the instance; the caller checks instance 0's)."""
+        prints = self._each("weight_fingerprint", lambda e: e.weight_fingerprint(expected))
+        for i, (e, fp) in enumerate(zip(self.instances, prints)):
+            if i:
+                check(f"router instance {i}", self._version, expected, fp, e.version)
+        return prints[0]
+
+    def interrupt(self) -> None:
+        for e in self.instances:
+            e.interrupt()
+
+    def sleep(self) -> None:
+        self._each("sleep", lambda e: e.sleep())
+
+    def wake(self) -> None:
+        self._each("wake", lambda e: e.wake())
+
+    def close(self) -> None:
+        self._each("close", lambda e: e.close())

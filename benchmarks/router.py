@@ -1,5 +1,8 @@
 """The router's placement policies (engine/router.py) on N built-in engines in this process, in one run: affinity
-against round_robin and least_loaded, and one engine alone, on a multi-turn grouped workload.
+against round_robin and least_loaded, and one engine alone, on a multi-turn grouped workload; and affinity and
+each policy again with a shared K/V pool (engine/kv_pool.py) under the instances (`+pool`): a turn placed away from
+the instance holding its prefix fetches what an earlier FINISHED turn left in the pool instead of recomputing it (a
+group's siblings that start together find nothing there yet: their shared prompt is put only once a turn ends).
 
 Workload: G GRPO groups of S programs; the S siblings of a group share its prompt (a long task statement that begins
 with a token of its own, so groups share no prefix), and each program runs T turns, each turn's prompt its last one +
@@ -15,6 +18,8 @@ Figures per arm, from the instances' own counters (EngineMetrics, summed by the 
   workload makes them (turn by turn, siblings in order). A cache that held everything and a placement that always
   found it would reach it; efficiency = hit rate / bound (a count: a rate above its bound exits).
 - prefill tokens recomputed: prompt tokens computed; bound: prompt tokens less the bound's reused ones.
+- pool (the +pool arms): prompt tokens served from the pool (recompute avoided; counted in the hit rate too), its
+  hits and bytes moved in and out.
 - tokens/s: generated tokens / wall seconds. On this machine's 2 cores the N instances share the same cores (each its
   own thread and OpenMP team): the figure is printed as measured, not as a gain. What routing saves here is work (prefill
   tokens); that it turns into time needs one device per instance (unrun: no GPU here). No bound is claimed for
@@ -37,11 +42,13 @@ from _common import QUICK_NOTE, divide, efficiency, machine, report  # noqa: E40
 from loomrl.config import ModelConfig  # noqa: E402
 from loomrl.engine.base import GenerationRequest, SamplingParams  # noqa: E402
 from loomrl.engine.builtin.engine import BuiltinEngine  # noqa: E402
+from loomrl.engine.kv_pool import PoolFetch, SharedKVPool  # noqa: E402
 from loomrl.engine.router import Router  # noqa: E402
 from loomrl.model.loader import load_model  # noqa: E402
 from loomrl.tokens import common_prefix_len  # noqa: E402
 
 POLICIES = ("affinity", "least_loaded", "round_robin")
+POOLED = ("affinity+pool", "least_loaded+pool", "round_robin+pool")
 
 
 def workload(tokenizer, groups: int, size: int, prompt_len: int, obs_len: int):
@@ -92,9 +99,14 @@ def reuse_bound(programs, made) -> int:
 
 def measure(name, model, tokenizer, programs, args):
     instances = 1 if name == "one_engine" else args.instances
-    engines = [BuiltinEngine(model if i == 0 else copy.deepcopy(model), eos_token_id=tokenizer.eos_token_id, seed=i)
-               for i in range(instances)]
-    engine = engines[0] if name == "one_engine" else Router(engines, policy=name)
+    policy = name.removesuffix("+pool")
+    pool = SharedKVPool(capacity_bytes=args.pool_mib << 20) if name != policy else None
+    engines = [BuiltinEngine(model if i == 0 else copy.deepcopy(model), eos_token_id=tokenizer.eos_token_id, seed=i,
+                             kv_pool=pool) for i in range(instances)]
+    engine = engines[0] if name == "one_engine" else Router(engines, policy=policy)
+    if pool is not None and isinstance(engine, Router):
+        router = engine  # the placer weighs fetching from the pool against recomputing, at its measured rate
+        router.placer.fetch = PoolFetch(pool=pool, prefill_tokens_per_s=lambda: router.placer.prefill_tokens_per_s)
     try:
         asyncio.run(engine.generate(GenerationRequest(prompt_ids=[5, 6, 7], sampling=SamplingParams(max_tokens=2))))
         base = {k: sum(getattr(e.metrics, k) for e in engines) for k in ("prompt_tokens", "reused_tokens",
@@ -113,7 +125,9 @@ def measure(name, model, tokenizer, programs, args):
             "prompt_tokens": got["prompt_tokens"], "prefill_tokens": got["prefill_tokens"],
             "prefill_bound": got["prompt_tokens"] - bound,
             "tokens_per_s": divide(got["generated_tokens"], seconds, f"{name}: generated tokens / seconds"),
-            "placements": placements, "made": made}
+            "placements": placements, "made": made,
+            "pool": {k: getattr(pool.metrics, k) for k in ("tokens_served", "hits", "misses", "bytes_in", "bytes_out",
+                                                           "evictions")} if pool is not None else None}
 
 
 def describe(rows, args) -> list[str]:
@@ -130,6 +144,9 @@ def describe(rows, args) -> list[str]:
         f"{r['tokens_per_s']:.0f} tokens/s ({divide(r['tokens_per_s'], one['tokens_per_s'], 'tokens/s ratio'):.2f}x "
         f"one engine's); placements {r['placements'] or '-'}; outputs that differ from one "
         f"engine's: {r['differ']} of {args.groups * args.group_size * args.turns}"
+        + (f"; pool: {r['pool']['tokens_served']} prompt tokens served ({r['pool']['hits']} hits, "
+           f"{r['pool']['misses']} misses, {r['pool']['bytes_in'] / 2**20:.1f} MiB in, "
+           f"{r['pool']['bytes_out'] / 2**20:.1f} MiB out, {r['pool']['evictions']} evictions)" if r["pool"] else "")
         for r in rows
     ]
     arms = {r["arm"]: r for r in rows}
@@ -138,6 +155,11 @@ def describe(rows, args) -> list[str]:
         saved = arms[other]["prefill_tokens"] - aff["prefill_tokens"]
         details.append(f"affinity saves {saved} prefill tokens against {other} "
                        f"({divide(saved, arms[other]['prefill_tokens'], 'saved share'):.0%} of its prefill work)")
+    for policy in POLICIES:
+        saved = arms[policy]["prefill_tokens"] - arms[f"{policy}+pool"]["prefill_tokens"]
+        details.append(f"the pool saves {saved} prefill tokens under {policy} "
+                       f"({divide(saved, arms[policy]['prefill_tokens'], 'pool saved share'):.0%} of its prefill "
+                       f"work; bound {arms[policy]['prefill_tokens'] - arms[policy]['prefill_bound']})")
     details.append("outputs differ only where a prefix was recomputed instead of reused: float32 rounding of a "
                    "chunked prefill against the K/V decoding left flips a near-tied seeded sample (the one engine "
                    "with engine.prefix_cache off does the same); each arm's bound is taken from its own requests")
@@ -159,6 +181,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=384)
     ap.add_argument("--obs-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--pool-mib", type=int, default=512, help="the shared K/V pool's bound, MiB (the +pool arms)")
     ap.add_argument("--quick", action="store_true", help="the same path at the smallest size: a smoke run in seconds")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -167,7 +190,7 @@ def main() -> None:
         args.prompt_len, args.obs_len, args.new_tokens = 64, 16, 4
     model, tokenizer = load_model(ModelConfig(kind=args.model))
     programs = workload(tokenizer, args.groups, args.group_size, args.prompt_len, args.obs_len)
-    rows = [measure(name, model, tokenizer, programs, args) for name in ("one_engine", *POLICIES)]
+    rows = [measure(name, model, tokenizer, programs, args) for name in ("one_engine", *POLICIES, *POOLED)]
     details = describe(rows, args)
     aff = rows[1]  # the affinity arm (POLICIES[0])
     if args.quick:

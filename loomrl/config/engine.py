@@ -186,6 +186,13 @@ class EngineConfig(Section):
     no router. The built-in engine only (on a CPU a second instance shares the same cores: it saves prefill work,
     not time; docs/engines.md, 'Many instances: the router'); not with runtime.mode=sync (one model shared with the
     trainer)"""
+    kv_pool_bytes: int = Field(0, ge=0)
+    """the built-in engine: bytes of host memory for a K/V pool shared by the engine.instances of this process
+    (engine/kv_pool.py); 0: none. Finished turns' K/V prefixes are copied in under the weight version, and a turn takes
+    from it what its instance's prefix cache lacks (a program moved to another instance, an entry evicted for the KV
+    budget) instead of recomputing; the router weighs fetching against recomputing. Every entry of an older version is
+    dropped at each weight update; past the bound the least recently used entry goes (docs/engines.md, 'A shared K/V
+    pool')"""
     router: Literal["affinity", "least_loaded", "round_robin"] = "affinity"
     """how the router places each request (engine.instances > 1): affinity keeps a program's turns and a GRPO group's
     siblings on one instance unless it is overloaded, else weighs each instance's queue against the prompt tokens it

@@ -72,19 +72,23 @@ def make_engine(setup: EngineSetup, model: Any, tokenizer: Any, version: int, re
 def _builtin_engines(setup: EngineSetup, model: Any, tokenizer: Any, version: int) -> Engine:
     """The built-in engine over `model`; with engine.instances > 1, a Router over that many, each over a copy of the
     model of its own (a deepcopy: every instance adds the model's parameters and its own engine.kv_budget_tokens of
-    K/V to this process's memory) and seeded seed + i (unseeded requests draw from different streams)."""
+    K/V to this process's memory) and seeded seed + i (unseeded requests draw from different streams). With
+    engine.kv_pool_bytes, one SharedKVPool is built here and shared by every instance (with one instance it is a second
+    level beyond the prefix cache's budget), and the router weighs fetching from it against recomputing."""
     import copy
 
     from loomrl.engine.builtin.engine import BuiltinEngine
+    from loomrl.engine.kv_pool import PoolFetch, SharedKVPool
 
     e = setup.engine
+    pool = SharedKVPool(capacity_bytes=e.kv_pool_bytes) if e.kv_pool_bytes else None
 
     def one(i: int) -> BuiltinEngine:
         return BuiltinEngine(model if i == 0 else copy.deepcopy(model), eos_token_id=tokenizer.eos_token_id,
                              kv_budget_tokens=e.kv_budget_tokens, max_running=e.max_batch_size or BUILTIN_MAX_RUNNING,
                              max_prefill_tokens=e.max_prefill_tokens, prefix_cache=e.prefix_cache,
                              seed=setup.seed + i, version=version, tokenizer=tokenizer, speculation=e.speculation,
-                             program_policy=e.program_policy, max_pauses_in_row=e.max_pauses_in_row)
+                             program_policy=e.program_policy, max_pauses_in_row=e.max_pauses_in_row, kv_pool=pool)
 
     if e.instances == 1:
         return one(0)
@@ -98,4 +102,7 @@ def _builtin_engines(setup: EngineSetup, model: Any, tokenizer: Any, version: in
         for engine in built:  # no engine thread left behind
             engine.close()
         raise
-    return Router(built, policy=e.router)
+    router = Router(built, policy=e.router)
+    if pool is not None:  # the placer's cost compares fetching from the pool with recomputing, at its measured rate
+        router.placer.fetch = PoolFetch(pool=pool, prefill_tokens_per_s=lambda: router.placer.prefill_tokens_per_s)
+    return router

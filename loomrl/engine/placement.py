@@ -12,13 +12,13 @@ so no placement is ever made on the K/V of older weights.
 The affinity cost of placing a prompt of P tokens on instance i, in seconds:
     queue_i     = in flight at i / i's measured rate (requests finished per second while it had work: Little's law)
     recompute_i = (P - prefix i holds by the index) / the measured prefill rate (prompt tokens per second)
-    fetch_i     = a seam for fetching the missing prefix's K/V from a shared pool (KVFetch; none is built yet): where
+    fetch_i     = a seam for fetching the missing prefix's K/V from a shared pool (KVFetch; kv_pool.py PoolFetch, engine.kv_pool_bytes): where
                   it is offered and cheaper, it replaces recompute_i.
 A program's turns go to the instance that ran its last turn, and a GRPO group's siblings to the instance of the first
 one, unless that instance has more than `imbalance` requests in flight above the least loaded one (overloaded); then,
 and for a request with no home, the cost decides.
 
-What it is not: the router (router.py runs the requests, fans out weights, retries on a fault); a K/V pool.
+What it is not: the router (router.py runs the requests, fans out weights, retries on a fault); a K/V pool (kv_pool.py).
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class InstanceLoad:
 
 
 class KVFetch(Protocol):
-    """The seam for a shared K/V pool (not built): the seconds to fetch the K/V of `tokens`[held:] into an instance
+    """The seam for a shared K/V pool (kv_pool.py PoolFetch): the seconds to fetch the K/V of `tokens`[held:] into an instance
     holding their first `held`, or None where the pool does not have them."""
 
     def fetch_s(self, tokens: list[int], held: int) -> float | None: ...

@@ -14,7 +14,7 @@ Metrics: `metrics` sums the instances' counters (a live view: the runtime keeps 
 `instances[i].metrics` are each one's; `placement` is the router's own (placements by reason, prefix tokens expected
 against those the instances report reused, retries).
 
-What it is not: a K/V pool (placement.KVFetch is its seam), a prefill/decode split, or the Ray wiring (an engine actor
+What it is not: a K/V pool (engine/kv_pool.py, priced through placement.KVFetch), a prefill/decode split, or the Ray wiring (an engine actor
 or rollout actor that builds its engine with make_engine gets a router inside it; nothing routes across actors).
 """
 
@@ -82,7 +82,7 @@ class PlacementMetrics:
 class Router:
     """An Engine over `instances` (each a whole engine: its own model, K/V and thread), placing each request by
     `policy`; `imbalance`: requests in flight above the least loaded instance beyond which a program's or group's
-    instance counts as overloaded; `fetch`: a K/V pool's cost (none is built)."""
+    instance counts as overloaded; `fetch`: a K/V pool's cost (kv_pool.PoolFetch; None without a pool)."""
 
     def __init__(self, instances: Sequence[Engine], *, policy: Policy = "affinity", imbalance: int = 8,
                  fetch: KVFetch | None = None):

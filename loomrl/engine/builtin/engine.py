@@ -14,6 +14,11 @@ acting between turns), group and K/V tokens; when the KV budget needs room, engi
 program whose cached K/V is dropped (paused), and its next turn recomputes it (restored). `lru` (the default) leaves the
 choice to the prefix cache's least-recently-used order, request by request.
 
+Shared K/V pool (engine/kv_pool.py, engine.kv_pool_bytes; none by default): with one, a finished turn's K/V is also
+copied into the pool under the engine's weight version, and every admitted turn asks it for more of its prompt than the
+prefix cache holds (a program moved here from another instance, an entry this cache evicted). A turn that was running
+across a weight update is not put (its K/V mixes two versions); the pool serves each version only to engines on it.
+
 Weights: `update_weights` is applied between steps, never within one; every token records the version of the weights
 that produced it. The prefix cache is cleared then (its K/V came from the old weights); running sequences keep their
 K/V, as vLLM's in-flight updates do. `interrupt()` ends every in-flight request at the next step boundary with
@@ -65,6 +70,9 @@ from loomrl.engine.builtin.scheduler import Batch, Scheduler, Seq
 from loomrl.engine.builtin.speculation import DraftPolicy, StepCost, verify
 from loomrl.weights.fingerprint import Fingerprint, fingerprint_of
 
+if TYPE_CHECKING:
+    from loomrl.engine.kv_pool import SharedKVPool
+
 log = logging.getLogger("loomrl")
 
 if TYPE_CHECKING:
@@ -93,7 +101,8 @@ class BuiltinEngine(TakesTensors):
     def __init__(self, model: PreTrainedModel, *, eos_token_id: int, kv_budget_tokens: int = 65536,
                  max_running: int = 64, max_prefill_tokens: int = 4096, prefix_cache: bool = True,
                  seed: int = 0, version: int = 0, tokenizer=None, speculation: SpeculationConfig | None = None,
-                 program_policy: ProgramPolicy = "lru", max_pauses_in_row: int = 2):
+                 program_policy: ProgramPolicy = "lru", max_pauses_in_row: int = 2,
+                 kv_pool: SharedKVPool | None = None):
         self.runner = ModelRunner(model)
         self.model = model
         self.eos_token_id = eos_token_id
@@ -104,7 +113,12 @@ class BuiltinEngine(TakesTensors):
                                      decode_seq_tokens=0)
         self.kv_budget = kv_budget_tokens  # the protocol's: the server refuses requests that cannot fit
         self.step_cost = StepCost()  # the engine's decode step seconds against tokens: what drafts cost
-        self.programs = ProgramTable(program_policy, max_pauses_in_row=max_pauses_in_row)
+        self.kv_pool = kv_pool
+        if kv_pool is not None:
+            kv_pool.new_version(version)
+        self._crossed: set[Seq] = set()  # running across a weight update: their K/V mixes versions (never pooled)
+        self.programs = ProgramTable(program_policy, max_pauses_in_row=max_pauses_in_row, pool=kv_pool,
+                                     version=lambda: self._version)
         self.sched = Scheduler(self.runner, self.cache, self.metrics, kv_budget=kv_budget_tokens,
                                max_running=max_running, max_prefill_tokens=max_prefill_tokens, programs=self.programs)
         self._speculate(speculation)
@@ -268,6 +282,7 @@ class BuiltinEngine(TakesTensors):
         if self.cache is not None:
             self.cache.clear()
         self.programs.cleared()
+        self._crossed.clear()
 
     def _serve(self) -> bool:
         """One pass of the loop: weights, interrupts, borrowed calls, then a step. False once closed."""
@@ -338,6 +353,9 @@ class BuiltinEngine(TakesTensors):
         self.programs.cleared()
         if self.drafter is not None:
             self.drafter.drop()  # what siblings sampled from the old weights
+        if self.kv_pool is not None:
+            self._crossed.update(self.sched.running)
+            self.kv_pool.new_version(version)  # the first instance to load it drops the old version's entries
         self._version = version
         deliver(fut)
 
@@ -404,6 +422,9 @@ class BuiltinEngine(TakesTensors):
             # whose K/V was never computed).
             self.cache.insert(seq.kv_tokens(), seq.kv, seq.request.program_id)
             kept = min(len(seq.kv_tokens()), seq.kv.length)
+        if self.kv_pool is not None and seq.kv is not None and reason != "interrupted" and seq not in self._crossed:
+            self.kv_pool.put(seq.kv_tokens(), seq.kv, self._version)
+        self._crossed.discard(seq)
         self.programs.finished(seq.request.program_id, kept)
         self.sched.retire(seq)
         deliver(seq.future, GenerationResult(token_ids=list(seq.out_tokens), logprobs=list(seq.out_logprobs),

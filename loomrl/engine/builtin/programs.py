@@ -5,8 +5,9 @@ white-box agent loop and black-box gateway alike. Its phase is `reasoning` while
 `acting` from the moment its last request finished (it waits on a tool) until its next request or
 `release(program_id)`. An acting program's K/V stays in the prefix cache for its next turn; when the KV budget needs
 room, the scheduler asks `victim` which acting program to PAUSE (all its cached entries dropped at once), and the
-program's next turn RESTORES it: its prefix is recomputed (`fetch` is the seam where a shared KV pool will hand it
-back instead). Tokens are exact: each SequenceKV records the program it was computed for (`held_tokens`).
+program's next turn RESTORES it: its prefix is recomputed, or fetched from a shared K/V pool when the engine has one
+(`fetch`; engine/kv_pool.py, engine.kv_pool_bytes). Tokens are exact: each SequenceKV records the program it was
+computed for (`held_tokens`).
 
 Under a program policy (not `lru`) the scheduler also treats K/V as the program's: admission reserves a turn's whole
 output (max_tokens) up front, pausing acting programs for it, so a running turn is not preempted as it grows (lru
@@ -26,9 +27,9 @@ Policies (engine.program_policy):
   `max_pauses_in_row` turns in a row is not paused by the policy again until one of its turns finds its K/V; when
   only such programs are left, the cache's LRU decides, as today.
 
-What this is not: a KV pool, a router, or a preemptor of running sequences (scheduler.py preempts those). Recompute a
-weight update causes (the prefix cache is cleared: its K/V came from old weights) is every policy's cost and is not
-counted as a restore's.
+What this is not: the KV pool (engine/kv_pool.py; this table only asks it), a router, or a preemptor of running
+sequences (scheduler.py preempts those). Recompute a weight update causes (the prefix cache is cleared: its K/V came
+from old weights) is every policy's cost and is not counted as a restore's.
 """
 
 from __future__ import annotations
@@ -37,10 +38,13 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from loomrl.engine.base import GenerationRequest
 from loomrl.engine.builtin.runner import SequenceKV
+
+if TYPE_CHECKING:
+    from loomrl.engine.kv_pool import SharedKVPool
 
 ProgramPolicy = Literal["lru", "smallest_first", "longest_wait"]
 _WAIT_EMA = 0.5  # weight of the newest tool wait in a program's mean
@@ -85,10 +89,12 @@ class ProgramTable:
     """Per program id: phase, group, exact K/V tokens held, last activity; picks the program to pause."""
 
     def __init__(self, policy: ProgramPolicy = "lru", *, max_pauses_in_row: int = 2,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, pool: SharedKVPool | None = None,
+                 version: Callable[[], int] = lambda: 0):
         if max_pauses_in_row < 1:
             raise ValueError(f"max_pauses_in_row must be at least 1, got {max_pauses_in_row}")
         self.policy, self.max_pauses_in_row, self.clock = policy, max_pauses_in_row, clock
+        self.pool, self.version = pool, version  # version: the engine's weight version now (the pool serves only it)
         self.programs: dict[str, Program] = {}
         self.metrics = ProgramMetrics()
         self._mean_wait_s: float | None = None  # over all programs: the guess for one not seen returning yet
@@ -193,10 +199,13 @@ class ProgramTable:
         self.metrics.paused += 1
         self.metrics.max_pauses_in_row = max(self.metrics.max_pauses_in_row, p.pauses_in_row)
 
-    def fetch(self, program_id: str, tokens: list[int]) -> tuple[int, SequenceKV | None]:
-        """The seam for a shared KV pool: how many leading `tokens` of a restoring program it can hand back, and the
-        K/V holding them. Here nothing: a restore recomputes."""
-        return 0, None
+    def fetch(self, program_id: str, tokens: list[int], held: int = 0) -> tuple[int, SequenceKV | None]:
+        """How many leading `tokens` (more than the `held` the prefix cache gave) the shared KV pool hands back for a
+        turn of `program_id`, and the K/V holding them (read only); (0, None) without a pool: a restore recomputes.
+        The scheduler asks for every turn when there is a pool, for a paused program's restore otherwise."""
+        if self.pool is None:
+            return 0, None
+        return self.pool.get(tokens, self.version(), held)
 
 
 def held_tokens(kvs: Iterable[SequenceKV]) -> dict[str, int]:

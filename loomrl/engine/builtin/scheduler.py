@@ -3,7 +3,8 @@
 A KV budget (tokens) bounds what running sequences and the prefix cache hold together: admission waits for room, the
 prefix cache gives up entries first (those of a program the ProgramTable pauses, programs.py, else the least recently
 used), and when running sequences outgrow the budget the most recently admitted one is preempted (its KV dropped; it
-requeues with its sampled tokens and is recomputed later, its result unchanged). Under a program policy
+requeues with its sampled tokens and is recomputed later, its result unchanged). A shared K/V pool (engine/kv_pool.py),
+when the engine has one, may hand an admitted turn more of its prompt than the prefix cache holds. Under a program policy
 (engine.program_policy other than lru) admission reserves each turn's whole output, so preemption is left for what the
 reservation could not foresee. A step's batch mixes the decode tokens of all running sequences with prefill chunks of
 newly admitted ones, within max_prefill_tokens. With speculation (a GroupDrafter and a DraftPolicy), a decoding
@@ -240,8 +241,10 @@ class Scheduler:
             if self.cache is not None:
                 hit, donor = self.cache.match(seq.prompt[:-1])  # the last token must be computed
                 program = self.programs.get(seq.request.program_id)
-                if program is not None and program.paused:  # a restore: a KV pool may hold more than the cache
-                    fetched, kv = self.programs.fetch(program.program_id, seq.prompt[:-1])
+                # a shared KV pool may hold more than the cache: asked for every turn when there is one (a turn moved
+                # from another instance, an entry this cache evicted), else only for a paused program's restore
+                if self.programs.pool is not None or (program is not None and program.paused):
+                    fetched, kv = self.programs.fetch(seq.request.program_id, seq.prompt[:-1], hit)
                     if fetched > hit and kv is not None:
                         hit, donor = fetched, kv
                 # what a sibling admitted now would leave in the cache: all but its prompt's last token at most

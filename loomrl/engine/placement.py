@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -84,22 +85,23 @@ class InstanceLoad:
     busy_s: float = 0.0  # wall seconds with at least one request in flight (closed intervals)
     busy_since: float | None = None
     faulted_until: float = 0.0  # monotonic time before which new requests avoid it (it just faulted)
+    clock: Callable[[], float] = time.monotonic  # planning/cluster_sim.py passes its simulated clock
 
     def start(self) -> None:
         if self.inflight == 0:
-            self.busy_since = time.monotonic()
+            self.busy_since = self.clock()
         self.inflight += 1
 
     def end(self, finished: bool) -> None:
         self.inflight -= 1
         self.finished += finished
         if self.inflight == 0 and self.busy_since is not None:
-            self.busy_s += time.monotonic() - self.busy_since
+            self.busy_s += self.clock() - self.busy_since
             self.busy_since = None
 
     def rate(self) -> float:
         """Requests finished per busy second (the prior until it has finished a few)."""
-        busy = self.busy_s + (time.monotonic() - self.busy_since if self.busy_since is not None else 0.0)
+        busy = self.busy_s + (self.clock() - self.busy_since if self.busy_since is not None else 0.0)
         if self.finished < MIN_FINISHED or busy <= 0:
             return PRIOR_REQUESTS_PER_S
         return self.finished / busy

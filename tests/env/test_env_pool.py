@@ -20,6 +20,9 @@ from loomrl.env.sandbox import SandboxError, make_sandbox
 from loomrl.env.sandbox.bwrap import bwrap_available
 from loomrl.env.sandbox.quota import unmount
 
+# integration: each test starts a pool of sandbox processes (make test-fast leaves them out; make test runs them)
+pytestmark = pytest.mark.integration
+
 
 async def _prepare(sb):
     sb.write_file("repo/main.py", "print('v1')\n")

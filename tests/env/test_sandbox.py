@@ -18,7 +18,9 @@ from loomrl.env.sandbox import make_sandbox
 from loomrl.env.sandbox.base import ExecResult, SandboxError
 from loomrl.env.sandbox.bwrap import bwrap_available
 
-pytestmark = pytest.mark.skipif(not bwrap_available(), reason="bubblewrap not installed (make test installs it)")
+# integration: each test starts sandboxed processes (make test-fast leaves them out; make test runs them)
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(not bwrap_available(), reason="bubblewrap not installed (make test installs it)")]
 
 SIBLING = "import hashlib; print(hashlib.sha256(b'sibling' * 100000).hexdigest())"
 SIBLING_OUT = __import__("hashlib").sha256(b"sibling" * 100000).hexdigest()

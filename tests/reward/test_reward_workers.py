@@ -15,6 +15,9 @@ from loomrl.reward.pool import RewardPool
 from loomrl.rollout.worker import reward_fn_for
 from loomrl.types import RolloutStatus, Task, TokenSpan, Trajectory, Turn
 
+# integration: each test starts reward worker processes (make test-fast leaves them out; make test runs them)
+pytestmark = pytest.mark.integration
+
 M = "trl_rewards_for_tests"
 TASK = Task(task_id="t", prompt="q", answer="42")
 

@@ -37,7 +37,7 @@ from loomrl.engine.base import (
     TakesTensors,
 )
 from loomrl.engine.factory import make_engine
-from loomrl.engine.readings import Reading, read_engine
+from loomrl.engine.readings import Reading, reading_of
 from loomrl.errors import error_line
 from loomrl.model.loader import load_engine_model
 from loomrl.weights.bucket import BucketRef
@@ -194,7 +194,7 @@ class EngineActor(Placed):
 
     def reading(self) -> Reading:
         """The engine's counters now (engine/readings.py), taken here: their up_s is by this process's clock."""
-        return read_engine(self.engine.metrics)
+        return reading_of(self.engine)
 
     def close(self) -> EngineMetrics:
         self.engine.close()

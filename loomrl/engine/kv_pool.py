@@ -26,6 +26,7 @@ connector: on GPUs vLLM's KV connectors (LMCache, its CPU offloading) and SGLang
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -52,6 +53,10 @@ class KVPoolMetrics:
     puts: int = 0
     evictions: int = 0  # entries dropped for the byte bound
     version_drops: int = 0  # entries dropped because a newer version was published
+
+    def counts(self) -> dict[str, float]:
+        """As step metrics (engine/readings.py): engine/kv_pool_<counter>, each the step's change."""
+        return {f"kv_pool_{f.name}": getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 @dataclass(slots=True, kw_only=True)

@@ -12,7 +12,9 @@ does not even build a router for one).
 
 Metrics: `metrics` sums the instances' counters (a live view: the runtime keeps the record and reads it each step);
 `instances[i].metrics` are each one's; `placement` is the router's own (placements by reason, prefix tokens expected
-against those the instances report reused, retries).
+against those the instances report reused, retries). `counters()` (engine/readings.py KeepsCounters) gives the
+placement counters and the instances' own (programs, the shared K/V pool) to the step metrics:
+engine/router_placed_<reason>, engine/router_retries, engine/programs_paused, engine/kv_pool_hits, ...
 
 What it is not: a K/V pool (engine/kv_pool.py, priced through placement.KVFetch), a prefill/decode split, or the Ray wiring (an engine actor
 or rollout actor that builds its engine with make_engine gets a router inside it; nothing routes across actors).
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from loomrl.engine.base import Engine, EngineFault, EngineMetrics, GenerationRequest, GenerationResult
 from loomrl.engine.placement import InstanceLoad, KVFetch, Placer, Policy, PrefixIndex
+from loomrl.engine.readings import Counters, KeepsCounters, counters_of
 from loomrl.weights.fingerprint import Fingerprint, check
 
 if TYPE_CHECKING:
@@ -78,8 +81,17 @@ class PlacementMetrics:
     retry_failed: int = 0  # of those, the ones that failed there too
     index_resets: int = 0  # weight updates that emptied the prefix index
 
+    def counts(self) -> dict[str, float]:
+        """As step metrics (engine/readings.py), each the step's change: engine/router_placed_<reason> (summed over the
+        reasons: the requests placed, a retry's second placement included), engine/router_expected_prefix_tokens,
+        engine/router_retries, engine/router_retry_failed, engine/router_index_resets."""
+        out: dict[str, float] = {f"router_placed_{reason}": n for reason, n in self.placements.items()}
+        out.update(router_expected_prefix_tokens=self.expected_prefix_tokens, router_retries=self.retried,
+                   router_retry_failed=self.retry_failed, router_index_resets=self.index_resets)
+        return out
 
-class Router:
+
+class Router(KeepsCounters):
     """An Engine over `instances` (each a whole engine: its own model, K/V and thread), placing each request by
     `policy`; `imbalance`: requests in flight above the least loaded instance beyond which a program's or group's
     instance counts as overloaded; `fetch`: a K/V pool's cost (kv_pool.PoolFetch; None without a pool)."""
@@ -107,6 +119,17 @@ class Router:
     def reused_tokens(self) -> int:
         """Prompt tokens the instances served from their prefix caches (the router's expected tokens are placement's)."""
         return self.metrics.reused_tokens
+
+    def counters(self) -> Counters:
+        """Its placement counters (PlacementMetrics.counts) and its instances' own (KeepsCounters), summed; a K/V pool
+        the instances share is counted once."""
+        with self._lock:
+            out = Counters(counts=self.placement.counts())
+        for e in self.instances:
+            more = counters_of(e)
+            if more is not None:
+                out.add(more())
+        return out
 
     # -- requests ---------------------------------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> GenerationResult:

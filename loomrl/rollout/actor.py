@@ -19,7 +19,7 @@ from loomrl.config import RolloutPoolConfig, TrainerConfig
 from loomrl.engine.actor import RemoteEngine, WeightGate
 from loomrl.engine.base import Engine
 from loomrl.engine.factory import make_engine
-from loomrl.engine.readings import Reading, read_engine
+from loomrl.engine.readings import Reading, reading_of
 from loomrl.env.pool import Leases
 from loomrl.env.registry import prepared_tasks
 from loomrl.env.remote import RemoteEnvPool
@@ -72,7 +72,7 @@ class RolloutSide:
     def engine_reading(self) -> Reading:
         """Its engine's counters now (engine/readings.py): the Ray driver reads them each step. With an engine actor,
         the client's counts (the driver reads the engine actors instead)."""
-        return read_engine(self.engine.metrics)
+        return reading_of(self.engine)
 
     async def close(self) -> tuple[dict[str, dict[str, int]], dict[str, float]]:
         """Tear down sandboxes and the engine; returns the episode counts and the env pool's metrics (read

@@ -85,7 +85,7 @@ class LocalRollouts(Rollouts):
         # sync: the engine serves the trainer's own model (float32 on trainer.device; config.load_config refused
         # any other model.dtype or model.device), so it is loaded as the trainer's
         rollout = self.rollout = RolloutSide(cfg.rollout_pool(), self.ckpt, trainer=cfg.trainer if self.sync else None)
-        self.delta = EngineDelta(rollout.engine.metrics)  # busy time, queue, prefix hits: engine/readings.py
+        self.delta = EngineDelta.of(rollout.engine)  # busy time, queue, prefix hits, router/pool: engine/readings.py
 
     def dispatch(self, position: int) -> asyncio.Future:
         return asyncio.ensure_future(self.side().worker.run_group(position))

@@ -68,6 +68,7 @@ from loomrl.engine.builtin.programs import ProgramPolicy, ProgramTable
 from loomrl.engine.builtin.runner import ModelRunner
 from loomrl.engine.builtin.scheduler import Batch, Scheduler, Seq
 from loomrl.engine.builtin.speculation import DraftPolicy, StepCost, verify
+from loomrl.engine.readings import Counters, KeepsCounters
 from loomrl.weights.fingerprint import Fingerprint, fingerprint_of
 
 if TYPE_CHECKING:
@@ -95,7 +96,7 @@ def deliver(fut: concurrent.futures.Future, result: Any = None, exception: BaseE
 CLOSE_WAIT_S = 600.0  # close(): for the step or borrowed call in flight, past the first 10 s
 
 
-class BuiltinEngine(TakesTensors):
+class BuiltinEngine(TakesTensors, KeepsCounters):
     """Engine protocol implementation; thread-safe, awaited from asyncio."""
 
     def __init__(self, model: PreTrainedModel, *, eos_token_id: int, kv_budget_tokens: int = 65536,
@@ -137,6 +138,16 @@ class BuiltinEngine(TakesTensors):
     @property
     def version(self) -> int:
         return self._version
+
+    def counters(self) -> Counters:
+        """Its program table's counters (programs.py ProgramMetrics.counters) and, with a K/V pool, the pool's
+        (kv_pool.py; shared: a router over instances that share it counts it once). Read without the engine's lock, as
+        its EngineMetrics are: each counter is a whole int, and a weight load holding the lock must not stall the
+        caller's event loop."""
+        out = self.programs.metrics.counters()
+        if self.kv_pool is not None:
+            out.shared[id(self.kv_pool)] = self.kv_pool.metrics.counts()
+        return out
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         return await asyncio.wrap_future(self.submit(request))

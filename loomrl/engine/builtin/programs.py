@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Literal
 
 from loomrl.engine.base import GenerationRequest
 from loomrl.engine.builtin.runner import SequenceKV
+from loomrl.engine.readings import Counters
 
 if TYPE_CHECKING:
     from loomrl.engine.kv_pool import SharedKVPool
@@ -83,6 +84,15 @@ class ProgramMetrics:
     max_wait_s: float = 0.0  # longest a turn waited for admission to the running batch
     max_restore_wait_s: float = 0.0  # ... among turns that restored a program
     max_pauses_in_row: int = 0
+
+    def counters(self) -> Counters:
+        """As step metrics (engine/readings.py): engine/programs_paused, _restored, _recomputed_tokens (changes), and
+        engine/programs_max_wait_s, _max_restore_wait_s, _max_pauses_in_row (since the engine started)."""
+        return Counters(counts={"programs_paused": self.paused, "programs_restored": self.restored,
+                                "programs_recomputed_tokens": self.recomputed_tokens},
+                        peaks={"programs_max_wait_s": self.max_wait_s,
+                               "programs_max_restore_wait_s": self.max_restore_wait_s,
+                               "programs_max_pauses_in_row": self.max_pauses_in_row})
 
 
 class ProgramTable:

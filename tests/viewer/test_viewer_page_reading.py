@@ -26,6 +26,8 @@ CHARTS = """Object.fromEntries(Object.entries(loomrlView.charts).map(([id, c]) =
   return [id, { series: u.series.slice(1).map((s, i) => ({ label: s.label, dash: s.dash || null,
     stroke: typeof s.stroke === "function" ? s.stroke(u, i + 1) : s.stroke })), xticks: u.axes[0]._values }]; }))"""
 # A CSS colour as the browser computes it ("rgb(31, 119, 180)"), to compare a hex stroke with a badge's background.
+# The step list is the chosen run's (fillSteps signs it `run:steps:pending`; every run's list has a "-1" option).
+STEPS_OF = "run => (document.querySelector('#f-step').dataset.sig || '').startsWith(run + ':')"
 RGB = """c => { const e = document.createElement("span"); e.style.color = c; document.body.append(e);
   const v = getComputedStyle(e).color; e.remove(); return v; }"""
 
@@ -138,7 +140,7 @@ def test_a_member_whose_reward_failed_is_labelled_so(page, runs):
     page.goto(page.viewer_url + "/?tab=trajectories")
     page.wait_for_selector(".group .member")
     page.select_option("#f-run", other.name)
-    page.wait_for_function("[...document.querySelectorAll('#f-step option')].some(o => o.value === '-1')")
+    page.wait_for_function(STEPS_OF, arg=other.name)
     page.select_option("#f-step", "-1")
     failed = page.locator(f".member[data-id={ids['failed']}]")
     failed.wait_for()
@@ -159,7 +161,7 @@ def test_a_late_answer_for_filters_no_longer_chosen_is_not_drawn(page, runs):
                else held.append(route))
     try:
         page.select_option("#f-run", other.name)
-        page.wait_for_function("[...document.querySelectorAll('#f-step option')].some(o => o.value === '-1')")
+        page.wait_for_function(STEPS_OF, arg=other.name)
         page.select_option("#f-step", "-1")
         failed = page.locator(f".member[data-id={ids['failed']}]")
         failed.wait_for()

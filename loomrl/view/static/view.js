@@ -250,11 +250,11 @@ const $ = id => document.getElementById(id);
 async function fillSteps() {
   const run = $("f-run").value, store = $("f-store").value;
   const sel = $("f-step");
-  const keep = sel.value;
   if (store !== "trajectories") { sel.replaceChildren(el("option", { value: "" }, "all")); sel.disabled = true; return; }
   const asked = view.stepsAsked = (view.stepsAsked || 0) + 1;
   const s = await api("/api/steps", { run });
   if (asked !== view.stepsAsked) return;  // a later call (another run chosen meanwhile) fills the list
+  const keep = sel.value;  // read now, not before the wait: a step chosen meanwhile is the one to keep
   const sig = `${run}:${s.steps.length}:${s.pending}`;
   if (sel.dataset.sig === sig && !sel.disabled) return;  // unchanged: an open list is left alone
   sel.dataset.sig = sig;

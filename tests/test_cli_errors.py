@@ -102,11 +102,13 @@ def _import_reward_as_the_console_script(tmp_path: Path, spec: str) -> subproces
                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
 
 
+@pytest.mark.integration  # starts the console script in a python process
 def test_a_reward_module_in_the_current_directory_imports_from_the_console_script(tmp_path):
     run = _import_reward_as_the_console_script(tmp_path, "my_rewards:score")
     assert run.returncode == 0 and run.stdout.strip() == "score", run.stderr
 
 
+@pytest.mark.integration  # starts the console script in a python process
 def test_a_reward_function_that_does_not_import_says_where_it_was_looked_up(tmp_path):
     run = _import_reward_as_the_console_script(tmp_path, "my_reward:score")
     assert run.returncode == 1

@@ -114,6 +114,7 @@ def test_a_reply_without_a_tool_call_is_the_final_answer():
     assert step.done and step.info["final_answer"] == "It is 7."
 
 
+@pytest.mark.integration  # starts a pool sandbox
 def test_a_sandbox_tool_runs_in_a_pool_sandbox_and_a_dead_pool_is_an_env_crash():
     async def go():
         pool = await EnvPool(lambda: make_sandbox("auto"), size=1).start()

@@ -15,7 +15,8 @@ class SGLangConfig(Section):
 
     base_url: str | list[str] | None = None
     """e.g. http://gpu-node:30000 (required with engine.kind=sglang); a list: several servers, one per engine actor
-    (runtime.backend=ray with ray.engine.count its length; engine actor i drives server i)"""
+    (runtime.backend=ray with ray.engine.count its length; engine actor i drives server i), or with engine.instances its
+    length one client of each behind the router in this process (engine/replicas.py)"""
     timeout_s: float = Field(600.0, gt=0)
     """one /generate call"""
     control_timeout_s: float = Field(60.0, gt=0)
@@ -129,7 +130,8 @@ class VLLMConfig(Section):
     """The HTTP variant (engine/vllm/http.py): the address of a vLLM server the user runs (its docstring lists the flags
     it needs); None: AsyncLLM in this process. With it set the server's own flags decide max_model_len, block_size, the
     K/V cache and the rest above; dtype (the weights' dtype on the wire; auto: the server's), weight_bucket_bytes and
-    update_timeout_s still apply a list: several servers, one per engine actor (as engine.sglang's)"""
+    update_timeout_s still apply. A list: several servers, one per engine actor (as engine.sglang's), or with
+    engine.instances its length one client of each behind the router in this process (engine/replicas.py)"""
     timeout_s: float = Field(600.0, gt=0)
     """one /inference/v1/generate call"""
     control_timeout_s: float = Field(60.0, gt=0)
@@ -182,10 +184,11 @@ class EngineConfig(Section):
     training step (vLLM sleep, SGLang release_memory_occupation) and take it back after, before the new weights;
     rollouts in flight pause meanwhile. The built-in engine has nothing to free (a no-op on the CPU)"""
     instances: int = Field(1, ge=1)
-    """engines behind one router (engine/router.py), each with its own model copy, K/V cache and thread; 1: one engine,
-    no router. The built-in engine only (on a CPU a second instance shares the same cores: it saves prefill work,
-    not time; docs/engines.md, 'Many instances: the router'); not with runtime.mode=sync (one model shared with the
-    trainer)"""
+    """engines behind one router (engine/router.py); 1: one engine, no router. The built-in engine: each instance its
+    own model copy, K/V cache and thread (on a CPU a second instance shares the same cores: it saves prefill work, not
+    time; docs/engines.md, 'Many instances: the router'). vLLM or SGLang over HTTP: engine.<kind>.base_url must list
+    exactly this many servers, one client each behind the router (engine/replicas.py); with instances 1 such a list is
+    instead one server per Ray engine actor. Not with runtime.mode=sync (one model shared with the trainer)"""
     kv_pool_bytes: int = Field(0, ge=0)
     """the built-in engine: bytes of host memory for a K/V pool shared by the engine.instances of this process
     (engine/kv_pool.py); 0: none. Finished turns' K/V prefixes are copied in under the weight version, and a turn takes
@@ -193,19 +196,59 @@ class EngineConfig(Section):
     budget) instead of recomputing; the router weighs fetching against recomputing. Every entry of an older version is
     dropped at each weight update; past the bound the least recently used entry goes (docs/engines.md, 'A shared K/V
     pool')"""
+    kv_pool_dir: str = ""
+    """with engine.kv_pool_bytes: "" keeps the pool in this process (its engine.instances share it); a folder, best on
+    tmpfs (e.g. /dev/shm/loomrl-<run>: host memory), shares it with every engine process on this node given the same
+    folder (Ray engine actors, several `loomrl serve`): one file per entry and an SQLite index (engine/kv_files.py),
+    kv_pool_bytes bounding all of them together. One folder per run: processes sharing it must load the same weights
+    for a version number. Created if absent; a folder no live process uses is wiped when opened (stale) and removed
+    by the last process to close it"""
     router: Literal["affinity", "least_loaded", "round_robin"] = "affinity"
     """how the router places each request (engine.instances > 1): affinity keeps a program's turns and a GRPO group's
     siblings on one instance unless it is overloaded, else weighs each instance's queue against the prompt tokens it
     would recompute; least_loaded: the fewest requests in flight; round_robin: in turn"""
+    prefill_instances: int = Field(0, ge=0)
+    """prefill/decode split (engine/split.py; built-in instances sharing engine.kv_pool_bytes): the first this many of
+    engine.instances only prefill prompts into the K/V pool (least loaded first), the rest only decode (placed by
+    engine.router), fetching the prompt's K/V from the pool; 0: no split. A prefill that fails only costs its recompute"""
+    pd_min_prompt_tokens: int = Field(64, ge=1)
+    """with engine.prefill_instances: prompts with fewer tokens left to compute (beyond what the pool or a decode
+    instance holds) go straight to a decode instance"""
+    chunk_tokens: int | None = Field(None, ge=1)
+    """divided rollout (Seer; engine/split.py; needs engine.kv_pool_bytes): a request is generated in chunks of at most
+    this many tokens, each later chunk on the least loaded (decode) instance, which fetches the previous chunk's K/V
+    from the pool. Chunks after the first sample with a seed of their own: the distribution of an undivided request,
+    not its tokens. Requests with stop strings are not divided; None: off"""
     sglang: SGLangConfig = Field(default_factory=SGLangConfig)
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
     @model_validator(mode="after")
     def _instances_are_builtin(self) -> EngineConfig:
-        if self.instances > 1 and self.kind != "builtin":
-            raise ValueError(f"engine.instances={self.instances} needs engine.kind=builtin: several vLLM or SGLang "
-                             f"servers are engine actors on Ray (engine.{self.kind}.base_url as a list, "
-                             "ray.engine.count); the router does not front them yet")
+        """engine.instances > 1: built-in engines, or exactly that many vLLM/SGLang servers for the router to front."""
+        if self.instances == 1 or self.kind == "builtin":
+            return self
+        urls = self.vllm.base_url if self.kind == "vllm" else self.sglang.base_url
+        if not isinstance(urls, list) or len(urls) != self.instances:
+            listed = f"lists {len(urls)}" if isinstance(urls, list) else f"is {urls!r}"
+            raise ValueError(f"engine.instances={self.instances} needs engine.kind=builtin, or "
+                             f"engine.{self.kind}.base_url listing {self.instances} servers (one client of each behind "
+                             f"the router; in-process vLLM is one engine), but engine.{self.kind}.base_url {listed}")
+        return self
+
+    @model_validator(mode="after")
+    def _split_over_a_pool(self) -> EngineConfig:
+        """The prefill/decode split and divided rollout move K/V between built-in instances through the pool."""
+        field = "engine.prefill_instances" if self.prefill_instances else "engine.chunk_tokens"
+        if not (self.prefill_instances or self.chunk_tokens is not None):
+            return self
+        if self.kind != "builtin" or self.instances < 2 or not self.kv_pool_bytes or not self.prefix_cache:
+            raise ValueError(f"{field} needs engine.kind=builtin with engine.instances > 1, engine.kv_pool_bytes > 0 "
+                             f"and engine.prefix_cache (K/V moves between instances through the pool), but kind is "
+                             f"{self.kind}, instances {self.instances}, kv_pool_bytes {self.kv_pool_bytes}, prefix_cache "
+                             f"{self.prefix_cache}")
+        if self.prefill_instances >= self.instances:
+            raise ValueError(f"engine.prefill_instances={self.prefill_instances} must be below engine.instances="
+                             f"{self.instances}: at least one instance decodes")
         return self
 
     @model_validator(mode="after")

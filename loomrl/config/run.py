@@ -84,8 +84,16 @@ class RunConfig(Section):
     def _one_actor_per_engine_server(self) -> RunConfig:
         kind = self.engine.kind
         urls = {"sglang": self.engine.sglang.base_url, "vllm": self.engine.vllm.base_url}.get(kind)
-        if isinstance(urls, list) and len(urls) > 1 and (self.runtime.backend != "ray" or
-                                                         self.ray.engine.count != len(urls)):
+        if not isinstance(urls, list) or len(urls) < 2:
+            return self
+        if self.engine.instances > 1:  # one router in each process fronts every server (engine/replicas.py)
+            if self.runtime.backend == "ray" and self.ray.engine.count:
+                raise ValueError(f"engine.instances={self.engine.instances} puts a router over every server in "
+                                 f"engine.{kind}.base_url, but ray.engine.count={self.ray.engine.count} gives each "
+                                 f"engine actor one server: set engine.instances=1 (actor i drives server i) or "
+                                 f"ray.engine.count=0")
+            return self
+        if self.runtime.backend != "ray" or self.ray.engine.count != len(urls):
             raise ValueError(f"engine.{kind}.base_url lists {len(urls)} servers: one engine actor drives each, so "
                              f"set runtime.backend=ray and ray.engine.count={len(urls)}")
         return self

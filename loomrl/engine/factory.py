@@ -39,8 +39,13 @@ def make_engine(setup: EngineSetup, model: Any, tokenizer: Any, version: int, re
     server (engine.vllm.base_url; `model` gives the parameter names and shapes), or vLLM's AsyncLLM over the folder
     `model` was loaded from (saved to a temporary one when it has none). All but the built-in one take a meta-device
     skeleton (model/loader.py load_engine_model): they never read the weights of `model`. engine.instances > 1 (the
-    built-in engine only): a Router (engine/router.py) over that many."""
+    built-in engine): a Router (engine/router.py) over that many; with vLLM or SGLang servers, a Router over one client
+    of each server engine.<kind>.base_url lists (engine/replicas.py)."""
     e = setup.engine
+    if e.instances > 1 and e.kind != "builtin":
+        from loomrl.engine.replicas import server_replicas
+
+        return server_replicas(setup, lambda one, i: make_engine(one, model, tokenizer, version, replica=i))
     if e.kind == "sglang":
         return _sglang_engine(e, model, version, replica)
     if e.kind == "vllm" and e.vllm.base_url:
@@ -78,10 +83,11 @@ def _builtin_engines(setup: EngineSetup, model: Any, tokenizer: Any, version: in
     import copy
 
     from loomrl.engine.builtin.engine import BuiltinEngine
-    from loomrl.engine.kv_pool import PoolFetch, SharedKVPool
+    from loomrl.engine.kv_pool import PoolFetch, open_pool
 
     e = setup.engine
-    pool = SharedKVPool(capacity_bytes=e.kv_pool_bytes) if e.kv_pool_bytes else None
+    # engine.kv_pool_dir: shared with the other engine processes given the same folder (engine/kv_files.py)
+    pool = open_pool(e.kv_pool_bytes, e.kv_pool_dir) if e.kv_pool_bytes else None
 
     def one(i: int) -> BuiltinEngine:
         return BuiltinEngine(model if i == 0 else copy.deepcopy(model), eos_token_id=tokenizer.eos_token_id,
@@ -102,7 +108,13 @@ def _builtin_engines(setup: EngineSetup, model: Any, tokenizer: Any, version: in
         for engine in built:  # no engine thread left behind
             engine.close()
         raise
-    router = Router(built, policy=e.router)
+    split = None
+    if pool is not None and (e.prefill_instances or e.chunk_tokens is not None):  # engine/split.py, over the pool
+        from loomrl.engine.split import SplitPlan
+
+        split = SplitPlan(pool=pool, prefill_instances=e.prefill_instances, min_prompt_tokens=e.pd_min_prompt_tokens,
+                          chunk_tokens=e.chunk_tokens)
+    router = Router(built, policy=e.router, split=split)
     if pool is not None:  # the placer's cost compares fetching from the pool with recomputing, at its measured rate
         router.placer.fetch = PoolFetch(pool=pool, prefill_tokens_per_s=lambda: router.placer.prefill_tokens_per_s)
     return router

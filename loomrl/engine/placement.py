@@ -18,6 +18,9 @@ A program's turns go to the instance that ran its last turn, and a GRPO group's 
 one, unless that instance has more than `imbalance` requests in flight above the least loaded one (overloaded); then,
 and for a request with no home, the cost decides.
 
+`least_loaded` also serves the prefill/decode split and divided rollout (split.py), which place some requests by load
+whatever the policy, among the instances of one role.
+
 What it is not: the router (router.py runs the requests, fans out weights, retries on a fault); a K/V pool (kv_pool.py).
 """
 
@@ -117,7 +120,9 @@ class KVFetch(Protocol):
 @dataclass(slots=True, kw_only=True)
 class Choice:
     instance: int
-    reason: str  # round_robin, least_loaded, program, group, prefix (the cost, with a prefix held), load (no prefix)
+    # round_robin, least_loaded, program, group, prefix (the cost, with a prefix held), load (no prefix); split.py's
+    # pd_prefill (a prompt's prefill instance) and chunk (a divided rollout's later chunk)
+    reason: str
     expected: int  # prompt tokens the chosen instance likely holds (the index's estimate)
 
 
@@ -138,19 +143,14 @@ class Placer:
     def choose(self, request: GenerationRequest, exclude: frozenset[int] = frozenset()) -> Choice:
         """The instance for `request`, never one in `exclude` (an instance that failed it); instances that faulted
         recently are avoided while others remain."""
-        now = time.monotonic()
-        allowed = [i for i in range(len(self.loads)) if i not in exclude]
-        if not allowed:
-            raise ValueError("Placer.choose: every instance is excluded")
-        healthy = [i for i in allowed if self.loads[i].faulted_until <= now] or allowed
+        healthy = self._healthy(exclude)
         prompt = request.prompt_ids
         if self.policy == "round_robin":
             pick = min(healthy, key=lambda i: (i - self.turn) % len(self.loads))
             self.turn = (pick + 1) % len(self.loads)
             return Choice(instance=pick, reason="round_robin", expected=self.indexes[pick].held(prompt))
         if self.policy == "least_loaded":
-            pick = min(healthy, key=lambda i: (self.loads[i].inflight, i))
-            return Choice(instance=pick, reason="least_loaded", expected=self.indexes[pick].held(prompt))
+            return self.least_loaded(request, exclude)
         least = min(self.loads[i].inflight for i in healthy)
         for key, homes, reason in ((request.program_id, self.programs, "program"),
                                    (request.group_id, self.groups, "group")):
@@ -160,6 +160,23 @@ class Placer:
         costs = [(self.cost(i, prompt), i) for i in healthy]
         (_, held), pick = min(costs)
         return Choice(instance=pick, reason="prefix" if held else "load", expected=held)
+
+    def least_loaded(self, request: GenerationRequest, exclude: frozenset[int] = frozenset(),
+                     reason: str = "least_loaded", prefer: int | None = None) -> Choice:
+        """The instance with the fewest requests in flight (`prefer`, then the lowest index, among equals), whatever
+        the policy: the prefill/decode split's prefill instances and divided rollout's later chunks (split.py, which
+        prefers the instance of the chunk before: its prefix cache holds the K/V) are placed so."""
+        pick = min(self._healthy(exclude), key=lambda i: (self.loads[i].inflight, i != prefer, i))
+        return Choice(instance=pick, reason=reason, expected=self.indexes[pick].held(request.prompt_ids))
+
+    def _healthy(self, exclude: frozenset[int]) -> list[int]:
+        """The instances not in `exclude`, less those that faulted recently while any other remains; ValueError when
+        every instance is excluded."""
+        now = time.monotonic()
+        allowed = [i for i in range(len(self.loads)) if i not in exclude]
+        if not allowed:
+            raise ValueError("Placer.choose: every instance is excluded")
+        return [i for i in allowed if self.loads[i].faulted_until <= now] or allowed
 
     def cost(self, i: int, prompt: list[int]) -> tuple[float, int]:
         """(seconds, prefix tokens held): queue + the cheaper of recomputing and fetching what i lacks."""

@@ -16,7 +16,9 @@ against those the instances report reused, retries). `counters()` (engine/readin
 placement counters and the instances' own (programs, the shared K/V pool) to the step metrics:
 engine/router_placed_<reason>, engine/router_retries, engine/programs_paused, engine/kv_pool_hits, ...
 
-What it is not: a K/V pool (engine/kv_pool.py, priced through placement.KVFetch), a prefill/decode split, or the Ray wiring (an engine actor
+Prefill/decode split and divided rollout (engine.prefill_instances, engine.chunk_tokens): split.py, over `attempt`.
+
+What it is not: a K/V pool (engine/kv_pool.py, priced through placement.KVFetch), or the Ray wiring (an engine actor
 or rollout actor that builds its engine with make_engine gets a router inside it; nothing routes across actors).
 """
 
@@ -33,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from loomrl.engine.base import Engine, EngineFault, EngineMetrics, GenerationRequest, GenerationResult
 from loomrl.engine.placement import InstanceLoad, KVFetch, Placer, Policy, PrefixIndex
 from loomrl.engine.readings import Counters, KeepsCounters, counters_of
+from loomrl.engine.split import Choose, Split, SplitMetrics, SplitPlan
 from loomrl.weights.fingerprint import Fingerprint, check
 
 if TYPE_CHECKING:
@@ -80,24 +83,29 @@ class PlacementMetrics:
     retried: int = 0  # requests run again on another instance after theirs faulted
     retry_failed: int = 0  # of those, the ones that failed there too
     index_resets: int = 0  # weight updates that emptied the prefix index
+    split: SplitMetrics | None = None  # the prefill/decode split's and divided rollout's (split.py), when on
 
     def counts(self) -> dict[str, float]:
         """As step metrics (engine/readings.py), each the step's change: engine/router_placed_<reason> (summed over the
         reasons: the requests placed, a retry's second placement included), engine/router_expected_prefix_tokens,
-        engine/router_retries, engine/router_retry_failed, engine/router_index_resets."""
+        engine/router_retries, engine/router_retry_failed, engine/router_index_resets, and with a split (split.py)
+        its SplitMetrics.counts (engine/router_pd_prefills, engine/router_chunks, ...)."""
         out: dict[str, float] = {f"router_placed_{reason}": n for reason, n in self.placements.items()}
         out.update(router_expected_prefix_tokens=self.expected_prefix_tokens, router_retries=self.retried,
                    router_retry_failed=self.retry_failed, router_index_resets=self.index_resets)
+        if self.split is not None:
+            out.update(self.split.counts())
         return out
 
 
 class Router(KeepsCounters):
     """An Engine over `instances` (each a whole engine: its own model, K/V and thread), placing each request by
     `policy`; `imbalance`: requests in flight above the least loaded instance beyond which a program's or group's
-    instance counts as overloaded; `fetch`: a K/V pool's cost (kv_pool.PoolFetch; None without a pool)."""
+    instance counts as overloaded; `fetch`: a K/V pool's cost (kv_pool.PoolFetch; None without a pool); `split`: the
+    prefill/decode split and divided rollout over that pool (split.py; None: neither)."""
 
     def __init__(self, instances: Sequence[Engine], *, policy: Policy = "affinity", imbalance: int = 8,
-                 fetch: KVFetch | None = None):
+                 fetch: KVFetch | None = None, split: SplitPlan | None = None):
         if not instances:
             raise ValueError("Router: needs at least one engine instance")
         self.instances = list(instances)
@@ -110,6 +118,9 @@ class Router(KeepsCounters):
         self._version = self.instances[0].version
         self._epoch = 0  # bumped at each weight update: a request sent before it adds nothing to the index after it
         self._lock = threading.Lock()  # placement runs on the event loop, updates on a thread (asyncio.to_thread)
+        self.split = Split(self, split) if split is not None and len(self.instances) > 1 else None
+        if self.split is not None:
+            self.placement.split = self.split.metrics
 
     @property
     def version(self) -> int:
@@ -135,26 +146,43 @@ class Router(KeepsCounters):
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         if len(self.instances) == 1:
             return await self.instances[0].generate(request)
-        first = self._place(request, frozenset())
+        if self.split is not None:
+            return await self.split.generate(request)
+        return (await self.attempt(request))[1]
+
+    async def attempt(self, request: GenerationRequest, choose: Choose | None = None) -> tuple[int, GenerationResult]:
+        """(instance, result) of `request` placed by `choose` (the policy's Placer.choose by default); on an
+        EngineFault once more on another instance `choose` allows (none left: the fault, naming the instance)."""
+        choose = choose or self.placer.choose
+        first = self._place(request, frozenset(), choose)
         try:
-            return await self._run(first, request)
+            return first, await self._run(first, request)
         except EngineFault as err:
             # its output so far is lost with the fault (an EngineFault carries none): run it again, from its prompt
+            try:
+                second = self._place(request, frozenset({first}), choose)
+            except ValueError:
+                raise EngineFault(f"router: instance {first} failed the request ({err}); no other instance may "
+                                  "run it") from err
             with self._lock:
                 self.placement.retried += 1
-            second = self._place(request, frozenset({first}))
             try:
-                return await self._run(second, request)
+                return second, await self._run(second, request)
             except EngineFault as again:
                 with self._lock:
                     self.placement.retry_failed += 1
                 raise EngineFault(f"router: instance {first} failed the request ({err}); retried once on instance "
                                   f"{second}, which failed too: {again}") from again
 
-    def _place(self, request: GenerationRequest, exclude: frozenset[int]) -> int:
+    async def once(self, request: GenerationRequest, choose: Choose) -> tuple[int, GenerationResult]:
+        """(instance, result) of `request` placed by `choose`, not retried (an EngineFault is the caller's)."""
+        i = self._place(request, frozenset(), choose)
+        return i, await self._run(i, request)
+
+    def _place(self, request: GenerationRequest, exclude: frozenset[int], choose: Choose) -> int:
         with self._lock:
             self.placer.prefill_tokens_per_s = self._prefill_rate()
-            choice = self.placer.choose(request, exclude)
+            choice = choose(request, exclude)
             p = self.placement
             p.placements[choice.reason] = p.placements.get(choice.reason, 0) + 1
             p.expected_prefix_tokens += choice.expected

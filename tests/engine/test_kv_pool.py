@@ -1,7 +1,8 @@
 """The shared K/V pool (engine/kv_pool.py): the longest prefix held for the current weight version, never a wrong prefix
 on a hash collision (forced), never an old version's K/V, a byte bound that drops the least recently used entry, its
 metrics; and wired into the built-in engine and the router: greedy outputs identical with the pool on and off, with
-fewer prompt tokens prefilled. Pool unit tests use standalone SequenceKVs of random values; the engine tests run the
+fewer prompt tokens prefilled; engine.kv_pool_dir builds the pool over a shared folder (tests/engine/test_kv_pool_shared.py
+shares one between processes). Pool unit tests use standalone SequenceKVs of random values; the engine tests run the
 real BuiltinEngine over the tiny random model."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from loomrl.engine.base import GenerationRequest, SamplingParams
 from loomrl.engine.builtin.engine import BuiltinEngine
 from loomrl.engine.builtin.runner import SequenceKV
 from loomrl.engine.factory import make_engine
+from loomrl.engine.kv_files import FileStore
 from loomrl.engine.kv_pool import PoolFetch, SharedKVPool
 from loomrl.engine.placement import BLOCK
 from loomrl.engine.router import Router
@@ -197,3 +199,31 @@ def test_after_a_weight_update_nothing_of_the_old_version_is_served(tiny_model, 
         assert len(pool) == 1 and pool.version == 1  # its turn is pooled under the new version
     finally:
         router.close()
+
+
+def test_only_a_newer_version_replaces_the_one_served():
+    """Engines of several processes publish their versions in any order: a late, older one changes nothing."""
+    pool = SharedKVPool(capacity_bytes=1 << 20)
+    pool.new_version(2)
+    pool.put(list(range(32)), _kv(32, 1), version=2)
+    pool.new_version(1)
+    assert pool.version == 2 and len(pool) == 1 and pool.metrics.version_drops == 0
+
+
+def test_kv_pool_dir_makes_the_factory_share_a_pool_folder(tiny_model, tokenizer, tmp_path):
+    folder = tmp_path / "pool"
+    setup = _setup(2, "round_robin", 64 << 20)
+    setup.engine.kv_pool_dir = str(folder)
+    router = make_engine(setup, tiny_model, tokenizer, 0)
+    assert isinstance(router, Router)
+    pool = router.instances[0].kv_pool
+    try:
+        assert pool is not None and isinstance(pool.store, FileStore) and pool.version == 0
+        assert {id(e.kv_pool) for e in router.instances} == {id(pool)}
+        _multi_turn(router, _programs(tokenizer, 1), turns=2)
+        assert pool.metrics.puts >= 1 and list((folder / "kv").glob("*.kv"))  # the entries are files in the folder
+    finally:
+        router.close()
+        if pool is not None:
+            pool.close()
+    assert not folder.exists()  # its last user removed it

@@ -1,6 +1,7 @@
 """The router over N built-in engines (engine/router.py, placement.py): outputs identical to one bare engine, program
 and group affinity, the prefix index scoped to the weight version, least_loaded and round_robin spreading, a request
-whose instance dies mid-generation completing once elsewhere, and weights reaching every instance or failing by name.
+whose instance dies mid-generation completing once elsewhere, weights reaching every instance or failing by name, and
+request priorities (Seer's, agent/priorities.py) reaching each instance's admission queue in order.
 Every engine here is a real BuiltinEngine over the tiny random model; an instance is killed by closing it."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 import pytest
 import torch
 
+from loomrl.agent.priorities import ProgramPriorities
 from loomrl.config import EngineConfig, EngineSetup, ModelConfig
 from loomrl.engine.base import EngineFault, GenerationRequest, SamplingParams
 from loomrl.engine.builtin.engine import BuiltinEngine
@@ -244,6 +246,48 @@ def test_summed_metrics_are_live(router3, tokenizer):
     assert held.requests == before + 1
     assert held.busy_s is not None and held.started <= min(e.metrics.started for e in router3.instances)
     assert threading.active_count() >= 3  # each instance runs its own engine thread
+
+
+def test_seer_priorities_reach_each_instances_admission_queue_in_order(tiny_model, tokenizer):
+    """engine.instances=2 (round_robin, one running slot each): each instance busy with a long request, six requests
+    with Seer's priorities (agent/priorities.py: a new group's probe first, then longest estimate first) queue three
+    per instance in another order; each instance admits (so finishes) its three by priority."""
+    seer = ProgramPriorities(budget_tokens=100)
+    for group, tokens in (("short", 5), ("long", 50)):  # each group's probe finished, its length known
+        seer.priority(group, f"{group}0")
+        seer.generated(group, f"{group}0", tokens)
+        seer.finished(group, f"{group}0")
+    asks = [("short", "short1"), ("long", "long1"), ("fresh", "fresh0"), ("short", "short2"), ("long", "long2"),
+            ("fresh", "fresh1")]
+    prios = [seer.priority(g, p) for g, p in asks]
+    setup = EngineSetup(engine=EngineConfig(instances=2, router="round_robin", max_batch_size=1),
+                        model=ModelConfig(kind="tiny"), seed=0, context_tokens=4096, interrupt_on_update=False, cpus=1)
+    router = make_engine(setup, tiny_model, tokenizer, 0)
+    prompt = _prompts(tokenizer)[0]
+    try:
+        async def go():
+            blockers = [asyncio.ensure_future(router.generate(_req(prompt, temperature=0.0, max_tokens=40,
+                                                                   ignore_eos=True))) for _ in range(2)]
+            while any(e.metrics.generated_tokens == 0 for e in router.instances):
+                await asyncio.sleep(0.001)
+            order: list[int] = []
+
+            async def one(k):
+                await router.generate(GenerationRequest(prompt_ids=prompt, program_id=asks[k][1], group_id=asks[k][0],
+                                                        priority=prios[k],
+                                                        sampling=SamplingParams(temperature=0.0, max_tokens=2)))
+                order.append(k)
+
+            await asyncio.gather(*[one(k) for k in range(6)], *blockers)
+            return order
+
+        order = asyncio.run(go())
+        for instance in (0, 1):  # round robin after the blockers: request k on instance k % 2
+            mine = [k for k in order if k % 2 == instance]
+            assert [prios[k] for k in mine] == sorted(prios[k] for k in mine), (instance, order, prios)
+        assert prios[2] < prios[1] < prios[0]  # the probe of a fresh group, then long before short
+    finally:
+        router.close()
 
 
 @pytest.mark.integration

@@ -5,8 +5,9 @@ What it is: a client of vLLM's OpenAI-compatible server, token ids in and out th
 server's flags, the routes each call uses, the metrics and the limits are in docs/engines.md, 'The vLLM-over-HTTP
 adapter's contract'; a server started without the flags the contract needs is refused when the adapter connects.
 
-What it is not: a launcher (the user runs the server), a client of several servers, or a fast weight path (every byte
-goes through JSON, base64, and the server's EngineCore sockets).
+What it is not: a launcher (the user runs the server), a client of several servers (engine/replicas.py puts one client
+per server behind the router), or a fast weight path (every byte goes through JSON, base64, and the server's
+EngineCore sockets).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from loomrl.engine.base import (
 )
 from loomrl.engine.http import ServerClient
 from loomrl.engine.neutral import NEUTRAL_PENALTIES
+from loomrl.engine.vllm.served import served_fingerprint
 from loomrl.engine.vllm.translate import finish_reason, token_versions
 from loomrl.engine.vllm.weights import checked_weights, to_wire, weight_buckets
 from loomrl.weights.fingerprint import Fingerprint
@@ -86,9 +88,18 @@ class VLLMHTTPEngine(TakesTensors):
         self._control.call(f"update_weights: version {version}", self.cfg.update_timeout_s, self._load, named, version)
 
     def weight_fingerprint(self, expected: Fingerprint) -> Fingerprint:
-        """Nothing to compare: a vLLM server reports no checksum of its weights (the runtime logs that the
-        fingerprint is not checked; the version is)."""
-        return Fingerprint(unchecked="a vLLM server reports no checksum of its loaded weights")
+        """The fingerprint of the server's loaded weights, read in its worker (worker.py loomrl_fingerprint, the
+        in-process adapter's) through the server's /collective_rpc (a dev-mode route: VLLM_SERVER_DEV_MODE=1, which
+        the adapter needs anyway); the router checks each replica's against the published one."""
+        self._life.check_open("weight_fingerprint")
+        return self._control.call("weight_fingerprint", self.cfg.update_timeout_s, served_fingerprint, expected,
+                                  self.version, self.shapes, self._rpc)
+
+    def _rpc(self, method: str, *args: Any) -> Any:
+        """`method` of worker.py's WorkerExtension on tensor-parallel rank 0's worker (args as JSON)."""
+        t = self.cfg.update_timeout_s
+        results = self._http.post("/collective_rpc", {"method": method, "args": list(args), "timeout": t}, t).json()
+        return results["results"][0]
 
     def interrupt(self) -> None:
         """Abort every in-flight request (they end "interrupted" with their partial output) and resume at once."""

@@ -207,6 +207,10 @@ class EngineConfig(Section):
     """how the router places each request (engine.instances > 1): affinity keeps a program's turns and a GRPO group's
     siblings on one instance unless it is overloaded, else weighs each instance's queue against the prompt tokens it
     would recompute; least_loaded: the fewest requests in flight; round_robin: in turn"""
+    retire_failed_instances: bool = True
+    """engine.instances > 1: an instance that fails a weight update the others passed (a replica killed, a device
+    lost) is retired (closed, logged by name, never placed on again; engine/router_retired counts it) and the run
+    goes on with the rest; false: the update fails the run, naming the instance. Every instance failing always fails"""
     prefill_instances: int = Field(0, ge=0)
     """prefill/decode split (engine/split.py; built-in instances sharing engine.kv_pool_bytes): the first this many of
     engine.instances only prefill prompts into the K/V pool (least loaded first), the rest only decode (placed by

@@ -114,7 +114,7 @@ def _builtin_engines(setup: EngineSetup, model: Any, tokenizer: Any, version: in
 
         split = SplitPlan(pool=pool, prefill_instances=e.prefill_instances, min_prompt_tokens=e.pd_min_prompt_tokens,
                           chunk_tokens=e.chunk_tokens)
-    router = Router(built, policy=e.router, split=split)
+    router = Router(built, policy=e.router, split=split, retire=e.retire_failed_instances)
     if pool is not None:  # the placer's cost compares fetching from the pool with recomputing, at its measured rate
         router.placer.fetch = PoolFetch(pool=pool, prefill_tokens_per_s=lambda: router.placer.prefill_tokens_per_s)
     return router

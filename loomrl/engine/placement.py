@@ -88,6 +88,7 @@ class InstanceLoad:
     busy_s: float = 0.0  # wall seconds with at least one request in flight (closed intervals)
     busy_since: float | None = None
     faulted_until: float = 0.0  # monotonic time before which new requests avoid it (it just faulted)
+    retired: bool = False  # it failed a weight update others passed: never placed on again (router.py)
     clock: Callable[[], float] = time.monotonic  # planning/cluster_sim.py passes its simulated clock
 
     def start(self) -> None:
@@ -173,9 +174,9 @@ class Placer:
         """The instances not in `exclude`, less those that faulted recently while any other remains; ValueError when
         every instance is excluded."""
         now = time.monotonic()
-        allowed = [i for i in range(len(self.loads)) if i not in exclude]
+        allowed = [i for i in range(len(self.loads)) if i not in exclude and not self.loads[i].retired]
         if not allowed:
-            raise ValueError("Placer.choose: every instance is excluded")
+            raise ValueError("Placer.choose: every instance is excluded or retired")
         return [i for i in allowed if self.loads[i].faulted_until <= now] or allowed
 
     def cost(self, i: int, prompt: list[int]) -> tuple[float, int]:

@@ -39,4 +39,4 @@ def server_replicas(setup: EngineSetup, client: Callable[[EngineSetup, int], Eng
         for engine in built:  # no client thread left behind
             engine.close()
         raise
-    return Router(built, policy=e.router)
+    return Router(built, policy=e.router, retire=e.retire_failed_instances)

@@ -4,7 +4,11 @@ gateway, `loomrl serve`, the runtime's weight route) is unchanged.
 Placement (placement.py): round_robin, least_loaded, or affinity (a program's turns and a GRPO group's siblings stay on
 one instance unless it is overloaded; otherwise a cost of queueing against recomputing the prefix it lacks, from a
 router-side prefix index scoped to the weight version). Weights, interrupts, sleep and wake fan out to every instance;
-the router reports a version only once every instance serves it, and a failure names the instance. release(program)
+the router reports a version only once every instance serves it, and a failure names the instance. An instance that
+fails a weight update the others passed (a replica killed, a device lost) is retired (engine.retire_failed_instances,
+on by default): closed, logged by name, never placed on again, left out of every later update and fingerprint, so
+that one lost instance does not stop a run; with retirement off, or when every instance fails, the update raises as
+before. A retired instance does not come back (restart the run to use it again). release(program)
 goes to the instance holding the program. A request whose instance faults (EngineFault) is run once more, from its
 prompt, on another instance: the fault returned no partial output (an EngineFault carries none), so nothing is returned
 twice and a seeded request gives the tokens it would have given. One instance is passed straight through (make_engine
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +45,8 @@ from loomrl.weights.fingerprint import Fingerprint, check
 
 if TYPE_CHECKING:
     from loomrl.weights.handle import Transport, WeightHandle
+
+log = logging.getLogger("loomrl")
 
 FAULT_COOLDOWN_S = 5.0  # new requests avoid an instance this long after it faulted (while another is healthy)
 
@@ -83,16 +90,19 @@ class PlacementMetrics:
     retried: int = 0  # requests run again on another instance after theirs faulted
     retry_failed: int = 0  # of those, the ones that failed there too
     index_resets: int = 0  # weight updates that emptied the prefix index
+    retired: int = 0  # instances retired after failing a weight update the others passed
     split: SplitMetrics | None = None  # the prefill/decode split's and divided rollout's (split.py), when on
 
     def counts(self) -> dict[str, float]:
         """As step metrics (engine/readings.py), each the step's change: engine/router_placed_<reason> (summed over the
         reasons: the requests placed, a retry's second placement included), engine/router_expected_prefix_tokens,
-        engine/router_retries, engine/router_retry_failed, engine/router_index_resets, and with a split (split.py)
+        engine/router_retries, engine/router_retry_failed, engine/router_index_resets, engine/router_retired, and with a
+        split (split.py)
         its SplitMetrics.counts (engine/router_pd_prefills, engine/router_chunks, ...)."""
         out: dict[str, float] = {f"router_placed_{reason}": n for reason, n in self.placements.items()}
         out.update(router_expected_prefix_tokens=self.expected_prefix_tokens, router_retries=self.retried,
-                   router_retry_failed=self.retry_failed, router_index_resets=self.index_resets)
+                   router_retry_failed=self.retry_failed, router_index_resets=self.index_resets,
+                   router_retired=self.retired)
         if self.split is not None:
             out.update(self.split.counts())
         return out
@@ -102,10 +112,11 @@ class Router(KeepsCounters):
     """An Engine over `instances` (each a whole engine: its own model, K/V and thread), placing each request by
     `policy`; `imbalance`: requests in flight above the least loaded instance beyond which a program's or group's
     instance counts as overloaded; `fetch`: a K/V pool's cost (kv_pool.PoolFetch; None without a pool); `split`: the
-    prefill/decode split and divided rollout over that pool (split.py; None: neither)."""
+    prefill/decode split and divided rollout over that pool (split.py; None: neither); `retire`: an instance that
+    fails a weight update the others passed is retired instead of failing the update."""
 
     def __init__(self, instances: Sequence[Engine], *, policy: Policy = "affinity", imbalance: int = 8,
-                 fetch: KVFetch | None = None, split: SplitPlan | None = None):
+                 fetch: KVFetch | None = None, split: SplitPlan | None = None, retire: bool = True):
         if not instances:
             raise ValueError("Router: needs at least one engine instance")
         self.instances = list(instances)
@@ -118,6 +129,7 @@ class Router(KeepsCounters):
         self._version = self.instances[0].version
         self._epoch = 0  # bumped at each weight update: a request sent before it adds nothing to the index after it
         self._lock = threading.Lock()  # placement runs on the event loop, updates on a thread (asyncio.to_thread)
+        self.retire = retire
         self.split = Split(self, split) if split is not None and len(self.instances) > 1 else None
         if self.split is not None:
             self.placement.split = self.split.metrics
@@ -161,9 +173,8 @@ class Router(KeepsCounters):
             # its output so far is lost with the fault (an EngineFault carries none): run it again, from its prompt
             try:
                 second = self._place(request, frozenset({first}), choose)
-            except ValueError:
-                raise EngineFault(f"router: instance {first} failed the request ({err}); no other instance may "
-                                  "run it") from err
+            except EngineFault as none:
+                raise EngineFault(f"router: instance {first} failed the request ({err}); {none}") from err
             with self._lock:
                 self.placement.retried += 1
             try:
@@ -182,7 +193,10 @@ class Router(KeepsCounters):
     def _place(self, request: GenerationRequest, exclude: frozenset[int], choose: Choose) -> int:
         with self._lock:
             self.placer.prefill_tokens_per_s = self._prefill_rate()
-            choice = choose(request, exclude)
+            try:
+                choice = choose(request, exclude)
+            except ValueError as err:  # every instance allowed to run it is excluded or retired
+                raise EngineFault(f"router: no other instance may run the request ({err})") from err
             p = self.placement
             p.placements[choice.reason] = p.placements.get(choice.reason, 0) + 1
             p.expected_prefix_tokens += choice.expected
@@ -228,20 +242,51 @@ class Router(KeepsCounters):
     def release(self, program_id: str) -> None:
         with self._lock:
             home = self.placer.programs.pop(program_id, None)
-        for e in self.instances if home is None else [self.instances[home]]:
-            e.release(program_id)
+        for i in self.live() if home is None else [home]:
+            self.instances[i].release(program_id)
 
     # -- weights and lifecycle: every instance ---------------------------------------------------------------
-    def _each(self, what: str, fn: Callable[[Engine], Any]) -> list[Any]:
-        """`fn` on every instance at once (each loads on its own thread); EngineFault naming every one that failed."""
-        with concurrent.futures.ThreadPoolExecutor(len(self.instances), thread_name_prefix="router") as pool:
-            futures = [pool.submit(fn, e) for e in self.instances]
-            outcomes = [f.exception() for f in futures]
-        failed = [f"instance {i} of {len(self.instances)}: {type(err).__name__}: {err}"
-                  for i, err in enumerate(outcomes) if err is not None]
-        if failed:
-            raise EngineFault(f"router: {what} failed on {len(failed)} instance(s): " + "; ".join(failed))
-        return [f.result() for f in futures]
+    def live(self) -> list[int]:
+        """The instances not retired."""
+        return [i for i, load in enumerate(self.placer.loads) if not load.retired]
+
+    def _each(self, what: str, fn: Callable[[Engine], Any], *, retire: bool = False) -> list[Any]:
+        """`fn` on every live instance at once (each loads on its own thread), their results in order; EngineFault
+        naming every one that failed. `retire` (weight updates, with self.retire): when some passed, the failed ones
+        are retired instead (retire_instances) and only the passed ones' results returned."""
+        live = self.live()
+        with concurrent.futures.ThreadPoolExecutor(len(live), thread_name_prefix="router") as pool:
+            futures = {i: pool.submit(fn, self.instances[i]) for i in live}
+            outcomes = {i: f.exception() for i, f in futures.items()}
+        failed = {i: f"instance {i} of {len(self.instances)}: {type(err).__name__}: {err}"
+                  for i, err in outcomes.items() if err is not None}
+        if failed and retire and self.retire and len(failed) < len(live):
+            self.retire_instances(failed, what)
+        elif failed:
+            raise EngineFault(f"router: {what} failed on {len(failed)} instance(s): " + "; ".join(failed.values()))
+        return [futures[i].result() for i in live if i not in failed]
+
+    def retire_instances(self, why: dict[int, str], what: str) -> None:
+        """Never place on these again; close them (best effort: they failed already)."""
+        with self._lock:
+            for i in why:
+                self.placer.loads[i].retired = True
+                self.placer.indexes[i].clear()
+                self.placement.retired += 1
+            for program, home in list(self.placer.programs.items()):  # their programs' K/V went with them
+                if home in why:
+                    del self.placer.programs[program]
+            for group, home in list(self.placer.groups.items()):
+                if home in why:
+                    del self.placer.groups[group]
+        log.warning("router: %s failed on %d of %d live instance(s), which are retired (engine."
+                    "retire_failed_instances): %s; %d instance(s) serve on", what, len(why), len(why) + len(self.live()),
+                    "; ".join(why.values()), len(self.live()))
+        for i in why:
+            try:
+                self.instances[i].close()
+            except Exception as err:  # noqa: BLE001 - it is gone either way; the reason is logged
+                log.warning("router: closing retired instance %d raised %s: %s", i, type(err).__name__, err)
 
     def _new_version(self) -> None:
         """Called before a load: the index's prefixes are of the old weights from now on."""
@@ -252,26 +297,26 @@ class Router(KeepsCounters):
 
     def update_weights(self, weights: dict | None, version: int) -> None:
         self._new_version()
-        self._each(f"update_weights to version {version}", lambda e: e.update_weights(weights, version))
+        self._each(f"update_weights to version {version}", lambda e: e.update_weights(weights, version), retire=True)
         self._version = version  # only once every instance serves it
 
     def update_from(self, handle: WeightHandle) -> None:
         self._new_version()
-        self._each(f"update_from version {handle.version}", lambda e: e.update_from(handle))
+        self._each(f"update_from version {handle.version}", lambda e: e.update_from(handle), retire=True)
         self._version = handle.version
 
     def weight_fingerprint(self, expected: Fingerprint) -> Fingerprint:
-        """Instance 0's fingerprint, once every other instance's has been checked against `expected` (a mismatch
-        names the instance; the caller checks instance 0's)."""
+        """The first live instance's fingerprint, once every other live one's has been checked against `expected` (a
+        mismatch names the instance; the caller checks the first's)."""
+        live = self.live()
         prints = self._each("weight_fingerprint", lambda e: e.weight_fingerprint(expected))
-        for i, (e, fp) in enumerate(zip(self.instances, prints)):
-            if i:
-                check(f"router instance {i}", self._version, expected, fp, e.version)
+        for i, fp in list(zip(live, prints))[1:]:
+            check(f"router instance {i}", self._version, expected, fp, self.instances[i].version)
         return prints[0]
 
     def interrupt(self) -> None:
-        for e in self.instances:
-            e.interrupt()
+        for i in self.live():
+            self.instances[i].interrupt()
 
     def sleep(self) -> None:
         self._each("sleep", lambda e: e.sleep())

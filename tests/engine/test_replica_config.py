@@ -88,6 +88,28 @@ def test_sglang_servers_sit_behind_the_router_one_client_each(two_fakes, tmp_pat
         router.close()
 
 
+def test_a_server_gone_for_good_is_retired_at_the_next_update_and_the_run_serves_on(tmp_path, tiny_model, tokenizer):
+    """A replica killed for good (its server stopped) fails the next weight update: the router retires it and the
+    other replica serves every later request."""
+    fakes = [FakeSGLang(), FakeSGLang()]
+    servers = [ServerThread(fake_app(f)) for f in fakes]
+    router = make_engine(_setup([s.url for s in servers], tmp_path), tiny_model, tokenizer, 0)
+    try:
+        servers[1].stop()
+        router.update_weights(tiny_model.state_dict(), 1)
+        assert router.version == 1 and router.live() == [0] and fakes[0].weight_version == "1"
+
+        async def four():
+            params = SamplingParams(max_tokens=4)
+            return await asyncio.gather(*[router.generate(GenerationRequest(prompt_ids=[3, 1, 4], sampling=params))
+                                          for _ in range(4)])
+
+        assert len(asyncio.run(four())) == 4 and len(fakes[0].bodies["/generate"]) == 4
+        assert router.placement.retired == 1 and router.placement.retried == 0
+    finally:
+        router.close()
+        servers[0].stop()
+
 def test_a_server_that_cannot_be_reached_closes_the_clients_built_before_it(two_fakes, tmp_path, tiny_model,
                                                                              tokenizer, monkeypatch):
     _, urls = two_fakes

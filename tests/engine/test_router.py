@@ -211,9 +211,40 @@ def test_weights_reach_every_instance_or_the_failure_names_it(tiny_model, tokeni
         with pytest.raises(WeightMismatch, match="router instance 1"):
             confirm_weights(router, "router", 1, published)
         router.instances[2].close()
+        router.retire = False  # as with engine.retire_failed_instances=false
         with pytest.raises(EngineFault, match="instance 2 of 3"):
             router.update_weights(weights, 2)
         assert router.version == 1  # not every instance reached 2
+    finally:
+        router.close()
+
+
+def test_an_instance_failing_a_weight_update_is_retired_and_the_rest_serve_on(tiny_model, tokenizer, caplog):
+    """engine.retire_failed_instances (default): one lost instance does not stop the run; it is named, counted, never
+    placed on again nor checked; every instance failing still fails the update."""
+    model = copy.deepcopy(tiny_model)
+    router = make_engine(_setup(3, "round_robin"), model, tokenizer, 0)
+    try:
+        weights = {k: v + 0.01 for k, v in model.state_dict().items()}
+        router.instances[1].close()  # gone: its update raises
+        with caplog.at_level("WARNING", logger="loomrl"):
+            router.update_weights(weights, 1)
+        assert router.version == 1 and router.live() == [0, 2] and router.placement.retired == 1
+        assert "instance 1 of 3" in caplog.text and "retired" in caplog.text
+        assert router.counters().counts["router_retired"] == 1
+        assert confirm_weights(router, "router", 1, fingerprint_of(weights)) > 0  # the live ones are checked
+        prompt = _prompts(tokenizer)[0]
+        done = _each(router, [_req(prompt, temperature=0.0, max_tokens=3) for _ in range(6)])  # round_robin: 0, 2, ...
+        assert all(len(r.token_ids) == 3 for r in done) and router.instances[1].metrics.finished == 0
+        assert router.placement.retried == 0  # nothing was even tried on the retired one
+        router.update_weights(weights, 2)  # later updates leave it out
+        assert [router.instances[i].version for i in router.live()] == [2, 2]
+        for i in router.live():
+            router.instances[i].close()
+        with pytest.raises(EngineFault, match="failed on 2 instance"):  # the last ones: the update fails
+            router.update_weights(weights, 3)
+        with pytest.raises(EngineFault, match="no other instance may run the request|closed"):
+            _each(router, [_req(prompt, temperature=0.0, max_tokens=3)])
     finally:
         router.close()
 

@@ -163,7 +163,9 @@ def _plan_parser(sub) -> None:
                         "latency, trainer tokens/s. Prints the environments that keep the engine busy, the pool size, "
                         "expected staleness, wall time and GPU-hours (machine-hours for a CPU run) per 1,000 groups "
                         "and the bottleneck; the flags predict another configuration of the same run "
-                        "(docs/planning.md).")
+                        "(docs/planning.md). A last section, SIMULATED, runs the cluster simulation on the run's shape "
+                        "for its engine config (router, program policy, K/V pool and budget, --instances): prefix hit "
+                        "rate, prefill saved, K/V pauses.")
     pl.add_argument("run", help="a run folder (output_dir/name)")
     pl.add_argument("--max-inflight", type=_number(int, 0, False), default=None,
                     help="predict with this runtime.max_inflight_trajectories (0: no cap)")
@@ -175,6 +177,10 @@ def _plan_parser(sub) -> None:
                     "buffer.max_policy_lag (async)")
     pl.add_argument("--gpus", type=_COUNT, default=None, help="GPUs the run holds, for GPU-hours (default: from the "
                     "run's config.yaml: ray num_gpus, or CUDA devices; a CPU run counts machine-hours)")
+    pl.add_argument("--instances", type=_COUNT, default=None, help="engine instances for the simulated section "
+                    "(default: --gpus, else the run's engine.instances); SIMULATED with a GPU cost model")
+    pl.add_argument("--kv-budget-tokens", type=_COUNT, default=None, help="each instance's K/V budget in the "
+                    "simulated section (default: the run's engine.kv_budget_tokens)")
     pl.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
 
@@ -307,13 +313,30 @@ def _plan(args) -> int:
     from loomrl.planning.measure import measure_run
     from loomrl.planning.predict import Shape, plan
     from loomrl.planning.report import plan_json, plan_table
+    from loomrl.planning.sim_plan import sim_json, sim_lines, simulate_plan
 
     measured = measure_run(Path(args.run))
     target = Shape.of(measured, max_inflight=args.max_inflight, groups_per_step=args.groups_per_step,
                       group_size=args.group_size, steps=args.steps, mode=args.mode, max_policy_lag=args.max_policy_lag)
     result = plan(measured, target, gpus=args.gpus)
-    print(json.dumps(plan_json(result)) if args.json else plan_table(result), flush=True)
+    sim = simulate_plan(_sim_inputs(args, measured, result.target.inflight, target.group_size))
+    if args.json:
+        print(json.dumps({**plan_json(result), "simulated": sim_json(sim)}), flush=True)
+    else:
+        print("\n".join([plan_table(result), *sim_lines(sim)]), flush=True)
     return 0
+
+
+def _sim_inputs(args, m, inflight: int, group_size: int):
+    """The simulated section's inputs: the run's engine config and measured shape, the flags' changes."""
+    from loomrl.planning.sim_plan import sim_inputs
+
+    e = m.engine
+    return sim_inputs(instances=args.instances or args.gpus or e.instances, router=e.router,
+                      program_policy=e.program_policy, pool=e.kv_pool, kv_budget_tokens=args.kv_budget_tokens
+                      or e.kv_budget_tokens, inflight=inflight, group_size=group_size, turns=m.turns,
+                      prompt_tokens=m.prompt_tokens, output_tokens=m.tokens_per_turn, obs_tokens=m.obs_tokens,
+                      tool_median_s=m.env_step.p50)
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:

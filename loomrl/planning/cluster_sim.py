@@ -9,17 +9,26 @@ What is real and what is simulated:
   K/V pool is `engine/kv_pool.py`'s `SharedKVPool` (its put, get, eviction and version bookkeeping) priced for the placer
   by its `PoolFetch`: the K/V it stores is a miniature (1 layer, 1 head, head_dim 1) standing in for the real one, and
   its two rate fields are set to the cost model's after each put (on real K/V it measures them).
-- Simulated: time only. An instance is a server with continuous batching: each step admits waiting requests (FIFO, up
-  to `max_batch` running), prefills what they do not find in the instance's prefix cache (or fetch from the pool), and
-  decodes one token for every running request. Its prefix cache is a `PrefixIndex` too (blocks of BLOCK tokens, least
-  recently used dropped first, a hit capped below the last prompt token and block-aligned, as vLLM's and SGLang's block
-  caches do). A program is an agent: turn after turn, its prompt is its last prompt + output + a tool observation,
-  and between turns it waits on a tool for a lognormal time.
+- Real too: each instance's ProgramTable (`engine/builtin/programs.py`, the built-in engine's own class, driven by the
+  simulated clock): it sees every arrival, admission (with the hit and the wait), finish and release, and its policy
+  (`program_policy`: lru, smallest_first, longest_wait) picks the program to pause when the instance's K/V budget
+  (the cost model's, from the GPU's memory less weights and activations) needs room; a paused program's next turn
+  restores by recompute, or from the pool (`ProgramTable.fetch`). The instance's memory rules are the built-in
+  scheduler's, over token counts (planning/sim_instance.py).
+- Simulated: time, and the K/V tensors. An instance is a server with continuous batching: each step admits waiting
+  requests (FIFO, up to `max_batch` running, while the budget allows), prefills what they do not find in its cache (or
+  fetch from the pool), and decodes one token for every running request. Its cache holds one entry per program (its
+  last turn's K/V, whole blocks of BLOCK tokens; a hit is capped below the last prompt token, as vLLM's and SGLang's
+  block caches do). A program is an agent: turn after turn, its prompt is its last prompt + output + a tool
+  observation, and between turns it waits on a tool for a lognormal time; after its last turn it is released.
+  Decode steps with nothing to admit run back to back as one event, cut short by an arrival at the step boundary
+  after it, so the rollout is the one a step-by-step run gives (a test compares both).
 
-Not simulated: a K/V budget on running requests (no pause/restore: `engine/builtin/programs.py`'s ProgramTable is not
-driven here, remaining work), chunked prefill, prefill/decode disaggregation, divided rollout, faults, weight updates
-mid-rollout, network contention on the pool. Every figure of the cost model is printed with its source (`assumptions`);
-where none was found it says "assumed".
+Not simulated: chunked prefill, prefill/decode disaggregation, divided rollout, faults, weight updates mid-rollout,
+network contention on the pool, sharing of one K/V block between programs inside an instance (each program's entry is
+its own copy, as in the built-in engine; vLLM's and SGLang's paged caches share a group's prompt blocks, so the budget
+binds them later than here). Every figure of the cost model is printed with its source (`assumptions`,
+planning/sim_costs.py); where none was found it says "assumed".
 
 The hit-rate bound: the prompt tokens one infinite cache shared by every instance would have served (everything any
 request left in K/V before this one was admitted, with the same cap and block alignment). No placement and no pool can
@@ -30,154 +39,56 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 import random
-from collections import deque
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from loomrl.engine.base import GenerationRequest, SamplingParams
+from loomrl.engine.builtin.programs import ProgramPolicy, ProgramTable
 from loomrl.engine.placement import BLOCK, InstanceLoad, Placer, Policy, PrefixIndex
+from loomrl.planning.sim_costs import SIMULATED, CostModel, cost_lines
+from loomrl.planning.sim_instance import SimInstance, SimTurn, extend_hashes, usable
+from loomrl.planning.sim_records import SimResult, Workload
+
+__all__ = ["ClusterSim", "CostModel", "SimResult", "Workload", "assumptions", "simulate"]
 
 if TYPE_CHECKING:
     from loomrl.engine.kv_pool import SharedKVPool
 
 VERSION = 0  # one weight version for the whole rollout (no update mid-rollout is simulated)
+DEFAULT_COST = CostModel()
 MINI_BYTES_PER_TOKEN = 4  # the pool's stand-in K/V: [1 layer, K and V, 1 head, token, head_dim 1] in float16
-
-# Each cost-model field's source: a citation, or "assumed" with the reasoning.
-SOURCES = {
-    "prefill_tokens_per_s": "derived: 989 TFLOP/s dense BF16 (NVIDIA H100 SXM datasheet) x 25% utilisation (assumed) / "
-                            "16 GFLOP per token (2 x 8e9 parameters, Llama-3-8B)",
-    "decode_base_s": "derived: 16 GB of BF16 weights read per step / 3.35 TB/s HBM3 (H100 SXM datasheet) = 4.8 ms, at "
-                     "~75% of that roofline as measured for vLLM at batch 1 on an A100 (johnmusgrave.com, 'vLLM "
-                     "throughput-latency sweep on NVIDIA A100': 75 tok/s, 77% of roofline) = 6.5 ms",
-    "decode_per_seq_s": "derived: each running sequence reads its K/V every step: ~3k tokens x 128 KiB / 3.35 TB/s "
-                        "= 0.12 ms, rounded up for attention overhead (assumed)",
-    "kv_bytes_per_token": "Llama-3-8B: 2 (K,V) x 32 layers x 8 KV heads x head_dim 128 x 2 bytes (BF16) = 128 KiB",
-    "transfer_bytes_per_s": "assumed: half of PCIe Gen5 x16's 64 GB/s per direction, or of a 400 Gb/s (50 GB/s) "
-                            "InfiniBand NDR NIC (NVIDIA ConnectX-7), to a host-memory pool",
-    "transfer_latency_s": "assumed: a fixed 1 ms per fetch (lookup, RDMA/DMA setup)",
-    "kv_capacity_tokens": "derived: (80 GB x 0.9 (vLLM gpu_memory_utilization default) - 16 GB weights - ~4 GB "
-                          "activations) / 128 KiB per token = ~400k tokens",
-    "max_batch": "vLLM's default max_num_seqs (256)",
-    "pool_tokens_per_instance": "assumed: 128 GiB of host memory per GPU for the pool / 128 KiB = 1M tokens",
-    "tool_median_s": "assumed: median tool call of 2 s (code execution, search); no published distribution found",
-    "tool_sigma": "assumed: lognormal sigma 1.0 (a long tail: p99 ~ 10x the median)",
-}
-
-
-@dataclass(slots=True, kw_only=True, frozen=True)
-class CostModel:
-    """Seconds per unit of work on one instance (defaults: Llama-3-8B, BF16, one H100 SXM; sources in SOURCES)."""
-
-    prefill_tokens_per_s: float = 15_000.0
-    decode_base_s: float = 0.0065  # a decode step at batch size 0 (weights read once per step)
-    decode_per_seq_s: float = 0.00015  # added per running sequence
-    kv_bytes_per_token: int = 2 * 32 * 8 * 128 * 2
-    transfer_bytes_per_s: float = 25e9
-    transfer_latency_s: float = 0.001
-    kv_capacity_tokens: int = 400_000
-    max_batch: int = 256
-    pool_tokens_per_instance: int = 1_000_000
-    tool_median_s: float = 2.0  # 0: no tool wait
-    tool_sigma: float = 1.0
-
-    def decode_step_s(self, batch: int) -> float:
-        return self.decode_base_s + self.decode_per_seq_s * batch
-
-    def tool_s(self, rng: random.Random) -> float:
-        return rng.lognormvariate(math.log(self.tool_median_s), self.tool_sigma) if self.tool_median_s > 0 else 0.0
-
-    def fetch_s(self, tokens: int) -> float:
-        return self.transfer_latency_s + tokens * self.kv_bytes_per_token / self.transfer_bytes_per_s if tokens else 0.0
-
-
-@dataclass(slots=True, kw_only=True, frozen=True)
-class Workload:
-    """`groups` GRPO groups of `group_size` programs; each program runs `turns` turns. The siblings of a group share
-    its first prompt (no prefix is shared across groups); each turn's output is `output_tokens` x a uniform factor in
-    [1 - output_jitter, 1 + output_jitter], and each observation `obs_tokens`; lengths and tool waits are drawn per
-    (program, turn) from `seed`, so every arm sees the same ones."""
-
-    groups: int
-    group_size: int = 8
-    turns: int = 4
-    prompt_tokens: int = 1024
-    output_tokens: int = 256
-    output_jitter: float = 0.5
-    obs_tokens: int = 128
-    seed: int = 0
-
-
-@dataclass(slots=True, kw_only=True)
-class SimResult:
-    """One arm's figures; `wall_s` is simulated seconds."""
-
-    policy: str
-    instances: int
-    programs: int
-    requests: int = 0
-    wall_s: float = 0.0
-    prompt_tokens: int = 0
-    reused_tokens: int = 0  # served from the instance's own prefix cache
-    pool_tokens: int = 0  # fetched from the shared pool
-    computed_tokens: int = 0  # prefilled: the prefill tokens recomputed
-    bound_tokens: int = 0  # what one infinite shared cache would have served
-    wall_bound_s: float = 0.0  # the longest program's path alone: its tool waits, decode at batch 1, bound's prefill
-    busy_s: float = 0.0  # instance-seconds spent in steps, summed over the instances (GPU time used)
-    max_queue: int = 0  # the most requests waiting (not yet admitted) at one instance at once
-    placements: dict[str, int] = field(default_factory=dict)  # by Choice.reason
-
-    @property
-    def hit_rate(self) -> float:
-        return (self.reused_tokens + self.pool_tokens) / max(self.prompt_tokens, 1)
-
-    @property
-    def hit_bound(self) -> float:
-        return self.bound_tokens / max(self.prompt_tokens, 1)
-
-
-@dataclass(slots=True, kw_only=True)
-class _Turn:
-    program: int
-    request: GenerationRequest
-    output: list[int]
-    steps_left: int
-
-
-def _floor_block(n: int) -> int:
-    return n // BLOCK * BLOCK
-
-
-def _usable(held: int, prompt_len: int) -> int:
-    """Of `held` prompt tokens cached, those a block cache serves: never the last prompt token, whole blocks only."""
-    return _floor_block(min(held, prompt_len - 1))
 
 
 class ClusterSim:
-    """One rollout of `workload` over `instances` simulated instances placed by the real Placer (`policy`), with or
-    without a shared K/V pool; `run()` returns its SimResult."""
+    """One rollout of `workload` over `instances` simulated instances placed by the real Placer (`policy`), each with a
+    real ProgramTable (`program_policy`) under the cost model's K/V budget, with or without a shared K/V pool; `run()`
+    returns its SimResult."""
 
-    def __init__(self, *, instances: int, policy: Policy, workload: Workload, cost: CostModel = CostModel(),
-                 pool: bool = False, imbalance: int = 8):
+    def __init__(self, *, instances: int, policy: Policy, workload: Workload, cost: CostModel = DEFAULT_COST,
+                 pool: bool = False, imbalance: int = 8, program_policy: ProgramPolicy = "lru"):
         self.cost, self.workload, self.now = cost, workload, 0.0
-        self.placer = Placer(policy=policy, indexes=[PrefixIndex(cost.kv_capacity_tokens) for _ in range(instances)],
+        budget = cost.kv_capacity_tokens
+        self.placer = Placer(policy=policy, indexes=[PrefixIndex(budget) for _ in range(instances)],
                              loads=[InstanceLoad(clock=self.clock) for _ in range(instances)], imbalance=imbalance,
                              prefill_tokens_per_s=cost.prefill_tokens_per_s)
-        self.caches = [PrefixIndex(cost.kv_capacity_tokens) for _ in range(instances)]  # what each engine holds
-        self.bound = PrefixIndex(1 << 60)  # everything ever left in K/V: the hit-rate bound
         self.pool = self._make_pool(instances) if pool else None
-        self.waiting: list[deque[_Turn]] = [deque() for _ in range(instances)]
-        self.running: list[list[_Turn]] = [[] for _ in range(instances)]
+        self.nodes = [SimInstance(budget=budget, max_batch=cost.max_batch,
+                                  table=ProgramTable(program_policy, clock=self.clock, pool=self.pool,
+                                                     version=lambda: VERSION))
+                      for _ in range(instances)]
+        self.bound: set[int] = set()  # every block ever left in K/V: the hit-rate bound (an infinite shared cache)
         self.stepping = [False] * instances
+        self.runs: list[tuple[float, float, int]] = [(0.0, 0.0, 1)] * instances  # (start, step seconds, steps)
+        self.live: list[int] = [-1] * instances  # the tie-break of each instance's pending step event
+        self.runs_ahead = True  # False: one event per step (a test checks both give the same rollout)
         self.events: list[tuple[float, int, str, int]] = []  # (time, tie-break, kind, program or instance)
         self.tie = itertools.count()
         self.contexts: list[list[int]] = []
+        self.hashes: list[list[int]] = []  # block hashes of each program's context
         self.turns_done: list[int] = []
         self.paths: list[float] = []  # each program's seconds with no other program in the way (the wall bound)
-        name = policy + ("+pool" if pool else "")
-        self.result = SimResult(policy=name, instances=instances, programs=workload.groups * workload.group_size)
+        self.result = SimResult(policy=policy + ("+pool" if pool else ""), program_policy=program_policy,
+                                instances=instances, programs=workload.groups * workload.group_size, kv_budget=budget)
 
     def clock(self) -> float:
         return self.now
@@ -211,21 +122,40 @@ class ClusterSim:
             prompt = list(range(g << 20, (g << 20) + w.prompt_tokens))  # below every program's ids: shared by siblings
             for s in range(w.group_size):
                 self.contexts.append(list(prompt))
+                self.hashes.append(extend_hashes([], prompt))
                 self.turns_done.append(0)
                 self.paths.append(0.0)
                 self._at(0.0, "arrive", g * w.group_size + s)
         while self.events:
-            self.now, _, kind, who = heapq.heappop(self.events)
+            t, tie, kind, who = heapq.heappop(self.events)
+            if kind == "step" and tie != self.live[who]:
+                continue  # a run of steps cut short by an arrival: its later end stands
+            self.now = t
             if kind == "arrive":
                 self._arrive(who)
             else:
                 self._step_end(who)
-        self.result.wall_s = self.now
-        self.result.wall_bound_s = max(self.paths)
-        return self.result
+        return self._close()
 
-    def _at(self, t: float, kind: str, who: int) -> None:
-        heapq.heappush(self.events, (t, next(self.tie), kind, who))
+    def _close(self) -> SimResult:
+        r = self.result
+        r.wall_s, r.wall_bound_s = self.now, max(self.paths)
+        for node in self.nodes:
+            m, c = node.table.metrics, node.counters
+            r.pauses += m.paused
+            r.restore_tokens += m.recomputed_tokens
+            r.max_wait_s = max(r.max_wait_s, m.max_wait_s)
+            r.restores_pool += c.restores_pool
+            r.restores_recompute += c.restores_recompute
+            r.preemptions += c.preemptions
+            r.max_held = max(r.max_held, c.max_held)
+            r.over_budget += c.over_budget
+        return r
+
+    def _at(self, t: float, kind: str, who: int) -> int:
+        tie = next(self.tie)
+        heapq.heappush(self.events, (t, tie, kind, who))
+        return tie
 
     # -- the router: the real Placer, and the bookkeeping Router._place and Router._run do around it -------------
     def _arrive(self, k: int) -> None:
@@ -240,28 +170,41 @@ class ClusterSim:
         self.placer.placed(request, i)
         self.placer.indexes[i].add(request.prompt_ids)
         self.placer.loads[i].start()
-        self.waiting[i].append(_Turn(program=k, request=request, output=self._tokens(k, t, n_out, 0), steps_left=n_out))
-        r.max_queue = max(r.max_queue, len(self.waiting[i]))
+        node = self.nodes[i]
+        node.table.started(request)  # the engine's generate: the program reasons
+        node.waiting.append(SimTurn(program=k, request=request, output=self._tokens(k, t, n_out, 0), steps_left=n_out,
+                                    queued_at=self.now, prompt=request.prompt_ids, hashes=self.hashes[k]))
+        r.max_queue = max(r.max_queue, len(node.waiting))
         if not self.stepping[i]:
             self._start_step(i)
+        else:
+            self._interrupt(i)
 
-    def _finish(self, i: int, turn: _Turn) -> None:
+    def _finish(self, i: int, turn: SimTurn) -> None:
         self.placer.loads[i].end(True)
-        prompt = turn.request.prompt_ids
+        prompt, k, w, r = turn.request.prompt_ids, turn.program, self.workload, self.result
         left = prompt + turn.output[:-1]  # the engine keeps the turn's K/V: prompt + output less its last token
         self.placer.indexes[i].add(left)
-        self.caches[i].add(left)
-        self.bound.add(left)
+        kept = extend_hashes(turn.hashes, left)
+        node = self.nodes[i]
+        node.set_entry(turn.pid, kept)
+        node.table.finished(turn.pid, len(kept) * BLOCK)  # a block cache keeps whole blocks
+        self.bound.update(kept)
         if self.pool is not None:
             self._put(left)
-        k, w = turn.program, self.workload
         self.turns_done[k] += 1
-        self.result.requests += 1
-        if self.turns_done[k] < w.turns:
-            self.contexts[k] = prompt + turn.output + self._tokens(k, self.turns_done[k] - 1, w.obs_tokens, 1)
-            wait = self.cost.tool_s(self._draw(k, -self.turns_done[k]))
-            self.paths[k] += wait
-            self._at(self.now + wait, "arrive", k)
+        r.requests += 1
+        r.decoded_tokens += len(turn.output)
+        if self.turns_done[k] == w.turns:
+            r.programs_done += 1
+            self.placer.programs.pop(turn.pid, None)  # Router.release: the program's home instance releases it
+            node.release(turn.pid)
+            return
+        self.contexts[k] = prompt + turn.output + self._tokens(k, self.turns_done[k] - 1, w.obs_tokens, 1)
+        self.hashes[k] = extend_hashes(kept, self.contexts[k])
+        wait = self.cost.tool_s(self._draw(k, -self.turns_done[k]))
+        self.paths[k] += wait
+        self._at(self.now + wait, "arrive", k)
 
     def _put(self, tokens: list[int]) -> None:
         from loomrl.engine.builtin.runner import SequenceKV  # the pooled arms only (torch)
@@ -278,65 +221,94 @@ class ClusterSim:
 
         return torch.float16
 
-    # -- an instance: continuous batching, time from the cost model ---------------------------------------------
-    def _admit(self, i: int, turn: _Turn) -> float:
-        """Seconds this turn adds to the step that admits it: prefill what it lacks, fetch what the pool has."""
-        prompt = turn.request.prompt_ids
-        reused = _usable(self.caches[i].held(prompt), len(prompt))
-        fetched = 0
-        if self.pool is not None:
-            n, _ = self.pool.get(prompt, VERSION, held=reused)
-            fetched = max(0, _usable(n, len(prompt)) - reused)
-        r = self.result
-        r.prompt_tokens += len(prompt)
-        r.reused_tokens += reused
-        r.pool_tokens += fetched
-        r.computed_tokens += len(prompt) - reused - fetched
-        bound = _usable(self.bound.held(prompt), len(prompt))
+    # -- an instance: continuous batching under its K/V budget, time from the cost model -----------------------
+    def _fetch(self, i: int, turn: SimTurn) -> int:
+        """Prompt tokens past the instance's cache that the pool serves, through the instance's ProgramTable."""
+        if self.pool is None:
+            return 0
+        n, _ = self.nodes[i].table.fetch(turn.pid, turn.prompt, turn.reused)
+        return max(0, usable(n, len(turn.prompt)) - turn.reused)
+
+    def _admitted(self, i: int, turn: SimTurn, hit: int) -> float:
+        """Account an admission; the seconds it adds to its step: prefill what it lacks, fetch what the pool has."""
+        node, n_prompt, r = self.nodes[i], len(turn.prompt), self.result
+        program = node.table.get(turn.pid)
+        expected = min(program.prefix_tokens, n_prompt - 1) if program is not None else 0
+        if expected > turn.reused:  # the K/V its last turn left here is (partly) gone: a restore
+            if hit >= expected:
+                node.counters.restores_pool += 1
+            else:
+                node.counters.restores_recompute += 1
+        node.table.admitted(turn.request, n_prompt, hit, self.now - turn.queued_at)
+        computed = n_prompt - hit
+        r.admissions += 1
+        r.prompt_tokens += n_prompt
+        r.reused_tokens += turn.reused
+        r.pool_tokens += turn.fetched
+        r.computed_tokens += computed
+        bound = 0
+        for h in turn.hashes:
+            if h not in self.bound:
+                break
+            bound += BLOCK
+        bound = usable(bound, n_prompt)
         r.bound_tokens += bound
-        self.paths[turn.program] += ((len(prompt) - bound) / self.cost.prefill_tokens_per_s
-                                     + turn.steps_left * self.cost.decode_step_s(1))
-        self.caches[i].add(prompt)
-        self.bound.add(prompt)
-        return (len(prompt) - reused - fetched) / self.cost.prefill_tokens_per_s + self.cost.fetch_s(fetched)
+        if turn.prompt is turn.request.prompt_ids:  # a first admission (a preempted turn's prompt is a new list)
+            self.paths[turn.program] += ((n_prompt - bound) / self.cost.prefill_tokens_per_s
+                                         + turn.steps_left * self.cost.decode_step_s(1))
+        self.bound.update(turn.hashes)
+        return computed / self.cost.prefill_tokens_per_s + self.cost.fetch_s(turn.fetched)
 
     def _start_step(self, i: int) -> None:
-        seconds = 0.0
-        while self.waiting[i] and len(self.running[i]) < self.cost.max_batch:
-            turn = self.waiting[i].popleft()
-            seconds += self._admit(i, turn)
-            self.running[i].append(turn)
-        self.stepping[i] = bool(self.running[i])
-        if self.stepping[i]:
-            seconds += self.cost.decode_step_s(len(self.running[i]))
-            self.result.busy_s += seconds
-            self._at(self.now + seconds, "step", i)
+        node, seconds = self.nodes[i], 0.0
+        while node.waiting and len(node.running) < self.cost.max_batch:
+            turn = node.waiting[0]
+            turn.reused = usable(node.cached(turn.hashes), len(turn.prompt))
+            if not node.make_room(node.need(turn, turn.reused)) and node.running:
+                break  # it waits for running turns to finish
+            turn.fetched = self._fetch(i, turn)
+            node.admit(turn)
+            seconds += self._admitted(i, turn, turn.reused + turn.fetched)
+        node.preempt_if_needed()
+        self.stepping[i] = bool(node.running)
+        if not self.stepping[i]:
+            return
+        step = self.cost.decode_step_s(len(node.running))
+        # steps that only decode run back to back in one event (nothing changes between them); an arrival cuts the
+        # run short at the boundary after it (_interrupt), where a step-by-step run would have admitted it
+        k = node.steps_ahead() if self.runs_ahead and seconds == 0.0 and not node.waiting else 1
+        self.runs[i] = (self.now + seconds, step, k)
+        self.result.busy_s += seconds + k * step
+        self.live[i] = self._at(self.now + seconds + k * step, "step", i)
+
+    def _interrupt(self, i: int) -> None:
+        """An arrival at instance i during its run of decode steps: the run ends at the step boundary after now."""
+        t0, step, k = self.runs[i]
+        cut = min(k, max(1, int((self.now - t0) // step) + 1))
+        if cut < k:
+            self.runs[i] = (t0, step, cut)
+            self.result.busy_s -= (k - cut) * step
+            self.live[i] = self._at(max(self.now, t0 + cut * step), "step", i)
 
     def _step_end(self, i: int) -> None:
-        still = []
-        for turn in self.running[i]:
-            turn.steps_left -= 1
-            if turn.steps_left:
-                still.append(turn)
-            else:
-                self._finish(i, turn)
-        self.running[i] = still
+        for turn in self.nodes[i].decode(self.runs[i][2]):
+            self._finish(i, turn)
         self._start_step(i)
 
 
-def simulate(*, instances: int, policy: Policy, workload: Workload, cost: CostModel = CostModel(),
-             pool: bool = False) -> SimResult:
-    """One rollout of `workload` on `instances` instances under `policy` (and the shared pool when `pool`)."""
-    return ClusterSim(instances=instances, policy=policy, workload=workload, cost=cost, pool=pool).run()
+def simulate(*, instances: int, policy: Policy, workload: Workload, cost: CostModel = DEFAULT_COST,
+             pool: bool = False, program_policy: ProgramPolicy = "lru") -> SimResult:
+    """One rollout of `workload` on `instances` instances under `policy` and `program_policy` (and the shared pool
+    when `pool`)."""
+    return ClusterSim(instances=instances, policy=policy, workload=workload, cost=cost, pool=pool,
+                      program_policy=program_policy).run()
 
 
 def assumptions(cost: CostModel, workload: Workload) -> list[str]:
     """Every figure the simulation uses, with its source."""
-    lines = ["SIMULATED (not measured): a discrete-event model of GPU instances; placement by the real Placer"]
-    for name in SOURCES:
-        lines.append(f"  {name} = {getattr(cost, name)}  ({SOURCES[name]})")
-    lines.append(f"  decode step = {cost.decode_base_s * 1e3:.1f} ms + {cost.decode_per_seq_s * 1e3:.2f} ms x batch "
-                 f"({cost.decode_step_s(64) * 1e3:.1f} ms at batch 64)")
+    lines = [f"{SIMULATED}: a discrete-event model of GPU instances; placement by the real Placer, pauses by the real "
+             f"ProgramTable, K/V budget {cost.kv_capacity_tokens} tokens per instance"]
+    lines += cost_lines(cost)
     lines.append(f"  workload: GRPO groups of {workload.group_size} programs, {workload.turns} turns each, "
                  f"prompt {workload.prompt_tokens}, output {workload.output_tokens} +-{workload.output_jitter:.0%}, "
                  f"observation {workload.obs_tokens} tokens, seed {workload.seed} (assumed: an agentic GRPO rollout)")

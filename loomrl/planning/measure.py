@@ -93,6 +93,21 @@ class RunMeasurements:
     sandbox_starts_per_s: float
     staleness_mean: float  # policy lag of the groups trained
     hardware: Hardware  # the devices the run held (config.yaml)
+    prompt_tokens: float  # mean first prompt: where each trajectory's first action starts
+    obs_tokens: float  # mean tokens from one action's end to the next's start (observation, chat template)
+    engine: EngineShape  # the config's engine fields the cluster simulation reads (sim_plan.py)
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class EngineShape:
+    """The run's engine section, as `loomrl plan`'s simulated section reads it."""
+
+    kind: str
+    instances: int
+    router: str
+    program_policy: str
+    kv_pool: bool
+    kv_budget_tokens: int
 
 
 def _fail(run_dir: Path, why: str) -> NotARun:
@@ -153,6 +168,19 @@ def _trajectory_columns(store: Path) -> list[dict]:
     return rows
 
 
+def _context_tokens(rows: list[dict]) -> tuple[float, float]:
+    """(mean first prompt, mean observation) in tokens, from each trajectory's action spans."""
+    from loomrl.store.schema import stored_turns
+
+    firsts, gaps = [], []
+    for r in rows:
+        spans = [t["act_span"] for t in stored_turns(r["turns"]) if t.get("act_span")]
+        if spans:
+            firsts.append(spans[0]["start"])
+            gaps.extend(b["start"] - a["end"] for a, b in zip(spans, spans[1:]))
+    return (statistics.fmean(firsts) if firsts else 0.0), (statistics.fmean(gaps) if gaps else 0.0)
+
+
 def measure_run(run_dir: Path) -> RunMeasurements:
     """Everything `loomrl plan` calibrates from (module docstring); NotARun names what is missing."""
     run_dir = Path(run_dir)
@@ -192,6 +220,11 @@ def measure_run(run_dir: Path) -> RunMeasurements:
     def mean_of(key: str) -> float:
         return statistics.fmean(r.get(key, 0.0) for r in train)
 
+    prompt_tokens, obs_tokens = _context_tokens(rows)
+    e = cfg.engine
+    engine = EngineShape(kind=e.kind, instances=e.instances, router=e.router, program_policy=e.program_policy,
+                         kv_pool=e.kv_pool_bytes > 0, kv_budget_tokens=e.kv_budget_tokens)
+
     return RunMeasurements(
         run_dir=run_dir, mode=cfg.runtime.mode, steps=len(train), groups_per_step=cfg.trainer.groups_per_step,
         group_size=cfg.trainer.group_size, max_inflight=cfg.runtime.max_inflight_trajectories,
@@ -210,4 +243,5 @@ def measure_run(run_dir: Path) -> RunMeasurements:
         trajectory=Spread.of([r["wall_time"] for r in rows]),
         trajectory_times=tuple(sorted(r["wall_time"] for r in rows)),
         sandbox_starts_per_s=summary.env_pool.get("created", 0) / max(summary.wall_s, 1e-9),
-        staleness_mean=sum(k * v for k, v in lags.items()) / lag_n if lag_n else 0.0, hardware=run_hardware(cfg))
+        staleness_mean=sum(k * v for k, v in lags.items()) / lag_n if lag_n else 0.0, hardware=run_hardware(cfg),
+        prompt_tokens=prompt_tokens, obs_tokens=obs_tokens, engine=engine)

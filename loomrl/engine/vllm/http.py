@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from loomrl.config import VLLMConfig
+from loomrl.config.engine import refused_vllm_connectors
 from loomrl.devices import DTYPE_NAMES, dtype_named
 from loomrl.engine.adapter import ControlThread, Lifecycle
 from loomrl.engine.base import (
@@ -180,6 +181,11 @@ class VLLMHTTPEngine(TakesTensors):
         if wrong:
             raise EngineFault(f"the vLLM server at {self.cfg.base_url} runs with {', '.join(wrong)}: start it with "
                               "--logprobs-mode processed_logprobs --scheduling-policy priority")
+        if refused := refused_vllm_connectors(info.get("kv_transfer_config") or {}):
+            raise EngineFault(f"the vLLM server at {self.cfg.base_url} runs the K/V connector {refused[0]}, whose "
+                              "store keeps the old weights' K/V across the reset at each update (it has no "
+                              "reset_cache in vLLM 0.32): start it with one of loomrl.config.engine's "
+                              "VLLM_CONNECTORS_RESET or VLLM_CONNECTORS_TRANSFER")
         try:
             self._http.post("/init_weight_transfer_engine", {"init_info": {}}, t)
         except EngineFault as err:
@@ -235,10 +241,13 @@ class VLLMHTTPEngine(TakesTensors):
                         post("/finish_weight_update", {}, t)
                     raise
                 post("/finish_weight_update", {"weight_version": str(version)}, t)
+                # reset_external: the server's K/V connector store (--kv-offloading-size, --kv-transfer-config) holds
+                # the old weights' K/V too; a server without a connector reads it as a reset that succeeded
                 reset = post("/reset_prefix_cache", None, self.cfg.control_timeout_s,
-                             params={"reset_running_requests": True}).json()
+                             params={"reset_running_requests": True, "reset_external": True}).json()
                 if not reset.get("success"):
-                    raise RuntimeError("reset_prefix_cache refused to drop the old weights' K/V")
+                    raise RuntimeError("reset_prefix_cache refused to drop the old weights' K/V (from the prefix "
+                                       "cache or the K/V connector's store)")
         finally:
             self._resume()
 

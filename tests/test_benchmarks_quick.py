@@ -39,6 +39,7 @@ KEY_LINES = {
     "program_kv": "gap_closed_wall: ",
     "prefix_cache": "efficiency: ",
     "router": "affinity saves ",
+    "router_replay": "replay gap mean ",
     "router_sim": "affinity efficiency at ",
     "speculative": "fit c(n) = ",
     "staleness": "efficiency: ",

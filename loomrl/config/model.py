@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from loomrl.config.base import Device, Section
 
@@ -12,8 +12,10 @@ from loomrl.config.base import Device, Section
 class TinyModelConfig(Section):
     """A random-initialised model of a real architecture's shape, for tests and smoke runs."""
 
-    arch: Literal["llama", "qwen2", "qwen3"] = "llama"
-    """llama (SmolLM2's), qwen2 (q/k/v biases), qwen3 (per-head q/k RMSNorm, head_dim of its own)"""
+    arch: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "olmoe"] = "llama"
+    """llama (SmolLM2's), qwen2 (q/k/v biases), qwen3 (per-head q/k RMSNorm, head_dim of its own); mixtures of experts:
+    qwen3_moe (Qwen3-30B-A3B's shape), mixtral (top-k weights always renormalised), olmoe (q/k RMSNorm over the whole
+    projection)"""
     hidden_size: int = Field(64, gt=0)
     """the width of the residual stream"""
     intermediate_size: int = Field(128, gt=0)
@@ -28,12 +30,31 @@ class TinyModelConfig(Section):
     """None: hidden_size / num_attention_heads"""
     tie_word_embeddings: bool = True
     """the LM head shares the input embedding's weights"""
+    num_experts: int = Field(4, gt=1)
+    """MoE shapes only: experts per MoE layer (each of intermediate_size)"""
+    num_experts_per_tok: int = Field(2, gt=0)
+    """MoE shapes only: experts each token is routed to (top-k)"""
+    norm_topk_prob: bool | None = None
+    """MoE shapes only: renormalise the top-k routing weights to sum to 1; None: the architecture's default (qwen3_moe
+    and olmoe: off in transformers' configs; mixtral always renormalises and refuses False)"""
     seed: int = 0
     """seeds the random weights"""
     init_std: float = Field(0.02, gt=0.0)
     """std of the random weights (transformers' initializer_range). At 0.02 the next-token distribution is almost
     uniform over the 49k vocabulary; a larger one gives a peaked model whose preferences RL can move within a few steps
     (benchmarks/staleness.py)"""
+
+    @model_validator(mode="after")
+    def _experts_fit(self) -> TinyModelConfig:
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"model.tiny.num_experts_per_tok ({self.num_experts_per_tok}) exceeds "
+                             f"model.tiny.num_experts ({self.num_experts})")
+        if self.arch == "mixtral" and self.norm_topk_prob is False:
+            raise ValueError("model.tiny.norm_topk_prob=false: Mixtral always renormalises its top-k weights")
+        if self.arch == "olmoe" and self.head_dim not in (None, self.hidden_size // self.num_attention_heads):
+            raise ValueError("model.tiny.head_dim: OLMoE's q norm spans hidden_size, so heads must split it evenly "
+                             "(leave head_dim unset)")
+        return self
 
 
 class ModelConfig(Section):

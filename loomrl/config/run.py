@@ -81,6 +81,14 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _lora_needs_its_own_engine_model(self) -> RunConfig:
+        if self.trainer.lora is not None and self.runtime.mode == "sync":
+            raise ValueError("trainer.lora needs runtime.mode=async: in sync mode the built-in engine runs the "
+                             "trainer's own model, whose linear weights are the base's, so the adapters would never "
+                             "reach it (async runs publish the merged weights to the engine)")
+        return self
+
+    @model_validator(mode="after")
     def _one_actor_per_engine_server(self) -> RunConfig:
         kind = self.engine.kind
         urls = {"sglang": self.engine.sglang.base_url, "vllm": self.engine.vllm.base_url}.get(kind)

@@ -51,6 +51,26 @@ class LossConfig(Section):
     """token_sum_norm: default max sampled tokens x sequences"""
 
 
+# The attention and MLP projections of Llama- and Qwen-shaped decoders: LoRA's usual targets.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(Section):
+    """trainer.lora (loomrl/trainer/lora.py): train low-rank adapters (PEFT's LoRA) on a frozen base model instead of
+    every parameter. Each targeted linear layer W gains W + (alpha / rank) x B @ A, B [out, rank] starting at zero so
+    that step 0 is the base model."""
+
+    rank: int = Field(8, gt=0)
+    """the adapters' rank r: A is [r, in], B [out, r]"""
+    alpha: int = Field(16, gt=0)
+    """the adapters' scale is alpha / rank"""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """dropout on each adapter's input during the training forward (the base path is not dropped)"""
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1)
+    """names of the linear layers that get adapters, matched against the last part of each module's name (default:
+    the attention and MLP projections of Llama/Qwen shapes); a name the model does not have is an error"""
+
+
 class TrainerConfig(Section):
     lr: float = Field(1e-5, gt=0.0)
     """AdamW's learning rate"""
@@ -84,6 +104,9 @@ class TrainerConfig(Section):
     """outcome: every sampled token of an episode carries its return's advantage; turn: each turn's tokens carry its
     return-to-go's (Trajectory.turn_rewards) against the other episodes' at that turn"""
     loss: LossConfig = Field(default_factory=LossConfig)
+    lora: LoraConfig | None = None
+    """train LoRA adapters on the frozen base instead of every parameter (loomrl/trainer/lora.py); None: full fine-tuning
+    """
     count_idle_groups: bool = True
     """zero-variance groups are not trained (no gradient) but count in the loss denominators, so that a step with few
     informative groups takes a proportionally smaller step; False: mean over trained only"""
@@ -142,7 +165,6 @@ class TrainerConfig(Section):
     """how a merged micro-batch attends: "segments" (SDPA over each run of tokens and its ancestors' keys, any device),
     "flex" (one FlexAttention call with a block mask of the tree; CUDA only: no backward on the CPU), "auto" (flex on
     CUDA, else segments). The depth-first pass always uses segments"""
-
     @model_validator(mode="after")
     def _supported_combinations(self) -> TrainerConfig:
         if self.advantage == "dr_grpo" and self.advantage_norm not in (None, "none"):
@@ -158,6 +180,13 @@ class TrainerConfig(Section):
             # its forwards capture each layer's K/V for later sub-tries: a recompute would capture them again
             raise ValueError("trainer.activation_checkpointing does not work with trainer.tree_merge_memory=depth_first "
                              "yet; use subtries")
+        if self.lora is not None and self.freeze_layers:
+            # LoRA freezes the whole base already; "no adapters in the bottom N blocks" is another option, not this one
+            raise ValueError("trainer.freeze_layers does not work with trainer.lora (LoRA keeps every base parameter "
+                             "fixed already); set freeze_layers=0")
+        if self.lora is not None and self.parallel == "fsdp":
+            raise ValueError("trainer.lora does not work with trainer.parallel=fsdp yet (adapters under FSDP2 are not "
+                             "tested); use parallel=ddp")
         if self.kl_reference_offload and self.parallel != "fsdp":
             raise ValueError("trainer.kl_reference_offload needs trainer.parallel=fsdp (FSDP2 streams the offloaded "
                              "reference's layers back); with ddp the reference stays on trainer.device")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from loomrl.engine.routed_experts import RoutedExperts
     from loomrl.weights.bucket import BucketRef
     from loomrl.weights.fingerprint import Fingerprint
     from loomrl.weights.handle import Transport, WeightHandle
@@ -52,6 +53,9 @@ class GenerationResult:
     logprobs: list[float]  # one per token, of the distribution actually sampled from
     versions: list[int]  # policy version that produced each token
     finish_reason: str  # "stop" (a stop token, included in token_ids) or "length"
+    # an MoE model's routed experts of prompt + token_ids (all but the last token), where the engine records them
+    # (BuiltinEngine(return_routed_experts=True)); None otherwise and for dense models. Format: routed_experts.py
+    routed_experts: RoutedExperts | None = None
 
 
 @dataclass(slots=True)
@@ -204,6 +208,9 @@ async def generate_resuming(engine: Engine, prompt_ids: list[int], params: Sampl
         out.logprobs += result.logprobs
         out.versions += result.versions
         out.finish_reason = result.finish_reason
+        # each part's record starts at position 0 of its prompt (the original prompt + the tokens so far): the last
+        # part's covers the whole sequence, with the routing of the K/V its tokens were sampled from
+        out.routed_experts = result.routed_experts
         if out.finish_reason == "interrupted":
             resumed += 1
             # Each resume normally adds tokens (an interrupt ends a step, not a request's whole life); an

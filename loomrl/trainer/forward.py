@@ -1,6 +1,7 @@
 """The trainer's forward passes at the model level: per-sample logprobs of a micro-batch (dense, or tree-merged:
-tree.py), the dtype they compute in, and activation checkpointing. Nothing here reads the run's config, so that
-scripts/gpu_smoke.py runs these passes on a machine with torch and transformers only.
+tree.py), the dtype they compute in, and activation checkpointing; with a `Routing`, an MoE model's forward replays
+the engine's experts (replay.py). Nothing here reads the run's config, so that scripts/gpu_smoke.py runs these passes
+on a machine with torch and transformers only.
 """
 
 from __future__ import annotations
@@ -14,7 +15,15 @@ import transformers
 
 from loomrl.model.transformers_contract import checkpointing_method
 from loomrl.trainer.head import Entropies, head_logprobs
-from loomrl.trainer.tree import decoder_and_head, sampled_positions, tree_token_logprobs
+from loomrl.trainer.replay import Routing, dense_rows, keyed_tree, replay_routing
+from loomrl.trainer.tree import (
+    _sample_logprobs,
+    decoder_and_head,
+    pack_tree,
+    sampled_positions,
+    tree_hidden,
+    tree_token_logprobs,
+)
 from loomrl.types import TrainingSample
 
 if TYPE_CHECKING:
@@ -22,9 +31,10 @@ if TYPE_CHECKING:
 
 
 def token_logprobs(model: PreTrainedModel, samples: list[TrainingSample], *, with_grad: bool,
-                   entropy: Entropies | None = None) -> list[torch.Tensor]:
+                   entropy: Entropies | None = None, routing: Routing | None = None) -> list[torch.Tensor]:
     """Logprob of each sample's loss-masked tokens under `model` (at the sample's temperature); `entropy`: the
-    distributions' entropies at those tokens (detached, all samples' in one tensor) are added to it (head.py)."""
+    distributions' entropies at those tokens (detached, all samples' in one tensor) are added to it (head.py);
+    `routing`: its experts replayed, its router logits collected (replay.py)."""
     base, _ = decoder_and_head(model)
     device = next(model.parameters()).device
     width = max(len(s.token_ids) for s in samples)
@@ -38,8 +48,14 @@ def token_logprobs(model: PreTrainedModel, samples: list[TrainingSample], *, wit
                       device=device).view(-1, 2)
     temps = torch.tensor([s.temperature for s, ts in zip(samples, targets) for _ in ts], dtype=torch.float32,
                          device=device)
+    routed = contextlib.nullcontext()
+    if routing is not None:
+        routing.mask = attn.flatten()  # [B * T] the router sees the padded batch's rows
+        forced = dense_rows(routing.experts, width) if routing.experts is not None else None
+        routed = replay_routing(model, routing, forced)
     with torch.set_grad_enabled(with_grad):
-        hidden = base(input_ids=ids, attention_mask=attn).last_hidden_state  # [B, T, H]
+        with routed:
+            hidden = base(input_ids=ids, attention_mask=attn).last_hidden_state  # [B, T, H]
         logp = head_logprobs(model, hidden[at[:, 0], at[:, 1] - 1], ids[at[:, 0], at[:, 1]], temps, entropy=entropy)
     return list(torch.split(logp, [len(ts) for ts in targets]))
 
@@ -74,12 +90,28 @@ def forward_of(model: PreTrainedModel, *, flex: bool = False) -> Logprobs:
 
 
 def logprobs_of(model: PreTrainedModel, batch: list[TrainingSample], merged: bool, *, with_grad: bool,
-                flex: bool = False, entropy: Entropies | None = None) -> list[torch.Tensor]:
+                flex: bool = False, entropy: Entropies | None = None,
+                routing: Routing | None = None) -> list[torch.Tensor]:
     """Per sample of `batch`, the logprobs of its loss-masked tokens; `merged`: over the batch's prefix tree
-    (`flex`: its attention through FlexAttention); `entropy`: as token_logprobs."""
+    (`flex`: its attention through FlexAttention); `entropy`, `routing`: as token_logprobs."""
+    if merged and routing is not None:
+        return replayed_tree_logprobs(model, batch, routing, with_grad=with_grad, flex=flex, entropy=entropy)
     if merged:
         return tree_token_logprobs(model, batch, with_grad=with_grad, flex=flex, entropy=entropy)
-    return token_logprobs(model, batch, with_grad=with_grad, entropy=entropy)
+    return token_logprobs(model, batch, with_grad=with_grad, entropy=entropy, routing=routing)
+
+
+def replayed_tree_logprobs(model: PreTrainedModel, batch: list[TrainingSample], routing: Routing, *, with_grad: bool,
+                           flex: bool = False, entropy: Entropies | None = None) -> list[torch.Tensor]:
+    """tree_token_logprobs with `routing`: a trie whose nodes are (token, recorded experts) pairs (replay.py
+    keyed_tree: samples whose experts differ split there), each node's experts replayed."""
+    seqs = [s.token_ids for s in batch]
+    tree, forced = keyed_tree(seqs, routing.experts) if routing.experts is not None else (pack_tree(seqs), None)
+    routing.mask = None  # every packed node is a real token
+    with torch.set_grad_enabled(with_grad):
+        with replay_routing(model, routing, forced):
+            hidden = tree_hidden(model, tree, flex=flex)  # [N, H]
+        return _sample_logprobs(model, hidden, batch, tree.sample_nodes, entropy)
 
 
 def enable_activation_checkpointing(model: PreTrainedModel) -> None:

@@ -37,6 +37,7 @@ from loomrl.devices import place, trainer_device
 from loomrl.trainer.forward import Logprobs, compute_context, enable_activation_checkpointing, forward_of
 from loomrl.trainer.fsdp import whole_for_pass
 from loomrl.trainer.head import Entropies
+from loomrl.trainer.lora import Lora
 from loomrl.trainer.loss_inputs import step_loss_config
 from loomrl.trainer.step_loss import StepLoss
 from loomrl.trainer.step_plan import PADDING, StepPlan, plan_step
@@ -120,11 +121,18 @@ class Trainer:
         if initial_model is not None:
             place(initial_model, self.device, torch.float32)
         freeze_bottom(model, cfg.freeze_layers)
+        # trainer.lora (lora.py): adapters on the frozen base, put into `model` itself; only they train
+        self.lora = Lora(model, cfg.lora) if cfg.lora is not None else None
+        if self.lora is not None and initial_model is not None:
+            raise ValueError("Trainer: under trainer.lora KL's reference is the base with its adapters off; pass no "
+                             "initial_model")
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(model)
-        # KL to the initial policy needs its logprobs: a frozen copy, kept only when the KL term is on.
+        # KL to the initial policy needs its logprobs: a frozen copy, kept only when the KL term is on (under LoRA no
+        # copy: the base with the adapters switched off is the initial policy).
         kl = cfg.loss.kl is not None and cfg.loss.kl_coef > 0
-        self.ref_model = (initial_model if initial_model is not None else copy.deepcopy(model)).eval() if kl else None
+        own_ref = kl and self.lora is None
+        self.ref_model = (initial_model if initial_model is not None else copy.deepcopy(model)).eval() if own_ref else None
         if self.ref_model is not None:
             self.ref_model.requires_grad_(False)
         self.sharded = shard is not None
@@ -136,6 +144,8 @@ class Trainer:
         self.forward = make(model, flex=flex)
         ref_make = partial(shard, offload=True) if shard is not None and cfg.kl_reference_offload else make
         self.ref_forward = ref_make(self.ref_model, flex=flex) if self.ref_model is not None else None
+        if kl and self.lora is not None:
+            self.ref_forward = self.lora.reference(self.forward)
         # sharded: every rank must run the same number of micro-batches (set by DataParallelTrainer)
         self.shared_plan: Callable[[int], int] | None = None
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -256,8 +266,8 @@ class Trainer:
 def initial_policy(start: ModelConfig, trainer: TrainerConfig, device: torch.device,
                    resume_from: Path | None) -> PreTrainedModel | None:
     """KL's reference when resuming: the run's starting model (`start`), not the checkpoint's, float32 on `device`."""
-    if resume_from is None or trainer.loss.kl is None or trainer.loss.kl_coef <= 0:
-        return None
+    if resume_from is None or trainer.loss.kl is None or trainer.loss.kl_coef <= 0 or trainer.lora is not None:
+        return None  # under LoRA the reference is the base with its adapters off (lora.py)
     from loomrl.model.loader import load_model
 
     return load_model(start, device=device, dtype=torch.float32)[0]

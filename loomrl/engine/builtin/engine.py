@@ -35,6 +35,10 @@ of waiting for ever.
 Logprobs are of the distribution sampled from: softmax(logits / T) after top-k/top-p; for greedy requests (T = 0), of
 softmax(logits).
 
+Routed experts (return_routed_experts, off by default; MoE models): each result carries the experts every layer
+routed each position of prompt + output to (all but the last token, which is never fed), read from beside the
+sequence's K/V: a prefix-cache hit reports the routing its cached K/V was computed with (routed_experts.py).
+
 Speculation (engine.speculation, off by default): a decoding sequence may feed draft tokens from its group's suffix index
 (drafter.py) with its last token; the step's forward computes their logits and speculation.py's `verify` emits 1 to
 k + 1 tokens with the distribution, logprobs and versions of decoding one token at a time. The K/V of rejected drafts
@@ -103,8 +107,10 @@ class BuiltinEngine(TakesTensors, KeepsCounters):
                  max_running: int = 64, max_prefill_tokens: int = 4096, prefix_cache: bool = True,
                  seed: int = 0, version: int = 0, tokenizer=None, speculation: SpeculationConfig | None = None,
                  program_policy: ProgramPolicy = "lru", max_pauses_in_row: int = 2,
-                 kv_pool: SharedKVPool | None = None):
-        self.runner = ModelRunner(model)
+                 kv_pool: SharedKVPool | None = None, return_routed_experts: bool = False):
+        # return_routed_experts (vLLM's enable_return_routed_experts): an MoE model's results carry each token's
+        # routed experts (GenerationResult.routed_experts; dense models: None)
+        self.runner = ModelRunner(model, record_experts=return_routed_experts)
         self.model = model
         self.eos_token_id = eos_token_id
         self.cache = PrefixCache() if prefix_cache else None
@@ -437,6 +443,9 @@ class BuiltinEngine(TakesTensors, KeepsCounters):
             self.kv_pool.put(seq.kv_tokens(), seq.kv, self._version)
         self._crossed.discard(seq)
         self.programs.finished(seq.request.program_id, kept)
+        # read before retire frees the K/V they are stored beside: every position but the last sampled token's
+        routed = self.runner.routed_experts(seq.kv, len(seq.request.prompt_ids) + len(seq.out_tokens) - 1)
         self.sched.retire(seq)
         deliver(seq.future, GenerationResult(token_ids=list(seq.out_tokens), logprobs=list(seq.out_logprobs),
-                                              versions=list(seq.out_versions), finish_reason=reason))
+                                              versions=list(seq.out_versions), finish_reason=reason,
+                                              routed_experts=routed))

@@ -18,8 +18,12 @@ decoding, 2 cores of this machine; numbers in benchmarks/RESULTS.md):
   standalone tensors (`SequenceKV.detach`), so pool slots are reused at once.
 
 Supported: decoder layers with q/k/v/o projections (biases allowed), RMSNorm, rotary embeddings from
-the model's own `rotary_emb`, grouped-query attention, per-head q/k RMSNorm (Qwen3), a gated MLP, tied or
-separate embeddings (Llama, Mistral, Qwen2/2.5, Qwen3, SmolLM2).
+the model's own `rotary_emb`, grouped-query attention, q/k RMSNorm per head (Qwen3) or over the whole projection
+(OLMoE), a gated MLP or a top-k mixture of experts (moe.py: Qwen3-MoE, Mixtral, OLMoE), tied or separate embeddings
+(Llama, Mistral, Qwen2/2.5, Qwen3, SmolLM2, Qwen3-MoE, Mixtral, OLMoE).
+With record_experts, an MoE model's routed experts are stored beside each token's K/V (KVPool.experts) and travel
+with it (prefix-cache copies, detach), so a sequence's record covers a reused prefix with the routing its K/V was
+computed with (routed_experts.py defines the record).
 Anything else raises UnsupportedModel at construction. The runner computes in the model's dtype on its device,
 and makes every tensor of a step there (K/V in that dtype too); the oneDNN packing is for float32 on the CPU only.
 """
@@ -32,6 +36,9 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+from loomrl.engine.builtin.moe import MoeMlp, is_sparse_block, moe_mlp_of
+from loomrl.engine.routed_experts import RoutedExperts
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -55,8 +62,12 @@ class KVPool:
     first so the batched decode attention, which spans slots 0..max used, scans few holes."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 slots: int = 8, capacity: int = 256):
+                 slots: int = 8, capacity: int = 256, routing: tuple[int, int] | None = None):
         self.data = torch.zeros((layers, 2, slots, kv_heads, capacity, head_dim), dtype=dtype, device=device)
+        # routing=(MoE layers, top_k): each stored token's routed experts beside its K/V, [slots, capacity, MoE
+        # layers, top_k], -1 where not computed here (a prefix from a shared pool); None: not recorded
+        self.experts = None if routing is None else torch.full((slots, capacity, *routing), -1, dtype=torch.int16,
+                                                               device=device)
         self._free = list(range(slots))
 
     @property
@@ -86,6 +97,10 @@ class KVPool:
         s, c = slots or self.slots, capacity or self.capacity
         grown = self.data.new_zeros((*self.data.shape[:2], s, self.data.shape[3], c, self.data.shape[5]))
         grown[:, :, : self.slots, :, : self.capacity] = self.data
+        if self.experts is not None:
+            experts = self.experts.new_full((s, c, *self.experts.shape[2:]), -1)
+            experts[: self.slots, : self.capacity] = self.experts
+            self.experts = experts
         self.data = grown
 
 
@@ -93,15 +108,17 @@ class SequenceKV:
     """K/V of one sequence for every layer, [layers, 2, kv_heads, capacity, head_dim].
 
     Either a slot of a KVPool (running sequences) or a standalone tensor (entries kept by the prefix
-    cache after their sequence left the batch, and the unit tests)."""
+    cache after their sequence left the batch, and the unit tests). Where the pool records routing, `experts` holds
+    each stored token's routed experts beside its K/V ([capacity, MoE layers, top_k], -1: unknown), copied with it."""
 
-    __slots__ = ("_data", "pool", "slot", "length", "owner")
+    __slots__ = ("_data", "_experts", "pool", "slot", "length", "owner")
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
                  pool: KVPool | None = None, device: torch.device | str = "cpu"):
         self.pool = pool
         self.slot = -1
         self._data: torch.Tensor | None = None
+        self._experts: torch.Tensor | None = None  # a standalone copy's routing (detach); pool slots use the pool's
         if pool is not None:
             self.slot = pool.acquire()
             pool.ensure_capacity(capacity)
@@ -121,6 +138,13 @@ class SequenceKV:
     def capacity(self) -> int:
         return self.data.shape[3]
 
+    @property
+    def experts(self) -> torch.Tensor | None:
+        """The stored tokens' routed experts, [capacity, MoE layers, top_k] (-1: unknown); None where not recorded."""
+        if self.pool is not None:
+            return None if self.pool.experts is None else self.pool.experts[self.slot]
+        return self._experts
+
     def reserve(self, total: int) -> None:
         if self.pool is not None:
             self.pool.ensure_capacity(total)
@@ -129,25 +153,34 @@ class SequenceKV:
             return
         grown = self.data.new_empty((*self.data.shape[:3], _doubled(self.capacity, total), self.data.shape[4]))
         grown[:, :, :, : self.length] = self.data[:, :, :, : self.length]
+        if self._experts is not None:
+            experts = self._experts.new_full((grown.shape[3], *self._experts.shape[1:]), -1)
+            experts[: self.length] = self._experts[: self.length]
+            self._experts = experts
         self._data = grown
 
     def copy_prefix(self, other: SequenceKV, n: int) -> None:
         """Take the first n tokens' K/V from `other` (a prefix-cache hit)."""
         self.reserve(n)
         self.data[:, :, :, :n] = other.data[:, :, :, :n]
+        mine, theirs = self.experts, other.experts
+        if mine is not None:  # a donor without routing (a shared pool's entry): those tokens' experts are unknown
+            mine[:n] = theirs[:n] if theirs is not None else -1
         self.length = n
 
     def detach(self) -> None:
         """Leave the pool: keep a compact copy of the stored tokens and give the slot back."""
         if self.pool is not None:
             self._data = self.data[:, :, :, : max(self.length, 1)].clone()
+            experts = self.experts
+            self._experts = None if experts is None else experts[: max(self.length, 1)].clone()
             self.pool.release(self.slot)
             self.pool, self.slot = None, -1
 
     def free(self) -> None:
         if self.pool is not None:
             self.pool.release(self.slot)
-        self.pool, self.slot, self._data = None, -1, None
+        self.pool, self.slot, self._data, self._experts = None, -1, None, None
 
 
 @dataclass(slots=True)
@@ -227,16 +260,19 @@ def _fused(*linears: torch.nn.Linear) -> _Linear:
 class _LayerWeights:
     qkv: _Linear
     o: _Linear
-    gate_up: _Linear
-    down: _Linear
+    gate_up: _Linear | None  # a gated MLP's (None in an MoE layer)
+    down: _Linear | None
+    moe: MoeMlp | None  # an MoE layer's experts and router
     norm1: torch.Tensor
     norm2: torch.Tensor
     q_norm: torch.Tensor | None  # Qwen3: RMSNorm of each head's q and k before the rotary embedding
-    k_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None  # (OLMoE: of the whole q and k projections, _qk_norms_whole)
 
 
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel):
+    def __init__(self, model: PreTrainedModel, *, record_experts: bool = False):
+        """`record_experts`: keep every computed token's routed experts beside its K/V (an MoE model's; a dense model
+        has none to keep), read back by routed_experts()."""
         base = getattr(model, "model", None)
         if base is None or not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
             raise UnsupportedModel(f"builtin engine: {type(model).__name__} is not a Llama-family causal LM")
@@ -250,9 +286,9 @@ class ModelRunner:
         qk_norms = [getattr(attn, name, None) for name in ("q_norm", "k_norm")]  # Qwen3: RMSNorm per head
         if any(n is None for n in qk_norms) and any(n is not None for n in qk_norms):
             raise UnsupportedModel("builtin engine: a q norm without a k norm (or the reverse) is not supported")
-        for name in ("gate_proj", "up_proj", "down_proj", "act_fn"):
-            if not hasattr(layer0.mlp, name):
-                raise UnsupportedModel(f"builtin engine: MLP without {name} (a gated MLP is required)")
+        if getattr(model.config, "clip_qkv", None) is not None:
+            raise UnsupportedModel("builtin engine: clip_qkv (clamped q/k/v projections) is not supported yet")
+        self.moe_layers = self._check_mlps(base.layers)
         for norm in (layer0.input_layernorm, layer0.post_attention_layernorm, base.norm, *filter(None, qk_norms)):
             if "RMSNorm" not in type(norm).__name__ or "Gemma" in type(norm).__name__ \
                     or not hasattr(norm, "variance_epsilon"):
@@ -267,19 +303,57 @@ class ModelRunner:
         self.scaling = getattr(attn, "scaling", self.head_dim**-0.5)
         self.eps = layer0.input_layernorm.variance_epsilon
         self.qk_eps = qk_norms[0].variance_epsilon if qk_norms[0] is not None else None
+        self._qk_norms_whole = self._qk_norm_span(qk_norms[0], qk_norms[1])
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device  # every tensor of a step is made here
-        self.pool = KVPool(self.n_layers, self.n_kv_heads, self.head_dim, self.dtype, self.device)
         self.refresh()
+        moe = next((w.moe for w in self.layers if w.moe is not None), None)
+        self.num_experts = moe.num_experts if moe is not None else 0
+        routing = (len(self.moe_layers), moe.top_k) if record_experts and moe is not None else None
+        self.pool = KVPool(self.n_layers, self.n_kv_heads, self.head_dim, self.dtype, self.device, routing=routing)
+
+    @staticmethod
+    def _check_mlps(layers) -> tuple[int, ...]:
+        """The indexes of the MoE layers (moe.py's blocks), after checking every other layer has a gated MLP."""
+        sparse = []
+        for i, layer in enumerate(layers):
+            if is_sparse_block(layer.mlp):
+                sparse.append(i)
+                continue
+            for name in ("gate_proj", "up_proj", "down_proj", "act_fn"):
+                if not hasattr(layer.mlp, name):
+                    raise UnsupportedModel(f"builtin engine: {type(layer.mlp).__name__} of layer {i} has no {name} "
+                                           "(a gated MLP or a Qwen3-MoE, Mixtral or OLMoE expert block is required)")
+        return tuple(sparse)
+
+    def _qk_norm_span(self, q_norm, k_norm) -> bool:
+        """Whether the q/k RMSNorms span whole projections (OLMoE) rather than each head (Qwen3); False without."""
+        if q_norm is None:
+            return False
+        H, KH, D = self.n_heads, self.n_kv_heads, self.head_dim
+        widths = (q_norm.weight.shape[0], k_norm.weight.shape[0])
+        if widths == (D, D):
+            return False
+        if widths == (H * D, KH * D):
+            return True
+        raise UnsupportedModel(f"builtin engine: q/k norms of widths {widths} are neither per head ({D}) nor over "
+                               f"the whole projections ({H * D}, {KH * D})")
 
     def refresh(self) -> None:
         """Re-read (and re-pack) the model's weights; call after they change."""
         layers: list[_LayerWeights] = []
-        for layer in self.base.layers:
+        for i, layer in enumerate(self.base.layers):
             a, m = layer.self_attn, layer.mlp
+            moe = None
+            if i in self.moe_layers:
+                try:
+                    moe = moe_mlp_of(m)
+                except ValueError as err:
+                    raise UnsupportedModel(f"builtin engine: {err}") from err
             layers.append(_LayerWeights(
                 qkv=_fused(a.q_proj, a.k_proj, a.v_proj), o=_fused(a.o_proj),
-                gate_up=_fused(m.gate_proj, m.up_proj), down=_fused(m.down_proj),
+                gate_up=_fused(m.gate_proj, m.up_proj) if moe is None else None,
+                down=_fused(m.down_proj) if moe is None else None, moe=moe,
                 norm1=layer.input_layernorm.weight.detach(), norm2=layer.post_attention_layernorm.weight.detach(),
                 q_norm=a.q_norm.weight.detach() if self.qk_eps is not None else None,
                 k_norm=a.k_norm.weight.detach() if self.qk_eps is not None else None,
@@ -365,7 +439,11 @@ class ModelRunner:
             x = F.rms_norm(h, (h.shape[-1],), w.norm1, self.eps)
             qkv = w.qkv(x).view(N, H + 2 * KH, D)
             qk = qkv[:, : H + KH]
-            if w.q_norm is not None:
+            if w.q_norm is not None and self._qk_norms_whole:
+                qk = torch.cat((F.rms_norm(qk[:, :H].reshape(N, H * D), (H * D,), w.q_norm, self.qk_eps),
+                                F.rms_norm(qk[:, H:].reshape(N, KH * D), (KH * D,), w.k_norm, self.qk_eps)),
+                               dim=1).view(N, H + KH, D)
+            elif w.q_norm is not None:
                 qk = torch.cat((F.rms_norm(qk[:, :H], (D,), w.q_norm, self.qk_eps),
                                 F.rms_norm(qk[:, H:], (D,), w.k_norm, self.qk_eps)), dim=1)
             qk = torch.addcmul(qk * cos, qk.roll(D // 2, dims=-1), sin)
@@ -396,11 +474,34 @@ class ModelRunner:
                 )[0].transpose(0, 1)
             h = h + w.o(out.view(N, H * D))
             x = F.rms_norm(h, (h.shape[-1],), w.norm2, self.eps)
-            gate, up = w.gate_up(x).chunk(2, dim=-1)
-            h = h + w.down(self.base.layers[li].mlp.act_fn(gate) * up)
+            h = h + self._mlp(li, w, x, slot_of, positions)
         for c, n in zip(chunks, lengths):
             c.kv.length += n
         rows = torch.tensor([p for c, end in zip(chunks, offsets[1:]) for p in range(end - c.logits, end)],
                             dtype=torch.long, device=dev)
         hl = F.rms_norm(h[rows], (h.shape[-1],), self.base.norm.weight.detach(), self.base.norm.variance_epsilon)
         return self.head(hl).float()
+
+    def _mlp(self, li: int, w: _LayerWeights, x: torch.Tensor, slot_of: torch.Tensor,
+             positions: torch.Tensor) -> torch.Tensor:
+        """Layer li's MLP of the normed tokens x [N, hidden]; an MoE layer records their experts at their K/V's places
+        when the pool keeps routing."""
+        if w.moe is None:
+            assert w.gate_up is not None and w.down is not None  # refresh() builds them for every non-MoE layer
+            gate, up = w.gate_up(x).chunk(2, dim=-1)
+            return w.down(self.base.layers[li].mlp.act_fn(gate) * up)
+        out, chosen = w.moe(x)  # chosen: [N, top_k]
+        if self.pool.experts is not None:
+            self.pool.experts[slot_of, positions, self.moe_layers.index(li)] = chosen.to(torch.int16)
+        return out
+
+    def routed_experts(self, kv: SequenceKV | None, tokens: int) -> RoutedExperts | None:
+        """The routed experts of the first `tokens` positions `kv` stores (fewer where it stores fewer; none for a
+        sequence without K/V): the record routed_experts.py defines. None unless the runner records them."""
+        if self.pool.experts is None:
+            return None
+        experts = kv.experts if kv is not None else None
+        if kv is None or experts is None:  # never admitted (an interrupt while it waited): no token computed
+            experts, tokens = self.pool.experts[0], 0
+        ids = experts[: min(tokens, kv.length if kv is not None else 0)]
+        return RoutedExperts.of(ids, layers=self.moe_layers, num_experts=self.num_experts)

@@ -7,6 +7,12 @@ sleep and wake, weight-update sessions, per-token versions) is in docs/engines.m
 the tested range and the torch pairing in engine/sglang_contract.py; its lifecycle (closed state, which aborts are
 its own, the control thread) in engine/adapter.py.
 
+Every update flushes the server's cache, so no K/V of the old weights is served. That flush clears HiCache's GPU and
+host tiers only; a server with a HiCache storage backend (--enable-hierarchical-cache --hicache-storage-backend, as
+/server_info reports at connect) also gets POST /hicache/storage-backend/clear after each update's flush, and a clear
+that fails fails the update and keeps the server paused. A backend attached at run time (PUT /hicache/storage-backend)
+after connect is not seen.
+
 What it is not: tested against a running SGLang. SGLang 0.5 ships GPU builds only; the adapter is tested here
 against a fake server built from SGLang 0.5.23's own request and response types (tests/engine/test_sglang_engine.py),
 and nothing has run against a real server yet.
@@ -43,6 +49,9 @@ log = logging.getLogger(__name__)
 _FINISH = {"stop": "stop", "length": "length"}
 # What sleep releases and wake resumes (sglang/srt/constants.py; weights_drafter, a speculative draft model's, stays)
 _MEMORY_TAGS = ["kv_cache", "weights", "cuda_graph"]
+# Empties HiCache's storage backend (L3), which /flush_cache leaves (SGLang 0.5.23 http_server.py; it has no
+# /clear_hicache_storage_backend, the older name)
+_CLEAR_STORAGE = "/hicache/storage-backend/clear"
 
 
 def write_checkpoint(folder: Path, weights: dict[str, torch.Tensor], config: Any, dtype: torch.dtype) -> None:
@@ -114,6 +123,7 @@ class SGLangEngine:
         self._group = ""  # the trainer's weight group the server has joined (broadcast)
         self._sessions: bool | None = None  # the server has /begin_weight_update (None: not asked yet)
         self.server_version = ""  # SGLang's, from /server_info at connect
+        self.storage_backend: str | None = None  # HiCache's storage backend (L3), from /server_info at connect
         # Why the server's weights are not ones to generate with (released at sleep without a CPU backup, or an update
         # that failed half way), until the next complete update; while set the server is never continued.
         self._weights_missing: str | None = None
@@ -146,7 +156,8 @@ class SGLangEngine:
 
     def update_weights(self, weights: dict | None, version: int) -> None:
         """Write `weights` as a checkpoint folder, then pause (abort) -> /update_weights_from_disk -> /flush_cache
-        -> continue; in-flight requests end "interrupted" and resume under the new weights."""
+        (-> /hicache/storage-backend/clear with a HiCache storage backend: _clear_storage) -> continue; in-flight
+        requests end "interrupted" and resume under the new weights."""
         self._life.check_open("update_weights")
         if weights is None:
             raise EngineFault("update_weights(None): in-place updates need a model shared with the trainer; an SGLang "
@@ -176,7 +187,8 @@ class SGLangEngine:
         bucket, each answered once the server's workers have received its tensors (the last flushes the cache) ->
         /end_weight_update -> continue. A cuda_ipc version: pause (abort) -> /begin_weight_update ->
         /update_weights_from_tensor, answered once the server has copied the tensors out of the trainer's memory (and
-        flushed the cache) -> /end_weight_update -> continue."""
+        flushed the cache) -> /end_weight_update -> continue. Either way, with a HiCache storage backend,
+        /hicache/storage-backend/clear before the continue (_clear_storage)."""
         self._life.check_open("update_weights")
         if handle.transport is Transport.BROADCAST:
             load = functools.partial(self._from_distributed, handle.payload, handle.version)
@@ -280,9 +292,9 @@ class SGLangEngine:
 
     # -- control ----------------------------------------------------------------------------------
     def _connect(self, sleep_mode: bool) -> tuple[bool, bool]:
-        """The server's version, --enable-memory-saver and --enable-weights-cpu-backup (/server_info answers its
-        ServerArgs and version); refuses, with one line, a version outside sglang_contract.TESTED and a sleep_mode
-        run on a server without the memory saver."""
+        """The server's version, HiCache storage backend, --enable-memory-saver and --enable-weights-cpu-backup
+        (/server_info answers its ServerArgs and version); refuses, with one line, a version outside
+        sglang_contract.TESTED and a sleep_mode run on a server without the memory saver."""
         try:
             info = self._http.get("/server_info", self.cfg.control_timeout_s).json()
         except EngineFault as err:
@@ -291,6 +303,8 @@ class SGLangEngine:
             # a build before /server_info: the route it deprecates (0.5.23 still answers both)
             info = self._http.get("/get_server_info", self.cfg.control_timeout_s).json()
         self.server_version = check_server(info.get("version"), self.base_url)
+        if info.get("enable_hierarchical_cache") and info.get("hicache_storage_backend"):
+            self.storage_backend = str(info["hicache_storage_backend"])
         saver, backup = bool(info.get("enable_memory_saver")), bool(info.get("enable_weights_cpu_backup"))
         if sleep_mode and not saver:
             raise EngineFault(self._no_saver())
@@ -351,11 +365,25 @@ class SGLangEngine:
         try:
             self._pause()
             load()
+            self._clear_storage(version)
             self._weights_missing = None
             with self._life.lock:
                 self._life.version = version
         finally:
             self._continue()
+
+    def _clear_storage(self, version: int) -> None:
+        """After a version's flush, empty HiCache's storage backend, which the flush leaves; the old weights' K/V in it
+        would be fetched for a matching prefix. A failed clear keeps the server paused until an update clears it."""
+        if self.storage_backend is None:
+            return
+        try:
+            self._http.post(_CLEAR_STORAGE, None, self.cfg.update_timeout_s)
+        except EngineFault as err:
+            self._weights_missing = f"its HiCache storage backend was not cleared after version {version}"
+            raise EngineFault(f"version {version}: POST {_CLEAR_STORAGE} failed, so the SGLang server's HiCache "
+                              f"storage backend ({self.storage_backend}) still holds the old weights' K/V and would "
+                              f"serve it; the server stays paused until an update clears it: {err}") from None
 
     @contextlib.contextmanager
     def _weight_session(self) -> Generator[None]:

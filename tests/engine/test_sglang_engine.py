@@ -11,7 +11,13 @@ release's own request and response types. Read in the sglang==0.5.23 wheel from 
   /resume_memory_occupation, GET /server_info (build_server_info: the resolved ServerArgs, flat, e.g.
   enable_memory_saver; plus startup_time, internal_states, "version": sglang's __version__, "frontend") and GET
   /get_server_info, which logs that it is deprecated and answers the same. /generate errors are {"error":
-  {"message"}} with status 400. No torch version in any of them.
+  {"message"}} with status 400. No torch version in any of them. POST /hicache/storage-backend/clear (no body; 0.5.23
+  has no /clear_hicache_storage_backend): the scheduler's clear_hicache_storage_wrapped (managers/scheduler.py) empties
+  the storage backend (L3) when enable_hierarchical_cache (or LMCache) is on and answers 200, else success false: 400;
+  either way the text "Hierarchical cache storage backend cleared.". It does not wait for, or refuse on, running
+  requests. /flush_cache leaves L3 alone (mem_cache/unified_radix_cache.py reset: GPU and host tiers only). ServerArgs'
+  enable_hierarchical_cache (default False) and hicache_storage_backend (default None: no L3; file, mooncake, ...;
+  arg_groups/fields/memory.py) are flat in /server_info.
 - srt/managers/io_struct.py (msgspec structs; BaseReq adds rid, http_worker_ipc): GenerateReqInput,
   PauseGenerationReqInput (mode: abort | retract | in_place), ContinueGenerationReqInput (torch_empty_cache),
   UpdateWeightFromDiskReqInput, InitWeightsUpdateGroupReqInput (master_address, master_port, rank_offset, world_size,
@@ -113,7 +119,9 @@ FROM_DISTRIBUTED_FIELDS = BASE_REQ | {"names", "dtypes", "shapes", "group_name",
 BEGIN_FIELDS, END_FIELDS = BASE_REQ | {"selector"}, BASE_REQ
 MEMORY_FIELDS = BASE_REQ | {"tags"}  # Release/ResumeMemoryOccupationReqInput (tags None: every type)
 MEMORY_TYPES = ["kv_cache", "weights", "weights_drafter", "cuda_graph"]  # constants.GPU_MEMORY_ALL_TYPES
-CONTROL = ("/pause_generation", "/continue_generation", "/flush_cache", "/update_weights_from_disk")
+CONTROL = ("/pause_generation", "/continue_generation", "/flush_cache", "/update_weights_from_disk",
+           "/hicache/storage-backend/clear")
+CLEAR = "/hicache/storage-backend/clear"
 TOO_LONG, SERVER_ABORT = 666, 667  # first prompt tokens the fake answers with an error / with an abort of its own
 
 
@@ -152,7 +160,9 @@ class FakeSGLang:
         self.offloaded: set[str] = set()  # the scheduler's offload_tags
         # the ServerArgs /server_info reports (SGLang's defaults: no memory saver, no CPU backup)
         self.server_args = {"enable_memory_saver": False, "enable_weights_cpu_backup": False, "context_length": 4096,
-                            "weight_version": "default"}
+                            "weight_version": "default", "enable_hierarchical_cache": False,
+                            "hicache_storage_backend": None}
+        self.fail_clear = False  # /hicache/storage-backend/clear answers 400 (success false)
         self.weights_ok = True  # the weights hold values (not lost at a release without a CPU backup)
         self.accepted: list[bool] = []  # per /generate that began generating: were the weights there
         self.groups: dict[str, Any] = {}  # group_name -> process group (init_weights_update_group)
@@ -351,6 +361,12 @@ def fake_app(fake: FakeSGLang) -> FastAPI:
         fake.sequences.clear()
         return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details. (When there are running "
                                  "or waiting requests, the operation will not be performed.)\n")
+
+    @app.post("/hicache/storage-backend/clear")
+    async def clear_storage():  # no body; the same text whether it cleared or not, the status says which
+        record("/hicache/storage-backend/clear", None)
+        ok = fake.server_args["enable_hierarchical_cache"] and not fake.fail_clear
+        return PlainTextResponse("Hierarchical cache storage backend cleared.\n", status_code=200 if ok else 400)
 
     @app.post("/update_weights_from_disk")
     async def update_from_disk(request: Request):
@@ -847,19 +863,22 @@ def _trainer_process(model_state: dict, handles: Any, done: Any) -> None:
 
 
 @pytest.mark.integration
-def test_a_broadcast_goes_to_the_servers_workers_bucket_by_bucket(engine, fake, tiny_model):
+def test_a_broadcast_goes_to_the_servers_workers_bucket_by_bucket(served, fake, tmp_path, tiny_model, request):
     """runtime.weight_transport=broadcast with SGLang: the trainer's publisher (another process) opens the group;
     the first version makes the adapter call /init_weights_update_group, which the fake answers as SGLang does, by
     joining with torch's own rendezvous and _new_process_group_helper (the real torch calls, so a group our side
     builds differently would hang or fail here). Then one /update_weights_from_distributed per bucket of the trainer's
     plan (plan_buckets at its bucket size), each naming at most a bucket's bytes (a tensor larger than a bucket alone),
     in lock-step with the trainer: the trainer reads bucket k+1 only once the server's call for bucket k is receiving,
-    and each call starts after the one before answered. Only the last call flushes the cache and sets the version. The
-    second version reuses the group; requests then carry its version."""
+    and each call starts after the one before answered. Only the last call flushes the cache and sets the version; the
+    server has a HiCache storage backend, cleared after each version's session. The second version reuses the group;
+    requests then carry its version."""
     import multiprocessing as mp
 
     from loomrl.weights.source import bucket_size, plan_buckets
 
+    engine = _hicache_engine(served, tmp_path, tiny_model, "file")
+    request.addfinalizer(engine.close)
     assert Transport.BROADCAST in engine.opens
     state = {n: t.detach().clone() for n, t in tiny_model.state_dict().items()}
     plan = plan_buckets(list(state), ["bfloat16"] * len(state), [list(t.shape) for t in state.values()], BUCKET_BYTES)
@@ -881,10 +900,10 @@ def test_a_broadcast_goes_to_the_servers_workers_bucket_by_bucket(engine, fake, 
     assert fake.calls[:5] == ["/server_info", "/pause_generation", "/init_weights_update_group",
                               "/begin_weight_update", "/update_weights_from_distributed"]
     # each version's buckets inside one weight-update session (SGLang 0.5.23 refuses them outside one)
-    assert fake.calls[4:4 + n + 2] == ["/update_weights_from_distributed"] * n + ["/end_weight_update",
+    assert fake.calls[4:4 + n + 3] == ["/update_weights_from_distributed"] * n + ["/end_weight_update", CLEAR,
                                                                                    "/continue_generation"]
-    assert fake.calls[4 + n + 2:] == ["/pause_generation", "/begin_weight_update",
-                                      *["/update_weights_from_distributed"] * n, "/end_weight_update",
+    assert fake.calls[4 + n + 3:] == ["/pause_generation", "/begin_weight_update",
+                                      *["/update_weights_from_distributed"] * n, "/end_weight_update", CLEAR,
                                       "/continue_generation"]
     assert fake.session is None and fake.bodies["/begin_weight_update"] == [{}, {}]
     bodies = fake.bodies["/update_weights_from_distributed"]
@@ -1077,3 +1096,59 @@ def test_the_trainers_cuda_ipc_payload_rebuilds_under_the_servers_torch():
     with pytest.raises(EngineFault, match=r"rebuild_cuda_tensor takes 3 arguments .* torch 2.14.1 15: its payload "
                                           "would not rebuild there"):
         check_rebuild(later)
+
+
+def _hicache_engine(served, tmp_path, tiny_model, backend: str | None) -> SGLangEngine:
+    """An engine on a server with HiCache on (--enable-hierarchical-cache) and `backend` as its storage backend."""
+    fake = served[1]["fake"]
+    fake.server_args.update(enable_hierarchical_cache=True, hicache_storage_backend=backend)
+    return SGLangEngine(SGLangConfig(base_url=served[0].url, weights_dir=str(tmp_path / "weights"), retries=0),
+                        model_config=tiny_model.config)
+
+
+def test_a_hicache_storage_backend_is_cleared_after_every_updates_flush(served, fake, tmp_path, tiny_model):
+    """With --hicache-storage-backend, /flush_cache (or an update's flush_cache) leaves the storage tier, so after each
+    version's flush the adapter posts /hicache/storage-backend/clear, before the server continues: from disk (after
+    /flush_cache) and cuda_ipc (after the session that flushed). The broadcast path is checked in
+    test_a_broadcast_goes_to_the_servers_workers_bucket_by_bucket."""
+    eng = _hicache_engine(served, tmp_path, tiny_model, "file")
+    try:
+        eng.update_weights(tiny_model.state_dict(), 1)
+        eng.update_from(_ipc_handle(2))
+    finally:
+        eng.close()
+    assert fake.calls[1:] == ["/pause_generation", "/update_weights_from_disk", "/flush_cache", CLEAR,
+                              "/continue_generation", "/pause_generation", "/begin_weight_update",
+                              "/update_weights_from_tensor", "/end_weight_update", CLEAR, "/continue_generation"]
+    assert fake.bodies[CLEAR] == [None, None] and eng.version == 2
+
+
+def test_hicache_without_a_storage_backend_is_not_cleared(served, fake, tmp_path, tiny_model):
+    """HiCache on without a storage backend: the flush empties every tier, no clear is sent (nor on a default
+    server: the other tests' exact call lists)."""
+    eng = _hicache_engine(served, tmp_path, tiny_model, None)
+    try:
+        eng.update_weights(tiny_model.state_dict(), 1)
+        eng.update_from(_ipc_handle(2))
+    finally:
+        eng.close()
+    assert CLEAR not in fake.calls and eng.version == 2
+
+
+def test_a_failed_storage_clear_fails_the_update_and_keeps_the_server_paused(served, fake, tmp_path, tiny_model):
+    """A clear the server refuses fails the update in one line naming the route and why it matters; the server stays
+    paused (continuing would let it serve the old weights' K/V from the store) until an update clears it."""
+    eng = _hicache_engine(served, tmp_path, tiny_model, "mooncake")
+    try:
+        fake.fail_clear = True
+        with pytest.raises(EngineFault) as err:
+            eng.update_from(_ipc_handle(1))
+        message = str(err.value)
+        assert "\n" not in message.strip() and CLEAR in message and "mooncake" in message
+        assert "old weights' K/V" in message and "answered 400" in message
+        assert fake.calls[-2:] == ["/end_weight_update", CLEAR] and fake.paused and eng.version == 0
+        fake.fail_clear = False
+        eng.update_from(_ipc_handle(2))
+    finally:
+        eng.close()
+    assert fake.calls[-2:] == [CLEAR, "/continue_generation"] and not fake.paused and eng.version == 2

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 from engine_checks import VLLM_OVERRIDES, run_requests, vllm_tiny_pair
-from kv_store_connector import REFUSE, RESETS
 
 from loomrl.config import load_config
 from loomrl.config.engine import VLLM_CONNECTORS_RESET, VLLM_CONNECTORS_TRANSFER, refused_vllm_connectors
@@ -27,7 +26,9 @@ from loomrl.engine.builtin.engine import BuiltinEngine
 from loomrl.engine.factory import make_engine
 from loomrl.model.loader import ModelLoadError
 
-pytest.importorskip("vllm")
+pytest.importorskip("vllm")  # before the store: it subclasses one of vLLM's connectors
+from kv_store_connector import REFUSE, RESETS  # noqa: E402
+
 pytestmark = pytest.mark.vllm
 
 TESTS = Path(__file__).resolve().parents[1]

@@ -34,6 +34,7 @@ KEY_LINES = {
     "env_pipeline": "efficiency: ",
     "judge_cost": "efficiency: ",
     "long_tail": "efficiency: ",
+    "lora": "lora / full bytes per publish: merged ",
     "peer_trl": "start weights (both arms): held-out success ",
     "plan_accuracy": "wall_error_a_predicts_b: ",
     "program_kv": "gap_closed_wall: ",

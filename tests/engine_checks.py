@@ -4,6 +4,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import socket
+import subprocess
 
 import torch
 
@@ -100,3 +104,23 @@ class Recording:
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (a server started on it may still race another)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """Stop a server started in a process group of its own (start_new_session): SIGTERM, then SIGKILL after 30 s; a
+    process already gone (a test killed it) is left as it is."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)

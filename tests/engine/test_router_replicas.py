@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from engine_checks import run_requests
+from engine_checks import free_port, run_requests, stop_server
 
 from loomrl.config import EngineConfig, EngineSetup, ModelConfig, TinyModelConfig, VLLMConfig
 from loomrl.engine.base import GenerationRequest, SamplingParams
@@ -47,14 +46,8 @@ def models():
     return a, b, tokenizer
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(folder: Path, name: str) -> tuple[subprocess.Popen, str, Path]:
-    port, log_path = _free_port(), folder / f"{name}.log"
+    port, log_path = free_port(), folder / f"{name}.log"
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     with open(log_path, "wb") as log:  # the child keeps its own descriptor
@@ -83,17 +76,6 @@ def _wait_healthy(proc: subprocess.Popen, url: str, log_path: Path, deadline: fl
         time.sleep(0.5)
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def servers(models, tmp_path_factory):
     """[(process, base URL)] of two vLLM servers on model A, started at once; both stopped at the end."""
@@ -110,7 +92,7 @@ def servers(models, tmp_path_factory):
         yield [(proc, url) for proc, url, _ in started]
     finally:
         for proc, _, _ in started:
-            _stop(proc)
+            stop_server(proc)
 
 
 @pytest.fixture(scope="module")

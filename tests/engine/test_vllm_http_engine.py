@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from engine_checks import check_sampled_logprobs, check_stop_token_kept, run_requests
+from engine_checks import check_sampled_logprobs, check_stop_token_kept, free_port, run_requests, stop_server
 
 from loomrl.config import ModelConfig, TinyModelConfig, load_config
 from loomrl.engine.base import EngineFault, SamplingParams, generate_resuming
@@ -52,12 +50,6 @@ def models():
     return a, b, tokenizer
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(models, tmp_path_factory):
     """The base URL of a vLLM server on model A; its process group is killed at the end."""
@@ -65,7 +57,7 @@ def server(models, tmp_path_factory):
     folder = tmp_path_factory.mktemp("vllm-http-model")
     a.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     log = open(folder / "server.log", "wb")  # noqa: SIM115 - closed in teardown
@@ -96,12 +88,7 @@ def server(models, tmp_path_factory):
             time.sleep(0.5)
         yield url
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+        stop_server(proc)
         log.close()
 
 

@@ -9,15 +9,13 @@ GPU or a service). Marked `vllm`, run in .venv-vllm; two engines and one server 
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from engine_checks import VLLM_OVERRIDES, run_requests, vllm_tiny_pair
+from engine_checks import VLLM_OVERRIDES, free_port, run_requests, stop_server, vllm_tiny_pair
 
 from loomrl.config import load_config
 from loomrl.config.engine import VLLM_CONNECTORS_RESET, VLLM_CONNECTORS_TRANSFER, refused_vllm_connectors
@@ -116,18 +114,12 @@ def test_the_connectors_loomrl_lists_as_resetting_are_those_of_the_installed_vll
     assert set(VLLM_CONNECTORS_TRANSFER) <= registry.keys() - resets
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(folder: Path, store: Path) -> tuple[subprocess.Popen, str]:
     """A vLLM server on the model saved in `folder`, with the flags the HTTP adapter needs and the store as its
     --kv-transfer-config; (process, base URL) once /health answers."""
     import httpx
 
-    port, log = _free_port(), folder / "server.log"
+    port, log = free_port(), folder / "server.log"
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
            "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")])}
     with open(log, "wb") as out:
@@ -148,17 +140,8 @@ def _serve(folder: Path, store: Path) -> tuple[subprocess.Popen, str]:
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    _stop(proc)
+    stop_server(proc)
     raise RuntimeError(f"the vLLM server did not start:\n{log.read_text()[-3000:]}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
 
 
 def _resets(store: Path) -> int:
@@ -202,4 +185,4 @@ def test_over_http_an_update_resets_the_servers_connector_store_after_the_load(m
         finally:
             engine.close()
     finally:
-        _stop(proc)
+        stop_server(proc)

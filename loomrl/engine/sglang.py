@@ -13,6 +13,12 @@ host tiers only; a server with a HiCache storage backend (--enable-hierarchical-
 that fails fails the update and keeps the server paused. A backend attached at run time (PUT /hicache/storage-backend)
 after connect is not seen.
 
+LoRA adapters (trainer.lora.publish=adapter: `update_adapter`): each version's adapter is written as a PEFT folder and
+loaded under its own name (weights/adapter.py adapter_name: fresh per version) by /load_lora_adapter; every /generate
+then names it (lora_path) and its tokens carry that version; the previous version's adapter is unloaded. The server
+must run with LoRA on (sglang_contract.lora_flags). Its fingerprint is what the server reports: the adapter list of
+GET /v1/models must name this version's adapter, loaded from its folder (SGLang reads no adapter tensor back).
+
 What it is not: tested against a running SGLang. SGLang 0.5 ships GPU builds only; the adapter is tested here
 against a fake server built from SGLang 0.5.23's own request and response types (tests/engine/test_sglang_engine.py),
 and nothing has run against a real server yet.
@@ -26,6 +32,7 @@ import functools
 import logging
 import pickle
 import shutil
+import tempfile
 import uuid
 from collections.abc import Callable, Generator
 from pathlib import Path
@@ -39,8 +46,20 @@ from loomrl.engine.adapter import ControlThread, Lifecycle
 from loomrl.engine.base import EngineFault, EngineMetrics, GenerationRequest, GenerationResult
 from loomrl.engine.http import ServerClient
 from loomrl.engine.neutral import NEUTRAL_PENALTIES
-from loomrl.engine.sglang_contract import DEVICE_ARG, check_nccl, check_rebuild, check_server, trainer_nccl
-from loomrl.weights.fingerprint import Fingerprint
+from loomrl.engine.sglang_contract import (
+    DEVICE_ARG,
+    LOAD_LORA,
+    LORA_UNREAD,
+    MODELS,
+    UNLOAD_LORA,
+    check_lora_server,
+    check_nccl,
+    check_rebuild,
+    check_server,
+    trainer_nccl,
+)
+from loomrl.weights.adapter import AdapterMeta, adapter_name, write_folder
+from loomrl.weights.fingerprint import Fingerprint, WeightMismatch
 from loomrl.weights.handle import Transport, WeightHandle
 from loomrl.weights.source import bucket_size, plan_buckets
 
@@ -123,6 +142,11 @@ class SGLangEngine:
         self._group = ""  # the trainer's weight group the server has joined (broadcast)
         self._sessions: bool | None = None  # the server has /begin_weight_update (None: not asked yet)
         self.server_version = ""  # SGLang's, from /server_info at connect
+        self._info: dict[str, Any] = {}  # /server_info at connect: its ServerArgs (the LoRA flags among them)
+        # the LoRA adapter every /generate names (update_adapter): (its version, its name, its folder as the server
+        # reads it); None: the base model alone. Set under the lifecycle's lock with the version.
+        self._lora: tuple[int, str, str] | None = None
+        self._lora_tmp: str | None = None  # the adapters' folder where engine.sglang.weights_dir is unset (removed at close)
         self.storage_backend: str | None = None  # HiCache's storage backend (L3), from /server_info at connect
         # Why the server's weights are not ones to generate with (released at sleep without a CPU backup, or an update
         # that failed half way), until the next complete update; while set the server is never continued.
@@ -142,9 +166,14 @@ class SGLangEngine:
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         with self._life.serving(request) as ticket:
+            with self._life.lock:
+                lora = self._lora
             rid = f"loomrl-{uuid.uuid4().hex}"
-            data = await self._http.apost("/generate", self.generate_body(request, rid), self.cfg.timeout_s)
-        result, cached = self.parse_generate(data, ticket.version, interrupted=self._life.interrupted(ticket))
+            body = self.generate_body(request, rid, lora[1] if lora else None)
+            data = await self._http.apost("/generate", body, self.cfg.timeout_s)
+        # under an adapter the tokens are that adapter's version (the server's weight_version is the base model's)
+        result, cached = self.parse_generate(data, lora[0] if lora else ticket.version,
+                                             interrupted=self._life.interrupted(ticket), own_version=lora is not None)
         with self._life.lock:
             n = len(request.prompt_ids)
             self.metrics.finished += 1
@@ -179,6 +208,32 @@ class SGLangEngine:
             if old.name != name:
                 shutil.rmtree(old, ignore_errors=True)
 
+    def update_adapter(self, weights: dict[str, torch.Tensor], adapter: AdapterMeta, version: int) -> None:
+        """Write `weights` as a PEFT adapter folder, then pause (abort) -> /load_lora_adapter under adapter.name ->
+        /unload_lora_adapter of the previous version's -> continue: every /generate after this names the new adapter
+        (in-flight requests end "interrupted" and resume under it). The folder is written where the server reads it:
+        under engine.sglang.weights_dir (the server's name for it: server_weights_dir), else in a temporary folder of
+        this machine; on a multi-node cluster weights_dir must be shared storage the server's node mounts. A load the
+        server refuses is an EngineFault carrying its message; the previous adapter then keeps serving."""
+        self._life.check_open("update_adapter")
+        if adapter.name != adapter_name(version):
+            raise EngineFault(f"update_adapter: version {version}'s adapter must be named {adapter_name(version)} (a "
+                              f"fresh name per version), not {adapter.name}")
+        if self._weights_missing:  # an adapter brings no base weights back
+            raise EngineFault(f"update_adapter: the SGLang server at {self.base_url} has no base weights ("
+                              f"{self._weights_missing}), and an adapter does not restore them; run it with "
+                              "--enable-weights-cpu-backup")
+        check_lora_server(self._info, adapter.rank, adapter.target_modules, self.base_url)
+        local, server = self._adapter_dirs()
+        shutil.rmtree(local / adapter.name, ignore_errors=True)  # a try of this version before (its load failed)
+        write_folder(local / adapter.name, adapter, weights)
+        path = str(server / adapter.name)
+        load = functools.partial(self._load_adapter, adapter.name, path, version)
+        self._control.call(f"update_adapter: version {version}", None, self._paused_load, version, load)
+        for old in local.iterdir():  # unloaded: a request naming it would make SGLang reload it from here
+            if old.name != adapter.name:
+                shutil.rmtree(old, ignore_errors=True)
+
     opens = frozenset({Transport.BROADCAST, Transport.CUDA_IPC})  # the server's workers read them (update_from)
 
     def update_from(self, handle: WeightHandle) -> None:
@@ -203,9 +258,26 @@ class SGLangEngine:
         self._control.call(f"update_weights: version {handle.version}", None, self._paused_load, handle.version, load)
 
     def weight_fingerprint(self, expected: Fingerprint) -> Fingerprint:
-        """Nothing to compare: an SGLang server reports no checksum of its weights (the runtime logs that the
-        fingerprint is not checked; the version is)."""
-        return Fingerprint(unchecked="an SGLang server reports no checksum of its loaded weights")
+        """No tensor to compare: an SGLang server reports no checksum of its weights, nor its adapters' tensors (the
+        runtime logs that they are not checked; the version is). Under an adapter, what the server reports is checked:
+        its adapter list (GET /v1/models) must name this version's adapter, loaded from the folder it was given, else
+        WeightMismatch naming the server (an adapter that never loaded, was dropped, or is an older version's)."""
+        with self._life.lock:
+            lora, version = self._lora, self._life.version
+        if lora is None:
+            return Fingerprint(unchecked="an SGLang server reports no checksum of its loaded weights")
+        want = adapter_name(version)
+        cards = self._http.get(MODELS, self.cfg.control_timeout_s).json().get("data") or []
+        listed = {str(c.get("id")): c.get("root") for c in cards if c.get("parent")}  # adapters: cards with a parent
+        if lora[1] != want or listed.get(want) != lora[2]:
+            found = listed.get(want)
+            why = (f"it lists {want} loaded from {found}, not {lora[2]}" if found is not None else
+                   f"it lists {sorted(listed) or 'no adapter'}")
+            raise WeightMismatch(f"weight sync: the SGLang engine at {self.base_url} does not serve version {version}'s "
+                                 f"LoRA adapter {want} (GET {MODELS}: {why}): the adapter did not load, was dropped, or "
+                                 "is an older version's")
+        return Fingerprint(unchecked=f"{LORA_UNREAD}; its adapter list (GET {MODELS}) names {want}, loaded from "
+                                     f"{lora[2]}")
 
     def interrupt(self) -> None:
         """Pause with mode=abort and continue, on the control thread: in-flight requests end "interrupted" soon."""
@@ -238,10 +310,13 @@ class SGLangEngine:
         if self._life.close():
             self._control.shutdown()
             self._http.close()
+            if self._lora_tmp is not None:
+                shutil.rmtree(self._lora_tmp, ignore_errors=True)
 
     # -- the wire format --------------------------------------------------------------------------
-    def generate_body(self, request: GenerationRequest, rid: str) -> dict[str, Any]:
-        """The /generate request (io_struct.GenerateReqInput; sampling_params: sampling/sampling_params.py)."""
+    def generate_body(self, request: GenerationRequest, rid: str, lora: str | None = None) -> dict[str, Any]:
+        """The /generate request (io_struct.GenerateReqInput; sampling_params: sampling/sampling_params.py); `lora`:
+        the adapter to apply (its name, as loaded by /load_lora_adapter; None: the base model)."""
         s = request.sampling
         sampling: dict[str, Any] = {
             "max_new_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
@@ -257,13 +332,18 @@ class SGLangEngine:
         if s.seed is not None:
             sampling["sampling_seed"] = s.seed
         priority = request.priority if self.cfg.low_priority_first else -request.priority
-        return {"rid": rid, "input_ids": list(request.prompt_ids), "sampling_params": sampling,
+        body = {"rid": rid, "input_ids": list(request.prompt_ids), "sampling_params": sampling,
                 "return_logprob": True, "logprob_start_len": -1, "priority": priority, "stream": False}
+        if lora is not None:
+            body["lora_path"] = lora  # GenerateReqInput.lora_path: an adapter's name (or one per prompt)
+        return body
 
     @staticmethod
-    def parse_generate(data: dict[str, Any], version: int, *, interrupted: bool) -> tuple[GenerationResult, int]:
+    def parse_generate(data: dict[str, Any], version: int, *, interrupted: bool,
+                       own_version: bool = False) -> tuple[GenerationResult, int]:
         """A GenerationResult from a /generate answer, and the prompt tokens the server served from its cache.
-        `version`: the engine's when the request started; `interrupted`: an abort of ours happened meanwhile."""
+        `version`: the engine's when the request started (`own_version`: the version of the adapter the request named,
+        whatever weight_version the server reports); `interrupted`: an abort of ours happened meanwhile."""
         meta = data.get("meta_info") or {}
         triples = meta.get("output_token_logprobs")
         if triples is None:
@@ -286,7 +366,9 @@ class SGLangEngine:
         else:
             raise EngineFault(f"SGLang /generate: unknown finish_reason {reason!r}")
         served = meta.get("weight_version")
-        tag = int(served) if isinstance(served, (int, str)) and str(served).lstrip("-").isdigit() else version
+        tag = version
+        if not own_version and isinstance(served, (int, str)) and str(served).lstrip("-").isdigit():
+            tag = int(served)
         result = GenerationResult(token_ids=ids, logprobs=logprobs, versions=[tag] * len(ids), finish_reason=finish)
         return result, int(meta.get("cached_tokens") or 0)
 
@@ -303,6 +385,7 @@ class SGLangEngine:
             # a build before /server_info: the route it deprecates (0.5.23 still answers both)
             info = self._http.get("/get_server_info", self.cfg.control_timeout_s).json()
         self.server_version = check_server(info.get("version"), self.base_url)
+        self._info = info
         if info.get("enable_hierarchical_cache") and info.get("hicache_storage_backend"):
             self.storage_backend = str(info["hicache_storage_backend"])
         saver, backup = bool(info.get("enable_memory_saver")), bool(info.get("enable_weights_cpu_backup"))
@@ -359,18 +442,51 @@ class SGLangEngine:
         self._http.post("/resume_memory_occupation", {"tags": _MEMORY_TAGS}, self.cfg.update_timeout_s)
         self._continue()
 
-    def _paused_load(self, version: int, load: Callable[[], None]) -> None:
-        """Pause (abort), `load` (the server's update calls), then serve as `version`; the server is never left paused,
-        even after a failed load."""
+    def _paused_load(self, version: int, load: Callable[[], tuple[int, str, str] | None]) -> None:
+        """Pause (abort), `load` (the server's update calls; an adapter's load returns the adapter now served), then
+        serve as `version`; the server is never left paused, even after a failed load."""
         try:
             self._pause()
-            load()
-            self._clear_storage(version)
-            self._weights_missing = None
+            lora = load()
+            # full weights: the old K/V goes, and the base model is whole again (an adapter's K/V is keyed by its
+            # lora_id in SGLang's caches, a new one per load: none of it is stale)
+            if lora is None:
+                self._clear_storage(version)
+                self._weights_missing = None
             with self._life.lock:
                 self._life.version = version
+                self._lora = lora if lora is not None else self._lora
         finally:
             self._continue()
+
+    def _adapter_dirs(self) -> tuple[Path, Path]:
+        """Where adapter folders are written, and that folder as the server names it."""
+        if self.cfg.weights_dir:
+            local = Path(self.cfg.weights_dir) / "adapters"
+            server = Path(self.cfg.server_weights_dir or self.cfg.weights_dir) / "adapters"
+        else:  # the server on this machine (a server elsewhere needs weights_dir on shared storage)
+            if self._lora_tmp is None:
+                self._lora_tmp = tempfile.mkdtemp(prefix="loomrl-sglang-adapters-")
+            local = server = Path(self._lora_tmp)
+        local.mkdir(parents=True, exist_ok=True)
+        return local, server
+
+    def _load_adapter(self, name: str, path: str, version: int) -> tuple[int, str, str]:
+        """/load_lora_adapter `name` from `path`, then /unload_lora_adapter the previous version's (a failed unload
+        is logged: the new adapter serves either way). Returns the adapter now served."""
+        try:
+            self._http.post(LOAD_LORA, {"lora_name": name, "lora_path": path}, self.cfg.update_timeout_s)
+        except EngineFault as err:
+            raise EngineFault(f"update_adapter: the SGLang server at {self.base_url} did not load version {version}'s "
+                              f"adapter {name} from {path}: {err}") from None
+        old = self._lora
+        if old is not None and old[1] != name:
+            try:
+                self._http.post(UNLOAD_LORA, {"lora_name": old[1]}, self.cfg.update_timeout_s)
+            except EngineFault as err:
+                log.warning("SGLang %s: unloading the previous adapter %s failed (it stays loaded; no request names "
+                            "it): %s", self.base_url, old[1], err)
+        return version, name, path
 
     def _clear_storage(self, version: int) -> None:
         """After a version's flush, empty HiCache's storage backend, which the flush leaves; the old weights' K/V in it

@@ -17,6 +17,17 @@ The pairing, from the packages' own metadata and source (nothing here ran a real
   What is not checked here: the bytes of the CUDA IPC and ref-counter handles and the GPU UUID's text, which torch's
   C++ makes (StorageSharing.cpp, the CUDA device properties) on each side.
 
+LoRA adapters (engine/sglang.py update_adapter), as sglang 0.5.23's source has them: POST /load_lora_adapter
+{lora_name, lora_path, pinned} and POST /unload_lora_adapter {lora_name} (srt/entrypoints/http_server.py; the bodies are
+io_struct.LoadLoRAAdapterReqInput and UnloadLoRAAdapterReqInput, the answer LoRAUpdateOutput {success, error_message,
+loaded_adapters}, 200 or 400), the /generate field lora_path (GenerateReqInput: a name, or one per prompt), and GET
+/v1/models, whose cards list every loaded adapter (id: its name, root: the path it was loaded from, parent: the base).
+The server must be started with the flags `lora_flags` names (srt/arg_groups/fields/lora.py; /server_info reports
+them flat); `check_lora_server` refuses a server without them before anything is sent. No route reads an adapter's
+tensors back: /get_weights_by_name and /weights_checker read the base model's parameters only, and
+/load_lora_adapter_from_tensors's expected_checksums checks the tensors as received, not as applied (and needs tensors
+pickled for the server's process), so the adapter's fingerprint is its name and folder in /v1/models (LORA_UNREAD).
+
 What it is not: a check of the server's behaviour (tests/engine/test_sglang_engine.py plays the server from 0.5.23's
 request and response types), or of anything the server does not report (/server_info carries SGLang's version, not
 its torch's: the torch is the one 0.5.23 pins).
@@ -96,3 +107,46 @@ def check_rebuild(rebuild: Callable[..., Any]) -> None:
         raise EngineFault(f"runtime.weight_transport=cuda_ipc: this torch {torch.__version__}'s rebuild_cuda_tensor "
                           f"takes {len(names)} arguments {names}, the SGLang server's torch {SERVER_TORCH} "
                           f"{len(REBUILD_CUDA_TENSOR_ARGS)}: its payload would not rebuild there")
+
+
+LOAD_LORA = "/load_lora_adapter"  # {lora_name, lora_path, pinned}: 400 {success false, error_message} when refused
+UNLOAD_LORA = "/unload_lora_adapter"  # {lora_name}; waits for the requests using it (lora_registry.wait_for_unload)
+MODELS = "/v1/models"  # {data: [{id, root, parent, ...}]}: the base model's card, then one per loaded adapter
+LORA_UNREAD = ("SGLang 0.5.23 reads no LoRA adapter's tensors back (/get_weights_by_name and /weights_checker read the "
+               "base model's parameters only)")
+# lora/utils.py get_normalized_target_modules: the adapter's target modules as the server's LoRA memory pool names them
+# (fused projections), compared with --lora-target-modules normalized the same way
+_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+          "up_proj": "gate_up_proj"}
+
+
+def lora_flags(rank: int, target_modules: list[str]) -> list[str]:
+    """The launch_server flags an SGLang server needs to serve loomrl's adapters of `rank` on `target_modules`
+    (--lora-strict-loading: a tensor under a name the server does not expect is an error, not a logged skip)."""
+    return ["--enable-lora", "--max-lora-rank", str(rank), "--lora-target-modules", *sorted(target_modules),
+            "--lora-strict-loading"]
+
+
+def _normalized(modules: Any) -> set[str]:
+    if isinstance(modules, str):  # "all" / "all-linear": every module the server supports
+        return {"all"}
+    return {_FUSED.get(m.rsplit(".", 1)[-1], m.rsplit(".", 1)[-1]) for m in modules}
+
+
+def check_lora_server(info: dict[str, Any], rank: int, target_modules: list[str], base_url: str) -> None:
+    """EngineFault, one line, when the server's /server_info says it cannot load an adapter of `rank` on
+    `target_modules` (LoRA off, --max-lora-rank below `rank`, a target module outside --lora-target-modules): what
+    lora_manager.validate_new_adapter would refuse at the first load. A value the server leaves unresolved (None: it
+    infers it from --lora-paths) is left to the load."""
+    flags = " ".join(lora_flags(rank, target_modules))
+    why = ""
+    served = info.get("lora_target_modules")
+    if not info.get("enable_lora"):
+        why = "runs without --enable-lora"
+    elif info.get("max_lora_rank") is not None and int(info["max_lora_rank"]) < rank:
+        why = f"has --max-lora-rank {info['max_lora_rank']}, below the adapter's rank {rank}"
+    elif served and "all" not in _normalized(served) and not _normalized(target_modules) <= _normalized(served):
+        why = f"has --lora-target-modules {sorted(served)}, without all of the adapter's {sorted(target_modules)}"
+    if why:
+        raise EngineFault(f"trainer.lora.publish=adapter: the SGLang server at {base_url} {why}; restart it with "
+                          f"{flags} (or publish merged weights: trainer.lora.publish=merged)")

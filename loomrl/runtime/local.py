@@ -25,7 +25,7 @@ import torch
 
 from loomrl.config import RunConfig
 from loomrl.devices import trainer_device
-from loomrl.engine.base import EngineFault
+from loomrl.engine.base import EngineFault, apply_loaded
 from loomrl.engine.builtin.engine import BuiltinEngine
 from loomrl.engine.readings import EngineDelta
 from loomrl.rollout.actor import RolloutSide
@@ -84,7 +84,12 @@ class LocalRollouts(Rollouts):
             torch.set_num_threads(cfg.trainer.threads)
         # sync: the engine serves the trainer's own model (float32 on trainer.device; config.load_config refused
         # any other model.dtype or model.device), so it is loaded as the trainer's
-        rollout = self.rollout = RolloutSide(cfg.rollout_pool(), self.ckpt, trainer=cfg.trainer if self.sync else None)
+        # trainer.lora publish=adapter: the engine holds the base (the model config's, not a LoRA checkpoint's merged
+        # model), onto which each version's adapter merges; the trainer's start publishes the checkpoint's adapter
+        # before any request
+        lora = cfg.trainer.lora
+        ckpt = None if lora is not None and lora.publish == "adapter" else self.ckpt
+        rollout = self.rollout = RolloutSide(cfg.rollout_pool(), ckpt, trainer=cfg.trainer if self.sync else None)
         self.delta = EngineDelta.of(rollout.engine)  # busy time, queue, prefix hits, router/pool: engine/readings.py
 
     def dispatch(self, position: int) -> asyncio.Future:
@@ -267,8 +272,9 @@ class HandleRoute(WeightRoute):
             raise RuntimeError(f"HandleRoute: version {version} is published without a weight handle from the trainer "
                                f"(got {type(weights).__name__})")
         handle = weights
-        # Off the event loop: rollouts go on, and the trainer's next step request goes out meanwhile.
-        opens = handle.transport in engine.opens
+        # Off the event loop: rollouts go on, and the trainer's next step request goes out meanwhile. An adapter
+        # (trainer.lora publish=adapter) is small: loaded here and handed to update_adapter, whatever the engine opens.
+        opens = handle.transport in engine.opens and handle.adapter is None
         loaded = None if opens else await asyncio.to_thread(load_weights, handle)
         if self.cfg.runtime.interrupt_on_update:
             engine.interrupt()  # in-flight turns resume under the new weights (AgentLoop._generate)
@@ -277,7 +283,7 @@ class HandleRoute(WeightRoute):
             if loaded is None:
                 await asyncio.to_thread(engine.update_from, handle)
             else:
-                await asyncio.to_thread(engine.update_weights, loaded.weights, version)
+                await asyncio.to_thread(apply_loaded, engine, loaded.weights, handle)
         except EngineFault as err:  # the trainer's own weights: retrying cannot help
             raise EngineLost(f"the engine could not load the weights of version {version}: {err}") from None
         t1 = time.perf_counter()
@@ -287,6 +293,8 @@ class HandleRoute(WeightRoute):
             raise EngineLost(str(err)) from err
         self.metrics = {**sync_metrics(handle, loaded), "weight_sync/apply_s": t1 - t0,
                         "weight_sync/confirm_s": time.perf_counter() - t1, "weight_sync/fingerprinted": checked}
+        if handle.adapter is not None:  # confirmed: the engine (every instance of a router) serves this adapter
+            self.metrics["weight_sync/adapter_version"] = float(version)
 
     def step_metrics(self) -> dict[str, float]:
         out, self.metrics = self.metrics, {}

@@ -712,11 +712,16 @@ class ActorRoute(WeightRoute):
                 self.load_failed(err, sender)
         if not timings:
             return {}
-        return {"weight_sync/load_s": max(t["load_s"] for t in timings),
-                "weight_sync/apply_s": max(t["apply_s"] for t in timings),
-                "weight_sync/confirm_s": max(t["confirm_s"] for t in timings),
-                "weight_sync/fingerprinted": float(min(t["fingerprinted"] for t in timings)),
-                "weight_sync/transfers": float(len(timings))}
+        out = {"weight_sync/load_s": max(t["load_s"] for t in timings),
+               "weight_sync/apply_s": max(t["apply_s"] for t in timings),
+               "weight_sync/confirm_s": max(t["confirm_s"] for t in timings),
+               "weight_sync/fingerprinted": float(min(t["fingerprinted"] for t in timings)),
+               "weight_sync/transfers": float(len(timings))}
+        adapters = [t for t in timings if "adapter_version" in t]  # trainer.lora publish=adapter (WeightGate.load)
+        if adapters:  # the oldest adapter an engine confirmed serving, and one version's bytes
+            out["weight_sync/adapter_version"] = float(min(t["adapter_version"] for t in adapters))
+            out["weight_sync/adapter_bytes"] = float(adapters[-1]["adapter_bytes"])
+        return out
 
 
 class ObjectStoreRoute(ActorRoute):

@@ -9,6 +9,12 @@ alternatives, so each position's top logprobs hold one entry, the sampled token:
 likely one; sampling, it need not be), and more is a 400 naming the field rather than a shorter list than asked for.
 `stream=true` answers server-sent events (responses.py stream_events: each choice's output in one chunk once it has
 finished).
+
+Several models over one base (`loomrl serve --adapter`): besides the base's engine, one engine per LoRA adapter, each
+under its own name; a request's `model` picks its engine, /v1/models lists every name, and a name not served is a 404
+listing those that are (OpenAI's `model_not_found`). With one model served, any `model` is answered by it, as before:
+a client that names nothing in particular needs no configuration. /health and /metrics report the base's engine
+(/health also each served model's policy version).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import asyncio
 import itertools
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -27,29 +34,45 @@ from loomrl.server.protocol import ChatCompletionRequest, CompletionRequest
 
 
 class OpenAIServer:
-    def __init__(self, engine, tokenizer, model_name: str):
+    def __init__(self, engine, tokenizer, model_name: str, adapters: Mapping[str, Any] | None = None):
+        """`engine` serves `model_name`; `adapters`: each further served name's engine (an adapter over the same base
+        model, so the same tokenizer)."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.renderer = ChatRenderer(tokenizer)
         self.model_name = model_name
+        self.engines = {model_name: engine, **(adapters or {})}  # the base first: /v1/models lists it first
         self.started = int(time.time())
         self.requests = 0
         self.errors = 0
 
     # -- helpers ----------------------------------------------------------------------------------
-    async def _generate_n(self, prompt_ids: list[int], sampling: SamplingParams, n: int) -> list[GenerationResult]:
+    def _served(self, model: str | None):
+        """(name, engine) serving a request's `model`, or a 404 naming the served models. With one model served it
+        answers whatever is asked (a client's placeholder name included), as it did before adapters were served."""
+        if len(self.engines) == 1 or model is None:
+            return self.model_name, self.engine
+        if model in self.engines:
+            return model, self.engines[model]
+        served = ", ".join(repr(name) for name in self.engines)
+        return oai.error_response(404, f"The model {model!r} does not exist: this server serves {served}", "model",
+                                  code="model_not_found")
+
+    async def _generate_n(self, engine, prompt_ids: list[int], sampling: SamplingParams, n: int
+                          ) -> list[GenerationResult]:
         """n samples of one prompt (seeds seed, seed+1, ... when seeded); the prefix cache shares the prompt."""
         reqs = [
-            self.engine.generate(GenerationRequest(
+            engine.generate(GenerationRequest(
                 prompt_ids=prompt_ids, program_id=f"http-{uuid.uuid4().hex[:8]}",
                 sampling=replace(sampling, seed=None if sampling.seed is None else sampling.seed + i)))
             for i in range(n)
         ]
         return list(await asyncio.gather(*reqs))
 
-    def _check_context(self, prompts: list[list[int]], max_tokens: int):
+    @staticmethod
+    def _check_context(engine, prompts: list[list[int]], max_tokens: int):
         """A 400 when a prompt and max_tokens cannot fit in the engine's KV budget together, or None."""
-        limit = self.engine.kv_budget
+        limit = engine.kv_budget
         for ids in prompts:
             if len(ids) + max_tokens > limit:
                 return oai.error_response(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
@@ -75,6 +98,10 @@ class OpenAIServer:
         return [self.renderer.encode_text(x) if isinstance(x, str) else list(x) for x in p if not isinstance(x, int)]
 
     async def completions(self, req: CompletionRequest):
+        served = self._served(req.model)
+        if not isinstance(served, tuple):
+            return served
+        model, engine = served
         if req.echo:
             return oai.error_response(400, "echo=true is not supported", "echo")
         if (bad := self._one_alternative("logprobs", req.logprobs)) is not None:
@@ -86,10 +113,10 @@ class OpenAIServer:
         vocab = len(self.tokenizer)
         if any(not x or any(t < 0 or t >= vocab for t in x) for x in prompts):
             return oai.error_response(400, f"prompt token ids must be non-empty and in [0, {vocab})", "prompt")
-        if (bad := self._check_context(prompts, req.max_tokens)) is not None:
+        if (bad := self._check_context(engine, prompts, req.max_tokens)) is not None:
             return bad
         sampling = oai.sampling_params(req, req.max_tokens)
-        results = await asyncio.gather(*[self._generate_n(ids, sampling, req.n) for ids in prompts])
+        results = await asyncio.gather(*[self._generate_n(engine, ids, sampling, req.n) for ids in prompts])
         choices = []
         for ids, outs in zip(prompts, results):
             for r in outs:
@@ -106,10 +133,14 @@ class OpenAIServer:
                     choice["prompt_token_ids"] = ids
                 choices.append(choice)
         self.requests += 1
-        return oai.completion_body("cmpl", "text_completion", self.model_name, choices, sum(map(len, prompts)) * req.n,
+        return oai.completion_body("cmpl", "text_completion", model, choices, sum(map(len, prompts)) * req.n,
                                    sum(len(r.token_ids) for outs in results for r in outs))
 
     async def chat(self, req: ChatCompletionRequest):
+        served = self._served(req.model)
+        if not isinstance(served, tuple):
+            return served
+        model, engine = served
         if (bad := oai.bad_roles(req.messages)) is not None:
             return bad
         if (bad := self._one_alternative("top_logprobs", req.top_logprobs)) is not None:
@@ -119,10 +150,10 @@ class OpenAIServer:
         except Exception as err:  # noqa: BLE001 - a template that cannot render this conversation
             return oai.error_response(400, f"cannot render messages with the chat template: {err}", "messages")
         max_tokens = req.max_completion_tokens or req.max_tokens or 256
-        if (bad := self._check_context([prompt_ids], max_tokens)) is not None:
+        if (bad := self._check_context(engine, [prompt_ids], max_tokens)) is not None:
             return bad
         sampling = oai.sampling_params(req, max_tokens)
-        outs = await self._generate_n(prompt_ids, sampling, req.n)
+        outs = await self._generate_n(engine, prompt_ids, sampling, req.n)
         choices = []
         for r in outs:
             text, reason = oai.sampled_text(self.tokenizer, r, sampling.stop)
@@ -133,7 +164,7 @@ class OpenAIServer:
             if req.return_token_ids:
                 choice["token_ids"] = r.token_ids
             choices.append(choice)
-        body = oai.completion_body("chatcmpl", "chat.completion", self.model_name, choices, len(prompt_ids) * req.n,
+        body = oai.completion_body("chatcmpl", "chat.completion", model, choices, len(prompt_ids) * req.n,
                                    sum(len(r.token_ids) for r in outs))
         if req.return_token_ids:
             body["prompt_token_ids"] = prompt_ids
@@ -167,12 +198,13 @@ class OpenAIServer:
         return generate_latest(registry)
 
 
-def create_app(engine, tokenizer, model_name: str = "loomrl"):
+def create_app(engine, tokenizer, model_name: str = "loomrl", *, adapters: Mapping[str, Any] | None = None):
+    """The app serving `engine` as `model_name` and each of `adapters` (name -> engine) under its name."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import Response, StreamingResponse
 
-    server = OpenAIServer(engine, tokenizer, model_name)
+    server = OpenAIServer(engine, tokenizer, model_name, adapters)
     app = FastAPI(title="loomrl", docs_url=None, redoc_url=None)
     app.state.server = server
 
@@ -183,11 +215,14 @@ def create_app(engine, tokenizer, model_name: str = "loomrl"):
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "policy_version": engine.version}
+        body: dict[str, Any] = {"status": "ok", "policy_version": engine.version}
+        if len(server.engines) > 1:
+            body["models"] = {name: e.version for name, e in server.engines.items()}
+        return body
 
     @app.get("/v1/models")
     async def models():
-        return oai.model_list(model_name, server.started)
+        return oai.model_list(list(server.engines), server.started)
 
     async def answer(req: CompletionRequest | ChatCompletionRequest, body):
         """The body, or (stream=true) its events; an error response stays an error response."""

@@ -107,8 +107,11 @@ def stream_events(body: dict[str, Any], include_usage: bool = False) -> Iterator
     yield "data: [DONE]\n\n"
 
 
-def model_list(name: str, created: int) -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "loomrl"}]}
+def model_list(names: str | list[str], created: int) -> dict[str, Any]:
+    """/v1/models' body: the model `names` (one name, or several) served."""
+    ids = [names] if isinstance(names, str) else names
+    return {"object": "list", "data": [{"id": n, "object": "model", "created": created, "owned_by": "loomrl"}
+                                       for n in ids]}
 
 
 def _tool_arg_names(tools: list[dict[str, Any]] | None) -> dict[str, str]:

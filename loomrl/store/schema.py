@@ -7,7 +7,11 @@ The nested columns (pandas, polars and DuckDB read them as they are, no JSON dec
 - `turns`: list<struct> with the fields of types.Turn; `act_span`/`obs_span` struct<start, end>; `reward_terms` a map
   like reward_components;
 - `segments`: list<struct<reason, prompt_len, token_ids, loss_mask, logprobs, versions, turns>>;
-- `retry_errors`: list<string>.
+- `retry_errors`: list<string>;
+- `routed_experts` (the current context's) and `segment_routed_experts` (per segment, in order): ROUTED structs, the
+  engine's routed experts of every token (router replay: routed_experts.py's record, its bytes as they are:
+  layers x top_k bytes a token); null where none was recorded. Top-level columns, so that parts written before them
+  read as nulls.
 Where a record's shape is open it stays a JSON string inside its struct: a tool call's `record` (the whole call as
 the environment recorded it: free-form `arguments`, and keys that differ by environment: output, tool_error,
 failure, exception, an OpenAI-form `function`) beside its `name` and parse `error`; a context event's `record` beside
@@ -24,6 +28,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from loomrl.routed_experts import RoutedExperts
 from loomrl.types import Turn
 
 TERMS = pa.map_(pa.string(), pa.float64())
@@ -41,6 +46,10 @@ SEGMENT = pa.struct([
     ("reason", pa.string()), ("prompt_len", pa.int32()), ("token_ids", pa.list_(pa.int32())),
     ("loss_mask", pa.list_(pa.int8())), ("logprobs", pa.list_(pa.float32())), ("versions", pa.list_(pa.int32())),
     ("turns", pa.list_(TURN)),
+])  # fmt: skip
+ROUTED = pa.struct([
+    ("data", pa.binary()), ("dtype", pa.string()), ("tokens", pa.int32()), ("layers", pa.list_(pa.int32())),
+    ("top_k", pa.int32()), ("num_experts", pa.int32()),
 ])  # fmt: skip
 # The columns that were JSON strings before they were nested, with their types now.
 NESTED = {"reward_components": TERMS, "turns": pa.list_(TURN), "segments": pa.list_(SEGMENT),
@@ -71,18 +80,47 @@ def nested_turn(turn: dict[str, Any]) -> dict[str, Any]:
 
 
 def turns_column(turns: list[Turn]) -> list[dict[str, Any]]:
-    return [nested_turn(asdict(turn)) for turn in turns]
+    """The turns in the TURN struct's shape; their routed experts go to the context's ROUTED column instead."""
+    out = []
+    for turn in turns:
+        row = asdict(turn)
+        del row["routed_experts"], row["routed_start"]
+        out.append(nested_turn(row))
+    return out
+
+
+def routed_column(record: RoutedExperts | None) -> dict[str, Any] | None:
+    """A context's routed experts (turn_experts.py context_experts) as a ROUTED value."""
+    if record is None:
+        return None
+    return {"data": record.data, "dtype": record.dtype, "tokens": record.tokens, "layers": list(record.layers),
+            "top_k": record.top_k, "num_experts": record.num_experts}
+
+
+def stored_experts(value: dict[str, Any] | None) -> RoutedExperts | None:
+    """A stored ROUTED value as the record (None: none stored, or a part written before the column)."""
+    if value is None:
+        return None
+    return RoutedExperts(data=value["data"], dtype=value["dtype"], tokens=value["tokens"],
+                         layers=tuple(value["layers"]), top_k=value["top_k"], num_experts=value["num_experts"])
+
+
+def _routed_summary(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A ROUTED value without its bytes (JSON-able, what the viewer serves)."""
+    return None if value is None else {k: v for k, v in value.items() if k != "data"}
 
 
 def plain_turn(turn: dict[str, Any]) -> dict[str, Any]:
     """A stored turn (TURN struct as pyarrow gives it) as types.Turn's dict: tool calls and context events as recorded,
-    reward_terms a dict."""
+    reward_terms a dict, no routed experts (the row's ROUTED columns hold its context's)."""
     terms = turn.get("reward_terms") or {}
     return {
         **turn,
         "tool_calls": [json.loads(c["record"]) for c in turn.get("tool_calls") or []],
         "context_events": [json.loads(e["record"]) for e in turn.get("context_events") or []],
         "reward_terms": dict(terms.items() if isinstance(terms, dict) else terms),
+        # a turn's routed experts are stored with its context (the ROUTED columns), not per turn
+        "routed_experts": None, "routed_start": 0,
     }
 
 
@@ -97,7 +135,8 @@ def stored_turns(value: str | list[dict[str, Any]] | None) -> list[dict[str, Any
 
 def plain_row(row: dict[str, Any]) -> dict[str, Any]:
     """One stored row (either format) with its nested columns as plain Python: reward_components a dict, turns and
-    each segment's turns as types.Turn dicts, retry_errors a list (what the viewer serves)."""
+    each segment's turns as types.Turn dicts, retry_errors a list, routed experts without their bytes (what the
+    viewer serves: JSON)."""
     out = dict(row)
     terms = row.get("reward_components")
     if isinstance(terms, str):
@@ -109,6 +148,8 @@ def plain_row(row: dict[str, Any]) -> dict[str, Any]:
         out["segments"] = json.loads(segments or "[]")
     else:
         out["segments"] = [{**s, "turns": stored_turns(s.get("turns"))} for s in segments or []]
+    out["routed_experts"] = _routed_summary(row.get("routed_experts"))
+    out["segment_routed_experts"] = [_routed_summary(v) for v in row.get("segment_routed_experts") or []]
     errors = row.get("retry_errors")
     out["retry_errors"] = json.loads(errors or "[]") if isinstance(errors, str) else list(errors or [])
     return out

@@ -8,7 +8,8 @@ so a crash loses at most the unflushed rows and readers (`pyarrow.dataset`, `pan
 the folder) always see complete files. Turns, reward components and earlier contexts are nested columns that
 pandas, polars and DuckDB read as they are (their types: schema.py); token ids, the loss mask and logprobs are list
 columns, for replay and export. A trajectory whose context was started anew keeps its earlier contexts in the
-`segments` column. Parts written before those columns were nested hold them as JSON strings: `read_trajectories`
+`segments` column. With router replay, each context's routed experts are a binary column (schema.py ROUTED:
+layers x top_k bytes a token). Parts written before those columns were nested hold them as JSON strings: `read_trajectories`
 reads them in the nested types, so a run folder holding both kinds (an old run resumed) reads as one table.
 """
 
@@ -19,7 +20,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from loomrl.store.schema import NESTED, turns_column, upgrade
+from loomrl.store.schema import NESTED, ROUTED, routed_column, turns_column, upgrade
+from loomrl.turn_experts import context_experts
 from loomrl.types import Trajectory
 
 # Columns copied from the trajectory, and from its metadata, as they are.
@@ -43,6 +45,8 @@ SCHEMA = pa.schema([
     ("versions", pa.list_(pa.int32())),
     ("retry_errors", NESTED["retry_errors"]),  # why each earlier (retried) attempt failed
     ("segments", NESTED["segments"]),  # earlier contexts: reason, prompt_len, token_ids, loss_mask, logprobs, ...
+    ("routed_experts", ROUTED),  # the engine's routed experts of token_ids (router replay); null: none recorded
+    ("segment_routed_experts", pa.list_(ROUTED)),  # ... of each segment's token_ids
 ])  # fmt: skip
 
 
@@ -64,6 +68,8 @@ def _row(t: Trajectory) -> dict:
         "turns": turns_column(t.turns),
         "retry_errors": list(t.metadata.retry_errors),
         "segments": [{"reason": seg.reason, **_tokens(seg), "turns": turns_column(seg.turns)} for seg in t.segments],
+        "routed_experts": routed_column(context_experts(t.turns, len(t.token_ids))),
+        "segment_routed_experts": [routed_column(context_experts(s.turns, len(s.token_ids))) for s in t.segments],
     }
 
 

@@ -25,8 +25,10 @@ checkpoint's model folder every rank gathers one bucket's parameters (`full_tens
 GPUs), rank 0 casts them to the engine's dtype there and hands them to the publisher, and the bucket is dropped before
 the next; no rank ever holds a whole-model copy, on the GPU or in host memory. The followers are paced a bucket at a
 time by a host-side barrier (`PACE_TIMEOUT_S`), so none runs ahead of rank 0 while rank 0 hands a bucket on. The
-optimizer state is checkpointed in parts with torch.distributed.checkpoint (fsdp.py). What is not here: elastic
-membership. A rank that fails makes the others fail:
+optimizer state is checkpointed in parts with torch.distributed.checkpoint (fsdp.py). Under trainer.lora the same
+gathering serves the adapter (its checkpoint, adapter publishing: the trained parameters are exactly the adapters) and
+the merged weights (`GatheredMerged`: each targeted linear's W, A and B gathered, merged on rank 0), read through the
+Lora's `LoraGathering`. What is not here: elastic membership. A rank that fails makes the others fail:
 the run's rank group (train_pool/ranks.py) stops them all; elsewhere the process group's timeout does.
 """
 
@@ -34,7 +36,8 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterator, Sequence
+from abc import abstractmethod
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -43,9 +46,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from loomrl.collectives import bounded_nccl
+from loomrl.model.adapter import ADAPTER
+from loomrl.trainer.lora import Lora
 from loomrl.trainer.trainer import StepStats, Trainer
 from loomrl.types import TrainingSample
-from loomrl.weights.source import DictSource, Entry, TensorSpec, WeightSource
+from loomrl.weights.source import DictSource, Entry, TensorSpec, WeightSource, dtype_name
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -120,6 +125,7 @@ class Gather:
     dtype: str | None  # the engine's, without "torch." (None: the parameters' own, float32 masters: a checkpoint)
     bucket_bytes: int
     everything: bool = False  # the frozen parameters too (the checkpoint's model folder), else the trained ones
+    merged: bool = False  # instead: the LoRA-targeted linears' merged weights (trainer/lora.py; GatheredMerged)
 
 
 # Pacing of a bucketed gather (GatheredSource): after each bucket every rank meets rank 0 at a barrier of a gloo group
@@ -147,7 +153,49 @@ def pacing_group() -> dist.ProcessGroup | None:
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=PACE_TIMEOUT_S))
 
 
-class GatheredSource(WeightSource):
+class _Gathered(WeightSource):
+    """Whole tensors of a sharded model, gathered a bucket at a time by every rank (in the same order everywhere), kept
+    by the rank that `keep`s them, paced by `pace` (see PACE_TIMEOUT_S and GatheredSource)."""
+
+    def __init__(self, specs: list[TensorSpec], bucket_bytes: int, device: torch.device, *, keep: bool,
+                 pace: dist.ProcessGroup | None):
+        super().__init__(specs, bucket_bytes, device)
+        self.keep, self.pace = keep, pace
+
+    def buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        with torch.no_grad():
+            plans = self.plan()
+            for k, plan in enumerate(plans):
+                bucket = [self._gather(e) for e in plan]
+                yield bucket  # rank 0: returns once its reader is done with the bucket
+                bucket.clear()  # freed before the next bucket is gathered (WeightSource.buckets)
+                self._paced(k, len(plans))
+
+    @abstractmethod
+    def _gather(self, e: Entry) -> tuple[str, torch.Tensor]:
+        """The entry's whole tensor on the keeping rank, an empty one elsewhere (a collective of every rank)."""
+
+    def _paced(self, k: int, count: int) -> None:
+        if self.pace is None:
+            return
+        try:
+            dist.barrier(group=self.pace, timeout=timedelta(seconds=PACE_TIMEOUT_S))
+        except RuntimeError as err:  # a peer died, or rank 0 spent longer than the bound on one bucket
+            who = "a follower did not reach" if self.keep else "rank 0 did not hand on its bucket and reach"
+            raise dist.DistError(f"gathering the parameters: {who} the pacing barrier after bucket {k + 1} of {count} "
+                                 f"within {PACE_TIMEOUT_S:.0f} s (gloo): {err}") from err
+
+    def _kept(self, full: torch.Tensor) -> torch.Tensor:
+        # not rank 0: a new empty tensor, so that the gathered one is freed now (a view would keep its storage)
+        return full if self.keep else torch.empty(0, dtype=full.dtype, device=full.device)
+
+
+def _whole(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole tensor: gathered from every rank's shard (a collective) where it is a DTensor."""
+    return p.full_tensor() if isinstance(p, DTensor) else p
+
+
+class GatheredSource(_Gathered):
     """A sharded model's parameters, gathered a bucket at a time on every rank (one `full_tensor()` collective per
     parameter, in the same order everywhere); `keep` (rank 0) casts each to the dtype asked on its device and hands it
     on, the other ranks drop theirs. A parameter that is not a DTensor (world size 1 without sharding) is used as it
@@ -160,35 +208,52 @@ class GatheredSource(WeightSource):
             raise ValueError("weight sync: the model has no parameters to gather")
         cast = getattr(torch, gather.dtype) if gather.dtype else None
         specs = [TensorSpec(n, cast or p.dtype, tuple(p.shape)) for n, p in self.params.items()]  # global shapes
-        super().__init__(specs, gather.bucket_bytes, next(iter(self.params.values())).device)
-        self.keep, self.pace = keep, pace
-
-    def buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        with torch.no_grad():
-            plans = self.plan()
-            for k, plan in enumerate(plans):
-                bucket = [self._gather(e) for e in plan]
-                yield bucket  # rank 0: returns once its reader is done with the bucket
-                bucket.clear()  # freed before the next bucket is gathered (WeightSource.buckets)
-                self._paced(k, len(plans))
-
-    def _paced(self, k: int, count: int) -> None:
-        if self.pace is None:
-            return
-        try:
-            dist.barrier(group=self.pace, timeout=timedelta(seconds=PACE_TIMEOUT_S))
-        except RuntimeError as err:  # a peer died, or rank 0 spent longer than the bound on one bucket
-            who = "a follower did not reach" if self.keep else "rank 0 did not hand on its bucket and reach"
-            raise dist.DistError(f"gathering the parameters: {who} the pacing barrier after bucket {k + 1} of {count} "
-                                 f"within {PACE_TIMEOUT_S:.0f} s (gloo): {err}") from err
+        super().__init__(specs, gather.bucket_bytes, next(iter(self.params.values())).device, keep=keep, pace=pace)
 
     def _gather(self, e: Entry) -> tuple[str, torch.Tensor]:
         # Cast first: the cast is local to each rank's shard, so the all-gather moves (and every rank briefly holds)
         # the parameter in the engine's dtype, half of float32's bytes for bf16; the values are the same either way.
-        p = self.params[e.name].detach().to(getattr(torch, e.dtype))
-        full = p.full_tensor() if isinstance(p, DTensor) else p  # a collective of every rank
-        # not rank 0: a new empty tensor, so that the gathered one is freed now (a view would keep its storage)
-        return e.name, full if self.keep else torch.empty(0, dtype=full.dtype, device=full.device)
+        return e.name, self._kept(_whole(self.params[e.name].detach().to(getattr(torch, e.dtype))))
+
+
+class GatheredMerged(_Gathered):
+    """A sharded LoRA model's merged weights (trainer/lora.py MergedSource's, by the base model's names): for each
+    targeted linear every rank gathers its base W, A and B whole, in float32 (a merge of rounded parts would differ
+    from the replicated trainer's), and `keep` (rank 0) merges them (Lora.merge) and casts to the dtype asked."""
+
+    def __init__(self, lora: Lora, gather: Gather, *, keep: bool, pace: dist.ProcessGroup | None = None):
+        self.lora = lora
+        self.names = {f"{module}.weight": module for module in sorted(lora.layers)}
+        first = next(iter(lora.layers.values())).get_base_layer().weight
+        cast = getattr(torch, gather.dtype) if gather.dtype else first.dtype
+        specs = [TensorSpec(name, cast, tuple(lora.layers[m].get_base_layer().weight.shape))
+                 for name, m in self.names.items()]
+        super().__init__(specs, gather.bucket_bytes, first.device, keep=keep, pace=pace)
+
+    def _gather(self, e: Entry) -> tuple[str, torch.Tensor]:
+        module = self.names[e.name]
+        layer = self.lora.layers[module]
+        w, a, b = (_whole(p.detach()) for p in (layer.get_base_layer().weight, layer.lora_A[ADAPTER].weight,
+                                                 layer.lora_B[ADAPTER].weight))
+        if not self.keep:
+            return e.name, self._kept(w)
+        return e.name, self.lora.merge(module, w, a, b).to(getattr(torch, e.dtype))
+
+
+@dataclass(slots=True, frozen=True)
+class LoraGathering:
+    """trainer/lora.py `Gathering` over a sharded trainer's gathers (`gathered`: DataParallelTrainer.gathered, or on
+    rank 0 of a rank group RankGroup.gathered, which tells the followers to take part)."""
+
+    gathered: Callable[[Gather], WeightSource]
+    keep: bool
+
+    def adapter(self, dtype: torch.dtype | None, bucket_bytes: int) -> WeightSource:
+        # the trained parameters are the adapters' A and B exactly (Lora marks only them)
+        return self.gathered(Gather(dtype_name(dtype) if dtype else None, bucket_bytes))
+
+    def merged(self, dtype: torch.dtype | None, bucket_bytes: int) -> WeightSource:
+        return self.gathered(Gather(dtype_name(dtype) if dtype else None, bucket_bytes, merged=True))
 
 
 class DataParallelTrainer:
@@ -203,6 +268,8 @@ class DataParallelTrainer:
         # where the collectives' own tensors live: NCCL reduces CUDA tensors only
         self.device = next(trainer.model.parameters()).device
         self.pace = pacing_group()  # every rank makes its DataParallelTrainer at the same point: a collective
+        if trainer.sharded and trainer.lora is not None:  # its adapter and merged weights exist whole only gathered
+            trainer.lora.gathering = LoraGathering(self.gathered, keep=self.rank == 0)
 
     def train_step(self, samples: list[TrainingSample], *, idle_tokens: int = 0, idle_seqs: int = 0,
                    idle_longest: int = 0) -> StepStats:
@@ -232,19 +299,27 @@ class DataParallelTrainer:
             t.grad_hook = t.shared_plan = None
         return self._global_stats(stats)
 
-    def gathered(self, gather: Gather) -> GatheredSource:
-        """The model's full parameters as `gather` asks, a bucket at a time (every rank must read it to the end)."""
-        return GatheredSource(self.trainer.model, gather, keep=self.rank == 0, pace=self.pace)
+    def gathered(self, gather: Gather) -> WeightSource:
+        """The model's full parameters (or merged weights) as `gather` asks, a bucket at a time (every rank must read it
+        to the end)."""
+        return self._gathered(gather, keep=self.rank == 0)
 
     def own_source(self, gather: Gather) -> WeightSource:
         """The full parameters as `gather` asks, kept on THIS rank (a colocated rank pushes them to the engine on its
         GPU, train_pool/push.py): sharded, gathered by every rank a bucket at a time as `gathered` (every rank must read
         it to the end); replicated, this rank's own parameters."""
         if self.trainer.sharded:
-            return GatheredSource(self.trainer.model, gather, keep=True, pace=self.pace)
+            return self._gathered(gather, keep=True)
         dtype = getattr(torch, gather.dtype) if gather.dtype else None
         return DictSource({n: p.detach() for n, p in self.trainer.model.named_parameters()
                            if gather.everything or p.requires_grad}, dtype, gather.bucket_bytes)
+
+    def _gathered(self, gather: Gather, *, keep: bool) -> WeightSource:
+        if not gather.merged:
+            return GatheredSource(self.trainer.model, gather, keep=keep, pace=self.pace)
+        if self.trainer.lora is None:
+            raise ValueError("gathering merged weights: the trainer has no trainer.lora adapters to merge")
+        return GatheredMerged(self.trainer.lora, gather, keep=keep, pace=self.pace)
 
     def _most(self, n: int) -> int:
         m = torch.tensor([n], dtype=torch.int64, device=self.device)

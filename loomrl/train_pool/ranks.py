@@ -47,6 +47,7 @@ from loomrl.run_folder import CheckpointFolder
 from loomrl.train_pool.distributed import (
     DataParallelTrainer,
     Gather,
+    LoraGathering,
     free_port,
     init_process_group,
     param_checksum,
@@ -178,6 +179,8 @@ class RankGroup(ABC):
         self.trainer = trainer
         self.keep_groups = trainer.cfg.tree_merge != "off"
         self.dp = DataParallelTrainer(trainer)
+        if trainer.sharded and trainer.lora is not None:  # its gathers must tell the followers to take part
+            trainer.lora.gathering = LoraGathering(self.gathered, keep=True)
 
     def train_step(self, samples: list[TrainingSample], *, idle_tokens: int, idle_seqs: int,
                    idle_longest: int) -> StepStats:

@@ -25,6 +25,7 @@ from loomrl.run_folder import LedgerEntry, RunFolder, append_line
 from loomrl.train_pool.distributed import Gather
 from loomrl.train_pool.offload import Moved, offload, onload
 from loomrl.train_pool.ranks import RankGroup, build_trainer
+from loomrl.trainer.adapter_publish import AdapterSource
 from loomrl.trainer.checkpoint import Retention, RngState, load_state, save_checkpoint
 from loomrl.trainer.credit import AdvantageRule, GroupCredit
 from loomrl.trainer.lora import base_checkpoint
@@ -208,9 +209,14 @@ class TrainerService:
         """The parameters that training changes (frozen ones never need resending), in `dtype` (the engine's), a
         bucket at a time: the live parameters, cast as they are read (no copy where the dtype matches: a publisher
         copies them out before the next step changes them), or, sharded, gathered by every rank a bucket at a time.
-        Under trainer.lora: the targeted linears' merged weights (trainer/lora.py MergedSource)."""
-        if self.trainer.lora is not None:
-            return self.trainer.lora.merged_source(dtype, bucket_bytes)
+        Under trainer.lora: the adapter's tensors alone, named as this version's adapter (publish=adapter:
+        trainer/adapter_publish.py), or the targeted linears' merged weights (publish=merged: trainer/lora.py
+        MergedSource)."""
+        lora = self.trainer.lora
+        if lora is not None:
+            if self.pool.trainer.lora is not None and self.pool.trainer.lora.publish == "adapter":
+                return AdapterSource(lora, self.version, dtype, bucket_bytes)
+            return lora.merged_source(dtype, bucket_bytes)
         if self.trainer.sharded:
             if self.ranks is None:  # a sharded trainer is built by its rank group (ranks.py)
                 raise RuntimeError("TrainerService.weight_source: a sharded trainer without its rank group")

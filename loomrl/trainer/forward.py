@@ -1,13 +1,14 @@
 """The trainer's forward passes at the model level: per-sample logprobs of a micro-batch (dense, or tree-merged:
-tree.py), the dtype they compute in, and activation checkpointing; with a `Routing`, an MoE model's forward replays
-the engine's experts (replay.py). Nothing here reads the run's config, so that scripts/gpu_smoke.py runs these passes
+tree.py), the dtype they compute in, and activation checkpointing; with a `Routing` (passed, or set around the call
+by `routed`), an MoE model's forward replays the engine's experts (replay.py). Nothing here reads the run's config, so that scripts/gpu_smoke.py runs these passes
 on a machine with torch and transformers only.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -29,6 +30,21 @@ from loomrl.types import TrainingSample
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+# The routing of the forward(s) run inside `routed`: set around a `Logprobs` call rather than passed through it, so that
+# it reaches logprobs_of through any wrapper of the forward (LoRA's reference, FSDP's root module) unchanged, as
+# autocast reaches the ops inside.
+_ROUTING: ContextVar[Routing | None] = ContextVar("loomrl_routing", default=None)
+
+
+@contextlib.contextmanager
+def routed(routing: Routing | None) -> Generator[None, None, None]:
+    """The forwards inside run with `routing` (its experts replayed, its router logits collected); None: plain."""
+    token = _ROUTING.set(routing)
+    try:
+        yield
+    finally:
+        _ROUTING.reset(token)
+
 
 def token_logprobs(model: PreTrainedModel, samples: list[TrainingSample], *, with_grad: bool,
                    entropy: Entropies | None = None, routing: Routing | None = None) -> list[torch.Tensor]:
@@ -48,13 +64,15 @@ def token_logprobs(model: PreTrainedModel, samples: list[TrainingSample], *, wit
                       device=device).view(-1, 2)
     temps = torch.tensor([s.temperature for s, ts in zip(samples, targets) for _ in ts], dtype=torch.float32,
                          device=device)
-    routed = contextlib.nullcontext()
+    hooked = contextlib.nullcontext()
     if routing is not None:
         routing.mask = attn.flatten()  # [B * T] the router sees the padded batch's rows
+        routing.sampled = torch.tensor([s.loss_mask + [0] * p for s, p in zip(samples, pad)],
+                                       dtype=torch.bool).flatten()  # [B * T]
         forced = dense_rows(routing.experts, width) if routing.experts is not None else None
-        routed = replay_routing(model, routing, forced)
+        hooked = replay_routing(model, routing, forced)
     with torch.set_grad_enabled(with_grad):
-        with routed:
+        with hooked:
             hidden = base(input_ids=ids, attention_mask=attn).last_hidden_state  # [B, T, H]
         logp = head_logprobs(model, hidden[at[:, 0], at[:, 1] - 1], ids[at[:, 0], at[:, 1]], temps, entropy=entropy)
     return list(torch.split(logp, [len(ts) for ts in targets]))
@@ -93,7 +111,8 @@ def logprobs_of(model: PreTrainedModel, batch: list[TrainingSample], merged: boo
                 flex: bool = False, entropy: Entropies | None = None,
                 routing: Routing | None = None) -> list[torch.Tensor]:
     """Per sample of `batch`, the logprobs of its loss-masked tokens; `merged`: over the batch's prefix tree
-    (`flex`: its attention through FlexAttention); `entropy`, `routing`: as token_logprobs."""
+    (`flex`: its attention through FlexAttention); `entropy`, `routing`: as token_logprobs (default: `routed`'s)."""
+    routing = routing if routing is not None else _ROUTING.get()
     if merged and routing is not None:
         return replayed_tree_logprobs(model, batch, routing, with_grad=with_grad, flex=flex, entropy=entropy)
     if merged:
@@ -108,6 +127,10 @@ def replayed_tree_logprobs(model: PreTrainedModel, batch: list[TrainingSample], 
     seqs = [s.token_ids for s in batch]
     tree, forced = keyed_tree(seqs, routing.experts) if routing.experts is not None else (pack_tree(seqs), None)
     routing.mask = None  # every packed node is a real token
+    sampled = torch.zeros(len(tree.token_ids), dtype=torch.bool)  # [N] nodes that are some sample's sampled token
+    for s, nodes in zip(batch, tree.sample_nodes):
+        sampled[[n for n, m in zip(nodes, s.loss_mask) if m]] = True
+    routing.sampled = sampled
     with torch.set_grad_enabled(with_grad):
         with replay_routing(model, routing, forced):
             hidden = tree_hidden(model, tree, flex=flex)  # [N, H]

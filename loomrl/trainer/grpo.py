@@ -8,6 +8,7 @@ from __future__ import annotations
 from loomrl.config import AdvantageKind
 from loomrl.trainer.credit import AdvantageRule, GroupCredit, group_credit
 from loomrl.trainer.losses import compute_advantages
+from loomrl.turn_experts import context_experts
 from loomrl.types import TrainingSample, Trajectory
 
 
@@ -17,7 +18,8 @@ def group_advantages(rewards: list[float], kind: AdvantageKind = "grpo") -> list
 
 def samples_from_credit(group: list[Trajectory], credit: GroupCredit) -> list[TrainingSample]:
     """One TrainingSample per context of each trajectory (usually one; more when its context was started anew), each
-    turn's act_span carrying credit.turns' value for it; prompt and observation tokens carry 0."""
+    turn's act_span carrying credit.turns' value for it; prompt and observation tokens carry 0; with the engine's
+    routed experts of the context's tokens where its turns recorded them (router replay)."""
     if len(credit.turns) != len(group):
         raise ValueError(f"credit has advantages for {len(credit.turns)} trajectories, the group has {len(group)}")
     samples = []
@@ -36,7 +38,8 @@ def samples_from_credit(group: list[Trajectory], credit: GroupCredit) -> list[Tr
             samples.append(TrainingSample(
                 trajectory_id=traj.trajectory_id, group_id=traj.group_id, token_ids=list(ctx.token_ids),
                 loss_mask=ctx.sampled_mask(), behaviour_logprobs=ctx.token_logprobs(), versions=ctx.token_versions(),
-                advantages=advantages, temperature=traj.temperature, reward=traj.total_reward))
+                advantages=advantages, temperature=traj.temperature, reward=traj.total_reward,
+                routed_experts=context_experts(ctx.turns, len(ctx.token_ids))))
     return samples
 
 

@@ -6,33 +6,62 @@ in place of each targeted linear of the model itself, so the trainer's forwards 
 run through the adapters unchanged. Only A and B require gradients, so the optimizer holds only them. KL's reference
 is the same modules under PEFT's `disable_adapter`: no second copy of the base.
 
-What it is not (yet): adapter-only publishing. A version is published as MERGED full weights of the targeted linears
-(W + alpha / rank x B @ A, under the base model's parameter names; `MergedSource`), computed a bucket at a time
-without touching the training model, so that every engine and the weight fingerprint work as with full fine-tuning;
-sending only A and B to engines that apply adapters is the next part of issue 46. Nor FSDP2 (refused by the config),
-nor an engine that shares the trainer's model (sync mode: refused by TrainerService), whose packed weights would never
-see the adapter.
+Merged publishing: the MERGED full weights of the targeted linears (W + alpha / rank x B @ A, under the base model's
+parameter names; `MergedSource`), computed a bucket at a time without touching the training model, so that every
+engine and the weight fingerprint work as with full fine-tuning. `adapter_source`: the adapter's own tensors under
+PEFT's saved names (what a checkpoint holds, and what adapter publishing sends).
+
+Under FSDP2 (trainer.parallel=fsdp; trainer/fsdp.py shards the model after PEFT has put its layers in) every parameter,
+the frozen base's and the adapters', is a DTensor shard: the whole tensors exist only gathered, by every rank at once.
+DataParallelTrainer (on rank 0 of a rank group, RankGroup) hands the Lora a `Gathering` (train_pool/distributed.py
+LoraGathering) through which the merged weights and the adapter are read a bucket at a time, every rank taking part,
+rank 0 keeping them; `load` puts a saved adapter back into each rank's shards without a collective (every rank reads
+the file).
+
+What it is not: an engine that shares the trainer's model (sync mode: refused by TrainerService), whose packed weights
+would never see the adapter.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from loomrl.config.trainer import LoraConfig
 from loomrl.model.adapter import ADAPTER, ADAPTER_WEIGHTS, quiet_peft
 from loomrl.trainer.tree import decoder_layers
-from loomrl.weights.source import TensorSpec, WeightSource
+from loomrl.weights.source import DictSource, TensorSpec, WeightSource
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from loomrl.trainer.forward import Logprobs
 
-INIT_SEED = 0  # the adapters' initial A, the same in every rank and run  # PEFT's file names: the folder is a PEFT adapter folder
+INIT_SEED = 0  # the adapters' initial A, the same in every rank and run
+SAVE_BUCKET_BYTES = 256 << 20  # a sharded adapter is gathered for its checkpoint this much at a time
+
+
+class Gathering(Protocol):
+    """How the whole tensors of a sharded model are read (train_pool/distributed.py LoraGathering): each source is a
+    collective, read to the end by every rank in the same order; the tensors of a rank that does not `keep` are
+    empty."""
+
+    @property
+    def keep(self) -> bool:
+        """Whether this rank's sources hold the whole tensors (rank 0)."""
+        ...
+
+    def adapter(self, dtype: torch.dtype | None, bucket_bytes: int) -> WeightSource:
+        """Every A and B, whole, by its parameter name in the model (None: float32, the trainer's)."""
+        ...
+
+    def merged(self, dtype: torch.dtype | None, bucket_bytes: int) -> WeightSource:
+        """The targeted linears' merged weights (Lora.merge of the whole W, A, B), by the base model's names."""
+        ...
 
 
 def linear_names(model: PreTrainedModel) -> list[str]:
@@ -54,14 +83,21 @@ def check_targets(model: PreTrainedModel, targets: list[str]) -> None:
 class Lora:
     """A model's LoRA adapters: built on `model` in place (its targeted linears become PEFT LoRA layers)."""
 
-    def __init__(self, model: PreTrainedModel, cfg: LoraConfig):
+    def __init__(self, model: PreTrainedModel, cfg: LoraConfig, skip_layers: int = 0):
         from peft import LoraConfig as PeftLoraConfig
-        from peft import get_peft_model
+        from peft import get_peft_model, get_peft_model_state_dict
         from peft.tuners.lora import LoraLayer
 
         check_targets(model, cfg.target_modules)
+        n_layers = len(decoder_layers(model))
+        if skip_layers >= n_layers:
+            raise ValueError(f"trainer.freeze_layers={skip_layers} under trainer.lora leaves no layer for adapters: "
+                             f"the model has {n_layers} decoder layers")
+        # trainer.freeze_layers under LoRA: no adapters in the bottom blocks, so the backward stops above them as it
+        # does for full fine-tuning (PEFT's layers_to_transform; None: every layer)
         peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                                  target_modules=sorted(set(cfg.target_modules)), bias="none")
+                                  target_modules=sorted(set(cfg.target_modules)), bias="none",
+                                  layers_to_transform=list(range(skip_layers, n_layers)) if skip_layers else None)
         self.model = model
         device = next(model.parameters()).device
         # PEFT draws each A from torch's generator: from a fixed seed, so that data-parallel ranks (each its own
@@ -71,10 +107,19 @@ class Lora:
             self.peft = get_peft_model(model, peft_cfg, adapter_name=ADAPTER)  # marks only A and B trainable
         # module name in `model` (the base model's own names) -> its LoRA layer
         self.layers = {n: m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+        # each adapter parameter's name in `model` -> its name in a PEFT adapter file, as PEFT itself renames them
+        # (the values passed through are the names: PEFT only filters and renames the state dict's keys)
+        own = {f"base_model.model.{n}": n for n, _ in self._own()}
+        self.saved_names = {n: saved for saved, n in get_peft_model_state_dict(
+            self.peft, state_dict=own, adapter_name=ADAPTER, save_embedding_layers=False).items()}
+        self.gathering: Gathering | None = None  # sharded: set by train_pool (DataParallelTrainer, RankGroup)
+
+    def _own(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(n, p) for n, p in self.model.named_parameters() if "lora_" in n]
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """The adapters' parameters (every A and B): all that trains."""
-        return [p for n, p in self.model.named_parameters() if "lora_" in n]
+        return [p for _, p in self._own()]
 
     def reference(self, forward: Logprobs) -> Logprobs:
         """`forward` with the adapters switched off: the base model's logprobs (KL's reference policy)."""
@@ -83,45 +128,90 @@ class Lora:
                 return forward(batch, merged, entropy)
         return base_forward
 
+    def merge(self, module: str, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """W + scale x B @ A for the LoRA layer `module`, from whole tensors (PEFT's get_delta_weight, written out so
+        that gathered tensors merge by the same arithmetic as the layer's own)."""
+        from peft.utils.other import transpose
+
+        layer = self.layers[module]
+        return weight + transpose(b @ a, layer.fan_in_fan_out) * layer.scaling[ADAPTER]
+
     def merged_weight(self, module: str) -> torch.Tensor:
-        """W + scale x B @ A of the LoRA layer `module`, a new tensor (the layer is unchanged)."""
+        """W + scale x B @ A of the LoRA layer `module`, a new tensor (the layer is unchanged; not sharded)."""
         layer = self.layers[module]
         with torch.no_grad():
-            return layer.get_base_layer().weight + layer.get_delta_weight(ADAPTER)
+            return self.merge(module, layer.get_base_layer().weight, layer.lora_A[ADAPTER].weight,
+                              layer.lora_B[ADAPTER].weight)
 
-    def merged_source(self, dtype: torch.dtype | None, bucket_bytes: int) -> MergedSource:
-        """What a version publishes under LoRA: the targeted linears' merged weights, by the base model's names."""
+    def merged_source(self, dtype: torch.dtype | None, bucket_bytes: int) -> WeightSource:
+        """What a version publishes under LoRA: the targeted linears' merged weights, by the base model's names
+        (sharded: gathered by every rank, `Gathering.merged`)."""
+        if self.gathering is not None:
+            return self.gathering.merged(dtype, bucket_bytes)
         return MergedSource(self, dtype, bucket_bytes)
 
+    def adapter_source(self, dtype: torch.dtype | None, bucket_bytes: int) -> WeightSource:
+        """The adapter's tensors (every A and B) under PEFT's saved names (`saved_names`), in `dtype` (None: float32),
+        a bucket at a time; sharded, gathered by every rank (`Gathering.adapter`: each must read it to the end)."""
+        if self.gathering is not None:
+            source = self.gathering.adapter(dtype, bucket_bytes)
+        else:
+            source = DictSource({n: p.detach() for n, p in self._own()}, dtype, bucket_bytes)
+        return _Renamed(source, self.saved_names)
+
     def save(self, folder: Path) -> None:
-        """The adapter as a PEFT adapter folder (its config and A, B tensors; no base weights)."""
-        from peft import get_peft_model_state_dict
+        """The adapter as a PEFT adapter folder (its config and A, B tensors; no base weights). Sharded: a collective
+        (every rank gathers, `Gathering`), and only the rank that keeps the tensors writes."""
         from safetensors.torch import save_file
 
+        tensors = {n: t.to("cpu", copy=True) for bucket in self.adapter_source(None, SAVE_BUCKET_BYTES).buckets()
+                   for n, t in bucket}
+        if self.gathering is not None and not self.gathering.keep:
+            return
         folder.mkdir(parents=True, exist_ok=True)
-        # save_embedding_layers=False: "auto" would look the base model up (on the Hub) to see if its vocab grew
-        tensors = get_peft_model_state_dict(self.peft, adapter_name=ADAPTER, save_embedding_layers=False)
-        save_file({n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}, str(folder / ADAPTER_WEIGHTS),
-                  metadata={"format": "pt"})
+        save_file(tensors, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         self.peft.peft_config[ADAPTER].save_pretrained(str(folder))  # adapter_config.json
 
     def load(self, folder: Path) -> None:
         """The adapter's tensors from `save`'s folder, exactly (resume); an adapter of other layers or shapes is an
-        error naming the first difference."""
-        from peft import set_peft_model_state_dict
+        error naming the first difference. Sharded: each rank reads the file and keeps its shards (no collective)."""
         from safetensors.torch import load_file
 
         path = folder / ADAPTER_WEIGHTS
         if not path.is_file():
             raise ValueError(f"checkpoint {folder.parent}: no LoRA adapter ({ADAPTER_WEIGHTS}) in {folder}; was it "
                              "saved with trainer.lora set?")
-        tensors = load_file(str(path), device=str(self.parameters()[0].device))
-        result = set_peft_model_state_dict(self.peft, tensors, adapter_name=ADAPTER)
-        missing = [k for k in result.missing_keys if "lora_" in k]
-        if missing or result.unexpected_keys:
+        own = dict(self._own())
+        tensors = load_file(str(path), device=str(next(iter(own.values())).device))
+        by_saved = {saved: n for n, saved in self.saved_names.items()}
+        missing = sorted(set(by_saved) - set(tensors))
+        unexpected = sorted(set(tensors) - set(by_saved))
+        wrong = [n for n, t in tensors.items() if n in by_saved and tuple(t.shape) != tuple(own[by_saved[n]].shape)]
+        if missing or unexpected or wrong:
             raise ValueError(f"checkpoint {folder}: its adapter does not fit trainer.lora (missing: {missing[:3]}, "
-                             f"unexpected: {list(result.unexpected_keys)[:3]}); resume with the lora settings it was "
-                             "saved with")
+                             f"unexpected: {unexpected[:3]}, other shapes: {wrong[:3]}); resume with the lora settings "
+                             "it was saved with")
+        with torch.no_grad():
+            for saved, t in tensors.items():
+                p = own[by_saved[saved]]
+                # a shard's part of the whole tensor, cut locally (src_data_rank=None: no scatter from rank 0)
+                p.copy_(distribute_tensor(t, p.device_mesh, p.placements, src_data_rank=None)
+                        if isinstance(p, DTensor) else t)
+
+
+class _Renamed(WeightSource):
+    """`source`'s tensors under other names (`names`: its name -> the published one), in its order and buckets."""
+
+    def __init__(self, source: WeightSource, names: dict[str, str]):
+        super().__init__([TensorSpec(names[s.name], s.dtype, s.shape) for s in source.specs], source.bucket_bytes,
+                         source.device)
+        self.source, self.names = source, names
+
+    def buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        for bucket in self.source.buckets():
+            renamed = [(self.names[n], t) for n, t in bucket]
+            yield renamed
+            renamed.clear()
 
 
 class MergedSource(WeightSource):

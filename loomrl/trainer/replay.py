@@ -22,11 +22,16 @@ and including that token: samples whose prefixes were prefilled under different 
 routed differently) are split into separate branches there, each computed with its own experts. Never merged
 across a disagreement, never refused.
 
-Not yet: a run's trainer step does not call it (no trajectory carries the engine's recorded experts to the trainer
-yet, and there is no trainer.router_replay setting: issue 46); it is the forward-level API that step will use. Not
-covered: the depth-first tree pass (it packs its trie by token alone) and activation checkpointing (the backward
-recomputes layers after the hooks are gone): the step must refuse both with replay; other MoE families (ValueError
-naming the model).
+In a run (trainer.router_replay): the built-in engine records each token's experts (routed_experts.py), the
+agent loop keeps them per turn and the samples carry each context's record (turn_experts.py, TrainingSample
+.routed_experts); every policy forward of a step (the proximal policy's, the KL reference's, the training one, dense
+or tree-merged) runs under `replay_routing` with them (trainer/moe_step.py). Rows the engine did not route (-1 in
+`experts`: UNKNOWN in the record) take the router's own top-k. Not covered: the depth-first tree pass (it packs its
+trie by token alone) and activation checkpointing (the backward recomputes layers after the hooks are gone): the config
+refuses both with replay; other MoE families (ValueError naming the model).
+
+Cost: the record is layers x top_k bytes a token (uint8 ids: Qwen3-30B-A3B, 48 layers x top-8, 384 bytes a token); in
+the forward, one gather and a normalisation of [rows, k] per layer (docs/training.md has the measured time).
 """
 
 from __future__ import annotations
@@ -46,13 +51,16 @@ _ROUTERS = {"Qwen3MoeTopKRouter": False, "OlmoeTopKRouter": False, "MixtralTopKR
 
 @dataclass(slots=True, kw_only=True)
 class Routing:
-    """One forward's routing. In: per sample the engine's experts [T_i, L, k] (None: the model routes itself). Out:
-    each routed layer's router logits [rows, E] (bottom first) and which rows are real tokens ([rows] 0/1; None: all),
-    what `aux_loss` needs."""
+    """One forward's routing. In: per sample the engine's experts [T_i, L, k] (-1 rows: not recorded; None: the model
+    routes itself). Out: each routed layer's router logits [rows, E] (bottom first) and which rows are real tokens
+    ([rows] 0/1; None: all), what `aux_loss` needs; the experts forced on the rows ([rows, L, k], -1: the router's
+    own) and which rows are sampled tokens ([rows] bool), what `agreement` needs."""
 
     experts: Sequence[torch.Tensor] | None = None
     logits: list[torch.Tensor] = field(default_factory=list)
     mask: torch.Tensor | None = None
+    forced: torch.Tensor | None = None
+    sampled: torch.Tensor | None = None
 
 
 def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -84,6 +92,7 @@ def replay_routing(model: torch.nn.Module, routing: Routing, forced: torch.Tenso
                          f"{len(routers)}")
     if forced is not None:  # one copy to the routers' device per forward, not one per layer
         forced = forced.to(device=next(model.parameters()).device, dtype=torch.long)
+    routing.forced = forced
 
     def hook_of(layer: int):
         def hook(router: torch.nn.Module, args: tuple, output: tuple) -> tuple | None:
@@ -95,6 +104,8 @@ def replay_routing(model: torch.nn.Module, routing: Routing, forced: torch.Tenso
                 raise ValueError(f"router replay: experts for {forced.shape[0]} tokens, layer {layer}'s router saw "
                                  f"{logits.shape[0]}")
             chosen = forced[:, layer]  # [rows, k]
+            unknown = chosen[:, :1] < 0  # [rows, 1] rows the engine did not route: the router's own choice
+            chosen = torch.where(unknown, output[2], chosen)
             return logits, replayed_weights(router, logits, chosen), chosen
         return hook
 
@@ -104,6 +115,24 @@ def replay_routing(model: torch.nn.Module, routing: Routing, forced: torch.Tenso
     finally:
         for handle in handles:
             handle.remove()
+
+
+def agreement(routing: Routing) -> tuple[int, int]:
+    """Of the (row, layer, k) expert choices `routing` forced at its sampled rows that the engine recorded, how many
+    the trainer's own router (the top-k of its logits in that forward) also made, and how many there were."""
+    if routing.forced is None or routing.sampled is None or not routing.logits:
+        return 0, 0
+    forced = routing.forced.to(routing.logits[0].device)  # [rows, L, k]
+    keep = routing.sampled.to(forced.device) & (forced[:, :, 0] >= 0).all(dim=1)  # [rows]
+    if not bool(keep.any()):
+        return 0, 0
+    k = forced.shape[2]
+    agree = 0
+    for layer, logits in enumerate(routing.logits):
+        own = logits.detach()[keep].topk(k, dim=-1).indices  # [n, k] softmax keeps the logits' order
+        engine = forced[keep, layer]  # [n, k]
+        agree += int((engine.unsqueeze(-1) == own.unsqueeze(-2)).any(-1).sum())  # order within k does not matter
+    return agree, int(keep.sum()) * len(routing.logits) * k
 
 
 def dense_rows(experts: Sequence[torch.Tensor], width: int) -> torch.Tensor:

@@ -34,11 +34,12 @@ from torch.distributed.tensor import DTensor
 
 from loomrl.config import ModelConfig, TrainerConfig
 from loomrl.devices import place, trainer_device
-from loomrl.trainer.forward import Logprobs, compute_context, enable_activation_checkpointing, forward_of
+from loomrl.trainer.forward import Logprobs, compute_context, enable_activation_checkpointing, forward_of, routed
 from loomrl.trainer.fsdp import whole_for_pass
 from loomrl.trainer.head import Entropies
 from loomrl.trainer.lora import Lora
 from loomrl.trainer.loss_inputs import step_loss_config
+from loomrl.trainer.moe_step import MoeStats, MoeStep
 from loomrl.trainer.step_loss import StepLoss
 from loomrl.trainer.step_plan import PADDING, StepPlan, plan_step
 from loomrl.trainer.tree import decoder_layers, depth_first_backward, input_embedding_weight, tree_attention
@@ -87,10 +88,22 @@ class StepStats:
     # per sample given to train_step (same order), the gap of each of its loss-masked tokens; None: trained on
     # another rank that did not report it. Not a metric: the service writes it to RUN/train_records.jsonl.
     gaps: list[list[float] | None] = field(default_factory=list)
+    # mixture-of-experts models with trainer.router_replay or moe_aux_loss_coef: moe/* (trainer/moe_step.py)
+    moe: MoeStats | None = None
 
     def metrics(self) -> dict[str, float]:
-        """The step's scalar metrics (every field but the per-sample gaps)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "gaps"}
+        """The step's scalar metrics (every field but the per-sample gaps; moe's as moe/<name>)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("gaps", "moe")}
+        return out | (self.moe.metrics() if self.moe is not None else {})
+
+
+def use_flex(cfg: TrainerConfig, device: torch.device) -> bool:
+    """Whether merged micro-batches attend through FlexAttention (trainer.tree_attention)."""
+    flex = cfg.tree_attention == "flex" or (cfg.tree_attention == "auto" and device.type == "cuda")
+    if flex and device.type != "cuda":
+        raise ValueError("trainer.tree_attention=flex needs a CUDA trainer.device (torch's FlexAttention has no "
+                         "backward on the CPU); use segments or auto")
+    return flex
 
 
 def freeze_bottom(model: PreTrainedModel, n_layers: int) -> None:
@@ -122,12 +135,14 @@ class Trainer:
             place(initial_model, self.device, torch.float32)
         freeze_bottom(model, cfg.freeze_layers)
         # trainer.lora (lora.py): adapters on the frozen base, put into `model` itself; only they train
-        self.lora = Lora(model, cfg.lora) if cfg.lora is not None else None
+        self.lora = Lora(model, cfg.lora, cfg.freeze_layers) if cfg.lora is not None else None
         if self.lora is not None and initial_model is not None:
             raise ValueError("Trainer: under trainer.lora KL's reference is the base with its adapters off; pass no "
                              "initial_model")
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(model)
+        # router replay and the load-balancing term (moe_step.py); a dense model: ValueError naming its class
+        self.moe = MoeStep(model, cfg) if cfg.router_replay or cfg.moe_aux_loss_coef > 0 else None
         # KL to the initial policy needs its logprobs: a frozen copy, kept only when the KL term is on (under LoRA no
         # copy: the base with the adapters switched off is the initial policy).
         kl = cfg.loss.kl is not None and cfg.loss.kl_coef > 0
@@ -136,10 +151,7 @@ class Trainer:
         if self.ref_model is not None:
             self.ref_model.requires_grad_(False)
         self.sharded = shard is not None
-        flex = cfg.tree_attention == "flex" or (cfg.tree_attention == "auto" and self.device.type == "cuda")
-        if flex and self.device.type != "cuda":
-            raise ValueError("trainer.tree_attention=flex needs a CUDA trainer.device (torch's FlexAttention has no "
-                             "backward on the CPU); use segments or auto")
+        flex = use_flex(cfg, self.device)
         make = shard or forward_of
         self.forward = make(model, flex=flex)
         ref_make = partial(shard, offload=True) if shard is not None and cfg.kl_reference_offload else make
@@ -176,6 +188,8 @@ class Trainer:
         if loss_tokens == 0 and self.grad_hook is None and self.shared_plan is None:
             raise ValueError("train_step: no sampled tokens in the batch")
         plan = plan_step(self.cfg, samples, self.shared_plan)
+        if self.moe is not None:
+            self.moe.start()
         prox, ref = self._reference_logprobs(plan)
         loss_cfg = step_loss_config(self.cfg.loss, samples, idle_tokens=idle_tokens, idle_seqs=idle_seqs,
                                     idle_longest=idle_longest, with_ref=ref is not None)
@@ -186,6 +200,7 @@ class Trainer:
         grad_norm = self._optimizer_step()
         mean = losses.means(loss_tokens)
         gaps, gap = losses.sample_gaps(len(samples))
+        moe = self.moe.stats(_first_batch_gap(plan, gaps)) if self.moe is not None else None
         ent = entropy.all()
         return StepStats(
             loss=loss, grad_norm=grad_norm, clip_frac=mean.get("clip_frac", 0.0),
@@ -194,17 +209,22 @@ class Trainer:
             seconds=time.perf_counter() - start, lr=float(self.scheduler.get_last_lr()[0]), tree_ratio=plan.tree_ratio,
             attn_pairs_dense=plan.attn_pairs_dense, attn_pairs=plan.attn_pairs,
             entropy=float(ent.mean()) if ent.numel() else 0.0, logprob_gap_mean=float(gap.mean()) if gap.numel() else 0.0,
-            logprob_gap_max=float(gap.max()) if gap.numel() else 0.0, gaps=gaps)
+            logprob_gap_max=float(gap.max()) if gap.numel() else 0.0, gaps=gaps, moe=moe)
 
     def _reference_logprobs(self, plan: StepPlan) -> tuple[list[list[torch.Tensor]] | None,
                                                            list[list[torch.Tensor]] | None]:
         """Per micro-batch, per sample, the logprobs of decoupled PPO's proximal policy (the weights before this step)
-        and of KL's reference (the initial weights); None where the loss uses none. Leaves the model in train mode."""
+        and of KL's reference (the initial weights); None where the loss uses none. Both replay the engine's experts under
+        trainer.router_replay (KL then compares the two policies on the same expert choice, not on expert flips the
+        gradient cannot act on); the no-replay gap probe (moe_step.py) runs here too, before any update. Leaves the
+        model in train mode."""
         batches, merged = plan.batches, plan.merged
         self.model.eval()
         with self.autocast():
             prox = self._no_grad(self.forward, batches, merged) if self.cfg.loss.kind == "decoupled_ppo" else None
             ref = self._no_grad(self.ref_forward, batches, merged) if self.ref_forward is not None else None
+            if self.moe is not None and self.moe.replay and plan.real:
+                self.moe.probe(self.forward, batches[0], merged[0])
         self.model.train()
         return prox, ref
 
@@ -213,9 +233,14 @@ class Trainer:
         if plan.depth_first:
             return self._depth_first_pass(plan, losses, entropy)
         loss_sum = 0.0
+        tokens = sum(len(s.token_ids) for chunk in plan.batches[: plan.real] for s in chunk)
         for b, chunk in enumerate(plan.batches):
-            with self.autocast():  # the padding's entropy is not the policy's at any trained token
+            routing = self.moe.routing(chunk) if self.moe is not None and b < plan.real else None
+            with self.autocast(), routed(routing):  # the padding's entropy is not the policy's at any trained token
                 loss = losses(b, self.forward(chunk, plan.merged[b], entropy if b < plan.real else None))
+                if routing is not None and self.moe is not None:  # its share of the step's tokens
+                    term = self.moe.aux_term(routing, sum(len(s.token_ids) for s in chunk) / tokens)
+                    loss = loss + term if loss is not None and term is not None else loss
             if loss is not None:
                 recompute_merged = plan.merged[b] and self.cfg.activation_checkpointing
                 with tree_attention(self.model) if recompute_merged else contextlib.nullcontext():
@@ -257,10 +282,22 @@ class Trainer:
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
             self.scheduler.step()
 
-    @staticmethod
-    def _no_grad(forward: Logprobs, batches: list[list[TrainingSample]], merged: list[bool]) -> list[list[torch.Tensor]]:
+    def _no_grad(self, forward: Logprobs, batches: list[list[TrainingSample]],
+                 merged: list[bool]) -> list[list[torch.Tensor]]:
+        """`forward` of every micro-batch without a graph, the engine's experts replayed under router replay."""
+        replay = self.moe is not None and self.moe.replay
+        out = []
         with torch.no_grad():
-            return [forward(b, m) for b, m in zip(batches, merged)]
+            for b, m in zip(batches, merged):
+                with routed(self.moe.routing(b) if replay and self.moe is not None else None):
+                    out.append(forward(b, m))
+        return out
+
+
+def _first_batch_gap(plan: StepPlan, gaps: list[list[float] | None]) -> float:
+    """The mean trainer-engine gap of the first micro-batch's trained tokens (moe/logprob_gap: the probe's tokens)."""
+    first = [g for i in (plan.index[0] if plan.real else []) for g in (gaps[i] or [])]
+    return sum(first) / len(first) if first else 0.0
 
 
 def initial_policy(start: ModelConfig, trainer: TrainerConfig, device: torch.device,

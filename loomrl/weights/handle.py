@@ -95,8 +95,10 @@ class WeightPublisher(ABC):
         start = time.perf_counter()
         while self.releases_first and len(self._held) >= self.keep:
             self._release(self._held.popleft()[1])
-        tap = Tap(as_source(weights, self.dtype, self.bucket_bytes))  # fingerprints the buckets as they are read
+        source = as_source(weights, self.dtype, self.bucket_bytes)
+        tap = Tap(source)  # fingerprints the buckets as they are read
         resource, handle = self._snapshot(tap, version)
+        handle.adapter = source.adapter  # an adapter's tensors (trainer.lora publish=adapter) or None: full weights
         if not self.sends_later:
             handle.fingerprint = tap.fingerprint()
         self._last = version
@@ -140,8 +142,11 @@ def copy_into(into: dict[str, Tensor], weights: dict[str, Tensor]) -> dict[str, 
 def sync_metrics(handle: WeightHandle, loaded: LoadedWeights | None) -> dict[str, float]:
     """Metrics of one transfer, for the step's log line (`loaded` None: the engine read the handle itself, its
     load is part of applying)."""
-    return {"weight_sync/publish_s": handle.publish_s, "weight_sync/load_s": loaded.load_s if loaded else 0.0,
-            "weight_sync/bytes": float(handle.nbytes)}
+    out = {"weight_sync/publish_s": handle.publish_s, "weight_sync/load_s": loaded.load_s if loaded else 0.0,
+           "weight_sync/bytes": float(handle.nbytes)}
+    if handle.adapter is not None:  # the bytes of an adapter-only version (trainer.lora publish=adapter)
+        out["weight_sync/adapter_bytes"] = float(handle.nbytes)
+    return out
 
 
 def nbytes(weights: dict[str, Tensor]) -> int:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from loomrl.weights.adapter import AdapterMeta
+
 Tensor = torch.Tensor
 
 
@@ -71,6 +73,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 class WeightSource(ABC):
     """One version's tensors as `specs` describe them (names, dtypes as published, shapes), delivered in buckets of
     about `bucket_bytes` on `device`."""
+
+    # set where the tensors are a LoRA adapter's (trainer.lora publish=adapter: trainer/adapter_publish.py); the
+    # publisher puts it in the version's handle, so that the engines apply them as an adapter (Engine.update_adapter)
+    adapter: AdapterMeta | None = None
 
     def __init__(self, specs: list[TensorSpec], bucket_bytes: int, device: torch.device):
         self.specs = specs

@@ -54,6 +54,24 @@ release's own request and response types. Read in the sglang==0.5.23 wheel from 
   GPU_MEMORY_ALL_TYPES), a no-op without --enable-memory-saver, weights' values kept only with
   --enable-weights-cpu-backup.
 - srt/layers/sampler.py: logprobs are log softmax(logits / T) unless SGLANG_RETURN_ORIGINAL_LOGPROB.
+- LoRA adapters (tests/engine/test_sglang_lora.py): POST /load_lora_adapter (io_struct.LoadLoRAAdapterReqInput: lora_name,
+  lora_path, pinned, lora_id) and /unload_lora_adapter (UnloadLoRAAdapterReqInput: lora_name, lora_id) answer
+  LoRAUpdateOutput {success, error_message, loaded_adapters: name -> path}, 200 or 400 (http_server.py). Refusals, in
+  order (managers/tokenizer_control_mixin.py load_lora_adapter, lora/lora_manager.py _load_lora_adapter and
+  validate_new_adapter, lora/lora_registry.py unregister): "LoRA is not enabled. Please set `--enable-lora` to enable
+  LoRA."; a folder that is not a directory goes to huggingface_hub's snapshot_download (lora/lora_config.py), whose
+  repo-id check refuses a path; "Failed to load LoRA adapter X because it is already loaded"; an adapter whose rank is
+  above --max-lora-rank or whose target modules (normalized: q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj) are
+  not within --lora-target-modules: "LoRA adapter X with rank R is incompatible with the current LoRA memory pool
+  configuration. ..."; an unload of an unknown name: "LoRA with name X does not exist. Loaded LoRAs: dict_keys([...])".
+  GET /v1/models: the base model's card, then, with LoRA on, one card per registered adapter {id: name, root: its path,
+  parent: the base's name}. /generate's lora_path: with LoRA off, "LoRA adapter 'X' was requested, but LoRA is not
+  enabled. ..."; a name not registered but loaded before (TokenizerManager.lora_ref_cache) is loaded again from its
+  path ("Failed to implicitly load LoRA adapter X: ..." when that fails); a name never loaded: "Got LoRA adapter that
+  has never been loaded: X ..." (tokenizer_manager.py _resolve_lora_path). The ServerArgs (arg_groups/fields/lora.py,
+  flat in /server_info): enable_lora, max_lora_rank, lora_target_modules, lora_paths, max_loaded_loras,
+  max_loras_per_batch (8), lora_strict_loading (False). With a real model set (FakeSGLang.model), the fake generates
+  greedily from it, the named adapter applied by PEFT from the adapter's folder, and reports log softmax(logits).
 The fake is stricter than SGLang in one way: a field name outside the recorded ones is refused (400), so that a
 misspelt field fails here instead of being ignored by a real server.
 """
@@ -61,6 +79,7 @@ misspelt field fails here instead of being ignored by a real server.
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 from pathlib import Path
@@ -117,6 +136,11 @@ FROM_TENSOR_FIELDS = BASE_REQ | {"serialized_named_tensors", "load_format", "flu
 FROM_DISTRIBUTED_FIELDS = BASE_REQ | {"names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests",
                                       "weight_version", "load_format", "selector", "torch_empty_cache"}
 BEGIN_FIELDS, END_FIELDS = BASE_REQ | {"selector"}, BASE_REQ
+LOAD_LORA_FIELDS = BASE_REQ | {"lora_name", "lora_path", "pinned", "lora_id"}  # io_struct.LoadLoRAAdapterReqInput
+UNLOAD_LORA_FIELDS = BASE_REQ | {"lora_name", "lora_id"}  # UnloadLoRAAdapterReqInput
+# lora/utils.py get_normalized_target_modules: the names of SGLang's fused projections
+POOL_MODULES = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+                "up_proj": "gate_up_proj"}
 MEMORY_FIELDS = BASE_REQ | {"tags"}  # Release/ResumeMemoryOccupationReqInput (tags None: every type)
 MEMORY_TYPES = ["kv_cache", "weights", "weights_drafter", "cuda_graph"]  # constants.GPU_MEMORY_ALL_TYPES
 CONTROL = ("/pause_generation", "/continue_generation", "/flush_cache", "/update_weights_from_disk",
@@ -130,6 +154,30 @@ def fake_token(context: list[int], weight_version: str) -> tuple[int, float]:
     w = int(weight_version) if weight_version.isdigit() else 0
     tok = 100 + (sum(context) * 7 + w * 13 + len(context)) % 50
     return tok, -(tok % 5 + 1) / 10
+
+
+def _pool_modules(modules: Any) -> set[str]:
+    if isinstance(modules, str):  # "all" / "all-linear"
+        return {"all"}
+    return {POOL_MODULES.get(m.rsplit(".", 1)[-1], m.rsplit(".", 1)[-1]) for m in modules}
+
+
+def model_token(model: Any, context: list[int]) -> tuple[int, float]:
+    """The fake's real-model decoding step: the greedy next token of `context` and its log softmax."""
+    with torch.no_grad():
+        logits = model(torch.tensor([context])).logits[0, -1].float()
+    logprobs = torch.log_softmax(logits, -1)
+    tok = int(logprobs.argmax())
+    return tok, float(logprobs[tok])
+
+
+def peft_applied(model: Any, folder: Path) -> Any:
+    """A copy of `model` with the PEFT adapter folder `folder` applied (what the fake serves under its name)."""
+    import copy
+
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(copy.deepcopy(model), str(folder)).eval()
 
 
 def fake_run(prompt: list[int], n: int, weight_version: str, stop: set[int] = frozenset()) -> list[int]:
@@ -176,6 +224,15 @@ class FakeSGLang:
         self.missing_routes: set[str] = set()  # answered 404, as by a build without them
         self.session_api = True  # 0.5.23: distributed and tensor updates only inside a begin/end session
         self.session: str | None = None  # the open session's selector (weight_updater's _session)
+        # LoRA (ServerArgs' lora fields as /server_info reports them when unset: LoRA off)
+        self.server_args.update(enable_lora=False, max_lora_rank=None, lora_target_modules=None, lora_paths=[],
+                                max_loaded_loras=None, max_loras_per_batch=8, lora_strict_loading=False)
+        self.model: Any = None  # a real HF model: /generate decodes with it (and a named adapter) instead of fake_token
+        self.adapters: dict[str, str] = {}  # the LoRA registry: name -> path, in load order
+        self.ever_loaded: dict[str, str] = {}  # TokenizerManager.lora_ref_cache: every name loaded since start
+        self.adapter_models: dict[str, Any] = {}  # name -> the model with that adapter applied (PEFT)
+        self.forget_loads = False  # answer a load success without registering it (an adapter dropped silently)
+        self.lora_requests: list[str] = []  # the adapter each /generate that named one was served with
 
 
 def _refuse_unknown(body: dict, known: set[str], what: str) -> JSONResponse | None:
@@ -230,6 +287,12 @@ def fake_app(fake: FakeSGLang) -> FastAPI:
             return JSONResponse({"error": {"message": f"The input ({len(ids)} tokens) is longer than the model's "
                                                       "context length (4 tokens)."}}, status_code=400)
         await wait_unpaused()  # TokenizerManager holds new requests while paused
+        model = fake.model
+        if body.get("lora_path") is not None:
+            resolved = resolve_lora(body["lora_path"])
+            if isinstance(resolved, JSONResponse):
+                return resolved
+            model = resolved
         fake.accepted.append(fake.weights_ok)
         cached = max((next((i for i, (a, b) in enumerate(zip(s, ids)) if a != b), min(len(s), len(ids)))
                       for s in fake.sequences), default=0)
@@ -243,7 +306,7 @@ def fake_app(fake: FakeSGLang) -> FastAPI:
                 await aborted.wait()
                 finish = {"type": "abort", "message": "Abort in waiting queue"}
                 break
-            tok, lp = fake_token(ids + out, fake.weight_version)
+            tok, lp = fake_token(ids + out, fake.weight_version) if model is None else model_token(model, ids + out)
             out.append(tok)
             lps.append(lp)
             if tok in stop:
@@ -258,6 +321,87 @@ def fake_app(fake: FakeSGLang) -> FastAPI:
                 "cached_tokens": cached, "weight_version": fake.weight_version,
                 "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, out)]}
         return {"text": "", "output_ids": output_ids, "meta_info": meta}
+
+    def lora_error(message: str) -> JSONResponse:  # LoRAUpdateOutput, success false: 400
+        return JSONResponse({"success": False, "error_message": message, "loaded_adapters": dict(fake.adapters)},
+                            status_code=400)
+
+    def load_adapter(name: str, path: str) -> JSONResponse | None:
+        """lora_manager._load_lora_adapter: LoRAConfig(path), validate_new_adapter, the weights; None: loaded."""
+        folder = Path(path)
+        if not folder.is_dir():  # LoRAConfig -> snapshot_download(path): huggingface_hub's repo-id validation
+            return lora_error(f"Repo id must be in the form 'repo_name' or 'namespace/repo_name': '{path}'. Use "
+                              "`repo_type` argument if needed.")
+        config = json.loads((folder / "adapter_config.json").read_text())
+        if name in fake.adapters:
+            return lora_error(f"Failed to load LoRA adapter {name} because it is already loaded")
+        args = fake.server_args
+        wanted = _pool_modules(config["target_modules"])
+        served = _pool_modules(args["lora_target_modules"] or [])
+        if config["r"] > (args["max_lora_rank"] or 0) or not ("all" in served or wanted <= served):
+            return lora_error(f"LoRA adapter {name} with rank {config['r']} is incompatible with the current LoRA "
+                              "memory pool configuration. Please ensure that the LoRA adapter's rank is within the "
+                              "configured `--max-lora-rank` and that the target modules are included in "
+                              "`--lora-target-modules`.")
+        if fake.model is not None:
+            fake.adapter_models[name] = peft_applied(fake.model, folder)
+        if not fake.forget_loads:
+            fake.adapters[name] = path
+            fake.ever_loaded[name] = path
+        return None
+
+    def resolve_lora(name: Any) -> Any:
+        """TokenizerManager._validate_and_resolve_lora for one name: the model to decode with, or the 400 answer."""
+        if not fake.server_args["enable_lora"]:
+            return JSONResponse({"error": {"message": f"LoRA adapter '{name}' was requested, but LoRA is not enabled. "
+                                           "Please launch the server with --enable-lora flag and preload adapters "
+                                           "using --lora-paths or /load_lora_adapter endpoint."}}, status_code=400)
+        if name not in fake.adapters:
+            if name not in fake.ever_loaded:
+                return JSONResponse({"error": {"message": f"Got LoRA adapter that has never been loaded: {name}\nAll "
+                                               f"loaded adapters: dict_keys({list(fake.ever_loaded)})."}},
+                                    status_code=400)
+            if (failed := load_adapter(name, fake.ever_loaded[name])) is not None:  # reloaded from its path
+                message = json.loads(failed.body)["error_message"]
+                return JSONResponse({"error": {"message": f"Failed to implicitly load LoRA adapter {name}: "
+                                               f"{message}"}}, status_code=400)
+        fake.lora_requests.append(name)
+        return fake.adapter_models.get(name, fake.model)
+
+    @app.post("/load_lora_adapter")
+    async def load_lora(request: Request):
+        body, bad = await read(request, "/load_lora_adapter", LOAD_LORA_FIELDS, "LoadLoRAAdapterReqInput")
+        if bad is not None:
+            return bad
+        if not fake.server_args["enable_lora"]:
+            return lora_error("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        if (failed := load_adapter(body["lora_name"], body["lora_path"])) is not None:
+            return failed
+        return {"success": True, "error_message": "", "loaded_adapters": dict(fake.adapters)}
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora(request: Request):
+        body, bad = await read(request, "/unload_lora_adapter", UNLOAD_LORA_FIELDS, "UnloadLoRAAdapterReqInput")
+        if bad is not None:
+            return bad
+        if not fake.server_args["enable_lora"]:
+            return lora_error("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        if body["lora_name"] not in fake.adapters:
+            return lora_error(f"LoRA with name {body['lora_name']} does not exist. Loaded LoRAs: "
+                              f"dict_keys({list(fake.adapters)})")
+        del fake.adapters[body["lora_name"]]
+        fake.adapter_models.pop(body["lora_name"], None)
+        return {"success": True, "error_message": "", "loaded_adapters": dict(fake.adapters)}
+
+    @app.get("/v1/models")
+    async def models():  # the base model's card, then one per registered adapter (with LoRA on)
+        record("/v1/models", None)
+        cards = [{"id": "tiny", "object": "model", "created": 0, "owned_by": "sglang", "root": "tiny", "parent": None,
+                  "max_model_len": fake.server_args["context_length"]}]
+        if fake.server_args["enable_lora"]:
+            cards += [{"id": name, "object": "model", "created": 0, "owned_by": "sglang", "root": path,
+                       "parent": "tiny", "max_model_len": None} for name, path in fake.adapters.items()]
+        return {"object": "list", "data": cards}
 
     @app.post("/pause_generation")
     async def pause(request: Request):

@@ -257,13 +257,26 @@ def test_published_merged_weights_equal_peft_merge_and_unload(tokenizer):
         check("builtin", 1, expected, fingerprint_of(dict(stale.named_parameters()), expected), 1)
 
 
+def test_freeze_layers_under_lora_puts_no_adapters_in_the_bottom_blocks(tokenizer):
+    """trainer.freeze_layers=1 under LoRA: adapters only above block 1 (what PEFT's layers_to_transform gives), so the
+    backward stops above block 0 and block 0's forward is the base's; the adapters left train as before."""
+    model = _tiny(tokenizer)
+    trainer = _lora_trainer(model, freeze_layers=1)
+    assert trainer.lora.layers and all(".layers.1." in n for n in trainer.lora.layers)
+    whole = Trainer(_tiny(tokenizer), TrainerConfig(lora=LORA))
+    assert any(".layers.0." in n for n in whole.lora.layers)
+    stats = trainer.train_step(_samples(model))
+    assert stats.grad_norm > 0
+    assert all(p.grad is None for n, p in model.named_parameters() if ".layers.0." in n)
+
+
 def test_bad_lora_config_is_refused(tokenizer):
     with pytest.raises(ValueError, match=r"trainer.lora.target_modules: qkv_proj not in this model .*q_proj"):
         Trainer(_tiny(tokenizer), TrainerConfig(lora=LoraConfig(target_modules=["q_proj", "qkv_proj"])))
-    with pytest.raises(ValidationError, match="trainer.freeze_layers does not work with trainer.lora"):
-        TrainerConfig(lora=LORA, freeze_layers=1)
-    with pytest.raises(ValidationError, match="trainer.lora does not work with trainer.parallel=fsdp"):
-        TrainerConfig(lora=LORA, parallel="fsdp")
+    with pytest.raises(ValueError, match="freeze_layers=2 under trainer.lora leaves no layer for adapters"):
+        Trainer(_tiny(tokenizer), TrainerConfig(lora=LORA, freeze_layers=2))
+    for publish in ("adapter", "merged"):  # FSDP2 under LoRA: test_lora_fsdp.py
+        TrainerConfig(lora=LoraConfig(rank=4, publish=publish), parallel="fsdp")
     with pytest.raises(ValidationError, match="rank"):
         LoraConfig(rank=0)
     with pytest.raises(ValidationError, match="target_modules"):
@@ -281,7 +294,7 @@ def test_the_training_pool_publishes_merged_weights_and_resumes_from_its_adapter
     from loomrl.trainer_boundary import Carried
 
     cfg = load_config(None, [f"output_dir={tmp_path}", "name=lora", "model.kind=tiny", "trainer.lora.rank=4",
-                           "runtime.mode=async"])
+                           "trainer.lora.publish=merged", "runtime.mode=async"])
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     pool, cpu = cfg.train_pool(), torch.device("cpu")
     with pytest.raises(ValueError, match="trainer.lora needs runtime.mode=async"):

@@ -13,13 +13,21 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import RECIPE, Viewer
+from conftest import RECIPE, Viewer, short_run
 
 pytestmark = pytest.mark.browser
 
 # Points per chart, as uPlot holds them: for each series, its non-null values.
 POINTS = ("Object.fromEntries(Object.entries(loomrlView.charts).map(([id, c]) => "
           "[id, c.uplot.data.slice(1).map(s => s.filter(v => v != null).length)]))")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """The short run as a tiny mixture-of-experts model with router replay and the load-balancing term, so that the
+    dashboard's MoE charts have a run's own figures too (the rest of the page is the same for a dense model)."""
+    return short_run(tmp_path_factory.mktemp("runs"), "short", "model.tiny.arch=qwen3_moe", "trainer.router_replay=true",
+                     "trainer.moe_aux_loss_coef=0.01")
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +50,9 @@ def test_the_dashboard_of_a_real_run_draws_curves_with_data_points(page):
         assert points[chart] and all(n == 2 for n in points[chart]), (chart, points)  # one per training step
     assert len(points["step_time"]) == 4 and all(n == 2 for n in points["step_time"])
     assert len(points["success"]) >= 3 and sum(points["success"]) >= 2 + 2  # train rate, eval before and after
+    # the MoE figures (trainer/moe_step.py): agreement, the gap with and without replay, the aux loss, per step
+    assert points["moe_agreement"] == [2] and points["moe_gap"] == [2, 2] and points["moe_aux"] == [2], points
+    assert "adapter_version" not in points  # a run that publishes no adapter draws no adapter chart
     page.click("nav button[data-tab=pools]")
     page.wait_for_function("loomrlView.charts.engine_busy && loomrlView.charts.env_health")
     pools = page.evaluate(POINTS)

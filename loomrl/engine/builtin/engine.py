@@ -24,7 +24,8 @@ that produced it. The prefix cache is cleared then (its K/V came from the old we
 K/V, as vLLM's in-flight updates do. `interrupt()` ends every in-flight request at the next step boundary with
 finish_reason "interrupted" and its partial output; resubmitting prompt + partial tokens resumes it (re-prefilled under
 the current weights). `weight_fingerprint` checksums the model's parameters (weights/fingerprint.py), with which the
-runtime confirms each update took effect.
+runtime confirms each update took effect. `update_adapter` (trainer.lora publish=adapter) merges a LoRA adapter into the
+targeted linears on the same path, onto copies of their base weights (adapter.py, which says what its fingerprint is).
 
 Supervision: the engine's worker thread never dies of an error. A step that raises fails the requests in flight
 (EngineFault, with the cause) and the engine serves the next ones with its state reset (KV freed, prefix cache cleared).
@@ -66,6 +67,7 @@ from loomrl.engine.base import (
     TakesTensors,
     refuse_request,
 )
+from loomrl.engine.builtin.adapter import AdapterMerge
 from loomrl.engine.builtin.drafter import GroupDrafter
 from loomrl.engine.builtin.prefix_cache import PrefixCache
 from loomrl.engine.builtin.programs import ProgramPolicy, ProgramTable
@@ -73,7 +75,7 @@ from loomrl.engine.builtin.runner import ModelRunner
 from loomrl.engine.builtin.scheduler import Batch, Scheduler, Seq
 from loomrl.engine.builtin.speculation import DraftPolicy, StepCost, verify
 from loomrl.engine.readings import Counters, KeepsCounters
-from loomrl.weights.fingerprint import Fingerprint, fingerprint_of
+from loomrl.weights.fingerprint import Fingerprint
 
 if TYPE_CHECKING:
     from loomrl.engine.kv_pool import SharedKVPool
@@ -84,6 +86,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from loomrl.config.engine import SpeculationConfig
+    from loomrl.weights.adapter import AdapterMeta
 
 
 def deliver(fut: concurrent.futures.Future, result: Any = None, exception: BaseException | None = None) -> None:
@@ -131,7 +134,9 @@ class BuiltinEngine(TakesTensors, KeepsCounters):
         self._speculate(speculation)
         self._version = version
         self._generator = torch.Generator().manual_seed(seed)
-        self._pending_weights: tuple[dict | None, int, concurrent.futures.Future] | None = None
+        # (weights, version, the caller's future, the adapter they are: None for full weights)
+        self._pending_weights: tuple[dict | None, int, concurrent.futures.Future, AdapterMeta | None] | None = None
+        self.adapters = AdapterMerge(dict(model.named_parameters(remove_duplicate=False)))  # update_adapter's merges
         self._broken: str | None = None  # why the last weight load failed (no request is served until one works)
         self._interrupt = False
         self._calls: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
@@ -177,13 +182,22 @@ class BuiltinEngine(TakesTensors, KeepsCounters):
         """Load `weights` between two steps; returns once they serve. Raises EngineFault when the load
         failed (the engine then refuses requests until a later load succeeds) or did not happen within
         `timeout_s`. An update superseded by a newer one before it was applied returns as well."""
+        self._update(weights, version, None, timeout_s)
+
+    def update_adapter(self, weights: dict[str, torch.Tensor], adapter: AdapterMeta, version: int,
+                       timeout_s: float = 600.0) -> None:
+        """Merge LoRA adapter `adapter` (its tensors `weights`, PEFT's names) onto the base weights between two steps
+        (adapter.py AdapterMerge); returns once it serves. Failures and timeouts as update_weights'."""
+        self._update(weights, version, adapter, timeout_s)
+
+    def _update(self, weights: dict | None, version: int, adapter: AdapterMeta | None, timeout_s: float) -> None:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             if self._closed or not self._thread.is_alive():
                 raise EngineFault("update_weights: the engine is not running")
             if self._pending_weights is not None:
                 deliver(self._pending_weights[2])  # superseded: only the newest version is loaded
-            self._pending_weights = (weights, version, fut)
+            self._pending_weights = (weights, version, fut, adapter)
             self._cond.notify()
         try:
             fut.result(timeout=timeout_s)
@@ -193,9 +207,10 @@ class BuiltinEngine(TakesTensors, KeepsCounters):
     def weight_fingerprint(self, expected: Fingerprint) -> Fingerprint:
         """The fingerprint of the model's parameters (what update_weights loads into), under the lock: no load runs
         meanwhile. A published name the model lacks is left out (it reads as differing: the load never reached it).
-        Tied names are each readable (lm_head.weight, the embeddings' alias), as a state dict publishes them."""
+        Tied names are each readable (lm_head.weight, the embeddings' alias), as a state dict publishes them. After
+        update_adapter, the adapter's tensors as merged, if the adapter merged is this version's (adapter.py)."""
         with self._cond:
-            return fingerprint_of(dict(self.model.named_parameters(remove_duplicate=False)), expected)
+            return self.adapters.fingerprint(expected, self._version)
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run `fn` on the engine's thread between two steps (the hybrid trainer borrows it).
@@ -352,11 +367,14 @@ class BuiltinEngine(TakesTensors, KeepsCounters):
         pending, self._pending_weights = self._pending_weights, None
         if pending is None:
             return
-        weights, version, fut = pending
+        weights, version, fut, adapter = pending
         try:
-            if weights is not None:
+            if adapter is not None and weights is not None:
+                self.adapters.apply(weights, adapter)
+            elif weights is not None:
                 with torch.no_grad():  # copies with a cast: the trainer's float32 masters into a bf16 model
                     self.model.load_state_dict(weights, strict=False)
+                self.adapters.reset()  # the new weights are the base from now on
             self.runner.refresh()  # re-pack: with weights=None the model was changed in place
         except BaseException as err:  # noqa: BLE001 - the caller gets it; no request runs on these weights
             self._broken = f"{type(err).__name__}: {err}"

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from loomrl.engine.builtin.moe import MoeMlp, is_sparse_block, moe_mlp_of
-from loomrl.engine.routed_experts import RoutedExperts
+from loomrl.routed_experts import RoutedExperts
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

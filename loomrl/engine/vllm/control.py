@@ -1,6 +1,6 @@
 """The in-process vLLM adapter's control calls, on its loop (engine/vllm/engine.py): interrupt, load a version, sleep,
 wake, and the state of vLLM's sleep they share. docs/engines.md ('The vLLM engine's contract') gives the order of the
-calls and why; tests read `calls` (sleep:<level>, abort, wake:<tag>, load:<version>, resume).
+calls and why; tests read `calls` (sleep:<level>, abort, wake:<tag>, load:<version>, adapter:<version>, resume).
 
 What it is: one object living on the adapter's loop, every call under one asyncio lock, in arrival order. What it is
 not: the adapter's lifecycle (engine/adapter.py: closed, broken, version, interrupt attribution) or the waits of the
@@ -13,7 +13,7 @@ import asyncio
 import collections
 import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from loomrl.config import VLLMConfig
@@ -125,6 +125,27 @@ class Control:
                     self.loaded_asleep = True
                 else:
                     if self.asleep:  # after a wake: the K/V cache only now, once the new weights are in
+                        await self._wake_up(self.asleep)
+                    await self._resume()
+
+    async def load_adapter(self, add: Callable[[], Awaitable[None]], version: int) -> None:
+        """One LoRA adapter version (engine.py update_adapter): `add` hands it to vLLM, without a pause (a request
+        admitted before keeps the adapter it carries); after a wake, the memory still asleep is taken back and
+        generation resumes, as after a weight update."""
+        async with self.lock:
+            if self.discarded:
+                raise EngineFault(f"update_adapter: {_DISCARDED}; an adapter cannot bring the base weights back")
+            self._end_hold()
+            woke = bool(self.asleep)
+            try:
+                if "weights" in self.asleep:  # an update without a wake: the weights' memory back first
+                    await self._wake_up({"weights"})
+                with self.life.loading(version):
+                    await add()
+                    self.calls.append(f"adapter:{version}")
+            finally:
+                if woke:
+                    if self.asleep:
                         await self._wake_up(self.asleep)
                     await self._resume()
 

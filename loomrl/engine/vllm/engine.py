@@ -29,6 +29,7 @@ from loomrl.engine.bucket_feed import BucketFeed
 from loomrl.engine.vllm.args import SPECULATION_ON_CPU, SPECULATION_ON_CPU_WHY, engine_args
 from loomrl.engine.vllm.contract import on_cpu
 from loomrl.engine.vllm.control import Control
+from loomrl.engine.vllm.lora import LORA_OFF, AdapterFolders, ServedAdapter, adapter_fingerprint, is_adapter_tensor
 from loomrl.engine.vllm.memory import KVCachePlan, Watch
 from loomrl.engine.vllm.served import ServedModel, served_fingerprint
 from loomrl.engine.vllm.start import START_TIMEOUT_S, import_vllm, start_error, start_llm
@@ -36,6 +37,7 @@ from loomrl.engine.vllm.stats import queue_logger
 from loomrl.engine.vllm.translate import finish_reason, sampling_params, token_versions
 from loomrl.engine.vllm.updates import Stream, checked_names, handle_update, tensor_updates
 from loomrl.engine.vllm.weights import checked_weights
+from loomrl.weights.adapter import AdapterMeta
 from loomrl.weights.bucket import BucketRef
 from loomrl.weights.fingerprint import Fingerprint
 from loomrl.weights.handle import Transport, WeightHandle
@@ -50,9 +52,11 @@ class VLLMEngine(StreamsBuckets):
 
     def __init__(self, cfg: VLLMConfig, model: ServedModel, *, dtype: str, seed: int = 0,
                  max_num_seqs: int | None = None, prefix_cache: bool = True, version: int = 0, sleep_mode: bool = False,
-                 context_tokens: int | None = None, speculation: SpeculationConfig | None = None):
+                 context_tokens: int | None = None, speculation: SpeculationConfig | None = None,
+                 lora_rank: int | None = None):
         """`sleep_mode` (engine.sleep_while_training): vLLM's enable_sleep_mode on CUDA, and sleep may discard the
         weights (control.sleep_level); `context_tokens` (agent.max_context_tokens) sizes the K/V cache on the CPU.
+        `lora_rank` (trainer.lora.rank where publish=adapter): vLLM serves adapters of that rank (update_adapter).
         Raises ConfigError when that cannot fit this machine, ModelLoadError (one line) when vLLM cannot run it."""
         try:
             import_vllm()
@@ -67,7 +71,7 @@ class VLLMEngine(StreamsBuckets):
         self._life = Lifecycle(self.metrics, version)
         args = engine_args(cfg, model=str(model.folder), dtype=dtype, seed=seed, max_num_seqs=max_num_seqs,
                            prefix_cache=prefix_cache, sleep_mode=sleep_mode, cuda=torch.cuda.is_available(),
-                           speculation=speculation)
+                           speculation=speculation, lora_rank=lora_rank)
         if "speculative_config" in args:  # counted from vLLM's per-step SpecDecodingStats (stats.py)
             self.metrics.draft_tokens = self.metrics.accepted_tokens = 0
             if on_cpu():
@@ -78,9 +82,15 @@ class VLLMEngine(StreamsBuckets):
         # A test-only seam (worker.py InlineUpdate.skip): names vLLM's worker receives but does not load, a load that
         # misses, so that the fingerprint check is proved to catch one. Empty in runs.
         self.skip_loading: frozenset[str] = frozenset()
+        # Test-only too (False in runs): update_adapter writes the folder and tags the version but never hands the
+        # adapter to vLLM, a dropped adapter, which the adapter fingerprint must catch
+        self.drop_adapters = False
         self.updates_follow_wake = sleep_mode  # the colocated run's promise (control.sleep_level); tests may change it
         # the workers write the first error they log here (worker.py); _death reads it
         self._scratch = Path(tempfile.mkdtemp(prefix="loomrl-vllm-"))
+        self._lora = bool(args.get("enable_lora"))  # the run's (lora_rank) or the user's engine_args
+        self._adapters = AdapterFolders(self._scratch / "adapters")  # by version; on the loop once loaded
+        self._lora_requests: dict[int, Any] = {}  # version -> the LoRARequest its requests carry (on the loop)
         self._loop = LoopThread("loomrl-vllm-loop")
         if cfg.cpu_reserved_cores is not None:  # read by vLLM's CPU worker when it starts (inherited by children)
             os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(cfg.cpu_reserved_cores)
@@ -142,6 +152,40 @@ class VLLMEngine(StreamsBuckets):
         updates = [{**update, "skip": sorted(self.skip_loading)}]
         self._call(self._control.load(updates, handle.version, whole), f"update_weights: version {handle.version}")
 
+    def update_adapter(self, weights: dict[str, torch.Tensor], adapter: AdapterMeta, version: int) -> None:
+        """Serve LoRA adapter `adapter` (its tensors `weights`, PEFT's names) from a folder in the scratch folder, as
+        vLLM adapter `adapter.name` (AsyncLLM.add_lora, vllm/v1/engine/async_llm.py:1189); requests admitted from
+        now on carry it and their tokens are `version`'s. Older adapters no request uses are removed (engine/vllm/
+        lora.py)."""
+        self._life.check_open("update_adapter")
+        if not self._lora:
+            raise EngineFault(LORA_OFF)
+        served = self._adapters.write(weights, adapter, version)
+        self._call(self._add_adapter(served), f"update_adapter: {adapter.name}")
+
+    async def _add_adapter(self, served: ServedAdapter) -> None:
+        """On the loop: load `served` into vLLM (control.py load_adapter), then tag later requests with its version
+        and adapter; retire those no request uses (AsyncLLM.remove_lora, async_llm.py:1193)."""
+        from vllm.lora.request import LoRARequest
+
+        llm = self._control.llm
+        request = LoRARequest(served.name, served.lora_id, str(served.folder))
+
+        async def add() -> None:
+            if served.version in self._lora_requests:  # the same version again: replace it
+                await llm.remove_lora(served.lora_id)
+            if not self.drop_adapters and not await llm.add_lora(request):
+                raise EngineFault(f"vLLM did not add adapter {served.name} (id {served.lora_id}): it holds "
+                                  f"{sorted(await llm.list_loras())}")
+            self._adapters.served[served.version] = served
+            self._lora_requests[served.version] = request  # before the version requests see is this one
+
+        await self._control.load_adapter(add, served.version)
+        for old in self._adapters.retired(served.version):
+            self._lora_requests.pop(old.version, None)
+            await llm.remove_lora(old.lora_id)
+            self._adapters.forget(old)
+
     def open_buckets(self, version: int, shapes: dict[str, list[int]]) -> None:
         self._life.check_open("update_weights")
         if self._stream is not None:
@@ -165,8 +209,11 @@ class VLLMEngine(StreamsBuckets):
         self._wait(stream.future, "update_weights: a streamed version")
 
     def weight_fingerprint(self, expected: Fingerprint) -> Fingerprint:
-        """The fingerprint of vLLM's loaded weights, read in its worker (served.py served_fingerprint)."""
+        """The fingerprint of vLLM's loaded weights, read in its worker (served.py served_fingerprint); of an adapter's
+        tensors (expected names them), that of the adapter the current version's requests carry (lora.py)."""
         self._life.check_open("weight_fingerprint")
+        if any(is_adapter_tensor(n) for n in expected.sums):
+            return adapter_fingerprint(expected, self._adapters.served.get(self.version), self._rpc)
         return served_fingerprint(expected, self.version, self.model.shapes, self._rpc)
 
     def interrupt(self) -> None:
@@ -210,20 +257,23 @@ class VLLMEngine(StreamsBuckets):
             raise RuntimeError("VLLMEngine._generate: not running in an asyncio task")
         with self._life.running() as ticket:  # admitted by generate, on the caller's thread
             self._tasks.add(task)
+            adapter = self._adapters.acquire(ticket.version)  # its version's adapter, kept while it runs (lora.py)
+            lora = None if adapter is None else self._lora_requests[adapter.version]
             try:
-                final, ids, logprobs = await self._outputs(request)
+                final, ids, logprobs = await self._outputs(request, lora)
                 return self._result(request, final, ids, logprobs, ticket.version,
-                                    interrupted=self._life.interrupted(ticket))
+                                    interrupted=self._life.interrupted(ticket), adapter=adapter is not None)
             except EngineFault:
                 raise
             except Exception as err:
                 self._request_failed(err)
             finally:
+                self._adapters.release(adapter)
                 self._tasks.discard(task)
 
-    async def _outputs(self, request: GenerationRequest) -> tuple[Any, list[int], list[float]]:
+    async def _outputs(self, request: GenerationRequest, lora: Any) -> tuple[Any, list[int], list[float]]:
         """vLLM's last output for `request` (finish reason, versions, cache hits) and the token ids and logprobs of
-        all its deltas."""
+        all its deltas; `lora`: the LoRARequest of its version's adapter, None for the base model."""
         from vllm.inputs import TokensPrompt
 
         ids: list[int] = []
@@ -231,7 +281,7 @@ class VLLMEngine(StreamsBuckets):
         final = None
         async for out in self._control.llm.generate(TokensPrompt(prompt_token_ids=list(request.prompt_ids)),
                                                     sampling_params(request.sampling), f"loomrl-{uuid.uuid4().hex}",
-                                                    priority=request.priority):
+                                                    lora_request=lora, priority=request.priority):
             new = list(out.outputs[0].token_ids)
             ids += new
             logprobs += [d[t].logprob for d, t in zip(out.outputs[0].logprobs or [], new)]
@@ -254,8 +304,10 @@ class VLLMEngine(StreamsBuckets):
         raise EngineFault(f"vLLM failed the request: {self._death() or f'{type(err).__name__}: {err}'}") from err
 
     def _result(self, request: GenerationRequest, final: Any, ids: list[int], logprobs: list[float], version: int, *,
-                interrupted: bool) -> GenerationResult:
-        """The whole output from the accumulated deltas and the last one (finish reason, versions, cache hits)."""
+                interrupted: bool, adapter: bool = False) -> GenerationResult:
+        """The whole output from the accumulated deltas and the last one (finish reason, versions, cache hits). Under
+        an adapter every token is `version`'s: the request carried that version's adapter throughout, and vLLM's
+        weight-version spans label the base weights only."""
         c = final.outputs[0]
         if len(logprobs) != len(ids):
             raise EngineFault(f"vLLM returned {len(logprobs)} logprobs for {len(ids)} tokens")
@@ -269,8 +321,9 @@ class VLLMEngine(StreamsBuckets):
             m.prefill_tokens += len(request.prompt_ids) - cached
             m.interrupts += finish == "interrupted"
             m.preemptions += getattr(final.metrics, "num_preemptions", 0) or 0
-        return GenerationResult(token_ids=ids, logprobs=logprobs, versions=token_versions(c.weight_versions, len(ids),
-                                                                                      version), finish_reason=finish)
+        spans = None if adapter else c.weight_versions
+        return GenerationResult(token_ids=ids, logprobs=logprobs, versions=token_versions(spans, len(ids), version),
+                                finish_reason=finish)
 
     # -- the loop thread --------------------------------------------------------------------------
     def _rpc(self, method: str, *args: Any) -> Any:

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
+import tempfile
 import uuid
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,14 +36,18 @@ from loomrl.engine.base import (
 )
 from loomrl.engine.http import ServerClient
 from loomrl.engine.neutral import NEUTRAL_PENALTIES
+from loomrl.engine.vllm.lora import AdapterFolders, ServedAdapter, adapter_fingerprint, is_adapter_tensor
 from loomrl.engine.vllm.served import served_fingerprint
 from loomrl.engine.vllm.translate import finish_reason, token_versions
 from loomrl.engine.vllm.weights import checked_weights, to_wire, weight_buckets
+from loomrl.weights.adapter import AdapterMeta
 from loomrl.weights.fingerprint import Fingerprint
 
 log = logging.getLogger(__name__)
 
 _NEEDED = {"logprobs_mode": "processed_logprobs", "policy": "priority"}  # server settings the contract rests on
+LORA_FLAGS = ("start the vLLM server with --enable-lora --max-lora-rank R (trainer.lora.rank or more) --max-loras 2 "
+              "and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, on this machine (it reads the adapter folders written here)")
 
 
 class VLLMHTTPEngine(TakesTensors):
@@ -61,6 +68,8 @@ class VLLMHTTPEngine(TakesTensors):
         self._dtype = dtype_named(dtype) if dtype else None  # set from the server's when None
         self._http = ServerClient("vLLM", cfg.base_url, retries=cfg.retries, backoff_s=cfg.retry_backoff_s)
         self._control = ControlThread("loomrl-vllm-http-control")
+        # adapters (update_adapter), in a folder the server reads: made at the first adapter, removed at close
+        self._adapters: AdapterFolders | None = None
         try:
             self.kv_budget = self._connect()
         except BaseException:
@@ -74,8 +83,14 @@ class VLLMHTTPEngine(TakesTensors):
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         with self._life.serving(request) as ticket:
-            data = await self._http.apost("/inference/v1/generate", self.generate_body(request), self.cfg.timeout_s)
-            return self._result(request, data, ticket.version, interrupted=self._life.interrupted(ticket))
+            adapter = self._acquire(ticket.version)  # its version's adapter, kept while it runs (lora.py)
+            try:
+                data = await self._http.apost("/inference/v1/generate", self.generate_body(request, adapter),
+                                              self.cfg.timeout_s)
+            finally:
+                self._release(adapter)
+            return self._result(request, data, ticket.version, interrupted=self._life.interrupted(ticket),
+                                adapter=adapter is not None)
 
     def update_weights(self, weights: dict | None, version: int) -> None:
         """Load `weights` (cast to the server's dtype) between two steps and tag later tokens `version`; returns once
@@ -88,11 +103,24 @@ class VLLMHTTPEngine(TakesTensors):
         named = checked_weights(weights, self.shapes, self.aliases, self._life.broken)
         self._control.call(f"update_weights: version {version}", self.cfg.update_timeout_s, self._load, named, version)
 
+    def update_adapter(self, weights: dict[str, torch.Tensor], adapter: AdapterMeta, version: int) -> None:
+        """Serve LoRA adapter `adapter` from a folder written here (the server must read this machine's files) through
+        /v1/load_lora_adapter; requests admitted from now on name it (`model`) and their tokens are `version`'s. Older
+        adapters no request uses are unloaded (/v1/unload_lora_adapter)."""
+        self._life.check_open("update_adapter")
+        if self._adapters is None:
+            self._adapters = AdapterFolders(Path(tempfile.mkdtemp(prefix="loomrl-vllm-adapters-")))
+        served = self._adapters.write(weights, adapter, version)
+        self._control.call(f"update_adapter: {adapter.name}", self.cfg.update_timeout_s, self._load_adapter, served)
+
     def weight_fingerprint(self, expected: Fingerprint) -> Fingerprint:
         """The fingerprint of the server's loaded weights, read in its worker (worker.py loomrl_fingerprint, the
         in-process adapter's) through the server's /collective_rpc (a dev-mode route: VLLM_SERVER_DEV_MODE=1, which
         the adapter needs anyway); the router checks each replica's against the published one."""
         self._life.check_open("weight_fingerprint")
+        if any(is_adapter_tensor(n) for n in expected.sums):
+            return self._control.call("weight_fingerprint", self.cfg.update_timeout_s, self._adapter_fingerprint,
+                                      expected)
         return self._control.call("weight_fingerprint", self.cfg.update_timeout_s, served_fingerprint, expected,
                                   self.version, self.shapes, self._rpc)
 
@@ -126,22 +154,28 @@ class VLLMHTTPEngine(TakesTensors):
         if self._life.close():
             self._control.shutdown()
             self._http.close()
+            if self._adapters is not None:
+                shutil.rmtree(self._adapters.root, ignore_errors=True)
 
     # -- the wire format --------------------------------------------------------------------------
     @staticmethod
-    def generate_body(request: GenerationRequest) -> dict[str, Any]:
-        """The /inference/v1/generate request (token_in_token_out/protocol.py GenerateRequest)."""
+    def generate_body(request: GenerationRequest, adapter: ServedAdapter | None = None) -> dict[str, Any]:
+        """The /inference/v1/generate request (token_in_token_out/protocol.py GenerateRequest); `adapter`: the LoRA
+        adapter it is served with (its `model`), None for the base model."""
         s: SamplingParams = request.sampling
         # every field the contract depends on is sent, so the server's defaults (its model's generation_config)
         # change nothing; text is made only where stop strings need it
         sampling = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, **NEUTRAL_PENALTIES,
                     "max_tokens": s.max_tokens, "stop_token_ids": list(s.stop_token_ids), "stop": list(s.stop),
                     "seed": s.seed, "ignore_eos": s.ignore_eos, "logprobs": 0, "detokenize": bool(s.stop)}
-        return {"request_id": f"loomrl-{uuid.uuid4().hex}", "token_ids": list(request.prompt_ids),
+        body = {"request_id": f"loomrl-{uuid.uuid4().hex}", "token_ids": list(request.prompt_ids),
                 "sampling_params": sampling, "priority": request.priority, "stream": False}
+        return body if adapter is None else {**body, "model": adapter.name}
 
     def _result(self, request: GenerationRequest, data: dict[str, Any], version: int, *,
-                interrupted: bool) -> GenerationResult:
+                interrupted: bool, adapter: bool = False) -> GenerationResult:
+        """loomrl's result for the server's answer; under an adapter every token is `version`'s (the request named
+        that version's adapter throughout; the server's weight-version spans label the base weights only)."""
         choices = data.get("choices") or []
         if len(choices) != 1:
             raise EngineFault(f"vLLM /inference/v1/generate answered {len(choices)} choices, not 1")
@@ -163,7 +197,8 @@ class VLLMHTTPEngine(TakesTensors):
             m.generated_tokens += len(ids)
             m.interrupts += finish == "interrupted"
         return GenerationResult(token_ids=ids, logprobs=[float(d["logprob"]) for d in content],
-                                versions=token_versions(c.get("weight_versions"), len(ids), version),
+                                versions=token_versions(None if adapter else c.get("weight_versions"), len(ids),
+                                                        version),
                                 finish_reason=finish)
 
     # -- control (on the control thread) ----------------------------------------------------------
@@ -250,6 +285,56 @@ class VLLMHTTPEngine(TakesTensors):
                                        "cache or the K/V connector's store)")
         finally:
             self._resume()
+
+    def _acquire(self, version: int) -> ServedAdapter | None:
+        """The adapter a request of `version` is served with, counted in use (None: the base model)."""
+        if self._adapters is None:
+            return None
+        with self._life.lock:
+            return self._adapters.acquire(version)
+
+    def _release(self, adapter: ServedAdapter | None) -> None:
+        if self._adapters is not None:
+            with self._life.lock:
+                self._adapters.release(adapter)
+
+    def _load_adapter(self, served: ServedAdapter) -> None:
+        """On the control thread: load `served` into the server, then make it the version requests see; unload the
+        adapters no request uses any more (vLLM 0.32's unload drops the server's name only, vllm/entrypoints/openai/
+        models/serving.py:243; its workers' LRU cache, of --max-loras adapters, evicts the tensors)."""
+        adapters, t = self._adapters, self.cfg.update_timeout_s
+        if adapters is None:
+            raise EngineFault("update_adapter: no adapter folder")
+        with self._life.loading(served.version):
+            try:
+                self._http.post("/v1/load_lora_adapter", {"lora_name": served.name, "lora_path": str(served.folder)},
+                                t)
+            except EngineFault as err:
+                raise EngineFault(f"{err} ({LORA_FLAGS})") from None
+            with self._life.lock:  # before loading() makes it the version requests see
+                adapters.served[served.version] = served
+        with self._life.lock:
+            retired = adapters.retired(served.version)
+            for old in retired:
+                adapters.served.pop(old.version, None)
+        for old in retired:
+            try:
+                self._http.post("/v1/unload_lora_adapter", {"lora_name": old.name}, self.cfg.control_timeout_s)
+            except EngineFault as err:  # the server keeps an adapter no request names: memory, not correctness
+                log.warning("unloading %s: %s", old.name, err)
+            with self._life.lock:
+                adapters.forget(old)
+
+    def _adapter_fingerprint(self, expected: Fingerprint) -> Fingerprint:
+        """The fingerprint of the adapter this version's requests name, as the server's worker holds it: none unless
+        the server lists it under that name, from that folder (/v1/models); its tensors are those of the adapter
+        the server loaded last (the server numbers adapters as it loads them, and the worker knows no names)."""
+        served = self._adapters.served.get(self.version) if self._adapters is not None else None
+        listed = self._http.get("/v1/models", self.cfg.control_timeout_s).json().get("data") or []
+        if served is None or not any(m.get("id") == served.name and m.get("root") == str(served.folder)
+                                     for m in listed):
+            return Fingerprint()
+        return adapter_fingerprint(expected, served, self._rpc, newest=True)
 
     def _resume(self) -> None:
         try:

@@ -1,6 +1,6 @@
 """loomrl's requests in vLLM's terms and vLLM's answers in loomrl's, for both vLLM adapters (in process:
 engine/vllm/engine.py; over HTTP: engine/vllm/http.py): the sampling parameters, one policy version per token from
-vLLM's weight-version spans, and the finish reason.
+vLLM's weight-version spans, the finish reason, and an MoE model's routed experts as loomrl's RoutedExperts.
 
 What it is not: a parser of a transport's format (each adapter reads its own); vLLM is imported only where the
 in-process adapter builds its SamplingParams, so the HTTP client runs where vLLM is not installed.
@@ -8,9 +8,16 @@ in-process adapter builds its SamplingParams, so the HTTP client runs where vLLM
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from loomrl.engine.base import EngineFault, SamplingParams
+from loomrl.routed_experts import RoutedExperts, experts_dtype
+
+if TYPE_CHECKING:
+    from torch import nn
 
 STREAM_INTERVAL = 8  # tokens per output vLLM sends a request's caller (in process)
 
@@ -50,3 +57,51 @@ def finish_reason(reason: str | None, stop_reason: Any, *, closed: bool, interru
     if reason not in ("stop", "length"):
         raise EngineFault(f"vLLM ended the request with finish_reason {reason!r} (stop reason {stop_reason!r})")
     return reason
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class ExpertLayout:
+    """Where an MoE model routes: the decoder-layer index of each MoE layer (bottom first) and the experts of each."""
+
+    layers: tuple[int, ...]
+    num_experts: int
+
+
+def expert_layout(model: nn.Module) -> ExpertLayout | None:
+    """The MoE layers of `model` (a transformers causal LM, its meta-device skeleton too) as the built-in engine counts
+    them (engine/builtin/moe.py's blocks); None for a dense model."""
+    from loomrl.engine.builtin.moe import is_sparse_block
+
+    base: Any = model.get_submodule("model")
+    sparse = [(i, layer.mlp) for i, layer in enumerate(base.layers) if is_sparse_block(layer.mlp)]
+    if not sparse:
+        return None
+    return ExpertLayout(layers=tuple(i for i, _ in sparse), num_experts=int(sparse[0][1].gate.weight.shape[0]))
+
+
+def routed_experts(rows: np.ndarray | None, *, tokens: int, layout: ExpertLayout,
+                   interrupted: bool) -> RoutedExperts | None:
+    """loomrl's record (routed_experts.py) of vLLM 0.32's routed experts for a request of `tokens` tokens
+    (prompt + output): `rows` is CompletionOutput.routed_experts (or the HTTP answer's, decoded), [n, decoder layers,
+    top_k] for positions 0..n-1 with n = tokens - 1 (vllm/distributed/aux_output_connector/connector.py take_output:
+    up to num_tokens - 1; routed_experts_prompt_start left at 0), uint8 up to 256 experts, else uint16. vLLM keeps a
+    column for every decoder layer (a dense layer's routes nothing and holds zeros): only `layout.layers` are kept,
+    and the ids are re-typed to loomrl's dtype, whose UNKNOWN mark sits above the experts (255 experts for uint8, not
+    256). An interrupted request may hold fewer rows; None where vLLM sent none (not asked, or no forward ran)."""
+    if rows is None:
+        return None
+    arr = np.asarray(rows)
+    k = arr.shape[2] if arr.ndim == 3 else 0
+    if arr.ndim != 3 or k == 0 or arr.shape[1] <= max(layout.layers):
+        raise EngineFault(f"vLLM's routed experts have shape {arr.shape}, not [tokens, decoder layers, top_k] over "
+                          f"the model's MoE layers {layout.layers}")
+    if len(arr) > tokens - 1 or (len(arr) < tokens - 1 and not interrupted):
+        raise EngineFault(f"vLLM returned routed experts for {len(arr)} tokens of a {tokens}-token sequence (expected "
+                          f"{tokens - 1}: every token but the last sampled one)")
+    kept = arr[:, list(layout.layers), :].astype(np.int64)  # [n, MoE layers, top_k]
+    if kept.size and (kept.min() < 0 or kept.max() >= layout.num_experts):
+        raise EngineFault(f"vLLM's routed experts hold ids outside the model's {layout.num_experts} experts "
+                          f"({kept.min()}..{kept.max()})")
+    dtype = experts_dtype(layout.num_experts)
+    return RoutedExperts(data=np.ascontiguousarray(kept.astype(dtype)).tobytes(), dtype=dtype, tokens=len(kept),
+                         layers=layout.layers, top_k=k, num_experts=layout.num_experts)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import logging
+import math
 import os
 import pickle
 from dataclasses import dataclass, field
@@ -182,12 +183,64 @@ class WorkerExtension:
                f"gate_up_proj, too), quantized or packed for the CPU (e.g. {other[0]})") if other else ""
         return {"sums": sums, "unchecked": why}
 
+    def loomrl_adapter_fingerprint(self, lora_id: int | None, wanted: dict[str, list], scale: float) -> dict[str, Any]:
+        """Checksums of the LoRA adapter vLLM holds under `lora_id` (None: the highest id, the one a server loaded
+        last), by the published names in `wanted` ({name: [dtype, shape]}): {"sums": {name: [shape, sum, weighted]},
+        "unchecked": why some could not be read}. An adapter vLLM does not hold (never added, or removed) gives no
+        sums. Read from the adapter vLLM's LoRA manager registered (vllm/lora/model_manager.py:1374 get_adapter), whose
+        lora_a / lora_b each active slot is copied from; vLLM folds the scale into lora_b (vllm/lora/lora_weights.py:37
+        optimize), undone here where `scale` is a power of two (exact in floating point), else those are unchecked."""
+        # vLLM's worker LoRA manager (set only when LoRA is enabled) and its model manager, which holds the adapters
+        manager = getattr(getattr(self.model_runner, "lora_manager", None), "_adapter_manager", None)
+        if manager is not None and lora_id is None:
+            lora_id = max(manager.list_adapters(), default=None)
+        held = manager.get_adapter(lora_id) if manager is not None and lora_id is not None else None
+        if manager is None or held is None:
+            return {"sums": {}, "unchecked": ""}
+        packed = manager.packed_modules  # {qkv_proj's full name: [q_proj's, k_proj's, v_proj's]}
+        # the renames vLLM applied to the names when it loaded the adapter (vllm/lora/worker_manager.py:133)
+        mapper = getattr(self.model_runner.get_model(), "hf_to_vllm_mapper", None)
+        mapper = mapper.get_rename_mapper() if mapper is not None else None
+        exact = math.frexp(scale)[0] == 0.5
+        sums, scaled = {}, []
+        for name, (dtype, _shape) in wanted.items():
+            t = adapter_tensor(held.loras, packed, name, mapper)
+            if t is None:
+                continue  # compared as missing: vLLM holds no such tensor
+            if ".lora_B." in name:
+                if not exact:
+                    scaled.append(name)
+                    continue
+                t = t / scale
+            s = tensor_sum(t, getattr(torch, dtype))
+            sums[name] = [list(t.shape), s.sum, s.weighted]
+        why = (f"vLLM keeps lora_B multiplied by the adapter's scale {scale}, not a power of two, so it cannot be "
+               f"divided back exactly (e.g. {scaled[0]})") if scaled else ""
+        return {"sums": sums, "unchecked": why}
+
     def loomrl_published(self, version: int) -> dict[str, list]:
         """The publisher's sums that followed broadcast version `version` to this worker ({name: [dtype, shape, sum,
         weighted]}); empty when none did (its handle carried them, or this worker received another version last)."""
         if _FOLLOWED.version != version:
             return {}
         return {n: [s.dtype, list(s.shape), s.sum, s.weighted] for n, s in _FOLLOWED.sums.items()}
+
+
+def adapter_tensor(loras: dict[str, Any], packed: dict[str, list[str]], name: str,
+                   mapper: Any = None) -> torch.Tensor | None:
+    """The tensor vLLM's loaded adapter (`loras`: LoRAModel.loras, by module) holds for the published `name`, else
+    None: under its module (o_proj), or its part of a packed module (q_proj in qkv_proj: `packed`, the manager's
+    packed_modules, lists the parts in order)."""
+    from vllm.lora.utils import parse_fine_tuned_lora_name
+
+    module, is_a = parse_fine_tuned_lora_name(name, mapper)
+    layer = loras.get(module)
+    if layer is not None:
+        return layer.lora_a if is_a else layer.lora_b
+    for whole, parts in packed.items():
+        if module in parts and (layer := loras.get(whole)) is not None:
+            return (layer.lora_a if is_a else layer.lora_b)[parts.index(module)]
+    return None
 
 
 def _owned(t: torch.Tensor, copy: bool) -> torch.Tensor:

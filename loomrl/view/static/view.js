@@ -29,6 +29,13 @@ const CURVES = [
   { id: "kl", title: "KL (approx, policy vs sampler)", keys: ["train/approx_kl", "train/kl"] },
   { id: "entropy", title: "entropy", keys: ["train/entropy"] },
   { id: "grad_norm", title: "grad norm", keys: ["train/grad_norm"] },
+  // mixture-of-experts runs (trainer.router_replay, moe_aux_loss_coef: loomrl/trainer/moe_step.py)
+  { id: "moe_agreement", title: "MoE: router agreement, engine vs trainer (share of expert choices)", keys: ["train/moe/router_agreement"], range: [0, 1] },
+  { id: "moe_gap", title: "MoE: engine-trainer logprob gap with router replay and without", keys: ["train/moe/logprob_gap", "train/moe/logprob_gap_no_replay"] },
+  { id: "moe_aux", title: "MoE: load-balancing loss", keys: ["train/moe/aux_loss"] },
+  // trainer.lora.publish=adapter: the adapter version the engines were confirmed serving, and what a publish sent
+  { id: "adapter_version", title: "LoRA adapter version the engines serve (confirmed by fingerprint)", keys: ["weight_sync/adapter_version"], range: WHOLE },
+  { id: "adapter_bytes", title: "LoRA adapter bytes per publish", keys: ["weight_sync/adapter_bytes"] },
   // the lag in steps and how many groups had each lag are different units: two charts, not one axis
   { id: "lag", title: "policy lag of the step's groups (steps): largest and mean", keys: ["staleness_max", "derived/staleness_mean"], range: WHOLE },
   { id: "lag_groups", title: "the step's groups by policy lag (count of groups with lag 0, 1, …)", keys: [/^staleness\/lag_\d+$/], range: WHOLE,

@@ -1,0 +1,127 @@
+"""LoRA adapters on vLLM (trainer.lora with publish=adapter): the engine arguments that enable them, the adapter
+folders a version is served from, which adapter each request carries, and the adapter's fingerprint as vLLM's worker
+holds it (worker.py loomrl_adapter_fingerprint).
+
+Each version's adapter is its own vLLM adapter: named weights/adapter.py adapter_name(version), with the int id
+`lora_id(version)` in process (vLLM keys adapters by it: vllm/lora/request.py:8 LoRARequest; a server numbers the
+adapters it loads itself), loaded from a PEFT folder written by the engine. A request carries the adapter of the
+version it was admitted under, so its tokens are that version's; an adapter is removed (from vLLM and from disk) once
+a newer version serves and no request uses it, since vLLM reloads an adapter a running request names from its folder
+when it was evicted.
+
+What it is not: the engines (engine/vllm/engine.py calls AsyncLLM.add_lora / remove_lora; engine/vllm/http.py the
+server's /v1/load_lora_adapter) or the reading inside vLLM's worker (worker.py); nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loomrl.config import ConfigError
+from loomrl.engine.base import EngineFault
+from loomrl.weights.adapter import AdapterMeta, adapter_name, write_folder
+from loomrl.weights.fingerprint import Fingerprint, TensorSum
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py:26 MaxLoRARanks (0.32)
+# adapters vLLM holds at once: the version serving and the one before it, whose requests may still be running
+MAX_LORAS = 2
+LORA_OFF = ("update_adapter: this vLLM engine was started without LoRA (enable_lora): a run with trainer.lora and "
+            "publish=adapter starts it with it; or set trainer.lora.publish=merged")
+
+
+def lora_args(rank: int) -> dict[str, Any]:
+    """AsyncEngineArgs that let vLLM serve adapters of rank `rank`: max_lora_rank is the smallest rank vLLM accepts
+    that holds it."""
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise ConfigError(f"trainer.lora.rank={rank}: vLLM 0.32 serves adapters up to rank {VLLM_LORA_RANKS[-1]}; "
+                          "lower it or set trainer.lora.publish=merged")
+    return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": MAX_LORAS}
+
+
+def lora_id(version: int) -> int:
+    """vLLM's int id for version `version`'s adapter (ids start at 1: vllm/lora/request.py:38)."""
+    return version + 1
+
+
+def is_adapter_tensor(name: str) -> bool:
+    """Whether `name` is a LoRA adapter's tensor under PEFT's saved names."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class ServedAdapter:
+    """One version's adapter as vLLM loads it: its name, int id, PEFT folder and scale (alpha / rank)."""
+
+    version: int
+    name: str
+    lora_id: int
+    folder: Path
+    scale: float
+
+
+class AdapterFolders:
+    """The adapters an engine has loaded, by version, and the requests using each (counted on the engine's loop)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.served: dict[int, ServedAdapter] = {}
+        self.users: dict[int, int] = {}
+
+    def write(self, weights: dict[str, torch.Tensor], adapter: AdapterMeta, version: int) -> ServedAdapter:
+        """Version `version`'s adapter folder, written from its tensors; refuses a name not fresh for `version`."""
+        if adapter.name != adapter_name(version):
+            raise EngineFault(f"update_adapter: adapter {adapter.name!r} published as version {version}, whose name is "
+                              f"{adapter_name(version)!r}")
+        unknown = [n for n in weights if not is_adapter_tensor(n)]
+        if unknown or not weights:
+            raise EngineFault(f"update_adapter: {adapter.name}: tensors that are no LoRA adapter's ({unknown[:3]}); "
+                              "full weights go to update_weights")
+        shutil.rmtree(self.root / adapter.name, ignore_errors=True)  # the same version again: vLLM read it already
+        folder = write_folder(self.root / adapter.name, adapter, weights)
+        return ServedAdapter(version=version, name=adapter.name, lora_id=lora_id(version), folder=folder,
+                             scale=adapter.scale)
+
+    def acquire(self, version: int) -> ServedAdapter | None:
+        """The adapter a request admitted under `version` is served with (None: the base model), counted as in use
+        until `release`."""
+        served = self.served.get(version)
+        if served is not None:
+            self.users[version] = self.users.get(version, 0) + 1
+        return served
+
+    def release(self, served: ServedAdapter | None) -> None:
+        if served is not None:
+            self.users[served.version] -= 1
+
+    def retired(self, newest: int) -> list[ServedAdapter]:
+        """The adapters to remove once `newest` serves: older than the one before it, with no request using them."""
+        before = [v for v in self.served if v < newest]
+        keep = max(before, default=None)
+        return [a for v, a in self.served.items() if v not in (newest, keep) and not self.users.get(v)]
+
+    def forget(self, adapter: ServedAdapter) -> None:
+        self.served.pop(adapter.version, None)
+        self.users.pop(adapter.version, None)
+        shutil.rmtree(adapter.folder, ignore_errors=True)
+
+
+def adapter_fingerprint(expected: Fingerprint, served: ServedAdapter | None, rpc: Callable[..., Any], *,
+                        newest: bool = False) -> Fingerprint:
+    """The fingerprint of the adapter the engine's requests carry now (`served`; None: none), read in vLLM's worker
+    (`rpc`: worker.py loomrl_adapter_fingerprint) by the published names: the adapter of id served.lora_id, or with
+    `newest` the one vLLM added last (a server numbers the adapters it loads itself). An adapter vLLM does not hold
+    gives no sums, so every published tensor differs (check: WeightMismatch); lora_B tensors vLLM keeps scaled in a
+    way that cannot be undone exactly are `unchecked`, with the reason."""
+    if served is None:
+        return Fingerprint()
+    wanted = {n: [s.dtype, list(s.shape)] for n, s in expected.sums.items()}
+    got = rpc("loomrl_adapter_fingerprint", None if newest else served.lora_id, wanted, served.scale)
+    sums = {n: TensorSum(expected.sums[n].dtype, tuple(shape), a, b) for n, (shape, a, b) in got["sums"].items()}
+    return Fingerprint(sums=sums, unchecked=got["unchecked"])

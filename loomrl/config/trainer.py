@@ -173,8 +173,8 @@ class TrainerConfig(Section):
     """mixture-of-experts models: every forward of a step (training, proximal, KL reference) uses the experts the
     engine's router chose for each token (R3, loomrl/trainer/replay.py), routing weights still from its own router;
     the engine records them (layers x top_k bytes a token, kept with the trajectory). Needs an engine that records
-    them (engine.kind=builtin) and an MoE model (a dense one: an error naming its class); not with
-    tree_merge_memory=depth_first, activation_checkpointing or parallel=fsdp. Metrics: moe/* (docs/metrics.md)"""
+    them (engine.kind=builtin) and an MoE model (a dense one: an error naming its class); works with
+    activation_checkpointing and parallel=fsdp, not with tree_merge_memory=depth_first. Metrics: moe/* (docs/metrics.md)"""
     moe_aux_loss_coef: float = Field(0.0, ge=0.0)
     """mixture-of-experts models: the load-balancing loss (transformers' load_balancing_loss_func over the step's
     router logits) added to the policy loss with this weight; 0: none"""
@@ -201,18 +201,14 @@ class TrainerConfig(Section):
         return self
 
     def _router_replay_fits(self, depth_first: bool) -> None:
-        """trainer.router_replay against the passes that cannot replay (trainer/replay.py)."""
-        if not self.router_replay:
-            return
-        if depth_first:  # it packs its trie by token alone: samples whose experts differ would share a node
+        """trainer.router_replay against the pass that cannot replay (trainer/replay.py); activation checkpointing and
+        FSDP2 replay (tests/trainer/test_router_replay_step.py, test_router_replay_fsdp.py)."""
+        if self.router_replay and depth_first:
+            # it packs the step's trie by token alone: samples whose recorded experts differ would share a node, and
+            # one node can replay only one expert choice
             raise ValueError("trainer.router_replay does not work with trainer.tree_merge_memory=depth_first (with a "
-                             "tree_token_budget) yet; use tree_merge_memory=subtries")
-        if self.activation_checkpointing:  # the backward recomputes each layer after the replay hooks are gone
-            raise ValueError("trainer.router_replay does not work with trainer.activation_checkpointing yet; set "
-                             "activation_checkpointing=false")
-        if self.parallel == "fsdp":
-            raise ValueError("trainer.router_replay does not work with trainer.parallel=fsdp yet (replay under FSDP2 is "
-                             "not tested); use parallel=ddp")
+                             "tree_token_budget): its trie merges tokens whose recorded experts differ; use "
+                             "tree_merge_memory=subtries")
 
     @property
     def distributed(self) -> bool:

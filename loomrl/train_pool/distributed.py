@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor
 from loomrl.collectives import bounded_nccl
 from loomrl.model.adapter import ADAPTER
 from loomrl.trainer.lora import Lora
+from loomrl.trainer.moe_step import MoeStats
 from loomrl.trainer.trainer import StepStats, Trainer
 from loomrl.types import TrainingSample
 from loomrl.weights.source import DictSource, Entry, TensorSpec, WeightSource, dtype_name
@@ -278,9 +279,11 @@ class DataParallelTrainer:
         t = self.trainer
         tokens = sum(sum(s.loss_mask) for s in samples)
         longest = max([idle_longest, *(sum(s.loss_mask) for s in samples)])
-        counts = torch.tensor([tokens, len(samples), idle_tokens, idle_seqs], dtype=torch.int64, device=self.device)
+        every = sum(len(s.token_ids) for s in samples)  # prompt and sampled: the load-balancing term's weights
+        counts = torch.tensor([tokens, len(samples), idle_tokens, idle_seqs, every], dtype=torch.int64,
+                              device=self.device)
         dist.all_reduce(counts)
-        g_tokens, g_seqs, g_idle_tokens, g_idle_seqs = counts.tolist()
+        g_tokens, g_seqs, g_idle_tokens, g_idle_seqs, g_every = counts.tolist()
         if g_tokens == 0:  # every rank raises, none is left waiting in a collective
             raise ValueError("data-parallel step: no rank got a sampled token")
         cfg = t.cfg
@@ -293,7 +296,7 @@ class DataParallelTrainer:
             t.grad_hook = self._sum_gradients
         try:
             stats = t.train_step(samples, idle_tokens=g_tokens + g_idle_tokens - tokens,
-                                 idle_seqs=g_seqs + g_idle_seqs - len(samples))
+                                 idle_seqs=g_seqs + g_idle_seqs - len(samples), peer_tokens=g_every - every)
         finally:
             t.cfg = cfg
             t.grad_hook = t.shared_plan = None
@@ -362,8 +365,22 @@ class DataParallelTrainer:
         gap_max = torch.tensor([s.logprob_gap_max], dtype=torch.float64, device=self.device)
         dist.all_reduce(gap_max, op=dist.ReduceOp.MAX)
         loss, clip, ratio, kl, ess, g_lt, tokens, g_forwarded, pairs_dense, pairs, ent, gap = v.tolist()
+        moe = self._global_moe(s.moe, trained=s.loss_tokens > 0) if s.moe is not None else None  # None on every rank
         return StepStats(loss=loss, grad_norm=s.grad_norm, clip_frac=clip / g_lt, ratio_mean=ratio / g_lt,
                          approx_kl=kl / g_lt, tokens=int(tokens), loss_tokens=int(g_lt), seconds=s.seconds,
                          lr=s.lr, ess=ess / g_lt, tree_ratio=tokens / max(g_forwarded, 1.0),
                          attn_pairs_dense=int(pairs_dense), attn_pairs=int(pairs), entropy=ent / g_lt,
-                         logprob_gap_mean=gap / g_lt, logprob_gap_max=float(gap_max), gaps=s.gaps)  # gaps: this rank's
+                         logprob_gap_mean=gap / g_lt, logprob_gap_max=float(gap_max), gaps=s.gaps,  # gaps: this rank's
+                         moe=moe)
+
+    def _global_moe(self, m: MoeStats, *, trained: bool) -> MoeStats:
+        """The step's moe/* figures over the ranks (trainer/moe_step.py): agreement over every rank's expert choices,
+        the first-micro-batch gaps the mean of the ranks that trained samples, the aux loss the sum of the ranks'
+        parts (each already weighed by the whole step's tokens)."""
+        w = 1.0 if trained else 0.0
+        v = torch.tensor([m.router_agreement * m.choices, float(m.choices), m.logprob_gap * w,
+                          m.logprob_gap_no_replay * w, w, m.aux_loss], dtype=torch.float64, device=self.device)
+        dist.all_reduce(v)
+        agree, choices, gap, gap_free, ranks, aux = v.tolist()
+        return MoeStats(router_agreement=agree / choices if choices else 0.0, logprob_gap=gap / max(ranks, 1.0),
+                        logprob_gap_no_replay=gap_free / max(ranks, 1.0), aux_loss=aux, choices=round(choices))

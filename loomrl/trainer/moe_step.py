@@ -9,6 +9,9 @@ The figures, with replay:
   with replay (the training forward's) and without (one extra no-grad forward of that micro-batch, every step: about a
   third of that micro-batch's forward and backward; the probe sees the same weights as the training forward).
 - aux_loss: the step's load-balancing loss (token-weighted over its micro-batches), when its coefficient is > 0.
+Over data-parallel ranks (train_pool/distributed.py): agreement over every rank's choices, the gaps the mean of the
+ranks that trained samples, aux_loss the sum of the ranks' token-weighted parts (each weighed by the whole step's
+tokens: Trainer.train_step's peer_tokens).
 
 What it is not: the forwards (forward.py), the hooks (replay.py), the loss (step_loss.py).
 """
@@ -34,9 +37,11 @@ class MoeStats:
     logprob_gap: float = 0.0
     logprob_gap_no_replay: float = 0.0
     aux_loss: float = 0.0
+    # how many expert choices router_agreement is a share of (data-parallel ranks weigh theirs by it); not a metric
+    choices: int = 0
 
     def metrics(self) -> dict[str, float]:
-        return {f"moe/{f.name}": getattr(self, f.name) for f in fields(self)}
+        return {f"moe/{f.name}": getattr(self, f.name) for f in fields(self) if f.name != "choices"}
 
 
 class MoeStep:
@@ -79,15 +84,17 @@ class MoeStep:
         self._aux += float(aux.detach()) * share
         return self.coef * share * aux
 
-    def probe(self, forward: Logprobs, batch: list[TrainingSample], merged: bool) -> None:
-        """The no-replay gap of `batch` (the step's first micro-batch): a no-grad forward without replay."""
+    def probe(self, forward: Logprobs, batch: list[TrainingSample], merged: bool, *, counted: bool = True) -> None:
+        """The no-replay gap of `batch` (the step's first micro-batch): a no-grad forward without replay. Not
+        `counted`: a sharded rank's padding, forwarded only for the collectives."""
         with torch.no_grad(), routed(None):
             logps = forward(batch, merged)
-        self._gap_free = _mean_gap(batch, logps)
+        self._gap_free = _mean_gap(batch, logps) if counted else 0.0
 
     def stats(self, replayed_gap: float) -> MoeStats:
         return MoeStats(router_agreement=self._agree / self._choices if self._choices else 0.0,
-                        logprob_gap=replayed_gap, logprob_gap_no_replay=self._gap_free, aux_loss=self._aux)
+                        logprob_gap=replayed_gap, logprob_gap_no_replay=self._gap_free, aux_loss=self._aux,
+                        choices=self._choices)
 
 
 def _mean_gap(batch: list[TrainingSample], logps: list[torch.Tensor]) -> float:

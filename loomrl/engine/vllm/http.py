@@ -12,7 +12,10 @@ EngineCore sockets).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextlib
+import io
 import logging
 import shutil
 import tempfile
@@ -20,6 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from loomrl.config import VLLMConfig
@@ -38,7 +42,7 @@ from loomrl.engine.http import ServerClient
 from loomrl.engine.neutral import NEUTRAL_PENALTIES
 from loomrl.engine.vllm.lora import AdapterFolders, ServedAdapter, adapter_fingerprint, is_adapter_tensor
 from loomrl.engine.vllm.served import served_fingerprint
-from loomrl.engine.vllm.translate import finish_reason, token_versions
+from loomrl.engine.vllm.translate import ExpertLayout, finish_reason, routed_experts, token_versions
 from loomrl.engine.vllm.weights import checked_weights, to_wire, weight_buckets
 from loomrl.weights.adapter import AdapterMeta
 from loomrl.weights.fingerprint import Fingerprint
@@ -46,6 +50,8 @@ from loomrl.weights.fingerprint import Fingerprint
 log = logging.getLogger(__name__)
 
 _NEEDED = {"logprobs_mode": "processed_logprobs", "policy": "priority"}  # server settings the contract rests on
+ROUTED_EXPERTS_FLAG = ("start it with --enable-return-routed-experts (vLLM records them on a GPU only, with prefix "
+                       "caching on and Model Runner V2)")
 LORA_FLAGS = ("start the vLLM server with --enable-lora --max-lora-rank R (trainer.lora.rank or more) --max-loras 2 "
               "and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, on this machine (it reads the adapter folders written here)")
 
@@ -54,9 +60,11 @@ class VLLMHTTPEngine(TakesTensors):
     """Engine protocol implementation over a vLLM server; generate is awaited from asyncio, the rest is thread-safe."""
 
     def __init__(self, cfg: VLLMConfig, *, shapes: dict[str, tuple[int, ...]], aliases: frozenset[str],
-                 dtype: str | None = None, version: int = 0):
+                 dtype: str | None = None, version: int = 0, routed_experts: ExpertLayout | None = None):
         """`shapes`, `aliases`: the trainer's parameters (engine/vllm/weights.py parameter_shapes); `dtype`: the weights'
-        dtype on the wire; None: the server's model dtype."""
+        dtype on the wire; None: the server's model dtype; `routed_experts` (trainer.router_replay): the model's MoE
+        layers (translate.py recorded_layout), whose routed experts each result carries (the server must record them,
+        checked when connecting)."""
         if not cfg.base_url:
             raise EngineFault("engine.vllm.base_url is not set: the vLLM server's address is needed")
         if not isinstance(cfg.base_url, str):  # engine/factory.py picks this engine's server from a list
@@ -66,6 +74,7 @@ class VLLMHTTPEngine(TakesTensors):
         self.metrics = EngineMetrics(busy_s=0.0)  # busy: a request in flight (the server reports no step times)
         self._life = Lifecycle(self.metrics, version)
         self._dtype = dtype_named(dtype) if dtype else None  # set from the server's when None
+        self._experts = routed_experts
         self._http = ServerClient("vLLM", cfg.base_url, retries=cfg.retries, backoff_s=cfg.retry_backoff_s)
         self._control = ControlThread("loomrl-vllm-http-control")
         # adapters (update_adapter), in a folder the server reads: made at the first adapter, removed at close
@@ -175,7 +184,9 @@ class VLLMHTTPEngine(TakesTensors):
     def _result(self, request: GenerationRequest, data: dict[str, Any], version: int, *,
                 interrupted: bool, adapter: bool = False) -> GenerationResult:
         """loomrl's result for the server's answer; under an adapter every token is `version`'s (the request named
-        that version's adapter throughout; the server's weight-version spans label the base weights only)."""
+        that version's adapter throughout; the server's weight-version spans label the base weights only). The routed
+        experts: base64 `.npy` bytes the server sends whenever it records them, with no request field to ask
+        (token_in_token_out/protocol.py:416 GenerateChoiceBase.routed_experts)."""
         choices = data.get("choices") or []
         if len(choices) != 1:
             raise EngineFault(f"vLLM /inference/v1/generate answered {len(choices)} choices, not 1")
@@ -187,6 +198,8 @@ class VLLMHTTPEngine(TakesTensors):
         finish = finish_reason(c.get("finish_reason"), c.get("stop_reason"), closed=self._life.closed,
                                interrupted=interrupted)
         n = len(request.prompt_ids)
+        experts = routed_experts(None if self._experts is None else npy_array(c.get("routed_experts")),
+                                 tokens=n + len(ids), layout=self._experts, interrupted=finish == "interrupted")
         cached = int(((data.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
         with self._life.lock:
             m = self.metrics
@@ -199,7 +212,7 @@ class VLLMHTTPEngine(TakesTensors):
         return GenerationResult(token_ids=ids, logprobs=[float(d["logprob"]) for d in content],
                                 versions=token_versions(None if adapter else c.get("weight_versions"), len(ids),
                                                         version),
-                                finish_reason=finish)
+                                finish_reason=finish, routed_experts=experts)
 
     # -- control (on the control thread) ----------------------------------------------------------
     def _connect(self) -> int:
@@ -216,6 +229,8 @@ class VLLMHTTPEngine(TakesTensors):
         if wrong:
             raise EngineFault(f"the vLLM server at {self.cfg.base_url} runs with {', '.join(wrong)}: start it with "
                               "--logprobs-mode processed_logprobs --scheduling-policy priority")
+        if self._experts is not None:
+            check_records_experts(info, str(self.cfg.base_url))
         if refused := refused_vllm_connectors(info.get("kv_transfer_config") or {}):
             raise EngineFault(f"the vLLM server at {self.cfg.base_url} runs the K/V connector {refused[0]}, whose "
                               "store keeps the old weights' K/V across the reset at each update (it has no "
@@ -343,3 +358,22 @@ class VLLMHTTPEngine(TakesTensors):
             log.warning("resume failed (the server may stay paused): %s", err)
             with self._life.lock:
                 self.metrics.faults += 1
+
+
+def check_records_experts(info: dict[str, Any], base_url: str) -> None:
+    """Refuse a server whose config (/server_info's vllm_config, `info`) does not record routed experts: vLLM 0.32
+    keeps the option in aux_output_config (vllm/config/aux_output.py:14), and a server without it answers every
+    request with no routed experts."""
+    if not (info.get("aux_output_config") or {}).get("enable_return_routed_experts"):
+        raise EngineFault(f"the vLLM server at {base_url} does not record routed experts, which trainer.router_replay "
+                          f"replays: {ROUTED_EXPERTS_FLAG}")
+
+
+def npy_array(text: str | None) -> np.ndarray | None:
+    """The array of vLLM's base64 `.npy` field (vllm/utils/serial_utils.py numpy2base64), None for none."""
+    if text is None:
+        return None
+    try:
+        return np.load(io.BytesIO(base64.b64decode(text, validate=True)), allow_pickle=False)
+    except (binascii.Error, ValueError, OSError, EOFError) as err:
+        raise EngineFault(f"vLLM's routed experts are no base64 .npy array: {type(err).__name__}: {err}") from None

@@ -9,14 +9,15 @@ version it was admitted under, so its tokens are that version's; an adapter is r
 a newer version serves and no request uses it, since vLLM reloads an adapter a running request names from its folder
 when it was evicted.
 
-What it is not: the engines (engine/vllm/engine.py calls AsyncLLM.add_lora / remove_lora; engine/vllm/http.py the
-server's /v1/load_lora_adapter) or the reading inside vLLM's worker (worker.py); nothing here imports vLLM.
+What it is not: the engines (engine/vllm/engine.py drives LoopAdapters, which calls AsyncLLM.add_lora / remove_lora;
+engine/vllm/http.py the server's /v1/load_lora_adapter) or the reading inside vLLM's worker (worker.py); vLLM is
+imported only where LoopAdapters makes a LoRARequest, on the in-process engine's loop.
 """
 
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,60 @@ class AdapterFolders:
         self.served.pop(adapter.version, None)
         self.users.pop(adapter.version, None)
         shutil.rmtree(adapter.folder, ignore_errors=True)
+
+
+class LoopAdapters:
+    """The in-process engine's adapters (engine/vllm/engine.py): the folders by version, the LoRARequest each version's
+    requests carry, and their adding to and removal from the AsyncLLM, on the engine's loop (as acquire and release).
+    `enabled`: vLLM was started with enable_lora (the run's lora_rank or the user's engine_args)."""
+
+    def __init__(self, root: Path, *, enabled: bool):
+        self.folders = AdapterFolders(root)
+        self.enabled = enabled
+        self._requests: dict[int, Any] = {}  # version -> the LoRARequest its requests carry
+
+    def write(self, weights: dict[str, torch.Tensor], adapter: AdapterMeta, version: int) -> ServedAdapter:
+        """Version `version`'s adapter folder (AdapterFolders.write); refused when vLLM serves no adapters."""
+        if not self.enabled:
+            raise EngineFault(LORA_OFF)
+        return self.folders.write(weights, adapter, version)
+
+    def acquire(self, version: int) -> tuple[ServedAdapter | None, Any]:
+        """The adapter a request admitted under `version` is served with and its LoRARequest (None, None: the base
+        model), in use until `release`."""
+        served = self.folders.acquire(version)
+        return served, None if served is None else self._requests[served.version]
+
+    def release(self, served: ServedAdapter | None) -> None:
+        self.folders.release(served)
+
+    def serving(self, version: int) -> ServedAdapter | None:
+        """The adapter requests admitted under `version` carry (None: the base model)."""
+        return self.folders.served.get(version)
+
+    async def add(self, llm: Any, served: ServedAdapter, load: Callable[..., Awaitable[None]], *,
+                  drop: bool = False) -> None:
+        """Load `served` into `llm` (AsyncLLM.add_lora, vllm/v1/engine/async_llm.py:1189) through `load` (control.py
+        load_adapter), which then makes its version the one requests see; retire the adapters no request uses
+        (AsyncLLM.remove_lora, async_llm.py:1193). `drop` (test-only): the version is tagged, vLLM never gets it."""
+        from vllm.lora.request import LoRARequest
+
+        request = LoRARequest(served.name, served.lora_id, str(served.folder))
+
+        async def hand_over() -> None:
+            if served.version in self._requests:  # the same version again: replace it
+                await llm.remove_lora(served.lora_id)
+            if not drop and not await llm.add_lora(request):
+                raise EngineFault(f"vLLM did not add adapter {served.name} (id {served.lora_id}): it holds "
+                                  f"{sorted(await llm.list_loras())}")
+            self.folders.served[served.version] = served
+            self._requests[served.version] = request  # before the version requests see is this one
+
+        await load(hand_over, served.version)
+        for old in self.folders.retired(served.version):
+            self._requests.pop(old.version, None)
+            await llm.remove_lora(old.lora_id)
+            self.folders.forget(old)
 
 
 def adapter_fingerprint(expected: Fingerprint, served: ServedAdapter | None, rpc: Callable[..., Any], *,

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from loomrl.config import ConfigError
 from loomrl.engine.base import EngineFault, SamplingParams
 from loomrl.routed_experts import RoutedExperts, experts_dtype
 
@@ -79,7 +80,20 @@ def expert_layout(model: nn.Module) -> ExpertLayout | None:
     return ExpertLayout(layers=tuple(i for i, _ in sparse), num_experts=int(sparse[0][1].gate.weight.shape[0]))
 
 
-def routed_experts(rows: np.ndarray | None, *, tokens: int, layout: ExpertLayout,
+def recorded_layout(model: nn.Module, record: bool) -> ExpertLayout | None:
+    """The MoE layout a vLLM engine records routed experts for (`record`: trainer.router_replay), None when it records
+    none; a dense model cannot record any (vLLM refuses enable_return_routed_experts for it: 'AuxOutput Connector
+    only supports MoE models.', vllm/config/vllm.py:1153), refused here in one line."""
+    if not record:
+        return None
+    layout = expert_layout(model)
+    if layout is None:
+        raise ConfigError(f"trainer.router_replay with engine.kind=vllm: the model ({type(model).__name__}) has no "
+                          "mixture-of-experts layer, so there is no routing to replay; turn trainer.router_replay off")
+    return layout
+
+
+def routed_experts(rows: np.ndarray | None, *, tokens: int, layout: ExpertLayout | None,
                    interrupted: bool) -> RoutedExperts | None:
     """loomrl's record (routed_experts.py) of vLLM 0.32's routed experts for a request of `tokens` tokens
     (prompt + output): `rows` is CompletionOutput.routed_experts (or the HTTP answer's, decoded), [n, decoder layers,
@@ -87,9 +101,16 @@ def routed_experts(rows: np.ndarray | None, *, tokens: int, layout: ExpertLayout
     up to num_tokens - 1; routed_experts_prompt_start left at 0), uint8 up to 256 experts, else uint16. vLLM keeps a
     column for every decoder layer (a dense layer's routes nothing and holds zeros): only `layout.layers` are kept,
     and the ids are re-typed to loomrl's dtype, whose UNKNOWN mark sits above the experts (255 experts for uint8, not
-    256). An interrupted request may hold fewer rows; None where vLLM sent none (not asked, or no forward ran)."""
-    if rows is None:
+    256). An interrupted request may hold fewer rows, or none (vLLM sends none for a request aborted before any
+    forward ran). None where the engine records none (`layout` None); a request that completed without rows is an
+    EngineFault: vLLM was not started with enable_return_routed_experts, and replay would silently not happen."""
+    if layout is None:
         return None
+    if rows is None:
+        if interrupted:
+            return None
+        raise EngineFault("vLLM returned no routed experts for a completed request: start it with "
+                          "enable_return_routed_experts (a server: --enable-return-routed-experts)")
     arr = np.asarray(rows)
     k = arr.shape[2] if arr.ndim == 3 else 0
     if arr.ndim != 3 or k == 0 or arr.shape[1] <= max(layout.layers):

@@ -32,7 +32,8 @@ def _sglang_engine(e: EngineConfig, model: Any, version: int, replica: int) -> E
                         sleep_mode=e.sleep_while_training)
 
 
-def make_engine(setup: EngineSetup, model: Any, tokenizer: Any, version: int, replica: int = 0) -> Engine:
+def make_engine(setup: EngineSetup, model: Any, tokenizer: Any, version: int, replica: int = 0, *,
+                share_linears: bool = False) -> Engine:
     """The engine engine.kind names: the built-in one over `model` (sync runs share it with the trainer), a client
     of an SGLang server (`model` gives only the config.json written beside each weight update; `replica`: the
     engine actor's index, which picks its server when engine.sglang.base_url lists several), a client of a vLLM
@@ -40,7 +41,8 @@ def make_engine(setup: EngineSetup, model: Any, tokenizer: Any, version: int, re
     `model` was loaded from (saved to a temporary one when it has none). All but the built-in one take a meta-device
     skeleton (model/loader.py load_engine_model): they never read the weights of `model`. engine.instances > 1 (the
     built-in engine): a Router (engine/router.py) over that many; with vLLM or SGLang servers, a Router over one client
-    of each server engine.<kind>.base_url lists (engine/replicas.py)."""
+    of each server engine.<kind>.base_url lists (engine/replicas.py). `share_linears` (the built-in engine): share packed
+    linears with other engines over the same unchanged tensors (`loomrl serve --adapter`: engine/builtin/linears.py)."""
     e = setup.engine
     if e.instances > 1 and e.kind != "builtin":
         from loomrl.engine.replicas import server_replicas
@@ -75,10 +77,10 @@ def make_engine(setup: EngineSetup, model: Any, tokenizer: Any, version: int, re
                           seed=setup.seed, max_num_seqs=e.max_batch_size, prefix_cache=e.prefix_cache, version=version,
                           sleep_mode=e.sleep_while_training, context_tokens=setup.context_tokens,
                           speculation=e.speculation, lora_rank=setup.lora_rank, routed_experts=layout)
-    return _builtin_engines(setup, model, tokenizer, version)
+    return _builtin_engines(setup, model, tokenizer, version, share_linears)
 
 
-def _builtin_engines(setup: EngineSetup, model: Any, tokenizer: Any, version: int) -> Engine:
+def _builtin_engines(setup: EngineSetup, model: Any, tokenizer: Any, version: int, share_linears: bool) -> Engine:
     """The built-in engine over `model`; with engine.instances > 1, a Router over that many, each over a copy of the
     model of its own (a deepcopy: every instance adds the model's parameters and its own engine.kv_budget_tokens of
     K/V to this process's memory) and seeded seed + i (unseeded requests draw from different streams). With
@@ -99,7 +101,7 @@ def _builtin_engines(setup: EngineSetup, model: Any, tokenizer: Any, version: in
                              max_prefill_tokens=e.max_prefill_tokens, prefix_cache=e.prefix_cache,
                              seed=setup.seed + i, version=version, tokenizer=tokenizer, speculation=e.speculation,
                              program_policy=e.program_policy, max_pauses_in_row=e.max_pauses_in_row, kv_pool=pool,
-                             return_routed_experts=setup.routed_experts)
+                             return_routed_experts=setup.routed_experts, share_linears=share_linears)
 
     if e.instances == 1:
         return one(0)

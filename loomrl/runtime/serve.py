@@ -99,7 +99,7 @@ def _adapter_engines(cfg: RunConfig, base: Any, tokenizer: Any, adapters: Sequen
                 model = shared_adapter_model(base, a.folder)
             except ValueError as err:  # its target_modules match modules of the base it holds no tensors for
                 raise CannotStart(f"--adapter {a.name}: {err}") from err
-            engines[a.name] = make_engine(cfg.engine_setup(), model, tokenizer, a.version)
+            engines[a.name] = make_engine(cfg.engine_setup(), model, tokenizer, a.version, share_linears=True)
     except BaseException:
         for engine in engines.values():  # no engine thread left behind
             engine.close()
@@ -122,7 +122,8 @@ def serve(cfg: RunConfig, checkpoint: Path | None, host: str, port: int, model_n
     setup = cfg.engine_setup()
     model, tokenizer = load_engine_model(setup, checkpoint)  # weights only for the built-in engine
     version = checkpoint_step(checkpoint) if checkpoint is not None else 0
-    engine = make_engine(setup, model, tokenizer, version)
+    # with adapters, every engine shares the packed linears of the weights its adapter leaves alone (builtin/linears.py)
+    engine = make_engine(setup, model, tokenizer, version, share_linears=bool(adapters))
     try:
         extra = _adapter_engines(cfg, model, tokenizer, adapters)
     except BaseException:

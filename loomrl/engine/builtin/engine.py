@@ -110,10 +110,12 @@ class BuiltinEngine(TakesTensors, KeepsCounters):
                  max_running: int = 64, max_prefill_tokens: int = 4096, prefix_cache: bool = True,
                  seed: int = 0, version: int = 0, tokenizer=None, speculation: SpeculationConfig | None = None,
                  program_policy: ProgramPolicy = "lru", max_pauses_in_row: int = 2,
-                 kv_pool: SharedKVPool | None = None, return_routed_experts: bool = False):
+                 kv_pool: SharedKVPool | None = None, return_routed_experts: bool = False,
+                 share_linears: bool = False):
         # return_routed_experts (vLLM's enable_return_routed_experts): an MoE model's results carry each token's
-        # routed experts (GenerationResult.routed_experts; dense models: None)
-        self.runner = ModelRunner(model, record_experts=return_routed_experts)
+        # routed experts (GenerationResult.routed_experts; dense models: None). share_linears: packed linears shared
+        # with other sharing engines over the same unchanged tensors (`loomrl serve --adapter`: builtin/linears.py)
+        self.runner = ModelRunner(model, record_experts=return_routed_experts, share_linears=share_linears)
         self.model = model
         self.eos_token_id = eos_token_id
         self.cache = PrefixCache() if prefix_cache else None

@@ -7,9 +7,10 @@ Where the time goes on a CPU, and what this module does about it (SmolLM2-135M, 
 decoding, 2 cores of this machine; numbers in benchmarks/RESULTS.md):
 - Matmuls. torch's default CPU GEMM here is MKL, which on AMD processors runs its AVX2 code path;
   oneDNN's AVX-512 kernels with weights pre-packed for them are 2.5-4x faster at decode batch sizes.
-  The runner keeps its own packed copy of every projection (q/k/v fused, gate/up fused) and rebuilds
-  it in `refresh()`, which the engine calls whenever weights change (update_weights). Without oneDNN
-  (or for dtypes it does not pack) it falls back to F.linear on the fused plain tensors.
+  The runner keeps a packed copy of every projection (q/k/v fused, gate/up fused; linears.py) and rebuilds
+  those whose weights changed in `refresh()`, which the engine calls whenever weights change (update_weights).
+  Runners whose models share a weight tensor share its packed copy (linears.py: `loomrl serve --adapter`).
+  Without oneDNN (or for dtypes it does not pack) it falls back to F.linear on the fused plain tensors.
 - Attention of decode tokens. Running sequences keep their K/V in one pool tensor, a slot each
   ([layers, 2, slots, kv_heads, capacity, head_dim]), so the decode tokens of a step attend in one
   batched matmul per layer (padded to the longest sequence, masked) instead of one call per sequence.
@@ -30,6 +31,7 @@ and makes every tensor of a step there (K/V in that dtype too); the oneDNN packi
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -37,6 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from loomrl.engine.builtin.linears import Linear, linear_of
 from loomrl.engine.builtin.moe import MoeMlp, is_sparse_block, moe_mlp_of
 from loomrl.routed_experts import RoutedExperts
 
@@ -208,60 +211,16 @@ class _Block:
     q_t: torch.Tensor  # ... and their row within it
 
 
-def _packer():
-    """oneDNN's pre-packed linear, or None where this torch build lacks it."""
-    try:
-        if torch.backends.mkldnn.is_available():
-            reorder, linear = torch.ops.mkldnn._reorder_linear_weight, torch.ops.mkldnn._linear_pointwise
-            w, x = torch.randn(8, 4, device="cpu"), torch.randn(2, 4, device="cpu")  # a CPU kernel, probed there
-            if torch.allclose(linear(x, reorder(w, 2), None, "none", [], ""), x @ w.t(), atol=1e-5):
-                return reorder, linear
-    except (AttributeError, RuntimeError):
-        pass
-    return None
-
-
-_PACKER = _packer()
-_PACK_BATCH_HINT = 32  # oneDNN picks its blocking for this many rows; measured fine from 8 to 200 rows
 # Chunks up to this many tokens attend batched over the pool (decode tokens, drafts being verified); longer ones alone.
 SHORT_CHUNK = 16
 
 
-class _Linear:
-    """y = x @ weight.T + bias with the weight pre-packed for oneDNN when possible."""
-
-    __slots__ = ("weight", "bias", "packed", "shape")
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        self.shape = tuple(weight.shape)  # (out_features, in_features)
-        self.bias = None if bias is None else bias.detach()
-        self.packed = None
-        self.weight: torch.Tensor | None = weight.detach()
-        if _PACKER is not None and weight.dtype == torch.float32 and weight.device.type == "cpu":
-            self.packed = _PACKER[0](weight.detach().contiguous(), _PACK_BATCH_HINT)
-            self.weight = None  # the packed copy serves; keeping the (fused) plain one too would double memory
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return _PACKER[1](x, self.packed, self.bias, "none", [], "")
-        if self.weight is None:  # __init__ keeps the plain weight whenever it does not pack it
-            raise RuntimeError("_Linear: neither a packed nor a plain weight")
-        return F.linear(x, self.weight, self.bias)
-
-
-def _fused(*linears: torch.nn.Linear) -> _Linear:
-    weight = torch.cat([m.weight for m in linears]) if len(linears) > 1 else linears[0].weight
-    bias = None if all(m.bias is None for m in linears) else torch.cat(
-        [m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears])
-    return _Linear(weight, bias)
-
-
 @dataclass(slots=True)
 class _LayerWeights:
-    qkv: _Linear
-    o: _Linear
-    gate_up: _Linear | None  # a gated MLP's (None in an MoE layer)
-    down: _Linear | None
+    qkv: Linear
+    o: Linear
+    gate_up: Linear | None  # a gated MLP's (None in an MoE layer)
+    down: Linear | None
     moe: MoeMlp | None  # an MoE layer's experts and router
     norm1: torch.Tensor
     norm2: torch.Tensor
@@ -270,9 +229,11 @@ class _LayerWeights:
 
 
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel, *, record_experts: bool = False):
+    def __init__(self, model: PreTrainedModel, *, record_experts: bool = False, share_linears: bool = False):
         """`record_experts`: keep every computed token's routed experts beside its K/V (an MoE model's; a dense model
-        has none to keep), read back by routed_experts()."""
+        has none to keep), read back by routed_experts(). `share_linears`: share packed linears with other sharing
+        runners over the same unchanged tensors (linears.py; `loomrl serve --adapter`)."""
+        self.share_linears = share_linears
         base = getattr(model, "model", None)
         if base is None or not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
             raise UnsupportedModel(f"builtin engine: {type(model).__name__} is not a Llama-family causal LM")
@@ -340,7 +301,9 @@ class ModelRunner:
                                f"the whole projections ({H * D}, {KH * D})")
 
     def refresh(self) -> None:
-        """Re-read (and re-pack) the model's weights; call after they change."""
+        """Re-read the model's weights; call after they change. A group whose tensors did not change keeps its packed
+        copy (shared with other runners over the same tensors); one whose did gets a new one (linears.py)."""
+        lin = functools.partial(linear_of, share=self.share_linears)
         layers: list[_LayerWeights] = []
         for i, layer in enumerate(self.base.layers):
             a, m = layer.self_attn, layer.mlp
@@ -351,15 +314,15 @@ class ModelRunner:
                 except ValueError as err:
                     raise UnsupportedModel(f"builtin engine: {err}") from err
             layers.append(_LayerWeights(
-                qkv=_fused(a.q_proj, a.k_proj, a.v_proj), o=_fused(a.o_proj),
-                gate_up=_fused(m.gate_proj, m.up_proj) if moe is None else None,
-                down=_fused(m.down_proj) if moe is None else None, moe=moe,
+                qkv=lin(a.q_proj, a.k_proj, a.v_proj), o=lin(a.o_proj),
+                gate_up=lin(m.gate_proj, m.up_proj) if moe is None else None,
+                down=lin(m.down_proj) if moe is None else None, moe=moe,
                 norm1=layer.input_layernorm.weight.detach(), norm2=layer.post_attention_layernorm.weight.detach(),
                 q_norm=a.q_norm.weight.detach() if self.qk_eps is not None else None,
                 k_norm=a.k_norm.weight.detach() if self.qk_eps is not None else None,
             ))
         self.layers = layers
-        self.head = _fused(self.head_module)
+        self.head = lin(self.head_module)
 
     def _block(self, which: list[int], chunks: list[Chunk], lengths: list[int], starts: list[int],
                offsets: list[int], *, gather: bool) -> _Block | None:

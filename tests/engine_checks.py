@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import subprocess
+from pathlib import Path
 
 import torch
 
@@ -113,14 +114,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _group_segments(pgid: int) -> set[Path]:
+    """The POSIX shared-memory segments (/dev/shm/psm_*: vLLM's message queues, 160-240 MiB each) that a process of
+    group `pgid` has mapped."""
+    found: set[Path] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(proc.name)) != pgid:
+                continue
+            maps = (proc / "maps").read_text()
+        except (OSError, ProcessLookupError):
+            continue  # gone, or not ours to read
+        found.update(Path(line.split(maxsplit=5)[5]) for line in maps.splitlines()
+                     if len(line.split(maxsplit=5)) == 6 and line.split(maxsplit=5)[5].startswith("/dev/shm/psm_"))
+    return found
+
+
+def kill_server(proc: subprocess.Popen) -> None:
+    """SIGKILL a server's whole process group (start_new_session), then unlink the shared-memory segments its
+    processes had mapped: SIGKILL also kills the group's resource tracker, which would have unlinked them, and each
+    left behind holds up to 240 MiB of /dev/shm until reboot."""
+    segments = _group_segments(proc.pid)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    for segment in segments:
+        segment.unlink(missing_ok=True)
+
+
 def stop_server(proc: subprocess.Popen) -> None:
-    """Stop a server started in a process group of its own (start_new_session): SIGTERM, then SIGKILL after 30 s; a
-    process already gone (a test killed it) is left as it is."""
+    """Stop a server started in a process group of its own (start_new_session): SIGTERM, then (kill_server) SIGKILL
+    after 30 s; a process already gone (a test killed it) is left as it is."""
     if proc.poll() is not None:
         return
     os.killpg(proc.pid, signal.SIGTERM)
     try:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        kill_server(proc)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from engine_checks import free_port, run_requests, stop_server
+from engine_checks import free_port, kill_server, run_requests, stop_server
 
 from loomrl.config import EngineConfig, EngineSetup, ModelConfig, TinyModelConfig, VLLMConfig
 from loomrl.engine.base import GenerationRequest, SamplingParams
@@ -193,7 +192,7 @@ def test_a_server_killed_mid_generation_leaves_its_request_answered_once_by_the_
             task = asyncio.ensure_future(router.generate(request))
             victim = await _running_on([url for _, url in servers], task)
             if victim is not None:
-                os.killpg(servers[victim][0].pid, signal.SIGKILL)
+                kill_server(servers[victim][0])  # SIGKILL, its /dev/shm segments unlinked
                 return victim, await task
             await task
         raise AssertionError("in 3 requests none was seen running before it ended")

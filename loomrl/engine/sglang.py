@@ -43,6 +43,7 @@ import torch
 from loomrl.config import SGLangConfig
 from loomrl.devices import dtype_named
 from loomrl.engine.adapter import ControlThread, Lifecycle
+from loomrl.engine.adapter_folder import remove_except, write_version
 from loomrl.engine.base import EngineFault, EngineMetrics, GenerationRequest, GenerationResult
 from loomrl.engine.http import ServerClient
 from loomrl.engine.neutral import NEUTRAL_PENALTIES
@@ -58,7 +59,7 @@ from loomrl.engine.sglang_contract import (
     check_server,
     trainer_nccl,
 )
-from loomrl.weights.adapter import AdapterMeta, adapter_name, write_folder
+from loomrl.weights.adapter import AdapterMeta, adapter_name
 from loomrl.weights.fingerprint import Fingerprint, WeightMismatch
 from loomrl.weights.handle import Transport, WeightHandle
 from loomrl.weights.source import bucket_size, plan_buckets
@@ -216,23 +217,17 @@ class SGLangEngine:
         this machine; on a multi-node cluster weights_dir must be shared storage the server's node mounts. A load the
         server refuses is an EngineFault carrying its message; the previous adapter then keeps serving."""
         self._life.check_open("update_adapter")
-        if adapter.name != adapter_name(version):
-            raise EngineFault(f"update_adapter: version {version}'s adapter must be named {adapter_name(version)} (a "
-                              f"fresh name per version), not {adapter.name}")
         if self._weights_missing:  # an adapter brings no base weights back
             raise EngineFault(f"update_adapter: the SGLang server at {self.base_url} has no base weights ("
                               f"{self._weights_missing}), and an adapter does not restore them; run it with "
                               "--enable-weights-cpu-backup")
         check_lora_server(self._info, adapter.rank, adapter.target_modules, self.base_url)
         local, server = self._adapter_dirs()
-        shutil.rmtree(local / adapter.name, ignore_errors=True)  # a try of this version before (its load failed)
-        write_folder(local / adapter.name, adapter, weights)
+        write_version(local, weights, adapter, version)
         path = str(server / adapter.name)
         load = functools.partial(self._load_adapter, adapter.name, path, version)
         self._control.call(f"update_adapter: version {version}", None, self._paused_load, version, load)
-        for old in local.iterdir():  # unloaded: a request naming it would make SGLang reload it from here
-            if old.name != adapter.name:
-                shutil.rmtree(old, ignore_errors=True)
+        remove_except(local, keep=[adapter.name])  # unloaded: a request naming one would make SGLang reload it
 
     opens = frozenset({Transport.BROADCAST, Transport.CUDA_IPC})  # the server's workers read them (update_from)
 

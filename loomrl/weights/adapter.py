@@ -25,6 +25,11 @@ ADAPTER_CONFIG = "adapter_config.json"
 NAME_PREFIX = "loomrl-v"
 
 
+def is_adapter_tensor(name: str) -> bool:
+    """Whether `name` is a LoRA adapter's tensor under PEFT's saved names."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
 def adapter_name(version: int) -> str:
     """The name engines serve weight version `version`'s adapter under: one per version, never reused."""
     return f"{NAME_PREFIX}{version}"

@@ -203,7 +203,7 @@ def test_a_dropped_or_stale_adapter_stops_the_run_naming_the_engine(engine, fake
     trainer = Trainer(tiny_model, tmp_path)
     t1, m1 = trainer.version(1)
     t2, m2 = trainer.version(2)
-    with pytest.raises(EngineFault, match="version 2's adapter must be named loomrl-v2"):
+    with pytest.raises(EngineFault, match="published as version 2, whose name is 'loomrl-v2'"):
         engine.update_adapter(t1, m1, 2)
     fake.forget_loads = True  # dropped: answered success, never registered
     engine.update_adapter(t1, m1, 1)

@@ -29,7 +29,7 @@ from loomrl.engine.bucket_feed import BucketFeed
 from loomrl.engine.vllm.args import SPECULATION_ON_CPU, SPECULATION_ON_CPU_WHY, engine_args
 from loomrl.engine.vllm.contract import on_cpu
 from loomrl.engine.vllm.control import Control
-from loomrl.engine.vllm.lora import LoopAdapters, adapter_fingerprint, is_adapter_tensor
+from loomrl.engine.vllm.lora import LoopAdapters, adapter_fingerprint
 from loomrl.engine.vllm.memory import KVCachePlan, Watch
 from loomrl.engine.vllm.served import ServedModel, served_fingerprint
 from loomrl.engine.vllm.start import START_TIMEOUT_S, import_vllm, start_error, start_llm
@@ -37,7 +37,7 @@ from loomrl.engine.vllm.stats import queue_logger
 from loomrl.engine.vllm.translate import ExpertLayout, finish_reason, routed_experts, sampling_params, token_versions
 from loomrl.engine.vllm.updates import Stream, checked_names, handle_update, tensor_updates
 from loomrl.engine.vllm.weights import checked_weights
-from loomrl.weights.adapter import AdapterMeta
+from loomrl.weights.adapter import AdapterMeta, is_adapter_tensor
 from loomrl.weights.bucket import BucketRef
 from loomrl.weights.fingerprint import Fingerprint
 from loomrl.weights.handle import Transport, WeightHandle

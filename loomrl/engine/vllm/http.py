@@ -40,11 +40,11 @@ from loomrl.engine.base import (
 )
 from loomrl.engine.http import ServerClient
 from loomrl.engine.neutral import NEUTRAL_PENALTIES
-from loomrl.engine.vllm.lora import AdapterFolders, ServedAdapter, adapter_fingerprint, is_adapter_tensor
+from loomrl.engine.vllm.lora import AdapterFolders, ServedAdapter, adapter_fingerprint
 from loomrl.engine.vllm.served import served_fingerprint
 from loomrl.engine.vllm.translate import ExpertLayout, finish_reason, routed_experts, token_versions
 from loomrl.engine.vllm.weights import checked_weights, to_wire, weight_buckets
-from loomrl.weights.adapter import AdapterMeta
+from loomrl.weights.adapter import AdapterMeta, is_adapter_tensor
 from loomrl.weights.fingerprint import Fingerprint
 
 log = logging.getLogger(__name__)

@@ -25,8 +25,9 @@ from typing import Any
 import torch
 
 from loomrl.config import ConfigError
+from loomrl.engine.adapter_folder import write_version
 from loomrl.engine.base import EngineFault
-from loomrl.weights.adapter import AdapterMeta, adapter_name, write_folder
+from loomrl.weights.adapter import AdapterMeta
 from loomrl.weights.fingerprint import Fingerprint, TensorSum
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py:26 MaxLoRARanks (0.32)
@@ -51,11 +52,6 @@ def lora_id(version: int) -> int:
     return version + 1
 
 
-def is_adapter_tensor(name: str) -> bool:
-    """Whether `name` is a LoRA adapter's tensor under PEFT's saved names."""
-    return ".lora_A." in name or ".lora_B." in name
-
-
 @dataclass(slots=True, frozen=True, kw_only=True)
 class ServedAdapter:
     """One version's adapter as vLLM loads it: its name, int id, PEFT folder and scale (alpha / rank)."""
@@ -76,16 +72,8 @@ class AdapterFolders:
         self.users: dict[int, int] = {}
 
     def write(self, weights: dict[str, torch.Tensor], adapter: AdapterMeta, version: int) -> ServedAdapter:
-        """Version `version`'s adapter folder, written from its tensors; refuses a name not fresh for `version`."""
-        if adapter.name != adapter_name(version):
-            raise EngineFault(f"update_adapter: adapter {adapter.name!r} published as version {version}, whose name is "
-                              f"{adapter_name(version)!r}")
-        unknown = [n for n in weights if not is_adapter_tensor(n)]
-        if unknown or not weights:
-            raise EngineFault(f"update_adapter: {adapter.name}: tensors that are no LoRA adapter's ({unknown[:3]}); "
-                              "full weights go to update_weights")
-        shutil.rmtree(self.root / adapter.name, ignore_errors=True)  # the same version again: vLLM read it already
-        folder = write_folder(self.root / adapter.name, adapter, weights)
+        """Version `version`'s adapter folder, written from its tensors (engine/adapter_folder.py)."""
+        folder = write_version(self.root, weights, adapter, version)
         return ServedAdapter(version=version, name=adapter.name, lora_id=lora_id(version), folder=folder,
                              scale=adapter.scale)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from pydantic import ValidationError
+from tiny_lora_models import spread_tiny
 
 from loomrl.config import ModelConfig, TrainerConfig
 from loomrl.config.trainer import LoraConfig, LossConfig
@@ -35,13 +36,7 @@ NO_CLIP = 1e9  # clip_grad_norm_ scales the gradients in place above grad_clip: 
 
 
 def _tiny(tokenizer, arch: str = "llama"):
-    model = build_tiny_model(ModelConfig(kind="tiny", tiny={"arch": arch}), len(tokenizer), tokenizer.eos_token_id)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    return model
+    return spread_tiny(len(tokenizer), tokenizer.eos_token_id, arch)
 
 
 def _samples(model) -> list[TrainingSample]:

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 from dist_launch import launch_local
+from tiny_lora_models import spread_tiny
 
 from loomrl.config import ModelConfig, TrainerConfig
 from loomrl.config.trainer import LoraConfig
 from loomrl.model.adapter import ADAPTER
-from loomrl.model.loader import build_tiny_model
 from loomrl.train_pool.distributed import DataParallelTrainer, shard_samples
 from loomrl.trainer.adapter_publish import AdapterSource
 from loomrl.trainer.forward import token_logprobs
@@ -49,13 +49,7 @@ ADAPTER_ATOL = LR * 1e-3
 
 
 def _tiny(vocab: int, eos: int) -> torch.nn.Module:
-    model = build_tiny_model(ModelConfig(kind="tiny"), vocab, eos)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    return model
+    return spread_tiny(vocab, eos)
 
 
 def _start_adapter(vocab: int, eos: int, folder: Path) -> Trainer:

@@ -14,6 +14,7 @@ import asyncio
 
 import pytest
 import torch
+from tiny_lora_models import spread_tiny
 
 from loomrl.config import ModelConfig, TrainerConfig, load_config
 from loomrl.config.base import ConfigError
@@ -22,7 +23,6 @@ from loomrl.engine.base import GenerationRequest, SamplingParams, apply_loaded
 from loomrl.engine.builtin.adapter import AdapterMerge
 from loomrl.engine.builtin.engine import BuiltinEngine
 from loomrl.model.adapter import ADAPTER
-from loomrl.model.loader import build_tiny_model
 from loomrl.trainer.adapter_publish import AdapterSource
 from loomrl.trainer.forward import token_logprobs
 from loomrl.trainer.trainer import Trainer
@@ -37,13 +37,7 @@ ATOL = 2e-4  # the engine's own kernels (fused, packed projections) against the 
 
 
 def _tiny(tokenizer, arch: str):
-    model = build_tiny_model(ModelConfig(kind="tiny", tiny={"arch": arch}), len(tokenizer), tokenizer.eos_token_id)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    return model
+    return spread_tiny(len(tokenizer), tokenizer.eos_token_id, arch)
 
 
 def _trained(tokenizer, arch: str) -> Trainer:

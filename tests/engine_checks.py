@@ -1,5 +1,6 @@
-"""References the engine tests compare against: transformers' own greedy `generate` and a full forward pass; and
-`Recording`, a run's real engine wrapped to record the ids it samples (the exact-token checks of training runs)."""
+"""References the engine tests compare against: transformers' own greedy `generate` and a full forward pass;
+`Recording`, a run's real engine wrapped to record the ids it samples (the exact-token checks of training runs); and
+the vLLM servers the HTTP tests start (start_vllm_server, wait_healthy, stop_server)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import os
 import signal
 import socket
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -105,6 +108,48 @@ class Recording:
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
+
+
+TESTS = Path(__file__).resolve().parent
+# the flags every vLLM server of the HTTP tests runs with: what loomrl's HTTP adapter needs (engine/vllm/http.py)
+VLLM_SERVER_FLAGS = ("--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--block-size", "32",
+                     "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0", "--enable-scale-out",
+                     "--logprobs-mode", "processed_logprobs", "--scheduling-policy", "priority",
+                     "--worker-extension-cls", "loomrl.engine.vllm.worker.WorkerExtension",
+                     "--weight-transfer-config", '{"backend": "loomrl_inline"}')
+
+
+def start_vllm_server(folder: Path, *flags: str, max_model_len: int = 512, log_name: str = "server.log",
+                      env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str, Path]:
+    """A vLLM server on the model saved in `folder` with VLLM_SERVER_FLAGS and `flags`, in a process group of its own
+    (stop_server), its output in `folder/log_name`: (process, base URL, log path). It is starting, not yet healthy."""
+    port, log_path = free_port(), folder / log_name
+    full_env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", **(env or {}),
+                "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    with open(log_path, "wb") as log:  # the child keeps its own descriptor
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--port", str(port),
+             "--max-model-len", str(max_model_len), *VLLM_SERVER_FLAGS, *flags],
+            env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, f"http://127.0.0.1:{port}", log_path
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log_path: Path, deadline: float) -> None:
+    """Until `url`/health answers 200; RuntimeError with the server's log tail when it exits or `deadline`
+    (time.monotonic) passes first."""
+    import httpx
+
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the vLLM server exited ({proc.returncode}):\n{log_path.read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the vLLM server did not answer /health in time:\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.5)
 
 
 def free_port() -> int:

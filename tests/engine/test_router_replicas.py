@@ -10,15 +10,12 @@ file order (the last test kills one)."""
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from engine_checks import free_port, kill_server, run_requests, stop_server
+from engine_checks import kill_server, run_requests, start_vllm_server, stop_server, wait_healthy
 
 from loomrl.config import EngineConfig, EngineSetup, ModelConfig, TinyModelConfig, VLLMConfig
 from loomrl.engine.base import GenerationRequest, SamplingParams
@@ -45,36 +42,6 @@ def models():
     return a, b, tokenizer
 
 
-def _start(folder: Path, name: str) -> tuple[subprocess.Popen, str, Path]:
-    port, log_path = free_port(), folder / f"{name}.log"
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    with open(log_path, "wb") as log:  # the child keeps its own descriptor
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--host",
-             "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager", "--block-size", "32",
-             "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0",
-             "--enable-scale-out", "--logprobs-mode", "processed_logprobs", "--scheduling-policy", "priority",
-             "--enable-prompt-tokens-details", "--worker-extension-cls", "loomrl.engine.vllm.worker.WorkerExtension",
-             "--weight-transfer-config", '{"backend": "loomrl_inline"}'],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    return proc, f"http://127.0.0.1:{port}", log_path
-
-
-def _wait_healthy(proc: subprocess.Popen, url: str, log_path: Path, deadline: float) -> None:
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the vLLM server exited ({proc.returncode}):\n{log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the vLLM server did not answer /health in time:\n{log_path.read_text()[-3000:]}")
-        time.sleep(0.5)
-
-
 @pytest.fixture(scope="module")
 def servers(models, tmp_path_factory):
     """[(process, base URL)] of two vLLM servers on model A, started at once; both stopped at the end."""
@@ -83,10 +50,11 @@ def servers(models, tmp_path_factory):
     a.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     t0 = time.monotonic()
-    started = [_start(folder, f"server{i}") for i in range(2)]
+    started = [start_vllm_server(folder, "--enable-prompt-tokens-details", max_model_len=MAX_MODEL_LEN,
+                                 log_name=f"server{i}.log") for i in range(2)]
     try:
         for proc, url, log_path in started:
-            _wait_healthy(proc, url, log_path, t0 + START_TIMEOUT_S)
+            wait_healthy(proc, url, log_path, t0 + START_TIMEOUT_S)
         print(f"two vLLM servers healthy after {time.monotonic() - t0:.1f} s")
         yield [(proc, url) for proc, url, _ in started]
     finally:

@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from engine_checks import check_sampled_logprobs, check_stop_token_kept, free_port, run_requests, stop_server
+from engine_checks import (
+    check_sampled_logprobs,
+    check_stop_token_kept,
+    run_requests,
+    start_vllm_server,
+    stop_server,
+    wait_healthy,
+)
 
 from loomrl.config import ModelConfig, TinyModelConfig, load_config
 from loomrl.engine.base import EngineFault, SamplingParams, generate_resuming
@@ -57,39 +61,12 @@ def server(models, tmp_path_factory):
     folder = tmp_path_factory.mktemp("vllm-http-model")
     a.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    port = free_port()
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    log = open(folder / "server.log", "wb")  # noqa: SIM115 - closed in teardown
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--host", "127.0.0.1",
-         "--port", str(port), "--dtype", "float32", "--enforce-eager", "--block-size", "32", "--max-model-len", str(MAX_MODEL_LEN),
-         "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0", "--enable-scale-out",
-         "--logprobs-mode", "processed_logprobs", "--scheduling-policy", "priority",
-         "--enable-prompt-tokens-details",
-         "--worker-extension-cls", "loomrl.engine.vllm.worker.WorkerExtension",
-         "--weight-transfer-config", '{"backend": "loomrl_inline"}'],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url, log_path = start_vllm_server(folder, "--enable-prompt-tokens-details", max_model_len=MAX_MODEL_LEN)
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the vLLM server exited ({proc.returncode}):\n"
-                                   + (folder / "server.log").read_text()[-3000:])
-            try:
-                if httpx.get(url + "/health", timeout=2.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the vLLM server did not answer /health in time:\n"
-                                   + (folder / "server.log").read_text()[-3000:])
-            time.sleep(0.5)
+        wait_healthy(proc, url, log_path, time.monotonic() + START_TIMEOUT_S)
         yield url
     finally:
         stop_server(proc)
-        log.close()
 
 
 @pytest.fixture(scope="module")

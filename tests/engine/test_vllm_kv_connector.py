@@ -8,14 +8,12 @@ GPU or a service). Marked `vllm`, run in .venv-vllm; two engines and one server 
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from engine_checks import VLLM_OVERRIDES, free_port, run_requests, stop_server, vllm_tiny_pair
+from engine_checks import VLLM_OVERRIDES, run_requests, start_vllm_server, stop_server, vllm_tiny_pair, wait_healthy
 
 from loomrl.config import load_config
 from loomrl.config.engine import VLLM_CONNECTORS_RESET, VLLM_CONNECTORS_TRANSFER, refused_vllm_connectors
@@ -117,31 +115,13 @@ def test_the_connectors_loomrl_lists_as_resetting_are_those_of_the_installed_vll
 def _serve(folder: Path, store: Path) -> tuple[subprocess.Popen, str]:
     """A vLLM server on the model saved in `folder`, with the flags the HTTP adapter needs and the store as its
     --kv-transfer-config; (process, base URL) once /health answers."""
-    import httpx
-
-    port, log = free_port(), folder / "server.log"
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-           "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--host", "127.0.0.1",
-             "--port", str(port), "--dtype", "float32", "--enforce-eager", "--block-size", "32", "--max-model-len",
-             "512", "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0", "--enable-scale-out",
-             "--logprobs-mode", "processed_logprobs",
-             "--scheduling-policy", "priority", "--worker-extension-cls", "loomrl.engine.vllm.worker.WorkerExtension",
-             "--weight-transfer-config", '{"backend": "loomrl_inline"}', "--kv-transfer-config",
-             str(_store(store)).replace("'", '"')],
-            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 300
-    while proc.poll() is None and time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    stop_server(proc)
-    raise RuntimeError(f"the vLLM server did not start:\n{log.read_text()[-3000:]}")
+    proc, url, log = start_vllm_server(folder, "--kv-transfer-config", str(_store(store)).replace("'", '"'))
+    try:
+        wait_healthy(proc, url, log, time.monotonic() + 300)
+    except RuntimeError:
+        stop_server(proc)
+        raise
+    return proc, url
 
 
 def _resets(store: Path) -> int:

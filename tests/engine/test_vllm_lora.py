@@ -16,16 +16,13 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from engine_checks import VLLM_OVERRIDES, free_port, stop_server, vllm_tiny_pair
+from engine_checks import VLLM_OVERRIDES, start_vllm_server, stop_server, vllm_tiny_pair, wait_healthy
 
 from loomrl.config import ConfigError, load_config
 from loomrl.engine.base import EngineFault, GenerationRequest, SamplingParams
@@ -68,37 +65,13 @@ def server(base, tmp_path_factory):
     folder = tmp_path_factory.mktemp("vllm-lora-model")
     a.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    port = free_port()
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-           "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    log = open(folder / "server.log", "wb")  # noqa: SIM115 - closed in teardown
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--host", "127.0.0.1",
-         "--port", str(port), "--dtype", "float32", "--enforce-eager", "--block-size", "32", "--max-model-len", "512",
-         "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0", "--enable-scale-out",
-         "--logprobs-mode", "processed_logprobs", "--scheduling-policy", "priority",
-         "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
-         "--worker-extension-cls", "loomrl.engine.vllm.worker.WorkerExtension",
-         "--weight-transfer-config", '{"backend": "loomrl_inline"}'],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url, log_path = start_vllm_server(folder, "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
+                                            env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the vLLM server did not start ({proc.returncode}):\n"
-                                   + (folder / "server.log").read_text()[-3000:])
-            try:
-                if httpx.get(url + "/health", timeout=2.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_healthy(proc, url, log_path, time.monotonic() + START_TIMEOUT_S)
         yield url
     finally:
         stop_server(proc)
-        log.close()
 
 
 @pytest.fixture(scope="module")

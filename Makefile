@@ -72,10 +72,11 @@ sandbox:
 	@command -v bwrap >/dev/null 2>&1 || { (apt-get update -qq && apt-get install -y -qq bubblewrap) >/dev/null 2>&1 \
 	  || echo "warning: could not install bubblewrap; tool code will run unisolated"; }
 
-# Debian's chromium: tests/viewer load `loomrl view`'s page in it, headless (playwright drives it; no browser download).
+# Debian's chromium: tests/viewer load `loomrl view`'s page in it, and the browser pool's tests (tests/env/test_browser_*,
+# test_web_*) run web episodes in it, headless (playwright drives it; no browser download).
 chromium:
 	@command -v chromium >/dev/null 2>&1 || { (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null 2>&1 \
-	  || echo "warning: could not install chromium; the viewer's browser tests (tests/viewer) will be skipped"; }
+	  || echo "warning: could not install chromium; the browser tests (tests/viewer, tests/env) will be skipped"; }
 
 test: lint sandbox chromium
 	$(PY) -m pytest -q -m 'not vllm'

@@ -9,6 +9,31 @@ from pydantic import Field
 from loomrl.config.base import Section
 
 
+class BrowserConfig(Section):
+    """env.browser: the pool of headless Chromium tabs web environments lease (loomrl/env/browser/pool.py; docs/web.md):
+    `browsers` processes with `tabs_per_browser` isolated contexts each, pre-warmed, health-checked, reset between
+    episodes."""
+
+    browsers: int = Field(1, gt=0)
+    """Chromium processes (each runs in bubblewrap with no network; a crash loses only its own tabs)"""
+    tabs_per_browser: int = Field(0, ge=0)
+    """contexts (tabs) per browser; 0 = enough for the rollout concurrency plus spares, spread over the browsers"""
+    prewarm: int | None = Field(None, ge=0)
+    """tabs made before the first episode; default: all of them"""
+    executable: str = "/usr/lib/chromium/chromium"
+    """the Chromium binary (Debian's: `apt-get install -y chromium`); Playwright's own browser download is not used"""
+    action_timeout_s: float = Field(10.0, gt=0.0)
+    """one browser action (a click, typing, a navigation and its page load) runs at most this; past it the page is
+    taken to be hung: the episode ends `env_error` and the tab is replaced"""
+    site_timeout_s: float = Field(30.0, gt=0.0)
+    """one request to the episode's site is answered within this, else the page gets a 502 and the episode ends
+    `env_error`"""
+    launch_timeout_s: float = Field(30.0, gt=0.0)
+    """starting one Chromium process"""
+    max_failures: int = Field(3, gt=0)
+    """failed tab creations or health checks in a row after which the pool gives up and the run stops with the cause"""
+
+
 class EnvConfig(Section):
     name: str = "calculator"
     """The environment (loomrl/env/api.py, docs/environments.md): a built-in one (calculator, codefix, gym, chat), an
@@ -44,3 +69,5 @@ class EnvConfig(Section):
     sandbox's own error (a backend that cannot work here must not hang the run)"""
     tool_timeout_s: float = Field(5.0, gt=0.0)
     """a tool call (calculator) or command (codefix) runs at most this"""
+    browser: BrowserConfig = Field(default_factory=BrowserConfig)
+    """the browser pool, for web environments (env.name=web)"""

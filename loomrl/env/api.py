@@ -38,7 +38,8 @@ from loomrl.types import Task, Trajectory
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from loomrl.env.pool import Leases
+    from loomrl.env.browser.pool import BrowserTab
+    from loomrl.env.pool import LeasePool, Leases
 
 ENTRY_POINT_GROUP = "loomrl.envs"
 BUILTIN = {
@@ -47,6 +48,7 @@ BUILTIN = {
     "gym": "loomrl.env.tasks.gym_text:GymEnvironment",
     "chat": "loomrl.env.tasks.chat:ChatEnvironment",
     "reasoning_gym": "loomrl.env.tasks.reasoning_gym:ReasoningGymEnvironment",
+    "web": "loomrl.env.tasks.web.environment:WebEnvironment",
 }
 ADAPTERS = {
     "verifiers": "loomrl.env.adapters.verifiers:VerifiersEnvironment",
@@ -82,6 +84,8 @@ class EpisodeContext:
     pool: Leases | None  # the sandbox pool (Environment.sandbox set), else None
     rng: random.Random  # seeded from the run: fault injection, sampling inside the env
     tool_timeout_s: float  # env.tool_timeout_s: the bound of one tool call
+    browsers: LeasePool[BrowserTab] | None = None  # the browser pool (Environment.browser set), else None
+    action_timeout_s: float = 10.0  # env.browser.action_timeout_s: the bound of one browser action
 
 
 class Environment:
@@ -90,6 +94,7 @@ class Environment:
     Args: type[BaseModel] | None = None  # the model env.args is validated by (None: the factory takes no args)
     version: str = "1"  # recorded on every trajectory (metadata.env_version)
     sandbox: SandboxUse = None
+    browser: bool = False  # its episodes lease a browser tab (env.browser: the pool; docs/web.md)
 
     async def start(self, setup: TaskSetup) -> None:
         """The explicit start-up step, run once per process before `tasks` (env/registry.py prepared_tasks: by the

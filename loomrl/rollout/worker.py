@@ -20,7 +20,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loomrl.agent.blackbox import BlackBoxRunner, read_agent_files
 from loomrl.agent.context import ContextStrategy
@@ -30,7 +30,7 @@ from loomrl.agent.priorities import ProgramPriorities
 from loomrl.config import RolloutPoolConfig
 from loomrl.engine.base import Engine, SamplingParams
 from loomrl.env.api import EpisodeContext, environment_for
-from loomrl.env.pool import Leases, sandbox_pool
+from loomrl.env.pool import LeasePool, Leases, sandbox_pool
 from loomrl.env.registry import sandbox_pool_size
 from loomrl.model.chat import ChatRenderer
 from loomrl.reward.composite import Composite
@@ -38,6 +38,9 @@ from loomrl.reward.judge import judge_for
 from loomrl.reward.pool import RewardPool, Scorer, load_terms
 from loomrl.reward.terms import CombinedReward
 from loomrl.types import REWARD_FAILED, EvalRecord, Evaluation, RewardFn, RolloutStatus, Score, Task, Trajectory
+
+if TYPE_CHECKING:
+    from loomrl.env.browser.pool import BrowserTab
 
 
 @dataclass(slots=True, kw_only=True)
@@ -155,6 +158,7 @@ class RolloutWorker:
         self._env_rng = random.Random(f"{pool.seed}:env")
         self._retry_rng = random.Random(f"{pool.seed}:retry")
         self._pool: Leases | None = env_pool
+        self._browsers: LeasePool[BrowserTab] | None = None
         self._blackbox: BlackBoxRunner | None = None
         self._gateway: Gateway | None = None
         self._gateway_dir = ""
@@ -197,6 +201,17 @@ class RolloutWorker:
             await self._pool.start()
         return self._pool
 
+    async def browser_pool(self) -> LeasePool[BrowserTab] | None:
+        """The browser pool (env.browser), made and pre-warmed on first use; None for environments without a browser."""
+        if not self.environment.browser:
+            return None
+        if self._browsers is None:
+            from loomrl.env.browser.pool import browser_pool
+
+            self._browsers = browser_pool(self.config.env.browser, rollout_concurrency(self.config))
+            await self._browsers.start()
+        return self._browsers
+
     async def prepare(self) -> None:
         """Start what episodes need (the env pool, pre-warmed; for black-box agents the gateway too)
         before the first one runs: a sandbox backend that cannot work stops the run here, before any
@@ -208,6 +223,7 @@ class RolloutWorker:
                     self._blackbox = await self._start_blackbox()
                 else:
                     await self.env_pool()
+                    await self.browser_pool()
                 self._prepared = True
 
     async def _start_blackbox(self) -> BlackBoxRunner:
@@ -250,10 +266,11 @@ class RolloutWorker:
             while True:
                 traj = await self._run_one(loop, task, group_id, position)
                 traj.prompt, traj.answer, traj.split = task.prompt, task.answer, task.split
-                if self._pool is not None and self._pool.failure is not None:
-                    # The sandboxes cannot work here (the episode ended env_error with the same cause):
-                    # every later episode would fail at once, so the run stops with the cause.
-                    raise self._pool.failure
+                for pool in (self._pool, self._browsers):
+                    if pool is not None and pool.failure is not None:
+                        # The sandboxes (or browsers) cannot work here (the episode ended env_error with the same
+                        # cause): every later episode would fail at once, so the run stops with the cause.
+                        raise pool.failure
                 if str(traj.status) not in a.retry_on or len(errors) >= a.max_retries:
                     traj.metadata.attempts = len(errors) + 1
                     traj.metadata.retry_errors = errors
@@ -280,8 +297,10 @@ class RolloutWorker:
         if self.config.agent.kind == "blackbox":
             traj = await self._run_blackbox(loop, task, group_id, position)
         else:
-            env = self.environment.episode(EpisodeContext(pool=await self.env_pool(), rng=random.Random(
-                self._env_rng.random()), tool_timeout_s=self.config.env.tool_timeout_s))
+            env = self.environment.episode(EpisodeContext(
+                pool=await self.env_pool(), rng=random.Random(self._env_rng.random()),
+                tool_timeout_s=self.config.env.tool_timeout_s, browsers=await self.browser_pool(),
+                action_timeout_s=self.config.env.browser.action_timeout_s))
             try:
                 traj = await loop.run(env, task, group_id=group_id, position=position)
                 traj.metadata.env_version = self.environment.version  # the environment's, whichever Env ran it
@@ -355,7 +374,11 @@ class RolloutWorker:
         return self.reward_pool.metrics()
 
     def pool_metrics(self) -> dict[str, float]:
-        return asdict(self._pool.metrics) if self._pool is not None else {}
+        """The sandbox pool's metrics, and the browser pool's under browser_*."""
+        out = asdict(self._pool.metrics) if self._pool is not None else {}
+        if self._browsers is not None:
+            out.update({f"browser_{k}": v for k, v in asdict(self._browsers.metrics).items()})
+        return out
 
     async def aclose(self) -> None:
         await self.reward_pool.aclose()
@@ -365,6 +388,8 @@ class RolloutWorker:
             shutil.rmtree(self._gateway_dir, ignore_errors=True)
         if self._pool is not None:
             await self._pool.close()  # kept: its metrics stay readable
+        if self._browsers is not None:
+            await self._browsers.close()
 
 
 def group_summary(groups: list[list[Trajectory]]) -> dict[str, float]:

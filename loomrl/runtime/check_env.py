@@ -20,15 +20,18 @@ import asyncio
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from loomrl.agent.endpoint import EndpointPolicy, play
 from loomrl.config import RunConfig
 from loomrl.env.api import EpisodeContext, environment_for
-from loomrl.env.pool import Leases, sandbox_pool
+from loomrl.env.pool import LeasePool, Leases, sandbox_pool
 from loomrl.env.registry import prepared_tasks, sandbox_pool_size
 from loomrl.rollout.worker import gather_all, reward_pool_for
 from loomrl.types import Task, Trajectory
+
+if TYPE_CHECKING:
+    from loomrl.env.browser.pool import BrowserTab
 
 
 class Progress(Protocol):
@@ -81,6 +84,7 @@ class EnvCheck:
         the tasks are known and returns the bar each scored episode advances (tqdm's)."""
         policy = self.policy()
         pool: Leases | None = None
+        browsers: LeasePool[BrowserTab] | None = None
         rewards = None
         try:
             self.model = await policy.resolve_model()  # an endpoint that cannot serve stops here, before any env
@@ -91,6 +95,10 @@ class EnvCheck:
                 size = sandbox_pool_size(self.cfg.env, self.cfg.agent.kind, self.settings.concurrency)
                 pool = sandbox_pool(self.cfg.env, size)
                 await pool.start()
+            if self.environment.browser:
+                from loomrl.env.browser.pool import browser_pool
+
+                browsers = await browser_pool(self.cfg.env.browser, self.settings.concurrency).start()
             rewards = reward_pool_for(self.cfg.rollout_pool())
             slots = asyncio.Semaphore(self.settings.concurrency)
             rng = random.Random(f"{self.cfg.seed}:check-env")
@@ -98,7 +106,7 @@ class EnvCheck:
 
             async def one(i: int, task: Task) -> None:
                 async with slots:
-                    await self._one(policy, pool, rewards, task, i, seeds[i])
+                    await self._one(policy, pool, browsers, rewards, task, i, seeds[i])
                 bar.update(1)
 
             await gather_all([one(i, t) for i, t in enumerate(tasks)])
@@ -108,20 +116,25 @@ class EnvCheck:
                 await rewards.aclose()
             if pool is not None:
                 await pool.close()
+            if browsers is not None:
+                await browsers.close()
 
     def _tasks(self) -> list[Task]:
         train, heldout = prepared_tasks(self.cfg.env, self.cfg.data)
         return list(heldout if self.settings.split == "heldout" else train)[: self.settings.n]
 
-    async def _one(self, policy: EndpointPolicy, pool: Leases | None, rewards, task: Task, i: int, seed: float) -> None:
+    async def _one(self, policy: EndpointPolicy, pool: Leases | None, browsers: LeasePool[BrowserTab] | None, rewards,
+                   task: Task, i: int, seed: float) -> None:
         cfg = self.cfg
         env = self.environment.episode(EpisodeContext(pool=pool, rng=random.Random(seed),
-                                                      tool_timeout_s=cfg.env.tool_timeout_s))
+                                                      tool_timeout_s=cfg.env.tool_timeout_s, browsers=browsers,
+                                                      action_timeout_s=cfg.env.browser.action_timeout_s))
         traj = await play(env, task, policy, max_turns=cfg.agent.max_turns,
                           env_timeout_s=cfg.agent.trajectory_timeout_s, group_id=f"check-{i:05d}")
         traj.metadata.env_version = self.environment.version
-        if pool is not None and pool.failure is not None:  # the sandboxes cannot work here: every episode would fail
-            raise pool.failure
+        for leases in (pool, browsers):  # the sandboxes (browsers) cannot work here: every episode would fail
+            if leases is not None and leases.failure is not None:
+                raise leases.failure
         traj = await rewards.score(traj, task)
         self.episodes.append(Episode(trajectory=traj,
                                      success=self.environment.success(traj, task) if traj.scored else None))

@@ -1,0 +1,173 @@
+"""The web environment (env.name=web): an agent shops on the local site (shop.py) in a leased browser tab.
+
+An episode leases one tab of the run's browser pool (loomrl/env/browser/pool.py) for its whole length, attaches a
+fresh copy of the site to it (its own SQLite database, restored from the snapshot), and opens the home page. The model
+reads the page as text with element ids (page_text.observe) and acts through tool calls (actions.TOOL_SCHEMAS: click,
+type_text, select, scroll, go_back, goto; `answer` or a reply without a call ends the episode). After every step the
+task is checked on the site's end state (shop_checks.check_task) and kept as the trajectory's env_record, so that an
+episode cut short by its turn budget is judged on what it left on the site, like a finished one.
+
+Failures, kept apart on purpose:
+- the model's mistake (an id not on the page, an option not in the list, a page off the site, a malformed call): the
+  tool answers with the error text, recorded as a tool error; the episode goes on;
+- the browser's or the site's (a page that hangs past env.browser.action_timeout_s, a crashed browser, a site handler
+  that raised or did not answer): EnvCrash, the episode ends `env_error` (never scored, retried per agent.retry_on)
+  and the tab goes back to the pool as broken (destroyed and replaced).
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from loomrl.env.api import Environment, EpisodeContext, TaskSetup
+from loomrl.env.base import Env, EnvCrash, Observation, StepResult
+from loomrl.env.browser.actions import TOOL_SCHEMAS, ActionError, perform
+from loomrl.env.browser.page_text import observe
+from loomrl.env.tasks.web.shop import shop_site
+from loomrl.env.tasks.web.shop_checks import check_task
+from loomrl.env.tasks.web.shop_tasks import ENV_VERSION, FAMILIES, check_families, make_splits
+from loomrl.env.tools import describe_schemas
+from loomrl.model.tools import parse_tool_calls
+from loomrl.types import Task, Trajectory
+
+SYSTEM = ("You use a web shop through its pages. Each page is shown as text; the things you can use have an id in "
+          "brackets, like [3]. Act with one tool call per reply. When the task is done, answer with the tool answer "
+          "(for a question, put the answer in it).")
+# the one-argument actions also take the short form small models pick up: click(3), goto(/cart), answer(12.50)
+SINGLE_ARG = {"click": "element", "goto": "path", "scroll": "direction", "answer": "text"}
+
+
+class WebArgs(BaseModel):
+    """env.args of env.name=web."""
+
+    model_config = {"extra": "forbid"}
+
+    site: Literal["shop"] = "shop"  # the site the tasks are on (the only one shipped)
+    max_chars: int = Field(1200, ge=200)  # an observation's characters at most (the page scrolls beyond)
+    screenshots: bool = False  # a JPEG of the page after every step, kept in the trajectory's env_record (off: large)
+    describe_tools: bool = True  # the actions' schemas in the system prompt as text (for templates without tools)
+
+
+class WebEnvironment(Environment):
+    """Shop tasks (buy, contact, find) on the local site, in a leased browser tab."""
+
+    Args = WebArgs
+    version = ENV_VERSION
+    browser = True
+
+    def __init__(self, args: WebArgs):
+        self.args = args
+
+    def check(self, setup: TaskSetup) -> None:
+        check_families(setup.families or [])
+
+    def tasks(self, setup: TaskSetup) -> tuple[list[Task], list[Task]]:
+        return make_splits(setup.families or list(FAMILIES), setup.n_train, setup.n_heldout, setup.seed,
+                           setup.heldout_template_share)
+
+    def episode(self, ctx: EpisodeContext) -> Env:
+        if ctx.browsers is None:
+            raise EnvCrash("env.name=web needs the run's browser pool, and this episode was given none")
+        return WebEnv(ctx, self.args)
+
+    def success(self, traj: Trajectory, task: Task) -> bool:
+        return bool(traj.env_record and traj.env_record.get("solved"))
+
+    def reward(self, traj: Trajectory, task: Task) -> dict[str, float]:
+        return {"correct": 1.0 if self.success(traj, task) else 0.0}
+
+
+class WebEnv(Env):
+    version = ENV_VERSION
+
+    def __init__(self, ctx: EpisodeContext, args: WebArgs):
+        assert ctx.browsers is not None, "WebEnvironment.episode checks it"
+        self.ctx, self.args, self.pool = ctx, args, ctx.browsers
+        self.tab: Any = None  # the leased BrowserTab
+        self.site: Any = None
+        self.task: Task | None = None
+        self.broken = False
+        self.screenshots: list[str] = []
+
+    async def reset(self, task: Task) -> Observation:
+        self.task = task
+        self.tab = await self.pool.acquire()
+        self.site = shop_site(seed=task.data["catalogue_seed"])
+        self.tab.attach(self.site)
+        text = await self._browser(self._open(self.site.origin + "/"))
+        system = SYSTEM + (f"\n\n{describe_schemas(TOOL_SCHEMAS)}" if self.args.describe_tools else "")
+        return Observation(messages=[{"role": "system", "content": system},
+                                     {"role": "user", "content": f"{task.prompt}\n\n{text}"}], tools=TOOL_SCHEMAS)
+
+    async def _open(self, url: str) -> str:
+        await self.tab.page.goto(url, timeout=self.ctx.action_timeout_s * 1000)
+        return await self._observe()
+
+    async def _observe(self) -> str:
+        view = await observe(self.tab.page, max_chars=self.args.max_chars, timeout_s=self.ctx.action_timeout_s)
+        if self.args.screenshots:
+            shot = await self.tab.page.screenshot(type="jpeg", quality=50, timeout=self.ctx.action_timeout_s * 1000)
+            self.screenshots.append(base64.b64encode(shot).decode())
+        return view.text
+
+    async def _browser(self, work: Any) -> Any:
+        """Await browser work: the browser's or the site's failure ends the episode env_error (EnvCrash)."""
+        from playwright.async_api import Error as PlaywrightError
+
+        try:
+            result = await work
+        except ActionError:
+            raise
+        except (PlaywrightError, TimeoutError) as err:
+            self.broken = True
+            raise EnvCrash(f"browser: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from err
+        if self.tab.site_failure is not None:
+            self.broken = True
+            raise EnvCrash(f"site failed: {self.tab.site_failure}")
+        return result
+
+    async def step(self, action: str) -> StepResult:
+        assert self.task is not None, "reset first"
+        calls = parse_tool_calls(action, SINGLE_ARG)
+        answer = next((c for c in calls if c.name == "answer" and not c.error), None)
+        if not calls or answer is not None:
+            final = str(answer.arguments.get("text", "")) if answer is not None else action.strip()
+            return StepResult(observation=[], done=True,
+                              info={"final_answer": final, "record": self._record(final)})
+        messages, records = [], []
+        for call in calls:
+            record: dict[str, Any] = {"name": call.name, "arguments": call.arguments, "error": call.error}
+            try:
+                if call.error:
+                    raise ActionError(call.error)
+                await self._browser(perform(self.tab.page, call.name, call.arguments, origin=self.site.origin,
+                                            max_chars=self.args.max_chars))
+                output = await self._browser(self._observe())
+            except ActionError as err:
+                output = f"Error: {err}"
+                if not call.error:
+                    record["tool_error"], record["failure"] = str(err), str(err.failure)
+            messages.append({"role": "tool", "name": call.name or "unknown", "content": output})
+            records.append(record)
+        return StepResult(observation=messages, info={"tool_calls": records, "record": self._record(None)})
+
+    def _record(self, answer: str | None) -> dict[str, Any]:
+        """The task checked on the site's end state now (kept as env_record: the last step's wins)."""
+        assert self.task is not None
+        verdict = check_task(self.task, self.site.db, answer)
+        out: dict[str, Any] = {"solved": verdict.solved, "reason": verdict.reason, "url": self.tab.page.url}
+        if self.screenshots:
+            out["screenshots"] = list(self.screenshots)
+        return out
+
+    async def close(self) -> None:
+        """The tab back to the pool (as broken after a browser or site failure: destroyed and replaced)."""
+        tab, self.tab = self.tab, None
+        if tab is not None:
+            tab.detach()
+            await self.pool.release(tab, broken=self.broken)
+        if self.site is not None:
+            self.site.close()

@@ -340,7 +340,9 @@ class ActorRollouts(Rollouts):
         if not r.env.count:
             return []
         if environment_for(self.cfg.env).sandbox is None:
-            log.warning("ray.env.count=%d ignored: env %s uses no sandbox", r.env.count, self.cfg.env.name)
+            log.warning("ray.env.count=%d ignored: env %s uses no sandbox%s", r.env.count, self.cfg.env.name,
+                        " (its browsers run in each rollout actor's own browser pool)"
+                        if environment_for(self.cfg.env).browser else "")
             return []
         share = math.ceil(rollout_concurrency(self.pool) * r.rollout.count / r.env.count)
         # Concurrency: every waiting acquire holds a slot, and releases must still get in (else a full

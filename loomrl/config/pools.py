@@ -63,6 +63,9 @@ class EngineSetup(Section):
     lora_rank: int | None = None
     """trainer.lora with publish=adapter: the adapters' rank, so that an engine that loads adapters itself (vLLM in
     process) starts with LoRA enabled at that rank; None: no adapters are published"""
+    lora_targets: list[str] | None = None
+    """trainer.lora.target_modules with publish=adapter: the only modules vLLM wraps for LoRA (else every supported
+    one, MoE experts included, each with its buffers)"""
 
 
 class WeightRoute(Section):

@@ -239,7 +239,9 @@ class RunConfig(Section):
                            context_tokens=self.agent.max_context_tokens,
                            interrupt_on_update=self.runtime.interrupt_on_update, cpus=self.ray.engine.num_cpus,
                            routed_experts=self.trainer.router_replay,
-                           lora_rank=lora.rank if lora is not None and lora.publish == "adapter" else None)
+                           lora_rank=lora.rank if lora is not None and lora.publish == "adapter" else None,
+                           lora_targets=list(lora.target_modules) if lora is not None and lora.publish == "adapter"
+                           else None)
 
     def weight_route(self) -> WeightRoute:
         e = self.engine

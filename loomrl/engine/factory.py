@@ -76,7 +76,8 @@ def make_engine(setup: EngineSetup, model: Any, tokenizer: Any, version: int, re
         return VLLMEngine(e.vllm, served, dtype=engine_dtype(e.vllm.dtype, setup.model.dtype),
                           seed=setup.seed, max_num_seqs=e.max_batch_size, prefix_cache=e.prefix_cache, version=version,
                           sleep_mode=e.sleep_while_training, context_tokens=setup.context_tokens,
-                          speculation=e.speculation, lora_rank=setup.lora_rank, routed_experts=layout)
+                          speculation=e.speculation, lora_rank=setup.lora_rank, lora_targets=setup.lora_targets,
+                          routed_experts=layout)
     return _builtin_engines(setup, model, tokenizer, version, share_linears)
 
 

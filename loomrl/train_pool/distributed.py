@@ -224,15 +224,16 @@ class GatheredMerged(_Gathered):
 
     def __init__(self, lora: Lora, gather: Gather, *, keep: bool, pace: dist.ProcessGroup | None = None):
         self.lora = lora
-        self.names = {f"{module}.weight": module for module in sorted(lora.layers)}
+        self.names = lora.published()  # the merged weights, and the targeted linears' biases (Lora.published says why)
         first = next(iter(lora.layers.values())).get_base_layer().weight
         cast = getattr(torch, gather.dtype) if gather.dtype else first.dtype
-        specs = [TensorSpec(name, cast, tuple(lora.layers[m].get_base_layer().weight.shape))
-                 for name, m in self.names.items()]
+        specs = [TensorSpec(name, cast, tuple(lora.base_tensor(m, kind).shape)) for name, (m, kind) in self.names.items()]
         super().__init__(specs, gather.bucket_bytes, first.device, keep=keep, pace=pace)
 
     def _gather(self, e: Entry) -> tuple[str, torch.Tensor]:
-        module = self.names[e.name]
+        module, kind = self.names[e.name]
+        if kind != "weight":
+            return e.name, self._kept(_whole(self.lora.base_tensor(module, kind).detach().to(getattr(torch, e.dtype))))
         layer = self.lora.layers[module]
         w, a, b = (_whole(p.detach()) for p in (layer.get_base_layer().weight, layer.lora_A[ADAPTER].weight,
                                                  layer.lora_B[ADAPTER].weight))

@@ -136,6 +136,22 @@ class Lora:
         layer = self.layers[module]
         return weight + transpose(b @ a, layer.fan_in_fan_out) * layer.scaling[ADAPTER]
 
+    def published(self) -> dict[str, tuple[str, str]]:
+        """What a merged version publishes, by the base model's names: {name: (module, "weight" | "bias")}: every
+        targeted linear's merged weight, and its bias where it has one (unchanged by LoRA, sent all the same: vLLM
+        reloads a fused layer given only some of its tensors by rebuilding it, and a bias it was not sent may then come
+        back as uninitialised memory; Qwen2's q/k/v have biases)."""
+        out = {f"{m}.weight": (m, "weight") for m in sorted(self.layers)}
+        out |= {f"{m}.bias": (m, "bias") for m in sorted(self.layers) if self.layers[m].get_base_layer().bias is not None}
+        return dict(sorted(out.items()))
+
+    def base_tensor(self, module: str, kind: str) -> torch.Tensor:
+        """The base layer's `weight` or `bias` of the LoRA layer `module` (sharded under FSDP2)."""
+        base = self.layers[module].get_base_layer()
+        tensor = base.weight if kind == "weight" else base.bias
+        assert tensor is not None, f"{module} has no {kind}: published() lists only what is there"
+        return tensor
+
     def merged_weight(self, module: str) -> torch.Tensor:
         """W + scale x B @ A of the LoRA layer `module`, a new tensor (the layer is unchanged; not sharded)."""
         layer = self.layers[module]
@@ -220,15 +236,21 @@ class MergedSource(WeightSource):
 
     def __init__(self, lora: Lora, dtype: torch.dtype | None, bucket_bytes: int):
         self.lora = lora
-        self.names = {f"{module}.weight": module for module in sorted(lora.layers)}
+        self.names = lora.published()
         first = next(iter(lora.layers.values())).get_base_layer().weight
-        specs = [TensorSpec(name, dtype or first.dtype, tuple(lora.layers[m].get_base_layer().weight.shape))
-                 for name, m in self.names.items()]
+        specs = [TensorSpec(name, dtype or first.dtype, tuple(lora.base_tensor(m, kind).shape))
+                 for name, (m, kind) in self.names.items()]
         super().__init__(specs, bucket_bytes, first.device)
+
+    def _tensor(self, name: str) -> torch.Tensor:
+        module, kind = self.names[name]
+        if kind == "weight":
+            return self.lora.merged_weight(module)
+        return self.lora.base_tensor(module, kind).detach()
 
     def buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
         for plan in self.plan():
-            bucket = [(e.name, self.lora.merged_weight(self.names[e.name]).to(getattr(torch, e.dtype))) for e in plan]
+            bucket = [(e.name, self._tensor(e.name).to(getattr(torch, e.dtype))) for e in plan]
             yield bucket
             bucket.clear()
 

@@ -53,7 +53,8 @@ def engine(base):
 
     a, tokenizer = base
     cfg = load_config(None, VLLM_OVERRIDES)
-    eng = VLLMEngine(cfg.engine.vllm, served_model(a, tokenizer), dtype="float32", lora_rank=8)
+    eng = VLLMEngine(cfg.engine.vllm, served_model(a, tokenizer), dtype="float32", lora_rank=8,
+                     lora_targets=list(TARGETS))  # vLLM wraps only these (lora_target_modules)
     yield eng
     eng.close()
 
@@ -124,7 +125,8 @@ def _max_diff(a: list[float], b: list[float]) -> float:
 
 
 def test_lora_args_pick_a_rank_vllm_accepts():
-    assert lora_args(8) == {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
+    assert lora_args(8) == {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2, "max_cpu_loras": 3}
+    assert lora_args(8, ["q_proj", "v_proj"])["lora_target_modules"] == ["q_proj", "v_proj"]
     assert lora_args(12)["max_lora_rank"] == 16
     with pytest.raises(ConfigError, match="trainer.lora.rank=600"):
         lora_args(600)

@@ -49,7 +49,8 @@ ADAPTER_ATOL = LR * 1e-3
 
 
 def _tiny(vocab: int, eos: int) -> torch.nn.Module:
-    return spread_tiny(vocab, eos)
+    # qwen2: its q/k/v biases are published beside the merged weights (GatheredMerged gathers them too)
+    return spread_tiny(vocab, eos, "qwen2")
 
 
 def _start_adapter(vocab: int, eos: int, folder: Path) -> Trainer:

@@ -61,7 +61,8 @@ ROUTED_EXPERTS_NO_PREFIX_CACHE = ("trainer.router_replay with engine.kind=vllm n
 
 def engine_args(cfg: VLLMConfig, *, model: str, dtype: str, seed: int, max_num_seqs: int | None, prefix_cache: bool,
                 sleep_mode: bool, cuda: bool, speculation: SpeculationConfig | None = None,
-                routed_experts: bool = False, lora_rank: int | None = None) -> dict[str, Any]:
+                routed_experts: bool = False, lora_rank: int | None = None,
+                lora_targets: list[str] | None = None) -> dict[str, Any]:
     """AsyncEngineArgs for this engine on this device (`cuda`: torch.cuda.is_available() where vLLM runs); settings
     left unset (None) get the device's default: enforce_eager false on CUDA (CUDA graphs) and true on the CPU (no
     torch.compile); max_num_seqs MAX_NUM_SEQS; max_num_batched_tokens MAX_NUM_BATCHED_TOKENS_CUDA on CUDA (at least
@@ -71,7 +72,8 @@ def engine_args(cfg: VLLMConfig, *, model: str, dtype: str, seed: int, max_num_s
     distribution, unmeasured here); cfg.kv_offload_gib and cfg.kv_connector: vLLM's kv_offloading_size (and backend)
     and kv_transfer_config (offloading refused on the CPU: KV_OFFLOAD_ON_CPU); `routed_experts` (trainer.router_replay):
     enable_return_routed_experts (refused on the CPU, ROUTED_EXPERTS_ON_CPU, and without the prefix cache); `lora_rank`
-    (trainer.lora.rank where publish=adapter): vLLM's LoRA serving (engine/vllm/lora.py lora_args)."""
+    (trainer.lora.rank where publish=adapter): vLLM's LoRA serving on the modules `lora_targets` names (engine/vllm/lora.py
+    lora_args)."""
     device = "cuda" if cuda else "cpu"
     seqs = max_num_seqs or MAX_NUM_SEQS[device]
     args = {**cfg.engine_args, "model": model, "dtype": dtype, "seed": seed,
@@ -100,7 +102,7 @@ def engine_args(cfg: VLLMConfig, *, model: str, dtype: str, seed: int, max_num_s
             raise ConfigError(ROUTED_EXPERTS_NO_PREFIX_CACHE)
         args["enable_return_routed_experts"] = True
     if lora_rank is not None:
-        args |= lora_args(lora_rank)
+        args |= lora_args(lora_rank, lora_targets)
     if speculation is not None and speculation.enabled:
         args["speculative_config"] = {"method": "ngram", "num_speculative_tokens": speculation.max_draft,
                                       "prompt_lookup_min": speculation.min_match,

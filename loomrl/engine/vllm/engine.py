@@ -53,10 +53,12 @@ class VLLMEngine(StreamsBuckets):
     def __init__(self, cfg: VLLMConfig, model: ServedModel, *, dtype: str, seed: int = 0,
                  max_num_seqs: int | None = None, prefix_cache: bool = True, version: int = 0, sleep_mode: bool = False,
                  context_tokens: int | None = None, speculation: SpeculationConfig | None = None,
-                 lora_rank: int | None = None, routed_experts: ExpertLayout | None = None):
+                 lora_rank: int | None = None, lora_targets: list[str] | None = None,
+                 routed_experts: ExpertLayout | None = None):
         """`sleep_mode` (engine.sleep_while_training): vLLM's enable_sleep_mode on CUDA, and sleep may discard the
         weights (control.sleep_level); `context_tokens` (agent.max_context_tokens) sizes the K/V cache on the CPU.
-        `lora_rank` (trainer.lora.rank where publish=adapter): vLLM serves adapters of that rank (update_adapter).
+        `lora_rank` (trainer.lora.rank where publish=adapter): vLLM serves adapters of that rank (update_adapter), on
+        the modules `lora_targets` names.
         `routed_experts` (trainer.router_replay): the model's MoE layers (translate.py recorded_layout), whose routed
         experts vLLM records (enable_return_routed_experts, CUDA only) and each result carries.
         Raises ConfigError when that cannot fit this machine, ModelLoadError (one line) when vLLM cannot run it."""
@@ -73,7 +75,8 @@ class VLLMEngine(StreamsBuckets):
         self._life = Lifecycle(self.metrics, version)
         args = engine_args(cfg, model=str(model.folder), dtype=dtype, seed=seed, max_num_seqs=max_num_seqs,
                            prefix_cache=prefix_cache, sleep_mode=sleep_mode, cuda=torch.cuda.is_available(),
-                           speculation=speculation, lora_rank=lora_rank, routed_experts=routed_experts is not None)
+                           speculation=speculation, lora_rank=lora_rank, lora_targets=lora_targets,
+                           routed_experts=routed_experts is not None)
         if "speculative_config" in args:  # counted from vLLM's per-step SpecDecodingStats (stats.py)
             self.metrics.draft_tokens = self.metrics.accepted_tokens = 0
             if on_cpu():

@@ -31,20 +31,28 @@ from loomrl.weights.adapter import AdapterMeta
 from loomrl.weights.fingerprint import Fingerprint, TensorSum
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py:26 MaxLoRARanks (0.32)
-# adapters vLLM holds at once: the version serving and the one before it, whose requests may still be running
+# adapters vLLM runs in one batch: the version serving and the one before it, whose requests may still be running
 MAX_LORAS = 2
+# adapters its worker keeps loaded (vLLM's default: max_loras): during a switch three are live (the one before, the one
+# serving, the one being added), and with 2 vLLM would evict one and reload it from its folder while its requests drain
+MAX_CPU_LORAS = 3
 LORA_OFF = ("update_adapter: this vLLM engine was started without LoRA (enable_lora): a run with trainer.lora and "
             "publish=adapter starts it with it; or set trainer.lora.publish=merged")
 
 
-def lora_args(rank: int) -> dict[str, Any]:
-    """AsyncEngineArgs that let vLLM serve adapters of rank `rank`: max_lora_rank is the smallest rank vLLM accepts
-    that holds it."""
+def lora_args(rank: int, targets: list[str] | None = None) -> dict[str, Any]:
+    """AsyncEngineArgs that let vLLM serve adapters of rank `rank` on the modules `targets` (trainer.lora.target_modules;
+    None: every module vLLM supports, MoE experts included, each with buffers for max_loras adapters): max_lora_rank
+    is the smallest rank vLLM accepts that holds it."""
     fits = [r for r in VLLM_LORA_RANKS if r >= rank]
     if not fits:
         raise ConfigError(f"trainer.lora.rank={rank}: vLLM 0.32 serves adapters up to rank {VLLM_LORA_RANKS[-1]}; "
                           "lower it or set trainer.lora.publish=merged")
-    return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": MAX_LORAS}
+    args: dict[str, Any] = {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": MAX_LORAS,
+                            "max_cpu_loras": MAX_CPU_LORAS}
+    if targets:
+        args["lora_target_modules"] = list(targets)
+    return args
 
 
 def lora_id(version: int) -> int:

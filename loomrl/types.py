@@ -185,7 +185,8 @@ class Trajectory(_TokenContext):
     segments: list[ContextSegment] = field(default_factory=list)
     # What the environment recorded for its own reward (the latest step's StepResult.info["record"]: JSON-able data,
     # e.g. the verifiers adapter's trace, whose rubric reads the whole conversation and the tools' state). Scored on
-    # the reward pool, possibly in another process, so the episode must leave it here; not stored.
+    # the reward pool, possibly in another process, so the episode must leave it here. Stored as a JSON column, web
+    # episodes' screenshots as files beside the store (store/screenshots.py).
     env_record: dict[str, Any] | None = None
 
     @property

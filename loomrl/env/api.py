@@ -49,6 +49,7 @@ BUILTIN = {
     "chat": "loomrl.env.tasks.chat:ChatEnvironment",
     "reasoning_gym": "loomrl.env.tasks.reasoning_gym:ReasoningGymEnvironment",
     "web": "loomrl.env.tasks.web.environment:WebEnvironment",
+    "miniwob": "loomrl.env.tasks.miniwob.environment:MiniWoBEnvironment",
 }
 ADAPTERS = {
     "verifiers": "loomrl.env.adapters.verifiers:VerifiersEnvironment",

@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from loomrl.store.schema import NESTED, ROUTED, routed_column, turns_column, upgrade
+from loomrl.store.screenshots import stored_env_record
 from loomrl.turn_experts import context_experts
 from loomrl.types import Trajectory
 
@@ -47,6 +48,8 @@ SCHEMA = pa.schema([
     ("segments", NESTED["segments"]),  # earlier contexts: reason, prompt_len, token_ids, loss_mask, logprobs, ...
     ("routed_experts", ROUTED),  # the engine's routed experts of token_ids (router replay); null: none recorded
     ("segment_routed_experts", pa.list_(ROUTED)),  # ... of each segment's token_ids
+    # what the environment recorded (Trajectory.env_record) as JSON, its screenshots as files (store/screenshots.py)
+    ("env_record", pa.string()),
 ])  # fmt: skip
 
 
@@ -56,7 +59,7 @@ def _tokens(ctx) -> dict:
             "versions": ctx.token_versions(), "token_ids": ctx.token_ids}
 
 
-def _row(t: Trajectory) -> dict:
+def _row(t: Trajectory, root: Path) -> dict:
     return {
         **{name: getattr(t, name) for name, _ in _PLAIN},
         "total_reward": t.total_reward if t.scored else None,  # not played out, or its reward failed: no reward
@@ -70,6 +73,7 @@ def _row(t: Trajectory) -> dict:
         "segments": [{"reason": seg.reason, **_tokens(seg), "turns": turns_column(seg.turns)} for seg in t.segments],
         "routed_experts": routed_column(context_experts(t.turns, len(t.token_ids))),
         "segment_routed_experts": [routed_column(context_experts(s.turns, len(s.token_ids))) for s in t.segments],
+        "env_record": stored_env_record(root, t.trajectory_id, t.env_record),
     }
 
 
@@ -84,7 +88,7 @@ class TrajectoryStore:
         self.written = 0
 
     def append(self, trajectories: list[Trajectory]) -> None:
-        self._rows.extend(_row(t) for t in trajectories)
+        self._rows.extend(_row(t, self.root) for t in trajectories)
         if len(self._rows) >= self.flush_every:
             self.flush()
 

@@ -10,7 +10,11 @@ Endpoints (all GET; `run` is a run's key from /api/runs):
   /api/trajectory?run=&id=&store=              one trajectory: its task's question (prompt), how it ended, turns,
                                                tool calls, per-token ids/text/mask/logprob/version (and gap, when
                                                recorded), its advantage (as trained when train_records.jsonl has
-                                               it, else computed), its ledger fate
+                                               it, else computed), its ledger fate; a web episode's verdict (`env`:
+                                               solved, reason, url, screenshots stored) and per tool call its
+                                               readable `action` and `screenshot` index (web_steps.py)
+  /api/screenshot?run=&id=&store=&i=           one stored screenshot of a web episode (image/jpeg; 0: after reset):
+                                               the page asks for each only when its step is on screen
   /api/timeline?run=                           each group's lifecycle (groups.jsonl) with the step that consumed it
 What it is not: a writer (it never changes a run folder) or a tracker across machines (it reads local folders).
 """
@@ -24,6 +28,7 @@ from fastapi import FastAPI, HTTPException, Query
 from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
 
+from loomrl.store.screenshots import read_env_record
 from loomrl.view.groups import (
     GroupFilter,
     advantage_rule,
@@ -34,6 +39,7 @@ from loomrl.view.groups import (
 )
 from loomrl.view.run_folder import TRAINING_STORE, RunFolderError, RunReader
 from loomrl.view.tokens import TokenText, token_gaps
+from loomrl.view.web_steps import annotate_steps, env_summary
 
 STATIC = Path(__file__).parent / "static"
 # How long a trajectory waits for its run's tokenizer to load (transformers' import alone takes seconds) before it
@@ -152,8 +158,10 @@ def create_app(paths: list[Path]) -> FastAPI:
             gap = ("none: an evaluation episode is never trained" if store_name != TRAINING_STORE
                    else "not recorded: the run has no train_records.jsonl (written by runs since the viewer showed it)"
                    if not folder.records() else "not recorded: this trajectory was not trained")
+        env = env_summary(read_env_record(record.get("env_record")))
+        annotate_steps(contexts, env["screenshots"] if env is not None else 0)
         shown = {k: v for k, v in record.items() if k not in (
-            "token_ids", "loss_mask", "logprobs", "versions", "turns", "segments", "prompt_len")}
+            "token_ids", "loss_mask", "logprobs", "versions", "turns", "segments", "prompt_len", "env_record")}
         # how it ended, and its terms without the reward_failed marker (store_index.IndexRow)
         shown.update(status=row.ending, reward_components=row.terms)
         return {
@@ -166,7 +174,17 @@ def create_app(paths: list[Path]) -> FastAPI:
             "tokenizer_loading": loading,
             "logprob_gap": gap,
             "fate": None if fate is None else {"step": fate.step, "fate": fate.fate, "reason": fate.reason},
+            "env": env,  # a web episode's verdict and screenshot count (None: the environment recorded none)
         }
+
+    @app.get("/api/screenshot")
+    def api_screenshot(run: str, id: str, i: int = Query(ge=0),
+                       store_name: str = Query(TRAINING_STORE, alias="store")) -> FileResponse:
+        path = store(runs.get(run), store_name).screenshot(id, i)
+        if path is None:
+            raise HTTPException(404, f"run {run}: no screenshot {i} of trajectory '{id}' in its store '{store_name}'")
+        # a stored screenshot never changes: the browser may keep it
+        return FileResponse(path, media_type="image/jpeg", headers={"Cache-Control": "max-age=86400, immutable"})
 
     @app.get("/api/timeline")
     def api_timeline(run: str) -> dict[str, Any]:

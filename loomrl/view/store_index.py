@@ -2,7 +2,8 @@
 
 What it is: per part file, a small index (ids, group, task, status, reward, versions: a few narrow columns, read by
 column) cached against the file's mtime and size, so that a live run's new parts are picked up and old ones are not
-read again; one trajectory is read from the one row group that holds it, every column of that row group only.
+read again; one trajectory is read from the one row group that holds it, every column of that row group only; a web episode's
+screenshots are files beside the parts (loomrl/store/screenshots.py), served one at a time.
 What it is not: a query engine (filters run over the index in Python) or a writer (parts are never rewritten).
 """
 
@@ -17,6 +18,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from loomrl.store.schema import plain_row
+from loomrl.store.screenshots import screenshot_path
 from loomrl.types import REWARD_FAILED
 
 # What a group card and the filters need; the wide columns (tokens, turns, segments) stay on disk until opened.
@@ -132,6 +134,13 @@ class StoreIndex:
             return None
         table = pq.ParquetFile(row.part).read_row_group(row.row_group)
         return plain_row(table.slice(row.row_in_group, 1).to_pylist()[0])  # nested, or an older part's JSON
+
+    def screenshot(self, trajectory_id: str, index: int) -> Path | None:
+        """The file of one stored screenshot of a stored trajectory (loomrl/store/screenshots.py), or None."""
+        if self.get(trajectory_id) is None or index < 0:
+            return None
+        path = screenshot_path(self.root, trajectory_id, index)
+        return path if path.is_file() else None
 
 
 def _stamp(path: Path) -> tuple[int, int]:

@@ -334,21 +334,59 @@ function tokensOf(ctx, mode, adv, loading) {
   return box;
 }
 
-function turnsOf(turns) {
+// A web episode's screenshots are fetched only when their step scrolls into view (the list never carries them).
+const shotLoader = new IntersectionObserver(entries => entries.forEach(e => {
+  if (!e.isIntersecting) return;
+  e.target.src = e.target.dataset.src;
+  shotLoader.unobserve(e.target);
+}));
+
+function shotOf(shotUrl, i, label) {
+  const img = el("img", { class: "shot", "data-src": shotUrl(i), "data-i": i, alt: label, title: label + " (click: full size)",
+    onclick: () => window.open(shotUrl(i), "_blank") });
+  shotLoader.observe(img);
+  return img;
+}
+
+const LONG_OBS = 800;  // characters: a longer observation (a whole page's text) is folded, its first line showing
+
+function obsOf(text) {
+  if (text.length <= LONG_OBS) return el("div", { class: "obs" }, text);
+  return el("details", { class: "obs" }, el("summary", {}, `${text.split("\n")[0].slice(0, 120)} … (${text.length} characters)`), text);
+}
+
+function callOf(c, shotUrl) {
+  const failed = c.error || c.tool_error;
+  return el("div", { class: "call" }, el("span", { class: "action" }, "action: " + c.action),
+    failed ? el("span", { class: "fate-skipped" }, " (" + failed + ")") : "",
+    c.screenshot != null ? shotOf(shotUrl, c.screenshot, `the page after ${c.action}`) : "");
+}
+
+function turnsOf(turns, shotUrl) {
   return turns.map((t, i) => el("div", { class: "turn" },
     el("b", {}, `turn ${i + 1}` + (t.finish_reason ? ` (${t.finish_reason})` : "") + (Object.keys(t.reward_terms || {}).length ? ` terms ${JSON.stringify(t.reward_terms)}` : "")),
     t.think ? el("div", { class: "muted" }, t.think) : "",
     el("div", {}, t.act),
-    ...(t.tool_calls || []).map(c => el("div", { class: "call" }, "tool call: " + JSON.stringify(c))),
-    t.obs ? el("div", { class: "obs" }, t.obs) : "",
+    ...(t.tool_calls || []).map(c => callOf(c, shotUrl)),
+    t.obs ? obsOf(t.obs) : "",
     t.error ? el("div", { class: "fate-skipped" }, "error: " + t.error) : ""));
+}
+
+function envOf(env, shotUrl) {  // a web episode's verdict (its env_record) and the page it started on
+  if (!env) return [];
+  const verdict = env.solved == null ? "" : (env.solved ? "solved" : "not solved");
+  return [el("div", { class: "env-record" }, el("b", {}, "environment: "),
+      [verdict, env.reason, env.url ? "at " + env.url : ""].filter(Boolean).join(" · ") || "(its record has no verdict)"),
+    env.screenshots ? el("div", { class: "turn" }, el("b", {}, "after reset"), shotOf(shotUrl, 0, "the page after reset")) : ""];
 }
 
 async function openTrajectory(id) {
   view.openId = id;
   document.querySelectorAll(".member.open").forEach(m => m.classList.remove("open"));
   document.querySelector(`.member[data-id="${id}"]`)?.classList.add("open");
-  const d = await api("/api/trajectory", { run: $("f-run").value, id, store: $("f-store").value });
+  const where = { run: $("f-run").value, id, store: $("f-store").value };
+  const d = await api("/api/trajectory", where);
+  const shotUrl = i => "/api/screenshot?" + new URLSearchParams({ ...where, i });
   const t = d.trajectory;
   const box = $("trajectory");
   box.classList.add("on");
@@ -372,7 +410,8 @@ async function openTrajectory(id) {
     el("div", { class: "question" }, el("b", {}, `task${t.split ? " (" + t.split + ")" : ""}: `), t.prompt || "(no question stored)"),
     el("div", { class: "muted" }, `terms ${JSON.stringify(t.reward_components)} · answer ${t.answer} · final answer ${t.final_answer ?? "–"}` +
       ` · versions ${t.policy_version_min}–${t.policy_version_max} · attempts ${t.attempts}` + (t.error ? ` · error ${t.error}` : "")),
-    el("h4", {}, "turns"), ...d.contexts.flatMap(c => turnsOf(c.turns)),
+    ...envOf(d.env, shotUrl),
+    el("h4", {}, "turns"), ...d.contexts.flatMap(c => turnsOf(c.turns, shotUrl)),
     el("h4", {}, "tokens, coloured by ", mode), legend, tokens);
   render();
   if (d.tokenizer_loading && view.openId === id) setTimeout(() => view.openId === id && openTrajectory(id), 1500);

@@ -17,16 +17,15 @@ Failures, kept apart on purpose:
 
 from __future__ import annotations
 
-import base64
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
 from loomrl.env.api import Environment, EpisodeContext, TaskSetup
 from loomrl.env.base import Env, EnvCrash, Observation, StepResult
-from loomrl.env.browser.actions import TOOL_SCHEMAS, ActionError, perform
-from loomrl.env.browser.page_text import observe
-from loomrl.env.tasks.web.shop import shop_site
+from loomrl.env.browser.actions import TOOL_SCHEMAS
+from loomrl.env.browser.episode import TabSession
+from loomrl.env.tasks.web.shop import ShopSite, shop_site
 from loomrl.env.tasks.web.shop_checks import check_task
 from loomrl.env.tasks.web.shop_tasks import ENV_VERSION, FAMILIES, check_families, make_splits
 from loomrl.env.tools import describe_schemas
@@ -38,6 +37,7 @@ SYSTEM = ("You use a web shop through its pages. Each page is shown as text; the
           "(for a question, put the answer in it).")
 # the one-argument actions also take the short form small models pick up: click(3), goto(/cart), answer(12.50)
 SINGLE_ARG = {"click": "element", "goto": "path", "scroll": "direction", "answer": "text"}
+ACTIONS = [t["function"]["name"] for t in TOOL_SCHEMAS if t["function"]["name"] != "answer"]
 
 
 class WebArgs(BaseModel):
@@ -85,49 +85,21 @@ class WebEnv(Env):
 
     def __init__(self, ctx: EpisodeContext, args: WebArgs):
         assert ctx.browsers is not None, "WebEnvironment.episode checks it"
-        self.ctx, self.args, self.pool = ctx, args, ctx.browsers
-        self.tab: Any = None  # the leased BrowserTab
-        self.site: Any = None
+        self.args = args
+        self.tab = TabSession(ctx.browsers, action_timeout_s=ctx.action_timeout_s, max_chars=args.max_chars,
+                              screenshots=args.screenshots)
+        self.site: ShopSite | None = None
         self.task: Task | None = None
-        self.broken = False
-        self.screenshots: list[str] = []
 
     async def reset(self, task: Task) -> Observation:
         self.task = task
-        self.tab = await self.pool.acquire()
         self.site = shop_site(seed=task.data["catalogue_seed"])
-        self.tab.attach(self.site)
-        text = await self._browser(self._open(self.site.origin + "/"))
+        await self.tab.open(self.site)
+        await self.tab.goto(self.site.origin + "/")
+        text = await self.tab.observe()
         system = SYSTEM + (f"\n\n{describe_schemas(TOOL_SCHEMAS)}" if self.args.describe_tools else "")
         return Observation(messages=[{"role": "system", "content": system},
                                      {"role": "user", "content": f"{task.prompt}\n\n{text}"}], tools=TOOL_SCHEMAS)
-
-    async def _open(self, url: str) -> str:
-        await self.tab.page.goto(url, timeout=self.ctx.action_timeout_s * 1000)
-        return await self._observe()
-
-    async def _observe(self) -> str:
-        view = await observe(self.tab.page, max_chars=self.args.max_chars, timeout_s=self.ctx.action_timeout_s)
-        if self.args.screenshots:
-            shot = await self.tab.page.screenshot(type="jpeg", quality=50, timeout=self.ctx.action_timeout_s * 1000)
-            self.screenshots.append(base64.b64encode(shot).decode())
-        return view.text
-
-    async def _browser(self, work: Any) -> Any:
-        """Await browser work: the browser's or the site's failure ends the episode env_error (EnvCrash)."""
-        from playwright.async_api import Error as PlaywrightError
-
-        try:
-            result = await work
-        except ActionError:
-            raise
-        except (PlaywrightError, TimeoutError) as err:
-            self.broken = True
-            raise EnvCrash(f"browser: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from err
-        if self.tab.site_failure is not None:
-            self.broken = True
-            raise EnvCrash(f"site failed: {self.tab.site_failure}")
-        return result
 
     async def step(self, action: str) -> StepResult:
         assert self.task is not None, "reset first"
@@ -140,34 +112,20 @@ class WebEnv(Env):
         messages, records = [], []
         for call in calls:
             record: dict[str, Any] = {"name": call.name, "arguments": call.arguments, "error": call.error}
-            try:
-                if call.error:
-                    raise ActionError(call.error)
-                await self._browser(perform(self.tab.page, call.name, call.arguments, origin=self.site.origin,
-                                            max_chars=self.args.max_chars))
-                output = await self._browser(self._observe())
-            except ActionError as err:
-                output = f"Error: {err}"
-                if not call.error:
-                    record["tool_error"], record["failure"] = str(err), str(err.failure)
+            output = await self.tab.act(call, record, ACTIONS) or await self.tab.observe()
             messages.append({"role": "tool", "name": call.name or "unknown", "content": output})
             records.append(record)
         return StepResult(observation=messages, info={"tool_calls": records, "record": self._record(None)})
 
     def _record(self, answer: str | None) -> dict[str, Any]:
         """The task checked on the site's end state now (kept as env_record: the last step's wins)."""
-        assert self.task is not None
+        assert self.task is not None and self.site is not None
         verdict = check_task(self.task, self.site.db, answer)
         out: dict[str, Any] = {"solved": verdict.solved, "reason": verdict.reason, "url": self.tab.page.url}
-        if self.screenshots:
-            out["screenshots"] = list(self.screenshots)
+        if self.tab.screenshots:
+            out["screenshots"] = list(self.tab.screenshots)
         return out
 
     async def close(self) -> None:
         """The tab back to the pool (as broken after a browser or site failure: destroyed and replaced)."""
-        tab, self.tab = self.tab, None
-        if tab is not None:
-            tab.detach()
-            await self.pool.release(tab, broken=self.broken)
-        if self.site is not None:
-            self.site.close()
+        await self.tab.close()

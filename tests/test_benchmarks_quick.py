@@ -23,11 +23,14 @@ BENCHMARKS = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 from _common import BOUND_TOLERANCE, divide, efficiency  # noqa: E402
 
+from loomrl.env.browser.chromium import missing_requirements  # noqa: E402
+
 pytestmark = pytest.mark.integration
 
 # script -> a line its quick run must print (a figure it only prints once the whole path has run)
 KEY_LINES = {
     "async_vs_sync": "efficiency: ",
+    "browser_pool": "memory per context: USS ",
     "chunked_head": "efficiency: ",
     "data_loading": "worst_seconds: ",
     "engine_throughput": "builtin prefix-cache hit rate ",
@@ -50,6 +53,15 @@ KEY_LINES = {
     "weight_sync": "name: weight_sync",
     "window_sampler": "efficiency: ",
 }
+# scripts that drive a real browser (Debian's chromium, bubblewrap, Playwright): marked browser, skipped without them
+BROWSER_SCRIPTS = {"browser_pool"}
+
+
+def _quick_param(script: str):
+    if script not in BROWSER_SCRIPTS:
+        return script
+    return pytest.param(script, marks=[pytest.mark.browser, pytest.mark.skipif(
+        missing_requirements() is not None, reason=missing_requirements() or "")])
 
 
 def test_every_script_is_listed() -> None:
@@ -57,7 +69,7 @@ def test_every_script_is_listed() -> None:
     assert scripts == set(KEY_LINES)
 
 
-@pytest.mark.parametrize("script", sorted(KEY_LINES))
+@pytest.mark.parametrize("script", [_quick_param(s) for s in sorted(KEY_LINES)])
 def test_quick_mode(script: str) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, str(BENCHMARKS / f"{script}.py"), "--quick"], cwd=ROOT, env=env,

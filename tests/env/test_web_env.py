@@ -196,3 +196,40 @@ def test_a_training_run_on_the_web_environment_leases_a_tab_per_episode_and_leav
     rows = read_trajectories(cfg.run_dir / "trajectories").to_pylist()
     assert rows and all(r["status"] in ("completed", "truncated", "env_error") for r in rows)
     assert not set(pids_mentioning("loomrl-chromium-")) - before  # the run's pool closed its browsers
+
+
+def test_few_shot_shows_a_solved_episode_of_real_pages_and_a_model_following_it_solves_a_find_task(run, pool):
+    """env.args.few_shot: the episode opens with a worked example, played on the real shop in the episode's own tab
+    (its observations are real page text), then the task; doing what the example did solves a held-out find task.
+    A family without an example is refused at load."""
+    environment = WebEnvironment(WebArgs(few_shot=True))
+    setup = TaskSetup(families=["find"], n_train=20, n_heldout=10, seed=0, heldout_template_share=0.25,
+                      sandbox="process")
+    train, heldout = environment.tasks(setup)
+    task = next(t for t in heldout if t.data["attribute"] == "price")
+    env = environment.episode(_ctx(pool))
+
+    async def go():
+        try:
+            obs = await env.reset(task)
+            msgs = obs.messages
+            assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "assistant", "tool",
+                                                 "assistant", "user"]
+            example = environment.examples["find"]
+            assert msgs[1]["content"].startswith(example.prompt) and msgs[-1]["content"].startswith(task.prompt)
+            assert '"name": "type_text"' in msgs[2]["content"] and msgs[4]["content"].startswith("click(")
+            assert msgs[6]["content"] == f"answer({example.answer})" and example.data["name"] in msgs[5]["content"]
+            page = msgs[-1]["content"]
+            found = await env.step(_call("type_text", element=_id(page, "textbox", "Search products"),
+                                         text=task.data["name"], submit=True))
+            product = await env.step(f"click({_id(found.observation[0]['content'], 'link', task.data['name'])})")
+            assert task.answer in product.observation[0]["content"]
+            return await env.step(f"answer({task.answer})")
+        finally:
+            await env.close()
+
+    done = run(go())
+    assert done.done and environment.success(_trajectory(done.info["record"]), task)
+    with pytest.raises(Exception, match="no worked example for the families \\['buy'\\]"):
+        environment.check(TaskSetup(families=["find", "buy"], n_train=2, n_heldout=2, seed=0,
+                                    heldout_template_share=0.25, sandbox="process"))

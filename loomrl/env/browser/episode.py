@@ -1,7 +1,8 @@
 """TabSession: what every browser environment's episode does with its leased tab, written once (env.name=web:
 loomrl/env/tasks/web/environment.py; env.name=miniwob: loomrl/env/tasks/miniwob/environment.py).
 
-- `open(site)`: lease a tab from the run's browser pool and attach the episode's site to it;
+- `open(site)`: lease a tab from the run's browser pool (the first time) and attach `site` to it; `release_site()`
+  detaches and closes it (a worked example's site, before the episode's own);
 - `run(work)`: await browser work; the browser's or the site's failure (Playwright's errors, a page script past its
   bound, a site handler that raised or hung: tab.site_failure) becomes EnvCrash, so the episode ends `env_error`,
   never scored, and the tab is marked broken;
@@ -45,9 +46,18 @@ class TabSession:
         self.screenshots: list[str] = []  # base64 JPEGs, one per observe()
 
     async def open(self, site: Site) -> None:
+        if self.tab is None:
+            self.tab = await self.pool.acquire()
+        await self.release_site()
         self.site = site
-        self.tab = await self.pool.acquire()
         self.tab.attach(site)
+
+    async def release_site(self) -> None:
+        site, self.site = self.site, None
+        if site is not None:
+            if self.tab is not None:
+                self.tab.detach()
+            site.close()
 
     @property
     def page(self) -> Page:
@@ -103,9 +113,8 @@ class TabSession:
             return f"Error: {err}"
 
     async def close(self) -> None:
+        await self.release_site()
         tab, self.tab = self.tab, None
         if tab is not None:
             tab.detach()
             await self.pool.release(tab, broken=self.broken)
-        if self.site is not None:
-            self.site.close()

@@ -21,10 +21,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from loomrl.config import ConfigError
 from loomrl.env.api import Environment, EpisodeContext, TaskSetup
 from loomrl.env.base import Env, EnvCrash, Observation, StepResult
 from loomrl.env.browser.actions import TOOL_SCHEMAS
 from loomrl.env.browser.episode import TabSession
+from loomrl.env.tasks.web.demos import DEMO_FAMILIES, WebDemos
 from loomrl.env.tasks.web.shop import ShopSite, shop_site
 from loomrl.env.tasks.web.shop_checks import check_task
 from loomrl.env.tasks.web.shop_tasks import ENV_VERSION, FAMILIES, check_families, make_splits
@@ -49,6 +51,7 @@ class WebArgs(BaseModel):
     max_chars: int = Field(1200, ge=200)  # an observation's characters at most (the page scrolls beyond)
     screenshots: bool = False  # a JPEG of the page after every step, kept in the trajectory's env_record (off: large)
     describe_tools: bool = True  # the actions' schemas in the system prompt as text (for templates without tools)
+    few_shot: bool = False  # a solved episode of the task's family (find, contact) as earlier turns (demos.py)
 
 
 class WebEnvironment(Environment):
@@ -60,18 +63,27 @@ class WebEnvironment(Environment):
 
     def __init__(self, args: WebArgs):
         self.args = args
+        self.demos = WebDemos()
+        self.examples: dict[str, Task] = {}  # each family's worked example: its first training task
 
     def check(self, setup: TaskSetup) -> None:
-        check_families(setup.families or [])
+        families = setup.families or list(FAMILIES)
+        check_families(families)
+        if self.args.few_shot and (missing := [f for f in families if f not in DEMO_FAMILIES]):
+            raise ConfigError(f"env.args.few_shot: no worked example for the families {missing} (those with one: "
+                              f"{list(DEMO_FAMILIES)}); drop them from env.families or set few_shot: false")
 
     def tasks(self, setup: TaskSetup) -> tuple[list[Task], list[Task]]:
-        return make_splits(setup.families or list(FAMILIES), setup.n_train, setup.n_heldout, setup.seed,
-                           setup.heldout_template_share)
+        train, heldout = make_splits(setup.families or list(FAMILIES), setup.n_train, setup.n_heldout, setup.seed,
+                                     setup.heldout_template_share)
+        for t in train:
+            self.examples.setdefault(t.family, t)
+        return train, heldout
 
     def episode(self, ctx: EpisodeContext) -> Env:
         if ctx.browsers is None:
             raise EnvCrash("env.name=web needs the run's browser pool, and this episode was given none")
-        return WebEnv(ctx, self.args)
+        return WebEnv(ctx, self.args, self if self.args.few_shot else None)
 
     def success(self, traj: Trajectory, task: Task) -> bool:
         return bool(traj.env_record and traj.env_record.get("solved"))
@@ -80,12 +92,17 @@ class WebEnvironment(Environment):
         return {"correct": 1.0 if self.success(traj, task) else 0.0}
 
 
+def user_turn(task: Task, page: str) -> str:
+    """The task and the page the episode starts on, as the user's turn."""
+    return f"{task.prompt}\n\n{page}"
+
+
 class WebEnv(Env):
     version = ENV_VERSION
 
-    def __init__(self, ctx: EpisodeContext, args: WebArgs):
+    def __init__(self, ctx: EpisodeContext, args: WebArgs, examples: WebEnvironment | None = None):
         assert ctx.browsers is not None, "WebEnvironment.episode checks it"
-        self.args = args
+        self.args, self.examples = args, examples
         self.tab = TabSession(ctx.browsers, action_timeout_s=ctx.action_timeout_s, max_chars=args.max_chars,
                               screenshots=args.screenshots)
         self.site: ShopSite | None = None
@@ -93,13 +110,19 @@ class WebEnv(Env):
 
     async def reset(self, task: Task) -> Observation:
         self.task = task
+        shots: list[dict[str, Any]] = []
+        if self.examples is not None:
+            example = self.examples.examples.get(task.family)
+            if example is None:
+                raise EnvCrash(f"env.args.few_shot: no training task of the family {task.family!r} to show solved")
+            shots = await self.examples.demos.messages(example, self.tab, user_turn)
         self.site = shop_site(seed=task.data["catalogue_seed"])
         await self.tab.open(self.site)
         await self.tab.goto(self.site.origin + "/")
         text = await self.tab.observe()
         system = SYSTEM + (f"\n\n{describe_schemas(TOOL_SCHEMAS)}" if self.args.describe_tools else "")
-        return Observation(messages=[{"role": "system", "content": system},
-                                     {"role": "user", "content": f"{task.prompt}\n\n{text}"}], tools=TOOL_SCHEMAS)
+        return Observation(messages=[{"role": "system", "content": system}, *shots,
+                                     {"role": "user", "content": user_turn(task, text)}], tools=TOOL_SCHEMAS)
 
     async def step(self, action: str) -> StepResult:
         assert self.task is not None, "reset first"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from loomrl.config import ConfigError
 from loomrl.env.browser.site import SiteRequest, final_url_script, follow_redirects
 from loomrl.env.tasks.web.catalogue import CATEGORIES, catalogue
 from loomrl.env.tasks.web.shop import shop_site
@@ -314,3 +315,9 @@ def test_a_fresh_browser_context_gets_a_fresh_session_after_reset():
 
     first, again = asyncio.run(go())
     assert first and again and first != again
+
+
+def test_asking_for_more_tasks_than_the_shop_has_is_one_line_naming_the_field():
+    """Two held-out templates of `find` x 19 held-out products: 38 distinct tasks; 40 is refused naming env.n_heldout."""
+    with pytest.raises(ConfigError, match=r"env.n_heldout=40: the shop has only 38 distinct heldout_templates tasks"):
+        make_splits(["find"], 10, 40, seed=0)

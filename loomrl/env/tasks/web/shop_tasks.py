@@ -162,7 +162,10 @@ def generate_tasks(families: list[str], n: int, seed: int, split: str, exclude: 
         tasks.append(Task(task_id=f"shop-{split}-{len(tasks):05d}", prompt=prompt, answer=answer, split=split,
                           family=family, data={**data, "template": template, "catalogue_seed": catalogue_seed}))
     if len(tasks) < n:
-        raise ValueError(f"could not generate {n} distinct {split} shop tasks for {families}")
+        which = "env.n_train" if split == "train" else "env.n_heldout"
+        raise ConfigError(f"{which}={n}: the shop has only {len(tasks)} distinct {split} tasks of {families} (its "
+                          f"templates x its {'training' if split == 'train' else 'held-out'} products); lower {which} "
+                          "or add families")
     return tasks
 
 
@@ -174,3 +177,4 @@ def make_splits(families: list[str], n_train: int, n_heldout: int, seed: int, he
     return template_splits(lambda split, n, templates, exclude: generate_tasks(
         families, n, seed, split, exclude, templates, catalogue_seed),
         template_ids(families), n_train, n_heldout, seed, heldout_template_share)
+

@@ -5,7 +5,8 @@ Qwen3-MoE, Mixtral and OLMoE mixture-of-experts shapes).
 GGUF files are de-quantised to float32 by transformers once, then cached as an HF folder so later
 loads take about a second instead of ~15 s. A model is returned on a device in a dtype (loomrl/devices.py):
 the built-in engine's on model.device in model.dtype (HF folders loaded in it, GGUF and tiny models cast), the
-trainer's float32 on trainer.device.
+trainer's float32 on trainer.device; FSDP2 trainer ranks' (several of them) rank 0's float32 on the CPU and the others'
+skeleton, filled after sharding (load_rank_model, trainer/rank0_load.py).
 
 A process that drives vLLM or SGLang (engine.kind vllm, with or without base_url, or sglang) holds no weights: those
 engines load their own copy in processes of their own, and a second one here would sit in the memory of the GPU vLLM
@@ -211,14 +212,42 @@ def load_run_model(cfg: ModelConfig, checkpoint: Path | None, *, trainer: Traine
         device = resolve_device(cfg.device, "model.device")
         dtype = resolve_dtype(cfg.dtype, device)
     if checkpoint is not None and is_adapter_folder(CheckpointFolder(checkpoint).model):
-        if trainer is not None:  # the trainer loads the base and puts its adapter back itself (trainer/lora.py)
-            raise ValueError(f"checkpoint {checkpoint} holds a LoRA adapter: the trainer's model is the base "
-                             "(trainer/lora.py base_checkpoint), not a model folder")
+        if trainer is not None:
+            _refuse_adapter(checkpoint)
         # a LoRA run's checkpoint: its base (model:, as at the start) with the adapter merged, as each version served
         base, tokenizer = load_model(cfg, device=device, dtype=torch.float32)
         return merge_adapter(base, CheckpointFolder(checkpoint).model).to(dtype), tokenizer
     source = ModelConfig(kind="hf", path=str(CheckpointFolder(checkpoint).model)) if checkpoint is not None else cfg
     return load_model(source, device=device, dtype=dtype)
+
+
+def _refuse_adapter(checkpoint: Path) -> None:
+    """The trainer loads the base and puts its adapter back itself (trainer/lora.py): never from an adapter folder."""
+    raise ValueError(f"checkpoint {checkpoint} holds a LoRA adapter: the trainer's model is the base "
+                     "(trainer/lora.py base_checkpoint), not a model folder")
+
+
+def loads_from_rank0(trainer: TrainerConfig) -> bool:
+    """Whether the trainer ranks fill their shards from rank 0's whole state (trainer/rank0_load.py): FSDP2 over more
+    than one rank. One rank, and DDP's whole replicas, load the model whole on trainer.device."""
+    return trainer.parallel == "fsdp" and trainer.world_size > 1
+
+
+def load_rank_model(cfg: ModelConfig, checkpoint: Path | None, *, trainer: TrainerConfig, rank0: bool
+                    ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A trainer rank's model before its trainer is built (`rank0`: rank 0's, else a follower's). Under
+    loads_from_rank0: rank 0's whole, float32 on the CPU (never on the accelerator: FSDP2 shards it first); every other rank's the skeleton (meta, float32: nothing read
+    or allocated). Else load_run_model(trainer=): float32 on trainer.device."""
+    import torch
+
+    if not loads_from_rank0(trainer):
+        return load_run_model(cfg, checkpoint, trainer=trainer)
+    if checkpoint is not None and is_adapter_folder(CheckpointFolder(checkpoint).model):
+        _refuse_adapter(checkpoint)
+    if not rank0:
+        return load_skeleton(cfg, checkpoint, dtype=torch.float32)
+    source = ModelConfig(kind="hf", path=str(CheckpointFolder(checkpoint).model)) if checkpoint is not None else cfg
+    return load_model(source, device=torch.device("cpu"), dtype=torch.float32)
 
 
 def load_skeleton(cfg: ModelConfig, checkpoint: Path | None, *, dtype: torch.dtype

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from loomrl.collectives import collective_failed
 from loomrl.config import ModelConfig, TrainerConfig, TrainPoolConfig
 from loomrl.devices import trainer_device
+from loomrl.model.loader import loads_from_rank0
 from loomrl.run_folder import CheckpointFolder
 from loomrl.train_pool.distributed import (
     DataParallelTrainer,
@@ -112,7 +113,10 @@ def build_trainer(cfg: TrainerConfig, start: ModelConfig, device: torch.device, 
     state and step, and KL's reference loaded from `start`, the model the run started from (not the checkpoint's)."""
     sharded = cfg.parallel == "fsdp"
     shard = partial(fsdp_shard, param_dtype=compute_dtype(cfg.precision, device)) if sharded else None
-    trainer = Trainer(model, cfg, initial_model=initial_policy(start, cfg, device, ckpt), shard=shard, device=device)
+    # several FSDP2 ranks: `model` is rank 0's whole on the CPU or another's skeleton (load_rank_model)
+    from_rank0 = loads_from_rank0(cfg)
+    trainer = Trainer(model, cfg, initial_model=initial_policy(start, cfg, device, ckpt, from_rank0=from_rank0),
+                      shard=shard, device=device, from_rank0=from_rank0)
     if ckpt is not None:
         shards = (lambda folder: load_sharded_optimizer(trainer, folder)) if sharded else None
         load_optimizer(ckpt, trainer.optimizer, trainer.scheduler, shards=shards)
@@ -126,12 +130,14 @@ class Follower:
     """Rank r > 0: a model and optimizer replica (or shard) that trains on the shards rank 0 sends."""
 
     def __init__(self, pool: TrainPoolConfig, ckpt: Path | None):
-        from loomrl.model.loader import load_run_model
+        from loomrl.model.loader import load_rank_model
 
         self.pool, self.ckpt = pool, ckpt
         self.device = trainer_device(pool.trainer)  # this rank's, resolved once in its process
-        # float32 on trainer.device; before joining, so that a rank that cannot start fails fast
-        self.model, _ = load_run_model(pool.model, base_checkpoint(pool.trainer.lora, ckpt), trainer=pool.trainer)
+        # float32 on trainer.device, or FSDP2's skeleton (filled from rank 0's after sharding); before joining, so
+        # that a rank that cannot start fails fast
+        self.model, _ = load_rank_model(pool.model, base_checkpoint(pool.trainer.lora, ckpt), trainer=pool.trainer,
+                                        rank0=False)
         self.dp: DataParallelTrainer | None = None
         self.pusher: EnginePusher | None = None  # colocated on Ray with a streamed route: this rank's engine
 

@@ -112,11 +112,13 @@ class TrainerService:
         them at `rendezvous` (address, port) once its model is loaded, as the followers do (train_pool/ranks.py Follower),
         so that no rank waits in the rendezvous, bounded by its timeout, while another loads a large model. `device`:
         trainer.device as the calling process resolved it (its entry: the trainer process, the trainer actor)."""
-        from loomrl.model.loader import load_run_model
+        from loomrl.model.loader import load_rank_model
 
         repair_ledger_for_restart(Path(pool.run_dir), checkpoint)
-        # float32 on trainer.device; under LoRA the base (the checkpoint holds only the adapter)
-        model, tokenizer = load_run_model(pool.model, base_checkpoint(pool.trainer.lora, checkpoint), trainer=pool.trainer)
+        # float32 on trainer.device (several FSDP2 ranks: on the CPU, sharded before it goes there); under LoRA the
+        # base (the checkpoint holds only the adapter)
+        model, tokenizer = load_rank_model(pool.model, base_checkpoint(pool.trainer.lora, checkpoint),
+                                           trainer=pool.trainer, rank0=True)
         if ranks is not None:
             if rendezvous is None:
                 raise ValueError("TrainerService.from_run: ranks need the rendezvous (address, port) to join them at")

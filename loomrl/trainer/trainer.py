@@ -40,6 +40,7 @@ from loomrl.trainer.head import Entropies
 from loomrl.trainer.lora import Lora
 from loomrl.trainer.loss_inputs import step_loss_config
 from loomrl.trainer.moe_step import MoeStats, MoeStep
+from loomrl.trainer.rank0_load import copy_shards, fill_from_rank0, take_whole_state
 from loomrl.trainer.replay import Routing, replayed_recompute
 from loomrl.trainer.step_loss import StepLoss
 from loomrl.trainer.step_plan import PADDING, StepPlan, plan_step
@@ -119,7 +120,8 @@ def freeze_bottom(model: PreTrainedModel, n_layers: int) -> None:
 
 class Trainer:
     def __init__(self, model: PreTrainedModel, cfg: TrainerConfig, initial_model: PreTrainedModel | None = None,
-                 *, shard: Callable[..., Logprobs] | None = None, device: torch.device | None = None):
+                 *, shard: Callable[..., Logprobs] | None = None, device: torch.device | None = None,
+                 from_rank0: bool = False):
         """`initial_model`: the policy the run started from, KL's reference; default: a copy of `model`
         (right for a fresh run; a resumed one must pass it, or the reference would be the checkpoint).
         `shard`: turns a model into its sharded forward (train_pool/distributed.py fsdp_shard), after the
@@ -127,13 +129,17 @@ class Trainer:
         `model` (and `initial_model`) are placed in place on trainer.device with float32 parameters (the
         masters; loomrl/devices.py): a no-op for a model loaded for the trainer, which callers should pass
         (load_run_model(trainer=)): a bfloat16 model cast up here would hold rounded weights. `device`: trainer.device
-        as the pool's process resolved it (build_trainer); default: resolved here (a trainer built on its own)."""
+        as the pool's process resolved it (build_trainer); default: resolved here (a trainer built on its own).
+        `from_rank0` (with `shard`): `model` and `initial_model` are rank 0's whole on the CPU or another rank's meta
+        skeleton (model/loader.py load_rank_model), not placed: sharded on meta, then filled from rank 0's (rank0_load.py)."""
+        if from_rank0 and shard is None:
+            raise ValueError("Trainer: from_rank0 fills the shards of a sharded model; pass shard=")
         self.model = model
         self.cfg = cfg
         self.device = device if device is not None else trainer_device(cfg)
-        place(model, self.device, torch.float32)
-        if initial_model is not None:
-            place(initial_model, self.device, torch.float32)
+        for m in (model, initial_model) if not from_rank0 else ():
+            if m is not None:
+                place(m, self.device, torch.float32)
         freeze_bottom(model, cfg.freeze_layers)
         # trainer.lora (lora.py): adapters on the frozen base, put into `model` itself; only they train
         self.lora = Lora(model, cfg.lora, cfg.freeze_layers) if cfg.lora is not None else None
@@ -144,19 +150,14 @@ class Trainer:
             enable_activation_checkpointing(model)
         # router replay and the load-balancing term (moe_step.py); a dense model: ValueError naming its class
         self.moe = MoeStep(model, cfg) if cfg.router_replay or cfg.moe_aux_loss_coef > 0 else None
-        # KL to the initial policy needs its logprobs: a frozen copy, kept only when the KL term is on (under LoRA no
-        # copy: the base with the adapters switched off is the initial policy).
         kl = cfg.loss.kl is not None and cfg.loss.kl_coef > 0
-        own_ref = kl and self.lora is None
-        self.ref_model = (initial_model if initial_model is not None else copy.deepcopy(model)).eval() if own_ref else None
-        if self.ref_model is not None:
-            self.ref_model.requires_grad_(False)
+        # rank 0's whole state, taken out of the model after PEFT put its layers in (its fresh adapters included)
+        whole = take_whole_state(model) if from_rank0 else None
+        self.ref_model, ref_whole = self._reference(initial_model, kl and self.lora is None, from_rank0)
         self.sharded = shard is not None
-        flex = use_flex(cfg, self.device)
-        make = shard or forward_of
-        self.forward = make(model, flex=flex)
-        ref_make = partial(shard, offload=True) if shard is not None and cfg.kl_reference_offload else make
-        self.ref_forward = ref_make(self.ref_model, flex=flex) if self.ref_model is not None else None
+        self.forward, self.ref_forward = self._forwards(shard, use_flex(cfg, self.device))
+        if whole is not None:
+            self._fill(whole, ref_whole)
         if kl and self.lora is not None:
             self.ref_forward = self.lora.reference(self.forward)
         # sharded: every rank must run the same number of micro-batches (set by DataParallelTrainer)
@@ -167,6 +168,39 @@ class Trainer:
         self.step = 0
         self.autocast = compute_context(cfg.precision, self.device)
         self.grad_hook: Callable[[], None] | None = None  # train_pool/distributed.py: sums the ranks' gradients
+
+    def _reference(self, initial_model: PreTrainedModel | None, own: bool, from_rank0: bool
+                   ) -> tuple[PreTrainedModel | None, dict[str, torch.Tensor] | None]:
+        """KL's reference policy as a frozen model of its own, and under from_rank0 rank 0's whole state of
+        `initial_model` (None: the reference is the policy's start, filled from the policy's shards). Only when the KL
+        term is on and there is no LoRA (then the base with its adapters switched off is the reference)."""
+        if not own:
+            return None, None
+        ref_whole = take_whole_state(initial_model) if from_rank0 and initial_model is not None else None
+        # from_rank0: the model is on meta by now on every rank, so its copy is a skeleton too, not a second model
+        ref = (initial_model if initial_model is not None else copy.deepcopy(self.model)).eval()
+        ref.requires_grad_(False)
+        return ref, ref_whole
+
+    def _forwards(self, shard: Callable[..., Logprobs] | None, flex: bool) -> tuple[Logprobs, Logprobs | None]:
+        """The policy's forward and the own reference model's (sharded with `shard`; the reference's shards in host
+        memory under trainer.kl_reference_offload)."""
+        make = shard or forward_of
+        ref_make = partial(shard, offload=True) if shard is not None and self.cfg.kl_reference_offload else make
+        return make(self.model, flex=flex), ref_make(self.ref_model, flex=flex) if self.ref_model is not None else None
+
+    def _fill(self, whole: dict[str, torch.Tensor], ref_whole: dict[str, torch.Tensor] | None) -> None:
+        """from_rank0: every rank's shards filled from rank 0's `whole` state; the reference's copied from the policy's
+        shards (no collective, and none into host memory, which NCCL cannot reach), after filling those with the
+        reference's own state first when it has one (`ref_whole`: resuming)."""
+        ref = self.ref_model
+        where = torch.device("cpu") if self.cfg.kl_reference_offload else self.device
+        if ref is not None and ref_whole is not None:
+            fill_from_rank0(self.model, ref_whole, self.device)
+            copy_shards(self.model, ref, where)
+        fill_from_rank0(self.model, whole, self.device)
+        if ref is not None and ref_whole is None:
+            copy_shards(self.model, ref, where)
 
     def train_step(self, samples: list[TrainingSample], *, idle_tokens: int = 0, idle_seqs: int = 0,
                    idle_longest: int = 0, peer_tokens: int = 0) -> StepStats:
@@ -315,10 +349,15 @@ def _first_batch_gap(plan: StepPlan, gaps: list[list[float] | None]) -> float:
 
 
 def initial_policy(start: ModelConfig, trainer: TrainerConfig, device: torch.device,
-                   resume_from: Path | None) -> PreTrainedModel | None:
-    """KL's reference when resuming: the run's starting model (`start`), not the checkpoint's, float32 on `device`."""
+                   resume_from: Path | None, *, from_rank0: bool = False) -> PreTrainedModel | None:
+    """KL's reference when resuming: the run's starting model (`start`), not the checkpoint's, float32 on `device`;
+    `from_rank0` (Trainer's; the process group is up): rank 0's on the CPU, another rank's the skeleton."""
     if resume_from is None or trainer.loss.kl is None or trainer.loss.kl_coef <= 0 or trainer.lora is not None:
         return None  # under LoRA the reference is the base with its adapters off (lora.py)
-    from loomrl.model.loader import load_model
+    from loomrl.model.loader import load_model, load_rank_model
 
+    if from_rank0:
+        import torch.distributed as dist
+
+        return load_rank_model(start, None, trainer=trainer, rank0=dist.get_rank() == 0)[0]
     return load_model(start, device=device, dtype=torch.float32)[0]

@@ -1,0 +1,208 @@
+"""Loading FSDP2 trainer ranks from rank 0's whole state (trainer/rank0_load.py) against today's path, where every rank
+loads the whole model itself and shards it: two gloo ranks, tiny Llama, Qwen2 (biases), Qwen3-MoE and Qwen3 models.
+Every rank's shards, buffers (the rotary inv_freq) and a forward's logprobs equal the old path's bit for bit, under LoRA
+too (rank 0's fresh adapters on every rank) and with an offloaded KL reference; one train step after loading equals the
+old path's; rank 1 allocates no full-size tensor before its shards exist; a checkpoint resumes."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from dist_launch import launch_local
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from loomrl.config import ModelConfig, TrainerConfig
+from loomrl.types import TrainingSample
+
+pytestmark = pytest.mark.integration  # starts processes: not in `make test-fast`
+
+CASES = [("llama", {"loss": {"kind": "ppo_clip", "kl": "k3", "kl_coef": 0.1}, "kl_reference_offload": True}),
+         ("qwen2", {"lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}}),
+         ("qwen3_moe", {}),
+         ("qwen3", {"lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "down_proj"]}, "freeze_layers": 1})]
+
+
+def _samples(vocab: int) -> list[TrainingSample]:
+    rng = random.Random(0)
+    out = []
+    for i in range(4):
+        ids = [rng.randrange(vocab) for _ in range(6 + 2 * i)]
+        mask = [0] * 3 + [1] * (len(ids) - 3)
+        out.append(TrainingSample(trajectory_id=f"s{i}", group_id="g", token_ids=ids, loss_mask=mask,
+                                  behaviour_logprobs=[-10.8 * m for m in mask], versions=[0] * len(ids),
+                                  advantages=[(1.0 if i % 2 else -1.0) * m for m in mask]))
+    return out
+
+
+class _FullSizeAudit(TorchDispatchMode):
+    """Records every tensor an op makes off the meta device with at least `numel` elements (a whole parameter's
+    size) while `armed`; `armed` is switched off by the first to_empty (the shards being allocated)."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.armed, self.seen = numel, True, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple | list) else [out]:
+            if self.armed and isinstance(t, torch.Tensor) and not t.is_meta and t.numel() >= self.numel:
+                self.seen.append((str(func), tuple(t.shape)))
+        return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _build(rank: int, arch: str, options: dict, new: bool):
+    from loomrl.model.loader import load_rank_model
+    from loomrl.train_pool.distributed import DataParallelTrainer
+    from loomrl.train_pool.ranks import build_trainer
+
+    start = ModelConfig(kind="tiny", tiny={"arch": arch})
+    cfg = TrainerConfig(lr=1e-3, micro_batch_size=2, parallel="fsdp", world_size=2 if new else 1, **options)
+    if not (new and rank == 1):
+        model, tok = load_rank_model(start, None, trainer=cfg, rank0=rank == 0)
+        return DataParallelTrainer(build_trainer(cfg, start, torch.device("cpu"), model, None)), len(tok), None
+    # a whole parameter's size: the smallest matrix of the model (here the k/v projections)
+    skeleton, tok = load_rank_model(start, None, trainer=cfg, rank0=False)
+    audit = _FullSizeAudit(min(p.numel() for p in skeleton.parameters() if p.dim() == 2))
+    to_empty = torch.nn.Module.to_empty
+
+    def disarm(module, *, device, recurse=True):
+        audit.armed = False
+        return to_empty(module, device=device, recurse=recurse)
+
+    torch.nn.Module.to_empty = disarm  # type: ignore[method-assign]
+    try:
+        with audit:  # loading and building, until the shards are allocated
+            model, tok = load_rank_model(start, None, trainer=cfg, rank0=False)
+            assert all(p.is_meta for p in model.parameters())
+            trainer = build_trainer(cfg, start, torch.device("cpu"), model, None)
+    finally:
+        torch.nn.Module.to_empty = to_empty  # type: ignore[method-assign]
+    return DataParallelTrainer(trainer), len(tok), audit
+
+
+def _state(dp, samples) -> dict:
+    trainer = dp.trainer
+    with torch.no_grad():
+        logprobs = [lp.detach().clone() for lp in trainer.forward(samples[:2], False)]
+        ref = [lp.detach().clone() for lp in trainer.ref_forward(samples[:2], False)] if trainer.ref_forward else []
+    return {"params": {n: _local(p) for n, p in trainer.model.named_parameters()},
+            "buffers": {n: _local(b) for n, b in trainer.model.named_buffers()},
+            "adapters": {n: p.full_tensor().detach().clone() for n, p in trainer.model.named_parameters()
+                         if "lora_" in n},
+            "logprobs": logprobs, "ref": ref}
+
+
+def _rank(rank: int, world: int) -> list:
+    out = []
+    for arch, options in CASES:
+        old, vocab, _ = _build(rank, arch, options, new=False)
+        new, _, audit = _build(rank, arch, options, new=True)
+        samples = _samples(vocab)
+        mine = samples[:3] if rank == 0 else samples[3:]
+        before = (_state(old, samples), _state(new, samples))
+        steps = (old.train_step(copy.deepcopy(mine)).loss, new.train_step(copy.deepcopy(mine)).loss)
+        after = (_state(old, samples), _state(new, samples))
+        out.append({"before": before, "after": after, "losses": steps, "audit": audit.seen if audit else None,
+                    "meta_refs": new.trainer.ref_model is not None})
+    return out
+
+
+def _same(a: dict, b: dict, what: str) -> None:
+    assert a["params"].keys() == b["params"].keys(), what
+    for kind in ("params", "buffers", "adapters"):
+        for name, t in a[kind].items():
+            assert torch.equal(t, b[kind][name]), (what, kind, name)
+    for x, y in zip(a["logprobs"] + a["ref"], b["logprobs"] + b["ref"], strict=True):
+        assert torch.equal(x, y), what
+
+
+def test_rank0_load_equals_every_rank_loading_the_whole_model():
+    ranks = launch_local(_rank, 2, timeout_s=600, threads=1)
+    for (arch, options), r0, r1 in zip(CASES, *ranks):
+        for rank, r in enumerate((r0, r1)):
+            what = f"{arch} {options} rank {rank}"
+            _same(*r["before"], what + " after loading")
+            _same(*r["after"], what + " after a step")
+            assert r["losses"][0] == r["losses"][1], what
+            assert any("inv_freq" in n for n in r["before"][1]["buffers"]), what
+        # rank 0's adapters on every rank (whole tensors, gathered)
+        for name, t in r0["before"][1]["adapters"].items():
+            assert torch.equal(t, r1["before"][1]["adapters"][name]), (arch, name)
+        assert ("lora" in options) == bool(r0["before"][1]["adapters"]), arch
+        assert r1["audit"] == [], (arch, r1["audit"][:3])  # no whole-size tensor on rank 1 before its shards exist
+    assert ranks[0][0]["meta_refs"]  # the KL case has a reference of its own, filled from the policy's shards
+
+
+def _resume_rank(rank: int, world: int, run_dir: str, options: dict) -> tuple[list[float], list[float], dict]:
+    """Per rank, loaded from rank 0: 3 steps straight, and 2 steps + a checkpoint + fresh trainers from it + 1 step."""
+    import torch.distributed as dist
+
+    from loomrl.config import RunConfig
+    from loomrl.model.loader import load_rank_model
+    from loomrl.train_pool.distributed import DataParallelTrainer, Gather
+    from loomrl.train_pool.ranks import build_trainer
+    from loomrl.trainer.checkpoint import latest_checkpoint, save_checkpoint
+    from loomrl.trainer.fsdp import save_sharded_optimizer
+    from loomrl.trainer.lora import base_checkpoint
+
+    cfg = RunConfig.model_validate({"model": {"kind": "tiny"}, "runtime": {"mode": "async"}, "output_dir": run_dir,
+                                    "trainer": {"lr": 1e-4, "micro_batch_size": 2, "parallel": "fsdp",
+                                                "world_size": 2, **options}})
+
+    def trainer(ckpt=None) -> DataParallelTrainer:
+        # as Follower and TrainerService.from_run load it: under LoRA the base (the checkpoint holds the adapter)
+        model = load_rank_model(cfg.model, base_checkpoint(cfg.trainer.lora, ckpt), trainer=cfg.trainer,
+                                rank0=rank == 0)[0]
+        return DataParallelTrainer(build_trainer(cfg.trainer, cfg.model, torch.device("cpu"), model, ckpt))
+
+    tok_len = len(load_rank_model(cfg.model, None, trainer=cfg.trainer, rank0=False)[1])
+    samples = _samples(tok_len)
+    mine = samples[:3] if rank == 0 else samples[3:]
+
+    def steps(dp: DataParallelTrainer, n: int) -> list[float]:
+        return [dp.train_step(copy.deepcopy(mine)).loss for _ in range(n)]
+
+    straight = trainer()
+    want = steps(straight, 3)
+    first = trainer()
+    got = steps(first, 2)
+    t = first.trainer
+    everything = Gather(None, 1 << 20, everything=True)
+    lora = t.lora
+    if rank == 0:
+        tok = load_rank_model(cfg.model, None, trainer=cfg.trainer, rank0=False)[1]
+        save_checkpoint(cfg.run_dir, 2, model=t.model, tokenizer=tok, optimizer=t.optimizer, scheduler=t.scheduler,
+                        state={}, weights=None if lora else first.gathered(everything),
+                        adapter=lora.save if lora else None, shards=lambda folder: save_sharded_optimizer(t, folder))
+    else:  # rank 0's save_checkpoint gathers the model folder (or the adapter), then writes this rank's part here
+        if lora is not None:
+            lora.save(cfg.run_dir / "not-written")
+        else:
+            for _ in first.gathered(everything).buckets():
+                pass
+        save_sharded_optimizer(t, cfg.run_dir / "checkpoints" / ".tmp_step_000002" / "optimizer")
+    dist.barrier()
+    resumed = trainer(latest_checkpoint(cfg.run_dir))
+    assert resumed.trainer.step == 2
+    got += steps(resumed, 1)
+    full = {n: p.full_tensor().detach().clone() for n, p in straight.trainer.model.named_parameters()}
+    return want, got, {n: (full[n], p.full_tensor().detach().clone())
+                       for n, p in resumed.trainer.model.named_parameters()}
+
+
+@pytest.mark.parametrize("options", [{"loss": {"kind": "decoupled_ppo", "kl": "k3", "kl_coef": 0.1}},
+                                     {"lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}}])
+def test_rank0_load_resumes_from_a_checkpoint(tmp_path, options):
+    for rank, (want, got, weights) in enumerate(launch_local(_resume_rank, 2, (str(tmp_path), options),
+                                                             timeout_s=300, threads=1)):
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-9), rank
+        for name, (a, b) in weights.items():
+            assert float((a - b).abs().max()) < 1e-6, (rank, name)

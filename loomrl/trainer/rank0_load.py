@@ -106,7 +106,8 @@ def _rope_function(module: torch.nn.Module):
     """The function transformers computes this rotary module's inverse frequencies with, or None."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    if "RotaryEmbedding" not in type(module).__name__ or not hasattr(module, "config"):
+    # a transformers module (not one of ours): its rotary classes are named *RotaryEmbedding and keep their config
+    if "RotaryEmbedding" not in type(module).__name__ or getattr(module, "config", None) is None:
         return None
     kind = getattr(module, "rope_type", None)
     if not isinstance(kind, str):

@@ -49,14 +49,6 @@ class TinySite:
         pass
 
 
-@pytest.fixture(scope="module")
-def run():
-    """One event loop for the module (Playwright's objects belong to the loop that made them)."""
-    loop = asyncio.new_event_loop()
-    yield loop.run_until_complete
-    loop.close()
-
-
 async def _fails(coro) -> str:
     """The error an escape attempt ends with (it must end with one)."""
     try:

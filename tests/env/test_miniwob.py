@@ -7,7 +7,6 @@ end an episode however slow the agent is (the page's clock is Playwright's fake 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import re
@@ -28,21 +27,6 @@ from loomrl.env.tasks.miniwob.site import ORIGIN, MiniWoBSite  # noqa: E402
 
 pytestmark = [pytest.mark.browser, pytest.mark.skipif(missing_requirements() is not None,
                                                       reason=missing_requirements() or "")]
-
-
-@pytest.fixture(scope="module")
-def run():
-    """One event loop for the module (Playwright's objects belong to the loop that made them)."""
-    loop = asyncio.new_event_loop()
-    yield loop.run_until_complete
-    loop.close()
-
-
-@pytest.fixture(scope="module")
-def pool(run):
-    p = run(BrowserPool(browsers=1, tabs_per_browser=2).start())
-    yield p
-    run(p.close())
 
 
 def _ctx(pool) -> EpisodeContext:

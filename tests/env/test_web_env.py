@@ -16,28 +16,12 @@ import pytest
 from loomrl.env.api import EpisodeContext, TaskSetup
 from loomrl.env.base import EnvCrash
 from loomrl.env.browser.chromium import missing_requirements
-from loomrl.env.browser.pool import BrowserPool
 from loomrl.env.browser.site import SiteRequest
 from loomrl.env.tasks.web.environment import WebArgs, WebEnvironment
 from loomrl.types import Task, Trajectory
 
 pytestmark = [pytest.mark.browser, pytest.mark.skipif(missing_requirements() is not None,
                                                       reason=missing_requirements() or "")]
-
-
-@pytest.fixture(scope="module")
-def run():
-    """One event loop for the module (Playwright's objects belong to the loop that made them)."""
-    loop = asyncio.new_event_loop()
-    yield loop.run_until_complete
-    loop.close()
-
-
-@pytest.fixture(scope="module")
-def pool(run):
-    p = run(BrowserPool(browsers=1, tabs_per_browser=2).start())
-    yield p
-    run(p.close())
 
 
 @pytest.fixture(scope="module")

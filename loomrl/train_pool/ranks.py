@@ -112,7 +112,7 @@ def build_trainer(cfg: TrainerConfig, start: ModelConfig, device: torch.device, 
     it): sharded with trainer.parallel=fsdp (the process group is up by then). Resuming from `ckpt`: its optimizer
     state and step, and KL's reference loaded from `start`, the model the run started from (not the checkpoint's)."""
     sharded = cfg.parallel == "fsdp"
-    shard = partial(fsdp_shard, param_dtype=compute_dtype(cfg.precision, device)) if sharded else None
+    shard = partial(fsdp_shard, param_dtype=compute_dtype(cfg.precision, device), device=device) if sharded else None
     # several FSDP2 ranks: `model` is rank 0's whole on the CPU or another's skeleton (load_rank_model)
     from_rank0 = loads_from_rank0(cfg)
     trainer = Trainer(model, cfg, initial_model=initial_policy(start, cfg, device, ckpt, from_rank0=from_rank0),

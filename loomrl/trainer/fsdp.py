@@ -113,7 +113,7 @@ def _sharded_root(trainer: ShardedState) -> torch.nn.Module:
 
 
 def fsdp_shard(model: PreTrainedModel, param_dtype: torch.dtype | None = None, *, flex: bool = False,
-               offload: bool = False) -> Logprobs:
+               offload: bool = False, device: torch.device | None = None) -> Logprobs:
     """Shard `model` over the default process group with FSDP2 (fully_shard): every decoder layer a
     unit, the rest at the root. Gradients are summed over the ranks, not averaged: the loss of each rank
     already uses the step's global denominators. The sharded parameters stay float32; `param_dtype`
@@ -121,9 +121,11 @@ def fsdp_shard(model: PreTrainedModel, param_dtype: torch.dtype | None = None, *
     backward, so that autocast has no float32 weights to cast (its cast cache would hold a bf16 copy of
     every layer until the forward ends). Gradients are reduced in float32. `flex`: tree attention through
     FlexAttention; `offload`: the shards live in host memory, copied to the device unit by unit (the frozen KL
-    reference: trainer.kl_reference_offload). Returns the sharded forward (Trainer(shard=))."""
+    reference: trainer.kl_reference_offload), pinned when the compute `device` is a GPU (default: the parameters'
+    device, which is meta for a model loaded from rank 0, rank0_load.py). Returns the sharded forward
+    (Trainer(shard=))."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    device = next(model.parameters()).device
+    device = device if device is not None else next(model.parameters()).device
     where = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()  # fully_shard's default
     units = [fully_shard(layer, mp_policy=policy, offload_policy=where) for layer in decoder_layers(model)]
     root = _ShardedForward(model, flex)

@@ -73,10 +73,13 @@ def fill_from_rank0(model: torch.nn.Module, whole: dict[str, torch.Tensor], devi
     rebuild_buffers(model)
 
 
-def copy_shards(source: torch.nn.Module, target: torch.nn.Module, device: torch.device) -> None:
+def copy_shards(source: torch.nn.Module, target: torch.nn.Module, device: torch.device,
+                buffers_on: torch.device | None = None) -> None:
     """Allocate `target`'s shards on `device` (the CPU for an offloaded KL reference) and copy `source`'s into them:
     two modules of one structure sharded alike (the KL reference from the policy's shards: no collective, no whole
-    tensor). Non-persistent buffers rebuilt."""
+    tensor). Non-persistent buffers rebuilt. `buffers_on`: where the buffers then go (the compute device when the
+    shards are offloaded: FSDP's CPU offload moves parameters only, and a buffer a forward uses in place, like some MoE
+    routers' correction bias, must be on the device its inputs are on)."""
     rebuildable(target)
     target.to_empty(device=device)
     theirs = dict(source.named_parameters())
@@ -90,6 +93,10 @@ def copy_shards(source: torch.nn.Module, target: torch.nn.Module, device: torch.
             if name in persistent:
                 b.copy_(persistent[name])
     rebuild_buffers(target)
+    if buffers_on is not None and buffers_on != device:
+        for module in target.modules():
+            for name, b in module.named_buffers(recurse=False):
+                module._buffers[name] = b.to(buffers_on)
 
 
 def _non_persistent(model: torch.nn.Module, name: str) -> bool:

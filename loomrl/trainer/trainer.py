@@ -197,10 +197,10 @@ class Trainer:
         where = torch.device("cpu") if self.cfg.kl_reference_offload else self.device
         if ref is not None and ref_whole is not None:
             fill_from_rank0(self.model, ref_whole, self.device)
-            copy_shards(self.model, ref, where)
+            copy_shards(self.model, ref, where, buffers_on=self.device)
         fill_from_rank0(self.model, whole, self.device)
         if ref is not None and ref_whole is None:
-            copy_shards(self.model, ref, where)
+            copy_shards(self.model, ref, where, buffers_on=self.device)
 
     def train_step(self, samples: list[TrainingSample], *, idle_tokens: int = 0, idle_seqs: int = 0,
                    idle_longest: int = 0, peer_tokens: int = 0) -> StepStats:

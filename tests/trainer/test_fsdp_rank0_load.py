@@ -206,3 +206,27 @@ def test_rank0_load_resumes_from_a_checkpoint(tmp_path, options):
         assert got == pytest.approx(want, rel=1e-6, abs=1e-9), rank
         for name, (a, b) in weights.items():
             assert float((a - b).abs().max()) < 1e-6, (rank, name)
+
+
+def test_copy_shards_puts_the_buffers_where_the_forward_runs_when_the_shards_are_offloaded():
+    """An offloaded KL reference: its shards in host memory, its buffers on the compute device (FSDP's CPU offload moves
+    parameters only; a router's correction bias used in place must sit where the inputs are). On this CPU machine the
+    compute device stands in as `meta`: the check is where each tensor ends up, and that the parameters are copied."""
+    from loomrl.model.loader import build_tiny_model
+    from loomrl.trainer.rank0_load import _to_meta, copy_shards
+
+    source = build_tiny_model(ModelConfig(kind="tiny"), 64, 0)
+    # untied: unsharded, to_empty makes a Parameter per module (sharded, FSDP swaps them in place and ties hold)
+    source.lm_head.weight = torch.nn.Parameter(source.lm_head.weight.detach().clone())
+    target = copy.deepcopy(source)
+    _to_meta(target)  # ties kept, as rank 0's model before sharding
+    copy_shards(source, target, torch.device("cpu"), buffers_on=torch.device("meta"))
+    assert all(p.device.type == "cpu" for p in target.parameters())
+    assert all(torch.equal(p, q) for p, q in zip(target.parameters(), source.parameters(), strict=True))
+    buffers = list(target.buffers())
+    assert buffers and all(b.device.type == "meta" for b in buffers)
+    again = copy.deepcopy(source)
+    _to_meta(again)
+    copy_shards(source, again, torch.device("cpu"))  # not offloaded: the buffers stay with the shards, rebuilt
+    assert all(b.device.type == "cpu" for b in again.buffers())
+    assert all(torch.equal(a, b) for a, b in zip(again.buffers(), source.buffers(), strict=True))

@@ -1,4 +1,5 @@
-"""The tiny model the LoRA tests share (tests/trainer/test_lora.py, test_lora_fsdp.py, test_lora_publish.py): a tiny
+"""The tiny model the LoRA and tree tests share (tests/trainer/test_lora.py, test_lora_fsdp.py, test_lora_publish.py,
+test_tree.py): a tiny
 random model from a config with its matrices redrawn at std 0.2, so that a wrong merge, a missing adapter or a stale
 one moves logprobs far beyond the tolerances (at the config's init, std 0.02, they would hide in float noise). A module,
 not a fixture: the FSDP tests build it inside spawned ranks."""

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from loomrl.engine.kv_store import Candidate, nbytes_of
+from loomrl.processes import pid_alive
 
 log = logging.getLogger("loomrl")
 
@@ -83,13 +84,6 @@ def _read_entry(path: Path, nbytes: int, shape: tuple[int, ...], dtype: torch.dt
     return raw.view(dtype).view(shape)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True
 
 
@@ -295,7 +289,7 @@ class FileStore:
         for p in (self.root / "kv").glob("*"):
             with contextlib.suppress(FileNotFoundError, ValueError, IndexError):
                 if p.name.startswith("tmp-"):
-                    if not _pid_alive(int(p.name.split("-")[1])):
+                    if not pid_alive(int(p.name.split("-")[1])):
                         p.unlink()
                 elif p.name not in named and now - p.stat().st_mtime > ORPHAN_AGE_S:
                     p.unlink()

@@ -9,9 +9,9 @@ import random
 
 import pytest
 import torch
+from tiny_lora_models import spread_tiny
 
-from loomrl.config import ModelConfig, TrainerConfig
-from loomrl.model.loader import build_tiny_model
+from loomrl.config import TrainerConfig
 from loomrl.trainer.forward import token_logprobs
 from loomrl.trainer.step_plan import micro_batches
 from loomrl.trainer.trainer import Trainer
@@ -79,17 +79,10 @@ def test_mask_matches_ancestors_on_a_random_trie():
 
 
 def _tiny(tokenizer):
-    """The tiny config's model with its matrices redrawn at std 0.2. At the default 0.02 its
-    next-token distribution is nearly uniform, so wrong positions or a wrong mask move logprobs by
-    only ~1e-4 relative; at 0.2 they move them by >10% (test_wrong_tree_is_caught), and a 1e-5
-    agreement says something."""
-    model = build_tiny_model(ModelConfig(kind="tiny"), len(tokenizer), tokenizer.eos_token_id)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    return model
+    """The tiny config's model with its matrices redrawn at std 0.2 (tests/tiny_lora_models.py). At the default 0.02 its
+    next-token distribution is nearly uniform, so wrong positions or a wrong mask move logprobs by only ~1e-4
+    relative; at 0.2 they move them by >10% (test_wrong_tree_is_caught), and a 1e-5 agreement says something."""
+    return spread_tiny(len(tokenizer), tokenizer.eos_token_id)
 
 
 @pytest.fixture()

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from loomrl.env.sandbox.base import SandboxError
+from loomrl.processes import pid_alive
 
 if TYPE_CHECKING:
     from playwright.async_api import Browser, Playwright
@@ -140,12 +141,12 @@ def reap_orphans(root: str | None = None) -> int:
     for pid, cmdline in _processes():
         ours = cmdline.startswith("bwrap ") or "--loomrl-home=" in cmdline  # not an editor showing the path
         m = _OWNED.search(cmdline)
-        if ours and m and not _alive(int(m.group(1))):
+        if ours and m and not pid_alive(int(m.group(1))):
             _kill(pid)
             killed += 1
     for entry in Path(root or tempfile.gettempdir()).glob(f"{PREFIX}*"):
         m = _OWNED.match(entry.name)
-        if m and not _alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             shutil.rmtree(entry, ignore_errors=True)
     return killed
 
@@ -165,13 +166,6 @@ def _processes() -> list[tuple[int, str]]:
     return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True
 
 

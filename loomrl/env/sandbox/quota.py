@@ -25,6 +25,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from loomrl.processes import pid_alive
+
 MB = 1024 * 1024
 _PAGE = 4096
 # <tmp>/loomrl-<backend>-<pid>-<random>/work: the pid is that of the process that made the sandbox
@@ -56,16 +58,6 @@ def unmount(path: Path) -> None:
         subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's
-    return True
-
-
 def sweep_stale() -> int:
     """Unmount and remove sandbox workdirs mounted by processes that are gone; how many. Run before every mount
     (reading the mount table costs well under a millisecond, the mount itself several)."""
@@ -77,7 +69,7 @@ def sweep_stale() -> int:
     for line in lines:
         point = line.split()[4].replace("\\040", " ")  # mountinfo escapes spaces in paths
         match = _WORKDIR.search(point)
-        if match and int(match.group(1)) != os.getpid() and not _alive(int(match.group(1))):
+        if match and int(match.group(1)) != os.getpid() and not pid_alive(int(match.group(1))):
             unmount(Path(point))
             shutil.rmtree(Path(point).parent, ignore_errors=True)
             swept += 1

@@ -87,6 +87,38 @@ def test_prewarm_routes_to_the_attached_site_only_and_records_site_failures(run)
     run(go())
 
 
+def test_a_large_prewarm_makes_a_few_contexts_at_a_time(run, monkeypatch):
+    """40 tabs made at once on one browser ran past the 10 s context timeout on this 2-core machine (the web recipe's
+    pool); the pool makes at most CONTEXTS_AT_ONCE per browser at a time, each timed from when it is made."""
+    from playwright.async_api._generated import Browser
+
+    from loomrl.env.browser import pool as pool_module
+
+    making, most = 0, 0
+    new_context = Browser.new_context
+
+    async def counted(self, *args, **kwargs):
+        nonlocal making, most
+        making += 1
+        most = max(most, making)
+        try:
+            return await new_context(self, *args, **kwargs)
+        finally:
+            making -= 1
+
+    monkeypatch.setattr(Browser, "new_context", counted)
+
+    async def go():
+        pool = await BrowserPool(browsers=1, tabs_per_browser=12).start()
+        try:
+            assert pool.metrics.created == 12 and pool.idle == 12
+        finally:
+            await pool.close()
+
+    run(go())
+    assert most == pool_module.CONTEXTS_AT_ONCE
+
+
 def test_escapes_fail_and_tabs_cannot_see_each_other(run):
     async def go():
         pool = await BrowserPool(browsers=1, tabs_per_browser=2).start()

@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+CONTEXTS_AT_ONCE = 4  # new contexts in the making on one browser at a time (_Chromium.creating)
+
 
 @dataclass(slots=True)
 class BrowserPoolMetrics(PoolMetrics):
@@ -56,6 +58,9 @@ class _Chromium:
     home: ChromiumHome
     tabs: int = 0
     closing: bool = False
+    # contexts being made on it at once: Chromium makes them one after another anyway, and a pre-warm of 40 made at
+    # once on 2 cores ran past context_timeout_s (each one's timeout counts from when it is made, not queued)
+    creating: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(CONTEXTS_AT_ONCE))
 
     @property
     def up(self) -> bool:
@@ -209,10 +214,12 @@ class _Tabs:
         if not chromium.up:
             raise BrowserError("browser pool: the tab's browser crashed or disconnected")
         try:
-            async with asyncio.timeout(self.context_timeout_s):
+            async with chromium.creating, asyncio.timeout(self.context_timeout_s):
                 context = await chromium.browser.new_context(service_workers="block", accept_downloads=False)
                 page = await context.new_page()
-        except (Error, TimeoutError) as err:
+        except TimeoutError as err:
+            raise BrowserError(f"browser pool: a new browser context took over {self.context_timeout_s}s") from err
+        except Error as err:
             raise BrowserError(f"browser pool: a new browser context failed: {type(err).__name__}: {err}") from err
         context.on("page", _close_popup)  # after the tab's own page: every later page is a popup
         return context, page
@@ -295,8 +302,10 @@ class BrowserPool(ResourcePool[BrowserTab]):
         self.tabs = _Tabs(browsers=browsers, tabs_per_browser=tabs_per_browser, executable=executable,
                           launch_timeout_s=launch_timeout_s, context_timeout_s=context_timeout_s,
                           site_timeout_s=site_timeout_s, metrics=metrics)
-        fix = (f"headless chromium ({executable}) does not start in bubblewrap here: check `{INSTALL}`, then run "
-               f"the launch script of loomrl.env.browser.chromium.chromium_home() with --headless by hand")
+        fix = (f"headless chromium ({executable}) does not start in bubblewrap here, or opens tabs too slowly on a "
+               f"machine this busy: check `{INSTALL}`, run the launch script of "
+               f"loomrl.env.browser.chromium.chromium_home() with --headless by hand, or make fewer tabs at once "
+               f"(env.browser.prewarm, the rollout concurrency)")
         super().__init__(self.tabs, size=browsers * tabs_per_browser, prewarm=prewarm,
                          health_timeout_s=health_timeout_s, max_failures=max_failures, fix=fix,
                          close_timeout_s=context_timeout_s + 5, metrics=metrics)

@@ -236,8 +236,9 @@ def loads_from_rank0(trainer: TrainerConfig) -> bool:
 def load_rank_model(cfg: ModelConfig, checkpoint: Path | None, *, trainer: TrainerConfig, rank0: bool
                     ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A trainer rank's model before its trainer is built (`rank0`: rank 0's, else a follower's). Under
-    loads_from_rank0: rank 0's whole, float32 on the CPU (never on the accelerator: FSDP2 shards it first); every other rank's the skeleton (meta, float32: nothing read
-    or allocated). Else load_run_model(trainer=): float32 on trainer.device."""
+    loads_from_rank0: rank 0's whole on the CPU in the precision it is stored in (`stored_dtype`; never on the
+    accelerator: FSDP2 shards it first, in float32); every other rank's the skeleton (meta, float32: nothing read or
+    allocated). Else load_run_model(trainer=): float32 on trainer.device."""
     import torch
 
     if not loads_from_rank0(trainer):
@@ -247,7 +248,32 @@ def load_rank_model(cfg: ModelConfig, checkpoint: Path | None, *, trainer: Train
     if not rank0:
         return load_skeleton(cfg, checkpoint, dtype=torch.float32)
     source = ModelConfig(kind="hf", path=str(CheckpointFolder(checkpoint).model)) if checkpoint is not None else cfg
-    return load_model(source, device=torch.device("cpu"), dtype=torch.float32)
+    # in the precision it is stored in: a bfloat16 model's whole state in half the host memory (Qwen3-30B-A3B: 61 GB,
+    # not 122), exact all the same (each rank's float32 shard is filled from it: trainer/rank0_load.py)
+    return load_model(source, device=torch.device("cpu"), dtype=stored_dtype(source))
+
+
+def stored_dtype(cfg: ModelConfig) -> torch.dtype:
+    """The precision `cfg`'s weights are stored in when float32 holds it exactly and every floating tensor has it
+    (bfloat16, float16: read from the safetensors headers, not config.json, which may name another); else float32
+    (GGUF, tiny models, float32 checkpoints such as loomrl's own, mixed or unreadable files)."""
+    import torch
+
+    if cfg.kind != "hf":
+        return torch.float32
+    from safetensors import SafetensorError, safe_open
+
+    found: set[str] = set()
+    files = sorted(_hf_folder(cfg).glob("*.safetensors"))
+    try:
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                found |= {f.get_slice(name).get_dtype() for name in f.keys()}  # noqa: SIM118 - safe_open is no dict
+    except (SafetensorError, OSError):
+        return torch.float32
+    floats = found & {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+    exact = {"BF16": torch.bfloat16, "F16": torch.float16}
+    return exact[next(iter(floats))] if files and len(floats) == 1 and floats <= exact.keys() else torch.float32
 
 
 def load_skeleton(cfg: ModelConfig, checkpoint: Path | None, *, dtype: torch.dtype

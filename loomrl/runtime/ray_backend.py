@@ -580,8 +580,13 @@ class ActorTrainer(Trainer):
             self.trainer_ranks = [cluster.actor(TrainerRankActor, spec, max_restarts=0, **cluster.trainer_options(rank))
                                   .remote(pool_json, ckpt) for rank in range(1, world)]
             # rank 0 reads its model first (the followers read theirs as they are made): no rank then waits in the
-            # rendezvous, which times out after COLLECTIVE_TIMEOUT_S, while rank 0 reads a large model
-            await self.call(trainer.load.remote())
+            # rendezvous, which times out after COLLECTIVE_TIMEOUT_S, while rank 0 reads a large model. A follower
+            # that cannot start stops the start then, not after rank 0's read.
+            try:
+                await asyncio.gather(self.call(trainer.load.remote()),
+                                     *(f.__ray_ready__.remote() for f in self.trainer_ranks))
+            except self.ray.exceptions.RayError as err:
+                raise TrainerLost(f"a trainer rank failed to start: {failure_line(err)}") from None
             joins = [f.join.remote(rank, world, addr, port) for rank, f in enumerate(self.trainer_ranks, start=1)]
             try:
                 joined = trainer.join_ranks.remote(self.trainer_ranks, addr, port)

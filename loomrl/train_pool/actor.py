@@ -80,6 +80,8 @@ class TrainerActor(Placed):
     def load(self) -> None:
         """trainer.distributed: rank 0 reads its model (and KL's reference) before any rank enters the rendezvous
         (the driver tells the followers to join once this returns: no rank waits there while this one reads)."""
+        if self.loaded is not None or self.service is not None:  # a second read would hold two models at once
+            raise RuntimeError("TrainerActor.load: loaded already (a restart makes a new trainer actor)")
         self.loaded = TrainerService.load(self.pool, self.ckpt, self.device)
 
     def join_ranks(self, followers: list[Any], addr: str, port: int) -> None:

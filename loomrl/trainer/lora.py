@@ -103,10 +103,15 @@ class Lora:
         # PEFT draws each A from torch's generator: from a fixed seed, so that data-parallel ranks (each its own
         # process and generator state) start from the same adapters, and so does every run
         with quiet_peft(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(INIT_SEED)
             self.peft = get_peft_model(model, peft_cfg, adapter_name=ADAPTER)  # marks only A and B trainable
-        # module name in `model` (the base model's own names) -> its LoRA layer
-        self.layers = {n: m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+            # module name in `model` (the base model's own names) -> its LoRA layer
+            self.layers = {n: m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+            # drawn again, in float32: PEFT draws A in the base's dtype before casting it up, so a bfloat16 base (FSDP2
+            # rank 0 reads one so: model/loader.py stored_dtype) would start from rounded adapters unlike a float32
+            # one; a skeleton's (meta) draw is a no-op
+            torch.manual_seed(INIT_SEED)
+            for layer in self.layers.values():
+                layer.reset_lora_parameters(ADAPTER, True)
         # each adapter parameter's name in `model` -> its name in a PEFT adapter file, as PEFT itself renames them
         # (the values passed through are the names: PEFT only filters and renames the state dict's keys)
         own = {f"base_model.model.{n}": n for n, _ in self._own()}

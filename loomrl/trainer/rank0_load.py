@@ -52,6 +52,9 @@ def take_whole_state(model: PreTrainedModel) -> dict[str, torch.Tensor]:
     # rank 0 read a bfloat16 model in bfloat16 (model/loader.py stored_dtype); from here it is float32, as every
     # other rank's skeleton is, and so is what a checkpoint's config.json says of the float32 tensors it holds
     model.config.dtype = torch.float32
+    for key in model.config.sub_configs:  # as from_pretrained set them: each sub-config's too (a VLM's text config)
+        if (sub := getattr(model.config, key)) is not None:
+            sub.dtype = torch.float32
     return whole
 
 

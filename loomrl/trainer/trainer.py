@@ -192,13 +192,17 @@ class Trainer:
     def _fill(self, whole: dict[str, torch.Tensor], ref_whole: dict[str, torch.Tensor] | None) -> None:
         """from_rank0: every rank's shards filled from rank 0's `whole` state; the reference's copied from the policy's
         shards (no collective, and none into host memory, which NCCL cannot reach), after filling those with the
-        reference's own state first when it has one (`ref_whole`: resuming)."""
+        reference's own state first when it has one (`ref_whole`: resuming). Each whole state is emptied once its
+        shards are filled: on rank 0 it is the only hold on a whole model in host memory, freed before the next
+        allocation (an offloaded reference's pinned shards)."""
         ref = self.ref_model
         where = torch.device("cpu") if self.cfg.kl_reference_offload else self.device
         if ref is not None and ref_whole is not None:
             fill_from_rank0(self.model, ref_whole, self.device)
+            ref_whole.clear()
             copy_shards(self.model, ref, where, buffers_on=self.device)
         fill_from_rank0(self.model, whole, self.device)
+        whole.clear()
         if ref is not None and ref_whole is None:
             copy_shards(self.model, ref, where, buffers_on=self.device)
 

@@ -284,3 +284,18 @@ def test_stored_dtype_reads_the_tensors_not_the_config(tmp_path):
     model.to(torch.float16).save_pretrained(tmp_path / "f16")
     assert stored_dtype(ModelConfig(kind="hf", path=str(tmp_path / "f16"))) == torch.float16
     assert stored_dtype(tiny) == torch.float32
+
+
+@pytest.mark.parametrize(("tensors", "want"), [
+    ({"w": torch.bfloat16, "steps": torch.int64, "mask": torch.bool}, torch.bfloat16),  # integers are not floats
+    ({"w": torch.bfloat16, "router_bias": torch.float32}, torch.float32),  # mixed: whole in float32
+    ({"w": torch.bfloat16, "scale": torch.float8_e4m3fnuz}, torch.float32),  # any other float type counts too
+    ({"w": torch.float16}, torch.float16)])
+def test_stored_dtype_is_one_half_precision_only_when_every_float_has_it(tmp_path, tensors, want):
+    from safetensors.torch import save_file
+
+    from loomrl.model.loader import stored_dtype
+
+    save_file({name: torch.zeros(2, dtype=dtype) for name, dtype in tensors.items()}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text("{}")
+    assert stored_dtype(ModelConfig(kind="hf", path=str(tmp_path))) == want

@@ -323,3 +323,17 @@ def test_adapters_start_the_same_whatever_the_generator_state(tokenizer):
         draws.append(torch.rand(3))
     assert all(torch.equal(starts[0][n], starts[1][n]) for n in starts[0])
     assert not torch.equal(draws[0], draws[1])
+
+
+def test_adapters_start_the_same_on_a_bfloat16_base(tokenizer):
+    """FSDP2's rank 0 reads a bfloat16 model in bfloat16 (model/loader.py stored_dtype): its adapters must start from the
+    same float32 A as on a float32 base (one rank, DDP), not from A rounded to bfloat16 as PEFT draws it."""
+    from loomrl.trainer.lora import Lora
+
+    base = _tiny(tokenizer)
+    half = copy.deepcopy(base).to(torch.bfloat16)
+    a, b = Lora(base, LORA), Lora(half, LORA)
+    for name, layer in a.layers.items():
+        wa, wb = layer.lora_A[ADAPTER].weight, b.layers[name].lora_A[ADAPTER].weight
+        assert wb.dtype == torch.float32 and torch.equal(wa, wb), name
+        assert not torch.equal(wa, wa.to(torch.bfloat16).float()), name  # the draw is not bfloat16-representable

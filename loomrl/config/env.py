@@ -30,6 +30,11 @@ class BrowserConfig(Section):
     `env_error`"""
     launch_timeout_s: float = Field(30.0, gt=0.0)
     """starting one Chromium process"""
+    context_timeout_s: float = Field(10.0, gt=0.0)
+    """making one tab (a browser context and its page; a browser makes 4 at a time)"""
+    health_timeout_s: float = Field(5.0, gt=0.0)
+    """a tab's health check (a trivial script) when it is made and before it is handed out; raise it on a machine
+    so busy that the check times out (the pool gives up after max_failures in a row)"""
     max_failures: int = Field(3, gt=0)
     """failed tab creations or health checks in a row after which the pool gives up and the run stops with the cause"""
 

@@ -230,7 +230,8 @@ class _Tabs:
         try:
             answer = await asyncio.wait_for(item.page.evaluate("1 + 1"), timeout)
         except Exception as err:  # noqa: BLE001 - whatever the page does, it is unhealthy
-            return Health(ok=False, detail=f"a trivial evaluate failed: {type(err).__name__}: {err}")
+            what = f"no answer in {timeout}s" if isinstance(err, TimeoutError) else f"{type(err).__name__}: {err}"
+            return Health(ok=False, detail=f"a trivial evaluate failed: {what}")
         return Health(ok=answer == 2, detail="" if answer == 2 else f"a trivial evaluate answered {answer!r}")
 
     async def prepare(self, item: BrowserTab) -> None:
@@ -302,10 +303,11 @@ class BrowserPool(ResourcePool[BrowserTab]):
         self.tabs = _Tabs(browsers=browsers, tabs_per_browser=tabs_per_browser, executable=executable,
                           launch_timeout_s=launch_timeout_s, context_timeout_s=context_timeout_s,
                           site_timeout_s=site_timeout_s, metrics=metrics)
-        fix = (f"headless chromium ({executable}) does not start in bubblewrap here, or opens tabs too slowly on a "
+        fix = (f"headless chromium ({executable}) does not start in bubblewrap here, or answers too slowly on a "
                f"machine this busy: check `{INSTALL}`, run the launch script of "
-               f"loomrl.env.browser.chromium.chromium_home() with --headless by hand, or make fewer tabs at once "
-               f"(env.browser.prewarm, the rollout concurrency)")
+               f"loomrl.env.browser.chromium.chromium_home() with --headless by hand; on a busy machine make fewer "
+               f"tabs at once (env.browser.prewarm, the rollout concurrency) or allow more time "
+               f"(env.browser.context_timeout_s, env.browser.health_timeout_s)")
         super().__init__(self.tabs, size=browsers * tabs_per_browser, prewarm=prewarm,
                          health_timeout_s=health_timeout_s, max_failures=max_failures, fix=fix,
                          close_timeout_s=context_timeout_s + 5, metrics=metrics)
@@ -334,5 +336,6 @@ def browser_pool(b: BrowserConfig, concurrency: int) -> BrowserPool:
     plus spares being reset, spread evenly over the browsers)."""
     per_browser = b.tabs_per_browser or math.ceil(pool_size_for(concurrency) / b.browsers)
     return BrowserPool(browsers=b.browsers, tabs_per_browser=per_browser, prewarm=b.prewarm, executable=b.executable,
-                       launch_timeout_s=b.launch_timeout_s, site_timeout_s=b.site_timeout_s,
+                       launch_timeout_s=b.launch_timeout_s, context_timeout_s=b.context_timeout_s,
+                       health_timeout_s=b.health_timeout_s, site_timeout_s=b.site_timeout_s,
                        max_failures=b.max_failures)

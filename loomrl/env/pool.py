@@ -15,6 +15,8 @@ browser pool (loomrl/env/browser/pool.py) on the same machinery (ResourcePool).
   and a replacement is prepared in the background.
 - `lease()`: acquire + release as an async context manager; an exception or cancellation inside it
   (the trajectory's deadline, say) releases the instance as broken, and cleanup hooks run either way.
+  An acquire cancelled before it returns (the same deadline, or an env actor closing an episode whose reset is
+  still leasing) loses nothing: an idle instance being checked goes back to the idle ones, a new one is torn down.
 - Nothing is left behind: `close()` destroys every instance, and an atexit hook kills what pools still
   open at the interpreter's exit hold (Lifecycle.kill_now: no event loop is left to run anything).
 Metrics: acquire wait, reset latency, health failures, creation failures, kills (broken releases).
@@ -323,7 +325,11 @@ class ResourcePool(LeasePool[T]):
                     await asyncio.sleep(0.05 * self._failures_in_a_row)
                     continue
                 break  # just made, and checked as it was made
-            health = await self._healthy(item)
+            try:
+                health = await self._healthy(item)
+            except asyncio.CancelledError:  # the caller gave up while its instance was checked: not lost, idle again
+                self._spawn(self._make_idle(item))
+                raise
             if health.ok:
                 self._failures_in_a_row = 0
                 break
@@ -395,6 +401,9 @@ class ResourcePool(LeasePool[T]):
                 await self._close(item)
                 await self._failed("starting one", health.detail or f"{type(err).__name__}: {err}")
                 raise SandboxError(f"env pool: a new instance did not start: {err}") from err
+            except BaseException:  # cancelled while it was checked (its acquire gave up): torn down, not leaked
+                self._spawn(self._close(item))
+                raise
             self._all[id(item)] = item
             self.metrics.created += 1
             return item

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from loomrl.env.pool import EnvPool, EnvPoolFailed, pool_size_for
+from loomrl.env.pool import EnvPool, EnvPoolFailed, ResourcePool, pool_size_for
 from loomrl.env.sandbox import SandboxError, make_sandbox
+from loomrl.env.sandbox.base import Health
 from loomrl.env.sandbox.bwrap import bwrap_available
 from loomrl.env.sandbox.quota import unmount
 
@@ -195,6 +196,66 @@ def test_env_actor_leases_of_a_dead_owner_or_a_cancelled_acquire_are_reclaimed(t
 # -- bounded failure (a sandbox backend that cannot work here must not hang the run) ----------------
 
 needs_bwrap = pytest.mark.skipif(not bwrap_available(), reason="bubblewrap not installed (make test installs it)")
+
+
+class _Gated:
+    """A Lifecycle of plain objects whose health check waits until `healthy` is set, so that an acquire can be cancelled
+    while its instance is checked, every time (a real sandbox's check is over too soon to land in reliably)."""
+
+    noun, nouns = "thing", "things"
+
+    def __init__(self):
+        self.healthy = asyncio.Event()
+        self.closed: list[object] = []
+
+    async def create(self) -> object:
+        return object()
+
+    async def health(self, item, timeout):
+        await self.healthy.wait()
+        return Health(ok=True)
+
+    async def prepare(self, item) -> None:
+        pass
+
+    async def reset(self, item) -> None:
+        pass
+
+    async def close(self, item) -> None:
+        self.closed.append(item)
+
+    def kill_now(self, item) -> None:
+        pass
+
+
+def test_an_acquire_cancelled_while_its_instance_is_checked_loses_nothing():
+    """What an episode whose reset is cancelled mid-lease (its deadline; an env actor closing it) must not do: leave
+    the pool one instance short for good. A new instance is torn down; an idle one goes back to the idle ones."""
+
+    async def cancelled_acquire(pool) -> None:
+        acquire = asyncio.ensure_future(pool.acquire())
+        await asyncio.sleep(0.05)  # in the health check now
+        acquire.cancel()
+        await asyncio.gather(acquire, return_exceptions=True)
+        await asyncio.sleep(0.05)  # the background work it left
+
+    async def go():
+        lifecycle = _Gated()
+        pool = await ResourcePool(lifecycle, size=1, prewarm=0).start()
+        await cancelled_acquire(pool)  # a new instance
+        assert pool.live == 0 and len(lifecycle.closed) == 1
+        lifecycle.healthy.set()
+        item = await pool.acquire()
+        await pool.release(item)
+        await asyncio.sleep(0.05)  # its reset, in the background
+        lifecycle.healthy.clear()
+        await cancelled_acquire(pool)  # an idle instance
+        assert pool.idle == 1 and pool.live == 1
+        lifecycle.healthy.set()
+        assert await pool.acquire() is item
+        await pool.close()
+
+    asyncio.run(go())
 
 
 @needs_bwrap

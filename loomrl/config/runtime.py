@@ -104,8 +104,9 @@ class RayConfig(Section):
     max_reward_attempts: int = Field(3, gt=0)
     """a scoring call on a reward actor runs up to this many times in all (Ray retries it on a restarted actor)"""
     env: ActorSpec = Field(default_factory=lambda: ActorSpec(count=0))
-    """env actors holding the sandboxes of white-box environments, shared by all rollout actors (count 0: each rollout
-    actor runs sandboxes on its own node); e.g. resources {sandbox: 1} for CPU nodes"""
+    """env actors holding the sandboxes of white-box environments, or running whole episodes of environments with a
+    browser (their browser pools live there), shared by all rollout actors (count 0: each rollout actor runs sandboxes
+    and browsers on its own node); e.g. resources {sandbox: 1} for CPU nodes"""
     engine: ActorSpec = Field(default_factory=lambda: ActorSpec(count=0))
     """engine actors shared by the rollout actors (count 0: each rollout actor owns its engine); each one engine.kind
     engine, e.g. num_gpus 1 (a vLLM engine of tensor_parallel_size 2: num_gpus 2); rollout actor i uses engine i mod

@@ -1,5 +1,6 @@
 """The env pool's Ray half: env actors holding sandboxes (ray.env.count > 0), and the pool and
-sandbox interfaces over them that rollout actors on other nodes use."""
+sandbox interfaces over them that rollout actors on other nodes use. Environments with a browser run whole
+episodes in env actors instead (env/remote_episode.py): a browser tab cannot be driven from another process."""
 
 from __future__ import annotations
 

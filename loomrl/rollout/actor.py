@@ -20,9 +20,11 @@ from loomrl.engine.actor import RemoteEngine, WeightGate
 from loomrl.engine.base import Engine
 from loomrl.engine.factory import make_engine
 from loomrl.engine.readings import Reading, reading_of
+from loomrl.env.api import environment_for
 from loomrl.env.pool import Leases
 from loomrl.env.registry import prepared_tasks
 from loomrl.env.remote import RemoteEnvPool
+from loomrl.env.remote_episode import RemoteEpisodes, runs_episodes
 from loomrl.model.chat import ChatRenderer
 from loomrl.model.loader import load_engine_model, load_tokenizer
 from loomrl.reward.actor import RemoteRewardPool
@@ -36,10 +38,11 @@ class RolloutSide:
     """A RolloutWorker, its engine over the run's model (`checkpoint`'s, else model config's: see
     load_engine_model; `trainer`: loaded as the trainer's, for a sync run; for vLLM and SGLang a skeleton without
     weights) and the run's task splits (registry.prepared_tasks); `eval_tasks`: the held-out tasks an evaluation runs.
-    `reward_pool`, `env_pool`: the worker's (RolloutWorker; on Ray, the reward and env actors' clients)."""
+    `reward_pool`, `env_pool`, `episodes`: the worker's (RolloutWorker; on Ray, the reward and env actors' clients)."""
 
     def __init__(self, pool: RolloutPoolConfig, checkpoint: Path | None, *, trainer: TrainerConfig | None = None,
-                 engine_actor: Any = None, reward_pool: Scorer | None = None, env_pool: Leases | None = None):
+                 engine_actor: Any = None, reward_pool: Scorer | None = None, env_pool: Leases | None = None,
+                 episodes: RemoteEpisodes | None = None):
         # On a thread: this may run inside an event loop (a Ray actor's constructor, LocalRollouts.start), and the
         # environment's start-up step runs one of its own (codefix validates its corpus in local sandboxes, or reads
         # the validation it cached).
@@ -60,7 +63,7 @@ class RolloutSide:
             self.engine = make_engine(pool.engine, self.model, self.tokenizer, 0)
         try:
             self.worker = RolloutWorker(pool, self.engine, ChatRenderer(self.tokenizer), train_tasks,
-                                        reward_pool=reward_pool, env_pool=env_pool)
+                                        reward_pool=reward_pool, env_pool=env_pool, episodes=episodes)
         except BaseException:  # e.g. reward.function does not import: no engine thread left behind
             self.engine.close()
             raise
@@ -87,7 +90,8 @@ class RolloutSide:
 class RolloutActor(Placed, RolloutSide):
     """One rollout worker on some node. Async actor: many groups run at once over one engine.
     `reward_actors`: score on these (RemoteRewardPool) instead of this actor's own threads.
-    `env_actors`: lease sandboxes from these (RemoteEnvPool, as `owner`) instead of this node's.
+    `env_actors`: lease sandboxes from these (RemoteEnvPool, as `owner`) instead of this node's; for an environment
+    with a browser, run whole episodes in them (RemoteEpisodes: the browsers live there).
     `engine_actor`: generate on it (RemoteEngine; it gets the weights itself) instead of an engine of its own."""
 
     def __init__(self, pool_json: str, reward_actors: list[Any] | None = None, env_actors: list[Any] | None = None,
@@ -99,8 +103,12 @@ class RolloutActor(Placed, RolloutSide):
         torch.set_num_threads(e.engine.threads or max(1, int(pool.cpus)))
         # Architecture, tokenizer and frozen weights; the trainable ones arrive with update_weights
         # before the first group (the driver sends the trainer's current version to every new actor).
+        remote = runs_episodes(pool.env, pool.agent.kind)
+        episodes = RemoteEpisodes(env_actors, owner, pool.env, environment_for(pool.env).version) \
+            if env_actors and remote else None
         super().__init__(pool, None, reward_pool=RemoteRewardPool(reward_actors) if reward_actors else None,
-                         env_pool=RemoteEnvPool(env_actors, owner) if env_actors else None, engine_actor=engine_actor)
+                         env_pool=RemoteEnvPool(env_actors, owner) if env_actors and not remote else None,
+                         episodes=episodes, engine_actor=engine_actor)
         self.gate = WeightGate(self.engine, e.interrupt_on_update,
                                label=f"{e.engine.kind} ({owner or 'rollout actor'})")
 

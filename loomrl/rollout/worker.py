@@ -41,6 +41,7 @@ from loomrl.types import REWARD_FAILED, EvalRecord, Evaluation, RewardFn, Rollou
 
 if TYPE_CHECKING:
     from loomrl.env.browser.pool import BrowserTab
+    from loomrl.env.remote_episode import RemoteEpisodes
 
 
 @dataclass(slots=True, kw_only=True)
@@ -141,11 +142,14 @@ def rollout_concurrency(pool: RolloutPoolConfig) -> int:
 
 class RolloutWorker:
     def __init__(self, pool: RolloutPoolConfig, engine: Engine, renderer: ChatRenderer, train_tasks: Sequence[Task],
-                 reward_pool: Scorer | None = None, env_pool: Leases | None = None):
+                 reward_pool: Scorer | None = None, env_pool: Leases | None = None,
+                 episodes: RemoteEpisodes | None = None):
         """`pool`: the rollout pool's config (config/pools.py). `reward_pool`: where trajectories are scored
         (default: threads of this process; on Ray it may be the reward actors, reward/actor.py RemoteRewardPool).
         `env_pool`: where white-box environments lease sandboxes (default: an EnvPool of this process, made on first
-        use; on Ray it may be the env actors, env/remote.py RemoteEnvPool)."""
+        use; on Ray it may be the env actors, env/remote.py RemoteEnvPool). `episodes`: where white-box episodes run
+        (default: here, each from the environment with this process's pools; on Ray, for environments with a browser,
+        in the env actors: env/remote_episode.py RemoteEpisodes, and this process then has no pools)."""
         self.config = pool
         self.engine = engine
         self.renderer = renderer
@@ -158,6 +162,7 @@ class RolloutWorker:
         self._env_rng = random.Random(f"{pool.seed}:env")
         self._retry_rng = random.Random(f"{pool.seed}:retry")
         self._pool: Leases | None = env_pool
+        self._episodes = episodes
         self._browsers: LeasePool[BrowserTab] | None = None
         self._blackbox: BlackBoxRunner | None = None
         self._gateway: Gateway | None = None
@@ -193,7 +198,7 @@ class RolloutWorker:
         """The sandbox pool, made and pre-warmed on first use (inside the run's event loop); None for
         environments that need no sandbox."""
         use = "episode" if self.config.agent.kind == "blackbox" else self.environment.sandbox
-        if use is None:
+        if use is None or self._episodes is not None:  # remote episodes: the env actors hold the sandboxes
             return None
         if self._pool is None:
             size = sandbox_pool_size(self.config.env, self.config.agent.kind, rollout_concurrency(self.config))
@@ -203,7 +208,7 @@ class RolloutWorker:
 
     async def browser_pool(self) -> LeasePool[BrowserTab] | None:
         """The browser pool (env.browser), made and pre-warmed on first use; None for environments without a browser."""
-        if not self.environment.browser:
+        if not self.environment.browser or self._episodes is not None:  # remote episodes: the env actors hold them
             return None
         if self._browsers is None:
             from loomrl.env.browser.pool import browser_pool
@@ -266,10 +271,10 @@ class RolloutWorker:
             while True:
                 traj = await self._run_one(loop, task, group_id, position)
                 traj.prompt, traj.answer, traj.split = task.prompt, task.answer, task.split
-                for pool in (self._pool, self._browsers):
+                for pool in (self._pool, self._browsers, self._episodes):
                     if pool is not None and pool.failure is not None:
-                        # The sandboxes (or browsers) cannot work here (the episode ended env_error with the same
-                        # cause): every later episode would fail at once, so the run stops with the cause.
+                        # The sandboxes (or browsers, here or in an env actor) cannot work (the episode ended env_error
+                        # with the same cause): every later episode would fail at once, so the run stops with the cause.
                         raise pool.failure
                 if str(traj.status) not in a.retry_on or len(errors) >= a.max_retries:
                     traj.metadata.attempts = len(errors) + 1
@@ -297,7 +302,8 @@ class RolloutWorker:
         if self.config.agent.kind == "blackbox":
             traj = await self._run_blackbox(loop, task, group_id, position)
         else:
-            env = self.environment.episode(EpisodeContext(
+            source = self._episodes if self._episodes is not None else self.environment
+            env = source.episode(EpisodeContext(
                 pool=await self.env_pool(), rng=random.Random(self._env_rng.random()),
                 tool_timeout_s=self.config.env.tool_timeout_s, browsers=await self.browser_pool(),
                 action_timeout_s=self.config.env.browser.action_timeout_s))

@@ -8,11 +8,13 @@ these parts place actors, move groups and weights (transport "ray": the trainer 
 belongs to the driver and outlives a trainer that dies), and replace what died:
 - a rollout actor dies (its engine dies with it, and its own env pool and reward pool when it has
   them): a fresh actor takes its place with the current weights and its attempts end RolloutLost
-  (the driver retries them). Sandboxes it had leased from env actors are destroyed and replaced. One
+  (the driver retries them). Sandboxes it had leased from env actors are destroyed and replaced, and the
+  episodes it ran in them closed (their browser tabs go back). One
   whose constructor raises stops the run.
 - a reward actor dies: Ray restarts it (stateless) and retries its calls; a trajectory that still
   cannot be scored is stored as reward_failed and not trained.
-- an env actor dies: Ray restarts it with fresh sandboxes; the episodes whose sandboxes it held end
+- an env actor dies: Ray restarts it with fresh sandboxes (or, for an environment with a browser, whose episodes run
+  in the env actors, a fresh environment and browsers); the episodes whose sandboxes or browsers it held end
   env_error (agent.retry_on runs them again).
 - an engine actor dies (ray.engine.count > 0): Ray restarts it; it loads the latest published weights
   (engine/actor.py WeightBoard) before serving, and the requests it was running end engine_error. Not with
@@ -46,6 +48,7 @@ from loomrl.engine.base import EngineMetrics
 from loomrl.engine.readings import Reading, counter_changes, engine_step_metrics
 from loomrl.env.api import environment_for
 from loomrl.env.remote import EnvActor
+from loomrl.env.remote_episode import EpisodeActor, runs_episodes
 from loomrl.env.sandbox import SandboxError
 from loomrl.errors import error_line, error_tail
 from loomrl.rollout.actor import RolloutActor
@@ -173,7 +176,7 @@ class RayCluster:
         self.owns_ray = False
         self.address = cluster_address(cfg.ray.address, os.environ)
         self.local_cluster = self.address == "local"  # one loomrl starts here, and shuts down at the end
-        self.asks = run_asks(cfg, env_actors=environment_for(cfg.env).sandbox is not None)
+        self.asks = run_asks(cfg, env_actors=uses_env_actors(cfg))
         # engine.sleep_while_training with engine actors: engine i and trainer rank i share bundle i of one placement
         # group (a GPU each: fractional num_gpus), reserved before the engines start and kept across trainer restarts
         self.colocated = cfg.engine.sleep_while_training and cfg.ray.engine.count > 0
@@ -285,6 +288,12 @@ def engine_lost(why: object, transport: str = "broadcast") -> EngineLost:
                       "object store), with which engine actors survive restarts")
 
 
+def uses_env_actors(cfg: RunConfig) -> bool:
+    """Whether ray.env.count > 0 makes env actors: for an environment's sandboxes, or to run episodes that use a
+    browser (env/remote_episode.py runs_episodes)."""
+    return environment_for(cfg.env).sandbox is not None or runs_episodes(cfg.env, cfg.agent.kind)
+
+
 def sends_once(cfg: RunConfig) -> bool:
     """Whether each version goes to the engine actors once (broadcast; cuda_ipc, pushed by the colocated ranks): an
     engine actor that dies cannot get it again, so engine actors are not restarted."""
@@ -306,7 +315,7 @@ class ActorRollouts(Rollouts):
         self.engines: list[Any] = []  # ray.engine.count engine actors, shared by the rollout actors
         self.board: Any = None  # the latest published version, for engine actors Ray restarts
         self.owners = 0  # rollout actors made so far
-        self.reclaims: list[Any] = []  # release_owner calls: sandboxes of dead rollout actors reclaimed
+        self.reclaims: list[Any] = []  # release_owner calls: sandboxes (or episodes) of dead rollout actors reclaimed
         self.rollout_restarts = 0
         # each version goes once (sends_once): an engine actor that dies then stops the run
         self.once = sends_once(self.cfg)
@@ -335,19 +344,23 @@ class ActorRollouts(Rollouts):
         return WorkerSlot(handle=actor, owner=owner, engine=engine)
 
     def _new_env_actors(self) -> list[Any]:
-        """Env actors sized for every rollout actor's concurrency, split between them."""
+        """Env actors sized for every rollout actor's concurrency, split between them: episode actors for an
+        environment with a browser (env/remote_episode.py), else sandbox leases (env/remote.py)."""
         r = self.cfg.ray
         if not r.env.count:
             return []
-        if environment_for(self.cfg.env).sandbox is None:
-            log.warning("ray.env.count=%d ignored: env %s uses no sandbox%s", r.env.count, self.cfg.env.name,
-                        " (its browsers run in each rollout actor's own browser pool)"
-                        if environment_for(self.cfg.env).browser else "")
+        if not uses_env_actors(self.cfg):
+            log.warning("ray.env.count=%d ignored: env %s uses no sandbox and no browser", r.env.count,
+                        self.cfg.env.name)
             return []
         share = math.ceil(rollout_concurrency(self.pool) * r.rollout.count / r.env.count)
-        # Concurrency: every waiting acquire holds a slot, and releases must still get in (else a full
+        # Concurrency: every waiting acquire (or reset) holds a slot, and releases must still get in (else a full
         # pool could never be given back to): room for all of them, with margin.
-        cls = self.cluster.actor(EnvActor, r.env, max_concurrency=max(1000, 4 * share), max_restarts=r.env.max_restarts)
+        options = {"max_concurrency": max(1000, 4 * share), "max_restarts": r.env.max_restarts}
+        if runs_episodes(self.cfg.env, self.cfg.agent.kind):
+            episodes = self.cluster.actor(EpisodeActor, r.env, **options)
+            return [episodes.remote(self.pool_json, share) for _ in range(r.env.count)]
+        cls = self.cluster.actor(EnvActor, r.env, **options)
         env_json = self.cfg.env.model_dump_json()
         return [cls.remote(env_json, share, self.cfg.agent.kind) for _ in range(r.env.count)]
 
@@ -359,7 +372,7 @@ class ActorRollouts(Rollouts):
         self.reward_actors = [reward.remote(self.pool_json) for _ in range(r.reward.count)]
         self.env_actors = self._new_env_actors()
         try:
-            for env in self.env_actors:  # pre-warm the sandboxes before the first rollout
+            for env in self.env_actors:  # pre-warm the sandboxes (or start the environment and its tabs) first
                 await env.start.remote()
         except self.ray.exceptions.RayError as err:
             fail_if_cannot_start(err, "an env actor")
@@ -389,7 +402,7 @@ class ActorRollouts(Rollouts):
         self.cluster.kill(slot.handle)
         self.rollout_restarts += 1
         log.warning("rollout actor %d died (%s); starting a fresh one", i, why)
-        for env in self.env_actors:  # its sandboxes are destroyed and replaced, not leaked
+        for env in self.env_actors:  # its sandboxes are destroyed and replaced, its episodes closed: not leaked
             self.reclaims.append(env.release_owner.remote(slot.owner))
         fresh = self._new_rollout_actor()
         slot.handle, slot.owner, slot.incarnation, slot.load = fresh.handle, fresh.owner, slot.incarnation + 1, 0

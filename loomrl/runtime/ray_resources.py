@@ -38,7 +38,7 @@ def reserves(spec: Placement) -> dict[str, float]:
 
 def run_asks(cfg: RunConfig, env_actors: bool) -> list[Ask]:
     """The actors a Ray run keeps alive at once (runtime/ray_backend.py makes them); `env_actors`: whether the env
-    family uses sandboxes (else ray.env.count is ignored)."""
+    family uses sandboxes or runs its episodes in env actors (else ray.env.count is ignored)."""
     r = cfg.ray
     return [Ask(setting="ray.rollout", count=r.rollout.count, each=reserves(r.rollout)),
             Ask(setting="ray.trainer", count=cfg.trainer.world_size, each=reserves(r.trainer),

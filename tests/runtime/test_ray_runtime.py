@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import secrets
 import shutil
 import signal
@@ -17,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -399,6 +401,99 @@ def test_env_actors_run_the_sandboxes_on_their_node_and_survive_a_kill(cluster, 
         {r["final_answer"] for r in rows}
     # a sandbox call failed (SandboxError, naming the env worker), in a step or in codefix's finalize
     assert all(e.startswith("env_error: ") and "SandboxError: " in e and "env worker" in e for e in retried), retried
+
+
+def _cpu_s(pid: int) -> float:
+    """The CPU seconds `pid` has used (user and system; 0 when it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _ancestors(pid: int) -> list[int]:
+    """`pid`'s parent, its parent, ... up to init (what is readable of it)."""
+    out = []
+    while pid > 1:
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+        out.append(pid)
+    return out
+
+
+@pytest.mark.ray
+def test_web_episodes_run_in_an_env_actor_that_owns_the_browsers_and_survive_its_kill(cluster, tmp_path):
+    """env.name=web with ray.env.count=1: every episode runs in the env actor on the head node (its Environment, its
+    browser pool, the shop), the rollout actors on the other node drive it through RemoteEnv. While it runs, every
+    chromium process of the cluster descends from the env actor's process and none from a rollout actor's. After the
+    first step, while the rollout actors generate (so some episode is open in the env actor: its turn is generated
+    only after its reset answered), the env actor is stopped (SIGSTOP) for 2 s and SIGKILLed: the episodes it held end
+    env_error (EnvWorkerLost, or the restarted actor's "no episode"; stored, never scored or trained;
+    runtime.tolerate_failed_steps lets a step of only those pass), resets sent meanwhile wait for the restart, Ray
+    restarts it with a fresh environment and browsers, and the run completes with every trajectory accounted for and
+    no browser left. (The random model's replies hold no tool call, so each episode is a reset and one step: long
+    replies, sampling.max_tokens, keep episodes open while their turn is generated.)"""
+    from loomrl.env.browser.chromium import pids_mentioning
+
+    steps = 4
+    proc = _train(cluster, tmp_path, "web", f"trainer.total_steps={steps}", "checkpoint_every=0", "env.name=web",
+                  "env.args={}", "env.families=[contact, find]", "env.n_train=8", "env.n_heldout=4",
+                  "agent.max_turns=2", "agent.max_context_tokens=2048", "sampling.max_tokens=256",
+                  "trainer.group_size=2", "trainer.groups_per_step=2", "runtime.tolerate_failed_steps=true",
+                  "reward.function=loomrl.reward.smoke:even_token_share",  # graded: a group of 2 seldom ties
+                  "env.browser.prewarm=2", "ray.env.count=1", "ray.env.num_cpus=0", "ray.env.resources={sandbox: 1}")
+    run_dir = tmp_path / "web"
+    seen: dict[int, list[str]] = {}  # browser process (bwrap, chromium) -> the titles of the cluster's processes above
+    owners: dict[int, str] = {}  # the pids their dirs name as the owner (chromium.py: loomrl-chromium-<pid>-): titles
+    killed = []
+
+    def watch_the_browsers_then_kill_the_env_actor() -> None:
+        deadline = time.time() + 400
+        busy: list[tuple[float, float]] = []  # (time, the rollout actors' CPU seconds so far)
+        while time.time() < deadline and proc.poll() is None:
+            actors = {p: _title(p) for p in tagged(cluster["tag"], cluster["tmp"])}
+            for pid in pids_mentioning("--loomrl-home="):
+                if pid not in seen and any(a in actors for a in _ancestors(pid)):
+                    seen[pid] = [actors[a] for a in _ancestors(pid) if a in actors]
+                    for o in re.findall(r"loomrl-chromium-(\d+)-", _title(pid)):
+                        owners.setdefault(int(o), _title(int(o)))
+            if not killed and len(read_ledger(run_dir)) >= 1 and seen:
+                busy.append((time.time(), sum(_cpu_s(p) for p, t in actors.items() if t.startswith("ray::RolloutA"))))
+                busy = [b for b in busy if b[0] > busy[-1][0] - 1.5]
+                if busy[-1][0] - busy[0][0] < 1.0 or busy[-1][1] - busy[0][1] < 0.3:
+                    time.sleep(0.1)
+                    continue  # not generating (at least 0.3 CPU seconds in the last second or so)
+                for pid in [p for p, t in actors.items() if t.startswith("ray::EpisodeActor")]:
+                    os.kill(pid, signal.SIGSTOP)
+                    time.sleep(2)
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+            time.sleep(0.05)
+
+    t0 = time.time()
+    summary = _finish_with(proc, watch_the_browsers_then_kill_the_env_actor, 450)
+    rows = read_trajectories(run_dir / "trajectories").to_pylist()
+    lost = [r for r in rows if r["status"] == "env_error" and "env worker" in (r["error"] or "")]
+    print(f"web env actor run in {time.time() - t0:.0f}s: {len(seen)} browser processes seen, killed {killed}, "
+          f"{len(lost)} episodes lost with it; statuses {Counter(r['status'] for r in rows)}; ray {summary['ray']}; "
+          f"env_pool {summary['env_pool']}")
+    # below the env actor's process (through Playwright's driver and bwrap), made by it, and not below a rollout actor
+    assert seen and all(any(t.startswith("ray::EpisodeActor") for t in titles) for titles in seen.values()), seen
+    assert not any(t.startswith("ray::RolloutActor") for titles in seen.values() for t in titles), seen
+    assert owners and all(t.startswith("ray::EpisodeActor") for t in owners.values()), owners
+    placement = summary["ray"]["placement"]
+    assert placement["env"] and placement["env"][0] not in placement["rollout"], placement  # another node
+    assert len(killed) == 1 and summary["ray"]["env_restarts"] == 1, (killed, summary["ray"])
+    assert summary["env_pool"]["browser_acquired"] > 0 and summary["env_pool"]["browser_launches"] >= 1
+    stored = check_run(run_dir, summary, steps)
+    assert lost, "the episodes the env actor was running when it was killed end env_error"
+    trained = {t for e in read_ledger(run_dir) for t in e.trained}
+    assert all(r["trajectory_id"] not in trained and r["trajectory_id"] in stored for r in lost)
+    assert all(r["status"] in ("completed", "truncated", "env_error") for r in rows)
+    assert not [p for o in owners for p in pids_mentioning(f"loomrl-chromium-{o}-")], "a browser outlived the run"
 
 
 @pytest.mark.ray

@@ -45,6 +45,7 @@ from loomrl.runtime.accounting import Accounting, ledger_line
 from loomrl.runtime.failure_watch import FailureWatch, failed_step
 from loomrl.runtime.failures import CannotStart, EngineLost, Fact, RolloutLost, RunError, TrainerLost
 from loomrl.runtime.group_log import GroupLog
+from loomrl.runtime.interrupt import interrupted, interruptible
 from loomrl.runtime.parts import Parts, RolloutReport, TrainerState
 from loomrl.runtime.positions import PositionBook, StepWindow
 from loomrl.runtime.summary import FINISHED, Segment, append_segment, whole_run
@@ -421,6 +422,10 @@ class Driver:
         log.info("held-out success %s: %s", label, eval_line(record))
         return record
 
+    async def _interruptible_segment(self) -> None:
+        with interruptible():  # a stop signal cancels this task, also where SIGINT is ignored (runtime/interrupt.py)
+            await self._segment()
+
     async def _segment(self) -> None:
         carried = Carried.from_json(load_state(self.ckpt).get("extra")) if self.ckpt else Carried()
         try:
@@ -452,7 +457,11 @@ class Driver:
         ended = "interrupted"  # Ctrl-C, SIGTERM, a crash: anything the driver does not stop on purpose
         try:
             try:
-                asyncio.run(self._segment())
+                asyncio.run(self._interruptible_segment())
+            except asyncio.CancelledError:
+                if not interrupted():
+                    raise
+                raise KeyboardInterrupt from None  # a stop signal cancelled it (runtime/interrupt.py), as Ctrl-C does
             except Fact as fact:  # what no rule above handles stops the run (the fact's own cause kept, if any)
                 raise RunError(stop_message(fact)) from fact.__cause__
             ended = FINISHED

@@ -10,6 +10,7 @@ import signal
 from typing import Any
 
 from loomrl.config import RunConfig
+from loomrl.runtime.interrupt import interrupt
 from loomrl.runtime.run import RunInterrupted
 
 
@@ -25,8 +26,8 @@ def stop_as_ctrl_c() -> list[int]:
         ctrl_c = signal.getsignal(signal.SIGINT)
         if callable(ctrl_c):  # asyncio's while the run's loop runs: it cancels the run, whose finally cleans up
             ctrl_c(signal.SIGINT, frame)
-        else:  # SIGINT ignored (a background job of a script): raise what Ctrl-C would
-            raise KeyboardInterrupt
+        elif not interrupt():  # SIGINT ignored (a background job of a script): the run's task cancelled as asyncio would
+            raise KeyboardInterrupt  # no run in its loop yet: what Ctrl-C would raise
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, handler)

@@ -139,3 +139,38 @@ def test_sigkill_of_the_run_leaves_no_orphan_trainer(tmp_path):
     finally:
         _kill_all(pids)
     assert not left and not files, (names, files)
+
+
+@pytest.mark.browser
+def test_sigterm_of_a_background_web_run_stops_it_cleanly_browsers_included(tmp_path):
+    """A run started as a background job of a script has SIGINT ignored, so asyncio installs no Ctrl-C handler: SIGTERM
+    must still cancel the run's task as Ctrl-C would (runtime/interrupt.py), not raise KeyboardInterrupt from wherever
+    the loop was. Raised so, asyncio.run cancelled every task at once, Playwright's connection among them: a MiniWoB run
+    hung with its browsers up, and this one printed "Task was destroyed but it is pending!" for its pool's tasks."""
+    from loomrl.env.browser.chromium import missing_requirements
+
+    if missing_requirements() is not None:
+        pytest.skip(missing_requirements() or "")
+    args = [sys.executable, "-m", "loomrl.cli", "train", str(ROOT / "examples" / "web_smollm2.yaml"), "model.kind=tiny",
+            f"output_dir={tmp_path}", "name=web", "progress=false", "eval.n_tasks=0", "trainer.total_steps=1000",
+            "agent.max_turns=2", "trainer.groups_per_step=2", "trainer.group_size=2"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    pids: list[int] = []
+    try:
+        _wait_for_steps(proc, lines, tmp_path / "web", 1)
+        pids = _descendants(proc.pid)
+        assert any("chromium" in Path(f"/proc/{p}/cmdline").read_text() for p in _alive(pids)), "no browser ran"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=90)
+        left, _ = _wait_gone(pids, set(), 10)
+    finally:
+        proc.kill()
+        _kill_all(pids)
+    out = "".join(lines)
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "run stopped by SIGTERM at step" in out, out[-3000:]
+    assert "destroyed but it is pending" not in out and "Event loop is closed" not in out, out[-3000:]
+    assert not left, (left, out[-3000:])

@@ -592,19 +592,15 @@ class ActorTrainer(Trainer):
             addr, port, ckpt = await self.call(trainer.rendezvous.remote())
             self.trainer_ranks = [cluster.actor(TrainerRankActor, spec, max_restarts=0, **cluster.trainer_options(rank))
                                   .remote(pool_json, ckpt) for rank in range(1, world)]
-            # rank 0 reads its model first (the followers read theirs as they are made): no rank then waits in the
-            # rendezvous, which times out after COLLECTIVE_TIMEOUT_S, while rank 0 reads a large model. A follower
-            # that cannot start stops the start then, not after rank 0's read.
-            try:
+            try:  # a follower that dies or fails, reading its model or joining, stops the start
+                # rank 0 reads its model first (the followers read theirs as they are made): no rank then waits in the
+                # rendezvous, which times out after COLLECTIVE_TIMEOUT_S, while rank 0 reads a large model; a follower
+                # that cannot start stops the start then, not after rank 0's read
                 await asyncio.gather(self.call(trainer.load.remote()),
                                      *(f.__ray_ready__.remote() for f in self.trainer_ranks))
+                joins = [f.join.remote(rank, world, addr, port) for rank, f in enumerate(self.trainer_ranks, start=1)]
+                await asyncio.gather(self.call(trainer.join_ranks.remote(self.trainer_ranks, addr, port)), *joins)
             except self.ray.exceptions.RayError as err:
-                raise TrainerLost(f"a trainer rank failed to start: {failure_line(err)}") from None
-            joins = [f.join.remote(rank, world, addr, port) for rank, f in enumerate(self.trainer_ranks, start=1)]
-            try:
-                joined = trainer.join_ranks.remote(self.trainer_ranks, addr, port)
-                await asyncio.gather(self.call(joined), *joins)
-            except self.ray.exceptions.RayError as err:  # a follower died or failed while joining
                 raise TrainerLost(f"a trainer rank failed to start: {failure_line(err)}") from None
         version, state, metrics = await self.call(trainer.state.remote())
         weights: Any = None  # broadcast: the trainer actor publishes the version itself (BroadcastRoute)

@@ -95,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     _cost_parser(sub)
     _plan_parser(sub)
     _check_env_parser(sub)
+    _compare_parser(sub)
     return p
 
 
@@ -195,6 +196,58 @@ def _plan_parser(sub) -> None:
     pl.add_argument("--kv-budget-tokens", type=_COUNT, default=None, help="each instance's K/V budget in the "
                     "simulated section (default: the run's engine.kv_budget_tokens)")
     pl.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+
+def _compare_parser(sub) -> None:
+    c = sub.add_parser("compare", help="run arms of a recipe over seeds, paired by seed, and decide whether a change "
+                       "helped", description="Run every arm (the recipe with its overrides) on every seed, paired by "
+                       "seed (the same tasks and sampling noise where the policies agree), and decide each arm against "
+                       "the first: better, worse, equivalent within --margin, or undecided at this N. The plan (arms, "
+                       "metric, margin, seeds, looks) is fixed in OUT/plan.json by the first call; the same command "
+                       "resumes it, and any other plan is refused, seeds added after looking included "
+                       "(docs/compare.md).")
+    c.add_argument("config", help="YAML recipe")
+    c.add_argument("--arm", nargs="+", action="append", required=True, metavar=("NAME", "OVERRIDE"),
+                   help="an arm: its name, then its KEY=VALUE overrides (none: the recipe as it is). The first --arm "
+                   "is the baseline; give at least two")
+    c.add_argument("--metric", default="heldout_templates", help="what decides: a held-out split's success after "
+                   "training (heldout, heldout_templates) or success_after (all held-out tasks). Default: "
+                   "heldout_templates")
+    c.add_argument("--margin", type=float, required=True, help="the difference that matters: within +-margin the "
+                   "arms are equivalent (e.g. 0.05)")
+    c.add_argument("--seeds", type=_COUNT, required=True, help="seeds per arm: 0 .. N-1 (fix N from a power "
+                   "calculation: docs/compare.md)")
+    c.add_argument("--looks", default="", help="a sequential design, fixed in advance: seed counts at which to decide "
+                   "early, e.g. 3,5 (each look then uses confidence 1 - alpha/looks)")
+    c.add_argument("--confidence", type=float, default=0.95, help="overall confidence of the intervals (0.95)")
+    c.add_argument("--set", nargs="*", default=[], dest="common", metavar="OVERRIDE",
+                   help="overrides for every arm, e.g. trainer.total_steps=20")
+    c.add_argument("--out", type=Path, default=None, help="the comparison's folder (default: runs/compare-<recipe>)")
+
+
+def _compare(args) -> int:
+    from loomrl.compare.plan import ComparePlan, fix_plan, recipe_digest
+    from loomrl.compare.runner import run_comparison, train_arm
+
+    try:
+        looks = [int(x) for x in args.looks.split(",") if x.strip()]
+    except ValueError:
+        print(f"--looks: comma-separated seed counts, e.g. 3,5; got {args.looks!r}", file=sys.stderr)
+        return 2
+    names = [arm[0] for arm in args.arm]
+    if len(set(names)) != len(names):
+        print(f"--arm: each arm needs its own name; got {names}", file=sys.stderr)
+        return 2
+    plan = ComparePlan(recipe=args.config, arms={arm[0]: arm[1:] for arm in args.arm}, metric=args.metric,
+                       margin=args.margin, seeds=list(range(args.seeds)), looks=looks, common=args.common,
+                       confidence=args.confidence, recipe_sha256=recipe_digest(args.config))
+    folder = args.out or Path("runs") / f"compare-{Path(args.config).stem}"
+    plan = fix_plan(folder, plan)
+    report = run_comparison(plan, folder, train_arm(plan.recipe, plan.metric),
+                            progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(report.text(), flush=True)
+    print(f"report: {folder / 'report.md'} (and report.json); runs: loomrl view {folder}", file=sys.stderr)
+    return 0
 
 
 def _check_env_parser(sub) -> None:
@@ -399,11 +452,12 @@ def _sandbox_run(args) -> int:
 
 
 def _view(args) -> int:
+    from loomrl.compare.runner import run_folders
     from loomrl.view.run_folder import RunFolderError
     from loomrl.view.serve import serve_view
 
-    try:
-        serve_view([Path(r) for r in args.runs], args.host, args.port)
+    try:  # a comparison's folder (loomrl compare --out) stands for its arms' runs, overlaid
+        serve_view([run for r in args.runs for run in run_folders(Path(r))], args.host, args.port)
     except RunFolderError as err:
         print(str(err), file=sys.stderr)
         return 2
@@ -507,6 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     for noisy in ("httpx", "transformers", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
+    from loomrl.compare.plan import PlanError
     from loomrl.config import ConfigError, load_config
     from loomrl.env.sandbox import SandboxError
     from loomrl.model.loader import ModelLoadError
@@ -526,6 +581,8 @@ def main(argv: list[str] | None = None) -> int:
             return _view(args)
         if args.command == "check-env":
             return _check_env(args)
+        if args.command == "compare":
+            return _compare(args)
         search_beside(args.config)  # the recipe's own modules, found as its data files are (plugins.py)
         cfg = load_config(args.config, args.overrides)  # train checks it against this machine (runtime/run.py)
         if args.command != "train":
@@ -559,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
             ckpt = resolve_checkpoint(Path(args.checkpoint)) if args.checkpoint else None
             adapters = [served_adapter(name, path) for name, path in args.adapter]
             serve(cfg, ckpt, args.host, args.port, args.model_name or cfg.name, adapters)
-    except (ConfigError, ModelLoadError, SandboxError, NotARun) as err:
+    except (ConfigError, ModelLoadError, SandboxError, NotARun, PlanError) as err:
         print(str(err), file=sys.stderr)
         return 2
     except Exception as err:  # RunError and friends carry their own message

@@ -344,6 +344,8 @@ class Summary:
     positions_failed: dict[str, str] = field(default_factory=dict)  # the last segment's
     env_pool: dict[str, float] = field(default_factory=dict)
     segments: list[SegmentBrief] = field(default_factory=list)
+    # why a rerun with the same config and seed may differ (runtime/reproducibility.py); empty: exact by design
+    not_reproducible: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:

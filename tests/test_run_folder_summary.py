@@ -37,6 +37,7 @@ def test_summary_json_is_written_as_before_and_read_back_typed(tmp_path):
            "accounting": ACC, "trainer_restarts": 1, "untrained_steps": 0, "positions_failed": {"3": "died"},
            "env_pool": {"created": 2.0},
            "segments": [{"from_step": 0, "to_step": 2, "ended": "finished", "wall_s": 1.25, "accounting": ACC}],
+           "not_reproducible": [],  # added after the others (runtime/reproducibility.py)
            "ray": {"restarts": 1}}
     assert (tmp_path / "summary.json").read_text() == json.dumps(old, indent=2)
     assert read_summary(tmp_path) == summary

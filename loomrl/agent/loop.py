@@ -24,6 +24,7 @@ from loomrl.engine.base import Engine, EngineFault, GenerationResult, SamplingPa
 from loomrl.env.base import Env, EnvCrash, StepResult, ToolTimeout
 from loomrl.errors import with_frames
 from loomrl.model.chat import ChatRenderer
+from loomrl.seeds import keyed_seed
 from loomrl.turn_experts import new_rows, recorded_rows
 from loomrl.types import ContextSegment, RolloutStatus, Task, TokenSpan, Trajectory, Turn, new_id
 
@@ -79,7 +80,8 @@ def finish_metadata(traj: Trajectory, wall_time: float) -> None:
 class AgentLoop:
     def __init__(self, engine: Engine, renderer: ChatRenderer, *, sampling: SamplingParams,
                  max_turns: int, max_context_tokens: int, trajectory_timeout_s: float = 300.0,
-                 context: ContextStrategy | None = None, priorities: ProgramPriorities | None = None):
+                 context: ContextStrategy | None = None, priorities: ProgramPriorities | None = None,
+                 seed: int | None = None):
         self.engine = engine
         self.renderer = renderer
         self.sampling = sampling
@@ -89,15 +91,21 @@ class AgentLoop:
         self.context = context or ContextStrategy(window=max_context_tokens)
         self.resumed = 0  # generations resumed after an interrupt (weight update mid-turn)
         self.priorities = priorities  # Seer's order of engine calls across programs (runtime.schedule)
+        # with a seed, a turn samples with a seed keyed by (seed, the episode's stream, the turn's number): seeds.py
+        self.seed = seed
 
-    async def run(self, env: Env, task: Task, *, group_id: str = "", position: int = -1) -> Trajectory:
+    async def run(self, env: Env, task: Task, *, group_id: str = "", position: int = -1,
+                  stream: str | None = None) -> Trajectory:
+        """Play one episode. `stream`: what names its randomness (e.g. a training episode's data position and group
+        member): with the loop's seed, each turn samples with keyed_seed(seed, stream, turn), so the episode's tokens do
+        not depend on what else runs; None: unseeded (the engine draws)."""
         start = time.perf_counter()
         deadline = start + self.trajectory_timeout_s
         traj = Trajectory(task_id=task.task_id, trajectory_id=new_id("traj"), group_id=group_id or new_id("group"),
                           position=position, temperature=self.sampling.temperature)
         traj.metadata.env_version = env.version
         try:
-            await self._run_turns(env, task, traj, deadline)
+            await self._run_turns(env, task, traj, deadline, stream)
         except (EnvCrash, ToolTimeout, TimeoutError, Exception) as err:  # noqa: BLE001 - errors are data
             traj.status = (RolloutStatus.TIMEOUT if isinstance(err, (ToolTimeout, TimeoutError))
                            else RolloutStatus.ENGINE_ERROR if isinstance(err, EngineFault) else RolloutStatus.ENV_ERROR)
@@ -115,7 +123,14 @@ class AgentLoop:
         finish_metadata(traj, time.perf_counter() - start)
         return traj
 
-    async def _run_turns(self, env: Env, task: Task, traj: Trajectory, deadline: float) -> None:
+    def _params(self, max_tokens: int, stream: str | None, traj: Trajectory) -> SamplingParams:
+        """The next turn's sampling: at most max_tokens, seeded by the turn's number in the episode (its turns so far,
+        summaries included, across contexts) when the loop has a seed and the episode a stream."""
+        keyed = self.seed is not None and stream is not None
+        return replace(self.sampling, max_tokens=max_tokens,
+                       seed=keyed_seed(self.seed, stream, len(traj.all_turns())) if keyed else self.sampling.seed)
+
+    async def _run_turns(self, env: Env, task: Task, traj: Trajectory, deadline: float, stream: str | None) -> None:
         t0 = time.perf_counter()
         obs = await asyncio.wait_for(env.reset(task), max(deadline - time.perf_counter(), 0.001))
         traj.metadata.reset_s = time.perf_counter() - t0
@@ -127,14 +142,14 @@ class AgentLoop:
         new_message, closed = False, True
         for _ in range(self.max_turns):
             if self.context.fires(len(traj.token_ids), messages, new_message):
-                messages = await self._new_context(traj, messages, opening, obs.tools, closed)
+                messages = await self._new_context(traj, messages, opening, obs.tools, closed, stream)
             new_message = False
             budget = self.max_context_tokens - len(traj.token_ids)
             if budget <= 0:
                 return
             if time.perf_counter() > deadline:
                 raise TimeoutError(f"trajectory ran past {self.trajectory_timeout_s}s")
-            params = replace(self.sampling, max_tokens=min(self.sampling.max_tokens, budget))
+            params = self._params(min(self.sampling.max_tokens, budget), stream, traj)
             t0 = time.perf_counter()
             result = await self._generate(list(traj.token_ids), params, traj.trajectory_id, traj.group_id)
             t1 = time.perf_counter()
@@ -153,7 +168,7 @@ class AgentLoop:
             if len(traj.token_ids) + len(new_ids) >= self.max_context_tokens:
                 if not self.context.makes_room:
                     return  # the observation does not fit: truncated
-                messages = await self._new_context(traj, messages, opening, obs.tools, closed,
+                messages = await self._new_context(traj, messages, opening, obs.tools, closed, stream,
                                                    pending=step.observation)
                 continue  # the strategy made room; the observation goes into the new context
             obs_start = len(traj.token_ids)
@@ -173,13 +188,13 @@ class AgentLoop:
         return result
 
     async def _new_context(self, traj: Trajectory, messages: list[dict], opening: list[dict], tools, closed: bool,
-                           pending: list[dict] | None = None) -> list[dict]:
+                           stream: str | None, pending: list[dict] | None = None) -> list[dict]:
         """Apply the context strategy: close the current context as a segment, start the rewritten one.
         `pending`: an observation that did not fit in the old context, carried into the new one
         (except by discard_all, which keeps the opening messages only)."""
         name = self.context.name
         before = len(traj.token_ids)
-        summary = await self._write_summary(traj, messages, tools, closed) if name == "summarize" else None
+        summary = await self._write_summary(traj, messages, tools, closed, stream) if name == "summarize" else None
         rewritten = self.context.rewrite(opening, messages, summary)
         if pending and name != "discard_all":
             rewritten = [*rewritten, *pending]
@@ -194,7 +209,8 @@ class AgentLoop:
         self.engine.release(traj.trajectory_id)  # the old context's cached K/V will not be reused
         return rewritten
 
-    async def _write_summary(self, traj: Trajectory, messages: list[dict], tools, closed: bool) -> str:
+    async def _write_summary(self, traj: Trajectory, messages: list[dict], tools, closed: bool,
+                             stream: str | None) -> str:
         """The policy writes the summary in the current context: a sampled turn, trained with it."""
         ask = self.renderer.continuation_ids(messages, [{"role": "user", "content": SUMMARY_REQUEST}], closed=closed,
                                              tools=tools)
@@ -202,7 +218,7 @@ class AgentLoop:
         if room <= 0:
             return ""  # no room left to ask: the new context starts from the opening messages
         traj.token_ids.extend(ask)
-        params = replace(self.sampling, max_tokens=min(self.context.summary_max_tokens, room))
+        params = self._params(min(self.context.summary_max_tokens, room), stream, traj)
         result = await self._generate(list(traj.token_ids), params, traj.trajectory_id, traj.group_id)
         text = self.renderer.decode(result.token_ids)
         add_turn(traj, result, act=text, finish_reason=result.finish_reason,

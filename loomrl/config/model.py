@@ -85,3 +85,8 @@ class SamplingConfig(Section):
     """sample among the k most likely tokens only (0: off)"""
     max_tokens: int = Field(48, gt=0)
     """the most tokens generated per turn"""
+    keyed_seeds: bool = True
+    """each turn samples with a seed named by (run seed, data position, group member, turn) and the built-in engine
+    draws each token from (that seed, its position): what shares a batch or starts first does not change what is sampled,
+    and arms of `loomrl compare` share their sampling noise (docs/reproducibility.md). False: the engine's own draws
+    (vLLM runs each seeded row's sampling separately, a small cost per step)"""

@@ -12,6 +12,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
+from loomrl.seeds import part_seed
+
 if TYPE_CHECKING:
     from torch import Tensor
 
@@ -156,7 +158,7 @@ class Engine(Protocol):
 
     def interrupt(self) -> None:
         """End every in-flight request soon with finish_reason "interrupted" and its partial output
-        (generate_resuming resumes it): used when new weights arrive (runtime.interrupt_on_update)."""
+        (generate_resuming resumes it, with a seed of its own: seeds.py part_seed): used when new weights arrive (runtime.interrupt_on_update)."""
 
     def release(self, program_id: str) -> None:
         """The program has ended; the engine may drop anything it kept for it."""
@@ -220,7 +222,8 @@ async def generate_resuming(engine: Engine, prompt_ids: list[int], params: Sampl
     while True:
         result = await engine.generate(GenerationRequest(
             prompt_ids=prompt_ids + out.token_ids, program_id=program_id, group_id=group_id, priority=priority,
-            sampling=replace(params, max_tokens=params.max_tokens - len(out.token_ids))))
+            sampling=replace(params, max_tokens=params.max_tokens - len(out.token_ids),
+                             seed=part_seed(params.seed, resumed))))
         out.token_ids += result.token_ids
         out.logprobs += result.logprobs
         out.versions += result.versions

@@ -15,9 +15,9 @@ Divided rollout (Seer): with chunk_tokens, a request asking for more is sent in 
 that ends by length continues (prompt + output so far) on the least loaded decode instance (the previous chunk's among
 equals: its prefix cache holds the K/V), which otherwise fetches the previous chunk's K/V from the pool (the instance
 that ran it put it there on finishing). Token ids, logprobs and versions are
-concatenated. Seeds: chunk k > 0 samples with a seed derived from the request's and k (`chunk_seed`): the tokens have
-the distribution of an undivided request, but are not the same tokens as one with the same seed (reusing the seed
-would replay chunk 0's uniforms). A request with stop strings is not divided (counted: unsplit_stop): the engine
+concatenated. Seeds: every chunk samples with the request's seed: the built-in engine draws the token at sequence
+position p with the seed's uniform at p (seeds.py uniform_at), so a divided request samples the tokens the undivided
+one would (up to float rounding: its logits come from other batches). A request with stop strings is not divided (counted: unsplit_stop): the engine
 matches stop strings within one request's output, so one spanning a chunk boundary would be missed. A chunk that ends
 "interrupted" (a weight update) returns the whole output so far as interrupted; generate_resuming (engine/base.py)
 resumes it as today. A chunk whose instance faults is run once more elsewhere (Router.attempt): the earlier chunks are
@@ -88,14 +88,6 @@ class SplitMetrics:
     def counts(self) -> dict[str, float]:
         """As step metrics (engine/readings.py): engine/router_<counter>, each the step's change."""
         return {f"router_{f.name}": getattr(self, f.name) for f in dataclasses.fields(self)}
-
-
-def chunk_seed(seed: int | None, chunk: int) -> int | None:
-    """Chunk `chunk`'s sampling seed: the request's for the first, another one per later chunk (the same seed would
-    replay the first chunk's uniforms: correlated tokens)."""
-    if seed is None or chunk == 0:
-        return seed
-    return (seed * 1_000_003 + chunk) % (1 << 62)
 
 
 class Split:
@@ -174,7 +166,7 @@ class Split:
         for k in range(sp.max_tokens // chunk + 1):  # bounded: every chunk but the last adds `chunk` tokens
             left = sp.max_tokens - len(out.token_ids)
             part = replace(request, prompt_ids=request.prompt_ids + out.token_ids,
-                           sampling=replace(sp, max_tokens=min(chunk, left), seed=chunk_seed(sp.seed, k)))
+                           sampling=replace(sp, max_tokens=min(chunk, left)))
             choose = self._on_decode if k == 0 else self._next_chunk(last)
             i, result = await self.router.attempt(part, choose)
             if k:

@@ -37,6 +37,7 @@ from loomrl.reward.composite import Composite
 from loomrl.reward.judge import judge_for
 from loomrl.reward.pool import RewardPool, Scorer, load_terms
 from loomrl.reward.terms import CombinedReward
+from loomrl.seeds import keyed_seed
 from loomrl.types import REWARD_FAILED, EvalRecord, Evaluation, RewardFn, RolloutStatus, Score, Task, Trajectory
 
 if TYPE_CHECKING:
@@ -159,7 +160,6 @@ class RolloutWorker:
         self.environment.use_tokenizer(renderer.tokenizer)  # e.g. a template that renders no tool schemas
         self.reward_pool: Scorer = reward_pool or reward_pool_for(pool)
         self.composite = Composite.from_config(pool.reward.terms)  # the group terms (completion_time)
-        self._env_rng = random.Random(f"{pool.seed}:env")
         self._retry_rng = random.Random(f"{pool.seed}:retry")
         self._pool: Leases | None = env_pool
         self._episodes = episodes
@@ -184,12 +184,14 @@ class RolloutWorker:
         self.eval_loop = self._loop(SamplingParams(temperature=pool.eval.temperature, max_tokens=s.max_tokens))
 
     def _loop(self, sampling: SamplingParams, priorities: ProgramPriorities | None = None) -> AgentLoop:
+        # keyed sampling (sampling.keyed_seeds): each turn's seed is named by the run seed, the episode and the turn
         a = self.config.agent
         context = ContextStrategy(a.context.strategy, window=a.max_context_tokens, threshold=a.context.threshold,
                                   keep_last=a.context.keep_last, summary_max_tokens=a.context.summary_max_tokens)
         return AgentLoop(self.engine, self.renderer, sampling=sampling, max_turns=a.max_turns,
                          max_context_tokens=a.max_context_tokens, trajectory_timeout_s=a.trajectory_timeout_s,
-                         context=context, priorities=priorities)
+                         context=context, priorities=priorities,
+                         seed=self.config.seed if self.config.sampling.keyed_seeds else None)
 
     def task_at(self, position: int) -> Task:
         return self.train_tasks[self.order.index(position)]
@@ -262,14 +264,17 @@ class RolloutWorker:
             traj.final_answer = answer_of(run.stdout) or answer_of(last)
         return traj
 
-    async def run_one(self, loop: AgentLoop, task: Task, group_id: str, position: int) -> Trajectory:
+    async def run_one(self, loop: AgentLoop, task: Task, group_id: str, position: int, stream: str) -> Trajectory:
+        """One episode, scored; retried as agent.retry_on says. `stream` names its randomness (seeds.py): its
+        environment's draws and, with sampling.keyed_seeds, its turns' sampling. A retry samples with the same seeds,
+        and its environment draws anew (what failed may have been the environment's own draw: injected faults)."""
         counts = self.counts["evaluation" if loop is self.eval_loop else "training"]
         counts.launched += 1
         try:
             a = self.config.agent
             errors: list[str] = []
             while True:
-                traj = await self._run_one(loop, task, group_id, position)
+                traj = await self._run_one(loop, task, group_id, position, stream, attempt=len(errors))
                 traj.prompt, traj.answer, traj.split = task.prompt, task.answer, task.split
                 for pool in (self._pool, self._browsers, self._episodes):
                     if pool is not None and pool.failure is not None:
@@ -298,17 +303,18 @@ class RolloutWorker:
             counts.ended[f"failed:{type(err).__name__}"] += 1
             raise
 
-    async def _run_one(self, loop: AgentLoop, task: Task, group_id: str, position: int) -> Trajectory:
+    async def _run_one(self, loop: AgentLoop, task: Task, group_id: str, position: int, stream: str,
+                       attempt: int) -> Trajectory:
         if self.config.agent.kind == "blackbox":
             traj = await self._run_blackbox(loop, task, group_id, position)
         else:
             source = self._episodes if self._episodes is not None else self.environment
             env = source.episode(EpisodeContext(
-                pool=await self.env_pool(), rng=random.Random(self._env_rng.random()),
+                pool=await self.env_pool(), rng=random.Random(keyed_seed(self.config.seed, "env", stream, attempt)),
                 tool_timeout_s=self.config.env.tool_timeout_s, browsers=await self.browser_pool(),
                 action_timeout_s=self.config.env.browser.action_timeout_s))
             try:
-                traj = await loop.run(env, task, group_id=group_id, position=position)
+                traj = await loop.run(env, task, group_id=group_id, position=position, stream=stream)
                 traj.metadata.env_version = self.environment.version  # the environment's, whichever Env ran it
                 if traj.status == RolloutStatus.TRUNCATED:
                     try:  # e.g. codefix: run the tests on what the agent left
@@ -330,8 +336,9 @@ class RolloutWorker:
         async with self._group_slots or contextlib.nullcontext():
             self.cap_wait_s += time.perf_counter() - t0
             try:
-                group = await gather_all([self.run_one(self.train_loop, task, group_id, position)
-                                          for _ in range(self.config.group_size)])
+                group = await gather_all([self.run_one(self.train_loop, task, group_id, position,
+                                                       f"train:{position}:{member}")
+                                          for member in range(self.config.group_size)])
                 self.composite.score_group(group)
                 return group
             finally:
@@ -344,7 +351,7 @@ class RolloutWorker:
 
         async def one(i: int, task: Task) -> Trajectory:
             async with self._eval_slots:
-                traj = await self.run_one(self.eval_loop, task, f"eval-{i:05d}", -1)
+                traj = await self.run_one(self.eval_loop, task, f"eval-{i:05d}", -1, f"eval:{i}:{task.task_id}")
             if progress is not None:
                 progress.update(1)
             return traj

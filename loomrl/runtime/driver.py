@@ -48,6 +48,7 @@ from loomrl.runtime.group_log import GroupLog
 from loomrl.runtime.interrupt import interrupted, interruptible
 from loomrl.runtime.parts import Parts, RolloutReport, TrainerState
 from loomrl.runtime.positions import PositionBook, StepWindow
+from loomrl.runtime.reproducibility import not_reproducible
 from loomrl.runtime.summary import FINISHED, Segment, append_segment, whole_run
 from loomrl.store import TrajectoryStore
 from loomrl.trainer.checkpoint import checkpoint_step, latest_checkpoint, load_state
@@ -500,5 +501,7 @@ class Driver:
         # a step the trainer took and logged (ledger) before an interrupt reached the driver counts as taken
         steps = max(self.version, max((entry.step for entry in ledger), default=0))
         summary = whole_run(self.cfg.run_dir, segments, self.before, self.after, steps, ledger)
+        summary.not_reproducible = not_reproducible(self.cfg) + (
+            ["resumed: a resumed run is not checked against one that ran through"] if len(segments) > 1 else [])
         write_summary(self.cfg.run_dir, summary)
         return summary

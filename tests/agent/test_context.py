@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from loomrl.agent.context import ContextStrategy
-from loomrl.agent.loop import AgentLoop
+from loomrl.agent.loop import AgentLoop, split_think
 from loomrl.engine.base import GenerationResult, SamplingParams
 from loomrl.engine.builtin.engine import BuiltinEngine
 from loomrl.env.base import Observation, StepResult
@@ -130,7 +130,7 @@ def test_summarize_is_a_sampled_action_trained_with_the_closed_context(engine, t
     assert 0 < len(summary_turn.logprobs) <= 10
     after = traj.segments[1] if len(traj.segments) > 1 else traj
     assert after.prompt_ids == renderer.prompt_ids(
-        [*OPENING, {"role": "user", "content": f"Summary of the earlier turns: {summary_turn.act}"}])
+        [*OPENING, {"role": "user", "content": f"Summary of the earlier turns: {split_think(summary_turn.act)[1]}"}])
     check_segments_train_exactly_what_was_sampled(traj)  # the summary tokens are in the closed context's mask
 
 

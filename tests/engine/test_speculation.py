@@ -118,8 +118,7 @@ def _exact_rule_frequencies(logits_row, draft, n, seed=0, temperature=1.0, top_k
     """Verify one draft token n times against the same distribution; the first emitted token's counts."""
     params = [SamplingParams(temperature=temperature, top_k=top_k)] * n
     logits = logits_row.repeat(2 * n, 1)  # each sequence: the row before its draft, the row after it
-    gen = torch.Generator().manual_seed(seed)
-    out = verify(logits, params, [[draft]] * n, [gen] * n)
+    out = verify(logits, params, [[draft]] * n, [(seed * n + i, 0) for i in range(n)])  # n independent requests
     return Counter(v.tokens[0] for v in out), out
 
 
@@ -166,8 +165,7 @@ def test_two_drafts_accept_then_draw_from_the_next_position():
     distributed as p1 (the row that saw the first draft), and a third (the bonus) as p2."""
     rows = torch.tensor([[0.3, 1.5, 0.2, -0.4], [1.0, 0.1, 0.0, 0.8], [0.0, 0.0, 2.0, 0.0]])
     n = 100_000
-    gen = torch.Generator().manual_seed(1)
-    out = verify(rows.repeat(n, 1), [SamplingParams(temperature=1.0)] * n, [[1, 1]] * n, [gen] * n)
+    out = verify(rows.repeat(n, 1), [SamplingParams(temperature=1.0)] * n, [[1, 1]] * n, [(n + i, 0) for i in range(n)])
     p0, p1, p2 = (torch.softmax(r, dim=-1).tolist() for r in rows)
     assert _gof_p(Counter(v.tokens[0] for v in out), p0, n) > 1e-3
     after = [v for v in out if v.tokens[0] == 1]

@@ -51,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import random
 import threading
 import time
 from collections import deque
@@ -117,6 +118,9 @@ class BuiltinEngine(TakesTensors, KeepsCounters):
         # with other sharing engines over the same unchanged tensors (`loomrl serve --adapter`: builtin/linears.py)
         self.runner = ModelRunner(model, record_experts=return_routed_experts, share_linears=share_linears)
         self.model = model
+        if not self.runner.batch_invariant():
+            log.warning("builtin engine: this model's logits may change with what shares a step on this machine "
+                        "(MoE routing, or kernels that round by batch size): a rerun may sample other tokens")
         self.eos_token_id = eos_token_id
         self.cache = PrefixCache() if prefix_cache else None
         self.tokenizer = tokenizer  # only needed for stop strings
@@ -135,7 +139,7 @@ class BuiltinEngine(TakesTensors, KeepsCounters):
                                max_running=max_running, max_prefill_tokens=max_prefill_tokens, programs=self.programs)
         self._speculate(speculation)
         self._version = version
-        self._generator = torch.Generator().manual_seed(seed)
+        self._seeds = random.Random(seed)  # unseeded requests' seeds, drawn as they arrive
         # (weights, version, the caller's future, the adapter they are: None for full weights)
         self._pending_weights: tuple[dict | None, int, concurrent.futures.Future, AdapterMeta | None] | None = None
         self.adapters = AdapterMerge(dict(model.named_parameters(remove_duplicate=False)))  # update_adapter's merges
@@ -167,13 +171,13 @@ class BuiltinEngine(TakesTensors, KeepsCounters):
 
     def submit(self, request: GenerationRequest) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        seed = request.sampling.seed
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        seq = Seq(request=request, future=fut, prompt=list(request.prompt_ids), generator=gen)
         with self._cond:  # checked under the lock: a close or a failed load cannot slip in between
             refuse_request(request, closed=self._closed, broken=self._broken)
             if not self._thread.is_alive():
                 raise EngineFault("the engine's thread is not running")
+            seed = request.sampling.seed
+            seq = Seq(request=request, future=fut, prompt=list(request.prompt_ids),
+                      seed=self._seeds.getrandbits(62) if seed is None else seed)
             self.sched.add(seq)
             self.programs.started(request)
             self.metrics.requests += 1
@@ -407,9 +411,10 @@ class BuiltinEngine(TakesTensors, KeepsCounters):
         if not batch.samples:
             return []
         seqs = [s.seq for s in batch.samples]
-        # drawn on the CPU from each request's own generator (seeded requests reproduce on any device)
+        # each token drawn with its request's uniform at its position (seeds.py): what shares the batch, the device and
+        # a resume or division of the request do not change the draws
         emitted = verify(logits, [s.request.sampling for s in seqs], [s.draft for s in batch.samples],
-                         [s.generator or self._generator for s in seqs])
+                         [(s.seed, s.position) for s in seqs])
         m = self.metrics
         done = []
         for sample, out in zip(batch.samples, emitted):

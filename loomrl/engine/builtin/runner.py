@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from loomrl.engine.builtin.linears import Linear, linear_of
+from loomrl.engine.builtin.linears import Linear, linear_of, rows_independent
 from loomrl.engine.builtin.moe import MoeMlp, is_sparse_block, moe_mlp_of
 from loomrl.routed_experts import RoutedExperts
 
@@ -323,6 +323,17 @@ class ModelRunner:
             ))
         self.layers = layers
         self.head = lin(self.head_module)
+
+    def batch_invariant(self) -> bool:
+        """Whether a request's logits are the same bits whatever else shares its step: every projection's kernel gives
+        a row the same bits for any number of rows (linears.py rows_independent, measured once per shape) and no MoE
+        layer groups tokens by expert. Attention runs per sequence or over masked padding; measured not to change the
+        bits on this project's CPUs (tests/runtime/test_reproducible.py)."""
+        if self.moe_layers:
+            return False
+        linears = [lin for w in self.layers for lin in (w.qkv, w.o, w.gate_up, w.down) if lin is not None]
+        return all(rows_independent(*lin.shape, dtype=self.dtype, device=str(self.device))
+                   for lin in {lin.shape: lin for lin in [*linears, self.head]}.values())
 
     def _block(self, which: list[int], chunks: list[Chunk], lengths: list[int], starts: list[int],
                offsets: list[int], *, gather: bool) -> _Block | None:

@@ -20,8 +20,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
-
 from loomrl.engine.base import EngineMetrics, GenerationRequest
 from loomrl.engine.builtin.drafter import GroupDrafter
 from loomrl.engine.builtin.prefix_cache import PrefixCache
@@ -36,7 +34,7 @@ class Seq:
     request: GenerationRequest
     future: concurrent.futures.Future
     prompt: list[int]  # what must be in the KV before sampling (grows on preemption)
-    generator: torch.Generator | None
+    seed: int  # its sampling stream (seeds.py uniform_at): the request's seed, else one the engine drew for it
     kv: SequenceKV | None = None
     out_tokens: list[int] = field(default_factory=list)
     out_logprobs: list[float] = field(default_factory=list)
@@ -50,6 +48,11 @@ class Seq:
     def group(self) -> str:
         """Whose tokens its drafts come from: its GRPO group, else its program, else itself."""
         return self.request.group_id or self.request.program_id or f"seq-{self.uid}"
+
+    @property
+    def position(self) -> int:
+        """The sequence position of the next token it samples (its request's prompt, then its output)."""
+        return len(self.request.prompt_ids) + len(self.out_tokens)
 
     def kv_tokens(self) -> list[int]:
         """Token ids in KV order: the (possibly re-prefilled) prompt, then tokens sampled since."""

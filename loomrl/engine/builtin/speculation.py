@@ -10,9 +10,9 @@ that differs, or y_k after k acceptances, is the last token emitted. The emitted
 decoding one token at a time would draw with the same uniforms (each y_j ~ p_j given the tokens before it), so the
 distribution is unchanged; a draft x is accepted with probability p(x), on rejection the token is distributed as p
 without x renormalised, which is the standard rejection rule (Leviathan et al. 2023) for a draft with no
-probabilities of its own (a point mass). A sequence's generator is left having drawn one uniform per emitted token, as
-without drafts, so a seeded request draws the same tokens with speculation on or off (up to float rounding: the
-logits come from other batch shapes). Each emitted token's logprob is log p(token) and its version the step's.
+probabilities of its own (a point mass). The uniform of the token at sequence position p is its request's seed's at
+p (seeds.py uniform_at), whoever drafted, so a request draws the same tokens with speculation on or off (up to float
+rounding: the logits come from other batch shapes). Each emitted token's logprob is log p(token) and its version the step's.
 
 How many drafts pay (`DraftPolicy`): a step costs about a + b * n seconds for n tokens (fitted online from this
 engine's own decode steps); a draft token j deep in a sequence whose drafts are accepted with probability alpha each
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from loomrl.engine.builtin.sampling import distributions, draw
+from loomrl.seeds import uniform_at
 
 
 @dataclass(slots=True)
@@ -41,27 +42,24 @@ class Verified:
 
 
 def verify(logits: torch.Tensor, params: list, drafts: list[list[int]],
-           generators: list[torch.Generator]) -> list[Verified]:
+           streams: list[tuple[int, int]]) -> list[Verified]:
     """Accept or reject each sequence's drafts. logits: [sum(1 + len(draft)), V], a sequence's 1 + k rows in order
-    (row j: the distribution after its j-th fed token); params and generators: one per sequence."""
+    (row j: the distribution after its j-th fed token); params and streams: one per sequence, a stream being (its
+    seed, the sequence position of the token its first row samples): row j draws with uniform_at(seed, position + j)."""
     sizes = [1 + len(d) for d in drafts]
     row_params = [p for p, n in zip(params, sizes) for _ in range(n)]
     logprobs, greedy = distributions(logits, row_params)
-    # One uniform per row, in order; a generator that drew for drafts is rewound below to one draw per emitted token.
-    states = [g.get_state() if d else None for g, d in zip(generators, drafts)]
-    uniforms = torch.cat([torch.rand(n, generator=g, device="cpu") for g, n in zip(generators, sizes)])
+    uniforms = torch.tensor([uniform_at(seed, at + j) for (seed, at), n in zip(streams, sizes) for j in range(n)],
+                            dtype=torch.float32, device="cpu")  # the default device may be another
     drawn = draw(logprobs, greedy, uniforms)
     lps = logprobs.gather(1, drawn.unsqueeze(1)).squeeze(1).tolist()
     drawn_ids = drawn.tolist()
     result, at = [], 0
-    for d, g, state in zip(drafts, generators, states):
+    for d in drafts:
         a = 0
         while a < len(d) and drawn_ids[at + a] == d[a]:
             a += 1
         result.append(Verified(drawn_ids[at : at + a + 1], lps[at : at + a + 1], a))
-        if state is not None and a < len(d):
-            g.set_state(state)
-            torch.rand(a + 1, generator=g, device="cpu")  # the draws decoding would have made: one per token
         at += len(d) + 1
     return result
 

@@ -32,6 +32,7 @@ KEY_LINES = {
     "async_vs_sync": "efficiency: ",
     "browser_pool": "memory per context: USS ",
     "chunked_head": "efficiency: ",
+    "compare_power": "seeds to detect 0.05 (80% power, 95%): independent ",
     "data_loading": "worst_seconds: ",
     "engine_throughput": "builtin prefix-cache hit rate ",
     "env_pipeline": "efficiency: ",

@@ -85,8 +85,13 @@ class SamplingConfig(Section):
     """sample among the k most likely tokens only (0: off)"""
     max_tokens: int = Field(48, gt=0)
     """the most tokens generated per turn"""
-    keyed_seeds: bool = True
+    keyed_seeds: bool | None = None
     """each turn samples with a seed named by (run seed, data position, group member, turn) and the built-in engine
     draws each token from (that seed, its position): what shares a batch or starts first does not change what is sampled,
-    and arms of `loomrl compare` share their sampling noise (docs/reproducibility.md). False: the engine's own draws
-    (vLLM runs each seeded row's sampling separately, a small cost per step)"""
+    and arms of `loomrl compare` share their sampling noise (docs/reproducibility.md). None: on for the built-in engine,
+    off for vLLM and SGLang (vLLM samples seeded rows one by one, without FlashInfer's sampler; SGLang honours seeds only
+    in its deterministic mode), where the engine's own draws are used unless this is true"""
+
+    def keyed(self, engine_kind: str) -> bool:
+        """Whether turns sample with keyed seeds on an engine of this kind (keyed_seeds, its None resolved)."""
+        return self.keyed_seeds if self.keyed_seeds is not None else engine_kind == "builtin"

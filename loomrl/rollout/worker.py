@@ -191,7 +191,7 @@ class RolloutWorker:
         return AgentLoop(self.engine, self.renderer, sampling=sampling, max_turns=a.max_turns,
                          max_context_tokens=a.max_context_tokens, trajectory_timeout_s=a.trajectory_timeout_s,
                          context=context, priorities=priorities,
-                         seed=self.config.seed if self.config.sampling.keyed_seeds else None)
+                         seed=self.config.seed if self.config.sampling.keyed(self.config.engine.engine.kind) else None)
 
     def task_at(self, position: int) -> Task:
         return self.train_tasks[self.order.index(position)]

@@ -23,7 +23,7 @@ def not_reproducible(cfg: RunConfig) -> list[str]:
         reasons.append("async mode: which weight version samples a turn depends on timing")
     if cfg.engine.kind != "builtin":
         reasons.append(f"engine.kind={cfg.engine.kind}: its kernels' logits depend on what shares a batch")
-    if not cfg.sampling.keyed_seeds:
+    if not cfg.sampling.keyed(cfg.engine.kind):
         reasons.append("sampling.keyed_seeds=false: the engine draws in arrival order")
     if cfg.agent.kind == "blackbox":
         reasons.append("black-box agent: its program's requests are not seeded")

@@ -96,6 +96,7 @@ def test_the_summary_names_what_keeps_a_run_from_being_exact():
         return not_reproducible(load_config(ROOT / "examples" / "calculator_tiny.yaml", list(overrides)))
 
     assert reasons("runtime.mode=sync") == []
+    assert reasons("runtime.mode=sync", "sampling.keyed_seeds=true") == []
     assert [r.split(":")[0] for r in reasons("runtime.mode=async", "sampling.keyed_seeds=false")] == [
         "async mode", "sampling.keyed_seeds=false"]
 

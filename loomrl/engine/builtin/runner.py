@@ -213,6 +213,7 @@ class _Block:
 
 # Chunks up to this many tokens attend batched over the pool (decode tokens, drafts being verified); longer ones alone.
 SHORT_CHUNK = 16
+MIN_SPAN = 16  # the fewest key positions a batched attention spans (_block)
 
 
 @dataclass(slots=True)
@@ -350,7 +351,9 @@ class ModelRunner:
         limit = [[1] * T for _ in range(n)]
         for i, at in zip(which, block_of):
             limit[at] = [starts[i] + min(t, lengths[i] - 1) + 1 for t in range(T)]
-        span = max(max(row) for row in limit)
+        # at least MIN_SPAN positions: torch's CPU GEMM sums fewer in another grouping, so a short sequence's bits would
+        # depend on whether a longer one shares its step (docs/reproducibility.md); the mask hides the extra positions
+        span = min(max(MIN_SPAN, *(max(row) for row in limit)), self.pool.data.shape[4])
         lim = torch.tensor(limit, dtype=torch.long, device=dev)  # [S, T]
         mask = torch.zeros(n, T, span, dtype=self.dtype, device=dev).masked_fill_(
             torch.arange(span, device=dev)[None, None, :] >= lim[:, :, None], float("-inf")).view(n, 1, 1, T, span)

@@ -215,8 +215,10 @@ def _compare_parser(sub) -> None:
                    "heldout_templates")
     c.add_argument("--margin", type=float, required=True, help="the difference that matters: within +-margin the "
                    "arms are equivalent (e.g. 0.05)")
-    c.add_argument("--seeds", type=_COUNT, required=True, help="seeds per arm: 0 .. N-1 (fix N from a power "
-                   "calculation: docs/compare.md)")
+    c.add_argument("--seeds", type=_COUNT, required=True, help="seeds per arm: --first-seed and the N-1 after it (fix "
+                   "N from a power calculation: docs/compare.md)")
+    c.add_argument("--first-seed", type=_number(int, 0, False), default=0, help="the first seed (0); a new comparison "
+                   "after looking at another starts past the seeds that one ran")
     c.add_argument("--looks", default="", help="a sequential design, fixed in advance: seed counts at which to decide "
                    "early, e.g. 3,5 (each look then uses confidence 1 - alpha/looks)")
     c.add_argument("--confidence", type=float, default=0.95, help="overall confidence of the intervals (0.95)")
@@ -226,9 +228,11 @@ def _compare_parser(sub) -> None:
 
 
 def _compare(args) -> int:
-    from loomrl.compare.plan import ComparePlan, fix_plan, recipe_digest
+    from loomrl.compare.plan import ComparePlan, fix_plan, loomrl_build, recipe_digest
     from loomrl.compare.runner import run_comparison, train_arm
+    from loomrl.plugins import search_beside
 
+    search_beside(args.config)  # the recipe's own modules (its reward function), found as `loomrl train` finds them
     try:
         looks = [int(x) for x in args.looks.split(",") if x.strip()]
     except ValueError:
@@ -239,12 +243,15 @@ def _compare(args) -> int:
         print(f"--arm: each arm needs its own name; got {names}", file=sys.stderr)
         return 2
     plan = ComparePlan(recipe=args.config, arms={arm[0]: arm[1:] for arm in args.arm}, metric=args.metric,
-                       margin=args.margin, seeds=list(range(args.seeds)), looks=looks, common=args.common,
-                       confidence=args.confidence, recipe_sha256=recipe_digest(args.config))
+                       margin=args.margin, seeds=list(range(args.first_seed, args.first_seed + args.seeds)),
+                       looks=looks, common=args.common, confidence=args.confidence,
+                       recipe_sha256=recipe_digest(args.config), loomrl=loomrl_build())
     folder = args.out or Path("runs") / f"compare-{Path(args.config).stem}"
     plan = fix_plan(folder, plan)
-    report = run_comparison(plan, folder, train_arm(plan.recipe, plan.metric),
-                            progress=lambda line: print(line, file=sys.stderr, flush=True))
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    report = run_comparison(plan, folder, train_arm(plan.recipe, plan.metric, say), progress=say)
     print(report.text(), flush=True)
     print(f"report: {folder / 'report.md'} (and report.json); runs: loomrl view {folder}", file=sys.stderr)
     return 0

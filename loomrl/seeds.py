@@ -44,6 +44,6 @@ def mix64(x: int) -> int:
 
 def uniform_at(seed: int, position: int) -> float:
     """The uniform in [0, 1) of stream `seed` at `position`: counter-based, so any position is drawn without the ones
-    before it (a request resumed or divided at any point draws what the undivided one would). 24 bits, a float32's
+    before it (a request divided at any point, engine/split.py, draws what the undivided one would). 24 bits, a float32's
     mantissa, so it stays below 1 as a float32."""
     return (mix64((mix64(seed & MASK64) + position * 0x9E3779B97F4A7C15) & MASK64) >> 40) * 2.0**-24

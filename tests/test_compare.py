@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from loomrl.cli import main
 from loomrl.compare.plan import ComparePlan, PlanError, fix_plan
-from loomrl.compare.runner import analyse, run_comparison, run_folders
+from loomrl.compare.runner import Measured, analyse, run_comparison, run_folders
 from loomrl.compare.stats import BETTER, EQUIVALENT, UNDECIDED, WORSE, difference, seeds_needed
 from loomrl.store import read_trajectories
 
@@ -34,7 +35,7 @@ def _synthetic(effect: float, sd_seed: float, sd_pair: float, calls: list | None
             calls.append((arm, seed))
         shared = random.Random(seed).gauss(0.6, sd_seed)
         own = random.Random(f"{arm}:{seed}").gauss(0, sd_pair) if arm != "base" else 0.0
-        return shared + (effect + own if arm != "base" else 0.0)
+        return Measured(shared + (effect + own if arm != "base" else 0.0))
     return run
 
 
@@ -51,6 +52,17 @@ def test_synthetic_arms_are_decided_as_their_known_effect_says(tmp_path, effect,
     assert d.low <= effect <= d.high  # the interval covers the truth
     assert (tmp_path / "report.md").read_text().count(expected) == 1
     assert json.loads((tmp_path / "report.json").read_text())["differences"][0]["decision"] == expected
+
+
+def test_a_spread_of_zero_is_taken_as_the_metrics_resolution():
+    """Success rates over 150 tasks move in steps of 1/150; three pairs that all differ by the same step have a sample
+    spread of 0, which is no certainty: the interval is as wide as one step's spread makes it."""
+    same = difference("new", "base", [0.62, 0.71, 0.55], [0.6133, 0.7033, 0.5433], confidence=0.95, margin=0.05,
+                      resolution=1 / 150)
+    assert same.stderr == pytest.approx((1 / 150) / 3**0.5) and same.high - same.low > 0.02
+    identical = difference("new", "base", [0.6, 0.7, 0.5], [0.6, 0.7, 0.5], confidence=0.95, margin=0.05,
+                           resolution=1 / 150)
+    assert identical.mean == 0 and identical.decision == EQUIVALENT
 
 
 def test_pairing_cancels_what_the_seeds_share():
@@ -85,7 +97,7 @@ def test_the_error_rates_are_those_planned():
 
 def test_adding_seeds_after_looking_is_refused_and_a_planned_look_stops_early(tmp_path):
     fix_plan(tmp_path / "a", _plan(5))
-    with pytest.raises(PlanError, match="adding seeds after looking at the results is refused.*--looks 5"):
+    with pytest.raises(PlanError, match="adding seeds after looking at the results is refused.*--first-seed 5"):
         fix_plan(tmp_path / "a", _plan(8))
     with pytest.raises(PlanError, match="margin"):
         fix_plan(tmp_path / "a", _plan(5, margin=0.1))
@@ -96,13 +108,25 @@ def test_adding_seeds_after_looking_is_refused_and_a_planned_look_stops_early(tm
     assert report.stopped_early and report.look == 4 and len(calls) == 8  # 4 seeds x 2 arms, not 10
     assert report.differences[0].decision == BETTER
     assert report.differences[0].confidence == pytest.approx(1 - 0.05 / 2)  # alpha split over 2 looks
+    three = ComparePlan(recipe=RECIPE, arms={"a": [], "b": [], "c": []}, metric="heldout", margin=0.05,
+                        seeds=[0, 1, 2, 3], looks=[3])
+    assert three.look_confidence == pytest.approx(1 - 0.05 / 4)  # ... and over 2 arms compared with the baseline
     undecided = analyse(plan, {"base": [0.5, 0.6, 0.4, 0.5], "new": [0.6, 0.5, 0.5, 0.4]}, 4)
     assert undecided.differences[0].decision == UNDECIDED
 
 
-def test_a_bad_plan_is_refused_with_what_to_do():
+def test_a_bad_plan_is_refused_with_what_to_do(tmp_path):
     with pytest.raises(PlanError, match="at least two arms"):
-        ComparePlan(recipe=RECIPE, arms={"a": []}, metric="heldout", margin=0.05, seeds=[0, 1])
+        ComparePlan(recipe=RECIPE, arms={"a": []}, metric="heldout", margin=0.05, seeds=[0, 1, 2])
+    with pytest.raises(PlanError, match="at least 3 distinct seeds"):
+        _plan(2)
+    (tmp_path / "x" / "base-seed0").mkdir(parents=True)
+    (tmp_path / "x" / "base-seed0" / "config.yaml").write_text("name: x\n")
+    with pytest.raises(PlanError, match="holds runs but no plan.json"):  # a plan deleted to start over
+        fix_plan(tmp_path / "x", _plan(5))
+    fix_plan(tmp_path / "y", replace(_plan(5), loomrl="0.1.0 abc"))
+    with pytest.raises(PlanError, match="fixed under loomrl '0.1.0 abc'"):
+        fix_plan(tmp_path / "y", replace(_plan(5), loomrl="0.1.0 def"))
     with pytest.raises(PlanError, match="--looks"):
         _plan(5, looks=[7])
     with pytest.raises(PlanError, match="--margin"):
@@ -110,11 +134,12 @@ def test_a_bad_plan_is_refused_with_what_to_do():
 
 
 def test_identical_arms_of_the_tiny_recipe_give_identical_results(tmp_path, capsys):
-    """Two arms with the same settings, 2 seeds each, one sync step: common random numbers make every pair identical
-    (the difference is exactly 0: equivalent); the same command then reads the finished runs; more seeds are refused."""
+    """Two arms with the same settings, 3 seeds each, one sync step: common random numbers make every pair identical
+    (the difference is exactly 0: equivalent within a margin of 0.5, since 6 tasks a split measure in steps of 1/6); the
+    same command then reads the finished runs; more seeds are refused."""
     out = tmp_path / "cmp"
     argv = ["compare", RECIPE, "--arm", "base", "--arm", "same", "runtime.mode=sync", "--metric", "heldout",
-            "--margin", "0.05", "--seeds", "2", "--out", str(out), "--set", "trainer.total_steps=1",
+            "--margin", "0.5", "--seeds", "3", "--out", str(out), "--set", "trainer.total_steps=1",
             "eval.n_tasks=6", "progress=false", "reward.function=rewards_for_tests:parity_reward",
             "runtime.mode=sync"]
     assert main(argv) == 0
@@ -130,9 +155,9 @@ def test_identical_arms_of_the_tiny_recipe_give_identical_results(tmp_path, caps
         assert base == same and base
         episodes[seed] = base
     assert episodes[0] != episodes[1]
-    assert run_folders(out) == [out / f"{a}-seed{s}" for a in ("base", "same") for s in (0, 1)]  # loomrl view OUT
+    assert run_folders(out) == [out / f"{a}-seed{s}" for a in ("base", "same") for s in (0, 1, 2)]  # loomrl view OUT
     capsys.readouterr()
     assert main(argv) == 0  # resumed: nothing to run, the same report
     assert "equivalent" in capsys.readouterr().out
-    assert main([*argv[:-1], "runtime.mode=sync", "--seeds", "3"]) == 2
+    assert main([*argv[:-1], "runtime.mode=sync", "--seeds", "4"]) == 2
     assert "adding seeds after looking" in capsys.readouterr().err

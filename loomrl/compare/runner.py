@@ -20,8 +20,17 @@ from pathlib import Path
 from loomrl.compare.plan import ComparePlan, PlanError
 from loomrl.compare.stats import UNDECIDED, ArmSummary, Difference, difference, summarize
 
+
+@dataclass(frozen=True)
+class Measured:
+    """One run's metric, and how many tasks it is a rate over (its resolution is 1/n; None: not a rate)."""
+
+    value: float
+    n: int | None = None
+
+
 # (arm name, its overrides including the seed and the folder) -> the metric of that run
-RunArm = Callable[[str, list[str]], float]
+RunArm = Callable[[str, list[str]], Measured]
 
 
 @dataclass(frozen=True)
@@ -56,11 +65,12 @@ def _num(x: float) -> str:
     return "-" if math.isnan(x) else f"{x:.4f}"
 
 
-def analyse(plan: ComparePlan, values: dict[str, list[float]], look: int, *, stopped_early: bool = False) -> Report:
-    """The report of the first `look` seeds' results."""
+def analyse(plan: ComparePlan, values: dict[str, list[float]], look: int, *, resolution: float = 0.0,
+            stopped_early: bool = False) -> Report:
+    """The report of the first `look` seeds' results; `resolution`: the metric's step (stats.difference)."""
     base = values[plan.baseline][:look]
     diffs = [difference(arm, plan.baseline, values[arm][:look], base, confidence=plan.look_confidence,
-                        margin=plan.margin) for arm in plan.arms if arm != plan.baseline]
+                        margin=plan.margin, resolution=resolution) for arm in plan.arms if arm != plan.baseline]
     return Report(plan=plan, values={a: v[:look] for a, v in values.items()},
                   arms=[summarize(a, values[a][:look]) for a in plan.arms], differences=diffs, look=look,
                   stopped_early=stopped_early)
@@ -69,18 +79,21 @@ def analyse(plan: ComparePlan, values: dict[str, list[float]], look: int, *, sto
 def run_comparison(plan: ComparePlan, folder: Path, run_arm: RunArm, progress: Callable[[str], None] = print) -> Report:
     """Run the plan (resuming what is there) and decide at its looks; writes and returns the report."""
     values: dict[str, list[float]] = {arm: [] for arm in plan.arms}
+    counts: list[int] = []
     report = None
     for look in plan.checkpoints:
         for seed in plan.seeds[len(values[plan.baseline]) : look]:
             for arm, overrides in plan.arms.items():
-                value = run_arm(arm, [*plan.common, *overrides, f"seed={seed}", f"output_dir={folder}",
-                                      f"name={arm}-seed{seed}"])
-                values[arm].append(value)
-                progress(f"compare: {arm} seed {seed}: {plan.metric} = {value:.4f}")
+                got = run_arm(arm, [*plan.common, *overrides, f"seed={seed}", f"output_dir={folder}",
+                                    f"name={arm}-seed{seed}"])
+                values[arm].append(got.value)
+                counts += [got.n] if got.n else []
+                progress(f"compare: {arm} seed {seed}: {plan.metric} = {got.value:.4f}")
         last = look == len(plan.seeds)
-        report = analyse(plan, values, look)
+        resolution = 1 / min(counts) if counts else 0.0
+        report = analyse(plan, values, look, resolution=resolution)
         if not last and all(d.decision != UNDECIDED for d in report.differences):
-            report = analyse(plan, values, look, stopped_early=True)
+            report = analyse(plan, values, look, resolution=resolution, stopped_early=True)
             break
         if not last:
             progress(f"compare: look at {look} seeds: undecided, going on to the next planned look")
@@ -98,22 +111,23 @@ def run_folders(path: Path) -> list[Path]:
     return sorted(p for p in path.iterdir() if p.is_dir() and (p / "config.yaml").is_file() and ".incomplete-" not in p.name)
 
 
-def metric_of(summary: dict, metric: str, where: str) -> float:
+def metric_of(summary: dict, metric: str, where: str) -> Measured:
     """The metric from a run's summary.json: success_after, or a held-out split's success after training."""
+    n = None
     if metric == "success_after":
-        value = summary.get("success_after")
+        value, n = summary.get("success_after"), summary.get("n_heldout")
     else:
         split = summary.get("heldout_splits", {}).get(metric)
         if split is None:
             raise PlanError(f"{where}: no held-out split {metric!r} in its summary (splits: "
                             f"{sorted(summary.get('heldout_splits', {}))}); --metric is success_after or a split")
-        value = split.get("success_after")
+        value, n = split.get("success_after"), split.get("n")
     if value is None:
         raise PlanError(f"{where}: {metric} has no value after training (was eval.n_tasks 0?)")
-    return float(value)
+    return Measured(float(value), int(n) if n else None)
 
 
-def train_arm(recipe: str, metric: str) -> RunArm:
+def train_arm(recipe: str, metric: str, progress: Callable[[str], None] = print) -> RunArm:
     """Runs an arm's seed with `loomrl train` in this process (the recipe's backend: local, or Ray), resuming a run
     folder that did not finish; a finished one is only read."""
     from loomrl.config import load_config
@@ -121,7 +135,7 @@ def train_arm(recipe: str, metric: str) -> RunArm:
     from loomrl.runtime.summary import finished_at
     from loomrl.trainer.checkpoint import latest_checkpoint
 
-    def run(arm: str, overrides: list[str]) -> float:
+    def run(arm: str, overrides: list[str]) -> Measured:
         cfg = load_config(recipe, overrides)
         folder = cfg.run_dir
         if finished_at(folder) is None:
@@ -132,6 +146,9 @@ def train_arm(recipe: str, metric: str) -> RunArm:
         summary = json.loads((folder / "summary.json").read_text())
         if summary.get("ended") != "finished":
             raise PlanError(f"{folder} ended {summary.get('ended')!r}: fix the cause and rerun the same command")
+        if summary.get("not_reproducible"):  # common random numbers hold only as far as the runs are exact
+            progress(f"compare: {folder.name} is not exact ({'; '.join(summary['not_reproducible'])}): the arms share "
+                     "their noise only in part, and the pairing helps less")
         return metric_of(summary, metric, str(folder))
 
     return run

@@ -3,11 +3,14 @@ arm from the baseline (seed by seed) with its t interval, and the decision again
 
 Decision, for an arm against the baseline with interval [low, high] of their mean paired difference (higher is
 better: a success rate):
-- equivalent: the whole interval within (-margin, +margin) (two one-sided tests at the look's confidence);
+- equivalent: the whole interval within (-margin, +margin) (two one-sided tests, each at half the interval's alpha:
+  conservative, where the textbook TOST uses a 1 - 2 alpha interval);
 - better / worse: the interval above / below 0 and not within the margin;
 - undecided: anything else; more seeds would be needed, which the plan decides in advance (plan.py).
 Paired by seed, an arm and the baseline share tasks and sampling noise (common random numbers: seeds.py), so the
-spread of their differences is what decides, not the spread between runs.
+spread of their differences is what decides, not the spread between runs. A success rate over n tasks moves in steps
+of 1/n, and common random numbers often make every difference the same step: a sample spread of 0 would give a
+certain decision from two seeds, so the spread is taken as at least the metric's resolution (`resolution`, 1/n).
 
 What it is not: the plan (plan.py) or the runs (runner.py).
 """
@@ -69,13 +72,14 @@ def decide(low: float, high: float, margin: float) -> str:
 
 
 def difference(arm: str, baseline: str, values: list[float], base_values: list[float], *, confidence: float,
-               margin: float) -> Difference:
-    """`values[i]` and `base_values[i]` come from the same seed."""
+               margin: float, resolution: float = 0.0) -> Difference:
+    """`values[i]` and `base_values[i]` come from the same seed; `resolution`: the smallest step the metric moves in
+    (1/n for a success rate over n tasks), the least spread of a difference."""
     if len(values) != len(base_values):
         raise ValueError(f"paired values of unequal length: {len(values)} and {len(base_values)}")
     diffs = [a - b for a, b in zip(values, base_values)]
     n = len(diffs)
-    mean, se = sum(diffs) / n, _stderr(diffs)
+    mean, se = sum(diffs) / n, max(_stderr(diffs), resolution / math.sqrt(n))
     if n < 2:
         return Difference(arm, baseline, n, mean, se, -math.inf, math.inf, confidence, UNDECIDED)
     half = float(stats.t.ppf(1 - (1 - confidence) / 2, n - 1)) * se

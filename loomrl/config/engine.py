@@ -297,8 +297,8 @@ class EngineConfig(Section):
     chunk_tokens: int | None = Field(None, ge=1)
     """divided rollout (Seer; engine/split.py; needs engine.kv_pool_bytes): a request is generated in chunks of at most
     this many tokens, each later chunk on the least loaded (decode) instance, which fetches the previous chunk's K/V
-    from the pool. Chunks after the first sample with a seed of their own: the distribution of an undivided request,
-    not its tokens. Requests with stop strings are not divided; None: off"""
+    from the pool. Every chunk samples with the request's seed, so a seeded request samples the tokens an undivided one
+    would (docs/reproducibility.md). Requests with stop strings are not divided; None: off"""
     sglang: SGLangConfig = Field(default_factory=SGLangConfig)
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 

@@ -266,15 +266,17 @@ class RolloutWorker:
 
     async def run_one(self, loop: AgentLoop, task: Task, group_id: str, position: int, stream: str) -> Trajectory:
         """One episode, scored; retried as agent.retry_on says. `stream` names its randomness (seeds.py): its
-        environment's draws and, with sampling.keyed_seeds, its turns' sampling. A retry samples with the same seeds,
-        and its environment draws anew (what failed may have been the environment's own draw: injected faults)."""
+        environment's draws and, with sampling.keyed_seeds, its turns' sampling. A retry draws from streams of its
+        own (`<stream>:retry<k>`): what failed may have been the environment's own draw (injected faults) or the
+        policy's (a generation that ran past the deadline), which the same draws would repeat."""
         counts = self.counts["evaluation" if loop is self.eval_loop else "training"]
         counts.launched += 1
         try:
             a = self.config.agent
             errors: list[str] = []
             while True:
-                traj = await self._run_one(loop, task, group_id, position, stream, attempt=len(errors))
+                attempt = f"{stream}:retry{len(errors)}" if errors else stream
+                traj = await self._run_one(loop, task, group_id, position, attempt)
                 traj.prompt, traj.answer, traj.split = task.prompt, task.answer, task.split
                 for pool in (self._pool, self._browsers, self._episodes):
                     if pool is not None and pool.failure is not None:
@@ -303,14 +305,13 @@ class RolloutWorker:
             counts.ended[f"failed:{type(err).__name__}"] += 1
             raise
 
-    async def _run_one(self, loop: AgentLoop, task: Task, group_id: str, position: int, stream: str,
-                       attempt: int) -> Trajectory:
+    async def _run_one(self, loop: AgentLoop, task: Task, group_id: str, position: int, stream: str) -> Trajectory:
         if self.config.agent.kind == "blackbox":
             traj = await self._run_blackbox(loop, task, group_id, position)
         else:
             source = self._episodes if self._episodes is not None else self.environment
             env = source.episode(EpisodeContext(
-                pool=await self.env_pool(), rng=random.Random(keyed_seed(self.config.seed, "env", stream, attempt)),
+                pool=await self.env_pool(), rng=random.Random(keyed_seed(self.config.seed, "env", stream)),
                 tool_timeout_s=self.config.env.tool_timeout_s, browsers=await self.browser_pool(),
                 action_timeout_s=self.config.env.browser.action_timeout_s))
             try:

@@ -8,13 +8,18 @@ whatever shares its step (the engine logs a warning where its kernels do not: en
 batch_invariant). The tests (tests/runtime/test_reproducible.py) rerun such runs and compare trajectories, losses and
 weights bit for bit. Anything else is listed here with why.
 
-What it is not: a check of the machine (other CPUs, other thread counts, other torch builds round differently).
+What it is not: a check of the machine (other CPUs, other thread counts, other torch builds round differently), or of
+what only the run can see: a sequence preempted and recomputed under K/V pressure, a prompt prefilled in chunks that
+the step's budget cut elsewhere, or a prefix evicted from the cache and recomputed gets other bits
+(docs/reproducibility.md); a model folder (model.kind hf, gguf) that is an MoE is not told apart here.
 """
 
 from __future__ import annotations
 
 from loomrl.config import RunConfig
+from loomrl.devices import resolve_device
 
+MOE_ARCHS = ("qwen3_moe", "mixtral", "olmoe")
 
 def not_reproducible(cfg: RunConfig) -> list[str]:
     """Why a rerun of `cfg` may differ, one reason per entry; empty where the design makes it exact."""
@@ -31,4 +36,11 @@ def not_reproducible(cfg: RunConfig) -> list[str]:
         reasons.append("reward.judge: an outside model scores")
     if cfg.trainer.world_size > 1 and cfg.runtime.backend == "ray":
         reasons.append("trainer ranks on Ray: not checked bit for bit")
+    if cfg.model.kind == "tiny" and cfg.model.tiny.arch in MOE_ARCHS:
+        reasons.append(f"a mixture of experts ({cfg.model.tiny.arch}): the engine groups tokens by expert, by batch")
+    devices = {resolve_device(cfg.model.device, "model.device").type, resolve_device(cfg.trainer.device,
+                                                                                     "trainer.device").type}
+    if devices != {"cpu"}:
+        reasons.append("a GPU: its kernels (cuBLAS picks them by batch size) and the trainer's ops are not checked "
+                       "bit for bit")
     return reasons

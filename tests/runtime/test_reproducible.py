@@ -127,6 +127,31 @@ def test_seeded_requests_sample_the_same_whatever_arrives_first_or_shares_a_step
     assert sum(unseeded[0][i][0] != unseeded[1][i][0] for i in forward) > 6
 
 
+def test_where_the_prefill_budget_runs_out_does_not_cut_a_prompt(tiny_model, tokenizer):
+    """8 seeded prompts of 21-45 tokens with 40 prompt tokens a step: in one order, in the reverse, and 3 at a time,
+    each prompt is cut at the same positions (multiples of 40, not where the step's budget ran out), so each request
+    samples the same tokens and logprobs bit for bit (cut where the budget ran out, 7 of 8 differed)."""
+    prompts = [tokenizer.encode(f"question {i}: " + "what is the sum of these numbers please " * (2 + i % 4))
+               for i in range(8)]
+
+    def run(order, max_running):
+        engine = BuiltinEngine(tiny_model, eos_token_id=tokenizer.eos_token_id, max_running=max_running,
+                               max_prefill_tokens=40)
+        try:
+            async def go():
+                return await asyncio.gather(*[engine.generate(GenerationRequest(
+                    prompt_ids=prompts[i], program_id=f"p{i}", sampling=SamplingParams(
+                        temperature=1.0, max_tokens=12, ignore_eos=True, seed=100 + i))) for i in order])
+
+            out = asyncio.run(go())
+        finally:
+            engine.close()
+        return {i: (r.token_ids, r.logprobs) for i, r in zip(order, out)}
+
+    first = run(list(range(8)), 8)
+    assert first == run(list(reversed(range(8))), 8) == run(list(range(8)), 3)
+
+
 def test_arms_that_differ_in_one_setting_share_tasks_and_noise_where_their_policies_agree(tmp_path):
     """Common random numbers: arms with learning rates 1e-4 and 3e-4 sample step 1 from the same weights, so their
     step-1 episodes are identical; at step 2 their policies differ, yet they play the same tasks, and episodes whose

@@ -133,10 +133,14 @@ class Scheduler:
                 raise RuntimeError(f"Scheduler.schedule: a running sequence (program {seq.request.program_id!r}) "
                                    "has no K/V")
             pending = seq.pending_prompt()
-            if pending:  # still prefilling: a chunk of its prompt
-                if budget <= 0:
+            if pending:  # still prefilling: a chunk of its prompt, up to the next multiple of max_prefill_tokens
+                # Cut at fixed positions, never where this step's budget happens to run out: where a prompt is cut
+                # changes its K/V's bits, and what else is prefilling must not (docs/reproducibility.md). A piece
+                # that does not fit waits for the next step, which it fits whole (a piece is at most the budget).
+                assert seq.kv is not None
+                part = pending[: self.max_prefill_tokens - seq.kv.length % self.max_prefill_tokens]
+                if len(part) > budget:
                     continue
-                part = pending[:budget]
                 budget -= len(part)
                 done = len(part) == len(pending)
                 chunks.append(Chunk(seq.kv, part, logits=1 if done else 0))

@@ -218,7 +218,7 @@ def _compare_parser(sub) -> None:
     c.add_argument("--seeds", type=_COUNT, required=True, help="seeds per arm: --first-seed and the N-1 after it (fix "
                    "N from a power calculation: docs/compare.md)")
     c.add_argument("--first-seed", type=_number(int, 0, False), default=0, help="the first seed (0); a new comparison "
-                   "after looking at another starts past the seeds that one ran")
+                   "after looking at another starts after the other's last seed number")
     c.add_argument("--looks", default="", help="a sequential design, fixed in advance: seed counts at which to decide "
                    "early, e.g. 3,5 (each look then uses confidence 1 - alpha/looks)")
     c.add_argument("--confidence", type=float, default=0.95, help="overall confidence of the intervals (0.95)")

@@ -102,14 +102,14 @@ class SlotWorker(RolloutWorker):
         self.max_in_flight = 0
         self.group_done = 0.0  # wall time the latest group finished
 
-    async def run_one(self, loop, task, group_id, position):
+    async def run_one(self, loop, task, group_id, position, stream):
         if self._sem is not None:
             await self._sem.acquire()
         t0 = time.perf_counter()
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
-            traj = await super().run_one(loop, task, group_id, position)
+            traj = await super().run_one(loop, task, group_id, position, stream)
             self.turns += len(traj.all_turns())
             self.episodes += 1
             self.slot_s += time.perf_counter() - t0

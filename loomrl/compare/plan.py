@@ -21,6 +21,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from loomrl.run_folder import RunFolder
+
 MIN_SEEDS = 3
 
 
@@ -102,7 +104,7 @@ def fix_plan(folder: Path, plan: ComparePlan) -> ComparePlan:
     refused, naming the field."""
     path = folder / "plan.json"
     if not path.exists():
-        if folder.is_dir() and any((p / "config.yaml").is_file() for p in folder.iterdir()):
+        if folder.is_dir() and any(RunFolder(p).config.is_file() for p in folder.iterdir() if p.is_dir()):
             raise PlanError(f"{folder} holds runs but no plan.json: a comparison's plan is fixed before its runs. "
                             f"Start the comparison in a new folder (--out)")
         folder.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from loomrl.compare.plan import ComparePlan, PlanError
 from loomrl.compare.stats import UNDECIDED, ArmSummary, Difference, difference, summarize
+from loomrl.run_folder import RunFolder
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,8 @@ def run_folders(path: Path) -> list[Path]:
     (those set aside as incomplete left out); any other path, itself."""
     if not (path / "plan.json").is_file():
         return [path]
-    return sorted(p for p in path.iterdir() if p.is_dir() and (p / "config.yaml").is_file() and ".incomplete-" not in p.name)
+    return sorted(p for p in path.iterdir()
+                  if p.is_dir() and RunFolder(p).config.is_file() and ".incomplete-" not in p.name)
 
 
 def metric_of(summary: dict, metric: str, where: str) -> Measured:
@@ -143,7 +145,7 @@ def train_arm(recipe: str, metric: str, progress: Callable[[str], None] = print)
             if not resume and folder.exists():  # stopped before its first checkpoint: kept aside, run again
                 folder.rename(folder.with_name(f"{folder.name}.incomplete-{time.strftime('%Y%m%d-%H%M%S')}"))
             train(cfg, resume=resume)
-        summary = json.loads((folder / "summary.json").read_text())
+        summary = json.loads(RunFolder(folder).summary.read_text())
         if summary.get("ended") != "finished":
             raise PlanError(f"{folder} ended {summary.get('ended')!r}: fix the cause and rerun the same command")
         if summary.get("not_reproducible"):  # common random numbers hold only as far as the runs are exact

@@ -92,7 +92,9 @@ def rows_independent(out_features: int, in_features: int, dtype: torch.dtype = t
     """Whether a Linear of this shape gives each row the same bits whatever the number of rows in the call (measured
     once per shape, on random data, for 1 to 33 rows against 64): where it does, what shares an engine step cannot
     change a request's logits. oneDNN's packed kernels on this project's CPUs do (with the one-row pad in __call__);
-    cuBLAS and MKL's plain GEMM pick kernels by size and do not."""
+    cuBLAS picks kernels by size and is taken not to (GPUs are not probed), as MKL's plain GEMM does not."""
+    if device != "cpu":  # not probed: a whole random head of a large model on the GPU would cost gigabytes
+        return False
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=gen).to(dtype=dtype, device=device)
     x = torch.randn(64, in_features, generator=gen).to(dtype=dtype, device=device)

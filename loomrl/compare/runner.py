@@ -14,7 +14,7 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from loomrl.compare.plan import ComparePlan, PlanError
@@ -94,7 +94,7 @@ def run_comparison(plan: ComparePlan, folder: Path, run_arm: RunArm, progress: C
         resolution = 1 / min(counts) if counts else 0.0
         report = analyse(plan, values, look, resolution=resolution)
         if not last and all(d.decision != UNDECIDED for d in report.differences):
-            report = analyse(plan, values, look, resolution=resolution, stopped_early=True)
+            report = replace(report, stopped_early=True)
             break
         if not last:
             progress(f"compare: look at {look} seeds: undecided, going on to the next planned look")

@@ -66,15 +66,15 @@ def _num(x: float) -> str:
     return "-" if math.isnan(x) else f"{x:.4f}"
 
 
-def analyse(plan: ComparePlan, values: dict[str, list[float]], look: int, *, resolution: float = 0.0,
-            stopped_early: bool = False) -> Report:
-    """The report of the first `look` seeds' results; `resolution`: the metric's step (stats.difference)."""
+def analyse(plan: ComparePlan, values: dict[str, list[float]], look: int, *, resolution: float = 0.0) -> Report:
+    """The report of the first `look` seeds' results (not stopped early); `resolution`: the metric's step
+    (stats.difference)."""
     base = values[plan.baseline][:look]
     diffs = [difference(arm, plan.baseline, values[arm][:look], base, confidence=plan.look_confidence,
                         margin=plan.margin, resolution=resolution) for arm in plan.arms if arm != plan.baseline]
     return Report(plan=plan, values={a: v[:look] for a, v in values.items()},
                   arms=[summarize(a, values[a][:look]) for a in plan.arms], differences=diffs, look=look,
-                  stopped_early=stopped_early)
+                  stopped_early=False)
 
 
 def run_comparison(plan: ComparePlan, folder: Path, run_arm: RunArm, progress: Callable[[str], None] = print) -> Report:

@@ -53,7 +53,8 @@ class Report:
         lines = [f"# compare: {p.metric} over {self.look} of {len(p.seeds)} planned seeds (paired by seed)"
                  + (" - stopped early at a planned look" if self.stopped_early else ""),
                  f"margin {p.margin}, {p.confidence:.0%} overall confidence"
-                 + (f" ({self.differences[0].confidence:.2%} per look)" if len(p.checkpoints) > 1 else ""), "",
+                 + (f" ({p.look_confidence:.2%} per interval: alpha split over looks and arms)"
+                    if p.look_confidence != p.confidence else ""), "",
                  "| arm | n | mean | stderr |", "|---|---|---|---|"]
         lines += [f"| {a.name} | {a.n} | {a.mean:.4f} | {_num(a.stderr)} |" for a in self.arms]
         lines += ["", f"| arm - {p.baseline} | mean | stderr | interval | decision |", "|---|---|---|---|---|"]

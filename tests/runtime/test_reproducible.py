@@ -101,27 +101,33 @@ def test_the_summary_names_what_keeps_a_run_from_being_exact():
         "async mode", "sampling.keyed_seeds=false"]
 
 
+def _sample(model, tokenizer, prompts, order, *, max_tokens, seeded=True, **engine):
+    """Each prompt's (tokens, logprobs) from one built-in engine (its settings: `engine`), the requests submitted in
+    `order`; seeded: request i with seed 100 + i."""
+    eng = BuiltinEngine(model, eos_token_id=tokenizer.eos_token_id, **engine)
+    try:
+        async def go():
+            return await asyncio.gather(*[eng.generate(GenerationRequest(
+                prompt_ids=prompts[i], program_id=f"p{i}", sampling=SamplingParams(
+                    temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=100 + i if seeded else None)))
+                for i in order])
+
+        out = asyncio.run(go())
+    finally:
+        eng.close()
+    return {i: (r.token_ids, r.logprobs) for i, r in zip(order, out)}
+
+
 def test_seeded_requests_sample_the_same_whatever_arrives_first_or_shares_a_step(tiny_model, tokenizer):
     """The engine level: 12 keyed requests submitted in one order with 12 running at once, then reversed with 2 at
     once: each request samples the same tokens and logprobs. Unseeded, the reversal changes what each one samples
     (the engine draws their seeds as they arrive): the cause keyed seeds remove."""
     prompts = [tokenizer.encode(f"question {i}: what is {i} times {i + 3}?") for i in range(12)]
+    forward, backward = list(range(12)), list(reversed(range(12)))
 
     def run(order, max_running, seeded):
-        engine = BuiltinEngine(tiny_model, eos_token_id=tokenizer.eos_token_id, max_running=max_running)
-        try:
-            async def go():
-                return await asyncio.gather(*[engine.generate(GenerationRequest(
-                    prompt_ids=prompts[i], program_id=f"p{i}", sampling=SamplingParams(
-                        temperature=1.0, max_tokens=16, ignore_eos=True, seed=100 + i if seeded else None)))
-                    for i in order])
+        return _sample(tiny_model, tokenizer, prompts, order, max_tokens=16, seeded=seeded, max_running=max_running)
 
-            out = asyncio.run(go())
-        finally:
-            engine.close()
-        return {i: (r.token_ids, r.logprobs) for i, r in zip(order, out)}
-
-    forward, backward = list(range(12)), list(reversed(range(12)))
     assert run(forward, 12, True) == run(backward, 2, True)  # tokens and logprobs, bit for bit
     unseeded = run(forward, 12, False), run(backward, 2, False)
     assert sum(unseeded[0][i][0] != unseeded[1][i][0] for i in forward) > 6
@@ -135,18 +141,8 @@ def test_where_the_prefill_budget_runs_out_does_not_cut_a_prompt(tiny_model, tok
                for i in range(8)]
 
     def run(order, max_running):
-        engine = BuiltinEngine(tiny_model, eos_token_id=tokenizer.eos_token_id, max_running=max_running,
-                               max_prefill_tokens=40)
-        try:
-            async def go():
-                return await asyncio.gather(*[engine.generate(GenerationRequest(
-                    prompt_ids=prompts[i], program_id=f"p{i}", sampling=SamplingParams(
-                        temperature=1.0, max_tokens=12, ignore_eos=True, seed=100 + i))) for i in order])
-
-            out = asyncio.run(go())
-        finally:
-            engine.close()
-        return {i: (r.token_ids, r.logprobs) for i, r in zip(order, out)}
+        return _sample(tiny_model, tokenizer, prompts, order, max_tokens=12, max_running=max_running,
+                       max_prefill_tokens=40)
 
     first = run(list(range(8)), 8)
     assert first == run(list(reversed(range(8))), 8) == run(list(range(8)), 3)
